@@ -1,0 +1,97 @@
+// Package client is what Go producers and operators import.
+//
+// Producers call Emit inside the transaction that changes their business rows,
+// so the event exists if and only if that transaction commits. Emit is a thin
+// wrapper over the SQL function outbox.emit, which producers in other
+// languages call with their own drivers.
+package client
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+)
+
+// Querier is what Emit needs from a connection: pgx.Tx, *pgx.Conn and
+// *pgxpool.Pool all satisfy it. Pass the transaction that makes the business
+// change; with a pool or a bare connection the event commits on its own.
+type Querier interface {
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}
+
+// Event is an event to record.
+type Event struct {
+	// Stream is the event's stream, matching ^[a-z][a-z0-9_.-]{0,127}$.
+	Stream string
+	// AggregateKey identifies the aggregate; events of one aggregate are
+	// delivered in revision order.
+	AggregateKey string
+	// Type names what happened, for example "OrderPaid".
+	Type string
+	// Payload is the event body as JSON text. It must be valid JSON and at
+	// most outbox.settings.max_payload_bytes (1 MiB by default).
+	Payload json.RawMessage
+	// Headers are string headers carried to the broker.
+	Headers map[string]string
+	// Revision is the event's revision within its aggregate. Zero lets the
+	// database assign the next one; otherwise it is checked for uniqueness.
+	Revision int64
+	// ID fixes the event's id. The zero value lets the database generate one.
+	ID uuid.UUID
+}
+
+// Emitted is what Emit recorded.
+type Emitted struct {
+	// ID is the event's stable id.
+	ID uuid.UUID
+	// Revision is the event's revision within its aggregate.
+	Revision int64
+}
+
+// ErrInvalidEvent is wrapped by errors Emit returns before reaching the
+// database, for input it can check itself.
+var ErrInvalidEvent = errors.New("client: invalid event")
+
+// Emit records ev through outbox.emit on q. The database checks everything
+// again and answers bad input with SQLSTATE 22023 (invalid_parameter_value),
+// an oversized payload with 54000, and a repeated revision with 23505; those
+// errors come back as *pgconn.PgError.
+func Emit(ctx context.Context, q Querier, ev Event) (Emitted, error) {
+	if len(ev.Payload) == 0 {
+		return Emitted{}, fmt.Errorf("%w: payload is empty; use {} for an empty body", ErrInvalidEvent)
+	}
+	if !json.Valid(ev.Payload) {
+		return Emitted{}, fmt.Errorf("%w: payload is not valid JSON", ErrInvalidEvent)
+	}
+	if ev.Revision < 0 {
+		return Emitted{}, fmt.Errorf("%w: revision %d is negative", ErrInvalidEvent, ev.Revision)
+	}
+	headers := []byte("{}")
+	if len(ev.Headers) > 0 {
+		var err error
+		if headers, err = json.Marshal(ev.Headers); err != nil {
+			return Emitted{}, fmt.Errorf("%w: headers: %v", ErrInvalidEvent, err)
+		}
+	}
+	var revision *int64
+	if ev.Revision != 0 {
+		revision = &ev.Revision
+	}
+	var id *uuid.UUID
+	if ev.ID != uuid.Nil {
+		id = &ev.ID
+	}
+	var out Emitted
+	err := q.QueryRow(ctx,
+		`SELECT event_id, revision FROM outbox.emit($1, $2, $3, $4::jsonb, $5::jsonb, $6, $7)`,
+		ev.Stream, ev.AggregateKey, ev.Type, string(ev.Payload), string(headers), revision, id,
+	).Scan(&out.ID, &out.Revision)
+	if err != nil {
+		return Emitted{}, fmt.Errorf("client: emit %s/%s: %w", ev.Stream, ev.AggregateKey, err)
+	}
+	return out, nil
+}

@@ -1,0 +1,114 @@
+// Package testdb gives each test its own freshly migrated PostgreSQL database,
+// cloned from a template that is migrated once per schema version, so tests
+// run in parallel without touching each other.
+//
+// The server comes from TEST_DATABASE_URL, defaulting to the local
+// PostgreSQL with trust auth (postgres://postgres@127.0.0.1:5432/postgres).
+package testdb
+
+import (
+	"context"
+	"database/sql"
+	"net/url"
+	"os"
+	"testing"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	_ "github.com/jackc/pgx/v5/stdlib" // the "pgx" database/sql driver pgtestdb uses
+	"github.com/peterldowns/pgtestdb"
+
+	"github.com/outboxd/outboxd/migrations"
+)
+
+// DefaultURL is the server tests use when TEST_DATABASE_URL is unset.
+const DefaultURL = "postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable"
+
+// ServerURL returns the URL of the PostgreSQL server tests run against.
+func ServerURL() string {
+	if u := os.Getenv("TEST_DATABASE_URL"); u != "" {
+		return u
+	}
+	return DefaultURL
+}
+
+// New creates a fresh migrated database for t, dropped when t ends, and
+// returns its connection URL.
+func New(t testing.TB) string {
+	t.Helper()
+	return pgtestdb.Custom(t, serverConfig(t), migrator{}).URL()
+}
+
+// NewEmpty creates a fresh database with no outbox schema, for testing
+// migrations themselves.
+func NewEmpty(t testing.TB) string {
+	t.Helper()
+	return pgtestdb.Custom(t, serverConfig(t), pgtestdb.NoopMigrator{}).URL()
+}
+
+func serverConfig(t testing.TB) pgtestdb.Config {
+	t.Helper()
+	u, err := url.Parse(ServerURL())
+	if err != nil {
+		t.Fatalf("testdb: TEST_DATABASE_URL: %v", err)
+	}
+	pw, _ := u.User.Password()
+	conf := pgtestdb.Config{
+		DriverName: "pgx",
+		Host:       u.Hostname(),
+		Port:       u.Port(),
+		User:       u.User.Username(),
+		Password:   pw,
+		Database:   trimSlash(u.Path),
+		Options:    u.RawQuery,
+		// Servers under test may leave connections behind when a test kills
+		// them on purpose; the database must still be dropped.
+		ForceTerminateConnections: true,
+	}
+	if conf.Port == "" {
+		conf.Port = "5432"
+	}
+	return conf
+}
+
+// NewPool creates a fresh migrated database for t and a pool on it, closed
+// before the database is dropped.
+func NewPool(t testing.TB) *pgxpool.Pool {
+	t.Helper()
+	return NewPoolConfig(t, nil)
+}
+
+// NewPoolConfig is NewPool with a chance to adjust the pool's configuration
+// (for example MaxConns) before it connects.
+func NewPoolConfig(t testing.TB, configure func(*pgxpool.Config)) *pgxpool.Pool {
+	t.Helper()
+	cfg, err := pgxpool.ParseConfig(New(t))
+	if err != nil {
+		t.Fatalf("testdb: %v", err)
+	}
+	if configure != nil {
+		configure(cfg)
+	}
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		t.Fatalf("testdb: connect: %v", err)
+	}
+	t.Cleanup(pool.Close)
+	return pool
+}
+
+func trimSlash(p string) string {
+	if len(p) > 0 && p[0] == '/' {
+		return p[1:]
+	}
+	return p
+}
+
+// migrator adapts the embedded migrations to pgtestdb's template cache.
+type migrator struct{}
+
+func (migrator) Hash() (string, error) { return migrations.Hash() }
+
+func (migrator) Migrate(ctx context.Context, db *sql.DB, _ pgtestdb.Config) error {
+	_, err := migrations.Up(ctx, db, nil)
+	return err
+}
