@@ -117,6 +117,15 @@ CREATE TABLE outbox.skipped_event (
     skipped_at timestamptz NOT NULL DEFAULT now()
 );
 
+-- Replicas with a relay session that found no work register here; while one
+-- is registered (and not expired) producers NOTIFY outbox_wakeup. Under load
+-- no session idles, registrations lapse, and producers stop notifying: NOTIFY
+-- takes a global lock at commit that would serialise every producer.
+CREATE TABLE outbox.listener (
+    replica_id text PRIMARY KEY,
+    waiting_until timestamptz NOT NULL
+);
+
 -- +goose StatementBegin
 CREATE FUNCTION outbox.event_before_insert() RETURNS trigger
 LANGUAGE plpgsql AS $$
@@ -213,6 +222,9 @@ BEGIN
             pending_since = least(d.pending_since, NEW.created_at), gap_revision = NULL
         WHERE d.stream = NEW.stream AND d.aggregate_key = NEW.aggregate_key
           AND d.state IN ('idle', 'gap');
+    END IF;
+    IF EXISTS (SELECT 1 FROM outbox.listener l WHERE l.waiting_until > now()) THEN
+        PERFORM pg_notify('outbox_wakeup', '');
     END IF;
     RETURN NEW;
 END

@@ -78,4 +78,3 @@ func TestConcurrentUpAppliesOnce(t *testing.T) {
 		t.Fatalf("third up: %+v, %v; want nothing applied", again, err)
 	}
 }
-

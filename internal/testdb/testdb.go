@@ -112,3 +112,14 @@ func (migrator) Migrate(ctx context.Context, db *sql.DB, _ pgtestdb.Config) erro
 	_, err := migrations.Up(ctx, db, nil)
 	return err
 }
+
+// NewPoolURL returns a pool on the database at url, closed when t ends.
+func NewPoolURL(t testing.TB, url string) *pgxpool.Pool {
+	t.Helper()
+	pool, err := pgxpool.New(context.Background(), url)
+	if err != nil {
+		t.Fatalf("testdb: connect: %v", err)
+	}
+	t.Cleanup(pool.Close)
+	return pool
+}

@@ -1,0 +1,145 @@
+// Package devdb finds a PostgreSQL server for `outboxd dev`, so that the
+// command works on a fresh machine with no configuration at all.
+//
+// Resolve tries, in order: the server named by DATABASE_URL, a server with
+// trust auth on the standard local port, and finally a throwaway cluster it
+// creates with the PostgreSQL server binaries installed on the machine.
+package devdb
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/url"
+	"os"
+	"sync"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// Sources of a Database, reported in Database.Source so that `outboxd dev`
+// can tell the user which server it is using and whether its data will
+// survive the process.
+const (
+	// SourceEnv means the URL came from the DATABASE_URL environment
+	// variable: the user chose the server explicitly.
+	SourceEnv = "DATABASE_URL"
+	// SourceLocal means a server already running on 127.0.0.1:5432 with trust
+	// auth for the postgres role was found; its data outlives the process.
+	SourceLocal = "local"
+	// SourceThrowaway means Resolve started a private cluster in a temporary
+	// directory; Close stops it and deletes its data.
+	SourceThrowaway = "throwaway"
+)
+
+// EnvVar is the environment variable Resolve consults first, the
+// conventional name used by most tools, so an explicit choice always wins.
+const EnvVar = "DATABASE_URL"
+
+// LocalURL is the server Resolve probes when DATABASE_URL is unset: a stock
+// package install (Debian, Homebrew, the official Docker image with
+// POSTGRES_HOST_AUTH_METHOD=trust) listens here.
+const LocalURL = "postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable"
+
+// Probe timeouts. The local probe is short because on most machines nothing
+// listens there and the fallback should start promptly; an explicit
+// DATABASE_URL may point at a remote server and gets more patience.
+const (
+	localProbeTimeout = 2 * time.Second
+	envProbeTimeout   = 10 * time.Second
+)
+
+// Database is a PostgreSQL server ready for `outboxd dev`. It must be closed
+// so that a throwaway cluster does not outlive the process.
+type Database struct {
+	// URL is a libpq-style connection URL for the server's postgres database.
+	URL string
+	// Source says where URL came from: SourceEnv, SourceLocal or
+	// SourceThrowaway.
+	Source string
+
+	// stop shuts down and deletes a throwaway cluster; nil otherwise.
+	stop func(ctx context.Context) error
+	// dir is the throwaway cluster's temporary directory (data directory,
+	// socket and log); empty otherwise. Kept for tests.
+	dir string
+
+	closeOnce sync.Once
+	closeErr  error
+}
+
+// Close releases the database. For a throwaway cluster it stops the server
+// (pg_ctl stop -m fast) and removes its temporary directory, so a dev run
+// leaves nothing behind; for a server Resolve did not start it does nothing,
+// because that server and its data belong to someone else. ctx bounds the
+// shutdown, so pass a live context (not one already canceled by the signal
+// that ended the dev run). Close is safe to call more than once and on nil.
+func (d *Database) Close(ctx context.Context) error {
+	if d == nil || d.stop == nil {
+		return nil
+	}
+	d.closeOnce.Do(func() { d.closeErr = d.stop(ctx) })
+	return d.closeErr
+}
+
+// Resolve finds a PostgreSQL server for `outboxd dev`: DATABASE_URL if set
+// (it must connect: a typo there should fail loudly rather than silently use
+// another server), else the local server at LocalURL, else a throwaway
+// cluster started from the installed server binaries. logger receives one
+// line saying which was chosen, and debug lines about what was skipped; nil
+// discards them. The returned error names every option that was tried.
+func Resolve(ctx context.Context, logger *slog.Logger) (*Database, error) {
+	if logger == nil {
+		logger = slog.New(slog.DiscardHandler)
+	}
+
+	if u := os.Getenv(EnvVar); u != "" {
+		if err := ping(ctx, u, envProbeTimeout); err != nil {
+			return nil, fmt.Errorf("devdb: %s is set but its server does not accept connections (unset it to use a local or throwaway PostgreSQL instead): %w", EnvVar, err)
+		}
+		logger.Info("using PostgreSQL from "+EnvVar, "url", redact(u))
+		return &Database{URL: u, Source: SourceEnv}, nil
+	}
+
+	localErr := ping(ctx, LocalURL, localProbeTimeout)
+	if localErr == nil {
+		logger.Info("using local PostgreSQL", "url", LocalURL)
+		return &Database{URL: LocalURL, Source: SourceLocal}, nil
+	}
+	if err := ctx.Err(); err != nil {
+		return nil, fmt.Errorf("devdb: probing %s: %w", LocalURL, err)
+	}
+	logger.Debug("no local PostgreSQL", "url", LocalURL, "err", localErr)
+
+	db, err := startThrowaway(ctx, logger)
+	if err != nil {
+		return nil, fmt.Errorf("devdb: no PostgreSQL available: %s is unset; %s did not answer (%v); starting a throwaway cluster failed: %w",
+			EnvVar, LocalURL, localErr, err)
+	}
+	return db, nil
+}
+
+// ping connects to connURL and pings it within timeout, proving the server is
+// up and accepts the URL's credentials.
+func ping(ctx context.Context, connURL string, timeout time.Duration) error {
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	conn, err := pgx.Connect(ctx, connURL)
+	if err != nil {
+		return err
+	}
+	err = conn.Ping(ctx)
+	return errors.Join(err, conn.Close(ctx))
+}
+
+// redact hides a password in a URL before it is logged. A key=value
+// connection string is not shown at all, since it may hold one too.
+func redact(connURL string) string {
+	u, err := url.Parse(connURL)
+	if err != nil || u.Scheme == "" {
+		return "(not shown)"
+	}
+	return u.Redacted()
+}

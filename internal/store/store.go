@@ -1,0 +1,273 @@
+// Package store holds every SQL statement the outboxd server runs. It calls
+// the delivery functions of migrations/00002_delivery.sql and maps
+// PostgreSQL errors to the domain errors below; callers never see SQL.
+package store
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// ErrLeaseLost means the lease a Nack or ExtendLease named is not the
+// aggregate's current one: acked, expired and claimed again, or released.
+var ErrLeaseLost = errors.New("store: lease is not current")
+
+// Store runs outboxd's queries on a pool.
+type Store struct {
+	pool *pgxpool.Pool
+}
+
+// New returns a Store on pool.
+func New(pool *pgxpool.Pool) *Store { return &Store{pool: pool} }
+
+// Pool returns the underlying pool.
+func (s *Store) Pool() *pgxpool.Pool { return s.pool }
+
+// Event is an event row as delivered.
+type Event struct {
+	ID           uuid.UUID
+	Stream       string
+	AggregateKey string
+	Revision     int64
+	Type         string
+	Payload      []byte
+	Headers      map[string]string
+	CreatedAt    time.Time
+}
+
+// Lease is one claimed aggregate's next event and the lease covering it.
+type Lease struct {
+	Event     Event
+	Epoch     int64
+	Attempt   int
+	ExpiresAt time.Time
+}
+
+// ClaimParams says who claims what.
+type ClaimParams struct {
+	Holder    uuid.UUID
+	RelayID   string
+	ReplicaID string
+	// Streams limits the claim; nil means every stream.
+	Streams []string
+	Limit   int
+	TTL     time.Duration
+}
+
+// LeaseKey returns the key lease tokens are signed with.
+func (s *Store) LeaseKey(ctx context.Context) ([]byte, error) {
+	var key []byte
+	if err := s.pool.QueryRow(ctx, `SELECT key FROM outbox.lease_key`).Scan(&key); err != nil {
+		return nil, fmt.Errorf("store: read lease key: %w", err)
+	}
+	return key, nil
+}
+
+// Claim leases up to p.Limit aggregates, oldest claimable first.
+func (s *Store) Claim(ctx context.Context, p ClaimParams) ([]Lease, error) {
+	var streams []string
+	if len(p.Streams) > 0 {
+		streams = p.Streams
+	}
+	rows, err := s.pool.Query(ctx,
+		`SELECT event_id, stream, aggregate_key, revision, event_type, payload, headers, created_at,
+		        epoch, attempt, lease_expires_at
+		 FROM outbox.claim($1, $2, $3, $4, $5, $6)`,
+		p.Holder, p.RelayID, p.ReplicaID, streams, p.Limit, p.TTL)
+	if err != nil {
+		return nil, fmt.Errorf("store: claim: %w", err)
+	}
+	leases, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (Lease, error) {
+		var l Lease
+		var payload string
+		err := row.Scan(&l.Event.ID, &l.Event.Stream, &l.Event.AggregateKey, &l.Event.Revision,
+			&l.Event.Type, &payload, &l.Event.Headers, &l.Event.CreatedAt,
+			&l.Epoch, &l.Attempt, &l.ExpiresAt)
+		l.Event.Payload = []byte(payload)
+		return l, err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("store: claim: %w", err)
+	}
+	return leases, nil
+}
+
+// AckStatus is the outcome of one ack.
+type AckStatus int
+
+// Ack outcomes; see outbox.v1.AckStatus for their meaning.
+const (
+	AckPublished AckStatus = iota + 1
+	AckAlreadyPublished
+	AckLeaseLost
+	AckNotFound
+)
+
+// AckResult is the outcome for one event id.
+type AckResult struct {
+	EventID uuid.UUID
+	Status  AckStatus
+	// Holder is the session whose lease this ack ended, if any.
+	Holder uuid.UUID
+}
+
+// Ack marks events published in one transaction, each checked on its own.
+// Every id must come from a verified lease token. A deadlock between two
+// concurrent batches (possible only when both ack the same events) is
+// retried.
+func (s *Store) Ack(ctx context.Context, ids []uuid.UUID, replicaID string) ([]AckResult, error) {
+	for attempt := 0; ; attempt++ {
+		res, err := s.ack(ctx, ids, replicaID)
+		if err == nil || attempt >= 5 || !isRetryable(err) {
+			return res, err
+		}
+	}
+}
+
+func (s *Store) ack(ctx context.Context, ids []uuid.UUID, replicaID string) ([]AckResult, error) {
+	rows, err := s.pool.Query(ctx, `SELECT event_id, status, holder FROM outbox.ack($1, $2)`, ids, replicaID)
+	if err != nil {
+		return nil, fmt.Errorf("store: ack: %w", err)
+	}
+	res, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (AckResult, error) {
+		var r AckResult
+		var status string
+		var holder *uuid.UUID
+		if err := row.Scan(&r.EventID, &status, &holder); err != nil {
+			return r, err
+		}
+		if holder != nil {
+			r.Holder = *holder
+		}
+		switch status {
+		case "published":
+			r.Status = AckPublished
+		case "already_published":
+			r.Status = AckAlreadyPublished
+		case "lease_lost":
+			r.Status = AckLeaseLost
+		case "not_found":
+			r.Status = AckNotFound
+		default:
+			return r, fmt.Errorf("unknown ack status %q", status)
+		}
+		return r, nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("store: ack: %w", err)
+	}
+	return res, nil
+}
+
+// NackParams describes a failed publish.
+type NackParams struct {
+	EventID     uuid.UUID
+	Epoch       int64
+	Error       string
+	RetryAfter  time.Duration
+	BackoffBase time.Duration
+	BackoffCap  time.Duration
+	MaxFailures int
+}
+
+// NackResult says what happens next.
+type NackResult struct {
+	Parked        bool
+	NextAttemptAt time.Time
+	Failures      int
+	Holder        uuid.UUID
+}
+
+// Nack records a failed publish by the current lease.
+func (s *Store) Nack(ctx context.Context, p NackParams) (NackResult, error) {
+	var r NackResult
+	var next *time.Time
+	var holder *uuid.UUID
+	err := s.pool.QueryRow(ctx,
+		`SELECT parked, next_attempt_at, failures, holder FROM outbox.nack($1, $2, $3, $4, $5, $6, $7)`,
+		p.EventID, p.Epoch, p.Error, p.RetryAfter, p.BackoffBase, p.BackoffCap, p.MaxFailures,
+	).Scan(&r.Parked, &next, &r.Failures, &holder)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return r, ErrLeaseLost
+	}
+	if err != nil {
+		return r, fmt.Errorf("store: nack: %w", err)
+	}
+	if next != nil {
+		r.NextAttemptAt = *next
+	}
+	if holder != nil {
+		r.Holder = *holder
+	}
+	return r, nil
+}
+
+// ExtendLease pushes the current lease's expiry to now + ttl.
+func (s *Store) ExtendLease(ctx context.Context, eventID uuid.UUID, epoch int64, ttl time.Duration) (time.Time, error) {
+	var exp time.Time
+	err := s.pool.QueryRow(ctx, `SELECT lease_expires_at FROM outbox.extend_lease($1, $2, $3)`,
+		eventID, epoch, ttl).Scan(&exp)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return exp, ErrLeaseLost
+	}
+	if err != nil {
+		return exp, fmt.Errorf("store: extend lease: %w", err)
+	}
+	return exp, nil
+}
+
+// Release gives back every lease holder has.
+func (s *Store) Release(ctx context.Context, holder uuid.UUID) (int, error) {
+	var n int
+	if err := s.pool.QueryRow(ctx, `SELECT outbox.release($1)`, holder).Scan(&n); err != nil {
+		return 0, fmt.Errorf("store: release: %w", err)
+	}
+	return n, nil
+}
+
+// HeldEvents returns the events holder currently has leased.
+func (s *Store) HeldEvents(ctx context.Context, holder uuid.UUID) (map[uuid.UUID]bool, error) {
+	rows, err := s.pool.Query(ctx,
+		`SELECT leased_event_id FROM outbox.delivery WHERE holder = $1 AND state = 'leased'`, holder)
+	if err != nil {
+		return nil, fmt.Errorf("store: held events: %w", err)
+	}
+	ids, err := pgx.CollectRows(rows, pgx.RowTo[uuid.UUID])
+	if err != nil {
+		return nil, fmt.Errorf("store: held events: %w", err)
+	}
+	held := make(map[uuid.UUID]bool, len(ids))
+	for _, id := range ids {
+		held[id] = true
+	}
+	return held, nil
+}
+
+// isRetryable reports deadlocks and serialization failures, which a retry of
+// the whole statement resolves.
+func isRetryable(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && (pgErr.Code == "40P01" || pgErr.Code == "40001")
+}
+
+// UnknownStreams returns the names among streams that no event has used.
+func (s *Store) UnknownStreams(ctx context.Context, streams []string) ([]string, error) {
+	rows, err := s.pool.Query(ctx,
+		`SELECT n FROM unnest($1::text[]) AS n
+		 WHERE NOT EXISTS (SELECT 1 FROM outbox.aggregate a WHERE a.stream = n)`, streams)
+	if err != nil {
+		return nil, fmt.Errorf("store: streams: %w", err)
+	}
+	names, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return nil, fmt.Errorf("store: streams: %w", err)
+	}
+	return names, nil
+}

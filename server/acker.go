@@ -1,0 +1,117 @@
+package server
+
+import (
+	"context"
+	"time"
+
+	"github.com/google/uuid"
+
+	"github.com/outboxd/outboxd/internal/store"
+)
+
+// ackCommitter applies acks in group commits: while one batch is in the
+// database, requests from every Ack RPC queue up, and the next statement takes
+// them all. Each row is still checked on its own inside outbox.ack.
+type ackCommitter struct {
+	s    *Server
+	reqs chan *ackRequest
+}
+
+type ackRequest struct {
+	ids  []uuid.UUID
+	done chan ackOutcome
+}
+
+type ackOutcome struct {
+	results map[uuid.UUID]store.AckResult
+	err     error
+}
+
+func newAckCommitter(s *Server) *ackCommitter {
+	return &ackCommitter{s: s, reqs: make(chan *ackRequest, 1024)}
+}
+
+// submit queues ids and waits for the batch that carries them to commit.
+func (a *ackCommitter) submit(ctx context.Context, ids []uuid.UUID) (map[uuid.UUID]store.AckResult, error) {
+	req := &ackRequest{ids: ids, done: make(chan ackOutcome, 1)}
+	select {
+	case a.reqs <- req:
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+	// Once queued, wait for the outcome even if the caller gives up: the
+	// batch commits regardless, and the result must not be lost to a
+	// half-read channel.
+	select {
+	case out := <-req.done:
+		return out.results, out.err
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+}
+
+func (a *ackCommitter) run(ctx context.Context) {
+	for {
+		var first *ackRequest
+		select {
+		case first = <-a.reqs:
+		case <-ctx.Done():
+			a.failQueued(ctx.Err())
+			return
+		}
+		batch := []*ackRequest{first}
+		n := len(first.ids)
+	drain:
+		for n < a.s.cfg.AckBatch {
+			select {
+			case r := <-a.reqs:
+				batch = append(batch, r)
+				n += len(r.ids)
+			default:
+				break drain
+			}
+		}
+		a.commit(ctx, batch, n)
+	}
+}
+
+func (a *ackCommitter) commit(ctx context.Context, batch []*ackRequest, n int) {
+	ids := make([]uuid.UUID, 0, n)
+	seen := make(map[uuid.UUID]bool, n)
+	for _, r := range batch {
+		for _, id := range r.ids {
+			if !seen[id] {
+				seen[id] = true
+				ids = append(ids, id)
+			}
+		}
+	}
+	// Acks already taken must land even while the server shuts down.
+	dbCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
+	res, err := a.s.store.Ack(dbCtx, ids, a.s.cfg.ReplicaID)
+	cancel()
+	byID := make(map[uuid.UUID]store.AckResult, len(res))
+	for _, r := range res {
+		byID[r.EventID] = r
+		if r.Status == store.AckPublished && r.Holder != uuid.Nil {
+			a.s.released(r.Holder, r.EventID)
+		}
+	}
+	if err != nil {
+		a.s.log.Warn("ack batch failed", "acks", len(ids), "err", err)
+	}
+	for _, r := range batch {
+		r.done <- ackOutcome{results: byID, err: err}
+	}
+}
+
+func (a *ackCommitter) failQueued(err error) {
+	for {
+		select {
+		case r := <-a.reqs:
+			r.done <- ackOutcome{err: err}
+		default:
+			return
+		}
+	}
+}

@@ -1,0 +1,79 @@
+package server_test
+
+import (
+	"context"
+	"net"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"go.uber.org/goleak"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+
+	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+	"github.com/outboxd/outboxd/internal/store"
+	"github.com/outboxd/outboxd/server"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+// replica is one running outboxd server on loopback.
+type replica struct {
+	srv    *server.Server
+	conn   *grpc.ClientConn
+	relay  outboxv1.RelayServiceClient
+	cancel context.CancelFunc
+}
+
+// startReplica runs a server on a loopback port against the database at url
+// and returns a client connection to it; everything stops when t ends.
+func startReplica(t *testing.T, url string, configure func(*server.Config)) *replica {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	pool, err := pgxpool.New(ctx, url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := server.Config{
+		Store:             store.New(pool),
+		DatabaseURL:       url,
+		Logger:            testLogger(t),
+		PollInterval:      200 * time.Millisecond,
+		ReconcileInterval: 200 * time.Millisecond,
+	}
+	if configure != nil {
+		configure(&cfg)
+	}
+	srv, err := server.New(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	g := grpc.NewServer()
+	srv.Register(g)
+	runDone := make(chan struct{})
+	go func() { defer close(runDone); _ = srv.Run(ctx) }()
+	serveDone := make(chan struct{})
+	go func() { defer close(serveDone); _ = g.Serve(lis) }()
+	conn, err := grpc.NewClient(lis.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := &replica{srv: srv, conn: conn, relay: outboxv1.NewRelayServiceClient(conn), cancel: cancel}
+	t.Cleanup(func() {
+		conn.Close()
+		stopCtx, stopCancel := context.WithTimeout(context.Background(), 5*time.Second)
+		srv.Stop(stopCtx)
+		stopCancel()
+		g.Stop()
+		<-serveDone
+		cancel()
+		<-runDone
+		pool.Close()
+	})
+	return r
+}

@@ -1,0 +1,228 @@
+package server
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/google/uuid"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/peer"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+	"github.com/outboxd/outboxd/internal/leasetoken"
+	"github.com/outboxd/outboxd/internal/store"
+)
+
+// relayService implements outbox.v1.RelayService.
+type relayService struct {
+	outboxv1.UnimplementedRelayServiceServer
+	s *Server
+}
+
+func (r *relayService) Subscribe(req *outboxv1.SubscribeRequest, stream outboxv1.RelayService_SubscribeServer) error {
+	s := r.s
+	var f fieldErrors
+	checkPrintableASCII(&f, "relay_id", req.GetRelayId(), maxRelayIDLen)
+	if len(req.GetStreams()) > maxSubscribeStreams {
+		f.add("streams", "at most %d streams, got %d", maxSubscribeStreams, len(req.GetStreams()))
+	}
+	seen := make(map[string]bool)
+	for i, name := range req.GetStreams() {
+		checkStream(&f, fmt.Sprintf("streams[%d]", i), name)
+		if seen[name] {
+			f.add(fmt.Sprintf("streams[%d]", i), "%q is listed twice", name)
+		}
+		seen[name] = true
+	}
+	if m := req.GetMaxInFlight(); m < 1 || int(m) > s.cfg.MaxInFlight {
+		f.add("max_in_flight", "must be between 1 and %d, got %d", s.cfg.MaxInFlight, m)
+	}
+	ttl := checkDuration(&f, "lease_ttl", req.GetLeaseTtl(), s.cfg.DefaultLeaseTTL, s.cfg.MinLeaseTTL, s.cfg.MaxLeaseTTL)
+	if err := f.err(); err != nil {
+		return err
+	}
+	ctx := stream.Context()
+	if err := r.checkStreamsExist(ctx, req.GetStreams()); err != nil {
+		return err
+	}
+	if isClosed(s.stopping) {
+		return status.Error(codes.Unavailable, "server is shutting down; reconnect to another replica")
+	}
+
+	peerAddr := ""
+	if p, ok := peer.FromContext(ctx); ok {
+		peerAddr = p.Addr.String()
+	}
+	sess := newSession(s, req.GetRelayId(), peerAddr, req.GetStreams(), int(req.GetMaxInFlight()), ttl)
+	s.addSession(sess)
+	defer s.removeSession(sess)
+	log := s.log.With("session", sess.id, "relay", sess.relayID, "peer", peerAddr)
+	log.Info("relay subscribed", "streams", sess.streams, "max_in_flight", sess.maxInFlight, "lease_ttl", ttl)
+	defer func() {
+		// The stream is over: give its leases back at once so the events go
+		// to another relay now, not after the TTL.
+		relCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), releaseTimeout)
+		defer cancel()
+		n, err := s.store.Release(relCtx, sess.id)
+		if err != nil {
+			log.Warn("release leases failed; they will expire by TTL", "err", err)
+			return
+		}
+		log.Info("relay unsubscribed", "released", n, "acked", sess.acked.Load())
+	}()
+
+	err := sess.run(ctx, stream.Send)
+	if ctx.Err() != nil {
+		return status.FromContextError(ctx.Err()).Err()
+	}
+	if _, ok := status.FromError(err); ok {
+		return err
+	}
+	log.Warn("subscription failed", "err", err)
+	return status.Error(codes.Unavailable, "delivery stream failed; reconnect")
+}
+
+// checkStreamsExist refuses stream names no event has ever used: most likely
+// a typo. A relay deployed before its producers sees NOT_FOUND and retries.
+func (r *relayService) checkStreamsExist(ctx context.Context, streams []string) error {
+	if len(streams) == 0 {
+		return nil
+	}
+	unknown, err := r.s.store.UnknownStreams(ctx, streams)
+	if err != nil {
+		return r.s.dbError(ctx, "check streams", err)
+	}
+	if len(unknown) > 0 {
+		return status.Errorf(codes.NotFound,
+			"no event has ever been written to stream(s) %q; check the names, or retry once producers have emitted", unknown)
+	}
+	return nil
+}
+
+func (r *relayService) Ack(ctx context.Context, req *outboxv1.AckRequest) (*outboxv1.AckResponse, error) {
+	s := r.s
+	items := req.GetAcks()
+	if len(items) == 0 || len(items) > maxAckItems {
+		var f fieldErrors
+		f.add("acks", "must hold 1 to %d items, got %d", maxAckItems, len(items))
+		return nil, f.err()
+	}
+	results := make([]*outboxv1.AckResult, len(items))
+	ids := make([]uuid.UUID, 0, len(items))
+	for i, it := range items {
+		results[i] = &outboxv1.AckResult{EventId: it.GetEventId()}
+		id, err := r.verify(it.GetEventId(), it.GetLeaseToken())
+		if err != nil {
+			results[i].Status = outboxv1.AckStatus_ACK_STATUS_INVALID
+			results[i].Message = err.Error()
+			continue
+		}
+		ids = append(ids, id.EventID)
+	}
+	if len(ids) > 0 {
+		byID, err := s.acks.submit(ctx, ids)
+		if err != nil {
+			return nil, s.dbError(ctx, "ack", err)
+		}
+		for _, res := range results {
+			if res.Status != outboxv1.AckStatus_ACK_STATUS_UNSPECIFIED {
+				continue
+			}
+			id, _ := uuid.Parse(res.EventId)
+			res.Status, res.Message = ackStatus(byID[id].Status)
+		}
+	}
+	return &outboxv1.AckResponse{Results: results}, nil
+}
+
+func ackStatus(st store.AckStatus) (outboxv1.AckStatus, string) {
+	switch st {
+	case store.AckPublished:
+		return outboxv1.AckStatus_ACK_STATUS_PUBLISHED, ""
+	case store.AckAlreadyPublished:
+		return outboxv1.AckStatus_ACK_STATUS_ALREADY_PUBLISHED, "already published"
+	case store.AckLeaseLost:
+		return outboxv1.AckStatus_ACK_STATUS_LEASE_LOST, "event was skipped by an operator; not marked published"
+	case store.AckNotFound:
+		return outboxv1.AckStatus_ACK_STATUS_NOT_FOUND, "no such event (never existed, or purged)"
+	default:
+		return outboxv1.AckStatus_ACK_STATUS_UNSPECIFIED, "internal: no result"
+	}
+}
+
+// verify checks that token is genuine and was issued for eventID.
+func (r *relayService) verify(eventID, token string) (leasetoken.Token, error) {
+	id, err := uuid.Parse(eventID)
+	if err != nil {
+		return leasetoken.Token{}, errors.New("event_id is not a UUID")
+	}
+	t, err := r.s.signer.Verify(token)
+	if err != nil {
+		return leasetoken.Token{}, errors.New("lease_token is malformed or forged")
+	}
+	if t.EventID != id {
+		return leasetoken.Token{}, errors.New("lease_token was issued for a different event")
+	}
+	return t, nil
+}
+
+func (r *relayService) Nack(ctx context.Context, req *outboxv1.NackRequest) (*outboxv1.NackResponse, error) {
+	s := r.s
+	var f fieldErrors
+	t, err := r.verify(req.GetEventId(), req.GetLeaseToken())
+	if err != nil {
+		f.add("lease_token", "%v", err)
+	}
+	if len(req.GetError()) > maxErrorLen {
+		req.Error = req.GetError()[:maxErrorLen]
+	}
+	retryAfter := checkDuration(&f, "retry_after", req.GetRetryAfter(), 0, 0, s.cfg.BackoffCap)
+	if err := f.err(); err != nil {
+		return nil, err
+	}
+	res, err := s.store.Nack(ctx, store.NackParams{
+		EventID: t.EventID, Epoch: t.Epoch, Error: req.GetError(), RetryAfter: retryAfter,
+		BackoffBase: s.cfg.BackoffBase, BackoffCap: s.cfg.BackoffCap, MaxFailures: s.cfg.MaxFailures,
+	})
+	if errors.Is(err, store.ErrLeaseLost) {
+		return nil, status.Error(codes.FailedPrecondition, "lease is no longer current (acked, expired and re-leased, or released); nothing changed")
+	}
+	if err != nil {
+		return nil, s.dbError(ctx, "nack", err)
+	}
+	if res.Holder != uuid.Nil {
+		s.released(res.Holder, t.EventID)
+	}
+	out := &outboxv1.NackResponse{Parked: res.Parked, Failures: uint32(res.Failures)}
+	if !res.NextAttemptAt.IsZero() {
+		out.NextAttemptAt = timestamppb.New(res.NextAttemptAt)
+	}
+	return out, nil
+}
+
+func (r *relayService) ExtendLease(ctx context.Context, req *outboxv1.ExtendLeaseRequest) (*outboxv1.ExtendLeaseResponse, error) {
+	s := r.s
+	var f fieldErrors
+	t, err := r.verify(req.GetEventId(), req.GetLeaseToken())
+	if err != nil {
+		f.add("lease_token", "%v", err)
+	}
+	if req.GetTtl() == nil {
+		f.add("ttl", "is required")
+	}
+	ttl := checkDuration(&f, "ttl", req.GetTtl(), 0, s.cfg.MinLeaseTTL, s.cfg.MaxLeaseTTL)
+	if err := f.err(); err != nil {
+		return nil, err
+	}
+	exp, err := s.store.ExtendLease(ctx, t.EventID, t.Epoch, ttl)
+	if errors.Is(err, store.ErrLeaseLost) {
+		return nil, status.Error(codes.FailedPrecondition, "lease is no longer current (acked, expired and re-leased, or released); nothing changed")
+	}
+	if err != nil {
+		return nil, s.dbError(ctx, "extend lease", err)
+	}
+	return &outboxv1.ExtendLeaseResponse{LeaseExpiresAt: timestamppb.New(exp)}, nil
+}

@@ -1,0 +1,253 @@
+package server
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"sync"
+	"time"
+
+	"github.com/google/uuid"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+	"github.com/outboxd/outboxd/internal/leasetoken"
+	"github.com/outboxd/outboxd/internal/store"
+)
+
+// Config configures a Server. Zero fields take the defaults documented on
+// each; New validates the rest and names the field at fault.
+type Config struct {
+	// Store is the database. Required.
+	Store *store.Store
+	// DatabaseURL is used for the dedicated LISTEN connection. Required.
+	DatabaseURL string
+	// Logger receives the server's logs. Default: discard.
+	Logger *slog.Logger
+	// ReplicaID names this replica in leases and ListRelays; it must be
+	// unique among replicas sharing the database. Default: hostname-pid-random.
+	ReplicaID string
+
+	// DefaultLeaseTTL applies when a relay asks for none. Default 30s.
+	DefaultLeaseTTL time.Duration
+	// MinLeaseTTL and MaxLeaseTTL bound what relays may ask for. Defaults 1s, 1h.
+	MinLeaseTTL, MaxLeaseTTL time.Duration
+	// MaxInFlight bounds a relay's credit. Default 10000.
+	MaxInFlight int
+	// ClaimBatch is the most aggregates one claim statement leases. Default 64.
+	ClaimBatch int
+
+	// BackoffBase and BackoffCap shape the retry delay after a Nack:
+	// min(cap, base*2^failures), with equal jitter. Defaults 1s and 5m.
+	BackoffBase, BackoffCap time.Duration
+	// MaxFailures is how many failed publishes of one event park its
+	// aggregate. Default 10.
+	MaxFailures int
+
+	// PollInterval is the fallback poll of an idle session, which finds work
+	// even when a notification was lost. Default 1s.
+	PollInterval time.Duration
+	// ReconcileInterval is how often a session with deliveries outstanding
+	// checks which of its leases still exist (acks on other replicas, expired
+	// leases claimed elsewhere). Default 2s.
+	ReconcileInterval time.Duration
+	// AckBatch is the most acks one group commit applies. Default 2000.
+	AckBatch int
+}
+
+func (c *Config) setDefaults() error {
+	if c.Store == nil {
+		return errors.New("server: Config.Store is required")
+	}
+	if c.DatabaseURL == "" {
+		return errors.New("server: Config.DatabaseURL is required")
+	}
+	if c.Logger == nil {
+		c.Logger = slog.New(slog.DiscardHandler)
+	}
+	if c.ReplicaID == "" {
+		host, _ := os.Hostname()
+		c.ReplicaID = fmt.Sprintf("%s-%d-%s", host, os.Getpid(), uuid.NewString()[:8])
+	}
+	def := func(d *time.Duration, v time.Duration) {
+		if *d == 0 {
+			*d = v
+		}
+	}
+	defInt := func(d *int, v int) {
+		if *d == 0 {
+			*d = v
+		}
+	}
+	def(&c.DefaultLeaseTTL, 30*time.Second)
+	def(&c.MinLeaseTTL, time.Second)
+	def(&c.MaxLeaseTTL, time.Hour)
+	def(&c.BackoffBase, time.Second)
+	def(&c.BackoffCap, 5*time.Minute)
+	def(&c.PollInterval, time.Second)
+	def(&c.ReconcileInterval, 2*time.Second)
+	defInt(&c.MaxInFlight, 10000)
+	defInt(&c.ClaimBatch, 64)
+	defInt(&c.MaxFailures, 10)
+	defInt(&c.AckBatch, 2000)
+	switch {
+	case c.MinLeaseTTL <= 0 || c.MaxLeaseTTL < c.MinLeaseTTL:
+		return fmt.Errorf("server: Config.MinLeaseTTL %v / MaxLeaseTTL %v: want 0 < min <= max", c.MinLeaseTTL, c.MaxLeaseTTL)
+	case c.DefaultLeaseTTL < c.MinLeaseTTL || c.DefaultLeaseTTL > c.MaxLeaseTTL:
+		return fmt.Errorf("server: Config.DefaultLeaseTTL %v is outside [%v, %v]", c.DefaultLeaseTTL, c.MinLeaseTTL, c.MaxLeaseTTL)
+	case c.MaxInFlight < 1:
+		return fmt.Errorf("server: Config.MaxInFlight %d must be positive", c.MaxInFlight)
+	case c.ClaimBatch < 1:
+		return fmt.Errorf("server: Config.ClaimBatch %d must be positive", c.ClaimBatch)
+	case c.MaxFailures < 1:
+		return fmt.Errorf("server: Config.MaxFailures %d must be positive", c.MaxFailures)
+	case c.BackoffBase <= 0 || c.BackoffCap < c.BackoffBase:
+		return fmt.Errorf("server: Config.BackoffBase %v / BackoffCap %v: want 0 < base <= cap", c.BackoffBase, c.BackoffCap)
+	case c.PollInterval <= 0 || c.ReconcileInterval <= 0:
+		return errors.New("server: Config.PollInterval and ReconcileInterval must be positive")
+	case c.AckBatch < 1:
+		return fmt.Errorf("server: Config.AckBatch %d must be positive", c.AckBatch)
+	}
+	return nil
+}
+
+// Server is one outboxd replica: the RelayService and AdminService on top of
+// the shared database. Create it with New, register it on a grpc.Server, and
+// run it with Run.
+type Server struct {
+	cfg    Config
+	log    *slog.Logger
+	store  *store.Store
+	signer *leasetoken.Signer
+	acks   *ackCommitter
+	wake   *waker
+
+	mu       sync.Mutex
+	sessions map[uuid.UUID]*session
+	stopping chan struct{} // closed when the server stops taking work
+	stopOnce sync.Once
+	sessWG   sync.WaitGroup
+}
+
+// New validates cfg and loads the lease-signing key.
+func New(ctx context.Context, cfg Config) (*Server, error) {
+	if err := cfg.setDefaults(); err != nil {
+		return nil, err
+	}
+	key, err := cfg.Store.LeaseKey(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("server: %w (are migrations applied? run `outboxd migrate`)", err)
+	}
+	signer, err := leasetoken.NewSigner(key)
+	if err != nil {
+		return nil, err
+	}
+	s := &Server{
+		cfg:      cfg,
+		log:      cfg.Logger.With("component", "server", "replica", cfg.ReplicaID),
+		store:    cfg.Store,
+		signer:   signer,
+		sessions: make(map[uuid.UUID]*session),
+		stopping: make(chan struct{}),
+	}
+	s.acks = newAckCommitter(s)
+	s.wake = newWaker(s)
+	return s, nil
+}
+
+// Register adds the RelayService and AdminService to g.
+func (s *Server) Register(g grpc.ServiceRegistrar) {
+	outboxv1.RegisterRelayServiceServer(g, &relayService{s: s})
+	outboxv1.RegisterAdminServiceServer(g, &adminService{s: s})
+}
+
+// Run runs the replica's background work (group-committed acks, the
+// LISTEN connection) until ctx is done. Call Stop first for a graceful end.
+func (s *Server) Run(ctx context.Context) error {
+	var wg sync.WaitGroup
+	wg.Add(2)
+	go func() { defer wg.Done(); s.acks.run(ctx) }()
+	go func() { defer wg.Done(); s.wake.run(ctx) }()
+	wg.Wait()
+	return nil
+}
+
+// Stop makes every session stop claiming, waits up to ctx's deadline for
+// their outstanding deliveries to be acked, then ends the streams and
+// releases their leases. Acks keep being applied while Stop waits.
+func (s *Server) Stop(ctx context.Context) {
+	s.stopOnce.Do(func() { close(s.stopping) })
+	done := make(chan struct{})
+	go func() { s.sessWG.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-ctx.Done():
+		s.mu.Lock()
+		for _, sess := range s.sessions {
+			sess.abort()
+		}
+		s.mu.Unlock()
+		<-done
+	}
+}
+
+func (s *Server) addSession(sess *session) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.sessions[sess.id] = sess
+	s.sessWG.Add(1)
+}
+
+func (s *Server) removeSession(sess *session) {
+	s.mu.Lock()
+	delete(s.sessions, sess.id)
+	s.mu.Unlock()
+	s.sessWG.Done()
+}
+
+// released tells the local session holder that a lease of event id is gone.
+func (s *Server) released(holder uuid.UUID, id uuid.UUID) {
+	s.mu.Lock()
+	sess := s.sessions[holder]
+	s.mu.Unlock()
+	if sess != nil {
+		sess.free(id)
+	}
+}
+
+// reconcileSession makes a local session recheck its leases (a lease of its
+// was ended through another replica).
+func (s *Server) reconcileSession(holder uuid.UUID) {
+	s.mu.Lock()
+	sess := s.sessions[holder]
+	s.mu.Unlock()
+	if sess != nil {
+		sess.requestReconcile()
+	}
+}
+
+func (s *Server) forEachSession(fn func(*session)) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, sess := range s.sessions {
+		fn(sess)
+	}
+}
+
+// releaseTimeout bounds giving back a finished stream's leases.
+const releaseTimeout = 5 * time.Second
+
+// dbError logs a database failure and returns what the client may see: no
+// SQL, no SQLSTATE, just that the service is unavailable (retry) or that the
+// caller gave up.
+func (s *Server) dbError(ctx context.Context, op string, err error) error {
+	if ctx.Err() != nil {
+		return status.FromContextError(ctx.Err()).Err()
+	}
+	s.log.Error("database error", "op", op, "err", err)
+	return status.Errorf(codes.Unavailable, "%s failed: database unavailable; retry", op)
+}

@@ -1,0 +1,239 @@
+package server
+
+import (
+	"context"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/google/uuid"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+	"github.com/outboxd/outboxd/internal/leasetoken"
+	"github.com/outboxd/outboxd/internal/store"
+)
+
+const (
+	// minIdlePoll is the first re-poll delay of a session that found no work;
+	// it doubles up to Config.PollInterval.
+	minIdlePoll = time.Millisecond
+	// armAfter is the idle poll delay from which a session relies on
+	// producers' notifications: below it, short polls are cheaper than making
+	// every producer NOTIFY.
+	armAfter = 32 * time.Millisecond
+)
+
+// session is one Subscribe stream: its credit, its outstanding deliveries and
+// the loop that claims and sends.
+type session struct {
+	srv         *Server
+	id          uuid.UUID
+	relayID     string
+	peer        string
+	streams     []string
+	maxInFlight int
+	ttl         time.Duration
+	connectedAt time.Time
+
+	// inflight holds the events delivered on this stream whose lease still
+	// exists as far as the session knows. Only the session loop touches it;
+	// its size is published in inflightN for ListRelays.
+	inflight  map[uuid.UUID]struct{}
+	inflightN atomic.Int64
+	acked     atomic.Uint64
+
+	mu        sync.Mutex
+	freed     []uuid.UUID
+	reconcile bool
+	kick      chan struct{} // capacity 1: "look at freed/reconcile"
+	aborted   chan struct{}
+	abortOnce sync.Once
+}
+
+func newSession(srv *Server, relayID, peer string, streams []string, maxInFlight int, ttl time.Duration) *session {
+	return &session{
+		srv: srv, id: uuid.New(), relayID: relayID, peer: peer, streams: streams,
+		maxInFlight: maxInFlight, ttl: ttl, connectedAt: time.Now(),
+		inflight: make(map[uuid.UUID]struct{}),
+		kick:     make(chan struct{}, 1),
+		aborted:  make(chan struct{}),
+	}
+}
+
+// free records that the lease on event id ended (acked or nacked).
+func (ss *session) free(id uuid.UUID) {
+	ss.mu.Lock()
+	ss.freed = append(ss.freed, id)
+	ss.mu.Unlock()
+	ss.poke()
+}
+
+// requestReconcile asks the loop to recheck its leases against the database.
+func (ss *session) requestReconcile() {
+	ss.mu.Lock()
+	ss.reconcile = true
+	ss.mu.Unlock()
+	ss.poke()
+}
+
+func (ss *session) poke() {
+	select {
+	case ss.kick <- struct{}{}:
+	default:
+	}
+}
+
+func (ss *session) abort() { ss.abortOnce.Do(func() { close(ss.aborted) }) }
+
+// run claims and sends until ctx ends, the server stops, or sending fails.
+func (ss *session) run(ctx context.Context, send func(*outboxv1.SubscribeResponse) error) error {
+	log := ss.srv.log.With("session", ss.id, "relay", ss.relayID)
+	pollDelay := minIdlePoll
+	reconcileTicker := time.NewTicker(ss.srv.cfg.ReconcileInterval)
+	defer reconcileTicker.Stop()
+	idleTimer := time.NewTimer(time.Hour)
+	defer idleTimer.Stop()
+	stopping := ss.srv.stopping
+
+	for {
+		if err := ss.applyFreed(ctx); err != nil {
+			return err
+		}
+		select {
+		case <-stopping:
+			if len(ss.inflight) == 0 {
+				return status.Error(codes.Unavailable, "server is shutting down; reconnect to another replica")
+			}
+		default:
+		}
+
+		idle := false
+		credit := ss.maxInFlight - len(ss.inflight)
+		if credit > 0 && !isClosed(stopping) {
+			n := min(credit, ss.srv.cfg.ClaimBatch)
+			leases, err := ss.srv.store.Claim(ctx, store.ClaimParams{
+				Holder: ss.id, RelayID: ss.relayID, ReplicaID: ss.srv.cfg.ReplicaID,
+				Streams: ss.streams, Limit: n, TTL: ss.ttl,
+			})
+			if err != nil {
+				if ctx.Err() != nil {
+					return ctx.Err()
+				}
+				log.Warn("claim failed; retrying", "err", err)
+				idle = true
+				pollDelay = max(pollDelay, 100*time.Millisecond)
+			}
+			for _, l := range leases {
+				ss.inflight[l.Event.ID] = struct{}{}
+				if err := send(ss.delivery(l)); err != nil {
+					ss.inflightN.Store(int64(len(ss.inflight)))
+					return err
+				}
+			}
+			ss.inflightN.Store(int64(len(ss.inflight)))
+			if err == nil && len(leases) == n {
+				pollDelay = minIdlePoll
+				continue // there may be more
+			}
+			if err == nil {
+				idle = true
+			}
+		}
+
+		var pollC <-chan time.Time
+		if idle {
+			idleTimer.Reset(pollDelay)
+			pollC = idleTimer.C
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-ss.aborted:
+			return status.Error(codes.Unavailable, "server is shutting down; reconnect to another replica")
+		case <-ss.kick:
+			pollDelay = minIdlePoll
+		case <-ss.srv.wake.wait():
+			pollDelay = minIdlePoll
+		case <-pollC:
+			pollDelay = min(pollDelay*2, ss.srv.cfg.PollInterval)
+			if pollDelay >= armAfter {
+				ss.srv.wake.arm(ctx)
+			}
+		case <-reconcileTicker.C:
+			if len(ss.inflight) > 0 {
+				ss.requestReconcile()
+			}
+		case <-stopping:
+			stopping = nil // now only frees matter; handled at the top
+		}
+		if idle && !idleTimer.Stop() {
+			select {
+			case <-idleTimer.C:
+			default:
+			}
+		}
+	}
+}
+
+// applyFreed drops ended leases from inflight, and reconciles with the
+// database when asked to.
+func (ss *session) applyFreed(ctx context.Context) error {
+	ss.mu.Lock()
+	freed, reconcile := ss.freed, ss.reconcile
+	ss.freed, ss.reconcile = nil, false
+	ss.mu.Unlock()
+	for _, id := range freed {
+		if _, ok := ss.inflight[id]; ok {
+			delete(ss.inflight, id)
+			ss.acked.Add(1)
+		}
+	}
+	if reconcile && len(ss.inflight) > 0 {
+		held, err := ss.srv.store.HeldEvents(ctx, ss.id)
+		if err != nil {
+			if ctx.Err() != nil {
+				return ctx.Err()
+			}
+			ss.srv.log.Warn("reconcile failed", "session", ss.id, "err", err)
+		} else {
+			for id := range ss.inflight {
+				if !held[id] {
+					delete(ss.inflight, id)
+				}
+			}
+		}
+	}
+	ss.inflightN.Store(int64(len(ss.inflight)))
+	return nil
+}
+
+func (ss *session) delivery(l store.Lease) *outboxv1.SubscribeResponse {
+	e := l.Event
+	return &outboxv1.SubscribeResponse{
+		Event: &outboxv1.Event{
+			EventId:      e.ID.String(),
+			Stream:       e.Stream,
+			AggregateKey: e.AggregateKey,
+			Revision:     e.Revision,
+			EventType:    e.Type,
+			Payload:      e.Payload,
+			Headers:      e.Headers,
+			CreatedAt:    timestamppb.New(e.CreatedAt),
+		},
+		LeaseToken:     ss.srv.signer.Sign(leasetoken.Token{EventID: e.ID, Epoch: l.Epoch}),
+		LeaseExpiresAt: timestamppb.New(l.ExpiresAt),
+		Attempt:        uint32(l.Attempt),
+	}
+}
+
+func isClosed(c <-chan struct{}) bool {
+	select {
+	case <-c:
+		return true
+	default:
+		return false
+	}
+}

@@ -1,0 +1,91 @@
+package server
+
+import (
+	"fmt"
+	"regexp"
+	"time"
+
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/durationpb"
+)
+
+var streamName = regexp.MustCompile(`^[a-z][a-z0-9_.-]{0,127}$`)
+
+const (
+	maxSubscribeStreams = 64
+	maxAckItems         = 1000
+	maxRelayIDLen       = 128
+	maxErrorLen         = 4096
+)
+
+// fieldErrors collects field violations into one InvalidArgument status with
+// errdetails.BadRequest, so a client sees every problem at once.
+type fieldErrors struct {
+	violations []*errdetails.BadRequest_FieldViolation
+}
+
+func (f *fieldErrors) add(field, format string, args ...any) {
+	f.violations = append(f.violations, &errdetails.BadRequest_FieldViolation{
+		Field: field, Description: fmt.Sprintf(format, args...),
+	})
+}
+
+func (f *fieldErrors) err() error {
+	if len(f.violations) == 0 {
+		return nil
+	}
+	msg := "invalid request: " + f.violations[0].Field + ": " + f.violations[0].Description
+	if n := len(f.violations) - 1; n > 0 {
+		msg += fmt.Sprintf(" (and %d more)", n)
+	}
+	st, err := status.New(codes.InvalidArgument, msg).WithDetails(&errdetails.BadRequest{FieldViolations: f.violations})
+	if err != nil {
+		return status.Error(codes.InvalidArgument, msg)
+	}
+	return st.Err()
+}
+
+func checkPrintableASCII(f *fieldErrors, field, v string, maxLen int) {
+	if v == "" || len(v) > maxLen {
+		f.add(field, "must be 1 to %d characters", maxLen)
+		return
+	}
+	for i := 0; i < len(v); i++ {
+		if v[i] < 0x20 || v[i] > 0x7e {
+			f.add(field, "must be printable ASCII")
+			return
+		}
+	}
+}
+
+func checkStream(f *fieldErrors, field, v string) {
+	if !streamName.MatchString(v) {
+		f.add(field, "%q is not a stream name (^[a-z][a-z0-9_.-]{0,127}$)", truncate(v, 140))
+	}
+}
+
+// checkDuration validates an optional duration within [lo, hi]; nil yields def.
+func checkDuration(f *fieldErrors, field string, d *durationpb.Duration, def, lo, hi time.Duration) time.Duration {
+	if d == nil {
+		return def
+	}
+	if err := d.CheckValid(); err != nil {
+		f.add(field, "is not a valid duration")
+		return def
+	}
+	v := d.AsDuration()
+	if v < lo || v > hi {
+		f.add(field, "must be between %v and %v, got %v", lo, hi, v)
+		return def
+	}
+	return v
+}
+
+func truncate(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	return s[:n] + "…"
+}
