@@ -1,0 +1,74 @@
+package main
+
+import (
+	"fmt"
+	"os"
+	"time"
+
+	"github.com/spf13/cobra"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+
+	"github.com/outboxd/outboxd/relay"
+	"github.com/outboxd/outboxd/relay/sink"
+)
+
+func relayCommand(g *globalFlags) *cobra.Command {
+	var (
+		serverAddr  string
+		sinkURL     string
+		relayID     string
+		streams     []string
+		maxInFlight int
+		leaseTTL    time.Duration
+	)
+	cmd := &cobra.Command{
+		Use:   "relay",
+		Short: "Run a relay: subscribe to outboxd, publish to a broker, ack on durable acceptance",
+		Long: `relay publishes every delivered event to --sink and acks it once the broker has
+durably accepted it. Sinks: stdout:// (JSON lines) and nats://host:port
+(JetStream; see relay/sink for its parameters).`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			ctx := cmd.Context()
+			log, err := g.logger(os.Stderr)
+			if err != nil {
+				return err
+			}
+			if sinkURL == "" {
+				return fmt.Errorf("--sink is required (stdout:// or nats://host:port)")
+			}
+			if relayID == "" {
+				host, _ := os.Hostname()
+				relayID = fmt.Sprintf("%s-%d", host, os.Getpid())
+			}
+			s, err := sink.Open(ctx, sinkURL, sink.Options{Logger: log})
+			if err != nil {
+				return err
+			}
+			defer s.Close()
+			conn, err := grpc.NewClient(serverAddr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+			if err != nil {
+				return fmt.Errorf("--server %s: %w", serverAddr, err)
+			}
+			defer conn.Close()
+			r, err := relay.NewRunner(relay.Config{
+				Conn: conn, Publisher: s, RelayID: relayID, Streams: streams,
+				MaxInFlight: maxInFlight, LeaseTTL: leaseTTL, Logger: log,
+			})
+			if err != nil {
+				return err
+			}
+			log.Info("relay running", "server", serverAddr, "sink", sinkURL, "relay_id", relayID)
+			return r.Run(ctx)
+		},
+	}
+	fl := cmd.Flags()
+	fl.StringVar(&serverAddr, "server", "127.0.0.1:7070", "outboxd gRPC address")
+	fl.StringVar(&sinkURL, "sink", "", "where to publish: stdout:// or nats://host:port")
+	fl.StringVar(&relayID, "relay-id", "", "name shown to operators (default hostname-pid)")
+	fl.StringSliceVar(&streams, "streams", nil, "streams to relay (default all)")
+	fl.IntVar(&maxInFlight, "max-in-flight", 64, "deliveries outstanding at once (the relay's credit)")
+	fl.DurationVar(&leaseTTL, "lease-ttl", 0, "lease TTL to ask for (default: the server's)")
+	return cmd
+}

@@ -1,0 +1,146 @@
+package main
+
+import (
+	"context"
+	"database/sql"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"strings"
+
+	_ "github.com/jackc/pgx/v5/stdlib" // database/sql driver for migrations
+	"github.com/spf13/cobra"
+
+	"github.com/outboxd/outboxd/internal/devdb"
+	"github.com/outboxd/outboxd/migrations"
+)
+
+// globalFlags are shared by every subcommand.
+type globalFlags struct {
+	databaseURL string
+	logFormat   string
+	logLevel    string
+}
+
+func rootCommand() *cobra.Command {
+	var g globalFlags
+	root := &cobra.Command{
+		Use:           "outboxd",
+		Short:         "Transactional outbox delivery: lease, stream, ack-gated publish",
+		SilenceUsage:  true,
+		SilenceErrors: true,
+	}
+	root.PersistentFlags().StringVar(&g.databaseURL, "database-url", "",
+		"PostgreSQL URL (default: $DATABASE_URL, else "+devdb.LocalURL+")")
+	root.PersistentFlags().StringVar(&g.logFormat, "log-format", "text", "log format: text or json")
+	root.PersistentFlags().StringVar(&g.logLevel, "log-level", "info", "log level: debug, info, warn, error")
+	root.AddCommand(serveCommand(&g), devCommand(&g), relayCommand(&g), migrateCommand(&g))
+	return root
+}
+
+// dbURL resolves the database URL: flag, then $DATABASE_URL, then the local
+// default.
+func (g *globalFlags) dbURL() string {
+	if g.databaseURL != "" {
+		return g.databaseURL
+	}
+	if u := os.Getenv(devdb.EnvVar); u != "" {
+		return u
+	}
+	return devdb.LocalURL
+}
+
+func (g *globalFlags) logger(w io.Writer) (*slog.Logger, error) {
+	var level slog.Level
+	if err := level.UnmarshalText([]byte(g.logLevel)); err != nil {
+		return nil, fmt.Errorf("--log-level %q: want debug, info, warn or error", g.logLevel)
+	}
+	opts := &slog.HandlerOptions{Level: level}
+	switch strings.ToLower(g.logFormat) {
+	case "text":
+		return slog.New(slog.NewTextHandler(w, opts)), nil
+	case "json":
+		return slog.New(slog.NewJSONHandler(w, opts)), nil
+	default:
+		return nil, fmt.Errorf("--log-format %q: want text or json", g.logFormat)
+	}
+}
+
+func migrateCommand(g *globalFlags) *cobra.Command {
+	cmd := &cobra.Command{
+		Use:   "migrate",
+		Short: "Apply pending schema migrations (idempotent; safe to run concurrently)",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			log, err := g.logger(os.Stderr)
+			if err != nil {
+				return err
+			}
+			return withSQL(cmd.Context(), g.dbURL(), func(db *sql.DB) error {
+				res, err := migrations.Up(cmd.Context(), db, log)
+				if err != nil {
+					return err
+				}
+				if len(res.Applied) == 0 {
+					fmt.Fprintf(cmd.OutOrStdout(), "schema is up to date at version %d\n", res.Version)
+				} else {
+					fmt.Fprintf(cmd.OutOrStdout(), "applied %v; schema is at version %d\n", res.Applied, res.Version)
+				}
+				return nil
+			})
+		},
+	}
+	cmd.AddCommand(&cobra.Command{
+		Use:   "status",
+		Short: "List migrations and whether each is applied",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			return withSQL(cmd.Context(), g.dbURL(), func(db *sql.DB) error {
+				st, err := migrations.Status(cmd.Context(), db)
+				if err != nil {
+					return err
+				}
+				pending := 0
+				for _, s := range st {
+					state := "applied"
+					if !s.Applied {
+						state = "pending"
+						pending++
+					}
+					fmt.Fprintf(cmd.OutOrStdout(), "%5d  %-8s %s\n", s.Version, state, s.Name)
+				}
+				if pending > 0 {
+					return fmt.Errorf("%d migration(s) pending; run `outboxd migrate`", pending)
+				}
+				return nil
+			})
+		},
+	})
+	return cmd
+}
+
+func withSQL(ctx context.Context, url string, fn func(*sql.DB) error) error {
+	db, err := sql.Open("pgx", url)
+	if err != nil {
+		return fmt.Errorf("database: %w", err)
+	}
+	defer db.Close()
+	if err := db.PingContext(ctx); err != nil {
+		return fmt.Errorf("database %s: %w", redactURL(url), err)
+	}
+	return fn(db)
+}
+
+// redactURL hides a password in a connection URL before it is printed.
+func redactURL(u string) string {
+	if i := strings.Index(u, "://"); i >= 0 {
+		rest := u[i+3:]
+		if at := strings.LastIndex(rest, "@"); at >= 0 {
+			if c := strings.Index(rest[:at], ":"); c >= 0 {
+				return u[:i+3] + rest[:c] + ":xxxxx" + rest[at:]
+			}
+		}
+	}
+	return u
+}

@@ -1,0 +1,206 @@
+package main
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"time"
+
+	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/recovery"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/spf13/cobra"
+	"golang.org/x/sync/errgroup"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/health"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/reflection"
+	"google.golang.org/grpc/status"
+
+	"github.com/outboxd/outboxd/internal/devdb"
+	"github.com/outboxd/outboxd/internal/store"
+	"github.com/outboxd/outboxd/migrations"
+	"github.com/outboxd/outboxd/server"
+)
+
+// serveFlags configure the server.
+type serveFlags struct {
+	listen          string
+	replicaID       string
+	defaultLeaseTTL time.Duration
+	maxFailures     int
+	backoffBase     time.Duration
+	backoffCap      time.Duration
+	pollInterval    time.Duration
+	shutdownTimeout time.Duration
+	maxConns        int32
+}
+
+func (f *serveFlags) register(cmd *cobra.Command) {
+	fl := cmd.Flags()
+	fl.StringVar(&f.listen, "listen", "127.0.0.1:7070", "gRPC listen address")
+	fl.StringVar(&f.replicaID, "replica-id", "", "unique name of this replica (default hostname-pid-random)")
+	fl.DurationVar(&f.defaultLeaseTTL, "lease-ttl", 30*time.Second, "lease TTL for relays that ask for none")
+	fl.IntVar(&f.maxFailures, "max-failures", 10, "failed publishes of one event before its aggregate is parked")
+	fl.DurationVar(&f.backoffBase, "backoff-base", time.Second, "first retry delay after a nack (doubles per failure, with jitter)")
+	fl.DurationVar(&f.backoffCap, "backoff-cap", 5*time.Minute, "longest retry delay after a nack")
+	fl.DurationVar(&f.pollInterval, "poll-interval", time.Second, "fallback poll of idle relay streams")
+	fl.DurationVar(&f.shutdownTimeout, "shutdown-timeout", 15*time.Second, "how long SIGTERM waits for outstanding deliveries to be acked")
+	fl.Int32Var(&f.maxConns, "max-db-conns", 16, "database connection pool size")
+}
+
+func serveCommand(g *globalFlags) *cobra.Command {
+	var f serveFlags
+	cmd := &cobra.Command{
+		Use:   "serve",
+		Short: "Run an outboxd server replica",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			log, err := g.logger(os.Stderr)
+			if err != nil {
+				return err
+			}
+			return runServer(cmd.Context(), g.dbURL(), &f, log, nil)
+		},
+	}
+	f.register(cmd)
+	return cmd
+}
+
+func devCommand(g *globalFlags) *cobra.Command {
+	var f serveFlags
+	cmd := &cobra.Command{
+		Use:   "dev",
+		Short: "Run a development server: find or start PostgreSQL, migrate, serve",
+		Long: `dev uses --database-url or $DATABASE_URL when set, otherwise the PostgreSQL on
+127.0.0.1:5432, otherwise a throwaway cluster started from the PostgreSQL server
+binaries on PATH or in the distribution's usual folders (removed on exit). It
+applies migrations and serves on --listen.`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			ctx := cmd.Context()
+			log, err := g.logger(os.Stderr)
+			if err != nil {
+				return err
+			}
+			if g.databaseURL != "" {
+				os.Setenv(devdb.EnvVar, g.databaseURL)
+			}
+			db, err := devdb.Resolve(ctx, log)
+			if err != nil {
+				return err
+			}
+			defer func() {
+				closeCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
+				defer cancel()
+				if err := db.Close(closeCtx); err != nil {
+					log.Warn("stopping the throwaway database failed", "err", err)
+				}
+			}()
+			if err := withSQL(ctx, db.URL, func(sdb *sql.DB) error {
+				_, err := migrations.Up(ctx, sdb, log)
+				return err
+			}); err != nil {
+				return err
+			}
+			return runServer(ctx, db.URL, &f, log, func(addr string) {
+				fmt.Fprintf(cmd.OutOrStdout(), `outboxd dev: gRPC on %s, database %s (%s)
+  emit an event:  psql '%s' -c "SELECT * FROM outbox.emit('sales_order', '42', 'OrderPaid', '{\"order_id\": 42}')"
+  relay to stdout: go run ./cmd/outboxd relay --server %s --sink stdout://
+`, addr, redactURL(db.URL), db.Source, db.URL, addr)
+			})
+		},
+	}
+	f.register(cmd)
+	return cmd
+}
+
+// runServer serves until ctx is done, then shuts down gracefully: stop
+// claiming, let outstanding deliveries be acked (up to --shutdown-timeout),
+// release leases, close streams.
+func runServer(ctx context.Context, url string, f *serveFlags, log *slog.Logger, ready func(addr string)) error {
+	poolCfg, err := pgxpool.ParseConfig(url)
+	if err != nil {
+		return fmt.Errorf("--database-url: %w", err)
+	}
+	poolCfg.MaxConns = f.maxConns
+	pool, err := pgxpool.NewWithConfig(ctx, poolCfg)
+	if err != nil {
+		return fmt.Errorf("database: %w", err)
+	}
+	defer pool.Close()
+	if err := pool.Ping(ctx); err != nil {
+		return fmt.Errorf("database %s: %w", redactURL(url), err)
+	}
+	if err := withSQL(ctx, url, func(db *sql.DB) error {
+		n, err := migrations.Pending(ctx, db)
+		if err == nil && n > 0 {
+			err = fmt.Errorf("%d schema migration(s) pending; run `outboxd migrate` first", n)
+		}
+		return err
+	}); err != nil {
+		return err
+	}
+
+	srv, err := server.New(ctx, server.Config{
+		Store: store.New(pool), DatabaseURL: url, Logger: log, ReplicaID: f.replicaID,
+		DefaultLeaseTTL: f.defaultLeaseTTL, MaxFailures: f.maxFailures,
+		BackoffBase: f.backoffBase, BackoffCap: f.backoffCap, PollInterval: f.pollInterval,
+	})
+	if err != nil {
+		return err
+	}
+	lis, err := net.Listen("tcp", f.listen)
+	if err != nil {
+		return fmt.Errorf("--listen %s: %w", f.listen, err)
+	}
+	panics := recovery.WithRecoveryHandler(func(p any) error {
+		log.Error("panic in handler", "panic", p)
+		return status.Error(codes.Internal, "internal error")
+	})
+	g := grpc.NewServer(
+		grpc.ChainUnaryInterceptor(recovery.UnaryServerInterceptor(panics)),
+		grpc.ChainStreamInterceptor(recovery.StreamServerInterceptor(panics)),
+	)
+	srv.Register(g)
+	hs := health.NewServer()
+	healthpb.RegisterHealthServer(g, hs)
+	reflection.Register(g)
+
+	runCtx, cancelRun := context.WithCancel(context.WithoutCancel(ctx))
+	defer cancelRun()
+	var eg errgroup.Group
+	eg.Go(func() error { return srv.Run(runCtx) })
+	eg.Go(func() error {
+		if err := g.Serve(lis); err != nil && !errors.Is(err, grpc.ErrServerStopped) {
+			return err
+		}
+		return nil
+	})
+	log.Info("outboxd serving", "listen", lis.Addr().String())
+	if ready != nil {
+		ready(lis.Addr().String())
+	}
+
+	<-ctx.Done()
+	log.Info("shutting down: no new claims; waiting for outstanding acks", "timeout", f.shutdownTimeout)
+	hs.Shutdown()
+	stopCtx, cancel := context.WithTimeout(context.Background(), f.shutdownTimeout)
+	srv.Stop(stopCtx)
+	cancel()
+	stopped := make(chan struct{})
+	go func() { g.GracefulStop(); close(stopped) }()
+	select {
+	case <-stopped:
+	case <-time.After(5 * time.Second):
+		g.Stop()
+	}
+	cancelRun()
+	err = eg.Wait()
+	log.Info("outboxd stopped")
+	return err
+}

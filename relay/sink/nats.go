@@ -1,0 +1,361 @@
+package sink
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/url"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/outboxd/outboxd/relay"
+)
+
+// Defaults for the nats:// URL parameters; see the package comment.
+const (
+	DefaultNATSSubject    = "outbox.{stream}.{aggregate_key}"
+	DefaultNATSStream     = "OUTBOX"
+	DefaultNATSDuplicates = 2 * time.Minute
+	DefaultNATSTimeout    = 10 * time.Second
+)
+
+// Headers the NATS sink sets on every message, so consumers can read the
+// event's fields without parsing the subject or the payload.
+const (
+	HeaderEventID      = "Outbox-Event-Id"
+	HeaderStream       = "Outbox-Stream"
+	HeaderAggregateKey = "Outbox-Aggregate-Key"
+	HeaderRevision     = "Outbox-Revision"
+	HeaderEventType    = "Outbox-Event-Type"
+	HeaderCreatedAt    = "Outbox-Created-At"
+	HeaderAttempt      = "Outbox-Attempt"
+)
+
+// natsSink publishes to JetStream and reports success only on a PubAck.
+type natsSink struct {
+	nc      *nats.Conn
+	js      jetstream.JetStream
+	tmpl    *subjectTemplate
+	stream  string
+	timeout time.Duration
+	log     *slog.Logger
+
+	closeOnce sync.Once
+	closeErr  error
+	// closed is closed by the connection's ClosedHandler, which runs once
+	// the drain (or a plain close) has finished and the client's
+	// goroutines are stopping; Close waits on it so it returns only then.
+	closed chan struct{}
+}
+
+type natsConfig struct {
+	server     string
+	subject    *subjectTemplate
+	stream     string
+	create     bool
+	duplicates time.Duration
+	timeout    time.Duration
+}
+
+// parseNATSURL validates everything in a nats:// URL before any network
+// traffic, so configuration errors are never mistaken for outages.
+func parseNATSURL(u *url.URL, display string) (*natsConfig, error) {
+	if u.Opaque != "" || u.Host == "" {
+		return nil, invalid(display, "want nats://host:port")
+	}
+	if u.Path != "" && u.Path != "/" {
+		return nil, invalid(display, "unexpected path %q; want nats://host:port", u.Path)
+	}
+	if u.Fragment != "" {
+		return nil, invalid(display, "unexpected fragment")
+	}
+	p, err := params(u, display, "subject", "stream", "create", "duplicates", "timeout")
+	if err != nil {
+		return nil, err
+	}
+	cfg := &natsConfig{
+		stream:     DefaultNATSStream,
+		create:     true,
+		duplicates: DefaultNATSDuplicates,
+		timeout:    DefaultNATSTimeout,
+	}
+	subject := DefaultNATSSubject
+	if v, ok := p["subject"]; ok {
+		subject = v
+	}
+	if cfg.subject, err = parseSubjectTemplate(subject); err != nil {
+		return nil, invalid(display, "%v", err)
+	}
+	if v, ok := p["stream"]; ok {
+		cfg.stream = v
+	}
+	if err := checkStreamName(cfg.stream); err != nil {
+		return nil, invalid(display, "%v", err)
+	}
+	if v, ok := p["create"]; ok {
+		if cfg.create, err = strconv.ParseBool(v); err != nil {
+			return nil, invalid(display, "create=%q: want true or false", v)
+		}
+	}
+	if v, ok := p["duplicates"]; ok {
+		if cfg.duplicates, err = positiveDuration(v); err != nil {
+			return nil, invalid(display, "duplicates=%q: %v", v, err)
+		}
+	}
+	if v, ok := p["timeout"]; ok {
+		if cfg.timeout, err = positiveDuration(v); err != nil {
+			return nil, invalid(display, "timeout=%q: %v", v, err)
+		}
+	}
+	server := *u
+	server.RawQuery, server.Path, server.RawPath, server.ForceQuery = "", "", "", false
+	cfg.server = server.String()
+	return cfg, nil
+}
+
+func positiveDuration(v string) (time.Duration, error) {
+	d, err := time.ParseDuration(v)
+	if err != nil {
+		return 0, errors.New("want a Go duration such as 2m or 500ms")
+	}
+	if d <= 0 {
+		return 0, errors.New("must be positive")
+	}
+	return d, nil
+}
+
+// checkStreamName applies JetStream's rules for stream names (they appear
+// as a token in API subjects and as a directory name on disk).
+func checkStreamName(name string) error {
+	if name == "" {
+		return errors.New("stream name is empty")
+	}
+	for i := 0; i < len(name); i++ {
+		c := name[i]
+		if c <= ' ' || c >= 0x7F || strings.IndexByte(".*>/\\", c) >= 0 {
+			return fmt.Errorf("stream name %q: only printable ASCII without '.', '*', '>', '/', '\\' is allowed", name)
+		}
+	}
+	return nil
+}
+
+func openNATS(ctx context.Context, u *url.URL, display string, opts Options) (relay.Sink, error) {
+	cfg, err := parseNATSURL(u, display)
+	if err != nil {
+		return nil, err
+	}
+	if err := ctx.Err(); err != nil {
+		return nil, fmt.Errorf("nats sink %q: %w", display, err)
+	}
+	log := opts.Logger.With("sink", "nats", "stream", cfg.stream)
+	s := &natsSink{
+		tmpl:    cfg.subject,
+		stream:  cfg.stream,
+		timeout: cfg.timeout,
+		log:     log,
+		closed:  make(chan struct{}),
+	}
+	var closedOnce sync.Once
+	nc, err := nats.Connect(cfg.server,
+		nats.Name("outboxd-relay"),
+		// A relay outlives broker restarts: keep reconnecting, and let
+		// publishes fail (and be retried with the same ID) meanwhile.
+		nats.MaxReconnects(-1),
+		nats.DrainTimeout(cfg.timeout),
+		nats.DisconnectErrHandler(func(_ *nats.Conn, err error) {
+			if err != nil {
+				log.Warn("nats disconnected", "err", err)
+			}
+		}),
+		nats.ReconnectHandler(func(c *nats.Conn) {
+			log.Info("nats reconnected", "server", c.ConnectedUrlRedacted())
+		}),
+		nats.ErrorHandler(func(_ *nats.Conn, _ *nats.Subscription, err error) {
+			log.Error("nats async error", "err", err)
+		}),
+		nats.ClosedHandler(func(*nats.Conn) {
+			closedOnce.Do(func() { close(s.closed) })
+		}),
+	)
+	if err != nil {
+		return nil, fmt.Errorf("nats sink %q: connect: %w", display, err)
+	}
+	s.nc = nc
+	fail := func(err error) (relay.Sink, error) {
+		nc.Close()
+		<-s.closed
+		return nil, fmt.Errorf("nats sink %q: %w", display, err)
+	}
+	js, err := jetstream.New(nc)
+	if err != nil {
+		return fail(err)
+	}
+	s.js = js
+	setupCtx, cancel := context.WithTimeout(ctx, cfg.timeout)
+	defer cancel()
+	if err := ensureStream(setupCtx, js, cfg, log); err != nil {
+		return fail(err)
+	}
+	log.Info("nats sink ready", "server", nc.ConnectedUrlRedacted(), "subject", cfg.subject.raw)
+	return s, nil
+}
+
+// ensureStream makes sure the JetStream stream exists and captures the
+// template's subjects. With create it creates the stream, or widens an
+// existing one, changing only the subjects and the duplicate window: other
+// settings (retention, limits, replicas) belong to whoever operates the
+// stream and are kept. Without create it only checks that the stream exists,
+// so a relay with restricted permissions can run against a stream managed
+// elsewhere.
+func ensureStream(ctx context.Context, js jetstream.JetStream, cfg *natsConfig, log *slog.Logger) error {
+	filter := cfg.subject.filter()
+	for attempt := 0; ; attempt++ {
+		st, err := js.Stream(ctx, cfg.stream)
+		if errors.Is(err, jetstream.ErrStreamNotFound) {
+			if !cfg.create {
+				return fmt.Errorf("JetStream stream %q does not exist and create=false: create it with subjects covering %q, or set create=true", cfg.stream, filter)
+			}
+			_, err = js.CreateStream(ctx, jetstream.StreamConfig{
+				Name:        cfg.stream,
+				Description: "outboxd relay events",
+				Subjects:    []string{filter},
+				Storage:     jetstream.FileStorage,
+				Duplicates:  cfg.duplicates,
+			})
+			if errors.Is(err, jetstream.ErrStreamNameAlreadyInUse) && attempt == 0 {
+				// Another relay created it with a different config between
+				// our lookup and create: go round and widen it instead.
+				continue
+			}
+			if err != nil {
+				return fmt.Errorf("create JetStream stream %q: %w", cfg.stream, err)
+			}
+			log.Info("created JetStream stream", "subjects", filter, "duplicates", cfg.duplicates)
+			return nil
+		}
+		if err != nil {
+			return fmt.Errorf("look up JetStream stream %q: %w", cfg.stream, err)
+		}
+
+		sc := st.CachedInfo().Config
+		covered := slices.ContainsFunc(sc.Subjects, func(s string) bool { return subjectSubsetOf(filter, s) })
+		if sc.Storage != jetstream.FileStorage {
+			log.Warn("JetStream stream does not use file storage; acknowledged events may be lost if the server restarts", "storage", sc.Storage.String())
+		}
+		if !cfg.create {
+			if !covered {
+				log.Warn("JetStream stream's subjects do not obviously cover the subject template; publishes outside them will fail",
+					"subjects", sc.Subjects, "template_subjects", filter)
+			}
+			return nil
+		}
+		changed := false
+		if !covered {
+			sc.Subjects = append(sc.Subjects, filter)
+			changed = true
+		}
+		if sc.Duplicates != cfg.duplicates {
+			sc.Duplicates = cfg.duplicates
+			changed = true
+		}
+		if !changed {
+			return nil
+		}
+		if _, err := js.UpdateStream(ctx, sc); err != nil {
+			return fmt.Errorf("update JetStream stream %q (subjects %v, duplicates %s): %w", cfg.stream, sc.Subjects, cfg.duplicates, err)
+		}
+		log.Info("updated JetStream stream", "subjects", sc.Subjects, "duplicates", cfg.duplicates)
+		return nil
+	}
+}
+
+// Publish sends ev and returns nil only once JetStream has acknowledged
+// storing it. The event ID is the Nats-Msg-Id, so a redelivery inside the
+// stream's duplicate window is acknowledged as a duplicate without being
+// stored twice; that counts as success, since the first copy is stored.
+func (s *natsSink) Publish(ctx context.Context, ev relay.Event) error {
+	if ev.ID == "" {
+		return errors.New("nats sink: event has no ID, which JetStream deduplication needs")
+	}
+	subj, err := s.tmpl.render(ev)
+	if err != nil {
+		return fmt.Errorf("nats sink: %w", err)
+	}
+	msg := &nats.Msg{Subject: subj, Data: ev.Payload, Header: make(nats.Header, len(ev.Headers)+8)}
+	for k, v := range ev.Headers {
+		if err := checkProducerHeader(k); err != nil {
+			return fmt.Errorf("nats sink: event %s: %w", ev.ID, err)
+		}
+		msg.Header.Set(k, v)
+	}
+	msg.Header.Set(HeaderEventID, ev.ID)
+	msg.Header.Set(HeaderStream, ev.Stream)
+	msg.Header.Set(HeaderAggregateKey, ev.AggregateKey)
+	msg.Header.Set(HeaderRevision, strconv.FormatInt(ev.Revision, 10))
+	msg.Header.Set(HeaderEventType, ev.Type)
+	msg.Header.Set(HeaderCreatedAt, ev.CreatedAt.UTC().Format(time.RFC3339Nano))
+	msg.Header.Set(HeaderAttempt, strconv.Itoa(ev.Attempt))
+
+	ctx, cancel := context.WithTimeout(ctx, s.timeout)
+	defer cancel()
+	ack, err := s.js.PublishMsg(ctx, msg,
+		jetstream.WithMsgID(ev.ID),
+		// Fail rather than report success if the subject is captured by
+		// a stream other than the configured one.
+		jetstream.WithExpectStream(s.stream),
+	)
+	if err != nil {
+		return fmt.Errorf("nats sink: publish event %s to %q: %w", ev.ID, subj, err)
+	}
+	if ack.Duplicate {
+		s.log.Debug("duplicate publish dropped by JetStream", "event_id", ev.ID, "seq", ack.Sequence)
+	}
+	return nil
+}
+
+// checkProducerHeader rejects producer header names that NATS cannot carry,
+// and the reserved prefixes: "Nats-" headers are instructions to the server
+// (Nats-Rollup can purge a subject, Nats-Msg-Id would defeat
+// deduplication), and "Outbox-" names are the sink's own. Rejecting makes
+// the event fail visibly (retried, then parked) instead of being altered.
+func checkProducerHeader(k string) error {
+	if k == "" {
+		return errors.New("empty header name")
+	}
+	for i := 0; i < len(k); i++ {
+		if c := k[i]; c <= ' ' || c >= 0x7F || c == ':' {
+			return fmt.Errorf("header name %q: only printable ASCII without ':' is allowed", k)
+		}
+	}
+	for _, p := range []string{"nats-", "outbox-"} {
+		if len(k) >= len(p) && strings.EqualFold(k[:len(p)], p) {
+			return fmt.Errorf("header name %q uses the reserved prefix %q", k, k[:len(p)])
+		}
+	}
+	return nil
+}
+
+// Close drains the connection, letting publishes already sent get their
+// acks, and returns once the connection is closed. It is safe to call more
+// than once.
+func (s *natsSink) Close() error {
+	s.closeOnce.Do(func() {
+		if err := s.nc.Drain(); err != nil {
+			// Drain refuses a closed or reconnecting connection; close it
+			// outright so Close still releases everything.
+			s.nc.Close()
+			if !errors.Is(err, nats.ErrConnectionClosed) {
+				s.closeErr = fmt.Errorf("nats sink: drain: %w", err)
+			}
+		}
+		<-s.closed
+	})
+	return s.closeErr
+}

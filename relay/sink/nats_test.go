@@ -1,0 +1,405 @@
+package sink_test
+
+import (
+	"context"
+	"crypto/rand"
+	"errors"
+	"net/url"
+	"os"
+	"slices"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/outboxd/outboxd/relay"
+	"github.com/outboxd/outboxd/relay/sink"
+)
+
+// waitFor bounds every broker round trip in these tests; nothing sleeps.
+const waitFor = 5 * time.Second
+
+func natsURL() string {
+	if v := os.Getenv("NATS_URL"); v != "" {
+		return v
+	}
+	return "nats://127.0.0.1:4222"
+}
+
+// jsEnv is one test's private corner of the shared NATS server: its own
+// stream name and subject prefix, and a client of its own to inspect them.
+type jsEnv struct {
+	js     jetstream.JetStream
+	stream string
+	prefix string
+}
+
+func newJSEnv(t *testing.T) *jsEnv {
+	t.Helper()
+	nc, err := nats.Connect(natsURL())
+	if err != nil {
+		t.Fatalf("connect to NATS at %s (start nats-server with -js, or set NATS_URL): %v", natsURL(), err)
+	}
+	t.Cleanup(nc.Close)
+	js, err := jetstream.New(nc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	name := strings.Map(func(r rune) rune {
+		if r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' {
+			return r
+		}
+		return '_'
+	}, t.Name())
+	suffix := rand.Text()[:10]
+	e := &jsEnv{js: js, stream: "T_" + name + "_" + suffix, prefix: "t_" + strings.ToLower(name+"_"+suffix)}
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), waitFor)
+		defer cancel()
+		if err := js.DeleteStream(ctx, e.stream); err != nil && !errors.Is(err, jetstream.ErrStreamNotFound) {
+			t.Errorf("delete stream %s: %v", e.stream, err)
+		}
+	})
+	return e
+}
+
+// url builds a nats:// sink URL for this env with the default subject
+// layout under the env's prefix; params override or add to it.
+func (e *jsEnv) url(params map[string]string) string {
+	u, err := url.Parse(natsURL())
+	if err != nil {
+		panic(err)
+	}
+	q := url.Values{"stream": {e.stream}, "subject": {e.prefix + ".{stream}.{aggregate_key}"}}
+	for k, v := range params {
+		q.Set(k, v)
+	}
+	u.RawQuery = q.Encode()
+	return u.String()
+}
+
+func (e *jsEnv) open(t *testing.T, params map[string]string) relay.Sink {
+	t.Helper()
+	s, err := sink.Open(t.Context(), e.url(params), sink.Options{})
+	if err != nil {
+		t.Fatalf("Open: %v", err)
+	}
+	t.Cleanup(func() {
+		if err := s.Close(); err != nil {
+			t.Errorf("Close: %v", err)
+		}
+	})
+	return s
+}
+
+// fetch reads n messages from the start of the stream through a fresh
+// consumer, and checks the stream holds exactly n.
+func (e *jsEnv) fetch(t *testing.T, n int) []jetstream.Msg {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(t.Context(), waitFor)
+	defer cancel()
+	st, err := e.js.Stream(ctx, e.stream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	info, err := st.Info(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if info.State.Msgs != uint64(n) {
+		t.Fatalf("stream %s holds %d messages, want %d", e.stream, info.State.Msgs, n)
+	}
+	cons, err := st.CreateConsumer(ctx, jetstream.ConsumerConfig{
+		AckPolicy:         jetstream.AckNonePolicy,
+		DeliverPolicy:     jetstream.DeliverAllPolicy,
+		InactiveThreshold: time.Minute,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var msgs []jetstream.Msg
+	for len(msgs) < n {
+		batch, err := cons.Fetch(n-len(msgs), jetstream.FetchMaxWait(waitFor))
+		if err != nil {
+			t.Fatal(err)
+		}
+		got := 0
+		for m := range batch.Messages() {
+			msgs = append(msgs, m)
+			got++
+		}
+		if err := batch.Error(); err != nil {
+			t.Fatalf("fetch: %v", err)
+		}
+		if got == 0 {
+			t.Fatalf("fetch returned no messages after %d of %d", len(msgs), n)
+		}
+	}
+	return msgs
+}
+
+func testEvent(id string) relay.Event {
+	return relay.Event{
+		ID:           id,
+		Stream:       "orders.eu",
+		AggregateKey: "order-42",
+		Revision:     7,
+		Type:         "OrderPlaced",
+		Payload:      []byte(`{"total":12.5,"items":["a","b"]}`),
+		Headers:      map[string]string{"traceparent": "00-4bf92f3577b34da6-00f067aa0ba902b7-01", "X-Tenant": "acme"},
+		CreatedAt:    time.Date(2025, 3, 4, 5, 6, 7, 123456789, time.UTC),
+		Attempt:      1,
+	}
+}
+
+func TestNATSPublishLandsWithBodyAndHeaders(t *testing.T) {
+	t.Parallel()
+	e := newJSEnv(t)
+	s := e.open(t, nil)
+	ev := testEvent("0f8fad5b-d9cb-469f-a165-70867728950e")
+	ev.Attempt = 3
+	if err := s.Publish(t.Context(), ev); err != nil {
+		t.Fatalf("Publish: %v", err)
+	}
+
+	m := e.fetch(t, 1)[0]
+	if want := e.prefix + ".orders%2Eeu.order-42"; m.Subject() != want {
+		t.Errorf("subject = %q, want %q", m.Subject(), want)
+	}
+	if string(m.Data()) != string(ev.Payload) {
+		t.Errorf("body = %q, want %q", m.Data(), ev.Payload)
+	}
+	want := map[string]string{
+		"Nats-Msg-Id":           ev.ID,
+		sink.HeaderEventID:      ev.ID,
+		sink.HeaderStream:       "orders.eu",
+		sink.HeaderAggregateKey: "order-42",
+		sink.HeaderRevision:     "7",
+		sink.HeaderEventType:    "OrderPlaced",
+		sink.HeaderCreatedAt:    "2025-03-04T05:06:07.123456789Z",
+		sink.HeaderAttempt:      "3",
+		"traceparent":           ev.Headers["traceparent"],
+		"X-Tenant":              "acme",
+	}
+	h := m.Headers()
+	for k, v := range want {
+		if got := h.Get(k); got != v {
+			t.Errorf("header %s = %q, want %q", k, got, v)
+		}
+	}
+}
+
+func TestNATSSameEventIDStoredOnce(t *testing.T) {
+	t.Parallel()
+	e := newJSEnv(t)
+	s := e.open(t, nil)
+	first := testEvent("7c9e6679-7425-40de-944b-e07fc1f90ae7")
+	for attempt := 1; attempt <= 3; attempt++ {
+		ev := first
+		ev.Attempt = attempt
+		if err := s.Publish(t.Context(), ev); err != nil {
+			t.Fatalf("Publish attempt %d: %v", attempt, err)
+		}
+	}
+	other := testEvent("a3bb189e-8bf9-3888-9912-ace4e6543002")
+	other.Revision = 8
+	if err := s.Publish(t.Context(), other); err != nil {
+		t.Fatalf("Publish other: %v", err)
+	}
+
+	msgs := e.fetch(t, 2)
+	if got := msgs[0].Headers().Get(sink.HeaderAttempt); got != "1" {
+		t.Errorf("stored copy is from attempt %s, want the first", got)
+	}
+	if got := msgs[1].Headers().Get(sink.HeaderEventID); got != other.ID {
+		t.Errorf("second message is %s, want %s", got, other.ID)
+	}
+}
+
+func TestNATSSubjectEscapingRoundTrips(t *testing.T) {
+	t.Parallel()
+	e := newJSEnv(t)
+	s := e.open(t, map[string]string{"subject": e.prefix + ".{event_type}.{aggregate_key}"})
+	keys := []string{"a.b", "x*y", "p>q", "has space", "100%", "%2E", "..", ">", "*", "", "tab\there", "ключ", "plain"}
+	for i, k := range keys {
+		ev := testEvent("id-" + strconv.Itoa(i))
+		ev.AggregateKey = k
+		ev.Type = "Type.With Dots"
+		if err := s.Publish(t.Context(), ev); err != nil {
+			t.Fatalf("Publish key %q: %v", k, err)
+		}
+	}
+
+	for _, m := range e.fetch(t, len(keys)) {
+		i, err := strconv.Atoi(strings.TrimPrefix(m.Headers().Get(sink.HeaderEventID), "id-"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		tokens := strings.Split(m.Subject(), ".")
+		if len(tokens) != 3 || tokens[0] != e.prefix {
+			t.Errorf("key %q gave subject %q, want 3 tokens under %s", keys[i], m.Subject(), e.prefix)
+			continue
+		}
+		for _, tok := range tokens {
+			if tok == "" || strings.ContainsAny(tok, "*> \t\r\n") {
+				t.Errorf("subject %q has invalid token %q", m.Subject(), tok)
+			}
+		}
+		if got, err := sink.UnescapeSubjectToken(tokens[2]); err != nil || got != keys[i] {
+			t.Errorf("key %q: token %q unescapes to %q, %v", keys[i], tokens[2], got, err)
+		}
+		if got, err := sink.UnescapeSubjectToken(tokens[1]); err != nil || got != "Type.With Dots" {
+			t.Errorf("event type token %q unescapes to %q, %v", tokens[1], got, err)
+		}
+	}
+}
+
+func TestNATSCreateFalseMissingStream(t *testing.T) {
+	t.Parallel()
+	e := newJSEnv(t)
+	s, err := sink.Open(t.Context(), e.url(map[string]string{"create": "false"}), sink.Options{})
+	if err == nil {
+		_ = s.Close()
+		t.Fatal("Open with create=false against a missing stream succeeded")
+	}
+	if errors.Is(err, sink.ErrInvalidURL) {
+		t.Errorf("missing stream reported as an invalid URL: %v", err)
+	}
+	if !strings.Contains(err.Error(), e.stream) || !strings.Contains(err.Error(), "does not exist") {
+		t.Errorf("error %q does not say stream %s does not exist", err, e.stream)
+	}
+}
+
+func TestNATSCreateFalseUsesExistingStream(t *testing.T) {
+	t.Parallel()
+	e := newJSEnv(t)
+	ctx, cancel := context.WithTimeout(t.Context(), waitFor)
+	defer cancel()
+	if _, err := e.js.CreateStream(ctx, jetstream.StreamConfig{
+		Name: e.stream, Subjects: []string{e.prefix + ".>"}, Storage: jetstream.MemoryStorage, MaxMsgs: 100,
+	}); err != nil {
+		t.Fatal(err)
+	}
+	s := e.open(t, map[string]string{"create": "false"})
+	if err := s.Publish(t.Context(), testEvent("e1")); err != nil {
+		t.Fatalf("Publish: %v", err)
+	}
+	e.fetch(t, 1)
+
+	info, err := e.js.Stream(ctx, e.stream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c := info.CachedInfo().Config; c.Storage != jetstream.MemoryStorage || c.MaxMsgs != 100 || !slices.Equal(c.Subjects, []string{e.prefix + ".>"}) {
+		t.Errorf("create=false changed the stream: %+v", c)
+	}
+}
+
+func TestNATSCreateWidensExistingStream(t *testing.T) {
+	t.Parallel()
+	e := newJSEnv(t)
+	ctx, cancel := context.WithTimeout(t.Context(), waitFor)
+	defer cancel()
+	other := e.prefix + "_other.x"
+	if _, err := e.js.CreateStream(ctx, jetstream.StreamConfig{
+		Name: e.stream, Subjects: []string{other}, Storage: jetstream.FileStorage, MaxMsgs: 1000, Duplicates: time.Minute,
+	}); err != nil {
+		t.Fatal(err)
+	}
+	s := e.open(t, map[string]string{"duplicates": "3m"})
+	if err := s.Publish(t.Context(), testEvent("e1")); err != nil {
+		t.Fatalf("Publish: %v", err)
+	}
+	st, err := e.js.Stream(ctx, e.stream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := st.CachedInfo().Config
+	if !slices.Equal(c.Subjects, []string{other, e.prefix + ".*.*"}) {
+		t.Errorf("subjects = %v", c.Subjects)
+	}
+	if c.MaxMsgs != 1000 || c.Duplicates != 3*time.Minute {
+		t.Errorf("MaxMsgs = %d, Duplicates = %s; want 1000 kept and 3m set", c.MaxMsgs, c.Duplicates)
+	}
+
+	// Opening again finds nothing to change.
+	s2 := e.open(t, map[string]string{"duplicates": "3m"})
+	if err := s2.Publish(t.Context(), testEvent("e2")); err != nil {
+		t.Fatalf("Publish via second sink: %v", err)
+	}
+	e.fetch(t, 2)
+}
+
+func TestNATSPublishErrors(t *testing.T) {
+	t.Parallel()
+	e := newJSEnv(t)
+	s := e.open(t, nil)
+
+	reserved := testEvent("e-reserved")
+	reserved.Headers = map[string]string{"Nats-Rollup": "all"}
+	if err := s.Publish(t.Context(), reserved); err == nil || !strings.Contains(err.Error(), "reserved") {
+		t.Errorf("Publish with a Nats- header = %v, want a reserved-prefix error", err)
+	}
+	spoof := testEvent("e-spoof")
+	spoof.Headers = map[string]string{"outbox-event-id": "other"}
+	if err := s.Publish(t.Context(), spoof); err == nil {
+		t.Error("Publish with an Outbox- header succeeded")
+	}
+	if err := s.Publish(t.Context(), testEvent("")); err == nil {
+		t.Error("Publish without an event ID succeeded")
+	}
+	ctx, cancel := context.WithCancel(t.Context())
+	cancel()
+	if err := s.Publish(ctx, testEvent("e-cancelled")); !errors.Is(err, context.Canceled) {
+		t.Errorf("Publish with a cancelled context = %v, want context.Canceled", err)
+	}
+
+	info, err := e.js.Stream(t.Context(), e.stream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := info.CachedInfo().State.Msgs; n != 0 {
+		t.Errorf("failed publishes stored %d messages", n)
+	}
+}
+
+// TestNATSPublishOutsideStreamFails checks that, with a stream managed
+// elsewhere that does not capture the template's subjects, Publish returns
+// an error instead of nil: nothing acknowledged the message.
+func TestNATSPublishOutsideStreamFails(t *testing.T) {
+	t.Parallel()
+	e := newJSEnv(t)
+	ctx, cancel := context.WithTimeout(t.Context(), waitFor)
+	defer cancel()
+	if _, err := e.js.CreateStream(ctx, jetstream.StreamConfig{Name: e.stream, Subjects: []string{e.prefix + "_elsewhere.>"}}); err != nil {
+		t.Fatal(err)
+	}
+	s := e.open(t, map[string]string{"create": "false", "timeout": "2s"})
+	if err := s.Publish(t.Context(), testEvent("e1")); err == nil {
+		t.Fatal("Publish to a subject no stream captures succeeded")
+	}
+}
+
+func TestNATSCloseIsIdempotent(t *testing.T) {
+	t.Parallel()
+	e := newJSEnv(t)
+	s, err := sink.Open(t.Context(), e.url(nil), sink.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Publish(t.Context(), testEvent("e1")); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Close(); err != nil {
+		t.Fatalf("Close: %v", err)
+	}
+	if err := s.Close(); err != nil {
+		t.Fatalf("second Close: %v", err)
+	}
+	if err := s.Publish(t.Context(), testEvent("e2")); err == nil {
+		t.Error("Publish after Close succeeded")
+	}
+}

@@ -1,0 +1,100 @@
+package sink_test
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"testing"
+
+	"github.com/outboxd/outboxd/relay/sink"
+)
+
+// TestOpenRejectsBadURLs checks that configuration mistakes are reported
+// before any connection attempt (port 1 would refuse one anyway), wrap
+// ErrInvalidURL and name the URL.
+func TestOpenRejectsBadURLs(t *testing.T) {
+	t.Parallel()
+	const h = "nats://127.0.0.1:1"
+	cases := []struct{ url, want string }{
+		{"", "missing scheme"},
+		{"127.0.0.1:4222", "cannot parse"},
+		{"nats://h:4222/%zz", "cannot parse"},
+		{"kafka://broker:9092", `unknown scheme "kafka"`},
+		{"stdout://somewhere", "no host or path"},
+		{"stdout://?pretty=1", `unknown parameter "pretty"`},
+		{"nats://", "want nats://host:port"},
+		{"nats:127.0.0.1:4222", "want nats://host:port"},
+		{h + "/path", "unexpected path"},
+		{h + "?subjet=x.{stream}", `unknown parameter "subjet"`},
+		{h + "?stream=A&stream=B", "given 2 times"},
+		{h + "?subject=", "empty"},
+		{h + "?subject=outbox..{stream}", "empty token"},
+		{h + "?subject=outbox.{stream}.", "empty token"},
+		{h + "?subject=outbox.{nope}", "placeholder"},
+		{h + "?subject=outbox.key-{aggregate_key}", "placeholder"},
+		{h + "?subject={stream}.x", "first token must be literal"},
+		{h + "?subject=outbox.*", "wildcards"},
+		{h + "?subject=outbox.>", "wildcards"},
+		{h + "?subject=out%20box.{stream}", "printable ASCII"},
+		{h + "?subject=$JS.{stream}", "reserved"},
+		{h + "?subject=_INBOX.{stream}", "reserved"},
+		{h + "?stream=a.b", "stream name"},
+		{h + "?stream=", "stream name is empty"},
+		{h + "?create=maybe", "create="},
+		{h + "?duplicates=0s", "must be positive"},
+		{h + "?duplicates=2", "duration"},
+		{h + "?timeout=-1s", "must be positive"},
+		{h + "?timeout=soon", "duration"},
+	}
+	for _, c := range cases {
+		s, err := sink.Open(context.Background(), c.url, sink.Options{})
+		if err == nil {
+			_ = s.Close()
+			t.Errorf("Open(%q) succeeded, want an error", c.url)
+			continue
+		}
+		if !errors.Is(err, sink.ErrInvalidURL) {
+			t.Errorf("Open(%q) error %q does not wrap ErrInvalidURL", c.url, err)
+		}
+		if !strings.Contains(err.Error(), c.want) {
+			t.Errorf("Open(%q) error %q, want it to mention %q", c.url, err, c.want)
+		}
+		if c.url != "" && !strings.Contains(err.Error(), strings.SplitN(c.url, "?", 2)[0]) {
+			t.Errorf("Open(%q) error %q does not name the URL", c.url, err)
+		}
+	}
+}
+
+func TestOpenRedactsCredentials(t *testing.T) {
+	t.Parallel()
+	for _, u := range []string{
+		"nats://alice:s3cret@127.0.0.1:1?bogus=1",
+		"nats://s3cret@127.0.0.1:1?bogus=1",   // a NATS token
+		"nats://alice:s3cret@127.0.0.1:1",     // connection refused
+		"nats://alice:s3cret@127.0.0.1:1/%zz", // unparseable
+		"nats://s3cret@127.0.0.1:1/%zz",
+	} {
+		s, err := sink.Open(context.Background(), u, sink.Options{})
+		if err == nil {
+			_ = s.Close()
+			t.Fatalf("Open(%q) succeeded", u)
+		}
+		if strings.Contains(err.Error(), "s3cret") {
+			t.Errorf("Open(%q) error leaks the secret: %v", u, err)
+		}
+	}
+}
+
+func TestOpenConnectFailureIsNotInvalidURL(t *testing.T) {
+	t.Parallel()
+	_, err := sink.Open(context.Background(), "nats://127.0.0.1:1", sink.Options{})
+	if err == nil {
+		t.Fatal("Open against a closed port succeeded")
+	}
+	if errors.Is(err, sink.ErrInvalidURL) {
+		t.Errorf("connection failure %q wraps ErrInvalidURL", err)
+	}
+	if !strings.Contains(err.Error(), "nats://127.0.0.1:1") {
+		t.Errorf("error %q does not name the URL", err)
+	}
+}

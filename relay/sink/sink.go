@@ -1,0 +1,174 @@
+// Package sink opens the relay's broker connections from a URL, so that
+// `outboxd relay --sink URL` and tests pick a broker and its settings with
+// one string instead of per-broker flags.
+//
+// Supported schemes:
+//
+//	stdout://                      one JSON line per event, for development
+//	nats://host:port?params        NATS JetStream (see the nats section below)
+//
+// NATS JetStream parameters (all optional):
+//
+//	subject     subject template, default "outbox.{stream}.{aggregate_key}";
+//	            placeholders {stream}, {aggregate_key}, {event_type}, each a
+//	            whole '.'-separated token, substituted with
+//	            EscapeSubjectToken; the first token must be literal
+//	stream      JetStream stream name, default "OUTBOX"
+//	create      create the stream, or widen an existing one, at Open;
+//	            default true. With false the stream must already exist
+//	duplicates  the stream's duplicate window, default 2m; it must outlast
+//	            the relay's retry of an event for Nats-Msg-Id deduplication
+//	            to hide redeliveries
+//	timeout     bound on each publish (and on Open's stream calls), default
+//	            10s
+//
+// Unknown parameters are errors, so a misspelt one is not silently ignored.
+package sink
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/url"
+	"os"
+	"slices"
+	"sort"
+	"strings"
+
+	"github.com/outboxd/outboxd/relay"
+)
+
+// ErrInvalidURL is wrapped by every error Open returns for a URL it cannot
+// accept (unknown scheme, bad or unknown parameter, bad subject template),
+// so a caller can tell a configuration mistake, which retrying will not
+// fix, from a broker that is unreachable for now.
+var ErrInvalidURL = errors.New("invalid sink URL")
+
+// Options carries what a sink needs from its host process rather than from
+// the URL: things that are objects, not strings.
+type Options struct {
+	// Logger receives connection and setup events. Nil discards them, so
+	// libraries and tests need not configure logging.
+	Logger *slog.Logger
+	// Stdout is where the stdout sink writes. Nil means os.Stdout; tests set
+	// it to capture output.
+	Stdout io.Writer
+}
+
+// opener builds one kind of sink from a parsed URL. display is the URL with
+// any password redacted, for messages.
+type opener func(ctx context.Context, u *url.URL, display string, opts Options) (relay.Sink, error)
+
+var openers = map[string]opener{
+	"stdout": openStdout,
+	"nats":   openNATS,
+}
+
+// Open returns the sink named by rawURL's scheme, connected and ready to
+// publish. Validation of the whole URL happens before any connection is
+// made, so a configuration error is reported as such (wrapping
+// ErrInvalidURL) and never as a connection failure. Errors name the URL,
+// with any password redacted.
+func Open(ctx context.Context, rawURL string, opts Options) (relay.Sink, error) {
+	if opts.Logger == nil {
+		opts.Logger = slog.New(slog.DiscardHandler)
+	}
+	if opts.Stdout == nil {
+		opts.Stdout = os.Stdout
+	}
+	u, err := url.Parse(rawURL)
+	if err != nil {
+		// url.Error repeats the raw URL, password included; report only
+		// the cause, with our own redacted copy of the URL.
+		var ue *url.Error
+		if errors.As(err, &ue) {
+			err = ue.Err
+		}
+		return nil, invalid(redactRaw(rawURL), "cannot parse (want scheme://...): %v", err)
+	}
+	display := rawURL
+	if u.User != nil {
+		display = redact(u)
+	}
+	if u.Scheme == "" {
+		return nil, invalid(display, "missing scheme; want one of %s", schemes())
+	}
+	open, ok := openers[u.Scheme]
+	if !ok {
+		return nil, invalid(display, "unknown scheme %q; want one of %s", u.Scheme, schemes())
+	}
+	return open(ctx, u, display, opts)
+}
+
+// invalid formats a configuration error that names the URL.
+func invalid(display, format string, args ...any) error {
+	return fmt.Errorf("%w %q: %s", ErrInvalidURL, display, fmt.Sprintf(format, args...))
+}
+
+func schemes() string {
+	names := make([]string, 0, len(openers))
+	for k := range openers {
+		names = append(names, k+"://")
+	}
+	sort.Strings(names)
+	return strings.Join(names, ", ")
+}
+
+// params reads a URL's query, rejecting repeated and unknown keys so that a
+// typo or a conflicting value is reported rather than ignored.
+func params(u *url.URL, display string, known ...string) (map[string]string, error) {
+	q, err := url.ParseQuery(u.RawQuery)
+	if err != nil {
+		return nil, invalid(display, "bad query: %v", err)
+	}
+	out := make(map[string]string, len(q))
+	for k, vs := range q {
+		if !slices.Contains(known, k) {
+			if len(known) == 0 {
+				return nil, invalid(display, "unknown parameter %q; this sink takes none", k)
+			}
+			return nil, invalid(display, "unknown parameter %q; want one of %s", k, strings.Join(known, ", "))
+		}
+		if len(vs) != 1 {
+			return nil, invalid(display, "parameter %q given %d times", k, len(vs))
+		}
+		out[k] = vs[0]
+	}
+	return out, nil
+}
+
+// redactRaw hides the userinfo of a URL that url.Parse rejected, so the
+// error can still name it.
+func redactRaw(raw string) string {
+	i := strings.Index(raw, "://")
+	if i < 0 {
+		return raw
+	}
+	rest := raw[i+3:]
+	end := strings.IndexAny(rest, "/?#")
+	if end < 0 {
+		end = len(rest)
+	}
+	at := strings.LastIndex(rest[:end], "@")
+	if at < 0 {
+		return raw
+	}
+	return raw[:i+3] + "xxxxx@" + rest[at+1:]
+}
+
+// redact returns u as text with its credentials hidden. A user name alone
+// is hidden too: NATS reads nats://TOKEN@host as a token.
+func redact(u *url.URL) string {
+	if u.User == nil {
+		return u.String()
+	}
+	c := *u
+	if _, ok := u.User.Password(); ok {
+		c.User = url.UserPassword(u.User.Username(), "xxxxx")
+	} else {
+		c.User = url.User("xxxxx")
+	}
+	return c.String()
+}

@@ -1,0 +1,96 @@
+// Package server is outboxd's delivery control plane: it implements the
+// outbox.v1 RelayService (and AdminService) on top of the outbox schema in
+// PostgreSQL. Replicas are stateless and share nothing but the database.
+//
+// # Tables
+//
+// outbox.event holds what producers committed; only published_at ever
+// changes. Two rows per aggregate carry the bookkeeping, split by who writes
+// them so that neither side waits for the other:
+//
+//   - outbox.aggregate is the producers' row: the revision counter and the
+//     order lock concurrent producers of one aggregate serialise on, held to
+//     their commit. The server never waits for it; it only takes it with SKIP
+//     LOCKED, when deciding that an aggregate is idle or held at a gap.
+//   - outbox.delivery is the server's row: the cursor (delivered_revision),
+//     the lease (epoch, holder, expiry), attempts, failures, backoff, parking.
+//     Producers touch it only to wake an idle or gap-held aggregate, when no
+//     lease exists, so acks never wait for an open producer transaction.
+//
+// # States of an aggregate (outbox.delivery.state)
+//
+//	idle ──(producer commits an event)──▶ ready ──claim──▶ leased
+//	leased ──ack──▶ ready (next revision committed) or idle (nothing follows)
+//	leased ──nack──▶ backoff ──(next_attempt_at)──▶ claimable again
+//	leased ──nack #MaxFailures──▶ parked (waits for an operator)
+//	leased ──(TTL passes)──▶ claimable again (expired lease; attempt+1)
+//	leased ──(stream ends)──▶ ready (released at once)
+//	ready ──claim finds the next revision missing, a later one present──▶ gap
+//	gap ──(a producer inserts any event of the aggregate)──▶ ready (re-checked)
+//
+// claimable_at orders claims and is non-NULL exactly for ready, leased and
+// backoff: the head event's created_at when ready (oldest pending first), the
+// lease expiry when leased, the next attempt when backing off. A claim takes
+// rows with claimable_at <= now from a partial index that holds only such
+// aggregates, so its cost follows the number of pending aggregates, never the
+// event backlog.
+//
+// # RPCs
+//
+// Subscribe opens a session with a credit (max_in_flight). The session loop
+// claims up to its free credit (outbox.claim: lock delivery rows FOR UPDATE
+// SKIP LOCKED, lease each one's next revision, epoch+1) and sends one
+// delivery per lease. Credit comes back only when the database says the lease
+// is gone: an ack or nack on this replica signals the session directly; one
+// on another replica sends NOTIFY outbox_released with the holder's session
+// id; and every ReconcileInterval the session rechecks its leases (which also
+// catches expired leases claimed by someone else). When the stream ends,
+// outbox.release gives its leases back at once.
+//
+// Ack verifies each token's HMAC (any replica can: the key is in the
+// database) and hands the ids to the group committer, which applies every
+// queued ack in one call of outbox.ack: lock the pending events in id order,
+// then their delivery rows in key order (no deadlocks between batches), mark
+// each event published if it is still its aggregate's next revision and not
+// skipped, advance the cursor, and make the aggregate ready or idle.
+//
+// Nack and ExtendLease must name the current epoch: a stale lease cannot
+// push back or prolong the current holder's delivery.
+//
+// # Why the invariants hold
+//
+//   - Per-aggregate order (3): a lease is only ever issued for
+//     delivered_revision+1, and delivered_revision advances only when that
+//     event is published (ack) or skipped (operator). At most one lease exists
+//     per aggregate because the delivery row is locked while leasing and the
+//     state says leased until ack, nack, release or expiry.
+//   - One holder, fencing (4): every lease increments the epoch; Nack and
+//     ExtendLease check it.
+//   - Ack-gated marking (5): published_at is set only by outbox.ack, only for
+//     ids whose token the server signed for that exact event. A token whose
+//     lease has expired still marks the event while it is pending: the relay's
+//     broker did accept it, so recording that is true and spares a
+//     redelivery; the event is still the aggregate's next revision (no lease
+//     is ever issued past it), so order holds. A repeated ack answers
+//     ALREADY_PUBLISHED; a skipped event answers LEASE_LOST and stays
+//     unpublished.
+//   - Liveness (6): an expired lease is claimable again (claimable_at is its
+//     expiry). Notifications only cut latency; every idle session polls, so a
+//     lost NOTIFY or a dropped LISTEN connection delays an event by at most
+//     the poll interval.
+//   - Gaps (8): when the next revision is missing but a later one exists, the
+//     claim holds the aggregate in state gap (gap_revision says which one) and
+//     never skips it. The producer that inserts any event of the aggregate
+//     wakes it, and the claim checks again. Deciding idle or gap happens only
+//     while holding the producers' order lock, after which a fresh snapshot
+//     sees every committed event, so a producer committing at that moment
+//     cannot be missed.
+//
+// # Wake-ups
+//
+// NOTIFY takes a global lock at commit, so producers notify only while some
+// replica is registered in outbox.listener, which a session does after it
+// has found no work for a while (short polls before that are cheaper).
+// Registrations last 10s and are renewed only by idle sessions: under load
+// they lapse and producers stop notifying.
+package server
