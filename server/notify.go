@@ -10,6 +10,10 @@ import (
 	"github.com/jackc/pgx/v5"
 )
 
+// ListenerApplicationName is the application_name of a replica's LISTEN
+// connection.
+const ListenerApplicationName = "outboxd-listener"
+
 const (
 	chanWakeup   = "outbox_wakeup"
 	chanReleased = "outbox_released"
@@ -99,7 +103,13 @@ func (w *waker) run(ctx context.Context) {
 
 // listen runs one LISTEN connection until it fails.
 func (w *waker) listen(ctx context.Context) error {
-	conn, err := pgx.Connect(ctx, w.s.cfg.DatabaseURL)
+	cfg, err := pgx.ParseConfig(w.s.cfg.DatabaseURL)
+	if err != nil {
+		return err
+	}
+	// Named, so operators (and tests) can find it in pg_stat_activity.
+	cfg.RuntimeParams["application_name"] = ListenerApplicationName
+	conn, err := pgx.ConnectConfig(ctx, cfg)
 	if err != nil {
 		return err
 	}

@@ -158,7 +158,9 @@ func (ss *session) run(ctx context.Context, send func(*outboxv1.SubscribeRespons
 		case <-ss.srv.wake.wait():
 			pollDelay = minIdlePoll
 		case <-pollC:
-			pollDelay = min(pollDelay*2, ss.srv.cfg.PollInterval)
+			// Capped so that an idle session renews its registration in
+			// outbox.listener before it lapses, whatever the poll interval.
+			pollDelay = min(pollDelay*2, ss.srv.cfg.PollInterval, armTTL/4)
 			if pollDelay >= armAfter {
 				ss.srv.wake.arm(ctx)
 			}

@@ -1,0 +1,163 @@
+package main_test
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/outboxd/outboxd/internal/testdb"
+)
+
+// Crash test: 20,000 events over 500 aggregates, 2 `outboxd serve` and 4
+// `outboxd relay` processes; relays and one server are killed with SIGKILL
+// and restarted again and again while events flow. The sink is a JetStream
+// stream with a 100ms duplicate window (the smallest JetStream allows), so
+// it keeps nearly every copy a relay published. Nothing may be lost, first
+// deliveries of every aggregate must be in revision order, and every
+// duplicate must be an exact copy.
+func TestCrashKillsLoseNothing(t *testing.T) {
+	if testing.Short() {
+		t.Skip("crash test runs processes for a while")
+	}
+	t.Parallel()
+	ctx := context.Background()
+	const aggregates, perAggregate = 500, 40
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	streamName := fmt.Sprintf("CRASH_%d", time.Now().UnixNano())
+	prefix := strings.ToLower(streamName)
+
+	nc, err := nats.Connect(natsURL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer nc.Close()
+	js, err := jetstream.New(nc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = js.DeleteStream(context.Background(), streamName) })
+
+	// Producers keep going during the chaos: half the events exist up front,
+	// half are emitted while processes die.
+	emitHalf := func(from, to int) {
+		_, err := pool.Exec(ctx, `SELECT outbox.emit('orders', 'a-' || a, 'Changed', jsonb_build_object('r', r))
+			FROM generate_series($1::int, $2::int) r, generate_series(1, $3::int) a ORDER BY r, a`, from, to, aggregates)
+		if err != nil {
+			t.Error(err)
+		}
+	}
+	emitHalf(1, perAggregate/2)
+
+	addrs := []string{freeAddr(t), freeAddr(t)}
+	serve := func(i int) *process {
+		return start(t, "serve", "--database-url", url, "--listen", addrs[i], "--lease-ttl", "2s", "--log-level", "warn")
+	}
+	sinkURL := fmt.Sprintf("%s?stream=%s&subject=%s.{stream}.{aggregate_key}&duplicates=100ms", natsURL(), streamName, prefix)
+	relay := func(i int) *process {
+		return start(t, "relay", "--server", addrs[i%2], "--sink", sinkURL, "--max-in-flight", "16",
+			"--relay-id", "r"+strconv.Itoa(i), "--log-level", "warn")
+	}
+	servers := []*process{serve(0), serve(1)}
+	relays := []*process{relay(0), relay(1), relay(2), relay(3)}
+
+	produced := make(chan struct{})
+	go func() { defer close(produced); emitHalf(perAggregate/2+1, perAggregate) }()
+
+	total := int64(aggregates * perAggregate)
+	kills := 0
+	deadline := time.Now().Add(4 * time.Minute)
+	for round := 0; ; round++ {
+		var published int64
+		if err := pool.QueryRow(ctx, `SELECT count(*) FROM outbox.event WHERE published_at IS NOT NULL`).Scan(&published); err != nil {
+			t.Fatal(err)
+		}
+		select {
+		case <-produced:
+			if published == total {
+				goto verify
+			}
+		default:
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("only %d of %d events published after the chaos", published, total)
+		}
+		// Pace the chaos, then kill: a relay every round, server 1 every third.
+		time.Sleep(400 * time.Millisecond)
+		if round < 15 {
+			i := rand.N(len(relays))
+			relays[i].signal(os.Kill)
+			relays[i] = relay(i)
+			kills++
+			if round%3 == 2 {
+				servers[1].signal(os.Kill)
+				servers[1] = serve(1)
+				kills++
+			}
+		}
+	}
+verify:
+	t.Logf("killed %d processes", kills)
+	s, err := js.Stream(ctx, streamName)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cons, err := s.OrderedConsumer(ctx, jetstream.OrderedConsumerConfig{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	info, err := s.Info(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	stored := int(info.State.Msgs)
+	first := map[string]string{} // event id -> payload of its first copy
+	last := map[string]int{}
+	reordered, duplicates, differing := 0, 0, 0
+	for read := 0; read < stored; {
+		batch, err := cons.Fetch(1000, jetstream.FetchMaxWait(10*time.Second))
+		if err != nil {
+			t.Fatal(err)
+		}
+		for msg := range batch.Messages() {
+			read++
+			h := msg.Headers()
+			id := h.Get("Nats-Msg-Id")
+			if p, ok := first[id]; ok {
+				duplicates++
+				if p != string(msg.Data()) {
+					differing++
+				}
+				continue
+			}
+			first[id] = string(msg.Data())
+			key := h.Get("Outbox-Aggregate-Key")
+			rev, _ := strconv.Atoi(h.Get("Outbox-Revision"))
+			if rev != last[key]+1 {
+				reordered++
+			}
+			last[key] = rev
+		}
+		if err := batch.Error(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	t.Logf("sink: %d messages, %d unique events, %d duplicates", stored, len(first), duplicates)
+	if int64(len(first)) != total {
+		t.Errorf("lost events: sink saw %d of %d", len(first), total)
+	}
+	if reordered != 0 {
+		t.Errorf("%d first deliveries out of revision order", reordered)
+	}
+	if differing != 0 {
+		t.Errorf("%d duplicates differ from their first copy", differing)
+	}
+}

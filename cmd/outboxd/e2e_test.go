@@ -1,0 +1,220 @@
+package main_test
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/outboxd/outboxd/internal/testdb"
+)
+
+// binary is the outboxd binary built once for these tests: they run real
+// processes, because what they check (concurrent migrators, a server and a
+// relay talking over loopback, signals) is about processes.
+var binary string
+
+func TestMain(m *testing.M) {
+	dir, err := os.MkdirTemp("", "outboxd-e2e-")
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
+	}
+	binary = filepath.Join(dir, "outboxd")
+	build := exec.Command("go", "build", "-o", binary, ".")
+	build.Stdout, build.Stderr = os.Stderr, os.Stderr
+	if err := build.Run(); err != nil {
+		fmt.Fprintln(os.Stderr, "build outboxd:", err)
+		os.Exit(1)
+	}
+	code := m.Run()
+	os.RemoveAll(dir)
+	os.Exit(code)
+}
+
+func natsURL() string {
+	if u := os.Getenv("NATS_URL"); u != "" {
+		return u
+	}
+	return "nats://127.0.0.1:4222"
+}
+
+// `outboxd migrate` twice in parallel on an empty database: one applies, the
+// other finds the schema up to date.
+func TestMigrateTwiceInParallel(t *testing.T) {
+	t.Parallel()
+	url := testdb.NewEmpty(t)
+	var wg sync.WaitGroup
+	outs := make([]string, 2)
+	errs := make([]error, 2)
+	for i := range 2 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			out, err := exec.Command(binary, "migrate", "--database-url", url).CombinedOutput()
+			outs[i], errs[i] = string(out), err
+		}()
+	}
+	wg.Wait()
+	applied, upToDate := 0, 0
+	for i := range 2 {
+		if errs[i] != nil {
+			t.Fatalf("migrate %d: %v\n%s", i, errs[i], outs[i])
+		}
+		switch {
+		case strings.Contains(outs[i], "applied ["):
+			applied++
+		case strings.Contains(outs[i], "schema is up to date"):
+			upToDate++
+		}
+	}
+	if applied != 1 || upToDate != 1 {
+		t.Fatalf("want one migrate to apply and one to no-op; got:\n%s\n---\n%s", outs[0], outs[1])
+	}
+	if out, err := exec.Command(binary, "migrate", "status", "--database-url", url).CombinedOutput(); err != nil || strings.Contains(string(out), "pending") {
+		t.Fatalf("migrate status: %v\n%s", err, out)
+	}
+}
+
+// process is a running outboxd subprocess whose output goes to the test log.
+type process struct {
+	cmd  *exec.Cmd
+	done chan struct{}
+}
+
+func start(t *testing.T, args ...string) *process {
+	t.Helper()
+	cmd := exec.Command(binary, args...)
+	pr, pw := io.Pipe()
+	cmd.Stdout, cmd.Stderr = pw, pw
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	p := &process{cmd: cmd, done: make(chan struct{})}
+	logged := make(chan struct{})
+	go func() {
+		defer close(logged)
+		sc := bufio.NewScanner(pr)
+		for sc.Scan() {
+			t.Log(args[0], ": ", sc.Text())
+		}
+	}()
+	go func() { _ = cmd.Wait(); pw.Close(); <-logged; close(p.done) }()
+	t.Cleanup(func() { p.signal(os.Kill) })
+	return p
+}
+
+func (p *process) signal(sig os.Signal) {
+	_ = p.cmd.Process.Signal(sig)
+	<-p.done
+}
+
+func freeAddr(t *testing.T) string {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	return l.Addr().String()
+}
+
+// The README's production shape end to end: `outboxd serve` and `outboxd relay
+// --sink nats://...` as processes; events emitted in SQL reach JetStream with
+// Nats-Msg-Id = event_id, in revision order, and are marked published.
+func TestServeAndRelayToNATS(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	addr := freeAddr(t)
+	streamName := fmt.Sprintf("E2E_%d", time.Now().UnixNano())
+	prefix := strings.ToLower(streamName)
+
+	nc, err := nats.Connect(natsURL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer nc.Close()
+	js, err := jetstream.New(nc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = js.DeleteStream(context.Background(), streamName) })
+
+	_, err = pool.Exec(ctx, `SELECT outbox.emit('sales_order', 'o-' || a, 'OrderChanged', jsonb_build_object('n', r))
+		FROM generate_series(1, 5) r, generate_series(1, 20) a ORDER BY r, a`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	start(t, "serve", "--database-url", url, "--listen", addr)
+	start(t, "relay", "--server", addr, "--max-in-flight", "8",
+		"--sink", fmt.Sprintf("%s?stream=%s&subject=%s.{stream}.{aggregate_key}", natsURL(), streamName, prefix))
+
+	waitPublished(t, pool, 100)
+	s, err := js.Stream(ctx, streamName)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cons, err := s.OrderedConsumer(ctx, jetstream.OrderedConsumerConfig{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	last := map[string]int{}
+	batch, err := cons.Fetch(100, jetstream.FetchMaxWait(10*time.Second))
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := 0
+	for msg := range batch.Messages() {
+		n++
+		h := msg.Headers()
+		var rev int
+		fmt.Sscan(h.Get("Outbox-Revision"), &rev)
+		key := h.Get("Outbox-Aggregate-Key")
+		if rev != last[key]+1 {
+			t.Errorf("%s: revision %d after %d", key, rev, last[key])
+		}
+		last[key] = rev
+		if h.Get("Nats-Msg-Id") != h.Get("Outbox-Event-Id") || h.Get("Nats-Msg-Id") == "" {
+			t.Errorf("Nats-Msg-Id %q, event id %q", h.Get("Nats-Msg-Id"), h.Get("Outbox-Event-Id"))
+		}
+		if want := prefix + ".sales_order." + key; msg.Subject() != want {
+			t.Errorf("subject %s, want %s", msg.Subject(), want)
+		}
+	}
+	if n != 100 {
+		t.Fatalf("JetStream holds %d messages, want 100", n)
+	}
+}
+
+// waitPublished waits (bounded) until n events are published.
+func waitPublished(t *testing.T, pool *pgxpool.Pool, n int64) {
+	t.Helper()
+	deadline := time.Now().Add(2 * time.Minute)
+	for {
+		var got int64
+		if err := pool.QueryRow(context.Background(), `SELECT count(*) FROM outbox.event WHERE published_at IS NOT NULL`).Scan(&got); err != nil {
+			t.Fatal(err)
+		}
+		if got >= n {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d of %d events published", got, n)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
