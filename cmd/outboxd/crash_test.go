@@ -6,11 +6,9 @@ import (
 	"math/rand/v2"
 	"os"
 	"strconv"
-	"strings"
 	"testing"
 	"time"
 
-	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/outboxd/outboxd/internal/testdb"
@@ -32,19 +30,7 @@ func TestCrashKillsLoseNothing(t *testing.T) {
 	const aggregates, perAggregate = 500, 40
 	url := testdb.New(t)
 	pool := testdb.NewPoolURL(t, url)
-	streamName := fmt.Sprintf("CRASH_%d", time.Now().UnixNano())
-	prefix := strings.ToLower(streamName)
-
-	nc, err := nats.Connect(natsURL())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer nc.Close()
-	js, err := jetstream.New(nc)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = js.DeleteStream(context.Background(), streamName) })
+	js, streamName, prefix := jetStreamSink(t, "CRASH")
 
 	// Producers keep going during the chaos: half the events exist up front,
 	// half are emitted while processes die.

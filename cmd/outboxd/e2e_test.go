@@ -140,21 +140,9 @@ func TestServeAndRelayToNATS(t *testing.T) {
 	url := testdb.New(t)
 	pool := testdb.NewPoolURL(t, url)
 	addr := freeAddr(t)
-	streamName := fmt.Sprintf("E2E_%d", time.Now().UnixNano())
-	prefix := strings.ToLower(streamName)
+	js, streamName, prefix := jetStreamSink(t, "E2E")
 
-	nc, err := nats.Connect(natsURL())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer nc.Close()
-	js, err := jetstream.New(nc)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = js.DeleteStream(context.Background(), streamName) })
-
-	_, err = pool.Exec(ctx, `SELECT outbox.emit('sales_order', 'o-' || a, 'OrderChanged', jsonb_build_object('n', r))
+	_, err := pool.Exec(ctx, `SELECT outbox.emit('sales_order', 'o-' || a, 'OrderChanged', jsonb_build_object('n', r))
 		FROM generate_series(1, 5) r, generate_series(1, 20) a ORDER BY r, a`)
 	if err != nil {
 		t.Fatal(err)
@@ -198,6 +186,25 @@ func TestServeAndRelayToNATS(t *testing.T) {
 	if n != 100 {
 		t.Fatalf("JetStream holds %d messages, want 100", n)
 	}
+}
+
+// jetStreamSink connects to NATS and names a JetStream stream (and a
+// lowercase subject prefix) unique to this test; the relay creates the
+// stream, and it is deleted when the test ends.
+func jetStreamSink(t *testing.T, kind string) (js jetstream.JetStream, streamName, prefix string) {
+	t.Helper()
+	streamName = fmt.Sprintf("%s_%d", kind, time.Now().UnixNano())
+	nc, err := nats.Connect(natsURL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(nc.Close)
+	js, err = jetstream.New(nc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = js.DeleteStream(context.Background(), streamName) })
+	return js, streamName, strings.ToLower(streamName)
 }
 
 // waitPublished waits (bounded) until n events are published.
