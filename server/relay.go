@@ -176,9 +176,6 @@ func (r *relayService) Nack(ctx context.Context, req *outboxv1.NackRequest) (*ou
 	if err != nil {
 		f.add("lease_token", "%v", err)
 	}
-	if len(req.GetError()) > maxErrorLen {
-		req.Error = req.GetError()[:maxErrorLen]
-	}
 	retryAfter := checkDuration(&f, "retry_after", req.GetRetryAfter(), 0, 0, s.cfg.BackoffCap)
 	if err := f.err(); err != nil {
 		return nil, err

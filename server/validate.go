@@ -17,7 +17,6 @@ const (
 	maxSubscribeStreams = 64
 	maxAckItems         = 1000
 	maxRelayIDLen       = 128
-	maxErrorLen         = 4096
 )
 
 // fieldErrors collects field violations into one InvalidArgument status with
