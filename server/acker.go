@@ -93,8 +93,11 @@ func (a *ackCommitter) commit(ctx context.Context, batch []*ackRequest, n int) {
 	byID := make(map[uuid.UUID]store.AckResult, len(res))
 	for _, r := range res {
 		byID[r.EventID] = r
-		if r.Status == store.AckPublished && r.Holder != uuid.Nil {
-			a.s.released(r.Holder, r.EventID)
+		if r.Status == store.AckPublished {
+			a.s.metrics.publishLag.Observe(r.PublishLag.Seconds())
+			if r.Holder != uuid.Nil {
+				a.s.released(r.Holder, r.EventID, true)
+			}
 		}
 	}
 	if err != nil {

@@ -1,12 +1,439 @@
 package server
 
 import (
+	"context"
+	"encoding/base64"
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+	"time"
+	"unicode/utf8"
+
+	"github.com/google/uuid"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/peer"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/durationpb"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+	"github.com/outboxd/outboxd/internal/store"
 )
 
-// adminService implements outbox.v1.AdminService. Its RPCs are not built yet
-// and answer UNIMPLEMENTED (issue 4 builds them).
+// Limits of admin requests.
+const (
+	maxReasonLen        = 1024
+	maxActorLen         = 128
+	maxAggregateKeyLen  = 1024
+	defaultPageSize     = 100
+	maxPageSize         = 1000
+	defaultPurgeBatch   = 1000
+	maxPurgeBatch       = 10000
+	maxLagStreamsFilter = 256
+)
+
+// adminService implements outbox.v1.AdminService.
 type adminService struct {
 	outboxv1.UnimplementedAdminServiceServer
 	s *Server
+}
+
+func (a *adminService) GetLag(ctx context.Context, req *outboxv1.GetLagRequest) (*outboxv1.GetLagResponse, error) {
+	var f fieldErrors
+	if len(req.GetStreams()) > maxLagStreamsFilter {
+		f.add("streams", "at most %d streams, got %d", maxLagStreamsFilter, len(req.GetStreams()))
+	}
+	for i, name := range req.GetStreams() {
+		checkStream(&f, fmt.Sprintf("streams[%d]", i), name)
+	}
+	if err := f.err(); err != nil {
+		return nil, err
+	}
+	lag, err := a.s.store.Lag(ctx, req.GetStreams(), a.s.sessionTTL())
+	if err != nil {
+		return nil, a.s.dbError(ctx, "get lag", err)
+	}
+	return lagProto(lag, req.GetStreams()), nil
+}
+
+// lagProto converts a lag snapshot; every stream the request named gets an
+// entry, zeros included, so a script can rely on finding it.
+func lagProto(lag store.Lag, named []string) *outboxv1.GetLagResponse {
+	byName := make(map[string]store.StreamLag, len(lag.Streams))
+	for _, l := range lag.Streams {
+		byName[l.Stream] = l
+	}
+	for _, n := range named {
+		if _, ok := byName[n]; !ok {
+			lag.Streams = append(lag.Streams, store.StreamLag{Stream: n})
+			byName[n] = store.StreamLag{Stream: n}
+		}
+	}
+	resp := &outboxv1.GetLagResponse{ConnectedRelays: uint32(lag.ConnectedRelays)}
+	var total store.StreamLag
+	for _, l := range lag.Streams {
+		resp.Streams = append(resp.Streams, streamLagProto(l, lag.Now))
+		total.PendingEvents += l.PendingEvents
+		total.PendingAggregates += l.PendingAggregates
+		total.OldestPending = earliest(total.OldestPending, l.OldestPending)
+		total.OldestHeld = earliest(total.OldestHeld, l.OldestHeld)
+		total.Ready += l.Ready
+		total.Leased += l.Leased
+		total.Backoff += l.Backoff
+		total.Parked += l.Parked
+		total.Gap += l.Gap
+		total.DeliveredLastMinute += l.DeliveredLastMinute
+	}
+	resp.Total = streamLagProto(total, lag.Now)
+	return resp
+}
+
+func streamLagProto(l store.StreamLag, now time.Time) *outboxv1.StreamLag {
+	out := &outboxv1.StreamLag{
+		Stream:               l.Stream,
+		PendingEvents:        l.PendingEvents,
+		PendingAggregates:    l.PendingAggregates,
+		ReadyAggregates:      l.Ready,
+		LeasedAggregates:     l.Leased,
+		BackingOffAggregates: l.Backoff,
+		ParkedAggregates:     l.Parked,
+		GapAggregates:        l.Gap,
+		DeliveredLastMinute:  l.DeliveredLastMinute,
+		DeliveredPerSecond:   float64(l.DeliveredLastMinute) / 60,
+	}
+	if !l.OldestPending.IsZero() {
+		out.OldestPendingCreatedAt = timestamppb.New(l.OldestPending)
+		out.OldestPendingAge = durationpb.New(max(0, now.Sub(l.OldestPending)))
+	}
+	if !l.OldestHeld.IsZero() {
+		out.OldestHeldAge = durationpb.New(max(0, now.Sub(l.OldestHeld)))
+	}
+	return out
+}
+
+// earliest returns the earlier of two times, a zero time meaning "none".
+func earliest(a, b time.Time) time.Time {
+	if a.IsZero() || (!b.IsZero() && b.Before(a)) {
+		return b
+	}
+	return a
+}
+
+func (a *adminService) ListRelays(ctx context.Context, _ *outboxv1.ListRelaysRequest) (*outboxv1.ListRelaysResponse, error) {
+	// Refresh this replica's own rows first, so a relay that connected a
+	// moment ago shows its current figures.
+	a.s.saveSessions(ctx)
+	list, err := a.s.store.RelaySessions(ctx, a.s.sessionTTL())
+	if err != nil {
+		return nil, a.s.dbError(ctx, "list relays", err)
+	}
+	resp := &outboxv1.ListRelaysResponse{}
+	for _, r := range list {
+		resp.Relays = append(resp.Relays, &outboxv1.Relay{
+			RelayId:     r.RelayID,
+			SessionId:   r.SessionID.String(),
+			Peer:        r.Peer,
+			ReplicaId:   r.ReplicaID,
+			Streams:     r.Streams,
+			MaxInFlight: uint32(r.MaxInFlight),
+			InFlight:    uint32(r.InFlight),
+			Acked:       uint64(r.Acked),
+			ConnectedAt: timestamppb.New(r.ConnectedAt),
+		})
+	}
+	return resp, nil
+}
+
+// checkAggregate validates a (stream, aggregate_key) pair.
+func checkAggregate(f *fieldErrors, stream, key string) {
+	checkStream(f, "stream", stream)
+	if key == "" || len(key) > maxAggregateKeyLen {
+		f.add("aggregate_key", "must be 1 to %d bytes", maxAggregateKeyLen)
+	}
+}
+
+func (a *adminService) GetAggregate(ctx context.Context, req *outboxv1.GetAggregateRequest) (*outboxv1.GetAggregateResponse, error) {
+	var f fieldErrors
+	checkAggregate(&f, req.GetStream(), req.GetAggregateKey())
+	if err := f.err(); err != nil {
+		return nil, err
+	}
+	agg, err := a.s.store.GetAggregate(ctx, req.GetStream(), req.GetAggregateKey())
+	if errors.Is(err, store.ErrNotFound) {
+		return nil, status.Errorf(codes.NotFound, "aggregate %s/%s has never had an event", req.GetStream(), req.GetAggregateKey())
+	}
+	if err != nil {
+		return nil, a.s.dbError(ctx, "get aggregate", err)
+	}
+	return &outboxv1.GetAggregateResponse{Aggregate: aggregateProto(agg)}, nil
+}
+
+var aggregateStates = map[string]outboxv1.AggregateState{
+	"idle":    outboxv1.AggregateState_AGGREGATE_STATE_IDLE,
+	"ready":   outboxv1.AggregateState_AGGREGATE_STATE_READY,
+	"leased":  outboxv1.AggregateState_AGGREGATE_STATE_LEASED,
+	"backoff": outboxv1.AggregateState_AGGREGATE_STATE_BACKOFF,
+	"parked":  outboxv1.AggregateState_AGGREGATE_STATE_PARKED,
+	"gap":     outboxv1.AggregateState_AGGREGATE_STATE_GAP,
+}
+
+func aggregateProto(a store.Aggregate) *outboxv1.Aggregate {
+	out := &outboxv1.Aggregate{
+		Stream:              a.Stream,
+		AggregateKey:        a.AggregateKey,
+		State:               aggregateStates[a.State],
+		LastRevision:        a.LastRevision,
+		DeliveredRevision:   a.DeliveredRevision,
+		PendingEvents:       a.PendingEvents,
+		NextPendingRevision: a.NextPendingRevision,
+		LeaseEpoch:          a.Epoch,
+		Attempt:             uint32(a.Attempt),
+		Failures:            uint32(a.Failures),
+		LastError:           a.LastError,
+		ParkedReason:        a.ParkedReason,
+		GapRevision:         a.GapRevision,
+	}
+	if a.State == "leased" {
+		out.LeaseHolder = a.Holder.String()
+		out.LeaseRelayId = a.HolderRelayID
+		out.LeaseExpiresAt = optionalTimestamp(a.LeaseExpiresAt)
+	}
+	if a.LeasedEventID != uuid.Nil {
+		out.LeasedEventId = a.LeasedEventID.String()
+	}
+	out.OldestPendingCreatedAt = optionalTimestamp(a.OldestPending)
+	out.NextAttemptAt = optionalTimestamp(a.NextAttemptAt)
+	out.ParkedAt = optionalTimestamp(a.ParkedAt)
+	return out
+}
+
+func optionalTimestamp(t time.Time) *timestamppb.Timestamp {
+	if t.IsZero() {
+		return nil
+	}
+	return timestamppb.New(t)
+}
+
+func (a *adminService) ListEvents(ctx context.Context, req *outboxv1.ListEventsRequest) (*outboxv1.ListEventsResponse, error) {
+	var f fieldErrors
+	p := store.ListEventsParams{Stream: req.GetStream(), AggregateKey: req.GetAggregateKey(), Limit: defaultPageSize}
+	if p.Stream != "" {
+		checkStream(&f, "stream", p.Stream)
+	}
+	if p.AggregateKey != "" && p.Stream == "" {
+		f.add("aggregate_key", "requires stream")
+	}
+	if len(p.AggregateKey) > maxAggregateKeyLen {
+		f.add("aggregate_key", "must be at most %d bytes", maxAggregateKeyLen)
+	}
+	switch req.GetState() {
+	case outboxv1.EventState_EVENT_STATE_UNSPECIFIED:
+	case outboxv1.EventState_EVENT_STATE_PENDING:
+		p.State = store.EventPending
+	case outboxv1.EventState_EVENT_STATE_PUBLISHED:
+		p.State = store.EventPublished
+	case outboxv1.EventState_EVENT_STATE_SKIPPED:
+		p.State = store.EventSkipped
+	default:
+		f.add("state", "unknown state %d", req.GetState())
+	}
+	p.CreatedAfter = checkTimestamp(&f, "created_after", req.GetCreatedAfter())
+	p.CreatedBefore = checkTimestamp(&f, "created_before", req.GetCreatedBefore())
+	if n := req.GetPageSize(); n > maxPageSize {
+		f.add("page_size", "must be at most %d, got %d", maxPageSize, n)
+	} else if n > 0 {
+		p.Limit = int(n)
+	}
+	if tok := req.GetPageToken(); tok != "" {
+		pos, err := decodePageToken(tok)
+		if err != nil {
+			f.add("page_token", "is not a token this server issued: %v", err)
+		}
+		p.Before = pos
+	}
+	if err := f.err(); err != nil {
+		return nil, err
+	}
+	// One more than the page tells whether another page follows.
+	p.Limit++
+	list, err := a.s.store.ListEvents(ctx, p)
+	if err != nil {
+		return nil, a.s.dbError(ctx, "list events", err)
+	}
+	resp := &outboxv1.ListEventsResponse{}
+	if len(list) == p.Limit {
+		list = list[:p.Limit-1]
+		last := list[len(list)-1]
+		resp.NextPageToken = encodePageToken(store.EventPosition{CreatedAt: last.CreatedAt, EventID: last.ID})
+	}
+	for _, r := range list {
+		info := &outboxv1.EventInfo{Event: eventProto(r.Event), State: outboxv1.EventState_EVENT_STATE_PENDING}
+		switch {
+		case r.Skip != nil:
+			info.State = outboxv1.EventState_EVENT_STATE_SKIPPED
+			info.Skip = skipProto(*r.Skip)
+		case !r.PublishedAt.IsZero():
+			info.State = outboxv1.EventState_EVENT_STATE_PUBLISHED
+			info.PublishedAt = timestamppb.New(r.PublishedAt)
+		}
+		resp.Events = append(resp.Events, info)
+	}
+	return resp, nil
+}
+
+// checkTimestamp validates an optional timestamp; nil yields the zero time.
+func checkTimestamp(f *fieldErrors, field string, ts *timestamppb.Timestamp) time.Time {
+	if ts == nil {
+		return time.Time{}
+	}
+	if err := ts.CheckValid(); err != nil {
+		f.add(field, "is not a valid timestamp")
+		return time.Time{}
+	}
+	return ts.AsTime()
+}
+
+// Page tokens are opaque to clients: base64 of "unix-nanos/event-id", the
+// position of the last event of the previous page.
+func encodePageToken(p store.EventPosition) string {
+	return base64.RawURLEncoding.EncodeToString([]byte(strconv.FormatInt(p.CreatedAt.UnixNano(), 10) + "/" + p.EventID.String()))
+}
+
+func decodePageToken(tok string) (store.EventPosition, error) {
+	raw, err := base64.RawURLEncoding.DecodeString(tok)
+	if err != nil {
+		return store.EventPosition{}, errors.New("not base64")
+	}
+	nanos, id, ok := strings.Cut(string(raw), "/")
+	if !ok {
+		return store.EventPosition{}, errors.New("malformed")
+	}
+	n, err := strconv.ParseInt(nanos, 10, 64)
+	if err != nil {
+		return store.EventPosition{}, errors.New("malformed time")
+	}
+	eid, err := uuid.Parse(id)
+	if err != nil {
+		return store.EventPosition{}, errors.New("malformed event id")
+	}
+	return store.EventPosition{CreatedAt: time.Unix(0, n), EventID: eid}, nil
+}
+
+func skipProto(s store.Skip) *outboxv1.Skip {
+	return &outboxv1.Skip{Reason: s.Reason, Actor: s.Actor, SkippedAt: timestamppb.New(s.SkippedAt)}
+}
+
+// checkReason validates a mandatory operator reason.
+func checkReason(f *fieldErrors, reason string) {
+	if strings.TrimSpace(reason) == "" {
+		f.add("reason", "is required: say why, it is stored with the decision")
+		return
+	}
+	if utf8.RuneCountInString(reason) > maxReasonLen || !utf8.ValidString(reason) || strings.ContainsRune(reason, 0) {
+		f.add("reason", "must be valid UTF-8 text of at most %d characters", maxReasonLen)
+	}
+}
+
+// actor names who performs an operator action: the request's actor field
+// (validated), else "anonymous" with the caller's address.
+func actor(ctx context.Context, f *fieldErrors, requested string) string {
+	if requested != "" {
+		checkPrintableASCII(f, "actor", requested, maxActorLen)
+		return requested
+	}
+	if p, ok := peer.FromContext(ctx); ok {
+		return "anonymous@" + p.Addr.String()
+	}
+	return "anonymous"
+}
+
+func (a *adminService) RetryAggregate(ctx context.Context, req *outboxv1.RetryAggregateRequest) (*outboxv1.RetryAggregateResponse, error) {
+	var f fieldErrors
+	checkAggregate(&f, req.GetStream(), req.GetAggregateKey())
+	p := store.RetryParams{Stream: req.GetStream(), AggregateKey: req.GetAggregateKey(), AcceptGap: req.GetAcceptGap()}
+	if p.AcceptGap {
+		checkReason(&f, req.GetReason())
+		p.Reason = req.GetReason()
+		p.Actor = actor(ctx, &f, req.GetActor())
+	}
+	if err := f.err(); err != nil {
+		return nil, err
+	}
+	agg, err := a.s.store.RetryAggregate(ctx, p)
+	var se *store.StateError
+	switch {
+	case errors.Is(err, store.ErrNotFound):
+		return nil, status.Errorf(codes.NotFound, "aggregate %s/%s has never had an event", p.Stream, p.AggregateKey)
+	case errors.As(err, &se):
+		return nil, status.Error(codes.FailedPrecondition, se.Message)
+	case err != nil:
+		return nil, a.s.dbError(ctx, "retry aggregate", err)
+	}
+	a.s.log.Info("aggregate retried by operator", "stream", p.Stream, "aggregate_key", p.AggregateKey,
+		"accept_gap", p.AcceptGap, "actor", p.Actor, "state", agg.State)
+	a.s.wake.broadcast()
+	return &outboxv1.RetryAggregateResponse{Aggregate: aggregateProto(agg)}, nil
+}
+
+func (a *adminService) SkipEvent(ctx context.Context, req *outboxv1.SkipEventRequest) (*outboxv1.SkipEventResponse, error) {
+	var f fieldErrors
+	id, err := uuid.Parse(req.GetEventId())
+	if err != nil {
+		f.add("event_id", "must be a UUID")
+	}
+	checkReason(&f, req.GetReason())
+	who := actor(ctx, &f, req.GetActor())
+	if err := f.err(); err != nil {
+		return nil, err
+	}
+	sk, err := a.s.store.SkipEvent(ctx, id, req.GetReason(), who)
+	switch {
+	case errors.Is(err, store.ErrNotFound):
+		return nil, status.Errorf(codes.NotFound, "event %s does not exist (never did, or was purged after publishing)", id)
+	case errors.Is(err, store.ErrAlreadyPublished):
+		return nil, status.Errorf(codes.FailedPrecondition, "event %s is already published; there is nothing to skip", id)
+	case errors.Is(err, store.ErrAlreadySkipped):
+		return nil, status.Errorf(codes.FailedPrecondition, "event %s is already skipped", id)
+	case err != nil:
+		return nil, a.s.dbError(ctx, "skip event", err)
+	}
+	a.s.log.Warn("event skipped by operator; it will never be delivered", "event_id", id, "actor", who, "reason", sk.Reason)
+	a.s.wake.broadcast()
+	return &outboxv1.SkipEventResponse{Skip: skipProto(sk)}, nil
+}
+
+func (a *adminService) Purge(req *outboxv1.PurgeRequest, stream outboxv1.AdminService_PurgeServer) error {
+	var f fieldErrors
+	if req.GetPublishedBefore() == nil {
+		f.add("published_before", "is required")
+	}
+	p := store.PurgeParams{
+		PublishedBefore: checkTimestamp(&f, "published_before", req.GetPublishedBefore()),
+		Stream:          req.GetStream(),
+		BatchSize:       defaultPurgeBatch,
+		DryRun:          req.GetDryRun(),
+	}
+	if p.Stream != "" {
+		checkStream(&f, "stream", p.Stream)
+	}
+	if n := req.GetBatchSize(); n > maxPurgeBatch {
+		f.add("batch_size", "must be at most %d, got %d", maxPurgeBatch, n)
+	} else if n > 0 {
+		p.BatchSize = int(n)
+	}
+	if err := f.err(); err != nil {
+		return err
+	}
+	ctx := stream.Context()
+	res, err := a.s.purge(ctx, p, func(pr purgeProgress) error { return stream.Send(pr.proto()) })
+	if err != nil {
+		if _, ok := status.FromError(err); ok {
+			return err
+		}
+		return a.s.dbError(ctx, "purge", err)
+	}
+	a.s.log.Info("purge finished", "published_before", p.PublishedBefore, "stream", p.Stream,
+		"dry_run", p.DryRun, "deleted", res.deleted, "batches", res.batches, "elapsed", res.elapsed)
+	return nil
 }

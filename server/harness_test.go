@@ -23,6 +23,7 @@ type replica struct {
 	srv    *server.Server
 	conn   *grpc.ClientConn
 	relay  outboxv1.RelayServiceClient
+	admin  outboxv1.AdminServiceClient
 	cancel context.CancelFunc
 }
 
@@ -63,7 +64,8 @@ func startReplica(t *testing.T, url string, configure func(*server.Config)) *rep
 	if err != nil {
 		t.Fatal(err)
 	}
-	r := &replica{srv: srv, conn: conn, relay: outboxv1.NewRelayServiceClient(conn), cancel: cancel}
+	r := &replica{srv: srv, conn: conn, relay: outboxv1.NewRelayServiceClient(conn),
+		admin: outboxv1.NewAdminServiceClient(conn), cancel: cancel}
 	t.Cleanup(func() {
 		conn.Close()
 		stopCtx, stopCancel := context.WithTimeout(context.Background(), 5*time.Second)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/google/uuid"
 	"google.golang.org/grpc/codes"
@@ -57,7 +58,7 @@ func (r *relayService) Subscribe(req *outboxv1.SubscribeRequest, stream outboxv1
 		peerAddr = p.Addr.String()
 	}
 	sess := newSession(s, req.GetRelayId(), peerAddr, req.GetStreams(), int(req.GetMaxInFlight()), ttl)
-	s.addSession(sess)
+	s.addSession(ctx, sess)
 	defer s.removeSession(sess)
 	log := s.log.With("session", sess.id, "relay", sess.relayID, "peer", peerAddr)
 	log.Info("relay subscribed", "streams", sess.streams, "max_in_flight", sess.maxInFlight, "lease_ttl", ttl)
@@ -104,6 +105,7 @@ func (r *relayService) checkStreamsExist(ctx context.Context, streams []string) 
 
 func (r *relayService) Ack(ctx context.Context, req *outboxv1.AckRequest) (*outboxv1.AckResponse, error) {
 	s := r.s
+	defer func(start time.Time) { s.metrics.ackDuration.Observe(time.Since(start).Seconds()) }(time.Now())
 	items := req.GetAcks()
 	if len(items) == 0 || len(items) > maxAckItems {
 		var f fieldErrors
@@ -135,7 +137,19 @@ func (r *relayService) Ack(ctx context.Context, req *outboxv1.AckRequest) (*outb
 			res.Status, res.Message = ackStatus(byID[id].Status)
 		}
 	}
+	for _, res := range results {
+		s.metrics.acks.WithLabelValues(ackResultLabel[res.Status]).Inc()
+	}
 	return &outboxv1.AckResponse{Results: results}, nil
+}
+
+var ackResultLabel = map[outboxv1.AckStatus]string{
+	outboxv1.AckStatus_ACK_STATUS_UNSPECIFIED:       "unknown",
+	outboxv1.AckStatus_ACK_STATUS_PUBLISHED:         "published",
+	outboxv1.AckStatus_ACK_STATUS_ALREADY_PUBLISHED: "already_published",
+	outboxv1.AckStatus_ACK_STATUS_LEASE_LOST:        "lease_lost",
+	outboxv1.AckStatus_ACK_STATUS_NOT_FOUND:         "not_found",
+	outboxv1.AckStatus_ACK_STATUS_INVALID:           "invalid",
 }
 
 func ackStatus(st store.AckStatus) (outboxv1.AckStatus, string) {
@@ -191,7 +205,12 @@ func (r *relayService) Nack(ctx context.Context, req *outboxv1.NackRequest) (*ou
 		return nil, s.dbError(ctx, "nack", err)
 	}
 	if res.Holder != uuid.Nil {
-		s.released(res.Holder, t.EventID)
+		s.released(res.Holder, t.EventID, false)
+	}
+	if res.Parked {
+		s.metrics.nacks.WithLabelValues("parked").Inc()
+	} else {
+		s.metrics.nacks.WithLabelValues("backoff").Inc()
 	}
 	out := &outboxv1.NackResponse{Parked: res.Parked, Failures: uint32(res.Failures)}
 	if !res.NextAttemptAt.IsZero() {

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -57,6 +58,21 @@ type Config struct {
 	ReconcileInterval time.Duration
 	// AckBatch is the most acks one group commit applies. Default 2000.
 	AckBatch int
+
+	// Registerer receives the replica's Prometheus metrics, including the
+	// database-wide backlog gauges read at scrape time. Default: none.
+	Registerer prometheus.Registerer
+	// SessionRefreshInterval is how often the replica records its relay
+	// sessions' figures in the database for ListRelays; a session not
+	// refreshed for three intervals counts as gone. Default 5s.
+	SessionRefreshInterval time.Duration
+	// Retention, when positive, makes the replica's janitor delete events
+	// published longer ago than this, every JanitorInterval, in batches of
+	// JanitorBatch. Default 0: keep everything.
+	Retention time.Duration
+	// JanitorInterval defaults to 1m; JanitorBatch to 1000.
+	JanitorInterval time.Duration
+	JanitorBatch    int
 }
 
 func (c *Config) setDefaults() error {
@@ -94,6 +110,9 @@ func (c *Config) setDefaults() error {
 	defInt(&c.ClaimBatch, 64)
 	defInt(&c.MaxFailures, 10)
 	defInt(&c.AckBatch, 2000)
+	def(&c.SessionRefreshInterval, 5*time.Second)
+	def(&c.JanitorInterval, time.Minute)
+	defInt(&c.JanitorBatch, 1000)
 	switch {
 	case c.MinLeaseTTL <= 0 || c.MaxLeaseTTL < c.MinLeaseTTL:
 		return fmt.Errorf("server: Config.MinLeaseTTL %v / MaxLeaseTTL %v: want 0 < min <= max", c.MinLeaseTTL, c.MaxLeaseTTL)
@@ -111,6 +130,11 @@ func (c *Config) setDefaults() error {
 		return errors.New("server: Config.PollInterval and ReconcileInterval must be positive")
 	case c.AckBatch < 1:
 		return fmt.Errorf("server: Config.AckBatch %d must be positive", c.AckBatch)
+	case c.SessionRefreshInterval <= 0:
+		return fmt.Errorf("server: Config.SessionRefreshInterval %v must be positive", c.SessionRefreshInterval)
+	case c.Retention < 0 || c.JanitorInterval <= 0 || c.JanitorBatch < 1 || c.JanitorBatch > maxPurgeBatch:
+		return fmt.Errorf("server: Config.Retention %v, JanitorInterval %v, JanitorBatch %d: want retention >= 0, interval > 0, 1 <= batch <= %d",
+			c.Retention, c.JanitorInterval, c.JanitorBatch, maxPurgeBatch)
 	}
 	return nil
 }
@@ -119,12 +143,13 @@ func (c *Config) setDefaults() error {
 // the shared database. Create it with New, register it on a grpc.Server, and
 // run it with Run.
 type Server struct {
-	cfg    Config
-	log    *slog.Logger
-	store  *store.Store
-	signer *leasetoken.Signer
-	acks   *ackCommitter
-	wake   *waker
+	cfg     Config
+	log     *slog.Logger
+	store   *store.Store
+	signer  *leasetoken.Signer
+	acks    *ackCommitter
+	wake    *waker
+	metrics *metrics
 
 	mu       sync.Mutex
 	sessions map[uuid.UUID]*session
@@ -153,9 +178,17 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 		signer:   signer,
 		sessions: make(map[uuid.UUID]*session),
 		stopping: make(chan struct{}),
+		metrics:  newMetrics(),
 	}
 	s.acks = newAckCommitter(s)
 	s.wake = newWaker(s)
+	if cfg.Registerer != nil {
+		for _, c := range append(s.metrics.collectors(), newLagCollector(s)) {
+			if err := cfg.Registerer.Register(c); err != nil {
+				return nil, fmt.Errorf("server: registering metrics: %w", err)
+			}
+		}
+	}
 	return s, nil
 }
 
@@ -166,12 +199,14 @@ func (s *Server) Register(g grpc.ServiceRegistrar) {
 }
 
 // Run runs the replica's background work (group-committed acks, the
-// LISTEN connection) until ctx is done. Call Stop first for a graceful end.
+// LISTEN connection, the relay-session registry, the retention janitor)
+// until ctx is done. Call Stop first for a graceful end.
 func (s *Server) Run(ctx context.Context) error {
 	var wg sync.WaitGroup
-	wg.Add(2)
+	wg.Add(3)
 	go func() { defer wg.Done(); s.acks.run(ctx) }()
 	go func() { defer wg.Done(); s.wake.run(ctx) }()
+	go func() { defer wg.Done(); s.housekeep(ctx) }()
 	wg.Wait()
 	return nil
 }
@@ -195,27 +230,40 @@ func (s *Server) Stop(ctx context.Context) {
 	}
 }
 
-func (s *Server) addSession(sess *session) {
+// addSession makes sess known locally and, for ListRelays, to every
+// replica.
+func (s *Server) addSession(ctx context.Context, sess *session) {
 	s.mu.Lock()
-	defer s.mu.Unlock()
 	s.sessions[sess.id] = sess
 	s.sessWG.Add(1)
+	s.mu.Unlock()
+	s.metrics.sessions.Inc()
+	if err := s.store.SaveRelaySessions(ctx, []store.RelaySession{sess.record()}); err != nil && ctx.Err() == nil {
+		s.log.Warn("recording relay session failed; ListRelays shows it after the next refresh", "err", err)
+	}
 }
 
 func (s *Server) removeSession(sess *session) {
+	ctx, cancel := context.WithTimeout(context.Background(), releaseTimeout)
+	defer cancel()
+	if err := s.store.DeleteRelaySession(ctx, sess.id); err != nil {
+		s.log.Warn("forgetting relay session failed; it disappears from ListRelays when stale", "err", err)
+	}
+	s.metrics.sessions.Dec()
 	s.mu.Lock()
 	delete(s.sessions, sess.id)
 	s.mu.Unlock()
 	s.sessWG.Done()
 }
 
-// released tells the local session holder that a lease of event id is gone.
-func (s *Server) released(holder uuid.UUID, id uuid.UUID) {
+// released tells the local session holder that its lease of event id ended,
+// by an ack (published) or a nack.
+func (s *Server) released(holder uuid.UUID, id uuid.UUID, published bool) {
 	s.mu.Lock()
 	sess := s.sessions[holder]
 	s.mu.Unlock()
 	if sess != nil {
-		sess.free(id)
+		sess.free(id, published)
 	}
 }
 

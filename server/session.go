@@ -46,7 +46,7 @@ type session struct {
 	acked     atomic.Uint64
 
 	mu        sync.Mutex
-	freed     []uuid.UUID
+	freed     []freedLease
 	reconcile bool
 	kick      chan struct{} // capacity 1: "look at freed/reconcile"
 	aborted   chan struct{}
@@ -63,12 +63,18 @@ func newSession(srv *Server, relayID, peer string, streams []string, maxInFlight
 	}
 }
 
-// free records that the lease on event id ended (acked or nacked).
-func (ss *session) free(id uuid.UUID) {
+// free records that the lease on event id ended: acked (published) or
+// nacked.
+func (ss *session) free(id uuid.UUID, published bool) {
 	ss.mu.Lock()
-	ss.freed = append(ss.freed, id)
+	ss.freed = append(ss.freed, freedLease{id, published})
 	ss.mu.Unlock()
 	ss.poke()
+}
+
+type freedLease struct {
+	id        uuid.UUID
+	published bool
 }
 
 // requestReconcile asks the loop to recheck its leases against the database.
@@ -128,6 +134,10 @@ func (ss *session) run(ctx context.Context, send func(*outboxv1.SubscribeRespons
 			}
 			for _, l := range leases {
 				ss.inflight[l.Event.ID] = struct{}{}
+				ss.srv.metrics.deliveries.Inc()
+				if l.Attempt > 1 {
+					ss.srv.metrics.redeliveries.Inc()
+				}
 				if err := send(ss.delivery(l)); err != nil {
 					ss.inflightN.Store(int64(len(ss.inflight)))
 					return err
@@ -187,10 +197,12 @@ func (ss *session) applyFreed(ctx context.Context) error {
 	freed, reconcile := ss.freed, ss.reconcile
 	ss.freed, ss.reconcile = nil, false
 	ss.mu.Unlock()
-	for _, id := range freed {
-		if _, ok := ss.inflight[id]; ok {
-			delete(ss.inflight, id)
-			ss.acked.Add(1)
+	for _, f := range freed {
+		if _, ok := ss.inflight[f.id]; ok {
+			delete(ss.inflight, f.id)
+			if f.published {
+				ss.acked.Add(1)
+			}
 		}
 	}
 	if reconcile && len(ss.inflight) > 0 {
@@ -201,33 +213,56 @@ func (ss *session) applyFreed(ctx context.Context) error {
 			}
 			ss.srv.log.Warn("reconcile failed", "session", ss.id, "err", err)
 		} else {
+			var gone []uuid.UUID
 			for id := range ss.inflight {
 				if !held[id] {
 					delete(ss.inflight, id)
+					gone = append(gone, id)
 				}
 			}
+			ss.countGone(ctx, gone)
 		}
 	}
 	ss.inflightN.Store(int64(len(ss.inflight)))
 	return nil
 }
 
+// countGone sorts leases that ended without this replica seeing an ack or
+// nack: acked through another replica, or lost (expired and leased again, or
+// ended by an operator's skip).
+func (ss *session) countGone(ctx context.Context, gone []uuid.UUID) {
+	if len(gone) == 0 {
+		return
+	}
+	published, err := ss.srv.store.PublishedAmong(ctx, gone)
+	if err != nil {
+		return // only figures are at stake
+	}
+	ss.acked.Add(uint64(len(published)))
+	ss.srv.metrics.leasesExpired.Add(float64(len(gone) - len(published)))
+}
+
 func (ss *session) delivery(l store.Lease) *outboxv1.SubscribeResponse {
 	e := l.Event
 	return &outboxv1.SubscribeResponse{
-		Event: &outboxv1.Event{
-			EventId:      e.ID.String(),
-			Stream:       e.Stream,
-			AggregateKey: e.AggregateKey,
-			Revision:     e.Revision,
-			EventType:    e.Type,
-			Payload:      e.Payload,
-			Headers:      e.Headers,
-			CreatedAt:    timestamppb.New(e.CreatedAt),
-		},
+		Event:          eventProto(e),
 		LeaseToken:     ss.srv.signer.Sign(leasetoken.Token{EventID: e.ID, Epoch: l.Epoch}),
 		LeaseExpiresAt: timestamppb.New(l.ExpiresAt),
 		Attempt:        uint32(l.Attempt),
+	}
+}
+
+// eventProto is an event as the protocol carries it.
+func eventProto(e store.Event) *outboxv1.Event {
+	return &outboxv1.Event{
+		EventId:      e.ID.String(),
+		Stream:       e.Stream,
+		AggregateKey: e.AggregateKey,
+		Revision:     e.Revision,
+		EventType:    e.Type,
+		Payload:      e.Payload,
+		Headers:      e.Headers,
+		CreatedAt:    timestamppb.New(e.CreatedAt),
 	}
 }
 

@@ -116,6 +116,9 @@ type AckResult struct {
 	Status  AckStatus
 	// Holder is the session whose lease this ack ended, if any.
 	Holder uuid.UUID
+	// PublishLag is how long the event waited from created_at to this
+	// commit, by the database clock; set for AckPublished.
+	PublishLag time.Duration
 }
 
 // Ack marks events published in one transaction, each checked on its own.
@@ -132,7 +135,12 @@ func (s *Store) Ack(ctx context.Context, ids []uuid.UUID, replicaID string) ([]A
 }
 
 func (s *Store) ack(ctx context.Context, ids []uuid.UUID, replicaID string) ([]AckResult, error) {
-	rows, err := s.pool.Query(ctx, `SELECT event_id, status, holder FROM outbox.ack($1, $2)`, ids, replicaID)
+	// The join reads each published event's created_at by primary key, as
+	// of before the call (created_at never changes).
+	rows, err := s.pool.Query(ctx, `
+		SELECT a.event_id, a.status, a.holder, clock_timestamp() - e.created_at
+		FROM outbox.ack($1, $2) a
+		LEFT JOIN outbox.event e ON e.event_id = a.event_id AND a.status = 'published'`, ids, replicaID)
 	if err != nil {
 		return nil, fmt.Errorf("store: ack: %w", err)
 	}
@@ -140,8 +148,12 @@ func (s *Store) ack(ctx context.Context, ids []uuid.UUID, replicaID string) ([]A
 		var r AckResult
 		var status string
 		var holder *uuid.UUID
-		if err := row.Scan(&r.EventID, &status, &holder); err != nil {
+		var lag *time.Duration
+		if err := row.Scan(&r.EventID, &status, &holder, &lag); err != nil {
 			return r, err
+		}
+		if lag != nil {
+			r.PublishLag = *lag
 		}
 		if holder != nil {
 			r.Holder = *holder
@@ -248,6 +260,20 @@ func (s *Store) HeldEvents(ctx context.Context, holder uuid.UUID) (map[uuid.UUID
 		held[id] = true
 	}
 	return held, nil
+}
+
+// PublishedAmong returns which of ids are published.
+func (s *Store) PublishedAmong(ctx context.Context, ids []uuid.UUID) ([]uuid.UUID, error) {
+	rows, err := s.pool.Query(ctx,
+		`SELECT event_id FROM outbox.event WHERE event_id = ANY ($1) AND published_at IS NOT NULL`, ids)
+	if err != nil {
+		return nil, fmt.Errorf("store: published among: %w", err)
+	}
+	published, err := pgx.CollectRows(rows, pgx.RowTo[uuid.UUID])
+	if err != nil {
+		return nil, fmt.Errorf("store: published among: %w", err)
+	}
+	return published, nil
 }
 
 // isRetryable reports deadlocks and serialization failures, which a retry of

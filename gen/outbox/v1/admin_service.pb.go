@@ -282,10 +282,22 @@ type StreamLag struct {
 	// backing_off_aggregates counts aggregates waiting to retry after a nack.
 	BackingOffAggregates int64 `protobuf:"varint,8,opt,name=backing_off_aggregates,json=backingOffAggregates,proto3" json:"backing_off_aggregates,omitempty"`
 	// delivered_per_second is the rate of events marked published over the last
-	// minute.
+	// minute: delivered_last_minute / 60.
 	DeliveredPerSecond float64 `protobuf:"fixed64,9,opt,name=delivered_per_second,json=deliveredPerSecond,proto3" json:"delivered_per_second,omitempty"`
-	unknownFields      protoimpl.UnknownFields
-	sizeCache          protoimpl.SizeCache
+	// oldest_pending_created_at is the created_at of the oldest pending event;
+	// unset when nothing is pending. oldest_pending_age is measured from it.
+	OldestPendingCreatedAt *timestamppb.Timestamp `protobuf:"bytes,10,opt,name=oldest_pending_created_at,json=oldestPendingCreatedAt,proto3" json:"oldest_pending_created_at,omitempty"`
+	// oldest_held_age is how long the oldest pending event of a parked,
+	// backing-off or gap-held aggregate has waited: work that no relay is
+	// currently offered. Unset when there is none.
+	OldestHeldAge *durationpb.Duration `protobuf:"bytes,11,opt,name=oldest_held_age,json=oldestHeldAge,proto3" json:"oldest_held_age,omitempty"`
+	// delivered_last_minute counts events marked published in the last minute,
+	// counted in 5-second buckets (so the window is 55 to 60 seconds long).
+	DeliveredLastMinute int64 `protobuf:"varint,12,opt,name=delivered_last_minute,json=deliveredLastMinute,proto3" json:"delivered_last_minute,omitempty"`
+	// ready_aggregates counts aggregates whose next event waits for a relay.
+	ReadyAggregates int64 `protobuf:"varint,13,opt,name=ready_aggregates,json=readyAggregates,proto3" json:"ready_aggregates,omitempty"`
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
 }
 
 func (x *StreamLag) Reset() {
@@ -377,6 +389,34 @@ func (x *StreamLag) GetBackingOffAggregates() int64 {
 func (x *StreamLag) GetDeliveredPerSecond() float64 {
 	if x != nil {
 		return x.DeliveredPerSecond
+	}
+	return 0
+}
+
+func (x *StreamLag) GetOldestPendingCreatedAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.OldestPendingCreatedAt
+	}
+	return nil
+}
+
+func (x *StreamLag) GetOldestHeldAge() *durationpb.Duration {
+	if x != nil {
+		return x.OldestHeldAge
+	}
+	return nil
+}
+
+func (x *StreamLag) GetDeliveredLastMinute() int64 {
+	if x != nil {
+		return x.DeliveredLastMinute
+	}
+	return 0
+}
+
+func (x *StreamLag) GetReadyAggregates() int64 {
+	if x != nil {
+		return x.ReadyAggregates
 	}
 	return 0
 }
@@ -722,9 +762,15 @@ type Aggregate struct {
 	// parked_reason says why it was parked.
 	ParkedReason string `protobuf:"bytes,17,opt,name=parked_reason,json=parkedReason,proto3" json:"parked_reason,omitempty"`
 	// gap_revision is the missing revision a gap-held aggregate waits for.
-	GapRevision   int64 `protobuf:"varint,18,opt,name=gap_revision,json=gapRevision,proto3" json:"gap_revision,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	GapRevision int64 `protobuf:"varint,18,opt,name=gap_revision,json=gapRevision,proto3" json:"gap_revision,omitempty"`
+	// next_pending_revision is the revision of the aggregate's next pending
+	// event; 0 when nothing is pending.
+	NextPendingRevision int64 `protobuf:"varint,19,opt,name=next_pending_revision,json=nextPendingRevision,proto3" json:"next_pending_revision,omitempty"`
+	// oldest_pending_created_at is the created_at of the aggregate's oldest
+	// pending event; unset when nothing is pending.
+	OldestPendingCreatedAt *timestamppb.Timestamp `protobuf:"bytes,20,opt,name=oldest_pending_created_at,json=oldestPendingCreatedAt,proto3" json:"oldest_pending_created_at,omitempty"`
+	unknownFields          protoimpl.UnknownFields
+	sizeCache              protoimpl.SizeCache
 }
 
 func (x *Aggregate) Reset() {
@@ -881,6 +927,20 @@ func (x *Aggregate) GetGapRevision() int64 {
 		return x.GapRevision
 	}
 	return 0
+}
+
+func (x *Aggregate) GetNextPendingRevision() int64 {
+	if x != nil {
+		return x.NextPendingRevision
+	}
+	return 0
+}
+
+func (x *Aggregate) GetOldestPendingCreatedAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.OldestPendingCreatedAt
+	}
+	return nil
 }
 
 // ListEventsRequest filters and pages events.
@@ -1186,8 +1246,11 @@ type RetryAggregateRequest struct {
 	// revisions: delivery resumes at the next revision that exists, and the
 	// decision is recorded like a skip (reason required then).
 	AcceptGap bool `protobuf:"varint,3,opt,name=accept_gap,json=acceptGap,proto3" json:"accept_gap,omitempty"`
-	// reason is recorded with accept_gap; ignored otherwise.
-	Reason        string `protobuf:"bytes,4,opt,name=reason,proto3" json:"reason,omitempty"`
+	// reason is recorded with accept_gap (1 to 1024 characters); ignored
+	// otherwise.
+	Reason string `protobuf:"bytes,4,opt,name=reason,proto3" json:"reason,omitempty"`
+	// actor names who asks, when the credential does not already say so.
+	Actor         string `protobuf:"bytes,5,opt,name=actor,proto3" json:"actor,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1246,6 +1309,13 @@ func (x *RetryAggregateRequest) GetAcceptGap() bool {
 func (x *RetryAggregateRequest) GetReason() string {
 	if x != nil {
 		return x.Reason
+	}
+	return ""
+}
+
+func (x *RetryAggregateRequest) GetActor() string {
+	if x != nil {
+		return x.Actor
 	}
 	return ""
 }
@@ -1572,7 +1642,7 @@ const file_outbox_v1_admin_service_proto_rawDesc = "" +
 	"\x0eGetLagResponse\x12.\n" +
 	"\astreams\x18\x01 \x03(\v2\x14.outbox.v1.StreamLagR\astreams\x12*\n" +
 	"\x05total\x18\x02 \x01(\v2\x14.outbox.v1.StreamLagR\x05total\x12)\n" +
-	"\x10connected_relays\x18\x03 \x01(\rR\x0fconnectedRelays\"\xab\x03\n" +
+	"\x10connected_relays\x18\x03 \x01(\rR\x0fconnectedRelays\"\xa4\x05\n" +
 	"\tStreamLag\x12\x16\n" +
 	"\x06stream\x18\x01 \x01(\tR\x06stream\x12%\n" +
 	"\x0epending_events\x18\x02 \x01(\x03R\rpendingEvents\x12-\n" +
@@ -1582,7 +1652,12 @@ const file_outbox_v1_admin_service_proto_rawDesc = "" +
 	"\x11parked_aggregates\x18\x06 \x01(\x03R\x10parkedAggregates\x12%\n" +
 	"\x0egap_aggregates\x18\a \x01(\x03R\rgapAggregates\x124\n" +
 	"\x16backing_off_aggregates\x18\b \x01(\x03R\x14backingOffAggregates\x120\n" +
-	"\x14delivered_per_second\x18\t \x01(\x01R\x12deliveredPerSecond\"\x13\n" +
+	"\x14delivered_per_second\x18\t \x01(\x01R\x12deliveredPerSecond\x12U\n" +
+	"\x19oldest_pending_created_at\x18\n" +
+	" \x01(\v2\x1a.google.protobuf.TimestampR\x16oldestPendingCreatedAt\x12A\n" +
+	"\x0foldest_held_age\x18\v \x01(\v2\x19.google.protobuf.DurationR\roldestHeldAge\x122\n" +
+	"\x15delivered_last_minute\x18\f \x01(\x03R\x13deliveredLastMinute\x12)\n" +
+	"\x10ready_aggregates\x18\r \x01(\x03R\x0freadyAggregates\"\x13\n" +
 	"\x11ListRelaysRequest\">\n" +
 	"\x12ListRelaysResponse\x12(\n" +
 	"\x06relays\x18\x01 \x03(\v2\x10.outbox.v1.RelayR\x06relays\"\xa4\x02\n" +
@@ -1602,7 +1677,7 @@ const file_outbox_v1_admin_service_proto_rawDesc = "" +
 	"\x06stream\x18\x01 \x01(\tR\x06stream\x12#\n" +
 	"\raggregate_key\x18\x02 \x01(\tR\faggregateKey\"J\n" +
 	"\x14GetAggregateResponse\x122\n" +
-	"\taggregate\x18\x01 \x01(\v2\x14.outbox.v1.AggregateR\taggregate\"\xe6\x05\n" +
+	"\taggregate\x18\x01 \x01(\v2\x14.outbox.v1.AggregateR\taggregate\"\xf1\x06\n" +
 	"\tAggregate\x12\x16\n" +
 	"\x06stream\x18\x01 \x01(\tR\x06stream\x12#\n" +
 	"\raggregate_key\x18\x02 \x01(\tR\faggregateKey\x12/\n" +
@@ -1624,7 +1699,9 @@ const file_outbox_v1_admin_service_proto_rawDesc = "" +
 	"\x0fnext_attempt_at\x18\x0f \x01(\v2\x1a.google.protobuf.TimestampR\rnextAttemptAt\x127\n" +
 	"\tparked_at\x18\x10 \x01(\v2\x1a.google.protobuf.TimestampR\bparkedAt\x12#\n" +
 	"\rparked_reason\x18\x11 \x01(\tR\fparkedReason\x12!\n" +
-	"\fgap_revision\x18\x12 \x01(\x03R\vgapRevision\"\xbd\x02\n" +
+	"\fgap_revision\x18\x12 \x01(\x03R\vgapRevision\x122\n" +
+	"\x15next_pending_revision\x18\x13 \x01(\x03R\x13nextPendingRevision\x12U\n" +
+	"\x19oldest_pending_created_at\x18\x14 \x01(\v2\x1a.google.protobuf.TimestampR\x16oldestPendingCreatedAt\"\xbd\x02\n" +
 	"\x11ListEventsRequest\x12\x16\n" +
 	"\x06stream\x18\x01 \x01(\tR\x06stream\x12#\n" +
 	"\raggregate_key\x18\x02 \x01(\tR\faggregateKey\x12+\n" +
@@ -1646,13 +1723,14 @@ const file_outbox_v1_admin_service_proto_rawDesc = "" +
 	"\x06reason\x18\x01 \x01(\tR\x06reason\x12\x14\n" +
 	"\x05actor\x18\x02 \x01(\tR\x05actor\x129\n" +
 	"\n" +
-	"skipped_at\x18\x03 \x01(\v2\x1a.google.protobuf.TimestampR\tskippedAt\"\x8b\x01\n" +
+	"skipped_at\x18\x03 \x01(\v2\x1a.google.protobuf.TimestampR\tskippedAt\"\xa1\x01\n" +
 	"\x15RetryAggregateRequest\x12\x16\n" +
 	"\x06stream\x18\x01 \x01(\tR\x06stream\x12#\n" +
 	"\raggregate_key\x18\x02 \x01(\tR\faggregateKey\x12\x1d\n" +
 	"\n" +
 	"accept_gap\x18\x03 \x01(\bR\tacceptGap\x12\x16\n" +
-	"\x06reason\x18\x04 \x01(\tR\x06reason\"L\n" +
+	"\x06reason\x18\x04 \x01(\tR\x06reason\x12\x14\n" +
+	"\x05actor\x18\x05 \x01(\tR\x05actor\"L\n" +
 	"\x16RetryAggregateResponse\x122\n" +
 	"\taggregate\x18\x01 \x01(\v2\x14.outbox.v1.AggregateR\taggregate\"[\n" +
 	"\x10SkipEventRequest\x12\x19\n" +
@@ -1742,45 +1820,48 @@ var file_outbox_v1_admin_service_proto_depIdxs = []int32{
 	4,  // 0: outbox.v1.GetLagResponse.streams:type_name -> outbox.v1.StreamLag
 	4,  // 1: outbox.v1.GetLagResponse.total:type_name -> outbox.v1.StreamLag
 	21, // 2: outbox.v1.StreamLag.oldest_pending_age:type_name -> google.protobuf.Duration
-	7,  // 3: outbox.v1.ListRelaysResponse.relays:type_name -> outbox.v1.Relay
-	22, // 4: outbox.v1.Relay.connected_at:type_name -> google.protobuf.Timestamp
-	10, // 5: outbox.v1.GetAggregateResponse.aggregate:type_name -> outbox.v1.Aggregate
-	0,  // 6: outbox.v1.Aggregate.state:type_name -> outbox.v1.AggregateState
-	22, // 7: outbox.v1.Aggregate.lease_expires_at:type_name -> google.protobuf.Timestamp
-	22, // 8: outbox.v1.Aggregate.next_attempt_at:type_name -> google.protobuf.Timestamp
-	22, // 9: outbox.v1.Aggregate.parked_at:type_name -> google.protobuf.Timestamp
-	1,  // 10: outbox.v1.ListEventsRequest.state:type_name -> outbox.v1.EventState
-	22, // 11: outbox.v1.ListEventsRequest.created_after:type_name -> google.protobuf.Timestamp
-	22, // 12: outbox.v1.ListEventsRequest.created_before:type_name -> google.protobuf.Timestamp
-	13, // 13: outbox.v1.ListEventsResponse.events:type_name -> outbox.v1.EventInfo
-	23, // 14: outbox.v1.EventInfo.event:type_name -> outbox.v1.Event
-	1,  // 15: outbox.v1.EventInfo.state:type_name -> outbox.v1.EventState
-	22, // 16: outbox.v1.EventInfo.published_at:type_name -> google.protobuf.Timestamp
-	14, // 17: outbox.v1.EventInfo.skip:type_name -> outbox.v1.Skip
-	22, // 18: outbox.v1.Skip.skipped_at:type_name -> google.protobuf.Timestamp
-	10, // 19: outbox.v1.RetryAggregateResponse.aggregate:type_name -> outbox.v1.Aggregate
-	14, // 20: outbox.v1.SkipEventResponse.skip:type_name -> outbox.v1.Skip
-	22, // 21: outbox.v1.PurgeRequest.published_before:type_name -> google.protobuf.Timestamp
-	21, // 22: outbox.v1.PurgeResponse.elapsed:type_name -> google.protobuf.Duration
-	2,  // 23: outbox.v1.AdminService.GetLag:input_type -> outbox.v1.GetLagRequest
-	5,  // 24: outbox.v1.AdminService.ListRelays:input_type -> outbox.v1.ListRelaysRequest
-	8,  // 25: outbox.v1.AdminService.GetAggregate:input_type -> outbox.v1.GetAggregateRequest
-	11, // 26: outbox.v1.AdminService.ListEvents:input_type -> outbox.v1.ListEventsRequest
-	15, // 27: outbox.v1.AdminService.RetryAggregate:input_type -> outbox.v1.RetryAggregateRequest
-	17, // 28: outbox.v1.AdminService.SkipEvent:input_type -> outbox.v1.SkipEventRequest
-	19, // 29: outbox.v1.AdminService.Purge:input_type -> outbox.v1.PurgeRequest
-	3,  // 30: outbox.v1.AdminService.GetLag:output_type -> outbox.v1.GetLagResponse
-	6,  // 31: outbox.v1.AdminService.ListRelays:output_type -> outbox.v1.ListRelaysResponse
-	9,  // 32: outbox.v1.AdminService.GetAggregate:output_type -> outbox.v1.GetAggregateResponse
-	12, // 33: outbox.v1.AdminService.ListEvents:output_type -> outbox.v1.ListEventsResponse
-	16, // 34: outbox.v1.AdminService.RetryAggregate:output_type -> outbox.v1.RetryAggregateResponse
-	18, // 35: outbox.v1.AdminService.SkipEvent:output_type -> outbox.v1.SkipEventResponse
-	20, // 36: outbox.v1.AdminService.Purge:output_type -> outbox.v1.PurgeResponse
-	30, // [30:37] is the sub-list for method output_type
-	23, // [23:30] is the sub-list for method input_type
-	23, // [23:23] is the sub-list for extension type_name
-	23, // [23:23] is the sub-list for extension extendee
-	0,  // [0:23] is the sub-list for field type_name
+	22, // 3: outbox.v1.StreamLag.oldest_pending_created_at:type_name -> google.protobuf.Timestamp
+	21, // 4: outbox.v1.StreamLag.oldest_held_age:type_name -> google.protobuf.Duration
+	7,  // 5: outbox.v1.ListRelaysResponse.relays:type_name -> outbox.v1.Relay
+	22, // 6: outbox.v1.Relay.connected_at:type_name -> google.protobuf.Timestamp
+	10, // 7: outbox.v1.GetAggregateResponse.aggregate:type_name -> outbox.v1.Aggregate
+	0,  // 8: outbox.v1.Aggregate.state:type_name -> outbox.v1.AggregateState
+	22, // 9: outbox.v1.Aggregate.lease_expires_at:type_name -> google.protobuf.Timestamp
+	22, // 10: outbox.v1.Aggregate.next_attempt_at:type_name -> google.protobuf.Timestamp
+	22, // 11: outbox.v1.Aggregate.parked_at:type_name -> google.protobuf.Timestamp
+	22, // 12: outbox.v1.Aggregate.oldest_pending_created_at:type_name -> google.protobuf.Timestamp
+	1,  // 13: outbox.v1.ListEventsRequest.state:type_name -> outbox.v1.EventState
+	22, // 14: outbox.v1.ListEventsRequest.created_after:type_name -> google.protobuf.Timestamp
+	22, // 15: outbox.v1.ListEventsRequest.created_before:type_name -> google.protobuf.Timestamp
+	13, // 16: outbox.v1.ListEventsResponse.events:type_name -> outbox.v1.EventInfo
+	23, // 17: outbox.v1.EventInfo.event:type_name -> outbox.v1.Event
+	1,  // 18: outbox.v1.EventInfo.state:type_name -> outbox.v1.EventState
+	22, // 19: outbox.v1.EventInfo.published_at:type_name -> google.protobuf.Timestamp
+	14, // 20: outbox.v1.EventInfo.skip:type_name -> outbox.v1.Skip
+	22, // 21: outbox.v1.Skip.skipped_at:type_name -> google.protobuf.Timestamp
+	10, // 22: outbox.v1.RetryAggregateResponse.aggregate:type_name -> outbox.v1.Aggregate
+	14, // 23: outbox.v1.SkipEventResponse.skip:type_name -> outbox.v1.Skip
+	22, // 24: outbox.v1.PurgeRequest.published_before:type_name -> google.protobuf.Timestamp
+	21, // 25: outbox.v1.PurgeResponse.elapsed:type_name -> google.protobuf.Duration
+	2,  // 26: outbox.v1.AdminService.GetLag:input_type -> outbox.v1.GetLagRequest
+	5,  // 27: outbox.v1.AdminService.ListRelays:input_type -> outbox.v1.ListRelaysRequest
+	8,  // 28: outbox.v1.AdminService.GetAggregate:input_type -> outbox.v1.GetAggregateRequest
+	11, // 29: outbox.v1.AdminService.ListEvents:input_type -> outbox.v1.ListEventsRequest
+	15, // 30: outbox.v1.AdminService.RetryAggregate:input_type -> outbox.v1.RetryAggregateRequest
+	17, // 31: outbox.v1.AdminService.SkipEvent:input_type -> outbox.v1.SkipEventRequest
+	19, // 32: outbox.v1.AdminService.Purge:input_type -> outbox.v1.PurgeRequest
+	3,  // 33: outbox.v1.AdminService.GetLag:output_type -> outbox.v1.GetLagResponse
+	6,  // 34: outbox.v1.AdminService.ListRelays:output_type -> outbox.v1.ListRelaysResponse
+	9,  // 35: outbox.v1.AdminService.GetAggregate:output_type -> outbox.v1.GetAggregateResponse
+	12, // 36: outbox.v1.AdminService.ListEvents:output_type -> outbox.v1.ListEventsResponse
+	16, // 37: outbox.v1.AdminService.RetryAggregate:output_type -> outbox.v1.RetryAggregateResponse
+	18, // 38: outbox.v1.AdminService.SkipEvent:output_type -> outbox.v1.SkipEventResponse
+	20, // 39: outbox.v1.AdminService.Purge:output_type -> outbox.v1.PurgeResponse
+	33, // [33:40] is the sub-list for method output_type
+	26, // [26:33] is the sub-list for method input_type
+	26, // [26:26] is the sub-list for extension type_name
+	26, // [26:26] is the sub-list for extension extendee
+	0,  // [0:26] is the sub-list for field type_name
 }
 
 func init() { file_outbox_v1_admin_service_proto_init() }

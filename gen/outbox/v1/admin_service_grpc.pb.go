@@ -46,8 +46,12 @@ type AdminServiceClient interface {
 	GetAggregate(ctx context.Context, in *GetAggregateRequest, opts ...grpc.CallOption) (*GetAggregateResponse, error)
 	// ListEvents lists events, newest first, with cursor pagination.
 	ListEvents(ctx context.Context, in *ListEventsRequest, opts ...grpc.CallOption) (*ListEventsResponse, error)
-	// RetryAggregate makes a parked or backing-off aggregate deliverable now.
-	// NOT_FOUND if the aggregate has never had an event.
+	// RetryAggregate makes a parked or backing-off aggregate deliverable now,
+	// with a fresh set of attempts. For a gap-held aggregate it needs
+	// accept_gap and a reason. NOT_FOUND if the aggregate has never had an
+	// event; FAILED_PRECONDITION if it is idle, leased (wait for the lease to
+	// end) or held at a gap without accept_gap. A ready aggregate is returned
+	// unchanged.
 	RetryAggregate(ctx context.Context, in *RetryAggregateRequest, opts ...grpc.CallOption) (*RetryAggregateResponse, error)
 	// SkipEvent abandons one pending event: it will never be delivered nor
 	// marked published, stays queryable, and later revisions may proceed. The
@@ -165,8 +169,12 @@ type AdminServiceServer interface {
 	GetAggregate(context.Context, *GetAggregateRequest) (*GetAggregateResponse, error)
 	// ListEvents lists events, newest first, with cursor pagination.
 	ListEvents(context.Context, *ListEventsRequest) (*ListEventsResponse, error)
-	// RetryAggregate makes a parked or backing-off aggregate deliverable now.
-	// NOT_FOUND if the aggregate has never had an event.
+	// RetryAggregate makes a parked or backing-off aggregate deliverable now,
+	// with a fresh set of attempts. For a gap-held aggregate it needs
+	// accept_gap and a reason. NOT_FOUND if the aggregate has never had an
+	// event; FAILED_PRECONDITION if it is idle, leased (wait for the lease to
+	// end) or held at a gap without accept_gap. A ready aggregate is returned
+	// unchanged.
 	RetryAggregate(context.Context, *RetryAggregateRequest) (*RetryAggregateResponse, error)
 	// SkipEvent abandons one pending event: it will never be delivered nor
 	// marked published, stays queryable, and later revisions may proceed. The

@@ -1,0 +1,507 @@
+package store
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+)
+
+// Errors of the admin operations; the server maps each to a gRPC status.
+var (
+	// ErrNotFound: no such event or aggregate.
+	ErrNotFound = errors.New("store: not found")
+	// ErrAlreadyPublished: the event was published; there is nothing to skip.
+	ErrAlreadyPublished = errors.New("store: event is already published")
+	// ErrAlreadySkipped: the event was skipped before.
+	ErrAlreadySkipped = errors.New("store: event is already skipped")
+)
+
+// StateError says an aggregate is in a state the operation does not apply
+// to. Message is meant for the operator.
+type StateError struct{ Message string }
+
+func (e *StateError) Error() string { return e.Message }
+
+// StreamLag is the delivery backlog of one stream (or, with an empty Stream,
+// of several summed).
+type StreamLag struct {
+	Stream            string
+	PendingEvents     int64
+	PendingAggregates int64
+	// OldestPending is the created_at of the oldest pending event; zero when
+	// nothing is pending.
+	OldestPending time.Time
+	// OldestHeld is the created_at of the oldest pending event of a parked,
+	// backing-off or gap-held aggregate; zero when there is none.
+	OldestHeld time.Time
+	// Aggregates with pending events, by delivery state.
+	Ready, Leased, Backoff, Parked, Gap int64
+	// DeliveredLastMinute counts events published in the last minute.
+	DeliveredLastMinute int64
+}
+
+// Lag is a snapshot of delivery lag.
+type Lag struct {
+	// Now is the database clock when the snapshot was taken; ages are
+	// measured from it so that clock skew between hosts does not show.
+	Now     time.Time
+	Streams []StreamLag
+	// ConnectedRelays counts live Subscribe streams across replicas.
+	ConnectedRelays int64
+}
+
+// Lag reports the backlog per stream, limited to streams when not empty. It
+// reads the delivery rows of aggregates with pending work (an index scan)
+// and their pending events beyond each cursor (the event key index), so its
+// cost follows the backlog, never the table size. sessionTTL is how recently
+// a relay session must have been refreshed to count as connected.
+func (s *Store) Lag(ctx context.Context, streams []string, sessionTTL time.Duration) (Lag, error) {
+	var filter []string
+	if len(streams) > 0 {
+		filter = streams
+	}
+	lag := Lag{}
+	rows, err := s.pool.Query(ctx, `
+		WITH pend AS (
+		    SELECT d.stream, d.state, p.events, p.oldest_created_at
+		    FROM outbox.delivery d
+		    CROSS JOIN LATERAL outbox.pending_of(d.stream, d.aggregate_key, d.delivered_revision) p
+		    WHERE d.pending_since IS NOT NULL AND ($1::text[] IS NULL OR d.stream = ANY ($1))
+		      AND p.events > 0
+		), by_stream AS (
+		    SELECT stream, sum(events)::bigint AS events, count(*) AS aggregates,
+		           min(oldest_created_at) AS oldest,
+		           min(oldest_created_at) FILTER (WHERE state IN ('parked', 'backoff', 'gap')) AS oldest_held,
+		           count(*) FILTER (WHERE state = 'ready') AS ready,
+		           count(*) FILTER (WHERE state = 'leased') AS leased,
+		           count(*) FILTER (WHERE state = 'backoff') AS backoff,
+		           count(*) FILTER (WHERE state = 'parked') AS parked,
+		           count(*) FILTER (WHERE state = 'gap') AS gap
+		    FROM pend GROUP BY stream
+		), rate AS (
+		    SELECT stream, sum(events)::bigint AS delivered FROM outbox.delivered_count
+		    WHERE bucket > clock_timestamp() - interval '1 minute'
+		      AND ($1::text[] IS NULL OR stream = ANY ($1))
+		    GROUP BY stream
+		)
+		SELECT coalesce(b.stream, r.stream), coalesce(b.events, 0), coalesce(b.aggregates, 0),
+		       b.oldest, b.oldest_held, coalesce(b.ready, 0), coalesce(b.leased, 0),
+		       coalesce(b.backoff, 0), coalesce(b.parked, 0), coalesce(b.gap, 0),
+		       coalesce(r.delivered, 0)
+		FROM by_stream b FULL JOIN rate r ON r.stream = b.stream
+		ORDER BY 1`, filter)
+	if err != nil {
+		return lag, fmt.Errorf("store: lag: %w", err)
+	}
+	lag.Streams, err = pgx.CollectRows(rows, func(row pgx.CollectableRow) (StreamLag, error) {
+		var l StreamLag
+		var oldest, held *time.Time
+		err := row.Scan(&l.Stream, &l.PendingEvents, &l.PendingAggregates, &oldest, &held,
+			&l.Ready, &l.Leased, &l.Backoff, &l.Parked, &l.Gap, &l.DeliveredLastMinute)
+		l.OldestPending, l.OldestHeld = deref(oldest), deref(held)
+		return l, err
+	})
+	if err != nil {
+		return lag, fmt.Errorf("store: lag: %w", err)
+	}
+	err = s.pool.QueryRow(ctx, `
+		SELECT clock_timestamp(), count(*) FROM outbox.relay_session
+		WHERE seen_at > clock_timestamp() - $1::interval`, sessionTTL).Scan(&lag.Now, &lag.ConnectedRelays)
+	if err != nil {
+		return lag, fmt.Errorf("store: lag: %w", err)
+	}
+	return lag, nil
+}
+
+func deref(t *time.Time) time.Time {
+	if t == nil {
+		return time.Time{}
+	}
+	return *t
+}
+
+// RelaySession is one open Subscribe stream, as recorded for ListRelays.
+type RelaySession struct {
+	SessionID   uuid.UUID
+	RelayID     string
+	Peer        string
+	ReplicaID   string
+	Streams     []string
+	MaxInFlight int
+	InFlight    int
+	Acked       int64
+	ConnectedAt time.Time
+}
+
+// SaveRelaySessions records sessions as alive now, inserting new ones and
+// refreshing the counters of known ones.
+func (s *Store) SaveRelaySessions(ctx context.Context, sessions []RelaySession) error {
+	if len(sessions) == 0 {
+		return nil
+	}
+	var (
+		ids                  = make([]uuid.UUID, len(sessions))
+		relayIDs, peers, rep = make([]string, len(sessions)), make([]string, len(sessions)), make([]string, len(sessions))
+		streams              = make([]string, len(sessions))
+		maxes, inflight      = make([]int32, len(sessions)), make([]int32, len(sessions))
+		acked                = make([]int64, len(sessions))
+		connected            = make([]time.Time, len(sessions))
+	)
+	for i, r := range sessions {
+		ids[i], relayIDs[i], peers[i], rep[i] = r.SessionID, r.RelayID, r.Peer, r.ReplicaID
+		// Stream names cannot contain a comma (outbox.event checks them), so
+		// the list travels as one string per session.
+		streams[i] = strings.Join(r.Streams, ",")
+		maxes[i], inflight[i], acked[i], connected[i] = int32(r.MaxInFlight), int32(r.InFlight), r.Acked, r.ConnectedAt
+	}
+	_, err := s.pool.Exec(ctx, `
+		INSERT INTO outbox.relay_session AS r
+		    (session_id, relay_id, peer, replica_id, streams, max_in_flight, in_flight, acked, connected_at, seen_at)
+		SELECT u.id, u.relay_id, u.peer, u.replica_id,
+		       coalesce(string_to_array(nullif(u.streams, ''), ','), '{}'),
+		       u.max_in_flight, u.in_flight, u.acked, u.connected_at, clock_timestamp()
+		FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[], $6::int[], $7::int[],
+		            $8::bigint[], $9::timestamptz[])
+		     AS u(id, relay_id, peer, replica_id, streams, max_in_flight, in_flight, acked, connected_at)
+		ORDER BY u.id
+		ON CONFLICT (session_id) DO UPDATE
+		SET in_flight = excluded.in_flight, acked = excluded.acked, seen_at = excluded.seen_at`,
+		ids, relayIDs, peers, rep, streams, maxes, inflight, acked, connected)
+	if err != nil {
+		return fmt.Errorf("store: save relay sessions: %w", err)
+	}
+	return nil
+}
+
+// DeleteRelaySession forgets an ended session.
+func (s *Store) DeleteRelaySession(ctx context.Context, id uuid.UUID) error {
+	if _, err := s.pool.Exec(ctx, `DELETE FROM outbox.relay_session WHERE session_id = $1`, id); err != nil {
+		return fmt.Errorf("store: delete relay session: %w", err)
+	}
+	return nil
+}
+
+// DeleteStaleStats removes what crashed replicas left behind: relay sessions
+// not refreshed within sessionTTL, and delivery-rate buckets older than the
+// minute the rate covers.
+func (s *Store) DeleteStaleStats(ctx context.Context, sessionTTL time.Duration) error {
+	if _, err := s.pool.Exec(ctx,
+		`DELETE FROM outbox.relay_session WHERE seen_at < clock_timestamp() - $1::interval`, sessionTTL); err != nil {
+		return fmt.Errorf("store: delete stale relay sessions: %w", err)
+	}
+	if _, err := s.pool.Exec(ctx,
+		`DELETE FROM outbox.delivered_count WHERE bucket < clock_timestamp() - interval '2 minutes'`); err != nil {
+		return fmt.Errorf("store: delete old delivery counts: %w", err)
+	}
+	return nil
+}
+
+// RelaySessions lists sessions refreshed within sessionTTL, oldest first.
+func (s *Store) RelaySessions(ctx context.Context, sessionTTL time.Duration) ([]RelaySession, error) {
+	rows, err := s.pool.Query(ctx, `
+		SELECT session_id, relay_id, peer, replica_id, streams, max_in_flight, in_flight, acked, connected_at
+		FROM outbox.relay_session WHERE seen_at > clock_timestamp() - $1::interval
+		ORDER BY connected_at, session_id`, sessionTTL)
+	if err != nil {
+		return nil, fmt.Errorf("store: relay sessions: %w", err)
+	}
+	list, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (RelaySession, error) {
+		var r RelaySession
+		err := row.Scan(&r.SessionID, &r.RelayID, &r.Peer, &r.ReplicaID, &r.Streams,
+			&r.MaxInFlight, &r.InFlight, &r.Acked, &r.ConnectedAt)
+		return r, err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("store: relay sessions: %w", err)
+	}
+	return list, nil
+}
+
+// Aggregate is one aggregate's delivery state.
+type Aggregate struct {
+	Stream, AggregateKey string
+	State                string
+	LastRevision         int64
+	DeliveredRevision    int64
+	PendingEvents        int64
+	NextPendingRevision  int64
+	OldestPending        time.Time
+	Holder               uuid.UUID
+	HolderRelayID        string
+	Epoch                int64
+	LeaseExpiresAt       time.Time
+	LeasedEventID        uuid.UUID
+	Attempt, Failures    int
+	LastError            string
+	NextAttemptAt        time.Time
+	ParkedAt             time.Time
+	ParkedReason         string
+	GapRevision          int64
+}
+
+// querier is what a pool and a transaction have in common.
+type querier interface {
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}
+
+// GetAggregate returns an aggregate's delivery state, or ErrNotFound.
+func (s *Store) GetAggregate(ctx context.Context, stream, key string) (Aggregate, error) {
+	return getAggregate(ctx, s.pool, stream, key)
+}
+
+func getAggregate(ctx context.Context, q querier, stream, key string) (Aggregate, error) {
+	a := Aggregate{Stream: stream, AggregateKey: key}
+	var (
+		next                               *int64
+		oldest, expires, nextAt, parkedAt *time.Time
+		holder, leased                     *uuid.UUID
+		relayID, lastErr, parkedReason     *string
+		gap                                *int64
+	)
+	err := q.QueryRow(ctx, `
+		SELECT d.state, coalesce(g.last_revision, 0), d.delivered_revision,
+		       p.events, p.next_revision, p.oldest_created_at,
+		       d.holder, d.holder_relay_id, d.epoch, d.lease_expires_at, d.leased_event_id,
+		       d.attempt, d.failures, d.last_error, d.next_attempt_at, d.parked_at, d.parked_reason,
+		       d.gap_revision
+		FROM outbox.delivery d
+		LEFT JOIN outbox.aggregate g ON g.stream = d.stream AND g.aggregate_key = d.aggregate_key
+		CROSS JOIN LATERAL outbox.pending_of(d.stream, d.aggregate_key, d.delivered_revision) p
+		WHERE d.stream = $1 AND d.aggregate_key = $2`, stream, key).Scan(
+		&a.State, &a.LastRevision, &a.DeliveredRevision,
+		&a.PendingEvents, &next, &oldest,
+		&holder, &relayID, &a.Epoch, &expires, &leased,
+		&a.Attempt, &a.Failures, &lastErr, &nextAt, &parkedAt, &parkedReason, &gap)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return a, ErrNotFound
+	}
+	if err != nil {
+		return a, fmt.Errorf("store: get aggregate: %w", err)
+	}
+	if next != nil {
+		a.NextPendingRevision = *next
+	}
+	if holder != nil {
+		a.Holder = *holder
+	}
+	if leased != nil {
+		a.LeasedEventID = *leased
+	}
+	if gap != nil {
+		a.GapRevision = *gap
+	}
+	a.OldestPending, a.LeaseExpiresAt, a.NextAttemptAt, a.ParkedAt = deref(oldest), deref(expires), deref(nextAt), deref(parkedAt)
+	a.HolderRelayID, a.LastError, a.ParkedReason = derefString(relayID), derefString(lastErr), derefString(parkedReason)
+	return a, nil
+}
+
+func derefString(s *string) string {
+	if s == nil {
+		return ""
+	}
+	return *s
+}
+
+// RetryParams names the aggregate to retry and, for a gap, the operator's
+// decision.
+type RetryParams struct {
+	Stream, AggregateKey string
+	// AcceptGap gives up on the missing revisions of a gap-held aggregate;
+	// Reason and Actor are then recorded in outbox.accepted_gap.
+	AcceptGap     bool
+	Reason, Actor string
+}
+
+// RetryAggregate makes a parked or backing-off aggregate claimable now with
+// a fresh set of attempts, or resumes a gap-held one past its missing
+// revisions when p.AcceptGap. It returns the aggregate's new state, or
+// ErrNotFound, or a *StateError when the state does not allow it.
+func (s *Store) RetryAggregate(ctx context.Context, p RetryParams) (Aggregate, error) {
+	var a Aggregate
+	err := pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
+		if p.AcceptGap {
+			// Producers lock this row until they commit. Holding it, no
+			// producer is between inserting a missing revision and
+			// committing it, so "missing" is final for this transaction's
+			// next statements. Taken before the delivery row, in the
+			// producers' order, so the two cannot deadlock.
+			if _, err := tx.Exec(ctx, `SET LOCAL lock_timeout = '10s'`); err != nil {
+				return err
+			}
+			var one int
+			err := tx.QueryRow(ctx, `SELECT 1 FROM outbox.aggregate WHERE stream = $1 AND aggregate_key = $2 FOR UPDATE`,
+				p.Stream, p.AggregateKey).Scan(&one)
+			if errors.Is(err, pgx.ErrNoRows) {
+				return ErrNotFound
+			}
+			if err != nil {
+				return err
+			}
+		}
+		var state string
+		var holderRelay *string
+		var expires *time.Time
+		var delivered int64
+		err := tx.QueryRow(ctx, `
+			SELECT state, holder_relay_id, lease_expires_at, delivered_revision FROM outbox.delivery
+			WHERE stream = $1 AND aggregate_key = $2 FOR UPDATE`, p.Stream, p.AggregateKey).
+			Scan(&state, &holderRelay, &expires, &delivered)
+		if errors.Is(err, pgx.ErrNoRows) {
+			return ErrNotFound
+		}
+		if err != nil {
+			return err
+		}
+		switch state {
+		case "idle":
+			return &StateError{"aggregate has nothing pending; there is nothing to retry"}
+		case "leased":
+			return &StateError{fmt.Sprintf("aggregate is leased by relay %q until %s; wait for its ack, nack or lease expiry",
+				derefString(holderRelay), deref(expires).UTC().Format(time.RFC3339))}
+		case "ready":
+			// Already offered to relays; nothing to change.
+		case "backoff", "parked":
+			if _, err := tx.Exec(ctx, `
+				UPDATE outbox.delivery
+				SET state = 'ready', claimable_at = clock_timestamp(), next_attempt_at = NULL,
+				    failures = 0, parked_at = NULL, parked_reason = NULL
+				WHERE stream = $1 AND aggregate_key = $2`, p.Stream, p.AggregateKey); err != nil {
+				return err
+			}
+		case "gap":
+			if !p.AcceptGap {
+				return &StateError{fmt.Sprintf(
+					"aggregate is held at a gap: revision %d is missing; retry with accept_gap and a reason to deliver from the next revision that exists",
+					delivered+1)}
+			}
+			if err := acceptGap(ctx, tx, p, delivered); err != nil {
+				return err
+			}
+		default:
+			return fmt.Errorf("unknown delivery state %q", state)
+		}
+		a, err = getAggregate(ctx, tx, p.Stream, p.AggregateKey)
+		return err
+	})
+	if err != nil {
+		var se *StateError
+		if errors.Is(err, ErrNotFound) || errors.As(err, &se) {
+			return a, err
+		}
+		return a, fmt.Errorf("store: retry aggregate: %w", err)
+	}
+	return a, nil
+}
+
+// acceptGap moves the cursor of a gap-held aggregate to just before its next
+// existing pending revision and records the revisions given up. The caller
+// holds the producers' order lock and the delivery row.
+func acceptGap(ctx context.Context, tx pgx.Tx, p RetryParams, delivered int64) error {
+	var next *int64
+	if err := tx.QueryRow(ctx, `
+		SELECT min(revision) FROM outbox.event
+		WHERE stream = $1 AND aggregate_key = $2 AND revision > $3`,
+		p.Stream, p.AggregateKey, delivered).Scan(&next); err != nil {
+		return err
+	}
+	if next != nil && *next > delivered+1 {
+		if _, err := tx.Exec(ctx, `
+			INSERT INTO outbox.accepted_gap (stream, aggregate_key, from_revision, to_revision, reason, actor)
+			VALUES ($1, $2, $3, $4, $5, $6)`,
+			p.Stream, p.AggregateKey, delivered+1, *next-1, p.Reason, p.Actor); err != nil {
+			return err
+		}
+		delivered = *next - 1
+	}
+	// With nothing left after the gap (or the gap filled meanwhile), the
+	// claim settles the aggregate as usual.
+	_, err := tx.Exec(ctx, `
+		UPDATE outbox.delivery
+		SET state = 'ready', delivered_revision = $3, claimable_at = clock_timestamp(), gap_revision = NULL
+		WHERE stream = $1 AND aggregate_key = $2`, p.Stream, p.AggregateKey, delivered)
+	return err
+}
+
+// Skip is an operator's recorded abandonment of an event.
+type Skip struct {
+	Reason, Actor string
+	SkippedAt     time.Time
+}
+
+// SkipEvent abandons a pending event: it is recorded in outbox.skipped_event
+// and will never be delivered nor marked published. When it is its
+// aggregate's next event, the aggregate is offered again at once (ending any
+// lease on it, so its holder's ack gets LEASE_LOST). Errors: ErrNotFound,
+// ErrAlreadyPublished, ErrAlreadySkipped.
+func (s *Store) SkipEvent(ctx context.Context, id uuid.UUID, reason, actor string) (Skip, error) {
+	sk := Skip{Reason: reason, Actor: actor}
+	err := pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
+		// Event row first, then the delivery row: the order outbox.ack
+		// locks them in, so a concurrent ack and skip cannot deadlock.
+		var stream, key string
+		var revision int64
+		var published *time.Time
+		var skipped bool
+		err := tx.QueryRow(ctx, `
+			SELECT e.stream, e.aggregate_key, e.revision, e.published_at,
+			       EXISTS (SELECT 1 FROM outbox.skipped_event s WHERE s.event_id = e.event_id)
+			FROM outbox.event e WHERE e.event_id = $1 FOR UPDATE`, id).
+			Scan(&stream, &key, &revision, &published, &skipped)
+		switch {
+		case errors.Is(err, pgx.ErrNoRows):
+			return ErrNotFound
+		case err != nil:
+			return err
+		case published != nil:
+			return ErrAlreadyPublished
+		case skipped:
+			return ErrAlreadySkipped
+		}
+		var delivered int64
+		var holder *uuid.UUID
+		if err := tx.QueryRow(ctx, `
+			SELECT delivered_revision, holder FROM outbox.delivery
+			WHERE stream = $1 AND aggregate_key = $2 FOR UPDATE`, stream, key).Scan(&delivered, &holder); err != nil {
+			return err
+		}
+		if err := tx.QueryRow(ctx, `
+			INSERT INTO outbox.skipped_event (event_id, reason, actor) VALUES ($1, $2, $3)
+			RETURNING skipped_at`, id, reason, actor).Scan(&sk.SkippedAt); err != nil {
+			return err
+		}
+		if revision != delivered+1 {
+			return nil // a later revision: the claim steps over it when it comes
+		}
+		// The head event: whatever was happening to it (a lease, a backoff,
+		// parking) ends, and the next claim steps over it.
+		if _, err := tx.Exec(ctx, `
+			UPDATE outbox.delivery
+			SET state = 'ready', claimable_at = clock_timestamp(),
+			    holder = NULL, holder_relay_id = NULL, holder_replica_id = NULL, lease_expires_at = NULL,
+			    attempt = 0, failures = 0, next_attempt_at = NULL, parked_at = NULL, parked_reason = NULL
+			WHERE stream = $1 AND aggregate_key = $2 AND state IN ('ready', 'leased', 'backoff', 'parked')`,
+			stream, key); err != nil {
+			return err
+		}
+		if holder != nil {
+			// The holder's session frees the credit now (after commit), not
+			// at its next reconciliation.
+			if _, err := tx.Exec(ctx, `SELECT pg_notify('outbox_released', $1::text)`, holder.String()); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		if errors.Is(err, ErrNotFound) || errors.Is(err, ErrAlreadyPublished) || errors.Is(err, ErrAlreadySkipped) {
+			return sk, err
+		}
+		return sk, fmt.Errorf("store: skip event: %w", err)
+	}
+	return sk, nil
+}

@@ -1,0 +1,66 @@
+package server
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5/stdlib"
+
+	"github.com/outboxd/outboxd/migrations"
+)
+
+// Readiness is the replica's ability to serve: the database answers and its
+// schema is the one this binary expects.
+type Readiness struct {
+	Ready  bool
+	Reason string // why not, for logs and /readyz
+}
+
+// CheckReadiness pings the database and compares its applied migrations with
+// the embedded ones.
+func (s *Server) CheckReadiness(ctx context.Context) Readiness {
+	ctx, cancel := context.WithTimeout(ctx, 3*time.Second)
+	defer cancel()
+	if err := s.store.Pool().Ping(ctx); err != nil {
+		return Readiness{Reason: fmt.Sprintf("database unreachable: %v", err)}
+	}
+	db := stdlib.OpenDBFromPool(s.store.Pool())
+	defer db.Close()
+	n, err := migrations.Pending(ctx, db)
+	switch {
+	case err != nil:
+		return Readiness{Reason: fmt.Sprintf("reading schema version: %v", err)}
+	case n > 0:
+		return Readiness{Reason: fmt.Sprintf("%d schema migration(s) pending; run `outboxd migrate`", n)}
+	}
+	return Readiness{Ready: true}
+}
+
+// WatchReadiness checks readiness every interval and calls report when it
+// changes (and once at the start), until ctx is done.
+func (s *Server) WatchReadiness(ctx context.Context, interval time.Duration, report func(Readiness)) {
+	var last *Readiness
+	t := time.NewTicker(interval)
+	defer t.Stop()
+	for {
+		r := s.CheckReadiness(ctx)
+		if ctx.Err() != nil {
+			return
+		}
+		if last == nil || last.Ready != r.Ready {
+			if r.Ready {
+				s.log.Info("ready: database reachable and schema current")
+			} else {
+				s.log.Warn("not ready", "reason", r.Reason)
+			}
+			report(r)
+			last = &r
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+	}
+}

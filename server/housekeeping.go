@@ -1,0 +1,136 @@
+package server
+
+import (
+	"context"
+	"time"
+
+	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+	"github.com/outboxd/outboxd/internal/store"
+	"google.golang.org/protobuf/types/known/durationpb"
+)
+
+// sessionTTL is how long a relay session's row counts as alive without a
+// refresh: three refresh periods, so one slow refresh does not hide it.
+func (s *Server) sessionTTL() time.Duration { return 3 * s.cfg.SessionRefreshInterval }
+
+// sessionRecord is what ListRelays shows of a local session.
+func (ss *session) record() store.RelaySession {
+	return store.RelaySession{
+		SessionID: ss.id, RelayID: ss.relayID, Peer: ss.peer, ReplicaID: ss.srv.cfg.ReplicaID,
+		Streams: ss.streams, MaxInFlight: ss.maxInFlight, InFlight: int(ss.inflightN.Load()),
+		Acked: int64(ss.acked.Load()), ConnectedAt: ss.connectedAt,
+	}
+}
+
+// saveSessions records every local session as alive, with its counters.
+func (s *Server) saveSessions(ctx context.Context) {
+	var recs []store.RelaySession
+	s.forEachSession(func(ss *session) { recs = append(recs, ss.record()) })
+	if err := s.store.SaveRelaySessions(ctx, recs); err != nil && ctx.Err() == nil {
+		s.log.Warn("refreshing relay sessions failed", "err", err)
+	}
+}
+
+// housekeep refreshes this replica's relay-session rows, removes rows other
+// replicas left when they crashed, and runs the retention janitor, until ctx
+// is done.
+func (s *Server) housekeep(ctx context.Context) {
+	refresh := time.NewTicker(s.cfg.SessionRefreshInterval)
+	defer refresh.Stop()
+	var janitor <-chan time.Time
+	if s.cfg.Retention > 0 {
+		t := time.NewTicker(s.cfg.JanitorInterval)
+		defer t.Stop()
+		janitor = t.C
+	}
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-refresh.C:
+			s.saveSessions(ctx)
+			if err := s.store.DeleteStaleStats(ctx, s.sessionTTL()); err != nil && ctx.Err() == nil {
+				s.log.Warn("removing stale relay sessions failed", "err", err)
+			}
+		case <-janitor:
+			s.runJanitor(ctx)
+		}
+	}
+}
+
+// runJanitor purges events published longer ago than Config.Retention.
+func (s *Server) runJanitor(ctx context.Context) (purgeProgress, error) {
+	p := store.PurgeParams{PublishedBefore: time.Now().Add(-s.cfg.Retention), BatchSize: s.cfg.JanitorBatch}
+	res, err := s.purge(ctx, p, nil)
+	if err != nil {
+		if ctx.Err() == nil {
+			s.log.Warn("retention janitor failed; retrying at its next run", "err", err, "deleted", res.deleted)
+		}
+		return res, err
+	}
+	if res.deleted > 0 {
+		s.log.Info("retention janitor purged published events", "deleted", res.deleted,
+			"batches", res.batches, "published_before", p.PublishedBefore, "elapsed", res.elapsed)
+	}
+	s.metrics.purged.Add(float64(res.deleted))
+	return res, nil
+}
+
+// purgeProgress is where a purge stands.
+type purgeProgress struct {
+	deleted, batches, remaining int64
+	done                        bool
+	elapsed                     time.Duration
+}
+
+func (p purgeProgress) proto() *outboxv1.PurgeResponse {
+	return &outboxv1.PurgeResponse{
+		Deleted: p.deleted, Batches: p.batches, Remaining: p.remaining, Done: p.done,
+		Elapsed: durationpb.New(p.elapsed),
+	}
+}
+
+// purge deletes (or, dry, counts) published events in batches, each its own
+// statement, reporting after every batch to progress (which may be nil). The
+// first report carries the estimate of what will be deleted.
+func (s *Server) purge(ctx context.Context, p store.PurgeParams, progress func(purgeProgress) error) (purgeProgress, error) {
+	start := time.Now()
+	var pr purgeProgress
+	report := func() error {
+		pr.elapsed = time.Since(start)
+		if progress == nil {
+			return nil
+		}
+		return progress(pr)
+	}
+	total, err := s.store.CountPurgeable(ctx, p)
+	if err != nil {
+		return pr, err
+	}
+	pr.remaining = total
+	if err := report(); err != nil {
+		return pr, err
+	}
+	var pos store.EventPosition
+	for !pr.done {
+		if err := ctx.Err(); err != nil {
+			return pr, err
+		}
+		b, err := s.store.PurgeOne(ctx, p, pos)
+		if err != nil {
+			return pr, err
+		}
+		pos = b.Next
+		pr.batches++
+		pr.deleted += b.Deleted
+		pr.remaining = max(0, total-pr.deleted)
+		pr.done = b.Done
+		if pr.done {
+			pr.remaining = 0
+		}
+		if err := report(); err != nil {
+			return pr, err
+		}
+	}
+	return pr, nil
+}

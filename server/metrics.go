@@ -1,0 +1,166 @@
+package server
+
+import (
+	"context"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/outboxd/outboxd/internal/store"
+)
+
+// metrics are the replica's Prometheus instruments. Labels are bounded:
+// outcomes, states and stream names, never an aggregate or an event.
+type metrics struct {
+	deliveries    prometheus.Counter
+	redeliveries  prometheus.Counter
+	acks          *prometheus.CounterVec
+	nacks         *prometheus.CounterVec
+	leasesExpired prometheus.Counter
+	purged        prometheus.Counter
+	panics        prometheus.Counter
+	ackDuration   prometheus.Histogram
+	publishLag    prometheus.Histogram
+	sessions      prometheus.Gauge
+}
+
+func newMetrics() *metrics {
+	return &metrics{
+		deliveries: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "outboxd_deliveries_total",
+			Help: "Events sent to relays, counting every attempt.",
+		}),
+		redeliveries: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "outboxd_redeliveries_total",
+			Help: "Deliveries of an event that had been delivered before (after a nack, an expired lease or a relay that went away).",
+		}),
+		acks: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "outboxd_acks_total",
+			Help: "Acked deliveries by result: published, already_published, lease_lost, not_found, invalid.",
+		}, []string{"result"}),
+		nacks: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "outboxd_nacks_total",
+			Help: "Failed publishes reported by relays, by outcome: backoff (retried later) or parked.",
+		}, []string{"outcome"}),
+		leasesExpired: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "outboxd_leases_expired_total",
+			Help: "Leases this replica granted that ended without an ack or nack from their holder: expired and leased again, or ended by an operator's skip.",
+		}),
+		purged: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "outboxd_purged_events_total",
+			Help: "Published events deleted by the retention janitor.",
+		}),
+		panics: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "outboxd_panics_recovered_total",
+			Help: "Panics in RPC handlers, recovered and answered with INTERNAL.",
+		}),
+		ackDuration: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "outboxd_ack_duration_seconds",
+			Help:    "Time to serve an Ack RPC, including its group commit.",
+			Buckets: prometheus.ExponentialBuckets(0.0005, 2, 16),
+		}),
+		publishLag: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "outboxd_commit_to_published_seconds",
+			Help:    "From an event's created_at to the commit that marked it published (database clock).",
+			Buckets: prometheus.ExponentialBuckets(0.001, 2, 20),
+		}),
+		sessions: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "outboxd_relay_sessions",
+			Help: "Relay Subscribe streams open on this replica.",
+		}),
+	}
+}
+
+func (m *metrics) collectors() []prometheus.Collector {
+	return []prometheus.Collector{m.deliveries, m.redeliveries, m.acks, m.nacks, m.leasesExpired,
+		m.purged, m.panics, m.ackDuration, m.publishLag, m.sessions}
+}
+
+// RecoveredPanic counts a panic recovered in an RPC handler; the gRPC
+// recovery interceptor calls it.
+func (s *Server) RecoveredPanic() { s.metrics.panics.Inc() }
+
+// lagCollector exports the database's backlog as gauges at scrape time. The
+// figures are database-wide, so every replica reports the same values:
+// aggregate them with max(), not sum(). Results are cached for a few seconds
+// so that several scrapers cost one query.
+type lagCollector struct {
+	s       *Server
+	cacheOK time.Duration
+
+	pending       *prometheus.Desc
+	oldest        *prometheus.Desc
+	aggregates    *prometheus.Desc
+	delivered     *prometheus.Desc
+	relays        *prometheus.Desc
+	scrapeSuccess *prometheus.Desc
+
+	mu      sync.Mutex
+	at      time.Time
+	lag     store.Lag
+	lastErr error
+}
+
+func newLagCollector(s *Server) *lagCollector {
+	return &lagCollector{
+		s: s, cacheOK: 2 * time.Second,
+		pending: prometheus.NewDesc("outboxd_pending_events",
+			"Events neither published nor skipped, per stream (database-wide).", []string{"stream"}, nil),
+		oldest: prometheus.NewDesc("outboxd_oldest_pending_age_seconds",
+			"Age of the oldest pending event, per stream, parked and backing-off work included (database-wide).", []string{"stream"}, nil),
+		aggregates: prometheus.NewDesc("outboxd_pending_aggregates",
+			"Aggregates with pending events, per stream and delivery state: ready, leased, backoff, parked, gap (database-wide).",
+			[]string{"stream", "state"}, nil),
+		delivered: prometheus.NewDesc("outboxd_delivered_last_minute",
+			"Events marked published in the last minute, per stream (database-wide).", []string{"stream"}, nil),
+		relays: prometheus.NewDesc("outboxd_connected_relays",
+			"Relay Subscribe streams open on all replicas (database-wide).", nil, nil),
+		scrapeSuccess: prometheus.NewDesc("outboxd_lag_scrape_success",
+			"1 if the backlog figures above could be read from the database, else 0.", nil, nil),
+	}
+}
+
+func (c *lagCollector) Describe(ch chan<- *prometheus.Desc) {
+	for _, d := range []*prometheus.Desc{c.pending, c.oldest, c.aggregates, c.delivered, c.relays, c.scrapeSuccess} {
+		ch <- d
+	}
+}
+
+func (c *lagCollector) Collect(ch chan<- prometheus.Metric) {
+	lag, err := c.read()
+	if err != nil {
+		ch <- prometheus.MustNewConstMetric(c.scrapeSuccess, prometheus.GaugeValue, 0)
+		return
+	}
+	ch <- prometheus.MustNewConstMetric(c.scrapeSuccess, prometheus.GaugeValue, 1)
+	ch <- prometheus.MustNewConstMetric(c.relays, prometheus.GaugeValue, float64(lag.ConnectedRelays))
+	for _, l := range lag.Streams {
+		ch <- prometheus.MustNewConstMetric(c.pending, prometheus.GaugeValue, float64(l.PendingEvents), l.Stream)
+		age := 0.0
+		if !l.OldestPending.IsZero() {
+			age = max(0, lag.Now.Sub(l.OldestPending).Seconds())
+		}
+		ch <- prometheus.MustNewConstMetric(c.oldest, prometheus.GaugeValue, age, l.Stream)
+		for state, n := range map[string]int64{"ready": l.Ready, "leased": l.Leased, "backoff": l.Backoff, "parked": l.Parked, "gap": l.Gap} {
+			ch <- prometheus.MustNewConstMetric(c.aggregates, prometheus.GaugeValue, float64(n), l.Stream, state)
+		}
+		ch <- prometheus.MustNewConstMetric(c.delivered, prometheus.GaugeValue, float64(l.DeliveredLastMinute), l.Stream)
+	}
+}
+
+func (c *lagCollector) read() (store.Lag, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if time.Since(c.at) < c.cacheOK {
+		return c.lag, c.lastErr
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	c.lag, c.lastErr = c.s.store.Lag(ctx, nil, c.s.sessionTTL())
+	c.at = time.Now()
+	if c.lastErr != nil {
+		c.s.log.Warn("reading backlog for metrics failed", "err", c.lastErr)
+	}
+	return c.lag, c.lastErr
+}
