@@ -45,7 +45,7 @@ func TestCrashKillsLoseNothing(t *testing.T) {
 
 	addrs := []string{freeAddr(t), freeAddr(t)}
 	serve := func(i int) *process {
-		return start(t, "serve", "--database-url", url, "--listen", addrs[i], "--lease-ttl", "2s", "--log-level", "warn")
+		return start(t, "serve", "--database-url", url, "--listen", addrs[i], "--lease-ttl", "2s", "--log-level", "warn", "--http-listen", "")
 	}
 	sinkURL := fmt.Sprintf("%s?stream=%s&subject=%s.{stream}.{aggregate_key}&duplicates=100ms", natsURL(), streamName, prefix)
 	relay := func(i int) *process {
@@ -92,6 +92,15 @@ func TestCrashKillsLoseNothing(t *testing.T) {
 	}
 verify:
 	t.Logf("killed %d processes", kills)
+	verifySink(t, js, streamName, total)
+}
+
+// verifySink reads every message of a JetStream stream the relays published
+// to and checks that it holds total distinct events, first copies in
+// revision order per aggregate, and duplicates identical to their first copy.
+func verifySink(t *testing.T, js jetstream.JetStream, streamName string, total int64) {
+	t.Helper()
+	ctx := context.Background()
 	s, err := js.Stream(ctx, streamName)
 	if err != nil {
 		t.Fatal(err)

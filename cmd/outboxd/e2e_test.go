@@ -116,9 +116,12 @@ func start(t *testing.T, args ...string) *process {
 	return p
 }
 
-func (p *process) signal(sig os.Signal) {
+// signal sends sig and waits for the process to exit; it returns the exit
+// code (-1 if a signal ended it).
+func (p *process) signal(sig os.Signal) int {
 	_ = p.cmd.Process.Signal(sig)
 	<-p.done
+	return p.cmd.ProcessState.ExitCode()
 }
 
 func freeAddr(t *testing.T) string {
@@ -147,7 +150,7 @@ func TestServeAndRelayToNATS(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	start(t, "serve", "--database-url", url, "--listen", addr)
+	start(t, "serve", "--database-url", url, "--listen", addr, "--http-listen", "")
 	start(t, "relay", "--server", addr, "--max-in-flight", "8",
 		"--sink", fmt.Sprintf("%s?stream=%s&subject=%s.{stream}.{aggregate_key}", natsURL(), streamName, prefix))
 

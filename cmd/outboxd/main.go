@@ -1,14 +1,82 @@
 // Command outboxd is the transactional outbox delivery service: the server
-// (serve, dev), a relay worker (relay), and schema management (migrate).
+// (serve, dev), a relay worker (relay), schema management (migrate), and
+// operator commands (lag, relays, aggregate, events, retry, skip, purge).
 package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"os/signal"
 	"syscall"
 )
+
+// Exit codes. Scripts and cron jobs branch on them, so they are part of the
+// CLI's contract: never renumber one, only add. exitCodesHelp repeats them
+// in the help of every command that can return them.
+const (
+	exitOK = 0
+	// exitFailure: anything unexpected: an internal or database error, the
+	// server unavailable or too slow, permission denied.
+	exitFailure = 1
+	// exitUsage: bad flags or arguments, or a request the server refused as
+	// invalid (gRPC InvalidArgument).
+	exitUsage = 2
+	// exitNotFound: the aggregate or event does not exist (gRPC NotFound).
+	exitNotFound = 3
+	// exitPrecondition: the target's state does not allow the action, e.g.
+	// skipping an event that is already published (gRPC FailedPrecondition).
+	exitPrecondition = 4
+	// exitLagExceeded: lag --fail-if-older-than found older pending work.
+	exitLagExceeded = 5
+	// exitNotConfirmed: purge was not confirmed (answered no, or stdin is not
+	// a terminal and --yes was not given).
+	exitNotConfirmed = 6
+)
+
+// exitCodesHelp documents the exit codes in command help.
+const exitCodesHelp = `Exit codes:
+  0  success
+  1  unexpected error (internal, database or server unavailable, timeout)
+  2  usage error, or the server refused the request as invalid
+  3  not found
+  4  failed precondition (e.g. skipping an event that is already published)
+  5  lag --fail-if-older-than: the oldest pending event is older than that
+  6  purge not confirmed`
+
+// exitError is an error that ends the process with a specific exit code.
+type exitError struct {
+	code int
+	err  error
+}
+
+func (e *exitError) Error() string { return e.err.Error() }
+func (e *exitError) Unwrap() error { return e.err }
+
+// withExitCode wraps err so that the process exits with code; nil stays nil.
+func withExitCode(code int, err error) error {
+	if err == nil {
+		return nil
+	}
+	return &exitError{code: code, err: err}
+}
+
+// usageError is a usage mistake: exit code 2.
+func usageError(format string, args ...any) error {
+	return &exitError{code: exitUsage, err: fmt.Errorf(format, args...)}
+}
+
+// exitCode is the process exit code for the error a command returned.
+func exitCode(err error) int {
+	if err == nil {
+		return exitOK
+	}
+	if e, ok := errors.AsType[*exitError](err); ok {
+		return e.code
+	}
+	return exitFailure
+}
 
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
@@ -16,6 +84,6 @@ func main() {
 	stop()
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "outboxd:", err)
-		os.Exit(1)
 	}
+	os.Exit(exitCode(err))
 }

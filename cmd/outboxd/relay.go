@@ -6,8 +6,6 @@ import (
 	"time"
 
 	"github.com/spf13/cobra"
-	"google.golang.org/grpc"
-	"google.golang.org/grpc/credentials/insecure"
 
 	"github.com/outboxd/outboxd/relay"
 	"github.com/outboxd/outboxd/relay/sink"
@@ -15,7 +13,7 @@ import (
 
 func relayCommand(g *globalFlags) *cobra.Command {
 	var (
-		serverAddr  string
+		client      clientFlags
 		sinkURL     string
 		relayID     string
 		streams     []string
@@ -47,9 +45,9 @@ durably accepted it. Sinks: stdout:// (JSON lines) and nats://host:port
 				return err
 			}
 			defer s.Close()
-			conn, err := grpc.NewClient(serverAddr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+			conn, err := dialServer(cmd, &client)
 			if err != nil {
-				return fmt.Errorf("--server %s: %w", serverAddr, err)
+				return err
 			}
 			defer conn.Close()
 			r, err := relay.NewRunner(relay.Config{
@@ -59,12 +57,12 @@ durably accepted it. Sinks: stdout:// (JSON lines) and nats://host:port
 			if err != nil {
 				return err
 			}
-			log.Info("relay running", "server", serverAddr, "sink", sinkURL, "relay_id", relayID)
+			log.Info("relay running", "server", client.server, "sink", sinkURL, "relay_id", relayID)
 			return r.Run(ctx)
 		},
 	}
 	fl := cmd.Flags()
-	fl.StringVar(&serverAddr, "server", "127.0.0.1:7070", "outboxd gRPC address")
+	client.register(fl)
 	fl.StringVar(&sinkURL, "sink", "", "where to publish: stdout:// or nats://host:port")
 	fl.StringVar(&relayID, "relay-id", "", "name shown to operators (default hostname-pid)")
 	fl.StringSliceVar(&streams, "streams", nil, "streams to relay (default all)")

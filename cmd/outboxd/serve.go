@@ -7,20 +7,20 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"net/http"
 	"os"
+	"sync/atomic"
 	"time"
 
-	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/recovery"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/spf13/cobra"
 	"golang.org/x/sync/errgroup"
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/reflection"
-	"google.golang.org/grpc/status"
 
+	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
 	"github.com/outboxd/outboxd/internal/devdb"
 	"github.com/outboxd/outboxd/internal/store"
 	"github.com/outboxd/outboxd/migrations"
@@ -38,6 +38,11 @@ type serveFlags struct {
 	pollInterval    time.Duration
 	shutdownTimeout time.Duration
 	maxConns        int32
+	httpListen      string
+	healthInterval  time.Duration
+	retention       time.Duration
+	janitorInterval time.Duration
+	reflection      bool
 }
 
 func (f *serveFlags) register(cmd *cobra.Command) {
@@ -51,6 +56,11 @@ func (f *serveFlags) register(cmd *cobra.Command) {
 	fl.DurationVar(&f.pollInterval, "poll-interval", time.Second, "fallback poll of idle relay streams")
 	fl.DurationVar(&f.shutdownTimeout, "shutdown-timeout", 15*time.Second, "how long SIGTERM waits for outstanding deliveries to be acked")
 	fl.Int32Var(&f.maxConns, "max-db-conns", 16, "database connection pool size")
+	fl.StringVar(&f.httpListen, "http-listen", "127.0.0.1:7071", "HTTP address for /metrics, /healthz and /readyz (empty: off)")
+	fl.DurationVar(&f.healthInterval, "health-interval", 2*time.Second, "how often readiness (database reachable, schema current) is checked")
+	fl.DurationVar(&f.retention, "retention", 0, "delete events published longer ago than this (0: keep everything)")
+	fl.DurationVar(&f.janitorInterval, "janitor-interval", time.Minute, "how often the retention janitor runs when --retention is set")
+	fl.BoolVar(&f.reflection, "reflection", true, "serve gRPC server reflection (for grpcurl)")
 }
 
 func serveCommand(g *globalFlags) *cobra.Command {
@@ -146,10 +156,12 @@ func runServer(ctx context.Context, url string, f *serveFlags, log *slog.Logger,
 		return err
 	}
 
+	reg := newRegistry()
 	srv, err := server.New(ctx, server.Config{
 		Store: store.New(pool), DatabaseURL: url, Logger: log, ReplicaID: f.replicaID,
 		DefaultLeaseTTL: f.defaultLeaseTTL, MaxFailures: f.maxFailures,
 		BackoffBase: f.backoffBase, BackoffCap: f.backoffCap, PollInterval: f.pollInterval,
+		Registerer: reg, Retention: f.retention, JanitorInterval: f.janitorInterval,
 	})
 	if err != nil {
 		return err
@@ -158,29 +170,56 @@ func runServer(ctx context.Context, url string, f *serveFlags, log *slog.Logger,
 	if err != nil {
 		return fmt.Errorf("--listen %s: %w", f.listen, err)
 	}
-	panics := recovery.WithRecoveryHandler(func(p any) error {
-		log.Error("panic in handler", "panic", p)
-		return status.Error(codes.Internal, "internal error")
-	})
-	g := grpc.NewServer(
-		grpc.ChainUnaryInterceptor(recovery.UnaryServerInterceptor(panics)),
-		grpc.ChainStreamInterceptor(recovery.StreamServerInterceptor(panics)),
-	)
+	var httpLis net.Listener
+	if f.httpListen != "" {
+		if httpLis, err = net.Listen("tcp", f.httpListen); err != nil {
+			lis.Close()
+			return fmt.Errorf("--http-listen %s: %w", f.httpListen, err)
+		}
+	}
+	g := newGRPCServer(log, reg, srv)
 	srv.Register(g)
 	hs := health.NewServer()
 	healthpb.RegisterHealthServer(g, hs)
-	reflection.Register(g)
+	if f.reflection {
+		reflection.Register(g)
+	}
+	var readiness atomic.Pointer[server.Readiness]
+	readiness.Store(&server.Readiness{Reason: "starting"})
+	setHealth := func(r server.Readiness) {
+		readiness.Store(&r)
+		st := healthpb.HealthCheckResponse_NOT_SERVING
+		if r.Ready {
+			st = healthpb.HealthCheckResponse_SERVING
+		}
+		for _, name := range []string{"", outboxv1.RelayService_ServiceDesc.ServiceName, outboxv1.AdminService_ServiceDesc.ServiceName} {
+			hs.SetServingStatus(name, st)
+		}
+	}
+	setHealth(server.Readiness{Reason: "starting"})
 
 	runCtx, cancelRun := context.WithCancel(context.WithoutCancel(ctx))
 	defer cancelRun()
 	var eg errgroup.Group
 	eg.Go(func() error { return srv.Run(runCtx) })
+	eg.Go(func() error { srv.WatchReadiness(runCtx, f.healthInterval, setHealth); return nil })
 	eg.Go(func() error {
 		if err := g.Serve(lis); err != nil && !errors.Is(err, grpc.ErrServerStopped) {
 			return err
 		}
 		return nil
 	})
+	var httpSrv *http.Server
+	if httpLis != nil {
+		httpSrv = newHTTPServer(reg, &readiness)
+		eg.Go(func() error {
+			if err := httpSrv.Serve(httpLis); err != nil && !errors.Is(err, http.ErrServerClosed) {
+				return err
+			}
+			return nil
+		})
+		log.Info("metrics and health over HTTP", "listen", httpLis.Addr().String())
+	}
 	log.Info("outboxd serving", "listen", lis.Addr().String())
 	if ready != nil {
 		ready(lis.Addr().String())
@@ -188,6 +227,7 @@ func runServer(ctx context.Context, url string, f *serveFlags, log *slog.Logger,
 
 	<-ctx.Done()
 	log.Info("shutting down: no new claims; waiting for outstanding acks", "timeout", f.shutdownTimeout)
+	readiness.Store(&server.Readiness{Reason: "shutting down"})
 	hs.Shutdown()
 	stopCtx, cancel := context.WithTimeout(context.Background(), f.shutdownTimeout)
 	srv.Stop(stopCtx)
@@ -198,6 +238,11 @@ func runServer(ctx context.Context, url string, f *serveFlags, log *slog.Logger,
 	case <-stopped:
 	case <-time.After(5 * time.Second):
 		g.Stop()
+	}
+	if httpSrv != nil {
+		httpCtx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		_ = httpSrv.Shutdown(httpCtx)
+		cancel()
 	}
 	cancelRun()
 	err = eg.Wait()

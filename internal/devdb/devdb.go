@@ -62,6 +62,8 @@ type Database struct {
 
 	// stop shuts down and deletes a throwaway cluster; nil otherwise.
 	stop func(ctx context.Context) error
+	// pgCtl runs pg_ctl start or stop on a throwaway cluster; nil otherwise.
+	pgCtl func(ctx context.Context, action string) error
 	// dir is the throwaway cluster's temporary directory (data directory,
 	// socket and log); empty otherwise. Kept for tests.
 	dir string
@@ -82,6 +84,29 @@ func (d *Database) Close(ctx context.Context) error {
 	}
 	d.closeOnce.Do(func() { d.closeErr = d.stop(ctx) })
 	return d.closeErr
+}
+
+// StartThrowaway starts a throwaway cluster whatever else is available, for
+// tests that must stop and restart their database server.
+func StartThrowaway(ctx context.Context, logger *slog.Logger) (*Database, error) {
+	return startThrowaway(ctx, logger)
+}
+
+// StopServer stops a throwaway cluster's server (pg_ctl stop -m fast) and
+// keeps its data, so StartServer can bring it back on the same port.
+func (d *Database) StopServer(ctx context.Context) error {
+	if d.pgCtl == nil {
+		return errors.New("devdb: only a throwaway cluster can be stopped")
+	}
+	return d.pgCtl(ctx, "stop")
+}
+
+// StartServer starts a throwaway cluster's server stopped by StopServer.
+func (d *Database) StartServer(ctx context.Context) error {
+	if d.pgCtl == nil {
+		return errors.New("devdb: only a throwaway cluster can be started")
+	}
+	return d.pgCtl(ctx, "start")
 }
 
 // Resolve finds a PostgreSQL server for `outboxd dev`: DATABASE_URL if set

@@ -157,6 +157,16 @@ full_page_writes = off
 		URL:    connURL,
 		Source: SourceThrowaway,
 		dir:    dir,
+		pgCtl: func(ctx context.Context, action string) error {
+			args := []string{action, "-D", dataDir, "-w"}
+			if action == "start" {
+				args = append(args, "-l", logFile, "-t", strconv.Itoa(startTimeoutSecs))
+			} else {
+				args = append(args, "-m", "fast")
+			}
+			_, err := runServerCmd(ctx, su, dir, bins.pgCtl, args...)
+			return err
+		},
 		stop: func(ctx context.Context) error {
 			err := stop(ctx)
 			if err == nil {

@@ -1,0 +1,414 @@
+package main
+
+// The operator commands (lag, relays, aggregate, events, retry, skip, purge)
+// are thin clients of outbox.v1.AdminService: they parse flags, make the
+// calls, and print tables for people or protojson for scripts. This file
+// holds what they share: dialing, per-call deadlines, error and exit-code
+// mapping, JSON output, and time and duration parsing and formatting.
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/user"
+	"strconv"
+	"strings"
+	"time"
+	"unicode"
+	"unicode/utf8"
+
+	"github.com/spf13/cobra"
+	"github.com/spf13/pflag"
+	"golang.org/x/term"
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/encoding/protojson"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/durationpb"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+)
+
+// defaultServer is where clients (relay, operator commands) dial by default:
+// the address `outboxd serve` and `outboxd dev` listen on by default.
+const defaultServer = "127.0.0.1:7070"
+
+// clientFlags say how to reach an outboxd server. Every command that dials
+// one registers them and dials with dialServer, so connection security
+// (TLS, bearer tokens) is added in one place for all of them.
+type clientFlags struct {
+	server string
+}
+
+func (f *clientFlags) register(fl *pflag.FlagSet) {
+	fl.StringVar(&f.server, "server", defaultServer, "outboxd gRPC address")
+}
+
+// dialServer returns a client connection to the server f names. Like
+// grpc.NewClient it connects lazily: an unreachable server shows up as the
+// first call failing with Unavailable.
+func dialServer(_ *cobra.Command, f *clientFlags) (*grpc.ClientConn, error) {
+	if f.server == "" {
+		return nil, usageError("--server must not be empty")
+	}
+	conn, err := grpc.NewClient(f.server, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		return nil, usageError("--server %s: %v", f.server, err)
+	}
+	return conn, nil
+}
+
+// adminFlags are the flags every operator command has.
+type adminFlags struct {
+	clientFlags
+	timeout time.Duration
+	json    bool
+}
+
+func (f *adminFlags) register(cmd *cobra.Command) {
+	fl := cmd.Flags()
+	f.clientFlags.register(fl)
+	fl.DurationVar(&f.timeout, "timeout", 10*time.Second, "deadline of each call to the server (0: none)")
+	fl.BoolVar(&f.json, "json", false,
+		"print responses as protojson (proto field names, every field), one JSON document per line")
+}
+
+// adminClient is a connected AdminService client with the command's output
+// streams and flags.
+type adminClient struct {
+	rpc    outboxv1.AdminServiceClient
+	flags  *adminFlags
+	out    io.Writer // results
+	errOut io.Writer // prompts, progress, warnings
+	in     io.Reader // confirmations
+}
+
+// run dials the server, runs fn, and closes the connection.
+func (f *adminFlags) run(cmd *cobra.Command, fn func(ctx context.Context, c *adminClient) error) error {
+	if f.timeout < 0 {
+		return usageError("--timeout must not be negative")
+	}
+	conn, err := dialServer(cmd, &f.clientFlags)
+	if err != nil {
+		return err
+	}
+	defer conn.Close()
+	return fn(cmd.Context(), &adminClient{
+		rpc:    outboxv1.NewAdminServiceClient(conn),
+		flags:  f,
+		out:    cmd.OutOrStdout(),
+		errOut: cmd.ErrOrStderr(),
+		in:     cmd.InOrStdin(),
+	})
+}
+
+// callCtx bounds one call by --timeout.
+func (c *adminClient) callCtx(ctx context.Context) (context.Context, context.CancelFunc) {
+	if c.flags.timeout <= 0 {
+		return context.WithCancel(ctx)
+	}
+	return context.WithTimeout(ctx, c.flags.timeout)
+}
+
+// call makes one unary AdminService call under --timeout and maps its error.
+func call[Req, Resp any](ctx context.Context, c *adminClient, method string,
+	fn func(context.Context, Req, ...grpc.CallOption) (Resp, error), req Req,
+) (Resp, error) {
+	cctx, cancel := c.callCtx(ctx)
+	defer cancel()
+	resp, err := fn(cctx, req)
+	if err != nil {
+		return resp, c.rpcError(ctx, method, err)
+	}
+	return resp, nil
+}
+
+// rpcError turns a failed call into an error carrying the exit code
+// statusExitCode gives, worded for a person: the server's status message and
+// any field violations, without gRPC's "rpc error: code = ... desc =" noise.
+// ctx is the command's context (not the call's), to tell an interrupt from
+// a deadline.
+func (c *adminClient) rpcError(ctx context.Context, method string, err error) error {
+	if ctx.Err() != nil {
+		return withExitCode(exitFailure, errors.New("interrupted"))
+	}
+	st, ok := status.FromError(err)
+	if !ok {
+		return withExitCode(exitFailure, err)
+	}
+	var msg string
+	switch st.Code() {
+	case codes.Unavailable:
+		msg = fmt.Sprintf("outboxd at %s is unavailable: %s", c.flags.server, st.Message())
+	case codes.DeadlineExceeded:
+		msg = fmt.Sprintf("no answer from outboxd at %s within --timeout %v", c.flags.server, c.flags.timeout)
+	case codes.Unimplemented:
+		msg = fmt.Sprintf("outboxd at %s does not implement %s (is it an older version?): %s",
+			c.flags.server, method, st.Message())
+	case codes.Unauthenticated, codes.PermissionDenied:
+		msg = fmt.Sprintf("%s: %s", method, st.Message())
+	default:
+		msg = st.Message()
+	}
+	return withExitCode(statusExitCode(st.Code()), errors.New(msg+statusDetails(st)))
+}
+
+// statusExitCode maps a gRPC status code to the CLI's exit code.
+func statusExitCode(c codes.Code) int {
+	switch c {
+	case codes.OK:
+		return exitOK
+	case codes.InvalidArgument, codes.OutOfRange:
+		return exitUsage
+	case codes.NotFound:
+		return exitNotFound
+	case codes.FailedPrecondition, codes.AlreadyExists:
+		return exitPrecondition
+	default:
+		return exitFailure
+	}
+}
+
+// statusDetails renders the field violations of errdetails.BadRequest and
+// PreconditionFailure, one per line, leaving out those the message already
+// states.
+func statusDetails(st *status.Status) string {
+	var lines []string
+	add := func(subject, desc string) {
+		line := desc
+		if subject != "" {
+			line = subject + ": " + desc
+		}
+		if !strings.Contains(st.Message(), line) {
+			lines = append(lines, "\n  "+line)
+		}
+	}
+	for _, d := range st.Details() {
+		switch d := d.(type) {
+		case *errdetails.BadRequest:
+			for _, v := range d.GetFieldViolations() {
+				add(v.GetField(), v.GetDescription())
+			}
+		case *errdetails.PreconditionFailure:
+			for _, v := range d.GetViolations() {
+				add(v.GetSubject(), v.GetDescription())
+			}
+		}
+	}
+	return strings.Join(lines, "")
+}
+
+// adminCommand builds an operator command whose flag and argument mistakes
+// exit with exitUsage, and whose help lists the exit codes.
+func adminCommand(use, short, long string, args cobra.PositionalArgs) *cobra.Command {
+	cmd := &cobra.Command{
+		Use:   use,
+		Short: short,
+		Long:  strings.TrimSpace(long) + "\n\n" + exitCodesHelp,
+		Args: func(cmd *cobra.Command, a []string) error {
+			if err := args(cmd, a); err != nil {
+				return usageError("%v (see '%s --help')", err, cmd.CommandPath())
+			}
+			return nil
+		},
+	}
+	cmd.SetFlagErrorFunc(func(cmd *cobra.Command, err error) error {
+		return usageError("%v (see '%s --help')", err, cmd.CommandPath())
+	})
+	return cmd
+}
+
+// jsonOptions fix the --json form: proto field names (as in the .proto and
+// SQL), every field present even when zero, enums by name.
+var jsonOptions = protojson.MarshalOptions{UseProtoNames: true, EmitUnpopulated: true}
+
+// writeJSON prints m as one line of JSON.
+func writeJSON(w io.Writer, m proto.Message) error {
+	b, err := jsonOptions.Marshal(m)
+	if err != nil {
+		return err
+	}
+	_, err = w.Write(append(b, '\n'))
+	return err
+}
+
+// isTerminal reports whether f is an interactive terminal. Values that are
+// not files (test doubles) may say so themselves with an IsTerminal method.
+func isTerminal(f any) bool {
+	switch f := f.(type) {
+	case interface{ IsTerminal() bool }:
+		return f.IsTerminal()
+	case *os.File:
+		return term.IsTerminal(int(f.Fd()))
+	}
+	return false
+}
+
+// defaultActor names the operator in audit records when the credential does
+// not: the local user name.
+func defaultActor() string {
+	if u, err := user.Current(); err == nil && u.Username != "" {
+		return u.Username
+	}
+	return os.Getenv("USER")
+}
+
+// parseAge parses a Go duration ("90m", "1h30m") that may start with a
+// number of days ("30d", "7d12h"), since retention is usually said in days.
+func parseAge(s string) (time.Duration, error) {
+	s = strings.TrimSpace(s)
+	var days time.Duration
+	if i := strings.IndexByte(s, 'd'); i > 0 {
+		n, err := strconv.ParseUint(s[:i], 10, 16)
+		if err != nil {
+			return 0, fmt.Errorf("invalid duration %q", s)
+		}
+		days = time.Duration(n) * 24 * time.Hour
+		s = s[i+1:]
+		if s == "" {
+			return days, nil
+		}
+	}
+	d, err := time.ParseDuration(s)
+	if err != nil {
+		return 0, fmt.Errorf("invalid duration %q: want e.g. 90s, 15m, 2h30m or 30d", s)
+	}
+	if d < 0 {
+		return 0, fmt.Errorf("duration %q is negative", s)
+	}
+	return days + d, nil
+}
+
+// parseTimeOrAgo parses an RFC 3339 time, or a duration meaning that long
+// before now ("1h" is an hour ago).
+func parseTimeOrAgo(s string, now time.Time) (time.Time, error) {
+	if t, err := time.Parse(time.RFC3339Nano, s); err == nil {
+		return t, nil
+	}
+	if d, err := parseAge(s); err == nil {
+		return now.Add(-d), nil
+	}
+	return time.Time{}, fmt.Errorf("invalid time %q: want RFC 3339 (2006-01-02T15:04:05Z) or a duration ago (90m, 2d)", s)
+}
+
+// ageValue is a pflag.Value for parseAge durations.
+type ageValue struct {
+	d   *time.Duration
+	set bool
+}
+
+func (v *ageValue) String() string {
+	if v.d == nil || !v.set {
+		return ""
+	}
+	return v.d.String()
+}
+
+func (v *ageValue) Set(s string) error {
+	d, err := parseAge(s)
+	if err != nil {
+		return err
+	}
+	*v.d, v.set = d, true
+	return nil
+}
+
+func (v *ageValue) Type() string { return "duration" }
+
+// timeValue is a pflag.Value for parseTimeOrAgo times; the zero time means
+// unset.
+type timeValue struct{ t *time.Time }
+
+func (v *timeValue) String() string {
+	if v.t == nil || v.t.IsZero() {
+		return ""
+	}
+	return v.t.Format(time.RFC3339)
+}
+
+func (v *timeValue) Set(s string) error {
+	t, err := parseTimeOrAgo(s, time.Now())
+	if err != nil {
+		return err
+	}
+	*v.t = t
+	return nil
+}
+
+func (v *timeValue) Type() string { return "time" }
+
+// fmtAge formats a duration for people: 350ms, 4.2s, 3m12s, 5h03m, 3d04h.
+func fmtAge(d time.Duration) string {
+	switch {
+	case d < 0:
+		return "-" + fmtAge(-d)
+	case d == 0:
+		return "0s"
+	case d < time.Second:
+		return d.Round(time.Millisecond).String()
+	case d < 10*time.Second:
+		return d.Round(100 * time.Millisecond).String()
+	case d < time.Hour:
+		return d.Round(time.Second).String()
+	case d < 24*time.Hour:
+		d = d.Round(time.Minute)
+		return fmt.Sprintf("%dh%02dm", d/time.Hour, d%time.Hour/time.Minute)
+	default:
+		d = d.Round(time.Hour)
+		return fmt.Sprintf("%dd%02dh", d/(24*time.Hour), d%(24*time.Hour)/time.Hour)
+	}
+}
+
+// fmtDuration formats an optional proto duration; unset is "-".
+func fmtDuration(d *durationpb.Duration) string {
+	if d == nil {
+		return "-"
+	}
+	return fmtAge(d.AsDuration())
+}
+
+// fmtTime formats an optional proto timestamp in local time to the second;
+// unset is "-".
+func fmtTime(ts *timestamppb.Timestamp) string {
+	if ts == nil {
+		return "-"
+	}
+	return ts.AsTime().Local().Format(time.RFC3339)
+}
+
+// fmtTimeAgo is fmtTime with the age appended: "2026-01-02T15:04:05+01:00 (3m12s ago)".
+func fmtTimeAgo(ts *timestamppb.Timestamp, now time.Time) string {
+	if ts == nil {
+		return "-"
+	}
+	d := now.Sub(ts.AsTime())
+	if d < 0 {
+		return fmt.Sprintf("%s (in %s)", fmtTime(ts), fmtAge(-d))
+	}
+	return fmt.Sprintf("%s (%s ago)", fmtTime(ts), fmtAge(d))
+}
+
+// cell makes text safe for one table cell: control characters (tabs and
+// newlines would break the table; escape sequences would reach the
+// terminal) are escaped, and the text is cut to max runes (0: no limit).
+// Empty text is "-".
+func cell(s string, max int) string {
+	if s == "" {
+		return "-"
+	}
+	if strings.IndexFunc(s, unicode.IsControl) >= 0 || !utf8.ValidString(s) {
+		q := strconv.Quote(s)
+		s = q[1 : len(q)-1]
+	}
+	if max > 0 && utf8.RuneCountInString(s) > max {
+		r := []rune(s)
+		s = string(r[:max-1]) + "…"
+	}
+	return s
+}

@@ -1,0 +1,106 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/spf13/cobra"
+
+	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+)
+
+func retryCommand() *cobra.Command {
+	var (
+		f         adminFlags
+		acceptGap bool
+		reason    string
+		actor     string
+	)
+	cmd := adminCommand("retry STREAM KEY", "Make a parked or backing-off aggregate deliverable now", `
+retry makes a parked or backing-off aggregate deliverable now, with a fresh
+set of attempts, and prints its new state. A ready aggregate is left as it is.
+
+An aggregate held at a gap (a revision is missing) is released only with
+--accept-gap and a --reason, which gives up on the missing revisions for good:
+delivery resumes at the next revision that exists, and the decision is
+recorded like a skip.
+
+Exits 3 if the aggregate has never had an event, 4 if it is idle, leased, or
+held at a gap without --accept-gap.`, cobra.ExactArgs(2))
+	f.register(cmd)
+	fl := cmd.Flags()
+	fl.BoolVar(&acceptGap, "accept-gap", false, "give up on missing revisions of a gap-held aggregate (needs --reason)")
+	fl.StringVar(&reason, "reason", "", "why the gap is accepted; recorded with it")
+	fl.StringVar(&actor, "actor", defaultActor(), "who is asking, when the credential does not say so")
+	cmd.RunE = func(cmd *cobra.Command, args []string) error {
+		switch {
+		case acceptGap && strings.TrimSpace(reason) == "":
+			return usageError("--accept-gap needs a --reason")
+		case !acceptGap && reason != "":
+			return usageError("--reason is recorded only with --accept-gap")
+		}
+		return f.run(cmd, func(ctx context.Context, c *adminClient) error {
+			resp, err := call(ctx, c, "RetryAggregate", c.rpc.RetryAggregate, &outboxv1.RetryAggregateRequest{
+				Stream: args[0], AggregateKey: args[1], AcceptGap: acceptGap, Reason: reason, Actor: actor,
+			})
+			if err != nil {
+				return err
+			}
+			if f.json {
+				return writeJSON(c.out, resp)
+			}
+			a := resp.GetAggregate()
+			fmt.Fprintf(c.out, "aggregate %s/%s is %s\n\n", cell(a.GetStream(), 0), cell(a.GetAggregateKey(), 0),
+				aggregateStateName(a.GetState()))
+			return printAggregate(c.out, a, time.Now())
+		})
+	}
+	return cmd
+}
+
+func skipCommand() *cobra.Command {
+	var (
+		f      adminFlags
+		reason string
+		actor  string
+	)
+	cmd := adminCommand("skip EVENT_ID --reason REASON", "Abandon one pending event, with a reason", `
+skip abandons one pending event: it is never delivered nor marked published,
+stays listed by 'outboxd events --state skipped' with the reason, who skipped
+it and when, and later revisions of its aggregate may proceed. Use it for an
+event no broker will ever accept; it cannot be undone.
+
+Exits 2 without --reason, 4 if the event is already published or skipped.`,
+		cobra.ExactArgs(1))
+	f.register(cmd)
+	fl := cmd.Flags()
+	fl.StringVar(&reason, "reason", "", "why the event is abandoned (required; recorded)")
+	fl.StringVar(&actor, "actor", defaultActor(), "who is asking, when the credential does not say so")
+	cmd.RunE = func(cmd *cobra.Command, args []string) error {
+		if strings.TrimSpace(reason) == "" {
+			return usageError("skip needs a --reason; it is recorded with the skipped event")
+		}
+		if _, err := uuid.Parse(args[0]); err != nil {
+			return usageError("EVENT_ID %q is not an event id (a UUID)", args[0])
+		}
+		return f.run(cmd, func(ctx context.Context, c *adminClient) error {
+			resp, err := call(ctx, c, "SkipEvent", c.rpc.SkipEvent, &outboxv1.SkipEventRequest{
+				EventId: args[0], Reason: reason, Actor: actor,
+			})
+			if err != nil {
+				return err
+			}
+			if f.json {
+				return writeJSON(c.out, resp)
+			}
+			s := resp.GetSkip()
+			_, err = fmt.Fprintf(c.out, "skipped event %s at %s by %s: %s\n",
+				args[0], fmtTime(s.GetSkippedAt()), cell(s.GetActor(), 0), cell(s.GetReason(), 0))
+			return err
+		})
+	}
+	return cmd
+}

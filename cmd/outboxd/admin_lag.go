@@ -1,0 +1,161 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"io"
+	"strconv"
+	"text/tabwriter"
+	"time"
+
+	"github.com/spf13/cobra"
+
+	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+)
+
+// ANSI: cursor to the top left, clear the screen.
+const ansiHomeClear = "\x1b[H\x1b[2J"
+
+func lagCommand() *cobra.Command {
+	var (
+		f         adminFlags
+		streams   []string
+		watch     bool
+		interval  time.Duration
+		failOlder time.Duration
+	)
+	cmd := adminCommand("lag", "Show delivery lag per stream and connected relays", `
+lag shows, per stream and in total: pending events and aggregates, how long
+the oldest pending event has waited (OLDEST) and the oldest of those no relay
+is offered because their aggregate is backing off, parked or held at a gap
+(HELD), aggregates by delivery state, and events delivered per second over the
+last minute; then the number of connected relays.
+
+--watch redraws every --interval until interrupted (Ctrl-C exits 0); --timeout
+then bounds each refresh. With --json every refresh is one line.
+
+--fail-if-older-than makes lag a check for cron or alerting: it exits 5 when
+the total OLDEST exceeds the given age (e.g. 15m, 2h, 1d).`, cobra.NoArgs)
+	f.register(cmd)
+	fl := cmd.Flags()
+	fl.StringSliceVar(&streams, "stream", nil, "report only this stream (repeatable; default all)")
+	fl.BoolVarP(&watch, "watch", "w", false, "redraw in place every --interval until interrupted")
+	fl.DurationVar(&interval, "interval", 2*time.Second, "refresh interval of --watch")
+	fl.Var(&ageValue{d: &failOlder}, "fail-if-older-than",
+		"exit 5 if the oldest pending event has waited longer than this (e.g. 15m, 1d)")
+	cmd.RunE = func(cmd *cobra.Command, _ []string) error {
+		check := cmd.Flags().Changed("fail-if-older-than")
+		if watch && check {
+			return usageError("--watch and --fail-if-older-than cannot be combined")
+		}
+		if interval <= 0 {
+			return usageError("--interval must be positive")
+		}
+		return f.run(cmd, func(ctx context.Context, c *adminClient) error {
+			req := &outboxv1.GetLagRequest{Streams: streams}
+			if watch {
+				return watchLag(ctx, c, req, interval)
+			}
+			resp, err := call(ctx, c, "GetLag", c.rpc.GetLag, req)
+			if err != nil {
+				return err
+			}
+			if f.json {
+				err = writeJSON(c.out, resp)
+			} else {
+				err = printLag(c.out, resp)
+			}
+			if err != nil {
+				return err
+			}
+			if check {
+				if age := resp.GetTotal().GetOldestPendingAge().AsDuration(); age > failOlder {
+					return withExitCode(exitLagExceeded, fmt.Errorf(
+						"the oldest pending event has waited %s, longer than --fail-if-older-than %s",
+						fmtAge(age), fmtAge(failOlder)))
+				}
+			}
+			return nil
+		})
+	}
+	return cmd
+}
+
+// watchLag redraws the lag report every interval until ctx is done, which
+// is a normal end (nil). A failing first call ends it with that error; later
+// failures are shown in place of the report and retried.
+func watchLag(ctx context.Context, c *adminClient, req *outboxv1.GetLagRequest, interval time.Duration) error {
+	tty := isTerminal(c.out)
+	ticker := time.NewTicker(interval)
+	defer ticker.Stop()
+	for first := true; ; first = false {
+		resp, err := call(ctx, c, "GetLag", c.rpc.GetLag, req)
+		if ctx.Err() != nil {
+			return nil
+		}
+		if err != nil && first {
+			return err
+		}
+		var frame bytes.Buffer
+		switch {
+		case c.flags.json && err != nil:
+			fmt.Fprintln(c.errOut, "outboxd:", err)
+		case c.flags.json:
+			if err := writeJSON(&frame, resp); err != nil {
+				return err
+			}
+		default:
+			if tty {
+				frame.WriteString(ansiHomeClear)
+			} else if !first {
+				frame.WriteString("\n")
+			}
+			fmt.Fprintf(&frame, "outboxd %s at %s, every %v (Ctrl-C to stop)\n\n",
+				c.flags.server, time.Now().Format(time.TimeOnly), interval)
+			if err != nil {
+				fmt.Fprintf(&frame, "error: %v\n", err)
+			} else if err := printLag(&frame, resp); err != nil {
+				return err
+			}
+		}
+		// One write per frame, so the terminal never shows half a redraw.
+		if _, err := c.out.Write(frame.Bytes()); err != nil {
+			return err
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-ticker.C:
+		}
+	}
+}
+
+// printLag prints the lag table, a TOTAL row, and the relay count.
+func printLag(w io.Writer, resp *outboxv1.GetLagResponse) error {
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "STREAM\tPENDING\tAGGREGATES\tOLDEST\tHELD\tREADY\tLEASED\tBACKOFF\tPARKED\tGAP\tDELIVERED/S")
+	row := func(name string, s *outboxv1.StreamLag) {
+		fmt.Fprintf(tw, "%s\t%d\t%d\t%s\t%s\t%d\t%d\t%d\t%d\t%d\t%s\n",
+			name, s.GetPendingEvents(), s.GetPendingAggregates(),
+			fmtDuration(s.GetOldestPendingAge()), fmtDuration(s.GetOldestHeldAge()),
+			s.GetReadyAggregates(), s.GetLeasedAggregates(), s.GetBackingOffAggregates(),
+			s.GetParkedAggregates(), s.GetGapAggregates(), fmtRate(s.GetDeliveredPerSecond()))
+	}
+	for _, s := range resp.GetStreams() {
+		row(cell(s.GetStream(), 0), s)
+	}
+	row("TOTAL", resp.GetTotal())
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	_, err := fmt.Fprintf(w, "\nconnected relays: %d\n", resp.GetConnectedRelays())
+	return err
+}
+
+func fmtRate(r float64) string {
+	if r >= 100 {
+		return strconv.FormatFloat(r, 'f', 0, 64)
+	}
+	return strconv.FormatFloat(r, 'f', 2, 64)
+}
