@@ -93,4 +93,30 @@
 // has found no work for a while (short polls before that are cheaper).
 // Registrations last 10s and are renewed only by idle sessions: under load
 // they lapse and producers stop notifying.
+//
+// # Operator actions
+//
+// Nothing but SkipEvent makes a pending event undeliverable, and it is
+// recorded (outbox.skipped_event). It locks the event row before the delivery
+// row, the order outbox.ack uses, so a concurrent ack either commits first
+// (the skip then fails: already published) or finds the skip and answers
+// LEASE_LOST; a lease on the skipped head event ends and its holder is
+// notified. RetryAggregate with accept_gap takes the producers' order lock
+// before the delivery row (the producers' order), so no producer can be
+// between inserting a missing revision and committing it while the cursor
+// moves past it; the revisions given up are recorded in outbox.accepted_gap
+// and are refused afterwards as "at or below the delivery cursor".
+//
+// Purge and the retention janitor delete only published events, in keyset
+// batches over (created_at, event_id), each batch its own statement, so no
+// transaction stays open across batches to hold back vacuum; the table's
+// delete trigger refuses pending events whatever the caller.
+//
+// Lag is counted through outbox.pending_of() over the delivery rows of
+// aggregates with pending work, so its cost follows the backlog and not the
+// table. The delivery rate comes from outbox.delivered_count, fed by a
+// statement trigger on the ack's UPDATE, because an index on published_at
+// would make every ack a non-HOT update. Relay sessions are recorded in
+// outbox.relay_session by their replica and refreshed every
+// Config.SessionRefreshInterval, so ListRelays sees every replica's relays.
 package server

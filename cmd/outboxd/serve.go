@@ -58,7 +58,7 @@ func (f *serveFlags) register(cmd *cobra.Command) {
 	fl.Int32Var(&f.maxConns, "max-db-conns", 16, "database connection pool size")
 	fl.StringVar(&f.httpListen, "http-listen", "127.0.0.1:7071", "HTTP address for /metrics, /healthz and /readyz (empty: off)")
 	fl.DurationVar(&f.healthInterval, "health-interval", 2*time.Second, "how often readiness (database reachable, schema current) is checked")
-	fl.DurationVar(&f.retention, "retention", 0, "delete events published longer ago than this (0: keep everything)")
+	fl.Var(&ageValue{d: &f.retention}, "retention", "delete events published longer ago than this, e.g. 7d or 36h (default: keep everything)")
 	fl.DurationVar(&f.janitorInterval, "janitor-interval", time.Minute, "how often the retention janitor runs when --retention is set")
 	fl.BoolVar(&f.reflection, "reflection", true, "serve gRPC server reflection (for grpcurl)")
 }
