@@ -24,6 +24,8 @@ const (
 	// producers' notifications: below it, short polls are cheaper than making
 	// every producer NOTIFY.
 	armAfter = 32 * time.Millisecond
+	// claimTimeout bounds one claim statement.
+	claimTimeout = 10 * time.Second
 )
 
 // session is one Subscribe stream: its credit, its outstanding deliveries and
@@ -120,10 +122,16 @@ func (ss *session) run(ctx context.Context, send func(*outboxv1.SubscribeRespons
 		credit := ss.maxInFlight - len(ss.inflight)
 		if credit > 0 && !isClosed(stopping) {
 			n := min(credit, ss.srv.cfg.ClaimBatch)
-			leases, err := ss.srv.store.Claim(ctx, store.ClaimParams{
+			// Not cancelled with the stream: a claim interrupted by the
+			// relay hanging up may still commit in the database after the
+			// stream's leases were released, orphaning its leases until
+			// their TTL. Letting it finish means the release covers them.
+			claimCtx, cancelClaim := context.WithTimeout(context.WithoutCancel(ctx), claimTimeout)
+			leases, err := ss.srv.store.Claim(claimCtx, store.ClaimParams{
 				Holder: ss.id, RelayID: ss.relayID, ReplicaID: ss.srv.cfg.ReplicaID,
 				Streams: ss.streams, Limit: n, TTL: ss.ttl,
 			})
+			cancelClaim()
 			if err != nil {
 				if ctx.Err() != nil {
 					return ctx.Err()

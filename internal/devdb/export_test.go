@@ -1,16 +1,6 @@
 package devdb
 
-import (
-	"context"
-	"errors"
-	"log/slog"
-)
-
-// StartThrowaway exposes startThrowaway so tests can start a cluster even
-// when a local server would make Resolve choose it.
-func StartThrowaway(ctx context.Context, logger *slog.Logger) (*Database, error) {
-	return startThrowaway(ctx, logger)
-}
+import "errors"
 
 // Dir returns a throwaway cluster's temporary directory.
 func Dir(d *Database) string { return d.dir }
