@@ -18,6 +18,7 @@ import (
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+	"github.com/outboxd/outboxd/internal/auth"
 	"github.com/outboxd/outboxd/internal/store"
 )
 
@@ -159,6 +160,9 @@ func (a *adminService) GetAggregate(ctx context.Context, req *outboxv1.GetAggreg
 	if err := f.err(); err != nil {
 		return nil, err
 	}
+	if err := auth.AuthorizeStreams(ctx, req.GetStream()); err != nil {
+		return nil, err
+	}
 	agg, err := a.s.store.GetAggregate(ctx, req.GetStream(), req.GetAggregateKey())
 	if errors.Is(err, store.ErrNotFound) {
 		return nil, status.Errorf(codes.NotFound, "aggregate %s/%s has never had an event", req.GetStream(), req.GetAggregateKey())
@@ -255,6 +259,9 @@ func (a *adminService) ListEvents(ctx context.Context, req *outboxv1.ListEventsR
 	if err := f.err(); err != nil {
 		return nil, err
 	}
+	if err := authorizeOptionalStream(ctx, p.Stream); err != nil {
+		return nil, err
+	}
 	// One more than the page tells whether another page follows.
 	p.Limit++
 	list, err := a.s.store.ListEvents(ctx, p)
@@ -335,11 +342,29 @@ func checkReason(f *fieldErrors, reason string) {
 	}
 }
 
-// actor names who performs an operator action: the request's actor field
-// (validated), else "anonymous" with the caller's address.
+// authorizeOptionalStream checks a request's optional stream filter: a
+// caller limited to some streams must name one of them.
+func authorizeOptionalStream(ctx context.Context, stream string) error {
+	if stream == "" {
+		return auth.AuthorizeAllStreams(ctx)
+	}
+	return auth.AuthorizeStreams(ctx, stream)
+}
+
+// actor names who performs an operator action: the authenticated token's
+// name (with the request's actor field in parentheses, if given), else the
+// actor field, else "anonymous" with the caller's address.
 func actor(ctx context.Context, f *fieldErrors, requested string) string {
 	if requested != "" {
 		checkPrintableASCII(f, "actor", requested, maxActorLen)
+	}
+	if p, ok := auth.PrincipalFrom(ctx); ok {
+		if requested != "" {
+			return p.Name + " (" + requested + ")"
+		}
+		return p.Name
+	}
+	if requested != "" {
 		return requested
 	}
 	if p, ok := peer.FromContext(ctx); ok {
@@ -358,6 +383,9 @@ func (a *adminService) RetryAggregate(ctx context.Context, req *outboxv1.RetryAg
 		p.Actor = actor(ctx, &f, req.GetActor())
 	}
 	if err := f.err(); err != nil {
+		return nil, err
+	}
+	if err := auth.AuthorizeStreams(ctx, p.Stream); err != nil {
 		return nil, err
 	}
 	agg, err := a.s.store.RetryAggregate(ctx, p)
@@ -385,6 +413,9 @@ func (a *adminService) SkipEvent(ctx context.Context, req *outboxv1.SkipEventReq
 	checkReason(&f, req.GetReason())
 	who := actor(ctx, &f, req.GetActor())
 	if err := f.err(); err != nil {
+		return nil, err
+	}
+	if err := a.s.authorizeEvents(ctx, []uuid.UUID{id}); err != nil {
 		return nil, err
 	}
 	sk, err := a.s.store.SkipEvent(ctx, id, req.GetReason(), who)
@@ -426,6 +457,9 @@ func (a *adminService) Purge(req *outboxv1.PurgeRequest, stream outboxv1.AdminSe
 		return err
 	}
 	ctx := stream.Context()
+	if err := authorizeOptionalStream(ctx, p.Stream); err != nil {
+		return err
+	}
 	res, err := a.s.purge(ctx, p, func(pr purgeProgress) error { return stream.Send(pr.proto()) })
 	if err != nil {
 		if _, ok := status.FromError(err); ok {

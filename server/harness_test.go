@@ -10,6 +10,8 @@ import (
 	"go.uber.org/goleak"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/health"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
 	"github.com/outboxd/outboxd/internal/store"
@@ -25,11 +27,19 @@ type replica struct {
 	relay  outboxv1.RelayServiceClient
 	admin  outboxv1.AdminServiceClient
 	cancel context.CancelFunc
+	addr   string
 }
 
 // startReplica runs a server on a loopback port against the database at url
 // and returns a client connection to it; everything stops when t ends.
 func startReplica(t *testing.T, url string, configure func(*server.Config)) *replica {
+	t.Helper()
+	return startReplicaWith(t, url, configure, nil)
+}
+
+// startReplicaWith is startReplica with extra gRPC server options and client
+// dial options (interceptors, credentials).
+func startReplicaWith(t *testing.T, url string, configure func(*server.Config), serverOpts []grpc.ServerOption, dialOpts ...grpc.DialOption) *replica {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	pool, err := pgxpool.New(ctx, url)
@@ -54,18 +64,19 @@ func startReplica(t *testing.T, url string, configure func(*server.Config)) *rep
 	if err != nil {
 		t.Fatal(err)
 	}
-	g := grpc.NewServer()
+	g := grpc.NewServer(serverOpts...)
 	srv.Register(g)
+	healthpb.RegisterHealthServer(g, health.NewServer())
 	runDone := make(chan struct{})
 	go func() { defer close(runDone); _ = srv.Run(ctx) }()
 	serveDone := make(chan struct{})
 	go func() { defer close(serveDone); _ = g.Serve(lis) }()
-	conn, err := grpc.NewClient(lis.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	r := &replica{srv: srv, addr: lis.Addr().String(), cancel: cancel}
+	conn, err := grpc.NewClient(r.addr, append([]grpc.DialOption{grpc.WithTransportCredentials(insecure.NewCredentials())}, dialOpts...)...)
 	if err != nil {
 		t.Fatal(err)
 	}
-	r := &replica{srv: srv, conn: conn, relay: outboxv1.NewRelayServiceClient(conn),
-		admin: outboxv1.NewAdminServiceClient(conn), cancel: cancel}
+	r.conn, r.relay, r.admin = conn, outboxv1.NewRelayServiceClient(conn), outboxv1.NewAdminServiceClient(conn)
 	t.Cleanup(func() {
 		conn.Close()
 		stopCtx, stopCancel := context.WithTimeout(context.Background(), 5*time.Second)

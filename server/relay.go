@@ -13,6 +13,7 @@ import (
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+	"github.com/outboxd/outboxd/internal/auth"
 	"github.com/outboxd/outboxd/internal/leasetoken"
 	"github.com/outboxd/outboxd/internal/store"
 )
@@ -46,6 +47,16 @@ func (r *relayService) Subscribe(req *outboxv1.SubscribeRequest, stream outboxv1
 		return err
 	}
 	ctx := stream.Context()
+	if len(req.GetStreams()) == 0 {
+		if err := auth.AuthorizeAllStreams(ctx); err != nil {
+			return err
+		}
+	} else if err := auth.AuthorizeStreams(ctx, req.GetStreams()...); err != nil {
+		return err
+	}
+	if err := s.checkSubscriptionLimit(ctx, req.GetRelayId()); err != nil {
+		return err
+	}
 	if err := r.checkStreamsExist(ctx, req.GetStreams()); err != nil {
 		return err
 	}
@@ -58,6 +69,7 @@ func (r *relayService) Subscribe(req *outboxv1.SubscribeRequest, stream outboxv1
 		peerAddr = p.Addr.String()
 	}
 	sess := newSession(s, req.GetRelayId(), peerAddr, req.GetStreams(), int(req.GetMaxInFlight()), ttl)
+	sess.subscriber = subscriberKey(ctx, req.GetRelayId())
 	s.addSession(ctx, sess)
 	defer s.removeSession(sess)
 	log := s.log.With("session", sess.id, "relay", sess.relayID, "peer", peerAddr)
@@ -123,6 +135,9 @@ func (r *relayService) Ack(ctx context.Context, req *outboxv1.AckRequest) (*outb
 			continue
 		}
 		ids = append(ids, id.EventID)
+	}
+	if err := s.authorizeEvents(ctx, ids); err != nil {
+		return nil, err
 	}
 	if len(ids) > 0 {
 		byID, err := s.acks.submit(ctx, ids)
@@ -194,6 +209,9 @@ func (r *relayService) Nack(ctx context.Context, req *outboxv1.NackRequest) (*ou
 	if err := f.err(); err != nil {
 		return nil, err
 	}
+	if err := s.authorizeEvents(ctx, []uuid.UUID{t.EventID}); err != nil {
+		return nil, err
+	}
 	res, err := s.store.Nack(ctx, store.NackParams{
 		EventID: t.EventID, Epoch: t.Epoch, Error: req.GetError(), RetryAfter: retryAfter,
 		BackoffBase: s.cfg.BackoffBase, BackoffCap: s.cfg.BackoffCap, MaxFailures: s.cfg.MaxFailures,
@@ -233,6 +251,9 @@ func (r *relayService) ExtendLease(ctx context.Context, req *outboxv1.ExtendLeas
 	if err := f.err(); err != nil {
 		return nil, err
 	}
+	if err := s.authorizeEvents(ctx, []uuid.UUID{t.EventID}); err != nil {
+		return nil, err
+	}
 	exp, err := s.store.ExtendLease(ctx, t.EventID, t.Epoch, ttl)
 	if errors.Is(err, store.ErrLeaseLost) {
 		return nil, status.Error(codes.FailedPrecondition, "lease is no longer current (acked, expired and re-leased, or released); nothing changed")
@@ -241,4 +262,46 @@ func (r *relayService) ExtendLease(ctx context.Context, req *outboxv1.ExtendLeas
 		return nil, s.dbError(ctx, "extend lease", err)
 	}
 	return &outboxv1.ExtendLeaseResponse{LeaseExpiresAt: timestamppb.New(exp)}, nil
+}
+
+// authorizeEvents refuses the whole request (PermissionDenied, nothing
+// changed) when the caller's token is limited to streams and one of the
+// events is of another. Unrestricted callers cost nothing; restricted ones
+// one primary-key lookup per event.
+func (s *Server) authorizeEvents(ctx context.Context, ids []uuid.UUID) error {
+	p, ok := auth.PrincipalFrom(ctx)
+	if !ok || p.AllStreams() || len(ids) == 0 {
+		return nil
+	}
+	streams, err := s.store.EventStreams(ctx, ids)
+	if err != nil {
+		return s.dbError(ctx, "authorize", err)
+	}
+	return auth.AuthorizeStreams(ctx, streams...)
+}
+
+// checkSubscriptionLimit bounds the Subscribe streams one caller (its token's
+// name, or its relay_id without auth) may hold open on this replica, so a
+// misbehaving relay cannot pile up sessions.
+func (s *Server) checkSubscriptionLimit(ctx context.Context, relayID string) error {
+	key := subscriberKey(ctx, relayID)
+	n := 0
+	s.forEachSession(func(ss *session) {
+		if ss.subscriber == key {
+			n++
+		}
+	})
+	if n >= s.cfg.MaxSubscriptionsPerRelay {
+		return status.Errorf(codes.ResourceExhausted,
+			"%s already holds %d Subscribe streams on this replica (the limit); close some or raise --max-subscriptions-per-relay", key, n)
+	}
+	return nil
+}
+
+// subscriberKey names who opens a Subscribe stream, for the per-relay limit.
+func subscriberKey(ctx context.Context, relayID string) string {
+	if p, ok := auth.PrincipalFrom(ctx); ok {
+		return "token " + p.Name
+	}
+	return "relay " + relayID
 }

@@ -73,6 +73,11 @@ type Config struct {
 	// JanitorInterval defaults to 1m; JanitorBatch to 1000.
 	JanitorInterval time.Duration
 	JanitorBatch    int
+
+	// MaxSubscriptionsPerRelay bounds the Subscribe streams one caller (a
+	// token's name, or a relay_id when auth is off) holds open on this
+	// replica. Default 64.
+	MaxSubscriptionsPerRelay int
 }
 
 func (c *Config) setDefaults() error {
@@ -113,6 +118,7 @@ func (c *Config) setDefaults() error {
 	def(&c.SessionRefreshInterval, 5*time.Second)
 	def(&c.JanitorInterval, time.Minute)
 	defInt(&c.JanitorBatch, 1000)
+	defInt(&c.MaxSubscriptionsPerRelay, 64)
 	switch {
 	case c.MinLeaseTTL <= 0 || c.MaxLeaseTTL < c.MinLeaseTTL:
 		return fmt.Errorf("server: Config.MinLeaseTTL %v / MaxLeaseTTL %v: want 0 < min <= max", c.MinLeaseTTL, c.MaxLeaseTTL)
@@ -130,6 +136,8 @@ func (c *Config) setDefaults() error {
 		return errors.New("server: Config.PollInterval and ReconcileInterval must be positive")
 	case c.AckBatch < 1:
 		return fmt.Errorf("server: Config.AckBatch %d must be positive", c.AckBatch)
+	case c.MaxSubscriptionsPerRelay < 1:
+		return fmt.Errorf("server: Config.MaxSubscriptionsPerRelay %d must be positive", c.MaxSubscriptionsPerRelay)
 	case c.SessionRefreshInterval <= 0:
 		return fmt.Errorf("server: Config.SessionRefreshInterval %v must be positive", c.SessionRefreshInterval)
 	case c.Retention < 0 || c.JanitorInterval <= 0 || c.JanitorBatch < 1 || c.JanitorBatch > maxPurgeBatch:

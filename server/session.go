@@ -39,6 +39,8 @@ type session struct {
 	maxInFlight int
 	ttl         time.Duration
 	connectedAt time.Time
+	// subscriber is who opened the stream, for the per-relay limit.
+	subscriber string
 
 	// inflight holds the events delivered on this stream whose lease still
 	// exists as far as the session knows. Only the session loop touches it;

@@ -25,6 +25,7 @@ import (
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/encoding/protojson"
@@ -33,6 +34,8 @@ import (
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+	"github.com/outboxd/outboxd/internal/auth"
+	"github.com/outboxd/outboxd/internal/tlsconfig"
 )
 
 // defaultServer is where clients (relay, operator commands) dial by default:
@@ -43,21 +46,61 @@ const defaultServer = "127.0.0.1:7070"
 // one registers them and dials with dialServer, so connection security
 // (TLS, bearer tokens) is added in one place for all of them.
 type clientFlags struct {
-	server string
+	server        string
+	tokenFile     string
+	tls           bool
+	tlsCA         string
+	tlsCert       string
+	tlsKey        string
+	tlsServerName string
+	insecure      bool
 }
 
 func (f *clientFlags) register(fl *pflag.FlagSet) {
 	fl.StringVar(&f.server, "server", defaultServer, "outboxd gRPC address")
+	fl.StringVar(&f.tokenFile, "token-file", "", "file holding the bearer token (default: $"+auth.DefaultClientEnvVar+" if set)")
+	fl.BoolVar(&f.tls, "tls", false, "connect with TLS (implied by any other --tls-* flag)")
+	fl.StringVar(&f.tlsCA, "tls-ca", "", "CA certificate file that verifies the server (default: system roots)")
+	fl.StringVar(&f.tlsCert, "tls-cert", "", "client certificate file, for servers that require mutual TLS")
+	fl.StringVar(&f.tlsKey, "tls-key", "", "client private key file for --tls-cert")
+	fl.StringVar(&f.tlsServerName, "tls-server-name", "", "name to verify in the server's certificate (default: the --server host)")
+	fl.BoolVar(&f.insecure, "insecure", false, "allow sending the token without TLS to a non-loopback server")
 }
 
-// dialServer returns a client connection to the server f names. Like
-// grpc.NewClient it connects lazily: an unreachable server shows up as the
-// first call failing with Unavailable.
+// dialServer returns a client connection to the server f names, with TLS
+// and the bearer token when configured. Like grpc.NewClient it connects
+// lazily: an unreachable server shows up as the first call failing with
+// Unavailable.
 func dialServer(_ *cobra.Command, f *clientFlags) (*grpc.ClientConn, error) {
 	if f.server == "" {
 		return nil, usageError("--server must not be empty")
 	}
-	conn, err := grpc.NewClient(f.server, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if (f.tlsCert == "") != (f.tlsKey == "") {
+		return nil, usageError("--tls-cert and --tls-key go together")
+	}
+	useTLS := f.tls || f.tlsCA != "" || f.tlsCert != "" || f.tlsServerName != ""
+	opts := []grpc.DialOption{grpc.WithTransportCredentials(insecure.NewCredentials())}
+	if useTLS {
+		tc, err := tlsconfig.NewClient(tlsconfig.ClientConfig{
+			CAFile: f.tlsCA, CertFile: f.tlsCert, KeyFile: f.tlsKey, ServerName: f.tlsServerName,
+		})
+		if err != nil {
+			return nil, usageError("%v", err)
+		}
+		opts[0] = grpc.WithTransportCredentials(credentials.NewTLS(tc))
+	}
+	token, err := auth.LoadClientToken(f.tokenFile, auth.DefaultClientEnvVar)
+	if err != nil {
+		return nil, usageError("%v", err)
+	}
+	if token != "" {
+		allowPlain, err := auth.CheckTransport(f.server, useTLS, f.insecure)
+		if err != nil {
+			return nil, usageError("%v", err)
+		}
+		opts = append(opts, auth.WithBearerToken(token, allowPlain))
+	}
+	conn, err := grpc.NewClient(f.server, opts...)
 	if err != nil {
 		return nil, usageError("--server %s: %v", f.server, err)
 	}

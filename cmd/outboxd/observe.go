@@ -16,8 +16,10 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/keepalive"
 	"google.golang.org/grpc/status"
 
+	"github.com/outboxd/outboxd/internal/auth"
 	"github.com/outboxd/outboxd/server"
 )
 
@@ -29,11 +31,21 @@ func newRegistry() *prometheus.Registry {
 	return reg
 }
 
+// Transport limits of the gRPC listener.
+const (
+	// maxRecvMsgSize bounds one request: the largest is an Ack of 1000 items
+	// (about 200 KiB); anything bigger is refused before it is decoded.
+	maxRecvMsgSize = 1 << 20
+	// maxConcurrentStreams bounds the RPCs in flight on one connection.
+	maxConcurrentStreams = 1024
+)
+
 // newGRPCServer builds the gRPC server with its interceptors, outermost
 // first: metrics see every call's final code and duration; the log line is
-// written when a call finishes; recovery turns a handler's panic into
-// INTERNAL (counted) before the other two see it.
-func newGRPCServer(log *slog.Logger, reg prometheus.Registerer, srv *server.Server) *grpc.Server {
+// written when a call finishes; authentication (when authn is not nil)
+// refuses callers before any handler or validation runs; recovery turns a
+// handler's panic into INTERNAL (counted) before the others see it.
+func newGRPCServer(log *slog.Logger, reg prometheus.Registerer, srv *server.Server, authn *auth.Authenticator, creds grpc.ServerOption) *grpc.Server {
 	metrics := grpcprom.NewServerMetrics(grpcprom.WithServerHandlingTimeHistogram(
 		grpcprom.WithHistogramBuckets([]float64{.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10})))
 	reg.MustRegister(metrics)
@@ -49,17 +61,25 @@ func newGRPCServer(log *slog.Logger, reg prometheus.Registerer, srv *server.Serv
 		log.ErrorContext(ctx, "panic in RPC handler", "panic", fmt.Sprint(p))
 		return status.Error(codes.Internal, "internal error")
 	})
+	unary := []grpc.UnaryServerInterceptor{metrics.UnaryServerInterceptor(), logging.UnaryServerInterceptor(rpcLog, logOpts...)}
+	stream := []grpc.StreamServerInterceptor{metrics.StreamServerInterceptor(), logging.StreamServerInterceptor(rpcLog, logOpts...)}
+	if authn != nil {
+		unary = append(unary, authn.UnaryServerInterceptor())
+		stream = append(stream, authn.StreamServerInterceptor())
+	}
+	unary = append(unary, recovery.UnaryServerInterceptor(panics))
+	stream = append(stream, recovery.StreamServerInterceptor(panics))
 	g := grpc.NewServer(
-		grpc.ChainUnaryInterceptor(
-			metrics.UnaryServerInterceptor(),
-			logging.UnaryServerInterceptor(rpcLog, logOpts...),
-			recovery.UnaryServerInterceptor(panics),
-		),
-		grpc.ChainStreamInterceptor(
-			metrics.StreamServerInterceptor(),
-			logging.StreamServerInterceptor(rpcLog, logOpts...),
-			recovery.StreamServerInterceptor(panics),
-		),
+		creds,
+		grpc.ChainUnaryInterceptor(unary...),
+		grpc.ChainStreamInterceptor(stream...),
+		grpc.MaxRecvMsgSize(maxRecvMsgSize),
+		grpc.MaxConcurrentStreams(maxConcurrentStreams),
+		// Relays keep one long stream open: ping idle connections so a dead
+		// peer is noticed (and its leases released) within a minute, and
+		// refuse clients that ping more often than every 10 s.
+		grpc.KeepaliveParams(keepalive.ServerParameters{Time: 30 * time.Second, Timeout: 20 * time.Second}),
+		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 10 * time.Second, PermitWithoutStream: true}),
 	)
 	metrics.InitializeMetrics(g)
 	return g

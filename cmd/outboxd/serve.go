@@ -16,13 +16,17 @@ import (
 	"github.com/spf13/cobra"
 	"golang.org/x/sync/errgroup"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/reflection"
 
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+	"github.com/outboxd/outboxd/internal/auth"
 	"github.com/outboxd/outboxd/internal/devdb"
 	"github.com/outboxd/outboxd/internal/store"
+	"github.com/outboxd/outboxd/internal/tlsconfig"
 	"github.com/outboxd/outboxd/migrations"
 	"github.com/outboxd/outboxd/server"
 )
@@ -43,6 +47,13 @@ type serveFlags struct {
 	retention       time.Duration
 	janitorInterval time.Duration
 	reflection      bool
+
+	tokenFile            string
+	insecureNoAuth       bool
+	reflectionNeedsToken bool
+	tlsCert, tlsKey      string
+	tlsClientCA          string
+	maxSubscriptions     int
 }
 
 func (f *serveFlags) register(cmd *cobra.Command) {
@@ -61,6 +72,49 @@ func (f *serveFlags) register(cmd *cobra.Command) {
 	fl.Var(&ageValue{d: &f.retention}, "retention", "delete events published longer ago than this, e.g. 7d or 36h (default: keep everything)")
 	fl.DurationVar(&f.janitorInterval, "janitor-interval", time.Minute, "how often the retention janitor runs when --retention is set")
 	fl.BoolVar(&f.reflection, "reflection", true, "serve gRPC server reflection (for grpcurl)")
+	fl.StringVar(&f.tokenFile, "token-file", "", "bearer tokens with roles and stream limits, reloaded on change and SIGHUP (also read: $"+auth.DefaultEnvVar+")")
+	fl.BoolVar(&f.insecureNoAuth, "insecure-no-auth", false, "allow serving without tokens on a non-loopback address")
+	fl.BoolVar(&f.reflectionNeedsToken, "reflection-needs-token", false, "require a valid token for server reflection")
+	fl.StringVar(&f.tlsCert, "tls-cert", "", "TLS certificate file (with --tls-key), reloaded when it changes")
+	fl.StringVar(&f.tlsKey, "tls-key", "", "TLS private key file")
+	fl.StringVar(&f.tlsClientCA, "tls-client-ca", "", "CA file for client certificates: turns on mutual TLS")
+	fl.IntVar(&f.maxSubscriptions, "max-subscriptions-per-relay", 64, "Subscribe streams one token (or relay id, without auth) may hold open on this replica")
+}
+
+// security builds the listener's transport credentials and the
+// authenticator from the flags. It refuses to serve without tokens on an
+// address other machines can reach, unless --insecure-no-auth.
+func (f *serveFlags) security(log *slog.Logger) (grpc.ServerOption, *auth.Authenticator, error) {
+	creds := grpc.Creds(insecure.NewCredentials())
+	if f.tlsCert != "" || f.tlsKey != "" || f.tlsClientCA != "" {
+		if f.tlsCert == "" || f.tlsKey == "" {
+			return nil, nil, errors.New("--tls-cert and --tls-key go together (and --tls-client-ca needs them)")
+		}
+		tc, err := tlsconfig.NewServer(tlsconfig.ServerConfig{
+			CertFile: f.tlsCert, KeyFile: f.tlsKey, ClientCAFile: f.tlsClientCA, Logger: log,
+		})
+		if err != nil {
+			return nil, nil, err
+		}
+		creds = grpc.Creds(credentials.NewTLS(tc))
+	}
+	if f.tokenFile == "" && os.Getenv(auth.DefaultEnvVar) == "" {
+		if !auth.IsLoopback(f.listen) && !f.insecureNoAuth {
+			return nil, nil, fmt.Errorf("refusing to serve %s without authentication: give --token-file or $%s, or --insecure-no-auth if something in front of outboxd authenticates",
+				f.listen, auth.DefaultEnvVar)
+		}
+		return creds, nil, nil
+	}
+	authn, err := auth.New(auth.Config{
+		File: f.tokenFile, EnvVar: auth.DefaultEnvVar, ProtectReflection: f.reflectionNeedsToken, Logger: log,
+	})
+	if err != nil {
+		return nil, nil, err
+	}
+	if f.tlsCert == "" && !auth.IsLoopback(f.listen) {
+		log.Warn("tokens will cross the network in plaintext: serve with --tls-cert and --tls-key", "listen", f.listen)
+	}
+	return creds, authn, nil
 }
 
 func serveCommand(g *globalFlags) *cobra.Command {
@@ -156,12 +210,17 @@ func runServer(ctx context.Context, url string, f *serveFlags, log *slog.Logger,
 		return err
 	}
 
+	creds, authn, err := f.security(log)
+	if err != nil {
+		return err
+	}
 	reg := newRegistry()
 	srv, err := server.New(ctx, server.Config{
 		Store: store.New(pool), DatabaseURL: url, Logger: log, ReplicaID: f.replicaID,
 		DefaultLeaseTTL: f.defaultLeaseTTL, MaxFailures: f.maxFailures,
 		BackoffBase: f.backoffBase, BackoffCap: f.backoffCap, PollInterval: f.pollInterval,
 		Registerer: reg, Retention: f.retention, JanitorInterval: f.janitorInterval,
+		MaxSubscriptionsPerRelay: f.maxSubscriptions,
 	})
 	if err != nil {
 		return err
@@ -177,7 +236,7 @@ func runServer(ctx context.Context, url string, f *serveFlags, log *slog.Logger,
 			return fmt.Errorf("--http-listen %s: %w", f.httpListen, err)
 		}
 	}
-	g := newGRPCServer(log, reg, srv)
+	g := newGRPCServer(log, reg, srv, authn, creds)
 	srv.Register(g)
 	hs := health.NewServer()
 	healthpb.RegisterHealthServer(g, hs)
@@ -203,6 +262,9 @@ func runServer(ctx context.Context, url string, f *serveFlags, log *slog.Logger,
 	var eg errgroup.Group
 	eg.Go(func() error { return srv.Run(runCtx) })
 	eg.Go(func() error { srv.WatchReadiness(runCtx, f.healthInterval, setHealth); return nil })
+	if authn != nil {
+		eg.Go(func() error { return authn.Watch(runCtx) })
+	}
 	eg.Go(func() error {
 		if err := g.Serve(lis); err != nil && !errors.Is(err, grpc.ErrServerStopped) {
 			return err

@@ -257,11 +257,11 @@ func (s *Store) GetAggregate(ctx context.Context, stream, key string) (Aggregate
 func getAggregate(ctx context.Context, q querier, stream, key string) (Aggregate, error) {
 	a := Aggregate{Stream: stream, AggregateKey: key}
 	var (
-		next                               *int64
+		next                              *int64
 		oldest, expires, nextAt, parkedAt *time.Time
-		holder, leased                     *uuid.UUID
-		relayID, lastErr, parkedReason     *string
-		gap                                *int64
+		holder, leased                    *uuid.UUID
+		relayID, lastErr, parkedReason    *string
+		gap                               *int64
 	)
 	err := q.QueryRow(ctx, `
 		SELECT d.state, coalesce(g.last_revision, 0), d.delivered_revision,

@@ -262,6 +262,20 @@ func (s *Store) HeldEvents(ctx context.Context, holder uuid.UUID) (map[uuid.UUID
 	return held, nil
 }
 
+// EventStreams returns the distinct streams of the events among ids that
+// exist.
+func (s *Store) EventStreams(ctx context.Context, ids []uuid.UUID) ([]string, error) {
+	rows, err := s.pool.Query(ctx, `SELECT DISTINCT stream FROM outbox.event WHERE event_id = ANY ($1)`, ids)
+	if err != nil {
+		return nil, fmt.Errorf("store: event streams: %w", err)
+	}
+	streams, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return nil, fmt.Errorf("store: event streams: %w", err)
+	}
+	return streams, nil
+}
+
 // PublishedAmong returns which of ids are published.
 func (s *Store) PublishedAmong(ctx context.Context, ids []uuid.UUID) ([]uuid.UUID, error) {
 	rows, err := s.pool.Query(ctx,

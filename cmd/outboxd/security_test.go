@@ -1,0 +1,91 @@
+package main_test
+
+import (
+	"crypto/x509"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/outboxd/outboxd/internal/testdb"
+	"github.com/outboxd/outboxd/internal/tlsconfig/tlstest"
+)
+
+// outboxd runs the binary to completion and returns its output and exit
+// code.
+func outboxd(t *testing.T, env []string, args ...string) (string, int) {
+	t.Helper()
+	cmd := exec.Command(binary, args...)
+	cmd.Env = append(os.Environ(), env...)
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		if ee, ok := err.(*exec.ExitError); ok {
+			return string(out), ee.ExitCode()
+		}
+		t.Fatal(err)
+	}
+	return string(out), 0
+}
+
+// serve refuses an address other machines can reach without tokens, unless
+// told that something else authenticates.
+func TestServeRefusesNonLoopbackWithoutAuth(t *testing.T) {
+	t.Parallel()
+	url := testdb.New(t)
+	out, code := outboxd(t, []string{"OUTBOXD_TOKENS="}, "serve", "--database-url", url, "--listen", "0.0.0.0:0", "--http-listen", "")
+	if code == 0 || !strings.Contains(out, "refusing to serve") || !strings.Contains(out, "--insecure-no-auth") {
+		t.Fatalf("serve on 0.0.0.0 without auth: exit %d\n%s", code, out)
+	}
+}
+
+// The production shape with security on: mutual TLS with certificates made
+// here, bearer tokens from a file, the CLI and a relay as clients.
+func TestMutualTLSAndTokensEndToEnd(t *testing.T) {
+	t.Parallel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	dir := t.TempDir()
+	ca, other := tlstest.NewCA(t, "outboxd test CA"), tlstest.NewCA(t, "someone else")
+	srv := tlstest.WriteLeaf(t, dir, "server", ca.Issue(t, "outboxd", x509.ExtKeyUsageServerAuth))
+	cli := tlstest.WriteLeaf(t, dir, "client", ca.Issue(t, "ops", x509.ExtKeyUsageClientAuth))
+	rogue := tlstest.WriteLeaf(t, dir, "rogue", other.Issue(t, "ops", x509.ExtKeyUsageClientAuth))
+	caFile := tlstest.WriteCA(t, dir, "ca.pem", ca)
+	write := func(name, content string) string {
+		p := filepath.Join(dir, name)
+		if err := os.WriteFile(p, []byte(content), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	const adminTok, relayTok = "admin-secret-0123456789abcdef", "relay-secret-0123456789abcdef"
+	tokens := write("tokens", "ops admin "+adminTok+"\norders relay "+relayTok+" streams=sales_order\n")
+	adminFile, relayFile := write("admin.token", adminTok+"\n"), write("relay.token", relayTok+"\n")
+
+	addr := freeAddr(t)
+	start(t, "serve", "--database-url", url, "--listen", addr, "--http-listen", "",
+		"--token-file", tokens, "--tls-cert", srv.Cert, "--tls-key", srv.Key, "--tls-client-ca", caFile)
+	if _, err := pool.Exec(t.Context(), `SELECT outbox.emit('sales_order', 'o-' || a, 'T', '{}') FROM generate_series(1, 10) a`); err != nil {
+		t.Fatal(err)
+	}
+	tlsArgs := []string{"--server", addr, "--tls-ca", caFile, "--tls-cert", cli.Cert, "--tls-key", cli.Key}
+	eventually(t, "lag over mutual TLS with the admin token", func() bool {
+		out, code := outboxd(t, nil, append([]string{"lag", "--token-file", adminFile}, tlsArgs...)...)
+		return code == 0 && strings.Contains(out, "sales_order")
+	})
+	for name, args := range map[string][]string{
+		"no client certificate":        {"lag", "--server", addr, "--tls-ca", caFile, "--token-file", adminFile},
+		"a certificate of another CA":  {"lag", "--server", addr, "--tls-ca", caFile, "--tls-cert", rogue.Cert, "--tls-key", rogue.Key, "--token-file", adminFile},
+		"plaintext":                    {"lag", "--server", addr, "--token-file", adminFile},
+		"no token":                     append([]string{"lag"}, tlsArgs...),
+		"the relay token (wrong role)": append([]string{"lag", "--token-file", relayFile}, tlsArgs...),
+	} {
+		if out, code := outboxd(t, nil, args...); code == 0 {
+			t.Errorf("lag with %s succeeded:\n%s", name, out)
+		}
+	}
+	// A relay with its own token, limited to sales_order, drains it over TLS.
+	start(t, "relay", "--sink", "stdout://", "--token-file", relayFile, "--streams", "sales_order",
+		"--server", addr, "--tls-ca", caFile, "--tls-cert", cli.Cert, "--tls-key", cli.Key)
+	waitPublished(t, pool, 10)
+}

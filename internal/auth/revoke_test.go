@@ -1,0 +1,127 @@
+package auth
+
+import (
+	"context"
+	"crypto/sha256"
+	"errors"
+	"net"
+	"strings"
+	"testing"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+)
+
+// liveRelay keeps each Subscribe stream open, sending one message at once
+// and one more per value on pings[relay_id], until the context ends, as
+// the real server's session does.
+type liveRelay struct {
+	outboxv1.UnimplementedRelayServiceServer
+	pings map[string]chan struct{}
+}
+
+func (l liveRelay) Subscribe(req *outboxv1.SubscribeRequest, stream outboxv1.RelayService_SubscribeServer) error {
+	ctx := stream.Context()
+	for {
+		if err := stream.Send(&outboxv1.SubscribeResponse{}); err != nil {
+			return err
+		}
+		select {
+		case <-ctx.Done():
+			return status.FromContextError(ctx.Err()).Err()
+		case <-l.pings[req.GetRelayId()]:
+		}
+	}
+}
+
+func TestReloadClosesStreamsOfRevokedTokens(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	a, err := New(Config{File: writeFile(t, dir, "tokens",
+		"a relay "+relaySecret+"\nb relay "+billingSecret+" streams=billing.*\n"), Logger: testLogger(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	relay := liveRelay{pings: map[string]chan struct{}{"a": make(chan struct{}), "b": make(chan struct{})}}
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := grpc.NewServer(grpc.ChainStreamInterceptor(a.StreamServerInterceptor()))
+	outboxv1.RegisterRelayServiceServer(s, relay)
+	done := make(chan struct{})
+	go func() { defer close(done); _ = s.Serve(lis) }()
+	t.Cleanup(func() { s.Stop(); <-done })
+
+	open := func(id, token string) outboxv1.RelayService_SubscribeClient {
+		st, err := outboxv1.NewRelayServiceClient(dial(t, lis.Addr().String(), token)).
+			Subscribe(testCtx(t), &outboxv1.SubscribeRequest{RelayId: id, Streams: []string{"billing.x"}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := st.Recv(); err != nil {
+			t.Fatalf("stream %s: %v", id, err)
+		}
+		return st
+	}
+	streamA, streamB := open("a", relaySecret), open("b", billingSecret)
+
+	// a's token is removed; b's is untouched, and a second secret for b is
+	// added (rotation), which must not disturb b's stream.
+	writeFile(t, dir, "tokens", "b relay "+billingSecret+" streams=billing.*\nb relay "+bothSecret+" streams=billing.*\n")
+	if err := a.Reload(); err != nil {
+		t.Fatal(err)
+	}
+	_, err = streamA.Recv()
+	if st := status.Convert(err); st.Code() != codes.Unauthenticated || !strings.Contains(st.Message(), `token "a" was revoked`) {
+		t.Fatalf("stream of the revoked token: %v", err)
+	}
+	relay.pings["b"] <- struct{}{}
+	if _, err := streamB.Recv(); err != nil {
+		t.Fatalf("stream of a token still valid was closed: %v", err)
+	}
+
+	// Narrowing b's streams closes its stream too: it was admitted under the
+	// wider grant.
+	writeFile(t, dir, "tokens", "b relay "+billingSecret+" streams=billing.invoice\n")
+	if err := a.Reload(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := streamB.Recv(); status.Code(err) != codes.Unauthenticated {
+		t.Fatalf("stream after its grant changed: %v", err)
+	}
+	a.streams.mu.Lock()
+	n := len(a.streams.m)
+	a.streams.mu.Unlock()
+	if n != 0 {
+		t.Errorf("%d streams still registered", n)
+	}
+}
+
+// A stream admitted under a set that a reload replaced before the stream
+// registered is still caught.
+func TestStreamRegisteredAfterRevocation(t *testing.T) {
+	t.Parallel()
+	a := newFromText(t, "a relay "+relaySecret, nil)
+	gone := sha256.Sum256([]byte(billingSecret)) // not in the set
+	ctx, cancel := context.WithCancelCause(context.Background())
+	defer cancel(nil)
+	a.streams.add(a, gone, &Principal{Name: "x", Roles: []Role{RoleRelay}}, cancel)()
+	if !errors.Is(context.Cause(ctx), errRevoked) {
+		t.Fatalf("cause %v, want errRevoked", context.Cause(ctx))
+	}
+	ctx2, cancel2 := context.WithCancelCause(context.Background())
+	defer cancel2(nil)
+	p, _ := a.authenticate(relaySecret)
+	unregister := a.streams.add(a, sha256.Sum256([]byte(relaySecret)), p, cancel2)
+	if ctx2.Err() != nil {
+		t.Fatal("a valid stream was canceled")
+	}
+	unregister()
+	if len(a.streams.m) != 0 {
+		t.Fatal("unregister left the stream registered")
+	}
+}
