@@ -22,7 +22,7 @@ import (
 	"github.com/outboxd/outboxd/server"
 )
 
-func emit(t *testing.T, pool *pgxpool.Pool, stream, key string, n int) []uuid.UUID {
+func emit(t testing.TB, pool *pgxpool.Pool, stream, key string, n int) []uuid.UUID {
 	t.Helper()
 	ids := make([]uuid.UUID, n)
 	for i := range n {

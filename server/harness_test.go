@@ -32,14 +32,14 @@ type replica struct {
 
 // startReplica runs a server on a loopback port against the database at url
 // and returns a client connection to it; everything stops when t ends.
-func startReplica(t *testing.T, url string, configure func(*server.Config)) *replica {
+func startReplica(t testing.TB, url string, configure func(*server.Config)) *replica {
 	t.Helper()
 	return startReplicaWith(t, url, configure, nil)
 }
 
 // startReplicaWith is startReplica with extra gRPC server options and client
 // dial options (interceptors, credentials).
-func startReplicaWith(t *testing.T, url string, configure func(*server.Config), serverOpts []grpc.ServerOption, dialOpts ...grpc.DialOption) *replica {
+func startReplicaWith(t testing.TB, url string, configure func(*server.Config), serverOpts []grpc.ServerOption, dialOpts ...grpc.DialOption) *replica {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	pool, err := pgxpool.New(ctx, url)

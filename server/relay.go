@@ -8,6 +8,7 @@ import (
 
 	"github.com/google/uuid"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/timestamppb"
@@ -17,6 +18,10 @@ import (
 	"github.com/outboxd/outboxd/internal/leasetoken"
 	"github.com/outboxd/outboxd/internal/store"
 )
+
+// SessionIDHeader is the response header of an accepted Subscribe stream:
+// the session id that ListRelays and GetAggregate show as the lease holder.
+const SessionIDHeader = "outbox-session-id"
 
 // relayService implements outbox.v1.RelayService.
 type relayService struct {
@@ -72,6 +77,9 @@ func (r *relayService) Subscribe(req *outboxv1.SubscribeRequest, stream outboxv1
 	sess.subscriber = subscriberKey(ctx, req.GetRelayId())
 	s.addSession(ctx, sess)
 	defer s.removeSession(sess)
+	// Headers now tell the relay its subscription was accepted (and under
+	// which session id operators will see it), before any event exists.
+	_ = stream.SendHeader(metadata.Pairs(SessionIDHeader, sess.id.String()))
 	log := s.log.With("session", sess.id, "relay", sess.relayID, "peer", peerAddr)
 	log.Info("relay subscribed", "streams", sess.streams, "max_in_flight", sess.maxInFlight, "lease_ttl", ttl)
 	defer func() {
