@@ -5,7 +5,7 @@
 # service's own dependencies.
 BUF := go tool -modfile=tools/go.mod buf
 
-.PHONY: dev test generate check-generated lint bench build
+.PHONY: dev test fuzz generate check-generated lint bench build
 
 # Run outboxd against a PostgreSQL found or started by internal/devdb.
 dev:
@@ -13,6 +13,25 @@ dev:
 
 test:
 	go test -race -count=1 -timeout 12m ./...
+
+# A short run of every fuzz target (go test -fuzz takes one target per run);
+# their seed corpora run with every `make test` anyway. FUZZTIME=5m for a
+# longer hunt.
+FUZZTIME ?= 8s
+FUZZ_TARGETS := \
+	./internal/leasetoken:FuzzVerify \
+	./internal/auth:FuzzParseTokens \
+	./internal/auth:FuzzParseAuthorization \
+	./internal/auth:FuzzGlobMatch \
+	./relay/sink:FuzzSubjectTokenRoundTrip \
+	./server:FuzzAck \
+	./server:FuzzSubscribeRequest
+fuzz:
+	@set -e; for t in $(FUZZ_TARGETS); do \
+		pkg=$${t%%:*}; name=$${t##*:}; \
+		echo "fuzz $$name ($$pkg, $(FUZZTIME))"; \
+		go test -run '^$$' -fuzz "^$$name\$$" -fuzztime $(FUZZTIME) $$pkg; \
+	done
 
 # Regenerate gen/ from proto/ (buf.gen.yaml cleans gen/ first).
 generate:
@@ -36,8 +55,11 @@ lint:
 	if [ -n "$$out" ]; then echo "gofmt would reformat these files (run gofmt -w):"; echo "$$out"; exit 1; fi
 	go vet ./...
 
+# The standard benchmark of BENCH.md against $DATABASE_URL or the local
+# PostgreSQL: 5 to 10 minutes on 2 cores. BENCHMARKS.md records the latest run;
+# `go run ./cmd/outboxd bench --quick` runs a reduced set in about a minute.
 bench:
-	go run ./cmd/outboxd bench
+	go run ./cmd/outboxd bench --json docs/bench.json --plot docs/bench.svg
 
 build:
 	go build -o bin/outboxd ./cmd/outboxd
