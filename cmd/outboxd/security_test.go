@@ -8,6 +8,12 @@ import (
 	"strings"
 	"testing"
 
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
+
+	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
 	"github.com/outboxd/outboxd/internal/testdb"
 	"github.com/outboxd/outboxd/internal/tlsconfig/tlstest"
 )
@@ -88,4 +94,30 @@ func TestMutualTLSAndTokensEndToEnd(t *testing.T) {
 	start(t, "relay", "--sink", "stdout://", "--token-file", relayFile, "--streams", "sales_order",
 		"--server", addr, "--tls-ca", caFile, "--tls-cert", cli.Cert, "--tls-key", cli.Key)
 	waitPublished(t, pool, 10)
+}
+
+// A request over the size limit is refused before it is decoded, and the
+// server goes on serving.
+func TestOversizedRequestRefused(t *testing.T) {
+	t.Parallel()
+	url := testdb.New(t)
+	addr := freeAddr(t)
+	start(t, "serve", "--database-url", url, "--listen", addr, "--http-listen", "")
+	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	admin := outboxv1.NewAdminServiceClient(conn)
+	eventually(t, "server up", func() bool {
+		_, err := admin.GetLag(t.Context(), &outboxv1.GetLagRequest{})
+		return err == nil
+	})
+	big := &outboxv1.AckRequest{Acks: []*outboxv1.AckItem{{EventId: "x", LeaseToken: strings.Repeat("A", 2<<20)}}}
+	if _, err := outboxv1.NewRelayServiceClient(conn).Ack(t.Context(), big); status.Code(err) != codes.ResourceExhausted {
+		t.Fatalf("2 MiB Ack: %v, want ResourceExhausted", err)
+	}
+	if _, err := admin.GetLag(t.Context(), &outboxv1.GetLagRequest{}); err != nil {
+		t.Fatalf("after the oversized request: %v", err)
+	}
 }
