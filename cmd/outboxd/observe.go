@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net/http"
+	"net/http/pprof"
 	"sync/atomic"
 	"time"
 
@@ -102,11 +103,18 @@ func rpcLogLevel(code codes.Code) logging.Level {
 	}
 }
 
-// newHTTPServer serves /metrics, /healthz (the process is up) and /readyz
+// newHTTPServer serves /metrics, /healthz (the process is up), /readyz
 // (the replica can serve: database reachable, schema current, not shutting
-// down).
-func newHTTPServer(reg *prometheus.Registry, readiness *atomic.Pointer[server.Readiness]) *http.Server {
+// down) and, with profiling, /debug/pprof/.
+func newHTTPServer(reg *prometheus.Registry, readiness *atomic.Pointer[server.Readiness], profiling bool) *http.Server {
 	mux := http.NewServeMux()
+	if profiling {
+		// Off by default: profiles reveal internals and cost CPU while taken.
+		mux.HandleFunc("GET /debug/pprof/", pprof.Index)
+		mux.HandleFunc("GET /debug/pprof/profile", pprof.Profile)
+		mux.HandleFunc("GET /debug/pprof/trace", pprof.Trace)
+		mux.HandleFunc("GET /debug/pprof/symbol", pprof.Symbol)
+	}
 	mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg}))
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) {
 		fmt.Fprintln(w, "ok")

@@ -54,6 +54,7 @@ type serveFlags struct {
 	tlsCert, tlsKey      string
 	tlsClientCA          string
 	maxSubscriptions     int
+	pprof                bool
 }
 
 func (f *serveFlags) register(cmd *cobra.Command) {
@@ -78,6 +79,7 @@ func (f *serveFlags) register(cmd *cobra.Command) {
 	fl.StringVar(&f.tlsCert, "tls-cert", "", "TLS certificate file (with --tls-key), reloaded when it changes")
 	fl.StringVar(&f.tlsKey, "tls-key", "", "TLS private key file")
 	fl.StringVar(&f.tlsClientCA, "tls-client-ca", "", "CA file for client certificates: turns on mutual TLS")
+	fl.BoolVar(&f.pprof, "pprof", false, "serve Go profiles on the HTTP port under /debug/pprof/")
 	fl.IntVar(&f.maxSubscriptions, "max-subscriptions-per-relay", 64, "Subscribe streams one token (or relay id, without auth) may hold open on this replica")
 }
 
@@ -273,7 +275,7 @@ func runServer(ctx context.Context, url string, f *serveFlags, log *slog.Logger,
 	})
 	var httpSrv *http.Server
 	if httpLis != nil {
-		httpSrv = newHTTPServer(reg, &readiness)
+		httpSrv = newHTTPServer(reg, &readiness, f.pprof)
 		eg.Go(func() error {
 			if err := httpSrv.Serve(httpLis); err != nil && !errors.Is(err, http.ErrServerClosed) {
 				return err
