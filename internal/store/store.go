@@ -135,12 +135,8 @@ func (s *Store) Ack(ctx context.Context, ids []uuid.UUID, replicaID string) ([]A
 }
 
 func (s *Store) ack(ctx context.Context, ids []uuid.UUID, replicaID string) ([]AckResult, error) {
-	// The join reads each published event's created_at by primary key, as
-	// of before the call (created_at never changes).
-	rows, err := s.pool.Query(ctx, `
-		SELECT a.event_id, a.status, a.holder, clock_timestamp() - e.created_at
-		FROM outbox.ack($1, $2) a
-		LEFT JOIN outbox.event e ON e.event_id = a.event_id AND a.status = 'published'`, ids, replicaID)
+	rows, err := s.pool.Query(ctx,
+		`SELECT event_id, status, holder, clock_timestamp() - created_at FROM outbox.ack($1, $2)`, ids, replicaID)
 	if err != nil {
 		return nil, fmt.Errorf("store: ack: %w", err)
 	}
