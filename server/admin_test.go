@@ -37,7 +37,7 @@ func emitAt(t *testing.T, pool *pgxpool.Pool, stream, key string, rev int64) str
 
 func nack(t *testing.T, r *replica, d *outboxv1.SubscribeResponse) *outboxv1.NackResponse {
 	t.Helper()
-	res, err := r.relay.Nack(context.Background(), &outboxv1.NackRequest{
+	res, err := r.Relay.Nack(context.Background(), &outboxv1.NackRequest{
 		EventId: d.GetEvent().GetEventId(), LeaseToken: d.GetLeaseToken(), Error: "broker said no"})
 	if err != nil {
 		t.Fatal(err)
@@ -70,7 +70,7 @@ func wantCode(t *testing.T, err error, code codes.Code, field string) {
 func noiseLoad(t *testing.T, ctx context.Context, pool *pgxpool.Pool, r *replica) {
 	t.Helper()
 	runner, err := relay.NewRunner(relay.Config{
-		Conn: r.conn, RelayID: "noise-relay", Streams: []string{"noise"}, MaxInFlight: 16,
+		Conn: r.Conn, RelayID: "noise-relay", Streams: []string{"noise"}, MaxInFlight: 16,
 		Publisher: publisherFunc(func(context.Context, relay.Event) error { return nil }),
 	})
 	if err != nil {
@@ -119,7 +119,7 @@ func TestGetLagEqualsSQL(t *testing.T) {
 	if err := pool.QueryRow(ctx, `SELECT event_id FROM outbox.event WHERE aggregate_key = 'o-3' AND revision = 3`).Scan(&skipID); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := r.admin.SkipEvent(ctx, &outboxv1.SkipEventRequest{EventId: skipID, Reason: "test"}); err != nil {
+	if _, err := r.Admin.SkipEvent(ctx, &outboxv1.SkipEventRequest{EventId: skipID, Reason: "test"}); err != nil {
 		t.Fatal(err)
 	}
 
@@ -137,7 +137,7 @@ func TestGetLagEqualsSQL(t *testing.T) {
 	}
 	emit(t, pool, "payments", "p-2", 1)
 	d = recv(t, payments)
-	res, err := r.relay.Nack(ctx, &outboxv1.NackRequest{EventId: d.GetEvent().GetEventId(), LeaseToken: d.GetLeaseToken(),
+	res, err := r.Relay.Nack(ctx, &outboxv1.NackRequest{EventId: d.GetEvent().GetEventId(), LeaseToken: d.GetLeaseToken(),
 		Error: "broker said no", RetryAfter: hour})
 	if err != nil || res.GetParked() {
 		t.Fatalf("first failure of p-2: %v, %v", res, err)
@@ -151,7 +151,7 @@ func TestGetLagEqualsSQL(t *testing.T) {
 	waitState(t, pool, "i-1", "gap")
 	waitState(t, pool, "p-2", "backoff")
 
-	lag, err := r.admin.GetLag(ctx, &outboxv1.GetLagRequest{Streams: []string{"orders", "payments", "inventory"}})
+	lag, err := r.Admin.GetLag(ctx, &outboxv1.GetLagRequest{Streams: []string{"orders", "payments", "inventory"}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -216,7 +216,7 @@ func TestGetLagEqualsSQL(t *testing.T) {
 		t.Errorf("connected relays %d, want 4 (orders, payments, inventory, noise)", lag.GetConnectedRelays())
 	}
 
-	agg, err := r.admin.GetAggregate(ctx, &outboxv1.GetAggregateRequest{Stream: "payments", AggregateKey: "p-1"})
+	agg, err := r.Admin.GetAggregate(ctx, &outboxv1.GetAggregateRequest{Stream: "payments", AggregateKey: "p-1"})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -226,7 +226,7 @@ func TestGetLagEqualsSQL(t *testing.T) {
 		a.GetParkedReason() == "" || a.GetParkedAt() == nil || a.GetLastRevision() != 2 {
 		t.Errorf("parked aggregate: %v", a)
 	}
-	agg, err = r.admin.GetAggregate(ctx, &outboxv1.GetAggregateRequest{Stream: "inventory", AggregateKey: "i-1"})
+	agg, err = r.Admin.GetAggregate(ctx, &outboxv1.GetAggregateRequest{Stream: "inventory", AggregateKey: "i-1"})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -234,9 +234,9 @@ func TestGetLagEqualsSQL(t *testing.T) {
 		a.GetDeliveredRevision() != 5 || a.GetNextPendingRevision() != 7 {
 		t.Errorf("gap aggregate: %v", a)
 	}
-	_, err = r.admin.GetAggregate(ctx, &outboxv1.GetAggregateRequest{Stream: "orders", AggregateKey: "nope"})
+	_, err = r.Admin.GetAggregate(ctx, &outboxv1.GetAggregateRequest{Stream: "orders", AggregateKey: "nope"})
 	wantCode(t, err, codes.NotFound, "")
-	_, err = r.admin.GetAggregate(ctx, &outboxv1.GetAggregateRequest{Stream: "Bad Stream"})
+	_, err = r.Admin.GetAggregate(ctx, &outboxv1.GetAggregateRequest{Stream: "Bad Stream"})
 	wantCode(t, err, codes.InvalidArgument, "stream")
 }
 
@@ -253,16 +253,16 @@ func TestSkipEvent(t *testing.T) {
 	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 1, LeaseTtl: durationpb.New(time.Hour)})
 	d := recv(t, st)
 
-	_, err := r.admin.SkipEvent(ctx, &outboxv1.SkipEventRequest{EventId: ids[0].String()})
+	_, err := r.Admin.SkipEvent(ctx, &outboxv1.SkipEventRequest{EventId: ids[0].String()})
 	wantCode(t, err, codes.InvalidArgument, "reason")
-	_, err = r.admin.SkipEvent(ctx, &outboxv1.SkipEventRequest{EventId: ids[0].String(), Reason: "  "})
+	_, err = r.Admin.SkipEvent(ctx, &outboxv1.SkipEventRequest{EventId: ids[0].String(), Reason: "  "})
 	wantCode(t, err, codes.InvalidArgument, "reason")
-	_, err = r.admin.SkipEvent(ctx, &outboxv1.SkipEventRequest{EventId: "x", Reason: "r"})
+	_, err = r.Admin.SkipEvent(ctx, &outboxv1.SkipEventRequest{EventId: "x", Reason: "r"})
 	wantCode(t, err, codes.InvalidArgument, "event_id")
-	_, err = r.admin.SkipEvent(ctx, &outboxv1.SkipEventRequest{EventId: "00000000-0000-0000-0000-000000000001", Reason: "r"})
+	_, err = r.Admin.SkipEvent(ctx, &outboxv1.SkipEventRequest{EventId: "00000000-0000-0000-0000-000000000001", Reason: "r"})
 	wantCode(t, err, codes.NotFound, "")
 
-	res, err := r.admin.SkipEvent(ctx, &outboxv1.SkipEventRequest{EventId: ids[0].String(), Reason: "poison payload", Actor: "alice"})
+	res, err := r.Admin.SkipEvent(ctx, &outboxv1.SkipEventRequest{EventId: ids[0].String(), Reason: "poison payload", Actor: "alice"})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -281,13 +281,13 @@ func TestSkipEvent(t *testing.T) {
 	if publishedAt(t, pool, ids[0].String()) != nil {
 		t.Fatal("skipped event was marked published")
 	}
-	_, err = r.admin.SkipEvent(ctx, &outboxv1.SkipEventRequest{EventId: ids[0].String(), Reason: "again"})
+	_, err = r.Admin.SkipEvent(ctx, &outboxv1.SkipEventRequest{EventId: ids[0].String(), Reason: "again"})
 	wantCode(t, err, codes.FailedPrecondition, "")
-	_, err = r.admin.SkipEvent(ctx, &outboxv1.SkipEventRequest{EventId: ids[1].String(), Reason: "too late"})
+	_, err = r.Admin.SkipEvent(ctx, &outboxv1.SkipEventRequest{EventId: ids[1].String(), Reason: "too late"})
 	wantCode(t, err, codes.FailedPrecondition, "")
 
 	// The skipped event stays queryable, with the decision.
-	list, err := r.admin.ListEvents(ctx, &outboxv1.ListEventsRequest{Stream: "orders", State: outboxv1.EventState_EVENT_STATE_SKIPPED})
+	list, err := r.Admin.ListEvents(ctx, &outboxv1.ListEventsRequest{Stream: "orders", State: outboxv1.EventState_EVENT_STATE_SKIPPED})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -297,7 +297,7 @@ func TestSkipEvent(t *testing.T) {
 	}
 	// Anonymous callers are recorded with their address.
 	more := emit(t, pool, "orders", "o-2", 1)
-	res, err = r.admin.SkipEvent(ctx, &outboxv1.SkipEventRequest{EventId: more[0].String(), Reason: "r"})
+	res, err = r.Admin.SkipEvent(ctx, &outboxv1.SkipEventRequest{EventId: more[0].String(), Reason: "r"})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -319,12 +319,12 @@ func TestRetryAggregate(t *testing.T) {
 	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 1, LeaseTtl: durationpb.New(time.Hour)})
 	d := recv(t, st)
 
-	_, err := r.admin.RetryAggregate(ctx, &outboxv1.RetryAggregateRequest{Stream: "orders", AggregateKey: "o-1"})
+	_, err := r.Admin.RetryAggregate(ctx, &outboxv1.RetryAggregateRequest{Stream: "orders", AggregateKey: "o-1"})
 	wantCode(t, err, codes.FailedPrecondition, "") // leased
 	if !nack(t, r, d).GetParked() {
 		t.Fatal("not parked")
 	}
-	res, err := r.admin.RetryAggregate(ctx, &outboxv1.RetryAggregateRequest{Stream: "orders", AggregateKey: "o-1"})
+	res, err := r.Admin.RetryAggregate(ctx, &outboxv1.RetryAggregateRequest{Stream: "orders", AggregateKey: "o-1"})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -337,9 +337,9 @@ func TestRetryAggregate(t *testing.T) {
 	}
 	ack(t, r, again)
 	waitState(t, pool, "o-1", "idle")
-	_, err = r.admin.RetryAggregate(ctx, &outboxv1.RetryAggregateRequest{Stream: "orders", AggregateKey: "o-1"})
+	_, err = r.Admin.RetryAggregate(ctx, &outboxv1.RetryAggregateRequest{Stream: "orders", AggregateKey: "o-1"})
 	wantCode(t, err, codes.FailedPrecondition, "") // idle
-	_, err = r.admin.RetryAggregate(ctx, &outboxv1.RetryAggregateRequest{Stream: "orders", AggregateKey: "none"})
+	_, err = r.Admin.RetryAggregate(ctx, &outboxv1.RetryAggregateRequest{Stream: "orders", AggregateKey: "none"})
 	wantCode(t, err, codes.NotFound, "")
 
 	// A gap: revisions 1 and 4 of g; 2 and 3 never come.
@@ -347,11 +347,11 @@ func TestRetryAggregate(t *testing.T) {
 	id4 := emitAt(t, pool, "orders", "g", 4)
 	ack(t, r, recv(t, st))
 	waitState(t, pool, "g", "gap")
-	_, err = r.admin.RetryAggregate(ctx, &outboxv1.RetryAggregateRequest{Stream: "orders", AggregateKey: "g"})
+	_, err = r.Admin.RetryAggregate(ctx, &outboxv1.RetryAggregateRequest{Stream: "orders", AggregateKey: "g"})
 	wantCode(t, err, codes.FailedPrecondition, "")
-	_, err = r.admin.RetryAggregate(ctx, &outboxv1.RetryAggregateRequest{Stream: "orders", AggregateKey: "g", AcceptGap: true})
+	_, err = r.Admin.RetryAggregate(ctx, &outboxv1.RetryAggregateRequest{Stream: "orders", AggregateKey: "g", AcceptGap: true})
 	wantCode(t, err, codes.InvalidArgument, "reason")
-	res, err = r.admin.RetryAggregate(ctx, &outboxv1.RetryAggregateRequest{
+	res, err = r.Admin.RetryAggregate(ctx, &outboxv1.RetryAggregateRequest{
 		Stream: "orders", AggregateKey: "g", AcceptGap: true, Reason: "revisions 2-3 rolled back upstream", Actor: "bob"})
 	if err != nil {
 		t.Fatal(err)
@@ -394,7 +394,7 @@ func TestListEventsPaginates(t *testing.T) {
 	token := ""
 	pages := 0
 	for {
-		res, err := r.admin.ListEvents(ctx, &outboxv1.ListEventsRequest{Stream: "orders", PageSize: 7, PageToken: token})
+		res, err := r.Admin.ListEvents(ctx, &outboxv1.ListEventsRequest{Stream: "orders", PageSize: 7, PageToken: token})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -416,23 +416,23 @@ func TestListEventsPaginates(t *testing.T) {
 	if len(seen) != len(want) || pages != 4 {
 		t.Fatalf("listed %d events in %d pages, want %d in 4", len(seen), pages, len(want))
 	}
-	res, err := r.admin.ListEvents(ctx, &outboxv1.ListEventsRequest{Stream: "orders", AggregateKey: "o-2"})
+	res, err := r.Admin.ListEvents(ctx, &outboxv1.ListEventsRequest{Stream: "orders", AggregateKey: "o-2"})
 	if err != nil || len(res.GetEvents()) != 5 {
 		t.Fatalf("by aggregate: %d events, %v", len(res.GetEvents()), err)
 	}
-	res, err = r.admin.ListEvents(ctx, &outboxv1.ListEventsRequest{State: outboxv1.EventState_EVENT_STATE_PUBLISHED})
+	res, err = r.Admin.ListEvents(ctx, &outboxv1.ListEventsRequest{State: outboxv1.EventState_EVENT_STATE_PUBLISHED})
 	if err != nil || len(res.GetEvents()) != 0 {
 		t.Fatalf("published: %d events, %v", len(res.GetEvents()), err)
 	}
-	res, err = r.admin.ListEvents(ctx, &outboxv1.ListEventsRequest{CreatedAfter: timestamppb.New(time.Now().Add(time.Hour))})
+	res, err = r.Admin.ListEvents(ctx, &outboxv1.ListEventsRequest{CreatedAfter: timestamppb.New(time.Now().Add(time.Hour))})
 	if err != nil || len(res.GetEvents()) != 0 {
 		t.Fatalf("created in the future: %d events, %v", len(res.GetEvents()), err)
 	}
-	_, err = r.admin.ListEvents(ctx, &outboxv1.ListEventsRequest{PageToken: "forged!"})
+	_, err = r.Admin.ListEvents(ctx, &outboxv1.ListEventsRequest{PageToken: "forged!"})
 	wantCode(t, err, codes.InvalidArgument, "page_token")
-	_, err = r.admin.ListEvents(ctx, &outboxv1.ListEventsRequest{AggregateKey: "o-1"})
+	_, err = r.Admin.ListEvents(ctx, &outboxv1.ListEventsRequest{AggregateKey: "o-1"})
 	wantCode(t, err, codes.InvalidArgument, "aggregate_key")
-	_, err = r.admin.ListEvents(ctx, &outboxv1.ListEventsRequest{PageSize: 5000})
+	_, err = r.Admin.ListEvents(ctx, &outboxv1.ListEventsRequest{PageSize: 5000})
 	wantCode(t, err, codes.InvalidArgument, "page_size")
 }
 
@@ -467,13 +467,13 @@ func TestPurgeNeverDeletesPending(t *testing.T) {
 	emit(t, pool, "orders", "o-1", 20)
 	publishSome(t, ctx, r, "orders", 8)
 	skip := emit(t, pool, "orders", "o-2", 1)
-	if _, err := r.admin.SkipEvent(ctx, &outboxv1.SkipEventRequest{EventId: skip[0].String(), Reason: "r"}); err != nil {
+	if _, err := r.Admin.SkipEvent(ctx, &outboxv1.SkipEventRequest{EventId: skip[0].String(), Reason: "r"}); err != nil {
 		t.Fatal(err)
 	}
 
 	purge := func(req *outboxv1.PurgeRequest) []*outboxv1.PurgeResponse {
 		t.Helper()
-		st, err := r.admin.Purge(ctx, req)
+		st, err := r.Admin.Purge(ctx, req)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -519,7 +519,7 @@ func TestPurgeNeverDeletesPending(t *testing.T) {
 		t.Fatalf("%d published events left, want 2", n)
 	}
 
-	st, err := r.admin.Purge(ctx, &outboxv1.PurgeRequest{})
+	st, err := r.Admin.Purge(ctx, &outboxv1.PurgeRequest{})
 	if err == nil {
 		_, err = st.Recv()
 	}
@@ -539,7 +539,7 @@ func TestJanitorPurgesInBatches(t *testing.T) {
 	})
 	emit(t, pool, "orders", "o-1", 10)
 	publishSome(t, ctx, r, "orders", 7)
-	deleted, batches, err := r.srv.RunJanitor(ctx)
+	deleted, batches, err := r.Server.RunJanitor(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -570,7 +570,7 @@ func TestListRelays(t *testing.T) {
 
 	var relays []*outboxv1.Relay
 	waitFor(t, func() int32 {
-		res, err := b.admin.ListRelays(ctx, &outboxv1.ListRelaysRequest{})
+		res, err := b.Admin.ListRelays(ctx, &outboxv1.ListRelaysRequest{})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -588,7 +588,7 @@ func TestListRelays(t *testing.T) {
 		t.Fatalf("relays: %v", relays)
 	}
 	// ListRelays on a refreshes a's own figures first.
-	res, err := a.admin.ListRelays(ctx, &outboxv1.ListRelaysRequest{})
+	res, err := a.Admin.ListRelays(ctx, &outboxv1.ListRelaysRequest{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -599,7 +599,7 @@ func TestListRelays(t *testing.T) {
 	}
 	stop()
 	waitFor(t, func() int32 {
-		res, err := b.admin.ListRelays(ctx, &outboxv1.ListRelaysRequest{})
+		res, err := b.Admin.ListRelays(ctx, &outboxv1.ListRelaysRequest{})
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -43,7 +43,7 @@ func subscribe(t *testing.T, ctx context.Context, r *replica, req *outboxv1.Subs
 	if req.RelayId == "" {
 		req.RelayId = "test-relay"
 	}
-	st, err := r.relay.Subscribe(ctx, req)
+	st, err := r.Relay.Subscribe(ctx, req)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -78,7 +78,7 @@ func ack(t *testing.T, r *replica, ds ...*outboxv1.SubscribeResponse) []*outboxv
 	for _, d := range ds {
 		req.Acks = append(req.Acks, &outboxv1.AckItem{EventId: d.GetEvent().GetEventId(), LeaseToken: d.GetLeaseToken()})
 	}
-	res, err := r.relay.Ack(context.Background(), req)
+	res, err := r.Relay.Ack(context.Background(), req)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -185,11 +185,11 @@ func TestUnackedLeaseExpiresAndRedeliversSameEvent(t *testing.T) {
 		t.Fatal("unacked event was marked published")
 	}
 	// The old lease is fenced: it can neither nack nor extend...
-	_, err := r.relay.Nack(ctx, &outboxv1.NackRequest{EventId: ids[0].String(), LeaseToken: first.GetLeaseToken(), Error: "late"})
+	_, err := r.Relay.Nack(ctx, &outboxv1.NackRequest{EventId: ids[0].String(), LeaseToken: first.GetLeaseToken(), Error: "late"})
 	if status.Code(err) != codes.FailedPrecondition {
 		t.Fatalf("nack with expired lease: %v, want FailedPrecondition", err)
 	}
-	_, err = r.relay.ExtendLease(ctx, &outboxv1.ExtendLeaseRequest{EventId: ids[0].String(), LeaseToken: first.GetLeaseToken(), Ttl: durationpb.New(time.Minute)})
+	_, err = r.Relay.ExtendLease(ctx, &outboxv1.ExtendLeaseRequest{EventId: ids[0].String(), LeaseToken: first.GetLeaseToken(), Ttl: durationpb.New(time.Minute)})
 	if status.Code(err) != codes.FailedPrecondition {
 		t.Fatalf("extend with expired lease: %v, want FailedPrecondition", err)
 	}
@@ -289,7 +289,7 @@ func TestBadRelayInput(t *testing.T) {
 		{&outboxv1.SubscribeRequest{RelayId: "r", MaxInFlight: 1, Streams: []string{"no_such_stream"}}, codes.NotFound, ""},
 	}
 	for _, c := range badSubs {
-		st, err := r.relay.Subscribe(ctx, c.req)
+		st, err := r.Relay.Subscribe(ctx, c.req)
 		if err == nil {
 			_, err = st.Recv()
 		}
@@ -308,7 +308,7 @@ func TestBadRelayInput(t *testing.T) {
 	if forged == d1.GetLeaseToken() {
 		forged = d1.GetLeaseToken()[:len(d1.GetLeaseToken())-2] + "BB"
 	}
-	res, err := r.relay.Ack(ctx, &outboxv1.AckRequest{Acks: []*outboxv1.AckItem{
+	res, err := r.Relay.Ack(ctx, &outboxv1.AckRequest{Acks: []*outboxv1.AckItem{
 		{EventId: d1.GetEvent().GetEventId(), LeaseToken: forged},             // forged
 		{EventId: d1.GetEvent().GetEventId(), LeaseToken: "garbage"},          // garbled
 		{EventId: d1.GetEvent().GetEventId(), LeaseToken: d2.GetLeaseToken()}, // another aggregate's token
@@ -335,11 +335,11 @@ func TestBadRelayInput(t *testing.T) {
 		t.Fatal("event marked published by a bad ack")
 	}
 	for _, req := range []*outboxv1.AckRequest{{}, {Acks: make([]*outboxv1.AckItem, 1001)}} {
-		if _, err := r.relay.Ack(ctx, req); status.Code(err) != codes.InvalidArgument {
+		if _, err := r.Relay.Ack(ctx, req); status.Code(err) != codes.InvalidArgument {
 			t.Errorf("Ack with %d items: %v, want InvalidArgument", len(req.GetAcks()), err)
 		}
 	}
-	if _, err := r.relay.Nack(ctx, &outboxv1.NackRequest{EventId: d1.GetEvent().GetEventId(), LeaseToken: "x"}); status.Code(err) != codes.InvalidArgument {
+	if _, err := r.Relay.Nack(ctx, &outboxv1.NackRequest{EventId: d1.GetEvent().GetEventId(), LeaseToken: "x"}); status.Code(err) != codes.InvalidArgument {
 		t.Errorf("Nack with garbled token: %v", err)
 	}
 	// The server still serves: d1 acks fine and its next revision comes.
@@ -386,7 +386,7 @@ func TestNackBacksOffThenParks(t *testing.T) {
 		if d.GetEvent().GetEventId() != first || d.GetAttempt() != uint32(i) {
 			t.Fatalf("delivery %d: %s attempt %d, want %s attempt %d", i, d.GetEvent().GetEventId(), d.GetAttempt(), first, i)
 		}
-		res, err := r.relay.Nack(ctx, &outboxv1.NackRequest{EventId: first, LeaseToken: d.GetLeaseToken(), Error: "broker says no"})
+		res, err := r.Relay.Nack(ctx, &outboxv1.NackRequest{EventId: first, LeaseToken: d.GetLeaseToken(), Error: "broker says no"})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -454,7 +454,7 @@ func TestOrderAcrossFourRelays(t *testing.T) {
 	var wg sync.WaitGroup
 	for i := range 4 {
 		runner, err := relay.NewRunner(relay.Config{
-			Conn: r.conn, Publisher: sink, RelayID: fmt.Sprintf("r%d", i), MaxInFlight: 16,
+			Conn: r.Conn, Publisher: sink, RelayID: fmt.Sprintf("r%d", i), MaxInFlight: 16,
 		})
 		if err != nil {
 			t.Fatal(err)

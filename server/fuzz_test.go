@@ -38,7 +38,7 @@ func FuzzAck(f *testing.F) {
 	f.Fuzz(func(t *testing.T, eventID, token string) {
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		defer cancel()
-		res, err := r.relay.Ack(ctx, &outboxv1.AckRequest{Acks: []*outboxv1.AckItem{{EventId: eventID, LeaseToken: token}}})
+		res, err := r.Relay.Ack(ctx, &outboxv1.AckRequest{Acks: []*outboxv1.AckItem{{EventId: eventID, LeaseToken: token}}})
 		if err != nil {
 			if c := status.Code(err); c != codes.InvalidArgument && c != codes.Internal {
 				t.Fatalf("Ack(%q, %q): %v", eventID, token, err)
@@ -77,7 +77,7 @@ func FuzzSubscribeRequest(f *testing.F) {
 		if streams != "" {
 			req.Streams = strings.Split(streams, ",")
 		}
-		st, err := r.relay.Subscribe(ctx, req)
+		st, err := r.Relay.Subscribe(ctx, req)
 		if err == nil {
 			var md metadata.MD
 			if md, err = st.Header(); err == nil && md == nil {

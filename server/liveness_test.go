@@ -82,7 +82,7 @@ func TestOpenProducerTransactionBlocksNothingElse(t *testing.T) {
 	}
 	// The ack of busy's revision 1 completes (bounded, so a block fails).
 	ackCtx, ackCancel := context.WithTimeout(ctx, 10*time.Second)
-	res, err := r.relay.Ack(ackCtx, &outboxv1.AckRequest{Acks: []*outboxv1.AckItem{{EventId: first.GetEvent().GetEventId(), LeaseToken: first.GetLeaseToken()}}})
+	res, err := r.Relay.Ack(ackCtx, &outboxv1.AckRequest{Acks: []*outboxv1.AckItem{{EventId: first.GetEvent().GetEventId(), LeaseToken: first.GetLeaseToken()}}})
 	ackCancel()
 	if err != nil || res.GetResults()[0].GetStatus() != outboxv1.AckStatus_ACK_STATUS_PUBLISHED {
 		t.Fatalf("ack while a producer holds the aggregate: %v %v", res, err)

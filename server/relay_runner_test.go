@@ -46,7 +46,7 @@ func TestRunnerExtendsLeaseOfSlowPublish(t *testing.T) {
 	ids := emit(t, pool, "orders", "slow", 1)
 
 	pub := &blockingPublisher{attempts: map[string]int{}, started: make(chan struct{}, 1), release: make(chan struct{})}
-	runner, err := relay.NewRunner(relay.Config{Conn: r.conn, Publisher: pub, LeaseTTL: time.Second, MaxInFlight: 1})
+	runner, err := relay.NewRunner(relay.Config{Conn: r.Conn, Publisher: pub, LeaseTTL: time.Second, MaxInFlight: 1})
 	if err != nil {
 		t.Fatal(err)
 	}

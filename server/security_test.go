@@ -56,7 +56,7 @@ func dialAs(t *testing.T, r *replica, token string) *grpc.ClientConn {
 	if token != "" {
 		opts = append(opts, auth.WithBearerToken(token, true))
 	}
-	conn, err := grpc.NewClient(r.addr, opts...)
+	conn, err := grpc.NewClient(r.Addr, opts...)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -232,7 +232,7 @@ func TestStalledRelayHoldsOnlyItsCredit(t *testing.T) {
 	const credit = 5
 	emit(t, pool, "orders", "seed", 1)
 	// Subscribed, never read.
-	if _, err := r.relay.Subscribe(ctx, &outboxv1.SubscribeRequest{RelayId: "stalled", MaxInFlight: credit, LeaseTtl: durationpb.New(time.Hour)}); err != nil {
+	if _, err := r.Relay.Subscribe(ctx, &outboxv1.SubscribeRequest{RelayId: "stalled", MaxInFlight: credit, LeaseTtl: durationpb.New(time.Hour)}); err != nil {
 		t.Fatal(err)
 	}
 	leased := func() int32 {
@@ -261,7 +261,7 @@ func TestStalledRelayHoldsOnlyItsCredit(t *testing.T) {
 	// Every producer commit above woke the session, and it reconciles every
 	// 10 ms; whatever it did, it may not hold more than its credit.
 	for range 3 {
-		res, err := r.admin.ListRelays(ctx, &outboxv1.ListRelaysRequest{})
+		res, err := r.Admin.ListRelays(ctx, &outboxv1.ListRelaysRequest{})
 		if err != nil {
 			t.Fatal(err)
 		}

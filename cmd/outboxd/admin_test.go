@@ -10,7 +10,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"log/slog"
 	"net"
 	"slices"
 	"strconv"
@@ -21,15 +20,13 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
-	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/proto"
 
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
-	"github.com/outboxd/outboxd/internal/store"
+	"github.com/outboxd/outboxd/internal/servertest"
 	"github.com/outboxd/outboxd/internal/testdb"
 	"github.com/outboxd/outboxd/server"
 )
@@ -44,58 +41,13 @@ type testServer struct {
 // startServer runs a server for t on a fresh database; it stops when t ends.
 func startServer(t *testing.T, configure func(*server.Config)) *testServer {
 	t.Helper()
-	url := testdb.New(t)
-	ctx, cancel := context.WithCancel(context.Background())
-	pool, err := pgxpool.New(ctx, url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg := server.Config{
-		Store:             store.New(pool),
-		DatabaseURL:       url,
-		Logger:            slog.New(slog.NewTextHandler(testLogWriter{t}, nil)),
-		PollInterval:      50 * time.Millisecond,
-		ReconcileInterval: 100 * time.Millisecond,
-	}
-	if configure != nil {
-		configure(&cfg)
-	}
-	srv, err := server.New(ctx, cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	lis, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	g := grpc.NewServer()
-	srv.Register(g)
-	runDone, serveDone := make(chan struct{}), make(chan struct{})
-	go func() { defer close(runDone); _ = srv.Run(ctx) }()
-	go func() { defer close(serveDone); _ = g.Serve(lis) }()
-	conn, err := grpc.NewClient(lis.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		conn.Close()
-		stopCtx, stopCancel := context.WithTimeout(context.Background(), 5*time.Second)
-		srv.Stop(stopCtx)
-		stopCancel()
-		g.Stop()
-		<-serveDone
-		cancel()
-		<-runDone
-		pool.Close()
-	})
-	return &testServer{addr: lis.Addr().String(), pool: pool, relay: outboxv1.NewRelayServiceClient(conn)}
-}
-
-type testLogWriter struct{ t *testing.T }
-
-func (w testLogWriter) Write(p []byte) (int, error) {
-	w.t.Log(strings.TrimSuffix(string(p), "\n"))
-	return len(p), nil
+	r := servertest.Start(t, testdb.New(t), servertest.Options{Configure: func(c *server.Config) {
+		c.PollInterval, c.ReconcileInterval = 50*time.Millisecond, 100*time.Millisecond
+		if configure != nil {
+			configure(c)
+		}
+	}})
+	return &testServer{addr: r.Addr, pool: r.Pool, relay: r.Relay}
 }
 
 // result is what one run of the CLI printed and its exit code.
