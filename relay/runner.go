@@ -43,10 +43,14 @@ type Config struct {
 	MaxInFlight int
 	// LeaseTTL is asked of the server; zero takes the server's default.
 	LeaseTTL time.Duration
-	// AckBatchSize and AckMaxDelay bound how long an ack waits to share a
-	// request with others. Defaults 256 and 5ms.
+	// AckBatchSize is the most acks one Ack request carries. Default 256.
 	AckBatchSize int
-	AckMaxDelay  time.Duration
+	// AckMaxDelay is how long an ack may wait for company before it is
+	// sent. Default 0: an ack is sent at once, and the acks that complete
+	// while one Ack request is in flight share the next one, so batches
+	// grow with load without delaying a lone ack (which would slow down
+	// every aggregate whose events come one after another).
+	AckMaxDelay time.Duration
 	// ReconnectBase and ReconnectCap shape the reconnect backoff. Defaults
 	// 100ms and 10s.
 	ReconnectBase, ReconnectCap time.Duration
@@ -76,8 +80,8 @@ func (c *Config) setDefaults() error {
 	if c.AckBatchSize <= 0 {
 		c.AckBatchSize = 256
 	}
-	if c.AckMaxDelay <= 0 {
-		c.AckMaxDelay = 5 * time.Millisecond
+	if c.AckMaxDelay < 0 {
+		return fmt.Errorf("relay: Config.AckMaxDelay %v must not be negative", c.AckMaxDelay)
 	}
 	if c.ReconnectBase <= 0 {
 		c.ReconnectBase = 100 * time.Millisecond
@@ -257,8 +261,9 @@ func (r *Runner) keepLease(ctx context.Context, d *outboxv1.SubscribeResponse) (
 	return func() { cancel(); <-done }
 }
 
-// ackBatcher sends acks in batches of up to AckBatchSize, each waiting at
-// most AckMaxDelay for company.
+// ackBatcher sends acks in batches of up to AckBatchSize: one Ack request
+// at a time, carrying every ack that completed meanwhile (and, with
+// AckMaxDelay, waiting that long for more).
 type ackBatcher struct {
 	r     *Runner
 	ctx   context.Context
@@ -282,34 +287,52 @@ func (b *ackBatcher) close() {
 
 func (b *ackBatcher) run() {
 	defer close(b.done)
-	var batch []*outboxv1.AckItem
-	timer := time.NewTimer(time.Hour)
-	timer.Stop()
 	for {
-		var timeout <-chan time.Time
-		if len(batch) > 0 {
-			timeout = timer.C
+		it, ok := <-b.items
+		if !ok {
+			return
+		}
+		batch, open := b.gather([]*outboxv1.AckItem{it})
+		b.flush(batch)
+		if !open {
+			return
+		}
+	}
+}
+
+// gather adds to batch what is queued, and what arrives within AckMaxDelay,
+// up to AckBatchSize. It reports whether the queue is still open.
+func (b *ackBatcher) gather(batch []*outboxv1.AckItem) ([]*outboxv1.AckItem, bool) {
+	var linger <-chan time.Time
+	if d := b.r.cfg.AckMaxDelay; d > 0 {
+		t := time.NewTimer(d)
+		defer t.Stop()
+		linger = t.C
+	}
+	for len(batch) < b.r.cfg.AckBatchSize {
+		select {
+		case it, ok := <-b.items:
+			if !ok {
+				return batch, false
+			}
+			batch = append(batch, it)
+			continue
+		default:
+		}
+		if linger == nil {
+			return batch, true
 		}
 		select {
 		case it, ok := <-b.items:
 			if !ok {
-				b.flush(batch)
-				return
-			}
-			if len(batch) == 0 {
-				timer.Reset(b.r.cfg.AckMaxDelay)
+				return batch, false
 			}
 			batch = append(batch, it)
-			if len(batch) >= b.r.cfg.AckBatchSize {
-				timer.Stop()
-				b.flush(batch)
-				batch = nil
-			}
-		case <-timeout:
-			b.flush(batch)
-			batch = nil
+		case <-linger:
+			return batch, true
 		}
 	}
+	return batch, true
 }
 
 // flush sends one Ack, retrying while the server is unreachable: an ack lost

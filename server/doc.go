@@ -88,11 +88,15 @@
 //
 // # Wake-ups
 //
-// NOTIFY takes a global lock at commit, so producers notify only while some
+// NOTIFY takes a global lock at commit, so producers notify only when some
 // replica is registered in outbox.listener, which a session does after it
-// has found no work for a while (short polls before that are cheaper).
-// Registrations last 10s and are renewed only by idle sessions: under load
-// they lapse and producers stop notifying.
+// has found no work for a while (short polls before that are cheaper). A
+// registration is consumed: the first producer statement that finds it
+// deletes it (SKIP LOCKED, so producers never wait for each other) and
+// notifies; the others find none, and the replica registers again only
+// after its sessions idle again. So NOTIFY runs about once per idle period
+// per replica, never once per event, even when relays keep up with
+// producers and idle between events.
 //
 // # Operator actions
 //

@@ -17,8 +17,9 @@ const ListenerApplicationName = "outboxd-listener"
 const (
 	chanWakeup   = "outbox_wakeup"
 	chanReleased = "outbox_released"
-	// armTTL is how long one registration in outbox.listener keeps producers
-	// notifying. Idle sessions renew it; busy ones let it lapse.
+	// armTTL is how long one registration in outbox.listener stays good
+	// for. The first producer statement that finds it consumes it and
+	// notifies; idle sessions register again, busy ones do not.
 	armTTL = 10 * time.Second
 )
 
@@ -129,6 +130,11 @@ func (w *waker) listen(ctx context.Context) error {
 		}
 		switch n.Channel {
 		case chanWakeup:
+			// The producer that notified consumed the registrations (see
+			// outbox.wake_listeners): register again at the next idle poll.
+			w.mu.Lock()
+			w.armedUntil = time.Time{}
+			w.mu.Unlock()
 			w.broadcast()
 		case chanReleased:
 			if holder, err := uuid.Parse(n.Payload); err == nil {

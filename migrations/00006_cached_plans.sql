@@ -1,0 +1,59 @@
+-- A cached plan for the lease statement (issue 5). In PostgreSQL 15 a
+-- LANGUAGE sql function is parsed and planned again at every call, and
+-- outbox.lease_heads runs in every claim; as PL/pgSQL its statement keeps
+-- its plan for the life of the connection. Signature, result and behaviour
+-- are unchanged. (outbox.emit stays SQL for now: its input and output
+-- parameters share names, which PL/pgSQL refuses, and renaming them would
+-- break producers that pass arguments by name.)
+
+-- +goose Up
+
+-- +goose StatementBegin
+CREATE OR REPLACE FUNCTION outbox.lease_heads(
+    p_streams text[],
+    p_keys text[],
+    p_holder uuid,
+    p_relay_id text,
+    p_replica_id text,
+    p_ttl interval,
+    p_now timestamptz
+) RETURNS TABLE (
+    event_id uuid,
+    stream text,
+    aggregate_key text,
+    revision bigint,
+    event_type text,
+    payload text,
+    headers jsonb,
+    created_at timestamptz,
+    epoch bigint,
+    attempt integer,
+    lease_expires_at timestamptz
+)
+LANGUAGE plpgsql AS $$
+#variable_conflict use_column
+BEGIN
+    -- The epoch grows with every lease: it fences Nack and ExtendLease of
+    -- older ones.
+    RETURN QUERY
+        UPDATE outbox.delivery d
+        SET state = 'leased', epoch = d.epoch + 1,
+            holder = p_holder, holder_relay_id = p_relay_id, holder_replica_id = p_replica_id,
+            attempt = CASE WHEN d.leased_event_id = e.event_id THEN d.attempt + 1 ELSE 1 END,
+            failures = CASE WHEN d.leased_event_id = e.event_id THEN d.failures ELSE 0 END,
+            leased_event_id = e.event_id,
+            lease_expires_at = p_now + p_ttl, claimable_at = p_now + p_ttl,
+            pending_since = e.created_at, next_attempt_at = NULL, gap_revision = NULL
+        FROM unnest(p_streams, p_keys) AS l(stream, aggregate_key), outbox.event e
+        WHERE d.stream = l.stream AND d.aggregate_key = l.aggregate_key
+          AND e.stream = d.stream AND e.aggregate_key = d.aggregate_key
+          AND e.revision = d.delivered_revision + 1
+          AND NOT EXISTS (SELECT 1 FROM outbox.skipped_event s WHERE s.event_id = e.event_id)
+        RETURNING e.event_id, e.stream, e.aggregate_key, e.revision, e.event_type, e.payload::text,
+                  e.headers, e.created_at, d.epoch, d.attempt, d.lease_expires_at;
+END
+$$;
+-- +goose StatementEnd
+
+-- +goose Down
+-- PL/pgSQL and SQL bodies behave the same; nothing to undo.
