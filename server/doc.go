@@ -64,8 +64,11 @@
 //     event is published (ack) or skipped (operator). At most one lease exists
 //     per aggregate because the delivery row is locked while leasing and the
 //     state says leased until ack, nack, release or expiry.
-//   - One holder, fencing (4): every lease increments the epoch; Nack and
-//     ExtendLease check it.
+//   - One holder, fencing (4): every lease raises the epoch (to the larger of
+//     epoch+1 and the clock in microseconds); Nack and ExtendLease check it.
+//     A claim commits without waiting for its WAL flush: a lease lost in a
+//     PostgreSQL crash just means the event is offered again, and the
+//     clock-based epoch is never handed out twice.
 //   - Ack-gated marking (5): published_at is set only by outbox.ack, only for
 //     ids whose token the server signed for that exact event. A token whose
 //     lease has expired still marks the event while it is pending: the relay's
