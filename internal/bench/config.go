@@ -1,0 +1,182 @@
+package bench
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"slices"
+	"time"
+)
+
+// Workloads, as BENCH.md defines them.
+const (
+	// WorkloadSteady: producers at full speed over many aggregates.
+	WorkloadSteady = "steady"
+	// WorkloadLatency: producers open-loop at half of outboxd's steady
+	// maximum, so that slow responses are not hidden by slower producers.
+	WorkloadLatency = "latency"
+	// WorkloadDrain: a backlog committed before delivery starts, no producers.
+	WorkloadDrain = "drain"
+	// WorkloadHot: every event to one aggregate, the sequential round trip.
+	WorkloadHot = "hot"
+)
+
+// Arms, as BENCH.md defines them.
+const (
+	// ArmCeilingInsert: a plain INSERT per transaction into a table shaped
+	// like outbox.event with no trigger: the database's floor cost.
+	ArmCeilingInsert = "ceiling-insert"
+	// ArmCeilingInsertMark: the same plus a second transaction per event
+	// setting published_at, the least any marking relay must do.
+	ArmCeilingInsertMark = "ceiling-insert-mark"
+	// ArmNaivePoller: the chapter's protocol in SQL, publishing inside the
+	// transaction that locks the aggregate.
+	ArmNaivePoller = "naive-poller"
+	// ArmOutboxd: outbox.emit, the real server and relays over loopback gRPC.
+	ArmOutboxd = "outboxd"
+)
+
+// AllWorkloads and AllArms list every workload and arm in the order they run.
+var (
+	AllWorkloads = []string{WorkloadSteady, WorkloadLatency, WorkloadDrain, WorkloadHot}
+	AllArms      = []string{ArmCeilingInsert, ArmCeilingInsertMark, ArmNaivePoller, ArmOutboxd}
+)
+
+// Config configures a benchmark run. Zero fields take the standard set's
+// values, or the reduced set's when Quick is set.
+type Config struct {
+	// DatabaseURL names the PostgreSQL server and a database on it to
+	// connect to (its maintenance database, usually postgres); every
+	// database the run uses is created there and dropped at the end.
+	// Required.
+	DatabaseURL string
+	// Workloads and Arms select what runs; empty means all of them.
+	Workloads []string
+	Arms      []string
+	// Duration is each arm's measured window. Default 10s (quick: 3s).
+	Duration time.Duration
+	// Warmup runs producers and delivery before the window opens. Default
+	// 2s (quick: 1s).
+	Warmup time.Duration
+	// Producers is P, the producer connections of every arm. Default 8.
+	Producers int
+	// Relays is K: outboxd's relay connections and the naive poller's
+	// workers. Default 4.
+	Relays int
+	// MaxInFlight is each relay's credit. Default 64, and at least 1,000
+	// across the K relays in the drain workload (BENCH.md's RSS goal).
+	MaxInFlight int
+	// Aggregates is how many aggregates steady and latency spread events
+	// over, uniformly. Default 10,000.
+	Aggregates int
+	// SinkLatencies are the broker round trips the sink stands in for.
+	// Steady runs the delivering arms at each; the other workloads use the
+	// first. Default 0, 1ms, 5ms (quick: 0, 1ms).
+	SinkLatencies []time.Duration
+	// DrainSizes are the backlogs the drain workload delivers from, each
+	// spread over size/10 aggregates, for at most twice Duration. Default
+	// 10k, 100k, 1M (quick: 10k, 50k).
+	DrainSizes []int
+	// Quick selects the reduced set's defaults (about a minute in all).
+	Quick bool
+	// ServerBinary, when set, is the outboxd binary whose `serve` command
+	// runs the server in a child process; empty runs it in this process.
+	ServerBinary string
+	// Logger receives the server's and relays' warnings. Default: discard.
+	Logger *slog.Logger
+	// Progress receives one line per arm as the run goes. Default: discard.
+	Progress io.Writer
+	// Command is the command line to record in the report.
+	Command string
+}
+
+func (c *Config) setDefaults() error {
+	if c.DatabaseURL == "" {
+		return errors.New("bench: Config.DatabaseURL is required (--database-url)")
+	}
+	if len(c.Workloads) == 0 {
+		c.Workloads = AllWorkloads
+	}
+	if len(c.Arms) == 0 {
+		c.Arms = AllArms
+	}
+	for _, w := range c.Workloads {
+		if !slices.Contains(AllWorkloads, w) {
+			return fmt.Errorf("bench: unknown workload %q (--workload): want some of %v", w, AllWorkloads)
+		}
+	}
+	for _, a := range c.Arms {
+		if !slices.Contains(AllArms, a) {
+			return fmt.Errorf("bench: unknown arm %q (--arms): want some of %v", a, AllArms)
+		}
+	}
+	quick := func(std, q time.Duration) time.Duration {
+		if c.Quick {
+			return q
+		}
+		return std
+	}
+	if c.Duration == 0 {
+		c.Duration = quick(10*time.Second, 3*time.Second)
+	}
+	if c.Warmup == 0 {
+		c.Warmup = quick(2*time.Second, time.Second)
+	}
+	if c.Producers == 0 {
+		c.Producers = 8
+	}
+	if c.Relays == 0 {
+		c.Relays = 4
+	}
+	if c.MaxInFlight == 0 {
+		c.MaxInFlight = 64
+	}
+	if c.Aggregates == 0 {
+		c.Aggregates = 10_000
+	}
+	if len(c.SinkLatencies) == 0 {
+		c.SinkLatencies = []time.Duration{0, time.Millisecond, 5 * time.Millisecond}
+		if c.Quick {
+			c.SinkLatencies = c.SinkLatencies[:2]
+		}
+	}
+	if len(c.DrainSizes) == 0 {
+		c.DrainSizes = []int{10_000, 100_000, 1_000_000}
+		if c.Quick {
+			c.DrainSizes = []int{10_000, 50_000}
+		}
+	}
+	if c.Logger == nil {
+		c.Logger = slog.New(slog.DiscardHandler)
+	}
+	if c.Progress == nil {
+		c.Progress = io.Discard
+	}
+	switch {
+	case c.Duration < 0 || c.Warmup < 0:
+		return fmt.Errorf("bench: Config.Duration %v and Warmup %v (--duration, --warmup) must not be negative", c.Duration, c.Warmup)
+	case c.Producers < 1:
+		return fmt.Errorf("bench: Config.Producers %d (--producers) must be positive", c.Producers)
+	case c.Relays < 1:
+		return fmt.Errorf("bench: Config.Relays %d (--relays) must be positive", c.Relays)
+	case c.MaxInFlight < 1:
+		return fmt.Errorf("bench: Config.MaxInFlight %d (--max-in-flight) must be positive", c.MaxInFlight)
+	case c.Aggregates < 1:
+		return fmt.Errorf("bench: Config.Aggregates %d (--aggregates) must be positive", c.Aggregates)
+	}
+	for _, l := range c.SinkLatencies {
+		if l < 0 {
+			return fmt.Errorf("bench: sink latency %v (--sink-latency) must not be negative", l)
+		}
+	}
+	for _, n := range c.DrainSizes {
+		if n < 10 {
+			return fmt.Errorf("bench: drain size %d (--drain-sizes) must be at least 10 (10 events per aggregate)", n)
+		}
+	}
+	return nil
+}
+
+func (c *Config) runs(workload string) bool { return slices.Contains(c.Workloads, workload) }
+func (c *Config) uses(arm string) bool      { return slices.Contains(c.Arms, arm) }

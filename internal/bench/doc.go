@@ -1,0 +1,56 @@
+// Package bench is `outboxd bench`: the benchmark BENCH.md specifies, run
+// against a real PostgreSQL. It compares four arms on the same machine, in
+// the same run, with the same producers and the same sink:
+//
+//   - ceiling-insert: one plain INSERT per transaction into a table shaped
+//     like outbox.event, with no trigger: nothing can deliver faster than
+//     events are recorded.
+//   - ceiling-insert-mark: the same plus a second transaction per event that
+//     sets published_at, the least any relay that marks rows must add.
+//   - naive-poller: the chapter's protocol in SQL by K workers (lock an
+//     aggregate FOR UPDATE SKIP LOCKED, select its earliest pending event FOR
+//     UPDATE, publish while holding the transaction, mark, commit).
+//   - outboxd: producers call outbox.emit; the real server runs as a child
+//     process (`outboxd serve`, its shipped defaults) or, for tests and
+//     profiling, inside the benchmark process; K relay.Runners connect to it
+//     over loopback gRPC, each on its own connection, and publish to the sink.
+//
+// Workloads: steady (P producers at full speed over 10,000 aggregates),
+// latency (open-loop producers at half of outboxd's steady maximum), drain
+// (a backlog committed before delivery starts) and hot (one aggregate).
+//
+// # Isolation
+//
+// The run creates a template database on the given server (outbox
+// migrations plus the bench schema for the ceilings and the naive poller)
+// and clones a fresh database from it for every arm, so no arm inherits
+// another's rows, dead tuples or statistics. Every database is dropped when
+// the run ends, also on an error or an interrupt; a killed run leaves
+// databases named outboxd_bench_* that the next run points out.
+//
+// # Correctness accounting
+//
+// The Ledger records every event a producer committed (its revision, from
+// outbox.emit or the naive poller's counter) and every delivery the sink
+// received. At first delivery an event is reordered if an earlier revision
+// of its aggregate has not arrived, or if its producer committed a later
+// event of the same aggregate that already arrived (a sequence number in the
+// payload, a check that does not rely on the revision the server reports).
+// After the arm stops, the database is read back: a committed event that
+// never reached the sink is lost if the database marks it published or no
+// longer holds it, and backlog if it is still pending. A repeat delivery is
+// a duplicate, which at-least-once delivery allows. Lost, reordered or
+// invented events fail the run.
+//
+// # Measurements
+//
+// Within each arm's window: delivered events per second; commit→sink and
+// commit→published_at percentiles (nearest rank; events still undelivered
+// when the arm stops count with the time they had waited, flagged as
+// censored); CPU time of this process (getrusage), of the server process and
+// of PostgreSQL's processes serving the scratch database plus its background
+// processes (/proc, when PostgreSQL runs on this machine); the server's peak
+// RSS; WAL bytes (pg_current_wal_insert_lsn), WAL syncs (pg_stat_wal) and
+// commits per event; and pg_stat_activity sampled every 25ms, reported as
+// the average number of sessions in each wait event.
+package bench

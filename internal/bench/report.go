@@ -1,0 +1,677 @@
+package bench
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"math"
+	"os"
+	"path/filepath"
+	"runtime"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// Report is everything one run measured; WriteJSON writes it whole.
+type Report struct {
+	Command string `json:"command"`
+	// ScratchPrefix starts the name of every database the run created.
+	ScratchPrefix string    `json:"scratch_prefix"`
+	StartedAt     time.Time `json:"started_at"`
+	ElapsedS      float64   `json:"elapsed_s"`
+	Machine       Machine   `json:"machine"`
+	Settings      Settings  `json:"settings"`
+	Results       []*Result `json:"results"`
+	Ratios        []Ratio   `json:"ratios"`
+	// Failures names every arm that lost, reordered or invented events.
+	Failures []string `json:"failures"`
+}
+
+// Settings records the run's configuration.
+type Settings struct {
+	Quick         bool      `json:"quick"`
+	Workloads     []string  `json:"workloads"`
+	Arms          []string  `json:"arms"`
+	DurationS     float64   `json:"duration_s"`
+	WarmupS       float64   `json:"warmup_s"`
+	Producers     int       `json:"producers"`
+	Relays        int       `json:"relays"`
+	MaxInFlight   int       `json:"max_in_flight"`
+	Aggregates    int       `json:"aggregates"`
+	SinkLatencyMs []float64 `json:"sink_latency_ms"`
+	DrainSizes    []int     `json:"drain_sizes"`
+	ServerMode    string    `json:"server_mode"`
+	PayloadBytes  int       `json:"payload_bytes"`
+}
+
+// Machine describes where the run happened.
+type Machine struct {
+	Cores            int               `json:"cores"`
+	CPUModel         string            `json:"cpu_model,omitempty"`
+	MemoryMiB        int64             `json:"memory_mib,omitempty"`
+	OS               string            `json:"os"`
+	Kernel           string            `json:"kernel,omitempty"`
+	GoVersion        string            `json:"go_version"`
+	PostgresVersion  string            `json:"postgres_version"`
+	PostgresSettings map[string]string `json:"postgres_settings"`
+}
+
+// Result holds one arm's figures under one workload. Pointer fields are
+// absent when they could not be measured or do not apply.
+type Result struct {
+	Workload      string   `json:"workload"`
+	Arm           string   `json:"arm"`
+	SinkLatencyMs *float64 `json:"sink_latency_ms,omitempty"`
+	Producers     int      `json:"producers"`
+	Relays        int      `json:"relays,omitempty"`
+	MaxInFlight   int      `json:"max_in_flight,omitempty"`
+	Aggregates    int      `json:"aggregates"`
+	Backlog       int      `json:"backlog,omitempty"`
+	// TargetRate is the latency workload's open-loop producer rate, and
+	// LateStarts how many events producers started over 1ms behind it.
+	TargetRate float64 `json:"target_rate,omitempty"`
+	LateStarts int64   `json:"late_starts,omitempty"`
+
+	WindowS float64 `json:"window_s"`
+	// Throughput is events delivered per second in the window (the
+	// ceilings: events committed, or marked), for drain from the first
+	// delivery to the last.
+	Throughput   float64 `json:"events_per_s"`
+	ProducedPerS float64 `json:"produced_per_s,omitempty"`
+
+	CommitToSink      *Percentiles `json:"commit_to_sink,omitempty"`
+	CommitToPublished *Percentiles `json:"commit_to_published_at,omitempty"`
+	CDFSink           []CDFPoint   `json:"cdf_commit_to_sink,omitempty"`
+	CDFPublished      []CDFPoint   `json:"cdf_commit_to_published_at,omitempty"`
+
+	CPU              CPUFigures `json:"cpu"`
+	ServerPeakRSSMiB *float64   `json:"server_peak_rss_mib,omitempty"`
+	WALBytesPerEvent float64    `json:"wal_bytes_per_event"`
+	WALSyncsPerEvent float64    `json:"wal_syncs_per_event"`
+	// CommitsPerEvent counts the scratch database's committed transactions
+	// (pg_stat_database, which lags up to a second) per event.
+	CommitsPerEvent float64 `json:"commits_per_event"`
+
+	Counts *Counts `json:"counts,omitempty"`
+	Waits  []Wait  `json:"waits"`
+	// Limit is a heuristic reading of the figures: what held this arm back.
+	Limit       string   `json:"limit"`
+	Notes       []string `json:"notes,omitempty"`
+	ArmElapsedS float64  `json:"arm_elapsed_s"`
+}
+
+// CPUFigures are the window's CPU costs. Seconds are totals over the window;
+// MsPer1k are CPU milliseconds per 1,000 events (equivalently µs per event).
+type CPUFigures struct {
+	MachineBusyPct   *float64 `json:"machine_busy_pct,omitempty"`
+	MachineIOWaitPct *float64 `json:"machine_iowait_pct,omitempty"`
+	// OtherLoadPct is the machine's busy share not accounted for by this
+	// run's processes (bench, server, PostgreSQL): someone else's load,
+	// which makes the window's figures suspect when it is large.
+	OtherLoadPct      *float64 `json:"other_load_pct,omitempty"`
+	BenchSeconds      float64  `json:"bench_process_s"`
+	ServerSeconds     *float64 `json:"server_s,omitempty"`
+	PostgresSeconds   *float64 `json:"postgres_s,omitempty"`
+	BenchMsPer1k      float64  `json:"bench_process_ms_per_1k"`
+	ServerMsPer1k     *float64 `json:"server_ms_per_1k,omitempty"`
+	PostgresMsPer1k   *float64 `json:"postgres_ms_per_1k,omitempty"`
+	TotalMsPer1k      *float64 `json:"total_ms_per_1k,omitempty"`
+	SampledWaitPoints int      `json:"wait_samples"`
+}
+
+// Ratio is one of BENCH.md's goals (or a ratio given for context), checked
+// against this run's figures.
+type Ratio struct {
+	Name  string   `json:"name"`
+	Value *float64 `json:"value,omitempty"`
+	Unit  string   `json:"unit,omitempty"`
+	Goal  string   `json:"goal,omitempty"`
+	Met   *bool    `json:"met,omitempty"`
+	Note  string   `json:"note,omitempty"`
+}
+
+func newReport(cfg *Config) *Report {
+	mode := "child process (outboxd serve)"
+	if cfg.ServerBinary == "" {
+		mode = "in-process"
+	}
+	s := Settings{
+		Quick: cfg.Quick, Workloads: cfg.Workloads, Arms: cfg.Arms,
+		DurationS: cfg.Duration.Seconds(), WarmupS: cfg.Warmup.Seconds(),
+		Producers: cfg.Producers, Relays: cfg.Relays, MaxInFlight: cfg.MaxInFlight,
+		Aggregates: cfg.Aggregates, DrainSizes: cfg.DrainSizes, ServerMode: mode, PayloadBytes: payloadSize,
+	}
+	for _, l := range cfg.SinkLatencies {
+		s.SinkLatencyMs = append(s.SinkLatencyMs, ms(l))
+	}
+	return &Report{Command: cfg.Command, StartedAt: time.Now().UTC().Truncate(time.Second), Settings: s}
+}
+
+// describeMachine records the hardware and PostgreSQL the figures come from.
+func describeMachine(ctx context.Context, cfg *Config) Machine {
+	m := Machine{
+		Cores: runtime.NumCPU(), OS: runtime.GOOS + "/" + runtime.GOARCH, GoVersion: runtime.Version(),
+		PostgresSettings: map[string]string{},
+	}
+	m.CPUModel = procField("/proc/cpuinfo", "model name")
+	if kb := procField("/proc/meminfo", "MemTotal"); kb != "" {
+		var n int64
+		fmt.Sscanf(kb, "%d", &n)
+		m.MemoryMiB = n / 1024
+	}
+	if b, err := os.ReadFile("/proc/sys/kernel/osrelease"); err == nil {
+		m.Kernel = strings.TrimSpace(string(b))
+	}
+	conn, err := pgx.Connect(ctx, cfg.DatabaseURL)
+	if err != nil {
+		return m
+	}
+	defer conn.Close(context.WithoutCancel(ctx))
+	_ = conn.QueryRow(ctx, `SELECT version()`).Scan(&m.PostgresVersion)
+	rows, err := conn.Query(ctx, `
+		SELECT name, current_setting(name) FROM pg_settings
+		WHERE name = ANY ($1) ORDER BY name`, []string{
+		"shared_buffers", "synchronous_commit", "fsync", "wal_sync_method", "full_page_writes",
+		"max_wal_size", "checkpoint_timeout", "wal_level", "commit_delay", "wal_compression",
+		"work_mem", "max_connections", "autovacuum", "huge_pages",
+	})
+	if err != nil {
+		return m
+	}
+	for rows.Next() {
+		var k, v string
+		if rows.Scan(&k, &v) == nil {
+			m.PostgresSettings[k] = v
+		}
+	}
+	rows.Close()
+	return m
+}
+
+// procField returns the value of the first "key: value" line of a /proc file.
+func procField(path, key string) string {
+	f, err := os.Open(path)
+	if err != nil {
+		return ""
+	}
+	defer f.Close()
+	s := bufio.NewScanner(f)
+	for s.Scan() {
+		k, v, ok := strings.Cut(s.Text(), ":")
+		if ok && strings.TrimSpace(k) == key {
+			return strings.TrimSpace(v)
+		}
+	}
+	return ""
+}
+
+// find returns the result of arm under workload at sink latency sink (any
+// latency for the ceilings) and, for drain, backlog; nil if it did not run.
+func (r *Report) find(workload, arm string, sink time.Duration, backlog int) *Result {
+	for _, res := range r.Results {
+		if res.Workload != workload || res.Arm != arm || res.Backlog != backlog {
+			continue
+		}
+		if res.SinkLatencyMs == nil || *res.SinkLatencyMs == ms(sink) {
+			return res
+		}
+	}
+	return nil
+}
+
+// setLatencies summarises the window's latency samples.
+func (res *Result) setLatencies(toSink, toPublished []time.Duration, censoredSink, censoredPublished int) {
+	s, p := Summarise(toSink, censoredSink), Summarise(toPublished, censoredPublished)
+	res.CommitToSink, res.CommitToPublished = &s, &p
+	if res.Workload == WorkloadLatency {
+		res.CDFSink, res.CDFPublished = CDF(toSink, 200), CDF(toPublished, 200)
+	}
+}
+
+// fillCosts turns the window's measurement into per-event costs and a
+// reading of what limited the arm.
+func (res *Result) fillCosts(m measurement, events int64, cfg *Config, rss *float64, sink time.Duration) {
+	per1k := func(d time.Duration) float64 {
+		if events <= 0 {
+			return math.NaN()
+		}
+		return d.Seconds() * 1000 / float64(events) * 1000
+	}
+	perEvent := func(n int64) float64 {
+		if events <= 0 {
+			return math.NaN()
+		}
+		return float64(n) / float64(events)
+	}
+	c := &res.CPU
+	c.SampledWaitPoints = m.samples
+	if m.machine.ok && m.machine.total > 0 {
+		c.MachineBusyPct = ptr(100 * float64(m.machine.busy) / float64(m.machine.total))
+		c.MachineIOWaitPct = ptr(100 * float64(m.machine.iowait) / float64(m.machine.total))
+	}
+	c.BenchSeconds = m.benchCPU.Seconds()
+	c.BenchMsPer1k = per1k(m.benchCPU)
+	total := m.benchCPU
+	totalOK := true
+	if m.serverOK {
+		c.ServerSeconds, c.ServerMsPer1k = ptr(m.serverCPU.Seconds()), ptr(per1k(m.serverCPU))
+		total += m.serverCPU
+	} else if res.Arm == ArmOutboxd && cfg.ServerBinary != "" {
+		totalOK = false
+	}
+	if m.postgresOK {
+		c.PostgresSeconds, c.PostgresMsPer1k = ptr(m.postgresCPU.Seconds()), ptr(per1k(m.postgresCPU))
+		total += m.postgresCPU
+	} else {
+		totalOK = false
+	}
+	if totalOK {
+		c.TotalMsPer1k = ptr(per1k(total))
+		if c.MachineBusyPct != nil && m.elapsed > 0 {
+			ours := 100 * total.Seconds() / (m.elapsed.Seconds() * float64(runtime.NumCPU()))
+			c.OtherLoadPct = ptr(max(*c.MachineBusyPct-ours, 0))
+		}
+	}
+	res.ServerPeakRSSMiB = rss
+	res.WALBytesPerEvent = perEvent(m.walBytes)
+	res.WALSyncsPerEvent = perEvent(m.walSyncs)
+	res.CommitsPerEvent = perEvent(m.commits)
+	res.Waits = m.waits
+	res.Limit = limitOf(c.MachineBusyPct, m.waits, sink)
+}
+
+// limitOf reads what held an arm back from the machine's load and the
+// backends' waits: a saturated CPU first (everything here competes for two
+// cores), then the largest wait that is not CPU.
+func limitOf(busyPct *float64, waits []Wait, sink time.Duration) string {
+	var top Wait
+	for _, w := range waits {
+		if w.Name != "CPU" && !strings.HasPrefix(w.Name, "CPU (") {
+			top = w
+			break
+		}
+	}
+	busy := "machine load unknown"
+	if busyPct != nil {
+		busy = fmt.Sprintf("machine %.0f%% busy", *busyPct)
+	}
+	detail := ""
+	if top.Name != "" {
+		detail = fmt.Sprintf("; top wait %s %.2f", top.Name, top.AvgSessions)
+	}
+	switch {
+	case busyPct != nil && *busyPct >= 85:
+		return "CPU (" + busy + ")" + detail
+	case top.AvgSessions >= 0.3 && (strings.Contains(top.Name, "WALSync") || strings.Contains(top.Name, "WALWrite")):
+		return "fsync (" + busy + ")" + detail
+	case top.AvgSessions >= 0.3 && strings.HasPrefix(top.Name, "Lock:"):
+		return "row locks (" + busy + ")" + detail
+	case top.AvgSessions >= 0.3 && top.Name == "idle in transaction":
+		return "transactions held open across the publish (" + busy + ")" + detail
+	case sink > 0:
+		return "sink latency x concurrency (" + busy + ")" + detail
+	}
+	return "round trips (" + busy + ")" + detail
+}
+
+func (res *Result) label() string {
+	s := res.Workload + " " + res.Arm
+	if res.SinkLatencyMs != nil {
+		s += " sink=" + fmtMs(*res.SinkLatencyMs)
+	}
+	if res.Backlog > 0 {
+		s += " backlog=" + fmtCount(res.Backlog)
+	}
+	return s
+}
+
+func (res *Result) progressLine() string {
+	s := fmt.Sprintf("%-48s %9.0f ev/s", res.label(), res.Throughput)
+	if c := res.Counts; c != nil {
+		s += fmt.Sprintf("  lost %d reordered %d dup %d backlog %d", c.Lost, c.Reordered, c.Duplicates, c.Backlog)
+	}
+	return s + fmt.Sprintf("  (%.0fs)", res.ArmElapsedS)
+}
+
+// finish checks correctness and the goals once every arm has run.
+func (r *Report) finish() {
+	r.Failures = nil
+	for _, res := range r.Results {
+		if c := res.Counts; c != nil && c.Failed() {
+			r.Failures = append(r.Failures, fmt.Sprintf("%s: lost %d, reordered %d, unexpected %d",
+				res.label(), c.Lost, c.Reordered, c.Unexpected))
+		}
+	}
+	r.Ratios = r.ratios()
+}
+
+func (r *Report) ratios() []Ratio {
+	var out []Ratio
+	atLeast := func(name string, v float64, goal float64, unit, note string) {
+		rt := Ratio{Name: name, Unit: unit, Note: note}
+		if !math.IsNaN(v) {
+			rt.Value = ptr(v)
+			if goal > 0 {
+				rt.Met = ptr(v >= goal)
+			}
+		}
+		if goal > 0 {
+			rt.Goal = "≥ " + trimFloat(goal)
+		}
+		out = append(out, rt)
+	}
+	atMost := func(name string, v float64, goal float64, unit, note string) {
+		rt := Ratio{Name: name, Unit: unit, Goal: "≤ " + trimFloat(goal), Note: note}
+		if !math.IsNaN(v) {
+			rt.Value, rt.Met = ptr(v), ptr(v <= goal)
+		}
+		out = append(out, rt)
+	}
+	rate := func(res *Result) float64 {
+		if res == nil {
+			return math.NaN()
+		}
+		return res.Throughput
+	}
+	sinks := r.Settings.SinkLatencyMs
+	ceiling := r.find(WorkloadSteady, ArmCeilingInsert, 0, 0)
+	if ceiling != nil {
+		if outboxd := r.find(WorkloadSteady, ArmOutboxd, 0, 0); outboxd != nil {
+			atLeast("outboxd steady / ceiling-insert (sink 0, same P)", ratio(rate(outboxd), rate(ceiling)), 0.7, "×", "")
+		}
+	}
+	naive1 := r.find(WorkloadSteady, ArmNaivePoller, time.Millisecond, 0)
+	outboxd1 := r.find(WorkloadSteady, ArmOutboxd, time.Millisecond, 0)
+	if naive1 != nil && outboxd1 != nil {
+		atLeast(fmt.Sprintf("outboxd / naive-poller steady (sink 1ms, K=%d)", r.Settings.Relays),
+			ratio(rate(outboxd1), rate(naive1)), 5, "×", "")
+	}
+	if lat := r.find(WorkloadLatency, ArmOutboxd, durationMs(firstOr(sinks, 0)), 0); lat != nil && lat.CommitToPublished != nil {
+		note := fmt.Sprintf("open loop at %.0f ev/s, sink %s", lat.TargetRate, fmtMs(firstOr(sinks, 0)))
+		atMost("outboxd latency p50 commit→published_at", lat.CommitToPublished.P50Ms, 5, "ms", note)
+		atMost("outboxd latency p99 commit→published_at", lat.CommitToPublished.P99Ms, 25, "ms", note)
+	}
+	var drains []*Result
+	for _, res := range r.Results {
+		if res.Workload == WorkloadDrain && res.Arm == ArmOutboxd {
+			drains = append(drains, res)
+		}
+	}
+	if len(drains) > 0 {
+		small, large := drains[0], drains[0]
+		slowest := drains[0]
+		for _, d := range drains {
+			if d.Backlog < small.Backlog {
+				small = d
+			}
+			if d.Backlog > large.Backlog {
+				large = d
+			}
+			if d.Throughput < slowest.Throughput {
+				slowest = d
+			}
+		}
+		note := ""
+		if large.Backlog < 1_000_000 {
+			note = "BENCH.md's goal is at 1M pending; this run's largest backlog is smaller"
+		}
+		if large != small {
+			atLeast(fmt.Sprintf("outboxd drain %s / drain %s", fmtCount(large.Backlog), fmtCount(small.Backlog)),
+				ratio(large.Throughput, small.Throughput), 0.9, "×", note)
+		}
+		atLeast(fmt.Sprintf("outboxd drain, slowest backlog (%s)", fmtCount(slowest.Backlog)), slowest.Throughput, 20_000, "ev/s", "")
+		if large.ServerPeakRSSMiB != nil {
+			atMost(fmt.Sprintf("outboxd server peak RSS, drain %s, %d in flight", fmtCount(large.Backlog), large.MaxInFlight*large.Relays),
+				*large.ServerPeakRSSMiB, 150, "MiB", note)
+		}
+	}
+	if hot := r.find(WorkloadHot, ArmOutboxd, 0, 0); hot != nil {
+		atLeast("outboxd hot aggregate (sink 0)", hot.Throughput, 1000, "ev/s", "")
+	}
+	// Context, no goals: how each arm compares with the database's floor and
+	// with the naive poller at every sink latency.
+	if ceiling != nil {
+		for _, arm := range []string{ArmCeilingInsertMark, ArmNaivePoller, ArmOutboxd} {
+			for _, l := range sinks {
+				if res := r.find(WorkloadSteady, arm, durationMs(l), 0); res != nil && (arm != ArmCeilingInsertMark || l == sinks[0]) {
+					name := arm + " steady / ceiling-insert"
+					if res.SinkLatencyMs != nil {
+						name += " (sink " + fmtMs(l) + ")"
+					}
+					atLeast(name, ratio(rate(res), rate(ceiling)), 0, "×", "context")
+				}
+			}
+		}
+	}
+	for _, l := range sinks {
+		if l == 1 {
+			continue // the goal above
+		}
+		n, o := r.find(WorkloadSteady, ArmNaivePoller, durationMs(l), 0), r.find(WorkloadSteady, ArmOutboxd, durationMs(l), 0)
+		if n != nil && o != nil {
+			atLeast("outboxd / naive-poller steady (sink "+fmtMs(l)+")", ratio(rate(o), rate(n)), 0, "×", "context")
+		}
+	}
+	n, o := r.find(WorkloadHot, ArmNaivePoller, durationMs(firstOr(sinks, 0)), 0), r.find(WorkloadHot, ArmOutboxd, durationMs(firstOr(sinks, 0)), 0)
+	if n != nil && o != nil {
+		atLeast("outboxd / naive-poller hot aggregate", ratio(rate(o), rate(n)), 0, "×", "context")
+	}
+	return out
+}
+
+// noisyLoadPct is the share of the machine other processes may take during
+// a window before the table says its figures are suspect.
+const noisyLoadPct = 20
+
+// WriteJSON writes the whole report to path.
+func (r *Report) WriteJSON(path string) error {
+	b, err := json.MarshalIndent(r, "", "  ")
+	if err != nil {
+		return err
+	}
+	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+		return err
+	}
+	return os.WriteFile(path, append(b, '\n'), 0o644)
+}
+
+// MarshalJSON keeps NaN (a figure with nothing to divide by) out of the
+// JSON, which has no such number.
+func (c CPUFigures) MarshalJSON() ([]byte, error) {
+	type plain CPUFigures
+	p := plain(c)
+	if math.IsNaN(p.BenchMsPer1k) {
+		p.BenchMsPer1k = 0
+	}
+	for _, f := range []**float64{&p.ServerMsPer1k, &p.PostgresMsPer1k, &p.TotalMsPer1k} {
+		if *f != nil && math.IsNaN(**f) {
+			*f = nil
+		}
+	}
+	return json.Marshal(p)
+}
+
+// MarshalJSON writes NaN per-event figures (no events) as 0.
+func (res *Result) MarshalJSON() ([]byte, error) {
+	type plain Result
+	p := plain(*res)
+	for _, f := range []*float64{&p.WALBytesPerEvent, &p.WALSyncsPerEvent, &p.CommitsPerEvent} {
+		if math.IsNaN(*f) {
+			*f = 0
+		}
+	}
+	return json.Marshal(p)
+}
+
+// WriteTable prints a table per workload, then the goals.
+func (r *Report) WriteTable(w io.Writer) {
+	m := r.Machine
+	fmt.Fprintf(w, "outboxd bench: %s, %d cores (%s), %s\n", m.OS, m.Cores, m.CPUModel, firstLine(m.PostgresVersion))
+	s := r.Settings
+	fmt.Fprintf(w, "P=%d producers, K=%d relays/pollers (max in flight %d each), %d aggregates, %s window after %s warm-up, server %s\n",
+		s.Producers, s.Relays, s.MaxInFlight, s.Aggregates, fmtSeconds(s.DurationS), fmtSeconds(s.WarmupS), s.ServerMode)
+	fmt.Fprintln(w, "latency = commit→sink (commit→published_at) p50/p99/p99.9 ms; CPU in ms per 1,000 events (= µs per event); * = includes censored samples")
+
+	for _, workload := range AllWorkloads {
+		var rows []*Result
+		for _, res := range r.Results {
+			if res.Workload == workload {
+				rows = append(rows, res)
+			}
+		}
+		if len(rows) == 0 {
+			continue
+		}
+		fmt.Fprintf(w, "\n== %s ==\n", workload)
+		tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+		fmt.Fprintln(tw, "arm\tsink\tbacklog\tev/s\tproduced/s\tcommit→sink p50/p99/p99.9\tcommit→published_at p50/p99/p99.9\tlost\treord\tdup\tleft\t")
+		for _, res := range rows {
+			sink, backlog := "-", "-"
+			if res.SinkLatencyMs != nil {
+				sink = fmtMs(*res.SinkLatencyMs)
+			}
+			if res.Backlog > 0 {
+				backlog = fmtCount(res.Backlog)
+			}
+			produced := "-"
+			if res.ProducedPerS > 0 {
+				produced = fmt.Sprintf("%.0f", res.ProducedPerS)
+			}
+			lost, reord, dup, left := "-", "-", "-", "-"
+			if c := res.Counts; c != nil {
+				lost, reord, dup, left = fmt.Sprint(c.Lost), fmt.Sprint(c.Reordered), fmt.Sprint(c.Duplicates), fmt.Sprint(c.Backlog)
+			}
+			fmt.Fprintf(tw, "%s\t%s\t%s\t%.0f\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t\n", res.Arm, sink, backlog, res.Throughput, produced,
+				fmtPercentiles(res.CommitToSink), fmtPercentiles(res.CommitToPublished), lost, reord, dup, left)
+		}
+		tw.Flush()
+		fmt.Fprintln(w)
+		tw = tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+		fmt.Fprintln(tw, "arm\tsink\tbacklog\tCPU bench\tserver\tpostgres\ttotal\tbusy%\tother%\tRSS MiB\tWAL B/ev\tsyncs/ev\tcommits/ev\t limit\t")
+		for _, res := range rows {
+			sink, backlog := "-", "-"
+			if res.SinkLatencyMs != nil {
+				sink = fmtMs(*res.SinkLatencyMs)
+			}
+			if res.Backlog > 0 {
+				backlog = fmtCount(res.Backlog)
+			}
+			c := res.CPU
+			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%.0f\t%.2f\t%.2f\t %s\t\n", res.Arm, sink, backlog,
+				fmtOpt(&c.BenchMsPer1k, "%.0f"), fmtOpt(c.ServerMsPer1k, "%.0f"), fmtOpt(c.PostgresMsPer1k, "%.0f"),
+				fmtOpt(c.TotalMsPer1k, "%.0f"), fmtOpt(c.MachineBusyPct, "%.0f"), fmtOpt(c.OtherLoadPct, "%.0f"),
+				fmtOpt(res.ServerPeakRSSMiB, "%.0f"),
+				res.WALBytesPerEvent, res.WALSyncsPerEvent, res.CommitsPerEvent, res.Limit)
+		}
+		tw.Flush()
+	}
+
+	fmt.Fprintln(w, "\n== goals (BENCH.md) and context ratios, all from this run ==")
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "\tvalue\tgoal\tmet\tnote")
+	for _, rt := range r.Ratios {
+		v, met := "not measured", ""
+		if rt.Value != nil {
+			v = fmt.Sprintf("%.2f", *rt.Value)
+			if rt.Unit == "ev/s" {
+				v = fmt.Sprintf("%.0f", *rt.Value)
+			}
+			v += " " + rt.Unit
+		}
+		if rt.Met != nil {
+			met = "MISSED"
+			if *rt.Met {
+				met = "yes"
+			}
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\n", rt.Name, v, rt.Goal, met, rt.Note)
+	}
+	tw.Flush()
+	var noisy []string
+	for _, res := range r.Results {
+		if o := res.CPU.OtherLoadPct; o != nil && *o >= noisyLoadPct {
+			noisy = append(noisy, fmt.Sprintf("%s (%.0f%%)", res.label(), *o))
+		}
+	}
+	if len(noisy) > 0 {
+		fmt.Fprintf(w, "\nnote: other processes kept the machine busy during %s; those figures are suspect, rerun them\n",
+			strings.Join(noisy, ", "))
+	}
+	if len(r.Failures) > 0 {
+		fmt.Fprintln(w, "\n!!! INCORRECT DELIVERY: events were lost, reordered or invented !!!")
+		for _, f := range r.Failures {
+			fmt.Fprintln(w, "!!!   "+f)
+		}
+	}
+}
+
+func fmtPercentiles(p *Percentiles) string {
+	if p == nil || p.N == 0 {
+		return "-"
+	}
+	s := fmtLatency(p.P50Ms) + "/" + fmtLatency(p.P99Ms) + "/" + fmtLatency(p.P999Ms)
+	if p.Censored > 0 {
+		s += "*"
+	}
+	return s
+}
+
+func fmtLatency(v float64) string {
+	switch {
+	case v >= 100:
+		return fmt.Sprintf("%.0f", v)
+	case v >= 10:
+		return fmt.Sprintf("%.1f", v)
+	}
+	return fmt.Sprintf("%.2f", v)
+}
+
+func fmtOpt(v *float64, format string) string {
+	if v == nil || math.IsNaN(*v) {
+		return "-"
+	}
+	return fmt.Sprintf(format, *v)
+}
+
+func fmtMs(v float64) string { return durationMs(v).String() }
+
+func durationMs(v float64) time.Duration { return time.Duration(v * float64(time.Millisecond)) }
+
+func fmtSeconds(s float64) string { return (time.Duration(s * float64(time.Second))).String() }
+
+// fmtCount writes 10000 as 10k and 1000000 as 1M.
+func fmtCount(n int) string {
+	switch {
+	case n >= 1_000_000 && n%1_000_000 == 0:
+		return fmt.Sprintf("%dM", n/1_000_000)
+	case n >= 1000 && n%1000 == 0:
+		return fmt.Sprintf("%dk", n/1000)
+	}
+	return fmt.Sprint(n)
+}
+
+func trimFloat(v float64) string {
+	if v == math.Trunc(v) && v >= 1000 {
+		return fmt.Sprintf("%.0f", v)
+	}
+	return strings.TrimRight(strings.TrimRight(fmt.Sprintf("%.2f", v), "0"), ".")
+}
+
+func firstOr(v []float64, def float64) float64 {
+	if len(v) == 0 {
+		return def
+	}
+	return v[0]
+}
+
+func firstLine(s string) string {
+	if i := strings.Index(s, " on "); i > 0 {
+		return s[:i]
+	}
+	return s
+}

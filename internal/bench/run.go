@@ -1,0 +1,520 @@
+package bench
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"runtime"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+const (
+	// lateStart is how far behind its schedule an open-loop producer may
+	// start an event before the event counts as late.
+	lateStart = time.Millisecond
+	// drainInFlight is the credit the drain workload keeps outstanding across
+	// all relays: BENCH.md's memory goal is at 1M pending and 1,000 in flight.
+	drainInFlight = 1000
+	// stallTimeout ends a settle or drain that has made no progress for this
+	// long.
+	stallTimeout = 10 * time.Second
+)
+
+// ErrIncorrect is wrapped by the error Run returns when an arm lost,
+// reordered or invented events: the figures are then not worth reading.
+var ErrIncorrect = errors.New("bench: delivery was incorrect")
+
+// armSpec is one arm run under one workload.
+type armSpec struct {
+	workload string
+	arm      string
+	sink     time.Duration
+	backlog  int // drain: events pending before delivery starts
+}
+
+// plan lists the arms to run, in order. The ceilings do not deliver, so they
+// run once, in steady. The naive poller drains only the smallest backlog,
+// and in the quick set runs in steady only: it is slow, and steady holds the
+// goal that involves it. The latency workload needs outboxd's steady
+// maximum, so it adds that run when steady is not selected.
+func plan(cfg *Config) []armSpec {
+	var out []armSpec
+	add := func(workload, arm string, sink time.Duration, backlog int) {
+		if !cfg.uses(arm) || (cfg.Quick && arm == ArmNaivePoller && workload != WorkloadSteady) {
+			return
+		}
+		out = append(out, armSpec{workload: workload, arm: arm, sink: sink, backlog: backlog})
+	}
+	first := cfg.SinkLatencies[0]
+	switch {
+	case cfg.runs(WorkloadSteady):
+		add(WorkloadSteady, ArmCeilingInsert, 0, 0)
+		add(WorkloadSteady, ArmCeilingInsertMark, 0, 0)
+		for _, l := range cfg.SinkLatencies {
+			add(WorkloadSteady, ArmNaivePoller, l, 0)
+			add(WorkloadSteady, ArmOutboxd, l, 0)
+		}
+	case cfg.runs(WorkloadLatency):
+		out = append(out, armSpec{workload: WorkloadSteady, arm: ArmOutboxd, sink: first})
+	}
+	if cfg.runs(WorkloadLatency) {
+		add(WorkloadLatency, ArmNaivePoller, first, 0)
+		add(WorkloadLatency, ArmOutboxd, first, 0)
+	}
+	if cfg.runs(WorkloadDrain) {
+		smallest := cfg.DrainSizes[0]
+		for _, n := range cfg.DrainSizes {
+			smallest = min(smallest, n)
+		}
+		for _, n := range cfg.DrainSizes {
+			if n == smallest {
+				add(WorkloadDrain, ArmNaivePoller, first, n)
+			}
+			add(WorkloadDrain, ArmOutboxd, first, n)
+		}
+	}
+	if cfg.runs(WorkloadHot) {
+		add(WorkloadHot, ArmNaivePoller, first, 0)
+		add(WorkloadHot, ArmOutboxd, first, 0)
+	}
+	return out
+}
+
+// Run runs the benchmark and returns its report. The error wraps
+// ErrIncorrect when some arm lost or reordered events; the report is then
+// complete and says which. Any other error means the run could not finish;
+// the report then holds the arms that did. Every database the run created is
+// dropped before Run returns.
+func Run(ctx context.Context, cfg Config) (rep *Report, err error) {
+	if err := cfg.setDefaults(); err != nil {
+		return nil, err
+	}
+	rep = newReport(&cfg)
+	rep.ScratchPrefix = newPrefix()
+	sc, err := newScratch(ctx, cfg.DatabaseURL, rep.ScratchPrefix, cfg.Logger)
+	if err != nil {
+		return rep, err
+	}
+	defer func() {
+		if cerr := sc.close(ctx); cerr != nil {
+			err = errors.Join(err, fmt.Errorf("bench: cleaning up: %w", cerr))
+		}
+	}()
+	rep.Machine = describeMachine(ctx, &cfg)
+
+	started := time.Now()
+	// A run cut short still reports the arms that finished, checked.
+	defer func() {
+		rep.ElapsedS = time.Since(started).Seconds()
+		rep.finish()
+	}()
+	specs := plan(&cfg)
+	for i, spec := range specs {
+		if err := ctx.Err(); err != nil {
+			return rep, err
+		}
+		res, err := runArm(ctx, &cfg, sc, spec, rep)
+		if err != nil && ctx.Err() != nil {
+			// Every goroutine of the arm reports the cancellation; one line
+			// says it.
+			return rep, fmt.Errorf("bench: interrupted during %s/%s: %w", spec.workload, spec.arm, ctx.Err())
+		}
+		if err != nil {
+			return rep, fmt.Errorf("bench: %s/%s: %w", spec.workload, spec.arm, err)
+		}
+		rep.Results = append(rep.Results, res)
+		fmt.Fprintf(cfg.Progress, "[%2d/%d] %s\n", i+1, len(specs), res.progressLine())
+	}
+	rep.finish()
+	if len(rep.Failures) > 0 {
+		return rep, fmt.Errorf("%w: %v", ErrIncorrect, rep.Failures)
+	}
+	return rep, nil
+}
+
+// runArm runs one arm in a fresh database and returns its figures.
+func runArm(ctx context.Context, cfg *Config, sc *scratch, spec armSpec, rep *Report) (res *Result, err error) {
+	started := time.Now()
+	dbName, dbURL, err := sc.clone(ctx, spec.arm)
+	if err != nil {
+		return nil, err
+	}
+	defer func() { err = errors.Join(err, sc.drop(ctx, dbName)) }()
+
+	aggregates := cfg.Aggregates
+	switch spec.workload {
+	case WorkloadHot:
+		aggregates = 1
+	case WorkloadDrain:
+		aggregates = spec.backlog / drainRevisions
+	}
+	maxInFlight := cfg.MaxInFlight
+	if spec.workload == WorkloadDrain {
+		maxInFlight = max(maxInFlight, (drainInFlight+cfg.Relays-1)/cfg.Relays)
+	}
+	poolCfg, err := pgxpool.ParseConfig(dbURL)
+	if err != nil {
+		return nil, err
+	}
+	poolCfg.MaxConns = int32(cfg.Producers + runtime.NumCPU() + 1)
+	pool, err := pgxpool.NewWithConfig(ctx, poolCfg)
+	if err != nil {
+		return nil, err
+	}
+	defer pool.Close()
+
+	ledger := NewLedger(aggregates, cfg.Producers)
+	env := &armEnv{
+		cfg: cfg, dbName: dbName, dbURL: dbURL, pool: pool, ledger: ledger,
+		sink:       &countingSink{latency: spec.sink, ledger: ledger},
+		aggregates: aggregates, maxInFlight: maxInFlight, log: cfg.Logger.With("arm", spec.arm),
+	}
+	res = &Result{
+		Workload: spec.workload, Arm: spec.arm, Producers: cfg.Producers, Relays: cfg.Relays,
+		MaxInFlight: maxInFlight, Aggregates: aggregates, Backlog: spec.backlog,
+	}
+	a := newArm(spec.arm, cfg)
+	if a.delivers() {
+		res.SinkLatencyMs = ptr(ms(spec.sink))
+	} else {
+		res.Relays, res.MaxInFlight = 0, 0
+	}
+	defer func() {
+		if serr := a.stop(ctx); serr != nil {
+			err = errors.Join(err, serr)
+		}
+	}()
+	if err := a.prepare(ctx, env, spec.backlog); err != nil {
+		return nil, err
+	}
+	srv, err := a.startServer(ctx, env)
+	if err != nil {
+		return nil, err
+	}
+	if spec.workload == WorkloadDrain {
+		err = measureDrain(ctx, env, a, srv, res)
+	} else {
+		var rate float64
+		if spec.workload == WorkloadLatency {
+			if rate, err = latencyRate(rep, spec.sink); err != nil {
+				return nil, err
+			}
+		}
+		err = measureProducers(ctx, env, a, srv, spec, rate, res)
+	}
+	if err != nil {
+		return nil, err
+	}
+	if err := env.sink.err(); err != nil {
+		return nil, err
+	}
+	res.ArmElapsedS = time.Since(started).Seconds()
+	return res, nil
+}
+
+// latencyRate is the latency workload's open-loop rate: half of what outboxd
+// (or, without it, the naive poller) delivered in steady at this sink
+// latency earlier in the run.
+func latencyRate(rep *Report, sink time.Duration) (float64, error) {
+	for _, arm := range []string{ArmOutboxd, ArmNaivePoller} {
+		if r := rep.find(WorkloadSteady, arm, sink, 0); r != nil && r.Throughput > 0 {
+			return r.Throughput / 2, nil
+		}
+	}
+	return 0, errors.New("the latency workload needs a steady run of outboxd or the naive poller first")
+}
+
+// measureProducers runs steady, hot and latency: producers (and delivery)
+// warm up, the window opens for cfg.Duration, producers stop, delivery gets
+// a chance to catch up, and the database is read back.
+func measureProducers(ctx context.Context, env *armEnv, a arm, srv serverHandle, spec armSpec, rate float64, res *Result) error {
+	cfg := env.cfg
+	if a.delivers() {
+		if err := a.startDelivery(ctx, env); err != nil {
+			return err
+		}
+	}
+	var ceilingDone atomic.Int64
+	completed := env.ledger.Delivered
+	committed := env.ledger.Committed
+	if !a.delivers() {
+		completed, committed = ceilingDone.Load, ceilingDone.Load
+	}
+	var schedule func(p int, n int64) time.Time
+	if rate > 0 {
+		res.TargetRate = rate
+		t0, p := time.Now(), float64(cfg.Producers)
+		schedule = func(producer int, n int64) time.Time {
+			slot := float64(n-1)*p + float64(producer)
+			return t0.Add(time.Duration(slot / rate * float64(time.Second)))
+		}
+	}
+	prods := startProducers(ctx, env, a, schedule, &ceilingDone)
+	defer prods.stop()
+
+	if err := prods.sleep(ctx, cfg.Warmup); err != nil {
+		return err
+	}
+	pr, err := openWindow(ctx, cfg.DatabaseURL, env.dbName, srv)
+	if err != nil {
+		return err
+	}
+	fromNs, fromDone, fromCommitted := time.Now().UnixNano(), completed(), committed()
+	sleepErr := prods.sleep(ctx, cfg.Duration)
+	toNs, toDone, toCommitted := time.Now().UnixNano(), completed(), committed()
+	m, err := pr.close(ctx)
+	if err = errors.Join(sleepErr, err, prods.stop()); err != nil {
+		return err
+	}
+	window := time.Duration(toNs - fromNs)
+	res.WindowS = window.Seconds()
+	res.Throughput = perSecond(toDone-fromDone, window)
+	res.ProducedPerS = perSecond(toCommitted-fromCommitted, window)
+	res.LateStarts = prods.late.Load()
+
+	if !a.delivers() {
+		res.fillCosts(m, toDone-fromDone, env.cfg, nil, spec.sink)
+		return nil
+	}
+	settle(ctx, env.ledger, max(5*time.Second, cfg.Duration))
+	endNs := time.Now().UnixNano()
+	rss := serverRSS(srv)
+	if err := a.stop(ctx); err != nil {
+		return err
+	}
+	if err := readBack(ctx, env, a); err != nil {
+		return err
+	}
+	counts := env.ledger.Counts()
+	res.Counts = &counts
+	toSink, toPublished, cs, cp := env.ledger.Latencies(fromNs, toNs, endNs)
+	res.setLatencies(toSink, toPublished, cs, cp)
+	res.fillCosts(m, toDone-fromDone, env.cfg, rss, spec.sink)
+	return nil
+}
+
+// measureDrain runs drain: the server is up, the backlog committed; the
+// window opens, relays (or pollers) start, and it closes when the sink has
+// every event or after twice the configured duration, whichever is first.
+// A backlog that is not emptied by then was still almost whole during the
+// window, which is what "drain rate at N pending" asks about; the events
+// left are reported as backlog.
+func measureDrain(ctx context.Context, env *armEnv, a arm, srv serverHandle, res *Result) error {
+	pr, err := openWindow(ctx, env.cfg.DatabaseURL, env.dbName, srv)
+	if err != nil {
+		return err
+	}
+	fromNs := time.Now().UnixNano()
+	if err := a.startDelivery(ctx, env); err != nil {
+		_, _ = pr.close(ctx)
+		return err
+	}
+	timeout := 2 * env.cfg.Duration
+	complete := waitDelivered(ctx, env.ledger, timeout, false)
+	toNs := time.Now().UnixNano()
+	m, err := pr.close(ctx)
+	if err != nil {
+		return err
+	}
+	rss := serverRSS(srv)
+	if err := a.stop(ctx); err != nil {
+		return err
+	}
+	if err := readBack(ctx, env, a); err != nil {
+		return err
+	}
+	counts := env.ledger.Counts()
+	res.Counts = &counts
+	window := time.Duration(toNs - fromNs)
+	res.WindowS = window.Seconds()
+	// The rate from the first delivery to the last leaves out connecting and
+	// the first claim, which would weigh on small backlogs only.
+	if first, last, n, ok := env.ledger.DeliverySpan(); ok && n > 1 && last > first {
+		res.Throughput = perSecond(n-1, time.Duration(last-first))
+	}
+	if !complete {
+		res.Notes = append(res.Notes, fmt.Sprintf("window closed after %v with events still pending", timeout))
+	}
+	res.fillCosts(m, counts.Delivered, env.cfg, rss, 0)
+	return nil
+}
+
+// settle gives delivery time to catch up once producers have stopped, so
+// that the backlog count means "could not keep up", not "stopped too soon".
+// It gives up early when the recent rate says the backlog cannot be
+// delivered in the time left.
+func settle(ctx context.Context, l *Ledger, timeout time.Duration) {
+	waitDelivered(ctx, l, timeout, true)
+}
+
+// waitDelivered waits until the sink has every committed event, timeout
+// passes, progress stalls, or (giveUpEarly) the rate over the last second
+// says the rest cannot arrive in time. It reports whether everything
+// arrived.
+func waitDelivered(ctx context.Context, l *Ledger, timeout time.Duration, giveUpEarly bool) bool {
+	deadline := time.Now().Add(timeout)
+	lastN, lastAt, progressAt := l.Delivered(), time.Now(), time.Now()
+	t := time.NewTicker(20 * time.Millisecond)
+	defer t.Stop()
+	for {
+		if l.Delivered() >= l.Committed() {
+			return true
+		}
+		select {
+		case <-ctx.Done():
+			return false
+		case <-t.C:
+		}
+		now := time.Now()
+		if now.After(deadline) {
+			return false
+		}
+		if n := l.Delivered(); n > lastN {
+			progressAt = now
+			if giveUpEarly && now.Sub(lastAt) >= time.Second {
+				rate := float64(n-lastN) / now.Sub(lastAt).Seconds()
+				if float64(l.Committed()-n)/rate > deadline.Sub(now).Seconds() {
+					return false
+				}
+				lastN, lastAt = n, now
+			}
+		} else if now.Sub(progressAt) > stallTimeout {
+			return false
+		}
+	}
+}
+
+// readBack records in the ledger what the database holds for every event.
+func readBack(ctx context.Context, env *armEnv, a arm) error {
+	err := a.scan(ctx, env.pool, env.ledger.RecordDB)
+	if err == nil {
+		env.ledger.MarkScanned()
+	}
+	return err
+}
+
+func serverRSS(srv serverHandle) *float64 {
+	if srv == nil {
+		return nil
+	}
+	if b, ok := srv.peakRSS(); ok {
+		return ptr(float64(b) / (1 << 20))
+	}
+	return nil
+}
+
+// producers are P connections committing one event per transaction, each
+// to a random aggregate (uniform), or on a schedule for the open-loop
+// latency workload.
+type producers struct {
+	stopOnce sync.Once
+	stopCh   chan struct{}
+	wg       sync.WaitGroup
+	late     atomic.Int64
+
+	mu   sync.Mutex
+	errs []error
+}
+
+func startProducers(ctx context.Context, env *armEnv, a arm, schedule func(p int, n int64) time.Time, ceilingDone *atomic.Int64) *producers {
+	ps := &producers{stopCh: make(chan struct{})}
+	for p := range env.cfg.Producers {
+		ps.wg.Add(1)
+		go func() {
+			defer ps.wg.Done()
+			if err := ps.run(ctx, env, a, p, schedule, ceilingDone); err != nil {
+				ps.mu.Lock()
+				ps.errs = append(ps.errs, err)
+				ps.mu.Unlock()
+				ps.halt()
+			}
+		}()
+	}
+	return ps
+}
+
+func (ps *producers) run(ctx context.Context, env *armEnv, a arm, p int, schedule func(int, int64) time.Time, ceilingDone *atomic.Int64) error {
+	conn, err := env.pool.Acquire(ctx)
+	if err != nil {
+		return fmt.Errorf("bench: producer %d: %w", p, err)
+	}
+	defer conn.Release()
+	rng := rand.New(rand.NewPCG(uint64(p), uint64(time.Now().UnixNano())))
+	payload := make([]byte, 0, payloadSize)
+	for seq := int64(1); ; seq++ {
+		if schedule != nil {
+			at := schedule(p, seq)
+			if wait := time.Until(at); wait > 0 {
+				t := time.NewTimer(wait)
+				select {
+				case <-ps.stopCh:
+					t.Stop()
+					return nil
+				case <-t.C:
+				}
+			} else if -wait > lateStart {
+				ps.late.Add(1)
+			}
+		}
+		select {
+		case <-ps.stopCh:
+			return nil
+		default:
+		}
+		agg := 0
+		if env.aggregates > 1 {
+			agg = rng.IntN(env.aggregates)
+		}
+		payload = appendPayload(payload, agg, p, seq, time.Now().UnixNano())
+		// The statement runs to completion even when the run is being
+		// stopped, so that a commit is never left in doubt.
+		rev, err := a.produce(context.WithoutCancel(ctx), conn, agg, payload)
+		if err != nil {
+			return fmt.Errorf("bench: producer %d: %w", p, err)
+		}
+		if !a.delivers() {
+			ceilingDone.Add(1)
+			continue
+		}
+		if err := env.ledger.Commit(agg, rev, time.Now().UnixNano()); err != nil {
+			return err
+		}
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+	}
+}
+
+func (ps *producers) halt() { ps.stopOnce.Do(func() { close(ps.stopCh) }) }
+
+// stop stops every producer after its transaction under way and returns
+// their errors.
+func (ps *producers) stop() error {
+	ps.halt()
+	ps.wg.Wait()
+	ps.mu.Lock()
+	defer ps.mu.Unlock()
+	return errors.Join(ps.errs...)
+}
+
+// sleep waits d, or less if a producer fails (its error is returned) or ctx
+// ends.
+func (ps *producers) sleep(ctx context.Context, d time.Duration) error {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-ps.stopCh:
+		return ps.stop()
+	}
+}
+
+func ptr[T any](v T) *T { return &v }

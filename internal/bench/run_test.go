@@ -1,0 +1,125 @@
+package bench
+
+import (
+	"context"
+	"log/slog"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"go.uber.org/goleak"
+
+	"github.com/outboxd/outboxd/internal/testdb"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+// The whole pipeline, briefly, against the real PostgreSQL: every arm and
+// workload runs and the account is clean. Nothing here asserts a timing: on
+// a shared machine (and under -race) they mean nothing.
+func TestRunEndToEnd(t *testing.T) {
+	if testing.Short() {
+		t.Skip("needs PostgreSQL")
+	}
+	ctx := context.Background()
+	var logs strings.Builder
+	rep, err := Run(ctx, Config{
+		DatabaseURL:   testdb.ServerURL(),
+		Duration:      300 * time.Millisecond,
+		Warmup:        100 * time.Millisecond,
+		Producers:     2,
+		Relays:        2,
+		Aggregates:    50,
+		SinkLatencies: []time.Duration{time.Millisecond},
+		DrainSizes:    []int{200},
+		Logger:        slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelWarn})),
+		Progress:      tWriter{t},
+	})
+	if err != nil {
+		t.Fatalf("run: %v\nlogs:\n%s", err, logs.String())
+	}
+	// Every arm of every workload: 2 ceilings and 2 delivering arms in
+	// steady, then 2 each in latency, drain and hot.
+	if len(rep.Results) != 10 {
+		t.Fatalf("%d results, want 10", len(rep.Results))
+	}
+	for _, res := range rep.Results {
+		if res.Arm == ArmCeilingInsert || res.Arm == ArmCeilingInsertMark {
+			if res.Counts != nil {
+				t.Errorf("%s: the ceilings deliver nothing to count", res.label())
+			}
+			continue
+		}
+		c := res.Counts
+		if c == nil {
+			t.Errorf("%s: no account", res.label())
+			continue
+		}
+		if c.Lost != 0 || c.Reordered != 0 || c.Unexpected != 0 {
+			t.Errorf("%s: %+v", res.label(), *c)
+		}
+		if c.Committed == 0 {
+			t.Errorf("%s: nothing was committed", res.label())
+		}
+		if res.Workload == WorkloadDrain && c.Delivered != int64(res.Backlog) {
+			t.Errorf("%s: delivered %d of %d", res.label(), c.Delivered, res.Backlog)
+		}
+	}
+	if len(rep.Ratios) == 0 {
+		t.Error("no ratios")
+	}
+	assertNoScratchDatabases(t, rep)
+}
+
+// An interrupted run still drops what it created.
+func TestRunCancelledCleansUp(t *testing.T) {
+	if testing.Short() {
+		t.Skip("needs PostgreSQL")
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	time.AfterFunc(700*time.Millisecond, cancel)
+	rep, err := Run(ctx, Config{
+		DatabaseURL: testdb.ServerURL(), Workloads: []string{WorkloadSteady}, Arms: []string{ArmOutboxd},
+		Duration: 10 * time.Second, Warmup: 100 * time.Millisecond, Producers: 2, Relays: 1, Aggregates: 10,
+		SinkLatencies: []time.Duration{0},
+	})
+	if err == nil {
+		t.Fatal("an interrupted run reported success")
+	}
+	assertNoScratchDatabases(t, rep)
+}
+
+// assertNoScratchDatabases fails if a database of rep's run is left.
+func assertNoScratchDatabases(t *testing.T, rep *Report) {
+	t.Helper()
+	if rep == nil || rep.ScratchPrefix == "" {
+		t.Fatal("the report does not name the run's databases")
+	}
+	ctx := context.Background()
+	conn, err := pgx.Connect(ctx, testdb.ServerURL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(ctx)
+	rows, err := conn.Query(ctx, `SELECT datname FROM pg_database WHERE starts_with(datname, $1)`, rep.ScratchPrefix)
+	if err != nil {
+		t.Fatal(err)
+	}
+	left, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(left) > 0 {
+		t.Errorf("databases left behind: %v", left)
+	}
+}
+
+// tWriter shows the run's progress lines with the test's output.
+type tWriter struct{ t *testing.T }
+
+func (w tWriter) Write(p []byte) (int, error) {
+	w.t.Helper()
+	w.t.Log(strings.TrimRight(string(p), "\n"))
+	return len(p), nil
+}
