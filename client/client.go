@@ -2,8 +2,8 @@
 //
 // Producers call Emit inside the transaction that changes their business rows,
 // so the event exists if and only if that transaction commits. Emit is a thin
-// wrapper over the SQL function outbox.emit, which producers in other
-// languages call with their own drivers.
+// wrapper over outbox.emit_event, the PL/pgSQL body of the SQL function
+// outbox.emit that producers in other languages call with their own drivers.
 package client
 
 import (
@@ -56,7 +56,7 @@ type Emitted struct {
 // database, for input it can check itself.
 var ErrInvalidEvent = errors.New("client: invalid event")
 
-// Emit records ev through outbox.emit on q. The database checks everything
+// Emit records ev through outbox.emit_event on q. The database checks everything
 // again and answers bad input with SQLSTATE 22023 (invalid_parameter_value),
 // an oversized payload with 54000, and a repeated revision with 23505; those
 // errors come back as *pgconn.PgError.
@@ -87,7 +87,7 @@ func Emit(ctx context.Context, q Querier, ev Event) (Emitted, error) {
 	}
 	var out Emitted
 	err := q.QueryRow(ctx,
-		`SELECT event_id, revision FROM outbox.emit($1, $2, $3, $4::jsonb, $5::jsonb, $6, $7)`,
+		`SELECT event_id, revision FROM outbox.emit_event($1, $2, $3, $4::jsonb, $5::jsonb, $6, $7)`,
 		ev.Stream, ev.AggregateKey, ev.Type, string(ev.Payload), string(headers), revision, id,
 	).Scan(&out.ID, &out.Revision)
 	if err != nil {

@@ -66,8 +66,12 @@ func (w *waker) arm(ctx context.Context) {
 	}
 	w.armedUntil = now.Add(armTTL)
 	w.mu.Unlock()
+	// A registration is soft state (lost, the sessions' polls still find
+	// everything), so its commit need not wait for the WAL flush.
 	_, err := w.s.store.Pool().Exec(ctx,
-		`INSERT INTO outbox.listener (replica_id, waiting_until) VALUES ($1, now() + $2::interval)
+		`WITH async AS (SELECT set_config('synchronous_commit', 'off', true))
+		 INSERT INTO outbox.listener (replica_id, waiting_until)
+		 SELECT $1, now() + $2::interval FROM async
 		 ON CONFLICT (replica_id) DO UPDATE SET waiting_until = EXCLUDED.waiting_until`,
 		w.s.cfg.ReplicaID, armTTL)
 	if err != nil {
