@@ -65,7 +65,10 @@ func (s *Signer) Verify(token string) (Token, error) {
 	if len(token) != base64.RawURLEncoding.EncodedLen(rawSize) {
 		return Token{}, fmt.Errorf("%w: wrong length", ErrInvalid)
 	}
-	raw, err := base64.RawURLEncoding.DecodeString(token)
+	// Strict: a last character with stray low bits would decode to the same
+	// bytes, so one genuine token would have several spellings (found by
+	// FuzzVerify). Only the canonical spelling verifies.
+	raw, err := base64.RawURLEncoding.Strict().DecodeString(token)
 	if err != nil || len(raw) != rawSize {
 		return Token{}, fmt.Errorf("%w: not base64url", ErrInvalid)
 	}
