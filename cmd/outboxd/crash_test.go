@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/outboxd/outboxd/internal/testdb"
@@ -35,9 +36,7 @@ func TestCrashKillsLoseNothing(t *testing.T) {
 	// Producers keep going during the chaos: half the events exist up front,
 	// half are emitted while processes die.
 	emitHalf := func(from, to int) {
-		_, err := pool.Exec(ctx, `SELECT outbox.emit('orders', 'a-' || a, 'Changed', jsonb_build_object('r', r))
-			FROM generate_series($1::int, $2::int) r, generate_series(1, $3::int) a ORDER BY r, a`, from, to, aggregates)
-		if err != nil {
+		if err := emitRounds(pool, from, to, aggregates); err != nil {
 			t.Error(err)
 		}
 	}
@@ -93,6 +92,14 @@ func TestCrashKillsLoseNothing(t *testing.T) {
 verify:
 	t.Logf("killed %d processes", kills)
 	verifySink(t, js, streamName, total)
+}
+
+// emitRounds emits rounds from..to of one event for each of aggregates
+// aggregates (orders/a-1 ... a-N), round by round, in one statement.
+func emitRounds(pool *pgxpool.Pool, from, to, aggregates int) error {
+	_, err := pool.Exec(context.Background(), `SELECT outbox.emit('orders', 'a-' || a, 'Changed', jsonb_build_object('r', r))
+		FROM generate_series($1::int, $2::int) r, generate_series(1, $3::int) a ORDER BY r, a`, from, to, aggregates)
+	return err
 }
 
 // verifySink reads every message of a JetStream stream the relays published

@@ -120,12 +120,7 @@ func TestSIGTERMUnderLoadLosesNothing(t *testing.T) {
 	url := testdb.New(t)
 	pool := testdb.NewPoolURL(t, url)
 	js, streamName, prefix := jetStreamSink(t, "SIGTERM")
-	emitRounds := func(from, to int) error {
-		_, err := pool.Exec(ctx, `SELECT outbox.emit('orders', 'a-' || a, 'Changed', jsonb_build_object('r', r))
-			FROM generate_series($1::int, $2::int) r, generate_series(1, $3::int) a ORDER BY r, a`, from, to, aggregates)
-		return err
-	}
-	if err := emitRounds(1, perAggregate/2); err != nil {
+	if err := emitRounds(pool, 1, perAggregate/2, aggregates); err != nil {
 		t.Fatal(err)
 	}
 	addr := freeAddr(t)
@@ -139,7 +134,7 @@ func TestSIGTERMUnderLoadLosesNothing(t *testing.T) {
 		start(t, "relay", "--server", addr, "--sink", sinkURL, "--max-in-flight", "32", "--relay-id", fmt.Sprint("r", i), "--log-level", "warn")
 	}
 	produced := make(chan error, 1)
-	go func() { produced <- emitRounds(perAggregate/2+1, perAggregate) }()
+	go func() { produced <- emitRounds(pool, perAggregate/2+1, perAggregate, aggregates) }()
 
 	waitPublished(t, pool, aggregates*perAggregate/4)
 	if code := first.signal(syscall.SIGTERM); code != 0 {
