@@ -376,11 +376,11 @@ func actor(ctx context.Context, f *fieldErrors, requested string) string {
 func (a *adminService) RetryAggregate(ctx context.Context, req *outboxv1.RetryAggregateRequest) (*outboxv1.RetryAggregateResponse, error) {
 	var f fieldErrors
 	checkAggregate(&f, req.GetStream(), req.GetAggregateKey())
-	p := store.RetryParams{Stream: req.GetStream(), AggregateKey: req.GetAggregateKey(), AcceptGap: req.GetAcceptGap()}
+	p := store.RetryParams{Stream: req.GetStream(), AggregateKey: req.GetAggregateKey(), AcceptGap: req.GetAcceptGap(),
+		Actor: actor(ctx, &f, req.GetActor())}
 	if p.AcceptGap {
 		checkReason(&f, req.GetReason())
 		p.Reason = req.GetReason()
-		p.Actor = actor(ctx, &f, req.GetActor())
 	}
 	if err := f.err(); err != nil {
 		return nil, err
