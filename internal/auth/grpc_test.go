@@ -171,8 +171,10 @@ var (
 		if err != nil {
 			return "", err
 		}
+		// A server that refuses the stream may do so before this Send, which
+		// then fails with io.EOF; the refusal itself comes from Recv.
 		err = st.Send(&rpb.ServerReflectionRequest{MessageRequest: &rpb.ServerReflectionRequest_ListServices{}})
-		if err != nil {
+		if err != nil && err != io.EOF {
 			return "", err
 		}
 		_, err = st.Recv()
