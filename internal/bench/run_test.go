@@ -62,8 +62,14 @@ func TestRunEndToEnd(t *testing.T) {
 		if c.Committed == 0 {
 			t.Errorf("%s: nothing was committed", res.label())
 		}
-		if res.Workload == WorkloadDrain && c.Delivered != int64(res.Backlog) {
-			t.Errorf("%s: delivered %d of %d", res.label(), c.Delivered, res.Backlog)
+		// Every event of a drain is accounted for: delivered, or still
+		// pending when the window closed. How many were delivered in time
+		// depends on the machine (under -race on 2 busy cores the naive
+		// poller may not finish 200 events in the window), so it is not
+		// asserted.
+		if res.Workload == WorkloadDrain && (c.Committed != int64(res.Backlog) || c.Delivered+c.Backlog != c.Committed) {
+			t.Errorf("%s: %d committed (backlog %d), %d delivered + %d pending", res.label(),
+				c.Committed, res.Backlog, c.Delivered, c.Backlog)
 		}
 	}
 	if len(rep.Ratios) == 0 {
