@@ -11,6 +11,19 @@
 --   (no second pass over the delivery rows, no join of two CTEs), and checks
 --   for missing or skipped revisions only when some locked aggregate was not
 --   leased.
+-- * outbox.lease_heads is PL/pgSQL so that its UPDATE keeps a plan for the
+--   life of the connection: PostgreSQL 15 parses and plans the body of a
+--   LANGUAGE sql function at every call, and every claim calls it.
+-- * A claim's commit does not wait for its WAL to reach disk
+--   (synchronous_commit off for that transaction only). A lease is soft
+--   state: if PostgreSQL crashes before the commit is flushed, the aggregate
+--   is simply not leased after recovery and its event is offered again,
+--   which at-least-once delivery allows (an ack of that delivery still
+--   publishes). So that a lease lost that way can never be confused with a
+--   later one, a new lease's epoch is the larger of the previous epoch + 1
+--   and the current time in microseconds: never handed out again after a
+--   crash (unless the clock moves back), still strictly increasing per
+--   aggregate.
 -- * outbox.ack reuses what it read while locking instead of reading the
 --   events again, looks up events only for ids it could not mark, and returns
 --   created_at so the caller can observe commit-to-published latency without
@@ -45,24 +58,30 @@ CREATE FUNCTION outbox.lease_heads(
     attempt integer,
     lease_expires_at timestamptz
 )
-LANGUAGE sql AS $$
+LANGUAGE plpgsql AS $$
+#variable_conflict use_column
+BEGIN
+    PERFORM set_config('synchronous_commit', 'off', true);
     -- The epoch grows with every lease: it fences Nack and ExtendLease of
     -- older ones.
-    UPDATE outbox.delivery d
-    SET state = 'leased', epoch = d.epoch + 1,
-        holder = p_holder, holder_relay_id = p_relay_id, holder_replica_id = p_replica_id,
-        attempt = CASE WHEN d.leased_event_id = e.event_id THEN d.attempt + 1 ELSE 1 END,
-        failures = CASE WHEN d.leased_event_id = e.event_id THEN d.failures ELSE 0 END,
-        leased_event_id = e.event_id,
-        lease_expires_at = p_now + p_ttl, claimable_at = p_now + p_ttl,
-        pending_since = e.created_at, next_attempt_at = NULL, gap_revision = NULL
-    FROM unnest(p_streams, p_keys) AS l(stream, aggregate_key), outbox.event e
-    WHERE d.stream = l.stream AND d.aggregate_key = l.aggregate_key
-      AND e.stream = d.stream AND e.aggregate_key = d.aggregate_key
-      AND e.revision = d.delivered_revision + 1
-      AND NOT EXISTS (SELECT 1 FROM outbox.skipped_event s WHERE s.event_id = e.event_id)
-    RETURNING e.event_id, e.stream, e.aggregate_key, e.revision, e.event_type, e.payload::text,
-              e.headers, e.created_at, d.epoch, d.attempt, d.lease_expires_at
+    RETURN QUERY
+        UPDATE outbox.delivery d
+        SET state = 'leased',
+            epoch = greatest(d.epoch + 1, (extract(epoch FROM p_now) * 1000000)::bigint),
+            holder = p_holder, holder_relay_id = p_relay_id, holder_replica_id = p_replica_id,
+            attempt = CASE WHEN d.leased_event_id = e.event_id THEN d.attempt + 1 ELSE 1 END,
+            failures = CASE WHEN d.leased_event_id = e.event_id THEN d.failures ELSE 0 END,
+            leased_event_id = e.event_id,
+            lease_expires_at = p_now + p_ttl, claimable_at = p_now + p_ttl,
+            pending_since = e.created_at, next_attempt_at = NULL, gap_revision = NULL
+        FROM unnest(p_streams, p_keys) AS l(stream, aggregate_key), outbox.event e
+        WHERE d.stream = l.stream AND d.aggregate_key = l.aggregate_key
+          AND e.stream = d.stream AND e.aggregate_key = d.aggregate_key
+          AND e.revision = d.delivered_revision + 1
+          AND NOT EXISTS (SELECT 1 FROM outbox.skipped_event s WHERE s.event_id = e.event_id)
+        RETURNING e.event_id, e.stream, e.aggregate_key, e.revision, e.event_type, e.payload::text,
+                  e.headers, e.created_at, d.epoch, d.attempt, d.lease_expires_at;
+END
 $$;
 -- +goose StatementEnd
 

@@ -24,17 +24,6 @@ import (
 	"github.com/outboxd/outboxd/server"
 )
 
-// emitAt emits one event with an explicit revision.
-func emitAt(t *testing.T, pool *pgxpool.Pool, stream, key string, rev int64) string {
-	t.Helper()
-	e, err := client.Emit(context.Background(), pool, client.Event{
-		Stream: stream, AggregateKey: key, Type: "T", Payload: []byte(`{}`), Revision: rev})
-	if err != nil {
-		t.Fatal(err)
-	}
-	return e.ID.String()
-}
-
 func nack(t *testing.T, r *replica, d *outboxv1.SubscribeResponse) *outboxv1.NackResponse {
 	t.Helper()
 	res, err := r.Relay.Nack(context.Background(), &outboxv1.NackRequest{

@@ -38,6 +38,17 @@ func emit(t testing.TB, pool *pgxpool.Pool, stream, key string, n int) []uuid.UU
 	return ids
 }
 
+// emitAt emits one event with an explicit revision.
+func emitAt(t testing.TB, pool *pgxpool.Pool, stream, key string, rev int64) string {
+	t.Helper()
+	e, err := client.Emit(context.Background(), pool, client.Event{
+		Stream: stream, AggregateKey: key, Type: "T", Payload: []byte(`{}`), Revision: rev})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return e.ID.String()
+}
+
 func subscribe(t *testing.T, ctx context.Context, r *replica, req *outboxv1.SubscribeRequest) outboxv1.RelayService_SubscribeClient {
 	t.Helper()
 	if req.RelayId == "" {

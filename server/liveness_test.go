@@ -23,15 +23,8 @@ func TestGapHoldsAggregateUntilMissingRevisionArrives(t *testing.T) {
 	url := testdb.New(t)
 	pool := testdb.NewPoolURL(t, url)
 	r := startReplica(t, url, nil)
-	emitRev := func(rev int64) string {
-		e, err := client.Emit(ctx, pool, client.Event{Stream: "orders", AggregateKey: "g", Type: "T", Payload: []byte(`{}`), Revision: rev})
-		if err != nil {
-			t.Fatal(err)
-		}
-		return e.ID.String()
-	}
-	emitRev(1)
-	emitRev(3)
+	emitAt(t, pool, "orders", "g", 1)
+	emitAt(t, pool, "orders", "g", 3)
 	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 4})
 	d := recv(t, st)
 	if d.GetEvent().GetRevision() != 1 {
@@ -44,7 +37,7 @@ func TestGapHoldsAggregateUntilMissingRevisionArrives(t *testing.T) {
 	if err := pool.QueryRow(ctx, `SELECT gap_revision FROM outbox.delivery WHERE aggregate_key = 'g'`).Scan(&gapRev); err != nil || gapRev != 2 {
 		t.Fatalf("gap_revision %d, %v; want 2", gapRev, err)
 	}
-	id2 := emitRev(2)
+	id2 := emitAt(t, pool, "orders", "g", 2)
 	if d := recv(t, st); d.GetEvent().GetEventId() != id2 {
 		t.Fatalf("after filling the gap got revision %d", d.GetEvent().GetRevision())
 	} else {
