@@ -1,7 +1,16 @@
--- The outbox schema: what producers write (outbox.event), the producers'
--- per-aggregate order lock and revision counter (outbox.aggregate), and the
--- server's delivery bookkeeping (outbox.delivery). migrations/doc.go explains
--- why the last two are separate tables.
+-- The outbox schema, as one baseline (nothing has been released, so the
+-- history of the unreleased schema is folded into this file).
+--
+-- Who writes what. A producer's transaction writes its event row and bumps
+-- its aggregate's revision counter (outbox.aggregate), and nothing else: it
+-- locks no row the server writes, and nothing it reads can, if stale, strand
+-- its event. Everything delivery needs is found by the server afterwards:
+-- every event row carries the id of the transaction that wrote it (xid), and
+-- the server's discovery (outbox.discover) picks up exactly the events whose
+-- transactions committed since its previous round by comparing two
+-- transaction snapshots. The server's own rows (outbox.delivery and the
+-- rest) are written only by the server. server/doc.go explains the protocol
+-- and why each invariant holds.
 
 -- +goose Up
 
@@ -10,8 +19,11 @@ CREATE SCHEMA IF NOT EXISTS outbox;
 -- Settings every producer transaction reads. One row.
 CREATE TABLE outbox.settings (
     singleton boolean PRIMARY KEY DEFAULT true CHECK (singleton),
-    -- The largest payload accepted, in bytes of its JSON text.
-    max_payload_bytes integer NOT NULL DEFAULT 1048576 CHECK (max_payload_bytes > 0)
+    -- The largest payload accepted, in bytes of its JSON text. At most 3 MiB,
+    -- so that an event with the largest headers, key and type still fits in
+    -- one delivery message (4 MiB, the limit server and relay share).
+    max_payload_bytes integer NOT NULL DEFAULT 1048576
+        CHECK (max_payload_bytes > 0 AND max_payload_bytes <= 3145728)
 );
 INSERT INTO outbox.settings DEFAULT VALUES;
 
@@ -25,9 +37,11 @@ CREATE TABLE outbox.lease_key (
 INSERT INTO outbox.lease_key (key)
 VALUES (decode(replace(gen_random_uuid()::text || gen_random_uuid()::text, '-', ''), 'hex'));
 
--- The event as its producer committed it. Immutable but for published_at.
--- published_at is deliberately in no index, so marking an event published is a
--- HOT update that writes no index entry.
+-- The event as its producer committed it. Immutable but for published_at,
+-- which only outbox.ack sets. published_at is deliberately in no index, so
+-- marking an event published is a HOT update that writes no index entry;
+-- half of each page is left free so that the marks of events inserted
+-- together fit beside them.
 CREATE TABLE outbox.event (
     event_id uuid PRIMARY KEY DEFAULT gen_random_uuid(),
     stream text NOT NULL,
@@ -38,31 +52,41 @@ CREATE TABLE outbox.event (
     headers jsonb NOT NULL DEFAULT '{}',
     created_at timestamptz NOT NULL DEFAULT now(),
     published_at timestamptz,
+    -- The producing transaction (top level, even from a savepoint); set by
+    -- the insert trigger whatever the producer wrote. Discovery finds new
+    -- events by it.
+    xid xid8 NOT NULL DEFAULT pg_current_xact_id(),
     CONSTRAINT event_stream_aggregate_key_revision_key UNIQUE (stream, aggregate_key, revision),
-    CONSTRAINT event_revision_check CHECK (revision > 0),
+    -- 2^53-1: revision + 1 never overflows, and every revision is exact as a
+    -- JSON number (JavaScript relays and consumers).
+    CONSTRAINT event_revision_check CHECK (revision > 0 AND revision <= 9007199254740991),
     CONSTRAINT event_stream_check CHECK (stream ~ '^[a-z][a-z0-9_.-]{0,127}$'),
-    CONSTRAINT event_aggregate_key_check CHECK (aggregate_key <> ''),
-    CONSTRAINT event_event_type_check CHECK (event_type <> ''),
+    CONSTRAINT event_aggregate_key_check CHECK (aggregate_key <> '' AND octet_length(aggregate_key) <= 1024),
+    CONSTRAINT event_event_type_check CHECK (event_type <> '' AND octet_length(event_type) <= 256),
     CONSTRAINT event_headers_check CHECK (jsonb_typeof(headers) = 'object')
-) WITH (fillfactor = 90);
+) WITH (fillfactor = 50);
 
--- Retention (Purge) and ListEvents walk events by creation time.
-CREATE INDEX event_created_at_idx ON outbox.event (created_at);
+-- Purge walks (created_at, event_id) upward, ListEvents downward; the pair is
+-- unique, so both can page with a keyset instead of an offset.
+CREATE INDEX event_created_at_event_id_idx ON outbox.event (created_at, event_id);
+-- Discovery: the events of the transactions that committed since its last
+-- round, by transaction id.
+CREATE INDEX event_xid_idx ON outbox.event (xid);
 
 -- The producers' side of an aggregate: its revision counter, and the row that
 -- concurrent producers of one aggregate serialise on (held to commit). The
--- server never waits for this lock; it only takes it with SKIP LOCKED.
+-- server reads it and, for an operator's accept-gap, locks it; it never
+-- writes it. Half of each page free: the counter update stays HOT.
 CREATE TABLE outbox.aggregate (
     stream text NOT NULL,
     aggregate_key text NOT NULL,
     -- The highest revision any committed event of this aggregate has.
     last_revision bigint NOT NULL,
     PRIMARY KEY (stream, aggregate_key)
-);
+) WITH (fillfactor = 50);
 
--- The server's side of an aggregate: cursor, lease, retries. Producers touch
--- a row only to wake it from idle or gap, which is when the server holds no
--- lease on it, so acks never wait for a producer.
+-- The server's side of an aggregate: cursor, lease, retries. Created and
+-- woken by discovery, never touched by producers.
 CREATE TABLE outbox.delivery (
     stream text NOT NULL,
     aggregate_key text NOT NULL,
@@ -76,7 +100,7 @@ CREATE TABLE outbox.delivery (
     claimable_at timestamptz,
     -- created_at of the oldest pending event; NULL when nothing is pending.
     pending_since timestamptz,
-    -- Fencing token: incremented by every lease.
+    -- Fencing token: raised by every lease.
     epoch bigint NOT NULL DEFAULT 0,
     -- The Subscribe session holding the lease, and where it is.
     holder uuid,
@@ -108,6 +132,26 @@ CREATE INDEX delivery_holder_idx ON outbox.delivery (holder) WHERE holder IS NOT
 CREATE INDEX delivery_pending_idx ON outbox.delivery (stream, pending_since)
     WHERE pending_since IS NOT NULL;
 
+-- Where discovery stands: every event whose transaction is visible in this
+-- snapshot has been discovered. One row. '1:1:' is the beginning of time, so
+-- the first round finds every event there is.
+CREATE TABLE outbox.discovery (
+    singleton boolean PRIMARY KEY DEFAULT true CHECK (singleton),
+    snapshot pg_snapshot NOT NULL,
+    advanced_at timestamptz NOT NULL
+);
+INSERT INTO outbox.discovery (snapshot, advanced_at) VALUES ('1:1:', now());
+
+-- Events discovered at or below their aggregate's delivery cursor: a
+-- producer inserted an explicit revision that delivery had already passed
+-- (it precedes the aggregate's first discovered event, or an operator
+-- accepted a gap there). No rule will ever deliver them; they are reported
+-- as stranded until an operator skips them.
+CREATE TABLE outbox.late_event (
+    event_id uuid PRIMARY KEY,
+    discovered_at timestamptz NOT NULL DEFAULT now()
+);
+
 -- An operator's explicit abandonment of a pending event: never delivered,
 -- never marked published, kept queryable.
 CREATE TABLE outbox.skipped_event (
@@ -117,23 +161,84 @@ CREATE TABLE outbox.skipped_event (
     skipped_at timestamptz NOT NULL DEFAULT now()
 );
 
--- Replicas with a relay session that found no work register here; while one
--- is registered (and not expired) producers NOTIFY outbox_wakeup. Under load
--- no session idles, registrations lapse, and producers stop notifying: NOTIFY
--- takes a global lock at commit that would serialise every producer.
-CREATE TABLE outbox.listener (
-    replica_id text PRIMARY KEY,
-    waiting_until timestamptz NOT NULL
+-- An operator's decision to give up on missing revisions of a gap-held
+-- aggregate (RetryAggregate with accept_gap): revisions from_revision to
+-- to_revision will never be delivered.
+CREATE TABLE outbox.accepted_gap (
+    stream text NOT NULL,
+    aggregate_key text NOT NULL,
+    from_revision bigint NOT NULL,
+    to_revision bigint NOT NULL,
+    reason text NOT NULL CHECK (reason <> ''),
+    actor text NOT NULL CHECK (actor <> ''),
+    accepted_at timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (stream, aggregate_key, from_revision),
+    CHECK (from_revision <= to_revision)
 );
+
+-- One row per open Subscribe stream of any replica, for ListRelays and the
+-- connected-relay count. The serving replica inserts it when the stream
+-- opens, refreshes in_flight, acked and seen_at every few seconds, and
+-- deletes it when the stream ends. A crashed replica's rows stop being
+-- refreshed: readers ignore rows not seen recently, and replicas delete them.
+CREATE TABLE outbox.relay_session (
+    session_id uuid PRIMARY KEY,
+    relay_id text NOT NULL,
+    peer text NOT NULL,
+    replica_id text NOT NULL,
+    streams text[] NOT NULL,
+    max_in_flight integer NOT NULL,
+    in_flight integer NOT NULL DEFAULT 0,
+    acked bigint NOT NULL DEFAULT 0,
+    connected_at timestamptz NOT NULL,
+    seen_at timestamptz NOT NULL
+);
+
+-- Events marked published, per stream, in 5-second buckets: the delivery
+-- rate without an index on published_at (which would make every ack a
+-- non-HOT update). Keyed by backend too, so that concurrent ack statements
+-- never wait on each other's counter row. UNLOGGED: after a crash the
+-- counts restart from zero, which a rate over the last minute tolerates,
+-- and acks write no WAL for them.
+CREATE UNLOGGED TABLE outbox.delivered_count (
+    stream text NOT NULL,
+    bucket timestamptz NOT NULL,
+    backend_pid integer NOT NULL,
+    events bigint NOT NULL,
+    PRIMARY KEY (stream, bucket, backend_pid)
+);
+
+-- require_read_committed refuses to run a delivery function in a transaction
+-- whose statements share one snapshot: each of them reads what it needs in a
+-- statement after taking its locks, which under REPEATABLE READ or
+-- SERIALIZABLE would read a snapshot from before the locks and could miss an
+-- event committed in between. The server pins READ COMMITTED on its
+-- connections; this catches anyone else calling the functions.
+-- +goose StatementBegin
+CREATE FUNCTION outbox.require_read_committed(p_caller text) RETURNS void
+LANGUAGE plpgsql AS $$
+BEGIN
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        RAISE EXCEPTION 'outbox: % must run at READ COMMITTED, not %',
+                p_caller, upper(current_setting('transaction_isolation'))
+            USING ERRCODE = 'invalid_transaction_state',
+                  HINT = 'Set default_transaction_isolation = ''read committed'' on outboxd''s connections.';
+    END IF;
+END
+$$;
+-- +goose StatementEnd
 
 -- +goose StatementBegin
 CREATE FUNCTION outbox.event_before_insert() RETURNS trigger
 LANGUAGE plpgsql AS $$
 DECLARE
     v_max_payload integer;
-    v_last bigint;
+    v_payload_bytes integer;
+    v_auto_revision boolean := NEW.revision IS NULL;
+    v_counter_created boolean := false;
+    v_counter_before bigint;
     v_delivered bigint;
-    v_new_aggregate boolean := false;
+    v_existing record;
 BEGIN
     IF NEW.stream IS NULL OR NEW.stream !~ '^[a-z][a-z0-9_.-]{0,127}$' THEN
         RAISE EXCEPTION 'outbox: stream % is malformed', coalesce(quote_literal(NEW.stream), 'NULL')
@@ -144,9 +249,17 @@ BEGIN
         RAISE EXCEPTION 'outbox: aggregate_key must not be empty'
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
+    IF octet_length(NEW.aggregate_key) > 1024 THEN
+        RAISE EXCEPTION 'outbox: aggregate_key is % bytes, over the limit of 1024', octet_length(NEW.aggregate_key)
+            USING ERRCODE = 'program_limit_exceeded';
+    END IF;
     IF NEW.event_type IS NULL OR NEW.event_type = '' THEN
         RAISE EXCEPTION 'outbox: event_type must not be empty'
             USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF octet_length(NEW.event_type) > 256 THEN
+        RAISE EXCEPTION 'outbox: event_type is % bytes, over the limit of 256', octet_length(NEW.event_type)
+            USING ERRCODE = 'program_limit_exceeded';
     END IF;
     IF NEW.payload IS NULL THEN
         RAISE EXCEPTION 'outbox: payload must not be NULL'
@@ -157,48 +270,70 @@ BEGIN
                 coalesce(jsonb_typeof(NEW.headers), 'NULL')
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
-    IF NEW.headers <> '{}' AND EXISTS (
-            SELECT 1 FROM jsonb_each(NEW.headers) h WHERE jsonb_typeof(h.value) <> 'string') THEN
-        RAISE EXCEPTION 'outbox: header values must be strings'
-            USING ERRCODE = 'invalid_parameter_value',
-                  HINT = 'Brokers carry headers as strings; encode other values as text.';
+    IF NEW.headers <> '{}' THEN
+        IF EXISTS (SELECT 1 FROM jsonb_each(NEW.headers) h WHERE jsonb_typeof(h.value) <> 'string') THEN
+            RAISE EXCEPTION 'outbox: header values must be strings'
+                USING ERRCODE = 'invalid_parameter_value',
+                      HINT = 'Brokers carry headers as strings; encode other values as text.';
+        END IF;
+        IF octet_length(NEW.headers::text) > 65536 THEN
+            RAISE EXCEPTION 'outbox: headers are % bytes of JSON, over the limit of 65536',
+                    octet_length(NEW.headers::text)
+                USING ERRCODE = 'program_limit_exceeded';
+        END IF;
     END IF;
-    IF NEW.revision IS NOT NULL AND NEW.revision <= 0 THEN
-        RAISE EXCEPTION 'outbox: revision must be positive, got %', NEW.revision
+    IF NEW.revision IS NOT NULL AND (NEW.revision <= 0 OR NEW.revision > 9007199254740991) THEN
+        RAISE EXCEPTION 'outbox: revision must be between 1 and 9007199254740991 (2^53-1), got %', NEW.revision
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
+    -- Delivery state is outboxd's: an event is born pending, at its
+    -- transaction's start time.
+    IF NEW.published_at IS NOT NULL THEN
+        RAISE EXCEPTION 'outbox: published_at must not be set by a producer'
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'outboxd sets published_at when a relay acks the event; leave the column out.';
+    END IF;
+    IF NEW.created_at IS DISTINCT FROM now() THEN
+        RAISE EXCEPTION 'outbox: created_at must not be set by a producer (got %)', NEW.created_at
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'created_at is the producing transaction''s start time; leave the column out.';
+    END IF;
+    NEW.xid := pg_current_xact_id();
     SELECT s.max_payload_bytes INTO v_max_payload FROM outbox.settings s;
-    IF octet_length(NEW.payload::text) > v_max_payload THEN
-        RAISE EXCEPTION 'outbox: payload is % bytes, over the limit of % bytes',
-                octet_length(NEW.payload::text), v_max_payload
+    v_payload_bytes := octet_length(NEW.payload::text);
+    IF v_payload_bytes > v_max_payload THEN
+        RAISE EXCEPTION 'outbox: payload is % bytes, over the limit of % bytes', v_payload_bytes, v_max_payload
             USING ERRCODE = 'program_limit_exceeded',
                   HINT = 'The limit is outbox.settings.max_payload_bytes.';
     END IF;
 
     -- The aggregate row is the producers' order lock, held to commit: producers
     -- of one aggregate serialise here, producers of others do not meet.
-    IF NEW.revision IS NULL THEN
+    IF v_auto_revision THEN
         INSERT INTO outbox.aggregate AS a (stream, aggregate_key, last_revision)
         VALUES (NEW.stream, NEW.aggregate_key, 1)
         ON CONFLICT (stream, aggregate_key)
             DO UPDATE SET last_revision = a.last_revision + 1
-        RETURNING a.last_revision, (a.xmax = 0) INTO NEW.revision, v_new_aggregate;
+        RETURNING a.last_revision, (a.xmax = 0) INTO NEW.revision, v_counter_created;
+        v_counter_before := NEW.revision - 1;
     ELSE
         INSERT INTO outbox.aggregate (stream, aggregate_key, last_revision)
         VALUES (NEW.stream, NEW.aggregate_key, NEW.revision)
         ON CONFLICT (stream, aggregate_key) DO NOTHING;
-        v_new_aggregate := FOUND;
-        IF NOT v_new_aggregate THEN
-            SELECT a.last_revision INTO v_last FROM outbox.aggregate a
+        v_counter_created := FOUND;
+        IF NOT v_counter_created THEN
+            SELECT a.last_revision INTO v_counter_before FROM outbox.aggregate a
             WHERE a.stream = NEW.stream AND a.aggregate_key = NEW.aggregate_key
             FOR UPDATE;
-            IF NEW.revision > v_last THEN
+            IF NEW.revision > v_counter_before THEN
                 UPDATE outbox.aggregate a SET last_revision = NEW.revision
                 WHERE a.stream = NEW.stream AND a.aggregate_key = NEW.aggregate_key;
             ELSE
-                -- A late revision below the counter. Delivery may already have
-                -- moved past it (the aggregate's first revision, or a gap an
-                -- operator accepted); then it could never be delivered.
+                -- A late revision below the counter. If delivery has already
+                -- moved past it, it could never be delivered: refuse it while
+                -- the producer can still act. (A stale read here, under
+                -- REPEATABLE READ, only lets such an event in; discovery then
+                -- reports it as stranded. Reading never blocks.)
                 SELECT d.delivered_revision INTO v_delivered FROM outbox.delivery d
                 WHERE d.stream = NEW.stream AND d.aggregate_key = NEW.aggregate_key;
                 IF NEW.revision <= v_delivered THEN
@@ -211,20 +346,32 @@ BEGIN
         END IF;
     END IF;
 
-    IF v_new_aggregate THEN
-        INSERT INTO outbox.delivery (stream, aggregate_key, state, delivered_revision, claimable_at, pending_since)
-        VALUES (NEW.stream, NEW.aggregate_key, 'ready', NEW.revision - 1, NEW.created_at, NEW.created_at);
-    ELSE
-        -- Wake the aggregate if the server had nothing for it. Under the order
-        -- lock taken above the server cannot be deciding idle or gap right now.
-        UPDATE outbox.delivery d
-        SET state = 'ready', claimable_at = NEW.created_at,
-            pending_since = least(d.pending_since, NEW.created_at), gap_revision = NULL
-        WHERE d.stream = NEW.stream AND d.aggregate_key = NEW.aggregate_key
-          AND d.state IN ('idle', 'gap');
-    END IF;
-    IF EXISTS (SELECT 1 FROM outbox.listener l WHERE l.waiting_until > now()) THEN
-        PERFORM pg_notify('outbox_wakeup', '');
+    -- A retry of an event already recorded (same event_id). Checked after the
+    -- order lock: a first attempt of the same aggregate still in flight has
+    -- committed or rolled back by now, and this statement's snapshot sees it.
+    -- The retry must consume no revision (a consumed one would hold delivery
+    -- at a gap that never fills), so the counter goes back to where it was.
+    SELECT e.stream, e.aggregate_key, e.revision, e.event_type, e.payload, e.headers
+    INTO v_existing FROM outbox.event e WHERE e.event_id = NEW.event_id;
+    IF FOUND THEN
+        IF v_counter_created THEN
+            DELETE FROM outbox.aggregate a WHERE a.stream = NEW.stream AND a.aggregate_key = NEW.aggregate_key;
+        ELSIF v_counter_before < NEW.revision THEN
+            UPDATE outbox.aggregate a SET last_revision = v_counter_before
+            WHERE a.stream = NEW.stream AND a.aggregate_key = NEW.aggregate_key;
+        END IF;
+        IF v_existing.stream = NEW.stream AND v_existing.aggregate_key = NEW.aggregate_key
+           AND v_existing.event_type = NEW.event_type AND v_existing.payload = NEW.payload
+           AND v_existing.headers = NEW.headers
+           AND (v_auto_revision OR v_existing.revision = NEW.revision) THEN
+            -- The same event: recording it again is a no-op, with or
+            -- without ON CONFLICT DO NOTHING.
+            RETURN NULL;
+        END IF;
+        RAISE EXCEPTION 'outbox: event_id % is already recorded for a different event (%/% revision %)',
+                NEW.event_id, v_existing.stream, v_existing.aggregate_key, v_existing.revision
+            USING ERRCODE = 'unique_violation',
+                  HINT = 'An event_id names one event; a retry must repeat the same stream, key, type, payload and headers.';
     END IF;
     RETURN NEW;
 END
@@ -246,8 +393,31 @@ $$;
 -- +goose StatementEnd
 
 CREATE TRIGGER event_immutable
-    BEFORE UPDATE OF event_id, stream, aggregate_key, revision, event_type, payload, headers, created_at
+    BEFORE UPDATE OF event_id, stream, aggregate_key, revision, event_type, payload, headers, created_at, xid
     ON outbox.event FOR EACH ROW EXECUTE FUNCTION outbox.event_immutable();
+
+-- published_at records that a relay's broker accepted the event, so only
+-- outbox.ack sets it (it says so in a transaction-local setting), once.
+-- Privileges are the security boundary (producers need INSERT only); this
+-- keeps a well-meaning UPDATE from announcing a delivery that never was.
+-- +goose StatementBegin
+CREATE FUNCTION outbox.event_guard_published() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    IF NEW.published_at IS DISTINCT FROM OLD.published_at
+       AND (OLD.published_at IS NOT NULL OR current_setting('outbox.acking', true) IS DISTINCT FROM 'on') THEN
+        RAISE EXCEPTION 'outbox: published_at of event % is set only by outboxd when a relay acks it', OLD.event_id
+            USING ERRCODE = 'object_not_in_prerequisite_state',
+                  HINT = 'To abandon a pending event, skip it (outboxd skip) with a reason.';
+    END IF;
+    RETURN NEW;
+END
+$$;
+-- +goose StatementEnd
+
+CREATE TRIGGER event_guard_published
+    BEFORE UPDATE OF published_at ON outbox.event
+    FOR EACH ROW EXECUTE FUNCTION outbox.event_guard_published();
 
 -- +goose StatementBegin
 CREATE FUNCTION outbox.event_keep_pending() RETURNS trigger
@@ -266,8 +436,61 @@ $$;
 CREATE TRIGGER event_keep_pending BEFORE DELETE ON outbox.event
     FOR EACH ROW EXECUTE FUNCTION outbox.event_keep_pending();
 
--- emit records an event in the caller's transaction. Without a revision it
--- assigns the aggregate's next one; with one it checks it.
+-- +goose StatementBegin
+CREATE FUNCTION outbox.count_published() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    -- Only outbox.ack changes published_at (event_guard_published), and only
+    -- from NULL, so every row here with a published_at was just published.
+    INSERT INTO outbox.delivered_count AS c (stream, bucket, backend_pid, events)
+    SELECT n.stream, date_bin('5 seconds', clock_timestamp(), timestamptz '2000-01-01'),
+           pg_backend_pid(), count(*)
+    FROM published n
+    WHERE n.published_at IS NOT NULL
+    GROUP BY n.stream
+    ON CONFLICT (stream, bucket, backend_pid) DO UPDATE SET events = c.events + excluded.events;
+    RETURN NULL;
+END
+$$;
+-- +goose StatementEnd
+
+CREATE TRIGGER event_count_published
+    AFTER UPDATE ON outbox.event
+    REFERENCING NEW TABLE AS published
+    FOR EACH STATEMENT EXECUTE FUNCTION outbox.count_published();
+
+-- emit_event records an event in the caller's transaction. Without a revision
+-- it assigns the aggregate's next one; with one it checks it. Repeating an
+-- event_id with the same content returns the recorded event (an idempotent
+-- retry). PL/pgSQL, so its INSERT keeps a plan for the connection's life.
+-- +goose StatementBegin
+CREATE FUNCTION outbox.emit_event(
+    p_stream text,
+    p_aggregate_key text,
+    p_event_type text,
+    p_payload jsonb,
+    p_headers jsonb DEFAULT '{}',
+    p_revision bigint DEFAULT NULL,
+    p_event_id uuid DEFAULT NULL,
+    OUT event_id uuid,
+    OUT revision bigint
+)
+LANGUAGE plpgsql AS $$
+BEGIN
+    INSERT INTO outbox.event AS e (event_id, stream, aggregate_key, revision, event_type, payload, headers)
+    VALUES (coalesce(p_event_id, gen_random_uuid()), p_stream, p_aggregate_key, p_revision,
+            p_event_type, p_payload, coalesce(p_headers, '{}'::jsonb))
+    RETURNING e.event_id, e.revision INTO emit_event.event_id, emit_event.revision;
+    IF NOT FOUND THEN
+        SELECT e.event_id, e.revision INTO emit_event.event_id, emit_event.revision
+        FROM outbox.event e WHERE e.event_id = p_event_id;
+    END IF;
+END
+$$;
+-- +goose StatementEnd
+
+-- emit is the producer contract, callable positionally or by name from any
+-- language; emit_event does the work.
 -- +goose StatementBegin
 CREATE FUNCTION outbox.emit(
     stream text,
@@ -279,9 +502,531 @@ CREATE FUNCTION outbox.emit(
     event_id uuid DEFAULT NULL
 ) RETURNS TABLE (event_id uuid, revision bigint)
 LANGUAGE sql AS $$
-    INSERT INTO outbox.event (event_id, stream, aggregate_key, revision, event_type, payload, headers)
-    VALUES (coalesce($7, gen_random_uuid()), $1, $2, $6, $3, $4, coalesce($5, '{}'::jsonb))
-    RETURNING event.event_id, event.revision
+    SELECT x.event_id, x.revision FROM outbox.emit_event($1, $2, $3, $4, $5, $6, $7) AS x
+$$;
+-- +goose StatementEnd
+
+-- discover finds the events whose transactions committed since the previous
+-- round, makes their aggregates claimable and wakes idle sessions: it creates the delivery row of
+-- a new aggregate and wakes an idle or gap-held one. One statement, so one
+-- snapshot: the events it reads are exactly those visible in the snapshot it
+-- stores. Everything visible in the stored snapshot was discovered; an
+-- event visible now but not then belongs to a transaction that had not
+-- started by the stored snapshot (xid at or above its xmax) or was running
+-- then (xid in its xip list), so both sets are read through the xid index,
+-- and a long-running transaction costs one index probe per round, never a
+-- rescan. Replicas take turns with an advisory lock (no row lock, so an
+-- empty round writes nothing and needs no transaction id); the snapshot
+-- advances only when something was found.
+--
+-- Locking the delivery rows here is what lets an ack or claim decide
+-- "nothing follows" safely: they read events in a statement after locking
+-- the row, so they see every event a round that locked it before them
+-- discovered, and a round after them finds the row idle and wakes it.
+-- +goose StatementBegin
+CREATE FUNCTION outbox.discover()
+RETURNS TABLE (events bigint, aggregates bigint)
+LANGUAGE plpgsql AS $$
+#variable_conflict use_column
+DECLARE
+    v_events bigint;
+    v_aggregates bigint;
+BEGIN
+    PERFORM outbox.require_read_committed('outbox.discover');
+    WITH prev AS (
+        SELECT d.snapshot FROM outbox.discovery d
+        WHERE pg_try_advisory_xact_lock(7954802400917419382) -- 'outboxd.discover'
+    ), found AS (
+        SELECT e.event_id, e.stream, e.aggregate_key, e.revision, e.created_at
+        FROM prev, outbox.event e
+        WHERE e.xid >= pg_snapshot_xmax(prev.snapshot)
+        UNION ALL
+        SELECT e.event_id, e.stream, e.aggregate_key, e.revision, e.created_at
+        FROM prev, outbox.event e
+        WHERE e.xid = ANY (ARRAY(SELECT pg_snapshot_xip(prev.snapshot)))
+    ), agg AS (
+        SELECT f.stream, f.aggregate_key, min(f.revision) AS first_revision, min(f.created_at) AS first_created
+        FROM found f GROUP BY f.stream, f.aggregate_key
+    ), woken AS (
+        INSERT INTO outbox.delivery AS d
+            (stream, aggregate_key, state, delivered_revision, claimable_at, pending_since)
+        SELECT a.stream, a.aggregate_key, 'ready', a.first_revision - 1, a.first_created, a.first_created
+        FROM agg a ORDER BY a.stream, a.aggregate_key
+        ON CONFLICT (stream, aggregate_key) DO UPDATE
+        SET state = CASE WHEN d.state IN ('idle', 'gap') THEN 'ready' ELSE d.state END,
+            claimable_at = CASE WHEN d.state IN ('idle', 'gap') THEN excluded.claimable_at ELSE d.claimable_at END,
+            pending_since = least(d.pending_since, excluded.pending_since),
+            gap_revision = CASE WHEN d.state IN ('idle', 'gap') THEN NULL ELSE d.gap_revision END
+        RETURNING d.stream, d.aggregate_key, d.delivered_revision
+    ), late AS (
+        -- Candidates only: one already published by the time the row was
+        -- locked is filtered out where late events are counted.
+        INSERT INTO outbox.late_event (event_id)
+        SELECT f.event_id FROM found f
+        JOIN woken w ON w.stream = f.stream AND w.aggregate_key = f.aggregate_key
+        WHERE f.revision <= w.delivered_revision
+        ON CONFLICT (event_id) DO NOTHING
+    ), advanced AS (
+        UPDATE outbox.discovery d SET snapshot = pg_current_snapshot(), advanced_at = now()
+        WHERE EXISTS (SELECT 1 FROM found)
+    )
+    SELECT (SELECT count(*) FROM found), (SELECT count(*) FROM woken) INTO v_events, v_aggregates;
+    IF v_events > 0 THEN
+        -- Idle sessions on every replica claim at once. One NOTIFY per round
+        -- that found something, never one per producer transaction.
+        PERFORM pg_notify('outbox_wakeup', '');
+    END IF;
+    events := v_events;
+    aggregates := v_aggregates;
+    RETURN NEXT;
+END
+$$;
+-- +goose StatementEnd
+
+-- lease_heads leases each named aggregate whose next revision exists and is
+-- not skipped, and returns that event with its lease. The caller holds the
+-- aggregates' delivery rows locked. PL/pgSQL so that its UPDATE keeps a plan
+-- for the connection's life.
+--
+-- A lease is soft state, so the claim's commit does not wait for its WAL
+-- flush: if PostgreSQL crashes first, the aggregate is simply not leased
+-- after recovery and its event is offered again (at-least-once allows it;
+-- an ack of that delivery still publishes). So that a lease lost that way is
+-- never confused with a later one, a new lease's epoch is the larger of the
+-- previous epoch + 1 and the clock in microseconds.
+-- +goose StatementBegin
+CREATE FUNCTION outbox.lease_heads(
+    p_streams text[],
+    p_keys text[],
+    p_holder uuid,
+    p_relay_id text,
+    p_replica_id text,
+    p_ttl interval,
+    p_now timestamptz
+) RETURNS TABLE (
+    event_id uuid,
+    stream text,
+    aggregate_key text,
+    revision bigint,
+    event_type text,
+    payload text,
+    headers jsonb,
+    created_at timestamptz,
+    epoch bigint,
+    attempt integer,
+    lease_expires_at timestamptz
+)
+LANGUAGE plpgsql AS $$
+#variable_conflict use_column
+BEGIN
+    PERFORM set_config('synchronous_commit', 'off', true);
+    RETURN QUERY
+        UPDATE outbox.delivery d
+        SET state = 'leased',
+            epoch = greatest(d.epoch + 1, (extract(epoch FROM p_now) * 1000000)::bigint),
+            holder = p_holder, holder_relay_id = p_relay_id, holder_replica_id = p_replica_id,
+            attempt = CASE WHEN d.leased_event_id = e.event_id THEN d.attempt + 1 ELSE 1 END,
+            failures = CASE WHEN d.leased_event_id = e.event_id THEN d.failures ELSE 0 END,
+            leased_event_id = e.event_id,
+            lease_expires_at = p_now + p_ttl, claimable_at = p_now + p_ttl,
+            pending_since = e.created_at, next_attempt_at = NULL, gap_revision = NULL
+        FROM unnest(p_streams, p_keys) AS l(stream, aggregate_key), outbox.event e
+        WHERE d.stream = l.stream AND d.aggregate_key = l.aggregate_key
+          AND e.stream = d.stream AND e.aggregate_key = d.aggregate_key
+          AND e.revision = d.delivered_revision + 1
+          AND NOT EXISTS (SELECT 1 FROM outbox.skipped_event s WHERE s.event_id = e.event_id)
+        RETURNING e.event_id, e.stream, e.aggregate_key, e.revision, e.event_type, e.payload::text,
+                  e.headers, e.created_at, d.epoch, d.attempt, d.lease_expires_at;
+END
+$$;
+-- +goose StatementEnd
+
+-- claim leases up to p_limit aggregates, oldest claimable first, and returns
+-- each one's next event with the new lease. It never waits for a lock.
+-- +goose StatementBegin
+CREATE FUNCTION outbox.claim(
+    p_holder uuid,
+    p_relay_id text,
+    p_replica_id text,
+    p_streams text[],
+    p_limit integer,
+    p_ttl interval
+) RETURNS TABLE (
+    event_id uuid,
+    stream text,
+    aggregate_key text,
+    revision bigint,
+    event_type text,
+    payload text,
+    headers jsonb,
+    created_at timestamptz,
+    epoch bigint,
+    attempt integer,
+    lease_expires_at timestamptz
+)
+LANGUAGE plpgsql AS $$
+#variable_conflict use_column
+DECLARE
+    v_now timestamptz := clock_timestamp();
+    v_streams text[];
+    v_keys text[];
+    v_leased bigint;
+    v_again_streams text[];
+    v_again_keys text[];
+    r record;
+    v_cursor bigint;
+    v_later bigint;
+BEGIN
+    PERFORM outbox.require_read_committed('outbox.claim');
+    -- 1. Lock the oldest claimable aggregates. SKIP LOCKED: one that another
+    --    session is claiming, acking or discovering right now is simply not
+    --    ours this time.
+    SELECT array_agg(c.stream), array_agg(c.aggregate_key) INTO v_streams, v_keys
+    FROM (
+        SELECT d.stream, d.aggregate_key FROM outbox.delivery d
+        WHERE d.claimable_at <= v_now
+          AND (p_streams IS NULL OR d.stream = ANY (p_streams))
+        ORDER BY d.claimable_at
+        LIMIT p_limit
+        FOR UPDATE SKIP LOCKED
+    ) c;
+    IF v_streams IS NULL THEN
+        RETURN;
+    END IF;
+
+    -- 2. Lease every locked aggregate whose next revision is there.
+    RETURN QUERY SELECT * FROM outbox.lease_heads(v_streams, v_keys, p_holder, p_relay_id, p_replica_id, p_ttl, v_now);
+    GET DIAGNOSTICS v_leased = ROW_COUNT;
+    IF v_leased = cardinality(v_streams) THEN
+        RETURN;
+    END IF;
+
+    -- 3. The rare path: locked aggregates whose next revision is missing or
+    --    skipped. Every statement from here reads a snapshot taken after the
+    --    locks of step 1, so it sees every event that a discovery round
+    --    which locked the row before us had found; a round after us finds
+    --    the row idle or gap-held and wakes it.
+    FOR r IN
+        SELECT d.stream, d.aggregate_key, d.delivered_revision
+        FROM unnest(v_streams, v_keys) AS l(stream, aggregate_key)
+        JOIN outbox.delivery d ON d.stream = l.stream AND d.aggregate_key = l.aggregate_key
+        WHERE NOT EXISTS (
+            SELECT 1 FROM outbox.event e
+            WHERE e.stream = d.stream AND e.aggregate_key = d.aggregate_key
+              AND e.revision = d.delivered_revision + 1
+              AND NOT EXISTS (SELECT 1 FROM outbox.skipped_event s WHERE s.event_id = e.event_id))
+    LOOP
+        -- Step over revisions an operator skipped.
+        v_cursor := r.delivered_revision;
+        WHILE EXISTS (
+            SELECT 1 FROM outbox.event e JOIN outbox.skipped_event s ON s.event_id = e.event_id
+            WHERE e.stream = r.stream AND e.aggregate_key = r.aggregate_key AND e.revision = v_cursor + 1)
+        LOOP
+            v_cursor := v_cursor + 1;
+        END LOOP;
+        IF v_cursor <> r.delivered_revision THEN
+            UPDATE outbox.delivery d SET delivered_revision = v_cursor
+            WHERE d.stream = r.stream AND d.aggregate_key = r.aggregate_key;
+        END IF;
+        IF EXISTS (
+            SELECT 1 FROM outbox.event e
+            WHERE e.stream = r.stream AND e.aggregate_key = r.aggregate_key AND e.revision = v_cursor + 1) THEN
+            v_again_streams := v_again_streams || r.stream;
+            v_again_keys := v_again_keys || r.aggregate_key;
+            CONTINUE;
+        END IF;
+        SELECT min(e.revision) INTO v_later FROM outbox.event e
+        WHERE e.stream = r.stream AND e.aggregate_key = r.aggregate_key AND e.revision > v_cursor + 1;
+        IF v_later IS NULL THEN
+            UPDATE outbox.delivery d
+            SET state = 'idle', claimable_at = NULL, pending_since = NULL,
+                holder = NULL, holder_relay_id = NULL, holder_replica_id = NULL,
+                lease_expires_at = NULL, next_attempt_at = NULL, gap_revision = NULL
+            WHERE d.stream = r.stream AND d.aggregate_key = r.aggregate_key;
+        ELSE
+            -- A later revision exists but the next one does not: hold the
+            -- aggregate and report the gap, never skip over it. Discovery
+            -- wakes it when any event of the aggregate commits.
+            UPDATE outbox.delivery d
+            SET state = 'gap', claimable_at = NULL, gap_revision = v_cursor + 1,
+                holder = NULL, holder_relay_id = NULL, holder_replica_id = NULL,
+                lease_expires_at = NULL, next_attempt_at = NULL,
+                pending_since = (
+                    SELECT min(e.created_at) FROM outbox.event e
+                    WHERE e.stream = r.stream AND e.aggregate_key = r.aggregate_key
+                      AND e.revision > v_cursor AND e.published_at IS NULL)
+            WHERE d.stream = r.stream AND d.aggregate_key = r.aggregate_key;
+        END IF;
+    END LOOP;
+
+    -- 4. Lease the aggregates whose cursor stepped over skipped revisions to
+    --    an event that is there.
+    IF v_again_streams IS NOT NULL THEN
+        RETURN QUERY SELECT * FROM outbox.lease_heads(v_again_streams, v_again_keys, p_holder, p_relay_id, p_replica_id, p_ttl, v_now);
+    END IF;
+END
+$$;
+-- +goose StatementEnd
+
+-- ack marks events published, group-committed: one call for many acks, each
+-- row checked on its own. The caller has already verified each token's
+-- signature, so every id here is one the server leased at some epoch; the
+-- event is marked only while it is its aggregate's next revision and not
+-- skipped. Returns one row per distinct input id; created_at is set for
+-- published ones.
+-- +goose StatementBegin
+CREATE FUNCTION outbox.ack(p_event_ids uuid[], p_replica_id text)
+RETURNS TABLE (event_id uuid, status text, holder uuid, created_at timestamptz)
+LANGUAGE plpgsql AS $$
+#variable_conflict use_column
+DECLARE
+    v_now timestamptz := clock_timestamp();
+    v_ids uuid[];
+    v_streams text[];
+    v_keys text[];
+    v_revs bigint[];
+    v_created timestamptz[];
+    v_ok uuid[];
+    v_ok_streams text[];
+    v_ok_keys text[];
+    v_ok_revs bigint[];
+    v_ok_created timestamptz[];
+    v_holders uuid[];
+    v_remote uuid[];
+BEGIN
+    PERFORM outbox.require_read_committed('outbox.ack');
+    -- Lock the pending events, then their aggregates' delivery rows, each in
+    -- a fixed order so that concurrent batches cannot deadlock.
+    SELECT array_agg(e.event_id), array_agg(e.stream), array_agg(e.aggregate_key),
+           array_agg(e.revision), array_agg(e.created_at)
+    INTO v_ids, v_streams, v_keys, v_revs, v_created
+    FROM (
+        SELECT e.event_id, e.stream, e.aggregate_key, e.revision, e.created_at FROM outbox.event e
+        WHERE e.event_id = ANY (p_event_ids) AND e.published_at IS NULL
+        ORDER BY e.event_id
+        FOR UPDATE OF e
+    ) e;
+
+    IF v_ids IS NOT NULL THEN
+        -- An event may be marked only while it is its aggregate's next
+        -- revision and not skipped. Tokens are only ever issued for that
+        -- revision, so this fails only for events an operator skipped.
+        SELECT array_agg(x.event_id) FILTER (WHERE x.ok),
+               array_agg(x.stream) FILTER (WHERE x.ok),
+               array_agg(x.aggregate_key) FILTER (WHERE x.ok),
+               array_agg(x.revision) FILTER (WHERE x.ok),
+               array_agg(x.created_at) FILTER (WHERE x.ok),
+               array_agg(x.holder) FILTER (WHERE x.ok),
+               array_agg(DISTINCT x.holder) FILTER (WHERE x.ok AND x.holder IS NOT NULL
+                                                    AND x.holder_replica_id IS DISTINCT FROM p_replica_id)
+        INTO v_ok, v_ok_streams, v_ok_keys, v_ok_revs, v_ok_created, v_holders, v_remote
+        FROM (
+            SELECT l.event_id, l.stream, l.aggregate_key, l.revision, l.created_at,
+                   d.holder, d.holder_replica_id,
+                   d.delivered_revision = l.revision - 1
+                   AND NOT EXISTS (SELECT 1 FROM outbox.skipped_event s WHERE s.event_id = l.event_id) AS ok
+            FROM unnest(v_ids, v_streams, v_keys, v_revs, v_created)
+                 AS l(event_id, stream, aggregate_key, revision, created_at)
+            JOIN outbox.delivery d ON d.stream = l.stream AND d.aggregate_key = l.aggregate_key
+            ORDER BY d.stream, d.aggregate_key
+            FOR UPDATE OF d
+        ) x;
+    END IF;
+
+    IF v_ok IS NOT NULL THEN
+        PERFORM set_config('outbox.acking', 'on', true);
+        UPDATE outbox.event e SET published_at = v_now WHERE e.event_id = ANY (v_ok);
+        PERFORM set_config('outbox.acking', 'off', true);
+
+        -- Advance each cursor and say what comes next: ready when a later
+        -- revision is committed, idle otherwise. This statement's snapshot
+        -- is newer than the row locks above, so it sees every event that
+        -- discovery found before; one committed but not yet discovered is
+        -- found by the next round, which wakes the idle aggregate.
+        WITH nxt AS (
+            SELECT a.stream, a.aggregate_key, a.revision, n.created_at AS next_created_at,
+                   (n.event_id IS NOT NULL OR EXISTS (
+                        SELECT 1 FROM outbox.event x
+                        WHERE x.stream = a.stream AND x.aggregate_key = a.aggregate_key
+                          AND x.revision > a.revision + 1)) AS has_next
+            FROM unnest(v_ok_streams, v_ok_keys, v_ok_revs) AS a(stream, aggregate_key, revision)
+            LEFT JOIN outbox.event n ON n.stream = a.stream AND n.aggregate_key = a.aggregate_key
+                                    AND n.revision = a.revision + 1
+        )
+        UPDATE outbox.delivery d
+        SET delivered_revision = x.revision,
+            state = CASE WHEN x.has_next THEN 'ready' ELSE 'idle' END,
+            claimable_at = CASE WHEN x.has_next THEN coalesce(x.next_created_at, v_now) END,
+            pending_since = CASE WHEN x.has_next THEN coalesce(x.next_created_at, v_now) END,
+            holder = NULL, holder_relay_id = NULL, holder_replica_id = NULL,
+            lease_expires_at = NULL, leased_event_id = NULL, attempt = 0, failures = 0,
+            last_error = NULL, next_attempt_at = NULL, parked_at = NULL, parked_reason = NULL,
+            gap_revision = NULL
+        FROM nxt x
+        WHERE d.stream = x.stream AND d.aggregate_key = x.aggregate_key;
+
+        -- Sessions on other replicas holding these leases free their credit
+        -- now rather than at their next reconciliation.
+        PERFORM pg_notify('outbox_released', h::text) FROM unnest(v_remote) AS h;
+    END IF;
+
+    -- Published ones straight from the arrays; the rest need a look at the
+    -- event to say why not.
+    RETURN QUERY
+    SELECT o.id, 'published'::text, o.holder, o.created_at
+    FROM unnest(v_ok, v_holders, v_ok_created) AS o(id, holder, created_at)
+    UNION ALL
+    SELECT i.id,
+           CASE WHEN l.id IS NOT NULL THEN 'lease_lost'
+                WHEN e.published_at IS NOT NULL THEN 'already_published'
+                WHEN e.event_id IS NOT NULL THEN 'lease_lost'
+                ELSE 'not_found' END,
+           NULL::uuid, NULL::timestamptz
+    FROM (SELECT DISTINCT unnest(p_event_ids) AS id) i
+    LEFT JOIN unnest(v_ok) AS ok(id) ON ok.id = i.id
+    LEFT JOIN unnest(v_ids) AS l(id) ON l.id = i.id
+    LEFT JOIN outbox.event e ON e.event_id = i.id AND l.id IS NULL
+    WHERE ok.id IS NULL;
+END
+$$;
+-- +goose StatementEnd
+
+-- nack records a failed publish by the current lease (the epoch must match)
+-- and schedules a retry with exponential backoff and jitter, or parks the
+-- aggregate once failures reach p_max_failures.
+-- +goose StatementBegin
+CREATE FUNCTION outbox.nack(
+    p_event_id uuid,
+    p_epoch bigint,
+    p_error text,
+    p_retry_after interval,
+    p_backoff_base interval,
+    p_backoff_cap interval,
+    p_max_failures integer
+) RETURNS TABLE (parked boolean, next_attempt_at timestamptz, failures integer, holder uuid)
+LANGUAGE sql AS $$
+    WITH cur AS (
+        SELECT d.stream, d.aggregate_key, d.failures + 1 AS failures, d.holder,
+               clock_timestamp() + greatest(
+                   coalesce(p_retry_after, interval '0'),
+                   least(p_backoff_cap, p_backoff_base * power(2, least(d.failures, 30)))
+                       * (0.5 + random() / 2)) AS retry_at
+        FROM outbox.event e
+        JOIN outbox.delivery d ON d.stream = e.stream AND d.aggregate_key = e.aggregate_key
+        WHERE e.event_id = p_event_id AND d.leased_event_id = p_event_id
+          AND d.epoch = p_epoch AND d.state = 'leased'
+        FOR UPDATE OF d
+    )
+    UPDATE outbox.delivery d
+    SET failures = c.failures,
+        last_error = left(p_error, 4096),
+        state = CASE WHEN c.failures >= p_max_failures THEN 'parked' ELSE 'backoff' END,
+        claimable_at = CASE WHEN c.failures >= p_max_failures THEN NULL ELSE c.retry_at END,
+        next_attempt_at = CASE WHEN c.failures >= p_max_failures THEN NULL ELSE c.retry_at END,
+        parked_at = CASE WHEN c.failures >= p_max_failures THEN clock_timestamp() END,
+        parked_reason = CASE WHEN c.failures >= p_max_failures
+            THEN format('publish failed %s times; last error: %s', c.failures, left(p_error, 1024)) END,
+        holder = NULL, holder_relay_id = NULL, holder_replica_id = NULL, lease_expires_at = NULL
+    FROM cur c
+    WHERE d.stream = c.stream AND d.aggregate_key = c.aggregate_key
+    RETURNING d.state = 'parked', d.next_attempt_at, d.failures, c.holder
+$$;
+-- +goose StatementEnd
+
+-- extend_lease pushes the current lease's expiry (the epoch must match).
+-- +goose StatementBegin
+CREATE FUNCTION outbox.extend_lease(p_event_id uuid, p_epoch bigint, p_ttl interval)
+RETURNS TABLE (lease_expires_at timestamptz)
+LANGUAGE sql AS $$
+    UPDATE outbox.delivery d
+    SET lease_expires_at = clock_timestamp() + p_ttl, claimable_at = clock_timestamp() + p_ttl
+    FROM outbox.event e
+    WHERE e.event_id = p_event_id AND d.stream = e.stream AND d.aggregate_key = e.aggregate_key
+      AND d.leased_event_id = p_event_id AND d.epoch = p_epoch AND d.state = 'leased'
+    RETURNING d.lease_expires_at
+$$;
+-- +goose StatementEnd
+
+-- release gives back every lease a session holds (its stream ended), making
+-- the aggregates claimable at once with their original priority.
+-- +goose StatementBegin
+CREATE FUNCTION outbox.release(p_holder uuid) RETURNS integer
+LANGUAGE sql AS $$
+    WITH mine AS (
+        SELECT d.stream, d.aggregate_key FROM outbox.delivery d
+        WHERE d.holder = p_holder
+        ORDER BY d.stream, d.aggregate_key
+        FOR UPDATE
+    ), released AS (
+        UPDATE outbox.delivery d
+        SET state = 'ready', claimable_at = coalesce(d.pending_since, clock_timestamp()),
+            holder = NULL, holder_relay_id = NULL, holder_replica_id = NULL, lease_expires_at = NULL
+        FROM mine m
+        WHERE d.stream = m.stream AND d.aggregate_key = m.aggregate_key AND d.holder = p_holder
+        RETURNING 1
+    )
+    SELECT count(*)::integer FROM released
+$$;
+-- +goose StatementEnd
+
+-- The pending events of one aggregate beyond its delivery cursor: how many,
+-- the next revision and the oldest created_at. GetLag, GetAggregate and the
+-- metrics count through this one definition, so they always agree. A simple
+-- SQL function, so the planner inlines it into the caller's query and walks
+-- the (stream, aggregate_key, revision) index.
+-- +goose StatementBegin
+CREATE FUNCTION outbox.pending_of(p_stream text, p_aggregate_key text, p_after_revision bigint)
+RETURNS TABLE (events bigint, next_revision bigint, oldest_created_at timestamptz)
+LANGUAGE sql STABLE AS $$
+    SELECT count(*), min(e.revision), min(e.created_at)
+    FROM outbox.event e
+    WHERE e.stream = p_stream AND e.aggregate_key = p_aggregate_key
+      AND e.revision > p_after_revision AND e.published_at IS NULL
+      AND NOT EXISTS (SELECT 1 FROM outbox.skipped_event s WHERE s.event_id = e.event_id)
+$$;
+-- +goose StatementEnd
+
+-- stranded counts, per stream, the pending events that no rule will ever
+-- deliver: discovered (so not merely in flight between commit and the next
+-- round) yet with no delivery row, or of an idle aggregate, or below their
+-- aggregate's cursor. It is computed from the producers' counters and the
+-- events, independently of the states delivery keeps, to catch a bug in
+-- them; it must read 0. Its cost follows the number of aggregates.
+-- +goose StatementBegin
+CREATE FUNCTION outbox.stranded(p_streams text[])
+RETURNS TABLE (stream text, events bigint)
+LANGUAGE sql STABLE AS $$
+    WITH disc AS (
+        SELECT snapshot FROM outbox.discovery
+    ), unclaimed AS (
+        SELECT a.stream, p.events
+        FROM outbox.aggregate a
+        LEFT JOIN outbox.delivery d ON d.stream = a.stream AND d.aggregate_key = a.aggregate_key
+        CROSS JOIN disc
+        CROSS JOIN LATERAL (
+            SELECT count(*) AS events FROM outbox.event e
+            WHERE e.stream = a.stream AND e.aggregate_key = a.aggregate_key
+              AND e.revision > coalesce(d.delivered_revision, 0) AND e.published_at IS NULL
+              AND pg_visible_in_snapshot(e.xid, disc.snapshot)
+              AND NOT EXISTS (SELECT 1 FROM outbox.skipped_event s WHERE s.event_id = e.event_id)
+        ) p
+        WHERE (d.state IS NULL OR d.state = 'idle')
+          AND a.last_revision > coalesce(d.delivered_revision, 0)
+          AND (p_streams IS NULL OR a.stream = ANY (p_streams))
+          AND p.events > 0
+    ), late AS (
+        SELECT e.stream, count(*) AS events
+        FROM outbox.late_event l
+        JOIN outbox.event e ON e.event_id = l.event_id
+        JOIN outbox.delivery d ON d.stream = e.stream AND d.aggregate_key = e.aggregate_key
+        WHERE e.published_at IS NULL AND e.revision <= d.delivered_revision
+          AND NOT EXISTS (SELECT 1 FROM outbox.skipped_event s WHERE s.event_id = e.event_id)
+          AND (p_streams IS NULL OR e.stream = ANY (p_streams))
+        GROUP BY e.stream
+    )
+    SELECT x.stream, sum(x.events)::bigint
+    FROM (SELECT * FROM unclaimed UNION ALL SELECT * FROM late) x
+    GROUP BY x.stream
 $$;
 -- +goose StatementEnd
 

@@ -18,6 +18,7 @@ func TestEpochsGrowAndFollowTheClock(t *testing.T) {
 	ctx := context.Background()
 	pool := testdb.NewPool(t)
 	exec(t, pool, `SELECT outbox.emit('orders', 'o-1', 'T', '{}')`)
+	exec(t, pool, `SELECT outbox.discover()`)
 	claim := func() int64 {
 		t.Helper()
 		var epoch int64

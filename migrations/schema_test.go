@@ -82,7 +82,12 @@ func TestChapterLabCTEInsertsEventWithBusinessChange(t *testing.T) {
 	if n := count(t, pool, `SELECT count(*) FROM outbox.event`); n != 1 {
 		t.Fatalf("%d events, want 1", n)
 	}
-	// The trigger kept the bookkeeping a plain INSERT cannot be trusted with.
+	// The trigger kept the revision counter a plain INSERT cannot be trusted
+	// with, and wrote nothing of delivery's: discovery takes it from there.
+	if n := count(t, pool, `SELECT count(*) FROM outbox.delivery`); n != 0 {
+		t.Fatalf("the producer's transaction wrote %d delivery rows, want 0", n)
+	}
+	exec(t, pool, `SELECT outbox.discover()`)
 	var last, delivered int64
 	var state string
 	if err := pool.QueryRow(ctx, `SELECT a.last_revision, d.delivered_revision, d.state
@@ -348,8 +353,18 @@ func TestEventsAreImmutableAndPendingOnesCannotBeDeleted(t *testing.T) {
 	wantSQLState(t, err, "55000")
 	_, err = pool.Exec(ctx, `DELETE FROM outbox.event WHERE event_id = $1`, e.ID)
 	wantSQLState(t, err, "55000")
-	// Marking it published is allowed, and then retention may delete it.
-	exec(t, pool, fmt.Sprintf(`UPDATE outbox.event SET published_at = now() WHERE event_id = '%s'`, e.ID))
+	// published_at is outboxd's to set, through an ack of a delivery, and
+	// only once; then retention may delete the event.
+	_, err = pool.Exec(ctx, `UPDATE outbox.event SET published_at = now() WHERE event_id = $1`, e.ID)
+	wantSQLState(t, err, "55000")
+	exec(t, pool, `SELECT outbox.discover()`)
+	exec(t, pool, `SELECT * FROM outbox.claim(gen_random_uuid(), 'r', 'x', NULL, 1, interval '30 seconds')`)
+	exec(t, pool, fmt.Sprintf(`SELECT * FROM outbox.ack(ARRAY['%s'::uuid], 'x')`, e.ID))
+	if n := count(t, pool, fmt.Sprintf(`SELECT count(*) FROM outbox.event WHERE published_at IS NOT NULL AND event_id = '%s'`, e.ID)); n != 1 {
+		t.Fatal("the ack did not mark the event published")
+	}
+	_, err = pool.Exec(ctx, `UPDATE outbox.event SET published_at = NULL WHERE event_id = $1`, e.ID)
+	wantSQLState(t, err, "55000")
 	exec(t, pool, fmt.Sprintf(`DELETE FROM outbox.event WHERE event_id = '%s'`, e.ID))
 }
 
@@ -373,7 +388,8 @@ func TestExplicitRevisionsBelowTheCursorAreRefused(t *testing.T) {
 	if err := emit(6); err != nil {
 		t.Fatalf("late revision filling the gap refused: %v", err)
 	}
-	wantSQLState(t, emit(4), "23505") // below the first revision: before the cursor
+	exec(t, pool, `SELECT outbox.discover()`) // delivery starts before revision 5
+	wantSQLState(t, emit(4), "23505")        // below the first revision: before the cursor
 	if n := count(t, pool, `SELECT last_revision FROM outbox.aggregate WHERE aggregate_key = '9'`); n != 7 {
 		t.Fatalf("counter at %d, want 7", n)
 	}

@@ -85,6 +85,7 @@ func lagProto(lag store.Lag, named []string) *outboxv1.GetLagResponse {
 		total.Parked += l.Parked
 		total.Gap += l.Gap
 		total.DeliveredLastMinute += l.DeliveredLastMinute
+		total.Stranded += l.Stranded
 	}
 	resp.Total = streamLagProto(total, lag.Now)
 	return resp
@@ -102,6 +103,7 @@ func streamLagProto(l store.StreamLag, now time.Time) *outboxv1.StreamLag {
 		GapAggregates:        l.Gap,
 		DeliveredLastMinute:  l.DeliveredLastMinute,
 		DeliveredPerSecond:   float64(l.DeliveredLastMinute) / 60,
+		StrandedEvents:       l.Stranded,
 	}
 	if !l.OldestPending.IsZero() {
 		out.OldestPendingCreatedAt = timestamppb.New(l.OldestPending)

@@ -13,16 +13,18 @@ import (
 // metrics are the replica's Prometheus instruments. Labels are bounded:
 // outcomes, states and stream names, never an aggregate or an event.
 type metrics struct {
-	deliveries    prometheus.Counter
-	redeliveries  prometheus.Counter
-	acks          *prometheus.CounterVec
-	nacks         *prometheus.CounterVec
-	leasesExpired prometheus.Counter
-	purged        prometheus.Counter
-	panics        prometheus.Counter
-	ackDuration   prometheus.Histogram
-	publishLag    prometheus.Histogram
-	sessions      prometheus.Gauge
+	deliveries      prometheus.Counter
+	redeliveries    prometheus.Counter
+	discovered      prometheus.Counter
+	discoveryErrors prometheus.Counter
+	acks            *prometheus.CounterVec
+	nacks           *prometheus.CounterVec
+	leasesExpired   prometheus.Counter
+	purged          prometheus.Counter
+	panics          prometheus.Counter
+	ackDuration     prometheus.Histogram
+	publishLag      prometheus.Histogram
+	sessions        prometheus.Gauge
 }
 
 func newMetrics() *metrics {
@@ -35,9 +37,17 @@ func newMetrics() *metrics {
 			Name: "outboxd_redeliveries_total",
 			Help: "Deliveries of an event that had been delivered before (after a nack, an expired lease or a relay that went away).",
 		}),
+		discovered: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "outboxd_discovered_events_total",
+			Help: "Newly committed events found by this replica's discovery rounds.",
+		}),
+		discoveryErrors: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "outboxd_discovery_errors_total",
+			Help: "Discovery rounds of this replica that failed (retried; new events wait meanwhile).",
+		}),
 		acks: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "outboxd_acks_total",
-			Help: "Acked deliveries by result: published, already_published, lease_lost, not_found, invalid.",
+			Help: "Acked deliveries by result: published, already_published, lease_lost, not_found, invalid, retry.",
 		}, []string{"result"}),
 		nacks: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "outboxd_nacks_total",
@@ -73,7 +83,7 @@ func newMetrics() *metrics {
 }
 
 func (m *metrics) collectors() []prometheus.Collector {
-	return []prometheus.Collector{m.deliveries, m.redeliveries, m.acks, m.nacks, m.leasesExpired,
+	return []prometheus.Collector{m.deliveries, m.redeliveries, m.discovered, m.discoveryErrors, m.acks, m.nacks, m.leasesExpired,
 		m.purged, m.panics, m.ackDuration, m.publishLag, m.sessions}
 }
 
@@ -93,6 +103,7 @@ type lagCollector struct {
 	oldest        *prometheus.Desc
 	aggregates    *prometheus.Desc
 	delivered     *prometheus.Desc
+	stranded      *prometheus.Desc
 	relays        *prometheus.Desc
 	scrapeSuccess *prometheus.Desc
 
@@ -114,6 +125,8 @@ func newLagCollector(s *Server) *lagCollector {
 			[]string{"stream", "state"}, nil),
 		delivered: prometheus.NewDesc("outboxd_delivered_last_minute",
 			"Events marked published in the last minute, per stream (database-wide).", []string{"stream"}, nil),
+		stranded: prometheus.NewDesc("outboxd_stranded_events",
+			"Pending events no rule will deliver, per stream (database-wide); anything but 0 needs an operator.", []string{"stream"}, nil),
 		relays: prometheus.NewDesc("outboxd_connected_relays",
 			"Relay Subscribe streams open on all replicas (database-wide).", nil, nil),
 		scrapeSuccess: prometheus.NewDesc("outboxd_lag_scrape_success",
@@ -122,7 +135,7 @@ func newLagCollector(s *Server) *lagCollector {
 }
 
 func (c *lagCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{c.pending, c.oldest, c.aggregates, c.delivered, c.relays, c.scrapeSuccess} {
+	for _, d := range []*prometheus.Desc{c.pending, c.oldest, c.aggregates, c.delivered, c.stranded, c.relays, c.scrapeSuccess} {
 		ch <- d
 	}
 }
@@ -146,6 +159,7 @@ func (c *lagCollector) Collect(ch chan<- prometheus.Metric) {
 			ch <- prometheus.MustNewConstMetric(c.aggregates, prometheus.GaugeValue, float64(n), l.Stream, state)
 		}
 		ch <- prometheus.MustNewConstMetric(c.delivered, prometheus.GaugeValue, float64(l.DeliveredLastMinute), l.Stream)
+		ch <- prometheus.MustNewConstMetric(c.stranded, prometheus.GaugeValue, float64(l.Stranded), l.Stream)
 	}
 }
 

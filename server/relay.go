@@ -173,6 +173,7 @@ var ackResultLabel = map[outboxv1.AckStatus]string{
 	outboxv1.AckStatus_ACK_STATUS_LEASE_LOST:        "lease_lost",
 	outboxv1.AckStatus_ACK_STATUS_NOT_FOUND:         "not_found",
 	outboxv1.AckStatus_ACK_STATUS_INVALID:           "invalid",
+	outboxv1.AckStatus_ACK_STATUS_RETRY:             "retry",
 }
 
 func ackStatus(st store.AckStatus) (outboxv1.AckStatus, string) {
@@ -185,6 +186,8 @@ func ackStatus(st store.AckStatus) (outboxv1.AckStatus, string) {
 		return outboxv1.AckStatus_ACK_STATUS_LEASE_LOST, "event was skipped by an operator; not marked published"
 	case store.AckNotFound:
 		return outboxv1.AckStatus_ACK_STATUS_NOT_FOUND, "no such event (never existed, or purged)"
+	case store.AckFailed:
+		return outboxv1.AckStatus_ACK_STATUS_RETRY, "the database refused this ack; retry it later"
 	default:
 		return outboxv1.AckStatus_ACK_STATUS_UNSPECIFIED, "internal: no result"
 	}

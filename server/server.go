@@ -52,6 +52,11 @@ type Config struct {
 	// PollInterval is the fallback poll of an idle session, which finds work
 	// even when a notification was lost. Default 1s.
 	PollInterval time.Duration
+	// DiscoveryInterval is the pause between discovery rounds while they
+	// find new events; DiscoveryIdleInterval the longest pause while they
+	// find none, and so the longest a newly committed event waits to be
+	// found. Defaults 1ms and 25ms.
+	DiscoveryInterval, DiscoveryIdleInterval time.Duration
 	// ReconcileInterval is how often a session with deliveries outstanding
 	// checks which of its leases still exist (acks on other replicas, expired
 	// leases claimed elsewhere). Default 2s.
@@ -110,6 +115,8 @@ func (c *Config) setDefaults() error {
 	def(&c.BackoffBase, time.Second)
 	def(&c.BackoffCap, 5*time.Minute)
 	def(&c.PollInterval, time.Second)
+	def(&c.DiscoveryInterval, time.Millisecond)
+	def(&c.DiscoveryIdleInterval, 25*time.Millisecond)
 	def(&c.ReconcileInterval, 2*time.Second)
 	defInt(&c.MaxInFlight, 10000)
 	defInt(&c.ClaimBatch, 64)
@@ -134,6 +141,9 @@ func (c *Config) setDefaults() error {
 		return fmt.Errorf("server: Config.BackoffBase %v / BackoffCap %v: want 0 < base <= cap", c.BackoffBase, c.BackoffCap)
 	case c.PollInterval <= 0 || c.ReconcileInterval <= 0:
 		return errors.New("server: Config.PollInterval and ReconcileInterval must be positive")
+	case c.DiscoveryInterval <= 0 || c.DiscoveryIdleInterval < c.DiscoveryInterval:
+		return fmt.Errorf("server: Config.DiscoveryInterval %v / DiscoveryIdleInterval %v: want 0 < interval <= idle interval",
+			c.DiscoveryInterval, c.DiscoveryIdleInterval)
 	case c.AckBatch < 1:
 		return fmt.Errorf("server: Config.AckBatch %d must be positive", c.AckBatch)
 	case c.MaxSubscriptionsPerRelay < 1:
@@ -206,12 +216,13 @@ func (s *Server) Register(g grpc.ServiceRegistrar) {
 	outboxv1.RegisterAdminServiceServer(g, &adminService{s: s})
 }
 
-// Run runs the replica's background work (group-committed acks, the
-// LISTEN connection, the relay-session registry, the retention janitor)
+// Run runs the replica's background work (discovery, group-committed acks,
+// the LISTEN connection, the relay-session registry, the retention janitor)
 // until ctx is done. Call Stop first for a graceful end.
 func (s *Server) Run(ctx context.Context) error {
 	var wg sync.WaitGroup
-	wg.Add(3)
+	wg.Add(4)
+	go func() { defer wg.Done(); s.discover(ctx) }()
 	go func() { defer wg.Done(); s.acks.run(ctx) }()
 	go func() { defer wg.Done(); s.wake.run(ctx) }()
 	go func() { defer wg.Done(); s.housekeep(ctx) }()

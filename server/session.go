@@ -18,14 +18,10 @@ import (
 
 const (
 	// minIdlePoll is the first re-poll delay of a session that found no work;
-	// it doubles up to Config.PollInterval.
+	// it doubles up to Config.PollInterval. Discovery wakes idle sessions
+	// when events commit, so polls only catch what no wake-up announces:
+	// backoffs and leases that expire.
 	minIdlePoll = 2 * time.Millisecond
-	// armAfter is the idle poll delay from which a session relies on
-	// producers' notifications. Since a registration is consumed by one
-	// NOTIFY (see outbox.wake_listeners), notifications are cheap for
-	// producers, and one short poll before registering is enough: every
-	// empty poll is a claim statement's worth of database CPU.
-	armAfter = 4 * time.Millisecond
 	// claimTimeout bounds one claim statement.
 	claimTimeout = 10 * time.Second
 )
@@ -169,12 +165,6 @@ func (ss *session) run(ctx context.Context, send func(*outboxv1.SubscribeRespons
 
 		var pollC <-chan time.Time
 		if idle {
-			if pollDelay >= armAfter {
-				// Waiting on producers' notifications from here on. A
-				// wake-up consumed the registration, so this renews it
-				// right away (a no-op while it is fresh).
-				ss.srv.wake.arm(ctx)
-			}
 			idleTimer.Reset(pollDelay)
 			pollC = idleTimer.C
 		}
@@ -187,12 +177,10 @@ func (ss *session) run(ctx context.Context, send func(*outboxv1.SubscribeRespons
 			// Credit freed: claim at once. The backoff is kept, so a session
 			// that then finds nothing does not start over with fast polls.
 		case <-ss.srv.wake.wait():
-			// A producer committed: claim at once, backoff kept (another
-			// session may take the event, and all of them were woken).
+			// Discovery found new events: claim at once, backoff kept
+			// (another session may take them, and all of them were woken).
 		case <-pollC:
-			// Capped so that an idle session renews its registration in
-			// outbox.listener before it lapses, whatever the poll interval.
-			pollDelay = min(pollDelay*2, ss.srv.cfg.PollInterval, armTTL/4)
+			pollDelay = min(pollDelay*2, ss.srv.cfg.PollInterval)
 		case <-reconcileTicker.C:
 			if len(ss.inflight) > 0 {
 				ss.requestReconcile()

@@ -136,11 +136,11 @@ func printLag(w io.Writer, resp *outboxv1.GetLagResponse) error {
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
 	fmt.Fprintln(tw, "STREAM\tPENDING\tAGGREGATES\tOLDEST\tHELD\tREADY\tLEASED\tBACKOFF\tPARKED\tGAP\tDELIVERED/S")
 	row := func(name string, s *outboxv1.StreamLag) {
-		fmt.Fprintf(tw, "%s\t%d\t%d\t%s\t%s\t%d\t%d\t%d\t%d\t%d\t%s\n",
+		fmt.Fprintf(tw, "%s\t%d\t%d\t%s\t%s\t%d\t%d\t%d\t%d\t%d\t%d\t%s\n",
 			name, s.GetPendingEvents(), s.GetPendingAggregates(),
 			fmtDuration(s.GetOldestPendingAge()), fmtDuration(s.GetOldestHeldAge()),
 			s.GetReadyAggregates(), s.GetLeasedAggregates(), s.GetBackingOffAggregates(),
-			s.GetParkedAggregates(), s.GetGapAggregates(), fmtRate(s.GetDeliveredPerSecond()))
+			s.GetParkedAggregates(), s.GetGapAggregates(), s.GetStrandedEvents(), fmtRate(s.GetDeliveredPerSecond()))
 	}
 	for _, s := range resp.GetStreams() {
 		row(cell(s.GetStream(), 0), s)

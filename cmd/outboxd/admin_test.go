@@ -267,11 +267,9 @@ func TestCLILag(t *testing.T) {
 func TestCLILagFailIfOlderThan(t *testing.T) {
 	t.Parallel()
 	ts := startServer(t, nil)
-	// created_at is the producer's to give; an hour-old pending event.
-	if _, err := ts.pool.Exec(context.Background(), `INSERT INTO outbox.event (stream, aggregate_key, event_type, payload, created_at)
-		VALUES ('alerts', 'a1', 'Changed', '{}', now() - interval '1 hour')`); err != nil {
-		t.Fatal(err)
-	}
+	// An hour-old pending event.
+	ts.emit(t, "alerts", "a1")
+	testdb.RewriteEvents(t, ts.pool, `UPDATE outbox.event SET created_at = now() - interval '1 hour'`)
 
 	r := ts.cli(t, nil, "lag", "--fail-if-older-than", "30m").want(t, exitLagExceeded)
 	tableRow(t, r.stdout, "TOTAL") // the report is still printed
@@ -500,20 +498,14 @@ func TestCLIPurge(t *testing.T) {
 	t.Parallel()
 	ts := startServer(t, nil)
 	// Four events created three hours ago and published two hours ago, two
-	// created and published now, two pending. created_at is the producer's
-	// to give; published_at is the one column a committed event lets change,
-	// and is moved back after a real ack (keeping published_at >= created_at).
-	if _, err := ts.pool.Exec(context.Background(), `INSERT INTO outbox.event (stream, aggregate_key, event_type, payload, created_at)
-		SELECT 'pur', k, 'Changed', '{}', now() - interval '3 hours' FROM unnest(ARRAY['p01', 'p02', 'p03', 'p04']) k`); err != nil {
-		t.Fatal(err)
-	}
-	ts.emit(t, "pur", "p05", "p06")
+	// created and published now, two pending. The events are published by
+	// real acks, then moved back in time.
+	ts.emit(t, "pur", "p01", "p02", "p03", "p04", "p05", "p06")
 	ts.publish(t, "pur", 6)
 	ts.emit(t, "pur", keys("q", 2)...)
-	if _, err := ts.pool.Exec(context.Background(), `UPDATE outbox.event SET published_at = now() - interval '2 hours'
-		WHERE aggregate_key IN ('p01', 'p02', 'p03', 'p04')`); err != nil {
-		t.Fatal(err)
-	}
+	testdb.RewriteEvents(t, ts.pool, `UPDATE outbox.event
+		SET created_at = now() - interval '3 hours', published_at = now() - interval '2 hours'
+		WHERE aggregate_key IN ('p01', 'p02', 'p03', 'p04')`)
 	total := func() int64 { return ts.count(t, `SELECT count(*) FROM outbox.event`) }
 
 	ts.cli(t, nil, "purge").want(t, exitUsage)

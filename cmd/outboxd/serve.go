@@ -194,6 +194,7 @@ func runServer(ctx context.Context, url string, f *serveFlags, log *slog.Logger,
 		return fmt.Errorf("--database-url: %w", err)
 	}
 	poolCfg.MaxConns = f.maxConns
+	store.ConfigurePool(poolCfg)
 	pool, err := pgxpool.NewWithConfig(ctx, poolCfg)
 	if err != nil {
 		return fmt.Errorf("database: %w", err)

@@ -50,7 +50,12 @@ type Options struct {
 func Start(t testing.TB, url string, opts Options) *Replica {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
-	pool, err := pgxpool.New(ctx, url)
+	poolCfg, err := pgxpool.ParseConfig(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	store.ConfigurePool(poolCfg)
+	pool, err := pgxpool.NewWithConfig(ctx, poolCfg)
 	if err != nil {
 		t.Fatal(err)
 	}

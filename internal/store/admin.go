@@ -43,6 +43,11 @@ type StreamLag struct {
 	Ready, Leased, Backoff, Parked, Gap int64
 	// DeliveredLastMinute counts events published in the last minute.
 	DeliveredLastMinute int64
+	// Stranded counts pending events that no rule will deliver (see
+	// outbox.stranded): 0 unless a producer inserted a revision delivery had
+	// already passed, or delivery has a bug. Such events are not in
+	// PendingEvents.
+	Stranded int64
 }
 
 // Lag is a snapshot of delivery lag.
@@ -88,12 +93,16 @@ func (s *Store) Lag(ctx context.Context, streams []string, sessionTTL time.Durat
 		    WHERE bucket > clock_timestamp() - interval '1 minute'
 		      AND ($1::text[] IS NULL OR stream = ANY ($1))
 		    GROUP BY stream
+		), stranded AS (
+		    SELECT stream, events FROM outbox.stranded($1::text[])
 		)
-		SELECT coalesce(b.stream, r.stream), coalesce(b.events, 0), coalesce(b.aggregates, 0),
+		SELECT coalesce(b.stream, r.stream, x.stream), coalesce(b.events, 0), coalesce(b.aggregates, 0),
 		       b.oldest, b.oldest_held, coalesce(b.ready, 0), coalesce(b.leased, 0),
 		       coalesce(b.backoff, 0), coalesce(b.parked, 0), coalesce(b.gap, 0),
-		       coalesce(r.delivered, 0)
-		FROM by_stream b FULL JOIN rate r ON r.stream = b.stream
+		       coalesce(r.delivered, 0), coalesce(x.events, 0)
+		FROM by_stream b
+		FULL JOIN rate r ON r.stream = b.stream
+		FULL JOIN stranded x ON x.stream = coalesce(b.stream, r.stream)
 		ORDER BY 1`, filter)
 	if err != nil {
 		return lag, fmt.Errorf("store: lag: %w", err)
@@ -102,7 +111,7 @@ func (s *Store) Lag(ctx context.Context, streams []string, sessionTTL time.Durat
 		var l StreamLag
 		var oldest, held *time.Time
 		err := row.Scan(&l.Stream, &l.PendingEvents, &l.PendingAggregates, &oldest, &held,
-			&l.Ready, &l.Leased, &l.Backoff, &l.Parked, &l.Gap, &l.DeliveredLastMinute)
+			&l.Ready, &l.Leased, &l.Backoff, &l.Parked, &l.Gap, &l.DeliveredLastMinute, &l.Stranded)
 		l.OldestPending, l.OldestHeld = deref(oldest), deref(held)
 		return l, err
 	})
@@ -464,9 +473,11 @@ func (s *Store) SkipEvent(ctx context.Context, id uuid.UUID, reason, actor strin
 		}
 		var delivered int64
 		var holder *uuid.UUID
-		if err := tx.QueryRow(ctx, `
+		err = tx.QueryRow(ctx, `
 			SELECT delivered_revision, holder FROM outbox.delivery
-			WHERE stream = $1 AND aggregate_key = $2 FOR UPDATE`, stream, key).Scan(&delivered, &holder); err != nil {
+			WHERE stream = $1 AND aggregate_key = $2 FOR UPDATE`, stream, key).Scan(&delivered, &holder)
+		noDeliveryYet := errors.Is(err, pgx.ErrNoRows) // committed, not discovered yet
+		if err != nil && !noDeliveryYet {
 			return err
 		}
 		if err := tx.QueryRow(ctx, `
@@ -474,8 +485,10 @@ func (s *Store) SkipEvent(ctx context.Context, id uuid.UUID, reason, actor strin
 			RETURNING skipped_at`, id, reason, actor).Scan(&sk.SkippedAt); err != nil {
 			return err
 		}
-		if revision != delivered+1 {
-			return nil // a later revision: the claim steps over it when it comes
+		if noDeliveryYet || revision != delivered+1 {
+			// A later revision, or an aggregate discovery has not reached
+			// yet: the claim steps over the skipped event when it comes.
+			return nil
 		}
 		// The head event: whatever was happening to it (a lease, a backoff,
 		// parking) ends, and the next claim steps over it.

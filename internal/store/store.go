@@ -1,6 +1,7 @@
 // Package store holds every SQL statement the outboxd server runs. It calls
-// the delivery functions of migrations/00002_delivery.sql and maps
-// PostgreSQL errors to the domain errors below; callers never see SQL.
+// the delivery functions of the outbox schema (migrations/00001_outbox.sql)
+// and maps PostgreSQL errors to the domain errors below; callers never see
+// SQL.
 package store
 
 import (
@@ -24,8 +25,36 @@ type Store struct {
 	pool *pgxpool.Pool
 }
 
-// New returns a Store on pool.
+// New returns a Store on pool. The pool's connections should be configured
+// with ConfigurePool.
 func New(pool *pgxpool.Pool) *Store { return &Store{pool: pool} }
+
+// ConfigurePool prepares a pool configuration for the server's connections.
+// The delivery functions read committed state in a statement after taking
+// their locks, which needs a fresh snapshot per statement: READ COMMITTED,
+// whatever the database's default_transaction_isolation says. (The
+// functions refuse to run otherwise, with SQLSTATE 25000.)
+func ConfigurePool(cfg *pgxpool.Config) {
+	cfg.ConnConfig.RuntimeParams["default_transaction_isolation"] = "read committed"
+}
+
+// Discovery is what one discovery round found.
+type Discovery struct {
+	// Events is how many newly committed events the round found, and
+	// Aggregates how many delivery rows it created or woke.
+	Events, Aggregates int64
+}
+
+// Discover runs one discovery round (outbox.discover): it finds the events
+// committed since the previous round and makes their aggregates claimable.
+// A round that another replica is running at the same moment finds nothing.
+func (s *Store) Discover(ctx context.Context) (Discovery, error) {
+	var d Discovery
+	if err := s.pool.QueryRow(ctx, `SELECT events, aggregates FROM outbox.discover()`).Scan(&d.Events, &d.Aggregates); err != nil {
+		return d, fmt.Errorf("store: discover: %w", err)
+	}
+	return d, nil
+}
 
 // Pool returns the underlying pool.
 func (s *Store) Pool() *pgxpool.Pool { return s.pool }
@@ -108,6 +137,9 @@ const (
 	AckAlreadyPublished
 	AckLeaseLost
 	AckNotFound
+	// AckFailed: the database refused this ack on its own (the rest of its
+	// batch was applied); Err says why. The relay may retry it.
+	AckFailed
 )
 
 // AckResult is the outcome for one event id.
@@ -119,19 +151,63 @@ type AckResult struct {
 	// PublishLag is how long the event waited from created_at to this
 	// commit, by the database clock; set for AckPublished.
 	PublishLag time.Duration
+	// Err is set for AckFailed.
+	Err error
 }
 
 // Ack marks events published in one transaction, each checked on its own.
 // Every id must come from a verified lease token. A deadlock between two
 // concurrent batches (possible only when both ack the same events) is
 // retried.
+//
+// One id whose ack fails for a reason of its own cannot fail the others in
+// its batch: a batch that fails with anything but a lost connection or a
+// cancelled context is split in halves and each half tried on its own, down
+// to single ids, and an id that still fails gets AckFailed with the error.
 func (s *Store) Ack(ctx context.Context, ids []uuid.UUID, replicaID string) ([]AckResult, error) {
+	res, err := s.ackRetrying(ctx, ids, replicaID)
+	if err == nil || ctx.Err() != nil || !isItemError(err) {
+		return res, err
+	}
+	if len(ids) == 1 {
+		return []AckResult{{EventID: ids[0], Status: AckFailed, Err: err}}, nil
+	}
+	half := len(ids) / 2
+	first, err := s.Ack(ctx, ids[:half], replicaID)
+	if err != nil {
+		return nil, err
+	}
+	second, err := s.Ack(ctx, ids[half:], replicaID)
+	if err != nil {
+		return nil, err
+	}
+	return append(first, second...), nil
+}
+
+func (s *Store) ackRetrying(ctx context.Context, ids []uuid.UUID, replicaID string) ([]AckResult, error) {
 	for attempt := 0; ; attempt++ {
 		res, err := s.ack(ctx, ids, replicaID)
 		if err == nil || attempt >= 5 || !isRetryable(err) {
 			return res, err
 		}
 	}
+}
+
+// isItemError reports whether err came from the database answering the
+// statement (so some row in it may be at fault), rather than from the
+// connection or the client.
+func isItemError(err error) bool {
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) {
+		return false
+	}
+	// Class 08 (connection), 53 (resources), 57 (operator intervention,
+	// e.g. shutdown) and 58 (system) are the database's trouble, not a row's.
+	switch pgErr.Code[:2] {
+	case "08", "53", "57", "58":
+		return false
+	}
+	return true
 }
 
 func (s *Store) ack(ctx context.Context, ids []uuid.UUID, replicaID string) ([]AckResult, error) {

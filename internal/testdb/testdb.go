@@ -13,6 +13,7 @@ import (
 	"os"
 	"testing"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	_ "github.com/jackc/pgx/v5/stdlib" // the "pgx" database/sql driver pgtestdb uses
 	"github.com/peterldowns/pgtestdb"
@@ -122,4 +123,26 @@ func NewPoolURL(t testing.TB, url string) *pgxpool.Pool {
 	}
 	t.Cleanup(pool.Close)
 	return pool
+}
+
+// RewriteEvents runs sql (an UPDATE of outbox.event) with the table's
+// triggers off, for tests that need what no producer or server may do, such
+// as events created or published hours ago. The triggers are back on when it
+// returns; the table is locked meanwhile.
+func RewriteEvents(t testing.TB, pool *pgxpool.Pool, sql string, args ...any) {
+	t.Helper()
+	ctx := context.Background()
+	err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, `ALTER TABLE outbox.event DISABLE TRIGGER USER`); err != nil {
+			return err
+		}
+		if _, err := tx.Exec(ctx, sql, args...); err != nil {
+			return err
+		}
+		_, err := tx.Exec(ctx, `ALTER TABLE outbox.event ENABLE TRIGGER USER`)
+		return err
+	})
+	if err != nil {
+		t.Fatalf("testdb: rewrite events: %v", err)
+	}
 }

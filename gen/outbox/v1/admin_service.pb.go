@@ -296,8 +296,16 @@ type StreamLag struct {
 	DeliveredLastMinute int64 `protobuf:"varint,12,opt,name=delivered_last_minute,json=deliveredLastMinute,proto3" json:"delivered_last_minute,omitempty"`
 	// ready_aggregates counts aggregates whose next event waits for a relay.
 	ReadyAggregates int64 `protobuf:"varint,13,opt,name=ready_aggregates,json=readyAggregates,proto3" json:"ready_aggregates,omitempty"`
-	unknownFields   protoimpl.UnknownFields
-	sizeCache       protoimpl.SizeCache
+	// stranded_events counts pending events that no rule will ever deliver, as
+	// computed from the producers' revision counters and the events themselves
+	// rather than from delivery's own states: events of an aggregate delivery
+	// has not taken up, and events a producer inserted with a revision
+	// delivery had already passed. It must be 0; anything else needs an
+	// operator (skip the event) and, unless it is the latter case, is a bug.
+	// Stranded events are not counted in pending_events.
+	StrandedEvents int64 `protobuf:"varint,14,opt,name=stranded_events,json=strandedEvents,proto3" json:"stranded_events,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *StreamLag) Reset() {
@@ -417,6 +425,13 @@ func (x *StreamLag) GetDeliveredLastMinute() int64 {
 func (x *StreamLag) GetReadyAggregates() int64 {
 	if x != nil {
 		return x.ReadyAggregates
+	}
+	return 0
+}
+
+func (x *StreamLag) GetStrandedEvents() int64 {
+	if x != nil {
+		return x.StrandedEvents
 	}
 	return 0
 }
@@ -1642,7 +1657,7 @@ const file_outbox_v1_admin_service_proto_rawDesc = "" +
 	"\x0eGetLagResponse\x12.\n" +
 	"\astreams\x18\x01 \x03(\v2\x14.outbox.v1.StreamLagR\astreams\x12*\n" +
 	"\x05total\x18\x02 \x01(\v2\x14.outbox.v1.StreamLagR\x05total\x12)\n" +
-	"\x10connected_relays\x18\x03 \x01(\rR\x0fconnectedRelays\"\xa4\x05\n" +
+	"\x10connected_relays\x18\x03 \x01(\rR\x0fconnectedRelays\"\xcd\x05\n" +
 	"\tStreamLag\x12\x16\n" +
 	"\x06stream\x18\x01 \x01(\tR\x06stream\x12%\n" +
 	"\x0epending_events\x18\x02 \x01(\x03R\rpendingEvents\x12-\n" +
@@ -1657,7 +1672,8 @@ const file_outbox_v1_admin_service_proto_rawDesc = "" +
 	" \x01(\v2\x1a.google.protobuf.TimestampR\x16oldestPendingCreatedAt\x12A\n" +
 	"\x0foldest_held_age\x18\v \x01(\v2\x19.google.protobuf.DurationR\roldestHeldAge\x122\n" +
 	"\x15delivered_last_minute\x18\f \x01(\x03R\x13deliveredLastMinute\x12)\n" +
-	"\x10ready_aggregates\x18\r \x01(\x03R\x0freadyAggregates\"\x13\n" +
+	"\x10ready_aggregates\x18\r \x01(\x03R\x0freadyAggregates\x12'\n" +
+	"\x0fstranded_events\x18\x0e \x01(\x03R\x0estrandedEvents\"\x13\n" +
 	"\x11ListRelaysRequest\">\n" +
 	"\x12ListRelaysResponse\x12(\n" +
 	"\x06relays\x18\x01 \x03(\v2\x10.outbox.v1.RelayR\x06relays\"\xa4\x02\n" +

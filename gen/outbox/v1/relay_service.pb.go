@@ -48,6 +48,11 @@ const (
 	// ACK_STATUS_INVALID: the token is malformed, forged, or was issued for a
 	// different event. Nothing changed.
 	AckStatus_ACK_STATUS_INVALID AckStatus = 5
+	// ACK_STATUS_RETRY: the database refused this one ack on its own (the rest
+	// of the request was applied); message says why. Nothing changed for this
+	// event; send the ack again later. Until it lands, the lease may expire and
+	// the event be redelivered, as with any lost ack.
+	AckStatus_ACK_STATUS_RETRY AckStatus = 6
 )
 
 // Enum value maps for AckStatus.
@@ -59,6 +64,7 @@ var (
 		3: "ACK_STATUS_LEASE_LOST",
 		4: "ACK_STATUS_NOT_FOUND",
 		5: "ACK_STATUS_INVALID",
+		6: "ACK_STATUS_RETRY",
 	}
 	AckStatus_value = map[string]int32{
 		"ACK_STATUS_UNSPECIFIED":       0,
@@ -67,6 +73,7 @@ var (
 		"ACK_STATUS_LEASE_LOST":        3,
 		"ACK_STATUS_NOT_FOUND":         4,
 		"ACK_STATUS_INVALID":           5,
+		"ACK_STATUS_RETRY":             6,
 	}
 )
 
@@ -758,14 +765,15 @@ const file_outbox_v1_relay_service_proto_rawDesc = "" +
 	"leaseToken\x12+\n" +
 	"\x03ttl\x18\x03 \x01(\v2\x19.google.protobuf.DurationR\x03ttl\"[\n" +
 	"\x13ExtendLeaseResponse\x12D\n" +
-	"\x10lease_expires_at\x18\x01 \x01(\v2\x1a.google.protobuf.TimestampR\x0eleaseExpiresAt*\xb0\x01\n" +
+	"\x10lease_expires_at\x18\x01 \x01(\v2\x1a.google.protobuf.TimestampR\x0eleaseExpiresAt*\xc6\x01\n" +
 	"\tAckStatus\x12\x1a\n" +
 	"\x16ACK_STATUS_UNSPECIFIED\x10\x00\x12\x18\n" +
 	"\x14ACK_STATUS_PUBLISHED\x10\x01\x12 \n" +
 	"\x1cACK_STATUS_ALREADY_PUBLISHED\x10\x02\x12\x19\n" +
 	"\x15ACK_STATUS_LEASE_LOST\x10\x03\x12\x18\n" +
 	"\x14ACK_STATUS_NOT_FOUND\x10\x04\x12\x16\n" +
-	"\x12ACK_STATUS_INVALID\x10\x052\x95\x02\n" +
+	"\x12ACK_STATUS_INVALID\x10\x05\x12\x14\n" +
+	"\x10ACK_STATUS_RETRY\x10\x062\x95\x02\n" +
 	"\fRelayService\x12H\n" +
 	"\tSubscribe\x12\x1b.outbox.v1.SubscribeRequest\x1a\x1c.outbox.v1.SubscribeResponse0\x01\x124\n" +
 	"\x03Ack\x12\x15.outbox.v1.AckRequest\x1a\x16.outbox.v1.AckResponse\x127\n" +
