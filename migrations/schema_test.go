@@ -389,7 +389,7 @@ func TestExplicitRevisionsBelowTheCursorAreRefused(t *testing.T) {
 		t.Fatalf("late revision filling the gap refused: %v", err)
 	}
 	exec(t, pool, `SELECT outbox.discover()`) // delivery starts before revision 5
-	wantSQLState(t, emit(4), "23505")        // below the first revision: before the cursor
+	wantSQLState(t, emit(4), "23505")         // below the first revision: before the cursor
 	if n := count(t, pool, `SELECT last_revision FROM outbox.aggregate WHERE aggregate_key = '9'`); n != 7 {
 		t.Fatalf("counter at %d, want 7", n)
 	}
