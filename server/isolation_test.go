@@ -1,0 +1,160 @@
+package server_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"sync"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/outboxd/outboxd/client"
+	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+	"github.com/outboxd/outboxd/internal/testdb"
+)
+
+// One producer transaction left open slows nothing but its own aggregate:
+// for 30 seconds, while it holds its aggregate's order lock, producers of
+// other aggregates run flat out and two replicas with a relay each deliver
+// every one of their events promptly (within maxDelay of its commit, a bound
+// far above the milliseconds it takes, so that only a freeze fails it). The
+// open transaction's event follows once it commits.
+func TestOpenProducerTransactionFreezesNothing(t *testing.T) {
+	t.Parallel()
+	const (
+		window   = 30 * time.Second
+		maxDelay = 3 * time.Second
+	)
+	ctx, cancel := context.WithTimeout(context.Background(), 3*window)
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	replicas := []*replica{startReplica(t, url, nil), startReplica(t, url, nil)}
+
+	held, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer held.Rollback(context.WithoutCancel(ctx))
+	heldEvent, err := client.Emit(ctx, held, client.Event{Stream: "orders", AggregateKey: "held", Type: "T", Payload: []byte(`{}`)})
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	var (
+		mu        sync.Mutex
+		committed = map[string]time.Time{} // event id → commit
+		received  = map[string]time.Time{} // event id → first delivery
+		late      []string
+	)
+	delivered := make(chan string, 1024)
+	relayCtx, stopRelays := context.WithCancel(ctx)
+	defer stopRelays()
+	var relays sync.WaitGroup
+	for i, r := range replicas {
+		st, err := r.Relay.Subscribe(relayCtx, &outboxv1.SubscribeRequest{RelayId: fmt.Sprintf("relay-%d", i), MaxInFlight: 32})
+		if err != nil {
+			t.Fatal(err)
+		}
+		relays.Add(1)
+		go func() {
+			defer relays.Done()
+			for {
+				d, err := st.Recv()
+				if err != nil {
+					if relayCtx.Err() == nil && !errors.Is(err, io.EOF) && status.Code(err) != codes.Canceled {
+						t.Errorf("relay %d: %v", i, err)
+					}
+					return
+				}
+				id := d.GetEvent().GetEventId()
+				now := time.Now()
+				mu.Lock()
+				if _, seen := received[id]; !seen {
+					received[id] = now
+				}
+				mu.Unlock()
+				if _, err := r.Relay.Ack(relayCtx, &outboxv1.AckRequest{Acks: []*outboxv1.AckItem{{EventId: id, LeaseToken: d.GetLeaseToken()}}}); err != nil {
+					if relayCtx.Err() == nil {
+						t.Errorf("ack: %v", err)
+					}
+					return
+				}
+				select {
+				case delivered <- id:
+				case <-relayCtx.Done():
+					return
+				}
+			}
+		}()
+	}
+
+	// Producers of 100 other aggregates, as fast as they can, for the window.
+	produced := 0
+	deadline := time.Now().Add(window)
+	for i := 0; time.Now().Before(deadline); i++ {
+		e, err := client.Emit(ctx, pool, client.Event{Stream: "orders", AggregateKey: fmt.Sprintf("k-%d", i%100), Type: "T", Payload: []byte(`{}`)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		mu.Lock()
+		committed[e.ID.String()] = time.Now()
+		mu.Unlock()
+		produced++
+	drain:
+		for {
+			select {
+			case <-delivered:
+			default:
+				break drain
+			}
+		}
+	}
+	if err := held.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	mu.Lock()
+	committed[heldEvent.ID.String()] = time.Now()
+	mu.Unlock()
+
+	// Every event arrives; the held one too, after its commit.
+	want := produced + 1
+	for {
+		mu.Lock()
+		n := len(received)
+		mu.Unlock()
+		if n >= want {
+			break
+		}
+		select {
+		case <-delivered:
+		case <-ctx.Done():
+			t.Fatalf("%d of %d events delivered", n, want)
+		}
+	}
+	stopRelays()
+	relays.Wait()
+
+	mu.Lock()
+	defer mu.Unlock()
+	for id, at := range committed {
+		got, ok := received[id]
+		switch {
+		case !ok:
+			t.Errorf("event %s never delivered", id)
+		case got.Sub(at) > maxDelay:
+			late = append(late, fmt.Sprintf("%s after %v", id, got.Sub(at)))
+		}
+	}
+	if len(late) > 0 {
+		t.Fatalf("%d of %d events took longer than %v from commit to relay, e.g. %v", len(late), len(committed), maxDelay, late[:min(3, len(late))])
+	}
+	if produced < 100 {
+		t.Fatalf("only %d events produced in %v", produced, window)
+	}
+	t.Logf("%d events through two replicas while a producer transaction stayed open for %v", produced, window)
+}
