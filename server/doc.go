@@ -5,28 +5,44 @@
 // # Tables
 //
 // outbox.event holds what producers committed; only published_at ever
-// changes. Two rows per aggregate carry the bookkeeping, split by who writes
-// them so that neither side waits for the other:
+// changes, and only outbox.ack changes it. Each row carries the id of the
+// transaction that wrote it (xid). Two rows per aggregate carry the
+// bookkeeping, split by who writes them:
 //
 //   - outbox.aggregate is the producers' row: the revision counter and the
 //     order lock concurrent producers of one aggregate serialise on, held to
-//     their commit. The server never waits for it; it only takes it with SKIP
-//     LOCKED, when deciding that an aggregate is idle or held at a gap.
+//     their commit. The server never writes it and never waits for it (only
+//     an operator's accept-gap locks it).
 //   - outbox.delivery is the server's row: the cursor (delivered_revision),
 //     the lease (epoch, holder, expiry), attempts, failures, backoff, parking.
-//     Producers touch it only to wake an idle or gap-held aggregate, when no
-//     lease exists, so acks never wait for an open producer transaction.
+//     Producers never touch it: a producer's transaction writes its event and
+//     its counter, nothing else, so it cannot block the server, and nothing
+//     it reads can, if stale under REPEATABLE READ or SERIALIZABLE, strand its
+//     event.
+//
+// # Discovery
+//
+// Every replica runs discovery rounds (outbox.discover; replicas take turns
+// with an advisory lock). outbox.discovery stores a transaction snapshot S:
+// every event whose transaction is visible in S has been discovered. A round,
+// in one statement and so one snapshot N, reads the events with xid >=
+// xmax(S) or xid in S's list of running transactions: exactly those visible
+// in N and not in S, whenever they committed. It creates the delivery row of
+// a new aggregate (cursor just below its first revision) or wakes an idle or
+// gap-held one, stores N, and sends one NOTIFY outbox_wakeup. A transaction
+// left open costs one index probe per round; it never delays other events.
+// An empty round writes nothing.
 //
 // # States of an aggregate (outbox.delivery.state)
 //
-//	idle ──(producer commits an event)──▶ ready ──claim──▶ leased
+//	(none) or idle ──(discovery finds an event)──▶ ready ──claim──▶ leased
 //	leased ──ack──▶ ready (next revision committed) or idle (nothing follows)
 //	leased ──nack──▶ backoff ──(next_attempt_at)──▶ claimable again
 //	leased ──nack #MaxFailures──▶ parked (waits for an operator)
 //	leased ──(TTL passes)──▶ claimable again (expired lease; attempt+1)
 //	leased ──(stream ends)──▶ ready (released at once)
 //	ready ──claim finds the next revision missing, a later one present──▶ gap
-//	gap ──(a producer inserts any event of the aggregate)──▶ ready (re-checked)
+//	gap ──(discovery finds any event of the aggregate)──▶ ready (re-checked)
 //
 // claimable_at orders claims and is non-NULL exactly for ready, leased and
 // backoff: the head event's created_at when ready (oldest pending first), the
@@ -83,23 +99,28 @@
 //     the poll interval.
 //   - Gaps (8): when the next revision is missing but a later one exists, the
 //     claim holds the aggregate in state gap (gap_revision says which one) and
-//     never skips it. The producer that inserts any event of the aggregate
-//     wakes it, and the claim checks again. Deciding idle or gap happens only
-//     while holding the producers' order lock, after which a fresh snapshot
-//     sees every committed event, so a producer committing at that moment
-//     cannot be missed.
+//     never skips it; discovery wakes it when any event of it commits, and the
+//     claim checks again.
+//   - Nothing missed between discovery and delivery (6): an ack or claim that
+//     finds no next event sets the aggregate idle (or gap) in a statement
+//     whose snapshot is newer than its lock on the delivery row. A discovery
+//     round locks the rows it wakes; one that locked the row first had its
+//     events committed before that snapshot, so they are seen; one that comes
+//     after finds the row idle and wakes it. Hence the functions refuse to run
+//     at REPEATABLE READ (where a statement after a lock reads an older
+//     snapshot), and the server pins READ COMMITTED on its connections.
+//   - outbox.stranded counts pending events no rule will deliver, from the
+//     producers' counters and the events rather than from delivery's states,
+//     so a bug in the above shows in GetLag and metrics instead of hiding.
 //
 // # Wake-ups
 //
-// NOTIFY takes a global lock at commit, so producers notify only when some
-// replica is registered in outbox.listener, which a session does after it
-// has found no work for a while (short polls before that are cheaper). A
-// registration is consumed: the first producer statement that finds it
-// deletes it (SKIP LOCKED, so producers never wait for each other) and
-// notifies; the others find none, and the replica registers again only
-// after its sessions idle again. So NOTIFY runs about once per idle period
-// per replica, never once per event, even when relays keep up with
-// producers and idle between events.
+// Producers never NOTIFY: NOTIFY takes a global lock at commit that would
+// serialise every producer. A discovery round that found events wakes this
+// replica's idle sessions directly and the others' through one NOTIFY
+// outbox_wakeup. Rounds run every Config.DiscoveryInterval while they find
+// events and back off to Config.DiscoveryIdleInterval while they do not;
+// idle sessions also poll, so a lost notification only delays an event.
 //
 // # Operator actions
 //
@@ -112,7 +133,8 @@
 // before the delivery row (the producers' order), so no producer can be
 // between inserting a missing revision and committing it while the cursor
 // moves past it; the revisions given up are recorded in outbox.accepted_gap
-// and are refused afterwards as "at or below the delivery cursor".
+// and are refused afterwards as "at or below the delivery cursor" (or, if a
+// REPEATABLE READ producer's stale read let one in, reported as stranded).
 //
 // Purge and the retention janitor delete only published events, in keyset
 // batches over (created_at, event_id), each batch its own statement, so no
