@@ -32,10 +32,13 @@ func New(pool *pgxpool.Pool) *Store { return &Store{pool: pool} }
 // ConfigurePool prepares a pool configuration for the server's connections.
 // The delivery functions read committed state in a statement after taking
 // their locks, which needs a fresh snapshot per statement: READ COMMITTED,
-// whatever the database's default_transaction_isolation says. (The
-// functions refuse to run otherwise, with SQLSTATE 25000.)
+// whatever the database's default_transaction_isolation says (the functions
+// refuse to run otherwise, with SQLSTATE 25000). JIT compilation, which
+// PostgreSQL starts on cost estimates alone, takes longer than any of the
+// server's short statements runs.
 func ConfigurePool(cfg *pgxpool.Config) {
 	cfg.ConnConfig.RuntimeParams["default_transaction_isolation"] = "read committed"
+	cfg.ConnConfig.RuntimeParams["jit"] = "off"
 }
 
 // Discovery is what one discovery round found.
