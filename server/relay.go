@@ -65,9 +65,6 @@ func (r *relayService) Subscribe(req *outboxv1.SubscribeRequest, stream outboxv1
 	if err := r.checkStreamsExist(ctx, req.GetStreams()); err != nil {
 		return err
 	}
-	if isClosed(s.stopping) {
-		return status.Error(codes.Unavailable, "server is shutting down; reconnect to another replica")
-	}
 
 	peerAddr := ""
 	if p, ok := peer.FromContext(ctx); ok {
@@ -75,7 +72,9 @@ func (r *relayService) Subscribe(req *outboxv1.SubscribeRequest, stream outboxv1
 	}
 	sess := newSession(s, req.GetRelayId(), peerAddr, req.GetStreams(), int(req.GetMaxInFlight()), ttl)
 	sess.subscriber = subscriberKey(ctx, req.GetRelayId())
-	s.addSession(ctx, sess)
+	if err := s.addSession(ctx, sess); err != nil {
+		return err
+	}
 	defer s.removeSession(sess)
 	// Headers now tell the relay its subscription was accepted (and under
 	// which session id operators will see it), before any event exists.

@@ -7,8 +7,6 @@ import (
 	"time"
 
 	"github.com/google/uuid"
-	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
@@ -108,23 +106,23 @@ func (ss *session) run(ctx context.Context, send func(*outboxv1.SubscribeRespons
 	defer reconcileTicker.Stop()
 	idleTimer := time.NewTimer(time.Hour)
 	defer idleTimer.Stop()
-	stopping := ss.srv.stopping
+	// stopWake fires once when the server starts stopping, to wake the
+	// loop; whether the server is stopping is always read from
+	// srv.stopping itself, so no later iteration can miss it.
+	stopWake := ss.srv.stopping
 
 	for {
 		if err := ss.applyFreed(ctx); err != nil {
 			return err
 		}
-		select {
-		case <-stopping:
-			if len(ss.inflight) == 0 {
-				return status.Error(codes.Unavailable, "server is shutting down; reconnect to another replica")
-			}
-		default:
+		stopped := isClosed(ss.srv.stopping)
+		if stopped && len(ss.inflight) == 0 {
+			return errShuttingDown
 		}
 
 		idle := false
 		credit := ss.maxInFlight - len(ss.inflight)
-		if credit > 0 && !isClosed(stopping) {
+		if credit > 0 && !stopped {
 			n := min(credit, ss.srv.cfg.ClaimBatch)
 			// Not cancelled with the stream: a claim interrupted by the
 			// relay hanging up may still commit in the database after the
@@ -182,7 +180,7 @@ func (ss *session) run(ctx context.Context, send func(*outboxv1.SubscribeRespons
 		case <-ctx.Done():
 			return ctx.Err()
 		case <-ss.aborted:
-			return status.Error(codes.Unavailable, "server is shutting down; reconnect to another replica")
+			return errShuttingDown
 		case <-ss.kick:
 			// Credit freed: claim at once. The backoff is kept, so a session
 			// that then finds nothing does not start over with fast polls.
@@ -197,8 +195,10 @@ func (ss *session) run(ctx context.Context, send func(*outboxv1.SubscribeRespons
 			if len(ss.inflight) > 0 {
 				ss.requestReconcile()
 			}
-		case <-stopping:
-			stopping = nil // now only frees matter; handled at the top
+		case <-stopWake:
+			// Seen once; from now on the top of the loop claims nothing and
+			// ends the session when its last delivery is acked or nacked.
+			stopWake = nil
 		}
 		if idle && !idleTimer.Stop() {
 			select {
