@@ -17,6 +17,7 @@ import (
 
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
 	"github.com/outboxd/outboxd/internal/auth"
+	"github.com/outboxd/outboxd/internal/servertest"
 	"github.com/outboxd/outboxd/internal/testdb"
 	"github.com/outboxd/outboxd/server"
 )
@@ -43,10 +44,7 @@ func startAuthReplica(t *testing.T, url string) *replica {
 	if err != nil {
 		t.Fatal(err)
 	}
-	return startReplicaWith(t, url, nil, []grpc.ServerOption{
-		grpc.ChainUnaryInterceptor(a.UnaryServerInterceptor()),
-		grpc.ChainStreamInterceptor(a.StreamServerInterceptor()),
-	})
+	return servertest.Start(t, url, servertest.Options{Authenticator: a})
 }
 
 // dialAs connects to r presenting token ("" for none).
