@@ -7,3 +7,6 @@ func (s *Server) RunJanitor(ctx context.Context) (deleted, batches int64, err er
 	res, err := s.runJanitor(ctx)
 	return res.deleted, res.batches, err
 }
+
+// Stopping is closed once Stop has begun.
+func (s *Server) Stopping() <-chan struct{} { return s.stopping }
