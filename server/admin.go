@@ -5,6 +5,7 @@ import (
 	"encoding/base64"
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -51,11 +52,56 @@ func (a *adminService) GetLag(ctx context.Context, req *outboxv1.GetLagRequest) 
 	if err := f.err(); err != nil {
 		return nil, err
 	}
+	// Naming a stream the token may not see is refused, not answered
+	// with zeros; without names, a limited token sees its streams only.
+	if err := auth.AuthorizeStreams(ctx, req.GetStreams()...); err != nil {
+		return nil, err
+	}
 	lag, err := a.s.store.Lag(ctx, req.GetStreams(), a.s.sessionTTL())
 	if err != nil {
 		return nil, a.s.dbError(ctx, "get lag", err)
 	}
+	if visible := visibleStreams(ctx); visible != nil {
+		lag.Streams = slices.DeleteFunc(lag.Streams, func(l store.StreamLag) bool { return !visible(l.Stream) })
+		// Only relays whose every stream the caller may see count.
+		relays, err := a.s.store.RelaySessions(ctx, a.s.sessionTTL())
+		if err != nil {
+			return nil, a.s.dbError(ctx, "get lag", err)
+		}
+		lag.ConnectedRelays = 0
+		for _, r := range relays {
+			if relayVisible(r, visible) {
+				lag.ConnectedRelays++
+			}
+		}
+	}
 	return lagProto(lag, req.GetStreams()), nil
+}
+
+// visibleStreams returns, for a caller whose token is limited to some
+// streams, the test a stream must pass to appear in an overview (GetLag,
+// ListRelays); nil for an unrestricted caller.
+func visibleStreams(ctx context.Context) func(string) bool {
+	p, ok := auth.PrincipalFrom(ctx)
+	if !ok || p.AllStreams() {
+		return nil
+	}
+	return p.AllowsStream
+}
+
+// relayVisible reports whether a stream-limited caller may see a relay
+// session: only if it subscribed to named streams, all of them visible. A
+// relay subscribed to every stream is not shown.
+func relayVisible(r store.RelaySession, visible func(string) bool) bool {
+	if len(r.Streams) == 0 {
+		return false
+	}
+	for _, st := range r.Streams {
+		if !visible(st) {
+			return false
+		}
+	}
+	return true
 }
 
 // lagProto converts a lag snapshot; every stream the request named gets an
@@ -129,8 +175,12 @@ func (a *adminService) ListRelays(ctx context.Context, _ *outboxv1.ListRelaysReq
 	if err != nil {
 		return nil, a.s.dbError(ctx, "list relays", err)
 	}
+	visible := visibleStreams(ctx)
 	resp := &outboxv1.ListRelaysResponse{}
 	for _, r := range list {
+		if visible != nil && !relayVisible(r, visible) {
+			continue
+		}
 		resp.Relays = append(resp.Relays, &outboxv1.Relay{
 			RelayId:     r.RelayID,
 			SessionId:   r.SessionID.String(),

@@ -26,18 +26,21 @@ const (
 	relayToken   = "relay-token-0123456789abcdef"
 	adminToken   = "admin-token-0123456789abcdef"
 	billingToken = "billing-token-0123456789abcd"
+	billingOps   = "billing-ops-token-0123456789"
 	unknownToken = "unknown-token-0123456789abcd"
 )
 
-// startAuthReplica runs a replica behind the auth interceptors with three
-// tokens: an unrestricted relay, an admin, and a relay limited to billing.*.
+// startAuthReplica runs a replica behind the auth interceptors with four
+// tokens: an unrestricted relay, an admin, a relay limited to billing.*, and
+// an admin limited to billing.*.
 func startAuthReplica(t *testing.T, url string) *replica {
 	t.Helper()
 	file := filepath.Join(t.TempDir(), "tokens")
 	if err := os.WriteFile(file, []byte(
 		"relay    relay  "+relayToken+"\n"+
 			"ops      admin  "+auth.HashToken(adminToken)+"\n"+
-			"billing  relay  "+billingToken+"  streams=billing.*\n"), 0o600); err != nil {
+			"billing  relay  "+billingToken+"  streams=billing.*\n"+
+			"billing-ops  admin  "+billingOps+"  streams=billing.*\n"), 0o600); err != nil {
 		t.Fatal(err)
 	}
 	a, err := auth.New(auth.Config{File: file})
