@@ -211,10 +211,11 @@ func (s *Server) Register(g grpc.ServiceRegistrar) {
 // until ctx is done. Call Stop first for a graceful end.
 func (s *Server) Run(ctx context.Context) error {
 	var wg sync.WaitGroup
-	wg.Add(3)
+	wg.Add(4)
 	go func() { defer wg.Done(); s.acks.run(ctx) }()
 	go func() { defer wg.Done(); s.wake.run(ctx) }()
-	go func() { defer wg.Done(); s.housekeep(ctx) }()
+	go func() { defer wg.Done(); s.refreshSessions(ctx) }()
+	go func() { defer wg.Done(); s.janitor(ctx) }()
 	wg.Wait()
 	return nil
 }
