@@ -10,3 +10,7 @@ func (s *Server) RunJanitor(ctx context.Context) (deleted, batches int64, err er
 
 // Stopping is closed once Stop has begun.
 func (s *Server) Stopping() <-chan struct{} { return s.stopping }
+
+// SetBeforeAddSession makes every Subscribe call f once its checks passed,
+// just before its session is added. Set it before the first Subscribe.
+func (s *Server) SetBeforeAddSession(f func()) { s.beforeAddSession = f }

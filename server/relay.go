@@ -72,6 +72,9 @@ func (r *relayService) Subscribe(req *outboxv1.SubscribeRequest, stream outboxv1
 	}
 	sess := newSession(s, req.GetRelayId(), peerAddr, req.GetStreams(), int(req.GetMaxInFlight()), ttl)
 	sess.subscriber = subscriberKey(ctx, req.GetRelayId())
+	if h := s.beforeAddSession; h != nil {
+		h()
+	}
 	if err := s.addSession(ctx, sess); err != nil {
 		return err
 	}

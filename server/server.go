@@ -164,6 +164,10 @@ type Server struct {
 	stopping chan struct{} // closed when the server stops taking work
 	stopOnce sync.Once
 	sessWG   sync.WaitGroup
+
+	// beforeAddSession, when set (by tests), runs in Subscribe just before
+	// its session is added.
+	beforeAddSession func()
 }
 
 // New validates cfg and loads the lease-signing key.

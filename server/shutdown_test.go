@@ -217,3 +217,44 @@ func TestStopHonoursDeadlineWithStalledRelay(t *testing.T) {
 		t.Errorf("%d leases still held (1 h TTL) after the stalled stream was closed", held)
 	}
 }
+
+// A Subscribe that passed its checks as Stop began, and reaches the point
+// of adding its session only after Stop returned, is refused: Stop has
+// accounted for every session it let in, and none runs after it.
+func TestSubscribeRacingStopIsRefused(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	url := testdb.New(t)
+	r := startReplica(t, url, nil)
+	reached, stopped := make(chan struct{}), make(chan struct{})
+	r.Server.SetBeforeAddSession(func() { close(reached); <-stopped })
+	ended := make(chan error, 1)
+	go func() {
+		st, err := r.Relay.Subscribe(ctx, &outboxv1.SubscribeRequest{RelayId: "late", MaxInFlight: 1})
+		if err == nil {
+			_, err = st.Recv()
+		}
+		ended <- err
+	}()
+	<-reached
+	if res := waitStop(t, stopAsync(r.Server, 30*time.Second), time.Minute); res.err != nil {
+		t.Fatalf("Stop: %v", res.err)
+	}
+	close(stopped)
+	select {
+	case err := <-ended:
+		if status.Code(err) != codes.Unavailable {
+			t.Errorf("Subscribe racing Stop ended with %v, want Unavailable", err)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("Subscribe racing Stop neither refused nor ended")
+	}
+	relays, err := r.Admin.ListRelays(ctx, &outboxv1.ListRelaysRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(relays.GetRelays()) != 0 {
+		t.Errorf("a session was added after Stop returned: %v", relays.GetRelays())
+	}
+}
