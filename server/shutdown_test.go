@@ -233,6 +233,10 @@ func TestSubscribeRacingStopIsRefused(t *testing.T) {
 	go func() {
 		st, err := r.Relay.Subscribe(ctx, &outboxv1.SubscribeRequest{RelayId: "late", MaxInFlight: 1})
 		if err == nil {
+			// An accepted subscription announces its session id.
+			if md, _ := st.Header(); len(md.Get(server.SessionIDHeader)) > 0 {
+				t.Errorf("session %s accepted after Stop returned", md.Get(server.SessionIDHeader)[0])
+			}
 			_, err = st.Recv()
 		}
 		ended <- err
