@@ -15,6 +15,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/durationpb"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
@@ -33,6 +34,11 @@ const (
 	defaultPurgeBatch   = 1000
 	maxPurgeBatch       = 10000
 	maxLagStreamsFilter = 256
+	// maxListEventsBytes bounds the events of one ListEvents page, encoded:
+	// half of gRPC's default 4 MiB receive limit, leaving room for the
+	// envelope and for one event larger than the rest. A page stops early,
+	// with a next-page token, rather than exceed it.
+	maxListEventsBytes = 2 << 20
 )
 
 // adminService implements outbox.v1.AdminService.
@@ -319,12 +325,12 @@ func (a *adminService) ListEvents(ctx context.Context, req *outboxv1.ListEventsR
 		return nil, a.s.dbError(ctx, "list events", err)
 	}
 	resp := &outboxv1.ListEventsResponse{}
-	if len(list) == p.Limit {
+	more := len(list) == p.Limit
+	if more {
 		list = list[:p.Limit-1]
-		last := list[len(list)-1]
-		resp.NextPageToken = encodePageToken(store.EventPosition{CreatedAt: last.CreatedAt, EventID: last.ID})
 	}
-	for _, r := range list {
+	size := 0
+	for i, r := range list {
 		info := &outboxv1.EventInfo{Event: eventProto(r.Event), State: outboxv1.EventState_EVENT_STATE_PENDING}
 		switch {
 		case r.Skip != nil:
@@ -334,7 +340,19 @@ func (a *adminService) ListEvents(ctx context.Context, req *outboxv1.ListEventsR
 			info.State = outboxv1.EventState_EVENT_STATE_PUBLISHED
 			info.PublishedAt = timestamppb.New(r.PublishedAt)
 		}
+		// Fewer rows rather than a response a client cannot receive; the
+		// first row always goes (one event is bounded by the payload limit).
+		n := proto.Size(info)
+		if i > 0 && size+n > maxListEventsBytes {
+			more = true
+			break
+		}
+		size += n
 		resp.Events = append(resp.Events, info)
+	}
+	if more {
+		last := list[len(resp.Events)-1]
+		resp.NextPageToken = encodePageToken(store.EventPosition{CreatedAt: last.CreatedAt, EventID: last.ID})
 	}
 	return resp, nil
 }
