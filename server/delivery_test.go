@@ -7,6 +7,7 @@ import (
 	"sync"
 	"testing"
 	"time"
+	"unicode/utf8"
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -272,6 +273,49 @@ func TestAckThroughAnotherReplica(t *testing.T) {
 		if res := ack(t, b, d); res[0].GetStatus() != outboxv1.AckStatus_ACK_STATUS_PUBLISHED {
 			t.Fatalf("ack on B: %v", res[0])
 		}
+	}
+}
+
+// Error text a relay sends with a nack never makes the nack fail: NUL bytes
+// (which PostgreSQL text cannot hold) are replaced and text over 4 KiB is
+// cut; the aggregate shows what was kept.
+func TestNackErrorTextIsSanitized(t *testing.T) {
+	t.Parallel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	r := startReplica(t, url, nil)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	emit(t, pool, "orders", "nul", 1)
+	emit(t, pool, "orders", "long", 1)
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 2})
+	texts := map[string]string{
+		"nul":  "broker\x00said\x00no",
+		"long": strings.Repeat("é", 100_000), // 200 KB of two-byte characters
+	}
+	for range 2 {
+		d := recv(t, st)
+		key := d.GetEvent().GetAggregateKey()
+		if _, err := r.Relay.Nack(ctx, &outboxv1.NackRequest{
+			EventId: d.GetEvent().GetEventId(), LeaseToken: d.GetLeaseToken(), Error: texts[key]}); err != nil {
+			t.Fatalf("nack with %s error text: %v", key, err)
+		}
+	}
+	get := func(key string) string {
+		agg, err := r.Admin.GetAggregate(ctx, &outboxv1.GetAggregateRequest{Stream: "orders", AggregateKey: key})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if agg.GetAggregate().GetFailures() != 1 {
+			t.Errorf("%s: %d failures recorded, want 1", key, agg.GetAggregate().GetFailures())
+		}
+		return agg.GetAggregate().GetLastError()
+	}
+	if got := get("nul"); got != "broker\uFFFDsaid\uFFFDno" {
+		t.Errorf("last error %q", got)
+	}
+	if got := get("long"); len(got) > 4096 || !utf8.ValidString(got) || !strings.HasPrefix(got, "éé") {
+		t.Errorf("long error kept as %d bytes (valid UTF-8: %v)", len(got), utf8.ValidString(got))
 	}
 }
 

@@ -4,7 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
+	"unicode/utf8"
 
 	"github.com/google/uuid"
 	"google.golang.org/grpc/codes"
@@ -223,7 +225,7 @@ func (r *relayService) Nack(ctx context.Context, req *outboxv1.NackRequest) (*ou
 		return nil, err
 	}
 	res, err := s.store.Nack(ctx, store.NackParams{
-		EventID: t.EventID, Epoch: t.Epoch, Error: req.GetError(), RetryAfter: retryAfter,
+		EventID: t.EventID, Epoch: t.Epoch, Error: nackErrorText(req.GetError()), RetryAfter: retryAfter,
 		BackoffBase: s.cfg.BackoffBase, BackoffCap: s.cfg.BackoffCap, MaxFailures: s.cfg.MaxFailures,
 	})
 	if errors.Is(err, store.ErrLeaseLost) {
@@ -314,4 +316,25 @@ func subscriberKey(ctx context.Context, relayID string) string {
 		return "token " + p.Name
 	}
 	return "relay " + relayID
+}
+
+// maxNackErrorBytes is how much of a nack's error text is kept (as
+// last_error, and quoted in a parked reason).
+const maxNackErrorBytes = 4096
+
+// nackErrorText makes a relay's error text storable, so a nack never fails
+// because of it: PostgreSQL text cannot hold NUL (each becomes U+FFFD), and
+// the text is cut at maxNackErrorBytes on a character boundary, marked with
+// an ellipsis. (Protobuf already guarantees valid UTF-8.)
+func nackErrorText(s string) string {
+	s = strings.ReplaceAll(strings.ToValidUTF8(s, "\uFFFD"), "\x00", "\uFFFD")
+	if len(s) <= maxNackErrorBytes {
+		return s
+	}
+	const ellipsis = "…"
+	cut := maxNackErrorBytes - len(ellipsis)
+	for cut > 0 && !utf8.RuneStart(s[cut]) {
+		cut--
+	}
+	return s[:cut] + ellipsis
 }
