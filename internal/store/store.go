@@ -217,6 +217,16 @@ func (s *Store) Nack(ctx context.Context, p NackParams) (NackResult, error) {
 	return r, nil
 }
 
+// NotifyReleased tells the replica whose session holder held a lease that
+// the lease ended through another replica, as outbox.ack does for its
+// remote holders: that replica's LISTEN connection routes it to the session.
+func (s *Store) NotifyReleased(ctx context.Context, holder uuid.UUID) error {
+	if _, err := s.pool.Exec(ctx, `SELECT pg_notify('outbox_released', $1::text)`, holder); err != nil {
+		return fmt.Errorf("store: notify released: %w", err)
+	}
+	return nil
+}
+
 // ExtendLease pushes the current lease's expiry to now + ttl.
 func (s *Store) ExtendLease(ctx context.Context, eventID uuid.UUID, epoch int64, ttl time.Duration) (time.Time, error) {
 	var exp time.Time
