@@ -276,6 +276,29 @@ func TestAckThroughAnotherReplica(t *testing.T) {
 	}
 }
 
+// A nack through replica B tells the session on replica A that held the
+// lease, as an ack does: its credit is free at once, not at its next
+// reconciliation.
+func TestNackThroughAnotherReplica(t *testing.T) {
+	t.Parallel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	a := startReplica(t, url, func(c *server.Config) { c.ReconcileInterval = time.Hour; c.PollInterval = time.Hour })
+	b := startReplica(t, url, func(c *server.Config) { c.BackoffBase, c.BackoffCap = time.Hour, time.Hour })
+	emit(t, pool, "orders", "x", 1)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	st := subscribe(t, ctx, a, &outboxv1.SubscribeRequest{MaxInFlight: 1})
+	d := recv(t, st)
+	// Committed while A's only credit is taken: A claims it only once it
+	// learns the nack freed that credit.
+	emit(t, pool, "orders", "y", 1)
+	nack(t, b, d)
+	if next := recv(t, st); next.GetEvent().GetAggregateKey() != "y" {
+		t.Fatalf("after the nack on B, A delivered %v", next.GetEvent())
+	}
+}
+
 // Error text a relay sends with a nack never makes the nack fail: NUL bytes
 // (which PostgreSQL text cannot hold) are replaced and text over 4 KiB is
 // cut; the aggregate shows what was kept.

@@ -234,8 +234,13 @@ func (r *relayService) Nack(ctx context.Context, req *outboxv1.NackRequest) (*ou
 	if err != nil {
 		return nil, s.dbError(ctx, "nack", err)
 	}
-	if res.Holder != uuid.Nil {
-		s.released(res.Holder, t.EventID, false)
+	if res.Holder != uuid.Nil && !s.released(res.Holder, t.EventID, false) {
+		// Held through another replica: tell it, so the session frees its
+		// credit now rather than at its next reconciliation. Best effort;
+		// the reconciliation still catches it.
+		if err := s.store.NotifyReleased(ctx, res.Holder); err != nil && ctx.Err() == nil {
+			s.log.Warn("telling the holder's replica about a nack failed; it reconciles", "err", err)
+		}
 	}
 	if res.Parked {
 		s.metrics.nacks.WithLabelValues("parked").Inc()

@@ -317,14 +317,16 @@ func (s *Server) removeSession(sess *session) {
 }
 
 // released tells the local session holder that its lease of event id ended,
-// by an ack (published) or a nack.
-func (s *Server) released(holder uuid.UUID, id uuid.UUID, published bool) {
+// by an ack (published) or a nack. It reports whether holder is a session
+// of this replica.
+func (s *Server) released(holder uuid.UUID, id uuid.UUID, published bool) bool {
 	s.mu.Lock()
 	sess := s.sessions[holder]
 	s.mu.Unlock()
 	if sess != nil {
 		sess.free(id, published)
 	}
+	return sess != nil
 }
 
 // reconcileSession makes a local session recheck its leases (a lease of its
