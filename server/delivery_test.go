@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 	"unicode/utf8"
@@ -18,6 +19,7 @@ import (
 
 	"github.com/outboxd/outboxd/client"
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+	"github.com/outboxd/outboxd/internal/store"
 	"github.com/outboxd/outboxd/internal/testdb"
 	"github.com/outboxd/outboxd/relay"
 	"github.com/outboxd/outboxd/server"
@@ -339,6 +341,33 @@ func TestNackErrorTextIsSanitized(t *testing.T) {
 	}
 	if got := get("long"); len(got) > 4096 || !utf8.ValidString(got) || !strings.HasPrefix(got, "éé") {
 		t.Errorf("long error kept as %d bytes (valid UTF-8: %v)", len(got), utf8.ValidString(got))
+	}
+}
+
+// A claim that committed but failed before the session read its rows (a
+// timeout, say) leaves no orphaned lease: the session gives back what it
+// does not know it holds, and the event is delivered at once, not after its
+// one-hour TTL.
+func TestFailedClaimOrphansNoLease(t *testing.T) {
+	t.Parallel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	r := startReplica(t, url, nil)
+	var dropped atomic.Bool
+	r.Server.SetAfterClaim(func(leases []store.Lease, err error) ([]store.Lease, error) {
+		if err == nil && len(leases) > 0 && dropped.CompareAndSwap(false, true) {
+			return nil, context.DeadlineExceeded // committed, never read
+		}
+		return leases, err
+	})
+	ids := emit(t, pool, "orders", "o-1", 1)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 1, LeaseTtl: durationpb.New(time.Hour)})
+	d := recv(t, st)
+	if !dropped.Load() || d.GetEvent().GetEventId() != ids[0].String() || d.GetAttempt() != 2 {
+		t.Fatalf("after a dropped claim: %s attempt %d (dropped %v); want %s attempt 2",
+			d.GetEvent().GetEventId(), d.GetAttempt(), dropped.Load(), ids[0])
 	}
 }
 

@@ -168,6 +168,9 @@ type Server struct {
 	// beforeAddSession, when set (by tests), runs in Subscribe just before
 	// its session is added.
 	beforeAddSession func()
+	// afterClaim, when set (by tests), sees and may replace the outcome of
+	// every claim statement.
+	afterClaim func([]store.Lease, error) ([]store.Lease, error)
 }
 
 // New validates cfg and loads the lease-signing key.

@@ -110,6 +110,9 @@ func (ss *session) run(ctx context.Context, send func(*outboxv1.SubscribeRespons
 	// loop; whether the server is stopping is always read from
 	// srv.stopping itself, so no later iteration can miss it.
 	stopWake := ss.srv.stopping
+	// sweepOrphans asks for one more releaseUndelivered after a failed
+	// claim.
+	sweepOrphans := false
 
 	for {
 		if err := ss.applyFreed(ctx); err != nil {
@@ -133,12 +136,20 @@ func (ss *session) run(ctx context.Context, send func(*outboxv1.SubscribeRespons
 				Holder: ss.id, RelayID: ss.relayID, ReplicaID: ss.srv.cfg.ReplicaID,
 				Streams: ss.streams, Limit: n, TTL: ss.ttl,
 			})
+			if h := ss.srv.afterClaim; h != nil {
+				leases, err = h(leases, err)
+			}
 			cancelClaim()
 			if err != nil {
 				if ctx.Err() != nil {
-					return ctx.Err()
+					return ctx.Err() // the stream's release covers the claim
 				}
 				log.Warn("claim failed; retrying", "err", err)
+				// The claim may have committed before failing (say, timed
+				// out reading its rows): give back what it leased now, and
+				// once more at the next tick in case its commit was late.
+				ss.releaseUndelivered(ctx)
+				sweepOrphans = true
 				idle = true
 				pollDelay = max(pollDelay, 100*time.Millisecond)
 			}
@@ -195,6 +206,10 @@ func (ss *session) run(ctx context.Context, send func(*outboxv1.SubscribeRespons
 			if len(ss.inflight) > 0 {
 				ss.requestReconcile()
 			}
+			if sweepOrphans {
+				sweepOrphans = false
+				ss.releaseUndelivered(ctx)
+			}
 		case <-stopWake:
 			// Seen once; from now on the top of the loop claims nothing and
 			// ends the session when its last delivery is acked or nacked.
@@ -206,6 +221,25 @@ func (ss *session) run(ctx context.Context, send func(*outboxv1.SubscribeRespons
 			default:
 			}
 		}
+	}
+}
+
+// releaseUndelivered gives back the leases this session holds but never
+// sent, so that a claim which committed although the session saw it fail
+// does not hold its aggregates until their TTL.
+func (ss *session) releaseUndelivered(ctx context.Context) {
+	keep := make([]uuid.UUID, 0, len(ss.inflight))
+	for id := range ss.inflight {
+		keep = append(keep, id)
+	}
+	relCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), releaseTimeout)
+	defer cancel()
+	n, err := ss.srv.store.ReleaseAllBut(relCtx, ss.id, keep)
+	switch {
+	case err != nil:
+		ss.srv.log.Warn("releasing leases of a failed claim failed; they expire by TTL", "session", ss.id, "err", err)
+	case n > 0:
+		ss.srv.log.Info("released leases of a failed claim", "session", ss.id, "released", n)
 	}
 }
 
