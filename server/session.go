@@ -153,18 +153,22 @@ func (ss *session) run(ctx context.Context, send func(*outboxv1.SubscribeRespons
 				idle = true
 				pollDelay = max(pollDelay, 100*time.Millisecond)
 			}
+			// Counted before sending: a send blocked by a relay that
+			// stopped reading must not hide the claim's leases from
+			// ListRelays.
 			for _, l := range leases {
 				ss.inflight[l.Event.ID] = struct{}{}
+			}
+			ss.inflightN.Store(int64(len(ss.inflight)))
+			for _, l := range leases {
 				ss.srv.metrics.deliveries.Inc()
 				if l.Attempt > 1 {
 					ss.srv.metrics.redeliveries.Inc()
 				}
 				if err := send(ss.delivery(l)); err != nil {
-					ss.inflightN.Store(int64(len(ss.inflight)))
 					return err
 				}
 			}
-			ss.inflightN.Store(int64(len(ss.inflight)))
 			if len(leases) > 0 {
 				pollDelay = minIdlePoll
 			}
