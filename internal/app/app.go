@@ -93,7 +93,8 @@ type Replica struct {
 	readiness atomic.Pointer[server.Readiness]
 	ready     chan struct{} // closed when first ready
 	readyOnce sync.Once
-	stopping  atomic.Bool // set by Shutdown: readiness stays "shutting down"
+	readyMu   sync.Mutex
+	stopping  bool // under readyMu; set by Shutdown: readiness stays "shutting down"
 }
 
 // New builds a replica: it validates cfg.Server and loads the lease key
@@ -143,7 +144,9 @@ func (r *Replica) Readiness() server.Readiness { return *r.readiness.Load() }
 func (r *Replica) Ready() <-chan struct{} { return r.ready }
 
 func (r *Replica) setReadiness(rd server.Readiness) {
-	if r.stopping.Load() {
+	r.readyMu.Lock()
+	defer r.readyMu.Unlock()
+	if r.stopping {
 		return // a readiness check finishing late must not undo Shutdown's
 	}
 	r.readiness.Store(&rd)
@@ -205,7 +208,9 @@ func (r *Replica) Serve(ctx context.Context, lis net.Listener) error {
 func (r *Replica) Shutdown() {
 	r.log.Info("shutting down: no new claims; waiting for outstanding acks", "timeout", r.cfg.ShutdownTimeout)
 	r.setReadiness(server.Readiness{Reason: "shutting down"})
-	r.stopping.Store(true)
+	r.readyMu.Lock()
+	r.stopping = true
+	r.readyMu.Unlock()
 	r.health.Shutdown()
 	stopCtx, cancel := context.WithTimeout(context.Background(), r.cfg.ShutdownTimeout)
 	stuck := r.Server.Stop(stopCtx)
