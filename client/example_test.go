@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log"
 
+	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outboxd/outboxd/client"
@@ -15,7 +16,7 @@ import (
 // both commit, or neither does.
 func ExampleEmit() {
 	ctx := context.Background()
-	pool, err := pgxpool.New(ctx, "postgres://postgres@127.0.0.1:5432/postgres")
+	pool, err := pgxpool.New(ctx, databaseURL)
 	if err != nil {
 		log.Fatal(err)
 	}
@@ -42,5 +43,8 @@ func ExampleEmit() {
 	if err := tx.Commit(ctx); err != nil {
 		log.Fatal(err)
 	}
-	fmt.Println("event", e.ID, "revision", e.Revision)
+	// e.ID is the event's id (the broker's deduplication key); e.Revision
+	// its place in sales_order 42's history.
+	fmt.Println("order 42 paid; OrderPaid committed with it:", e.ID != uuid.Nil && e.Revision > 0)
+	// Output: order 42 paid; OrderPaid committed with it: true
 }

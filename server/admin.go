@@ -5,6 +5,7 @@ import (
 	"encoding/base64"
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -14,6 +15,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/durationpb"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
@@ -32,6 +34,11 @@ const (
 	defaultPurgeBatch   = 1000
 	maxPurgeBatch       = 10000
 	maxLagStreamsFilter = 256
+	// maxListEventsBytes bounds the events of one ListEvents page, encoded:
+	// half of gRPC's default 4 MiB receive limit, leaving room for the
+	// envelope and for one event larger than the rest. A page stops early,
+	// with a next-page token, rather than exceed it.
+	maxListEventsBytes = 2 << 20
 )
 
 // adminService implements outbox.v1.AdminService.
@@ -51,11 +58,56 @@ func (a *adminService) GetLag(ctx context.Context, req *outboxv1.GetLagRequest) 
 	if err := f.err(); err != nil {
 		return nil, err
 	}
+	// Naming a stream the token may not see is refused, not answered
+	// with zeros; without names, a limited token sees its streams only.
+	if err := auth.AuthorizeStreams(ctx, req.GetStreams()...); err != nil {
+		return nil, err
+	}
 	lag, err := a.s.store.Lag(ctx, req.GetStreams(), a.s.sessionTTL())
 	if err != nil {
 		return nil, a.s.dbError(ctx, "get lag", err)
 	}
+	if visible := visibleStreams(ctx); visible != nil {
+		lag.Streams = slices.DeleteFunc(lag.Streams, func(l store.StreamLag) bool { return !visible(l.Stream) })
+		// Only relays whose every stream the caller may see count.
+		relays, err := a.s.store.RelaySessions(ctx, a.s.sessionTTL())
+		if err != nil {
+			return nil, a.s.dbError(ctx, "get lag", err)
+		}
+		lag.ConnectedRelays = 0
+		for _, r := range relays {
+			if relayVisible(r, visible) {
+				lag.ConnectedRelays++
+			}
+		}
+	}
 	return lagProto(lag, req.GetStreams()), nil
+}
+
+// visibleStreams returns, for a caller whose token is limited to some
+// streams, the test a stream must pass to appear in an overview (GetLag,
+// ListRelays); nil for an unrestricted caller.
+func visibleStreams(ctx context.Context) func(string) bool {
+	p, ok := auth.PrincipalFrom(ctx)
+	if !ok || p.AllStreams() {
+		return nil
+	}
+	return p.AllowsStream
+}
+
+// relayVisible reports whether a stream-limited caller may see a relay
+// session: only if it subscribed to named streams, all of them visible. A
+// relay subscribed to every stream is not shown.
+func relayVisible(r store.RelaySession, visible func(string) bool) bool {
+	if len(r.Streams) == 0 {
+		return false
+	}
+	for _, st := range r.Streams {
+		if !visible(st) {
+			return false
+		}
+	}
+	return true
 }
 
 // lagProto converts a lag snapshot; every stream the request named gets an
@@ -131,8 +183,12 @@ func (a *adminService) ListRelays(ctx context.Context, _ *outboxv1.ListRelaysReq
 	if err != nil {
 		return nil, a.s.dbError(ctx, "list relays", err)
 	}
+	visible := visibleStreams(ctx)
 	resp := &outboxv1.ListRelaysResponse{}
 	for _, r := range list {
+		if visible != nil && !relayVisible(r, visible) {
+			continue
+		}
 		resp.Relays = append(resp.Relays, &outboxv1.Relay{
 			RelayId:     r.RelayID,
 			SessionId:   r.SessionID.String(),
@@ -271,12 +327,12 @@ func (a *adminService) ListEvents(ctx context.Context, req *outboxv1.ListEventsR
 		return nil, a.s.dbError(ctx, "list events", err)
 	}
 	resp := &outboxv1.ListEventsResponse{}
-	if len(list) == p.Limit {
+	more := len(list) == p.Limit
+	if more {
 		list = list[:p.Limit-1]
-		last := list[len(list)-1]
-		resp.NextPageToken = encodePageToken(store.EventPosition{CreatedAt: last.CreatedAt, EventID: last.ID})
 	}
-	for _, r := range list {
+	size := 0
+	for i, r := range list {
 		info := &outboxv1.EventInfo{Event: eventProto(r.Event), State: outboxv1.EventState_EVENT_STATE_PENDING}
 		switch {
 		case r.Skip != nil:
@@ -286,7 +342,19 @@ func (a *adminService) ListEvents(ctx context.Context, req *outboxv1.ListEventsR
 			info.State = outboxv1.EventState_EVENT_STATE_PUBLISHED
 			info.PublishedAt = timestamppb.New(r.PublishedAt)
 		}
+		// Fewer rows rather than a response a client cannot receive; the
+		// first row always goes (one event is bounded by the payload limit).
+		n := proto.Size(info)
+		if i > 0 && size+n > maxListEventsBytes {
+			more = true
+			break
+		}
+		size += n
 		resp.Events = append(resp.Events, info)
+	}
+	if more {
+		last := list[len(resp.Events)-1]
+		resp.NextPageToken = encodePageToken(store.EventPosition{CreatedAt: last.CreatedAt, EventID: last.ID})
 	}
 	return resp, nil
 }

@@ -14,6 +14,7 @@ import (
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/durationpb"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
@@ -423,6 +424,45 @@ func TestListEventsPaginates(t *testing.T) {
 	wantCode(t, err, codes.InvalidArgument, "aggregate_key")
 	_, err = r.Admin.ListEvents(ctx, &outboxv1.ListEventsRequest{PageSize: 5000})
 	wantCode(t, err, codes.InvalidArgument, "page_size")
+}
+
+// A page of large events stops short of gRPC's 4 MiB default receive
+// limit: fewer rows and a next-page token, every event still listed once.
+func TestListEventsBoundsResponseBytes(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	r := startReplica(t, url, nil)
+	const n = 6
+	bigBacklog(t, pool, "orders", n) // about 900 KB each: 5.4 MB in all
+	seen := map[string]bool{}
+	token := ""
+	for pages := 1; ; pages++ {
+		// The client keeps gRPC's default receive limit (4 MiB).
+		res, err := r.Admin.ListEvents(ctx, &outboxv1.ListEventsRequest{Stream: "orders", PageSize: 100, PageToken: token})
+		if err != nil {
+			t.Fatalf("page %d: %v", pages, err)
+		}
+		if size := proto.Size(res); size > 2<<20+4<<10 {
+			t.Errorf("page %d is %d bytes, over the 2 MiB budget", pages, size)
+		}
+		if len(res.GetEvents()) == 0 {
+			t.Fatalf("page %d is empty", pages)
+		}
+		for _, e := range res.GetEvents() {
+			if seen[e.GetEvent().GetEventId()] {
+				t.Fatalf("page %d repeats %s", pages, e.GetEvent().GetEventId())
+			}
+			seen[e.GetEvent().GetEventId()] = true
+		}
+		if token = res.GetNextPageToken(); token == "" {
+			if len(seen) != n || pages < 3 {
+				t.Fatalf("listed %d of %d events in %d pages; want all, in at least 3 pages", len(seen), n, pages)
+			}
+			return
+		}
+	}
 }
 
 // publishSome acks the first n events of stream through the protocol.

@@ -5,8 +5,10 @@ import (
 	"fmt"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
+	"unicode/utf8"
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -17,6 +19,7 @@ import (
 
 	"github.com/outboxd/outboxd/client"
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+	"github.com/outboxd/outboxd/internal/store"
 	"github.com/outboxd/outboxd/internal/testdb"
 	"github.com/outboxd/outboxd/relay"
 	"github.com/outboxd/outboxd/server"
@@ -105,6 +108,28 @@ func publishedAt(t *testing.T, pool *pgxpool.Pool, id string) *time.Time {
 	return p
 }
 
+// clockSlack allows for the database's and the test's clocks (the same host)
+// and for rounding to microseconds.
+const clockSlack = 100 * time.Millisecond
+
+// grantedAt is when the server says it granted d's lease: its expiry minus
+// the TTL the relay asked for.
+func grantedAt(d *outboxv1.SubscribeResponse, ttl time.Duration) time.Time {
+	return d.GetLeaseExpiresAt().AsTime().Add(-ttl)
+}
+
+// checkGranted fails unless d's lease was granted for ttl at a moment
+// between from and to: a server that read the TTL in the wrong unit, or
+// ignored it, fails here.
+func checkGranted(t *testing.T, d *outboxv1.SubscribeResponse, ttl time.Duration, from, to time.Time) {
+	t.Helper()
+	at := grantedAt(d, ttl)
+	if at.Before(from.Add(-clockSlack)) || at.After(to.Add(clockSlack)) {
+		t.Fatalf("lease expires at %v: granted at %v for %v, which is not between %v and %v",
+			d.GetLeaseExpiresAt().AsTime(), at, ttl, from, to)
+	}
+}
+
 // Invariants 3 and 5: revisions of one aggregate are handed out one at a
 // time, in order, and published_at is set by the ack and nothing else.
 func TestDeliversOneAggregateInOrderAndMarksOnlyOnAck(t *testing.T) {
@@ -178,12 +203,20 @@ func TestUnackedLeaseExpiresAndRedeliversSameEvent(t *testing.T) {
 
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 5, LeaseTtl: durationpb.New(time.Second)})
+	const ttl = time.Second
+	before := time.Now()
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 5, LeaseTtl: durationpb.New(ttl)})
 	first := recv(t, st)
+	checkGranted(t, first, ttl, before, time.Now())
 	again := recv(t, st) // only after the lease expires
 	if again.GetEvent().GetEventId() != ids[0].String() || again.GetAttempt() != 2 {
 		t.Fatalf("redelivery = %s attempt %d, want %s attempt 2", again.GetEvent().GetEventId(), again.GetAttempt(), ids[0])
 	}
+	// Not before the first lease expired, by the server's own clock.
+	if expired := first.GetLeaseExpiresAt().AsTime(); grantedAt(again, ttl).Before(expired) {
+		t.Fatalf("redelivered at %v, before the first lease expired at %v", grantedAt(again, ttl), expired)
+	}
+	checkGranted(t, again, ttl, first.GetLeaseExpiresAt().AsTime(), time.Now())
 	if string(again.GetEvent().GetPayload()) != string(first.GetEvent().GetPayload()) ||
 		again.GetEvent().GetHeaders()["trace"] != first.GetEvent().GetHeaders()["trace"] ||
 		!again.GetEvent().GetCreatedAt().AsTime().Equal(first.GetEvent().GetCreatedAt().AsTime()) {
@@ -217,19 +250,44 @@ func TestUnackedLeaseExpiresAndRedeliversSameEvent(t *testing.T) {
 }
 
 // The credit is a hard bound: with max_in_flight 2 and 5 ready aggregates,
-// exactly 2 leases exist until one is acked.
+// exactly 2 leases exist until one is acked, however many reconciliations
+// and producer wake-ups pass, and no extra delivery arrives.
 func TestCreditBoundsOutstandingDeliveries(t *testing.T) {
 	t.Parallel()
 	url := testdb.New(t)
 	pool := testdb.NewPoolURL(t, url)
-	r := startReplica(t, url, nil)
+	const reconcile = 10 * time.Millisecond
+	r := startReplica(t, url, func(c *server.Config) { c.ReconcileInterval = reconcile })
 	for i := range 5 {
 		emit(t, pool, "orders", fmt.Sprintf("c-%d", i), 1)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 2})
-	a, b := recv(t, st), recv(t, st)
+	got := make(chan *outboxv1.SubscribeResponse, 10)
+	go func() {
+		for {
+			d, err := st.Recv()
+			if err != nil {
+				close(got)
+				return
+			}
+			got <- d
+		}
+	}()
+	next := func() *outboxv1.SubscribeResponse {
+		t.Helper()
+		select {
+		case d, ok := <-got:
+			if !ok {
+				t.Fatal("stream ended")
+			}
+			return d
+		case <-time.After(30 * time.Second):
+			t.Fatal("no delivery within 30s")
+			return nil
+		}
+	}
 	leased := func() int64 {
 		var n int64
 		if err := pool.QueryRow(ctx, `SELECT count(*) FROM outbox.delivery WHERE state = 'leased'`).Scan(&n); err != nil {
@@ -237,21 +295,33 @@ func TestCreditBoundsOutstandingDeliveries(t *testing.T) {
 		}
 		return n
 	}
-	if n := leased(); n != 2 {
-		t.Fatalf("%d leased with credit 2", n)
+	// holds checks, over 30 reconcile intervals with a producer wake-up in
+	// the middle, that exactly 2 leases exist and nothing more arrives.
+	holds := func(when string) {
+		t.Helper()
+		end := time.Now().Add(30 * reconcile)
+		emit(t, pool, "orders", "wake-"+when, 1)
+		for time.Now().Before(end) {
+			if n := leased(); n != 2 {
+				t.Fatalf("%s: %d leased with credit 2", when, n)
+			}
+			select {
+			case d := <-got:
+				t.Fatalf("%s: extra delivery %s beyond the credit", when, d.GetEvent().GetAggregateKey())
+			case <-time.After(reconcile):
+			}
+		}
 	}
+	a, b := next(), next()
+	holds("before any ack")
 	ack(t, r, a)
-	c := recv(t, st)
-	if n := leased(); n != 2 {
-		t.Fatalf("%d leased after one ack, want 2", n)
-	}
+	c := next()
+	holds("after one ack")
 	ack(t, r, b, c)
-	recv(t, st)
-	recv(t, st)
+	next()
+	next()
 }
 
-// An ack may reach any replica: subscribe on A, ack on B, and the next
-// revision still flows on A (B tells A through the database).
 func TestAckThroughAnotherReplica(t *testing.T) {
 	t.Parallel()
 	url := testdb.New(t)
@@ -272,6 +342,99 @@ func TestAckThroughAnotherReplica(t *testing.T) {
 		if res := ack(t, b, d); res[0].GetStatus() != outboxv1.AckStatus_ACK_STATUS_PUBLISHED {
 			t.Fatalf("ack on B: %v", res[0])
 		}
+	}
+}
+
+// A nack through replica B tells the session on replica A that held the
+// lease, as an ack does: its credit is free at once, not at its next
+// reconciliation.
+func TestNackThroughAnotherReplica(t *testing.T) {
+	t.Parallel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	a := startReplica(t, url, func(c *server.Config) { c.ReconcileInterval = time.Hour; c.PollInterval = time.Hour })
+	b := startReplica(t, url, func(c *server.Config) { c.BackoffBase, c.BackoffCap = time.Hour, time.Hour })
+	emit(t, pool, "orders", "x", 1)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	st := subscribe(t, ctx, a, &outboxv1.SubscribeRequest{MaxInFlight: 1})
+	d := recv(t, st)
+	// Committed while A's only credit is taken: A claims it only once it
+	// learns the nack freed that credit.
+	emit(t, pool, "orders", "y", 1)
+	nack(t, b, d)
+	if next := recv(t, st); next.GetEvent().GetAggregateKey() != "y" {
+		t.Fatalf("after the nack on B, A delivered %v", next.GetEvent())
+	}
+}
+
+// Error text a relay sends with a nack never makes the nack fail: NUL bytes
+// (which PostgreSQL text cannot hold) are replaced and text over 4 KiB is
+// cut; the aggregate shows what was kept.
+func TestNackErrorTextIsSanitized(t *testing.T) {
+	t.Parallel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	r := startReplica(t, url, nil)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	emit(t, pool, "orders", "nul", 1)
+	emit(t, pool, "orders", "long", 1)
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 2})
+	texts := map[string]string{
+		"nul":  "broker\x00said\x00no",
+		"long": strings.Repeat("é", 100_000), // 200 KB of two-byte characters
+	}
+	for range 2 {
+		d := recv(t, st)
+		key := d.GetEvent().GetAggregateKey()
+		if _, err := r.Relay.Nack(ctx, &outboxv1.NackRequest{
+			EventId: d.GetEvent().GetEventId(), LeaseToken: d.GetLeaseToken(), Error: texts[key]}); err != nil {
+			t.Fatalf("nack with %s error text: %v", key, err)
+		}
+	}
+	get := func(key string) string {
+		agg, err := r.Admin.GetAggregate(ctx, &outboxv1.GetAggregateRequest{Stream: "orders", AggregateKey: key})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if agg.GetAggregate().GetFailures() != 1 {
+			t.Errorf("%s: %d failures recorded, want 1", key, agg.GetAggregate().GetFailures())
+		}
+		return agg.GetAggregate().GetLastError()
+	}
+	if got := get("nul"); got != "broker\uFFFDsaid\uFFFDno" {
+		t.Errorf("last error %q", got)
+	}
+	if got := get("long"); len(got) > 4096 || !utf8.ValidString(got) || !strings.HasPrefix(got, "éé") {
+		t.Errorf("long error kept as %d bytes (valid UTF-8: %v)", len(got), utf8.ValidString(got))
+	}
+}
+
+// A claim that committed but failed before the session read its rows (a
+// timeout, say) leaves no orphaned lease: the session gives back what it
+// does not know it holds, and the event is delivered at once, not after its
+// one-hour TTL.
+func TestFailedClaimOrphansNoLease(t *testing.T) {
+	t.Parallel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	r := startReplica(t, url, nil)
+	var dropped atomic.Bool
+	r.Server.SetAfterClaim(func(leases []store.Lease, err error) ([]store.Lease, error) {
+		if err == nil && len(leases) > 0 && dropped.CompareAndSwap(false, true) {
+			return nil, context.DeadlineExceeded // committed, never read
+		}
+		return leases, err
+	})
+	ids := emit(t, pool, "orders", "o-1", 1)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 1, LeaseTtl: durationpb.New(time.Hour)})
+	d := recv(t, st)
+	if !dropped.Load() || d.GetEvent().GetEventId() != ids[0].String() || d.GetAttempt() != 2 {
+		t.Fatalf("after a dropped claim: %s attempt %d (dropped %v); want %s attempt 2",
+			d.GetEvent().GetEventId(), d.GetAttempt(), dropped.Load(), ids[0])
 	}
 }
 
@@ -381,14 +544,16 @@ func TestNackBacksOffThenParks(t *testing.T) {
 	t.Parallel()
 	url := testdb.New(t)
 	pool := testdb.NewPoolURL(t, url)
+	const base, backoffCap, ttl = 200 * time.Millisecond, 300 * time.Millisecond, 30 * time.Second
 	r := startReplica(t, url, func(c *server.Config) {
-		c.BackoffBase, c.BackoffCap, c.MaxFailures = 10*time.Millisecond, 20*time.Millisecond, 3
+		c.BackoffBase, c.BackoffCap, c.MaxFailures = base, backoffCap, 3
 	})
 	emit(t, pool, "orders", "poison", 2)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 4})
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 4, LeaseTtl: durationpb.New(ttl)})
 	var first string
+	var retryAt time.Time // when the server said the next attempt may come
 	for i := 1; i <= 3; i++ {
 		d := recv(t, st)
 		if first == "" {
@@ -397,12 +562,25 @@ func TestNackBacksOffThenParks(t *testing.T) {
 		if d.GetEvent().GetEventId() != first || d.GetAttempt() != uint32(i) {
 			t.Fatalf("delivery %d: %s attempt %d, want %s attempt %d", i, d.GetEvent().GetEventId(), d.GetAttempt(), first, i)
 		}
+		if at := grantedAt(d, ttl); at.Before(retryAt) {
+			t.Fatalf("attempt %d came at %v, before the backoff ended at %v", i, at, retryAt)
+		}
+		before := time.Now()
 		res, err := r.Relay.Nack(ctx, &outboxv1.NackRequest{EventId: first, LeaseToken: d.GetLeaseToken(), Error: "broker says no"})
 		if err != nil {
 			t.Fatal(err)
 		}
+		after := time.Now()
 		if res.GetParked() != (i == 3) || res.GetFailures() != uint32(i) {
 			t.Fatalf("nack %d: %v", i, res)
+		}
+		if i < 3 {
+			// Equal jitter: between half and all of min(cap, base*2^(i-1)).
+			full := min(backoffCap, base<<(i-1))
+			retryAt = res.GetNextAttemptAt().AsTime()
+			if retryAt.Before(before.Add(full/2-clockSlack)) || retryAt.After(after.Add(full+clockSlack)) {
+				t.Fatalf("nack %d: next attempt at %v, want %v to %v after %v", i, retryAt, full/2, full, before)
+			}
 		}
 	}
 	var state, reason string
@@ -431,16 +609,19 @@ func TestStreamEndReleasesLeases(t *testing.T) {
 	r := startReplica(t, url, nil)
 	ids := emit(t, pool, "orders", "rel", 1)
 	ctx1, cancel1 := context.WithCancel(context.Background())
+	before := time.Now()
 	st1 := subscribe(t, ctx1, r, &outboxv1.SubscribeRequest{MaxInFlight: 1, LeaseTtl: durationpb.New(time.Hour)})
-	recv(t, st1)
+	first := recv(t, st1)
+	checkGranted(t, first, time.Hour, before, time.Now()) // an hour-long lease indeed
 	cancel1()
 	ctx2, cancel2 := context.WithCancel(context.Background())
 	defer cancel2()
 	st2 := subscribe(t, ctx2, r, &outboxv1.SubscribeRequest{MaxInFlight: 1, LeaseTtl: durationpb.New(time.Hour)})
-	d := recv(t, st2) // an hour-long TTL: this arrives only through release
+	d := recv(t, st2) // so this arrives only through release
 	if d.GetEvent().GetEventId() != ids[0].String() || d.GetAttempt() != 2 {
 		t.Fatalf("after release got %s attempt %d", d.GetEvent().GetEventId(), d.GetAttempt())
 	}
+	checkGranted(t, d, time.Hour, before, time.Now())
 }
 
 // Order under concurrency: 1,000 aggregates x 20 revisions through 4 relays

@@ -61,7 +61,10 @@
 // on another replica sends NOTIFY outbox_released with the holder's session
 // id; and every ReconcileInterval the session rechecks its leases (which also
 // catches expired leases claimed by someone else). When the stream ends,
-// outbox.release gives its leases back at once.
+// outbox.release gives its leases back at once. A claim the session sees
+// fail may still have committed (it timed out reading its rows): the session
+// then releases every lease it holds but did not send, at once and again at
+// its next reconcile tick.
 //
 // Ack verifies each token's HMAC (any replica can: the key is in the
 // database) and hands the ids to the group committer, which applies every
@@ -147,5 +150,21 @@
 // statement trigger on the ack's UPDATE, because an index on published_at
 // would make every ack a non-HOT update. Relay sessions are recorded in
 // outbox.relay_session by their replica and refreshed every
-// Config.SessionRefreshInterval, so ListRelays sees every replica's relays.
+// Config.SessionRefreshInterval, so ListRelays sees every replica's relays;
+// the refresh has its own loop, so a long purge by the janitor cannot let
+// them go stale. A token limited to some streams sees only those in GetLag
+// and ListRelays, and may act only on them.
+//
+// # Shutdown
+//
+// Stop closes Server.stopping, which every session loop reads at the top of
+// each iteration: from then on no session claims, and each ends (UNAVAILABLE,
+// its relay reconnects elsewhere) as soon as its last delivery is acked or
+// nacked; Subscribe is refused, checked under the same mutex Stop closes
+// the channel under, so no session is added behind Stop's back. At Stop's
+// deadline the sessions still holding deliveries are aborted and release
+// their leases. A session blocked in Send to a relay that stopped reading
+// cannot see the abort, so Stop returns anyway after a short grace and
+// says so; closing the connections (grpc.Server.Stop, which internal/app's
+// shutdown does next) fails that Send and the session releases its leases.
 package server

@@ -1,9 +1,24 @@
 package server
 
-import "context"
+import (
+	"context"
+
+	"github.com/outboxd/outboxd/internal/store"
+)
 
 // RunJanitor runs one retention pass now and reports what it did.
 func (s *Server) RunJanitor(ctx context.Context) (deleted, batches int64, err error) {
 	res, err := s.runJanitor(ctx)
 	return res.deleted, res.batches, err
 }
+
+// Stopping is closed once Stop has begun.
+func (s *Server) Stopping() <-chan struct{} { return s.stopping }
+
+// SetBeforeAddSession makes every Subscribe call f once its checks passed,
+// just before its session is added. Set it before the first Subscribe.
+func (s *Server) SetBeforeAddSession(f func()) { s.beforeAddSession = f }
+
+// SetAfterClaim makes every claim's outcome pass through f, which may
+// replace it. Set it before the first Subscribe.
+func (s *Server) SetAfterClaim(f func([]store.Lease, error) ([]store.Lease, error)) { s.afterClaim = f }

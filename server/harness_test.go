@@ -4,7 +4,6 @@ import (
 	"testing"
 
 	"go.uber.org/goleak"
-	"google.golang.org/grpc"
 
 	"github.com/outboxd/outboxd/internal/servertest"
 	"github.com/outboxd/outboxd/server"
@@ -20,11 +19,4 @@ type replica = servertest.Replica
 func startReplica(t testing.TB, url string, configure func(*server.Config)) *replica {
 	t.Helper()
 	return servertest.Start(t, url, servertest.Options{Configure: configure})
-}
-
-// startReplicaWith is startReplica with extra gRPC server options and client
-// dial options (interceptors, credentials).
-func startReplicaWith(t testing.TB, url string, configure func(*server.Config), serverOpts []grpc.ServerOption, dialOpts ...grpc.DialOption) *replica {
-	t.Helper()
-	return servertest.Start(t, url, servertest.Options{Configure: configure, ServerOptions: serverOpts, DialOptions: dialOpts})
 }

@@ -31,18 +31,13 @@ func (s *Server) saveSessions(ctx context.Context) {
 	}
 }
 
-// housekeep refreshes this replica's relay-session rows, removes rows other
-// replicas left when they crashed, and runs the retention janitor, until ctx
-// is done.
-func (s *Server) housekeep(ctx context.Context) {
+// refreshSessions keeps this replica's relay-session rows fresh and removes
+// rows other replicas left when they crashed, until ctx is done. It has a
+// loop of its own: a long retention purge must not let this replica's
+// sessions go stale and vanish from ListRelays.
+func (s *Server) refreshSessions(ctx context.Context) {
 	refresh := time.NewTicker(s.cfg.SessionRefreshInterval)
 	defer refresh.Stop()
-	var janitor <-chan time.Time
-	if s.cfg.Retention > 0 {
-		t := time.NewTicker(s.cfg.JanitorInterval)
-		defer t.Stop()
-		janitor = t.C
-	}
 	for {
 		select {
 		case <-ctx.Done():
@@ -52,8 +47,24 @@ func (s *Server) housekeep(ctx context.Context) {
 			if err := s.store.DeleteStaleStats(ctx, s.sessionTTL()); err != nil && ctx.Err() == nil {
 				s.log.Warn("removing stale relay sessions failed", "err", err)
 			}
-		case <-janitor:
-			s.runJanitor(ctx)
+		}
+	}
+}
+
+// janitor runs the retention janitor every JanitorInterval when Retention
+// is set, until ctx is done.
+func (s *Server) janitor(ctx context.Context) {
+	if s.cfg.Retention <= 0 {
+		return
+	}
+	t := time.NewTicker(s.cfg.JanitorInterval)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+			_, _ = s.runJanitor(ctx)
 		}
 	}
 }

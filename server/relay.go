@@ -4,7 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
+	"unicode/utf8"
 
 	"github.com/google/uuid"
 	"google.golang.org/grpc/codes"
@@ -65,9 +67,6 @@ func (r *relayService) Subscribe(req *outboxv1.SubscribeRequest, stream outboxv1
 	if err := r.checkStreamsExist(ctx, req.GetStreams()); err != nil {
 		return err
 	}
-	if isClosed(s.stopping) {
-		return status.Error(codes.Unavailable, "server is shutting down; reconnect to another replica")
-	}
 
 	peerAddr := ""
 	if p, ok := peer.FromContext(ctx); ok {
@@ -75,7 +74,12 @@ func (r *relayService) Subscribe(req *outboxv1.SubscribeRequest, stream outboxv1
 	}
 	sess := newSession(s, req.GetRelayId(), peerAddr, req.GetStreams(), int(req.GetMaxInFlight()), ttl)
 	sess.subscriber = subscriberKey(ctx, req.GetRelayId())
-	s.addSession(ctx, sess)
+	if h := s.beforeAddSession; h != nil {
+		h()
+	}
+	if err := s.addSession(ctx, sess); err != nil {
+		return err
+	}
 	defer s.removeSession(sess)
 	// Headers now tell the relay its subscription was accepted (and under
 	// which session id operators will see it), before any event exists.
@@ -224,7 +228,7 @@ func (r *relayService) Nack(ctx context.Context, req *outboxv1.NackRequest) (*ou
 		return nil, err
 	}
 	res, err := s.store.Nack(ctx, store.NackParams{
-		EventID: t.EventID, Epoch: t.Epoch, Error: req.GetError(), RetryAfter: retryAfter,
+		EventID: t.EventID, Epoch: t.Epoch, Error: nackErrorText(req.GetError()), RetryAfter: retryAfter,
 		BackoffBase: s.cfg.BackoffBase, BackoffCap: s.cfg.BackoffCap, MaxFailures: s.cfg.MaxFailures,
 	})
 	if errors.Is(err, store.ErrLeaseLost) {
@@ -233,8 +237,13 @@ func (r *relayService) Nack(ctx context.Context, req *outboxv1.NackRequest) (*ou
 	if err != nil {
 		return nil, s.dbError(ctx, "nack", err)
 	}
-	if res.Holder != uuid.Nil {
-		s.released(res.Holder, t.EventID, false)
+	if res.Holder != uuid.Nil && !s.released(res.Holder, t.EventID, false) {
+		// Held through another replica: tell it, so the session frees its
+		// credit now rather than at its next reconciliation. Best effort;
+		// the reconciliation still catches it.
+		if err := s.store.NotifyReleased(ctx, res.Holder); err != nil && ctx.Err() == nil {
+			s.log.Warn("telling the holder's replica about a nack failed; it reconciles", "err", err)
+		}
 	}
 	if res.Parked {
 		s.metrics.nacks.WithLabelValues("parked").Inc()
@@ -315,4 +324,25 @@ func subscriberKey(ctx context.Context, relayID string) string {
 		return "token " + p.Name
 	}
 	return "relay " + relayID
+}
+
+// maxNackErrorBytes is how much of a nack's error text is kept (as
+// last_error, and quoted in a parked reason).
+const maxNackErrorBytes = 4096
+
+// nackErrorText makes a relay's error text storable, so a nack never fails
+// because of it: PostgreSQL text cannot hold NUL (each becomes U+FFFD), and
+// the text is cut at maxNackErrorBytes on a character boundary, marked with
+// an ellipsis. (Protobuf already guarantees valid UTF-8.)
+func nackErrorText(s string) string {
+	s = strings.ReplaceAll(strings.ToValidUTF8(s, "\uFFFD"), "\x00", "\uFFFD")
+	if len(s) <= maxNackErrorBytes {
+		return s
+	}
+	const ellipsis = "…"
+	cut := maxNackErrorBytes - len(ellipsis)
+	for cut > 0 && !utf8.RuneStart(s[cut]) {
+		cut--
+	}
+	return s[:cut] + ellipsis
 }

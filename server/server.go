@@ -174,6 +174,13 @@ type Server struct {
 	stopping chan struct{} // closed when the server stops taking work
 	stopOnce sync.Once
 	sessWG   sync.WaitGroup
+
+	// beforeAddSession, when set (by tests), runs in Subscribe just before
+	// its session is added.
+	beforeAddSession func()
+	// afterClaim, when set (by tests), sees and may replace the outcome of
+	// every claim statement.
+	afterClaim func([]store.Lease, error) ([]store.Lease, error)
 }
 
 // New validates cfg and loads the lease-signing key.
@@ -221,38 +228,85 @@ func (s *Server) Register(g grpc.ServiceRegistrar) {
 // until ctx is done. Call Stop first for a graceful end.
 func (s *Server) Run(ctx context.Context) error {
 	var wg sync.WaitGroup
-	wg.Add(4)
+	wg.Add(5)
 	go func() { defer wg.Done(); s.discover(ctx) }()
 	go func() { defer wg.Done(); s.acks.run(ctx) }()
 	go func() { defer wg.Done(); s.wake.run(ctx) }()
-	go func() { defer wg.Done(); s.housekeep(ctx) }()
+	go func() { defer wg.Done(); s.refreshSessions(ctx) }()
+	go func() { defer wg.Done(); s.janitor(ctx) }()
 	wg.Wait()
 	return nil
 }
 
-// Stop makes every session stop claiming, waits up to ctx's deadline for
-// their outstanding deliveries to be acked, then ends the streams and
-// releases their leases. Acks keep being applied while Stop waits.
-func (s *Server) Stop(ctx context.Context) {
+// errShuttingDown ends a relay's stream when this replica stops.
+var errShuttingDown = status.Error(codes.Unavailable, "server is shutting down; reconnect to another replica")
+
+// abortGrace is how long Stop, once its deadline has passed and it has
+// aborted the sessions, waits for them to end. A session blocked sending to
+// a relay that does not read cannot see the abort: only closing its
+// connection (grpc.Server.Stop) ends that send.
+const abortGrace = time.Second
+
+// Stop makes every session stop claiming at once, waits up to ctx's deadline
+// for their outstanding deliveries to be acked or nacked, then aborts the
+// streams that still hold deliveries (their leases are released as each
+// stream ends). Acks keep being applied while Stop waits. Subscribe streams
+// opened from now on are refused with UNAVAILABLE.
+//
+// Stop returns by ctx's deadline plus abortGrace. It returns an error when
+// some session has still not ended by then: one blocked in sending to a
+// relay that stopped reading. Such a session ends, and releases its leases,
+// only when its connection closes: call the gRPC server's Stop, then Wait.
+func (s *Server) Stop(ctx context.Context) error {
+	// Under mu, so that no session is added (sessWG.Add) once Wait may
+	// have started.
+	s.mu.Lock()
 	s.stopOnce.Do(func() { close(s.stopping) })
+	s.mu.Unlock()
 	done := make(chan struct{})
 	go func() { s.sessWG.Wait(); close(done) }()
 	select {
 	case <-done:
+		return nil
 	case <-ctx.Done():
-		s.mu.Lock()
-		for _, sess := range s.sessions {
-			sess.abort()
-		}
-		s.mu.Unlock()
-		<-done
+	}
+	s.forEachSession((*session).abort)
+	grace := time.NewTimer(abortGrace)
+	defer grace.Stop()
+	select {
+	case <-done:
+		return nil
+	case <-grace.C:
+	}
+	var n int
+	s.forEachSession(func(*session) { n++ })
+	s.log.Warn("relay streams still sending after the shutdown deadline; they end when their connections close",
+		"sessions", n)
+	return fmt.Errorf("server: %d relay stream(s) still blocked sending to relays that do not read", n)
+}
+
+// Wait waits until every session has ended and released its leases, or ctx
+// is done. After Stop and the gRPC server's Stop it is short: each remaining
+// session only gives its leases back (bounded by releaseTimeout).
+func (s *Server) Wait(ctx context.Context) error {
+	done := make(chan struct{})
+	go func() { s.sessWG.Wait(); close(done) }()
+	select {
+	case <-done:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
 	}
 }
 
 // addSession makes sess known locally and, for ListRelays, to every
-// replica.
-func (s *Server) addSession(ctx context.Context, sess *session) {
+// replica. It refuses once Stop has begun.
+func (s *Server) addSession(ctx context.Context, sess *session) error {
 	s.mu.Lock()
+	if isClosed(s.stopping) {
+		s.mu.Unlock()
+		return errShuttingDown
+	}
 	s.sessions[sess.id] = sess
 	s.sessWG.Add(1)
 	s.mu.Unlock()
@@ -260,6 +314,7 @@ func (s *Server) addSession(ctx context.Context, sess *session) {
 	if err := s.store.SaveRelaySessions(ctx, []store.RelaySession{sess.record()}); err != nil && ctx.Err() == nil {
 		s.log.Warn("recording relay session failed; ListRelays shows it after the next refresh", "err", err)
 	}
+	return nil
 }
 
 func (s *Server) removeSession(sess *session) {
@@ -276,14 +331,16 @@ func (s *Server) removeSession(sess *session) {
 }
 
 // released tells the local session holder that its lease of event id ended,
-// by an ack (published) or a nack.
-func (s *Server) released(holder uuid.UUID, id uuid.UUID, published bool) {
+// by an ack (published) or a nack. It reports whether holder is a session
+// of this replica.
+func (s *Server) released(holder uuid.UUID, id uuid.UUID, published bool) bool {
 	s.mu.Lock()
 	sess := s.sessions[holder]
 	s.mu.Unlock()
 	if sess != nil {
 		sess.free(id, published)
 	}
+	return sess != nil
 }
 
 // reconcileSession makes a local session recheck its leases (a lease of its

@@ -7,8 +7,6 @@ import (
 	"time"
 
 	"github.com/google/uuid"
-	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
@@ -104,23 +102,26 @@ func (ss *session) run(ctx context.Context, send func(*outboxv1.SubscribeRespons
 	defer reconcileTicker.Stop()
 	idleTimer := time.NewTimer(time.Hour)
 	defer idleTimer.Stop()
-	stopping := ss.srv.stopping
+	// stopWake fires once when the server starts stopping, to wake the
+	// loop; whether the server is stopping is always read from
+	// srv.stopping itself, so no later iteration can miss it.
+	stopWake := ss.srv.stopping
+	// sweepOrphans asks for one more releaseUndelivered after a failed
+	// claim.
+	sweepOrphans := false
 
 	for {
 		if err := ss.applyFreed(ctx); err != nil {
 			return err
 		}
-		select {
-		case <-stopping:
-			if len(ss.inflight) == 0 {
-				return status.Error(codes.Unavailable, "server is shutting down; reconnect to another replica")
-			}
-		default:
+		stopped := isClosed(ss.srv.stopping)
+		if stopped && len(ss.inflight) == 0 {
+			return errShuttingDown
 		}
 
 		idle := false
 		credit := ss.maxInFlight - len(ss.inflight)
-		if credit > 0 && !isClosed(stopping) {
+		if credit > 0 && !stopped {
 			n := min(credit, ss.srv.cfg.ClaimBatch)
 			// Not cancelled with the stream: a claim interrupted by the
 			// relay hanging up may still commit in the database after the
@@ -131,27 +132,39 @@ func (ss *session) run(ctx context.Context, send func(*outboxv1.SubscribeRespons
 				Holder: ss.id, RelayID: ss.relayID, ReplicaID: ss.srv.cfg.ReplicaID,
 				Streams: ss.streams, Limit: n, TTL: ss.ttl,
 			})
+			if h := ss.srv.afterClaim; h != nil {
+				leases, err = h(leases, err)
+			}
 			cancelClaim()
 			if err != nil {
 				if ctx.Err() != nil {
-					return ctx.Err()
+					return ctx.Err() // the stream's release covers the claim
 				}
 				log.Warn("claim failed; retrying", "err", err)
+				// The claim may have committed before failing (say, timed
+				// out reading its rows): give back what it leased now, and
+				// once more at the next tick in case its commit was late.
+				ss.releaseUndelivered(ctx)
+				sweepOrphans = true
 				idle = true
 				pollDelay = max(pollDelay, 100*time.Millisecond)
 			}
+			// Counted before sending: a send blocked by a relay that
+			// stopped reading must not hide the claim's leases from
+			// ListRelays.
 			for _, l := range leases {
 				ss.inflight[l.Event.ID] = struct{}{}
+			}
+			ss.inflightN.Store(int64(len(ss.inflight)))
+			for _, l := range leases {
 				ss.srv.metrics.deliveries.Inc()
 				if l.Attempt > 1 {
 					ss.srv.metrics.redeliveries.Inc()
 				}
 				if err := send(ss.delivery(l)); err != nil {
-					ss.inflightN.Store(int64(len(ss.inflight)))
 					return err
 				}
 			}
-			ss.inflightN.Store(int64(len(ss.inflight)))
 			if len(leases) > 0 {
 				pollDelay = minIdlePoll
 			}
@@ -172,7 +185,7 @@ func (ss *session) run(ctx context.Context, send func(*outboxv1.SubscribeRespons
 		case <-ctx.Done():
 			return ctx.Err()
 		case <-ss.aborted:
-			return status.Error(codes.Unavailable, "server is shutting down; reconnect to another replica")
+			return errShuttingDown
 		case <-ss.kick:
 			// Credit freed: claim at once. The backoff is kept, so a session
 			// that then finds nothing does not start over with fast polls.
@@ -185,8 +198,14 @@ func (ss *session) run(ctx context.Context, send func(*outboxv1.SubscribeRespons
 			if len(ss.inflight) > 0 {
 				ss.requestReconcile()
 			}
-		case <-stopping:
-			stopping = nil // now only frees matter; handled at the top
+			if sweepOrphans {
+				sweepOrphans = false
+				ss.releaseUndelivered(ctx)
+			}
+		case <-stopWake:
+			// Seen once; from now on the top of the loop claims nothing and
+			// ends the session when its last delivery is acked or nacked.
+			stopWake = nil
 		}
 		if idle && !idleTimer.Stop() {
 			select {
@@ -194,6 +213,25 @@ func (ss *session) run(ctx context.Context, send func(*outboxv1.SubscribeRespons
 			default:
 			}
 		}
+	}
+}
+
+// releaseUndelivered gives back the leases this session holds but never
+// sent, so that a claim which committed although the session saw it fail
+// does not hold its aggregates until their TTL.
+func (ss *session) releaseUndelivered(ctx context.Context) {
+	keep := make([]uuid.UUID, 0, len(ss.inflight))
+	for id := range ss.inflight {
+		keep = append(keep, id)
+	}
+	relCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), releaseTimeout)
+	defer cancel()
+	n, err := ss.srv.store.ReleaseAllBut(relCtx, ss.id, keep)
+	switch {
+	case err != nil:
+		ss.srv.log.Warn("releasing leases of a failed claim failed; they expire by TTL", "session", ss.id, "err", err)
+	case n > 0:
+		ss.srv.log.Info("released leases of a failed claim", "session", ss.id, "released", n)
 	}
 }
 

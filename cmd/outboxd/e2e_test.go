@@ -90,6 +90,7 @@ func TestMigrateTwiceInParallel(t *testing.T) {
 
 // process is a running outboxd subprocess whose output goes to the test log.
 type process struct {
+	t    *testing.T
 	cmd  *exec.Cmd
 	done chan struct{}
 }
@@ -102,7 +103,7 @@ func start(t *testing.T, args ...string) *process {
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
-	p := &process{cmd: cmd, done: make(chan struct{})}
+	p := &process{t: t, cmd: cmd, done: make(chan struct{})}
 	logged := make(chan struct{})
 	go func() {
 		defer close(logged)
@@ -117,11 +118,29 @@ func start(t *testing.T, args ...string) *process {
 }
 
 // signal sends sig and waits for the process to exit; it returns the exit
-// code (-1 if a signal ended it).
+// code (-1 if a signal ended it). A process still running after two minutes
+// fails the test (and is killed by the cleanup) instead of hanging the
+// suite.
 func (p *process) signal(sig os.Signal) int {
+	code, _, ok := p.signalWithin(sig, 2*time.Minute)
+	if !ok {
+		_ = p.cmd.Process.Kill()
+		p.t.Fatalf("%s did not exit within 2 minutes of %v", p.cmd.Args, sig)
+	}
+	return code
+}
+
+// signalWithin sends sig and waits up to bound for the process to exit. It
+// returns the exit code, how long the exit took, and whether it happened.
+func (p *process) signalWithin(sig os.Signal, bound time.Duration) (code int, took time.Duration, exited bool) {
+	start := time.Now()
 	_ = p.cmd.Process.Signal(sig)
-	<-p.done
-	return p.cmd.ProcessState.ExitCode()
+	select {
+	case <-p.done:
+		return p.cmd.ProcessState.ExitCode(), time.Since(start), true
+	case <-time.After(bound):
+		return 0, time.Since(start), false
+	}
 }
 
 func freeAddr(t *testing.T) string {

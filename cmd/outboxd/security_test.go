@@ -5,6 +5,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 
@@ -79,15 +80,38 @@ func TestMutualTLSAndTokensEndToEnd(t *testing.T) {
 		out, code := outboxd(t, nil, append([]string{"lag", "--token-file", adminFile}, tlsArgs...)...)
 		return code == 0 && strings.Contains(out, "sales_order")
 	})
-	for name, args := range map[string][]string{
-		"no client certificate":        {"lag", "--server", addr, "--tls-ca", caFile, "--token-file", adminFile},
-		"a certificate of another CA":  {"lag", "--server", addr, "--tls-ca", caFile, "--tls-cert", rogue.Cert, "--tls-key", rogue.Key, "--token-file", adminFile},
-		"plaintext":                    {"lag", "--server", addr, "--token-file", adminFile},
-		"no token":                     append([]string{"lag"}, tlsArgs...),
-		"the relay token (wrong role)": append([]string{"lag", "--token-file", relayFile}, tlsArgs...),
+	// Each refusal for its own reason: the TLS layer for certificates and
+	// plaintext (before any token is looked at), then authentication, then
+	// the role. With TLS 1.3 the client may finish its side of the handshake
+	// before the server rejects its certificate; it then sees the server's
+	// alert or, if its write came first, the closed connection.
+	certRefused := func(alert string) []string {
+		return []string{alert, "write: broken pipe", "read: connection reset by peer"}
+	}
+	for name, c := range map[string]struct {
+		args []string
+		want []string // the output contains one of these
+	}{
+		"no client certificate": {[]string{"lag", "--server", addr, "--tls-ca", caFile, "--token-file", adminFile},
+			certRefused("tls: certificate required")},
+		"a certificate of another CA": {[]string{"lag", "--server", addr, "--tls-ca", caFile, "--tls-cert", rogue.Cert, "--tls-key", rogue.Key, "--token-file", adminFile},
+			certRefused("tls: unknown certificate authority")},
+		"plaintext": {[]string{"lag", "--server", addr, "--token-file", adminFile},
+			[]string{"error reading server preface: EOF"}},
+		"no token": {append([]string{"lag"}, tlsArgs...),
+			[]string{"GetLag: missing bearer token"}},
+		"the relay token (wrong role)": {append([]string{"lag", "--token-file", relayFile}, tlsArgs...),
+			[]string{`GetLag: token "orders" lacks the admin role`}},
 	} {
-		if out, code := outboxd(t, nil, args...); code == 0 {
-			t.Errorf("lag with %s succeeded:\n%s", name, out)
+		out, code := outboxd(t, nil, c.args...)
+		// Exit 1: refused by the transport or the server, not a usage error.
+		ok := code == 1 && slices.ContainsFunc(c.want, func(w string) bool { return strings.Contains(out, w) })
+		if transport := !strings.HasPrefix(c.want[0], "GetLag:"); transport {
+			// Refused by TLS: the server answered no call at all.
+			ok = ok && strings.Contains(out, "is unavailable:") && !strings.Contains(out, "GetLag:")
+		}
+		if !ok {
+			t.Errorf("lag with %s: exit %d, want 1 with one of %q:\n%s", name, code, c.want, out)
 		}
 	}
 	// A relay with its own token, limited to sales_order, drains it over TLS.

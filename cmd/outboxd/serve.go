@@ -9,20 +9,14 @@ import (
 	"net"
 	"net/http"
 	"os"
-	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/spf13/cobra"
 	"golang.org/x/sync/errgroup"
-	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials"
-	"google.golang.org/grpc/credentials/insecure"
-	"google.golang.org/grpc/health"
-	healthpb "google.golang.org/grpc/health/grpc_health_v1"
-	"google.golang.org/grpc/reflection"
 
-	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+	"github.com/outboxd/outboxd/internal/app"
 	"github.com/outboxd/outboxd/internal/auth"
 	"github.com/outboxd/outboxd/internal/devdb"
 	"github.com/outboxd/outboxd/internal/store"
@@ -83,11 +77,11 @@ func (f *serveFlags) register(cmd *cobra.Command) {
 	fl.IntVar(&f.maxSubscriptions, "max-subscriptions-per-relay", 64, "Subscribe streams one token (or relay id, without auth) may hold open on this replica")
 }
 
-// security builds the listener's transport credentials and the
-// authenticator from the flags. It refuses to serve without tokens on an
-// address other machines can reach, unless --insecure-no-auth.
-func (f *serveFlags) security(log *slog.Logger) (grpc.ServerOption, *auth.Authenticator, error) {
-	creds := grpc.Creds(insecure.NewCredentials())
+// security builds the listener's transport credentials (nil: plaintext)
+// and the authenticator from the flags. It refuses to serve without tokens
+// on an address other machines can reach, unless --insecure-no-auth.
+func (f *serveFlags) security(log *slog.Logger) (credentials.TransportCredentials, *auth.Authenticator, error) {
+	var creds credentials.TransportCredentials
 	if f.tlsCert != "" || f.tlsKey != "" || f.tlsClientCA != "" {
 		if f.tlsCert == "" || f.tlsKey == "" {
 			return nil, nil, errors.New("--tls-cert and --tls-key go together (and --tls-client-ca needs them)")
@@ -98,7 +92,7 @@ func (f *serveFlags) security(log *slog.Logger) (grpc.ServerOption, *auth.Authen
 		if err != nil {
 			return nil, nil, err
 		}
-		creds = grpc.Creds(credentials.NewTLS(tc))
+		creds = credentials.NewTLS(tc)
 	}
 	if f.tokenFile == "" && os.Getenv(auth.DefaultEnvVar) == "" {
 		if !auth.IsLoopback(f.listen) && !f.insecureNoAuth {
@@ -218,12 +212,19 @@ func runServer(ctx context.Context, url string, f *serveFlags, log *slog.Logger,
 		return err
 	}
 	reg := newRegistry()
-	srv, err := server.New(ctx, server.Config{
-		Store: store.New(pool), DatabaseURL: url, Logger: log, ReplicaID: f.replicaID,
-		DefaultLeaseTTL: f.defaultLeaseTTL, MaxFailures: f.maxFailures,
-		BackoffBase: f.backoffBase, BackoffCap: f.backoffCap, PollInterval: f.pollInterval,
-		Registerer: reg, Retention: f.retention, JanitorInterval: f.janitorInterval,
-		MaxSubscriptionsPerRelay: f.maxSubscriptions,
+	rep, err := app.New(ctx, app.Config{
+		Server: server.Config{
+			Store: store.New(pool), DatabaseURL: url, Logger: log, ReplicaID: f.replicaID,
+			DefaultLeaseTTL: f.defaultLeaseTTL, MaxFailures: f.maxFailures,
+			BackoffBase: f.backoffBase, BackoffCap: f.backoffCap, PollInterval: f.pollInterval,
+			Registerer: reg, Retention: f.retention, JanitorInterval: f.janitorInterval,
+			MaxSubscriptionsPerRelay: f.maxSubscriptions,
+		},
+		Authenticator:   authn,
+		Creds:           creds,
+		Reflection:      f.reflection,
+		HealthInterval:  f.healthInterval,
+		ShutdownTimeout: f.shutdownTimeout,
 	})
 	if err != nil {
 		return err
@@ -239,48 +240,27 @@ func runServer(ctx context.Context, url string, f *serveFlags, log *slog.Logger,
 			return fmt.Errorf("--http-listen %s: %w", f.httpListen, err)
 		}
 	}
-	g := newGRPCServer(log, reg, srv, authn, creds)
-	srv.Register(g)
-	hs := health.NewServer()
-	healthpb.RegisterHealthServer(g, hs)
-	if f.reflection {
-		reflection.Register(g)
-	}
-	var readiness atomic.Pointer[server.Readiness]
-	readiness.Store(&server.Readiness{Reason: "starting"})
-	setHealth := func(r server.Readiness) {
-		readiness.Store(&r)
-		st := healthpb.HealthCheckResponse_NOT_SERVING
-		if r.Ready {
-			st = healthpb.HealthCheckResponse_SERVING
-		}
-		for _, name := range []string{"", outboxv1.RelayService_ServiceDesc.ServiceName, outboxv1.AdminService_ServiceDesc.ServiceName} {
-			hs.SetServingStatus(name, st)
-		}
-	}
-	setHealth(server.Readiness{Reason: "starting"})
 
-	runCtx, cancelRun := context.WithCancel(context.WithoutCancel(ctx))
-	defer cancelRun()
 	var eg errgroup.Group
-	eg.Go(func() error { return srv.Run(runCtx) })
-	eg.Go(func() error { srv.WatchReadiness(runCtx, f.healthInterval, setHealth); return nil })
-	if authn != nil {
-		eg.Go(func() error { return authn.Watch(runCtx) })
-	}
-	eg.Go(func() error {
-		if err := g.Serve(lis); err != nil && !errors.Is(err, grpc.ErrServerStopped) {
-			return err
-		}
-		return nil
-	})
+	// The replica shuts down when ctx is done: see app.Replica.Shutdown.
+	served := make(chan struct{})
+	eg.Go(func() error { defer close(served); return rep.Serve(ctx, lis) })
 	var httpSrv *http.Server
 	if httpLis != nil {
-		httpSrv = newHTTPServer(reg, &readiness, f.pprof)
+		httpSrv = newHTTPServer(reg, rep.Readiness, f.pprof)
 		eg.Go(func() error {
 			if err := httpSrv.Serve(httpLis); err != nil && !errors.Is(err, http.ErrServerClosed) {
 				return err
 			}
+			return nil
+		})
+		eg.Go(func() error {
+			// /readyz answers "shutting down" while the replica drains;
+			// the HTTP server goes last.
+			<-served
+			httpCtx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+			defer cancel()
+			_ = httpSrv.Shutdown(httpCtx)
 			return nil
 		})
 		log.Info("metrics and health over HTTP", "listen", httpLis.Addr().String())
@@ -289,28 +269,5 @@ func runServer(ctx context.Context, url string, f *serveFlags, log *slog.Logger,
 	if ready != nil {
 		ready(lis.Addr().String())
 	}
-
-	<-ctx.Done()
-	log.Info("shutting down: no new claims; waiting for outstanding acks", "timeout", f.shutdownTimeout)
-	readiness.Store(&server.Readiness{Reason: "shutting down"})
-	hs.Shutdown()
-	stopCtx, cancel := context.WithTimeout(context.Background(), f.shutdownTimeout)
-	srv.Stop(stopCtx)
-	cancel()
-	stopped := make(chan struct{})
-	go func() { g.GracefulStop(); close(stopped) }()
-	select {
-	case <-stopped:
-	case <-time.After(5 * time.Second):
-		g.Stop()
-	}
-	if httpSrv != nil {
-		httpCtx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
-		_ = httpSrv.Shutdown(httpCtx)
-		cancel()
-	}
-	cancelRun()
-	err = eg.Wait()
-	log.Info("outboxd stopped")
-	return err
+	return eg.Wait()
 }

@@ -1,23 +1,26 @@
 // Package servertest runs an outboxd server replica on loopback for tests,
-// as net/http/httptest does for HTTP handlers: a real gRPC server on
-// 127.0.0.1, a client connection to it, and cleanup when the test ends.
+// as net/http/httptest does for HTTP handlers: the production gRPC server
+// of internal/app on 127.0.0.1, a client connection to it, and a graceful
+// shutdown when the test ends.
 package servertest
 
 import (
+	"cmp"
 	"context"
 	"log/slog"
 	"net"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
-	"google.golang.org/grpc/health"
-	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+	"github.com/outboxd/outboxd/internal/app"
+	"github.com/outboxd/outboxd/internal/auth"
 	"github.com/outboxd/outboxd/internal/store"
 	"github.com/outboxd/outboxd/server"
 )
@@ -25,6 +28,9 @@ import (
 // Replica is one running server and a client connection to it.
 type Replica struct {
 	Server *server.Server
+	// App is the composed replica (gRPC server, health, shutdown), the one
+	// `outboxd serve` runs.
+	App *app.Replica
 	// Addr is the gRPC listen address.
 	Addr  string
 	Conn  *grpc.ClientConn
@@ -32,6 +38,10 @@ type Replica struct {
 	Admin outboxv1.AdminServiceClient
 	// Pool is the replica's own database pool.
 	Pool *pgxpool.Pool
+
+	cancel    context.CancelFunc
+	served    chan struct{}
+	closeOnce sync.Once
 }
 
 // Options adjust a replica.
@@ -39,14 +49,22 @@ type Options struct {
 	// Configure edits the server's Config after the test defaults are set:
 	// logs to the test, 200 ms poll and reconcile intervals.
 	Configure func(*server.Config)
-	// ServerOptions are added to grpc.NewServer (interceptors, credentials).
+	// Authenticator, when set, puts the production authentication
+	// interceptors in front of every service.
+	Authenticator *auth.Authenticator
+	// ShutdownTimeout is how long shutting down waits for outstanding
+	// deliveries. Default 5s.
+	ShutdownTimeout time.Duration
+	// ServerOptions are added to the production gRPC server options.
 	ServerOptions []grpc.ServerOption
 	// DialOptions are added to the client connection.
 	DialOptions []grpc.DialOption
 }
 
-// Start runs a replica against the database at url until t ends. The gRPC
-// server also serves the health service, always SERVING.
+// Start runs a replica against the database at url until t ends, built by
+// internal/app as `outboxd serve` builds it: the same interceptors, limits,
+// keepalive, health service and shutdown. It returns once the replica
+// reports ready (health SERVING).
 func Start(t testing.TB, url string, opts Options) *Replica {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
@@ -69,21 +87,24 @@ func Start(t testing.TB, url string, opts Options) *Replica {
 	if opts.Configure != nil {
 		opts.Configure(&cfg)
 	}
-	srv, err := server.New(ctx, cfg)
+	rep, err := app.New(ctx, app.Config{
+		Server:          cfg,
+		Authenticator:   opts.Authenticator,
+		HealthInterval:  time.Second,
+		ShutdownTimeout: cmp.Or(opts.ShutdownTimeout, 5*time.Second),
+		ServerOptions:   opts.ServerOptions,
+	})
 	if err != nil {
+		pool.Close()
 		t.Fatal(err)
 	}
 	lis, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
-	g := grpc.NewServer(opts.ServerOptions...)
-	srv.Register(g)
-	healthpb.RegisterHealthServer(g, health.NewServer())
-	runDone, serveDone := make(chan struct{}), make(chan struct{})
-	go func() { defer close(runDone); _ = srv.Run(ctx) }()
-	go func() { defer close(serveDone); _ = g.Serve(lis) }()
-	r := &Replica{Server: srv, Addr: lis.Addr().String(), Pool: pool}
+	r := &Replica{Server: rep.Server, App: rep, Addr: lis.Addr().String(), Pool: pool,
+		cancel: cancel, served: make(chan struct{})}
+	go func() { defer close(r.served); _ = rep.Serve(ctx, lis) }()
 	dial := append([]grpc.DialOption{grpc.WithTransportCredentials(insecure.NewCredentials())}, opts.DialOptions...)
 	if r.Conn, err = grpc.NewClient(r.Addr, dial...); err != nil {
 		t.Fatal(err)
@@ -91,16 +112,24 @@ func Start(t testing.TB, url string, opts Options) *Replica {
 	r.Relay, r.Admin = outboxv1.NewRelayServiceClient(r.Conn), outboxv1.NewAdminServiceClient(r.Conn)
 	t.Cleanup(func() {
 		r.Conn.Close()
-		stopCtx, stopCancel := context.WithTimeout(context.Background(), 5*time.Second)
-		srv.Stop(stopCtx)
-		stopCancel()
-		g.Stop()
-		<-serveDone
-		cancel()
-		<-runDone
+		r.Close()
 		pool.Close()
 	})
+	select {
+	case <-rep.Ready():
+	case <-time.After(30 * time.Second): // a hang guard
+		t.Fatalf("replica not ready after 30s: %s", rep.Readiness().Reason)
+	}
 	return r
+}
+
+// Close shuts the replica down as SIGTERM does `outboxd serve` (see
+// app.Replica.Shutdown) and returns when it has. Later calls do nothing.
+func (r *Replica) Close() {
+	r.closeOnce.Do(func() {
+		r.cancel()
+		<-r.served
+	})
 }
 
 // Logger routes logs to t.Log, so they show with the test that produced

@@ -1,0 +1,116 @@
+package main_test
+
+import (
+	"context"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+
+	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+	"github.com/outboxd/outboxd/internal/testdb"
+)
+
+// subscribeNoRead opens a Subscribe stream to addr (waiting for the server
+// to listen) and never reads it; it returns once the server has accepted the
+// subscription.
+func subscribeNoRead(t *testing.T, ctx context.Context, addr string, maxInFlight uint32) {
+	t.Helper()
+	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	callCtx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	st, err := outboxv1.NewRelayServiceClient(conn).Subscribe(ctx, &outboxv1.SubscribeRequest{
+		RelayId: "never-reads", MaxInFlight: maxInFlight,
+	}, grpc.WaitForReady(true))
+	if err != nil {
+		t.Fatal(err)
+	}
+	headers := make(chan error, 1)
+	go func() { _, err := st.Header(); headers <- err }()
+	select {
+	case err := <-headers:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-callCtx.Done():
+		t.Fatal("subscription not accepted within 30s")
+	}
+}
+
+func leasedCount(t *testing.T, pool *pgxpool.Pool) int {
+	t.Helper()
+	var n int
+	if err := pool.QueryRow(context.Background(), `SELECT count(*) FROM outbox.delivery WHERE state = 'leased'`).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+// SIGTERM with one idle relay connected and nothing in flight: the process
+// exits at once, not after --shutdown-timeout.
+func TestServeExitsOnSIGTERMWithIdleRelay(t *testing.T) {
+	t.Parallel()
+	ctx := t.Context()
+	url := testdb.New(t)
+	addr := freeAddr(t)
+	p := start(t, "serve", "--database-url", url, "--listen", addr, "--http-listen", "", "--shutdown-timeout", "1m")
+	subscribeNoRead(t, ctx, addr, 10)
+	code, took, ok := p.signalWithin(syscall.SIGTERM, 2*time.Minute)
+	if !ok {
+		t.Fatalf("serve had not exited %v after SIGTERM", took)
+	}
+	if code != 0 {
+		t.Errorf("serve exited %d after SIGTERM, want 0", code)
+	}
+	// Far below the one-minute timeout the old loop always ran out.
+	if took > 10*time.Second {
+		t.Errorf("serve took %v to exit with nothing in flight", took)
+	}
+}
+
+// SIGTERM while a relay that stopped reading holds 40 events of 900 KB (its
+// HTTP/2 window full, the server blocked in Send): the process exits within
+// --shutdown-timeout plus a small margin, and the relay's leases are
+// released, not left to their TTL.
+func TestServeExitsOnSIGTERMWithStalledRelay(t *testing.T) {
+	t.Parallel()
+	ctx := t.Context()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	const n = 40
+	if _, err := pool.Exec(ctx, `SELECT outbox.emit('orders', 'big-' || a, 'Big', jsonb_build_object('pad', repeat('x', 900000)))
+		FROM generate_series(1, $1::int) a`, n); err != nil {
+		t.Fatal(err)
+	}
+	addr := freeAddr(t)
+	const timeout = 2 * time.Second
+	p := start(t, "serve", "--database-url", url, "--listen", addr, "--http-listen", "",
+		"--shutdown-timeout", timeout.String(), "--lease-ttl", "1h")
+	subscribeNoRead(t, ctx, addr, n)
+	for deadline := time.Now().Add(30 * time.Second); leasedCount(t, pool) < n; time.Sleep(20 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d of %d events leased to the stalled relay after 30s", leasedCount(t, pool), n)
+		}
+	}
+	code, took, ok := p.signalWithin(syscall.SIGTERM, time.Minute)
+	if !ok {
+		t.Fatalf("serve had not exited %v after SIGTERM with a stalled relay", took)
+	}
+	if code != 0 {
+		t.Errorf("serve exited %d, want 0", code)
+	}
+	// Timeout, Stop's 1 s grace, then closing connections and releasing.
+	if took > timeout+6*time.Second {
+		t.Errorf("serve took %v to exit with --shutdown-timeout %v", took, timeout)
+	}
+	if held := leasedCount(t, pool); held != 0 {
+		t.Errorf("%d leases (1 h TTL) still held after serve exited", held)
+	}
+}

@@ -1,0 +1,302 @@
+// Package app composes a runnable outboxd replica exactly as `outboxd serve`
+// runs it: the gRPC server with its interceptor chain (metrics, logging,
+// authentication, panic recovery), transport limits and keepalive, the
+// health service driven by readiness checks, reflection, and the graceful
+// shutdown sequence. Both cmd/outboxd and internal/servertest build their
+// replicas here, so tests exercise the server users run rather than a bare
+// grpc.NewServer.
+package app
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	grpcprom "github.com/grpc-ecosystem/go-grpc-middleware/providers/prometheus"
+	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/logging"
+	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/recovery"
+	"github.com/prometheus/client_golang/prometheus"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/health"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/keepalive"
+	"google.golang.org/grpc/reflection"
+	"google.golang.org/grpc/status"
+
+	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+	"github.com/outboxd/outboxd/internal/auth"
+	"github.com/outboxd/outboxd/server"
+)
+
+// Transport limits of the gRPC listener.
+const (
+	// MaxRecvMsgSize bounds one request: the largest is an Ack of 1000 items
+	// (about 200 KiB); anything bigger is refused before it is decoded.
+	MaxRecvMsgSize = 1 << 20
+	// MaxConcurrentStreams bounds the RPCs in flight on one connection.
+	MaxConcurrentStreams = 1024
+)
+
+// Defaults of Config.
+const (
+	DefaultShutdownTimeout = 15 * time.Second
+	DefaultHealthInterval  = 2 * time.Second
+	// gracefulStopTimeout bounds waiting for the calls still running once
+	// every relay stream has ended (acks, admin calls) before connections
+	// are closed under them.
+	gracefulStopTimeout = 5 * time.Second
+	// drainTimeout bounds waiting, after connections are closed, for the
+	// last streams to give their leases back.
+	drainTimeout = 10 * time.Second
+)
+
+// Config configures a Replica.
+type Config struct {
+	// Server is the outboxd server's configuration. Its Registerer, when
+	// set, also receives the gRPC metrics.
+	Server server.Config
+	// Authenticator, when not nil, authenticates and authorises every call
+	// but health (and reflection, unless it protects it).
+	Authenticator *auth.Authenticator
+	// Creds are the listener's transport credentials. Default: plaintext.
+	Creds credentials.TransportCredentials
+	// Reflection serves gRPC server reflection (for grpcurl).
+	Reflection bool
+	// HealthInterval is how often readiness (database reachable, schema
+	// current) is checked and published to the health service. Default 2s.
+	HealthInterval time.Duration
+	// ShutdownTimeout is how long shutting down waits for outstanding
+	// deliveries to be acked before ending the streams. Default 15s.
+	ShutdownTimeout time.Duration
+	// ServerOptions are appended to the gRPC server's options.
+	ServerOptions []grpc.ServerOption
+}
+
+// Replica is a runnable outboxd replica: the server registered on the
+// production gRPC server. Create it with New, run it with Serve.
+type Replica struct {
+	// Server is the outboxd server (RelayService and AdminService).
+	Server *server.Server
+	// GRPC is the gRPC server it is registered on.
+	GRPC *grpc.Server
+
+	cfg       Config
+	log       *slog.Logger
+	health    *health.Server
+	readiness atomic.Pointer[server.Readiness]
+	ready     chan struct{} // closed when first ready
+	readyOnce sync.Once
+	readyMu   sync.Mutex
+	stopping  bool // under readyMu; set by Shutdown: readiness stays "shutting down"
+}
+
+// New builds a replica: it validates cfg.Server and loads the lease key
+// (see server.New), then builds the gRPC server around it.
+func New(ctx context.Context, cfg Config) (*Replica, error) {
+	if cfg.ShutdownTimeout == 0 {
+		cfg.ShutdownTimeout = DefaultShutdownTimeout
+	}
+	if cfg.HealthInterval == 0 {
+		cfg.HealthInterval = DefaultHealthInterval
+	}
+	switch {
+	case cfg.ShutdownTimeout < 0:
+		return nil, fmt.Errorf("app: Config.ShutdownTimeout %v must not be negative", cfg.ShutdownTimeout)
+	case cfg.HealthInterval < 0:
+		return nil, fmt.Errorf("app: Config.HealthInterval %v must be positive", cfg.HealthInterval)
+	}
+	log := cfg.Server.Logger
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	srv, err := server.New(ctx, cfg.Server)
+	if err != nil {
+		return nil, err
+	}
+	reg := cfg.Server.Registerer
+	if reg == nil {
+		reg = prometheus.NewRegistry() // metrics nobody reads
+	}
+	r := &Replica{Server: srv, cfg: cfg, log: log, health: health.NewServer(), ready: make(chan struct{})}
+	r.GRPC = newGRPCServer(log, reg, srv, cfg)
+	srv.Register(r.GRPC)
+	healthpb.RegisterHealthServer(r.GRPC, r.health)
+	if cfg.Reflection {
+		reflection.Register(r.GRPC)
+	}
+	r.setReadiness(server.Readiness{Reason: "starting"})
+	return r, nil
+}
+
+// Readiness is the replica's latest readiness: what the health service and
+// /readyz report.
+func (r *Replica) Readiness() server.Readiness { return *r.readiness.Load() }
+
+// Ready is closed the first time the replica reports ready (health
+// SERVING), which Serve's first readiness check does at once.
+func (r *Replica) Ready() <-chan struct{} { return r.ready }
+
+func (r *Replica) setReadiness(rd server.Readiness) {
+	r.readyMu.Lock()
+	defer r.readyMu.Unlock()
+	if r.stopping {
+		return // a readiness check finishing late must not undo Shutdown's
+	}
+	r.readiness.Store(&rd)
+	if rd.Ready {
+		r.readyOnce.Do(func() { close(r.ready) })
+	}
+	st := healthpb.HealthCheckResponse_NOT_SERVING
+	if rd.Ready {
+		st = healthpb.HealthCheckResponse_SERVING
+	}
+	for _, name := range []string{"", outboxv1.RelayService_ServiceDesc.ServiceName, outboxv1.AdminService_ServiceDesc.ServiceName} {
+		r.health.SetServingStatus(name, st)
+	}
+}
+
+// Serve serves on lis until ctx is done, then shuts down (see Shutdown) and
+// returns. It returns early with an error if serving fails.
+func (r *Replica) Serve(ctx context.Context, lis net.Listener) error {
+	runCtx, cancelRun := context.WithCancel(context.WithoutCancel(ctx))
+	defer cancelRun()
+	var wg sync.WaitGroup
+	var runErrs [2]error
+	wg.Add(2)
+	go func() { defer wg.Done(); runErrs[0] = r.Server.Run(runCtx) }()
+	go func() {
+		defer wg.Done()
+		r.Server.WatchReadiness(runCtx, r.cfg.HealthInterval, r.setReadiness)
+	}()
+	if a := r.cfg.Authenticator; a != nil {
+		wg.Add(1)
+		go func() { defer wg.Done(); runErrs[1] = a.Watch(runCtx) }()
+	}
+	served := make(chan error, 1)
+	go func() { served <- r.GRPC.Serve(lis) }()
+
+	var serveErr error
+	select {
+	case <-ctx.Done():
+		r.Shutdown()
+		serveErr = <-served
+	case serveErr = <-served:
+		r.Shutdown()
+	}
+	if errors.Is(serveErr, grpc.ErrServerStopped) {
+		serveErr = nil
+	}
+	cancelRun()
+	wg.Wait()
+	return errors.Join(serveErr, runErrs[0], runErrs[1])
+}
+
+// Shutdown ends serving, bounded by Config.ShutdownTimeout plus a few
+// seconds whatever relays do: health turns NOT_SERVING and every relay
+// stream stops claiming at once; streams end as their outstanding
+// deliveries are acked, the rest when the timeout passes (their leases
+// released). Then the remaining calls get a short grace before connections
+// are closed, which also ends any stream still blocked sending to a relay
+// that does not read.
+func (r *Replica) Shutdown() {
+	r.log.Info("shutting down: no new claims; waiting for outstanding acks", "timeout", r.cfg.ShutdownTimeout)
+	r.setReadiness(server.Readiness{Reason: "shutting down"})
+	r.readyMu.Lock()
+	r.stopping = true
+	r.readyMu.Unlock()
+	r.health.Shutdown()
+	stopCtx, cancel := context.WithTimeout(context.Background(), r.cfg.ShutdownTimeout)
+	stuck := r.Server.Stop(stopCtx)
+	cancel()
+	if stuck == nil {
+		stopped := make(chan struct{})
+		go func() { r.GRPC.GracefulStop(); close(stopped) }()
+		t := time.NewTimer(gracefulStopTimeout)
+		select {
+		case <-stopped:
+		case <-t.C:
+		}
+		t.Stop()
+	}
+	// Closes every connection: a stream blocked sending to a relay that
+	// stopped reading fails its send, ends and releases its leases.
+	r.GRPC.Stop()
+	drainCtx, cancel := context.WithTimeout(context.Background(), drainTimeout)
+	defer cancel()
+	if err := r.Server.Wait(drainCtx); err != nil {
+		r.log.Warn("relay streams did not end after their connections closed; their leases expire by TTL", "err", err)
+	}
+	r.log.Info("outboxd stopped")
+}
+
+// newGRPCServer builds the gRPC server with its interceptors, outermost
+// first: metrics see every call's final code and duration; the log line is
+// written when a call finishes; authentication (when configured) refuses
+// callers before any handler or validation runs; recovery turns a handler's
+// panic into INTERNAL (counted) before the others see it.
+func newGRPCServer(log *slog.Logger, reg prometheus.Registerer, srv *server.Server, cfg Config) *grpc.Server {
+	metrics := grpcprom.NewServerMetrics(grpcprom.WithServerHandlingTimeHistogram(
+		grpcprom.WithHistogramBuckets([]float64{.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10})))
+	reg.MustRegister(metrics)
+	rpcLog := logging.LoggerFunc(func(ctx context.Context, level logging.Level, msg string, fields ...any) {
+		log.Log(ctx, slog.Level(level), msg, fields...)
+	})
+	logOpts := []logging.Option{
+		logging.WithLogOnEvents(logging.FinishCall),
+		logging.WithLevels(rpcLogLevel),
+	}
+	panics := recovery.WithRecoveryHandlerContext(func(ctx context.Context, p any) error {
+		srv.RecoveredPanic()
+		log.ErrorContext(ctx, "panic in RPC handler", "panic", fmt.Sprint(p))
+		return status.Error(codes.Internal, "internal error")
+	})
+	unary := []grpc.UnaryServerInterceptor{metrics.UnaryServerInterceptor(), logging.UnaryServerInterceptor(rpcLog, logOpts...)}
+	stream := []grpc.StreamServerInterceptor{metrics.StreamServerInterceptor(), logging.StreamServerInterceptor(rpcLog, logOpts...)}
+	if a := cfg.Authenticator; a != nil {
+		unary = append(unary, a.UnaryServerInterceptor())
+		stream = append(stream, a.StreamServerInterceptor())
+	}
+	unary = append(unary, recovery.UnaryServerInterceptor(panics))
+	stream = append(stream, recovery.StreamServerInterceptor(panics))
+	opts := []grpc.ServerOption{
+		grpc.ChainUnaryInterceptor(unary...),
+		grpc.ChainStreamInterceptor(stream...),
+		grpc.MaxRecvMsgSize(MaxRecvMsgSize),
+		grpc.MaxConcurrentStreams(MaxConcurrentStreams),
+		// Relays keep one long stream open: ping idle connections so a dead
+		// peer is noticed (and its leases released) within a minute, and
+		// refuse clients that ping more often than every 10 s.
+		grpc.KeepaliveParams(keepalive.ServerParameters{Time: 30 * time.Second, Timeout: 20 * time.Second}),
+		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 10 * time.Second, PermitWithoutStream: true}),
+	}
+	if cfg.Creds != nil {
+		opts = append(opts, grpc.Creds(cfg.Creds))
+	}
+	g := grpc.NewServer(append(opts, cfg.ServerOptions...)...)
+	metrics.InitializeMetrics(g)
+	return g
+}
+
+// rpcLogLevel keeps the busy path quiet: successful calls (thousands of acks
+// a second) log at debug, a caller's mistakes at info, server-side failures
+// at warn and error.
+func rpcLogLevel(code codes.Code) logging.Level {
+	switch code {
+	case codes.OK:
+		return logging.LevelDebug
+	case codes.Canceled, codes.InvalidArgument, codes.NotFound, codes.AlreadyExists, codes.FailedPrecondition,
+		codes.Unauthenticated, codes.PermissionDenied, codes.OutOfRange:
+		return logging.LevelInfo
+	case codes.Unavailable, codes.DeadlineExceeded, codes.ResourceExhausted, codes.Aborted:
+		return logging.LevelWarn
+	default:
+		return logging.LevelError
+	}
+}

@@ -1,0 +1,264 @@
+package server_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/durationpb"
+
+	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+	"github.com/outboxd/outboxd/internal/testdb"
+	"github.com/outboxd/outboxd/server"
+)
+
+// stopAsync runs Stop with the given deadline and reports its result and
+// how long it took.
+func stopAsync(s *server.Server, deadline time.Duration) <-chan stopResult {
+	c := make(chan stopResult, 1)
+	go func() {
+		ctx, cancel := context.WithTimeout(context.Background(), deadline)
+		defer cancel()
+		start := time.Now()
+		err := s.Stop(ctx)
+		c <- stopResult{err, time.Since(start)}
+	}()
+	return c
+}
+
+type stopResult struct {
+	err     error
+	elapsed time.Duration
+}
+
+// waitStop waits (bounded, a hang guard) for Stop to return.
+func waitStop(t *testing.T, c <-chan stopResult, bound time.Duration) stopResult {
+	t.Helper()
+	select {
+	case r := <-c:
+		return r
+	case <-time.After(bound):
+		t.Fatalf("Stop had not returned after %v", bound)
+		return stopResult{}
+	}
+}
+
+// recvEnd receives from st until the stream ends (bounded) and returns the
+// deliveries it got and the error that ended it.
+func recvEnd(t *testing.T, st outboxv1.RelayService_SubscribeClient) ([]*outboxv1.SubscribeResponse, error) {
+	t.Helper()
+	type res struct {
+		got []*outboxv1.SubscribeResponse
+		err error
+	}
+	c := make(chan res, 1)
+	go func() {
+		var got []*outboxv1.SubscribeResponse
+		for {
+			d, err := st.Recv()
+			if err != nil {
+				c <- res{got, err}
+				return
+			}
+			got = append(got, d)
+		}
+	}()
+	select {
+	case r := <-c:
+		return r.got, r.err
+	case <-time.After(30 * time.Second):
+		t.Fatal("stream did not end within 30s")
+		return nil, nil
+	}
+}
+
+// Once Stop has begun no session claims again: an event committed after
+// that is not leased to the stream that is draining, although it has spare
+// credit; the stream ends as soon as its last delivery is acked, and new
+// subscriptions are refused.
+func TestStopHandsOutNoNewLease(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	r := startReplica(t, url, nil)
+	emit(t, pool, "orders", "a", 1)
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{Streams: []string{"orders"}, MaxInFlight: 2})
+	a := recv(t, st)
+
+	stopped := stopAsync(r.Server, time.Minute)
+	<-r.Server.Stopping()
+	// Committed after the stop began; the producer's wake-up reaches the
+	// session, which has one credit to spare.
+	emit(t, pool, "orders", "b", 1)
+	late, err := r.Relay.Subscribe(ctx, &outboxv1.SubscribeRequest{RelayId: "late", Streams: []string{"orders"}, MaxInFlight: 1})
+	if err == nil {
+		_, err = late.Recv()
+	}
+	if status.Code(err) != codes.Unavailable {
+		t.Errorf("Subscribe during Stop: %v, want Unavailable", err)
+	}
+
+	if res := ack(t, r, a); res[0].GetStatus() != outboxv1.AckStatus_ACK_STATUS_PUBLISHED {
+		t.Fatalf("ack of the draining delivery: %v", res)
+	}
+	got, err := recvEnd(t, st)
+	for _, d := range got {
+		t.Errorf("delivered after Stop began: %s/%s", d.GetEvent().GetStream(), d.GetEvent().GetAggregateKey())
+	}
+	if status.Code(err) != codes.Unavailable {
+		t.Errorf("stream ended with %v, want Unavailable", err)
+	}
+	if res := waitStop(t, stopped, 30*time.Second); res.err != nil {
+		t.Errorf("Stop: %v", res.err)
+	}
+	agg, err := r.Admin.GetAggregate(ctx, &outboxv1.GetAggregateRequest{Stream: "orders", AggregateKey: "b"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if agg.GetAggregate().GetState() == outboxv1.AggregateState_AGGREGATE_STATE_LEASED || agg.GetAggregate().GetAttempt() != 0 {
+		t.Errorf("event committed after Stop began was claimed: %v", agg.GetAggregate())
+	}
+}
+
+// With nothing in flight, Stop ends an idle relay's stream at once instead
+// of waiting out its deadline.
+func TestStopWithNothingInFlightReturnsAtOnce(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	url := testdb.New(t)
+	r := startReplica(t, url, nil)
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 10})
+	if _, err := st.Header(); err != nil { // the session exists
+		t.Fatal(err)
+	}
+	const deadline = time.Minute
+	res := waitStop(t, stopAsync(r.Server, deadline), deadline+10*time.Second)
+	if res.err != nil {
+		t.Errorf("Stop: %v", res.err)
+	}
+	// Generous for a loaded machine, and far below the deadline the old
+	// loop always ran out.
+	if res.elapsed > 5*time.Second {
+		t.Errorf("Stop with an idle relay took %v (deadline %v)", res.elapsed, deadline)
+	}
+	if _, err := recvEnd(t, st); status.Code(err) != codes.Unavailable {
+		t.Errorf("idle stream ended with %v, want Unavailable", err)
+	}
+}
+
+// bigBacklog emits n events of about 900 KB, one per aggregate: more than
+// HTTP/2 flow control lets a relay that does not read take, so the server's
+// Send to it blocks.
+func bigBacklog(t *testing.T, pool *pgxpool.Pool, stream string, n int) {
+	t.Helper()
+	if _, err := pool.Exec(context.Background(), `SELECT outbox.emit($1, 'big-' || a, 'Big', jsonb_build_object('pad', repeat('x', 900000)))
+		FROM generate_series(1, $2::int) a`, stream, n); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// countLeased is how many aggregates are leased right now.
+func countLeased(t *testing.T, pool *pgxpool.Pool) int32 {
+	t.Helper()
+	var n int32
+	if err := pool.QueryRow(context.Background(), `SELECT count(*) FROM outbox.delivery WHERE state = 'leased'`).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+// A relay that stopped reading with its HTTP/2 window full blocks the
+// session in Send, where it cannot see an abort. Stop still returns by its
+// deadline (plus the short grace), saying a stream is stuck; closing the
+// replica's connections then ends that stream and releases its leases.
+func TestStopHonoursDeadlineWithStalledRelay(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	r := startReplica(t, url, nil)
+	const n = 40
+	bigBacklog(t, pool, "orders", n)
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: n, LeaseTtl: durationpb.New(time.Hour)})
+	if _, err := st.Header(); err != nil {
+		t.Fatal(err)
+	}
+	// Never read: the session claims all n and blocks sending them.
+	waitFor(t, func() int32 {
+		if countLeased(t, pool) == n {
+			return 1
+		}
+		return 0
+	})
+
+	const deadline = 2 * time.Second
+	res := waitStop(t, stopAsync(r.Server, deadline), 30*time.Second)
+	if res.elapsed > deadline+3*time.Second {
+		t.Errorf("Stop took %v with a %v deadline", res.elapsed, deadline)
+	}
+	if res.err == nil {
+		t.Error("Stop reported every stream ended, but the stalled one cannot have: the test did not stall Send")
+	}
+	closed := make(chan struct{})
+	go func() { r.Close(); close(closed) }()
+	select {
+	case <-closed:
+	case <-time.After(30 * time.Second):
+		t.Fatal("replica shutdown did not end with a stalled relay")
+	}
+	if held := countLeased(t, pool); held != 0 {
+		t.Errorf("%d leases still held (1 h TTL) after the stalled stream was closed", held)
+	}
+}
+
+// A Subscribe that passed its checks as Stop began, and reaches the point
+// of adding its session only after Stop returned, is refused: Stop has
+// accounted for every session it let in, and none runs after it.
+func TestSubscribeRacingStopIsRefused(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	url := testdb.New(t)
+	r := startReplica(t, url, nil)
+	reached, stopped := make(chan struct{}), make(chan struct{})
+	r.Server.SetBeforeAddSession(func() { close(reached); <-stopped })
+	ended := make(chan error, 1)
+	go func() {
+		st, err := r.Relay.Subscribe(ctx, &outboxv1.SubscribeRequest{RelayId: "late", MaxInFlight: 1})
+		if err == nil {
+			// An accepted subscription announces its session id.
+			if md, _ := st.Header(); len(md.Get(server.SessionIDHeader)) > 0 {
+				t.Errorf("session %s accepted after Stop returned", md.Get(server.SessionIDHeader)[0])
+			}
+			_, err = st.Recv()
+		}
+		ended <- err
+	}()
+	<-reached
+	if res := waitStop(t, stopAsync(r.Server, 30*time.Second), time.Minute); res.err != nil {
+		t.Fatalf("Stop: %v", res.err)
+	}
+	close(stopped)
+	select {
+	case err := <-ended:
+		if status.Code(err) != codes.Unavailable {
+			t.Errorf("Subscribe racing Stop ended with %v, want Unavailable", err)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("Subscribe racing Stop neither refused nor ended")
+	}
+	relays, err := r.Admin.ListRelays(ctx, &outboxv1.ListRelaysRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(relays.GetRelays()) != 0 {
+		t.Errorf("a session was added after Stop returned: %v", relays.GetRelays())
+	}
+}
