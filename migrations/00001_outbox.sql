@@ -582,11 +582,13 @@ BEGIN
             (stream, aggregate_key, state, delivered_revision, claimable_at, pending_since)
         SELECT a.stream, a.aggregate_key, 'ready', a.first_revision - 1, a.first_created, a.first_created
         FROM agg a ORDER BY a.stream, a.aggregate_key
+        -- A row in another state already has work in hand: it is only
+        -- locked (waiting for an ack or claim holding it, then looking at
+        -- the row as they left it), not rewritten.
         ON CONFLICT (stream, aggregate_key) DO UPDATE
-        SET state = CASE WHEN d.state IN ('idle', 'gap') THEN 'ready' ELSE d.state END,
-            claimable_at = CASE WHEN d.state IN ('idle', 'gap') THEN excluded.claimable_at ELSE d.claimable_at END,
-            pending_since = least(d.pending_since, excluded.pending_since),
-            gap_revision = CASE WHEN d.state IN ('idle', 'gap') THEN NULL ELSE d.gap_revision END
+        SET state = 'ready', claimable_at = excluded.claimable_at,
+            pending_since = excluded.pending_since, gap_revision = NULL
+        WHERE d.state IN ('idle', 'gap')
         RETURNING d.stream, d.aggregate_key, d.delivered_revision
     ), late AS (
         -- Candidates only: one already published by the time the row was

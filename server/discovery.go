@@ -14,7 +14,7 @@ import (
 // concurrent rounds cost one advisory-lock attempt each.
 //
 // While rounds find events the loop runs every DiscoveryInterval; while they
-// find nothing it doubles the wait up to DiscoveryIdleInterval, which is then
+// find nothing it lengthens the wait by as much up to DiscoveryIdleInterval, which is then
 // the longest an event waits for its first round. An empty round takes no
 // transaction id and writes nothing.
 func (s *Server) discover(ctx context.Context) {
@@ -41,7 +41,10 @@ func (s *Server) discover(ctx context.Context) {
 			s.wake.broadcast()
 			wait = s.cfg.DiscoveryInterval
 		default:
-			wait = min(wait*2, s.cfg.DiscoveryIdleInterval)
+			// Linear, not doubling: under a steady trickle of events the
+			// pauses stay short, and an idle replica still settles at
+			// DiscoveryIdleInterval within a fraction of a second.
+			wait = min(wait+s.cfg.DiscoveryInterval, s.cfg.DiscoveryIdleInterval)
 		}
 		t.Reset(wait)
 	}
