@@ -2,7 +2,9 @@ package bench
 
 import (
 	"context"
+	"fmt"
 	"log/slog"
+	"os"
 	"strings"
 	"testing"
 	"time"
@@ -13,7 +15,34 @@ import (
 	"github.com/outboxd/outboxd/internal/testdb"
 )
 
-func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+// serverBinary is cmd/outboxd built once for the package's tests.
+var serverBinary string
+
+func TestMain(m *testing.M) {
+	dir, err := os.MkdirTemp("", "outboxd-bench-test-")
+	if err != nil {
+		panic(err)
+	}
+	serverBinary, err = BuildServer(context.Background(), dir)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
+	}
+	// goleak.VerifyTestMain exits; the binary's directory goes first.
+	goleak.VerifyTestMain(exitHook{m, dir})
+}
+
+// exitHook removes the test binary's directory once the tests ran.
+type exitHook struct {
+	m   *testing.M
+	dir string
+}
+
+func (h exitHook) Run() int {
+	code := h.m.Run()
+	os.RemoveAll(h.dir)
+	return code
+}
 
 // The whole pipeline, briefly, against the real PostgreSQL: every arm and
 // workload runs and the account is clean. Nothing here asserts a timing: on
@@ -26,6 +55,9 @@ func TestRunEndToEnd(t *testing.T) {
 	var logs strings.Builder
 	rep, err := Run(ctx, Config{
 		DatabaseURL:   testdb.ServerURL(),
+		ServerBinary:  serverBinary,
+		Arms:          []string{ArmCeilingInsert, ArmCeilingInsertMark, ArmNaivePoller, ArmOutboxd},
+		Workloads:     []string{WorkloadSteady, WorkloadLatency, WorkloadDrain, WorkloadHot},
 		Duration:      300 * time.Millisecond,
 		Warmup:        100 * time.Millisecond,
 		Producers:     2,
@@ -78,6 +110,67 @@ func TestRunEndToEnd(t *testing.T) {
 	assertNoScratchDatabases(t, rep)
 }
 
+// The peers, the producer workload and held-xmin, briefly: every peer
+// delivers through the same sink and ledger, nothing is lost, counts add
+// up, and every arm reports its tables.
+func TestRunPeersProducerHeldXmin(t *testing.T) {
+	if testing.Short() {
+		t.Skip("needs PostgreSQL")
+	}
+	var logs strings.Builder
+	rep, err := Run(t.Context(), Config{
+		DatabaseURL:   testdb.ServerURL(),
+		ServerBinary:  serverBinary,
+		Arms:          []string{ArmOutboxd, ArmWatermill10ms, ArmRiver},
+		Workloads:     []string{WorkloadSteady, WorkloadProducer, WorkloadHeldXmin},
+		Quick:         true,
+		Duration:      300 * time.Millisecond,
+		Warmup:        100 * time.Millisecond,
+		Producers:     2,
+		Relays:        1,
+		Aggregates:    50,
+		SinkLatencies: []time.Duration{0},
+		Logger:        slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelWarn})),
+		Progress:      tWriter{t},
+	})
+	if err != nil {
+		t.Fatalf("run: %v\nlogs:\n%s", err, logs.String())
+	}
+	// steady: outboxd and two peers; producer: three paths; held-xmin:
+	// outboxd under each holder (the quick set).
+	want := map[string]int{WorkloadSteady: 3, WorkloadProducer: 3, WorkloadHeldXmin: 2}
+	got := map[string]int{}
+	for _, res := range rep.Results {
+		got[res.Workload]++
+		if len(res.Tables) == 0 {
+			t.Errorf("%s: no table statistics", res.label())
+		}
+		if res.Workload == WorkloadProducer {
+			if res.Counts != nil || res.Throughput <= 0 {
+				t.Errorf("%s: counts %v, %v ev/s; want no account and some commits", res.label(), res.Counts, res.Throughput)
+			}
+			continue
+		}
+		c := res.Counts
+		if c == nil {
+			t.Errorf("%s: no account", res.label())
+			continue
+		}
+		if c.Lost != 0 || c.Unexpected != 0 || (promisesOrder(res.Arm) && c.Reordered != 0) {
+			t.Errorf("%s: %+v", res.label(), *c)
+		}
+		if c.Committed == 0 || c.Delivered+c.Backlog != c.Committed {
+			t.Errorf("%s: %d committed, %d delivered + %d pending", res.label(), c.Committed, c.Delivered, c.Backlog)
+		}
+	}
+	for w, n := range want {
+		if got[w] != n {
+			t.Errorf("%s: %d results, want %d", w, got[w], n)
+		}
+	}
+	assertNoScratchDatabases(t, rep)
+}
+
 // An interrupted run still drops what it created.
 func TestRunCancelledCleansUp(t *testing.T) {
 	if testing.Short() {
@@ -86,7 +179,8 @@ func TestRunCancelledCleansUp(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	time.AfterFunc(700*time.Millisecond, cancel)
 	rep, err := Run(ctx, Config{
-		DatabaseURL: testdb.ServerURL(), Workloads: []string{WorkloadSteady}, Arms: []string{ArmOutboxd},
+		DatabaseURL: testdb.ServerURL(), ServerBinary: serverBinary,
+		Workloads: []string{WorkloadSteady}, Arms: []string{ArmOutboxd},
 		Duration: 10 * time.Second, Warmup: 100 * time.Millisecond, Producers: 2, Relays: 1, Aggregates: 10,
 		SinkLatencies: []time.Duration{0},
 	})
