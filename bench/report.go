@@ -10,6 +10,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"strings"
 	"text/tabwriter"
 	"time"
@@ -342,6 +343,14 @@ func (res *Result) label() string {
 	return s
 }
 
+// armName is the arm, and who held the xmin in held-xmin.
+func (res *Result) armName() string {
+	if res.Holder != "" {
+		return res.Arm + " (" + res.Holder + ")"
+	}
+	return res.Arm
+}
+
 func (res *Result) progressLine() string {
 	s := fmt.Sprintf("%-48s %9.0f ev/s", res.label(), res.Throughput)
 	if c := res.Counts; c != nil {
@@ -448,7 +457,7 @@ func (r *Report) ratios() []Ratio {
 	// Context, no goals: how each arm compares with the database's floor and
 	// with the naive poller at every sink latency.
 	if ceiling != nil {
-		for _, arm := range []string{ArmCeilingInsertMark, ArmNaivePoller, ArmOutboxd} {
+		for _, arm := range append([]string{ArmCeilingInsertMark, ArmNaivePoller, ArmOutboxd}, PeerArms...) {
 			for _, l := range sinks {
 				if res := r.find(WorkloadSteady, arm, durationMs(l), 0); res != nil && (arm != ArmCeilingInsertMark || l == sinks[0]) {
 					name := arm + " steady / ceiling-insert"
@@ -472,6 +481,49 @@ func (r *Report) ratios() []Ratio {
 	n, o := r.find(WorkloadHot, ArmNaivePoller, durationMs(firstOr(sinks, 0)), 0), r.find(WorkloadHot, ArmOutboxd, durationMs(firstOr(sinks, 0)), 0)
 	if n != nil && o != nil {
 		atLeast("outboxd / naive-poller hot aggregate", ratio(rate(o), rate(n)), 0, "×", "context")
+	}
+	// outboxd against each peer, at every sink latency both ran; the goal
+	// is against Watermill at its default poll with a 0 sink.
+	for _, l := range sinks {
+		o := r.find(WorkloadSteady, ArmOutboxd, durationMs(l), 0)
+		for _, peer := range PeerArms {
+			p := r.find(WorkloadSteady, peer, durationMs(l), 0)
+			if o == nil || p == nil {
+				continue
+			}
+			goal, note := 0.0, "context"
+			if peer == ArmWatermill && l == 0 {
+				goal, note = 1.3, ""
+			}
+			atLeast(fmt.Sprintf("outboxd / %s steady (sink %s)", peer, fmtMs(l)), ratio(rate(o), rate(p)), goal, "×", note)
+		}
+	}
+	// The producer's tax: each outbox path against a plain INSERT, back to
+	// back in the same run.
+	if plain := r.find(WorkloadProducer, ArmCeilingInsert, 0, 0); plain != nil {
+		if e := r.find(WorkloadProducer, ArmEmit, 0, 0); e != nil {
+			atLeast("producer: outbox.emit / plain INSERT", ratio(rate(e), rate(plain)), 0.8, "×", "")
+		}
+		if t := r.find(WorkloadProducer, ArmInsertTrigger, 0, 0); t != nil {
+			atLeast("producer: INSERT into outbox.event (trigger) / plain INSERT", ratio(rate(t), rate(plain)), 0, "×", "context")
+		}
+	}
+	// A held transaction id against the same arm's steady run.
+	for _, res := range r.Results {
+		if res.Workload != WorkloadHeldXmin {
+			continue
+		}
+		sink := durationMs(orZero(res.SinkLatencyMs))
+		steady := r.find(WorkloadSteady, res.Arm, sink, 0)
+		if steady == nil {
+			continue
+		}
+		goal, note := 0.0, "context"
+		if res.Arm == ArmOutboxd {
+			goal, note = 0.8, ""
+		}
+		atLeast(fmt.Sprintf("%s held-xmin (%s) / steady (sink %s)", res.Arm, res.Holder, fmtMs(ms(sink))),
+			ratio(rate(res), rate(steady)), goal, "×", note)
 	}
 	return out
 }
@@ -558,7 +610,7 @@ func (r *Report) WriteTable(w io.Writer) {
 			if c := res.Counts; c != nil {
 				lost, reord, dup, left = fmt.Sprint(c.Lost), fmt.Sprint(c.Reordered), fmt.Sprint(c.Duplicates), fmt.Sprint(c.Backlog)
 			}
-			fmt.Fprintf(tw, "%s\t%s\t%s\t%.0f\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t\n", res.Arm, sink, backlog, res.Throughput, produced,
+			fmt.Fprintf(tw, "%s\t%s\t%s\t%.0f\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t\n", res.armName(), sink, backlog, res.Throughput, produced,
 				fmtPercentiles(res.CommitToSink), fmtPercentiles(res.CommitToPublished), lost, reord, dup, left)
 		}
 		tw.Flush()
@@ -574,7 +626,7 @@ func (r *Report) WriteTable(w io.Writer) {
 				backlog = fmtCount(res.Backlog)
 			}
 			c := res.CPU
-			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%.0f\t%.2f\t%.2f\t %s\t\n", res.Arm, sink, backlog,
+			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%.0f\t%.2f\t%.2f\t %s\t\n", res.armName(), sink, backlog,
 				fmtOpt(&c.BenchMsPer1k, "%.0f"), fmtOpt(c.ServerMsPer1k, "%.0f"), fmtOpt(c.PostgresMsPer1k, "%.0f"),
 				fmtOpt(c.TotalMsPer1k, "%.0f"), fmtOpt(c.MachineBusyPct, "%.0f"), fmtOpt(c.OtherLoadPct, "%.0f"),
 				fmtOpt(res.ServerPeakRSSMiB, "%.0f"),
@@ -582,6 +634,9 @@ func (r *Report) WriteTable(w io.Writer) {
 		}
 		tw.Flush()
 	}
+
+	r.writeSideBySide(w)
+	r.writeTables(w)
 
 	fmt.Fprintln(w, "\n== goals (docs/benchmark.md) and context ratios, all from this run ==")
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
@@ -686,4 +741,80 @@ func firstLine(s string) string {
 		return s[:i]
 	}
 	return s
+}
+
+// writeSideBySide prints outboxd and the peers in steady at each sink
+// latency: events/s, the ratio to the ceiling and outboxd's ratio to each,
+// latency and reorders.
+func (r *Report) writeSideBySide(w io.Writer) {
+	ceiling := r.find(WorkloadSteady, ArmCeilingInsert, 0, 0)
+	var rows []*Result
+	for _, res := range r.Results {
+		if res.Workload == WorkloadSteady && (res.Arm == ArmOutboxd || slices.Contains(PeerArms, res.Arm)) {
+			rows = append(rows, res)
+		}
+	}
+	if len(rows) == 0 {
+		return
+	}
+	fmt.Fprintln(w, "\n== outboxd and the peers side by side (steady) ==")
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintln(tw, "arm\tsink\tev/s\t× ceiling-insert\toutboxd ÷ arm\tcommit→sink p50/p99/p99.9\treordered\tlost\t")
+	for _, res := range rows {
+		sink := "-"
+		if res.SinkLatencyMs != nil {
+			sink = fmtMs(*res.SinkLatencyMs)
+		}
+		toCeiling, fromOutboxd := "-", "-"
+		if ceiling != nil && ceiling.Throughput > 0 {
+			toCeiling = fmt.Sprintf("%.2f", res.Throughput/ceiling.Throughput)
+		}
+		if o := r.find(WorkloadSteady, ArmOutboxd, durationMs(orZero(res.SinkLatencyMs)), 0); o != nil && res.Throughput > 0 {
+			fromOutboxd = fmt.Sprintf("%.2f", o.Throughput/res.Throughput)
+		}
+		reord, lost := "-", "-"
+		if c := res.Counts; c != nil {
+			reord, lost = fmt.Sprint(c.Reordered), fmt.Sprint(c.Lost)
+			if c.Reordered > 0 && !promisesOrder(res.Arm) {
+				reord += " (no order promised)"
+			}
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%.0f\t%s\t%s\t%s\t%s\t%s\t\n", res.Arm, sink, res.Throughput, toCeiling, fromOutboxd,
+			fmtPercentiles(res.CommitToSink), reord, lost)
+	}
+	tw.Flush()
+}
+
+// writeTables prints every arm's tables: dead tuples at the end and growth
+// over the arm.
+func (r *Report) writeTables(w io.Writer) {
+	header := false
+	for _, res := range r.Results {
+		if len(res.Tables) == 0 || (res.Workload != WorkloadSteady && res.Workload != WorkloadHeldXmin) {
+			continue
+		}
+		if !header {
+			fmt.Fprintln(w, "\n== tables at the end of steady and held-xmin arms: dead tuples (n_dead_tup), growth (pg_total_relation_size) ==")
+			header = true
+		}
+		var parts []string
+		for _, t := range res.Tables {
+			if t.DeadTuples == 0 && t.GrowthBytes == 0 {
+				continue
+			}
+			parts = append(parts, fmt.Sprintf("%s dead %d live %d +%s", t.Name, t.DeadTuples, t.LiveTuples, fmtBytes(t.GrowthBytes)))
+		}
+		if len(parts) == 0 {
+			parts = []string{"no dead tuples, no growth"}
+		}
+		fmt.Fprintf(w, "%-52s %s\n", res.label(), strings.Join(parts, "; "))
+	}
+}
+
+// fmtBytes writes a size in KiB or MiB.
+func fmtBytes(b int64) string {
+	if b >= 1<<20 || b <= -(1<<20) {
+		return fmt.Sprintf("%.1fMiB", float64(b)/(1<<20))
+	}
+	return fmt.Sprintf("%dKiB", b/1024)
 }
