@@ -1,6 +1,7 @@
 package bench
 
 import (
+	"encoding/json"
 	"fmt"
 	"image/color"
 	"io"
@@ -19,27 +20,53 @@ import (
 	"gonum.org/v1/plot/vg/vgsvg"
 )
 
-// Colours per arm, the same in every panel.
+// Colours per arm, the same in every panel: greys for the database's own
+// floor, red for the naive poller, blue for outboxd, warm colours for the
+// peers, greens for the producer paths.
 var armColors = map[string]color.Color{
 	ArmCeilingInsert:     color.RGBA{R: 150, G: 150, B: 150, A: 255},
 	ArmCeilingInsertMark: color.RGBA{R: 95, G: 95, B: 95, A: 255},
 	ArmNaivePoller:       color.RGBA{R: 214, G: 39, B: 40, A: 255},
 	ArmOutboxd:           color.RGBA{R: 31, G: 119, B: 180, A: 255},
+	ArmWatermill:         color.RGBA{R: 255, G: 127, B: 14, A: 255},
+	ArmWatermill10ms:     color.RGBA{R: 188, G: 189, B: 34, A: 255},
+	ArmRiver:             color.RGBA{R: 148, G: 103, B: 189, A: 255},
+	ArmEmit:              color.RGBA{R: 31, G: 119, B: 180, A: 255},
+	ArmInsertTrigger:     color.RGBA{R: 44, G: 160, B: 44, A: 255},
 }
 
-// WritePlot draws the run as four panels: steady throughput per arm, the
-// latency workload's CDFs, drain and hot throughput, and steady CPU per
-// event split by process. The file's extension picks SVG or PNG.
+// panel is one question the plot answers: a plot, and its legend, which is
+// drawn below the plot so that it never covers data.
+type panel struct {
+	p      *plot.Plot
+	legend *plot.Legend
+}
+
+// WritePlot draws the run as one panel per question: steady throughput per
+// arm (peers included), the latency workload's commit→sink CDFs (peers
+// included), drain and hot throughput, the producer's cost, held-xmin
+// against steady, and steady CPU per event by process. Panels whose
+// workload did not run are left out. The file's extension picks PNG (the
+// default to read) or SVG.
 func (r *Report) WritePlot(path string) error {
 	ext := strings.ToLower(filepath.Ext(path))
 	if ext != ".svg" && ext != ".png" {
-		return fmt.Errorf("bench: plot %s: the name must end in .svg or .png", path)
+		return fmt.Errorf("bench: plot %s: the name must end in .png or .svg", path)
 	}
-	panels := [][]*plot.Plot{
-		{r.steadyPlot(), r.latencyPlot()},
-		{r.drainHotPlot(), r.cpuPlot()},
+	var panels []panel
+	for _, pn := range []panel{
+		r.steadyPanel(), r.latencyPanel(), r.drainHotPanel(), r.producerPanel(), r.heldXminPanel(), r.cpuPanel(),
+	} {
+		if pn.p != nil {
+			panels = append(panels, pn)
+		}
 	}
-	const width, height = 36 * vg.Centimeter, 26 * vg.Centimeter
+	if len(panels) == 0 {
+		return fmt.Errorf("bench: plot %s: no results to draw", path)
+	}
+	const cols = 2
+	rows := (len(panels) + cols - 1) / cols
+	width, height := 40*vg.Centimeter, vg.Length(rows)*15*vg.Centimeter
 	var (
 		canvas vg.CanvasSizer
 		write  func(io.Writer) error
@@ -48,20 +75,17 @@ func (r *Report) WritePlot(path string) error {
 		c := vgsvg.New(width, height)
 		canvas, write = c, func(w io.Writer) error { _, err := c.WriteTo(w); return err }
 	} else {
-		c := vgimg.New(width, height)
+		c := vgimg.NewWith(vgimg.UseWH(width, height), vgimg.UseDPI(110))
 		canvas, write = c, func(w io.Writer) error { _, err := (vgimg.PngCanvas{Canvas: c}).WriteTo(w); return err }
 	}
 	dc := draw.New(canvas)
 	// A white background, so the PNG reads on a dark page too.
 	dc.SetColor(color.White)
 	dc.Fill(dc.Rectangle.Path())
-	tiles := draw.Tiles{Rows: 2, Cols: 2, PadTop: vg.Centimeter / 2, PadBottom: vg.Centimeter / 2,
-		PadLeft: vg.Centimeter / 2, PadRight: vg.Centimeter / 2, PadX: vg.Centimeter, PadY: vg.Centimeter}
-	canvases := plot.Align(panels, tiles, dc)
-	for i := range panels {
-		for j := range panels[i] {
-			panels[i][j].Draw(canvases[i][j])
-		}
+	tiles := draw.Tiles{Rows: rows, Cols: cols, PadTop: vg.Centimeter / 2, PadBottom: vg.Centimeter / 2,
+		PadLeft: vg.Centimeter / 2, PadRight: vg.Centimeter / 2, PadX: 1.5 * vg.Centimeter, PadY: vg.Centimeter}
+	for i, pn := range panels {
+		pn.draw(tiles.At(dc, i%cols, i/cols))
 	}
 	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
 		return err
@@ -77,20 +101,45 @@ func (r *Report) WritePlot(path string) error {
 	return f.Close()
 }
 
+// draw draws the plot, and its legend in a strip of its own below it.
+func (pn panel) draw(c draw.Canvas) {
+	if pn.legend == nil {
+		pn.p.Draw(c)
+		return
+	}
+	r := pn.legend.Rectangle(c)
+	strip := r.Max.Y - r.Min.Y + vg.Points(6)
+	pn.p.Draw(draw.Crop(c, 0, 0, strip, 0))
+	legendArea := draw.Crop(c, 0, 0, 0, -(c.Max.Y - c.Min.Y - strip))
+	pn.legend.Draw(legendArea)
+}
+
+func newLegend() *plot.Legend {
+	l := plot.NewLegend()
+	l.Left, l.Top = true, true
+	l.Padding = vg.Points(2)
+	return &l
+}
+
 // bar is one horizontal bar of a panel.
 type bar struct {
 	label string
 	value float64
 	arm   string
+	// text is printed at the bar's end; empty prints the value.
+	text string
 }
 
-// barPlot draws bars top to bottom in the order given.
+// barPlot draws bars top to bottom in the order given, each labelled on the
+// axis and with its value at its end. The axis leaves room past the longest
+// bar for its value.
 func barPlot(title, xLabel string, bars []bar) *plot.Plot {
 	p := plot.New()
 	p.Title.Text = title
 	p.X.Label.Text = xLabel
 	p.X.Min = 0
 	labels := make([]string, len(bars))
+	largest := 0.0
 	for i, b := range bars {
 		pos := len(bars) - 1 - i // the first bar on top
 		labels[pos] = b.label
@@ -98,7 +147,8 @@ func barPlot(title, xLabel string, bars []bar) *plot.Plot {
 		if math.IsNaN(v) {
 			v = 0
 		}
-		bc, err := plotter.NewBarChart(plotter.Values{v}, vg.Points(14))
+		largest = max(largest, v)
+		bc, err := plotter.NewBarChart(plotter.Values{v}, vg.Points(12))
 		if err != nil {
 			continue
 		}
@@ -111,10 +161,14 @@ func barPlot(title, xLabel string, bars []bar) *plot.Plot {
 	if len(bars) > 0 {
 		p.NominalY(labels...)
 		values := make([]float64, len(bars))
+		texts := make([]string, len(bars))
 		for i, b := range bars {
-			values[len(bars)-1-i] = b.value
+			values[len(bars)-1-i], texts[len(bars)-1-i] = b.value, b.text
 		}
-		addValueLabels(p, values, math.Inf(1))
+		addValueLabels(p, values, texts, math.Inf(1))
+	}
+	if largest > 0 {
+		p.X.Max = largest * 1.3
 	}
 	p.X.Tick.Marker = wholeTicks
 	p.Add(plotter.NewGrid())
@@ -132,15 +186,19 @@ var wholeTicks = plot.TickerFunc(func(min, max float64) []plot.Tick {
 	return ticks
 })
 
-// addValueLabels writes each bar's value at its end (bars at y = 0, 1, ...);
-// a bar cut off at clipAt shows its value at the edge instead.
-func addValueLabels(p *plot.Plot, values []float64, clipAt float64) {
+// addValueLabels writes each bar's value (or its text) just past its end
+// (bars at y = 0, 1, ...); a bar cut off at clipAt shows its value at the
+// edge instead, with an arrow.
+func addValueLabels(p *plot.Plot, values []float64, texts []string, clipAt float64) {
 	var xyl plotter.XYLabels
 	for i, v := range values {
-		if math.IsNaN(v) || v <= 0 {
+		if math.IsNaN(v) || v < 0 {
 			continue
 		}
 		label := strconv.FormatFloat(v, 'f', 0, 64)
+		if i < len(texts) && texts[i] != "" {
+			label = texts[i]
+		}
 		x := v
 		if v > clipAt {
 			x, label = clipAt, label+" →"
@@ -155,25 +213,46 @@ func addValueLabels(p *plot.Plot, values []float64, clipAt float64) {
 	if err != nil {
 		return
 	}
-	labels.Offset = vg.Point{X: vg.Points(3), Y: -vg.Points(4)}
+	for i := range labels.TextStyle {
+		labels.TextStyle[i].YAlign = draw.YCenter
+	}
+	labels.Offset = vg.Point{X: vg.Points(4)}
 	p.Add(labels)
 }
 
-func (r *Report) steadyPlot() *plot.Plot {
-	var bars []bar
-	for _, res := range r.Results {
-		if res.Workload == WorkloadSteady {
-			label := res.Arm
-			if res.SinkLatencyMs != nil {
-				label += ", sink " + fmtMs(*res.SinkLatencyMs)
-			}
-			bars = append(bars, bar{label: label, value: res.Throughput, arm: res.Arm})
-		}
+// armLabel names a result on an axis: the arm and its sink latency.
+func armLabel(res *Result) string {
+	label := res.Arm
+	if res.SinkLatencyMs != nil && res.Arm != ArmCeilingInsert && res.Arm != ArmCeilingInsertMark {
+		label += ", sink " + fmtMs(*res.SinkLatencyMs)
 	}
-	return barPlot(fmt.Sprintf("steady: events/s delivered (P=%d, K=%d)", r.Settings.Producers, r.Settings.Relays), "events/s", bars)
+	return label
 }
 
-func (r *Report) drainHotPlot() *plot.Plot {
+func (r *Report) steadyPanel() panel {
+	var bars []bar
+	var ceiling float64
+	if c := r.find(WorkloadSteady, ArmCeilingInsert, 0, 0); c != nil {
+		ceiling = c.Throughput
+	}
+	for _, res := range r.Results {
+		if res.Workload != WorkloadSteady {
+			continue
+		}
+		text := ""
+		if ceiling > 0 {
+			text = fmt.Sprintf("%.0f  (%.2f×)", res.Throughput, res.Throughput/ceiling)
+		}
+		bars = append(bars, bar{label: armLabel(res), value: res.Throughput, arm: res.Arm, text: text})
+	}
+	if len(bars) == 0 {
+		return panel{}
+	}
+	return panel{p: barPlot(fmt.Sprintf("Steady: events/s delivered (P=%d, K=%d)", r.Settings.Producers, r.Settings.Relays),
+		"events/s (× ceiling-insert)", bars)}
+}
+
+func (r *Report) drainHotPanel() panel {
 	var bars []bar
 	for _, res := range r.Results {
 		switch res.Workload {
@@ -183,15 +262,66 @@ func (r *Report) drainHotPlot() *plot.Plot {
 			bars = append(bars, bar{label: res.Arm + ", hot aggregate", value: res.Throughput, arm: res.Arm})
 		}
 	}
-	return barPlot("drain and hot aggregate: events/s (sink 0)", "events/s", bars)
+	if len(bars) == 0 {
+		return panel{}
+	}
+	return panel{p: barPlot("Drain a backlog, and one hot aggregate: events/s", "events/s", bars)}
 }
 
-// cpuPlot stacks each steady arm's CPU per 1,000 events by process.
-func (r *Report) cpuPlot() *plot.Plot {
-	p := plot.New()
-	p.Title.Text = "steady: CPU ms per 1,000 events"
-	p.X.Label.Text = "CPU ms / 1,000 events"
-	p.X.Min = 0
+// producerPanel shows what each producer path commits per second, with its
+// ratio to a plain INSERT.
+func (r *Report) producerPanel() panel {
+	plain := r.find(WorkloadProducer, ArmCeilingInsert, 0, 0)
+	var bars []bar
+	for _, res := range r.Results {
+		if res.Workload != WorkloadProducer {
+			continue
+		}
+		name := map[string]string{
+			ArmCeilingInsert: "plain INSERT", ArmEmit: "outbox.emit", ArmInsertTrigger: "INSERT outbox.event (trigger)",
+		}[res.Arm]
+		text := ""
+		if plain != nil && plain.Throughput > 0 {
+			text = fmt.Sprintf("%.0f  (%.2f×)", res.Throughput, res.Throughput/plain.Throughput)
+		}
+		bars = append(bars, bar{label: name, value: res.Throughput, arm: res.Arm, text: text})
+	}
+	if len(bars) == 0 {
+		return panel{}
+	}
+	return panel{p: barPlot(fmt.Sprintf("Producer cost: commits/s, nothing delivering (P=%d)", r.Settings.Producers),
+		"commits/s (× plain INSERT)", bars)}
+}
+
+// heldXminPanel puts each held-xmin run under the same arm's steady run.
+func (r *Report) heldXminPanel() panel {
+	var bars []bar
+	seen := map[string]bool{}
+	for _, res := range r.Results {
+		if res.Workload != WorkloadHeldXmin {
+			continue
+		}
+		sink := durationMs(orZero(res.SinkLatencyMs))
+		steady := r.find(WorkloadSteady, res.Arm, sink, 0)
+		if steady != nil && !seen[res.Arm] {
+			seen[res.Arm] = true
+			bars = append(bars, bar{label: res.Arm + ", steady", value: steady.Throughput, arm: res.Arm})
+		}
+		text := ""
+		if steady != nil && steady.Throughput > 0 {
+			text = fmt.Sprintf("%.0f  (%.2f×)", res.Throughput, res.Throughput/steady.Throughput)
+		}
+		bars = append(bars, bar{label: res.Arm + ", xmin held " + res.Holder, value: res.Throughput, arm: res.Arm, text: text})
+	}
+	if len(bars) == 0 {
+		return panel{}
+	}
+	slices.SortStableFunc(bars, func(a, b bar) int { return strings.Compare(a.arm, b.arm) })
+	return panel{p: barPlot("Held xmin: events/s against the same arm's steady run", "events/s (× steady)", bars)}
+}
+
+// cpuPanel stacks each steady arm's CPU per 1,000 events by process.
+func (r *Report) cpuPanel() panel {
 	var rows []*Result
 	for _, res := range r.Results {
 		if res.Workload == WorkloadSteady {
@@ -199,16 +329,22 @@ func (r *Report) cpuPlot() *plot.Plot {
 		}
 	}
 	if len(rows) == 0 {
-		return p
+		return panel{}
 	}
+	p := plot.New()
+	p.Title.Text = "Steady: CPU ms per 1,000 events, by process"
+	p.X.Label.Text = "CPU ms / 1,000 events"
+	p.X.Min = 0
+	legend := newLegend()
 	parts := []struct {
 		name  string
 		color color.Color
 		value func(*Result) float64
 	}{
-		{"postgres", color.RGBA{R: 44, G: 160, B: 44, A: 255}, func(res *Result) float64 { return orZero(res.CPU.PostgresMsPer1k) }},
-		{"server", color.RGBA{R: 31, G: 119, B: 180, A: 255}, func(res *Result) float64 { return orZero(res.CPU.ServerMsPer1k) }},
-		{"bench process (producers, relays, sink)", color.RGBA{R: 255, G: 127, B: 14, A: 255}, func(res *Result) float64 { return orZero(&res.CPU.BenchMsPer1k) }},
+		{"PostgreSQL", color.RGBA{R: 44, G: 160, B: 44, A: 255}, func(res *Result) float64 { return orZero(res.CPU.PostgresMsPer1k) }},
+		{"outboxd server", color.RGBA{R: 31, G: 119, B: 180, A: 255}, func(res *Result) float64 { return orZero(res.CPU.ServerMsPer1k) }},
+		{"bench process (producers, relays or peer consumers, sink)", color.RGBA{R: 255, G: 127, B: 14, A: 255},
+			func(res *Result) float64 { return orZero(&res.CPU.BenchMsPer1k) }},
 	}
 	labels := make([]string, len(rows))
 	totals := make([]float64, len(rows))
@@ -219,12 +355,9 @@ func (r *Report) cpuPlot() *plot.Plot {
 			pos := len(rows) - 1 - i
 			vals[pos] = part.value(res)
 			totals[pos] += vals[pos]
-			labels[pos] = res.Arm
-			if res.SinkLatencyMs != nil {
-				labels[pos] += ", sink " + fmtMs(*res.SinkLatencyMs)
-			}
+			labels[pos] = armLabel(res)
 		}
-		bc, err := plotter.NewBarChart(vals, vg.Points(14))
+		bc, err := plotter.NewBarChart(vals, vg.Points(12))
 		if err != nil {
 			continue
 		}
@@ -236,47 +369,53 @@ func (r *Report) cpuPlot() *plot.Plot {
 		}
 		below = bc
 		p.Add(bc)
-		p.Legend.Add(part.name, bc)
+		legend.Add(part.name, bc)
 	}
-	p.Legend.Top = true
 	p.NominalY(labels...)
 	// One arm can cost a hundred times the others: cut the axis after the
 	// largest total within 5x the median so the rest stay readable; every
 	// bar's value is printed, the cut ones with an arrow.
 	clip := math.Inf(1)
 	sorted := slices.Sorted(slices.Values(totals))
-	if median := sorted[len(sorted)/2]; median > 0 && sorted[len(sorted)-1] > 5*median {
+	largest := sorted[len(sorted)-1]
+	if median := sorted[len(sorted)/2]; median > 0 && largest > 5*median {
 		for _, t := range sorted {
 			if t <= 5*median {
 				clip = t
 			}
 		}
-		p.X.Max = clip * 1.3
+		largest = clip
 	}
-	addValueLabels(p, totals, clip)
+	if largest > 0 {
+		p.X.Max = largest * 1.3
+	}
+	addValueLabels(p, totals, nil, clip)
 	p.X.Tick.Marker = wholeTicks
 	p.Add(plotter.NewGrid())
-	return p
+	return panel{p: p, legend: legend}
 }
 
-// latencyPlot draws the latency workload's commit→published_at (solid) and
-// commit→sink (dashed) distributions on a log scale.
-func (r *Report) latencyPlot() *plot.Plot {
+// latencyPanel draws the latency workload's commit→sink distributions on a
+// log scale, one line per arm, and outboxd's commit→published_at dashed.
+func (r *Report) latencyPanel() panel {
 	p := plot.New()
-	p.Title.Text = "latency at half load: CDF (solid commit→published_at, dashed commit→sink)"
-	p.X.Label.Text = "ms (log scale)"
+	rate := 0.0
+	p.X.Label.Text = "ms after the producer's commit (log scale)"
 	p.Y.Label.Text = "fraction of events"
 	p.Y.Min, p.Y.Max = 0, 1
+	legend := newLegend()
 	lines := 0
 	for _, res := range r.Results {
 		if res.Workload != WorkloadLatency {
 			continue
 		}
+		rate = res.TargetRate
 		for _, series := range []struct {
 			points []CDFPoint
 			dashed bool
-		}{{res.CDFPublished, false}, {res.CDFSink, true}} {
-			if len(series.points) == 0 {
+			name   string
+		}{{res.CDFSink, false, res.Arm + ": commit→sink"}, {res.CDFPublished, true, res.Arm + ": commit→published_at"}} {
+			if len(series.points) == 0 || (series.dashed && res.Arm != ArmOutboxd) {
 				continue
 			}
 			xys := make(plotter.XYs, len(series.points))
@@ -293,23 +432,20 @@ func (r *Report) latencyPlot() *plot.Plot {
 			line.Width = vg.Points(1.5)
 			if series.dashed {
 				line.Dashes = []vg.Length{vg.Points(4), vg.Points(3)}
-			} else {
-				p.Legend.Add(fmt.Sprintf("%s at %.0f ev/s", res.Arm, res.TargetRate), line)
 			}
 			p.Add(line)
+			legend.Add(series.name, line)
 			lines++
 		}
 	}
-	if lines > 0 { // a log axis over no data has no range to draw
-		p.X.Scale = plot.LogScale{}
-		p.X.Tick.Marker = plot.LogTicks{Prec: -1}
+	if lines == 0 {
+		return panel{}
 	}
-	p.Legend.Left = false
-	p.Legend.Top = false
-	p.Legend.XOffs = -vg.Centimeter / 2
-	p.Legend.YOffs = vg.Centimeter
+	p.Title.Text = fmt.Sprintf("Latency at half load (%.0f events/s open loop): CDF", rate)
+	p.X.Scale = plot.LogScale{}
+	p.X.Tick.Marker = plot.LogTicks{Prec: -1}
 	p.Add(plotter.NewGrid())
-	return p
+	return panel{p: p, legend: legend}
 }
 
 func orZero(v *float64) float64 {
@@ -317,4 +453,17 @@ func orZero(v *float64) float64 {
 		return 0
 	}
 	return *v
+}
+
+// ReadReport reads a report WriteJSON wrote, to draw it again.
+func ReadReport(path string) (*Report, error) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return nil, err
+	}
+	var r Report
+	if err := json.Unmarshal(b, &r); err != nil {
+		return nil, fmt.Errorf("bench: %s: %w", path, err)
+	}
+	return &r, nil
 }

@@ -43,6 +43,7 @@ func command() *cobra.Command {
 		plotPath     string
 		serverBinary string
 		cpuProfile   string
+		replot       string
 	)
 	cmd := &cobra.Command{
 		Use:   "outboxd-bench",
@@ -80,6 +81,16 @@ compare arms of the same run.`,
 		SilenceErrors: true,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			ctx := cmd.Context()
+			if replot != "" {
+				rep, err := bench.ReadReport(replot)
+				if err != nil {
+					return err
+				}
+				if plotPath == "" {
+					return errors.New("--replot needs --plot")
+				}
+				return rep.WritePlot(plotPath)
+			}
 			var level slog.Level
 			if err := level.UnmarshalText([]byte(logLevel)); err != nil {
 				return fmt.Errorf("--log-level %q: want debug, info, warn or error", logLevel)
@@ -158,5 +169,6 @@ compare arms of the same run.`,
 	fl.StringVar(&plotPath, "plot", "", "draw the figures to this .png or .svg file")
 	fl.StringVar(&serverBinary, "server-binary", "", "the outboxd binary whose serve command runs the server (default: build cmd/outboxd from the main module)")
 	fl.StringVar(&cpuProfile, "cpuprofile", "", "write a CPU profile of the benchmark process (producers, relays, peers, sink) to this file")
+	fl.StringVar(&replot, "replot", "", "run nothing: draw --plot from this JSON file of an earlier run")
 	return cmd
 }
