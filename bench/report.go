@@ -48,6 +48,9 @@ type Settings struct {
 	DrainSizes    []int     `json:"drain_sizes"`
 	ServerMode    string    `json:"server_mode"`
 	PayloadBytes  int       `json:"payload_bytes"`
+	// Sink is "in-process", or the real broker's URL (password hidden)
+	// every delivery was published to first.
+	Sink string `json:"sink"`
 }
 
 // Machine describes where the run happened.
@@ -148,6 +151,10 @@ func newReport(cfg *Config) *Report {
 		DurationS: cfg.Duration.Seconds(), WarmupS: cfg.Warmup.Seconds(),
 		Producers: cfg.Producers, Relays: cfg.Relays, MaxInFlight: cfg.MaxInFlight,
 		Aggregates: cfg.Aggregates, DrainSizes: cfg.DrainSizes, ServerMode: mode, PayloadBytes: payloadSize,
+		Sink: "in-process",
+	}
+	if cfg.SinkURL != "" {
+		s.Sink = "in-process after " + redactURL(cfg.SinkURL)
 	}
 	for _, l := range cfg.SinkLatencies {
 		s.SinkLatencyMs = append(s.SinkLatencyMs, ms(l))
@@ -577,8 +584,8 @@ func (r *Report) WriteTable(w io.Writer) {
 	m := r.Machine
 	fmt.Fprintf(w, "outboxd bench: %s, %d cores (%s), %s\n", m.OS, m.Cores, m.CPUModel, firstLine(m.PostgresVersion))
 	s := r.Settings
-	fmt.Fprintf(w, "P=%d producers, K=%d relays/pollers (max in flight %d each), %d aggregates, %s window after %s warm-up, server %s\n",
-		s.Producers, s.Relays, s.MaxInFlight, s.Aggregates, fmtSeconds(s.DurationS), fmtSeconds(s.WarmupS), s.ServerMode)
+	fmt.Fprintf(w, "P=%d producers, K=%d relays/pollers (max in flight %d each), %d aggregates, %s window after %s warm-up, server %s, sink %s\n",
+		s.Producers, s.Relays, s.MaxInFlight, s.Aggregates, fmtSeconds(s.DurationS), fmtSeconds(s.WarmupS), s.ServerMode, s.Sink)
 	fmt.Fprintln(w, "latency = commit→sink (commit→published_at) p50/p99/p99.9 ms; CPU in ms per 1,000 events (= µs per event); * = includes censored samples")
 
 	for _, workload := range AllWorkloads {
