@@ -145,7 +145,7 @@ compare arms of the same run.`,
 				}
 			}
 			if errors.Is(runErr, bench.ErrIncorrect) {
-				fmt.Fprintln(cmd.ErrOrStderr(), "\n!!! BENCHMARK FAILED: events were lost or reordered; the figures above are not valid !!!")
+				fmt.Fprintln(cmd.ErrOrStderr(), "\n!!! BENCHMARK FAILED: an arm lost, invented or (where it promises order) reordered events; that arm's figures are not valid (the table names it) !!!")
 			}
 			return runErr
 		},
