@@ -452,7 +452,7 @@ func (r *Report) ratios() []Ratio {
 			atLeast(fmt.Sprintf("outboxd drain %s / drain %s", fmtCount(large.Backlog), fmtCount(small.Backlog)),
 				ratio(large.Throughput, small.Throughput), 0.9, "×", note)
 		}
-		atLeast(fmt.Sprintf("outboxd drain, slowest backlog (%s)", fmtCount(slowest.Backlog)), slowest.Throughput, 20_000, "ev/s", "")
+		atLeast(fmt.Sprintf("outboxd drain, slowest backlog (%s)", fmtCount(slowest.Backlog)), slowest.Throughput, 30_000, "ev/s", "")
 		if large.ServerPeakRSSMiB != nil {
 			atMost(fmt.Sprintf("outboxd server peak RSS, drain %s, %d in flight", fmtCount(large.Backlog), large.MaxInFlight*large.Relays),
 				*large.ServerPeakRSSMiB, 150, "MiB", note)
