@@ -423,6 +423,10 @@ func (r *Report) ratios() []Ratio {
 		note := fmt.Sprintf("open loop at %.0f ev/s, sink %s", lat.TargetRate, fmtMs(firstOr(sinks, 0)))
 		atMost("outboxd latency p50 commit→published_at", lat.CommitToPublished.P50Ms, 5, "ms", note)
 		atMost("outboxd latency p99 commit→published_at", lat.CommitToPublished.P99Ms, 25, "ms", note)
+		if lat.CommitToSink != nil {
+			atMost("outboxd latency p50 commit→sink", lat.CommitToSink.P50Ms, 2, "ms", note)
+			atMost("outboxd latency p99 commit→sink", lat.CommitToSink.P99Ms, 10, "ms", note)
+		}
 	}
 	var drains []*Result
 	for _, res := range r.Results {

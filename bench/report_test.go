@@ -32,6 +32,7 @@ func TestReportGoals(t *testing.T) {
 	rep := &Report{Settings: Settings{Relays: 4, SinkLatencyMs: []float64{0, 1}}}
 	lat := result(WorkloadLatency, ArmOutboxd, zero, 0, 4000)
 	lat.CommitToPublished = &Percentiles{N: 10, P50Ms: 4, P99Ms: 30}
+	lat.CommitToSink = &Percentiles{N: 10, P50Ms: 1.5, P99Ms: 12}
 	bigDrain := result(WorkloadDrain, ArmOutboxd, zero, 1_000_000, 19_000)
 	bigDrain.ServerPeakRSSMiB = ptr(120.0)
 	rep.Results = []*Result{
@@ -55,7 +56,9 @@ func TestReportGoals(t *testing.T) {
 	check("outboxd steady / ceiling-insert (sink 0", 0.75, true)
 	check("outboxd / naive-poller steady (sink 1ms", 4, false)
 	check("outboxd latency p50", 4, true)
-	check("outboxd latency p99", 30, false)
+	check("outboxd latency p99 commit→published_at", 30, false)
+	check("outboxd latency p50 commit→sink", 1.5, true)
+	check("outboxd latency p99 commit→sink", 12, false)
 	check("outboxd drain 1M / drain 10k", 0.95, true)
 	check("outboxd drain, slowest backlog (1M)", 19_000, false)
 	check("outboxd server peak RSS, drain 1M, 1000 in flight", 120, true)
