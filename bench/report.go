@@ -586,7 +586,7 @@ func (res *Result) MarshalJSON() ([]byte, error) {
 // WriteTable prints a table per workload, then the goals.
 func (r *Report) WriteTable(w io.Writer) {
 	m := r.Machine
-	fmt.Fprintf(w, "outboxd bench: %s, %d cores (%s), %s\n", m.OS, m.Cores, m.CPUModel, firstLine(m.PostgresVersion))
+	fmt.Fprintf(w, "outboxd-bench: %s, %d cores (%s), %s\n", m.OS, m.Cores, m.CPUModel, firstLine(m.PostgresVersion))
 	s := r.Settings
 	fmt.Fprintf(w, "P=%d producers, K=%d relays/pollers (max in flight %d each), %d aggregates, %s window after %s warm-up, server %s, sink %s\n",
 		s.Producers, s.Relays, s.MaxInFlight, s.Aggregates, fmtSeconds(s.DurationS), fmtSeconds(s.WarmupS), s.ServerMode, s.Sink)
