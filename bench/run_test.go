@@ -10,6 +10,8 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
 	"go.uber.org/goleak"
 
 	"github.com/outboxd/outboxd/internal/testdb"
@@ -222,4 +224,56 @@ func (w tWriter) Write(p []byte) (int, error) {
 	w.t.Helper()
 	w.t.Log(strings.TrimRight(string(p), "\n"))
 	return len(p), nil
+}
+
+// --sink: every delivery goes through a real NATS JetStream first and is
+// counted once the broker accepted it. Needs NATS on 127.0.0.1:4222 (CI
+// starts it); the stream is the test's own and is deleted afterwards.
+func TestRunWithNATSSink(t *testing.T) {
+	if testing.Short() {
+		t.Skip("needs PostgreSQL and NATS")
+	}
+	const natsURL = "nats://127.0.0.1:4222"
+	nc, err := nats.Connect(natsURL)
+	if err != nil {
+		t.Skipf("no NATS at %s: %v", natsURL, err)
+	}
+	defer nc.Close()
+	js, err := jetstream.New(nc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	name := strings.ToUpper(strings.TrimPrefix(newPrefix(), DatabasePrefix))
+	stream := "OUTBOXD_BENCH_TEST_" + name
+	t.Cleanup(func() { _ = js.DeleteStream(context.Background(), stream) })
+	sinkURL := fmt.Sprintf("%s?stream=%s&subject=outboxdbenchtest%s.{stream}.{aggregate_key}&duplicates=10s",
+		natsURL, stream, strings.ToLower(name))
+	rep, err := Run(t.Context(), Config{
+		DatabaseURL: testdb.ServerURL(), SinkURL: sinkURL,
+		Workloads: []string{WorkloadSteady}, Arms: []string{ArmRiver},
+		Duration: 300 * time.Millisecond, Warmup: 100 * time.Millisecond, Producers: 2, Aggregates: 20,
+		SinkLatencies: []time.Duration{0}, Progress: tWriter{t},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(rep.Results) != 1 || rep.Results[0].Counts == nil {
+		t.Fatalf("results %+v", rep.Results)
+	}
+	c := rep.Results[0].Counts
+	if c.Lost != 0 || c.Delivered == 0 || c.Delivered+c.Backlog != c.Committed {
+		t.Fatalf("counts %+v", *c)
+	}
+	info, err := js.Stream(t.Context(), stream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// JetStream deduplicates on Nats-Msg-Id, so it holds each delivered
+	// event once.
+	if got := info.CachedInfo().State.Msgs; got != uint64(c.Delivered) {
+		t.Errorf("the stream holds %d messages, the sink counted %d deliveries", got, c.Delivered)
+	}
+	if !strings.Contains(rep.Settings.Sink, "nats://") {
+		t.Errorf("the report's sink is %q", rep.Settings.Sink)
+	}
 }
