@@ -21,6 +21,7 @@ func TestWatermillCloseMidBatchDropsTheBatch(t *testing.T) {
 	if testing.Short() {
 		t.Skip("needs PostgreSQL")
 	}
+	t.Parallel()
 	ctx := t.Context()
 	pool, err := pgxpool.New(ctx, testdb.New(t))
 	if err != nil {

@@ -53,6 +53,7 @@ func TestRunEndToEnd(t *testing.T) {
 	if testing.Short() {
 		t.Skip("needs PostgreSQL")
 	}
+	t.Parallel()
 	ctx := context.Background()
 	var logs strings.Builder
 	rep, err := Run(ctx, Config{
@@ -119,6 +120,7 @@ func TestRunPeersProducerHeldXmin(t *testing.T) {
 	if testing.Short() {
 		t.Skip("needs PostgreSQL")
 	}
+	t.Parallel()
 	var logs strings.Builder
 	rep, err := Run(t.Context(), Config{
 		DatabaseURL:   testdb.ServerURL(),
@@ -178,6 +180,7 @@ func TestRunCancelledCleansUp(t *testing.T) {
 	if testing.Short() {
 		t.Skip("needs PostgreSQL")
 	}
+	t.Parallel()
 	ctx, cancel := context.WithCancel(context.Background())
 	time.AfterFunc(700*time.Millisecond, cancel)
 	rep, err := Run(ctx, Config{
@@ -233,6 +236,7 @@ func TestRunWithNATSSink(t *testing.T) {
 	if testing.Short() {
 		t.Skip("needs PostgreSQL and NATS")
 	}
+	t.Parallel()
 	const natsURL = "nats://127.0.0.1:4222"
 	nc, err := nats.Connect(natsURL)
 	if err != nil {
