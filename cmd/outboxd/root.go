@@ -37,7 +37,7 @@ func rootCommand() *cobra.Command {
 	root.PersistentFlags().StringVar(&g.logLevel, "log-level", "info", "log level: debug, info, warn, error")
 	root.AddCommand(serveCommand(&g), devCommand(&g), relayCommand(&g), migrateCommand(&g),
 		lagCommand(), relaysCommand(), aggregateCommand(), eventsCommand(),
-		retryCommand(), skipCommand(), purgeCommand(), benchCommand(&g))
+		retryCommand(), skipCommand(), purgeCommand(), benchCommand())
 	return root
 }
 

@@ -24,8 +24,8 @@ const (
 
 // Event is one row of outbox.event as a producer committed it. Every delivery
 // of the same event carries exactly the same event_id, payload bytes and
-// headers (DESIGN.md invariant 2), so brokers and consumers can deduplicate on
-// event_id.
+// headers (invariant 2, stable identity, in docs/design.md), so brokers and
+// consumers can deduplicate on event_id.
 type Event struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// event_id is the event's stable identity, a UUID in its canonical text form

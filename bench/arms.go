@@ -24,17 +24,17 @@ const (
 	// benchStream and benchEventType name every event the benchmark writes.
 	benchStream    = "bench"
 	benchEventType = "BenchEvent"
-	// payloadSize is the size of every event's JSON payload (BENCH.md: ~200
-	// bytes).
+	// payloadSize is the size of every event's JSON payload
+	// (docs/benchmark.md: ~200 bytes).
 	payloadSize = 200
 	// drainRevisions is how many events each aggregate of a drain backlog
-	// holds (BENCH.md: N events across N/10 aggregates).
+	// holds (docs/benchmark.md: N events across N/10 aggregates).
 	drainRevisions = 10
 	// backlogPad pads the drain backlog's payloads, built in SQL, to about
 	// payloadSize: jsonb prints their other fields in about 55 bytes.
 	backlogPad = payloadSize - 55
 	// naivePollInterval is how long a naive poller waits after finding
-	// nothing ("poll again later", as the chapter says). Short, to give the
+	// nothing ("poll again later", as the textbook protocol says). Short, to give the
 	// naive design its best latency.
 	naivePollInterval = 10 * time.Millisecond
 )
@@ -96,15 +96,22 @@ func intField(doc []byte, key string) (int64, bool) {
 type countingSink struct {
 	latency time.Duration
 	ledger  *Ledger
+	// next, when set, is a real broker that must accept the event first.
+	next relay.Publisher
 
 	mu     sync.Mutex
 	errors int64
 	first  error
 }
 
-func (s *countingSink) Publish(_ context.Context, ev relay.Event) error {
+func (s *countingSink) Publish(ctx context.Context, ev relay.Event) error {
 	if s.latency > 0 {
 		time.Sleep(s.latency)
+	}
+	if s.next != nil {
+		if err := s.next.Publish(ctx, ev); err != nil {
+			return err // offered again, as a failed broker publish is
+		}
 	}
 	at := time.Now().UnixNano()
 	agg, err := strconv.Atoi(ev.AggregateKey)
@@ -176,9 +183,20 @@ type arm interface {
 	// stop stops delivery, letting publishes under way finish, then the
 	// server. It is safe to call when nothing was started.
 	stop(ctx context.Context) error
-	// scan reports every event the database holds (publishedNs 0: pending).
+	// scan reports every event the database holds (publishedNs 0: pending;
+	// publishedUnknown: published, time not recorded).
 	scan(ctx context.Context, pool *pgxpool.Pool, fn func(agg int, rev, publishedNs int64) error) error
+	// deletesOnAck says a delivered event leaves the table, so an event
+	// scan does not find was acked (if it reached the sink) or lost.
+	deletesOnAck() bool
+	// tables is a condition on pg_stat_user_tables naming the tables the
+	// arm writes, whose dead tuples and growth the report shows.
+	tables() string
 }
+
+// publishedUnknown is what scan reports for an event the database records
+// as delivered without a time.
+const publishedUnknown = -1
 
 func newArm(name string, cfg *Config) arm {
 	switch name {
@@ -188,6 +206,16 @@ func newArm(name string, cfg *Config) arm {
 		return &ceilingArm{mark: true}
 	case ArmNaivePoller:
 		return &naiveArm{}
+	case ArmEmit:
+		return &producerArm{trigger: false}
+	case ArmInsertTrigger:
+		return &producerArm{trigger: true}
+	case ArmWatermill:
+		return &watermillArm{}
+	case ArmWatermill10ms:
+		return &watermillArm{poll: 10 * time.Millisecond}
+	case ArmRiver:
+		return &riverArm{}
 	default:
 		return &outboxdArm{binary: cfg.ServerBinary}
 	}
@@ -205,6 +233,8 @@ func (*ceilingArm) stop(context.Context) error                                 {
 func (*ceilingArm) scan(context.Context, *pgxpool.Pool, func(int, int64, int64) error) error {
 	return nil
 }
+func (*ceilingArm) deletesOnAck() bool { return false }
+func (*ceilingArm) tables() string     { return "schemaname = 'bench' AND relname = 'ceiling_event'" }
 
 func (c *ceilingArm) produce(ctx context.Context, conn *pgxpool.Conn, agg int, payload []byte) (int64, error) {
 	var id [16]byte
@@ -221,6 +251,39 @@ func (c *ceilingArm) produce(ctx context.Context, conn *pgxpool.Conn, agg int, p
 			 WHERE event_id = $1 AND published_at IS NULL`, id); err != nil {
 			return 0, fmt.Errorf("bench: ceiling mark: %w", err)
 		}
+	}
+	return rev, nil
+}
+
+// producerArm is the producer workload's outbox path: outbox.emit (client.Emit),
+// or with trigger a plain INSERT into outbox.event that leaves the revision
+// to the table's trigger. Nothing delivers.
+type producerArm struct{ trigger bool }
+
+func (*producerArm) delivers() bool                                             { return false }
+func (*producerArm) prepare(context.Context, *armEnv, int) error                { return nil }
+func (*producerArm) startServer(context.Context, *armEnv) (serverHandle, error) { return nil, nil }
+func (*producerArm) startDelivery(context.Context, *armEnv) error               { return nil }
+func (*producerArm) stop(context.Context) error                                 { return nil }
+func (*producerArm) scan(context.Context, *pgxpool.Pool, func(int, int64, int64) error) error {
+	return nil
+}
+func (*producerArm) deletesOnAck() bool { return false }
+func (*producerArm) tables() string     { return "schemaname = 'outbox'" }
+
+func (a *producerArm) produce(ctx context.Context, conn *pgxpool.Conn, agg int, payload []byte) (int64, error) {
+	if !a.trigger {
+		e, err := client.Emit(ctx, conn, client.Event{
+			Stream: benchStream, AggregateKey: strconv.Itoa(agg), Type: benchEventType, Payload: payload,
+		})
+		return e.Revision, err
+	}
+	var rev int64
+	if err := conn.QueryRow(ctx,
+		`INSERT INTO outbox.event (stream, aggregate_key, event_type, payload)
+		 VALUES ($1, $2, $3, $4::jsonb) RETURNING revision`,
+		benchStream, strconv.Itoa(agg), benchEventType, string(payload)).Scan(&rev); err != nil {
+		return 0, fmt.Errorf("bench: insert into outbox.event: %w", err)
 	}
 	return rev, nil
 }
@@ -276,19 +339,11 @@ func (*outboxdArm) produce(ctx context.Context, conn *pgxpool.Conn, agg int, pay
 func (a *outboxdArm) startServer(ctx context.Context, env *armEnv) (serverHandle, error) {
 	// Assigned only on success: a nil *childServer in the interface would
 	// not compare equal to nil in stop.
-	if a.binary != "" {
-		s, err := startChildServer(ctx, a.binary, env.dbURL, logWriter{env.log})
-		if err != nil {
-			return nil, err
-		}
-		a.server = s
-	} else {
-		s, err := startInProcessServer(ctx, env.dbURL, env.log)
-		if err != nil {
-			return nil, err
-		}
-		a.server = s
+	s, err := startChildServer(ctx, a.binary, env.dbURL, logWriter{env.log})
+	if err != nil {
+		return nil, err
 	}
+	a.server = s
 	return a.server, nil
 }
 
@@ -316,7 +371,10 @@ func (*outboxdArm) scan(ctx context.Context, pool *pgxpool.Pool, fn func(int, in
 		`SELECT aggregate_key, revision, published_at FROM outbox.event WHERE stream = 'bench'`, fn)
 }
 
-// naiveArm is the chapter's protocol done in SQL by K workers: lock an
+func (*outboxdArm) deletesOnAck() bool { return false }
+func (*outboxdArm) tables() string     { return "schemaname = 'outbox'" }
+
+// naiveArm is the textbook outbox protocol done in SQL by K workers: lock an
 // aggregate with pending events FOR UPDATE SKIP LOCKED, select its earliest
 // pending event FOR UPDATE, publish while holding the transaction, mark,
 // commit.
@@ -328,7 +386,7 @@ type naiveArm struct {
 	errs   []error
 }
 
-// The chapter's SQL, with its tables renamed to the benchmark's.
+// The textbook SQL, with its tables renamed to the benchmark's.
 const (
 	naiveProduce = `
 		WITH changed AS (
@@ -447,7 +505,7 @@ func (a *naiveArm) work(ctx context.Context, sink relay.Publisher) error {
 	}
 }
 
-// pollOnce runs one transaction of the chapter's protocol; found is false
+// pollOnce runs one transaction of the textbook protocol; found is false
 // when no aggregate had a pending event that was not locked.
 func (a *naiveArm) pollOnce(ctx context.Context, conn *pgxpool.Conn, sink relay.Publisher) (found bool, err error) {
 	tx, err := conn.Begin(ctx)
@@ -500,6 +558,9 @@ func (a *naiveArm) stop(context.Context) error {
 func (*naiveArm) scan(ctx context.Context, pool *pgxpool.Pool, fn func(int, int64, int64) error) error {
 	return scanEvents(ctx, pool, `SELECT aggregate_key, revision, published_at FROM bench.naive_event`, fn)
 }
+
+func (*naiveArm) deletesOnAck() bool { return false }
+func (*naiveArm) tables() string     { return "schemaname = 'bench' AND relname LIKE 'naive\\_%'" }
 
 // scanEvents streams (aggregate_key, revision, published_at) rows to fn.
 func scanEvents(ctx context.Context, pool *pgxpool.Pool, query string, fn func(int, int64, int64) error) error {

@@ -289,3 +289,44 @@ func TestLedgerConcurrentUse(t *testing.T) {
 		t.Fatalf("counts %+v", c)
 	}
 }
+
+// An arm that deletes what it acked: a delivered event missing from the
+// database was acked, an undelivered one was lost, and no commit→published
+// latency is made up.
+func TestLedgerAbsentAcked(t *testing.T) {
+	l := NewLedger(1, 1)
+	commitAll(t, l, 0, 3)
+	deliver(t, l, 0, 1, -1, 0)
+	deliver(t, l, 0, 2, -1, 0)
+	recordDB(t, l, 0, 2, false) // delivered, its ack not landed: still in the table
+	l.MarkAbsentAcked()
+	l.MarkScanned()
+	want := Counts{Committed: 3, Delivered: 2, Unacked: 1, Lost: 1}
+	if got := l.Counts(); got != want {
+		t.Fatalf("counts %+v, want %+v", got, want)
+	}
+	toSink, toPublished, _, _ := l.Latencies(0, 10, 1000)
+	if len(toSink) != 3 || len(toPublished) != 0 {
+		t.Fatalf("%d sink and %d published samples, want 3 and 0", len(toSink), len(toPublished))
+	}
+}
+
+// A table that records a delivery without its time gives no
+// commit→published sample for it.
+func TestLedgerPublishedAtUnknown(t *testing.T) {
+	l := NewLedger(1, 1)
+	commitAll(t, l, 0, 2)
+	deliver(t, l, 0, 1, -1, 0)
+	if err := l.RecordDB(0, 1, publishedUnknown); err != nil {
+		t.Fatal(err)
+	}
+	recordDB(t, l, 0, 2, false)
+	l.MarkScanned()
+	if got := l.Counts(); got.Unacked != 0 || got.Backlog != 1 || got.Failed() {
+		t.Fatalf("counts %+v", got)
+	}
+	_, toPublished, _, censored := l.Latencies(0, 10, 1000)
+	if len(toPublished) != 1 || censored != 1 {
+		t.Fatalf("%d published samples (%d censored), want only the pending one", len(toPublished), censored)
+	}
+}

@@ -9,20 +9,19 @@ import (
 	"io"
 	"log/slog"
 	"net"
+	"os"
 	"os/exec"
+	"path/filepath"
 	"strings"
 	"sync"
 	"syscall"
 	"time"
 
-	"github.com/jackc/pgx/v5/pgxpool"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
-	"github.com/outboxd/outboxd/internal/store"
 	"github.com/outboxd/outboxd/relay"
-	"github.com/outboxd/outboxd/server"
 )
 
 // serverStartTimeout bounds how long a server may take to answer its health
@@ -166,74 +165,23 @@ func (s *childServer) stop(context.Context) error {
 	}
 }
 
-// inProcessServer is the server run inside the benchmark process, as `outboxd
-// serve` wires it (a 16-connection pool, default settings). Its CPU time
-// cannot be told apart from the relays' and producers', but a CPU profile of
-// the benchmark then covers it.
-type inProcessServer struct {
-	pool      *pgxpool.Pool
-	srv       *server.Server
-	grpc      *grpc.Server
-	address   string
-	cancelRun context.CancelFunc
-	runDone   chan struct{}
-	serveDone chan struct{}
-}
-
-func startInProcessServer(ctx context.Context, dbURL string, log *slog.Logger) (*inProcessServer, error) {
-	poolCfg, err := pgxpool.ParseConfig(dbURL)
+// BuildServer builds the outboxd binary (cmd/outboxd of the main module
+// this module requires, the working tree next to it under the replace in
+// go.mod) into dir and returns its path. It needs the go command.
+func BuildServer(ctx context.Context, dir string) (string, error) {
+	out, err := exec.CommandContext(ctx, "go", "list", "-m", "-f", "{{.Dir}}", "github.com/outboxd/outboxd").Output()
 	if err != nil {
-		return nil, err
+		return "", fmt.Errorf("bench: find the main module's source with go list: %w", err)
 	}
-	poolCfg.MaxConns = 16 // outboxd serve's --max-db-conns default
-	pool, err := pgxpool.NewWithConfig(ctx, poolCfg)
-	if err != nil {
-		return nil, err
+	src := strings.TrimSpace(string(out))
+	bin := filepath.Join(dir, "outboxd")
+	build := exec.CommandContext(ctx, "go", "build", "-o", bin, "./cmd/outboxd")
+	build.Dir = src
+	build.Stdout, build.Stderr = os.Stderr, os.Stderr
+	if err := build.Run(); err != nil {
+		return "", fmt.Errorf("bench: go build ./cmd/outboxd in %s: %w", src, err)
 	}
-	srv, err := server.New(ctx, server.Config{Store: store.New(pool), DatabaseURL: dbURL, Logger: log})
-	if err != nil {
-		pool.Close()
-		return nil, err
-	}
-	lis, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		pool.Close()
-		return nil, err
-	}
-	s := &inProcessServer{
-		pool: pool, srv: srv, grpc: grpc.NewServer(), address: lis.Addr().String(),
-		runDone: make(chan struct{}), serveDone: make(chan struct{}),
-	}
-	srv.Register(s.grpc)
-	runCtx, cancel := context.WithCancel(context.WithoutCancel(ctx))
-	s.cancelRun = cancel
-	go func() { defer close(s.runDone); _ = srv.Run(runCtx) }()
-	go func() { defer close(s.serveDone); _ = s.grpc.Serve(lis) }()
-	return s, nil
-}
-
-func (s *inProcessServer) addr() string           { return s.address }
-func (s *inProcessServer) pid() int               { return 0 }
-func (s *inProcessServer) peakRSS() (int64, bool) { return 0, false }
-func (s *inProcessServer) died() error            { return nil }
-
-func (s *inProcessServer) stop(ctx context.Context) error {
-	stopCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 15*time.Second)
-	s.srv.Stop(stopCtx)
-	cancel()
-	stopped := make(chan struct{})
-	go func() { s.grpc.GracefulStop(); close(stopped) }()
-	select {
-	case <-stopped:
-	case <-time.After(5 * time.Second):
-		s.grpc.Stop()
-		<-stopped
-	}
-	<-s.serveDone
-	s.cancelRun()
-	<-s.runDone
-	s.pool.Close()
-	return nil
+	return bin, nil
 }
 
 // waitServing polls the gRPC health service at addr until it says SERVING,

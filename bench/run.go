@@ -11,6 +11,9 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/outboxd/outboxd/relay"
+	"github.com/outboxd/outboxd/relay/sink"
 )
 
 const (
@@ -18,7 +21,8 @@ const (
 	// start an event before the event counts as late.
 	lateStart = time.Millisecond
 	// drainInFlight is the credit the drain workload keeps outstanding across
-	// all relays: BENCH.md's memory goal is at 1M pending and 1,000 in flight.
+	// all relays: the memory goal of docs/benchmark.md is at 1M pending and
+	// 1,000 in flight.
 	drainInFlight = 1000
 	// stallTimeout ends a settle or drain that has made no progress for this
 	// long.
@@ -34,14 +38,18 @@ type armSpec struct {
 	workload string
 	arm      string
 	sink     time.Duration
-	backlog  int // drain: events pending before delivery starts
+	backlog  int    // drain: events pending before delivery starts
+	holder   string // held-xmin: who holds the transaction id
 }
 
 // plan lists the arms to run, in order. The ceilings do not deliver, so they
 // run once, in steady. The naive poller drains only the smallest backlog,
 // and in the quick set runs in steady only: it is slow, and steady holds the
-// goal that involves it. The latency workload needs outboxd's steady
-// maximum, so it adds that run when steady is not selected.
+// goal that involves it. The peers run in steady (the quick set: at the
+// first sink latency only) and latency, not in drain or hot. The latency
+// and held-xmin workloads compare with outboxd's steady run, so they add
+// it when steady is not selected. The producer workload runs its three
+// producer paths whatever Arms says.
 func plan(cfg *Config) []armSpec {
 	var out []armSpec
 	add := func(workload, arm string, sink time.Duration, backlog int) {
@@ -55,16 +63,24 @@ func plan(cfg *Config) []armSpec {
 	case cfg.runs(WorkloadSteady):
 		add(WorkloadSteady, ArmCeilingInsert, 0, 0)
 		add(WorkloadSteady, ArmCeilingInsertMark, 0, 0)
-		for _, l := range cfg.SinkLatencies {
+		for i, l := range cfg.SinkLatencies {
 			add(WorkloadSteady, ArmNaivePoller, l, 0)
 			add(WorkloadSteady, ArmOutboxd, l, 0)
+			if i == 0 || !cfg.Quick {
+				for _, peer := range PeerArms {
+					add(WorkloadSteady, peer, l, 0)
+				}
+			}
 		}
-	case cfg.runs(WorkloadLatency):
+	case cfg.runs(WorkloadLatency) || cfg.runs(WorkloadHeldXmin):
 		out = append(out, armSpec{workload: WorkloadSteady, arm: ArmOutboxd, sink: first})
 	}
 	if cfg.runs(WorkloadLatency) {
 		add(WorkloadLatency, ArmNaivePoller, first, 0)
 		add(WorkloadLatency, ArmOutboxd, first, 0)
+		for _, peer := range PeerArms {
+			add(WorkloadLatency, peer, first, 0)
+		}
 	}
 	if cfg.runs(WorkloadDrain) {
 		smallest := cfg.DrainSizes[0]
@@ -81,6 +97,24 @@ func plan(cfg *Config) []armSpec {
 	if cfg.runs(WorkloadHot) {
 		add(WorkloadHot, ArmNaivePoller, first, 0)
 		add(WorkloadHot, ArmOutboxd, first, 0)
+	}
+	if cfg.runs(WorkloadProducer) {
+		for _, arm := range []string{ArmCeilingInsert, ArmEmit, ArmInsertTrigger} {
+			out = append(out, armSpec{workload: WorkloadProducer, arm: arm})
+		}
+	}
+	if cfg.runs(WorkloadHeldXmin) {
+		for _, holder := range []string{HolderOtherDB, HolderSameDBRR} {
+			arms := []string{ArmOutboxd}
+			if !cfg.Quick {
+				arms = append(arms, ArmWatermill10ms, ArmRiver)
+			}
+			for _, arm := range arms {
+				if cfg.uses(arm) {
+					out = append(out, armSpec{workload: WorkloadHeldXmin, arm: arm, sink: first, holder: holder})
+				}
+			}
+		}
 	}
 	return out
 }
@@ -106,6 +140,13 @@ func Run(ctx context.Context, cfg Config) (rep *Report, err error) {
 		}
 	}()
 	rep.Machine = describeMachine(ctx, &cfg)
+	var broker relay.Sink
+	if cfg.SinkURL != "" {
+		if broker, err = sink.Open(ctx, cfg.SinkURL, sink.Options{Logger: cfg.Logger}); err != nil {
+			return rep, fmt.Errorf("bench: --sink: %w", err)
+		}
+		defer func() { err = errors.Join(err, broker.Close()) }()
+	}
 
 	started := time.Now()
 	// A run cut short still reports the arms that finished, checked.
@@ -118,7 +159,7 @@ func Run(ctx context.Context, cfg Config) (rep *Report, err error) {
 		if err := ctx.Err(); err != nil {
 			return rep, err
 		}
-		res, err := runArm(ctx, &cfg, sc, spec, rep)
+		res, err := runArm(ctx, &cfg, sc, spec, rep, broker)
 		if err != nil && ctx.Err() != nil {
 			// Every goroutine of the arm reports the cancellation; one line
 			// says it.
@@ -138,7 +179,7 @@ func Run(ctx context.Context, cfg Config) (rep *Report, err error) {
 }
 
 // runArm runs one arm in a fresh database and returns its figures.
-func runArm(ctx context.Context, cfg *Config, sc *scratch, spec armSpec, rep *Report) (res *Result, err error) {
+func runArm(ctx context.Context, cfg *Config, sc *scratch, spec armSpec, rep *Report, broker relay.Publisher) (res *Result, err error) {
 	started := time.Now()
 	dbName, dbURL, err := sc.clone(ctx, spec.arm)
 	if err != nil {
@@ -171,12 +212,12 @@ func runArm(ctx context.Context, cfg *Config, sc *scratch, spec armSpec, rep *Re
 	ledger := NewLedger(aggregates, cfg.Producers)
 	env := &armEnv{
 		cfg: cfg, dbName: dbName, dbURL: dbURL, pool: pool, ledger: ledger,
-		sink:       &countingSink{latency: spec.sink, ledger: ledger},
+		sink:       &countingSink{latency: spec.sink, ledger: ledger, next: broker},
 		aggregates: aggregates, maxInFlight: maxInFlight, log: cfg.Logger.With("arm", spec.arm),
 	}
 	res = &Result{
 		Workload: spec.workload, Arm: spec.arm, Producers: cfg.Producers, Relays: cfg.Relays,
-		MaxInFlight: maxInFlight, Aggregates: aggregates, Backlog: spec.backlog,
+		MaxInFlight: maxInFlight, Aggregates: aggregates, Backlog: spec.backlog, Holder: spec.holder,
 	}
 	a := newArm(spec.arm, cfg)
 	if a.delivers() {
@@ -191,6 +232,12 @@ func runArm(ctx context.Context, cfg *Config, sc *scratch, spec armSpec, rep *Re
 	}()
 	if err := a.prepare(ctx, env, spec.backlog); err != nil {
 		return nil, err
+	}
+	var sizes map[string]int64
+	if spec.workload != WorkloadDrain {
+		if sizes, err = tableSizes(ctx, pool, a.tables()); err != nil {
+			return nil, err
+		}
 	}
 	srv, err := a.startServer(ctx, env)
 	if err != nil {
@@ -212,6 +259,15 @@ func runArm(ctx context.Context, cfg *Config, sc *scratch, spec armSpec, rep *Re
 	}
 	if err := env.sink.err(); err != nil {
 		return nil, err
+	}
+	if sizes != nil {
+		// Every session of the arm ends first: a backend reports its dead
+		// tuples to the statistics when it exits, or up to 10s after it
+		// goes idle.
+		pool.Close()
+		if res.Tables, err = tableStats(ctx, dbURL, a.tables(), sizes); err != nil {
+			return nil, err
+		}
 	}
 	res.ArmElapsedS = time.Since(started).Seconds()
 	return res, nil
@@ -253,6 +309,14 @@ func measureProducers(ctx context.Context, env *armEnv, a arm, srv serverHandle,
 			slot := float64(n-1)*p + float64(producer)
 			return t0.Add(time.Duration(slot / rate * float64(time.Second)))
 		}
+	}
+	if spec.holder != "" {
+		h, err := holdXmin(ctx, env, spec.holder)
+		if err != nil {
+			return err
+		}
+		// Held until the database has been read back, past the window.
+		defer h.release(ctx)
 	}
 	prods := startProducers(ctx, env, a, schedule, &ceilingDone)
 	defer prods.stop()
@@ -393,6 +457,9 @@ func waitDelivered(ctx context.Context, l *Ledger, timeout time.Duration, giveUp
 func readBack(ctx context.Context, env *armEnv, a arm) error {
 	err := a.scan(ctx, env.pool, env.ledger.RecordDB)
 	if err == nil {
+		if a.deletesOnAck() {
+			env.ledger.MarkAbsentAcked()
+		}
 		env.ledger.MarkScanned()
 	}
 	return err

@@ -1,23 +1,34 @@
-// Package bench is `outboxd bench`: the benchmark BENCH.md specifies, run
-// against a real PostgreSQL. It compares four arms on the same machine, in
-// the same run, with the same producers and the same sink:
+// Package bench is the benchmark docs/benchmark.md specifies, run against a
+// real PostgreSQL by the outboxd-bench command (make bench). It is a module
+// of its own so that the outboxd binary links none of its plotting code or
+// peer libraries. It compares these arms on the same machine, in the same
+// run, with the same producers and the same sink:
 //
 //   - ceiling-insert: one plain INSERT per transaction into a table shaped
 //     like outbox.event, with no trigger: nothing can deliver faster than
 //     events are recorded.
 //   - ceiling-insert-mark: the same plus a second transaction per event that
 //     sets published_at, the least any relay that marks rows must add.
-//   - naive-poller: the chapter's protocol in SQL by K workers (lock an
-//     aggregate FOR UPDATE SKIP LOCKED, select its earliest pending event FOR
-//     UPDATE, publish while holding the transaction, mark, commit).
+//   - naive-poller: the textbook outbox protocol in SQL by K workers (lock
+//     an aggregate FOR UPDATE SKIP LOCKED, select its earliest pending event
+//     FOR UPDATE, publish while holding the transaction, mark, commit).
 //   - outboxd: producers call outbox.emit; the real server runs as a child
-//     process (`outboxd serve`, its shipped defaults) or, for tests and
-//     profiling, inside the benchmark process; K relay.Runners connect to it
-//     over loopback gRPC, each on its own connection, and publish to the sink.
+//     process (`outboxd serve`, its shipped defaults); K relay.Runners
+//     connect to it over loopback gRPC, each on its own connection, and
+//     publish to the sink.
+//   - watermill, watermill-10ms: Watermill SQL's PostgreSQL queue schema,
+//     published inside the producer's transaction, one subscriber polling
+//     at the library's default interval (1s) or every 10ms.
+//   - river: one River job per producer transaction (InsertTx), worked by a
+//     River client with its recommended settings.
 //
 // Workloads: steady (P producers at full speed over 10,000 aggregates),
 // latency (open-loop producers at half of outboxd's steady maximum), drain
-// (a backlog committed before delivery starts) and hot (one aggregate).
+// (a backlog committed before delivery starts), hot (one aggregate),
+// producer (plain INSERT, outbox.emit and INSERT through outbox.event's
+// trigger, nothing delivering) and held-xmin (steady while a transaction id
+// stays open in another database, or in a REPEATABLE READ transaction in the
+// same one).
 //
 // # Isolation
 //
@@ -39,8 +50,10 @@
 // After the arm stops, the database is read back: a committed event that
 // never reached the sink is lost if the database marks it published or no
 // longer holds it, and backlog if it is still pending. A repeat delivery is
-// a duplicate, which at-least-once delivery allows. Lost, reordered or
-// invented events fail the run.
+// a duplicate, which at-least-once delivery allows. Lost or invented events
+// fail the run, and so do reordered ones for the arms that promise
+// per-aggregate order (outboxd, the naive poller); the peers promise none,
+// so their reorders are reported only.
 //
 // # Measurements
 //

@@ -68,6 +68,9 @@ type Ledger struct {
 	committed atomic.Int64 // events committed so far
 	delivered atomic.Int64 // first deliveries so far
 	scanned   atomic.Bool  // the database state was recorded
+	// absentAcked says the table deletes acked events, so a delivered event
+	// the scan did not find was acked.
+	absentAcked atomic.Bool
 }
 
 // aggregateLog is the ledger of one aggregate; its events are indexed by
@@ -214,7 +217,8 @@ func (l *Ledger) Deliver(agg int, rev int64, producer int, seq int64, atNs int64
 
 // RecordDB records what the database holds for revision rev of agg after the
 // arm stopped: published at publishedNs, or still pending when publishedNs
-// is 0. Events never recorded count as missing from the database.
+// is 0 (publishedNs < 0: published at a time the database does not
+// record). Events never recorded count as missing from the database.
 func (l *Ledger) RecordDB(agg int, rev int64, publishedNs int64) error {
 	if err := l.check(agg, rev); err != nil {
 		return err
@@ -233,6 +237,10 @@ func (l *Ledger) RecordDB(agg int, rev int64, publishedNs int64) error {
 // it holds, so that an event never recorded is known to be missing.
 func (l *Ledger) MarkScanned() { l.scanned.Store(true) }
 
+// MarkAbsentAcked says the arm deletes an event once it is acked, so a
+// delivered event missing from the database is not unacked.
+func (l *Ledger) MarkAbsentAcked() { l.absentAcked.Store(true) }
+
 // Committed is how many events have been committed so far.
 func (l *Ledger) Committed() int64 { return l.committed.Load() }
 
@@ -242,7 +250,7 @@ func (l *Ledger) Delivered() int64 { return l.delivered.Load() }
 // Counts returns the correctness account. Without a recorded database state
 // an undelivered event counts as backlog, since nothing proves it lost.
 func (l *Ledger) Counts() Counts {
-	scanned := l.scanned.Load()
+	scanned, absentAcked := l.scanned.Load(), l.absentAcked.Load()
 	var c Counts
 	for i := range l.aggregates {
 		unlock := l.lock(i)
@@ -263,7 +271,7 @@ func (l *Ledger) Counts() Counts {
 				if e.reordered {
 					c.Reordered++
 				}
-				if scanned && e.db != dbPublished {
+				if scanned && e.db != dbPublished && (e.db != dbMissing || !absentAcked) {
 					c.Unacked++
 				}
 			case !scanned || e.db == dbPending:
@@ -287,6 +295,7 @@ func (l *Ledger) Latencies(fromNs, toNs, endNs int64) (toSink, toPublished []tim
 		// notes that its commit returned.
 		return time.Duration(max(atNs-commitNs, 0))
 	}
+	absentAcked := l.absentAcked.Load()
 	for i := range l.aggregates {
 		unlock := l.lock(i)
 		for _, e := range l.aggregates[i].events {
@@ -299,9 +308,14 @@ func (l *Ledger) Latencies(fromNs, toNs, endNs int64) (toSink, toPublished []tim
 				toSink = append(toSink, since(e.committedNs, endNs))
 				censoredSink++
 			}
-			if e.db == dbPublished {
+			switch {
+			case absentAcked:
+				// The arm deletes what it delivered: no mark to time.
+			case e.db == dbPublished && e.publishedNs < 0:
+				// Published, but the arm's table records no time.
+			case e.db == dbPublished:
 				toPublished = append(toPublished, since(e.committedNs, e.publishedNs))
-			} else {
+			default:
 				toPublished = append(toPublished, since(e.committedNs, endNs))
 				censoredPublished++
 			}

@@ -15,6 +15,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
 	_ "github.com/jackc/pgx/v5/stdlib" // the "pgx" database/sql driver migrations use
 
 	"github.com/outboxd/outboxd/migrations"
@@ -25,8 +26,9 @@ import (
 const DatabasePrefix = "outboxd_bench_"
 
 // benchSchema holds the tables of the arms that do not go through outboxd:
-// the ceilings' plain event table and the naive poller's chapter schema.
-// It lives in the same database as the outbox schema, as BENCH.md asks.
+// the ceilings' plain event table and the naive poller's textbook schema.
+// It lives in the same database as the outbox schema, as docs/benchmark.md
+// asks.
 const benchSchema = `
 CREATE SCHEMA bench;
 
@@ -49,7 +51,7 @@ CREATE TABLE bench.ceiling_event (
 CREATE INDEX ceiling_event_pending_idx ON bench.ceiling_event (stream, aggregate_key, revision)
     WHERE published_at IS NULL;
 
--- naive-poller: the chapter's schema. The aggregate row is both the
+-- naive-poller: the textbook schema. The aggregate row is both the
 -- producers' revision counter and the row the poller locks.
 CREATE TABLE bench.naive_aggregate (
     aggregate_key text PRIMARY KEY,
@@ -123,6 +125,19 @@ func newScratch(ctx context.Context, adminURL, prefix string, log *slog.Logger) 
 	}
 	if _, err := db.ExecContext(ctx, benchSchema); err != nil {
 		return nil, fmt.Errorf("bench: create the benchmark's own tables: %w", err)
+	}
+	// The peers' own schemas, made by their own tools: River's migrator and
+	// the table Watermill's queue schema initialises.
+	pool, err := pgxpool.New(ctx, tmplURL)
+	if err != nil {
+		return nil, err
+	}
+	defer pool.Close()
+	if err := migrateRiver(ctx, pool); err != nil {
+		return nil, err
+	}
+	if err := createWatermillTable(ctx, pool); err != nil {
+		return nil, err
 	}
 	return s, nil
 }

@@ -9,7 +9,7 @@ import (
 	"time"
 )
 
-// Workloads, as BENCH.md defines them.
+// Workloads, as docs/benchmark.md defines them.
 const (
 	// WorkloadSteady: producers at full speed over many aggregates.
 	WorkloadSteady = "steady"
@@ -20,9 +20,15 @@ const (
 	WorkloadDrain = "drain"
 	// WorkloadHot: every event to one aggregate, the sequential round trip.
 	WorkloadHot = "hot"
+	// WorkloadProducer: producers only, no delivery: what recording an
+	// event costs a business transaction on each producer path.
+	WorkloadProducer = "producer"
+	// WorkloadHeldXmin: steady while another session holds a transaction id
+	// (and so the xmin horizon) open for the whole window.
+	WorkloadHeldXmin = "held-xmin"
 )
 
-// Arms, as BENCH.md defines them.
+// Arms, as docs/benchmark.md defines them.
 const (
 	// ArmCeilingInsert: a plain INSERT per transaction into a table shaped
 	// like outbox.event with no trigger: the database's floor cost.
@@ -30,18 +36,52 @@ const (
 	// ArmCeilingInsertMark: the same plus a second transaction per event
 	// setting published_at, the least any marking relay must do.
 	ArmCeilingInsertMark = "ceiling-insert-mark"
-	// ArmNaivePoller: the chapter's protocol in SQL, publishing inside the
-	// transaction that locks the aggregate.
+	// ArmNaivePoller: the textbook outbox protocol in SQL, publishing inside
+	// the transaction that locks the aggregate.
 	ArmNaivePoller = "naive-poller"
 	// ArmOutboxd: outbox.emit, the real server and relays over loopback gRPC.
 	ArmOutboxd = "outboxd"
+	// ArmWatermill: Watermill SQL Pub/Sub on PostgreSQL (the queue schema
+	// and offsets adapter), published inside the producer's transaction,
+	// one subscriber at the library's default poll interval (1s).
+	ArmWatermill = "watermill"
+	// ArmWatermill10ms: the same with a 10ms poll interval.
+	ArmWatermill10ms = "watermill-10ms"
+	// ArmRiver: one River job per producer transaction (InsertTx), worked
+	// by a River client with its recommended settings.
+	ArmRiver = "river"
+
+	// ArmEmit and ArmInsertTrigger are the producer workload's outbox paths,
+	// measured against ArmCeilingInsert: a call of outbox.emit, and a plain
+	// INSERT into outbox.event whose trigger keeps the bookkeeping.
+	ArmEmit          = "emit"
+	ArmInsertTrigger = "insert-trigger"
 )
 
-// AllWorkloads and AllArms list every workload and arm in the order they run.
-var (
-	AllWorkloads = []string{WorkloadSteady, WorkloadLatency, WorkloadDrain, WorkloadHot}
-	AllArms      = []string{ArmCeilingInsert, ArmCeilingInsertMark, ArmNaivePoller, ArmOutboxd}
+// Holders of the held-xmin workload: who keeps a transaction id open.
+const (
+	// HolderOtherDB is a transaction with an assigned id in another
+	// database of the same cluster (the maintenance database).
+	HolderOtherDB = "other-db"
+	// HolderSameDBRR is a REPEATABLE READ transaction in the arm's own
+	// database that took its snapshot and an id (pg_current_xact_id()).
+	HolderSameDBRR = "same-db-rr"
 )
+
+// AllWorkloads and AllArms list every workload and selectable arm in the
+// order they run. The producer workload always runs its three paths
+// (ceiling-insert, emit, insert-trigger), whatever Arms says.
+var (
+	AllWorkloads = []string{WorkloadSteady, WorkloadLatency, WorkloadDrain, WorkloadHot, WorkloadProducer, WorkloadHeldXmin}
+	AllArms      = []string{ArmCeilingInsert, ArmCeilingInsertMark, ArmNaivePoller, ArmOutboxd, ArmWatermill, ArmWatermill10ms, ArmRiver}
+	// PeerArms are the libraries users would pick instead of outboxd. None
+	// promises per-aggregate order, so their reorders are reported and do
+	// not fail a run.
+	PeerArms = []string{ArmWatermill, ArmWatermill10ms, ArmRiver}
+)
+
+// promisesOrder says whether a reordered event fails the arm.
+func promisesOrder(arm string) bool { return !slices.Contains(PeerArms, arm) }
 
 // Config configures a benchmark run. Zero fields take the standard set's
 // values, or the reduced set's when Quick is set.
@@ -65,7 +105,8 @@ type Config struct {
 	// workers. Default 4.
 	Relays int
 	// MaxInFlight is each relay's credit. Default 64, and at least 1,000
-	// across the K relays in the drain workload (BENCH.md's RSS goal).
+	// across the K relays in the drain workload (the RSS goal of
+	// docs/benchmark.md).
 	MaxInFlight int
 	// Aggregates is how many aggregates steady and latency spread events
 	// over, uniformly. Default 10,000.
@@ -80,9 +121,14 @@ type Config struct {
 	DrainSizes []int
 	// Quick selects the reduced set's defaults (about a minute in all).
 	Quick bool
-	// ServerBinary, when set, is the outboxd binary whose `serve` command
-	// runs the server in a child process; empty runs it in this process.
+	// ServerBinary is the outboxd binary whose `serve` command runs the
+	// server in a child process (BuildServer makes one). Required when an
+	// arm needs the server.
 	ServerBinary string
+	// SinkURL, when set, names a real broker (a relay sink URL such as
+	// nats://host:4222) every delivery is published to before the
+	// in-process sink counts it.
+	SinkURL string
 	// Logger receives the server's and relays' warnings. Default: discard.
 	Logger *slog.Logger
 	// Progress receives one line per arm as the run goes. Default: discard.
@@ -146,6 +192,9 @@ func (c *Config) setDefaults() error {
 		if c.Quick {
 			c.DrainSizes = []int{10_000, 50_000}
 		}
+	}
+	if c.ServerBinary == "" && c.uses(ArmOutboxd) && (len(c.Workloads) > 1 || !c.runs(WorkloadProducer)) {
+		return errors.New("bench: Config.ServerBinary is required to run the outboxd arm (--server-binary, or BuildServer)")
 	}
 	if c.Logger == nil {
 		c.Logger = slog.New(slog.DiscardHandler)

@@ -32,6 +32,7 @@ func TestReportGoals(t *testing.T) {
 	rep := &Report{Settings: Settings{Relays: 4, SinkLatencyMs: []float64{0, 1}}}
 	lat := result(WorkloadLatency, ArmOutboxd, zero, 0, 4000)
 	lat.CommitToPublished = &Percentiles{N: 10, P50Ms: 4, P99Ms: 30}
+	lat.CommitToSink = &Percentiles{N: 10, P50Ms: 1.5, P99Ms: 12}
 	bigDrain := result(WorkloadDrain, ArmOutboxd, zero, 1_000_000, 19_000)
 	bigDrain.ServerPeakRSSMiB = ptr(120.0)
 	rep.Results = []*Result{
@@ -55,7 +56,9 @@ func TestReportGoals(t *testing.T) {
 	check("outboxd steady / ceiling-insert (sink 0", 0.75, true)
 	check("outboxd / naive-poller steady (sink 1ms", 4, false)
 	check("outboxd latency p50", 4, true)
-	check("outboxd latency p99", 30, false)
+	check("outboxd latency p99 commit→published_at", 30, false)
+	check("outboxd latency p50 commit→sink", 1.5, true)
+	check("outboxd latency p99 commit→sink", 12, false)
 	check("outboxd drain 1M / drain 10k", 0.95, true)
 	check("outboxd drain, slowest backlog (1M)", 19_000, false)
 	check("outboxd server peak RSS, drain 1M, 1000 in flight", 120, true)
@@ -103,6 +106,67 @@ func TestReportFailures(t *testing.T) {
 	}
 }
 
+// Peers promise no per-aggregate order: their reorders are reported and do
+// not fail the run, their losses do; outboxd fails on a reorder.
+func TestReportPeersReorderWithoutFailing(t *testing.T) {
+	rep := &Report{}
+	river := result(WorkloadSteady, ArmRiver, ptr(0.0), 0, 100)
+	river.Counts = &Counts{Committed: 10, Delivered: 10, Reordered: 4}
+	outboxd := result(WorkloadSteady, ArmOutboxd, ptr(0.0), 0, 100)
+	outboxd.Counts = &Counts{Committed: 10, Delivered: 10, Reordered: 1}
+	lossy := result(WorkloadSteady, ArmWatermill, ptr(0.0), 0, 100)
+	lossy.Counts = &Counts{Committed: 10, Delivered: 9, Lost: 1}
+	rep.Results = []*Result{river, outboxd, lossy}
+	rep.finish()
+	got := strings.Join(rep.Failures, "\n")
+	if len(rep.Failures) != 2 || strings.Contains(got, "river") || !strings.Contains(got, "outboxd") || !strings.Contains(got, "watermill") {
+		t.Fatalf("failures %v, want outboxd's reorder and watermill's loss, not river's reorders", rep.Failures)
+	}
+	var out bytes.Buffer
+	rep.WriteTable(&out)
+	if !strings.Contains(out.String(), "4 (no order promised)") {
+		t.Fatalf("the side-by-side table does not report river's reorders:\n%s", out.String())
+	}
+}
+
+// The peer, producer and held-xmin ratios come from the same run.
+func TestReportPeerProducerHeldXminRatios(t *testing.T) {
+	zero := ptr(0.0)
+	held := result(WorkloadHeldXmin, ArmOutboxd, zero, 0, 1500)
+	held.Holder = HolderSameDBRR
+	rep := &Report{Settings: Settings{SinkLatencyMs: []float64{0}}, Results: []*Result{
+		result(WorkloadSteady, ArmCeilingInsert, nil, 0, 10_000),
+		result(WorkloadSteady, ArmOutboxd, zero, 0, 2_000),
+		result(WorkloadSteady, ArmWatermill, zero, 0, 8_000),
+		result(WorkloadSteady, ArmRiver, zero, 0, 4_000),
+		result(WorkloadProducer, ArmCeilingInsert, nil, 0, 10_000),
+		result(WorkloadProducer, ArmEmit, nil, 0, 7_000),
+		result(WorkloadProducer, ArmInsertTrigger, nil, 0, 9_000),
+		held,
+	}}
+	rep.finish()
+	for _, c := range []struct {
+		name string
+		want float64
+		met  *bool
+	}{
+		{"outboxd / watermill steady (sink 0s)", 0.25, ptr(false)},
+		{"outboxd / river steady (sink 0s)", 0.5, nil},
+		{"watermill steady / ceiling-insert", 0.8, nil},
+		{"producer: outbox.emit / plain INSERT", 0.7, ptr(false)},
+		{"producer: INSERT into outbox.event (trigger)", 0.9, nil},
+		{"outboxd held-xmin (same-db-rr) / steady", 0.75, ptr(false)},
+	} {
+		r := findRatio(t, rep.Ratios, c.name)
+		if r.Value == nil || math.Abs(*r.Value-c.want) > 1e-9 {
+			t.Errorf("%s = %v, want %v", c.name, r.Value, c.want)
+		}
+		if (c.met == nil) != (r.Met == nil) || (c.met != nil && *c.met != *r.Met) {
+			t.Errorf("%s: met %v, want %v", c.name, r.Met, c.met)
+		}
+	}
+}
+
 func TestReportJSONAndPlot(t *testing.T) {
 	rep := &Report{Settings: Settings{Producers: 8, Relays: 4, SinkLatencyMs: []float64{0}}}
 	steady := result(WorkloadSteady, ArmOutboxd, ptr(0.0), 0, 5000)
@@ -144,9 +208,9 @@ func TestReportJSONAndPlot(t *testing.T) {
 	if err := rep.WritePlot(filepath.Join(dir, "bench.jpg")); err == nil {
 		t.Fatal("a .jpg plot was accepted")
 	}
-	// A report with nothing in it still draws (empty panels).
-	if err := (&Report{}).WritePlot(filepath.Join(dir, "empty.svg")); err != nil {
-		t.Fatal(err)
+	// A report with nothing in it has nothing to draw, and says so.
+	if err := (&Report{}).WritePlot(filepath.Join(dir, "empty.png")); err == nil {
+		t.Fatal("an empty report drew a plot")
 	}
 }
 
@@ -220,7 +284,7 @@ func TestLimitOf(t *testing.T) {
 }
 
 func TestPlan(t *testing.T) {
-	cfg := Config{DatabaseURL: "x"}
+	cfg := Config{DatabaseURL: "x", ServerBinary: "outboxd"}
 	if err := cfg.setDefaults(); err != nil {
 		t.Fatal(err)
 	}
@@ -232,17 +296,21 @@ func TestPlan(t *testing.T) {
 	for _, want := range []string{
 		"steady/ceiling-insert/0s/0", "steady/outboxd/5ms/0", "latency/outboxd/0s/0",
 		"drain/naive-poller/0s/10k", "drain/outboxd/0s/1M", "hot/outboxd/0s/0",
+		"steady/watermill/0s/0", "steady/watermill-10ms/5ms/0", "steady/river/1ms/0", "latency/river/0s/0",
+		"producer/ceiling-insert/0s/0", "producer/emit/0s/0", "producer/insert-trigger/0s/0",
+		"held-xmin/outboxd/0s/0", "held-xmin/river/0s/0",
 	} {
 		if !strings.Contains(got, want) {
 			t.Errorf("plan lacks %s: %s", want, got)
 		}
 	}
-	if strings.Contains(got, "drain/naive-poller/0s/1M") || strings.Contains(got, "steady/ceiling-insert/1ms") {
+	if strings.Contains(got, "drain/naive-poller/0s/1M") || strings.Contains(got, "steady/ceiling-insert/1ms") ||
+		strings.Contains(got, "drain/river") || strings.Contains(got, "hot/watermill") {
 		t.Errorf("plan runs what it should not: %s", got)
 	}
 
 	// Latency alone still measures the steady maximum it depends on, first.
-	lat := Config{DatabaseURL: "x", Workloads: []string{WorkloadLatency}, Arms: []string{ArmOutboxd}}
+	lat := Config{DatabaseURL: "x", ServerBinary: "outboxd", Workloads: []string{WorkloadLatency}, Arms: []string{ArmOutboxd}}
 	if err := lat.setDefaults(); err != nil {
 		t.Fatal(err)
 	}
@@ -260,6 +328,7 @@ func TestConfigRejects(t *testing.T) {
 		{DatabaseURL: "x", Producers: -1},
 		{DatabaseURL: "x", DrainSizes: []int{5}},
 		{DatabaseURL: "x", SinkLatencies: []time.Duration{-time.Millisecond}},
+		{DatabaseURL: "x", Arms: []string{ArmOutboxd}}, // no server binary
 	} {
 		if err := cfg.setDefaults(); err == nil {
 			t.Errorf("config %+v accepted", cfg)
