@@ -589,14 +589,16 @@ BEGIN
         SET state = 'ready', claimable_at = excluded.claimable_at,
             pending_since = excluded.pending_since, gap_revision = NULL
         WHERE d.state IN ('idle', 'gap')
-        RETURNING d.stream, d.aggregate_key, d.delivered_revision
+        RETURNING 1
     ), late AS (
-        -- Candidates only: one already published by the time the row was
-        -- locked is filtered out where late events are counted.
+        -- Against the cursor as this statement's snapshot has it: delivery
+        -- can only have moved past one of these events since by publishing
+        -- it, and candidates that were published are not counted where late
+        -- events are.
         INSERT INTO outbox.late_event (event_id)
         SELECT f.event_id FROM found f
-        JOIN woken w ON w.stream = f.stream AND w.aggregate_key = f.aggregate_key
-        WHERE f.revision <= w.delivered_revision
+        JOIN outbox.delivery d ON d.stream = f.stream AND d.aggregate_key = f.aggregate_key
+        WHERE f.revision <= d.delivered_revision
         ON CONFLICT (event_id) DO NOTHING
     ), advanced AS (
         -- pg_current_snapshot() is this statement's snapshot: the one the
