@@ -18,9 +18,9 @@ import (
 	"github.com/outboxd/outboxd/internal/testdb"
 )
 
-// The chapter's lab, (a): a data-modifying CTE changes the order and inserts
+// (a) A data-modifying CTE changes the order and inserts
 // its event in one statement; the precondition decides whether either happens.
-func TestChapterLabCTEInsertsEventWithBusinessChange(t *testing.T) {
+func TestCTEInsertsEventWithBusinessChange(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	pool := testdb.NewPool(t)
