@@ -1,0 +1,107 @@
+package relay
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"strings"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/protobuf/types/known/durationpb"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	"github.com/outboxd/outboxd/internal/limits"
+	"github.com/outboxd/outboxd/internal/servertest"
+)
+
+// NewRunner refuses a Config the server would refuse or that makes no
+// sense, naming every field at fault; AckBatchSize above the server's limit
+// would otherwise get every full batch refused.
+func TestNewRunnerValidatesConfig(t *testing.T) {
+	t.Parallel()
+	base := func() Config { return Config{Conn: &noConn{}, Publisher: newPublisher()} }
+	for _, tc := range []struct {
+		name string
+		edit func(*Config)
+		want []string // substrings of the error; none means valid
+	}{
+		{"defaults", func(*Config) {}, nil},
+		{"largest ack batch", func(c *Config) { c.AckBatchSize = limits.MaxAckItems }, nil},
+		{"ack batch over the server's limit", func(c *Config) { c.AckBatchSize = limits.MaxAckItems + 1 }, []string{"Config.AckBatchSize 1001", "1000"}},
+		{"negative ack batch", func(c *Config) { c.AckBatchSize = -1 }, []string{"Config.AckBatchSize -1"}},
+		{"missing conn and publisher", func(c *Config) { c.Conn, c.Publisher = nil, nil }, []string{"Config.Conn", "Config.Publisher"}},
+		{"negatives", func(c *Config) {
+			c.MaxInFlight, c.LeaseTTL, c.AckMaxDelay, c.AckRetryTimeout, c.DrainTimeout = -1, -1, -1, -1, -1
+		}, []string{"Config.MaxInFlight", "Config.LeaseTTL", "Config.AckMaxDelay", "Config.AckRetryTimeout", "Config.DrainTimeout"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			cfg := base()
+			tc.edit(&cfg)
+			_, err := NewRunner(cfg)
+			if len(tc.want) == 0 {
+				if err != nil {
+					t.Fatalf("NewRunner: %v", err)
+				}
+				return
+			}
+			if err == nil {
+				t.Fatal("NewRunner accepted the config")
+			}
+			for _, w := range tc.want {
+				if !strings.Contains(err.Error(), w) {
+					t.Errorf("error %q does not mention %q", err, w)
+				}
+			}
+		})
+	}
+}
+
+// The runner publishes and acks every event, and receives a delivery as
+// large as MaxDeliveryBytes allows (gRPC's default receive limit would
+// refuse anything above 4 MiB; the limit is one documented number).
+func TestRunnerPublishesUpToTheLargestDelivery(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, servertest.Options{})
+	if _, err := e.pool.Exec(context.Background(), `UPDATE outbox.settings SET max_payload_bytes = $1`, 2*limits.MaxDeliveryBytes); err != nil {
+		t.Fatal(err)
+	}
+	ids := []string{e.emit(t, "orders", "a"), e.emit(t, "orders", "b")}
+	// The delivery's other fields take well under 16 KiB.
+	big := append(append([]byte(`{"s":"`), bytes.Repeat([]byte("x"), limits.MaxDeliveryBytes-16<<10)...), `"}`...)
+	ids = append(ids, e.emitPayload(t, "orders", "big", big))
+
+	pub := newPublisher()
+	start(t, Config{Conn: e.srv.Conn, Publisher: pub}, hooks{})
+	e.waitPublished(t, ids...)
+	for _, id := range ids {
+		if n := pub.attemptsOf(id); n != 1 {
+			t.Errorf("event %s published %d times, want 1", id, n)
+		}
+	}
+}
+
+// noConn is a connection that is never used.
+type noConn struct{}
+
+func (noConn) Invoke(context.Context, string, any, any, ...grpc.CallOption) error {
+	return errors.New("noConn")
+}
+
+func (noConn) NewStream(context.Context, *grpc.StreamDesc, string, ...grpc.CallOption) (grpc.ClientStream, error) {
+	return nil, errors.New("noConn")
+}
+
+// remaining prefers the server's stated duration and falls back to the
+// expiry by the database's clock for servers that predate it.
+func TestRemainingPrefersStatedDuration(t *testing.T) {
+	t.Parallel()
+	if got := remaining(durationpb.New(3*time.Second), nil); got != 3*time.Second {
+		t.Errorf("stated 3s: got %v", got)
+	}
+	exp := time.Now().Add(time.Minute)
+	if got := remaining(nil, timestamppb.New(exp)); got <= 50*time.Second || got > time.Minute {
+		t.Errorf("expiry in 1m, nothing stated: got %v", got)
+	}
+}
