@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -187,6 +188,8 @@ type publisher struct {
 	block chan struct{}
 	// fail, when set, is returned by every Publish.
 	fail error
+	// cancelled is set when a Publish returned because its context ended.
+	cancelled atomic.Bool
 }
 
 func newPublisher() *publisher {
@@ -208,6 +211,7 @@ func (p *publisher) Publish(ctx context.Context, ev Event) error {
 		select {
 		case <-p.block:
 		case <-ctx.Done():
+			p.cancelled.Store(true)
 			return ctx.Err()
 		}
 	}

@@ -88,9 +88,6 @@ func (r *Runner) extend(ctx context.Context, f *fatal, d *outboxv1.SubscribeResp
 		cancel()
 		if err == nil {
 			left := remaining(res.GetLeaseTtlRemaining(), res.GetLeaseExpiresAt())
-			if h := r.hooks.extended; h != nil {
-				h(id)
-			}
 			return sent.Add(left), true
 		}
 		if ctx.Err() != nil {

@@ -161,8 +161,6 @@ type Runner struct {
 // hooks tell this package's tests what the runner did, so that they wait on
 // signals instead of sleeping. All nil outside tests.
 type hooks struct {
-	// extended is called after each successful ExtendLease.
-	extended func(eventID string)
 	// ackGivenUp is called when n acks are dropped.
 	ackGivenUp func(n int)
 	// publishCancelled is called when a publish was cut short by the

@@ -1,0 +1,115 @@
+package relay
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+	"github.com/outboxd/outboxd/internal/servertest"
+)
+
+// poisonAcks fails every Ack request that carries the poison event with
+// code, as a server does whose group commit cannot take one item; requests
+// without it reach the real server.
+type poisonAcks struct {
+	poison string
+	code   codes.Code
+	mu     sync.Mutex
+	sizes  []int // sizes of the requests that carried the poison
+}
+
+func (p *poisonAcks) interceptor() grpc.UnaryClientInterceptor {
+	return func(ctx context.Context, m string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
+		if r, ok := req.(*outboxv1.AckRequest); ok {
+			for _, it := range r.GetAcks() {
+				if it.GetEventId() == p.poison {
+					p.mu.Lock()
+					p.sizes = append(p.sizes, len(r.GetAcks()))
+					p.mu.Unlock()
+					return status.Errorf(p.code, "injected: the batch holding %s fails", p.poison)
+				}
+			}
+		}
+		return invoker(ctx, m, req, reply, cc, opts...)
+	}
+}
+
+// One ack the server cannot take does not hold up the others: the batch
+// that carries it is split until it is alone and given up, and every other
+// event is marked published, whether the server refuses the batch outright
+// (INTERNAL) or keeps failing it as unavailable (after AckRetryTimeout).
+// Before, the batcher retried such a batch forever and sent no other ack.
+func TestRunnerSplitsAckBatchAroundBadItem(t *testing.T) {
+	t.Parallel()
+	for _, code := range []codes.Code{codes.Internal, codes.Unavailable} {
+		t.Run(code.String(), func(t *testing.T) {
+			t.Parallel()
+			e := newEnv(t, servertest.Options{})
+			const n = 16
+			var ids []string
+			for i := range n {
+				ids = append(ids, e.emit(t, "orders", fmt.Sprintf("k%02d", i)))
+			}
+			poison := &poisonAcks{poison: ids[n/2], code: code}
+			givenUp := make(chan int, n)
+			pub := newPublisher()
+			pub.block = make(chan struct{})
+			start(t, Config{
+				Conn: e.dial(t, grpc.WithChainUnaryInterceptor(poison.interceptor())), Publisher: pub,
+				MaxInFlight: n, AckMaxDelay: time.Hour, AckBatchSize: n, AckRetryTimeout: 200 * time.Millisecond,
+			}, hooks{ackGivenUp: func(k int) { givenUp <- k }})
+			// Hold every publish until all have started, so that their acks
+			// travel in one batch of n (AckMaxDelay waits for a full batch).
+			for range n {
+				waitSignal(t, "publishes to start", pub.started)
+			}
+			close(pub.block)
+
+			var others []string
+			for _, id := range ids {
+				if id != poison.poison {
+					others = append(others, id)
+				}
+			}
+			e.waitPublished(t, others...)
+			if k := waitSignal(t, "the bad ack to be given up", givenUp); k != 1 {
+				t.Fatalf("%d acks given up together, want the bad one alone", k)
+			}
+			if e.published(t, poison.poison) {
+				t.Fatal("the event whose ack failed is marked published")
+			}
+			poison.mu.Lock()
+			defer poison.mu.Unlock()
+			if poison.sizes[0] != n {
+				t.Fatalf("first request carrying the bad ack had %d items, want one batch of %d", poison.sizes[0], n)
+			}
+			// Halving from 16 reaches the bad item alone in 4 splits.
+			for _, want := range []int{8, 4, 2, 1} {
+				if !containsInt(poison.sizes, want) {
+					t.Errorf("no request of %d items carried the bad ack (requests: %v)", want, poison.sizes)
+				}
+			}
+			select {
+			case k := <-givenUp:
+				t.Fatalf("%d more acks given up", k)
+			default:
+			}
+		})
+	}
+}
+
+func containsInt(s []int, v int) bool {
+	for _, x := range s {
+		if x == v {
+			return true
+		}
+	}
+	return false
+}
