@@ -51,6 +51,9 @@ const MaxDeliveryBytes = limits.MaxDeliveryBytes
 // so the largest Config.AckBatchSize.
 const MaxAckBatchSize = limits.MaxAckItems
 
+// DefaultDrainTimeout is Config.DrainTimeout's default.
+const DefaultDrainTimeout = 10 * time.Second
+
 // Config configures a Runner. Zero fields take the documented defaults.
 type Config struct {
 	// Conn is the connection to an outboxd server. Required.
@@ -83,7 +86,9 @@ type Config struct {
 	// 100ms and 10s.
 	ReconnectBase, ReconnectCap time.Duration
 	// DrainTimeout bounds how long a stopping Runner waits for publishes
-	// already under way. Default 10s.
+	// already under way; their leases stay held meanwhile. A publish still
+	// running then is cancelled and its lease released, with no failure
+	// counted. Default DefaultDrainTimeout.
 	DrainTimeout time.Duration
 	// Logger receives the relay's logs. Default: discard.
 	Logger *slog.Logger
@@ -139,7 +144,7 @@ func (c *Config) setDefaults() error {
 		c.ReconnectCap = max(10*time.Second, c.ReconnectBase)
 	}
 	if c.DrainTimeout == 0 {
-		c.DrainTimeout = 10 * time.Second
+		c.DrainTimeout = DefaultDrainTimeout
 	}
 	if c.DrainTimeout < 0 {
 		bad("DrainTimeout %v must not be negative", c.DrainTimeout)
