@@ -259,7 +259,11 @@ func (r *Runner) runOnce(ctx context.Context) error {
 	if r.cfg.LeaseTTL > 0 {
 		req.LeaseTtl = durationpb.New(r.cfg.LeaseTTL)
 	}
+	// Until the stream is open there is nothing to drain: a stop while
+	// connecting cancels at once.
+	stopEarly := context.AfterFunc(ctx, cancelStream)
 	stream, err := r.client.Subscribe(streamCtx, req, grpc.MaxCallRecvMsgSize(MaxDeliveryBytes))
+	stopEarly()
 	if err != nil {
 		return err
 	}

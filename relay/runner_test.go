@@ -4,11 +4,13 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"net"
 	"strings"
 	"testing"
 	"time"
 
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/protobuf/types/known/durationpb"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
@@ -104,4 +106,45 @@ func TestRemainingPrefersStatedDuration(t *testing.T) {
 	if got := remaining(nil, timestamppb.New(exp)); got <= 50*time.Second || got > time.Minute {
 		t.Errorf("expiry in 1m, nothing stated: got %v", got)
 	}
+}
+
+// A stop while the runner is still connecting returns at once: the stream,
+// which outlives Run's context while publishes drain, is not open yet. The
+// "server" here accepts TCP connections and never answers, so gRPC stays
+// connecting for its 20 s connect timeout.
+func TestRunnerStopsWhileConnecting(t *testing.T) {
+	t.Parallel()
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	accepted := make(chan net.Conn, 10)
+	go func() {
+		for {
+			c, err := lis.Accept()
+			if err != nil {
+				return
+			}
+			accepted <- c
+		}
+	}()
+	conn, err := grpc.NewClient(lis.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	run := start(t, Config{Conn: conn, Publisher: newPublisher()}, hooks{})
+	held := waitSignal(t, "the runner to connect", accepted)
+	run.cancel()
+	select {
+	case err := <-run.done:
+		run.done <- err
+		if err != nil {
+			t.Fatalf("Run: %v", err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Error("Run did not return within 5s of its context ending while connecting")
+	}
+	conn.Close()
+	held.Close()
+	lis.Close()
 }
