@@ -31,8 +31,10 @@ import (
 	"fmt"
 	"log/slog"
 	"math/rand/v2"
+	"strings"
 	"sync"
 	"time"
+	"unicode/utf8"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -363,7 +365,7 @@ func (r *Runner) handle(ctx context.Context, f *fatal, rd received, acks *ackBat
 // stream) and the event comes again: nothing is lost.
 func (r *Runner) nack(ctx context.Context, f *fatal, d *outboxv1.SubscribeResponse, perr error) {
 	id := d.GetEvent().GetEventId()
-	req := &outboxv1.NackRequest{EventId: id, LeaseToken: d.GetLeaseToken(), Error: perr.Error()}
+	req := &outboxv1.NackRequest{EventId: id, LeaseToken: d.GetLeaseToken(), Error: nackText(perr)}
 	delay := extendRetryBase
 	for attempt := 1; ; attempt++ {
 		callCtx, cancel := context.WithTimeout(ctx, extendCallTimeout)
@@ -392,3 +394,24 @@ func (r *Runner) nack(ctx context.Context, f *fatal, d *outboxv1.SubscribeRespon
 
 // nackAttempts bounds the tries of one Nack.
 const nackAttempts = 5
+
+// maxNackText is the most bytes of error text a Nack carries: what the
+// server stores.
+const maxNackText = 4096
+
+// nackText is err's text as a Nack can carry it. A broker's error may hold
+// anything: bytes that are not UTF-8 would make the request unmarshalable
+// (a proto3 string) and a NUL cannot be stored in PostgreSQL text, so that
+// the nack would fail and the failure never count towards parking.
+func nackText(err error) string {
+	s := strings.ToValidUTF8(err.Error(), "\uFFFD")
+	s = strings.ReplaceAll(s, "\x00", "\\0")
+	if len(s) <= maxNackText {
+		return s
+	}
+	cut := maxNackText - len("…")
+	for cut > 0 && !utf8.RuneStart(s[cut]) {
+		cut--
+	}
+	return s[:cut] + "…"
+}
