@@ -21,9 +21,9 @@ const (
 // AckMaxDelay, waiting that long for more).
 //
 // No batch may hold up the others for long: transient failures are retried
-// for at most AckRetryTimeout, a batch the server refuses as a whole is
-// split in halves until the item at fault is alone (and given up), and a
-// refusal of the relay's credentials stops the runner. An ack given up costs
+// for at most AckRetryTimeout, a batch that still fails is split in halves
+// until the item at fault is alone (and given up), and a refusal of the
+// relay's credentials stops the runner. An ack given up costs
 // a redelivery, never a lost event.
 type ackBatcher struct {
 	r     *Runner
@@ -101,65 +101,95 @@ func (b *ackBatcher) gather(batch []*outboxv1.AckItem) ([]*outboxv1.AckItem, boo
 	return batch, true
 }
 
-// flush sends one batch, within AckRetryTimeout of retries (twice that in
-// all when the batch has to be split while the server keeps failing).
+// flush sends one batch. Transient failures are retried with backoff for
+// up to AckRetryTimeout; a batch that still fails is isolated.
 func (b *ackBatcher) flush(batch []*outboxv1.AckItem) {
 	if len(batch) == 0 {
 		return
 	}
 	retryUntil := time.Now().Add(b.r.cfg.AckRetryTimeout)
-	ctx, cancel := context.WithDeadline(b.ctx, retryUntil.Add(b.r.cfg.AckRetryTimeout))
-	defer cancel()
-	b.send(ctx, batch, retryUntil)
+	if err := b.try(batch, retryUntil); err != nil {
+		b.isolate(batch, err, retryUntil)
+	}
 }
 
-// send sends items in one Ack. Transient failures are retried with backoff
-// until retryUntil. A batch the server refuses as a whole (INVALID_ARGUMENT,
-// INTERNAL, ...), or that still fails transiently after retryUntil, is split
-// in halves and each half sent on its own, so that an item the server cannot
-// take ends up alone and is given up while the others land.
-func (b *ackBatcher) send(ctx context.Context, items []*outboxv1.AckItem, retryUntil time.Time) {
+// try sends items in one Ack, retrying transient failures with backoff
+// while that ends before retryUntil (after it, it makes one attempt). It
+// returns nil once the server has answered, each item with its own result,
+// or else the last error. A refusal of the relay's credentials stops the
+// runner.
+func (b *ackBatcher) try(items []*outboxv1.AckItem, retryUntil time.Time) error {
 	delay := ackRetryBase
 	for {
-		if ctx.Err() != nil || b.fatal.get() != nil {
-			b.giveUp(items, "the relay is stopping or out of time for this batch", context.Cause(ctx))
-			return
+		if err := b.stopped(); err != nil {
+			return err
 		}
-		callCtx, cancel := context.WithTimeout(ctx, ackCallTimeout)
-		res, err := b.r.client.Ack(callCtx, &outboxv1.AckRequest{Acks: items})
+		ctx, cancel := context.WithTimeout(b.ctx, ackCallTimeout)
+		res, err := b.r.client.Ack(ctx, &outboxv1.AckRequest{Acks: items})
 		cancel()
 		if err == nil {
 			b.report(res)
-			return
+			return nil
 		}
-		if ctx.Err() != nil {
-			continue // gives up above
+		if b.ctx.Err() != nil {
+			return err
 		}
 		switch classify(err) {
 		case classTerminal:
 			b.fatal.set("Ack", err)
-			b.giveUp(items, "the server refuses this relay", err)
-			return
+			return err
 		case classTransient:
 			if time.Now().Add(delay).Before(retryUntil) {
 				b.r.log.Debug("ack failed; retrying", "acks", len(items), "in", delay, "err", err)
-				if !sleep(ctx, delay) {
-					continue
-				}
+				sleep(b.ctx, delay)
 				delay = min(delay*2, ackRetryCap)
 				continue
 			}
 		}
-		if len(items) == 1 {
-			b.giveUp(items, "the server keeps refusing it", err)
-			return
-		}
-		b.r.log.Warn("ack failed; splitting the batch", "acks", len(items), "err", err)
-		half := len(items) / 2
-		b.send(ctx, items[:half], retryUntil)
-		b.send(ctx, items[half:], retryUntil)
+		return err
+	}
+}
+
+// isolate deals with items whose Ack failed with err. Unless the relay is
+// stopping, it splits them in halves and sends each on its own, so that an
+// item the server cannot take (a request refused as a whole: INTERNAL,
+// INVALID_ARGUMENT, ...; or one that keeps failing as unavailable) ends up
+// alone and is given up while the others land. When both halves fail as
+// unavailable, the server rather than one item is at fault: they are given
+// up at once instead of being split further, so that an outage costs two
+// requests per batch, not one per item.
+func (b *ackBatcher) isolate(items []*outboxv1.AckItem, err error, retryUntil time.Time) {
+	if b.stopped() != nil || classify(err) == classTerminal || len(items) == 1 {
+		b.giveUp(items, err)
 		return
 	}
+	b.r.log.Warn("ack failed; splitting the batch", "acks", len(items), "err", err)
+	half := len(items) / 2
+	halves := [2][]*outboxv1.AckItem{items[:half], items[half:]}
+	var errs [2]error
+	for i, h := range halves {
+		errs[i] = b.try(h, retryUntil)
+	}
+	if errs[0] != nil && errs[1] != nil && classify(errs[0]) == classTransient && classify(errs[1]) == classTransient {
+		b.giveUp(items, errs[1])
+		return
+	}
+	for i, h := range halves {
+		if errs[i] != nil {
+			b.isolate(h, errs[i], retryUntil)
+		}
+	}
+}
+
+// stopped returns why no more acks should be sent, if so.
+func (b *ackBatcher) stopped() error {
+	if err := b.fatal.get(); err != nil {
+		return err
+	}
+	if b.ctx.Err() != nil {
+		return context.Cause(b.ctx)
+	}
+	return nil
 }
 
 // report logs the items the server did not apply: each has its own status,
@@ -174,9 +204,16 @@ func (b *ackBatcher) report(res *outboxv1.AckResponse) {
 	}
 }
 
-// giveUp drops acks: their leases lapse (or are released with the stream)
-// and the events are delivered again.
-func (b *ackBatcher) giveUp(items []*outboxv1.AckItem, why string, err error) {
+// giveUp drops acks for err: their leases lapse (or are released with the
+// stream) and the events are delivered again.
+func (b *ackBatcher) giveUp(items []*outboxv1.AckItem, err error) {
+	why := "the server keeps failing them"
+	switch {
+	case b.stopped() != nil:
+		why = "the relay is stopping"
+	case classify(err) == classTerminal:
+		why = "the server refuses this relay"
+	}
 	ids := make([]string, 0, min(len(items), 10))
 	for _, it := range items[:min(len(items), 10)] {
 		ids = append(ids, it.GetEventId())

@@ -113,3 +113,58 @@ func containsInt(s []int, v int) bool {
 	}
 	return false
 }
+
+// While the server is down, a batch is retried for AckRetryTimeout, tried
+// once more as two halves, and given up: two more requests, not one per
+// item, and the runner goes on (here the stream is still up, so the
+// events' leases stay held until they expire).
+func TestRunnerGivesUpAckBatchWhenServerIsDown(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, servertest.Options{})
+	const n = 16
+	var ids []string
+	for i := range n {
+		ids = append(ids, e.emit(t, "orders", fmt.Sprintf("k%02d", i)))
+	}
+	var mu sync.Mutex
+	var sizes []int
+	down := grpc.WithChainUnaryInterceptor(func(ctx context.Context, m string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
+		if r, ok := req.(*outboxv1.AckRequest); ok {
+			mu.Lock()
+			sizes = append(sizes, len(r.GetAcks()))
+			mu.Unlock()
+			return status.Error(codes.Unavailable, "injected: connection refused")
+		}
+		return invoker(ctx, m, req, reply, cc, opts...)
+	})
+	givenUp := make(chan int, n)
+	pub := newPublisher()
+	pub.block = make(chan struct{})
+	start(t, Config{
+		Conn: e.dial(t, down), Publisher: pub,
+		MaxInFlight: n, AckMaxDelay: time.Hour, AckBatchSize: n, AckRetryTimeout: 200 * time.Millisecond,
+	}, hooks{ackGivenUp: func(k int) { givenUp <- k }})
+	for range n {
+		waitSignal(t, "publishes to start", pub.started)
+	}
+	close(pub.block)
+	if k := waitSignal(t, "the batch to be given up", givenUp); k != n {
+		t.Fatalf("%d acks given up, want the whole batch of %d at once", k, n)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	last := sizes[len(sizes)-2:]
+	if last[0] != n/2 || last[1] != n/2 {
+		t.Fatalf("requests %v: want retries of %d, then one try of each half", sizes, n)
+	}
+	for _, s := range sizes[:len(sizes)-2] {
+		if s != n {
+			t.Fatalf("requests %v: want retries of %d, then one try of each half", sizes, n)
+		}
+	}
+	for _, id := range ids {
+		if e.published(t, id) {
+			t.Fatalf("event %s published though every Ack failed", id)
+		}
+	}
+}

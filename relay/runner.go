@@ -80,9 +80,11 @@ type Config struct {
 	// grow with load without delaying a lone ack (which would slow down
 	// every aggregate whose events come one after another).
 	AckMaxDelay time.Duration
-	// AckRetryTimeout is how long an Ack batch is retried while the server
-	// is unavailable before it is split, and twice that before its acks are
-	// given up (their events are then delivered again). Default 30s.
+	// AckRetryTimeout is how long an Ack batch is retried through transient
+	// failures (UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED) before
+	// it is split in halves to find an item at fault; when both halves fail
+	// too, its acks are given up and their events delivered again.
+	// Default 30s.
 	AckRetryTimeout time.Duration
 	// ReconnectBase and ReconnectCap shape the reconnect backoff. Defaults
 	// 100ms and 10s.
