@@ -51,7 +51,7 @@ func TestRunnerExtendsLeaseOfSlowPublish(t *testing.T) {
 	ids := emit(t, pool, "orders", "slow", 1)
 
 	pub := &blockingPublisher{attempts: map[string]int{}, started: make(chan struct{}, 1), release: make(chan struct{})}
-	runner, err := relay.NewRunner(relay.Config{Conn: r.Conn, Publisher: pub, LeaseTTL: time.Second, MaxInFlight: 1})
+	runner, err := relay.NewRunner(relay.Config{Conn: r.Conn, Publisher: pub, LeaseTTL: 2 * time.Second, MaxInFlight: 1})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -74,15 +74,17 @@ func TestRunnerExtendsLeaseOfSlowPublish(t *testing.T) {
 		return exp, epoch
 	}
 	first, epoch := lease()
-	// Wait until the runner's lease (same epoch) has been extended past the
-	// original expiry twice over: without extension it would have lapsed by
+	// Wait until the runner's lease (same epoch) has been extended 1.5 TTLs
+	// past the original expiry: without extension it would have lapsed by
 	// then, and the second session claimed it (its poll interval is 200 ms).
+	// The 2 s TTL leaves the runner a second for each extension, a wide
+	// margin on a loaded machine.
 	waitFor(t, func() int32 {
 		exp, e := lease()
 		if e != epoch {
 			t.Fatalf("lease epoch went from %d to %d: the lease lapsed and was claimed again", epoch, e)
 		}
-		if exp.After(first.Add(1500 * time.Millisecond)) {
+		if exp.After(first.Add(3 * time.Second)) {
 			return 1
 		}
 		return 0
