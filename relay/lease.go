@@ -99,6 +99,9 @@ func (r *Runner) extend(ctx context.Context, f *fatal, d *outboxv1.SubscribeResp
 			return expiry, false
 		case classLeaseLost:
 			r.log.Warn("lease lost during a slow publish; the event may be delivered again", "event_id", id, "err", err)
+			if h := r.hooks.extendStopped; h != nil {
+				h(id, true)
+			}
 			return expiry, false
 		case classRequest:
 			r.log.Error("extend lease refused", "event_id", id, "err", err)
@@ -106,6 +109,9 @@ func (r *Runner) extend(ctx context.Context, f *fatal, d *outboxv1.SubscribeResp
 		}
 		if !time.Now().Add(delay).Before(expiry) {
 			r.log.Warn("lease expired while extending it kept failing; the event may be delivered again", "event_id", id, "err", err)
+			if h := r.hooks.extendStopped; h != nil {
+				h(id, false)
+			}
 			return expiry, false
 		}
 		r.log.Debug("extend lease failed; retrying", "event_id", id, "in", delay, "err", err)

@@ -114,3 +114,26 @@ func (s skewedStream) RecvMsg(m any) error {
 	}
 	return err
 }
+
+// A lease the server says is gone (here: an operator skipped the event
+// during its slow publish, and ExtendLease answers FAILED_PRECONDITION) is
+// not extended again: retrying the same token cannot succeed.
+func TestRunnerStopsExtendingLostLease(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, servertest.Options{})
+	id := e.emit(t, "orders", "slow")
+	stopped := make(chan bool, 10)
+	pub := newPublisher()
+	pub.block = make(chan struct{})
+	start(t, Config{Conn: e.srv.Conn, Publisher: pub, LeaseTTL: 2 * time.Second}, hooks{
+		extendStopped: func(_ string, lost bool) { stopped <- lost },
+	})
+	waitSignal(t, "the publish to start", pub.started)
+	if _, err := e.srv.Admin.SkipEvent(context.Background(), &outboxv1.SkipEventRequest{EventId: id, Reason: "test", Actor: "test"}); err != nil {
+		t.Fatal(err)
+	}
+	if lost := waitSignal(t, "extending to stop", stopped); !lost {
+		t.Fatal("the runner kept extending until the lease's time ran out, want it to stop at the server's answer")
+	}
+	close(pub.block)
+}

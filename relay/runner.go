@@ -172,6 +172,10 @@ type Runner struct {
 type hooks struct {
 	// ackGivenUp is called when n acks are dropped.
 	ackGivenUp func(n int)
+	// extendStopped is called when the runner stops extending a lease
+	// before its publish ends: lost says the server answered that the lease
+	// is gone, rather than the lease's time running out.
+	extendStopped func(eventID string, lost bool)
 	// publishCancelled is called when a publish was cut short by the
 	// runner (drain timeout, terminal error) and left unacked and unnacked.
 	publishCancelled func(eventID string)
