@@ -2,6 +2,7 @@ package relay
 
 import (
 	"context"
+	"errors"
 	"time"
 
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
@@ -128,8 +129,21 @@ func (b *ackBatcher) try(items []*outboxv1.AckItem, retryUntil time.Time) error 
 		res, err := b.r.client.Ack(ctx, &outboxv1.AckRequest{Acks: items})
 		cancel()
 		if err == nil {
-			b.report(res)
-			return nil
+			again := b.report(items, res)
+			if len(again) == 0 {
+				return nil
+			}
+			// The server asks for some acks again: send those, within the
+			// same budget as transient failures.
+			if !time.Now().Add(delay).Before(retryUntil) {
+				b.giveUp(again, errAckRetry)
+				return nil
+			}
+			b.r.log.Debug("server asks for acks again; retrying", "acks", len(again), "in", delay)
+			sleep(b.ctx, delay)
+			delay = min(delay*2, ackRetryCap)
+			items = again
+			continue
 		}
 		if b.ctx.Err() != nil {
 			return err
@@ -192,16 +206,30 @@ func (b *ackBatcher) stopped() error {
 	return nil
 }
 
-// report logs the items the server did not apply: each has its own status,
-// and none is worth retrying (see AckStatus).
-func (b *ackBatcher) report(res *outboxv1.AckResponse) {
-	for _, r := range res.GetResults() {
+// errAckRetry is why acks the server kept asking for again are given up.
+var errAckRetry = errors.New("the server kept asking for these acks again")
+
+// report logs the items the server did not apply, and returns those to send
+// again: those with a status other than the five final ones (see
+// AckStatus). That covers ACK_STATUS_RETRY, by which the server says the
+// database refused this one ack on its own and asks for it again later, and
+// any status newer than this relay: acks are idempotent, so sending one
+// again is always safe.
+func (b *ackBatcher) report(items []*outboxv1.AckItem, res *outboxv1.AckResponse) (again []*outboxv1.AckItem) {
+	for i, r := range res.GetResults() {
 		switch r.GetStatus() {
 		case outboxv1.AckStatus_ACK_STATUS_PUBLISHED, outboxv1.AckStatus_ACK_STATUS_ALREADY_PUBLISHED:
-		default:
+		case outboxv1.AckStatus_ACK_STATUS_LEASE_LOST, outboxv1.AckStatus_ACK_STATUS_NOT_FOUND, outboxv1.AckStatus_ACK_STATUS_INVALID:
 			b.r.log.Warn("ack not applied", "event_id", r.GetEventId(), "status", r.GetStatus(), "message", r.GetMessage())
+		default:
+			// Results come one per item, in request order.
+			if i < len(items) && items[i].GetEventId() == r.GetEventId() {
+				again = append(again, items[i])
+			}
+			b.r.log.Debug("ack to be sent again", "event_id", r.GetEventId(), "status", r.GetStatus(), "message", r.GetMessage())
 		}
 	}
+	return again
 }
 
 // giveUp drops acks for err: their leases lapse (or are released with the

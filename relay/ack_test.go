@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -166,5 +167,59 @@ func TestRunnerGivesUpAckBatchWhenServerIsDown(t *testing.T) {
 		if e.published(t, id) {
 			t.Fatalf("event %s published though every Ack failed", id)
 		}
+	}
+}
+
+// An ack the server answers with a status asking for it again (its
+// database refused that one item; ACK_STATUS_RETRY) is sent again, and
+// lands. The first answer is simulated: the item is kept from the server
+// and answered with status 6, as a server does whose group commit refused
+// it; the retry reaches the real server.
+func TestRunnerResendsAckTheServerAsksAgain(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, servertest.Options{})
+	target := e.emit(t, "orders", "a")
+	other := e.emit(t, "orders", "b")
+	var sent atomic.Int32
+	retryOnce := grpc.WithChainUnaryInterceptor(func(ctx context.Context, m string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
+		r, ok := req.(*outboxv1.AckRequest)
+		if !ok {
+			return invoker(ctx, m, req, reply, cc, opts...)
+		}
+		var kept []*outboxv1.AckItem
+		held := -1
+		for i, it := range r.GetAcks() {
+			if it.GetEventId() == target && sent.Add(1) == 1 {
+				held = i
+				continue
+			}
+			kept = append(kept, it)
+		}
+		if held < 0 {
+			return invoker(ctx, m, req, reply, cc, opts...)
+		}
+		res := reply.(*outboxv1.AckResponse)
+		if len(kept) > 0 {
+			if err := invoker(ctx, m, &outboxv1.AckRequest{Acks: kept}, res, cc, opts...); err != nil {
+				return err
+			}
+		}
+		res.Results = append(res.Results[:held:held], append([]*outboxv1.AckResult{{
+			EventId: target, Status: outboxv1.AckStatus(6), Message: "injected: the database refused this ack",
+		}}, res.Results[held:]...)...)
+		return nil
+	})
+	givenUp := make(chan int, 10)
+	start(t, Config{Conn: e.dial(t, retryOnce), Publisher: newPublisher(), LeaseTTL: time.Hour},
+		hooks{ackGivenUp: func(k int) { givenUp <- k }})
+	// With an hour-long lease, only a resent ack can publish it in time.
+	e.waitPublished(t, target, other)
+	if n := sent.Load(); n != 2 {
+		t.Fatalf("the ack was sent %d times, want 2", n)
+	}
+	select {
+	case k := <-givenUp:
+		t.Fatalf("%d acks given up", k)
+	default:
 	}
 }
