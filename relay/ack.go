@@ -237,10 +237,10 @@ func (b *ackBatcher) report(items []*outboxv1.AckItem, res *outboxv1.AckResponse
 func (b *ackBatcher) giveUp(items []*outboxv1.AckItem, err error) {
 	why := "the server keeps failing them"
 	switch {
-	case b.stopped() != nil:
-		why = "the relay is stopping"
-	case classify(err) == classTerminal:
+	case b.fatal.get() != nil:
 		why = "the server refuses this relay"
+	case b.ctx.Err() != nil:
+		why = "the relay is stopping"
 	}
 	ids := make([]string, 0, min(len(items), 10))
 	for _, it := range items[:min(len(items), 10)] {

@@ -12,7 +12,9 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"go.uber.org/goleak"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
 
 	"github.com/outboxd/outboxd/client"
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
@@ -49,13 +51,8 @@ func newEnv(t *testing.T, opts servertest.Options) *env {
 // emit commits one event of aggregate key in stream and returns its id.
 func (e *env) emit(t *testing.T, stream, key string) string {
 	t.Helper()
-	return e.emitPayload(t, stream, key, []byte(`{"k":"`+key+`"}`))
-}
-
-func (e *env) emitPayload(t *testing.T, stream, key string, payload []byte) string {
-	t.Helper()
 	ev, err := client.Emit(context.Background(), e.pool, client.Event{
-		Stream: stream, AggregateKey: key, Type: "Changed", Payload: json.RawMessage(payload),
+		Stream: stream, AggregateKey: key, Type: "Changed", Payload: json.RawMessage(`{"k":"` + key + `"}`),
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -87,14 +84,18 @@ func (e *env) waitPublished(t *testing.T, ids ...string) {
 	})
 }
 
-// delivery reads the delivery row of aggregate key: its state and failures.
-func (e *env) delivery(t *testing.T, key string) (state string, failures int) {
+// aggregate reads aggregate key's delivery state through the AdminService
+// (nil before the server has seen its first event).
+func (e *env) aggregate(t *testing.T, stream, key string) *outboxv1.Aggregate {
 	t.Helper()
-	if err := e.pool.QueryRow(context.Background(),
-		`SELECT state, failures FROM outbox.delivery WHERE aggregate_key = $1`, key).Scan(&state, &failures); err != nil {
+	res, err := e.srv.Admin.GetAggregate(context.Background(), &outboxv1.GetAggregateRequest{Stream: stream, AggregateKey: key})
+	if status.Code(err) == codes.NotFound {
+		return nil
+	}
+	if err != nil {
 		t.Fatal(err)
 	}
-	return state, failures
+	return res.GetAggregate()
 }
 
 // waitUntil polls cond (a database read: there is no signal to wait on)

@@ -1,12 +1,12 @@
 package relay
 
 import (
-	"context"
 	"errors"
 	"strings"
 	"testing"
 	"unicode/utf8"
 
+	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
 	"github.com/outboxd/outboxd/internal/servertest"
 )
 
@@ -21,15 +21,12 @@ func TestRunnerNacksWhateverThePublisherSays(t *testing.T) {
 	pub := newPublisher()
 	pub.fail = errors.New("broker: \x00\xff " + strings.Repeat("é", 5000))
 	start(t, Config{Conn: e.srv.Conn, Publisher: pub}, hooks{})
+	var a *outboxv1.Aggregate
 	waitUntil(t, "the failure to be recorded", func() bool {
-		_, failures := e.delivery(t, "a")
-		return failures >= 1
+		a = e.aggregate(t, "orders", "a")
+		return a.GetFailures() >= 1
 	})
-	var last string
-	if err := e.pool.QueryRow(context.Background(), `SELECT last_error FROM outbox.delivery WHERE aggregate_key = 'a'`).Scan(&last); err != nil {
-		t.Fatal(err)
-	}
-	if !strings.HasPrefix(last, "broker: \\0\uFFFD éé") {
+	if last := a.GetLastError(); !strings.HasPrefix(last, "broker: \\0\uFFFD éé") {
 		t.Fatalf("recorded error %.40q", last)
 	}
 }

@@ -14,6 +14,7 @@ import (
 	"google.golang.org/protobuf/types/known/durationpb"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
+	"github.com/outboxd/outboxd/client"
 	"github.com/outboxd/outboxd/internal/limits"
 	"github.com/outboxd/outboxd/internal/servertest"
 )
@@ -60,19 +61,30 @@ func TestNewRunnerValidatesConfig(t *testing.T) {
 	}
 }
 
-// The runner publishes and acks every event, and receives a delivery as
-// large as MaxDeliveryBytes allows (gRPC's default receive limit would
-// refuse anything above 4 MiB; the limit is one documented number).
-func TestRunnerPublishesUpToTheLargestDelivery(t *testing.T) {
+// The runner publishes and acks every event, the largest the producer
+// contract allows included: a 3 MiB payload (the most
+// outbox.settings.max_payload_bytes may be) with 60 KiB of headers, a long
+// key and type. It fits in MaxDeliveryBytes, which the runner receives;
+// gRPC's default would also do, but not a limit that forgot the payload can
+// be raised above its 1 MiB default.
+func TestRunnerPublishesTheLargestEvent(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, servertest.Options{})
-	if _, err := e.pool.Exec(context.Background(), `UPDATE outbox.settings SET max_payload_bytes = $1`, 2*limits.MaxDeliveryBytes); err != nil {
+	const maxPayload = 3 << 20
+	if _, err := e.pool.Exec(context.Background(), `UPDATE outbox.settings SET max_payload_bytes = $1`, maxPayload); err != nil {
 		t.Fatal(err)
 	}
 	ids := []string{e.emit(t, "orders", "a"), e.emit(t, "orders", "b")}
-	// The delivery's other fields take well under 16 KiB.
-	big := append(append([]byte(`{"s":"`), bytes.Repeat([]byte("x"), limits.MaxDeliveryBytes-16<<10)...), `"}`...)
-	ids = append(ids, e.emitPayload(t, "orders", "big", big))
+	// jsonb stores {"s": "..."}: 9 bytes around the string.
+	payload := append(append([]byte(`{"s":"`), bytes.Repeat([]byte("x"), maxPayload-9)...), `"}`...)
+	big, err := client.Emit(context.Background(), e.pool, client.Event{
+		Stream: "orders", AggregateKey: strings.Repeat("k", 1000), Type: strings.Repeat("T", 250),
+		Payload: payload, Headers: map[string]string{"h": strings.Repeat("v", 60<<10)},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ids = append(ids, big.ID.String())
 
 	pub := newPublisher()
 	start(t, Config{Conn: e.srv.Conn, Publisher: pub}, hooks{})
@@ -81,6 +93,9 @@ func TestRunnerPublishesUpToTheLargestDelivery(t *testing.T) {
 		if n := pub.attemptsOf(id); n != 1 {
 			t.Errorf("event %s published %d times, want 1", id, n)
 		}
+	}
+	if limits.MaxDeliveryBytes < maxPayload+1<<20 {
+		t.Errorf("MaxDeliveryBytes %d leaves under 1 MiB beside the largest payload", limits.MaxDeliveryBytes)
 	}
 }
 
