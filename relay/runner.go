@@ -7,8 +7,22 @@
 // per aggregate at a time, so events of one aggregate never overlap), batches
 // acks by size and delay, nacks failures with the error text, extends the
 // lease of slow publishes, and reconnects with exponential backoff and jitter.
-// Cancelling Run's context stops receiving, lets publishes already under way
-// finish (up to Config.DrainTimeout) and acks them before returning.
+//
+// No answer of the server can wedge it. It sorts errors into three kinds:
+// the relay's credentials refused (UNAUTHENTICATED, PERMISSION_DENIED, from
+// any RPC) stops the runner and Run returns the error; the server or network
+// unavailable (UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED) is retried
+// with bounded backoff; a request refused as such (INVALID_ARGUMENT,
+// INTERNAL, ...) is not retried as it is, and an Ack batch refused that way
+// is split until the item at fault is alone. An ack given up costs a
+// redelivery, never an event.
+//
+// Cancelling Run's context stops receiving, lets publishes already under
+// way finish (up to Config.DrainTimeout) and acks them before closing the
+// stream, so they keep their leases meanwhile. A publish cut short by the
+// drain timeout is neither acked nor nacked: it is no broker failure, and
+// closing the stream gives its lease back at once without counting one
+// against the event.
 package relay
 
 import (
@@ -17,8 +31,10 @@ import (
 	"fmt"
 	"log/slog"
 	"math/rand/v2"
+	"strings"
 	"sync"
 	"time"
+	"unicode/utf8"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -26,7 +42,19 @@ import (
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+	"github.com/outboxd/outboxd/internal/limits"
 )
+
+// MaxDeliveryBytes is the largest delivery (one encoded SubscribeResponse)
+// the runner receives; the server never sends a larger one.
+const MaxDeliveryBytes = limits.MaxDeliveryBytes
+
+// MaxAckBatchSize is the most acks the server takes in one Ack request, and
+// so the largest Config.AckBatchSize.
+const MaxAckBatchSize = limits.MaxAckItems
+
+// DefaultDrainTimeout is Config.DrainTimeout's default.
+const DefaultDrainTimeout = 10 * time.Second
 
 // Config configures a Runner. Zero fields take the documented defaults.
 type Config struct {
@@ -43,7 +71,8 @@ type Config struct {
 	MaxInFlight int
 	// LeaseTTL is asked of the server; zero takes the server's default.
 	LeaseTTL time.Duration
-	// AckBatchSize is the most acks one Ack request carries. Default 256.
+	// AckBatchSize is the most acks one Ack request carries: 1 to
+	// MaxAckBatchSize. Default 256.
 	AckBatchSize int
 	// AckMaxDelay is how long an ack may wait for company before it is
 	// sent. Default 0: an ack is sent at once, and the acks that complete
@@ -51,22 +80,33 @@ type Config struct {
 	// grow with load without delaying a lone ack (which would slow down
 	// every aggregate whose events come one after another).
 	AckMaxDelay time.Duration
+	// AckRetryTimeout is how long an Ack batch is retried through transient
+	// failures (UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED) before
+	// it is split in halves to find an item at fault; when both halves fail
+	// too, its acks are given up and their events delivered again.
+	// Default 30s.
+	AckRetryTimeout time.Duration
 	// ReconnectBase and ReconnectCap shape the reconnect backoff. Defaults
 	// 100ms and 10s.
 	ReconnectBase, ReconnectCap time.Duration
 	// DrainTimeout bounds how long a stopping Runner waits for publishes
-	// already under way. Default 10s.
+	// already under way; their leases stay held meanwhile. A publish still
+	// running then is cancelled and its lease released, with no failure
+	// counted. Default DefaultDrainTimeout.
 	DrainTimeout time.Duration
 	// Logger receives the relay's logs. Default: discard.
 	Logger *slog.Logger
 }
 
+// setDefaults fills in the defaults and reports every field at fault.
 func (c *Config) setDefaults() error {
+	var errs []error
+	bad := func(format string, args ...any) { errs = append(errs, fmt.Errorf("relay: Config."+format, args...)) }
 	if c.Conn == nil {
-		return errors.New("relay: Config.Conn is required")
+		bad("Conn is required")
 	}
 	if c.Publisher == nil {
-		return errors.New("relay: Config.Publisher is required")
+		bad("Publisher is required")
 	}
 	if c.RelayID == "" {
 		c.RelayID = "relay"
@@ -75,27 +115,48 @@ func (c *Config) setDefaults() error {
 		c.MaxInFlight = 64
 	}
 	if c.MaxInFlight < 0 {
-		return fmt.Errorf("relay: Config.MaxInFlight %d must be positive", c.MaxInFlight)
+		bad("MaxInFlight %d must be positive", c.MaxInFlight)
 	}
-	if c.AckBatchSize <= 0 {
+	if c.LeaseTTL < 0 {
+		bad("LeaseTTL %v must not be negative", c.LeaseTTL)
+	}
+	if c.AckBatchSize == 0 {
 		c.AckBatchSize = 256
 	}
-	if c.AckMaxDelay < 0 {
-		return fmt.Errorf("relay: Config.AckMaxDelay %v must not be negative", c.AckMaxDelay)
+	if c.AckBatchSize < 0 || c.AckBatchSize > MaxAckBatchSize {
+		bad("AckBatchSize %d must be between 1 and %d (the most acks the server takes in one request)", c.AckBatchSize, MaxAckBatchSize)
 	}
-	if c.ReconnectBase <= 0 {
+	if c.AckMaxDelay < 0 {
+		bad("AckMaxDelay %v must not be negative", c.AckMaxDelay)
+	}
+	if c.AckRetryTimeout == 0 {
+		c.AckRetryTimeout = 30 * time.Second
+	}
+	if c.AckRetryTimeout < 0 {
+		bad("AckRetryTimeout %v must not be negative", c.AckRetryTimeout)
+	}
+	if c.ReconnectBase == 0 {
 		c.ReconnectBase = 100 * time.Millisecond
+	}
+	if c.ReconnectBase < 0 {
+		bad("ReconnectBase %v must not be negative", c.ReconnectBase)
+	}
+	if c.ReconnectCap < 0 {
+		bad("ReconnectCap %v must not be negative", c.ReconnectCap)
 	}
 	if c.ReconnectCap < c.ReconnectBase {
 		c.ReconnectCap = max(10*time.Second, c.ReconnectBase)
 	}
-	if c.DrainTimeout <= 0 {
-		c.DrainTimeout = 10 * time.Second
+	if c.DrainTimeout == 0 {
+		c.DrainTimeout = DefaultDrainTimeout
+	}
+	if c.DrainTimeout < 0 {
+		bad("DrainTimeout %v must not be negative", c.DrainTimeout)
 	}
 	if c.Logger == nil {
 		c.Logger = slog.New(slog.DiscardHandler)
 	}
-	return nil
+	return errors.Join(errs...)
 }
 
 // Runner runs a relay.
@@ -103,9 +164,24 @@ type Runner struct {
 	cfg    Config
 	client outboxv1.RelayServiceClient
 	log    *slog.Logger
+	hooks  hooks
 }
 
-// NewRunner validates cfg.
+// hooks tell this package's tests what the runner did, so that they wait on
+// signals instead of sleeping. All nil outside tests.
+type hooks struct {
+	// ackGivenUp is called when n acks are dropped.
+	ackGivenUp func(n int)
+	// extendStopped is called when the runner stops extending a lease
+	// before its publish ends: lost says the server answered that the lease
+	// is gone, rather than the lease's time running out.
+	extendStopped func(eventID string, lost bool)
+	// publishCancelled is called when a publish was cut short by the
+	// runner (drain timeout, terminal error) and left unacked and unnacked.
+	publishCancelled func(eventID string)
+}
+
+// NewRunner validates cfg; the error names every field at fault.
 func NewRunner(cfg Config) (*Runner, error) {
 	if err := cfg.setDefaults(); err != nil {
 		return nil, err
@@ -118,50 +194,70 @@ func NewRunner(cfg Config) (*Runner, error) {
 }
 
 // Run relays until ctx is done, reconnecting whenever the stream breaks. It
-// returns nil after a clean stop, or the error that makes retrying pointless
-// (an INVALID_ARGUMENT, UNAUTHENTICATED or PERMISSION_DENIED answer).
+// returns nil after a clean stop, or the error that makes going on
+// pointless: Subscribe refused as malformed or unimplemented
+// (INVALID_ARGUMENT, UNIMPLEMENTED), or the relay's credentials refused by
+// any RPC (UNAUTHENTICATED, PERMISSION_DENIED). The error wraps the gRPC
+// status, so status.Code reports it.
 func (r *Runner) Run(ctx context.Context) error {
 	delay := r.cfg.ReconnectBase
 	for {
 		start := time.Now()
 		err := r.runOnce(ctx)
+		var fe *fatalError
+		if errors.As(err, &fe) {
+			return fe.err
+		}
 		if ctx.Err() != nil {
 			return nil
 		}
-		switch status.Code(err) {
+		switch code := status.Code(err); code {
 		case codes.InvalidArgument, codes.Unauthenticated, codes.PermissionDenied, codes.Unimplemented:
-			return fmt.Errorf("relay: subscribe refused: %w", err)
+			return fmt.Errorf("relay: Subscribe refused (%s): %w", code, err)
 		}
 		if time.Since(start) > r.cfg.ReconnectCap {
 			delay = r.cfg.ReconnectBase // it ran fine for a while: start over
 		}
 		wait := delay/2 + rand.N(delay/2+1)
 		r.log.Warn("stream ended; reconnecting", "err", err, "in", wait)
-		t := time.NewTimer(wait)
-		select {
-		case <-ctx.Done():
-			t.Stop()
+		if !sleep(ctx, wait) {
 			return nil
-		case <-t.C:
 		}
 		delay = min(delay*2, r.cfg.ReconnectCap)
 	}
 }
 
-// runOnce runs one subscription until it breaks or ctx is done, then waits for
-// its publishes and acks.
+// fatalError carries a terminal error out of runOnce.
+type fatalError struct{ err error }
+
+func (e *fatalError) Error() string { return e.err.Error() }
+
+// received is a delivery and when it arrived, by the relay's monotonic
+// clock.
+type received struct {
+	d  *outboxv1.SubscribeResponse
+	at time.Time
+}
+
+// runOnce runs one subscription until it breaks, ctx is done or the server
+// refuses the relay, then waits for its publishes and acks.
 func (r *Runner) runOnce(ctx context.Context) error {
-	// Publishes and acks outlive the stream by up to DrainTimeout after ctx
-	// ends, so that work already handed to the broker is acknowledged.
-	workCtx, cancelWork := context.WithCancel(context.WithoutCancel(ctx))
-	defer cancelWork()
+	// Publishes, lease extensions and acks outlive ctx by up to DrainTimeout,
+	// so that work already handed to the broker is acknowledged. A terminal
+	// error ends them at once.
+	workCtx, cancelWork := context.WithCancelCause(context.WithoutCancel(ctx))
+	defer cancelWork(nil)
 	stopDrain := context.AfterFunc(ctx, func() {
-		t := time.AfterFunc(r.cfg.DrainTimeout, cancelWork)
+		t := time.AfterFunc(r.cfg.DrainTimeout, func() { cancelWork(errDrainTimeout) })
 		context.AfterFunc(workCtx, func() { t.Stop() })
 	})
 	defer stopDrain()
+	f := newFatal(cancelWork)
 
-	streamCtx, cancelStream := context.WithCancel(ctx)
+	// The stream too outlives ctx until the publishes under way are done:
+	// the server holds their leases for as long as it is open, and closing
+	// it afterwards gives back at once the leases of whatever is left.
+	streamCtx, cancelStream := context.WithCancel(context.WithoutCancel(ctx))
 	defer cancelStream()
 	req := &outboxv1.SubscribeRequest{
 		RelayId:     r.cfg.RelayID,
@@ -171,201 +267,157 @@ func (r *Runner) runOnce(ctx context.Context) error {
 	if r.cfg.LeaseTTL > 0 {
 		req.LeaseTtl = durationpb.New(r.cfg.LeaseTTL)
 	}
-	stream, err := r.client.Subscribe(streamCtx, req)
+	// Until the stream is open there is nothing to drain: a stop while
+	// connecting cancels at once.
+	stopEarly := context.AfterFunc(ctx, cancelStream)
+	stream, err := r.client.Subscribe(streamCtx, req, grpc.MaxCallRecvMsgSize(MaxDeliveryBytes))
+	stopEarly()
 	if err != nil {
 		return err
 	}
 
-	acks := newAckBatcher(r, workCtx)
-	var wg sync.WaitGroup
-	defer func() {
-		wg.Wait()
-		acks.close()
-	}()
-	for {
-		d, err := stream.Recv()
-		if err != nil {
-			return err
+	deliveries := make(chan received)
+	recvErr := make(chan error, 1)
+	go func() {
+		for {
+			d, err := stream.Recv()
+			if err != nil {
+				recvErr <- err
+				return
+			}
+			select {
+			case deliveries <- received{d, time.Now()}:
+			case <-streamCtx.Done():
+				// Not handled: released when the stream closes.
+				recvErr <- streamCtx.Err()
+				return
+			}
 		}
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			r.handle(workCtx, d, acks)
-		}()
+	}()
+
+	acks := newAckBatcher(workCtx, r, f)
+	var wg sync.WaitGroup
+	var result error
+loop:
+	for {
+		select {
+		case rd := <-deliveries:
+			if ctx.Err() != nil {
+				break loop // stopping: released with the stream
+			}
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				r.handle(workCtx, f, rd, acks)
+			}()
+		case result = <-recvErr:
+			break loop
+		case <-ctx.Done():
+			break loop
+		case <-f.done:
+			break loop
+		}
 	}
+	wg.Wait()
+	acks.close()
+	cancelStream()
+	if result == nil {
+		<-recvErr
+	}
+	if err := f.get(); err != nil {
+		return &fatalError{err}
+	}
+	return result
 }
+
+// errDrainTimeout is why publishes still running DrainTimeout after Run's
+// context ended are cancelled.
+var errDrainTimeout = errors.New("relay: stopping, and Config.DrainTimeout passed")
 
 // handle publishes one delivery and acks or nacks it, extending its lease
 // while a slow publish runs.
-func (r *Runner) handle(ctx context.Context, d *outboxv1.SubscribeResponse, acks *ackBatcher) {
+func (r *Runner) handle(ctx context.Context, f *fatal, rd received, acks *ackBatcher) {
+	d := rd.d
 	ev := d.GetEvent()
 	e := Event{
 		ID: ev.GetEventId(), Stream: ev.GetStream(), AggregateKey: ev.GetAggregateKey(),
 		Revision: ev.GetRevision(), Type: ev.GetEventType(), Payload: ev.GetPayload(),
 		Headers: ev.GetHeaders(), CreatedAt: ev.GetCreatedAt().AsTime(), Attempt: int(d.GetAttempt()),
 	}
-	stopExtend := r.keepLease(ctx, d)
+	stopExtend := r.keepLease(ctx, f, d, rd.at)
 	err := r.cfg.Publisher.Publish(ctx, e)
 	stopExtend()
 	if err == nil {
 		acks.add(&outboxv1.AckItem{EventId: e.ID, LeaseToken: d.GetLeaseToken()})
 		return
 	}
-	r.log.Warn("publish failed; nacking", "event_id", e.ID, "stream", e.Stream, "aggregate_key", e.AggregateKey, "attempt", e.Attempt, "err", err)
-	nctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
-	defer cancel()
-	if _, nerr := r.client.Nack(nctx, &outboxv1.NackRequest{
-		EventId: e.ID, LeaseToken: d.GetLeaseToken(), Error: err.Error(),
-	}); nerr != nil {
-		// The lease expires and the event comes again; nothing is lost.
-		r.log.Warn("nack failed; the lease will expire instead", "event_id", e.ID, "err", nerr)
-	}
-}
-
-// keepLease extends the delivery's lease at half its remaining life until
-// the returned stop function is called.
-func (r *Runner) keepLease(ctx context.Context, d *outboxv1.SubscribeResponse) (stop func()) {
-	ttl := time.Until(d.GetLeaseExpiresAt().AsTime())
-	if ttl <= 0 {
-		return func() {}
-	}
-	extendTTL := r.cfg.LeaseTTL
-	if extendTTL <= 0 {
-		extendTTL = max(ttl, time.Second)
-	}
-	ctx, cancel := context.WithCancel(ctx)
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		next := ttl / 2
-		for {
-			t := time.NewTimer(next)
-			select {
-			case <-ctx.Done():
-				t.Stop()
-				return
-			case <-t.C:
-			}
-			res, err := r.client.ExtendLease(ctx, &outboxv1.ExtendLeaseRequest{
-				EventId: d.GetEvent().GetEventId(), LeaseToken: d.GetLeaseToken(), Ttl: durationpb.New(extendTTL),
-			})
-			if err != nil {
-				if ctx.Err() == nil {
-					r.log.Warn("extend lease failed", "event_id", d.GetEvent().GetEventId(), "err", err)
-				}
-				return
-			}
-			next = max(time.Until(res.GetLeaseExpiresAt().AsTime())/2, 10*time.Millisecond)
+	if ctx.Err() != nil {
+		// The runner cut the publish short (it is stopping): that is no
+		// failure of the broker, and a nack would count one against the
+		// event on every rolling deploy, pushing it towards parking.
+		// Closing the stream releases the lease at once instead.
+		r.log.Info("publish cancelled; its lease is released with the stream", "event_id", e.ID, "cause", context.Cause(ctx))
+		if h := r.hooks.publishCancelled; h != nil {
+			h(e.ID)
 		}
-	}()
-	return func() { cancel(); <-done }
-}
-
-// ackBatcher sends acks in batches of up to AckBatchSize: one Ack request
-// at a time, carrying every ack that completed meanwhile (and, with
-// AckMaxDelay, waiting that long for more).
-type ackBatcher struct {
-	r     *Runner
-	ctx   context.Context
-	items chan *outboxv1.AckItem
-	done  chan struct{}
-}
-
-func newAckBatcher(r *Runner, ctx context.Context) *ackBatcher {
-	b := &ackBatcher{r: r, ctx: ctx, items: make(chan *outboxv1.AckItem, r.cfg.MaxInFlight), done: make(chan struct{})}
-	go b.run()
-	return b
-}
-
-func (b *ackBatcher) add(it *outboxv1.AckItem) { b.items <- it }
-
-// close flushes what is queued and waits for it.
-func (b *ackBatcher) close() {
-	close(b.items)
-	<-b.done
-}
-
-func (b *ackBatcher) run() {
-	defer close(b.done)
-	for {
-		it, ok := <-b.items
-		if !ok {
-			return
-		}
-		batch, open := b.gather([]*outboxv1.AckItem{it})
-		b.flush(batch)
-		if !open {
-			return
-		}
-	}
-}
-
-// gather adds to batch what is queued, and what arrives within AckMaxDelay,
-// up to AckBatchSize. It reports whether the queue is still open.
-func (b *ackBatcher) gather(batch []*outboxv1.AckItem) ([]*outboxv1.AckItem, bool) {
-	var linger <-chan time.Time
-	if d := b.r.cfg.AckMaxDelay; d > 0 {
-		t := time.NewTimer(d)
-		defer t.Stop()
-		linger = t.C
-	}
-	for len(batch) < b.r.cfg.AckBatchSize {
-		select {
-		case it, ok := <-b.items:
-			if !ok {
-				return batch, false
-			}
-			batch = append(batch, it)
-			continue
-		default:
-		}
-		if linger == nil {
-			return batch, true
-		}
-		select {
-		case it, ok := <-b.items:
-			if !ok {
-				return batch, false
-			}
-			batch = append(batch, it)
-		case <-linger:
-			return batch, true
-		}
-	}
-	return batch, true
-}
-
-// flush sends one Ack, retrying while the server is unreachable: an ack lost
-// here only costs a redelivery, but retrying spares it.
-func (b *ackBatcher) flush(batch []*outboxv1.AckItem) {
-	if len(batch) == 0 {
 		return
 	}
-	delay := 50 * time.Millisecond
-	for {
-		ctx, cancel := context.WithTimeout(b.ctx, 10*time.Second)
-		res, err := b.r.client.Ack(ctx, &outboxv1.AckRequest{Acks: batch})
+	r.log.Warn("publish failed; nacking", "event_id", e.ID, "stream", e.Stream, "aggregate_key", e.AggregateKey, "attempt", e.Attempt, "err", err)
+	r.nack(ctx, f, d, err)
+}
+
+// nack reports a failed publish, retrying briefly while the server is
+// unavailable. If it cannot, the lease expires (or is released with the
+// stream) and the event comes again: nothing is lost.
+func (r *Runner) nack(ctx context.Context, f *fatal, d *outboxv1.SubscribeResponse, perr error) {
+	id := d.GetEvent().GetEventId()
+	req := &outboxv1.NackRequest{EventId: id, LeaseToken: d.GetLeaseToken(), Error: nackText(perr)}
+	delay := extendRetryBase
+	for attempt := 1; ; attempt++ {
+		callCtx, cancel := context.WithTimeout(ctx, extendCallTimeout)
+		_, err := r.client.Nack(callCtx, req)
 		cancel()
-		if err == nil {
-			for _, r := range res.GetResults() {
-				switch r.GetStatus() {
-				case outboxv1.AckStatus_ACK_STATUS_PUBLISHED, outboxv1.AckStatus_ACK_STATUS_ALREADY_PUBLISHED:
-				default:
-					b.r.log.Warn("ack not applied", "event_id", r.GetEventId(), "status", r.GetStatus(), "message", r.GetMessage())
-				}
+		if err == nil || ctx.Err() != nil {
+			return
+		}
+		switch classify(err) {
+		case classTerminal:
+			f.set("Nack", err)
+			return
+		case classLeaseLost:
+			r.log.Info("nack found the lease gone; nothing to do", "event_id", id, "err", err)
+			return
+		case classTransient:
+			if attempt < nackAttempts && sleep(ctx, delay) {
+				delay = min(delay*2, extendRetryCap)
+				continue
 			}
-			return
 		}
-		if b.ctx.Err() != nil || status.Code(err) == codes.InvalidArgument {
-			b.r.log.Warn("ack failed; events will be redelivered", "acks", len(batch), "err", err)
-			return
-		}
-		t := time.NewTimer(delay)
-		select {
-		case <-b.ctx.Done():
-			t.Stop()
-		case <-t.C:
-		}
-		delay = min(delay*2, 2*time.Second)
+		r.log.Warn("nack failed; the lease will end by itself instead", "event_id", id, "err", err)
+		return
 	}
+}
+
+// nackAttempts bounds the tries of one Nack.
+const nackAttempts = 5
+
+// maxNackText is the most bytes of error text a Nack carries: what the
+// server stores.
+const maxNackText = 4096
+
+// nackText is err's text as a Nack can carry it. A broker's error may hold
+// anything: bytes that are not UTF-8 would make the request unmarshalable
+// (a proto3 string) and a NUL cannot be stored in PostgreSQL text, so that
+// the nack would fail and the failure never count towards parking.
+func nackText(err error) string {
+	s := strings.ToValidUTF8(err.Error(), "\uFFFD")
+	s = strings.ReplaceAll(s, "\x00", "\\0")
+	if len(s) <= maxNackText {
+		return s
+	}
+	cut := maxNackText - len("…")
+	for cut > 0 && !utf8.RuneStart(s[cut]) {
+		cut--
+	}
+	return s[:cut] + "…"
 }

@@ -13,6 +13,7 @@ import (
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/durationpb"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
@@ -281,7 +282,8 @@ func (r *relayService) ExtendLease(ctx context.Context, req *outboxv1.ExtendLeas
 	if err != nil {
 		return nil, s.dbError(ctx, "extend lease", err)
 	}
-	return &outboxv1.ExtendLeaseResponse{LeaseExpiresAt: timestamppb.New(exp)}, nil
+	// ttl is what the lease had left as the statement set it.
+	return &outboxv1.ExtendLeaseResponse{LeaseExpiresAt: timestamppb.New(exp), LeaseTtlRemaining: durationpb.New(ttl)}, nil
 }
 
 // authorizeEvents refuses the whole request (PermissionDenied, nothing

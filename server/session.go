@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"google.golang.org/protobuf/types/known/durationpb"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
@@ -294,6 +295,9 @@ func (ss *session) delivery(l store.Lease) *outboxv1.SubscribeResponse {
 		LeaseToken:     ss.srv.signer.Sign(leasetoken.Token{EventID: e.ID, Epoch: l.Epoch}),
 		LeaseExpiresAt: timestamppb.New(l.ExpiresAt),
 		Attempt:        uint32(l.Attempt),
+		// The claim has just set the lease to the database's now + ttl; the
+		// relay counts this from receipt on its own clock.
+		LeaseTtlRemaining: durationpb.New(ss.ttl),
 	}
 }
 

@@ -9,13 +9,15 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/durationpb"
+
+	"github.com/outboxd/outboxd/internal/limits"
 )
 
 var streamName = regexp.MustCompile(`^[a-z][a-z0-9_.-]{0,127}$`)
 
 const (
 	maxSubscribeStreams = 64
-	maxAckItems         = 1000
+	maxAckItems         = limits.MaxAckItems
 	maxRelayIDLen       = 128
 )
 

@@ -19,13 +19,21 @@ func relayCommand(g *globalFlags) *cobra.Command {
 		streams     []string
 		maxInFlight int
 		leaseTTL    time.Duration
+		drain       time.Duration
 	)
 	cmd := &cobra.Command{
 		Use:   "relay",
 		Short: "Run a relay: subscribe to outboxd, publish to a broker, ack on durable acceptance",
 		Long: `relay publishes every delivered event to --sink and acks it once the broker has
 durably accepted it. Sinks: stdout:// (JSON lines) and nats://host:port
-(JetStream; see relay/sink for its parameters).`,
+(JetStream; see relay/sink for its parameters).
+
+It reconnects while the server is unavailable, and exits with an error when the
+server refuses its token (UNAUTHENTICATED, PERMISSION_DENIED) on any call. On
+SIGTERM or SIGINT it stops taking deliveries, lets publishes under way finish for
+up to --drain-timeout while keeping their leases, acks them, and then closes its
+stream: the leases of publishes still running are released without counting a
+failure against their events.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			ctx := cmd.Context()
@@ -52,7 +60,7 @@ durably accepted it. Sinks: stdout:// (JSON lines) and nats://host:port
 			defer conn.Close()
 			r, err := relay.NewRunner(relay.Config{
 				Conn: conn, Publisher: s, RelayID: relayID, Streams: streams,
-				MaxInFlight: maxInFlight, LeaseTTL: leaseTTL, Logger: log,
+				MaxInFlight: maxInFlight, LeaseTTL: leaseTTL, DrainTimeout: drain, Logger: log,
 			})
 			if err != nil {
 				return err
@@ -68,5 +76,6 @@ durably accepted it. Sinks: stdout:// (JSON lines) and nats://host:port
 	fl.StringSliceVar(&streams, "streams", nil, "streams to relay (default all)")
 	fl.IntVar(&maxInFlight, "max-in-flight", 64, "deliveries outstanding at once (the relay's credit)")
 	fl.DurationVar(&leaseTTL, "lease-ttl", 0, "lease TTL to ask for (default: the server's)")
+	fl.DurationVar(&drain, "drain-timeout", relay.DefaultDrainTimeout, "on shutdown, how long publishes under way may take to finish")
 	return cmd
 }

@@ -194,9 +194,16 @@ type SubscribeResponse struct {
 	LeaseExpiresAt *timestamppb.Timestamp `protobuf:"bytes,3,opt,name=lease_expires_at,json=leaseExpiresAt,proto3" json:"lease_expires_at,omitempty"`
 	// attempt counts deliveries of this event, starting at 1. A value above 1
 	// means an earlier delivery may have reached the broker already.
-	Attempt       uint32 `protobuf:"varint,4,opt,name=attempt,proto3" json:"attempt,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Attempt uint32 `protobuf:"varint,4,opt,name=attempt,proto3" json:"attempt,omitempty"`
+	// lease_ttl_remaining is how long the lease had left when the server set it.
+	// A relay measures it on its own monotonic clock from when it receives the
+	// delivery, so that scheduling extensions needs no agreement between its
+	// clock and the database's (lease_expires_at is by the database's clock).
+	// The transit time makes it slightly optimistic: extend well before it runs
+	// out. Unset from servers that predate it.
+	LeaseTtlRemaining *durationpb.Duration `protobuf:"bytes,5,opt,name=lease_ttl_remaining,json=leaseTtlRemaining,proto3" json:"lease_ttl_remaining,omitempty"`
+	unknownFields     protoimpl.UnknownFields
+	sizeCache         protoimpl.SizeCache
 }
 
 func (x *SubscribeResponse) Reset() {
@@ -255,6 +262,13 @@ func (x *SubscribeResponse) GetAttempt() uint32 {
 		return x.Attempt
 	}
 	return 0
+}
+
+func (x *SubscribeResponse) GetLeaseTtlRemaining() *durationpb.Duration {
+	if x != nil {
+		return x.LeaseTtlRemaining
+	}
+	return nil
 }
 
 // AckRequest acknowledges a batch of deliveries.
@@ -676,10 +690,15 @@ func (x *ExtendLeaseRequest) GetTtl() *durationpb.Duration {
 // ExtendLeaseResponse reports the new expiry.
 type ExtendLeaseResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// lease_expires_at is the lease's new expiry.
+	// lease_expires_at is the lease's new expiry, by the database's clock.
 	LeaseExpiresAt *timestamppb.Timestamp `protobuf:"bytes,1,opt,name=lease_expires_at,json=leaseExpiresAt,proto3" json:"lease_expires_at,omitempty"`
-	unknownFields  protoimpl.UnknownFields
-	sizeCache      protoimpl.SizeCache
+	// lease_ttl_remaining is how long the lease had left when the server
+	// extended it (the granted ttl). A relay measures it on its own monotonic
+	// clock from when it sent the request, which can only underestimate the
+	// lease. Unset from servers that predate it.
+	LeaseTtlRemaining *durationpb.Duration `protobuf:"bytes,2,opt,name=lease_ttl_remaining,json=leaseTtlRemaining,proto3" json:"lease_ttl_remaining,omitempty"`
+	unknownFields     protoimpl.UnknownFields
+	sizeCache         protoimpl.SizeCache
 }
 
 func (x *ExtendLeaseResponse) Reset() {
@@ -719,6 +738,13 @@ func (x *ExtendLeaseResponse) GetLeaseExpiresAt() *timestamppb.Timestamp {
 	return nil
 }
 
+func (x *ExtendLeaseResponse) GetLeaseTtlRemaining() *durationpb.Duration {
+	if x != nil {
+		return x.LeaseTtlRemaining
+	}
+	return nil
+}
+
 var File_outbox_v1_relay_service_proto protoreflect.FileDescriptor
 
 const file_outbox_v1_relay_service_proto_rawDesc = "" +
@@ -728,13 +754,14 @@ const file_outbox_v1_relay_service_proto_rawDesc = "" +
 	"\brelay_id\x18\x01 \x01(\tR\arelayId\x12\x18\n" +
 	"\astreams\x18\x02 \x03(\tR\astreams\x12\"\n" +
 	"\rmax_in_flight\x18\x03 \x01(\rR\vmaxInFlight\x126\n" +
-	"\tlease_ttl\x18\x04 \x01(\v2\x19.google.protobuf.DurationR\bleaseTtl\"\xbc\x01\n" +
+	"\tlease_ttl\x18\x04 \x01(\v2\x19.google.protobuf.DurationR\bleaseTtl\"\x87\x02\n" +
 	"\x11SubscribeResponse\x12&\n" +
 	"\x05event\x18\x01 \x01(\v2\x10.outbox.v1.EventR\x05event\x12\x1f\n" +
 	"\vlease_token\x18\x02 \x01(\tR\n" +
 	"leaseToken\x12D\n" +
 	"\x10lease_expires_at\x18\x03 \x01(\v2\x1a.google.protobuf.TimestampR\x0eleaseExpiresAt\x12\x18\n" +
-	"\aattempt\x18\x04 \x01(\rR\aattempt\"4\n" +
+	"\aattempt\x18\x04 \x01(\rR\aattempt\x12I\n" +
+	"\x13lease_ttl_remaining\x18\x05 \x01(\v2\x19.google.protobuf.DurationR\x11leaseTtlRemaining\"4\n" +
 	"\n" +
 	"AckRequest\x12&\n" +
 	"\x04acks\x18\x01 \x03(\v2\x12.outbox.v1.AckItemR\x04acks\"E\n" +
@@ -763,9 +790,10 @@ const file_outbox_v1_relay_service_proto_rawDesc = "" +
 	"\bevent_id\x18\x01 \x01(\tR\aeventId\x12\x1f\n" +
 	"\vlease_token\x18\x02 \x01(\tR\n" +
 	"leaseToken\x12+\n" +
-	"\x03ttl\x18\x03 \x01(\v2\x19.google.protobuf.DurationR\x03ttl\"[\n" +
+	"\x03ttl\x18\x03 \x01(\v2\x19.google.protobuf.DurationR\x03ttl\"\xa6\x01\n" +
 	"\x13ExtendLeaseResponse\x12D\n" +
-	"\x10lease_expires_at\x18\x01 \x01(\v2\x1a.google.protobuf.TimestampR\x0eleaseExpiresAt*\xc6\x01\n" +
+	"\x10lease_expires_at\x18\x01 \x01(\v2\x1a.google.protobuf.TimestampR\x0eleaseExpiresAt\x12I\n" +
+	"\x13lease_ttl_remaining\x18\x02 \x01(\v2\x19.google.protobuf.DurationR\x11leaseTtlRemaining*\xc6\x01\n" +
 	"\tAckStatus\x12\x1a\n" +
 	"\x16ACK_STATUS_UNSPECIFIED\x10\x00\x12\x18\n" +
 	"\x14ACK_STATUS_PUBLISHED\x10\x01\x12 \n" +
@@ -814,26 +842,28 @@ var file_outbox_v1_relay_service_proto_depIdxs = []int32{
 	11, // 0: outbox.v1.SubscribeRequest.lease_ttl:type_name -> google.protobuf.Duration
 	12, // 1: outbox.v1.SubscribeResponse.event:type_name -> outbox.v1.Event
 	13, // 2: outbox.v1.SubscribeResponse.lease_expires_at:type_name -> google.protobuf.Timestamp
-	4,  // 3: outbox.v1.AckRequest.acks:type_name -> outbox.v1.AckItem
-	6,  // 4: outbox.v1.AckResponse.results:type_name -> outbox.v1.AckResult
-	0,  // 5: outbox.v1.AckResult.status:type_name -> outbox.v1.AckStatus
-	11, // 6: outbox.v1.NackRequest.retry_after:type_name -> google.protobuf.Duration
-	13, // 7: outbox.v1.NackResponse.next_attempt_at:type_name -> google.protobuf.Timestamp
-	11, // 8: outbox.v1.ExtendLeaseRequest.ttl:type_name -> google.protobuf.Duration
-	13, // 9: outbox.v1.ExtendLeaseResponse.lease_expires_at:type_name -> google.protobuf.Timestamp
-	1,  // 10: outbox.v1.RelayService.Subscribe:input_type -> outbox.v1.SubscribeRequest
-	3,  // 11: outbox.v1.RelayService.Ack:input_type -> outbox.v1.AckRequest
-	7,  // 12: outbox.v1.RelayService.Nack:input_type -> outbox.v1.NackRequest
-	9,  // 13: outbox.v1.RelayService.ExtendLease:input_type -> outbox.v1.ExtendLeaseRequest
-	2,  // 14: outbox.v1.RelayService.Subscribe:output_type -> outbox.v1.SubscribeResponse
-	5,  // 15: outbox.v1.RelayService.Ack:output_type -> outbox.v1.AckResponse
-	8,  // 16: outbox.v1.RelayService.Nack:output_type -> outbox.v1.NackResponse
-	10, // 17: outbox.v1.RelayService.ExtendLease:output_type -> outbox.v1.ExtendLeaseResponse
-	14, // [14:18] is the sub-list for method output_type
-	10, // [10:14] is the sub-list for method input_type
-	10, // [10:10] is the sub-list for extension type_name
-	10, // [10:10] is the sub-list for extension extendee
-	0,  // [0:10] is the sub-list for field type_name
+	11, // 3: outbox.v1.SubscribeResponse.lease_ttl_remaining:type_name -> google.protobuf.Duration
+	4,  // 4: outbox.v1.AckRequest.acks:type_name -> outbox.v1.AckItem
+	6,  // 5: outbox.v1.AckResponse.results:type_name -> outbox.v1.AckResult
+	0,  // 6: outbox.v1.AckResult.status:type_name -> outbox.v1.AckStatus
+	11, // 7: outbox.v1.NackRequest.retry_after:type_name -> google.protobuf.Duration
+	13, // 8: outbox.v1.NackResponse.next_attempt_at:type_name -> google.protobuf.Timestamp
+	11, // 9: outbox.v1.ExtendLeaseRequest.ttl:type_name -> google.protobuf.Duration
+	13, // 10: outbox.v1.ExtendLeaseResponse.lease_expires_at:type_name -> google.protobuf.Timestamp
+	11, // 11: outbox.v1.ExtendLeaseResponse.lease_ttl_remaining:type_name -> google.protobuf.Duration
+	1,  // 12: outbox.v1.RelayService.Subscribe:input_type -> outbox.v1.SubscribeRequest
+	3,  // 13: outbox.v1.RelayService.Ack:input_type -> outbox.v1.AckRequest
+	7,  // 14: outbox.v1.RelayService.Nack:input_type -> outbox.v1.NackRequest
+	9,  // 15: outbox.v1.RelayService.ExtendLease:input_type -> outbox.v1.ExtendLeaseRequest
+	2,  // 16: outbox.v1.RelayService.Subscribe:output_type -> outbox.v1.SubscribeResponse
+	5,  // 17: outbox.v1.RelayService.Ack:output_type -> outbox.v1.AckResponse
+	8,  // 18: outbox.v1.RelayService.Nack:output_type -> outbox.v1.NackResponse
+	10, // 19: outbox.v1.RelayService.ExtendLease:output_type -> outbox.v1.ExtendLeaseResponse
+	16, // [16:20] is the sub-list for method output_type
+	12, // [12:16] is the sub-list for method input_type
+	12, // [12:12] is the sub-list for extension type_name
+	12, // [12:12] is the sub-list for extension extendee
+	0,  // [0:12] is the sub-list for field type_name
 }
 
 func init() { file_outbox_v1_relay_service_proto_init() }

@@ -1,0 +1,16 @@
+// Package limits holds the sizes that the server and the relay must agree
+// on. It is a leaf package, so both server/ and relay/ import it without
+// importing each other.
+package limits
+
+// MaxDeliveryBytes is the largest deliverable event: the most bytes one
+// encoded SubscribeResponse (the event with its headers, lease token and
+// lease fields) may take. The server must not send a larger delivery (it
+// cannot be received, so it can only be parked); the relay receives up to
+// this size. It equals gRPC's default receive limit, so that a relay written
+// in any language with its gRPC client's default settings can receive every
+// event the server delivers.
+const MaxDeliveryBytes = 4 << 20
+
+// MaxAckItems is the most acks one Ack request may carry.
+const MaxAckItems = 1000
