@@ -625,6 +625,12 @@ $$;
 -- aggregates' delivery rows locked. PL/pgSQL so that its UPDATE keeps a plan
 -- for the connection's life.
 --
+-- An event already delivered p_max_attempts times without an ack or a nack
+-- (each lease expired, or the stream holding it ended: a relay that crashes
+-- on it, say) parks its aggregate instead, with the reason; NULL means no
+-- limit. A relay's clean shutdown costs its in-flight events one attempt
+-- each, so the limit should leave room for restarts.
+--
 -- A lease is soft state, so the claim's commit does not wait for its WAL
 -- flush: if PostgreSQL crashes first, the aggregate is simply not leased
 -- after recovery and its event is offered again (at-least-once allows it;
@@ -639,7 +645,8 @@ CREATE FUNCTION outbox.lease_heads(
     p_relay_id text,
     p_replica_id text,
     p_ttl interval,
-    p_now timestamptz
+    p_now timestamptz,
+    p_max_attempts integer
 ) RETURNS TABLE (
     event_id uuid,
     stream text,
@@ -658,22 +665,43 @@ LANGUAGE plpgsql AS $$
 BEGIN
     PERFORM set_config('synchronous_commit', 'off', true);
     RETURN QUERY
+    WITH heads AS (
+        SELECT d.stream, d.aggregate_key, e.event_id,
+               coalesce(d.leased_event_id = e.event_id AND d.attempt >= p_max_attempts, false) AS exhausted
+        FROM unnest(p_streams, p_keys) AS l(stream, aggregate_key)
+        JOIN outbox.delivery d ON d.stream = l.stream AND d.aggregate_key = l.aggregate_key
+        JOIN outbox.event e ON e.stream = d.stream AND e.aggregate_key = d.aggregate_key
+                           AND e.revision = d.delivered_revision + 1
+        WHERE NOT EXISTS (SELECT 1 FROM outbox.skipped_event s WHERE s.event_id = e.event_id)
+    ), changed AS (
         UPDATE outbox.delivery d
-        SET state = 'leased',
-            epoch = greatest(d.epoch + 1, (extract(epoch FROM p_now) * 1000000)::bigint),
-            holder = p_holder, holder_relay_id = p_relay_id, holder_replica_id = p_replica_id,
-            attempt = CASE WHEN d.leased_event_id = e.event_id THEN d.attempt + 1 ELSE 1 END,
-            failures = CASE WHEN d.leased_event_id = e.event_id THEN d.failures ELSE 0 END,
-            leased_event_id = e.event_id,
-            lease_expires_at = p_now + p_ttl, claimable_at = p_now + p_ttl,
-            pending_since = e.created_at, next_attempt_at = NULL, gap_revision = NULL
-        FROM unnest(p_streams, p_keys) AS l(stream, aggregate_key), outbox.event e
-        WHERE d.stream = l.stream AND d.aggregate_key = l.aggregate_key
-          AND e.stream = d.stream AND e.aggregate_key = d.aggregate_key
-          AND e.revision = d.delivered_revision + 1
-          AND NOT EXISTS (SELECT 1 FROM outbox.skipped_event s WHERE s.event_id = e.event_id)
-        RETURNING e.event_id, e.stream, e.aggregate_key, e.revision, e.event_type, e.payload::text,
-                  e.headers, e.created_at, d.epoch, d.attempt, d.lease_expires_at;
+        SET state = CASE WHEN h.exhausted THEN 'parked' ELSE 'leased' END,
+            epoch = CASE WHEN h.exhausted THEN d.epoch
+                         ELSE greatest(d.epoch + 1, (extract(epoch FROM p_now) * 1000000)::bigint) END,
+            holder = CASE WHEN h.exhausted THEN NULL ELSE p_holder END,
+            holder_relay_id = CASE WHEN h.exhausted THEN NULL ELSE p_relay_id END,
+            holder_replica_id = CASE WHEN h.exhausted THEN NULL ELSE p_replica_id END,
+            attempt = CASE WHEN h.exhausted THEN d.attempt
+                           WHEN d.leased_event_id = h.event_id THEN d.attempt + 1 ELSE 1 END,
+            failures = CASE WHEN d.leased_event_id = h.event_id THEN d.failures ELSE 0 END,
+            leased_event_id = h.event_id,
+            lease_expires_at = CASE WHEN h.exhausted THEN NULL ELSE p_now + p_ttl END,
+            claimable_at = CASE WHEN h.exhausted THEN NULL ELSE p_now + p_ttl END,
+            parked_at = CASE WHEN h.exhausted THEN p_now END,
+            parked_reason = CASE WHEN h.exhausted THEN format(
+                'delivered %s times without an ack or a nack: each lease expired or the stream holding it ended',
+                d.attempt) END,
+            next_attempt_at = NULL, gap_revision = NULL
+        FROM heads h
+        WHERE d.stream = h.stream AND d.aggregate_key = h.aggregate_key
+        RETURNING d.stream, d.aggregate_key, d.state, d.epoch, d.attempt, d.lease_expires_at
+    )
+    SELECT e.event_id, e.stream, e.aggregate_key, e.revision, e.event_type, e.payload::text,
+           e.headers, e.created_at, c.epoch, c.attempt, c.lease_expires_at
+    FROM changed c
+    JOIN heads h ON h.stream = c.stream AND h.aggregate_key = c.aggregate_key
+    JOIN outbox.event e ON e.event_id = h.event_id
+    WHERE c.state = 'leased';
 END
 $$;
 -- +goose StatementEnd
@@ -687,7 +715,8 @@ CREATE FUNCTION outbox.claim(
     p_replica_id text,
     p_streams text[],
     p_limit integer,
-    p_ttl interval
+    p_ttl interval,
+    p_max_attempts integer DEFAULT NULL
 ) RETURNS TABLE (
     event_id uuid,
     stream text,
@@ -732,11 +761,13 @@ BEGIN
     END IF;
 
     -- 2. Lease every locked aggregate whose next revision is there.
-    RETURN QUERY SELECT * FROM outbox.lease_heads(v_streams, v_keys, p_holder, p_relay_id, p_replica_id, p_ttl, v_now);
+    RETURN QUERY SELECT * FROM outbox.lease_heads(v_streams, v_keys, p_holder, p_relay_id, p_replica_id, p_ttl, v_now, p_max_attempts);
     GET DIAGNOSTICS v_leased = ROW_COUNT;
     IF v_leased = cardinality(v_streams) THEN
         RETURN;
     END IF;
+    -- (An aggregate lease_heads parked instead has its next revision, so the
+    -- loop below passes it by.)
 
     -- 3. The rare path: locked aggregates whose next revision is missing or
     --    skipped. Every statement from here reads a snapshot taken after the
@@ -799,7 +830,7 @@ BEGIN
     -- 4. Lease the aggregates whose cursor stepped over skipped revisions to
     --    an event that is there.
     IF v_again_streams IS NOT NULL THEN
-        RETURN QUERY SELECT * FROM outbox.lease_heads(v_again_streams, v_again_keys, p_holder, p_relay_id, p_replica_id, p_ttl, v_now);
+        RETURN QUERY SELECT * FROM outbox.lease_heads(v_again_streams, v_again_keys, p_holder, p_relay_id, p_replica_id, p_ttl, v_now, p_max_attempts);
     END IF;
 END
 $$;
@@ -967,6 +998,29 @@ LANGUAGE sql AS $$
     FROM cur c
     WHERE d.stream = c.stream AND d.aggregate_key = c.aggregate_key
     RETURNING d.state = 'parked', d.next_attempt_at, d.failures, c.holder
+$$;
+-- +goose StatementEnd
+
+-- park parks the aggregate of a current lease (the epoch must match) at
+-- once, with the reason: for an event the server cannot deliver at all.
+-- +goose StatementBegin
+CREATE FUNCTION outbox.park(p_event_id uuid, p_epoch bigint, p_reason text)
+RETURNS TABLE (holder uuid)
+LANGUAGE sql AS $$
+    WITH cur AS (
+        SELECT d.stream, d.aggregate_key, d.holder FROM outbox.event e
+        JOIN outbox.delivery d ON d.stream = e.stream AND d.aggregate_key = e.aggregate_key
+        WHERE e.event_id = p_event_id AND d.leased_event_id = p_event_id
+          AND d.epoch = p_epoch AND d.state = 'leased'
+        FOR UPDATE OF d
+    )
+    UPDATE outbox.delivery d
+    SET state = 'parked', claimable_at = NULL, parked_at = clock_timestamp(), parked_reason = p_reason,
+        last_error = p_reason, next_attempt_at = NULL,
+        holder = NULL, holder_relay_id = NULL, holder_replica_id = NULL, lease_expires_at = NULL
+    FROM cur c
+    WHERE d.stream = c.stream AND d.aggregate_key = c.aggregate_key
+    RETURNING c.holder
 $$;
 -- +goose StatementEnd
 

@@ -475,3 +475,38 @@ func TestStrandedCountsWhatNoRuleDelivers(t *testing.T) {
 		t.Fatalf("%d stranded events, want 1 (pending behind an idle aggregate)", n)
 	}
 }
+
+// An event delivered p_max_attempts times without an ack or a nack (every
+// lease expired, or every stream holding it ended) parks its aggregate with
+// the reason, instead of being offered forever; other aggregates go on.
+func TestEventDeliveredTooOftenWithoutAnswerParks(t *testing.T) {
+	t.Parallel()
+	pool := testdb.NewPool(t)
+	exec(t, pool, `SELECT outbox.emit('orders', 'poison', 'T', '{}')`)
+	discover(t, pool)
+	// A negative TTL makes each lease expire at once.
+	claim := func() int64 {
+		return count(t, pool, `SELECT count(*) FROM outbox.claim(gen_random_uuid(), 'r', 'x', NULL, 10, interval '-1 second', 3)`)
+	}
+	for i := range 3 {
+		if n := claim(); n != 1 {
+			t.Fatalf("delivery %d: claimed %d events, want 1", i+1, n)
+		}
+	}
+	if n := claim(); n != 0 {
+		t.Fatalf("a fourth delivery happened (%d)", n)
+	}
+	var state, reason string
+	if err := pool.QueryRow(context.Background(), `SELECT state, parked_reason FROM outbox.delivery WHERE aggregate_key = 'poison'`).
+		Scan(&state, &reason); err != nil {
+		t.Fatal(err)
+	}
+	if state != "parked" || reason != "delivered 3 times without an ack or a nack: each lease expired or the stream holding it ended" {
+		t.Fatalf("state %q, reason %q", state, reason)
+	}
+	exec(t, pool, `SELECT outbox.emit('orders', 'other', 'T', '{}')`)
+	discover(t, pool)
+	if got := claimRevisions(t, pool); got["other"] != 1 || len(got) != 1 {
+		t.Fatalf("claim = %v, want only the other aggregate", got)
+	}
+}

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -160,4 +161,34 @@ func TestOpenProducerTransactionFreezesNothing(t *testing.T) {
 		t.Fatalf("only %d events produced in %v", produced, window)
 	}
 	t.Logf("%d events through two replicas while a producer transaction stayed open for %v", produced, window)
+}
+
+// An event whose delivery would exceed the one-message limit every relay
+// receives is parked with the reason, not sent: sending it would end the
+// relay's stream, and the next claim would pick it again, forever. (The
+// insert trigger bounds every part of an event so this cannot happen; the
+// test enlarges a committed payload behind its back.)
+func TestUndeliverableEventIsParkedNotSent(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	big := emit(t, pool, "orders", "big", 1)[0]
+	testdb.RewriteEvents(t, pool, `UPDATE outbox.event SET payload = jsonb_build_object('x', repeat('a', 5 << 20)) WHERE event_id = $1`, big)
+	r := startReplica(t, url, nil)
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 4})
+	waitState(t, pool, "big", "parked")
+	var reason string
+	if err := pool.QueryRow(ctx, `SELECT parked_reason FROM outbox.delivery WHERE aggregate_key = 'big'`).Scan(&reason); err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(reason, "undeliverable") || !strings.Contains(reason, "4194304-byte limit") {
+		t.Fatalf("parked_reason = %q", reason)
+	}
+	// The stream lives on and carries the next event.
+	next := emit(t, pool, "orders", "small", 1)[0]
+	if d := recv(t, st); d.GetEvent().GetEventId() != next.String() {
+		t.Fatalf("got %v, want the small event", d.GetEvent())
+	}
 }

@@ -48,6 +48,12 @@ type Config struct {
 	// MaxFailures is how many failed publishes of one event park its
 	// aggregate. Default 10.
 	MaxFailures int
+	// MaxDeliveries is how many times one event is delivered without an ack
+	// or a nack (its lease expired, or the stream holding it ended) before
+	// its aggregate is parked: a relay that crashes on an event, say. A
+	// relay's clean shutdown costs its in-flight events one delivery each.
+	// Default 25.
+	MaxDeliveries int
 
 	// PollInterval is the fallback poll of an idle session, which finds work
 	// even when a notification was lost. Default 1s.
@@ -121,6 +127,7 @@ func (c *Config) setDefaults() error {
 	defInt(&c.MaxInFlight, 10000)
 	defInt(&c.ClaimBatch, 64)
 	defInt(&c.MaxFailures, 10)
+	defInt(&c.MaxDeliveries, 25)
 	defInt(&c.AckBatch, 2000)
 	def(&c.SessionRefreshInterval, 5*time.Second)
 	def(&c.JanitorInterval, time.Minute)
@@ -137,6 +144,8 @@ func (c *Config) setDefaults() error {
 		return fmt.Errorf("server: Config.ClaimBatch %d must be positive", c.ClaimBatch)
 	case c.MaxFailures < 1:
 		return fmt.Errorf("server: Config.MaxFailures %d must be positive", c.MaxFailures)
+	case c.MaxDeliveries < 2:
+		return fmt.Errorf("server: Config.MaxDeliveries %d must be at least 2", c.MaxDeliveries)
 	case c.BackoffBase <= 0 || c.BackoffCap < c.BackoffBase:
 		return fmt.Errorf("server: Config.BackoffBase %v / BackoffCap %v: want 0 < base <= cap", c.BackoffBase, c.BackoffCap)
 	case c.PollInterval <= 0 || c.ReconcileInterval <= 0:

@@ -2,16 +2,19 @@ package server
 
 import (
 	"context"
+	"fmt"
 	"sync"
 	"sync/atomic"
 	"time"
 
 	"github.com/google/uuid"
+	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/durationpb"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
 	"github.com/outboxd/outboxd/internal/leasetoken"
+	"github.com/outboxd/outboxd/internal/limits"
 	"github.com/outboxd/outboxd/internal/store"
 )
 
@@ -131,7 +134,7 @@ func (ss *session) run(ctx context.Context, send func(*outboxv1.SubscribeRespons
 			claimCtx, cancelClaim := context.WithTimeout(context.WithoutCancel(ctx), claimTimeout)
 			leases, err := ss.srv.store.Claim(claimCtx, store.ClaimParams{
 				Holder: ss.id, RelayID: ss.relayID, ReplicaID: ss.srv.cfg.ReplicaID,
-				Streams: ss.streams, Limit: n, TTL: ss.ttl,
+				Streams: ss.streams, Limit: n, TTL: ss.ttl, MaxAttempts: ss.srv.cfg.MaxDeliveries,
 			})
 			if h := ss.srv.afterClaim; h != nil {
 				leases, err = h(leases, err)
@@ -162,7 +165,14 @@ func (ss *session) run(ctx context.Context, send func(*outboxv1.SubscribeRespons
 				if l.Attempt > 1 {
 					ss.srv.metrics.redeliveries.Inc()
 				}
-				if err := send(ss.delivery(l)); err != nil {
+				d := ss.delivery(l)
+				if size := proto.Size(d); size > limits.MaxDeliveryBytes {
+					// No relay could receive it, and sending it would end the
+					// stream: park it with the reason instead.
+					ss.parkUndeliverable(ctx, l, size)
+					continue
+				}
+				if err := send(d); err != nil {
 					return err
 				}
 			}
@@ -286,6 +296,23 @@ func (ss *session) countGone(ctx context.Context, gone []uuid.UUID) {
 	}
 	ss.acked.Add(uint64(len(published)))
 	ss.srv.metrics.leasesExpired.Add(float64(len(gone) - len(published)))
+}
+
+// parkUndeliverable parks the aggregate of a lease whose delivery would be
+// size bytes, over the limit every relay receives.
+func (ss *session) parkUndeliverable(ctx context.Context, l store.Lease, size int) {
+	reason := fmt.Sprintf("undeliverable: the delivery is %d bytes, over the %d-byte limit of one message", size, limits.MaxDeliveryBytes)
+	ss.srv.log.Error("event parked: too large to deliver", "event_id", l.Event.ID, "stream", l.Event.Stream, "bytes", size)
+	dbCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), claimTimeout)
+	defer cancel()
+	if err := ss.srv.store.Park(dbCtx, l.Event.ID, l.Epoch, reason); err != nil {
+		// The lease stays with this session until the stream ends or its
+		// TTL passes; then the next claim tries again.
+		ss.srv.log.Warn("parking an undeliverable event failed", "event_id", l.Event.ID, "err", err)
+		return
+	}
+	delete(ss.inflight, l.Event.ID)
+	ss.inflightN.Store(int64(len(ss.inflight)))
 }
 
 func (ss *session) delivery(l store.Lease) *outboxv1.SubscribeResponse {

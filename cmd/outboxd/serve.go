@@ -31,6 +31,7 @@ type serveFlags struct {
 	replicaID       string
 	defaultLeaseTTL time.Duration
 	maxFailures     int
+	maxDeliveries   int
 	backoffBase     time.Duration
 	backoffCap      time.Duration
 	pollInterval    time.Duration
@@ -57,6 +58,7 @@ func (f *serveFlags) register(cmd *cobra.Command) {
 	fl.StringVar(&f.replicaID, "replica-id", "", "unique name of this replica (default hostname-pid-random)")
 	fl.DurationVar(&f.defaultLeaseTTL, "lease-ttl", 30*time.Second, "lease TTL for relays that ask for none")
 	fl.IntVar(&f.maxFailures, "max-failures", 10, "failed publishes of one event before its aggregate is parked")
+	fl.IntVar(&f.maxDeliveries, "max-deliveries", 25, "deliveries of one event without an ack or nack (expired lease, ended stream) before its aggregate is parked")
 	fl.DurationVar(&f.backoffBase, "backoff-base", time.Second, "first retry delay after a nack (doubles per failure, with jitter)")
 	fl.DurationVar(&f.backoffCap, "backoff-cap", 5*time.Minute, "longest retry delay after a nack")
 	fl.DurationVar(&f.pollInterval, "poll-interval", time.Second, "fallback poll of idle relay streams")
@@ -215,7 +217,7 @@ func runServer(ctx context.Context, url string, f *serveFlags, log *slog.Logger,
 	rep, err := app.New(ctx, app.Config{
 		Server: server.Config{
 			Store: store.New(pool), DatabaseURL: url, Logger: log, ReplicaID: f.replicaID,
-			DefaultLeaseTTL: f.defaultLeaseTTL, MaxFailures: f.maxFailures,
+			DefaultLeaseTTL: f.defaultLeaseTTL, MaxFailures: f.maxFailures, MaxDeliveries: f.maxDeliveries,
 			BackoffBase: f.backoffBase, BackoffCap: f.backoffCap, PollInterval: f.pollInterval,
 			Registerer: reg, Retention: f.retention, JanitorInterval: f.janitorInterval,
 			MaxSubscriptionsPerRelay: f.maxSubscriptions,

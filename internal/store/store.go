@@ -91,6 +91,10 @@ type ClaimParams struct {
 	Streams []string
 	Limit   int
 	TTL     time.Duration
+	// MaxAttempts parks an aggregate instead of leasing its event again once
+	// that event has been delivered this many times without an ack or a
+	// nack; 0 means no limit.
+	MaxAttempts int
 }
 
 // LeaseKey returns the key lease tokens are signed with.
@@ -108,11 +112,15 @@ func (s *Store) Claim(ctx context.Context, p ClaimParams) ([]Lease, error) {
 	if len(p.Streams) > 0 {
 		streams = p.Streams
 	}
+	var maxAttempts *int
+	if p.MaxAttempts > 0 {
+		maxAttempts = &p.MaxAttempts
+	}
 	rows, err := s.pool.Query(ctx,
 		`SELECT event_id, stream, aggregate_key, revision, event_type, payload, headers, created_at,
 		        epoch, attempt, lease_expires_at
-		 FROM outbox.claim($1, $2, $3, $4, $5, $6)`,
-		p.Holder, p.RelayID, p.ReplicaID, streams, p.Limit, p.TTL)
+		 FROM outbox.claim($1, $2, $3, $4, $5, $6, $7)`,
+		p.Holder, p.RelayID, p.ReplicaID, streams, p.Limit, p.TTL, maxAttempts)
 	if err != nil {
 		return nil, fmt.Errorf("store: claim: %w", err)
 	}
@@ -302,6 +310,20 @@ func (s *Store) Nack(ctx context.Context, p NackParams) (NackResult, error) {
 func (s *Store) NotifyReleased(ctx context.Context, holder uuid.UUID) error {
 	if _, err := s.pool.Exec(ctx, `SELECT pg_notify('outbox_released', $1::text)`, holder); err != nil {
 		return fmt.Errorf("store: notify released: %w", err)
+	}
+	return nil
+}
+
+// Park parks the aggregate of the current lease on eventID at once, with
+// reason, for an event that cannot be delivered at all.
+func (s *Store) Park(ctx context.Context, eventID uuid.UUID, epoch int64, reason string) error {
+	var holder *uuid.UUID
+	err := s.pool.QueryRow(ctx, `SELECT holder FROM outbox.park($1, $2, $3)`, eventID, epoch, reason).Scan(&holder)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return ErrLeaseLost
+	}
+	if err != nil {
+		return fmt.Errorf("store: park: %w", err)
 	}
 	return nil
 }
