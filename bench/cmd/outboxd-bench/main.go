@@ -63,7 +63,8 @@ latency, drain, hot, producer (the producer's cost alone) and held-xmin
 (steady while a transaction id stays open). Every delivering arm publishes to
 a sink that checks order and counts lost and duplicated events; a run in
 which outboxd or the naive poller loses or reorders an event fails. Peers
-that promise no per-key order report reorders without failing.
+promise no per-key order: they report reorders, and losses as defects of
+that arm, without failing the run.
 
 The server runs as a child process, outboxd serve with its default settings,
 so that its CPU time and memory are measured apart. Without --server-binary
