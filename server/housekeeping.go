@@ -44,7 +44,7 @@ func (s *Server) refreshSessions(ctx context.Context) {
 			return
 		case <-refresh.C:
 			s.saveSessions(ctx)
-			if err := s.store.DeleteStaleStats(ctx, s.sessionTTL()); err != nil && ctx.Err() == nil {
+			if err := s.store.DeleteStaleStats(ctx, s.sessionTTL(), s.cfg.ReplicaID); err != nil && ctx.Err() == nil {
 				s.log.Warn("removing stale relay sessions failed", "err", err)
 			}
 		}

@@ -5,7 +5,10 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
+
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+	"github.com/outboxd/outboxd/internal/store"
 	"github.com/outboxd/outboxd/internal/testdb"
 	"github.com/outboxd/outboxd/server"
 )
@@ -67,5 +70,37 @@ func TestJanitorDoesNotStarveSessionRefresh(t *testing.T) {
 	})
 	if err := tx.Rollback(ctx); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// A replica removes the relay sessions other replicas stopped refreshing,
+// never its own: a refresh delayed on a busy machine must not make its live
+// sessions vanish from ListRelays (this made the test above flaky).
+func TestStaleSessionCleanupSparesOwnSessions(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := testdb.NewPool(t)
+	exec := func(sql string) {
+		t.Helper()
+		if _, err := pool.Exec(ctx, sql); err != nil {
+			t.Fatal(err)
+		}
+	}
+	exec(`INSERT INTO outbox.relay_session (session_id, relay_id, peer, replica_id, streams, max_in_flight, connected_at, seen_at)
+		VALUES (gen_random_uuid(), 'r', 'p', 'me', '{}', 1, now(), now() - interval '1 hour'),
+		       (gen_random_uuid(), 'r', 'p', 'crashed', '{}', 1, now(), now() - interval '1 hour')`)
+	if err := store.New(pool).DeleteStaleStats(ctx, time.Second, "me"); err != nil {
+		t.Fatal(err)
+	}
+	var left []string
+	rows, err := pool.Query(ctx, `SELECT replica_id FROM outbox.relay_session`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if left, err = pgx.CollectRows(rows, pgx.RowTo[string]); err != nil {
+		t.Fatal(err)
+	}
+	if len(left) != 1 || left[0] != "me" {
+		t.Fatalf("sessions left: %v, want only this replica's", left)
 	}
 }

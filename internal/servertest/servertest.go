@@ -113,6 +113,7 @@ func Start(t testing.TB, url string, opts Options) *Replica {
 	t.Cleanup(func() {
 		r.Conn.Close()
 		r.Close()
+		checkNothingStranded(t, pool)
 		pool.Close()
 	})
 	select {
@@ -145,4 +146,23 @@ func (w testWriter) Write(p []byte) (int, error) {
 	w.t.Helper()
 	w.t.Log(strings.TrimSuffix(string(p), "\n"))
 	return len(p), nil
+}
+
+// checkNothingStranded fails t if any pending event is stranded (see
+// outbox.stranded): whatever a test did, delivery must never leave an event
+// that no rule will deliver. Tests that strand one on purpose do it on the
+// SQL level, without a replica.
+func checkNothingStranded(t testing.TB, pool *pgxpool.Pool) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	var stranded int64
+	err := pool.QueryRow(ctx, `SELECT coalesce(sum(events), 0)::bigint FROM outbox.stranded(NULL)`).Scan(&stranded)
+	if err != nil {
+		t.Errorf("servertest: counting stranded events: %v", err)
+		return
+	}
+	if stranded != 0 {
+		t.Errorf("servertest: %d stranded events when the test ended: pending, and no rule will deliver them", stranded)
+	}
 }

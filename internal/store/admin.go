@@ -196,11 +196,14 @@ func (s *Store) DeleteRelaySession(ctx context.Context, id uuid.UUID) error {
 }
 
 // DeleteStaleStats removes what crashed replicas left behind: relay sessions
-// not refreshed within sessionTTL, and delivery-rate buckets older than the
-// minute the rate covers.
-func (s *Store) DeleteStaleStats(ctx context.Context, sessionTTL time.Duration) error {
+// of other replicas not refreshed within sessionTTL, and delivery-rate
+// buckets older than the minute the rate covers. The calling replica's own
+// sessions are never stale to it (it deletes each when its stream ends), so
+// a refresh delayed on a busy machine cannot make them vanish.
+func (s *Store) DeleteStaleStats(ctx context.Context, sessionTTL time.Duration, replicaID string) error {
 	if _, err := s.pool.Exec(ctx,
-		`DELETE FROM outbox.relay_session WHERE seen_at < clock_timestamp() - $1::interval`, sessionTTL); err != nil {
+		`DELETE FROM outbox.relay_session WHERE seen_at < clock_timestamp() - $1::interval AND replica_id <> $2`,
+		sessionTTL, replicaID); err != nil {
 		return fmt.Errorf("store: delete stale relay sessions: %w", err)
 	}
 	if _, err := s.pool.Exec(ctx,

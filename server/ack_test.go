@@ -1,0 +1,74 @@
+package server_test
+
+import (
+	"context"
+	"fmt"
+	"testing"
+
+	"github.com/google/uuid"
+
+	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+	"github.com/outboxd/outboxd/internal/testdb"
+)
+
+// One ack the database refuses cannot fail its neighbours in a group
+// commit: the batch is split until the bad item is alone, the others are
+// published, and the bad one is answered ACK_STATUS_RETRY (nothing changed
+// for it). The refusal is a trigger the test adds, standing in for anything
+// that makes one row's update fail.
+func TestOneFailingAckDoesNotFailItsBatch(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	var ids []uuid.UUID
+	for i := range 5 {
+		ids = append(ids, emit(t, pool, "orders", fmt.Sprintf("k-%d", i), 1)...)
+	}
+	bad := ids[2]
+	if _, err := pool.Exec(ctx, fmt.Sprintf(`
+		CREATE FUNCTION refuse_one() RETURNS trigger LANGUAGE plpgsql AS $$
+		BEGIN
+			IF NEW.event_id = '%s' THEN RAISE EXCEPTION 'refused by the test' USING ERRCODE = 'check_violation'; END IF;
+			RETURN NEW;
+		END $$;
+		CREATE TRIGGER refuse_one BEFORE UPDATE ON outbox.event FOR EACH ROW EXECUTE FUNCTION refuse_one();`, bad)); err != nil {
+		t.Fatal(err)
+	}
+	r := startReplica(t, url, nil)
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 10})
+	var ds []*outboxv1.SubscribeResponse
+	for range ids {
+		ds = append(ds, recv(t, st))
+	}
+	got := map[string]outboxv1.AckStatus{}
+	for _, res := range ack(t, r, ds...) {
+		got[res.GetEventId()] = res.GetStatus()
+	}
+	for _, id := range ids {
+		want := outboxv1.AckStatus_ACK_STATUS_PUBLISHED
+		if id == bad {
+			want = outboxv1.AckStatus_ACK_STATUS_RETRY
+		}
+		if got[id.String()] != want {
+			t.Errorf("ack of %s: %v, want %v", id, got[id.String()], want)
+		}
+		if published := publishedAt(t, pool, id.String()) != nil; published != (id != bad) {
+			t.Errorf("event %s published = %v", id, published)
+		}
+	}
+	// Once the cause is gone, the same ack goes through.
+	if _, err := pool.Exec(ctx, `DROP TRIGGER refuse_one ON outbox.event`); err != nil {
+		t.Fatal(err)
+	}
+	var badDelivery *outboxv1.SubscribeResponse
+	for _, d := range ds {
+		if d.GetEvent().GetEventId() == bad.String() {
+			badDelivery = d
+		}
+	}
+	if res := ack(t, r, badDelivery); res[0].GetStatus() != outboxv1.AckStatus_ACK_STATUS_PUBLISHED {
+		t.Fatalf("retried ack: %v", res[0])
+	}
+}
