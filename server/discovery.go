@@ -33,9 +33,11 @@ func (s *Server) discover(ctx context.Context) {
 			if ctx.Err() != nil {
 				return
 			}
+			// Backing off to a second at most: the database is likely down,
+			// and a log line every few milliseconds would bury the cause.
+			wait = min(max(2*wait, s.cfg.DiscoveryIdleInterval), max(time.Second, s.cfg.DiscoveryIdleInterval))
 			s.metrics.discoveryErrors.Inc()
-			s.log.Warn("discovery round failed; retrying", "err", err, "in", s.cfg.DiscoveryIdleInterval)
-			wait = s.cfg.DiscoveryIdleInterval
+			s.log.Warn("discovery round failed; retrying", "err", err, "in", wait)
 		case found.Events > 0:
 			s.metrics.discovered.Add(float64(found.Events))
 			s.wake.broadcast()

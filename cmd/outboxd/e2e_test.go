@@ -234,15 +234,14 @@ func waitPublished(t *testing.T, pool *pgxpool.Pool, n int64) {
 	t.Helper()
 	deadline := time.Now().Add(2 * time.Minute)
 	for {
+		// A failing query is retried: the database may be down on purpose.
 		var got int64
-		if err := pool.QueryRow(context.Background(), `SELECT count(*) FROM outbox.event WHERE published_at IS NOT NULL`).Scan(&got); err != nil {
-			t.Fatal(err)
-		}
-		if got >= n {
+		err := pool.QueryRow(context.Background(), `SELECT count(*) FROM outbox.event WHERE published_at IS NOT NULL`).Scan(&got)
+		if err == nil && got >= n {
 			return
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("%d of %d events published", got, n)
+			t.Fatalf("%d of %d events published (last error: %v)", got, n, err)
 		}
 		time.Sleep(50 * time.Millisecond)
 	}

@@ -89,6 +89,9 @@ func (d *Database) Close(ctx context.Context) error {
 // StartThrowaway starts a throwaway cluster whatever else is available, for
 // tests that must stop and restart their database server.
 func StartThrowaway(ctx context.Context, logger *slog.Logger) (*Database, error) {
+	if logger == nil {
+		logger = slog.New(slog.DiscardHandler)
+	}
 	return startThrowaway(ctx, logger)
 }
 
@@ -101,7 +104,18 @@ func (d *Database) StopServer(ctx context.Context) error {
 	return d.pgCtl(ctx, "stop")
 }
 
-// StartServer starts a throwaway cluster's server stopped by StopServer.
+// CrashServer stops a throwaway cluster's server the way a crash would
+// (pg_ctl stop -m immediate: no checkpoint, nothing flushed), keeping its
+// data; StartServer then runs crash recovery.
+func (d *Database) CrashServer(ctx context.Context) error {
+	if d.pgCtl == nil {
+		return errors.New("devdb: only a throwaway cluster can be crashed")
+	}
+	return d.pgCtl(ctx, "crash")
+}
+
+// StartServer starts a throwaway cluster's server stopped by StopServer or
+// CrashServer.
 func (d *Database) StartServer(ctx context.Context) error {
 	if d.pgCtl == nil {
 		return errors.New("devdb: only a throwaway cluster can be started")

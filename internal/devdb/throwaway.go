@@ -158,11 +158,16 @@ full_page_writes = off
 		Source: SourceThrowaway,
 		dir:    dir,
 		pgCtl: func(ctx context.Context, action string) error {
-			args := []string{action, "-D", dataDir, "-w"}
-			if action == "start" {
-				args = append(args, "-l", logFile, "-t", strconv.Itoa(startTimeoutSecs))
-			} else {
-				args = append(args, "-m", "fast")
+			var args []string
+			switch action {
+			case "start":
+				args = []string{"start", "-D", dataDir, "-w", "-l", logFile, "-t", strconv.Itoa(startTimeoutSecs)}
+			case "crash":
+				// Immediate mode: every process exits at once, nothing is
+				// flushed, and the next start runs crash recovery.
+				args = []string{"stop", "-D", dataDir, "-w", "-m", "immediate"}
+			default:
+				args = []string{action, "-D", dataDir, "-w", "-m", "fast"}
 			}
 			_, err := runServerCmd(ctx, su, dir, bins.pgCtl, args...)
 			return err
