@@ -121,14 +121,46 @@ func Status(ctx context.Context, db *sql.DB) ([]MigrationStatus, error) {
 
 // Pending reports how many embedded migrations are not applied yet; the
 // server refuses to serve (and health reports NOT_SERVING) while it is not 0.
+// It only reads: a readiness probe must not create anything in the database
+// it probes, so a missing version table means every migration is pending.
 func Pending(ctx context.Context, db *sql.DB) (int, error) {
-	st, err := Status(ctx, db)
+	names, err := fs.Glob(files, "*.sql")
 	if err != nil {
 		return 0, err
 	}
+	var exists bool
+	if err := db.QueryRowContext(ctx, `SELECT to_regclass($1) IS NOT NULL`, versionTable).Scan(&exists); err != nil {
+		return 0, fmt.Errorf("migrations: %w", err)
+	}
+	applied := map[int64]bool{}
+	if exists {
+		// goose appends a row per apply and per rollback; a version's latest
+		// row says where it stands.
+		rows, err := db.QueryContext(ctx, `SELECT DISTINCT ON (version_id) version_id, is_applied
+			FROM `+versionTable+` ORDER BY version_id, id DESC`)
+		if err != nil {
+			return 0, fmt.Errorf("migrations: %w", err)
+		}
+		defer rows.Close()
+		for rows.Next() {
+			var v int64
+			var ok bool
+			if err := rows.Scan(&v, &ok); err != nil {
+				return 0, fmt.Errorf("migrations: %w", err)
+			}
+			applied[v] = ok
+		}
+		if err := rows.Err(); err != nil {
+			return 0, fmt.Errorf("migrations: %w", err)
+		}
+	}
 	n := 0
-	for _, s := range st {
-		if !s.Applied {
+	for _, name := range names {
+		v, err := goose.NumericComponent(name)
+		if err != nil {
+			return 0, fmt.Errorf("migrations: %s: %w", name, err)
+		}
+		if !applied[v] {
 			n++
 		}
 	}

@@ -78,3 +78,30 @@ func TestConcurrentUpAppliesOnce(t *testing.T) {
 		t.Fatalf("third up: %+v, %v; want nothing applied", again, err)
 	}
 }
+
+// Pending only reads: on an empty database it says every migration is
+// pending and creates nothing (the readiness probe calls it), and after Up
+// it says none.
+func TestPendingOnlyReads(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db, err := sql.Open("pgx", testdb.NewEmpty(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer db.Close()
+	n, err := migrations.Pending(ctx, db)
+	if err != nil || n == 0 {
+		t.Fatalf("Pending on an empty database = %d, %v; want every migration", n, err)
+	}
+	var schemas int
+	if err := db.QueryRowContext(ctx, `SELECT count(*) FROM pg_namespace WHERE nspname = 'outbox'`).Scan(&schemas); err != nil || schemas != 0 {
+		t.Fatalf("Pending created the outbox schema (%d, %v)", schemas, err)
+	}
+	if _, err := migrations.Up(ctx, db, nil); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := migrations.Pending(ctx, db); err != nil || n != 0 {
+		t.Fatalf("Pending after Up = %d, %v; want 0", n, err)
+	}
+}

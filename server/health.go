@@ -4,10 +4,6 @@ import (
 	"context"
 	"fmt"
 	"time"
-
-	"github.com/jackc/pgx/v5/stdlib"
-
-	"github.com/outboxd/outboxd/migrations"
 )
 
 // Readiness is the replica's ability to serve: the database answers and its
@@ -22,15 +18,10 @@ type Readiness struct {
 func (s *Server) CheckReadiness(ctx context.Context) Readiness {
 	ctx, cancel := context.WithTimeout(ctx, 3*time.Second)
 	defer cancel()
-	if err := s.store.Pool().Ping(ctx); err != nil {
-		return Readiness{Reason: fmt.Sprintf("database unreachable: %v", err)}
-	}
-	db := stdlib.OpenDBFromPool(s.store.Pool())
-	defer db.Close()
-	n, err := migrations.Pending(ctx, db)
+	n, err := s.store.PendingMigrations(ctx)
 	switch {
 	case err != nil:
-		return Readiness{Reason: fmt.Sprintf("reading schema version: %v", err)}
+		return Readiness{Reason: err.Error()}
 	case n > 0:
 		return Readiness{Reason: fmt.Sprintf("%d schema migration(s) pending; run `outboxd migrate`", n)}
 	}

@@ -14,6 +14,9 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jackc/pgx/v5/stdlib"
+
+	"github.com/outboxd/outboxd/migrations"
 )
 
 // ErrLeaseLost means the lease a Nack or ExtendLease named is not the
@@ -59,8 +62,6 @@ func (s *Store) Discover(ctx context.Context) (Discovery, error) {
 	return d, nil
 }
 
-// Pool returns the underlying pool.
-func (s *Store) Pool() *pgxpool.Pool { return s.pool }
 
 // Event is an event row as delivered.
 type Event struct {
@@ -95,6 +96,21 @@ type ClaimParams struct {
 	// that event has been delivered this many times without an ack or a
 	// nack; 0 means no limit.
 	MaxAttempts int
+}
+
+// PendingMigrations pings the database and says how many of the schema
+// migrations this binary embeds are not applied. It only reads.
+func (s *Store) PendingMigrations(ctx context.Context) (int, error) {
+	if err := s.pool.Ping(ctx); err != nil {
+		return 0, fmt.Errorf("database unreachable: %w", err)
+	}
+	db := stdlib.OpenDBFromPool(s.pool)
+	defer db.Close()
+	n, err := migrations.Pending(ctx, db)
+	if err != nil {
+		return 0, fmt.Errorf("reading schema version: %w", err)
+	}
+	return n, nil
 }
 
 // LeaseKey returns the key lease tokens are signed with.
