@@ -5,7 +5,7 @@
 # service's own dependencies.
 BUF := go tool -modfile=tools/go.mod buf
 
-.PHONY: dev test fuzz generate check-generated lint bench bench-quick build
+.PHONY: dev test fuzz generate check-generated lint bench bench-quick build schema
 
 # Run outboxd against a PostgreSQL found or started by internal/devdb.
 dev:
@@ -34,6 +34,11 @@ fuzz:
 		echo "fuzz $$name ($$pkg, $(FUZZTIME))"; \
 		go test -run '^$$' -fuzz "^$$name\$$" -fuzztime $(FUZZTIME) $$pkg; \
 	done
+
+# Rewrite migrations/testdata/schema.sql, the reviewed snapshot of the schema
+# the migrations produce (make test fails while it is stale).
+schema:
+	UPDATE_SCHEMA_SNAPSHOT=1 go test -count=1 -run '^TestSchemaSnapshot$$' ./migrations/
 
 # Regenerate gen/ from proto/ (buf.gen.yaml cleans gen/ first).
 generate:

@@ -1122,4 +1122,13 @@ $$;
 -- +goose StatementEnd
 
 -- +goose Down
-DROP SCHEMA outbox CASCADE;
+-- Migrations are up-only: going down would drop pending events, which only
+-- an operator's recorded skip may abandon. Restore a backup instead.
+-- +goose StatementBegin
+DO $$
+BEGIN
+    RAISE EXCEPTION 'outbox: migrations are up-only; going down would drop pending events'
+        USING ERRCODE = 'feature_not_supported';
+END
+$$;
+-- +goose StatementEnd

@@ -1,0 +1,1155 @@
+--
+-- PostgreSQL database dump
+--
+
+--
+-- Name: outbox; Type: SCHEMA; Schema: -; Owner: -
+--
+
+CREATE SCHEMA outbox;
+
+--
+-- Name: ack(uuid[], text); Type: FUNCTION; Schema: outbox; Owner: -
+--
+
+CREATE FUNCTION outbox.ack(p_event_ids uuid[], p_replica_id text) RETURNS TABLE(event_id uuid, status text, holder uuid, created_at timestamp with time zone)
+    LANGUAGE plpgsql
+    AS $$
+#variable_conflict use_column
+DECLARE
+    v_now timestamptz := clock_timestamp();
+    v_ids uuid[];
+    v_streams text[];
+    v_keys text[];
+    v_revs bigint[];
+    v_created timestamptz[];
+    v_ok uuid[];
+    v_ok_streams text[];
+    v_ok_keys text[];
+    v_ok_revs bigint[];
+    v_ok_created timestamptz[];
+    v_holders uuid[];
+    v_remote uuid[];
+BEGIN
+    PERFORM outbox.require_read_committed('outbox.ack');
+    -- Lock the pending events, then their aggregates' delivery rows, each in
+    -- a fixed order so that concurrent batches cannot deadlock.
+    SELECT array_agg(e.event_id), array_agg(e.stream), array_agg(e.aggregate_key),
+           array_agg(e.revision), array_agg(e.created_at)
+    INTO v_ids, v_streams, v_keys, v_revs, v_created
+    FROM (
+        SELECT e.event_id, e.stream, e.aggregate_key, e.revision, e.created_at FROM outbox.event e
+        WHERE e.event_id = ANY (p_event_ids) AND e.published_at IS NULL
+        ORDER BY e.event_id
+        FOR UPDATE OF e
+    ) e;
+
+    IF v_ids IS NOT NULL THEN
+        -- An event may be marked only while it is its aggregate's next
+        -- revision and not skipped. Tokens are only ever issued for that
+        -- revision, so this fails only for events an operator skipped.
+        SELECT array_agg(x.event_id) FILTER (WHERE x.ok),
+               array_agg(x.stream) FILTER (WHERE x.ok),
+               array_agg(x.aggregate_key) FILTER (WHERE x.ok),
+               array_agg(x.revision) FILTER (WHERE x.ok),
+               array_agg(x.created_at) FILTER (WHERE x.ok),
+               array_agg(x.holder) FILTER (WHERE x.ok),
+               array_agg(DISTINCT x.holder) FILTER (WHERE x.ok AND x.holder IS NOT NULL
+                                                    AND x.holder_replica_id IS DISTINCT FROM p_replica_id)
+        INTO v_ok, v_ok_streams, v_ok_keys, v_ok_revs, v_ok_created, v_holders, v_remote
+        FROM (
+            SELECT l.event_id, l.stream, l.aggregate_key, l.revision, l.created_at,
+                   d.holder, d.holder_replica_id,
+                   d.delivered_revision = l.revision - 1
+                   AND NOT EXISTS (SELECT 1 FROM outbox.skipped_event s WHERE s.event_id = l.event_id) AS ok
+            FROM unnest(v_ids, v_streams, v_keys, v_revs, v_created)
+                 AS l(event_id, stream, aggregate_key, revision, created_at)
+            JOIN outbox.delivery d ON d.stream = l.stream AND d.aggregate_key = l.aggregate_key
+            ORDER BY d.stream, d.aggregate_key
+            FOR UPDATE OF d
+        ) x;
+    END IF;
+
+    IF v_ok IS NOT NULL THEN
+        PERFORM set_config('outbox.acking', 'on', true);
+        UPDATE outbox.event e SET published_at = v_now WHERE e.event_id = ANY (v_ok);
+        PERFORM set_config('outbox.acking', 'off', true);
+
+        -- Advance each cursor and say what comes next: ready when a later
+        -- revision is committed, idle otherwise. This statement's snapshot
+        -- is newer than the row locks above, so it sees every event that
+        -- discovery found before; one committed but not yet discovered is
+        -- found by the next round, which wakes the idle aggregate.
+        WITH nxt AS (
+            SELECT a.stream, a.aggregate_key, a.revision, n.created_at AS next_created_at,
+                   (n.event_id IS NOT NULL OR EXISTS (
+                        SELECT 1 FROM outbox.event x
+                        WHERE x.stream = a.stream AND x.aggregate_key = a.aggregate_key
+                          AND x.revision > a.revision + 1)) AS has_next
+            FROM unnest(v_ok_streams, v_ok_keys, v_ok_revs) AS a(stream, aggregate_key, revision)
+            LEFT JOIN outbox.event n ON n.stream = a.stream AND n.aggregate_key = a.aggregate_key
+                                    AND n.revision = a.revision + 1
+        )
+        UPDATE outbox.delivery d
+        SET delivered_revision = x.revision,
+            state = CASE WHEN x.has_next THEN 'ready' ELSE 'idle' END,
+            claimable_at = CASE WHEN x.has_next THEN coalesce(x.next_created_at, v_now) END,
+            pending_since = CASE WHEN x.has_next THEN coalesce(x.next_created_at, v_now) END,
+            holder = NULL, holder_relay_id = NULL, holder_replica_id = NULL,
+            lease_expires_at = NULL, leased_event_id = NULL, attempt = 0, failures = 0,
+            last_error = NULL, next_attempt_at = NULL, parked_at = NULL, parked_reason = NULL,
+            gap_revision = NULL
+        FROM nxt x
+        WHERE d.stream = x.stream AND d.aggregate_key = x.aggregate_key;
+
+        -- Sessions on other replicas holding these leases free their credit
+        -- now rather than at their next reconciliation.
+        PERFORM pg_notify('outbox_released', h::text) FROM unnest(v_remote) AS h;
+    END IF;
+
+    -- Published ones straight from the arrays; the rest need a look at the
+    -- event to say why not.
+    RETURN QUERY
+    SELECT o.id, 'published'::text, o.holder, o.created_at
+    FROM unnest(v_ok, v_holders, v_ok_created) AS o(id, holder, created_at)
+    UNION ALL
+    SELECT i.id,
+           CASE WHEN l.id IS NOT NULL THEN 'lease_lost'
+                WHEN e.published_at IS NOT NULL THEN 'already_published'
+                WHEN e.event_id IS NOT NULL THEN 'lease_lost'
+                ELSE 'not_found' END,
+           NULL::uuid, NULL::timestamptz
+    FROM (SELECT DISTINCT unnest(p_event_ids) AS id) i
+    LEFT JOIN unnest(v_ok) AS ok(id) ON ok.id = i.id
+    LEFT JOIN unnest(v_ids) AS l(id) ON l.id = i.id
+    LEFT JOIN outbox.event e ON e.event_id = i.id AND l.id IS NULL
+    WHERE ok.id IS NULL;
+END
+$$;
+
+--
+-- Name: claim(uuid, text, text, text[], integer, interval, integer); Type: FUNCTION; Schema: outbox; Owner: -
+--
+
+CREATE FUNCTION outbox.claim(p_holder uuid, p_relay_id text, p_replica_id text, p_streams text[], p_limit integer, p_ttl interval, p_max_attempts integer DEFAULT NULL::integer) RETURNS TABLE(event_id uuid, stream text, aggregate_key text, revision bigint, event_type text, payload text, headers jsonb, created_at timestamp with time zone, epoch bigint, attempt integer, lease_expires_at timestamp with time zone)
+    LANGUAGE plpgsql
+    AS $$
+#variable_conflict use_column
+DECLARE
+    v_now timestamptz := clock_timestamp();
+    v_streams text[];
+    v_keys text[];
+    v_leased bigint;
+    v_again_streams text[];
+    v_again_keys text[];
+    r record;
+    v_cursor bigint;
+    v_later bigint;
+BEGIN
+    PERFORM outbox.require_read_committed('outbox.claim');
+    -- 1. Lock the oldest claimable aggregates. SKIP LOCKED: one that another
+    --    session is claiming, acking or discovering right now is simply not
+    --    ours this time.
+    SELECT array_agg(c.stream), array_agg(c.aggregate_key) INTO v_streams, v_keys
+    FROM (
+        SELECT d.stream, d.aggregate_key FROM outbox.delivery d
+        WHERE d.claimable_at <= v_now
+          AND (p_streams IS NULL OR d.stream = ANY (p_streams))
+        ORDER BY d.claimable_at
+        LIMIT p_limit
+        FOR UPDATE SKIP LOCKED
+    ) c;
+    IF v_streams IS NULL THEN
+        RETURN;
+    END IF;
+
+    -- 2. Lease every locked aggregate whose next revision is there.
+    RETURN QUERY SELECT * FROM outbox.lease_heads(v_streams, v_keys, p_holder, p_relay_id, p_replica_id, p_ttl, v_now, p_max_attempts);
+    GET DIAGNOSTICS v_leased = ROW_COUNT;
+    IF v_leased = cardinality(v_streams) THEN
+        RETURN;
+    END IF;
+    -- (An aggregate lease_heads parked instead has its next revision, so the
+    -- loop below passes it by.)
+
+    -- 3. The rare path: locked aggregates whose next revision is missing or
+    --    skipped. Every statement from here reads a snapshot taken after the
+    --    locks of step 1, so it sees every event that a discovery round
+    --    which locked the row before us had found; a round after us finds
+    --    the row idle or gap-held and wakes it.
+    FOR r IN
+        SELECT d.stream, d.aggregate_key, d.delivered_revision
+        FROM unnest(v_streams, v_keys) AS l(stream, aggregate_key)
+        JOIN outbox.delivery d ON d.stream = l.stream AND d.aggregate_key = l.aggregate_key
+        WHERE NOT EXISTS (
+            SELECT 1 FROM outbox.event e
+            WHERE e.stream = d.stream AND e.aggregate_key = d.aggregate_key
+              AND e.revision = d.delivered_revision + 1
+              AND NOT EXISTS (SELECT 1 FROM outbox.skipped_event s WHERE s.event_id = e.event_id))
+    LOOP
+        -- Step over revisions an operator skipped.
+        v_cursor := r.delivered_revision;
+        WHILE EXISTS (
+            SELECT 1 FROM outbox.event e JOIN outbox.skipped_event s ON s.event_id = e.event_id
+            WHERE e.stream = r.stream AND e.aggregate_key = r.aggregate_key AND e.revision = v_cursor + 1)
+        LOOP
+            v_cursor := v_cursor + 1;
+        END LOOP;
+        IF v_cursor <> r.delivered_revision THEN
+            UPDATE outbox.delivery d SET delivered_revision = v_cursor
+            WHERE d.stream = r.stream AND d.aggregate_key = r.aggregate_key;
+        END IF;
+        IF EXISTS (
+            SELECT 1 FROM outbox.event e
+            WHERE e.stream = r.stream AND e.aggregate_key = r.aggregate_key AND e.revision = v_cursor + 1) THEN
+            v_again_streams := v_again_streams || r.stream;
+            v_again_keys := v_again_keys || r.aggregate_key;
+            CONTINUE;
+        END IF;
+        SELECT min(e.revision) INTO v_later FROM outbox.event e
+        WHERE e.stream = r.stream AND e.aggregate_key = r.aggregate_key AND e.revision > v_cursor + 1;
+        IF v_later IS NULL THEN
+            UPDATE outbox.delivery d
+            SET state = 'idle', claimable_at = NULL, pending_since = NULL,
+                holder = NULL, holder_relay_id = NULL, holder_replica_id = NULL,
+                lease_expires_at = NULL, next_attempt_at = NULL, gap_revision = NULL
+            WHERE d.stream = r.stream AND d.aggregate_key = r.aggregate_key;
+        ELSE
+            -- A later revision exists but the next one does not: hold the
+            -- aggregate and report the gap, never skip over it. Discovery
+            -- wakes it when any event of the aggregate commits.
+            UPDATE outbox.delivery d
+            SET state = 'gap', claimable_at = NULL, gap_revision = v_cursor + 1,
+                holder = NULL, holder_relay_id = NULL, holder_replica_id = NULL,
+                lease_expires_at = NULL, next_attempt_at = NULL,
+                pending_since = (
+                    SELECT min(e.created_at) FROM outbox.event e
+                    WHERE e.stream = r.stream AND e.aggregate_key = r.aggregate_key
+                      AND e.revision > v_cursor AND e.published_at IS NULL)
+            WHERE d.stream = r.stream AND d.aggregate_key = r.aggregate_key;
+        END IF;
+    END LOOP;
+
+    -- 4. Lease the aggregates whose cursor stepped over skipped revisions to
+    --    an event that is there.
+    IF v_again_streams IS NOT NULL THEN
+        RETURN QUERY SELECT * FROM outbox.lease_heads(v_again_streams, v_again_keys, p_holder, p_relay_id, p_replica_id, p_ttl, v_now, p_max_attempts);
+    END IF;
+END
+$$;
+
+--
+-- Name: count_published(); Type: FUNCTION; Schema: outbox; Owner: -
+--
+
+CREATE FUNCTION outbox.count_published() RETURNS trigger
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+    -- Only outbox.ack changes published_at (event_guard_published), and only
+    -- from NULL, so every row here with a published_at was just published.
+    INSERT INTO outbox.delivered_count AS c (stream, bucket, backend_pid, events)
+    SELECT n.stream, date_bin('5 seconds', clock_timestamp(), timestamptz '2000-01-01'),
+           pg_backend_pid(), count(*)
+    FROM published n
+    WHERE n.published_at IS NOT NULL
+    GROUP BY n.stream
+    ON CONFLICT (stream, bucket, backend_pid) DO UPDATE SET events = c.events + excluded.events;
+    RETURN NULL;
+END
+$$;
+
+--
+-- Name: discover(); Type: FUNCTION; Schema: outbox; Owner: -
+--
+
+CREATE FUNCTION outbox.discover() RETURNS TABLE(events bigint, aggregates bigint)
+    LANGUAGE plpgsql
+    AS $$
+#variable_conflict use_column
+DECLARE
+    v_prev pg_snapshot;
+    v_xmax xid8;
+    v_xip xid8[];
+    v_events bigint;
+    v_aggregates bigint;
+    v_enable_seqscan text := current_setting('enable_seqscan');
+BEGIN
+    PERFORM outbox.require_read_committed('outbox.discover');
+    IF NOT pg_try_advisory_xact_lock(7954802400917419382) THEN -- 'outboxd.discover'
+        RETURN QUERY SELECT 0::bigint, 0::bigint;
+        RETURN;
+    END IF;
+    -- Read after taking the lock (a fresh snapshot in READ COMMITTED), so it
+    -- is the latest round's.
+    SELECT d.snapshot INTO v_prev FROM outbox.discovery d;
+    v_xmax := pg_snapshot_xmax(v_prev);
+    v_xip := ARRAY(SELECT pg_snapshot_xip(v_prev));
+    -- Both sets are always a sliver of the table, read through the xid
+    -- index, but without fresh statistics (a new table, autovacuum behind)
+    -- the planner guesses that "xid >= x" matches a third of the table and
+    -- would scan all of it. JIT compiling would cost more than the round.
+    PERFORM set_config('enable_seqscan', 'off', true);
+    PERFORM set_config('jit', 'off', true);
+    -- Most rounds find nothing: two index probes say so without planning the
+    -- statement below.
+    IF NOT EXISTS (SELECT 1 FROM outbox.event e WHERE e.xid >= v_xmax)
+       AND NOT EXISTS (SELECT 1 FROM outbox.event e WHERE e.xid = ANY (v_xip)) THEN
+        PERFORM set_config('enable_seqscan', v_enable_seqscan, true);
+        RETURN QUERY SELECT 0::bigint, 0::bigint;
+        RETURN;
+    END IF;
+    -- What a round writes can be written again: if PostgreSQL crashes
+    -- before this commit reaches disk, the next round finds the same events
+    -- and its upsert is idempotent. So the commit does not wait for the WAL
+    -- flush (any later synchronous commit, such as an ack's, flushes it).
+    PERFORM set_config('synchronous_commit', 'off', true);
+    WITH found AS (
+        SELECT e.event_id, e.stream, e.aggregate_key, e.revision, e.created_at
+        FROM outbox.event e
+        WHERE e.xid >= v_xmax
+        UNION ALL
+        SELECT e.event_id, e.stream, e.aggregate_key, e.revision, e.created_at
+        FROM outbox.event e
+        WHERE e.xid = ANY (v_xip)
+    ), agg AS (
+        SELECT f.stream, f.aggregate_key, min(f.revision) AS first_revision, min(f.created_at) AS first_created
+        FROM found f GROUP BY f.stream, f.aggregate_key
+    ), woken AS (
+        INSERT INTO outbox.delivery AS d
+            (stream, aggregate_key, state, delivered_revision, claimable_at, pending_since)
+        SELECT a.stream, a.aggregate_key, 'ready', a.first_revision - 1, a.first_created, a.first_created
+        FROM agg a ORDER BY a.stream, a.aggregate_key
+        -- A row in another state already has work in hand: it is only
+        -- locked (waiting for an ack or claim holding it, then looking at
+        -- the row as they left it), not rewritten.
+        ON CONFLICT (stream, aggregate_key) DO UPDATE
+        SET state = 'ready', claimable_at = excluded.claimable_at,
+            pending_since = excluded.pending_since, gap_revision = NULL
+        WHERE d.state IN ('idle', 'gap')
+        RETURNING 1
+    ), late AS (
+        -- Against the cursor as this statement's snapshot has it: delivery
+        -- can only have moved past one of these events since by publishing
+        -- it, and candidates that were published are not counted where late
+        -- events are.
+        INSERT INTO outbox.late_event (event_id)
+        SELECT f.event_id FROM found f
+        JOIN outbox.delivery d ON d.stream = f.stream AND d.aggregate_key = f.aggregate_key
+        WHERE f.revision <= d.delivered_revision
+        ON CONFLICT (event_id) DO NOTHING
+    ), advanced AS (
+        -- pg_current_snapshot() is this statement's snapshot: the one the
+        -- events above were read in.
+        UPDATE outbox.discovery d SET snapshot = pg_current_snapshot(), advanced_at = now()
+        WHERE EXISTS (SELECT 1 FROM found)
+    )
+    SELECT (SELECT count(*) FROM found), (SELECT count(*) FROM woken) INTO v_events, v_aggregates;
+    PERFORM set_config('enable_seqscan', v_enable_seqscan, true);
+    IF v_events > 0 THEN
+        -- Idle sessions on every replica claim at once. One NOTIFY per round
+        -- that found something, never one per producer transaction.
+        PERFORM pg_notify('outbox_wakeup', '');
+    END IF;
+    events := v_events;
+    aggregates := v_aggregates;
+    RETURN NEXT;
+END
+$$;
+
+--
+-- Name: emit(text, text, text, jsonb, jsonb, bigint, uuid); Type: FUNCTION; Schema: outbox; Owner: -
+--
+
+CREATE FUNCTION outbox.emit(stream text, aggregate_key text, event_type text, payload jsonb, headers jsonb DEFAULT '{}'::jsonb, revision bigint DEFAULT NULL::bigint, event_id uuid DEFAULT NULL::uuid) RETURNS TABLE(event_id uuid, revision bigint)
+    LANGUAGE sql
+    AS $_$
+    SELECT x.event_id, x.revision FROM outbox.emit_event($1, $2, $3, $4, $5, $6, $7) AS x
+$_$;
+
+--
+-- Name: emit_event(text, text, text, jsonb, jsonb, bigint, uuid); Type: FUNCTION; Schema: outbox; Owner: -
+--
+
+CREATE FUNCTION outbox.emit_event(p_stream text, p_aggregate_key text, p_event_type text, p_payload jsonb, p_headers jsonb DEFAULT '{}'::jsonb, p_revision bigint DEFAULT NULL::bigint, p_event_id uuid DEFAULT NULL::uuid, OUT event_id uuid, OUT revision bigint) RETURNS record
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+    INSERT INTO outbox.event AS e (event_id, stream, aggregate_key, revision, event_type, payload, headers)
+    VALUES (coalesce(p_event_id, gen_random_uuid()), p_stream, p_aggregate_key, p_revision,
+            p_event_type, p_payload, coalesce(p_headers, '{}'::jsonb))
+    RETURNING e.event_id, e.revision INTO emit_event.event_id, emit_event.revision;
+    IF NOT FOUND THEN
+        SELECT e.event_id, e.revision INTO emit_event.event_id, emit_event.revision
+        FROM outbox.event e WHERE e.event_id = p_event_id;
+    END IF;
+END
+$$;
+
+--
+-- Name: event_before_insert(); Type: FUNCTION; Schema: outbox; Owner: -
+--
+
+CREATE FUNCTION outbox.event_before_insert() RETURNS trigger
+    LANGUAGE plpgsql
+    AS $_$
+DECLARE
+    v_max_payload integer;
+    v_payload_bytes integer;
+    v_auto_revision boolean := NEW.revision IS NULL;
+    v_counter_created boolean := false;
+    v_counter_before bigint;
+    v_delivered bigint;
+    v_existing record;
+BEGIN
+    IF NEW.stream IS NULL OR NEW.stream !~ '^[a-z][a-z0-9_.-]{0,127}$' THEN
+        RAISE EXCEPTION 'outbox: stream % is malformed', coalesce(quote_literal(NEW.stream), 'NULL')
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'A stream name matches ^[a-z][a-z0-9_.-]{0,127}$, for example sales_order.';
+    END IF;
+    IF NEW.aggregate_key IS NULL OR NEW.aggregate_key = '' THEN
+        RAISE EXCEPTION 'outbox: aggregate_key must not be empty'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF octet_length(NEW.aggregate_key) > 1024 THEN
+        RAISE EXCEPTION 'outbox: aggregate_key is % bytes, over the limit of 1024', octet_length(NEW.aggregate_key)
+            USING ERRCODE = 'program_limit_exceeded';
+    END IF;
+    IF NEW.event_type IS NULL OR NEW.event_type = '' THEN
+        RAISE EXCEPTION 'outbox: event_type must not be empty'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF octet_length(NEW.event_type) > 256 THEN
+        RAISE EXCEPTION 'outbox: event_type is % bytes, over the limit of 256', octet_length(NEW.event_type)
+            USING ERRCODE = 'program_limit_exceeded';
+    END IF;
+    IF NEW.payload IS NULL THEN
+        RAISE EXCEPTION 'outbox: payload must not be NULL'
+            USING ERRCODE = 'invalid_parameter_value', HINT = 'Use a JSON value such as {}.';
+    END IF;
+    IF NEW.headers IS NULL OR jsonb_typeof(NEW.headers) <> 'object' THEN
+        RAISE EXCEPTION 'outbox: headers must be a JSON object, not %',
+                coalesce(jsonb_typeof(NEW.headers), 'NULL')
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF NEW.headers <> '{}' THEN
+        IF EXISTS (SELECT 1 FROM jsonb_each(NEW.headers) h WHERE jsonb_typeof(h.value) <> 'string') THEN
+            RAISE EXCEPTION 'outbox: header values must be strings'
+                USING ERRCODE = 'invalid_parameter_value',
+                      HINT = 'Brokers carry headers as strings; encode other values as text.';
+        END IF;
+        IF octet_length(NEW.headers::text) > 65536 THEN
+            RAISE EXCEPTION 'outbox: headers are % bytes of JSON, over the limit of 65536',
+                    octet_length(NEW.headers::text)
+                USING ERRCODE = 'program_limit_exceeded';
+        END IF;
+    END IF;
+    IF NEW.revision IS NOT NULL AND (NEW.revision <= 0 OR NEW.revision > 9007199254740991) THEN
+        RAISE EXCEPTION 'outbox: revision must be between 1 and 9007199254740991 (2^53-1), got %', NEW.revision
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    -- Delivery state is outboxd's: an event is born pending, at its
+    -- transaction's start time.
+    IF NEW.published_at IS NOT NULL THEN
+        RAISE EXCEPTION 'outbox: published_at must not be set by a producer'
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'outboxd sets published_at when a relay acks the event; leave the column out.';
+    END IF;
+    IF NEW.created_at IS DISTINCT FROM now() THEN
+        RAISE EXCEPTION 'outbox: created_at must not be set by a producer (got %)', NEW.created_at
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'created_at is the producing transaction''s start time; leave the column out.';
+    END IF;
+    NEW.xid := pg_current_xact_id();
+    SELECT s.max_payload_bytes INTO v_max_payload FROM outbox.settings s;
+    v_payload_bytes := octet_length(NEW.payload::text);
+    IF v_payload_bytes > v_max_payload THEN
+        RAISE EXCEPTION 'outbox: payload is % bytes, over the limit of % bytes', v_payload_bytes, v_max_payload
+            USING ERRCODE = 'program_limit_exceeded',
+                  HINT = 'The limit is outbox.settings.max_payload_bytes.';
+    END IF;
+
+    -- The aggregate row is the producers' order lock, held to commit: producers
+    -- of one aggregate serialise here, producers of others do not meet.
+    IF v_auto_revision THEN
+        INSERT INTO outbox.aggregate AS a (stream, aggregate_key, last_revision)
+        VALUES (NEW.stream, NEW.aggregate_key, 1)
+        ON CONFLICT (stream, aggregate_key)
+            DO UPDATE SET last_revision = a.last_revision + 1
+        RETURNING a.last_revision, (a.xmax = 0) INTO NEW.revision, v_counter_created;
+        v_counter_before := NEW.revision - 1;
+    ELSE
+        INSERT INTO outbox.aggregate (stream, aggregate_key, last_revision)
+        VALUES (NEW.stream, NEW.aggregate_key, NEW.revision)
+        ON CONFLICT (stream, aggregate_key) DO NOTHING;
+        v_counter_created := FOUND;
+        IF NOT v_counter_created THEN
+            SELECT a.last_revision INTO v_counter_before FROM outbox.aggregate a
+            WHERE a.stream = NEW.stream AND a.aggregate_key = NEW.aggregate_key
+            FOR UPDATE;
+            IF NEW.revision > v_counter_before THEN
+                UPDATE outbox.aggregate a SET last_revision = NEW.revision
+                WHERE a.stream = NEW.stream AND a.aggregate_key = NEW.aggregate_key;
+            ELSE
+                -- A late revision below the counter. If delivery has already
+                -- moved past it, it could never be delivered: refuse it while
+                -- the producer can still act. (A stale read here, under
+                -- REPEATABLE READ, only lets such an event in; discovery then
+                -- reports it as stranded. Reading never blocks.)
+                SELECT d.delivered_revision INTO v_delivered FROM outbox.delivery d
+                WHERE d.stream = NEW.stream AND d.aggregate_key = NEW.aggregate_key;
+                IF NEW.revision <= v_delivered THEN
+                    RAISE EXCEPTION 'outbox: revision % of %/% is at or below its delivery cursor %',
+                            NEW.revision, NEW.stream, NEW.aggregate_key, v_delivered
+                        USING ERRCODE = 'unique_violation',
+                              DETAIL = 'Delivery already passed this revision (it precedes the aggregate''s first event, or an operator accepted a gap there), so the event could never be delivered.';
+                END IF;
+            END IF;
+        END IF;
+    END IF;
+
+    -- A retry of an event already recorded (same event_id). Checked after the
+    -- order lock: a first attempt of the same aggregate still in flight has
+    -- committed or rolled back by now, and this statement's snapshot sees it.
+    -- The retry must consume no revision (a consumed one would hold delivery
+    -- at a gap that never fills), so the counter goes back to where it was.
+    SELECT e.stream, e.aggregate_key, e.revision, e.event_type, e.payload, e.headers
+    INTO v_existing FROM outbox.event e WHERE e.event_id = NEW.event_id;
+    IF FOUND THEN
+        IF v_counter_created THEN
+            DELETE FROM outbox.aggregate a WHERE a.stream = NEW.stream AND a.aggregate_key = NEW.aggregate_key;
+        ELSIF v_counter_before < NEW.revision THEN
+            UPDATE outbox.aggregate a SET last_revision = v_counter_before
+            WHERE a.stream = NEW.stream AND a.aggregate_key = NEW.aggregate_key;
+        END IF;
+        IF v_existing.stream = NEW.stream AND v_existing.aggregate_key = NEW.aggregate_key
+           AND v_existing.event_type = NEW.event_type AND v_existing.payload = NEW.payload
+           AND v_existing.headers = NEW.headers
+           AND (v_auto_revision OR v_existing.revision = NEW.revision) THEN
+            -- The same event: recording it again is a no-op, with or
+            -- without ON CONFLICT DO NOTHING.
+            RETURN NULL;
+        END IF;
+        RAISE EXCEPTION 'outbox: event_id % is already recorded for a different event (%/% revision %)',
+                NEW.event_id, v_existing.stream, v_existing.aggregate_key, v_existing.revision
+            USING ERRCODE = 'unique_violation',
+                  HINT = 'An event_id names one event; a retry must repeat the same stream, key, type, payload and headers.';
+    END IF;
+    RETURN NEW;
+END
+$_$;
+
+--
+-- Name: event_guard_published(); Type: FUNCTION; Schema: outbox; Owner: -
+--
+
+CREATE FUNCTION outbox.event_guard_published() RETURNS trigger
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+    IF NEW.published_at IS DISTINCT FROM OLD.published_at
+       AND (OLD.published_at IS NOT NULL OR current_setting('outbox.acking', true) IS DISTINCT FROM 'on') THEN
+        RAISE EXCEPTION 'outbox: published_at of event % is set only by outboxd when a relay acks it', OLD.event_id
+            USING ERRCODE = 'object_not_in_prerequisite_state',
+                  HINT = 'To abandon a pending event, skip it (outboxd skip) with a reason.';
+    END IF;
+    RETURN NEW;
+END
+$$;
+
+--
+-- Name: event_immutable(); Type: FUNCTION; Schema: outbox; Owner: -
+--
+
+CREATE FUNCTION outbox.event_immutable() RETURNS trigger
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+    RAISE EXCEPTION 'outbox: event % is immutable; only published_at may change', OLD.event_id
+        USING ERRCODE = 'object_not_in_prerequisite_state',
+              HINT = 'Emit a new event instead of editing a committed one.';
+END
+$$;
+
+--
+-- Name: event_keep_pending(); Type: FUNCTION; Schema: outbox; Owner: -
+--
+
+CREATE FUNCTION outbox.event_keep_pending() RETURNS trigger
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+    IF OLD.published_at IS NULL THEN
+        RAISE EXCEPTION 'outbox: event % is not published and cannot be deleted', OLD.event_id
+            USING ERRCODE = 'object_not_in_prerequisite_state',
+                  HINT = 'Pending events are never deleted; an operator may skip one with a reason.';
+    END IF;
+    RETURN OLD;
+END
+$$;
+
+--
+-- Name: extend_lease(uuid, bigint, interval); Type: FUNCTION; Schema: outbox; Owner: -
+--
+
+CREATE FUNCTION outbox.extend_lease(p_event_id uuid, p_epoch bigint, p_ttl interval) RETURNS TABLE(lease_expires_at timestamp with time zone)
+    LANGUAGE sql
+    AS $$
+    UPDATE outbox.delivery d
+    SET lease_expires_at = clock_timestamp() + p_ttl, claimable_at = clock_timestamp() + p_ttl
+    FROM outbox.event e
+    WHERE e.event_id = p_event_id AND d.stream = e.stream AND d.aggregate_key = e.aggregate_key
+      AND d.leased_event_id = p_event_id AND d.epoch = p_epoch AND d.state = 'leased'
+    RETURNING d.lease_expires_at
+$$;
+
+--
+-- Name: lease_heads(text[], text[], uuid, text, text, interval, timestamp with time zone, integer); Type: FUNCTION; Schema: outbox; Owner: -
+--
+
+CREATE FUNCTION outbox.lease_heads(p_streams text[], p_keys text[], p_holder uuid, p_relay_id text, p_replica_id text, p_ttl interval, p_now timestamp with time zone, p_max_attempts integer) RETURNS TABLE(event_id uuid, stream text, aggregate_key text, revision bigint, event_type text, payload text, headers jsonb, created_at timestamp with time zone, epoch bigint, attempt integer, lease_expires_at timestamp with time zone)
+    LANGUAGE plpgsql
+    AS $$
+#variable_conflict use_column
+BEGIN
+    PERFORM set_config('synchronous_commit', 'off', true);
+    RETURN QUERY
+    WITH heads AS (
+        SELECT d.stream, d.aggregate_key, e.event_id,
+               coalesce(d.leased_event_id = e.event_id AND d.attempt >= p_max_attempts, false) AS exhausted
+        FROM unnest(p_streams, p_keys) AS l(stream, aggregate_key)
+        JOIN outbox.delivery d ON d.stream = l.stream AND d.aggregate_key = l.aggregate_key
+        JOIN outbox.event e ON e.stream = d.stream AND e.aggregate_key = d.aggregate_key
+                           AND e.revision = d.delivered_revision + 1
+        WHERE NOT EXISTS (SELECT 1 FROM outbox.skipped_event s WHERE s.event_id = e.event_id)
+    ), changed AS (
+        UPDATE outbox.delivery d
+        SET state = CASE WHEN h.exhausted THEN 'parked' ELSE 'leased' END,
+            epoch = CASE WHEN h.exhausted THEN d.epoch
+                         ELSE greatest(d.epoch + 1, (extract(epoch FROM p_now) * 1000000)::bigint) END,
+            holder = CASE WHEN h.exhausted THEN NULL ELSE p_holder END,
+            holder_relay_id = CASE WHEN h.exhausted THEN NULL ELSE p_relay_id END,
+            holder_replica_id = CASE WHEN h.exhausted THEN NULL ELSE p_replica_id END,
+            attempt = CASE WHEN h.exhausted THEN d.attempt
+                           WHEN d.leased_event_id = h.event_id THEN d.attempt + 1 ELSE 1 END,
+            failures = CASE WHEN d.leased_event_id = h.event_id THEN d.failures ELSE 0 END,
+            leased_event_id = h.event_id,
+            lease_expires_at = CASE WHEN h.exhausted THEN NULL ELSE p_now + p_ttl END,
+            claimable_at = CASE WHEN h.exhausted THEN NULL ELSE p_now + p_ttl END,
+            parked_at = CASE WHEN h.exhausted THEN p_now END,
+            parked_reason = CASE WHEN h.exhausted THEN format(
+                'delivered %s times without an ack or a nack: each lease expired or the stream holding it ended',
+                d.attempt) END,
+            next_attempt_at = NULL, gap_revision = NULL
+        FROM heads h
+        WHERE d.stream = h.stream AND d.aggregate_key = h.aggregate_key
+        RETURNING d.stream, d.aggregate_key, d.state, d.epoch, d.attempt, d.lease_expires_at
+    )
+    SELECT e.event_id, e.stream, e.aggregate_key, e.revision, e.event_type, e.payload::text,
+           e.headers, e.created_at, c.epoch, c.attempt, c.lease_expires_at
+    FROM changed c
+    JOIN heads h ON h.stream = c.stream AND h.aggregate_key = c.aggregate_key
+    JOIN outbox.event e ON e.event_id = h.event_id
+    WHERE c.state = 'leased';
+END
+$$;
+
+--
+-- Name: nack(uuid, bigint, text, interval, interval, interval, integer); Type: FUNCTION; Schema: outbox; Owner: -
+--
+
+CREATE FUNCTION outbox.nack(p_event_id uuid, p_epoch bigint, p_error text, p_retry_after interval, p_backoff_base interval, p_backoff_cap interval, p_max_failures integer) RETURNS TABLE(parked boolean, next_attempt_at timestamp with time zone, failures integer, holder uuid)
+    LANGUAGE sql
+    AS $$
+    WITH cur AS (
+        SELECT d.stream, d.aggregate_key, d.failures + 1 AS failures, d.holder,
+               clock_timestamp() + greatest(
+                   coalesce(p_retry_after, interval '0'),
+                   least(p_backoff_cap, p_backoff_base * power(2, least(d.failures, 30)))
+                       * (0.5 + random() / 2)) AS retry_at
+        FROM outbox.event e
+        JOIN outbox.delivery d ON d.stream = e.stream AND d.aggregate_key = e.aggregate_key
+        WHERE e.event_id = p_event_id AND d.leased_event_id = p_event_id
+          AND d.epoch = p_epoch AND d.state = 'leased'
+        FOR UPDATE OF d
+    )
+    UPDATE outbox.delivery d
+    SET failures = c.failures,
+        last_error = left(p_error, 4096),
+        state = CASE WHEN c.failures >= p_max_failures THEN 'parked' ELSE 'backoff' END,
+        claimable_at = CASE WHEN c.failures >= p_max_failures THEN NULL ELSE c.retry_at END,
+        next_attempt_at = CASE WHEN c.failures >= p_max_failures THEN NULL ELSE c.retry_at END,
+        parked_at = CASE WHEN c.failures >= p_max_failures THEN clock_timestamp() END,
+        parked_reason = CASE WHEN c.failures >= p_max_failures
+            THEN format('publish failed %s times; last error: %s', c.failures, left(p_error, 1024)) END,
+        holder = NULL, holder_relay_id = NULL, holder_replica_id = NULL, lease_expires_at = NULL
+    FROM cur c
+    WHERE d.stream = c.stream AND d.aggregate_key = c.aggregate_key
+    RETURNING d.state = 'parked', d.next_attempt_at, d.failures, c.holder
+$$;
+
+--
+-- Name: park(uuid, bigint, text); Type: FUNCTION; Schema: outbox; Owner: -
+--
+
+CREATE FUNCTION outbox.park(p_event_id uuid, p_epoch bigint, p_reason text) RETURNS TABLE(holder uuid)
+    LANGUAGE sql
+    AS $$
+    WITH cur AS (
+        SELECT d.stream, d.aggregate_key, d.holder FROM outbox.event e
+        JOIN outbox.delivery d ON d.stream = e.stream AND d.aggregate_key = e.aggregate_key
+        WHERE e.event_id = p_event_id AND d.leased_event_id = p_event_id
+          AND d.epoch = p_epoch AND d.state = 'leased'
+        FOR UPDATE OF d
+    )
+    UPDATE outbox.delivery d
+    SET state = 'parked', claimable_at = NULL, parked_at = clock_timestamp(), parked_reason = p_reason,
+        last_error = p_reason, next_attempt_at = NULL,
+        holder = NULL, holder_relay_id = NULL, holder_replica_id = NULL, lease_expires_at = NULL
+    FROM cur c
+    WHERE d.stream = c.stream AND d.aggregate_key = c.aggregate_key
+    RETURNING c.holder
+$$;
+
+--
+-- Name: pending_of(text, text, bigint); Type: FUNCTION; Schema: outbox; Owner: -
+--
+
+CREATE FUNCTION outbox.pending_of(p_stream text, p_aggregate_key text, p_after_revision bigint) RETURNS TABLE(events bigint, next_revision bigint, oldest_created_at timestamp with time zone)
+    LANGUAGE sql STABLE
+    AS $$
+    SELECT count(*), min(e.revision), min(e.created_at)
+    FROM outbox.event e
+    WHERE e.stream = p_stream AND e.aggregate_key = p_aggregate_key
+      AND e.revision > p_after_revision AND e.published_at IS NULL
+      AND NOT EXISTS (SELECT 1 FROM outbox.skipped_event s WHERE s.event_id = e.event_id)
+$$;
+
+--
+-- Name: release(uuid); Type: FUNCTION; Schema: outbox; Owner: -
+--
+
+CREATE FUNCTION outbox.release(p_holder uuid) RETURNS integer
+    LANGUAGE sql
+    AS $$
+    WITH mine AS (
+        SELECT d.stream, d.aggregate_key FROM outbox.delivery d
+        WHERE d.holder = p_holder
+        ORDER BY d.stream, d.aggregate_key
+        FOR UPDATE
+    ), released AS (
+        UPDATE outbox.delivery d
+        SET state = 'ready', claimable_at = coalesce(d.pending_since, clock_timestamp()),
+            holder = NULL, holder_relay_id = NULL, holder_replica_id = NULL, lease_expires_at = NULL
+        FROM mine m
+        WHERE d.stream = m.stream AND d.aggregate_key = m.aggregate_key AND d.holder = p_holder
+        RETURNING 1
+    )
+    SELECT count(*)::integer FROM released
+$$;
+
+--
+-- Name: require_read_committed(text); Type: FUNCTION; Schema: outbox; Owner: -
+--
+
+CREATE FUNCTION outbox.require_read_committed(p_caller text) RETURNS void
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        RAISE EXCEPTION 'outbox: % must run at READ COMMITTED, not %',
+                p_caller, upper(current_setting('transaction_isolation'))
+            USING ERRCODE = 'invalid_transaction_state',
+                  HINT = 'Set default_transaction_isolation = ''read committed'' on outboxd''s connections.';
+    END IF;
+END
+$$;
+
+--
+-- Name: stranded(text[]); Type: FUNCTION; Schema: outbox; Owner: -
+--
+
+CREATE FUNCTION outbox.stranded(p_streams text[]) RETURNS TABLE(stream text, events bigint)
+    LANGUAGE sql STABLE
+    AS $$
+    WITH disc AS (
+        SELECT snapshot FROM outbox.discovery
+    ), unclaimed AS (
+        SELECT a.stream, p.events
+        FROM outbox.aggregate a
+        LEFT JOIN outbox.delivery d ON d.stream = a.stream AND d.aggregate_key = a.aggregate_key
+        CROSS JOIN disc
+        CROSS JOIN LATERAL (
+            SELECT count(*) AS events FROM outbox.event e
+            WHERE e.stream = a.stream AND e.aggregate_key = a.aggregate_key
+              AND e.revision > coalesce(d.delivered_revision, 0) AND e.published_at IS NULL
+              AND pg_visible_in_snapshot(e.xid, disc.snapshot)
+              AND NOT EXISTS (SELECT 1 FROM outbox.skipped_event s WHERE s.event_id = e.event_id)
+        ) p
+        WHERE (d.state IS NULL OR d.state = 'idle')
+          AND a.last_revision > coalesce(d.delivered_revision, 0)
+          AND (p_streams IS NULL OR a.stream = ANY (p_streams))
+          AND p.events > 0
+    ), late AS (
+        SELECT e.stream, count(*) AS events
+        FROM outbox.late_event l
+        JOIN outbox.event e ON e.event_id = l.event_id
+        JOIN outbox.delivery d ON d.stream = e.stream AND d.aggregate_key = e.aggregate_key
+        WHERE e.published_at IS NULL AND e.revision <= d.delivered_revision
+          AND NOT EXISTS (SELECT 1 FROM outbox.skipped_event s WHERE s.event_id = e.event_id)
+          AND (p_streams IS NULL OR e.stream = ANY (p_streams))
+        GROUP BY e.stream
+    )
+    SELECT x.stream, sum(x.events)::bigint
+    FROM (SELECT * FROM unclaimed UNION ALL SELECT * FROM late) x
+    GROUP BY x.stream
+$$;
+
+--
+-- Name: accepted_gap; Type: TABLE; Schema: outbox; Owner: -
+--
+
+CREATE TABLE outbox.accepted_gap (
+    stream text NOT NULL,
+    aggregate_key text NOT NULL,
+    from_revision bigint NOT NULL,
+    to_revision bigint NOT NULL,
+    reason text NOT NULL,
+    actor text NOT NULL,
+    accepted_at timestamp with time zone DEFAULT now() NOT NULL,
+    CONSTRAINT accepted_gap_actor_check CHECK ((actor <> ''::text)),
+    CONSTRAINT accepted_gap_check CHECK ((from_revision <= to_revision)),
+    CONSTRAINT accepted_gap_reason_check CHECK ((reason <> ''::text))
+);
+
+--
+-- Name: aggregate; Type: TABLE; Schema: outbox; Owner: -
+--
+
+CREATE TABLE outbox.aggregate (
+    stream text NOT NULL,
+    aggregate_key text NOT NULL,
+    last_revision bigint NOT NULL
+)
+WITH (fillfactor='50');
+
+--
+-- Name: delivered_count; Type: TABLE; Schema: outbox; Owner: -
+--
+
+CREATE UNLOGGED TABLE outbox.delivered_count (
+    stream text NOT NULL,
+    bucket timestamp with time zone NOT NULL,
+    backend_pid integer NOT NULL,
+    events bigint NOT NULL
+);
+
+--
+-- Name: delivery; Type: TABLE; Schema: outbox; Owner: -
+--
+
+CREATE TABLE outbox.delivery (
+    stream text NOT NULL,
+    aggregate_key text NOT NULL,
+    state text NOT NULL,
+    delivered_revision bigint NOT NULL,
+    claimable_at timestamp with time zone,
+    pending_since timestamp with time zone,
+    epoch bigint DEFAULT 0 NOT NULL,
+    holder uuid,
+    holder_relay_id text,
+    holder_replica_id text,
+    leased_event_id uuid,
+    lease_expires_at timestamp with time zone,
+    attempt integer DEFAULT 0 NOT NULL,
+    failures integer DEFAULT 0 NOT NULL,
+    last_error text,
+    next_attempt_at timestamp with time zone,
+    parked_at timestamp with time zone,
+    parked_reason text,
+    gap_revision bigint,
+    CONSTRAINT delivery_claimable_check CHECK (((state = ANY (ARRAY['ready'::text, 'leased'::text, 'backoff'::text])) = (claimable_at IS NOT NULL))),
+    CONSTRAINT delivery_lease_check CHECK (((state = 'leased'::text) = (holder IS NOT NULL))),
+    CONSTRAINT delivery_state_check CHECK ((state = ANY (ARRAY['idle'::text, 'ready'::text, 'leased'::text, 'backoff'::text, 'parked'::text, 'gap'::text])))
+);
+
+--
+-- Name: discovery; Type: TABLE; Schema: outbox; Owner: -
+--
+
+CREATE TABLE outbox.discovery (
+    singleton boolean DEFAULT true NOT NULL,
+    snapshot pg_snapshot NOT NULL,
+    advanced_at timestamp with time zone NOT NULL,
+    CONSTRAINT discovery_singleton_check CHECK (singleton)
+);
+
+--
+-- Name: event; Type: TABLE; Schema: outbox; Owner: -
+--
+
+CREATE TABLE outbox.event (
+    event_id uuid DEFAULT gen_random_uuid() NOT NULL,
+    stream text NOT NULL,
+    aggregate_key text NOT NULL,
+    revision bigint NOT NULL,
+    event_type text NOT NULL,
+    payload jsonb NOT NULL,
+    headers jsonb DEFAULT '{}'::jsonb NOT NULL,
+    created_at timestamp with time zone DEFAULT now() NOT NULL,
+    published_at timestamp with time zone,
+    xid xid8 DEFAULT pg_current_xact_id() NOT NULL,
+    CONSTRAINT event_aggregate_key_check CHECK (((aggregate_key <> ''::text) AND (octet_length(aggregate_key) <= 1024))),
+    CONSTRAINT event_event_type_check CHECK (((event_type <> ''::text) AND (octet_length(event_type) <= 256))),
+    CONSTRAINT event_headers_check CHECK ((jsonb_typeof(headers) = 'object'::text)),
+    CONSTRAINT event_revision_check CHECK (((revision > 0) AND (revision <= '9007199254740991'::bigint))),
+    CONSTRAINT event_stream_check CHECK ((stream ~ '^[a-z][a-z0-9_.-]{0,127}$'::text))
+)
+WITH (fillfactor='50');
+
+--
+-- Name: goose_db_version; Type: TABLE; Schema: outbox; Owner: -
+--
+
+CREATE TABLE outbox.goose_db_version (
+    id integer NOT NULL,
+    version_id bigint NOT NULL,
+    is_applied boolean NOT NULL,
+    tstamp timestamp without time zone DEFAULT now() NOT NULL
+);
+
+--
+-- Name: goose_db_version_id_seq; Type: SEQUENCE; Schema: outbox; Owner: -
+--
+
+ALTER TABLE outbox.goose_db_version ALTER COLUMN id ADD GENERATED BY DEFAULT AS IDENTITY (
+    SEQUENCE NAME outbox.goose_db_version_id_seq
+    START WITH 1
+    INCREMENT BY 1
+    NO MINVALUE
+    NO MAXVALUE
+    CACHE 1
+);
+
+--
+-- Name: late_event; Type: TABLE; Schema: outbox; Owner: -
+--
+
+CREATE TABLE outbox.late_event (
+    event_id uuid NOT NULL,
+    discovered_at timestamp with time zone DEFAULT now() NOT NULL
+);
+
+--
+-- Name: lease_key; Type: TABLE; Schema: outbox; Owner: -
+--
+
+CREATE TABLE outbox.lease_key (
+    singleton boolean DEFAULT true NOT NULL,
+    key bytea NOT NULL,
+    CONSTRAINT lease_key_key_check CHECK ((octet_length(key) >= 32)),
+    CONSTRAINT lease_key_singleton_check CHECK (singleton)
+);
+
+--
+-- Name: relay_session; Type: TABLE; Schema: outbox; Owner: -
+--
+
+CREATE TABLE outbox.relay_session (
+    session_id uuid NOT NULL,
+    relay_id text NOT NULL,
+    peer text NOT NULL,
+    replica_id text NOT NULL,
+    streams text[] NOT NULL,
+    max_in_flight integer NOT NULL,
+    in_flight integer DEFAULT 0 NOT NULL,
+    acked bigint DEFAULT 0 NOT NULL,
+    connected_at timestamp with time zone NOT NULL,
+    seen_at timestamp with time zone NOT NULL
+);
+
+--
+-- Name: settings; Type: TABLE; Schema: outbox; Owner: -
+--
+
+CREATE TABLE outbox.settings (
+    singleton boolean DEFAULT true NOT NULL,
+    max_payload_bytes integer DEFAULT 1048576 NOT NULL,
+    CONSTRAINT settings_max_payload_bytes_check CHECK (((max_payload_bytes > 0) AND (max_payload_bytes <= 3145728))),
+    CONSTRAINT settings_singleton_check CHECK (singleton)
+);
+
+--
+-- Name: skipped_event; Type: TABLE; Schema: outbox; Owner: -
+--
+
+CREATE TABLE outbox.skipped_event (
+    event_id uuid NOT NULL,
+    reason text NOT NULL,
+    actor text NOT NULL,
+    skipped_at timestamp with time zone DEFAULT now() NOT NULL,
+    CONSTRAINT skipped_event_actor_check CHECK ((actor <> ''::text)),
+    CONSTRAINT skipped_event_reason_check CHECK ((reason <> ''::text))
+);
+
+--
+-- Name: accepted_gap accepted_gap_pkey; Type: CONSTRAINT; Schema: outbox; Owner: -
+--
+
+ALTER TABLE ONLY outbox.accepted_gap
+    ADD CONSTRAINT accepted_gap_pkey PRIMARY KEY (stream, aggregate_key, from_revision);
+
+--
+-- Name: aggregate aggregate_pkey; Type: CONSTRAINT; Schema: outbox; Owner: -
+--
+
+ALTER TABLE ONLY outbox.aggregate
+    ADD CONSTRAINT aggregate_pkey PRIMARY KEY (stream, aggregate_key);
+
+--
+-- Name: delivered_count delivered_count_pkey; Type: CONSTRAINT; Schema: outbox; Owner: -
+--
+
+ALTER TABLE ONLY outbox.delivered_count
+    ADD CONSTRAINT delivered_count_pkey PRIMARY KEY (stream, bucket, backend_pid);
+
+--
+-- Name: delivery delivery_pkey; Type: CONSTRAINT; Schema: outbox; Owner: -
+--
+
+ALTER TABLE ONLY outbox.delivery
+    ADD CONSTRAINT delivery_pkey PRIMARY KEY (stream, aggregate_key);
+
+--
+-- Name: discovery discovery_pkey; Type: CONSTRAINT; Schema: outbox; Owner: -
+--
+
+ALTER TABLE ONLY outbox.discovery
+    ADD CONSTRAINT discovery_pkey PRIMARY KEY (singleton);
+
+--
+-- Name: event event_pkey; Type: CONSTRAINT; Schema: outbox; Owner: -
+--
+
+ALTER TABLE ONLY outbox.event
+    ADD CONSTRAINT event_pkey PRIMARY KEY (event_id);
+
+--
+-- Name: event event_stream_aggregate_key_revision_key; Type: CONSTRAINT; Schema: outbox; Owner: -
+--
+
+ALTER TABLE ONLY outbox.event
+    ADD CONSTRAINT event_stream_aggregate_key_revision_key UNIQUE (stream, aggregate_key, revision);
+
+--
+-- Name: goose_db_version goose_db_version_pkey; Type: CONSTRAINT; Schema: outbox; Owner: -
+--
+
+ALTER TABLE ONLY outbox.goose_db_version
+    ADD CONSTRAINT goose_db_version_pkey PRIMARY KEY (id);
+
+--
+-- Name: late_event late_event_pkey; Type: CONSTRAINT; Schema: outbox; Owner: -
+--
+
+ALTER TABLE ONLY outbox.late_event
+    ADD CONSTRAINT late_event_pkey PRIMARY KEY (event_id);
+
+--
+-- Name: lease_key lease_key_pkey; Type: CONSTRAINT; Schema: outbox; Owner: -
+--
+
+ALTER TABLE ONLY outbox.lease_key
+    ADD CONSTRAINT lease_key_pkey PRIMARY KEY (singleton);
+
+--
+-- Name: relay_session relay_session_pkey; Type: CONSTRAINT; Schema: outbox; Owner: -
+--
+
+ALTER TABLE ONLY outbox.relay_session
+    ADD CONSTRAINT relay_session_pkey PRIMARY KEY (session_id);
+
+--
+-- Name: settings settings_pkey; Type: CONSTRAINT; Schema: outbox; Owner: -
+--
+
+ALTER TABLE ONLY outbox.settings
+    ADD CONSTRAINT settings_pkey PRIMARY KEY (singleton);
+
+--
+-- Name: skipped_event skipped_event_pkey; Type: CONSTRAINT; Schema: outbox; Owner: -
+--
+
+ALTER TABLE ONLY outbox.skipped_event
+    ADD CONSTRAINT skipped_event_pkey PRIMARY KEY (event_id);
+
+--
+-- Name: delivery_claimable_idx; Type: INDEX; Schema: outbox; Owner: -
+--
+
+CREATE INDEX delivery_claimable_idx ON outbox.delivery USING btree (claimable_at) WHERE (claimable_at IS NOT NULL);
+
+--
+-- Name: delivery_holder_idx; Type: INDEX; Schema: outbox; Owner: -
+--
+
+CREATE INDEX delivery_holder_idx ON outbox.delivery USING btree (holder) WHERE (holder IS NOT NULL);
+
+--
+-- Name: delivery_pending_idx; Type: INDEX; Schema: outbox; Owner: -
+--
+
+CREATE INDEX delivery_pending_idx ON outbox.delivery USING btree (stream, pending_since) WHERE (pending_since IS NOT NULL);
+
+--
+-- Name: event_created_at_event_id_idx; Type: INDEX; Schema: outbox; Owner: -
+--
+
+CREATE INDEX event_created_at_event_id_idx ON outbox.event USING btree (created_at, event_id);
+
+--
+-- Name: event_xid_idx; Type: INDEX; Schema: outbox; Owner: -
+--
+
+CREATE INDEX event_xid_idx ON outbox.event USING btree (xid);
+
+--
+-- Name: event event_before_insert; Type: TRIGGER; Schema: outbox; Owner: -
+--
+
+CREATE TRIGGER event_before_insert BEFORE INSERT ON outbox.event FOR EACH ROW EXECUTE FUNCTION outbox.event_before_insert();
+
+--
+-- Name: event event_count_published; Type: TRIGGER; Schema: outbox; Owner: -
+--
+
+CREATE TRIGGER event_count_published AFTER UPDATE ON outbox.event REFERENCING NEW TABLE AS published FOR EACH STATEMENT EXECUTE FUNCTION outbox.count_published();
+
+--
+-- Name: event event_guard_published; Type: TRIGGER; Schema: outbox; Owner: -
+--
+
+CREATE TRIGGER event_guard_published BEFORE UPDATE OF published_at ON outbox.event FOR EACH ROW EXECUTE FUNCTION outbox.event_guard_published();
+
+--
+-- Name: event event_immutable; Type: TRIGGER; Schema: outbox; Owner: -
+--
+
+CREATE TRIGGER event_immutable BEFORE UPDATE OF event_id, stream, aggregate_key, revision, event_type, payload, headers, created_at, xid ON outbox.event FOR EACH ROW EXECUTE FUNCTION outbox.event_immutable();
+
+--
+-- Name: event event_keep_pending; Type: TRIGGER; Schema: outbox; Owner: -
+--
+
+CREATE TRIGGER event_keep_pending BEFORE DELETE ON outbox.event FOR EACH ROW EXECUTE FUNCTION outbox.event_keep_pending();
+
+--
+-- Name: skipped_event skipped_event_event_id_fkey; Type: FK CONSTRAINT; Schema: outbox; Owner: -
+--
+
+ALTER TABLE ONLY outbox.skipped_event
+    ADD CONSTRAINT skipped_event_event_id_fkey FOREIGN KEY (event_id) REFERENCES outbox.event(event_id);
+
+--
+-- PostgreSQL database dump complete
+--
