@@ -108,9 +108,12 @@ CREATE TABLE outbox.delivery (
     holder_replica_id text,
     leased_event_id uuid,
     lease_expires_at timestamptz,
-    -- Deliveries and failed publishes of the head event so far.
+    -- Deliveries and failed publishes (nacks) of the head event so far, and
+    -- its deliveries whose lease ended with neither an ack nor a nack
+    -- (expired, or the stream holding it ended).
     attempt integer NOT NULL DEFAULT 0,
     failures integer NOT NULL DEFAULT 0,
+    unanswered integer NOT NULL DEFAULT 0,
     last_error text,
     next_attempt_at timestamptz,
     parked_at timestamptz,
@@ -148,7 +151,7 @@ INSERT INTO outbox.discovery (snapshot, advanced_at) VALUES ('1:1:', now());
 -- accepted a gap there). No rule will ever deliver them; they are reported
 -- as stranded until an operator skips them.
 CREATE TABLE outbox.late_event (
-    event_id uuid PRIMARY KEY,
+    event_id uuid PRIMARY KEY REFERENCES outbox.event (event_id) ON DELETE CASCADE,
     discovered_at timestamptz NOT NULL DEFAULT now()
 );
 
@@ -336,7 +339,9 @@ BEGIN
                 -- reports it as stranded. Reading never blocks.)
                 SELECT d.delivered_revision INTO v_delivered FROM outbox.delivery d
                 WHERE d.stream = NEW.stream AND d.aggregate_key = NEW.aggregate_key;
-                IF NEW.revision <= v_delivered THEN
+                -- (A retry of a recorded event is answered below instead.)
+                IF NEW.revision <= v_delivered
+                   AND NOT EXISTS (SELECT 1 FROM outbox.event e WHERE e.event_id = NEW.event_id) THEN
                     RAISE EXCEPTION 'outbox: revision % of %/% is at or below its delivery cursor %',
                             NEW.revision, NEW.stream, NEW.aggregate_key, v_delivered
                         USING ERRCODE = 'unique_violation',
@@ -546,6 +551,16 @@ BEGIN
     -- is the latest round's.
     SELECT d.snapshot INTO v_prev FROM outbox.discovery d;
     v_xmax := pg_snapshot_xmax(v_prev);
+    IF v_xmax > pg_snapshot_xmax(pg_current_snapshot()) THEN
+        -- Transaction ids are only meaningful within one cluster: this
+        -- database was copied from another (logical replication, a dump
+        -- restored with triggers off). Finding events by them would miss
+        -- every new one, so stop loudly instead.
+        RAISE EXCEPTION 'outbox: outbox.discovery is at transaction % but this cluster is only at %',
+                v_xmax, pg_snapshot_xmax(pg_current_snapshot())
+            USING ERRCODE = 'data_corrupted',
+                  HINT = 'The database was copied from another cluster; outboxd supports pg_upgrade and physical replicas, not logical copies.';
+    END IF;
     v_xip := ARRAY(SELECT pg_snapshot_xip(v_prev));
     -- Both sets are always a sliver of the table, read through the xid
     -- index, but without fresh statistics (a new table, autovacuum behind)
@@ -567,16 +582,19 @@ BEGIN
     -- flush (any later synchronous commit, such as an ack's, flushes it).
     PERFORM set_config('synchronous_commit', 'off', true);
     WITH found AS (
-        SELECT e.event_id, e.stream, e.aggregate_key, e.revision, e.created_at
+        SELECT e.event_id, e.stream, e.aggregate_key, e.revision, e.created_at, e.published_at
         FROM outbox.event e
         WHERE e.xid >= v_xmax
         UNION ALL
-        SELECT e.event_id, e.stream, e.aggregate_key, e.revision, e.created_at
+        SELECT e.event_id, e.stream, e.aggregate_key, e.revision, e.created_at, e.published_at
         FROM outbox.event e
         WHERE e.xid = ANY (v_xip)
     ), agg AS (
+        -- An event can be published before a round finds it (an ack that
+        -- saw it committed made its aggregate ready at once): nothing to do.
         SELECT f.stream, f.aggregate_key, min(f.revision) AS first_revision, min(f.created_at) AS first_created
-        FROM found f GROUP BY f.stream, f.aggregate_key
+        FROM found f WHERE f.published_at IS NULL
+        GROUP BY f.stream, f.aggregate_key
     ), woken AS (
         INSERT INTO outbox.delivery AS d
             (stream, aggregate_key, state, delivered_revision, claimable_at, pending_since)
@@ -598,7 +616,7 @@ BEGIN
         INSERT INTO outbox.late_event (event_id)
         SELECT f.event_id FROM found f
         JOIN outbox.delivery d ON d.stream = f.stream AND d.aggregate_key = f.aggregate_key
-        WHERE f.revision <= d.delivered_revision
+        WHERE f.published_at IS NULL AND f.revision <= d.delivered_revision
         ON CONFLICT (event_id) DO NOTHING
     ), advanced AS (
         -- pg_current_snapshot() is this statement's snapshot: the one the
@@ -625,10 +643,10 @@ $$;
 -- aggregates' delivery rows locked. PL/pgSQL so that its UPDATE keeps a plan
 -- for the connection's life.
 --
--- An event already delivered p_max_attempts times without an ack or a nack
--- (each lease expired, or the stream holding it ended: a relay that crashes
+-- An event whose leases ended p_max_attempts times with neither an ack nor
+-- a nack (each expired, or the stream holding it ended: a relay that crashes
 -- on it, say) parks its aggregate instead, with the reason; NULL means no
--- limit. A relay's clean shutdown costs its in-flight events one attempt
+-- limit. Nacked deliveries do not count: failures and backoff cover them. A relay's clean shutdown costs its in-flight events one attempt
 -- each, so the limit should leave room for restarts.
 --
 -- A lease is soft state, so the claim's commit does not wait for its WAL
@@ -666,12 +684,20 @@ BEGIN
     PERFORM set_config('synchronous_commit', 'off', true);
     RETURN QUERY
     WITH heads AS (
-        SELECT d.stream, d.aggregate_key, e.event_id,
-               coalesce(d.leased_event_id = e.event_id AND d.attempt >= p_max_attempts, false) AS exhausted
+        SELECT d.stream, d.aggregate_key, e.event_id, u.unanswered,
+               coalesce(u.unanswered >= p_max_attempts, false) AS exhausted
         FROM unnest(p_streams, p_keys) AS l(stream, aggregate_key)
         JOIN outbox.delivery d ON d.stream = l.stream AND d.aggregate_key = l.aggregate_key
         JOIN outbox.event e ON e.stream = d.stream AND e.aggregate_key = d.aggregate_key
                            AND e.revision = d.delivered_revision + 1
+        -- The previous lease of this same event ended unanswered when it is
+        -- still marked leased (expired) or was released (ready); a nack
+        -- leaves it backing off.
+        CROSS JOIN LATERAL (
+            SELECT CASE WHEN d.leased_event_id IS DISTINCT FROM e.event_id THEN 0
+                        WHEN d.state IN ('leased', 'ready') THEN d.unanswered + 1
+                        ELSE d.unanswered END AS unanswered
+        ) u
         WHERE NOT EXISTS (SELECT 1 FROM outbox.skipped_event s WHERE s.event_id = e.event_id)
     ), changed AS (
         UPDATE outbox.delivery d
@@ -684,13 +710,14 @@ BEGIN
             attempt = CASE WHEN h.exhausted THEN d.attempt
                            WHEN d.leased_event_id = h.event_id THEN d.attempt + 1 ELSE 1 END,
             failures = CASE WHEN d.leased_event_id = h.event_id THEN d.failures ELSE 0 END,
+            unanswered = h.unanswered,
             leased_event_id = h.event_id,
             lease_expires_at = CASE WHEN h.exhausted THEN NULL ELSE p_now + p_ttl END,
             claimable_at = CASE WHEN h.exhausted THEN NULL ELSE p_now + p_ttl END,
             parked_at = CASE WHEN h.exhausted THEN p_now END,
             parked_reason = CASE WHEN h.exhausted THEN format(
                 'delivered %s times without an ack or a nack: each lease expired or the stream holding it ended',
-                d.attempt) END,
+                h.unanswered) END,
             next_attempt_at = NULL, gap_revision = NULL
         FROM heads h
         WHERE d.stream = h.stream AND d.aggregate_key = h.aggregate_key
@@ -927,7 +954,7 @@ BEGIN
             claimable_at = CASE WHEN x.has_next THEN coalesce(x.next_created_at, v_now) END,
             pending_since = CASE WHEN x.has_next THEN coalesce(x.next_created_at, v_now) END,
             holder = NULL, holder_relay_id = NULL, holder_replica_id = NULL,
-            lease_expires_at = NULL, leased_event_id = NULL, attempt = 0, failures = 0,
+            lease_expires_at = NULL, leased_event_id = NULL, attempt = 0, failures = 0, unanswered = 0,
             last_error = NULL, next_attempt_at = NULL, parked_at = NULL, parked_reason = NULL,
             gap_revision = NULL
         FROM nxt x

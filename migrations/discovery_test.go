@@ -510,3 +510,90 @@ func TestEventDeliveredTooOftenWithoutAnswerParks(t *testing.T) {
 		t.Fatalf("claim = %v, want only the other aggregate", got)
 	}
 }
+
+// Only deliveries that ended unanswered count towards parking: nacked ones
+// do not (their failures and backoff cover them), and an operator's retry of
+// an aggregate parked that way starts afresh rather than parking again.
+func TestNackedDeliveriesDoNotCountAsUnanswered(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := testdb.NewPool(t)
+	exec(t, pool, `SELECT outbox.emit('orders', 'o-1', 'T', '{}')`)
+	discover(t, pool)
+	claimOne := func() (id uuid.UUID, epoch int64, ok bool) {
+		err := pool.QueryRow(ctx, `SELECT event_id, epoch FROM outbox.claim(gen_random_uuid(), 'r', 'x', NULL, 1, interval '-1 second', 2)`).Scan(&id, &epoch)
+		return id, epoch, err == nil
+	}
+	for i := range 4 {
+		id, epoch, ok := claimOne()
+		if !ok {
+			t.Fatalf("claim %d found nothing: nacked deliveries counted as unanswered", i+1)
+		}
+		exec(t, pool, fmt.Sprintf(`SELECT * FROM outbox.nack('%s', %d, 'broker said no', interval '-1 second', interval '1 microsecond', interval '1 microsecond', 100)`, id, epoch))
+	}
+	// Now two unanswered deliveries (the TTL is negative) park it ...
+	claimOne()
+	claimOne()
+	if _, _, ok := claimOne(); ok {
+		t.Fatal("a third unanswered delivery happened")
+	}
+	if n := count(t, pool, `SELECT count(*) FROM outbox.delivery WHERE state = 'parked'`); n != 1 {
+		t.Fatal("not parked after two unanswered deliveries")
+	}
+	// ... and the operator's retry (the statement RetryAggregate runs)
+	// gives it a fresh set.
+	exec(t, pool, `UPDATE outbox.delivery SET state = 'ready', claimable_at = clock_timestamp(), next_attempt_at = NULL,
+		failures = 0, unanswered = 0, leased_event_id = NULL, parked_at = NULL, parked_reason = NULL`)
+	if _, _, ok := claimOne(); !ok {
+		t.Fatal("the retried aggregate parked again at once")
+	}
+}
+
+// Repeating an event with an explicit revision is a no-op even after the
+// event was delivered (the cursor check must not refuse the retry).
+func TestRetryOfDeliveredExplicitRevisionIsNoOp(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := testdb.NewPool(t)
+	ev := client.Event{ID: uuid.New(), Stream: "orders", AggregateKey: "o-1", Type: "T", Payload: []byte(`{"a":1}`), Revision: 1}
+	first, err := client.Emit(ctx, pool, ev)
+	if err != nil {
+		t.Fatal(err)
+	}
+	discover(t, pool)
+	claimRevisions(t, pool)
+	ackEvents(t, pool, `revision = 1`)
+	again, err := client.Emit(ctx, pool, ev)
+	if err != nil || again != first {
+		t.Fatalf("retry after delivery = %+v, %v; want the recorded %+v", again, err, first)
+	}
+	// A discovery round that finds an event already published leaves no
+	// trace: no late candidate, no wake.
+	exec(t, pool, `SELECT outbox.emit('orders', 'o-1', 'T', '{}')`) // revision 2, delivered before any round
+	if got := claimRevisions(t, pool); len(got) != 0 {
+		t.Fatalf("claim of an idle aggregate = %v", got)
+	}
+	exec(t, pool, `UPDATE outbox.delivery SET state = 'ready', claimable_at = now()`) // as an ack that saw revision 2
+	if got := claimRevisions(t, pool); got["o-1"] != 2 {
+		t.Fatalf("claim = %v, want revision 2", got)
+	}
+	ackEvents(t, pool, `revision = 2`)
+	discover(t, pool)
+	if n := count(t, pool, `SELECT count(*) FROM outbox.late_event`); n != 0 {
+		t.Fatalf("%d late candidates for an event that was published", n)
+	}
+	if n := count(t, pool, `SELECT count(*) FROM outbox.delivery WHERE state = 'idle'`); n != 1 {
+		t.Fatal("the round woke an aggregate whose event was already published")
+	}
+}
+
+// A stored discovery snapshot ahead of the cluster's transaction ids (the
+// database was copied from another cluster) stops discovery loudly instead
+// of silently finding nothing.
+func TestDiscoveryRefusesASnapshotFromAnotherCluster(t *testing.T) {
+	t.Parallel()
+	pool := testdb.NewPool(t)
+	exec(t, pool, `UPDATE outbox.discovery SET snapshot = '900000000000:900000000000:'`)
+	_, err := pool.Exec(context.Background(), `SELECT * FROM outbox.discover()`)
+	wantSQLState(t, err, "XX001")
+}

@@ -381,7 +381,7 @@ func (s *Store) RetryAggregate(ctx context.Context, p RetryParams) (Aggregate, e
 			if _, err := tx.Exec(ctx, `
 				UPDATE outbox.delivery
 				SET state = 'ready', claimable_at = clock_timestamp(), next_attempt_at = NULL,
-				    failures = 0, parked_at = NULL, parked_reason = NULL
+				    failures = 0, unanswered = 0, leased_event_id = NULL, parked_at = NULL, parked_reason = NULL
 				WHERE stream = $1 AND aggregate_key = $2`, p.Stream, p.AggregateKey); err != nil {
 				return err
 			}

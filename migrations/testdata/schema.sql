@@ -96,7 +96,7 @@ BEGIN
             claimable_at = CASE WHEN x.has_next THEN coalesce(x.next_created_at, v_now) END,
             pending_since = CASE WHEN x.has_next THEN coalesce(x.next_created_at, v_now) END,
             holder = NULL, holder_relay_id = NULL, holder_replica_id = NULL,
-            lease_expires_at = NULL, leased_event_id = NULL, attempt = 0, failures = 0,
+            lease_expires_at = NULL, leased_event_id = NULL, attempt = 0, failures = 0, unanswered = 0,
             last_error = NULL, next_attempt_at = NULL, parked_at = NULL, parked_reason = NULL,
             gap_revision = NULL
         FROM nxt x
@@ -284,6 +284,16 @@ BEGIN
     -- is the latest round's.
     SELECT d.snapshot INTO v_prev FROM outbox.discovery d;
     v_xmax := pg_snapshot_xmax(v_prev);
+    IF v_xmax > pg_snapshot_xmax(pg_current_snapshot()) THEN
+        -- Transaction ids are only meaningful within one cluster: this
+        -- database was copied from another (logical replication, a dump
+        -- restored with triggers off). Finding events by them would miss
+        -- every new one, so stop loudly instead.
+        RAISE EXCEPTION 'outbox: outbox.discovery is at transaction % but this cluster is only at %',
+                v_xmax, pg_snapshot_xmax(pg_current_snapshot())
+            USING ERRCODE = 'data_corrupted',
+                  HINT = 'The database was copied from another cluster; outboxd supports pg_upgrade and physical replicas, not logical copies.';
+    END IF;
     v_xip := ARRAY(SELECT pg_snapshot_xip(v_prev));
     -- Both sets are always a sliver of the table, read through the xid
     -- index, but without fresh statistics (a new table, autovacuum behind)
@@ -305,16 +315,19 @@ BEGIN
     -- flush (any later synchronous commit, such as an ack's, flushes it).
     PERFORM set_config('synchronous_commit', 'off', true);
     WITH found AS (
-        SELECT e.event_id, e.stream, e.aggregate_key, e.revision, e.created_at
+        SELECT e.event_id, e.stream, e.aggregate_key, e.revision, e.created_at, e.published_at
         FROM outbox.event e
         WHERE e.xid >= v_xmax
         UNION ALL
-        SELECT e.event_id, e.stream, e.aggregate_key, e.revision, e.created_at
+        SELECT e.event_id, e.stream, e.aggregate_key, e.revision, e.created_at, e.published_at
         FROM outbox.event e
         WHERE e.xid = ANY (v_xip)
     ), agg AS (
+        -- An event can be published before a round finds it (an ack that
+        -- saw it committed made its aggregate ready at once): nothing to do.
         SELECT f.stream, f.aggregate_key, min(f.revision) AS first_revision, min(f.created_at) AS first_created
-        FROM found f GROUP BY f.stream, f.aggregate_key
+        FROM found f WHERE f.published_at IS NULL
+        GROUP BY f.stream, f.aggregate_key
     ), woken AS (
         INSERT INTO outbox.delivery AS d
             (stream, aggregate_key, state, delivered_revision, claimable_at, pending_since)
@@ -336,7 +349,7 @@ BEGIN
         INSERT INTO outbox.late_event (event_id)
         SELECT f.event_id FROM found f
         JOIN outbox.delivery d ON d.stream = f.stream AND d.aggregate_key = f.aggregate_key
-        WHERE f.revision <= d.delivered_revision
+        WHERE f.published_at IS NULL AND f.revision <= d.delivered_revision
         ON CONFLICT (event_id) DO NOTHING
     ), advanced AS (
         -- pg_current_snapshot() is this statement's snapshot: the one the
@@ -498,7 +511,9 @@ BEGIN
                 -- reports it as stranded. Reading never blocks.)
                 SELECT d.delivered_revision INTO v_delivered FROM outbox.delivery d
                 WHERE d.stream = NEW.stream AND d.aggregate_key = NEW.aggregate_key;
-                IF NEW.revision <= v_delivered THEN
+                -- (A retry of a recorded event is answered below instead.)
+                IF NEW.revision <= v_delivered
+                   AND NOT EXISTS (SELECT 1 FROM outbox.event e WHERE e.event_id = NEW.event_id) THEN
                     RAISE EXCEPTION 'outbox: revision % of %/% is at or below its delivery cursor %',
                             NEW.revision, NEW.stream, NEW.aggregate_key, v_delivered
                         USING ERRCODE = 'unique_violation',
@@ -615,12 +630,20 @@ BEGIN
     PERFORM set_config('synchronous_commit', 'off', true);
     RETURN QUERY
     WITH heads AS (
-        SELECT d.stream, d.aggregate_key, e.event_id,
-               coalesce(d.leased_event_id = e.event_id AND d.attempt >= p_max_attempts, false) AS exhausted
+        SELECT d.stream, d.aggregate_key, e.event_id, u.unanswered,
+               coalesce(u.unanswered >= p_max_attempts, false) AS exhausted
         FROM unnest(p_streams, p_keys) AS l(stream, aggregate_key)
         JOIN outbox.delivery d ON d.stream = l.stream AND d.aggregate_key = l.aggregate_key
         JOIN outbox.event e ON e.stream = d.stream AND e.aggregate_key = d.aggregate_key
                            AND e.revision = d.delivered_revision + 1
+        -- The previous lease of this same event ended unanswered when it is
+        -- still marked leased (expired) or was released (ready); a nack
+        -- leaves it backing off.
+        CROSS JOIN LATERAL (
+            SELECT CASE WHEN d.leased_event_id IS DISTINCT FROM e.event_id THEN 0
+                        WHEN d.state IN ('leased', 'ready') THEN d.unanswered + 1
+                        ELSE d.unanswered END AS unanswered
+        ) u
         WHERE NOT EXISTS (SELECT 1 FROM outbox.skipped_event s WHERE s.event_id = e.event_id)
     ), changed AS (
         UPDATE outbox.delivery d
@@ -633,13 +656,14 @@ BEGIN
             attempt = CASE WHEN h.exhausted THEN d.attempt
                            WHEN d.leased_event_id = h.event_id THEN d.attempt + 1 ELSE 1 END,
             failures = CASE WHEN d.leased_event_id = h.event_id THEN d.failures ELSE 0 END,
+            unanswered = h.unanswered,
             leased_event_id = h.event_id,
             lease_expires_at = CASE WHEN h.exhausted THEN NULL ELSE p_now + p_ttl END,
             claimable_at = CASE WHEN h.exhausted THEN NULL ELSE p_now + p_ttl END,
             parked_at = CASE WHEN h.exhausted THEN p_now END,
             parked_reason = CASE WHEN h.exhausted THEN format(
                 'delivered %s times without an ack or a nack: each lease expired or the stream holding it ended',
-                d.attempt) END,
+                h.unanswered) END,
             next_attempt_at = NULL, gap_revision = NULL
         FROM heads h
         WHERE d.stream = h.stream AND d.aggregate_key = h.aggregate_key
@@ -863,6 +887,7 @@ CREATE TABLE outbox.delivery (
     lease_expires_at timestamp with time zone,
     attempt integer DEFAULT 0 NOT NULL,
     failures integer DEFAULT 0 NOT NULL,
+    unanswered integer DEFAULT 0 NOT NULL,
     last_error text,
     next_attempt_at timestamp with time zone,
     parked_at timestamp with time zone,
@@ -1142,6 +1167,13 @@ CREATE TRIGGER event_immutable BEFORE UPDATE OF event_id, stream, aggregate_key,
 --
 
 CREATE TRIGGER event_keep_pending BEFORE DELETE ON outbox.event FOR EACH ROW EXECUTE FUNCTION outbox.event_keep_pending();
+
+--
+-- Name: late_event late_event_event_id_fkey; Type: FK CONSTRAINT; Schema: outbox; Owner: -
+--
+
+ALTER TABLE ONLY outbox.late_event
+    ADD CONSTRAINT late_event_event_id_fkey FOREIGN KEY (event_id) REFERENCES outbox.event(event_id) ON DELETE CASCADE;
 
 --
 -- Name: skipped_event skipped_event_event_id_fkey; Type: FK CONSTRAINT; Schema: outbox; Owner: -
