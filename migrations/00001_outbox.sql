@@ -1104,6 +1104,42 @@ LANGUAGE sql STABLE AS $$
 $$;
 -- +goose StatementEnd
 
+-- undiscovered counts, per stream, the committed events discovery has not
+-- reached yet (normally those of the last few milliseconds) and that no
+-- delivery row counts as pending yet, with the oldest one's created_at, so
+-- that lag shows an event from its commit on. Read like discovery reads:
+-- through the xid index, whatever the statistics say.
+-- +goose StatementBegin
+CREATE FUNCTION outbox.undiscovered(p_streams text[])
+RETURNS TABLE (stream text, events bigint, oldest_created_at timestamptz)
+LANGUAGE plpgsql STABLE AS $$
+#variable_conflict use_column
+DECLARE
+    v_prev pg_snapshot;
+    v_enable_seqscan text := current_setting('enable_seqscan');
+BEGIN
+    SELECT d.snapshot INTO v_prev FROM outbox.discovery d;
+    PERFORM set_config('enable_seqscan', 'off', true);
+    RETURN QUERY
+    SELECT e.stream, count(*), min(e.created_at)
+    FROM (
+        SELECT e.stream, e.aggregate_key, e.revision, e.created_at, e.published_at FROM outbox.event e
+        WHERE e.xid >= pg_snapshot_xmax(v_prev)
+        UNION ALL
+        SELECT e.stream, e.aggregate_key, e.revision, e.created_at, e.published_at FROM outbox.event e
+        WHERE e.xid = ANY (ARRAY(SELECT pg_snapshot_xip(v_prev)))
+    ) e
+    WHERE e.published_at IS NULL AND (p_streams IS NULL OR e.stream = ANY (p_streams))
+      AND NOT EXISTS (
+          SELECT 1 FROM outbox.delivery d
+          WHERE d.stream = e.stream AND d.aggregate_key = e.aggregate_key
+            AND d.pending_since IS NOT NULL AND e.revision > d.delivered_revision)
+    GROUP BY e.stream;
+    PERFORM set_config('enable_seqscan', v_enable_seqscan, true);
+END
+$$;
+-- +goose StatementEnd
+
 -- stranded counts, per stream, the pending events that no rule will ever
 -- deliver: discovered (so not merely in flight between commit and the next
 -- round) yet with no delivery row, or of an idle aggregate, or below their

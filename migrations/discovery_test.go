@@ -543,7 +543,7 @@ func TestNackedDeliveriesDoNotCountAsUnanswered(t *testing.T) {
 	// ... and the operator's retry (the statement RetryAggregate runs)
 	// gives it a fresh set.
 	exec(t, pool, `UPDATE outbox.delivery SET state = 'ready', claimable_at = clock_timestamp(), next_attempt_at = NULL,
-		failures = 0, unanswered = 0, leased_event_id = NULL, parked_at = NULL, parked_reason = NULL`)
+		failures = 0, unanswered = 0, parked_at = NULL, parked_reason = NULL`)
 	if _, _, ok := claimOne(); !ok {
 		t.Fatal("the retried aggregate parked again at once")
 	}
@@ -596,4 +596,27 @@ func TestDiscoveryRefusesASnapshotFromAnotherCluster(t *testing.T) {
 	exec(t, pool, `UPDATE outbox.discovery SET snapshot = '900000000000:900000000000:'`)
 	_, err := pool.Exec(context.Background(), `SELECT * FROM outbox.discover()`)
 	wantSQLState(t, err, "XX001")
+}
+
+// Lag sees an event from its commit on: before discovery reaches it,
+// outbox.undiscovered counts it; after, the delivery row does, and it is
+// not counted twice.
+func TestUndiscoveredEventsCountOnce(t *testing.T) {
+	t.Parallel()
+	pool := testdb.NewPool(t)
+	undiscovered := func() int64 {
+		return count(t, pool, `SELECT coalesce(sum(events), 0)::bigint FROM outbox.undiscovered(NULL)`)
+	}
+	exec(t, pool, `SELECT outbox.emit('orders', 'o-1', 'T', '{}')`)
+	if n := undiscovered(); n != 1 {
+		t.Fatalf("undiscovered = %d, want 1", n)
+	}
+	discover(t, pool)
+	exec(t, pool, `SELECT outbox.emit('orders', 'o-1', 'T', '{}')`) // behind a pending head
+	if n := undiscovered(); n != 0 {
+		t.Fatalf("undiscovered = %d, want 0 (the aggregate's delivery row counts it)", n)
+	}
+	if n := count(t, pool, `SELECT events FROM outbox.delivery d, outbox.pending_of(d.stream, d.aggregate_key, d.delivered_revision)`); n != 2 {
+		t.Fatalf("pending through the delivery row = %d, want 2", n)
+	}
 }

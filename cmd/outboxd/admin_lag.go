@@ -134,7 +134,7 @@ func watchLag(ctx context.Context, c *adminClient, req *outboxv1.GetLagRequest, 
 // printLag prints the lag table, a TOTAL row, and the relay count.
 func printLag(w io.Writer, resp *outboxv1.GetLagResponse) error {
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
-	fmt.Fprintln(tw, "STREAM\tPENDING\tAGGREGATES\tOLDEST\tHELD\tREADY\tLEASED\tBACKOFF\tPARKED\tGAP\tDELIVERED/S")
+	fmt.Fprintln(tw, "STREAM\tPENDING\tAGGREGATES\tOLDEST\tHELD\tREADY\tLEASED\tBACKOFF\tPARKED\tGAP\tSTRANDED\tDELIVERED/S")
 	row := func(name string, s *outboxv1.StreamLag) {
 		fmt.Fprintf(tw, "%s\t%d\t%d\t%s\t%s\t%d\t%d\t%d\t%d\t%d\t%d\t%s\n",
 			name, s.GetPendingEvents(), s.GetPendingAggregates(),

@@ -60,8 +60,10 @@ type Lag struct {
 	ConnectedRelays int64
 }
 
-// Lag reports the backlog per stream, limited to streams when not empty. It
-// reads the delivery rows of aggregates with pending work (an index scan)
+// Lag reports the backlog per stream, limited to streams when not empty.
+// PendingEvents and OldestPending include events committed but not yet
+// discovered (outbox.undiscovered); the aggregate counts cover discovered
+// work. It reads the delivery rows of aggregates with pending work (an index scan)
 // and their pending events beyond each cursor (the event key index), so its
 // cost follows the backlog, never the table size. sessionTTL is how recently
 // a relay session must have been refreshed to count as connected.
@@ -95,14 +97,18 @@ func (s *Store) Lag(ctx context.Context, streams []string, sessionTTL time.Durat
 		    GROUP BY stream
 		), stranded AS (
 		    SELECT stream, events FROM outbox.stranded($1::text[])
+		), undiscovered AS (
+		    SELECT stream, events, oldest_created_at FROM outbox.undiscovered($1::text[])
 		)
-		SELECT coalesce(b.stream, r.stream, x.stream), coalesce(b.events, 0), coalesce(b.aggregates, 0),
-		       b.oldest, b.oldest_held, coalesce(b.ready, 0), coalesce(b.leased, 0),
+		SELECT coalesce(b.stream, r.stream, x.stream, u.stream),
+		       coalesce(b.events, 0) + coalesce(u.events, 0), coalesce(b.aggregates, 0),
+		       least(b.oldest, u.oldest_created_at), b.oldest_held, coalesce(b.ready, 0), coalesce(b.leased, 0),
 		       coalesce(b.backoff, 0), coalesce(b.parked, 0), coalesce(b.gap, 0),
 		       coalesce(r.delivered, 0), coalesce(x.events, 0)
 		FROM by_stream b
 		FULL JOIN rate r ON r.stream = b.stream
 		FULL JOIN stranded x ON x.stream = coalesce(b.stream, r.stream)
+		FULL JOIN undiscovered u ON u.stream = coalesce(b.stream, r.stream, x.stream)
 		ORDER BY 1`, filter)
 	if err != nil {
 		return lag, fmt.Errorf("store: lag: %w", err)
@@ -381,7 +387,7 @@ func (s *Store) RetryAggregate(ctx context.Context, p RetryParams) (Aggregate, e
 			if _, err := tx.Exec(ctx, `
 				UPDATE outbox.delivery
 				SET state = 'ready', claimable_at = clock_timestamp(), next_attempt_at = NULL,
-				    failures = 0, unanswered = 0, leased_event_id = NULL, parked_at = NULL, parked_reason = NULL
+				    failures = 0, unanswered = 0, parked_at = NULL, parked_reason = NULL
 				WHERE stream = $1 AND aggregate_key = $2`, p.Stream, p.AggregateKey); err != nil {
 				return err
 			}

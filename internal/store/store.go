@@ -62,7 +62,6 @@ func (s *Store) Discover(ctx context.Context) (Discovery, error) {
 	return d, nil
 }
 
-
 // Event is an event row as delivered.
 type Event struct {
 	ID           uuid.UUID

@@ -830,6 +830,39 @@ CREATE FUNCTION outbox.stranded(p_streams text[]) RETURNS TABLE(stream text, eve
 $$;
 
 --
+-- Name: undiscovered(text[]); Type: FUNCTION; Schema: outbox; Owner: -
+--
+
+CREATE FUNCTION outbox.undiscovered(p_streams text[]) RETURNS TABLE(stream text, events bigint, oldest_created_at timestamp with time zone)
+    LANGUAGE plpgsql STABLE
+    AS $$
+#variable_conflict use_column
+DECLARE
+    v_prev pg_snapshot;
+    v_enable_seqscan text := current_setting('enable_seqscan');
+BEGIN
+    SELECT d.snapshot INTO v_prev FROM outbox.discovery d;
+    PERFORM set_config('enable_seqscan', 'off', true);
+    RETURN QUERY
+    SELECT e.stream, count(*), min(e.created_at)
+    FROM (
+        SELECT e.stream, e.aggregate_key, e.revision, e.created_at, e.published_at FROM outbox.event e
+        WHERE e.xid >= pg_snapshot_xmax(v_prev)
+        UNION ALL
+        SELECT e.stream, e.aggregate_key, e.revision, e.created_at, e.published_at FROM outbox.event e
+        WHERE e.xid = ANY (ARRAY(SELECT pg_snapshot_xip(v_prev)))
+    ) e
+    WHERE e.published_at IS NULL AND (p_streams IS NULL OR e.stream = ANY (p_streams))
+      AND NOT EXISTS (
+          SELECT 1 FROM outbox.delivery d
+          WHERE d.stream = e.stream AND d.aggregate_key = e.aggregate_key
+            AND d.pending_since IS NOT NULL AND e.revision > d.delivered_revision)
+    GROUP BY e.stream;
+    PERFORM set_config('enable_seqscan', v_enable_seqscan, true);
+END
+$$;
+
+--
 -- Name: accepted_gap; Type: TABLE; Schema: outbox; Owner: -
 --
 
