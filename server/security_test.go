@@ -274,6 +274,18 @@ func TestStalledRelayHoldsOnlyItsCredit(t *testing.T) {
 		}
 		return 0
 	})
+	// ListRelays reads what the replica last recorded (every refresh
+	// interval), so wait for the record to catch up before comparing.
+	waitFor(t, func() int32 {
+		res, err := r.Admin.ListRelays(ctx, &outboxv1.ListRelaysRequest{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(res.GetRelays()) == 1 && res.GetRelays()[0].GetInFlight() == credit {
+			return 1
+		}
+		return 0
+	})
 	// Every producer commit above woke the session, and it reconciles every
 	// 10 ms; whatever it did, it may not hold more than its credit.
 	for range 3 {

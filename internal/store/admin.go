@@ -282,15 +282,23 @@ func getAggregate(ctx context.Context, q querier, stream, key string) (Aggregate
 		gap                               *int64
 	)
 	err := q.QueryRow(ctx, `
-		SELECT d.state, coalesce(g.last_revision, 0), d.delivered_revision,
+		SELECT coalesce(d.state, 'ready'), coalesce(g.last_revision, 0), c.delivered_revision,
 		       p.events, p.next_revision, p.oldest_created_at,
-		       d.holder, d.holder_relay_id, d.epoch, d.lease_expires_at, d.leased_event_id,
-		       d.attempt, d.failures, d.last_error, d.next_attempt_at, d.parked_at, d.parked_reason,
-		       d.gap_revision
-		FROM outbox.delivery d
-		LEFT JOIN outbox.aggregate g ON g.stream = d.stream AND g.aggregate_key = d.aggregate_key
-		CROSS JOIN LATERAL outbox.pending_of(d.stream, d.aggregate_key, d.delivered_revision) p
-		WHERE d.stream = $1 AND d.aggregate_key = $2`, stream, key).Scan(
+		       d.holder, d.holder_relay_id, coalesce(d.epoch, 0), d.lease_expires_at, d.leased_event_id,
+		       coalesce(d.attempt, 0), coalesce(d.failures, 0), d.last_error, d.next_attempt_at,
+		       d.parked_at, d.parked_reason, d.gap_revision
+		FROM (SELECT $1::text AS stream, $2::text AS aggregate_key) k
+		LEFT JOIN outbox.delivery d ON d.stream = k.stream AND d.aggregate_key = k.aggregate_key
+		LEFT JOIN outbox.aggregate g ON g.stream = k.stream AND g.aggregate_key = k.aggregate_key
+		-- An aggregate whose events discovery has not reached yet has no
+		-- delivery row: it will start just below its first revision.
+		CROSS JOIN LATERAL (
+		    SELECT coalesce(d.delivered_revision, (
+		        SELECT min(e.revision) - 1 FROM outbox.event e
+		        WHERE e.stream = k.stream AND e.aggregate_key = k.aggregate_key), 0) AS delivered_revision
+		) c
+		CROSS JOIN LATERAL outbox.pending_of(k.stream, k.aggregate_key, c.delivered_revision) p
+		WHERE d.stream IS NOT NULL OR g.stream IS NOT NULL`, stream, key).Scan(
 		&a.State, &a.LastRevision, &a.DeliveredRevision,
 		&a.PendingEvents, &next, &oldest,
 		&holder, &relayID, &a.Epoch, &expires, &leased,
