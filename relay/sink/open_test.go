@@ -45,6 +45,14 @@ func TestOpenRejectsBadURLs(t *testing.T) {
 		{h + "?duplicates=2", "duration"},
 		{h + "?timeout=-1s", "must be positive"},
 		{h + "?timeout=soon", "duration"},
+		{"amqp://", "want amqp://"},
+		{"amqp://127.0.0.1:1/", `missing parameter "exchange"`},
+		{"amqp://127.0.0.1:1/?exchange=x&routing_kye=a", `unknown parameter "routing_kye"`},
+		{"amqp://127.0.0.1:1/?exchange=x.{nope}", "exchange="},
+		{"amqp://127.0.0.1:1/?exchange=x&routing_key=a..b", "routing_key="},
+		{"amqp://127.0.0.1:1/?exchange=x&routing_key=a.k-{aggregate_key}", "placeholder"},
+		{"amqp://127.0.0.1:1/?exchange=x&timeout=0s", "timeout="},
+		{"amqps://127.0.0.1:1/?exchange=x&timeout=soon", "timeout="},
 	}
 	for _, c := range cases {
 		s, err := sink.Open(context.Background(), c.url, sink.Options{})
@@ -73,6 +81,8 @@ func TestOpenRedactsCredentials(t *testing.T) {
 		"nats://alice:s3cret@127.0.0.1:1",     // connection refused
 		"nats://alice:s3cret@127.0.0.1:1/%zz", // unparseable
 		"nats://s3cret@127.0.0.1:1/%zz",
+		"amqp://alice:s3cret@127.0.0.1:1/?bogus=1",
+		"amqp://alice:s3cret@127.0.0.1:1/?exchange=x", // connection refused
 	} {
 		s, err := sink.Open(context.Background(), u, sink.Options{})
 		if err == nil {
@@ -87,14 +97,16 @@ func TestOpenRedactsCredentials(t *testing.T) {
 
 func TestOpenConnectFailureIsNotInvalidURL(t *testing.T) {
 	t.Parallel()
-	_, err := sink.Open(context.Background(), "nats://127.0.0.1:1", sink.Options{})
-	if err == nil {
-		t.Fatal("Open against a closed port succeeded")
-	}
-	if errors.Is(err, sink.ErrInvalidURL) {
-		t.Errorf("connection failure %q wraps ErrInvalidURL", err)
-	}
-	if !strings.Contains(err.Error(), "nats://127.0.0.1:1") {
-		t.Errorf("error %q does not name the URL", err)
+	for _, u := range []string{"nats://127.0.0.1:1", "amqp://127.0.0.1:1/?exchange=x"} {
+		_, err := sink.Open(context.Background(), u, sink.Options{})
+		if err == nil {
+			t.Fatalf("Open(%q) against a closed port succeeded", u)
+		}
+		if errors.Is(err, sink.ErrInvalidURL) {
+			t.Errorf("connection failure %q wraps ErrInvalidURL", err)
+		}
+		if !strings.Contains(err.Error(), strings.SplitN(u, "?", 2)[0]) {
+			t.Errorf("error %q does not name the URL", err)
+		}
 	}
 }

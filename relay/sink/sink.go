@@ -6,6 +6,8 @@
 //
 //	stdout://                      one JSON line per event, for development
 //	nats://host:port?params        NATS JetStream (see the nats section below)
+//	amqp://user:pass@host:port/vhost?params
+//	amqps://...                    RabbitMQ, AMQP 0-9-1 (TLS with amqps)
 //
 // NATS JetStream parameters (all optional):
 //
@@ -21,6 +23,34 @@
 //	            to hide redeliveries
 //	timeout     bound on each publish (and on Open's stream calls), default
 //	            10s
+//
+// AMQP (RabbitMQ) parameters:
+//
+//	exchange     required; exchange template ("exchange=" is the default
+//	             exchange). Same syntax as the NATS subject, but the first
+//	             token may be a placeholder. A literal exchange must exist
+//	             at Open (checked with a passive declare); the sink never
+//	             declares or binds anything
+//	routing_key  routing key template, default
+//	             "outbox.{stream}.{aggregate_key}"
+//	timeout      bound on each publish and its confirm (and on Open's
+//	             connect), default 10s
+//
+// Each message is published mandatory and persistent, with message-id =
+// event ID, type = event type, timestamp = created_at, content type
+// application/json, the event's headers and the Outbox-* headers the NATS
+// sink sets. Publish returns nil only on the broker's publisher confirm
+// without a basic.return: an event no queue is bound for is an error
+// (retried, then parked), not a silent drop. RabbitMQ keeps no duplicate
+// window: consumers deduplicate by message-id. Producer headers named CC or
+// BCC (which RabbitMQ reads as extra routing keys) or starting with
+// "Outbox-" are refused. A connection found closed is dialled again by the
+// next publish.
+//
+// Templates: placeholders {stream}, {aggregate_key}, {event_type}, each a
+// whole '.'-separated token, are substituted with EscapeSubjectToken, so a
+// value never adds a token or a wildcard and UnescapeSubjectToken gets it
+// back.
 //
 // Unknown parameters are errors, so a misspelt one is not silently ignored.
 package sink
@@ -64,6 +94,8 @@ type opener func(ctx context.Context, u *url.URL, display string, opts Options) 
 var openers = map[string]opener{
 	"stdout": openStdout,
 	"nats":   openNATS,
+	"amqp":   openAMQP,
+	"amqps":  openAMQP,
 }
 
 // Open returns the sink named by rawURL's scheme, connected and ready to
@@ -100,6 +132,16 @@ func Open(ctx context.Context, rawURL string, opts Options) (relay.Sink, error) 
 		return nil, invalid(display, "unknown scheme %q; want one of %s", u.Scheme, schemes())
 	}
 	return open(ctx, u, display, opts)
+}
+
+// Redact returns rawURL with any password (or NATS token) replaced by
+// "xxxxx", for logs.
+func Redact(rawURL string) string {
+	u, err := url.Parse(rawURL)
+	if err != nil {
+		return redactRaw(rawURL)
+	}
+	return redact(u)
 }
 
 // invalid formats a configuration error that names the URL.
