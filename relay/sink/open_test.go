@@ -53,6 +53,14 @@ func TestOpenRejectsBadURLs(t *testing.T) {
 		{"amqp://127.0.0.1:1/?exchange=x&routing_key=a.k-{aggregate_key}", "placeholder"},
 		{"amqp://127.0.0.1:1/?exchange=x&timeout=0s", "timeout="},
 		{"amqps://127.0.0.1:1/?exchange=x&timeout=soon", "timeout="},
+		{"redis://", "want redis://"},
+		{"redis://127.0.0.1:1/0?stream=", "stream="},
+		{"redis://127.0.0.1:1/0?stream=a.{nope}", "stream="},
+		{"redis://127.0.0.1:1/0?maxlen=0", "maxlen="},
+		{"redis://127.0.0.1:1/0?maxlen=~100", "maxlen="},
+		{"redis://127.0.0.1:1/0?timeout=1", "timeout="},
+		{"redis://127.0.0.1:1/0?max_len=1", `unknown parameter "max_len"`},
+		{"redis://127.0.0.1:1/x", "invalid"},
 	}
 	for _, c := range cases {
 		s, err := sink.Open(context.Background(), c.url, sink.Options{})
@@ -83,6 +91,8 @@ func TestOpenRedactsCredentials(t *testing.T) {
 		"nats://s3cret@127.0.0.1:1/%zz",
 		"amqp://alice:s3cret@127.0.0.1:1/?bogus=1",
 		"amqp://alice:s3cret@127.0.0.1:1/?exchange=x", // connection refused
+		"redis://alice:s3cret@127.0.0.1:1/0?bogus=1",
+		"redis://alice:s3cret@127.0.0.1:1/x",
 	} {
 		s, err := sink.Open(context.Background(), u, sink.Options{})
 		if err == nil {

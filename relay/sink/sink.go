@@ -8,6 +8,8 @@
 //	nats://host:port?params        NATS JetStream (see the nats section below)
 //	amqp://user:pass@host:port/vhost?params
 //	amqps://...                    RabbitMQ, AMQP 0-9-1 (TLS with amqps)
+//	redis://[user:pass@]host:port/db?params
+//	rediss://...                   Redis Streams (TLS with rediss)
 //
 // NATS JetStream parameters (all optional):
 //
@@ -46,6 +48,21 @@
 // BCC (which RabbitMQ reads as extra routing keys) or starting with
 // "Outbox-" are refused. A connection found closed is dialled again by the
 // next publish.
+//
+// Redis Streams parameters (all optional):
+//
+//	stream   stream key template, default "outbox.{stream}"
+//	maxlen   trim each stream to about this many entries (XADD MAXLEN ~);
+//	         default no trimming
+//	timeout  bound on each XADD and on Open's connect, default 10s
+//
+// Each entry has the fields event_id, stream, key (the aggregate key),
+// revision, type, created_at, payload and headers (the event's headers as
+// a JSON object). Publish returns nil once Redis answered the XADD; the
+// entry is then as durable as the server's appendonly/appendfsync and
+// replication settings make it. Redis cannot deduplicate: a redelivered
+// event is appended again, and consumers skip an event_id they have seen
+// (see the README).
 //
 // Templates: placeholders {stream}, {aggregate_key}, {event_type}, each a
 // whole '.'-separated token, are substituted with EscapeSubjectToken, so a
@@ -96,6 +113,8 @@ var openers = map[string]opener{
 	"nats":   openNATS,
 	"amqp":   openAMQP,
 	"amqps":  openAMQP,
+	"redis":  openRedis,
+	"rediss": openRedis,
 }
 
 // Open returns the sink named by rawURL's scheme, connected and ready to
