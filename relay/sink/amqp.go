@@ -366,7 +366,10 @@ func (s *amqpSink) Close() error {
 	if c == nil || c.conn.IsClosed() {
 		return nil
 	}
-	if err := c.conn.CloseDeadline(time.Now().Add(s.cfg.timeout)); err != nil && !errors.Is(err, amqp.ErrClosed) {
+	// A connection the broker or the network just dropped may not know it
+	// yet: closing it then fails with ErrClosed or net.ErrClosed, and
+	// there is nothing left to release.
+	if err := c.conn.CloseDeadline(time.Now().Add(s.cfg.timeout)); err != nil && !errors.Is(err, amqp.ErrClosed) && !errors.Is(err, net.ErrClosed) {
 		return fmt.Errorf("amqp sink: close: %w", err)
 	}
 	return nil
