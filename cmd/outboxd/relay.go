@@ -26,8 +26,9 @@ func relayCommand(g *globalFlags) *cobra.Command {
 		Short: "Run a relay: subscribe to outboxd, publish to a broker, ack on durable acceptance",
 		Long: `relay publishes every delivered event to --sink and acks it once the broker has
 durably accepted it. Sinks: stdout:// (JSON lines), nats://host:port
-(JetStream), amqp://user:pass@host:port/vhost?exchange=... (RabbitMQ) and
-redis://host:port/db?stream=... (Redis Streams);
+(JetStream), amqp://user:pass@host:port/vhost?exchange=... (RabbitMQ),
+redis://host:port/db?stream=... (Redis Streams) and
+https://host/path?secret_file=... (signed webhooks);
 see the README's sink table or relay/sink for their parameters.
 
 It reconnects while the server is unavailable, and exits with an error when the
@@ -44,7 +45,7 @@ failure against their events.`,
 				return err
 			}
 			if sinkURL == "" {
-				return fmt.Errorf("--sink is required (stdout://, nats://host:port, amqp://user:pass@host:port/?exchange=..., redis://host:port/0)")
+				return fmt.Errorf("--sink is required (stdout://, nats://host:port, amqp://user:pass@host:port/?exchange=..., redis://host:port/0, https://host/path?secret_file=...)")
 			}
 			if relayID == "" {
 				host, _ := os.Hostname()
@@ -73,7 +74,7 @@ failure against their events.`,
 	}
 	fl := cmd.Flags()
 	client.register(fl)
-	fl.StringVar(&sinkURL, "sink", "", "where to publish: stdout://, nats://host:port, amqp://user:pass@host:port/vhost?exchange=..., redis://host:port/db")
+	fl.StringVar(&sinkURL, "sink", "", "where to publish: stdout://, nats://host:port, amqp://user:pass@host:port/vhost?exchange=..., redis://host:port/db, https://host/path?secret_file=...")
 	fl.StringVar(&relayID, "relay-id", "", "name shown to operators (default hostname-pid)")
 	fl.StringSliceVar(&streams, "streams", nil, "streams to relay (default all)")
 	fl.IntVar(&maxInFlight, "max-in-flight", 64, "deliveries outstanding at once (the relay's credit)")

@@ -4,6 +4,8 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
+	"net/http"
 	"strconv"
 	"strings"
 	"testing"
@@ -197,4 +199,63 @@ func TestRedisThroughRunner(t *testing.T) {
 		}{m.Values[sink.RedisFieldKey].(string), m.Values[sink.RedisFieldEventID].(string), rev})
 	}
 	checkOrder(t, keys, 5, got)
+}
+
+// Signed webhooks through the runner: each aggregate's events arrive in
+// revision order with valid signatures, and an aggregate the receiver
+// refuses (422) is parked with the status and the receiver's words.
+func TestWebhookThroughRunner(t *testing.T) {
+	t.Parallel()
+	h := newHook(t)
+	h.mu.Lock()
+	h.answer = func(w http.ResponseWriter, _ *http.Request, body []byte) bool {
+		if !strings.Contains(string(body), `"aggregate_key":"bad"`) {
+			return false
+		}
+		w.WriteHeader(http.StatusUnprocessableEntity)
+		_, _ = io.WriteString(w, "schema v1 expected")
+		return true
+	}
+	h.mu.Unlock()
+	e := newRelayEnv(t, func(c *server.Config) {
+		c.BackoffBase, c.BackoffCap, c.MaxFailures = 10*time.Millisecond, 50*time.Millisecond, 3
+	})
+	keys := []string{"a", "b", "c", "d", "e", "f"}
+	e.emit(t, "orders", keys, 4)
+	e.emit(t, "orders", []string{"bad"}, 1)
+	e.run(t, openSink(t, h.url(t, nil)))
+	e.waitPublished(t, len(keys)*4)
+
+	var got []struct {
+		key, id string
+		rev     int64
+	}
+	for _, r := range h.requests() {
+		if r.err != nil {
+			t.Errorf("signature check: %v", r.err)
+		}
+		var b struct {
+			EventID      string `json:"event_id"`
+			AggregateKey string `json:"aggregate_key"`
+			Revision     int64  `json:"revision"`
+		}
+		if err := json.Unmarshal(r.body, &b); err != nil {
+			t.Fatal(err)
+		}
+		if b.EventID != r.header.Get("webhook-id") {
+			t.Errorf("webhook-id %q for event %s", r.header.Get("webhook-id"), b.EventID)
+		}
+		got = append(got, struct {
+			key, id string
+			rev     int64
+		}{b.AggregateKey, b.EventID, b.Revision})
+	}
+	checkOrder(t, keys, 4, got)
+
+	agg := e.waitParked(t, "orders", "bad")
+	for _, want := range []string{"422", "schema v1 expected"} {
+		if !strings.Contains(agg.GetLastError(), want) {
+			t.Errorf("parked aggregate's error %q does not mention %q", agg.GetLastError(), want)
+		}
+	}
 }

@@ -61,6 +61,10 @@ func TestOpenRejectsBadURLs(t *testing.T) {
 		{"redis://127.0.0.1:1/0?timeout=1", "timeout="},
 		{"redis://127.0.0.1:1/0?max_len=1", `unknown parameter "max_len"`},
 		{"redis://127.0.0.1:1/x", "invalid"},
+		{"https://127.0.0.1:1/hook", `missing parameter "secret_file"`},
+		{"https://127.0.0.1:1/hook?secret_file=", `missing parameter "secret_file"`},
+		{"http://127.0.0.1:1/hook?token=abc", `unknown parameter "token"`},
+		{"https://", "want https://"},
 	}
 	for _, c := range cases {
 		s, err := sink.Open(context.Background(), c.url, sink.Options{})
@@ -93,6 +97,7 @@ func TestOpenRedactsCredentials(t *testing.T) {
 		"amqp://alice:s3cret@127.0.0.1:1/?exchange=x", // connection refused
 		"redis://alice:s3cret@127.0.0.1:1/0?bogus=1",
 		"redis://alice:s3cret@127.0.0.1:1/x",
+		"https://alice:s3cret@127.0.0.1:1/hook?secret_file=/x",
 	} {
 		s, err := sink.Open(context.Background(), u, sink.Options{})
 		if err == nil {

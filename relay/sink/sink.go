@@ -10,6 +10,8 @@
 //	amqps://...                    RabbitMQ, AMQP 0-9-1 (TLS with amqps)
 //	redis://[user:pass@]host:port/db?params
 //	rediss://...                   Redis Streams (TLS with rediss)
+//	https://host/path?params
+//	http://...                     webhooks (Standard Webhooks signatures)
 //
 // NATS JetStream parameters (all optional):
 //
@@ -64,6 +66,26 @@
 // event is appended again, and consumers skip an event_id they have seen
 // (see the README).
 //
+// Webhook parameters:
+//
+//	secret_file  required; a file holding the signing secret "whsec_" +
+//	             base64 (at least 24 bytes), or several, one a line, to
+//	             rotate: each request is signed with every one. Read at Open
+//	timeout      bound on each POST, default 10s
+//	query        the endpoint's own query string (URL-encoded), since the
+//	             URL's query holds the sink's parameters
+//
+// Each event is POSTed as the JSON object the stdout sink prints, with the
+// Standard Webhooks headers webhook-id (the event ID), webhook-timestamp
+// (Unix seconds at sending) and webhook-signature ("v1," + base64
+// HMAC-SHA256 of "id.timestamp.body"). A 2xx answer acks. 408, 429 and 5xx
+// are errors marked with the response's Retry-After (relay.RetryAfter), so
+// the runner's nack asks the server to wait that long; any other answer,
+// redirects included (they are not followed), is an error quoting the
+// status and the start of the body, and the event parks after the server's
+// max failures. TLS uses the system's roots, as net/http's default
+// transport does.
+//
 // Templates: placeholders {stream}, {aggregate_key}, {event_type}, each a
 // whole '.'-separated token, are substituted with EscapeSubjectToken, so a
 // value never adds a token or a wildcard and UnescapeSubjectToken gets it
@@ -115,6 +137,8 @@ var openers = map[string]opener{
 	"amqps":  openAMQP,
 	"redis":  openRedis,
 	"rediss": openRedis,
+	"http":   openWebhook,
+	"https":  openWebhook,
 }
 
 // Open returns the sink named by rawURL's scheme, connected and ready to
