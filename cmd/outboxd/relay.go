@@ -27,8 +27,9 @@ func relayCommand(g *globalFlags) *cobra.Command {
 		Long: `relay publishes every delivered event to --sink and acks it once the broker has
 durably accepted it. Sinks: stdout:// (JSON lines), nats://host:port
 (JetStream), amqp://user:pass@host:port/vhost?exchange=... (RabbitMQ),
-redis://host:port/db?stream=... (Redis Streams) and
-https://host/path?secret_file=... (signed webhooks);
+redis://host:port/db?stream=... (Redis Streams),
+https://host/path?secret_file=... (signed webhooks) and
+kafka://host:port?topic=... (Kafka);
 see the README's sink table or relay/sink for their parameters.
 
 It reconnects while the server is unavailable, and exits with an error when the
@@ -45,7 +46,7 @@ failure against their events.`,
 				return err
 			}
 			if sinkURL == "" {
-				return fmt.Errorf("--sink is required (stdout://, nats://host:port, amqp://user:pass@host:port/?exchange=..., redis://host:port/0, https://host/path?secret_file=...)")
+				return fmt.Errorf("--sink is required (stdout://, nats://host:port, amqp://user:pass@host:port/?exchange=..., redis://host:port/0, https://host/path?secret_file=..., kafka://host:port)")
 			}
 			if relayID == "" {
 				host, _ := os.Hostname()
@@ -74,7 +75,7 @@ failure against their events.`,
 	}
 	fl := cmd.Flags()
 	client.register(fl)
-	fl.StringVar(&sinkURL, "sink", "", "where to publish: stdout://, nats://host:port, amqp://user:pass@host:port/vhost?exchange=..., redis://host:port/db, https://host/path?secret_file=...")
+	fl.StringVar(&sinkURL, "sink", "", "where to publish: stdout://, nats://host:port, amqp://user:pass@host:port/vhost?exchange=..., redis://host:port/db, https://host/path?secret_file=..., kafka://host:port")
 	fl.StringVar(&relayID, "relay-id", "", "name shown to operators (default hostname-pid)")
 	fl.StringSliceVar(&streams, "streams", nil, "streams to relay (default all)")
 	fl.IntVar(&maxInFlight, "max-in-flight", 64, "deliveries outstanding at once (the relay's credit)")

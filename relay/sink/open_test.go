@@ -19,7 +19,7 @@ func TestOpenRejectsBadURLs(t *testing.T) {
 		{"", "missing scheme"},
 		{"127.0.0.1:4222", "cannot parse"},
 		{"nats://h:4222/%zz", "cannot parse"},
-		{"kafka://broker:9092", `unknown scheme "kafka"`},
+		{"mqtt://broker:1883", `unknown scheme "mqtt"`},
 		{"stdout://somewhere", "no host or path"},
 		{"stdout://?pretty=1", `unknown parameter "pretty"`},
 		{"nats://", "want nats://host:port"},
@@ -65,6 +65,18 @@ func TestOpenRejectsBadURLs(t *testing.T) {
 		{"https://127.0.0.1:1/hook?secret_file=", `missing parameter "secret_file"`},
 		{"http://127.0.0.1:1/hook?token=abc", `unknown parameter "token"`},
 		{"https://", "want https://"},
+		{"kafka://", "want kafka://"},
+		{"kafka://127.0.0.1", "want host:port"},
+		{"kafka://127.0.0.1:1,b", "cannot parse"},
+		{"kafka://127.0.0.1:1,:2", "want host:port"},
+		{"kafka://127.0.0.1:1?timeout=500ms", "at least 1s"},
+		{"kafka://127.0.0.1:1/x", "unexpected path"},
+		{"kafka://127.0.0.1:1?topic=out%20box", "printable ASCII"},
+		{"kafka://127.0.0.1:1?topic=a%2Bb.{stream}", "Kafka topic takes only"},
+		{"kafka://127.0.0.1:1?topic=a.{nope}", "topic="},
+		{"kafka://127.0.0.1:1?max_bytes=1", "max_bytes="},
+		{"kafka://127.0.0.1:1?tls=maybe", "tls="},
+		{"kafka://127.0.0.1:1?acks=1", `unknown parameter "acks"`},
 	}
 	for _, c := range cases {
 		s, err := sink.Open(context.Background(), c.url, sink.Options{})
@@ -98,6 +110,7 @@ func TestOpenRedactsCredentials(t *testing.T) {
 		"redis://alice:s3cret@127.0.0.1:1/0?bogus=1",
 		"redis://alice:s3cret@127.0.0.1:1/x",
 		"https://alice:s3cret@127.0.0.1:1/hook?secret_file=/x",
+		"kafka://alice:s3cret@127.0.0.1:1",
 	} {
 		s, err := sink.Open(context.Background(), u, sink.Options{})
 		if err == nil {

@@ -12,6 +12,8 @@
 //	rediss://...                   Redis Streams (TLS with rediss)
 //	https://host/path?params
 //	http://...                     webhooks (Standard Webhooks signatures)
+//	kafka://host:port[,host:port]?params
+//	                               Kafka (idempotent producer, acks=all)
 //
 // NATS JetStream parameters (all optional):
 //
@@ -86,10 +88,33 @@
 // max failures. TLS uses the system's roots, as net/http's default
 // transport does.
 //
+// Kafka parameters (all optional):
+//
+//	topic      topic template, default "outbox.{stream}". Values are put
+//	           in as they are, not escaped ('%' is not allowed in a topic);
+//	           an event whose topic comes out invalid fails (and parks)
+//	timeout    bound on each record, in flight included (and on Open's
+//	           connect), default 10s, at least 1s
+//	max_bytes  largest record batch, default 1000012 (Kafka's default
+//	           message.max.bytes); raise it together with the topic's
+//	           max.message.bytes for events over 1 MB
+//	tls        true to connect with TLS (system roots), default false
+//	client_id  the client.id brokers see, default "outboxd-relay"
+//
+// Each event is one record: key = aggregate key (so an aggregate keeps one
+// partition, and its order), value = payload, headers Outbox-Event-Id,
+// Outbox-Event-Type and the other Outbox-* headers beside the event's own.
+// The producer is idempotent with acks=all: Publish returns nil once every
+// in-sync replica has the record, and the client's own retries never
+// duplicate or reorder it within the producer's session. A retry by the
+// runner is a new record, so consumers still deduplicate by
+// Outbox-Event-Id. SASL is not supported yet. The tests run against
+// franz-go's in-process kfake cluster.
+//
 // Templates: placeholders {stream}, {aggregate_key}, {event_type}, each a
-// whole '.'-separated token, are substituted with EscapeSubjectToken, so a
-// value never adds a token or a wildcard and UnescapeSubjectToken gets it
-// back.
+// whole '.'-separated token, are substituted with EscapeSubjectToken
+// (except in Kafka topics, see above), so a value never adds a token or a
+// wildcard and UnescapeSubjectToken gets it back.
 //
 // Unknown parameters are errors, so a misspelt one is not silently ignored.
 package sink
@@ -139,6 +164,7 @@ var openers = map[string]opener{
 	"rediss": openRedis,
 	"http":   openWebhook,
 	"https":  openWebhook,
+	"kafka":  openKafka,
 }
 
 // Open returns the sink named by rawURL's scheme, connected and ready to

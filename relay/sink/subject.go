@@ -161,6 +161,10 @@ type templateRules struct {
 	allowEmpty bool
 	// maxLen bounds a rendered name, in bytes.
 	maxLen int
+	// raw substitutes values as they are, unescaped, for names whose
+	// legal characters exclude the escape ('%' in a Kafka topic); the
+	// sink then checks the rendered name.
+	raw bool
 }
 
 // natsSubjectRules are the NATS subject's rules.
@@ -233,12 +237,18 @@ func (t *subjectTemplate) render(ev relay.Event) (string, error) {
 		switch tok.ph {
 		case "":
 			b.WriteString(tok.literal)
-		case phStream:
-			b.WriteString(EscapeSubjectToken(ev.Stream))
-		case phAggregateKey:
-			b.WriteString(EscapeSubjectToken(ev.AggregateKey))
-		case phEventType:
-			b.WriteString(EscapeSubjectToken(ev.Type))
+		default:
+			v := ev.Stream
+			switch tok.ph {
+			case phAggregateKey:
+				v = ev.AggregateKey
+			case phEventType:
+				v = ev.Type
+			}
+			if !t.rules.raw {
+				v = EscapeSubjectToken(v)
+			}
+			b.WriteString(v)
 		}
 	}
 	if b.Len() > t.rules.maxLen {
