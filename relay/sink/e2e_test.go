@@ -12,6 +12,8 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
 
 	"github.com/outboxd/outboxd/client"
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
@@ -292,4 +294,68 @@ func TestKafkaThroughRunner(t *testing.T) {
 	// Records of different partitions interleave arbitrarily; order is
 	// per aggregate, which checkOrder checks.
 	checkOrder(t, keys, 5, got)
+}
+
+// A relay cut off mid-stream (its connection to the server dropped, as
+// when the process is killed) and a second relay taking over: nothing is
+// lost, and each aggregate's first copies reach RabbitMQ in revision
+// order. Copies after the first (the cut relay's publishes whose acks
+// were lost) may repeat an event; consumers drop them by message-id.
+func TestAMQPRelayCutMidStream(t *testing.T) {
+	t.Parallel()
+	rabbit := newRabbitEnv(t, "outbox.orders.*")
+	e := newRelayEnv(t, nil)
+	keys := []string{"a", "b", "c", "d", "e", "f", "g", "h", "i", "j"}
+	const revs = 20
+	e.emit(t, "orders", keys, revs)
+	s := openSink(t, rabbit.url(nil))
+
+	// The first relay has a connection of its own, closed under it once
+	// some events are published.
+	conn, err := grpc.NewClient(e.srv.Addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	r1, err := relay.NewRunner(relay.Config{Conn: conn, Publisher: s, MaxInFlight: 4, DrainTimeout: 100 * time.Millisecond, Logger: servertest.Logger(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); _ = r1.Run(ctx) }()
+	e.waitPublished(t, 40)
+	conn.Close()
+	cancel()
+	<-done
+
+	e.run(t, s)
+	e.waitPublished(t, len(keys)*revs)
+
+	first := map[string]bool{}
+	var got []struct {
+		key, id string
+		rev     int64
+	}
+	n := 0
+	for {
+		d, ok, err := rabbit.ch.Get(rabbit.queue, true)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !ok {
+			break
+		}
+		n++
+		if first[d.MessageId] {
+			continue // a later copy
+		}
+		first[d.MessageId] = true
+		rev, _ := strconv.ParseInt(d.Headers[sink.HeaderRevision].(string), 10, 64)
+		got = append(got, struct {
+			key, id string
+			rev     int64
+		}{d.Headers[sink.HeaderAggregateKey].(string), d.MessageId, rev})
+	}
+	t.Logf("%d messages for %d events", n, len(keys)*revs)
+	checkOrder(t, keys, revs, got)
 }
