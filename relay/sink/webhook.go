@@ -15,7 +15,6 @@ import (
 	"strconv"
 	"strings"
 	"time"
-	"unicode/utf8"
 
 	"github.com/outboxd/outboxd/relay"
 )
@@ -222,11 +221,8 @@ func quoteExcerpt(b []byte) string {
 	if len(b) > maxWebhookExcerpt {
 		b, more = b[:maxWebhookExcerpt], "…"
 	}
-	s := strings.ToValidUTF8(string(b), "\uFFFD")
-	for !utf8.ValidString(s) {
-		s = s[:len(s)-1]
-	}
-	return fmt.Sprintf(": %q%s", s, more)
+	// A rune cut at the limit becomes U+FFFD, as does any invalid byte.
+	return fmt.Sprintf(": %q%s", strings.ToValidUTF8(string(b), "\uFFFD"), more)
 }
 
 // retryAfter parses a Retry-After value: delay seconds or an HTTP date.
