@@ -1,13 +1,17 @@
 package relay
 
 import (
+	"context"
 	"errors"
+	"fmt"
 	"strings"
 	"testing"
+	"time"
 	"unicode/utf8"
 
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
 	"github.com/outboxd/outboxd/internal/servertest"
+	"github.com/outboxd/outboxd/server"
 )
 
 // A failed publish is nacked, and so counted towards parking, whatever
@@ -41,5 +45,63 @@ func TestNackText(t *testing.T) {
 		if len(in) <= maxNackText && utf8.ValidString(in) && !strings.ContainsRune(in, 0) && got != in {
 			t.Errorf("nackText(%.20q) changed a fine text to %.20q", in, got)
 		}
+	}
+}
+
+// A publisher's RetryAfter reaches the server as the Nack's retry_after:
+// the next attempt waits for it. One above the server's backoff cap is
+// refused by the server, and the failure is still counted.
+func TestRunnerNackCarriesRetryAfter(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, servertest.Options{Configure: func(c *server.Config) {
+		c.BackoffBase, c.BackoffCap = 10*time.Millisecond, time.Minute
+	}})
+	e.emit(t, "orders", "a")
+	e.emit(t, "orders", "b")
+	pub := &retryAfterPublisher{after: map[string]time.Duration{"a": 30 * time.Second, "b": time.Hour}}
+	start(t, Config{Conn: e.srv.Conn, Publisher: pub}, hooks{})
+	for _, key := range []string{"a", "b"} {
+		var a *outboxv1.Aggregate
+		waitUntil(t, key+"'s failure to be recorded", func() bool {
+			a = e.aggregate(t, "orders", key)
+			return a.GetFailures() >= 1
+		})
+		wait := time.Until(a.GetNextAttemptAt().AsTime())
+		switch key {
+		case "a":
+			if wait < 20*time.Second || wait > 31*time.Second {
+				t.Errorf("aggregate a: next attempt in %v, want the 30s RetryAfter", wait)
+			}
+		case "b":
+			if wait > 5*time.Second {
+				t.Errorf("aggregate b: next attempt in %v, want the server's own short backoff after refusing 1h", wait)
+			}
+		}
+		if !strings.Contains(a.GetLastError(), "throttled") {
+			t.Errorf("aggregate %s: last error %q", key, a.GetLastError())
+		}
+	}
+}
+
+type retryAfterPublisher struct{ after map[string]time.Duration }
+
+func (p *retryAfterPublisher) Publish(_ context.Context, ev Event) error {
+	return RetryAfter(errors.New("throttled"), p.after[ev.AggregateKey])
+}
+
+func TestRetryAfterOf(t *testing.T) {
+	t.Parallel()
+	base := errors.New("503")
+	if d, ok := RetryAfterOf(fmt.Errorf("wrapped: %w", RetryAfter(base, time.Second))); !ok || d != time.Second {
+		t.Errorf("RetryAfterOf through a wrap = %v, %v", d, ok)
+	}
+	if err := RetryAfter(base, time.Second); !errors.Is(err, base) || err.Error() != "503" {
+		t.Errorf("RetryAfter changed the error: %v", err)
+	}
+	if RetryAfter(nil, time.Second) != nil || RetryAfter(base, 0) != base {
+		t.Error("RetryAfter(nil) or with d <= 0 should return its error unchanged")
+	}
+	if _, ok := RetryAfterOf(base); ok {
+		t.Error("RetryAfterOf of a plain error reports a delay")
 	}
 }

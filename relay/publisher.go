@@ -2,6 +2,7 @@ package relay
 
 import (
 	"context"
+	"errors"
 	"time"
 )
 
@@ -47,3 +48,34 @@ type Sink interface {
 	// Close releases the broker connection.
 	Close() error
 }
+
+// RetryAfter returns err marked with a broker's request to wait at least d
+// before the event is offered again (an HTTP Retry-After, a throttle hint).
+// The runner sends d as the Nack's retry_after; the server waits for the
+// longer of d and its own backoff. A d above the server's backoff cap is
+// refused by the server, and the runner then nacks without it. A nil err
+// stays nil; d <= 0 adds nothing.
+func RetryAfter(err error, d time.Duration) error {
+	if err == nil || d <= 0 {
+		return err
+	}
+	return &retryAfterError{err: err, d: d}
+}
+
+// RetryAfterOf returns the delay the outermost RetryAfter in err's chain
+// asks for, and whether there is one.
+func RetryAfterOf(err error) (time.Duration, bool) {
+	var ra *retryAfterError
+	if errors.As(err, &ra) {
+		return ra.d, true
+	}
+	return 0, false
+}
+
+type retryAfterError struct {
+	err error
+	d   time.Duration
+}
+
+func (e *retryAfterError) Error() string { return e.err.Error() }
+func (e *retryAfterError) Unwrap() error { return e.err }

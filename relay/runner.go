@@ -372,6 +372,9 @@ func (r *Runner) handle(ctx context.Context, f *fatal, rd received, acks *ackBat
 func (r *Runner) nack(ctx context.Context, f *fatal, d *outboxv1.SubscribeResponse, perr error) {
 	id := d.GetEvent().GetEventId()
 	req := &outboxv1.NackRequest{EventId: id, LeaseToken: d.GetLeaseToken(), Error: nackText(perr)}
+	if after, ok := RetryAfterOf(perr); ok {
+		req.RetryAfter = durationpb.New(after)
+	}
 	delay := extendRetryBase
 	for attempt := 1; ; attempt++ {
 		callCtx, cancel := context.WithTimeout(ctx, extendCallTimeout)
@@ -379,6 +382,14 @@ func (r *Runner) nack(ctx context.Context, f *fatal, d *outboxv1.SubscribeRespon
 		cancel()
 		if err == nil || ctx.Err() != nil {
 			return
+		}
+		if req.RetryAfter != nil && status.Code(err) == codes.InvalidArgument {
+			// The server refuses a retry_after above its backoff cap: the
+			// failure must still count, so nack without it.
+			r.log.Info("nack's retry_after refused; nacking with the server's backoff", "event_id", id,
+				"retry_after", req.RetryAfter.AsDuration(), "err", err)
+			req.RetryAfter = nil
+			continue
 		}
 		switch classify(err) {
 		case classTerminal:

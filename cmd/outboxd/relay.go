@@ -25,8 +25,12 @@ func relayCommand(g *globalFlags) *cobra.Command {
 		Use:   "relay",
 		Short: "Run a relay: subscribe to outboxd, publish to a broker, ack on durable acceptance",
 		Long: `relay publishes every delivered event to --sink and acks it once the broker has
-durably accepted it. Sinks: stdout:// (JSON lines) and nats://host:port
-(JetStream; see relay/sink for its parameters).
+durably accepted it. Sinks: stdout:// (JSON lines), nats://host:port
+(JetStream), amqp://user:pass@host:port/vhost?exchange=... (RabbitMQ),
+redis://host:port/db?stream=... (Redis Streams),
+https://host/path?secret_file=... (signed webhooks) and
+kafka://host:port?topic=... (Kafka);
+see the README's sink table or relay/sink for their parameters.
 
 It reconnects while the server is unavailable, and exits with an error when the
 server refuses its token (UNAUTHENTICATED, PERMISSION_DENIED) on any call. On
@@ -42,7 +46,7 @@ failure against their events.`,
 				return err
 			}
 			if sinkURL == "" {
-				return fmt.Errorf("--sink is required (stdout:// or nats://host:port)")
+				return fmt.Errorf("--sink is required (stdout://, nats://host:port, amqp://user:pass@host:port/?exchange=..., redis://host:port/0, https://host/path?secret_file=..., kafka://host:port)")
 			}
 			if relayID == "" {
 				host, _ := os.Hostname()
@@ -65,13 +69,13 @@ failure against their events.`,
 			if err != nil {
 				return err
 			}
-			log.Info("relay running", "server", client.server, "sink", sinkURL, "relay_id", relayID)
+			log.Info("relay running", "server", client.server, "sink", sink.Redact(sinkURL), "relay_id", relayID)
 			return r.Run(ctx)
 		},
 	}
 	fl := cmd.Flags()
 	client.register(fl)
-	fl.StringVar(&sinkURL, "sink", "", "where to publish: stdout:// or nats://host:port")
+	fl.StringVar(&sinkURL, "sink", "", "where to publish: stdout://, nats://host:port, amqp://user:pass@host:port/vhost?exchange=..., redis://host:port/db, https://host/path?secret_file=..., kafka://host:port")
 	fl.StringVar(&relayID, "relay-id", "", "name shown to operators (default hostname-pid)")
 	fl.StringSliceVar(&streams, "streams", nil, "streams to relay (default all)")
 	fl.IntVar(&maxInFlight, "max-in-flight", 64, "deliveries outstanding at once (the relay's credit)")

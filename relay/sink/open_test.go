@@ -19,7 +19,7 @@ func TestOpenRejectsBadURLs(t *testing.T) {
 		{"", "missing scheme"},
 		{"127.0.0.1:4222", "cannot parse"},
 		{"nats://h:4222/%zz", "cannot parse"},
-		{"kafka://broker:9092", `unknown scheme "kafka"`},
+		{"mqtt://broker:1883", `unknown scheme "mqtt"`},
 		{"stdout://somewhere", "no host or path"},
 		{"stdout://?pretty=1", `unknown parameter "pretty"`},
 		{"nats://", "want nats://host:port"},
@@ -45,6 +45,38 @@ func TestOpenRejectsBadURLs(t *testing.T) {
 		{h + "?duplicates=2", "duration"},
 		{h + "?timeout=-1s", "must be positive"},
 		{h + "?timeout=soon", "duration"},
+		{"amqp://", "want amqp://"},
+		{"amqp://127.0.0.1:1/", `missing parameter "exchange"`},
+		{"amqp://127.0.0.1:1/?exchange=x&routing_kye=a", `unknown parameter "routing_kye"`},
+		{"amqp://127.0.0.1:1/?exchange=x.{nope}", "exchange="},
+		{"amqp://127.0.0.1:1/?exchange=x&routing_key=a..b", "routing_key="},
+		{"amqp://127.0.0.1:1/?exchange=x&routing_key=a.k-{aggregate_key}", "placeholder"},
+		{"amqp://127.0.0.1:1/?exchange=x&timeout=0s", "timeout="},
+		{"amqps://127.0.0.1:1/?exchange=x&timeout=soon", "timeout="},
+		{"redis://", "want redis://"},
+		{"redis://127.0.0.1:1/0?stream=", "stream="},
+		{"redis://127.0.0.1:1/0?stream=a.{nope}", "stream="},
+		{"redis://127.0.0.1:1/0?maxlen=0", "maxlen="},
+		{"redis://127.0.0.1:1/0?maxlen=~100", "maxlen="},
+		{"redis://127.0.0.1:1/0?timeout=1", "timeout="},
+		{"redis://127.0.0.1:1/0?max_len=1", `unknown parameter "max_len"`},
+		{"redis://127.0.0.1:1/x", "invalid"},
+		{"https://127.0.0.1:1/hook", `missing parameter "secret_file"`},
+		{"https://127.0.0.1:1/hook?secret_file=", `missing parameter "secret_file"`},
+		{"http://127.0.0.1:1/hook?token=abc", `unknown parameter "token"`},
+		{"https://", "want https://"},
+		{"kafka://", "want kafka://"},
+		{"kafka://127.0.0.1", "want host:port"},
+		{"kafka://127.0.0.1:1,b", "cannot parse"},
+		{"kafka://127.0.0.1:1,:2", "want host:port"},
+		{"kafka://127.0.0.1:1?timeout=500ms", "at least 1s"},
+		{"kafka://127.0.0.1:1/x", "unexpected path"},
+		{"kafka://127.0.0.1:1?topic=out%20box", "printable ASCII"},
+		{"kafka://127.0.0.1:1?topic=a%2Bb.{stream}", "Kafka topic takes only"},
+		{"kafka://127.0.0.1:1?topic=a.{nope}", "topic="},
+		{"kafka://127.0.0.1:1?max_bytes=1", "max_bytes="},
+		{"kafka://127.0.0.1:1?tls=maybe", "tls="},
+		{"kafka://127.0.0.1:1?acks=1", `unknown parameter "acks"`},
 	}
 	for _, c := range cases {
 		s, err := sink.Open(context.Background(), c.url, sink.Options{})
@@ -73,6 +105,12 @@ func TestOpenRedactsCredentials(t *testing.T) {
 		"nats://alice:s3cret@127.0.0.1:1",     // connection refused
 		"nats://alice:s3cret@127.0.0.1:1/%zz", // unparseable
 		"nats://s3cret@127.0.0.1:1/%zz",
+		"amqp://alice:s3cret@127.0.0.1:1/?bogus=1",
+		"amqp://alice:s3cret@127.0.0.1:1/?exchange=x", // connection refused
+		"redis://alice:s3cret@127.0.0.1:1/0?bogus=1",
+		"redis://alice:s3cret@127.0.0.1:1/x",
+		"https://alice:s3cret@127.0.0.1:1/hook?secret_file=/x",
+		"kafka://alice:s3cret@127.0.0.1:1",
 	} {
 		s, err := sink.Open(context.Background(), u, sink.Options{})
 		if err == nil {
@@ -87,14 +125,16 @@ func TestOpenRedactsCredentials(t *testing.T) {
 
 func TestOpenConnectFailureIsNotInvalidURL(t *testing.T) {
 	t.Parallel()
-	_, err := sink.Open(context.Background(), "nats://127.0.0.1:1", sink.Options{})
-	if err == nil {
-		t.Fatal("Open against a closed port succeeded")
-	}
-	if errors.Is(err, sink.ErrInvalidURL) {
-		t.Errorf("connection failure %q wraps ErrInvalidURL", err)
-	}
-	if !strings.Contains(err.Error(), "nats://127.0.0.1:1") {
-		t.Errorf("error %q does not name the URL", err)
+	for _, u := range []string{"nats://127.0.0.1:1", "amqp://127.0.0.1:1/?exchange=x"} {
+		_, err := sink.Open(context.Background(), u, sink.Options{})
+		if err == nil {
+			t.Fatalf("Open(%q) against a closed port succeeded", u)
+		}
+		if errors.Is(err, sink.ErrInvalidURL) {
+			t.Errorf("connection failure %q wraps ErrInvalidURL", err)
+		}
+		if !strings.Contains(err.Error(), strings.SplitN(u, "?", 2)[0]) {
+			t.Errorf("error %q does not name the URL", err)
+		}
 	}
 }

@@ -6,6 +6,14 @@
 //
 //	stdout://                      one JSON line per event, for development
 //	nats://host:port?params        NATS JetStream (see the nats section below)
+//	amqp://user:pass@host:port/vhost?params
+//	amqps://...                    RabbitMQ, AMQP 0-9-1 (TLS with amqps)
+//	redis://[user:pass@]host:port/db?params
+//	rediss://...                   Redis Streams (TLS with rediss)
+//	https://host/path?params
+//	http://...                     webhooks (Standard Webhooks signatures)
+//	kafka://host:port[,host:port]?params
+//	                               Kafka (idempotent producer, acks=all)
 //
 // NATS JetStream parameters (all optional):
 //
@@ -21,6 +29,92 @@
 //	            to hide redeliveries
 //	timeout     bound on each publish (and on Open's stream calls), default
 //	            10s
+//
+// AMQP (RabbitMQ) parameters:
+//
+//	exchange     required; exchange template ("exchange=" is the default
+//	             exchange). Same syntax as the NATS subject, but the first
+//	             token may be a placeholder. A literal exchange must exist
+//	             at Open (checked with a passive declare); the sink never
+//	             declares or binds anything
+//	routing_key  routing key template, default
+//	             "outbox.{stream}.{aggregate_key}"
+//	timeout      bound on each publish and its confirm (and on Open's
+//	             connect), default 10s
+//
+// Each message is published mandatory and persistent, with message-id =
+// event ID, type = event type, timestamp = created_at, content type
+// application/json, the event's headers and the Outbox-* headers the NATS
+// sink sets. Publish returns nil only on the broker's publisher confirm
+// without a basic.return: an event no queue is bound for is an error
+// (retried, then parked), not a silent drop. RabbitMQ keeps no duplicate
+// window: consumers deduplicate by message-id. Producer headers named CC or
+// BCC (which RabbitMQ reads as extra routing keys) or starting with
+// "Outbox-" are refused. A connection found closed is dialled again by the
+// next publish.
+//
+// Redis Streams parameters (all optional):
+//
+//	stream   stream key template, default "outbox.{stream}"
+//	maxlen   trim each stream to about this many entries (XADD MAXLEN ~);
+//	         default no trimming
+//	timeout  bound on each XADD and on Open's connect, default 10s
+//
+// Each entry has the fields event_id, stream, key (the aggregate key),
+// revision, type, created_at, payload and headers (the event's headers as
+// a JSON object). Publish returns nil once Redis answered the XADD; the
+// entry is then as durable as the server's appendonly/appendfsync and
+// replication settings make it. Redis cannot deduplicate: a redelivered
+// event is appended again, and consumers skip an event_id they have seen
+// (see the README).
+//
+// Webhook parameters:
+//
+//	secret_file  required; a file holding the signing secret "whsec_" +
+//	             base64 (at least 24 bytes), or several, one a line, to
+//	             rotate: each request is signed with every one. Read at Open
+//	timeout      bound on each POST, default 10s
+//	query        the endpoint's own query string (URL-encoded), since the
+//	             URL's query holds the sink's parameters
+//
+// Each event is POSTed as the JSON object the stdout sink prints, with the
+// Standard Webhooks headers webhook-id (the event ID), webhook-timestamp
+// (Unix seconds at sending) and webhook-signature ("v1," + base64
+// HMAC-SHA256 of "id.timestamp.body"). A 2xx answer acks. 408, 429 and 5xx
+// are errors marked with the response's Retry-After (relay.RetryAfter), so
+// the runner's nack asks the server to wait that long; any other answer,
+// redirects included (they are not followed), is an error quoting the
+// status and the start of the body, and the event parks after the server's
+// max failures. TLS uses the system's roots, as net/http's default
+// transport does.
+//
+// Kafka parameters (all optional):
+//
+//	topic      topic template, default "outbox.{stream}". Values are put
+//	           in as they are, not escaped ('%' is not allowed in a topic);
+//	           an event whose topic comes out invalid fails (and parks)
+//	timeout    bound on each record, in flight included (and on Open's
+//	           connect), default 10s, at least 1s
+//	max_bytes  largest record batch, default 1000012 (Kafka's default
+//	           message.max.bytes); raise it together with the topic's
+//	           max.message.bytes for events over 1 MB
+//	tls        true to connect with TLS (system roots), default false
+//	client_id  the client.id brokers see, default "outboxd-relay"
+//
+// Each event is one record: key = aggregate key (so an aggregate keeps one
+// partition, and its order), value = payload, headers Outbox-Event-Id,
+// Outbox-Event-Type and the other Outbox-* headers beside the event's own.
+// The producer is idempotent with acks=all: Publish returns nil once every
+// in-sync replica has the record, and the client's own retries never
+// duplicate or reorder it within the producer's session. A retry by the
+// runner is a new record, so consumers still deduplicate by
+// Outbox-Event-Id. SASL is not supported yet. The tests run against
+// franz-go's in-process kfake cluster.
+//
+// Templates: placeholders {stream}, {aggregate_key}, {event_type}, each a
+// whole '.'-separated token, are substituted with EscapeSubjectToken
+// (except in Kafka topics, see above), so a value never adds a token or a
+// wildcard and UnescapeSubjectToken gets it back.
 //
 // Unknown parameters are errors, so a misspelt one is not silently ignored.
 package sink
@@ -64,6 +158,13 @@ type opener func(ctx context.Context, u *url.URL, display string, opts Options) 
 var openers = map[string]opener{
 	"stdout": openStdout,
 	"nats":   openNATS,
+	"amqp":   openAMQP,
+	"amqps":  openAMQP,
+	"redis":  openRedis,
+	"rediss": openRedis,
+	"http":   openWebhook,
+	"https":  openWebhook,
+	"kafka":  openKafka,
 }
 
 // Open returns the sink named by rawURL's scheme, connected and ready to
@@ -100,6 +201,16 @@ func Open(ctx context.Context, rawURL string, opts Options) (relay.Sink, error) 
 		return nil, invalid(display, "unknown scheme %q; want one of %s", u.Scheme, schemes())
 	}
 	return open(ctx, u, display, opts)
+}
+
+// Redact returns rawURL with any password (or NATS token) replaced by
+// "xxxxx", for logs.
+func Redact(rawURL string) string {
+	u, err := url.Parse(rawURL)
+	if err != nil {
+		return redactRaw(rawURL)
+	}
+	return redact(u)
 }
 
 // invalid formats a configuration error that names the URL.

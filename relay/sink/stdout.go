@@ -55,6 +55,26 @@ func (s *stdoutSink) Publish(ctx context.Context, ev relay.Event) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
+	line, err := encodeEvent(ev)
+	if err != nil {
+		return fmt.Errorf("stdout sink: %w", err)
+	}
+
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return errSinkClosed
+	}
+	if _, err := s.w.Write(line); err != nil {
+		return fmt.Errorf("stdout sink: write event %s: %w", ev.ID, err)
+	}
+	return nil
+}
+
+// encodeEvent is the event as one line of JSON (the stdoutLine shape, with
+// a trailing newline): what the stdout sink writes and the webhook sink
+// posts.
+func encodeEvent(ev relay.Event) ([]byte, error) {
 	headers := ev.Headers
 	if headers == nil {
 		headers = map[string]string{}
@@ -63,9 +83,9 @@ func (s *stdoutSink) Publish(ctx context.Context, ev relay.Event) error {
 	if len(payload) == 0 {
 		payload = json.RawMessage("null")
 	} else if !json.Valid(payload) {
-		// Failing here keeps the one-valid-JSON-line promise; the event is
-		// retried and then parked, which shows the bad producer.
-		return fmt.Errorf("stdout sink: event %s: payload is not valid JSON", ev.ID)
+		// Failing here keeps the valid-JSON promise; the event is retried
+		// and then parked, which shows the bad producer.
+		return nil, fmt.Errorf("event %s: payload is not valid JSON", ev.ID)
 	}
 	var buf bytes.Buffer
 	enc := json.NewEncoder(&buf)
@@ -84,18 +104,9 @@ func (s *stdoutSink) Publish(ctx context.Context, ev relay.Event) error {
 		CreatedAt:    ev.CreatedAt.UTC().Format(time.RFC3339Nano),
 		Attempt:      ev.Attempt,
 	}); err != nil {
-		return fmt.Errorf("stdout sink: encode event %s: %w", ev.ID, err)
+		return nil, fmt.Errorf("encode event %s: %w", ev.ID, err)
 	}
-
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.closed {
-		return errSinkClosed
-	}
-	if _, err := s.w.Write(buf.Bytes()); err != nil {
-		return fmt.Errorf("stdout sink: write event %s: %w", ev.ID, err)
-	}
-	return nil
+	return buf.Bytes(), nil
 }
 
 // Close stops further publishes. It does not close the writer, which the

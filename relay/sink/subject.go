@@ -126,17 +126,21 @@ func unhex(c byte) (byte, bool) {
 // a value's length, so a very long aggregate key can reach this.
 const maxSubjectLen = 2048
 
-// Placeholder names accepted in a subject template.
+// Placeholder names accepted in a template.
 const (
 	phStream       = "{stream}"
 	phAggregateKey = "{aggregate_key}"
 	phEventType    = "{event_type}"
 )
 
-// subjectTemplate is a parsed, validated subject template: one entry per
-// token, either a literal or one placeholder.
+// subjectTemplate is a parsed, validated name template made of
+// '.'-separated tokens, each a literal or one placeholder whose value is
+// escaped with EscapeSubjectToken. The NATS subject it was first written
+// for, the AMQP exchange and routing key and the Redis stream key all use
+// it, so one event renders to the same reversible name whatever the broker.
 type subjectTemplate struct {
 	raw    string
+	rules  templateRules
 	tokens []templateToken
 }
 
@@ -145,51 +149,85 @@ type templateToken struct {
 	ph      string // one of the ph* constants, or ""
 }
 
-// parseSubjectTemplate validates a template. Each '.'-separated token is
-// either a literal NATS token (no wildcards, whitespace or braces) or exactly
-// one placeholder: a placeholder sharing a token with other text could not
-// be split back into its value, which would break reversibility. The first
-// token must be literal so the JetStream stream's subject filter has a fixed
-// root and never captures unrelated traffic such as _INBOX replies.
+// templateRules is what differs between the names a template can build.
+type templateRules struct {
+	// what names the template in errors: "subject", "routing key", ...
+	what string
+	// natsRoot requires a literal first token that NATS does not reserve,
+	// so a JetStream subject filter has a fixed root.
+	natsRoot bool
+	// allowEmpty accepts the empty template (an AMQP routing key may be
+	// empty: fanout exchanges ignore it).
+	allowEmpty bool
+	// maxLen bounds a rendered name, in bytes.
+	maxLen int
+	// raw substitutes values as they are, unescaped, for names whose
+	// legal characters exclude the escape ('%' in a Kafka topic); the
+	// sink then checks the rendered name.
+	raw bool
+}
+
+// natsSubjectRules are the NATS subject's rules.
+var natsSubjectRules = templateRules{what: "subject", natsRoot: true, maxLen: maxSubjectLen}
+
+// parseSubjectTemplate parses a NATS subject template.
 func parseSubjectTemplate(raw string) (*subjectTemplate, error) {
+	return parseTemplate(raw, natsSubjectRules)
+}
+
+// parseTemplate validates a template. Each '.'-separated token is either a
+// literal token (no wildcards, whitespace or braces) or exactly one
+// placeholder: a placeholder sharing a token with other text could not be
+// split back into its value, which would break reversibility. With
+// rules.natsRoot the first token must be literal so the JetStream stream's
+// subject filter has a fixed root and never captures unrelated traffic such
+// as _INBOX replies.
+func parseTemplate(raw string, rules templateRules) (*subjectTemplate, error) {
+	what := rules.what + " template"
 	if raw == "" {
-		return nil, errors.New("subject template is empty")
+		if rules.allowEmpty {
+			return &subjectTemplate{raw: raw, rules: rules}, nil
+		}
+		return nil, fmt.Errorf("%s is empty", what)
 	}
 	parts := strings.Split(raw, ".")
-	t := &subjectTemplate{raw: raw, tokens: make([]templateToken, 0, len(parts))}
+	t := &subjectTemplate{raw: raw, rules: rules, tokens: make([]templateToken, 0, len(parts))}
 	for i, p := range parts {
 		switch p {
 		case phStream, phAggregateKey, phEventType:
-			if i == 0 {
-				return nil, fmt.Errorf("subject template %q: the first token must be literal, not a placeholder", raw)
+			if i == 0 && rules.natsRoot {
+				return nil, fmt.Errorf("%s %q: the first token must be literal, not a placeholder", what, raw)
 			}
 			t.tokens = append(t.tokens, templateToken{ph: p})
 			continue
 		}
 		if p == "" {
-			return nil, fmt.Errorf("subject template %q: empty token", raw)
+			return nil, fmt.Errorf("%s %q: empty token", what, raw)
 		}
 		for j := 0; j < len(p); j++ {
 			c := p[j]
 			switch {
 			case c == '{' || c == '}':
-				return nil, fmt.Errorf("subject template %q: token %q: a placeholder must be a whole token and one of %s, %s, %s",
-					raw, p, phStream, phAggregateKey, phEventType)
+				return nil, fmt.Errorf("%s %q: token %q: a placeholder must be a whole token and one of %s, %s, %s",
+					what, raw, p, phStream, phAggregateKey, phEventType)
 			case c == '*' || c == '>':
-				return nil, fmt.Errorf("subject template %q: token %q: wildcards cannot be published to", raw, p)
+				return nil, fmt.Errorf("%s %q: token %q: wildcards cannot be published to", what, raw, p)
 			case c <= ' ' || c >= 0x7F:
-				return nil, fmt.Errorf("subject template %q: token %q: only printable ASCII is allowed in literal tokens", raw, p)
+				return nil, fmt.Errorf("%s %q: token %q: only printable ASCII is allowed in literal tokens", what, raw, p)
 			}
 		}
-		if i == 0 && (p[0] == '$' || p == "_INBOX") {
-			return nil, fmt.Errorf("subject template %q: %q is reserved by NATS", raw, p)
+		if i == 0 && rules.natsRoot && (p[0] == '$' || p == "_INBOX") {
+			return nil, fmt.Errorf("%s %q: %q is reserved by NATS", what, raw, p)
 		}
 		t.tokens = append(t.tokens, templateToken{literal: p})
+	}
+	if len(raw) > rules.maxLen {
+		return nil, fmt.Errorf("%s %q: longer than %d bytes", what, raw, rules.maxLen)
 	}
 	return t, nil
 }
 
-// render builds the subject for ev.
+// render builds the name for ev.
 func (t *subjectTemplate) render(ev relay.Event) (string, error) {
 	var b strings.Builder
 	for i, tok := range t.tokens {
@@ -199,18 +237,35 @@ func (t *subjectTemplate) render(ev relay.Event) (string, error) {
 		switch tok.ph {
 		case "":
 			b.WriteString(tok.literal)
-		case phStream:
-			b.WriteString(EscapeSubjectToken(ev.Stream))
-		case phAggregateKey:
-			b.WriteString(EscapeSubjectToken(ev.AggregateKey))
-		case phEventType:
-			b.WriteString(EscapeSubjectToken(ev.Type))
+		default:
+			v := ev.Stream
+			switch tok.ph {
+			case phAggregateKey:
+				v = ev.AggregateKey
+			case phEventType:
+				v = ev.Type
+			}
+			if !t.rules.raw {
+				v = EscapeSubjectToken(v)
+			}
+			b.WriteString(v)
 		}
 	}
-	if b.Len() > maxSubjectLen {
-		return "", fmt.Errorf("subject for event %s is %d bytes after escaping, over the %d-byte limit", ev.ID, b.Len(), maxSubjectLen)
+	if b.Len() > t.rules.maxLen {
+		return "", fmt.Errorf("%s for event %s is %d bytes after escaping, over the %d-byte limit", t.rules.what, ev.ID, b.Len(), t.rules.maxLen)
 	}
 	return b.String(), nil
+}
+
+// literal reports whether the template has no placeholders, so it renders
+// the same name for every event.
+func (t *subjectTemplate) literal() bool {
+	for _, tok := range t.tokens {
+		if tok.ph != "" {
+			return false
+		}
+	}
+	return true
 }
 
 // filter is the JetStream subject filter matching exactly the subjects the

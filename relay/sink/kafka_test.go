@@ -1,0 +1,177 @@
+package sink_test
+
+import (
+	"context"
+	"errors"
+	"net/url"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/twmb/franz-go/pkg/kfake"
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/outboxd/outboxd/relay/sink"
+)
+
+// No Kafka server runs on these machines: the tests use franz-go's
+// in-process Kafka (kfake), which speaks the real protocol on loopback,
+// with three partitions per topic so that keying matters.
+func newKafka(t *testing.T, topics ...string) *kfake.Cluster {
+	t.Helper()
+	c, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(3, topics...))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(c.Close)
+	return c
+}
+
+func kafkaSinkURL(c *kfake.Cluster, params map[string]string) string {
+	q := url.Values{}
+	for k, v := range params {
+		q.Set(k, v)
+	}
+	return "kafka://" + strings.Join(c.ListenAddrs(), ",") + "?" + q.Encode()
+}
+
+// consume reads n records from the topics, from the start.
+func consume(t *testing.T, c *kfake.Cluster, n int, topics ...string) []*kgo.Record {
+	t.Helper()
+	cl, err := kgo.NewClient(kgo.SeedBrokers(c.ListenAddrs()...), kgo.ConsumeTopics(topics...),
+		kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cl.Close()
+	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+	defer cancel()
+	var out []*kgo.Record
+	for len(out) < n {
+		f := cl.PollFetches(ctx)
+		if err := ctx.Err(); err != nil {
+			t.Fatalf("read %d of %d records: %v", len(out), n, err)
+		}
+		f.EachError(func(topic string, p int32, err error) { t.Fatalf("fetch %s/%d: %v", topic, p, err) })
+		out = append(out, f.Records()...)
+	}
+	if len(out) != n {
+		t.Fatalf("read %d records, want %d", len(out), n)
+	}
+	return out
+}
+
+func header(r *kgo.Record, k string) string {
+	for _, h := range r.Headers {
+		if h.Key == k {
+			return string(h.Value)
+		}
+	}
+	return ""
+}
+
+func TestKafkaRecordKeyHeadersAndTopic(t *testing.T) {
+	t.Parallel()
+	c := newKafka(t, "outbox.orders.eu")
+	s := openSink(t, kafkaSinkURL(c, nil))
+	ev := testEvent("0f8fad5b-d9cb-469f-a165-70867728950e")
+	if err := s.Publish(t.Context(), ev); err != nil {
+		t.Fatalf("Publish: %v", err)
+	}
+	r := consume(t, c, 1, "outbox.orders.eu")[0]
+	if string(r.Key) != "order-42" || string(r.Value) != string(ev.Payload) {
+		t.Errorf("record key %q value %q", r.Key, r.Value)
+	}
+	want := map[string]string{
+		sink.HeaderEventID:      ev.ID,
+		sink.HeaderEventType:    "OrderPlaced",
+		sink.HeaderStream:       "orders.eu",
+		sink.HeaderAggregateKey: "order-42",
+		sink.HeaderRevision:     "7",
+		sink.HeaderCreatedAt:    "2025-03-04T05:06:07.123456789Z",
+		"X-Tenant":              "acme",
+	}
+	for k, v := range want {
+		if got := header(r, k); got != v {
+			t.Errorf("header %s = %q, want %q", k, got, v)
+		}
+	}
+}
+
+// One aggregate's records share a partition, in order; several aggregates
+// spread over the partitions.
+func TestKafkaAggregateKeepsPartitionAndOrder(t *testing.T) {
+	t.Parallel()
+	c := newKafka(t, "t.orders")
+	s := openSink(t, kafkaSinkURL(c, map[string]string{"topic": "t.{event_type}"}))
+	keys := []string{"a", "b", "c", "d", "e", "f", "g", "h"}
+	for rev := 1; rev <= 5; rev++ {
+		for _, k := range keys {
+			ev := testEvent(k + "-" + strconv.Itoa(rev))
+			ev.Type, ev.AggregateKey, ev.Revision = "orders", k, int64(rev)
+			if err := s.Publish(t.Context(), ev); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	partition := map[string]int32{}
+	last := map[string]int{}
+	parts := map[int32]bool{}
+	for _, r := range consume(t, c, len(keys)*5, "t.orders") {
+		k := string(r.Key)
+		if p, ok := partition[k]; ok && p != r.Partition {
+			t.Errorf("aggregate %s in partitions %d and %d", k, p, r.Partition)
+		}
+		partition[k] = r.Partition
+		parts[r.Partition] = true
+		rev, _ := strconv.Atoi(header(r, sink.HeaderRevision))
+		if rev < last[k] {
+			t.Errorf("aggregate %s: revision %d after %d within its partition", k, rev, last[k])
+		}
+		last[k] = rev
+	}
+	if len(parts) < 2 {
+		t.Errorf("8 aggregates all in one partition of 3")
+	}
+}
+
+func TestKafkaPublishErrors(t *testing.T) {
+	t.Parallel()
+	c := newKafka(t, "outbox.orders.order-42")
+	s := openSink(t, kafkaSinkURL(c, map[string]string{"topic": "outbox.{stream}.{aggregate_key}", "timeout": "1s", "max_bytes": "2048"}))
+
+	ev := testEvent("e-bad-topic")
+	ev.Stream, ev.AggregateKey = "orders", "has space"
+	if err := s.Publish(t.Context(), ev); err == nil || !strings.Contains(err.Error(), "not a valid Kafka topic") {
+		t.Errorf("Publish to an invalid topic = %v", err)
+	}
+	ev = testEvent("e-missing-topic")
+	ev.Stream, ev.AggregateKey = "orders", "nosuch"
+	if err := s.Publish(t.Context(), ev); err == nil {
+		t.Error("Publish to a topic that does not exist succeeded")
+	}
+	ev = testEvent("e-large")
+	ev.Stream = "orders"
+	ev.Payload = []byte(`"` + strings.Repeat("x", 4096) + `"`)
+	if err := s.Publish(t.Context(), ev); err == nil || !strings.Contains(err.Error(), "max_bytes") {
+		t.Errorf("Publish of a record over max_bytes = %v", err)
+	}
+	ev = testEvent("e-reserved")
+	ev.Headers = map[string]string{"Outbox-Event-Id": "spoof"}
+	if err := s.Publish(t.Context(), ev); err == nil {
+		t.Error("Publish with an Outbox- header succeeded")
+	}
+}
+
+func TestKafkaOpenConnectFailure(t *testing.T) {
+	t.Parallel()
+	s, err := sink.Open(t.Context(), "kafka://127.0.0.1:1?timeout=1s", sink.Options{})
+	if err == nil {
+		_ = s.Close()
+		t.Fatal("Open against a closed port succeeded")
+	}
+	if errors.Is(err, sink.ErrInvalidURL) || !strings.Contains(err.Error(), "kafka://127.0.0.1:1") {
+		t.Errorf("Open error %q: want a connection error naming the URL", err)
+	}
+}

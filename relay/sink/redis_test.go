@@ -1,0 +1,209 @@
+package sink_test
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/json"
+	"net/url"
+	"os"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+	"github.com/redis/go-redis/v9/maintnotifications"
+
+	"github.com/outboxd/outboxd/relay/sink"
+)
+
+func redisURL() string {
+	if v := os.Getenv("REDIS_URL"); v != "" {
+		return v
+	}
+	return "redis://127.0.0.1:6379/0"
+}
+
+// redisEnv is one test's key prefix on the shared Redis server and a
+// client to inspect it; its keys are deleted when the test ends.
+type redisEnv struct {
+	c      *redis.Client
+	prefix string
+}
+
+func newRedisEnv(t *testing.T) *redisEnv {
+	t.Helper()
+	opts, err := redis.ParseURL(redisURL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	opts.MaintNotificationsConfig = &maintnotifications.Config{Mode: maintnotifications.ModeDisabled}
+	c := redis.NewClient(opts)
+	if err := c.Ping(t.Context()).Err(); err != nil {
+		c.Close()
+		t.Fatalf("connect to Redis at %s (or set REDIS_URL): %v", redisURL(), err)
+	}
+	e := &redisEnv{c: c, prefix: "t.outbox." + strings.ToLower(rand.Text()[:10])}
+	t.Cleanup(func() {
+		ctx := context.Background()
+		keys, _ := c.Keys(ctx, e.prefix+"*").Result()
+		if len(keys) > 0 {
+			c.Del(ctx, keys...)
+		}
+		c.Close()
+	})
+	return e
+}
+
+func (e *redisEnv) url(params map[string]string) string {
+	u, err := url.Parse(redisURL())
+	if err != nil {
+		panic(err)
+	}
+	q := url.Values{"stream": {e.prefix + ".{stream}"}}
+	for k, v := range params {
+		q.Set(k, v)
+	}
+	u.RawQuery = q.Encode()
+	return u.String()
+}
+
+func (e *redisEnv) entries(t *testing.T, key string) []redis.XMessage {
+	t.Helper()
+	msgs, err := e.c.XRange(t.Context(), key, "-", "+").Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return msgs
+}
+
+func TestRedisPublishAddsEntry(t *testing.T) {
+	t.Parallel()
+	e := newRedisEnv(t)
+	s := openSink(t, e.url(nil))
+	ev := testEvent("0f8fad5b-d9cb-469f-a165-70867728950e")
+	if err := s.Publish(t.Context(), ev); err != nil {
+		t.Fatalf("Publish: %v", err)
+	}
+	msgs := e.entries(t, e.prefix+".orders%2Eeu")
+	if len(msgs) != 1 {
+		t.Fatalf("stream holds %d entries, want 1", len(msgs))
+	}
+	v := msgs[0].Values
+	want := map[string]string{
+		sink.RedisFieldEventID:   ev.ID,
+		sink.RedisFieldStream:    "orders.eu",
+		sink.RedisFieldKey:       "order-42",
+		sink.RedisFieldRevision:  "7",
+		sink.RedisFieldType:      "OrderPlaced",
+		sink.RedisFieldCreatedAt: "2025-03-04T05:06:07.123456789Z",
+		sink.RedisFieldPayload:   string(ev.Payload),
+	}
+	for k, w := range want {
+		if v[k] != w {
+			t.Errorf("field %s = %#v, want %q", k, v[k], w)
+		}
+	}
+	var h map[string]string
+	if err := json.Unmarshal([]byte(v[sink.RedisFieldHeaders].(string)), &h); err != nil || h["X-Tenant"] != "acme" || h["traceparent"] != ev.Headers["traceparent"] {
+		t.Errorf("headers field %#v (%v)", v[sink.RedisFieldHeaders], err)
+	}
+
+	ev.Headers = nil
+	ev.ID = "e2"
+	if err := s.Publish(t.Context(), ev); err != nil {
+		t.Fatal(err)
+	}
+	if got := e.entries(t, e.prefix+".orders%2Eeu")[1].Values[sink.RedisFieldHeaders]; got != "{}" {
+		t.Errorf("headers of an event without headers = %#v, want {}", got)
+	}
+}
+
+// maxlen trims approximately: Redis drops whole nodes (100 entries by
+// default), so the stream ends up at or a little over maxlen.
+func TestRedisMaxLenTrims(t *testing.T) {
+	t.Parallel()
+	e := newRedisEnv(t)
+	s := openSink(t, e.url(map[string]string{"maxlen": "10"}))
+	for i := range 250 {
+		if err := s.Publish(t.Context(), testEvent("e"+strconv.Itoa(i))); err != nil {
+			t.Fatal(err)
+		}
+	}
+	n, err := e.c.XLen(t.Context(), e.prefix+".orders%2Eeu").Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n < 10 || n > 150 {
+		t.Errorf("stream holds %d entries after 250 adds with maxlen=10 (approximate)", n)
+	}
+}
+
+func TestRedisPublishErrors(t *testing.T) {
+	t.Parallel()
+	e := newRedisEnv(t)
+	s := openSink(t, e.url(map[string]string{"timeout": "2s"}))
+	// A key of another type: Redis refuses the XADD (WRONGTYPE).
+	if err := e.c.Set(t.Context(), e.prefix+".orders%2Eeu", "x", 0).Err(); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Publish(t.Context(), testEvent("e1")); err == nil || !strings.Contains(err.Error(), "WRONGTYPE") {
+		t.Errorf("Publish to a string key = %v, want WRONGTYPE", err)
+	}
+	if err := s.Publish(t.Context(), testEvent("")); err == nil {
+		t.Error("Publish without an event ID succeeded")
+	}
+	ctx, cancel := context.WithCancel(t.Context())
+	cancel()
+	if err := s.Publish(ctx, testEvent("e-cancelled")); err == nil {
+		t.Error("Publish with a cancelled context succeeded")
+	}
+}
+
+// Redis cannot tell a redelivery from a new event: both are appended. The
+// consumer's check, shown in the README, is to claim the event ID with
+// SET NX (with an expiry longer than outboxd's redelivery horizon) before
+// acting, and skip it when the claim fails.
+func TestRedisConsumerDeduplicatesByEventID(t *testing.T) {
+	t.Parallel()
+	e := newRedisEnv(t)
+	s := openSink(t, e.url(nil))
+	ev := testEvent("7c9e6679-7425-40de-944b-e07fc1f90ae7")
+	for attempt := 1; attempt <= 2; attempt++ {
+		ev.Attempt = attempt
+		if err := s.Publish(t.Context(), ev); err != nil {
+			t.Fatal(err)
+		}
+	}
+	msgs := e.entries(t, e.prefix+".orders%2Eeu")
+	if len(msgs) != 2 {
+		t.Fatalf("stream holds %d entries, want both copies", len(msgs))
+	}
+	handled := 0
+	for _, m := range msgs {
+		id := m.Values[sink.RedisFieldEventID].(string)
+		first, err := e.c.SetNX(t.Context(), e.prefix+".seen."+id, m.ID, 24*time.Hour).Result()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !first {
+			continue // a redelivery: already handled
+		}
+		handled++
+	}
+	if handled != 1 {
+		t.Errorf("consumer handled the event %d times, want 1", handled)
+	}
+}
+
+func TestRedisOpenConnectFailure(t *testing.T) {
+	t.Parallel()
+	s, err := sink.Open(t.Context(), "redis://:s3cret@127.0.0.1:1/0?timeout=1s", sink.Options{})
+	if err == nil {
+		_ = s.Close()
+		t.Fatal("Open against a closed port succeeded")
+	}
+	if strings.Contains(err.Error(), "s3cret") || !strings.Contains(err.Error(), "redis://") {
+		t.Errorf("Open error %q: want the URL named, without its password", err)
+	}
+}

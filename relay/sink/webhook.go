@@ -1,0 +1,251 @@
+package sink
+
+import (
+	"bytes"
+	"context"
+	"crypto/hmac"
+	"crypto/sha256"
+	"encoding/base64"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"net/url"
+	"os"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/outboxd/outboxd/relay"
+)
+
+// DefaultWebhookTimeout is the webhook sink's default bound on one POST.
+const DefaultWebhookTimeout = 10 * time.Second
+
+// Standard Webhooks headers the webhook sink sets.
+const (
+	HeaderWebhookID        = "webhook-id"
+	HeaderWebhookTimestamp = "webhook-timestamp"
+	HeaderWebhookSignature = "webhook-signature"
+)
+
+// webhookSecretPrefix starts a Standard Webhooks secret; the rest is the
+// key in base64.
+const webhookSecretPrefix = "whsec_"
+
+// maxWebhookExcerpt bounds the response body quoted in an error.
+const maxWebhookExcerpt = 256
+
+type webhookConfig struct {
+	endpoint string
+	keys     [][]byte
+	timeout  time.Duration
+}
+
+func parseWebhookURL(u *url.URL, display string) (*webhookConfig, error) {
+	if u.Opaque != "" || u.Host == "" {
+		return nil, invalid(display, "want %s://host[:port]/path?secret_file=...", u.Scheme)
+	}
+	if u.User != nil {
+		return nil, invalid(display, "credentials in a webhook URL are not sent; authenticate with the signature")
+	}
+	if u.Fragment != "" {
+		return nil, invalid(display, "unexpected fragment")
+	}
+	p, err := params(u, display, "secret_file", "timeout", "query")
+	if err != nil {
+		return nil, err
+	}
+	cfg := &webhookConfig{timeout: DefaultWebhookTimeout}
+	file, ok := p["secret_file"]
+	if !ok || file == "" {
+		return nil, invalid(display, `missing parameter "secret_file" (a file holding the whsec_... signing secret)`)
+	}
+	if cfg.keys, err = readWebhookSecrets(file); err != nil {
+		return nil, invalid(display, "secret_file=%q: %v", file, err)
+	}
+	if v, ok := p["timeout"]; ok {
+		if cfg.timeout, err = positiveDuration(v); err != nil {
+			return nil, invalid(display, "timeout=%q: %v", v, err)
+		}
+	}
+	endpoint := *u
+	endpoint.RawQuery, endpoint.ForceQuery = "", false
+	if v, ok := p["query"]; ok {
+		// The endpoint's own query string, kept apart from the sink's
+		// parameters so that neither can be taken for the other.
+		if _, err := url.ParseQuery(v); err != nil {
+			return nil, invalid(display, "query=%q: %v", v, err)
+		}
+		endpoint.RawQuery = v
+	}
+	cfg.endpoint = endpoint.String()
+	return cfg, nil
+}
+
+// readWebhookSecrets reads one or more whsec_ secrets, one a line; every
+// one signs each request, so a receiver can rotate its secret by accepting
+// the new one while the relay still signs with both. Error messages never
+// show the secret.
+func readWebhookSecrets(file string) ([][]byte, error) {
+	b, err := os.ReadFile(file)
+	if err != nil {
+		return nil, err
+	}
+	var keys [][]byte
+	for i, line := range strings.Split(string(b), "\n") {
+		line = strings.TrimSpace(line)
+		if line == "" {
+			continue
+		}
+		rest, ok := strings.CutPrefix(line, webhookSecretPrefix)
+		if !ok {
+			return nil, fmt.Errorf("line %d: want a secret starting with %q", i+1, webhookSecretPrefix)
+		}
+		key, err := base64.StdEncoding.DecodeString(rest)
+		if err != nil {
+			return nil, fmt.Errorf("line %d: the secret after %q is not base64", i+1, webhookSecretPrefix)
+		}
+		if len(key) < 24 {
+			return nil, fmt.Errorf("line %d: the secret is %d bytes; want at least 24", i+1, len(key))
+		}
+		keys = append(keys, key)
+	}
+	if len(keys) == 0 {
+		return nil, errors.New("no secret in the file")
+	}
+	return keys, nil
+}
+
+// webhookSink POSTs each event to one endpoint, signed as Standard
+// Webhooks specifies.
+type webhookSink struct {
+	cfg       *webhookConfig
+	client    *http.Client
+	transport *http.Transport
+	now       func() time.Time
+}
+
+func openWebhook(_ context.Context, u *url.URL, display string, opts Options) (relay.Sink, error) {
+	cfg, err := parseWebhookURL(u, display)
+	if err != nil {
+		return nil, err
+	}
+	// A transport of its own (the default's settings: proxy from the
+	// environment, TLS with the system roots, HTTP/2), so Close can drop
+	// its idle connections without touching anyone else's.
+	tr := http.DefaultTransport.(*http.Transport).Clone()
+	s := &webhookSink{
+		cfg:       cfg,
+		transport: tr,
+		client: &http.Client{
+			Transport: tr,
+			Timeout:   cfg.timeout,
+			// A redirected POST can turn into a GET or lose its body:
+			// report the redirect instead of following it.
+			CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse },
+		},
+		now: time.Now,
+	}
+	opts.Logger.Info("webhook sink ready", "sink", "webhook", "endpoint", display)
+	return s, nil
+}
+
+// signWebhook returns the webhook-signature header value: "v1," and the
+// base64 HMAC-SHA256 of "id.timestamp.body" under each key, space-separated.
+func signWebhook(keys [][]byte, id, timestamp string, body []byte) string {
+	sigs := make([]string, len(keys))
+	for i, k := range keys {
+		m := hmac.New(sha256.New, k)
+		m.Write([]byte(id))
+		m.Write([]byte{'.'})
+		m.Write([]byte(timestamp))
+		m.Write([]byte{'.'})
+		m.Write(body)
+		sigs[i] = "v1," + base64.StdEncoding.EncodeToString(m.Sum(nil))
+	}
+	return strings.Join(sigs, " ")
+}
+
+// Publish POSTs ev as JSON and returns nil on a 2xx answer. 408, 429 and
+// 5xx are errors the runner retries with its backoff, or after the
+// response's Retry-After when that is longer (relay.RetryAfter). Any other
+// answer is an error too, naming the status and quoting the body: the event
+// is retried and then parked with it, since the receiver refused it.
+func (s *webhookSink) Publish(ctx context.Context, ev relay.Event) error {
+	if ev.ID == "" {
+		return errors.New("webhook sink: event has no ID, which webhook-id needs")
+	}
+	body, err := encodeEvent(ev)
+	if err != nil {
+		return fmt.Errorf("webhook sink: %w", err)
+	}
+	ts := strconv.FormatInt(s.now().Unix(), 10)
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, s.cfg.endpoint, bytes.NewReader(body))
+	if err != nil {
+		return fmt.Errorf("webhook sink: %w", err)
+	}
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("User-Agent", "outboxd-relay")
+	req.Header.Set(HeaderWebhookID, ev.ID)
+	req.Header.Set(HeaderWebhookTimestamp, ts)
+	req.Header.Set(HeaderWebhookSignature, signWebhook(s.cfg.keys, ev.ID, ts, body))
+	resp, err := s.client.Do(req)
+	if err != nil {
+		return fmt.Errorf("webhook sink: POST event %s: %w", ev.ID, err)
+	}
+	defer resp.Body.Close()
+	excerpt, _ := io.ReadAll(io.LimitReader(resp.Body, maxWebhookExcerpt+1))
+	// Read a little more so the connection can be reused, not forever.
+	_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, 64<<10))
+	if resp.StatusCode >= 200 && resp.StatusCode < 300 {
+		return nil
+	}
+	err = fmt.Errorf("webhook sink: POST event %s: %s%s", ev.ID, resp.Status, quoteExcerpt(excerpt))
+	switch {
+	case resp.StatusCode == http.StatusRequestTimeout || resp.StatusCode == http.StatusTooManyRequests || resp.StatusCode >= 500:
+		return relay.RetryAfter(err, retryAfter(resp.Header.Get("Retry-After"), s.now()))
+	case resp.StatusCode >= 300 && resp.StatusCode < 400:
+		return fmt.Errorf("%w (redirect to %q not followed: configure the final URL)", err, resp.Header.Get("Location"))
+	default:
+		return fmt.Errorf("%w (refused by the receiver; retrying will not help until it changes)", err)
+	}
+}
+
+// quoteExcerpt renders the start of a response body for an error message.
+func quoteExcerpt(b []byte) string {
+	if len(b) == 0 {
+		return ""
+	}
+	more := ""
+	if len(b) > maxWebhookExcerpt {
+		b, more = b[:maxWebhookExcerpt], "…"
+	}
+	// A rune cut at the limit becomes U+FFFD, as does any invalid byte.
+	return fmt.Sprintf(": %q%s", strings.ToValidUTF8(string(b), "\uFFFD"), more)
+}
+
+// retryAfter parses a Retry-After value: delay seconds or an HTTP date.
+// It returns 0 when there is none or it cannot be read.
+func retryAfter(v string, now time.Time) time.Duration {
+	v = strings.TrimSpace(v)
+	if v == "" {
+		return 0
+	}
+	if n, err := strconv.ParseInt(v, 10, 64); err == nil {
+		if n <= 0 {
+			return 0
+		}
+		return time.Duration(min(n, int64(24*time.Hour/time.Second))) * time.Second
+	}
+	if t, err := http.ParseTime(v); err == nil {
+		return max(t.Sub(now), 0)
+	}
+	return 0
+}
+
+// Close drops the sink's idle connections.
+func (s *webhookSink) Close() error {
+	s.transport.CloseIdleConnections()
+	return nil
+}
