@@ -52,8 +52,8 @@ type Sink interface {
 // RetryAfter returns err marked with a broker's request to wait at least d
 // before the event is offered again (an HTTP Retry-After, a throttle hint).
 // The runner sends d as the Nack's retry_after; the server waits for the
-// longer of d and its own backoff. A d above the server's backoff cap is
-// refused by the server, and the runner then nacks without it. A nil err
+// longer of d and its own backoff, up to its backoff cap. (A server that
+// refuses a d above its cap gets the nack again without it.) A nil err
 // stays nil; d <= 0 adds nothing.
 func RetryAfter(err error, d time.Duration) error {
 	if err == nil || d <= 0 {

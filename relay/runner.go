@@ -384,8 +384,9 @@ func (r *Runner) nack(ctx context.Context, f *fatal, d *outboxv1.SubscribeRespon
 			return
 		}
 		if req.RetryAfter != nil && status.Code(err) == codes.InvalidArgument {
-			// The server refuses a retry_after above its backoff cap: the
-			// failure must still count, so nack without it.
+			// A server that refuses a retry_after above its backoff cap
+			// (current ones cap it): the failure must still count, so
+			// nack without it.
 			r.log.Info("nack's retry_after refused; nacking with the server's backoff", "event_id", id,
 				"retry_after", req.RetryAfter.AsDuration(), "err", err)
 			req.RetryAfter = nil

@@ -4,11 +4,14 @@ import (
 	"context"
 	"fmt"
 	"testing"
+	"time"
 
 	"github.com/google/uuid"
+	"google.golang.org/protobuf/types/known/durationpb"
 
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
 	"github.com/outboxd/outboxd/internal/testdb"
+	"github.com/outboxd/outboxd/server"
 )
 
 // One ack the database refuses cannot fail its neighbours in a group
@@ -70,5 +73,32 @@ func TestOneFailingAckDoesNotFailItsBatch(t *testing.T) {
 	}
 	if res := ack(t, r, badDelivery); res[0].GetStatus() != outboxv1.AckStatus_ACK_STATUS_PUBLISHED {
 		t.Fatalf("retried ack: %v", res[0])
+	}
+}
+
+// A nack's retry_after beyond the backoff cap (a broker's Retry-After of
+// hours) is honoured up to the cap, not refused: refusing would lose the
+// failure's count.
+func TestNackRetryAfterIsCapped(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	r := startReplica(t, url, func(c *server.Config) { c.BackoffCap = time.Minute })
+	emit(t, pool, "orders", "o-1", 1)
+	d := recv(t, subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 1}))
+	before := time.Now()
+	res, err := r.Relay.Nack(ctx, &outboxv1.NackRequest{EventId: d.GetEvent().GetEventId(), LeaseToken: d.GetLeaseToken(),
+		Error: "429", RetryAfter: durationpb.New(2 * time.Hour)})
+	if err != nil {
+		t.Fatalf("nack with a retry_after over the cap: %v", err)
+	}
+	if res.GetFailures() != 1 {
+		t.Fatalf("failures %d, want 1", res.GetFailures())
+	}
+	wait := res.GetNextAttemptAt().AsTime().Sub(before)
+	if wait < 50*time.Second || wait > 2*time.Minute {
+		t.Fatalf("next attempt in %v, want the 1m cap", wait)
 	}
 }

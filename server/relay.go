@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"strings"
 	"time"
 	"unicode/utf8"
@@ -221,7 +222,10 @@ func (r *relayService) Nack(ctx context.Context, req *outboxv1.NackRequest) (*ou
 	if err != nil {
 		f.add("lease_token", "%v", err)
 	}
-	retryAfter := checkDuration(&f, "retry_after", req.GetRetryAfter(), 0, 0, s.cfg.BackoffCap)
+	// A broker's throttle hint can exceed the backoff cap (an HTTP
+	// Retry-After of an hour, say): honour it up to the cap rather than
+	// refuse the nack and lose its failure count.
+	retryAfter := min(checkDuration(&f, "retry_after", req.GetRetryAfter(), 0, 0, time.Duration(math.MaxInt64)), s.cfg.BackoffCap)
 	if err := f.err(); err != nil {
 		return nil, err
 	}

@@ -494,7 +494,8 @@ type NackRequest struct {
 	// operators.
 	Error string `protobuf:"bytes,3,opt,name=error,proto3" json:"error,omitempty"`
 	// retry_after asks the server to wait at least this long before offering the
-	// event again (for example a broker's throttle hint). Optional.
+	// event again (for example a broker's throttle hint), up to the server's
+	// backoff cap (5 minutes by default); a longer one is capped. Optional.
 	RetryAfter    *durationpb.Duration `protobuf:"bytes,4,opt,name=retry_after,json=retryAfter,proto3" json:"retry_after,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
