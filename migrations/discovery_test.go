@@ -2,12 +2,15 @@ package migrations_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"sync"
 	"testing"
 	"time"
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outboxd/outboxd/client"
@@ -619,4 +622,105 @@ func TestUndiscoveredEventsCountOnce(t *testing.T) {
 	if n := count(t, pool, `SELECT events FROM outbox.delivery d, outbox.pending_of(d.stream, d.aggregate_key, d.delivered_revision)`); n != 2 {
 		t.Fatalf("pending through the delivery row = %d, want 2", n)
 	}
+}
+
+// Producers (READ COMMITTED and REPEATABLE READ), a discovery loop and
+// claim-and-ack workers race on a few hot aggregates, as the server runs
+// them: every event is published, in revision order, and nothing is left
+// stranded. The interleavings are whatever the scheduler makes of them; the
+// assertions hold for every one.
+func TestDiscoveryClaimAndAckRace(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	pool := testdb.NewPoolConfig(t, func(c *pgxpool.Config) { c.MaxConns = 12 })
+	const producers, perProducer, aggregates = 4, 150, 8
+	var wg sync.WaitGroup
+	errs := make(chan error, 16)
+	for p := range producers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			iso := pgx.ReadCommitted
+			if p%2 == 1 {
+				iso = pgx.RepeatableRead
+			}
+			for i := range perProducer {
+				err := pgx.BeginTxFunc(ctx, pool, pgx.TxOptions{IsoLevel: iso}, func(tx pgx.Tx) error {
+					_, err := tx.Exec(ctx, `SELECT outbox.emit('orders', $1, 'T', '{}')`, fmt.Sprintf("a-%d", (p+i)%aggregates))
+					return err
+				})
+				if err != nil && !isSerializationFailure(err) {
+					errs <- err
+					return
+				}
+			}
+		}()
+	}
+	stop := make(chan struct{})
+	var loops sync.WaitGroup
+	loop := func(stmt string) {
+		loops.Add(1)
+		go func() {
+			defer loops.Done()
+			for {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				if _, err := pool.Exec(ctx, stmt); err != nil && ctx.Err() == nil && !isDeadlock(err) {
+					errs <- fmt.Errorf("%s: %w", stmt, err)
+					return
+				}
+			}
+		}()
+	}
+	loop(`SELECT * FROM outbox.discover()`)
+	const claimAndAck = `WITH c AS (SELECT event_id FROM outbox.claim(gen_random_uuid(), 'r', 'x', NULL, 4, interval '30 seconds'))
+		SELECT * FROM outbox.ack(ARRAY(SELECT event_id FROM c), 'x')`
+	loop(claimAndAck)
+	loop(claimAndAck)
+
+	wg.Wait()
+	total := count(t, pool, `SELECT count(*) FROM outbox.event`)
+	for count(t, pool, `SELECT count(*) FROM outbox.event WHERE published_at IS NULL`) > 0 {
+		select {
+		case err := <-errs:
+			t.Fatal(err)
+		case <-ctx.Done():
+			t.Fatalf("%d of %d events still pending after the race", count(t, pool, `SELECT count(*) FROM outbox.event WHERE published_at IS NULL`), total)
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+	close(stop)
+	loops.Wait()
+	select {
+	case err := <-errs:
+		t.Fatal(err)
+	default:
+	}
+	// Published in revision order: an ack marks only the cursor's next
+	// revision, so publication times follow revisions per aggregate.
+	if n := count(t, pool, `SELECT count(*) FROM (
+		SELECT published_at < lag(published_at) OVER (PARTITION BY aggregate_key ORDER BY revision) AS back
+		FROM outbox.event) x WHERE back`); n != 0 {
+		t.Fatalf("%d events published before their predecessor", n)
+	}
+	if n := strandedEvents(t, pool); n != 0 {
+		t.Fatalf("%d stranded events", n)
+	}
+	t.Logf("%d events through the race", total)
+}
+
+func isSerializationFailure(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == "40001"
+}
+
+// isDeadlock: PostgreSQL breaks a lock cycle by failing one statement,
+// which the server retries (claims and discovery next round, acks at once).
+func isDeadlock(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == "40P01"
 }
