@@ -16,6 +16,7 @@ import (
 	"github.com/outboxd/outboxd/client"
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
 	"github.com/outboxd/outboxd/internal/testdb"
+	"github.com/outboxd/outboxd/server"
 )
 
 // One producer transaction left open slows nothing but its own aggregate:
@@ -190,5 +191,37 @@ func TestUndeliverableEventIsParkedNotSent(t *testing.T) {
 	next := emit(t, pool, "orders", "small", 1)[0]
 	if d := recv(t, st); d.GetEvent().GetEventId() != next.String() {
 		t.Fatalf("got %v, want the small event", d.GetEvent())
+	}
+}
+
+// An aggregate whose events are committed but not yet discovered is known
+// to the admin plane: GetAggregate shows it ready with its pending events,
+// and RetryAggregate says there is nothing to retry rather than NOT_FOUND.
+func TestAdminSeesAggregatesBeforeDiscovery(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	emit(t, pool, "orders", "seed", 1)
+	r := startReplica(t, url, func(c *server.Config) {
+		// One round at start, then none within the test.
+		c.DiscoveryInterval, c.DiscoveryIdleInterval = time.Hour, time.Hour
+	})
+	waitState(t, pool, "seed", "ready") // the start-up round has run
+	emit(t, pool, "orders", "fresh", 2)
+	res, err := r.Admin.GetAggregate(ctx, &outboxv1.GetAggregateRequest{Stream: "orders", AggregateKey: "fresh"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if a := res.GetAggregate(); a.GetState() != outboxv1.AggregateState_AGGREGATE_STATE_READY || a.GetPendingEvents() != 2 || a.GetNextPendingRevision() != 1 {
+		t.Fatalf("undiscovered aggregate: %v", a)
+	}
+	_, err = r.Admin.RetryAggregate(ctx, &outboxv1.RetryAggregateRequest{Stream: "orders", AggregateKey: "fresh"})
+	if status.Code(err) != codes.FailedPrecondition {
+		t.Fatalf("retry of an undiscovered aggregate: %v, want FailedPrecondition", err)
+	}
+	_, err = r.Admin.RetryAggregate(ctx, &outboxv1.RetryAggregateRequest{Stream: "orders", AggregateKey: "never"})
+	if status.Code(err) != codes.NotFound {
+		t.Fatalf("retry of an unknown aggregate: %v, want NotFound", err)
 	}
 }

@@ -378,6 +378,16 @@ func (s *Store) RetryAggregate(ctx context.Context, p RetryParams) (Aggregate, e
 			WHERE stream = $1 AND aggregate_key = $2 FOR UPDATE`, p.Stream, p.AggregateKey).
 			Scan(&state, &holderRelay, &expires, &delivered)
 		if errors.Is(err, pgx.ErrNoRows) {
+			// Events committed a moment ago have a counter row before
+			// discovery gives them a delivery row.
+			var known bool
+			if err := tx.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM outbox.aggregate WHERE stream = $1 AND aggregate_key = $2)`,
+				p.Stream, p.AggregateKey).Scan(&known); err != nil {
+				return err
+			}
+			if known {
+				return &StateError{"aggregate's events were committed moments ago and are about to be offered to relays; there is nothing to retry"}
+			}
 			return ErrNotFound
 		}
 		if err != nil {
