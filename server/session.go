@@ -99,132 +99,203 @@ func (ss *session) poke() {
 func (ss *session) abort() { ss.abortOnce.Do(func() { close(ss.aborted) }) }
 
 // run claims and sends until ctx ends, the server stops, or sending fails.
+// Each turn of the loop settles ended leases, claims and sends up to the
+// free credit, and, when that found less than it asked for, waits for work.
 func (ss *session) run(ctx context.Context, send func(*outboxv1.SubscribeResponse) error) error {
-	log := ss.srv.log.With("session", ss.id, "relay", ss.relayID)
-	pollDelay := minIdlePoll
-	reconcileTicker := time.NewTicker(ss.srv.cfg.ReconcileInterval)
-	defer reconcileTicker.Stop()
-	idleTimer := time.NewTimer(time.Hour)
-	defer idleTimer.Stop()
-	// stopWake fires once when the server starts stopping, to wake the
-	// loop; whether the server is stopping is always read from
-	// srv.stopping itself, so no later iteration can miss it.
-	stopWake := ss.srv.stopping
-	// sweepOrphans asks for one more releaseUndelivered after a failed
-	// claim.
-	sweepOrphans := false
-
+	w := newSessionWait(ss)
+	defer w.stop()
 	for {
 		if err := ss.applyFreed(ctx); err != nil {
 			return err
 		}
-		stopped := isClosed(ss.srv.stopping)
-		if stopped && len(ss.inflight) == 0 {
+		stopping := isClosed(ss.srv.stopping)
+		if stopping && len(ss.inflight) == 0 {
 			return errShuttingDown
 		}
-
-		idle := false
 		credit := ss.maxInFlight - len(ss.inflight)
-		if credit > 0 && !stopped {
-			n := min(credit, ss.srv.cfg.ClaimBatch)
-			// Not cancelled with the stream: a claim interrupted by the
-			// relay hanging up may still commit in the database after the
-			// stream's leases were released, orphaning its leases until
-			// their TTL. Letting it finish means the release covers them.
-			claimCtx, cancelClaim := context.WithTimeout(context.WithoutCancel(ctx), claimTimeout)
-			leases, err := ss.srv.store.Claim(claimCtx, store.ClaimParams{
-				Holder: ss.id, RelayID: ss.relayID, ReplicaID: ss.srv.cfg.ReplicaID,
-				Streams: ss.streams, Limit: n, TTL: ss.ttl, MaxAttempts: ss.srv.cfg.MaxDeliveries,
-			})
-			if h := ss.srv.afterClaim; h != nil {
-				leases, err = h(leases, err)
-			}
-			cancelClaim()
+		if credit > 0 && !stopping {
+			outcome, err := ss.claimAndSend(ctx, min(credit, ss.srv.cfg.ClaimBatch), send)
 			if err != nil {
-				if ctx.Err() != nil {
-					return ctx.Err() // the stream's release covers the claim
-				}
-				log.Warn("claim failed; retrying", "err", err)
-				// The claim may have committed before failing (say, timed
-				// out reading its rows): give back what it leased now, and
-				// once more at the next tick in case its commit was late.
-				ss.releaseUndelivered(ctx)
-				sweepOrphans = true
-				idle = true
-				pollDelay = max(pollDelay, 100*time.Millisecond)
+				return err
 			}
-			// Counted before sending: a send blocked by a relay that
-			// stopped reading must not hide the claim's leases from
-			// ListRelays.
-			for _, l := range leases {
-				ss.inflight[l.Event.ID] = struct{}{}
-			}
-			ss.inflightN.Store(int64(len(ss.inflight)))
-			for _, l := range leases {
-				ss.srv.metrics.deliveries.Inc()
-				if l.Attempt > 1 {
-					ss.srv.metrics.redeliveries.Inc()
-				}
-				d := ss.delivery(l)
-				if size := proto.Size(d); size > limits.MaxDeliveryBytes {
-					// No relay could receive it, and sending it would end the
-					// stream: park it with the reason instead.
-					ss.parkUndeliverable(ctx, l, size)
-					continue
-				}
-				if err := send(d); err != nil {
-					return err
-				}
-			}
-			if len(leases) > 0 {
-				pollDelay = minIdlePoll
-			}
-			if err == nil && len(leases) == n {
+			switch outcome {
+			case claimedAll:
+				w.found()
 				continue // there may be more
-			}
-			if err == nil {
-				idle = true
+			case claimedSome:
+				w.found()
+			case claimedNone:
+			case claimFailed:
+				w.claimFailed()
 			}
 		}
-
-		var pollC <-chan time.Time
-		if idle {
-			idleTimer.Reset(pollDelay)
-			pollC = idleTimer.C
-		}
-		select {
-		case <-ctx.Done():
-			return ctx.Err()
-		case <-ss.aborted:
-			return errShuttingDown
-		case <-ss.kick:
-			// Credit freed: claim at once. The backoff is kept, so a session
-			// that then finds nothing does not start over with fast polls.
-		case <-ss.srv.wake.wait():
-			// Discovery found new events: claim at once, backoff kept
-			// (another session may take them, and all of them were woken).
-		case <-pollC:
-			pollDelay = min(pollDelay*2, ss.srv.cfg.PollInterval)
-		case <-reconcileTicker.C:
-			if len(ss.inflight) > 0 {
-				ss.requestReconcile()
-			}
-			if sweepOrphans {
-				sweepOrphans = false
-				ss.releaseUndelivered(ctx)
-			}
-		case <-stopWake:
-			// Seen once; from now on the top of the loop claims nothing and
-			// ends the session when its last delivery is acked or nacked.
-			stopWake = nil
-		}
-		if idle && !idleTimer.Stop() {
-			select {
-			case <-idleTimer.C:
-			default:
-			}
+		if err := w.wait(ctx, credit > 0 && !stopping); err != nil {
+			return err
 		}
 	}
+}
+
+// claimOutcome is what one claim-and-send step found.
+type claimOutcome int
+
+const (
+	claimedAll  claimOutcome = iota // as many as asked: there may be more
+	claimedSome                     // fewer: wait for work
+	claimedNone                     // nothing claimable: wait for work
+	claimFailed                     // the claim failed: wait, then try again
+)
+
+// claimAndSend claims up to n aggregates and sends their events. The error
+// ends the session (the stream failed, or ctx ended).
+func (ss *session) claimAndSend(ctx context.Context, n int, send func(*outboxv1.SubscribeResponse) error) (claimOutcome, error) {
+	// Not cancelled with the stream: a claim interrupted by the relay
+	// hanging up may still commit in the database after the stream's leases
+	// were released, orphaning its leases until their TTL. Letting it finish
+	// means the release covers them.
+	claimCtx, cancelClaim := context.WithTimeout(context.WithoutCancel(ctx), claimTimeout)
+	leases, err := ss.srv.store.Claim(claimCtx, store.ClaimParams{
+		Holder: ss.id, RelayID: ss.relayID, ReplicaID: ss.srv.cfg.ReplicaID,
+		Streams: ss.streams, Limit: n, TTL: ss.ttl, MaxAttempts: ss.srv.cfg.MaxDeliveries,
+	})
+	if h := ss.srv.afterClaim; h != nil {
+		leases, err = h(leases, err)
+	}
+	cancelClaim()
+	if err != nil {
+		if ctx.Err() != nil {
+			return claimFailed, ctx.Err() // the stream's release covers the claim
+		}
+		ss.srv.log.Warn("claim failed; retrying", "session", ss.id, "relay", ss.relayID, "err", err)
+		// The claim may have committed before failing (say, timed out
+		// reading its rows): give back what it leased now, and once more
+		// at the next tick in case its commit was late.
+		ss.releaseUndelivered(ctx)
+	}
+	// Counted before sending: a send blocked by a relay that stopped
+	// reading must not hide the claim's leases from ListRelays.
+	for _, l := range leases {
+		ss.inflight[l.Event.ID] = struct{}{}
+	}
+	ss.inflightN.Store(int64(len(ss.inflight)))
+	for _, l := range leases {
+		if err := ss.sendLease(ctx, l, send); err != nil {
+			return claimFailed, err
+		}
+	}
+	switch {
+	case err != nil:
+		return claimFailed, nil
+	case len(leases) == n:
+		return claimedAll, nil
+	case len(leases) > 0:
+		return claimedSome, nil
+	default:
+		return claimedNone, nil
+	}
+}
+
+// sendLease sends one claimed event, or parks it when no relay could
+// receive it.
+func (ss *session) sendLease(ctx context.Context, l store.Lease, send func(*outboxv1.SubscribeResponse) error) error {
+	ss.srv.metrics.deliveries.Inc()
+	if l.Attempt > 1 {
+		ss.srv.metrics.redeliveries.Inc()
+	}
+	d := ss.delivery(l)
+	if size := proto.Size(d); size > limits.MaxDeliveryBytes {
+		// Sending it would end the stream, and the next claim would pick
+		// it again: park it with the reason instead.
+		ss.parkUndeliverable(ctx, l, size)
+		return nil
+	}
+	return send(d)
+}
+
+// sessionWait is how a session waits for work: the poll backoff, the
+// reconcile ticker, and what a failed claim left to sweep.
+type sessionWait struct {
+	ss        *session
+	pollDelay time.Duration
+	reconcile *time.Ticker
+	idle      *time.Timer
+	// stopWake fires once when the server starts stopping, to wake the
+	// loop; whether the server is stopping is always read from
+	// srv.stopping itself, so no later turn can miss it.
+	stopWake <-chan struct{}
+	// sweepOrphans asks for one more releaseUndelivered after a failed
+	// claim.
+	sweepOrphans bool
+}
+
+func newSessionWait(ss *session) *sessionWait {
+	return &sessionWait{
+		ss: ss, pollDelay: minIdlePoll,
+		reconcile: time.NewTicker(ss.srv.cfg.ReconcileInterval),
+		idle:      time.NewTimer(time.Hour),
+		stopWake:  ss.srv.stopping,
+	}
+}
+
+func (w *sessionWait) stop() {
+	w.reconcile.Stop()
+	w.idle.Stop()
+}
+
+// found resets the poll backoff: work is flowing.
+func (w *sessionWait) found() { w.pollDelay = minIdlePoll }
+
+// claimFailed slows polling and schedules a sweep for late-committing
+// claims.
+func (w *sessionWait) claimFailed() {
+	w.sweepOrphans = true
+	w.pollDelay = max(w.pollDelay, 100*time.Millisecond)
+}
+
+// wait blocks until something may have changed: credit freed, new events
+// discovered, the poll timer (only when polling), a reconcile tick, or the
+// server stopping. The error ends the session.
+func (w *sessionWait) wait(ctx context.Context, polling bool) error {
+	ss := w.ss
+	var pollC <-chan time.Time
+	if polling {
+		w.idle.Reset(w.pollDelay)
+		pollC = w.idle.C
+		defer func() {
+			if !w.idle.Stop() {
+				select {
+				case <-w.idle.C:
+				default:
+				}
+			}
+		}()
+	}
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-ss.aborted:
+		return errShuttingDown
+	case <-ss.kick:
+		// Credit freed: claim at once. The backoff is kept, so a session
+		// that then finds nothing does not start over with fast polls.
+	case <-ss.srv.wake.wait():
+		// Discovery found new events: claim at once, backoff kept (another
+		// session may take them, and all of them were woken).
+	case <-pollC:
+		w.pollDelay = min(w.pollDelay*2, ss.srv.cfg.PollInterval)
+	case <-w.reconcile.C:
+		if len(ss.inflight) > 0 {
+			ss.requestReconcile()
+		}
+		if w.sweepOrphans {
+			w.sweepOrphans = false
+			ss.releaseUndelivered(ctx)
+		}
+	case <-w.stopWake:
+		// Seen once; from now on run claims nothing and ends the session
+		// when its last delivery is acked or nacked.
+		w.stopWake = nil
+	}
+	return nil
 }
 
 // releaseUndelivered gives back the leases this session holds but never
