@@ -638,6 +638,22 @@ END
 $$;
 -- +goose StatementEnd
 
+-- A lease as claim and lease_heads return it: the event to deliver and the
+-- lease covering it.
+CREATE TYPE outbox.lease AS (
+    event_id uuid,
+    stream text,
+    aggregate_key text,
+    revision bigint,
+    event_type text,
+    payload text,
+    headers jsonb,
+    created_at timestamptz,
+    epoch bigint,
+    attempt integer,
+    lease_expires_at timestamptz
+);
+
 -- lease_heads leases each named aggregate whose next revision exists and is
 -- not skipped, and returns that event with its lease. The caller holds the
 -- aggregates' delivery rows locked. PL/pgSQL so that its UPDATE keeps a plan
@@ -665,19 +681,7 @@ CREATE FUNCTION outbox.lease_heads(
     p_ttl interval,
     p_now timestamptz,
     p_max_attempts integer
-) RETURNS TABLE (
-    event_id uuid,
-    stream text,
-    aggregate_key text,
-    revision bigint,
-    event_type text,
-    payload text,
-    headers jsonb,
-    created_at timestamptz,
-    epoch bigint,
-    attempt integer,
-    lease_expires_at timestamptz
-)
+) RETURNS SETOF outbox.lease
 LANGUAGE plpgsql AS $$
 #variable_conflict use_column
 BEGIN
@@ -744,19 +748,7 @@ CREATE FUNCTION outbox.claim(
     p_limit integer,
     p_ttl interval,
     p_max_attempts integer DEFAULT NULL
-) RETURNS TABLE (
-    event_id uuid,
-    stream text,
-    aggregate_key text,
-    revision bigint,
-    event_type text,
-    payload text,
-    headers jsonb,
-    created_at timestamptz,
-    epoch bigint,
-    attempt integer,
-    lease_expires_at timestamptz
-)
+) RETURNS SETOF outbox.lease
 LANGUAGE plpgsql AS $$
 #variable_conflict use_column
 DECLARE
@@ -1066,13 +1058,15 @@ $$;
 -- +goose StatementEnd
 
 -- release gives back every lease a session holds (its stream ended), making
--- the aggregates claimable at once with their original priority.
+-- the aggregates claimable at once with their original priority. Leases of
+-- the events in p_keep stay: a session that saw a claim fail gives back what
+-- that claim may have leased and keeps what it sent.
 -- +goose StatementBegin
-CREATE FUNCTION outbox.release(p_holder uuid) RETURNS integer
+CREATE FUNCTION outbox.release(p_holder uuid, p_keep uuid[] DEFAULT '{}') RETURNS integer
 LANGUAGE sql AS $$
     WITH mine AS (
         SELECT d.stream, d.aggregate_key FROM outbox.delivery d
-        WHERE d.holder = p_holder
+        WHERE d.holder = p_holder AND NOT coalesce(d.leased_event_id = ANY (p_keep), false)
         ORDER BY d.stream, d.aggregate_key
         FOR UPDATE
     ), released AS (

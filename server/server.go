@@ -272,8 +272,7 @@ func (s *Server) Stop(ctx context.Context) error {
 	s.mu.Lock()
 	s.stopOnce.Do(func() { close(s.stopping) })
 	s.mu.Unlock()
-	done := make(chan struct{})
-	go func() { s.sessWG.Wait(); close(done) }()
+	done := s.sessionsDone()
 	select {
 	case <-done:
 		return nil
@@ -298,14 +297,19 @@ func (s *Server) Stop(ctx context.Context) error {
 // is done. After Stop and the gRPC server's Stop it is short: each remaining
 // session only gives its leases back (bounded by releaseTimeout).
 func (s *Server) Wait(ctx context.Context) error {
-	done := make(chan struct{})
-	go func() { s.sessWG.Wait(); close(done) }()
 	select {
-	case <-done:
+	case <-s.sessionsDone():
 		return nil
 	case <-ctx.Done():
 		return ctx.Err()
 	}
+}
+
+// sessionsDone returns a channel closed once every session has ended.
+func (s *Server) sessionsDone() <-chan struct{} {
+	done := make(chan struct{})
+	go func() { s.sessWG.Wait(); close(done) }()
+	return done
 }
 
 // addSession makes sess known locally and, for ListRelays, to every

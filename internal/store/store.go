@@ -368,27 +368,10 @@ func (s *Store) Release(ctx context.Context, holder uuid.UUID) (int, error) {
 
 // ReleaseAllBut gives back every lease holder has except those of the
 // events in keep: leases a claim took that never reached the relay (the
-// claim committed, but its caller gave up before reading the rows). Like
-// outbox.release, the aggregates are claimable at once with their original
-// priority; delivery rows are locked in the same order.
+// claim committed, but its caller gave up before reading the rows).
 func (s *Store) ReleaseAllBut(ctx context.Context, holder uuid.UUID, keep []uuid.UUID) (int, error) {
 	var n int
-	err := s.pool.QueryRow(ctx, `
-		WITH mine AS (
-		    SELECT d.stream, d.aggregate_key FROM outbox.delivery d
-		    WHERE d.holder = $1 AND NOT (d.leased_event_id = ANY ($2::uuid[]))
-		    ORDER BY d.stream, d.aggregate_key
-		    FOR UPDATE
-		), released AS (
-		    UPDATE outbox.delivery d
-		    SET state = 'ready', claimable_at = coalesce(d.pending_since, clock_timestamp()),
-		        holder = NULL, holder_relay_id = NULL, holder_replica_id = NULL, lease_expires_at = NULL
-		    FROM mine m
-		    WHERE d.stream = m.stream AND d.aggregate_key = m.aggregate_key AND d.holder = $1
-		    RETURNING 1
-		)
-		SELECT count(*)::integer FROM released`, holder, keep).Scan(&n)
-	if err != nil {
+	if err := s.pool.QueryRow(ctx, `SELECT outbox.release($1, $2)`, holder, keep).Scan(&n); err != nil {
 		return 0, fmt.Errorf("store: release all but: %w", err)
 	}
 	return n, nil

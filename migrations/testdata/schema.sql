@@ -9,6 +9,24 @@
 CREATE SCHEMA outbox;
 
 --
+-- Name: lease; Type: TYPE; Schema: outbox; Owner: -
+--
+
+CREATE TYPE outbox.lease AS (
+	event_id uuid,
+	stream text,
+	aggregate_key text,
+	revision bigint,
+	event_type text,
+	payload text,
+	headers jsonb,
+	created_at timestamp with time zone,
+	epoch bigint,
+	attempt integer,
+	lease_expires_at timestamp with time zone
+);
+
+--
 -- Name: ack(uuid[], text); Type: FUNCTION; Schema: outbox; Owner: -
 --
 
@@ -131,7 +149,7 @@ $$;
 -- Name: claim(uuid, text, text, text[], integer, interval, integer); Type: FUNCTION; Schema: outbox; Owner: -
 --
 
-CREATE FUNCTION outbox.claim(p_holder uuid, p_relay_id text, p_replica_id text, p_streams text[], p_limit integer, p_ttl interval, p_max_attempts integer DEFAULT NULL::integer) RETURNS TABLE(event_id uuid, stream text, aggregate_key text, revision bigint, event_type text, payload text, headers jsonb, created_at timestamp with time zone, epoch bigint, attempt integer, lease_expires_at timestamp with time zone)
+CREATE FUNCTION outbox.claim(p_holder uuid, p_relay_id text, p_replica_id text, p_streams text[], p_limit integer, p_ttl interval, p_max_attempts integer DEFAULT NULL::integer) RETURNS SETOF outbox.lease
     LANGUAGE plpgsql
     AS $$
 #variable_conflict use_column
@@ -622,7 +640,7 @@ $$;
 -- Name: lease_heads(text[], text[], uuid, text, text, interval, timestamp with time zone, integer); Type: FUNCTION; Schema: outbox; Owner: -
 --
 
-CREATE FUNCTION outbox.lease_heads(p_streams text[], p_keys text[], p_holder uuid, p_relay_id text, p_replica_id text, p_ttl interval, p_now timestamp with time zone, p_max_attempts integer) RETURNS TABLE(event_id uuid, stream text, aggregate_key text, revision bigint, event_type text, payload text, headers jsonb, created_at timestamp with time zone, epoch bigint, attempt integer, lease_expires_at timestamp with time zone)
+CREATE FUNCTION outbox.lease_heads(p_streams text[], p_keys text[], p_holder uuid, p_relay_id text, p_replica_id text, p_ttl interval, p_now timestamp with time zone, p_max_attempts integer) RETURNS SETOF outbox.lease
     LANGUAGE plpgsql
     AS $$
 #variable_conflict use_column
@@ -750,15 +768,15 @@ CREATE FUNCTION outbox.pending_of(p_stream text, p_aggregate_key text, p_after_r
 $$;
 
 --
--- Name: release(uuid); Type: FUNCTION; Schema: outbox; Owner: -
+-- Name: release(uuid, uuid[]); Type: FUNCTION; Schema: outbox; Owner: -
 --
 
-CREATE FUNCTION outbox.release(p_holder uuid) RETURNS integer
+CREATE FUNCTION outbox.release(p_holder uuid, p_keep uuid[] DEFAULT '{}'::uuid[]) RETURNS integer
     LANGUAGE sql
     AS $$
     WITH mine AS (
         SELECT d.stream, d.aggregate_key FROM outbox.delivery d
-        WHERE d.holder = p_holder
+        WHERE d.holder = p_holder AND NOT coalesce(d.leased_event_id = ANY (p_keep), false)
         ORDER BY d.stream, d.aggregate_key
         FOR UPDATE
     ), released AS (
