@@ -94,6 +94,67 @@ func (AggregateState) EnumDescriptor() ([]byte, []int) {
 	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{0}
 }
 
+// AttemptOutcome is how one delivery attempt ended.
+type AttemptOutcome int32
+
+const (
+	// ATTEMPT_OUTCOME_UNSPECIFIED is never sent.
+	AttemptOutcome_ATTEMPT_OUTCOME_UNSPECIFIED AttemptOutcome = 0
+	// ATTEMPT_OUTCOME_NACKED: the relay reported a failed publish.
+	AttemptOutcome_ATTEMPT_OUTCOME_NACKED AttemptOutcome = 1
+	// ATTEMPT_OUTCOME_EXPIRED: the lease lapsed without ack or nack.
+	AttemptOutcome_ATTEMPT_OUTCOME_EXPIRED AttemptOutcome = 2
+	// ATTEMPT_OUTCOME_RELEASED: the relay's stream ended while it held the lease.
+	AttemptOutcome_ATTEMPT_OUTCOME_RELEASED AttemptOutcome = 3
+	// ATTEMPT_OUTCOME_PARKED: the attempt parked the aggregate.
+	AttemptOutcome_ATTEMPT_OUTCOME_PARKED AttemptOutcome = 4
+)
+
+// Enum value maps for AttemptOutcome.
+var (
+	AttemptOutcome_name = map[int32]string{
+		0: "ATTEMPT_OUTCOME_UNSPECIFIED",
+		1: "ATTEMPT_OUTCOME_NACKED",
+		2: "ATTEMPT_OUTCOME_EXPIRED",
+		3: "ATTEMPT_OUTCOME_RELEASED",
+		4: "ATTEMPT_OUTCOME_PARKED",
+	}
+	AttemptOutcome_value = map[string]int32{
+		"ATTEMPT_OUTCOME_UNSPECIFIED": 0,
+		"ATTEMPT_OUTCOME_NACKED":      1,
+		"ATTEMPT_OUTCOME_EXPIRED":     2,
+		"ATTEMPT_OUTCOME_RELEASED":    3,
+		"ATTEMPT_OUTCOME_PARKED":      4,
+	}
+)
+
+func (x AttemptOutcome) Enum() *AttemptOutcome {
+	p := new(AttemptOutcome)
+	*p = x
+	return p
+}
+
+func (x AttemptOutcome) String() string {
+	return protoimpl.X.EnumStringOf(x.Descriptor(), protoreflect.EnumNumber(x))
+}
+
+func (AttemptOutcome) Descriptor() protoreflect.EnumDescriptor {
+	return file_outbox_v1_admin_service_proto_enumTypes[1].Descriptor()
+}
+
+func (AttemptOutcome) Type() protoreflect.EnumType {
+	return &file_outbox_v1_admin_service_proto_enumTypes[1]
+}
+
+func (x AttemptOutcome) Number() protoreflect.EnumNumber {
+	return protoreflect.EnumNumber(x)
+}
+
+// Deprecated: Use AttemptOutcome.Descriptor instead.
+func (AttemptOutcome) EnumDescriptor() ([]byte, []int) {
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{1}
+}
+
 // EventState is whether an event still waits for delivery.
 type EventState int32
 
@@ -135,11 +196,11 @@ func (x EventState) String() string {
 }
 
 func (EventState) Descriptor() protoreflect.EnumDescriptor {
-	return file_outbox_v1_admin_service_proto_enumTypes[1].Descriptor()
+	return file_outbox_v1_admin_service_proto_enumTypes[2].Descriptor()
 }
 
 func (EventState) Type() protoreflect.EnumType {
-	return &file_outbox_v1_admin_service_proto_enumTypes[1]
+	return &file_outbox_v1_admin_service_proto_enumTypes[2]
 }
 
 func (x EventState) Number() protoreflect.EnumNumber {
@@ -148,7 +209,7 @@ func (x EventState) Number() protoreflect.EnumNumber {
 
 // Deprecated: Use EventState.Descriptor instead.
 func (EventState) EnumDescriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{1}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{2}
 }
 
 // GetLagRequest asks for lag figures.
@@ -304,8 +365,16 @@ type StreamLag struct {
 	// operator (skip the event) and, unless it is the latter case, is a bug.
 	// Stranded events are not counted in pending_events.
 	StrandedEvents int64 `protobuf:"varint,14,opt,name=stranded_events,json=strandedEvents,proto3" json:"stranded_events,omitempty"`
-	unknownFields  protoimpl.UnknownFields
-	sizeCache      protoimpl.SizeCache
+	// stalled_aggregates counts aggregates whose deliveries keep ending
+	// without progress (leases expiring or nacked repeatedly, see
+	// Aggregate.stalled).
+	StalledAggregates int64 `protobuf:"varint,15,opt,name=stalled_aggregates,json=stalledAggregates,proto3" json:"stalled_aggregates,omitempty"`
+	// idle_relays counts relays connected for this stream's work that hold no
+	// delivery while the stream has ready aggregates. Only in per-stream
+	// entries where it can be attributed; the total carries the sum.
+	IdleRelays    int64 `protobuf:"varint,16,opt,name=idle_relays,json=idleRelays,proto3" json:"idle_relays,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *StreamLag) Reset() {
@@ -432,6 +501,20 @@ func (x *StreamLag) GetReadyAggregates() int64 {
 func (x *StreamLag) GetStrandedEvents() int64 {
 	if x != nil {
 		return x.StrandedEvents
+	}
+	return 0
+}
+
+func (x *StreamLag) GetStalledAggregates() int64 {
+	if x != nil {
+		return x.StalledAggregates
+	}
+	return 0
+}
+
+func (x *StreamLag) GetIdleRelays() int64 {
+	if x != nil {
+		return x.IdleRelays
 	}
 	return 0
 }
@@ -784,8 +867,14 @@ type Aggregate struct {
 	// oldest_pending_created_at is the created_at of the aggregate's oldest
 	// pending event; unset when nothing is pending.
 	OldestPendingCreatedAt *timestamppb.Timestamp `protobuf:"bytes,20,opt,name=oldest_pending_created_at,json=oldestPendingCreatedAt,proto3" json:"oldest_pending_created_at,omitempty"`
-	unknownFields          protoimpl.UnknownFields
-	sizeCache              protoimpl.SizeCache
+	// stalled is set when the aggregate's deliveries keep ending without
+	// progress: several leases of its next event expired or ended unanswered,
+	// or it keeps failing and backing off.
+	Stalled bool `protobuf:"varint,21,opt,name=stalled,proto3" json:"stalled,omitempty"`
+	// stalled_reason says why stalled is set; empty otherwise.
+	StalledReason string `protobuf:"bytes,22,opt,name=stalled_reason,json=stalledReason,proto3" json:"stalled_reason,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *Aggregate) Reset() {
@@ -958,6 +1047,939 @@ func (x *Aggregate) GetOldestPendingCreatedAt() *timestamppb.Timestamp {
 	return nil
 }
 
+func (x *Aggregate) GetStalled() bool {
+	if x != nil {
+		return x.Stalled
+	}
+	return false
+}
+
+func (x *Aggregate) GetStalledReason() string {
+	if x != nil {
+		return x.StalledReason
+	}
+	return ""
+}
+
+// AggregateFilter selects aggregates with pending work. Every set field must
+// match; an empty filter matches every aggregate with pending work.
+type AggregateFilter struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// stream matches the stream exactly, or by prefix when it ends in ".*"
+	// or is "*"; empty means any.
+	Stream string `protobuf:"bytes,1,opt,name=stream,proto3" json:"stream,omitempty"`
+	// states keeps aggregates in one of these states; empty means any.
+	States []AggregateState `protobuf:"varint,2,rep,packed,name=states,proto3,enum=outbox.v1.AggregateState" json:"states,omitempty"`
+	// error_contains keeps aggregates whose last error contains this text
+	// (case-insensitive).
+	ErrorContains string `protobuf:"bytes,3,opt,name=error_contains,json=errorContains,proto3" json:"error_contains,omitempty"`
+	// pending_before keeps aggregates whose oldest pending event was created
+	// before this time.
+	PendingBefore *timestamppb.Timestamp `protobuf:"bytes,4,opt,name=pending_before,json=pendingBefore,proto3" json:"pending_before,omitempty"`
+	// stalled_only keeps only stalled aggregates.
+	StalledOnly   bool `protobuf:"varint,5,opt,name=stalled_only,json=stalledOnly,proto3" json:"stalled_only,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *AggregateFilter) Reset() {
+	*x = AggregateFilter{}
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[9]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *AggregateFilter) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*AggregateFilter) ProtoMessage() {}
+
+func (x *AggregateFilter) ProtoReflect() protoreflect.Message {
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[9]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use AggregateFilter.ProtoReflect.Descriptor instead.
+func (*AggregateFilter) Descriptor() ([]byte, []int) {
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{9}
+}
+
+func (x *AggregateFilter) GetStream() string {
+	if x != nil {
+		return x.Stream
+	}
+	return ""
+}
+
+func (x *AggregateFilter) GetStates() []AggregateState {
+	if x != nil {
+		return x.States
+	}
+	return nil
+}
+
+func (x *AggregateFilter) GetErrorContains() string {
+	if x != nil {
+		return x.ErrorContains
+	}
+	return ""
+}
+
+func (x *AggregateFilter) GetPendingBefore() *timestamppb.Timestamp {
+	if x != nil {
+		return x.PendingBefore
+	}
+	return nil
+}
+
+func (x *AggregateFilter) GetStalledOnly() bool {
+	if x != nil {
+		return x.StalledOnly
+	}
+	return false
+}
+
+// ListAggregatesRequest filters and pages aggregates.
+type ListAggregatesRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// filter selects the aggregates.
+	Filter *AggregateFilter `protobuf:"bytes,1,opt,name=filter,proto3" json:"filter,omitempty"`
+	// page_size is the most aggregates to return; default 100, at most 1000.
+	PageSize uint32 `protobuf:"varint,2,opt,name=page_size,json=pageSize,proto3" json:"page_size,omitempty"`
+	// page_token continues a previous listing; empty starts at the oldest.
+	PageToken     string `protobuf:"bytes,3,opt,name=page_token,json=pageToken,proto3" json:"page_token,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListAggregatesRequest) Reset() {
+	*x = ListAggregatesRequest{}
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[10]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListAggregatesRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListAggregatesRequest) ProtoMessage() {}
+
+func (x *ListAggregatesRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[10]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListAggregatesRequest.ProtoReflect.Descriptor instead.
+func (*ListAggregatesRequest) Descriptor() ([]byte, []int) {
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{10}
+}
+
+func (x *ListAggregatesRequest) GetFilter() *AggregateFilter {
+	if x != nil {
+		return x.Filter
+	}
+	return nil
+}
+
+func (x *ListAggregatesRequest) GetPageSize() uint32 {
+	if x != nil {
+		return x.PageSize
+	}
+	return 0
+}
+
+func (x *ListAggregatesRequest) GetPageToken() string {
+	if x != nil {
+		return x.PageToken
+	}
+	return ""
+}
+
+// ListAggregatesResponse is one page of aggregates.
+type ListAggregatesResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// aggregates is the page, oldest pending first.
+	Aggregates []*Aggregate `protobuf:"bytes,1,rep,name=aggregates,proto3" json:"aggregates,omitempty"`
+	// next_page_token continues the listing; empty on the last page.
+	NextPageToken string `protobuf:"bytes,2,opt,name=next_page_token,json=nextPageToken,proto3" json:"next_page_token,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListAggregatesResponse) Reset() {
+	*x = ListAggregatesResponse{}
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[11]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListAggregatesResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListAggregatesResponse) ProtoMessage() {}
+
+func (x *ListAggregatesResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[11]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListAggregatesResponse.ProtoReflect.Descriptor instead.
+func (*ListAggregatesResponse) Descriptor() ([]byte, []int) {
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{11}
+}
+
+func (x *ListAggregatesResponse) GetAggregates() []*Aggregate {
+	if x != nil {
+		return x.Aggregates
+	}
+	return nil
+}
+
+func (x *ListAggregatesResponse) GetNextPageToken() string {
+	if x != nil {
+		return x.NextPageToken
+	}
+	return ""
+}
+
+// Attempt is one recorded delivery attempt that did not publish.
+type Attempt struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// event_id is the event delivered.
+	EventId string `protobuf:"bytes,1,opt,name=event_id,json=eventId,proto3" json:"event_id,omitempty"`
+	// stream is the event's stream.
+	Stream string `protobuf:"bytes,2,opt,name=stream,proto3" json:"stream,omitempty"`
+	// aggregate_key is the event's aggregate.
+	AggregateKey string `protobuf:"bytes,3,opt,name=aggregate_key,json=aggregateKey,proto3" json:"aggregate_key,omitempty"`
+	// revision is the event's revision.
+	Revision int64 `protobuf:"varint,4,opt,name=revision,proto3" json:"revision,omitempty"`
+	// attempt is the delivery's number for this event (1 is the first).
+	Attempt uint32 `protobuf:"varint,5,opt,name=attempt,proto3" json:"attempt,omitempty"`
+	// outcome is how the attempt ended.
+	Outcome AttemptOutcome `protobuf:"varint,6,opt,name=outcome,proto3,enum=outbox.v1.AttemptOutcome" json:"outcome,omitempty"`
+	// error is the relay's error text, or why the attempt ended.
+	Error string `protobuf:"bytes,7,opt,name=error,proto3" json:"error,omitempty"`
+	// relay_id is the relay that held the delivery.
+	RelayId string `protobuf:"bytes,8,opt,name=relay_id,json=relayId,proto3" json:"relay_id,omitempty"`
+	// replica_id is the replica that served it.
+	ReplicaId string `protobuf:"bytes,9,opt,name=replica_id,json=replicaId,proto3" json:"replica_id,omitempty"`
+	// at is when the attempt ended.
+	At            *timestamppb.Timestamp `protobuf:"bytes,10,opt,name=at,proto3" json:"at,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Attempt) Reset() {
+	*x = Attempt{}
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[12]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Attempt) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Attempt) ProtoMessage() {}
+
+func (x *Attempt) ProtoReflect() protoreflect.Message {
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[12]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Attempt.ProtoReflect.Descriptor instead.
+func (*Attempt) Descriptor() ([]byte, []int) {
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{12}
+}
+
+func (x *Attempt) GetEventId() string {
+	if x != nil {
+		return x.EventId
+	}
+	return ""
+}
+
+func (x *Attempt) GetStream() string {
+	if x != nil {
+		return x.Stream
+	}
+	return ""
+}
+
+func (x *Attempt) GetAggregateKey() string {
+	if x != nil {
+		return x.AggregateKey
+	}
+	return ""
+}
+
+func (x *Attempt) GetRevision() int64 {
+	if x != nil {
+		return x.Revision
+	}
+	return 0
+}
+
+func (x *Attempt) GetAttempt() uint32 {
+	if x != nil {
+		return x.Attempt
+	}
+	return 0
+}
+
+func (x *Attempt) GetOutcome() AttemptOutcome {
+	if x != nil {
+		return x.Outcome
+	}
+	return AttemptOutcome_ATTEMPT_OUTCOME_UNSPECIFIED
+}
+
+func (x *Attempt) GetError() string {
+	if x != nil {
+		return x.Error
+	}
+	return ""
+}
+
+func (x *Attempt) GetRelayId() string {
+	if x != nil {
+		return x.RelayId
+	}
+	return ""
+}
+
+func (x *Attempt) GetReplicaId() string {
+	if x != nil {
+		return x.ReplicaId
+	}
+	return ""
+}
+
+func (x *Attempt) GetAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.At
+	}
+	return nil
+}
+
+// ListAttemptsRequest names an event, or an aggregate, whose attempts to list.
+type ListAttemptsRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// event_id lists this event's attempts; or leave empty and name an aggregate.
+	EventId string `protobuf:"bytes,1,opt,name=event_id,json=eventId,proto3" json:"event_id,omitempty"`
+	// stream and aggregate_key name the aggregate.
+	Stream string `protobuf:"bytes,2,opt,name=stream,proto3" json:"stream,omitempty"`
+	// aggregate_key is the aggregate's key.
+	AggregateKey string `protobuf:"bytes,3,opt,name=aggregate_key,json=aggregateKey,proto3" json:"aggregate_key,omitempty"`
+	// page_size is the most attempts to return; default 100, at most 1000.
+	PageSize uint32 `protobuf:"varint,4,opt,name=page_size,json=pageSize,proto3" json:"page_size,omitempty"`
+	// page_token continues a previous listing.
+	PageToken     string `protobuf:"bytes,5,opt,name=page_token,json=pageToken,proto3" json:"page_token,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListAttemptsRequest) Reset() {
+	*x = ListAttemptsRequest{}
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[13]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListAttemptsRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListAttemptsRequest) ProtoMessage() {}
+
+func (x *ListAttemptsRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[13]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListAttemptsRequest.ProtoReflect.Descriptor instead.
+func (*ListAttemptsRequest) Descriptor() ([]byte, []int) {
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{13}
+}
+
+func (x *ListAttemptsRequest) GetEventId() string {
+	if x != nil {
+		return x.EventId
+	}
+	return ""
+}
+
+func (x *ListAttemptsRequest) GetStream() string {
+	if x != nil {
+		return x.Stream
+	}
+	return ""
+}
+
+func (x *ListAttemptsRequest) GetAggregateKey() string {
+	if x != nil {
+		return x.AggregateKey
+	}
+	return ""
+}
+
+func (x *ListAttemptsRequest) GetPageSize() uint32 {
+	if x != nil {
+		return x.PageSize
+	}
+	return 0
+}
+
+func (x *ListAttemptsRequest) GetPageToken() string {
+	if x != nil {
+		return x.PageToken
+	}
+	return ""
+}
+
+// ListAttemptsResponse is one page of attempts.
+type ListAttemptsResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// attempts is the page, newest first.
+	Attempts []*Attempt `protobuf:"bytes,1,rep,name=attempts,proto3" json:"attempts,omitempty"`
+	// next_page_token continues the listing; empty on the last page.
+	NextPageToken string `protobuf:"bytes,2,opt,name=next_page_token,json=nextPageToken,proto3" json:"next_page_token,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListAttemptsResponse) Reset() {
+	*x = ListAttemptsResponse{}
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[14]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListAttemptsResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListAttemptsResponse) ProtoMessage() {}
+
+func (x *ListAttemptsResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[14]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListAttemptsResponse.ProtoReflect.Descriptor instead.
+func (*ListAttemptsResponse) Descriptor() ([]byte, []int) {
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{14}
+}
+
+func (x *ListAttemptsResponse) GetAttempts() []*Attempt {
+	if x != nil {
+		return x.Attempts
+	}
+	return nil
+}
+
+func (x *ListAttemptsResponse) GetNextPageToken() string {
+	if x != nil {
+		return x.NextPageToken
+	}
+	return ""
+}
+
+// BulkRetryRequest retries every aggregate a filter matches.
+type BulkRetryRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// filter selects the aggregates; it must set at least one field.
+	Filter *AggregateFilter `protobuf:"bytes,1,opt,name=filter,proto3" json:"filter,omitempty"`
+	// accept_gap also releases gap-held aggregates (reason required then).
+	AcceptGap bool `protobuf:"varint,2,opt,name=accept_gap,json=acceptGap,proto3" json:"accept_gap,omitempty"`
+	// reason is recorded with the action (required with accept_gap).
+	Reason string `protobuf:"bytes,3,opt,name=reason,proto3" json:"reason,omitempty"`
+	// dry_run counts the matches and changes nothing.
+	DryRun bool `protobuf:"varint,4,opt,name=dry_run,json=dryRun,proto3" json:"dry_run,omitempty"`
+	// actor names who asks, when the credential does not already say so.
+	Actor         string `protobuf:"bytes,5,opt,name=actor,proto3" json:"actor,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *BulkRetryRequest) Reset() {
+	*x = BulkRetryRequest{}
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[15]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *BulkRetryRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*BulkRetryRequest) ProtoMessage() {}
+
+func (x *BulkRetryRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[15]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use BulkRetryRequest.ProtoReflect.Descriptor instead.
+func (*BulkRetryRequest) Descriptor() ([]byte, []int) {
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{15}
+}
+
+func (x *BulkRetryRequest) GetFilter() *AggregateFilter {
+	if x != nil {
+		return x.Filter
+	}
+	return nil
+}
+
+func (x *BulkRetryRequest) GetAcceptGap() bool {
+	if x != nil {
+		return x.AcceptGap
+	}
+	return false
+}
+
+func (x *BulkRetryRequest) GetReason() string {
+	if x != nil {
+		return x.Reason
+	}
+	return ""
+}
+
+func (x *BulkRetryRequest) GetDryRun() bool {
+	if x != nil {
+		return x.DryRun
+	}
+	return false
+}
+
+func (x *BulkRetryRequest) GetActor() string {
+	if x != nil {
+		return x.Actor
+	}
+	return ""
+}
+
+// BulkRetryResponse reports what a bulk retry did (or would do).
+type BulkRetryResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// matched counts aggregates the filter matched.
+	Matched int64 `protobuf:"varint,1,opt,name=matched,proto3" json:"matched,omitempty"`
+	// retried counts aggregates made deliverable (0 in a dry run).
+	Retried int64 `protobuf:"varint,2,opt,name=retried,proto3" json:"retried,omitempty"`
+	// sample lists up to 20 matched aggregates.
+	Sample        []*Aggregate `protobuf:"bytes,3,rep,name=sample,proto3" json:"sample,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *BulkRetryResponse) Reset() {
+	*x = BulkRetryResponse{}
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[16]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *BulkRetryResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*BulkRetryResponse) ProtoMessage() {}
+
+func (x *BulkRetryResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[16]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use BulkRetryResponse.ProtoReflect.Descriptor instead.
+func (*BulkRetryResponse) Descriptor() ([]byte, []int) {
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{16}
+}
+
+func (x *BulkRetryResponse) GetMatched() int64 {
+	if x != nil {
+		return x.Matched
+	}
+	return 0
+}
+
+func (x *BulkRetryResponse) GetRetried() int64 {
+	if x != nil {
+		return x.Retried
+	}
+	return 0
+}
+
+func (x *BulkRetryResponse) GetSample() []*Aggregate {
+	if x != nil {
+		return x.Sample
+	}
+	return nil
+}
+
+// BulkSkipRequest skips the next pending event of every matched aggregate.
+type BulkSkipRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// filter selects the aggregates; it must set at least one field.
+	Filter *AggregateFilter `protobuf:"bytes,1,opt,name=filter,proto3" json:"filter,omitempty"`
+	// reason is mandatory: 1 to 1024 characters, stored with each skip.
+	Reason string `protobuf:"bytes,2,opt,name=reason,proto3" json:"reason,omitempty"`
+	// dry_run counts the matches and changes nothing.
+	DryRun bool `protobuf:"varint,3,opt,name=dry_run,json=dryRun,proto3" json:"dry_run,omitempty"`
+	// actor names who asks, when the credential does not already say so.
+	Actor         string `protobuf:"bytes,4,opt,name=actor,proto3" json:"actor,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *BulkSkipRequest) Reset() {
+	*x = BulkSkipRequest{}
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[17]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *BulkSkipRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*BulkSkipRequest) ProtoMessage() {}
+
+func (x *BulkSkipRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[17]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use BulkSkipRequest.ProtoReflect.Descriptor instead.
+func (*BulkSkipRequest) Descriptor() ([]byte, []int) {
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{17}
+}
+
+func (x *BulkSkipRequest) GetFilter() *AggregateFilter {
+	if x != nil {
+		return x.Filter
+	}
+	return nil
+}
+
+func (x *BulkSkipRequest) GetReason() string {
+	if x != nil {
+		return x.Reason
+	}
+	return ""
+}
+
+func (x *BulkSkipRequest) GetDryRun() bool {
+	if x != nil {
+		return x.DryRun
+	}
+	return false
+}
+
+func (x *BulkSkipRequest) GetActor() string {
+	if x != nil {
+		return x.Actor
+	}
+	return ""
+}
+
+// BulkSkipResponse reports what a bulk skip did (or would do).
+type BulkSkipResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// matched counts aggregates the filter matched.
+	Matched int64 `protobuf:"varint,1,opt,name=matched,proto3" json:"matched,omitempty"`
+	// skipped counts events skipped (0 in a dry run).
+	Skipped int64 `protobuf:"varint,2,opt,name=skipped,proto3" json:"skipped,omitempty"`
+	// sample lists up to 20 matched aggregates.
+	Sample        []*Aggregate `protobuf:"bytes,3,rep,name=sample,proto3" json:"sample,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *BulkSkipResponse) Reset() {
+	*x = BulkSkipResponse{}
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[18]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *BulkSkipResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*BulkSkipResponse) ProtoMessage() {}
+
+func (x *BulkSkipResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[18]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use BulkSkipResponse.ProtoReflect.Descriptor instead.
+func (*BulkSkipResponse) Descriptor() ([]byte, []int) {
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{18}
+}
+
+func (x *BulkSkipResponse) GetMatched() int64 {
+	if x != nil {
+		return x.Matched
+	}
+	return 0
+}
+
+func (x *BulkSkipResponse) GetSkipped() int64 {
+	if x != nil {
+		return x.Skipped
+	}
+	return 0
+}
+
+func (x *BulkSkipResponse) GetSample() []*Aggregate {
+	if x != nil {
+		return x.Sample
+	}
+	return nil
+}
+
+// RepublishRequest names published events to deliver again: one aggregate
+// from a revision on, or every aggregate of a stream with an event published
+// in a time range.
+type RepublishRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// stream is required.
+	Stream string `protobuf:"bytes,1,opt,name=stream,proto3" json:"stream,omitempty"`
+	// aggregate_key names one aggregate; empty means every aggregate of the
+	// stream with an event published in [published_after, published_before).
+	AggregateKey string `protobuf:"bytes,2,opt,name=aggregate_key,json=aggregateKey,proto3" json:"aggregate_key,omitempty"`
+	// from_revision, with aggregate_key, is the first revision to deliver again.
+	FromRevision int64 `protobuf:"varint,3,opt,name=from_revision,json=fromRevision,proto3" json:"from_revision,omitempty"`
+	// published_after starts the time range (inclusive).
+	PublishedAfter *timestamppb.Timestamp `protobuf:"bytes,4,opt,name=published_after,json=publishedAfter,proto3" json:"published_after,omitempty"`
+	// published_before ends the time range (exclusive).
+	PublishedBefore *timestamppb.Timestamp `protobuf:"bytes,5,opt,name=published_before,json=publishedBefore,proto3" json:"published_before,omitempty"`
+	// reason is mandatory: 1 to 1024 characters.
+	Reason string `protobuf:"bytes,6,opt,name=reason,proto3" json:"reason,omitempty"`
+	// dry_run counts what would be delivered again and changes nothing.
+	DryRun bool `protobuf:"varint,7,opt,name=dry_run,json=dryRun,proto3" json:"dry_run,omitempty"`
+	// actor names who asks, when the credential does not already say so.
+	Actor         string `protobuf:"bytes,8,opt,name=actor,proto3" json:"actor,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RepublishRequest) Reset() {
+	*x = RepublishRequest{}
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[19]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RepublishRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RepublishRequest) ProtoMessage() {}
+
+func (x *RepublishRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[19]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RepublishRequest.ProtoReflect.Descriptor instead.
+func (*RepublishRequest) Descriptor() ([]byte, []int) {
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{19}
+}
+
+func (x *RepublishRequest) GetStream() string {
+	if x != nil {
+		return x.Stream
+	}
+	return ""
+}
+
+func (x *RepublishRequest) GetAggregateKey() string {
+	if x != nil {
+		return x.AggregateKey
+	}
+	return ""
+}
+
+func (x *RepublishRequest) GetFromRevision() int64 {
+	if x != nil {
+		return x.FromRevision
+	}
+	return 0
+}
+
+func (x *RepublishRequest) GetPublishedAfter() *timestamppb.Timestamp {
+	if x != nil {
+		return x.PublishedAfter
+	}
+	return nil
+}
+
+func (x *RepublishRequest) GetPublishedBefore() *timestamppb.Timestamp {
+	if x != nil {
+		return x.PublishedBefore
+	}
+	return nil
+}
+
+func (x *RepublishRequest) GetReason() string {
+	if x != nil {
+		return x.Reason
+	}
+	return ""
+}
+
+func (x *RepublishRequest) GetDryRun() bool {
+	if x != nil {
+		return x.DryRun
+	}
+	return false
+}
+
+func (x *RepublishRequest) GetActor() string {
+	if x != nil {
+		return x.Actor
+	}
+	return ""
+}
+
+// RepublishResponse reports what a republish did (or would do).
+type RepublishResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// aggregates counts aggregates rewound.
+	Aggregates int64 `protobuf:"varint,1,opt,name=aggregates,proto3" json:"aggregates,omitempty"`
+	// events counts events that will be delivered again.
+	Events        int64 `protobuf:"varint,2,opt,name=events,proto3" json:"events,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RepublishResponse) Reset() {
+	*x = RepublishResponse{}
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[20]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RepublishResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RepublishResponse) ProtoMessage() {}
+
+func (x *RepublishResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[20]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RepublishResponse.ProtoReflect.Descriptor instead.
+func (*RepublishResponse) Descriptor() ([]byte, []int) {
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{20}
+}
+
+func (x *RepublishResponse) GetAggregates() int64 {
+	if x != nil {
+		return x.Aggregates
+	}
+	return 0
+}
+
+func (x *RepublishResponse) GetEvents() int64 {
+	if x != nil {
+		return x.Events
+	}
+	return 0
+}
+
 // ListEventsRequest filters and pages events.
 type ListEventsRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -981,7 +2003,7 @@ type ListEventsRequest struct {
 
 func (x *ListEventsRequest) Reset() {
 	*x = ListEventsRequest{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[9]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -993,7 +2015,7 @@ func (x *ListEventsRequest) String() string {
 func (*ListEventsRequest) ProtoMessage() {}
 
 func (x *ListEventsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[9]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1006,7 +2028,7 @@ func (x *ListEventsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListEventsRequest.ProtoReflect.Descriptor instead.
 func (*ListEventsRequest) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{9}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *ListEventsRequest) GetStream() string {
@@ -1071,7 +2093,7 @@ type ListEventsResponse struct {
 
 func (x *ListEventsResponse) Reset() {
 	*x = ListEventsResponse{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[10]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1083,7 +2105,7 @@ func (x *ListEventsResponse) String() string {
 func (*ListEventsResponse) ProtoMessage() {}
 
 func (x *ListEventsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[10]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1096,7 +2118,7 @@ func (x *ListEventsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListEventsResponse.ProtoReflect.Descriptor instead.
 func (*ListEventsResponse) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{10}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *ListEventsResponse) GetEvents() []*EventInfo {
@@ -1130,7 +2152,7 @@ type EventInfo struct {
 
 func (x *EventInfo) Reset() {
 	*x = EventInfo{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[11]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1142,7 +2164,7 @@ func (x *EventInfo) String() string {
 func (*EventInfo) ProtoMessage() {}
 
 func (x *EventInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[11]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1155,7 +2177,7 @@ func (x *EventInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EventInfo.ProtoReflect.Descriptor instead.
 func (*EventInfo) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{11}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *EventInfo) GetEvent() *Event {
@@ -1201,7 +2223,7 @@ type Skip struct {
 
 func (x *Skip) Reset() {
 	*x = Skip{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[12]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1213,7 +2235,7 @@ func (x *Skip) String() string {
 func (*Skip) ProtoMessage() {}
 
 func (x *Skip) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[12]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1226,7 +2248,7 @@ func (x *Skip) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Skip.ProtoReflect.Descriptor instead.
 func (*Skip) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{12}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *Skip) GetReason() string {
@@ -1272,7 +2294,7 @@ type RetryAggregateRequest struct {
 
 func (x *RetryAggregateRequest) Reset() {
 	*x = RetryAggregateRequest{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[13]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1284,7 +2306,7 @@ func (x *RetryAggregateRequest) String() string {
 func (*RetryAggregateRequest) ProtoMessage() {}
 
 func (x *RetryAggregateRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[13]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1297,7 +2319,7 @@ func (x *RetryAggregateRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RetryAggregateRequest.ProtoReflect.Descriptor instead.
 func (*RetryAggregateRequest) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{13}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *RetryAggregateRequest) GetStream() string {
@@ -1346,7 +2368,7 @@ type RetryAggregateResponse struct {
 
 func (x *RetryAggregateResponse) Reset() {
 	*x = RetryAggregateResponse{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[14]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1358,7 +2380,7 @@ func (x *RetryAggregateResponse) String() string {
 func (*RetryAggregateResponse) ProtoMessage() {}
 
 func (x *RetryAggregateResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[14]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1371,7 +2393,7 @@ func (x *RetryAggregateResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RetryAggregateResponse.ProtoReflect.Descriptor instead.
 func (*RetryAggregateResponse) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{14}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *RetryAggregateResponse) GetAggregate() *Aggregate {
@@ -1396,7 +2418,7 @@ type SkipEventRequest struct {
 
 func (x *SkipEventRequest) Reset() {
 	*x = SkipEventRequest{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[15]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1408,7 +2430,7 @@ func (x *SkipEventRequest) String() string {
 func (*SkipEventRequest) ProtoMessage() {}
 
 func (x *SkipEventRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[15]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1421,7 +2443,7 @@ func (x *SkipEventRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SkipEventRequest.ProtoReflect.Descriptor instead.
 func (*SkipEventRequest) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{15}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *SkipEventRequest) GetEventId() string {
@@ -1456,7 +2478,7 @@ type SkipEventResponse struct {
 
 func (x *SkipEventResponse) Reset() {
 	*x = SkipEventResponse{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[16]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1468,7 +2490,7 @@ func (x *SkipEventResponse) String() string {
 func (*SkipEventResponse) ProtoMessage() {}
 
 func (x *SkipEventResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[16]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1481,7 +2503,7 @@ func (x *SkipEventResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SkipEventResponse.ProtoReflect.Descriptor instead.
 func (*SkipEventResponse) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{16}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *SkipEventResponse) GetSkip() *Skip {
@@ -1509,7 +2531,7 @@ type PurgeRequest struct {
 
 func (x *PurgeRequest) Reset() {
 	*x = PurgeRequest{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[17]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1521,7 +2543,7 @@ func (x *PurgeRequest) String() string {
 func (*PurgeRequest) ProtoMessage() {}
 
 func (x *PurgeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[17]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1534,7 +2556,7 @@ func (x *PurgeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PurgeRequest.ProtoReflect.Descriptor instead.
 func (*PurgeRequest) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{17}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *PurgeRequest) GetPublishedBefore() *timestamppb.Timestamp {
@@ -1584,7 +2606,7 @@ type PurgeResponse struct {
 
 func (x *PurgeResponse) Reset() {
 	*x = PurgeResponse{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[18]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1596,7 +2618,7 @@ func (x *PurgeResponse) String() string {
 func (*PurgeResponse) ProtoMessage() {}
 
 func (x *PurgeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[18]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1609,7 +2631,7 @@ func (x *PurgeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PurgeResponse.ProtoReflect.Descriptor instead.
 func (*PurgeResponse) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{18}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{30}
 }
 
 func (x *PurgeResponse) GetDeleted() int64 {
@@ -1657,7 +2679,7 @@ const file_outbox_v1_admin_service_proto_rawDesc = "" +
 	"\x0eGetLagResponse\x12.\n" +
 	"\astreams\x18\x01 \x03(\v2\x14.outbox.v1.StreamLagR\astreams\x12*\n" +
 	"\x05total\x18\x02 \x01(\v2\x14.outbox.v1.StreamLagR\x05total\x12)\n" +
-	"\x10connected_relays\x18\x03 \x01(\rR\x0fconnectedRelays\"\xcd\x05\n" +
+	"\x10connected_relays\x18\x03 \x01(\rR\x0fconnectedRelays\"\x9d\x06\n" +
 	"\tStreamLag\x12\x16\n" +
 	"\x06stream\x18\x01 \x01(\tR\x06stream\x12%\n" +
 	"\x0epending_events\x18\x02 \x01(\x03R\rpendingEvents\x12-\n" +
@@ -1673,7 +2695,10 @@ const file_outbox_v1_admin_service_proto_rawDesc = "" +
 	"\x0foldest_held_age\x18\v \x01(\v2\x19.google.protobuf.DurationR\roldestHeldAge\x122\n" +
 	"\x15delivered_last_minute\x18\f \x01(\x03R\x13deliveredLastMinute\x12)\n" +
 	"\x10ready_aggregates\x18\r \x01(\x03R\x0freadyAggregates\x12'\n" +
-	"\x0fstranded_events\x18\x0e \x01(\x03R\x0estrandedEvents\"\x13\n" +
+	"\x0fstranded_events\x18\x0e \x01(\x03R\x0estrandedEvents\x12-\n" +
+	"\x12stalled_aggregates\x18\x0f \x01(\x03R\x11stalledAggregates\x12\x1f\n" +
+	"\vidle_relays\x18\x10 \x01(\x03R\n" +
+	"idleRelays\"\x13\n" +
 	"\x11ListRelaysRequest\">\n" +
 	"\x12ListRelaysResponse\x12(\n" +
 	"\x06relays\x18\x01 \x03(\v2\x10.outbox.v1.RelayR\x06relays\"\xa4\x02\n" +
@@ -1693,7 +2718,7 @@ const file_outbox_v1_admin_service_proto_rawDesc = "" +
 	"\x06stream\x18\x01 \x01(\tR\x06stream\x12#\n" +
 	"\raggregate_key\x18\x02 \x01(\tR\faggregateKey\"J\n" +
 	"\x14GetAggregateResponse\x122\n" +
-	"\taggregate\x18\x01 \x01(\v2\x14.outbox.v1.AggregateR\taggregate\"\xf1\x06\n" +
+	"\taggregate\x18\x01 \x01(\v2\x14.outbox.v1.AggregateR\taggregate\"\xb2\a\n" +
 	"\tAggregate\x12\x16\n" +
 	"\x06stream\x18\x01 \x01(\tR\x06stream\x12#\n" +
 	"\raggregate_key\x18\x02 \x01(\tR\faggregateKey\x12/\n" +
@@ -1717,7 +2742,82 @@ const file_outbox_v1_admin_service_proto_rawDesc = "" +
 	"\rparked_reason\x18\x11 \x01(\tR\fparkedReason\x12!\n" +
 	"\fgap_revision\x18\x12 \x01(\x03R\vgapRevision\x122\n" +
 	"\x15next_pending_revision\x18\x13 \x01(\x03R\x13nextPendingRevision\x12U\n" +
-	"\x19oldest_pending_created_at\x18\x14 \x01(\v2\x1a.google.protobuf.TimestampR\x16oldestPendingCreatedAt\"\xbd\x02\n" +
+	"\x19oldest_pending_created_at\x18\x14 \x01(\v2\x1a.google.protobuf.TimestampR\x16oldestPendingCreatedAt\x12\x18\n" +
+	"\astalled\x18\x15 \x01(\bR\astalled\x12%\n" +
+	"\x0estalled_reason\x18\x16 \x01(\tR\rstalledReason\"\xe9\x01\n" +
+	"\x0fAggregateFilter\x12\x16\n" +
+	"\x06stream\x18\x01 \x01(\tR\x06stream\x121\n" +
+	"\x06states\x18\x02 \x03(\x0e2\x19.outbox.v1.AggregateStateR\x06states\x12%\n" +
+	"\x0eerror_contains\x18\x03 \x01(\tR\rerrorContains\x12A\n" +
+	"\x0epending_before\x18\x04 \x01(\v2\x1a.google.protobuf.TimestampR\rpendingBefore\x12!\n" +
+	"\fstalled_only\x18\x05 \x01(\bR\vstalledOnly\"\x87\x01\n" +
+	"\x15ListAggregatesRequest\x122\n" +
+	"\x06filter\x18\x01 \x01(\v2\x1a.outbox.v1.AggregateFilterR\x06filter\x12\x1b\n" +
+	"\tpage_size\x18\x02 \x01(\rR\bpageSize\x12\x1d\n" +
+	"\n" +
+	"page_token\x18\x03 \x01(\tR\tpageToken\"v\n" +
+	"\x16ListAggregatesResponse\x124\n" +
+	"\n" +
+	"aggregates\x18\x01 \x03(\v2\x14.outbox.v1.AggregateR\n" +
+	"aggregates\x12&\n" +
+	"\x0fnext_page_token\x18\x02 \x01(\tR\rnextPageToken\"\xc8\x02\n" +
+	"\aAttempt\x12\x19\n" +
+	"\bevent_id\x18\x01 \x01(\tR\aeventId\x12\x16\n" +
+	"\x06stream\x18\x02 \x01(\tR\x06stream\x12#\n" +
+	"\raggregate_key\x18\x03 \x01(\tR\faggregateKey\x12\x1a\n" +
+	"\brevision\x18\x04 \x01(\x03R\brevision\x12\x18\n" +
+	"\aattempt\x18\x05 \x01(\rR\aattempt\x123\n" +
+	"\aoutcome\x18\x06 \x01(\x0e2\x19.outbox.v1.AttemptOutcomeR\aoutcome\x12\x14\n" +
+	"\x05error\x18\a \x01(\tR\x05error\x12\x19\n" +
+	"\brelay_id\x18\b \x01(\tR\arelayId\x12\x1d\n" +
+	"\n" +
+	"replica_id\x18\t \x01(\tR\treplicaId\x12*\n" +
+	"\x02at\x18\n" +
+	" \x01(\v2\x1a.google.protobuf.TimestampR\x02at\"\xa9\x01\n" +
+	"\x13ListAttemptsRequest\x12\x19\n" +
+	"\bevent_id\x18\x01 \x01(\tR\aeventId\x12\x16\n" +
+	"\x06stream\x18\x02 \x01(\tR\x06stream\x12#\n" +
+	"\raggregate_key\x18\x03 \x01(\tR\faggregateKey\x12\x1b\n" +
+	"\tpage_size\x18\x04 \x01(\rR\bpageSize\x12\x1d\n" +
+	"\n" +
+	"page_token\x18\x05 \x01(\tR\tpageToken\"n\n" +
+	"\x14ListAttemptsResponse\x12.\n" +
+	"\battempts\x18\x01 \x03(\v2\x12.outbox.v1.AttemptR\battempts\x12&\n" +
+	"\x0fnext_page_token\x18\x02 \x01(\tR\rnextPageToken\"\xac\x01\n" +
+	"\x10BulkRetryRequest\x122\n" +
+	"\x06filter\x18\x01 \x01(\v2\x1a.outbox.v1.AggregateFilterR\x06filter\x12\x1d\n" +
+	"\n" +
+	"accept_gap\x18\x02 \x01(\bR\tacceptGap\x12\x16\n" +
+	"\x06reason\x18\x03 \x01(\tR\x06reason\x12\x17\n" +
+	"\adry_run\x18\x04 \x01(\bR\x06dryRun\x12\x14\n" +
+	"\x05actor\x18\x05 \x01(\tR\x05actor\"u\n" +
+	"\x11BulkRetryResponse\x12\x18\n" +
+	"\amatched\x18\x01 \x01(\x03R\amatched\x12\x18\n" +
+	"\aretried\x18\x02 \x01(\x03R\aretried\x12,\n" +
+	"\x06sample\x18\x03 \x03(\v2\x14.outbox.v1.AggregateR\x06sample\"\x8c\x01\n" +
+	"\x0fBulkSkipRequest\x122\n" +
+	"\x06filter\x18\x01 \x01(\v2\x1a.outbox.v1.AggregateFilterR\x06filter\x12\x16\n" +
+	"\x06reason\x18\x02 \x01(\tR\x06reason\x12\x17\n" +
+	"\adry_run\x18\x03 \x01(\bR\x06dryRun\x12\x14\n" +
+	"\x05actor\x18\x04 \x01(\tR\x05actor\"t\n" +
+	"\x10BulkSkipResponse\x12\x18\n" +
+	"\amatched\x18\x01 \x01(\x03R\amatched\x12\x18\n" +
+	"\askipped\x18\x02 \x01(\x03R\askipped\x12,\n" +
+	"\x06sample\x18\x03 \x03(\v2\x14.outbox.v1.AggregateR\x06sample\"\xc7\x02\n" +
+	"\x10RepublishRequest\x12\x16\n" +
+	"\x06stream\x18\x01 \x01(\tR\x06stream\x12#\n" +
+	"\raggregate_key\x18\x02 \x01(\tR\faggregateKey\x12#\n" +
+	"\rfrom_revision\x18\x03 \x01(\x03R\ffromRevision\x12C\n" +
+	"\x0fpublished_after\x18\x04 \x01(\v2\x1a.google.protobuf.TimestampR\x0epublishedAfter\x12E\n" +
+	"\x10published_before\x18\x05 \x01(\v2\x1a.google.protobuf.TimestampR\x0fpublishedBefore\x12\x16\n" +
+	"\x06reason\x18\x06 \x01(\tR\x06reason\x12\x17\n" +
+	"\adry_run\x18\a \x01(\bR\x06dryRun\x12\x14\n" +
+	"\x05actor\x18\b \x01(\tR\x05actor\"K\n" +
+	"\x11RepublishResponse\x12\x1e\n" +
+	"\n" +
+	"aggregates\x18\x01 \x01(\x03R\n" +
+	"aggregates\x12\x16\n" +
+	"\x06events\x18\x02 \x01(\x03R\x06events\"\xbd\x02\n" +
 	"\x11ListEventsRequest\x12\x16\n" +
 	"\x06stream\x18\x01 \x01(\tR\x06stream\x12#\n" +
 	"\raggregate_key\x18\x02 \x01(\tR\faggregateKey\x12+\n" +
@@ -1774,13 +2874,19 @@ const file_outbox_v1_admin_service_proto_rawDesc = "" +
 	"\x16AGGREGATE_STATE_LEASED\x10\x03\x12\x1b\n" +
 	"\x17AGGREGATE_STATE_BACKOFF\x10\x04\x12\x1a\n" +
 	"\x16AGGREGATE_STATE_PARKED\x10\x05\x12\x17\n" +
-	"\x13AGGREGATE_STATE_GAP\x10\x06*v\n" +
+	"\x13AGGREGATE_STATE_GAP\x10\x06*\xa4\x01\n" +
+	"\x0eAttemptOutcome\x12\x1f\n" +
+	"\x1bATTEMPT_OUTCOME_UNSPECIFIED\x10\x00\x12\x1a\n" +
+	"\x16ATTEMPT_OUTCOME_NACKED\x10\x01\x12\x1b\n" +
+	"\x17ATTEMPT_OUTCOME_EXPIRED\x10\x02\x12\x1c\n" +
+	"\x18ATTEMPT_OUTCOME_RELEASED\x10\x03\x12\x1a\n" +
+	"\x16ATTEMPT_OUTCOME_PARKED\x10\x04*v\n" +
 	"\n" +
 	"EventState\x12\x1b\n" +
 	"\x17EVENT_STATE_UNSPECIFIED\x10\x00\x12\x17\n" +
 	"\x13EVENT_STATE_PENDING\x10\x01\x12\x19\n" +
 	"\x15EVENT_STATE_PUBLISHED\x10\x02\x12\x17\n" +
-	"\x13EVENT_STATE_SKIPPED\x10\x032\x91\x04\n" +
+	"\x13EVENT_STATE_SKIPPED\x10\x032\x8e\a\n" +
 	"\fAdminService\x12=\n" +
 	"\x06GetLag\x12\x18.outbox.v1.GetLagRequest\x1a\x19.outbox.v1.GetLagResponse\x12I\n" +
 	"\n" +
@@ -1790,7 +2896,12 @@ const file_outbox_v1_admin_service_proto_rawDesc = "" +
 	"ListEvents\x12\x1c.outbox.v1.ListEventsRequest\x1a\x1d.outbox.v1.ListEventsResponse\x12U\n" +
 	"\x0eRetryAggregate\x12 .outbox.v1.RetryAggregateRequest\x1a!.outbox.v1.RetryAggregateResponse\x12F\n" +
 	"\tSkipEvent\x12\x1b.outbox.v1.SkipEventRequest\x1a\x1c.outbox.v1.SkipEventResponse\x12<\n" +
-	"\x05Purge\x12\x17.outbox.v1.PurgeRequest\x1a\x18.outbox.v1.PurgeResponse0\x01B3Z1github.com/outboxd/outboxd/gen/outbox/v1;outboxv1b\x06proto3"
+	"\x05Purge\x12\x17.outbox.v1.PurgeRequest\x1a\x18.outbox.v1.PurgeResponse0\x01\x12U\n" +
+	"\x0eListAggregates\x12 .outbox.v1.ListAggregatesRequest\x1a!.outbox.v1.ListAggregatesResponse\x12O\n" +
+	"\fListAttempts\x12\x1e.outbox.v1.ListAttemptsRequest\x1a\x1f.outbox.v1.ListAttemptsResponse\x12F\n" +
+	"\tBulkRetry\x12\x1b.outbox.v1.BulkRetryRequest\x1a\x1c.outbox.v1.BulkRetryResponse\x12C\n" +
+	"\bBulkSkip\x12\x1a.outbox.v1.BulkSkipRequest\x1a\x1b.outbox.v1.BulkSkipResponse\x12F\n" +
+	"\tRepublish\x12\x1b.outbox.v1.RepublishRequest\x1a\x1c.outbox.v1.RepublishResponseB3Z1github.com/outboxd/outboxd/gen/outbox/v1;outboxv1b\x06proto3"
 
 var (
 	file_outbox_v1_admin_service_proto_rawDescOnce sync.Once
@@ -1804,80 +2915,116 @@ func file_outbox_v1_admin_service_proto_rawDescGZIP() []byte {
 	return file_outbox_v1_admin_service_proto_rawDescData
 }
 
-var file_outbox_v1_admin_service_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_outbox_v1_admin_service_proto_msgTypes = make([]protoimpl.MessageInfo, 19)
+var file_outbox_v1_admin_service_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
+var file_outbox_v1_admin_service_proto_msgTypes = make([]protoimpl.MessageInfo, 31)
 var file_outbox_v1_admin_service_proto_goTypes = []any{
 	(AggregateState)(0),            // 0: outbox.v1.AggregateState
-	(EventState)(0),                // 1: outbox.v1.EventState
-	(*GetLagRequest)(nil),          // 2: outbox.v1.GetLagRequest
-	(*GetLagResponse)(nil),         // 3: outbox.v1.GetLagResponse
-	(*StreamLag)(nil),              // 4: outbox.v1.StreamLag
-	(*ListRelaysRequest)(nil),      // 5: outbox.v1.ListRelaysRequest
-	(*ListRelaysResponse)(nil),     // 6: outbox.v1.ListRelaysResponse
-	(*Relay)(nil),                  // 7: outbox.v1.Relay
-	(*GetAggregateRequest)(nil),    // 8: outbox.v1.GetAggregateRequest
-	(*GetAggregateResponse)(nil),   // 9: outbox.v1.GetAggregateResponse
-	(*Aggregate)(nil),              // 10: outbox.v1.Aggregate
-	(*ListEventsRequest)(nil),      // 11: outbox.v1.ListEventsRequest
-	(*ListEventsResponse)(nil),     // 12: outbox.v1.ListEventsResponse
-	(*EventInfo)(nil),              // 13: outbox.v1.EventInfo
-	(*Skip)(nil),                   // 14: outbox.v1.Skip
-	(*RetryAggregateRequest)(nil),  // 15: outbox.v1.RetryAggregateRequest
-	(*RetryAggregateResponse)(nil), // 16: outbox.v1.RetryAggregateResponse
-	(*SkipEventRequest)(nil),       // 17: outbox.v1.SkipEventRequest
-	(*SkipEventResponse)(nil),      // 18: outbox.v1.SkipEventResponse
-	(*PurgeRequest)(nil),           // 19: outbox.v1.PurgeRequest
-	(*PurgeResponse)(nil),          // 20: outbox.v1.PurgeResponse
-	(*durationpb.Duration)(nil),    // 21: google.protobuf.Duration
-	(*timestamppb.Timestamp)(nil),  // 22: google.protobuf.Timestamp
-	(*Event)(nil),                  // 23: outbox.v1.Event
+	(AttemptOutcome)(0),            // 1: outbox.v1.AttemptOutcome
+	(EventState)(0),                // 2: outbox.v1.EventState
+	(*GetLagRequest)(nil),          // 3: outbox.v1.GetLagRequest
+	(*GetLagResponse)(nil),         // 4: outbox.v1.GetLagResponse
+	(*StreamLag)(nil),              // 5: outbox.v1.StreamLag
+	(*ListRelaysRequest)(nil),      // 6: outbox.v1.ListRelaysRequest
+	(*ListRelaysResponse)(nil),     // 7: outbox.v1.ListRelaysResponse
+	(*Relay)(nil),                  // 8: outbox.v1.Relay
+	(*GetAggregateRequest)(nil),    // 9: outbox.v1.GetAggregateRequest
+	(*GetAggregateResponse)(nil),   // 10: outbox.v1.GetAggregateResponse
+	(*Aggregate)(nil),              // 11: outbox.v1.Aggregate
+	(*AggregateFilter)(nil),        // 12: outbox.v1.AggregateFilter
+	(*ListAggregatesRequest)(nil),  // 13: outbox.v1.ListAggregatesRequest
+	(*ListAggregatesResponse)(nil), // 14: outbox.v1.ListAggregatesResponse
+	(*Attempt)(nil),                // 15: outbox.v1.Attempt
+	(*ListAttemptsRequest)(nil),    // 16: outbox.v1.ListAttemptsRequest
+	(*ListAttemptsResponse)(nil),   // 17: outbox.v1.ListAttemptsResponse
+	(*BulkRetryRequest)(nil),       // 18: outbox.v1.BulkRetryRequest
+	(*BulkRetryResponse)(nil),      // 19: outbox.v1.BulkRetryResponse
+	(*BulkSkipRequest)(nil),        // 20: outbox.v1.BulkSkipRequest
+	(*BulkSkipResponse)(nil),       // 21: outbox.v1.BulkSkipResponse
+	(*RepublishRequest)(nil),       // 22: outbox.v1.RepublishRequest
+	(*RepublishResponse)(nil),      // 23: outbox.v1.RepublishResponse
+	(*ListEventsRequest)(nil),      // 24: outbox.v1.ListEventsRequest
+	(*ListEventsResponse)(nil),     // 25: outbox.v1.ListEventsResponse
+	(*EventInfo)(nil),              // 26: outbox.v1.EventInfo
+	(*Skip)(nil),                   // 27: outbox.v1.Skip
+	(*RetryAggregateRequest)(nil),  // 28: outbox.v1.RetryAggregateRequest
+	(*RetryAggregateResponse)(nil), // 29: outbox.v1.RetryAggregateResponse
+	(*SkipEventRequest)(nil),       // 30: outbox.v1.SkipEventRequest
+	(*SkipEventResponse)(nil),      // 31: outbox.v1.SkipEventResponse
+	(*PurgeRequest)(nil),           // 32: outbox.v1.PurgeRequest
+	(*PurgeResponse)(nil),          // 33: outbox.v1.PurgeResponse
+	(*durationpb.Duration)(nil),    // 34: google.protobuf.Duration
+	(*timestamppb.Timestamp)(nil),  // 35: google.protobuf.Timestamp
+	(*Event)(nil),                  // 36: outbox.v1.Event
 }
 var file_outbox_v1_admin_service_proto_depIdxs = []int32{
-	4,  // 0: outbox.v1.GetLagResponse.streams:type_name -> outbox.v1.StreamLag
-	4,  // 1: outbox.v1.GetLagResponse.total:type_name -> outbox.v1.StreamLag
-	21, // 2: outbox.v1.StreamLag.oldest_pending_age:type_name -> google.protobuf.Duration
-	22, // 3: outbox.v1.StreamLag.oldest_pending_created_at:type_name -> google.protobuf.Timestamp
-	21, // 4: outbox.v1.StreamLag.oldest_held_age:type_name -> google.protobuf.Duration
-	7,  // 5: outbox.v1.ListRelaysResponse.relays:type_name -> outbox.v1.Relay
-	22, // 6: outbox.v1.Relay.connected_at:type_name -> google.protobuf.Timestamp
-	10, // 7: outbox.v1.GetAggregateResponse.aggregate:type_name -> outbox.v1.Aggregate
+	5,  // 0: outbox.v1.GetLagResponse.streams:type_name -> outbox.v1.StreamLag
+	5,  // 1: outbox.v1.GetLagResponse.total:type_name -> outbox.v1.StreamLag
+	34, // 2: outbox.v1.StreamLag.oldest_pending_age:type_name -> google.protobuf.Duration
+	35, // 3: outbox.v1.StreamLag.oldest_pending_created_at:type_name -> google.protobuf.Timestamp
+	34, // 4: outbox.v1.StreamLag.oldest_held_age:type_name -> google.protobuf.Duration
+	8,  // 5: outbox.v1.ListRelaysResponse.relays:type_name -> outbox.v1.Relay
+	35, // 6: outbox.v1.Relay.connected_at:type_name -> google.protobuf.Timestamp
+	11, // 7: outbox.v1.GetAggregateResponse.aggregate:type_name -> outbox.v1.Aggregate
 	0,  // 8: outbox.v1.Aggregate.state:type_name -> outbox.v1.AggregateState
-	22, // 9: outbox.v1.Aggregate.lease_expires_at:type_name -> google.protobuf.Timestamp
-	22, // 10: outbox.v1.Aggregate.next_attempt_at:type_name -> google.protobuf.Timestamp
-	22, // 11: outbox.v1.Aggregate.parked_at:type_name -> google.protobuf.Timestamp
-	22, // 12: outbox.v1.Aggregate.oldest_pending_created_at:type_name -> google.protobuf.Timestamp
-	1,  // 13: outbox.v1.ListEventsRequest.state:type_name -> outbox.v1.EventState
-	22, // 14: outbox.v1.ListEventsRequest.created_after:type_name -> google.protobuf.Timestamp
-	22, // 15: outbox.v1.ListEventsRequest.created_before:type_name -> google.protobuf.Timestamp
-	13, // 16: outbox.v1.ListEventsResponse.events:type_name -> outbox.v1.EventInfo
-	23, // 17: outbox.v1.EventInfo.event:type_name -> outbox.v1.Event
-	1,  // 18: outbox.v1.EventInfo.state:type_name -> outbox.v1.EventState
-	22, // 19: outbox.v1.EventInfo.published_at:type_name -> google.protobuf.Timestamp
-	14, // 20: outbox.v1.EventInfo.skip:type_name -> outbox.v1.Skip
-	22, // 21: outbox.v1.Skip.skipped_at:type_name -> google.protobuf.Timestamp
-	10, // 22: outbox.v1.RetryAggregateResponse.aggregate:type_name -> outbox.v1.Aggregate
-	14, // 23: outbox.v1.SkipEventResponse.skip:type_name -> outbox.v1.Skip
-	22, // 24: outbox.v1.PurgeRequest.published_before:type_name -> google.protobuf.Timestamp
-	21, // 25: outbox.v1.PurgeResponse.elapsed:type_name -> google.protobuf.Duration
-	2,  // 26: outbox.v1.AdminService.GetLag:input_type -> outbox.v1.GetLagRequest
-	5,  // 27: outbox.v1.AdminService.ListRelays:input_type -> outbox.v1.ListRelaysRequest
-	8,  // 28: outbox.v1.AdminService.GetAggregate:input_type -> outbox.v1.GetAggregateRequest
-	11, // 29: outbox.v1.AdminService.ListEvents:input_type -> outbox.v1.ListEventsRequest
-	15, // 30: outbox.v1.AdminService.RetryAggregate:input_type -> outbox.v1.RetryAggregateRequest
-	17, // 31: outbox.v1.AdminService.SkipEvent:input_type -> outbox.v1.SkipEventRequest
-	19, // 32: outbox.v1.AdminService.Purge:input_type -> outbox.v1.PurgeRequest
-	3,  // 33: outbox.v1.AdminService.GetLag:output_type -> outbox.v1.GetLagResponse
-	6,  // 34: outbox.v1.AdminService.ListRelays:output_type -> outbox.v1.ListRelaysResponse
-	9,  // 35: outbox.v1.AdminService.GetAggregate:output_type -> outbox.v1.GetAggregateResponse
-	12, // 36: outbox.v1.AdminService.ListEvents:output_type -> outbox.v1.ListEventsResponse
-	16, // 37: outbox.v1.AdminService.RetryAggregate:output_type -> outbox.v1.RetryAggregateResponse
-	18, // 38: outbox.v1.AdminService.SkipEvent:output_type -> outbox.v1.SkipEventResponse
-	20, // 39: outbox.v1.AdminService.Purge:output_type -> outbox.v1.PurgeResponse
-	33, // [33:40] is the sub-list for method output_type
-	26, // [26:33] is the sub-list for method input_type
-	26, // [26:26] is the sub-list for extension type_name
-	26, // [26:26] is the sub-list for extension extendee
-	0,  // [0:26] is the sub-list for field type_name
+	35, // 9: outbox.v1.Aggregate.lease_expires_at:type_name -> google.protobuf.Timestamp
+	35, // 10: outbox.v1.Aggregate.next_attempt_at:type_name -> google.protobuf.Timestamp
+	35, // 11: outbox.v1.Aggregate.parked_at:type_name -> google.protobuf.Timestamp
+	35, // 12: outbox.v1.Aggregate.oldest_pending_created_at:type_name -> google.protobuf.Timestamp
+	0,  // 13: outbox.v1.AggregateFilter.states:type_name -> outbox.v1.AggregateState
+	35, // 14: outbox.v1.AggregateFilter.pending_before:type_name -> google.protobuf.Timestamp
+	12, // 15: outbox.v1.ListAggregatesRequest.filter:type_name -> outbox.v1.AggregateFilter
+	11, // 16: outbox.v1.ListAggregatesResponse.aggregates:type_name -> outbox.v1.Aggregate
+	1,  // 17: outbox.v1.Attempt.outcome:type_name -> outbox.v1.AttemptOutcome
+	35, // 18: outbox.v1.Attempt.at:type_name -> google.protobuf.Timestamp
+	15, // 19: outbox.v1.ListAttemptsResponse.attempts:type_name -> outbox.v1.Attempt
+	12, // 20: outbox.v1.BulkRetryRequest.filter:type_name -> outbox.v1.AggregateFilter
+	11, // 21: outbox.v1.BulkRetryResponse.sample:type_name -> outbox.v1.Aggregate
+	12, // 22: outbox.v1.BulkSkipRequest.filter:type_name -> outbox.v1.AggregateFilter
+	11, // 23: outbox.v1.BulkSkipResponse.sample:type_name -> outbox.v1.Aggregate
+	35, // 24: outbox.v1.RepublishRequest.published_after:type_name -> google.protobuf.Timestamp
+	35, // 25: outbox.v1.RepublishRequest.published_before:type_name -> google.protobuf.Timestamp
+	2,  // 26: outbox.v1.ListEventsRequest.state:type_name -> outbox.v1.EventState
+	35, // 27: outbox.v1.ListEventsRequest.created_after:type_name -> google.protobuf.Timestamp
+	35, // 28: outbox.v1.ListEventsRequest.created_before:type_name -> google.protobuf.Timestamp
+	26, // 29: outbox.v1.ListEventsResponse.events:type_name -> outbox.v1.EventInfo
+	36, // 30: outbox.v1.EventInfo.event:type_name -> outbox.v1.Event
+	2,  // 31: outbox.v1.EventInfo.state:type_name -> outbox.v1.EventState
+	35, // 32: outbox.v1.EventInfo.published_at:type_name -> google.protobuf.Timestamp
+	27, // 33: outbox.v1.EventInfo.skip:type_name -> outbox.v1.Skip
+	35, // 34: outbox.v1.Skip.skipped_at:type_name -> google.protobuf.Timestamp
+	11, // 35: outbox.v1.RetryAggregateResponse.aggregate:type_name -> outbox.v1.Aggregate
+	27, // 36: outbox.v1.SkipEventResponse.skip:type_name -> outbox.v1.Skip
+	35, // 37: outbox.v1.PurgeRequest.published_before:type_name -> google.protobuf.Timestamp
+	34, // 38: outbox.v1.PurgeResponse.elapsed:type_name -> google.protobuf.Duration
+	3,  // 39: outbox.v1.AdminService.GetLag:input_type -> outbox.v1.GetLagRequest
+	6,  // 40: outbox.v1.AdminService.ListRelays:input_type -> outbox.v1.ListRelaysRequest
+	9,  // 41: outbox.v1.AdminService.GetAggregate:input_type -> outbox.v1.GetAggregateRequest
+	24, // 42: outbox.v1.AdminService.ListEvents:input_type -> outbox.v1.ListEventsRequest
+	28, // 43: outbox.v1.AdminService.RetryAggregate:input_type -> outbox.v1.RetryAggregateRequest
+	30, // 44: outbox.v1.AdminService.SkipEvent:input_type -> outbox.v1.SkipEventRequest
+	32, // 45: outbox.v1.AdminService.Purge:input_type -> outbox.v1.PurgeRequest
+	13, // 46: outbox.v1.AdminService.ListAggregates:input_type -> outbox.v1.ListAggregatesRequest
+	16, // 47: outbox.v1.AdminService.ListAttempts:input_type -> outbox.v1.ListAttemptsRequest
+	18, // 48: outbox.v1.AdminService.BulkRetry:input_type -> outbox.v1.BulkRetryRequest
+	20, // 49: outbox.v1.AdminService.BulkSkip:input_type -> outbox.v1.BulkSkipRequest
+	22, // 50: outbox.v1.AdminService.Republish:input_type -> outbox.v1.RepublishRequest
+	4,  // 51: outbox.v1.AdminService.GetLag:output_type -> outbox.v1.GetLagResponse
+	7,  // 52: outbox.v1.AdminService.ListRelays:output_type -> outbox.v1.ListRelaysResponse
+	10, // 53: outbox.v1.AdminService.GetAggregate:output_type -> outbox.v1.GetAggregateResponse
+	25, // 54: outbox.v1.AdminService.ListEvents:output_type -> outbox.v1.ListEventsResponse
+	29, // 55: outbox.v1.AdminService.RetryAggregate:output_type -> outbox.v1.RetryAggregateResponse
+	31, // 56: outbox.v1.AdminService.SkipEvent:output_type -> outbox.v1.SkipEventResponse
+	33, // 57: outbox.v1.AdminService.Purge:output_type -> outbox.v1.PurgeResponse
+	14, // 58: outbox.v1.AdminService.ListAggregates:output_type -> outbox.v1.ListAggregatesResponse
+	17, // 59: outbox.v1.AdminService.ListAttempts:output_type -> outbox.v1.ListAttemptsResponse
+	19, // 60: outbox.v1.AdminService.BulkRetry:output_type -> outbox.v1.BulkRetryResponse
+	21, // 61: outbox.v1.AdminService.BulkSkip:output_type -> outbox.v1.BulkSkipResponse
+	23, // 62: outbox.v1.AdminService.Republish:output_type -> outbox.v1.RepublishResponse
+	51, // [51:63] is the sub-list for method output_type
+	39, // [39:51] is the sub-list for method input_type
+	39, // [39:39] is the sub-list for extension type_name
+	39, // [39:39] is the sub-list for extension extendee
+	0,  // [0:39] is the sub-list for field type_name
 }
 
 func init() { file_outbox_v1_admin_service_proto_init() }
@@ -1891,8 +3038,8 @@ func file_outbox_v1_admin_service_proto_init() {
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_outbox_v1_admin_service_proto_rawDesc), len(file_outbox_v1_admin_service_proto_rawDesc)),
-			NumEnums:      2,
-			NumMessages:   19,
+			NumEnums:      3,
+			NumMessages:   31,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

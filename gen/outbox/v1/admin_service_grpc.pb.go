@@ -26,6 +26,11 @@ const (
 	AdminService_RetryAggregate_FullMethodName = "/outbox.v1.AdminService/RetryAggregate"
 	AdminService_SkipEvent_FullMethodName      = "/outbox.v1.AdminService/SkipEvent"
 	AdminService_Purge_FullMethodName          = "/outbox.v1.AdminService/Purge"
+	AdminService_ListAggregates_FullMethodName = "/outbox.v1.AdminService/ListAggregates"
+	AdminService_ListAttempts_FullMethodName   = "/outbox.v1.AdminService/ListAttempts"
+	AdminService_BulkRetry_FullMethodName      = "/outbox.v1.AdminService/BulkRetry"
+	AdminService_BulkSkip_FullMethodName       = "/outbox.v1.AdminService/BulkSkip"
+	AdminService_Republish_FullMethodName      = "/outbox.v1.AdminService/Republish"
 )
 
 // AdminServiceClient is the client API for AdminService service.
@@ -62,6 +67,28 @@ type AdminServiceClient interface {
 	// batches, each its own short transaction; it never deletes a pending or
 	// skipped event. It streams progress after every batch.
 	Purge(ctx context.Context, in *PurgeRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[PurgeResponse], error)
+	// ListAggregates lists aggregates that have pending work, filtered (by
+	// state, error text, age, stalled), oldest pending first, with cursor
+	// pagination. Read-only: callers need the viewer or admin role.
+	ListAggregates(ctx context.Context, in *ListAggregatesRequest, opts ...grpc.CallOption) (*ListAggregatesResponse, error)
+	// ListAttempts lists the recorded delivery attempts of one event or one
+	// aggregate, newest first. The history is bounded per aggregate (the
+	// oldest entries are dropped first). Read-only.
+	ListAttempts(ctx context.Context, in *ListAttemptsRequest, opts ...grpc.CallOption) (*ListAttemptsResponse, error)
+	// BulkRetry applies RetryAggregate to every aggregate the filter matches
+	// (parked or backing-off ones; gap-held ones only with accept_gap and a
+	// reason). With dry_run it only counts. Recorded with actor and reason.
+	BulkRetry(ctx context.Context, in *BulkRetryRequest, opts ...grpc.CallOption) (*BulkRetryResponse, error)
+	// BulkSkip skips the next pending event of every aggregate the filter
+	// matches. The reason is mandatory. With dry_run it only counts.
+	BulkSkip(ctx context.Context, in *BulkSkipRequest, opts ...grpc.CallOption) (*BulkSkipResponse, error)
+	// Republish delivers already-published events again, under the same event
+	// ids and in revision order, for a consumer that lost data: every event of
+	// the aggregate from from_revision on (or, with a time range, from each
+	// aggregate's first event published in the range on) is delivered again.
+	// The reason is mandatory; the action is recorded with actor and reason.
+	// With dry_run it only counts.
+	Republish(ctx context.Context, in *RepublishRequest, opts ...grpc.CallOption) (*RepublishResponse, error)
 }
 
 type adminServiceClient struct {
@@ -151,6 +178,56 @@ func (c *adminServiceClient) Purge(ctx context.Context, in *PurgeRequest, opts .
 // This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
 type AdminService_PurgeClient = grpc.ServerStreamingClient[PurgeResponse]
 
+func (c *adminServiceClient) ListAggregates(ctx context.Context, in *ListAggregatesRequest, opts ...grpc.CallOption) (*ListAggregatesResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(ListAggregatesResponse)
+	err := c.cc.Invoke(ctx, AdminService_ListAggregates_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *adminServiceClient) ListAttempts(ctx context.Context, in *ListAttemptsRequest, opts ...grpc.CallOption) (*ListAttemptsResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(ListAttemptsResponse)
+	err := c.cc.Invoke(ctx, AdminService_ListAttempts_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *adminServiceClient) BulkRetry(ctx context.Context, in *BulkRetryRequest, opts ...grpc.CallOption) (*BulkRetryResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(BulkRetryResponse)
+	err := c.cc.Invoke(ctx, AdminService_BulkRetry_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *adminServiceClient) BulkSkip(ctx context.Context, in *BulkSkipRequest, opts ...grpc.CallOption) (*BulkSkipResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(BulkSkipResponse)
+	err := c.cc.Invoke(ctx, AdminService_BulkSkip_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *adminServiceClient) Republish(ctx context.Context, in *RepublishRequest, opts ...grpc.CallOption) (*RepublishResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(RepublishResponse)
+	err := c.cc.Invoke(ctx, AdminService_Republish_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // AdminServiceServer is the server API for AdminService service.
 // All implementations must embed UnimplementedAdminServiceServer
 // for forward compatibility.
@@ -185,6 +262,28 @@ type AdminServiceServer interface {
 	// batches, each its own short transaction; it never deletes a pending or
 	// skipped event. It streams progress after every batch.
 	Purge(*PurgeRequest, grpc.ServerStreamingServer[PurgeResponse]) error
+	// ListAggregates lists aggregates that have pending work, filtered (by
+	// state, error text, age, stalled), oldest pending first, with cursor
+	// pagination. Read-only: callers need the viewer or admin role.
+	ListAggregates(context.Context, *ListAggregatesRequest) (*ListAggregatesResponse, error)
+	// ListAttempts lists the recorded delivery attempts of one event or one
+	// aggregate, newest first. The history is bounded per aggregate (the
+	// oldest entries are dropped first). Read-only.
+	ListAttempts(context.Context, *ListAttemptsRequest) (*ListAttemptsResponse, error)
+	// BulkRetry applies RetryAggregate to every aggregate the filter matches
+	// (parked or backing-off ones; gap-held ones only with accept_gap and a
+	// reason). With dry_run it only counts. Recorded with actor and reason.
+	BulkRetry(context.Context, *BulkRetryRequest) (*BulkRetryResponse, error)
+	// BulkSkip skips the next pending event of every aggregate the filter
+	// matches. The reason is mandatory. With dry_run it only counts.
+	BulkSkip(context.Context, *BulkSkipRequest) (*BulkSkipResponse, error)
+	// Republish delivers already-published events again, under the same event
+	// ids and in revision order, for a consumer that lost data: every event of
+	// the aggregate from from_revision on (or, with a time range, from each
+	// aggregate's first event published in the range on) is delivered again.
+	// The reason is mandatory; the action is recorded with actor and reason.
+	// With dry_run it only counts.
+	Republish(context.Context, *RepublishRequest) (*RepublishResponse, error)
 	mustEmbedUnimplementedAdminServiceServer()
 }
 
@@ -215,6 +314,21 @@ func (UnimplementedAdminServiceServer) SkipEvent(context.Context, *SkipEventRequ
 }
 func (UnimplementedAdminServiceServer) Purge(*PurgeRequest, grpc.ServerStreamingServer[PurgeResponse]) error {
 	return status.Error(codes.Unimplemented, "method Purge not implemented")
+}
+func (UnimplementedAdminServiceServer) ListAggregates(context.Context, *ListAggregatesRequest) (*ListAggregatesResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method ListAggregates not implemented")
+}
+func (UnimplementedAdminServiceServer) ListAttempts(context.Context, *ListAttemptsRequest) (*ListAttemptsResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method ListAttempts not implemented")
+}
+func (UnimplementedAdminServiceServer) BulkRetry(context.Context, *BulkRetryRequest) (*BulkRetryResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method BulkRetry not implemented")
+}
+func (UnimplementedAdminServiceServer) BulkSkip(context.Context, *BulkSkipRequest) (*BulkSkipResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method BulkSkip not implemented")
+}
+func (UnimplementedAdminServiceServer) Republish(context.Context, *RepublishRequest) (*RepublishResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method Republish not implemented")
 }
 func (UnimplementedAdminServiceServer) mustEmbedUnimplementedAdminServiceServer() {}
 func (UnimplementedAdminServiceServer) testEmbeddedByValue()                      {}
@@ -356,6 +470,96 @@ func _AdminService_Purge_Handler(srv interface{}, stream grpc.ServerStream) erro
 // This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
 type AdminService_PurgeServer = grpc.ServerStreamingServer[PurgeResponse]
 
+func _AdminService_ListAggregates_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(ListAggregatesRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(AdminServiceServer).ListAggregates(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: AdminService_ListAggregates_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(AdminServiceServer).ListAggregates(ctx, req.(*ListAggregatesRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _AdminService_ListAttempts_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(ListAttemptsRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(AdminServiceServer).ListAttempts(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: AdminService_ListAttempts_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(AdminServiceServer).ListAttempts(ctx, req.(*ListAttemptsRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _AdminService_BulkRetry_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(BulkRetryRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(AdminServiceServer).BulkRetry(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: AdminService_BulkRetry_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(AdminServiceServer).BulkRetry(ctx, req.(*BulkRetryRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _AdminService_BulkSkip_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(BulkSkipRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(AdminServiceServer).BulkSkip(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: AdminService_BulkSkip_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(AdminServiceServer).BulkSkip(ctx, req.(*BulkSkipRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _AdminService_Republish_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(RepublishRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(AdminServiceServer).Republish(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: AdminService_Republish_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(AdminServiceServer).Republish(ctx, req.(*RepublishRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // AdminService_ServiceDesc is the grpc.ServiceDesc for AdminService service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -386,6 +590,26 @@ var AdminService_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "SkipEvent",
 			Handler:    _AdminService_SkipEvent_Handler,
+		},
+		{
+			MethodName: "ListAggregates",
+			Handler:    _AdminService_ListAggregates_Handler,
+		},
+		{
+			MethodName: "ListAttempts",
+			Handler:    _AdminService_ListAttempts_Handler,
+		},
+		{
+			MethodName: "BulkRetry",
+			Handler:    _AdminService_BulkRetry_Handler,
+		},
+		{
+			MethodName: "BulkSkip",
+			Handler:    _AdminService_BulkSkip_Handler,
+		},
+		{
+			MethodName: "Republish",
+			Handler:    _AdminService_Republish_Handler,
 		},
 	},
 	Streams: []grpc.StreamDesc{
