@@ -284,6 +284,16 @@ func (set *tokenSet) grants(hash [sha256.Size]byte, p *Principal) bool {
 	return false
 }
 
+// Lookup returns the principal whose secret is token, checked as a gRPC
+// call's bearer token is (constant time, the current set). The console uses
+// it at login and on every request, so a revoked token ends its sessions.
+func (a *Authenticator) Lookup(token string) (*Principal, bool) {
+	if !validToken(token) || len(token) > MaxSecretLen {
+		return nil, false
+	}
+	return a.authenticate(token)
+}
+
 // authenticate returns the principal whose secret is token. The token is
 // hashed and compared with every entry's hash in constant time, without
 // stopping at a match: the time taken reveals neither which entry matched

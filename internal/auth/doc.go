@@ -9,6 +9,7 @@
 //	billing-relay  relay        sha256:28587cb3a1a5d40861abe5a2511672464e997a3ee5b807e7a19fea134498bd0c  streams=billing.*
 //	orders-relay   relay        mKX2v8Qm3cYb7n1Zr0pL4sTq9wUeHjAa                                         streams=sales_order
 //	ops            admin,relay  sha256:89e1fa8725570a68730f193a5e77f446dbc0ce0b4c4789b531d457513ba6321d  # on-call
+//	dashboard      viewer       sha256:f00ec0c4415d21f851a6fe4289457d89abb2fdc4f3f6f41e34f57dfe26bb217b  # console, read-only
 //
 // Blank lines and text after '#' are ignored. Fields are separated by spaces
 // or tabs:
@@ -19,8 +20,11 @@
 //     appear on several lines only with the same roles and streams, to hold
 //     an old and a new secret during rotation.
 //   - roles: relay (RelayService: Subscribe, Ack, Nack, ExtendLease), admin
-//     (AdminService), or both separated by a comma. Admin does not imply
-//     relay.
+//     (AdminService), viewer (the read-only AdminService methods, see
+//     ReadOnlyAdminMethods: GetLag, ListRelays, GetAggregate, ListEvents,
+//     ListAggregates, ListAttempts; what the console's pages need), or
+//     several separated by commas. Admin does not imply relay; it implies
+//     everything viewer grants.
 //   - secret: the token itself, 16 to 1024 of A-Z a-z 0-9 - . _ ~ + / with
 //     optional trailing '=' (RFC 6750; e.g. openssl rand -base64 32), or
 //     "sha256:" and the 64 hex digits of its SHA-256 (printf %s "$TOKEN" |
@@ -55,7 +59,8 @@
 //
 // # Policy
 //
-// /outbox.v1.RelayService/* needs relay, /outbox.v1.AdminService/* needs
+// /outbox.v1.RelayService/* needs relay, the read-only AdminService
+// methods need viewer or admin, the rest of /outbox.v1.AdminService/* needs
 // admin, /grpc.health.v1.Health/* needs nothing, /grpc.reflection.* needs
 // nothing unless Config.ProtectReflection (then any valid token), and any
 // other method needs admin (closed by default). Missing, malformed or

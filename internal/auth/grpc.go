@@ -5,6 +5,7 @@ import (
 	"crypto/sha256"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"sync"
 
@@ -35,6 +36,41 @@ var (
 type access struct {
 	public bool // no token needed; a token sent anyway is ignored
 	role   Role // role needed; "" with public false means any valid token
+	// viewer: RoleViewer suffices as well as role (a read-only method).
+	viewer bool
+}
+
+// ReadOnlyAdminMethods are the AdminService methods that only read: a token
+// with the viewer role may call them (as may admin). Every other
+// AdminService method changes something and needs admin.
+var ReadOnlyAdminMethods = []string{
+	outboxv1.AdminService_GetLag_FullMethodName,
+	outboxv1.AdminService_ListRelays_FullMethodName,
+	outboxv1.AdminService_GetAggregate_FullMethodName,
+	outboxv1.AdminService_ListEvents_FullMethodName,
+	outboxv1.AdminService_ListAggregates_FullMethodName,
+	outboxv1.AdminService_ListAttempts_FullMethodName,
+}
+
+// allows reports whether p holds what need asks for.
+func (need access) allows(p *Principal) bool {
+	return need.role == "" || p.HasRole(need.role) || need.viewer && p.HasRole(RoleViewer)
+}
+
+// describe names the roles need accepts, for PermissionDenied messages.
+func (need access) describe() string {
+	if need.viewer {
+		return string(need.role) + " or " + string(RoleViewer)
+	}
+	return string(need.role)
+}
+
+// Allows reports whether p may call the full gRPC method name under the
+// same policy the interceptors apply (streams apart, which handlers check).
+// The console uses it to show only the actions a session may take.
+func (a *Authenticator) Allows(p *Principal, method string) bool {
+	need := a.requirement(method)
+	return need.public || need.allows(p)
 }
 
 // requirement is the method→role policy. A method of any other service
@@ -44,6 +80,8 @@ func (a *Authenticator) requirement(method string) access {
 	switch {
 	case strings.HasPrefix(method, relayPrefix):
 		return access{role: RoleRelay}
+	case slices.Contains(ReadOnlyAdminMethods, method):
+		return access{role: RoleAdmin, viewer: true}
 	case strings.HasPrefix(method, adminPrefix):
 		return access{role: RoleAdmin}
 	case strings.HasPrefix(method, healthPrefix):
@@ -85,9 +123,9 @@ func (a *Authenticator) AuthFunc(ctx context.Context) (context.Context, error) {
 		a.reject(ctx, method, "", "unknown token")
 		return nil, status.Error(codes.Unauthenticated, "unknown or revoked bearer token")
 	}
-	if need.role != "" && !p.HasRole(need.role) {
-		a.reject(ctx, method, p.Name, "missing role "+string(need.role))
-		return nil, status.Errorf(codes.PermissionDenied, "token %q lacks the %s role needed for %s", p.Name, need.role, method)
+	if !need.allows(p) {
+		a.reject(ctx, method, p.Name, "missing role "+need.describe())
+		return nil, status.Errorf(codes.PermissionDenied, "token %q lacks the %s role needed for %s", p.Name, need.describe(), method)
 	}
 	ctx = context.WithValue(ctx, tokenHashKey{}, sha256.Sum256([]byte(token)))
 	return ContextWithPrincipal(ctx, p), nil

@@ -4,6 +4,7 @@ import (
 	"context"
 	"io"
 	"net"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -28,6 +29,7 @@ var testTokens = strings.Join([]string{
 	"operator admin " + HashToken(adminSecret),
 	"both admin,relay " + bothSecret,
 	"billing relay " + billingSecret + " streams=billing.*",
+	"watcher viewer " + viewerSecret,
 }, "\n")
 
 // fakeRelay answers with the caller's principal name, so tests see what the
@@ -249,12 +251,60 @@ func TestPolicyOverGRPC(t *testing.T) {
 	}
 }
 
+// A viewer token reads (every read-only AdminService method gets past
+// authorization, where the fake answers Unimplemented) and may do nothing
+// else: no action, no purge, no relay call, no unknown service.
+func TestViewerRole(t *testing.T) {
+	t.Parallel()
+	a := newFromText(t, testTokens, nil)
+	addr := serve(t, a)
+	conn := dial(t, addr, viewerSecret)
+	check(t, conn, callGetLag, codes.OK, "watcher", viewerSecret)
+	for _, method := range ReadOnlyAdminMethods {
+		if method == outboxv1.AdminService_GetLag_FullMethodName {
+			continue
+		}
+		err := conn.Invoke(testCtx(t), method, &emptypb.Empty{}, &emptypb.Empty{})
+		if status.Code(err) != codes.Unimplemented {
+			t.Errorf("viewer calling %s: %v, want it past authorization (Unimplemented from the fake)", method, err)
+		}
+	}
+	for _, method := range []string{
+		outboxv1.AdminService_RetryAggregate_FullMethodName, outboxv1.AdminService_SkipEvent_FullMethodName,
+		outboxv1.AdminService_BulkRetry_FullMethodName, outboxv1.AdminService_BulkSkip_FullMethodName,
+		outboxv1.AdminService_Republish_FullMethodName,
+	} {
+		err := conn.Invoke(testCtx(t), method, &emptypb.Empty{}, &emptypb.Empty{})
+		if st := status.Convert(err); st.Code() != codes.PermissionDenied || !strings.Contains(st.Message(), `token "watcher" lacks the admin role`) {
+			t.Errorf("viewer calling %s: %v, want PermissionDenied naming the admin role", method, err)
+		}
+	}
+	for _, c := range []call{callPurge, callAck, callSubscribe, callOther} {
+		check(t, conn, c, codes.PermissionDenied, "", viewerSecret)
+	}
+	p, ok := a.Lookup(viewerSecret)
+	if !ok || p.Name != "watcher" || !slices.Equal(p.Roles, []Role{RoleViewer}) {
+		t.Fatalf("Lookup(viewer) = %+v, %v", p, ok)
+	}
+	if !a.Allows(p, outboxv1.AdminService_ListEvents_FullMethodName) || a.Allows(p, outboxv1.AdminService_SkipEvent_FullMethodName) {
+		t.Error("Allows disagrees with the interceptor's policy for a viewer")
+	}
+	if _, ok := a.Lookup("not a token"); ok {
+		t.Error("Lookup accepted a malformed token")
+	}
+	// The relay-only token is told which roles would do.
+	_, err := callGetLag.do(testCtx(t), dial(t, addr, relaySecret))
+	if want := `token "relayer" lacks the admin or viewer role needed for /outbox.v1.AdminService/GetLag`; status.Convert(err).Message() != want {
+		t.Errorf("got %v, want %q", err, want)
+	}
+}
+
 func TestPermissionDeniedNamesRole(t *testing.T) {
 	t.Parallel()
 	addr := serve(t, newFromText(t, testTokens, nil))
-	_, err := callGetLag.do(testCtx(t), dial(t, addr, relaySecret))
+	_, err := callPurge.do(testCtx(t), dial(t, addr, relaySecret))
 	if st := status.Convert(err); st.Code() != codes.PermissionDenied ||
-		st.Message() != `token "relayer" lacks the admin role needed for /outbox.v1.AdminService/GetLag` {
+		st.Message() != `token "relayer" lacks the admin role needed for /outbox.v1.AdminService/Purge` {
 		t.Errorf("got %v", err)
 	}
 	_, err = callSubscribe.do(testCtx(t), dial(t, addr, adminSecret))
@@ -344,6 +394,10 @@ func TestRequirement(t *testing.T) {
 		{outboxv1.RelayService_Ack_FullMethodName, access{role: RoleRelay}, access{role: RoleRelay}},
 		{outboxv1.RelayService_Subscribe_FullMethodName, access{role: RoleRelay}, access{role: RoleRelay}},
 		{outboxv1.AdminService_Purge_FullMethodName, access{role: RoleAdmin}, access{role: RoleAdmin}},
+		{outboxv1.AdminService_GetLag_FullMethodName, access{role: RoleAdmin, viewer: true}, access{role: RoleAdmin, viewer: true}},
+		{outboxv1.AdminService_ListAttempts_FullMethodName, access{role: RoleAdmin, viewer: true}, access{role: RoleAdmin, viewer: true}},
+		{outboxv1.AdminService_SkipEvent_FullMethodName, access{role: RoleAdmin}, access{role: RoleAdmin}},
+		{outboxv1.AdminService_BulkSkip_FullMethodName, access{role: RoleAdmin}, access{role: RoleAdmin}},
 		{healthpb.Health_Watch_FullMethodName, access{public: true}, access{public: true}},
 		{"/grpc.reflection.v1.ServerReflection/ServerReflectionInfo", access{public: true}, access{}},
 		{"/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", access{public: true}, access{}},

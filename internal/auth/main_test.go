@@ -18,6 +18,7 @@ const (
 	adminSecret   = "admin-secret-0123456789"
 	bothSecret    = "both-secret-0123456789ab"
 	billingSecret = "billing-secret-0123456789"
+	viewerSecret  = "viewer-secret-0123456789"
 )
 
 // testLogger routes a component's logs to t.Log.

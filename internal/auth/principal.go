@@ -16,7 +16,7 @@ type Principal struct {
 	// Name identifies the token's holder; it is what audit records and logs
 	// show as the actor.
 	Name string
-	// Roles are the roles granted, in a fixed order (relay before admin).
+	// Roles are the roles granted, in a fixed order (relay, viewer, admin).
 	Roles []Role
 	// Streams are the stream patterns the token is limited to, sorted; '*'
 	// matches any run of characters. Empty means every stream.

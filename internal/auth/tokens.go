@@ -18,6 +18,10 @@ const (
 	// RoleAdmin may call AdminService. It does not imply RoleRelay; grant
 	// both ("admin,relay") to a token that needs both.
 	RoleAdmin Role = "admin"
+	// RoleViewer may call the read-only AdminService methods (see
+	// ReadOnlyAdminMethods) and nothing else: for dashboards and the
+	// console's pages. Admin implies everything a viewer may do.
+	RoleViewer Role = "viewer"
 )
 
 const (
@@ -185,32 +189,29 @@ func isAlnum(c byte) bool {
 	return 'a' <= c && c <= 'z' || 'A' <= c && c <= 'Z' || '0' <= c && c <= '9'
 }
 
-// parseRoles parses "relay", "admin", "admin,relay". Roles come back in a
-// fixed order so that two lines granting the same roles compare equal.
+// roleOrder is every role, in the order a Principal lists them.
+var roleOrder = []Role{RoleRelay, RoleViewer, RoleAdmin}
+
+// parseRoles parses "relay", "admin", "viewer", "admin,relay" and so on.
+// Roles come back in a fixed order (roleOrder) so that two lines granting
+// the same roles compare equal.
 func parseRoles(s string) ([]Role, string) {
-	var relay, admin bool
+	seen := map[Role]bool{}
 	for r := range strings.SplitSeq(s, ",") {
-		switch Role(r) {
-		case RoleRelay:
-			if relay {
-				return nil, "relay is listed twice"
-			}
-			relay = true
-		case RoleAdmin:
-			if admin {
-				return nil, "admin is listed twice"
-			}
-			admin = true
-		default:
-			return nil, fmt.Sprintf("unknown role %s; want relay, admin, or both separated by a comma", shown(r))
+		role := Role(r)
+		if !slices.Contains(roleOrder, role) {
+			return nil, fmt.Sprintf("unknown role %s; want relay, admin or viewer, or several separated by commas", shown(r))
 		}
+		if seen[role] {
+			return nil, fmt.Sprintf("%s is listed twice", role)
+		}
+		seen[role] = true
 	}
 	var roles []Role
-	if relay {
-		roles = append(roles, RoleRelay)
-	}
-	if admin {
-		roles = append(roles, RoleAdmin)
+	for _, r := range roleOrder {
+		if seen[r] {
+			roles = append(roles, r)
+		}
 	}
 	return roles, ""
 }

@@ -42,8 +42,8 @@ func TestDocExampleParses(t *testing.T) {
 			lines = append(lines, strings.TrimPrefix(l, "//\t"))
 		}
 	}
-	if len(lines) != 4 {
-		t.Fatalf("found %d example lines in doc.go, want 4", len(lines))
+	if len(lines) != 5 {
+		t.Fatalf("found %d example lines in doc.go, want 5", len(lines))
 	}
 	_, envExample, ok := strings.Cut(string(src), "//\tOUTBOXD_TOKENS='")
 	envExample, _, _ = strings.Cut(envExample, "'")
@@ -59,6 +59,7 @@ func TestDocExampleParses(t *testing.T) {
 		{"billing-relay-secret-0001", "billing-relay", []Role{RoleRelay}, []string{"billing.*"}},
 		{"mKX2v8Qm3cYb7n1Zr0pL4sTq9wUeHjAa", "orders-relay", []Role{RoleRelay}, []string{"sales_order"}},
 		{"ops-secret-0123456789abcdef", "ops", []Role{RoleRelay, RoleAdmin}, nil},
+		{"dashboard-secret-0123456789", "dashboard", []Role{RoleViewer}, nil},
 	} {
 		p, ok := a.authenticate(tc.secret)
 		if !ok {
@@ -112,6 +113,12 @@ func TestParseValid(t *testing.T) {
 			[]Principal{{Name: "a", Roles: []Role{RoleRelay}}, {Name: "b", Roles: []Role{RoleAdmin}}, {Name: "c", Roles: []Role{RoleRelay}}},
 		},
 		{"byte order mark", "\ufeffa relay " + relaySecret, false, []Principal{{Name: "a", Roles: []Role{RoleRelay}}}},
+		{
+			"viewer, alone and among others, in the fixed order",
+			"v viewer " + relaySecret + "\nw admin,viewer,relay " + adminSecret + "\n",
+			false,
+			[]Principal{{Name: "v", Roles: []Role{RoleViewer}}, {Name: "w", Roles: []Role{RoleRelay, RoleViewer, RoleAdmin}}},
+		},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			entries, err := parseText(tc.content, tc.env)
@@ -150,6 +157,7 @@ func TestParseErrors(t *testing.T) {
 		{"empty role", "a relay, " + relaySecret, false, []string{`t:1: roles: unknown role ""`}, nil},
 		{"role twice", "a relay,relay " + relaySecret, false, []string{"t:1: roles: relay is listed twice"}, nil},
 		{"admin twice", "a admin,relay,admin " + relaySecret, false, []string{"t:1: roles: admin is listed twice"}, nil},
+		{"viewer twice", "a viewer,viewer " + relaySecret, false, []string{"t:1: roles: viewer is listed twice"}, nil},
 		{"short secret", "a relay short-secret", false, []string{"t:1: secret: is 12 bytes; want 16 to 1024"}, []string{"short-secret"}},
 		{"long secret", "a relay " + strings.Repeat("s", 1025), false, []string{"t:1: secret: is 1025 bytes"}, nil},
 		{"bad character", "a relay " + relaySecret + "!x", false, []string{"t:1: secret: has a character outside"}, []string{relaySecret}},
