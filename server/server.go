@@ -232,6 +232,13 @@ func (s *Server) Register(g grpc.ServiceRegistrar) {
 	outboxv1.RegisterAdminServiceServer(g, &adminService{s: s})
 }
 
+// AdminServer returns the AdminService implementation itself. Calls made
+// on it directly bypass the gRPC interceptors, authentication included, as
+// if auth were disabled: it is for in-process callers that apply access
+// rules themselves (the console's lag sampler, whose samples are filtered
+// by each viewer's streams). Everything else goes through gRPC.
+func (s *Server) AdminServer() outboxv1.AdminServiceServer { return &adminService{s: s} }
+
 // Run runs the replica's background work (discovery, group-committed acks,
 // the LISTEN connection, the relay-session registry, the retention janitor)
 // until ctx is done. Call Stop first for a graceful end.

@@ -23,9 +23,13 @@ func newRegistry() *prometheus.Registry {
 
 // newHTTPServer serves /metrics, /healthz (the process is up), /readyz
 // (the replica can serve: database reachable, schema current, not shutting
-// down) and, with profiling, /debug/pprof/.
-func newHTTPServer(reg *prometheus.Registry, readiness func() server.Readiness, profiling bool) *http.Server {
+// down), with profiling /debug/pprof/, and the console (when not nil) at
+// every other path.
+func newHTTPServer(reg *prometheus.Registry, readiness func() server.Readiness, profiling bool, console http.Handler) *http.Server {
 	mux := http.NewServeMux()
+	if console != nil {
+		mux.Handle("/", console)
+	}
 	if profiling {
 		// Off by default: profiles reveal internals and cost CPU while taken.
 		mux.HandleFunc("GET /debug/pprof/", pprof.Index)

@@ -18,6 +18,7 @@ import (
 
 	"github.com/outboxd/outboxd/internal/app"
 	"github.com/outboxd/outboxd/internal/auth"
+	"github.com/outboxd/outboxd/internal/console"
 	"github.com/outboxd/outboxd/internal/devdb"
 	"github.com/outboxd/outboxd/internal/store"
 	"github.com/outboxd/outboxd/internal/tlsconfig"
@@ -50,6 +51,7 @@ type serveFlags struct {
 	tlsClientCA          string
 	maxSubscriptions     int
 	pprof                bool
+	console              bool
 }
 
 func (f *serveFlags) register(cmd *cobra.Command) {
@@ -76,6 +78,7 @@ func (f *serveFlags) register(cmd *cobra.Command) {
 	fl.StringVar(&f.tlsKey, "tls-key", "", "TLS private key file")
 	fl.StringVar(&f.tlsClientCA, "tls-client-ca", "", "CA file for client certificates: turns on mutual TLS")
 	fl.BoolVar(&f.pprof, "pprof", false, "serve Go profiles on the HTTP port under /debug/pprof/")
+	fl.BoolVar(&f.console, "console", true, "serve the operator console at / on the HTTP port (login with a viewer or admin token)")
 	fl.IntVar(&f.maxSubscriptions, "max-subscriptions-per-relay", 64, "Subscribe streams one token (or relay id, without auth) may hold open on this replica")
 }
 
@@ -113,6 +116,28 @@ func (f *serveFlags) security(log *slog.Logger) (credentials.TransportCredential
 		log.Warn("tokens will cross the network in plaintext: serve with --tls-cert and --tls-key", "listen", f.listen)
 	}
 	return creds, authn, nil
+}
+
+// newConsole builds the operator console on the replica's in-process
+// connection. Without tokens it follows serve's loopback rule: open on a
+// loopback HTTP address (or with --insecure-no-auth), refusing otherwise.
+func (f *serveFlags) newConsole(rep *app.Replica, authn *auth.Authenticator, log *slog.Logger) (*console.Console, func(), error) {
+	conn, err := rep.DialInProcess()
+	if err != nil {
+		return nil, nil, fmt.Errorf("console: %w", err)
+	}
+	open := authn == nil && (auth.IsLoopback(f.httpListen) || f.insecureNoAuth)
+	if authn == nil && !open {
+		log.Warn("console refused: no tokens and --http-listen is not loopback; give --token-file to use it", "http_listen", f.httpListen)
+	}
+	con, err := console.New(console.Config{
+		Conn: conn, Authenticator: authn, Open: open, Lag: rep.Server.AdminServer().GetLag, Logger: log,
+	})
+	if err != nil {
+		conn.Close()
+		return nil, nil, err
+	}
+	return con, func() { conn.Close() }, nil
 }
 
 func serveCommand(g *globalFlags) *cobra.Command {
@@ -174,6 +199,9 @@ applies migrations and serves on --listen.`,
   emit an event:  psql '%s' -c "SELECT * FROM outbox.emit('sales_order', '42', 'OrderPaid', '{\"order_id\": 42}')"
   relay to stdout: go run ./cmd/outboxd relay --server %s --sink stdout://
 `, addr, redactURL(db.URL), db.Source, db.URL, addr)
+				if f.httpListen != "" && f.console {
+					fmt.Fprintf(cmd.OutOrStdout(), "  console:         http://%s/\n", f.httpListen)
+				}
 			})
 		},
 	}
@@ -249,7 +277,19 @@ func runServer(ctx context.Context, url string, f *serveFlags, log *slog.Logger,
 	eg.Go(func() error { defer close(served); return rep.Serve(ctx, lis) })
 	var httpSrv *http.Server
 	if httpLis != nil {
-		httpSrv = newHTTPServer(reg, rep.Readiness, f.pprof)
+		var consoleHandler http.Handler
+		if f.console {
+			con, closeConsole, err := f.newConsole(rep, authn, log)
+			if err != nil {
+				lis.Close()
+				httpLis.Close()
+				return err
+			}
+			defer closeConsole()
+			consoleHandler = con.Handler()
+			eg.Go(func() error { return con.Run(ctx) })
+		}
+		httpSrv = newHTTPServer(reg, rep.Readiness, f.pprof, consoleHandler)
 		eg.Go(func() error {
 			if err := httpSrv.Serve(httpLis); err != nil && !errors.Is(err, http.ErrServerClosed) {
 				return err

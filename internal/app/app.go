@@ -29,6 +29,7 @@ import (
 	"google.golang.org/grpc/keepalive"
 	"google.golang.org/grpc/reflection"
 	"google.golang.org/grpc/status"
+	"google.golang.org/grpc/test/bufconn"
 
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
 	"github.com/outboxd/outboxd/internal/auth"
@@ -94,7 +95,8 @@ type Replica struct {
 	ready     chan struct{} // closed when first ready
 	readyOnce sync.Once
 	readyMu   sync.Mutex
-	stopping  bool // under readyMu; set by Shutdown: readiness stays "shutting down"
+	stopping  bool              // under readyMu; set by Shutdown: readiness stays "shutting down"
+	inproc    inProcessListener // see DialInProcess
 }
 
 // New builds a replica: it validates cfg.Server and loads the lease key
@@ -124,7 +126,8 @@ func New(ctx context.Context, cfg Config) (*Replica, error) {
 	if reg == nil {
 		reg = prometheus.NewRegistry() // metrics nobody reads
 	}
-	r := &Replica{Server: srv, cfg: cfg, log: log, health: health.NewServer(), ready: make(chan struct{})}
+	r := &Replica{Server: srv, cfg: cfg, log: log, health: health.NewServer(), ready: make(chan struct{}),
+		inproc: inProcessListener{bufconn.Listen(inProcessBuffer)}}
 	r.GRPC = newGRPCServer(log, reg, srv, cfg)
 	srv.Register(r.GRPC)
 	healthpb.RegisterHealthServer(r.GRPC, r.health)
@@ -181,6 +184,9 @@ func (r *Replica) Serve(ctx context.Context, lis net.Listener) error {
 	}
 	served := make(chan error, 1)
 	go func() { served <- r.GRPC.Serve(lis) }()
+	// The in-process pipe (DialInProcess) ends with the server: Stop closes
+	// every listener it serves.
+	go func() { _ = r.GRPC.Serve(r.inproc) }()
 
 	var serveErr error
 	select {
@@ -277,7 +283,7 @@ func newGRPCServer(log *slog.Logger, reg prometheus.Registerer, srv *server.Serv
 		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 10 * time.Second, PermitWithoutStream: true}),
 	}
 	if cfg.Creds != nil {
-		opts = append(opts, grpc.Creds(cfg.Creds))
+		opts = append(opts, grpc.Creds(inProcessCreds{cfg.Creds}))
 	}
 	g := grpc.NewServer(append(opts, cfg.ServerOptions...)...)
 	metrics.InitializeMetrics(g)

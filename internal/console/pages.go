@@ -1,0 +1,233 @@
+package console
+
+import (
+	"fmt"
+	"net/http"
+	"slices"
+	"strings"
+	"time"
+
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+)
+
+// Page sizes the console asks for.
+const (
+	eventsPageSize     = 50
+	aggregatesPageSize = 100
+	attemptsPageSize   = 50
+)
+
+func (c *Console) overview(q *request) {
+	data := map[string]any{"PollMs": c.cfg.PollInterval.Milliseconds(), "WindowMin": int(c.cfg.History.Minutes())}
+	code := http.StatusOK
+	lag, err := c.admin.GetLag(q.ctx, &outboxv1.GetLagRequest{})
+	if err != nil {
+		data["Error"], code = describe(err), httpCode(err)
+	} else {
+		var rows []streamRow
+		for _, l := range lag.GetStreams() {
+			rows = append(rows, rowOf(l))
+		}
+		data["Streams"], data["Total"], data["Relays"] = rows, rowOf(lag.GetTotal()), lag.GetConnectedRelays()
+	}
+	c.render(q.w, q.r, code, "overview", q, data)
+}
+
+// troubleStates are the states the aggregates page shows by default.
+var troubleStates = []outboxv1.AggregateState{
+	outboxv1.AggregateState_AGGREGATE_STATE_PARKED,
+	outboxv1.AggregateState_AGGREGATE_STATE_BACKOFF,
+	outboxv1.AggregateState_AGGREGATE_STATE_GAP,
+}
+
+// filterForm is the aggregate filter as the pages' forms carry it.
+type filterForm struct {
+	Stream, State, Error, OlderThan string
+	Stalled                         bool
+}
+
+func readFilter(r *http.Request) filterForm {
+	v := func(k string) string { return strings.TrimSpace(r.FormValue(k)) }
+	return filterForm{Stream: v("stream"), State: v("state"), Error: v("error"), OlderThan: v("older_than"),
+		Stalled: r.FormValue("stalled") != ""}
+}
+
+// proto converts the form; state "" or "trouble" means parked, backing off
+// or held at a gap.
+func (f filterForm) proto() (*outboxv1.AggregateFilter, error) {
+	out := &outboxv1.AggregateFilter{Stream: f.Stream, ErrorContains: f.Error, StalledOnly: f.Stalled}
+	switch f.State {
+	case "", "trouble":
+		if !f.Stalled {
+			out.States = troubleStates
+		}
+	case "any":
+	default:
+		st, ok := outboxv1.AggregateState_value["AGGREGATE_STATE_"+strings.ToUpper(f.State)]
+		if !ok {
+			return nil, fmt.Errorf("unknown state %q", f.State)
+		}
+		out.States = []outboxv1.AggregateState{outboxv1.AggregateState(st)}
+	}
+	if f.OlderThan != "" {
+		d, err := time.ParseDuration(f.OlderThan)
+		if err != nil || d < 0 {
+			return nil, fmt.Errorf("older than: %q is not a duration like 30m or 2h", f.OlderThan)
+		}
+		out.PendingBefore = timestamppb.New(time.Now().Add(-d))
+	}
+	return out, nil
+}
+
+func (c *Console) aggregates(q *request) {
+	f := readFilter(q.r)
+	data := map[string]any{"F": f, "States": stateNames}
+	code := http.StatusOK
+	filter, err := f.proto()
+	if err != nil {
+		data["Error"] = err.Error()
+		c.render(q.w, q.r, http.StatusBadRequest, "aggregates", q, data)
+		return
+	}
+	resp, err := c.admin.ListAggregates(q.ctx, &outboxv1.ListAggregatesRequest{
+		Filter: filter, PageSize: aggregatesPageSize, PageToken: q.r.FormValue("page")})
+	switch {
+	case unimplemented(err):
+		// Until the server has ListAggregates: the per-stream counts, and
+		// the way in through the events browser.
+		data["Unimplemented"] = describe(err)
+		if lag, err := c.admin.GetLag(q.ctx, &outboxv1.GetLagRequest{}); err == nil {
+			var rows []streamRow
+			for _, l := range lag.GetStreams() {
+				rows = append(rows, rowOf(l))
+			}
+			data["Streams"] = rows
+		}
+	case err != nil:
+		data["Error"], code = describe(err), httpCode(err)
+	default:
+		data["Aggregates"], data["Next"] = resp.GetAggregates(), resp.GetNextPageToken()
+	}
+	c.render(q.w, q.r, code, "aggregates", q, data)
+}
+
+var stateNames = []string{"trouble", "any", "parked", "backoff", "gap", "ready", "leased"}
+
+func (c *Console) aggregate(q *request) {
+	stream, key := q.r.FormValue("stream"), q.r.FormValue("key")
+	data := map[string]any{"Stream": stream, "Key": key,
+		"CanRetry": q.can(c, outboxv1.AdminService_RetryAggregate_FullMethodName),
+		"CanSkip":  q.can(c, outboxv1.AdminService_SkipEvent_FullMethodName)}
+	if stream == "" || key == "" {
+		data["Error"] = "Name a stream and an aggregate key."
+		c.render(q.w, q.r, http.StatusBadRequest, "aggregate", q, data)
+		return
+	}
+	agg, err := c.admin.GetAggregate(q.ctx, &outboxv1.GetAggregateRequest{Stream: stream, AggregateKey: key})
+	if err != nil {
+		data["Error"] = describe(err)
+		c.render(q.w, q.r, httpCode(err), "aggregate", q, data)
+		return
+	}
+	data["A"] = agg.GetAggregate()
+	pending, err := c.admin.ListEvents(q.ctx, &outboxv1.ListEventsRequest{Stream: stream, AggregateKey: key,
+		State: outboxv1.EventState_EVENT_STATE_PENDING, PageSize: eventsPageSize})
+	if err != nil {
+		data["EventsError"] = describe(err)
+	} else {
+		// Newest first from the server; the next to deliver goes on top.
+		ev := pending.GetEvents()
+		slices.Reverse(ev)
+		data["Pending"], data["MorePending"] = ev, pending.GetNextPageToken() != ""
+	}
+	recent, err := c.admin.ListEvents(q.ctx, &outboxv1.ListEventsRequest{Stream: stream, AggregateKey: key, PageSize: 10})
+	if err == nil {
+		data["Recent"] = recent.GetEvents()
+	}
+	attempts, err := c.admin.ListAttempts(q.ctx, &outboxv1.ListAttemptsRequest{Stream: stream, AggregateKey: key,
+		PageSize: attemptsPageSize})
+	if err != nil {
+		data["AttemptsError"] = describe(err)
+	} else {
+		data["Attempts"] = attempts.GetAttempts()
+	}
+	c.render(q.w, q.r, http.StatusOK, "aggregate", q, data)
+}
+
+func (c *Console) events(q *request) {
+	r := q.r
+	f := map[string]string{"Stream": r.FormValue("stream"), "Key": r.FormValue("key"), "State": r.FormValue("state"),
+		"After": r.FormValue("after"), "Before": r.FormValue("before")}
+	data := map[string]any{"F": f}
+	req := &outboxv1.ListEventsRequest{Stream: f["Stream"], AggregateKey: f["Key"], PageSize: eventsPageSize,
+		PageToken: r.FormValue("page")}
+	if f["State"] != "" {
+		st, ok := outboxv1.EventState_value["EVENT_STATE_"+strings.ToUpper(f["State"])]
+		if !ok {
+			data["Error"] = fmt.Sprintf("unknown state %q", f["State"])
+			c.render(q.w, r, http.StatusBadRequest, "events", q, data)
+			return
+		}
+		req.State = outboxv1.EventState(st)
+	}
+	for _, b := range []struct {
+		field string
+		dst   **timestamppb.Timestamp
+	}{{"After", &req.CreatedAfter}, {"Before", &req.CreatedBefore}} {
+		if f[b.field] == "" {
+			continue
+		}
+		t, err := parseTime(f[b.field])
+		if err != nil {
+			data["Error"] = strings.ToLower(b.field) + ": " + err.Error()
+			c.render(q.w, r, http.StatusBadRequest, "events", q, data)
+			return
+		}
+		*b.dst = timestamppb.New(t)
+	}
+	resp, err := c.admin.ListEvents(q.ctx, req)
+	code := http.StatusOK
+	if err != nil {
+		data["Error"], code = describe(err), httpCode(err)
+	} else {
+		data["Events"], data["Next"] = resp.GetEvents(), resp.GetNextPageToken()
+	}
+	c.render(q.w, r, code, "events", q, data)
+}
+
+// parseTime reads a time from a datetime-local input (taken as UTC) or
+// RFC 3339.
+func parseTime(s string) (time.Time, error) {
+	for _, layout := range []string{time.RFC3339, "2006-01-02T15:04:05", "2006-01-02T15:04", "2006-01-02"} {
+		if t, err := time.Parse(layout, s); err == nil {
+			return t, nil
+		}
+	}
+	return time.Time{}, fmt.Errorf("%q is not a time like 2026-01-31T14:05 (UTC) or RFC 3339", s)
+}
+
+func (c *Console) relays(q *request) {
+	data := map[string]any{}
+	code := http.StatusOK
+	resp, err := c.admin.ListRelays(q.ctx, &outboxv1.ListRelaysRequest{})
+	if err != nil {
+		data["Error"], code = describe(err), httpCode(err)
+	} else {
+		data["Relays"] = resp.GetRelays()
+		replicas := map[string]bool{}
+		for _, r := range resp.GetRelays() {
+			replicas[r.GetReplicaId()] = true
+		}
+		data["Replicas"] = len(replicas)
+	}
+	leased, err := c.admin.ListAggregates(q.ctx, &outboxv1.ListAggregatesRequest{PageSize: aggregatesPageSize,
+		Filter: &outboxv1.AggregateFilter{States: []outboxv1.AggregateState{outboxv1.AggregateState_AGGREGATE_STATE_LEASED}}})
+	if err != nil {
+		data["InFlightError"] = describe(err)
+	} else {
+		data["InFlight"] = leased.GetAggregates()
+	}
+	c.render(q.w, q.r, code, "relays", q, data)
+}
