@@ -85,7 +85,7 @@
     for (var m = 0; m <= 6; m++) {
       var t = t0 + (t1 - t0) * m / 6;
       s.appendChild(svg("text", { x: x(t), y: H - 6, "text-anchor": m === 0 ? "start" : m === 6 ? "end" : "middle" },
-        new Date(t).toLocaleTimeString([], { hour: "2-digit", minute: "2-digit" })));
+        new Date(t).toLocaleTimeString([], d.window_s > 600 ? { hour: "2-digit", minute: "2-digit" } : { hour: "2-digit", minute: "2-digit", second: "2-digit" })));
     }
     legend.textContent = "";
     series.forEach(function (se, k) {
