@@ -89,6 +89,11 @@ func TestHealthFollowsDatabase(t *testing.T) {
 		t.Fatalf("/metrics %d:\n%.2000s", code, body)
 	}
 
+	// The console, open on loopback without tokens.
+	if code, body := httpGet("http://" + httpAddr + "/"); code != http.StatusOK || !strings.Contains(body, "no login (loopback)") {
+		t.Fatalf("console at / %d:\n%.2000s", code, body)
+	}
+
 	if err := db.StopServer(ctx); err != nil {
 		t.Fatal(err)
 	}

@@ -2,9 +2,14 @@ package main_test
 
 import (
 	"crypto/x509"
+	"io"
+	"net/http"
+	"net/http/cookiejar"
+	neturl "net/url"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"slices"
 	"strings"
 	"testing"
@@ -69,8 +74,8 @@ func TestMutualTLSAndTokensEndToEnd(t *testing.T) {
 	tokens := write("tokens", "ops admin "+adminTok+"\norders relay "+relayTok+" streams=sales_order\n")
 	adminFile, relayFile := write("admin.token", adminTok+"\n"), write("relay.token", relayTok+"\n")
 
-	addr := freeAddr(t)
-	start(t, "serve", "--database-url", url, "--listen", addr, "--http-listen", "",
+	addr, httpAddr := freeAddr(t), freeAddr(t)
+	start(t, "serve", "--database-url", url, "--listen", addr, "--http-listen", httpAddr,
 		"--token-file", tokens, "--tls-cert", srv.Cert, "--tls-key", srv.Key, "--tls-client-ca", caFile)
 	if _, err := pool.Exec(t.Context(), `SELECT outbox.emit('sales_order', 'o-' || a, 'T', '{}') FROM generate_series(1, 10) a`); err != nil {
 		t.Fatal(err)
@@ -101,7 +106,7 @@ func TestMutualTLSAndTokensEndToEnd(t *testing.T) {
 		"no token": {append([]string{"lag"}, tlsArgs...),
 			[]string{"GetLag: missing bearer token"}},
 		"the relay token (wrong role)": {append([]string{"lag", "--token-file", relayFile}, tlsArgs...),
-			[]string{`GetLag: token "orders" lacks the admin role`}},
+			[]string{`GetLag: token "orders" lacks the admin or viewer role`}},
 	} {
 		out, code := outboxd(t, nil, c.args...)
 		// Exit 1: refused by the transport or the server, not a usage error.
@@ -114,6 +119,7 @@ func TestMutualTLSAndTokensEndToEnd(t *testing.T) {
 			t.Errorf("lag with %s: exit %d, want 1 with one of %q:\n%s", name, code, c.want, out)
 		}
 	}
+	consoleLogin(t, "http://"+httpAddr, adminTok)
 	// A relay with its own token, limited to sales_order, drains it over TLS.
 	start(t, "relay", "--sink", "stdout://", "--token-file", relayFile, "--streams", "sales_order",
 		"--server", addr, "--tls-ca", caFile, "--tls-cert", cli.Cert, "--tls-key", cli.Key)
@@ -143,5 +149,37 @@ func TestOversizedRequestRefused(t *testing.T) {
 	}
 	if _, err := admin.GetLag(t.Context(), &outboxv1.GetLagRequest{}); err != nil {
 		t.Fatalf("after the oversized request: %v", err)
+	}
+}
+
+// consoleLogin logs in to the console of a serve with tokens and mutual
+// TLS: the console reaches the AdminService over the in-process
+// connection, which needs no client certificate, and the token decides.
+func consoleLogin(t *testing.T, base, token string) {
+	t.Helper()
+	jar, _ := cookiejar.New(nil)
+	c := &http.Client{Jar: jar}
+	get := func(path string) (int, string) {
+		resp, err := c.Get(base + path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, string(b)
+	}
+	code, body := get("/")
+	m := regexp.MustCompile(`name="csrf" value="([^"]+)"`).FindStringSubmatch(body)
+	if code != http.StatusOK || m == nil || !strings.Contains(body, `name="token"`) {
+		t.Fatalf("console without a session: %d, want the login page\n%.1000s", code, body)
+	}
+	resp, err := c.PostForm(base+"/login", neturl.Values{"csrf": {m[1]}, "token": {token}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusOK || !strings.Contains(string(b), `href="/events?state=pending&amp;stream=sales_order"`) {
+		t.Fatalf("console after login: %d, want the streams page listing sales_order\n%.2000s", resp.StatusCode, b)
 	}
 }
