@@ -1,0 +1,184 @@
+package console_test
+
+import (
+	"html"
+	"net/http"
+	"net/url"
+	"regexp"
+	"strings"
+	"testing"
+	"time"
+
+	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+)
+
+// The events browser filters by stream, key, state and creation time and
+// pages with the server's cursor.
+func TestEventsBrowser(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t, harnessOptions{})
+	h.emit(t, "sales_order", "a", 5)
+	for i := range 55 {
+		h.emit(t, "billing.invoice", "k-"+string(rune('a'+i%26))+string(rune('a'+i/26)), 1)
+	}
+	b := h.browser(t)
+	b.login(t, viewerSecret)
+	rows := func(body string) int { return strings.Count(body, `<td class="n">`) } // one revision cell per row
+
+	code, body := b.get(t, "/events?stream=billing.invoice")
+	if code != http.StatusOK || rows(body) != 50 || !strings.Contains(body, `id="next"`) {
+		t.Fatalf("first page: %d, %d rows, next link %v", code, rows(body), strings.Contains(body, `id="next"`))
+	}
+	next := regexp.MustCompile(`id="next" href="([^"]+)"`).FindStringSubmatch(body)
+	code, body = b.get(t, html.UnescapeString(next[1]))
+	if code != http.StatusOK || rows(body) != 5 || strings.Contains(body, `id="next"`) || strings.Contains(body, "sales_order") {
+		t.Fatalf("second page: %d, %d rows", code, rows(body))
+	}
+	_, body = b.get(t, "/events?stream=sales_order&key=a&state=pending")
+	if rows(body) != 5 || !strings.Contains(body, `&#34;order_id&#34;: &#34;a&#34;`) || !strings.Contains(body, "traceparent") {
+		t.Errorf("sales_order/a pending: %d rows, payload and headers shown: %v", rows(body), strings.Contains(body, "traceparent"))
+	}
+	if _, body = b.get(t, "/events?stream=sales_order&state=published"); rows(body) != 0 {
+		t.Errorf("published events listed: %d", rows(body))
+	}
+	future := time.Now().Add(time.Hour).UTC().Format("2006-01-02T15:04")
+	if _, body = b.get(t, "/events?stream=sales_order&after="+future); rows(body) != 0 {
+		t.Errorf("events created after %s: %d", future, rows(body))
+	}
+	if _, body = b.get(t, "/events?stream=sales_order&before="+future); rows(body) != 5 {
+		t.Errorf("events created before %s: %d", future, rows(body))
+	}
+	if code, body = b.get(t, "/events?after=yesterday"); code != http.StatusBadRequest || !strings.Contains(body, "not a time") {
+		t.Errorf("a bad time: %d", code)
+	}
+	if code, _ = b.get(t, "/events?state=lost"); code != http.StatusBadRequest {
+		t.Errorf("a bad state: %d", code)
+	}
+}
+
+// Accepting a gap and skipping need a reason; a retry of a parked
+// aggregate makes it ready, recorded as the token's action.
+func TestAggregateActions(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t, harnessOptions{})
+	h.park(t, "sales_order", "42", 1)
+	b := h.browser(t)
+	b.login(t, adminSecret)
+	csrf := b.csrf(t, "/")
+	agg := url.Values{"csrf": {csrf}, "stream": {"sales_order"}, "key": {"42"}}
+	if _, body := b.post(t, "/act/accept-gap", agg); !strings.Contains(body, "Accept gap: a reason is required") {
+		t.Error("accept gap without a reason was not refused")
+	}
+	_, body := b.post(t, "/act/retry", agg)
+	if !strings.Contains(body, "Retried sales_order/42: now ready") {
+		t.Fatalf("retry: %s", body)
+	}
+	admin, with := h.as(adminSecret)
+	got, err := admin.GetAggregate(with(t.Context()), &outboxv1.GetAggregateRequest{Stream: "sales_order", AggregateKey: "42"})
+	if err != nil || got.GetAggregate().GetState() != outboxv1.AggregateState_AGGREGATE_STATE_READY {
+		t.Fatalf("after retry: %v, %v", got, err)
+	}
+	// A retry of an aggregate that is not parked: the server's refusal is
+	// shown, not hidden.
+	if _, body = b.post(t, "/act/retry", url.Values{"csrf": {csrf}, "stream": {"sales_order"}, "key": {"nope"}}); !strings.Contains(body, "NotFound") {
+		t.Errorf("retry of an unknown aggregate: the page does not show the server's error")
+	}
+}
+
+// Bulk actions count first and change nothing until confirmed. On a server
+// without BulkRetry (before the dead-letter workflow is merged) the page
+// says so; with it, the whole flow runs.
+func TestBulkRetry(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t, harnessOptions{})
+	h.park(t, "sales_order", "1", 1)
+	h.park(t, "sales_order", "2", 1)
+	b := h.browser(t)
+	b.login(t, adminSecret)
+	csrf := b.csrf(t, "/bulk")
+	form := url.Values{"csrf": {csrf}, "action": {"skip"}, "stream": {"sales_order"}, "state": {"parked"}}
+	if code, body := b.post(t, "/bulk", form); code != http.StatusBadRequest || !strings.Contains(body, "a bulk skip needs a reason") {
+		t.Errorf("bulk skip without a reason: %d", code)
+	}
+	form.Set("action", "retry")
+	if code, body := b.post(t, "/bulk/confirm", form); code != http.StatusBadRequest || !strings.Contains(body, "needs its confirmation") {
+		t.Errorf("bulk confirm without the confirmation: %d", code)
+	}
+	state := func(key string) outboxv1.AggregateState {
+		admin, with := h.as(adminSecret)
+		got, err := admin.GetAggregate(with(t.Context()), &outboxv1.GetAggregateRequest{Stream: "sales_order", AggregateKey: key})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return got.GetAggregate().GetState()
+	}
+	code, body := b.post(t, "/bulk", form)
+	if strings.Contains(body, `id="unimplemented"`) {
+		if code != http.StatusOK || !strings.Contains(body, "does not provide this yet") {
+			t.Errorf("bulk dry run on a server without BulkRetry: %d", code)
+		}
+		t.Log("this server has no BulkRetry: only the notice is checked")
+		return
+	}
+	if code != http.StatusOK || !strings.Contains(body, "Dry run: 2 aggregate(s) match") {
+		t.Fatalf("bulk dry run: %d\n%s", code, body)
+	}
+	if state("1") != outboxv1.AggregateState_AGGREGATE_STATE_PARKED {
+		t.Fatal("the dry run changed something")
+	}
+	confirm := url.Values{}
+	for _, m := range regexp.MustCompile(`<input type="hidden" name="([a-z_]+)" value="([^"]*)">`).FindAllStringSubmatch(
+		body[strings.Index(body, `action="/bulk/confirm"`):], -1) {
+		confirm.Set(m[1], html.UnescapeString(m[2]))
+	}
+	if _, body = b.post(t, "/bulk/confirm", confirm); !strings.Contains(body, "Bulk retry: 2 matched, 2 retried") {
+		t.Fatalf("bulk confirm: %s", body)
+	}
+	if state("1") != outboxv1.AggregateState_AGGREGATE_STATE_READY || state("2") != outboxv1.AggregateState_AGGREGATE_STATE_READY {
+		t.Error("bulk retry left an aggregate parked")
+	}
+}
+
+// The aggregates page lists aggregates in trouble where the server has
+// ListAggregates, and otherwise says so and shows the per-stream counts.
+func TestAggregatesPage(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t, harnessOptions{})
+	h.park(t, "sales_order", "p-1", 1)
+	b := h.browser(t)
+	b.login(t, viewerSecret)
+	code, body := b.get(t, "/aggregates")
+	if code != http.StatusOK {
+		t.Fatalf("aggregates page: %d", code)
+	}
+	if strings.Contains(body, `id="unimplemented"`) {
+		if !strings.Contains(body, "sales_order") || !strings.Contains(body, `<td class="n bad">1</td>`) {
+			t.Errorf("without ListAggregates the page should count the parked aggregate per stream:\n%s", body)
+		}
+		t.Log("this server has no ListAggregates: only the fallback is checked")
+		return
+	}
+	if !strings.Contains(body, "p-1") || !strings.Contains(body, "schema v3 unknown") {
+		t.Errorf("the parked aggregate is not listed with its error:\n%s", body)
+	}
+	if _, body = b.get(t, "/aggregates?stream=billing.*"); strings.Contains(body, "p-1") {
+		t.Error("the stream filter is ignored")
+	}
+}
+
+// The purge page counts and deletes nothing; its input is checked.
+func TestPurgeDryRun(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t, harnessOptions{})
+	h.emit(t, "sales_order", "1", 1)
+	b := h.browser(t)
+	b.login(t, adminSecret)
+	csrf := b.csrf(t, "/purge")
+	if code, body := b.post(t, "/purge", url.Values{"csrf": {csrf}, "older_than": {"a week"}}); code != http.StatusBadRequest || !strings.Contains(body, "not a duration") {
+		t.Errorf("bad duration: %d", code)
+	}
+	code, body := b.post(t, "/purge", url.Values{"csrf": {csrf}, "older_than": {"0s"}, "stream": {"sales_order"}})
+	if code != http.StatusOK || !strings.Contains(body, `would delete <b>0</b> event(s)`) {
+		t.Errorf("purge dry run: %d\n%s", code, body)
+	}
+}
