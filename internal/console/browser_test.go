@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/chromedp/cdproto/page"
 	"github.com/chromedp/chromedp"
 	"google.golang.org/grpc/metadata"
 
@@ -130,17 +131,30 @@ func TestBrowser(t *testing.T) {
 	}
 	run := func(step string, actions ...chromedp.Action[chromedp.Void]) {
 		t.Helper()
+		began := time.Now()
 		if err := chromedp.Do(ctx, actions...); err != nil {
 			t.Fatalf("%s: %v", step, err)
 		}
+		t.Logf("browser: %s (%v)", step, time.Since(began).Round(time.Millisecond))
 	}
+	// text reads an element's text in one evaluation, so a table the page
+	// script re-renders meanwhile cannot detach the node halfway.
 	text := func(sel string) string {
 		t.Helper()
-		s, err := chromedp.Run(ctx, chromedp.Text(chromedp.CSS(sel)))
+		s, err := chromedp.Run(ctx, chromedp.Evaluate[string](fmt.Sprintf(`document.querySelector(%s).innerText`, strconv.Quote(sel))))
 		if err != nil {
 			t.Fatalf("read %s: %v", sel, err)
 		}
 		return s
+	}
+	// loads runs a step that navigates (a click, a submit) and waits for the
+	// new page's load event, subscribed to before the step runs: a wait for
+	// an element afterwards cannot be met by the page being left.
+	loads := func(step chromedp.Action[chromedp.Void]) chromedp.Action[chromedp.Void] {
+		return chromedp.Func(func(ctx context.Context, tg *chromedp.Target) error {
+			_, err := chromedp.WaitEvent(page.LoadEventFired, nil, step)(ctx, tg)
+			return err
+		})
 	}
 	css := func(s string) chromedp.CSS { return chromedp.CSS(s) }
 	base := h.srv.URL
@@ -151,7 +165,7 @@ func TestBrowser(t *testing.T) {
 		shot("login"))
 	run("log in",
 		chromedp.SendKeys(css("#token"), adminSecret),
-		chromedp.Click(css("#login")),
+		loads(chromedp.Click(css("#login"))),
 		chromedp.WaitVisible(css("#streams")))
 	if got := text("header .who"); !strings.Contains(got, "ops") {
 		t.Errorf("header shows %q, want the token's name ops", got)
@@ -176,11 +190,11 @@ func TestBrowser(t *testing.T) {
 	run("screenshot the streams", shot("streams"))
 
 	run("find the parked aggregate in the events browser",
-		chromedp.Click(css(`nav a[href="/events"]`)),
+		loads(chromedp.Click(css(`nav a[href="/events"]`))),
 		chromedp.WaitVisible(css(`form.filters`)),
 		chromedp.SetValue(css(`input[name="stream"]`), "sales_order"),
 		chromedp.SetValue(css(`select[name="state"]`), "pending"),
-		chromedp.Submit(css(`input[name="stream"]`)),
+		loads(chromedp.Submit(css(`input[name="stream"]`))),
 		chromedp.WaitVisible(css(`#events a[href*="key=42"]`)),
 		chromedp.Click(css(`#events tbody tr:last-child summary`)),
 		chromedp.WaitVisible(css(`#events tbody tr:last-child details pre`)),
@@ -189,7 +203,7 @@ func TestBrowser(t *testing.T) {
 		t.Errorf("payload and headers view: %q", got)
 	}
 	run("open the parked aggregate",
-		chromedp.Click(css(`#events a[href*="key=42"]`)),
+		loads(chromedp.Click(css(`#events a[href*="key=42"]`))),
 		chromedp.WaitVisible(css("#agg-state")),
 		shot("aggregate-parked"))
 	if got := text("#agg-state"); got != "parked" {
@@ -202,7 +216,7 @@ func TestBrowser(t *testing.T) {
 	const reason = "poison message: schema v3 is unknown to the sink (INC-4711)"
 	run("skip the poisoned event with a reason",
 		chromedp.SendKeys(css(`#pending tbody tr:first-child input[name="reason"]`), reason),
-		chromedp.Click(css(`#pending tbody tr:first-child button`)),
+		loads(chromedp.Click(css(`#pending tbody tr:first-child button`))),
 		chromedp.WaitVisible(css(".flash.ok")),
 		shot("skipped"))
 	if got := text(".flash.ok"); !strings.Contains(got, parked.GetEventId()) || !strings.Contains(got, "skipped by ops") {
@@ -222,13 +236,13 @@ func TestBrowser(t *testing.T) {
 	// ListAggregates and BulkRetry may not exist on this server yet: the
 	// page then says so; either way it renders.
 	run("aggregates in trouble",
-		chromedp.Click(css(`nav a[href="/aggregates"]`)),
+		loads(chromedp.Click(css(`nav a[href="/aggregates"]`))),
 		chromedp.WaitVisible(css(`#unimplemented, main table.grid tbody tr`)),
 		shot("aggregates"))
 	run("purge dry run",
-		chromedp.Click(css(`nav a[href="/purge"]`)),
+		loads(chromedp.Click(css(`nav a[href="/purge"]`))),
 		chromedp.WaitVisible(css("#purge-dry-run")),
-		chromedp.Click(css("#purge-dry-run")),
+		loads(chromedp.Click(css("#purge-dry-run"))),
 		chromedp.WaitVisible(css("#purge-result")),
 		shot("purge"))
 	if got := text("#purge-result"); !strings.Contains(got, "would delete 0 event(s)") {
@@ -236,11 +250,11 @@ func TestBrowser(t *testing.T) {
 	}
 	run("bulk dry run",
 		chromedp.Navigate(base+"/bulk?state=parked&stream=sales_order"),
-		chromedp.Click(css("#dry-run")),
+		loads(chromedp.Click(css("#dry-run"))),
 		chromedp.WaitVisible(css(`#unimplemented, section.confirm`)),
 		shot("bulk"))
 	run("relays",
-		chromedp.Click(css(`nav a[href="/relays"]`)),
+		loads(chromedp.Click(css(`nav a[href="/relays"]`))),
 		chromedp.WaitVisible(css("#relays")),
 		shot("relays"))
 	if got := text("#relays"); !strings.Contains(got, "billing-relay-1") || !strings.Contains(got, "2 / 2") {
