@@ -54,6 +54,14 @@ func TestLoginRequired(t *testing.T) {
 	if code, _ := b.get(t, "/api/lag"); code != http.StatusUnauthorized {
 		t.Errorf("GET /api/lag without login: %d, want 401", code)
 	}
+	resp, err := b.Get(b.base + "/login")
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if cs := resp.Cookies(); len(cs) != 1 || !cs[0].HttpOnly || cs[0].SameSite != http.SameSiteStrictMode || cs[0].Secure || len(cs[0].Value) < 40 {
+		t.Errorf("session cookie %+v: want one random id, HttpOnly, SameSite=Strict, not Secure over plain HTTP", cs)
+	}
 	csrf := b.csrf(t, "/login") // a pre-login session has a form token, but no token
 	for _, path := range []string{"/act/skip", "/act/retry", "/bulk", "/purge"} {
 		if code, _ := b.post(t, path, url.Values{"csrf": {csrf}}); code != http.StatusUnauthorized {
@@ -238,6 +246,23 @@ func TestTokenNeverInURLOrLog(t *testing.T) {
 	if !strings.Contains(logs, "console: action") || !strings.Contains(logs, "actor=ops") {
 		t.Errorf("the skip is not logged with its actor:\n%s", logs)
 	}
+}
+
+// Over TLS the session cookie is Secure, and the console works as over
+// plain HTTP.
+func TestSecureCookieOverTLS(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t, harnessOptions{tls: true})
+	b := h.browser(t)
+	resp, err := b.Get(b.base + "/login")
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if cs := resp.Cookies(); len(cs) != 1 || !cs[0].Secure || !cs[0].HttpOnly || cs[0].SameSite != http.SameSiteStrictMode {
+		t.Errorf("session cookie over TLS %+v: want Secure, HttpOnly, SameSite=Strict", cs)
+	}
+	b.login(t, viewerSecret)
 }
 
 // Sessions end: after their lifetime, and when the token is revoked.

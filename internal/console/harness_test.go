@@ -74,6 +74,7 @@ type harness struct {
 type harnessOptions struct {
 	noTokens bool
 	open     bool
+	tls      bool // serve the console over HTTPS
 	config   func(*console.Config)
 }
 
@@ -117,7 +118,11 @@ func newHarness(t *testing.T, o harnessOptions) *harness {
 	ctx, cancel := context.WithCancel(context.Background())
 	ran := make(chan struct{})
 	go func() { defer close(ran); _ = h.con.Run(ctx) }()
-	h.srv = httptest.NewServer(h.con.Handler())
+	if o.tls {
+		h.srv = httptest.NewTLSServer(h.con.Handler())
+	} else {
+		h.srv = httptest.NewServer(h.con.Handler())
+	}
 	t.Cleanup(func() { h.srv.Close(); cancel(); <-ran })
 	return h
 }
@@ -195,6 +200,7 @@ var csrfField = regexp.MustCompile(`name="csrf" value="([^"]+)"`)
 type browser struct {
 	*http.Client
 	base string
+	next http.RoundTripper
 	mu   sync.Mutex
 	urls []string
 }
@@ -204,7 +210,7 @@ func (h *harness) browser(t *testing.T) *browser {
 	if err != nil {
 		t.Fatal(err)
 	}
-	b := &browser{base: h.srv.URL}
+	b := &browser{base: h.srv.URL, next: h.srv.Client().Transport}
 	b.Client = &http.Client{Jar: jar, Transport: recorder{b}, Timeout: 30 * time.Second}
 	return b
 }
@@ -215,7 +221,7 @@ func (r recorder) RoundTrip(req *http.Request) (*http.Response, error) {
 	r.b.mu.Lock()
 	r.b.urls = append(r.b.urls, req.URL.String())
 	r.b.mu.Unlock()
-	return http.DefaultTransport.RoundTrip(req)
+	return r.b.next.RoundTrip(req)
 }
 
 // get fetches path and returns the status and body.
