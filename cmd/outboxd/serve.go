@@ -127,8 +127,11 @@ func (f *serveFlags) newConsole(rep *app.Replica, authn *auth.Authenticator, log
 		return nil, nil, fmt.Errorf("console: %w", err)
 	}
 	open := authn == nil && (auth.IsLoopback(f.httpListen) || f.insecureNoAuth)
-	if authn == nil && !open {
+	switch {
+	case authn == nil && !open:
 		log.Warn("console refused: no tokens and --http-listen is not loopback; give --token-file to use it", "http_listen", f.httpListen)
+	case authn != nil && !auth.IsLoopback(f.httpListen):
+		log.Warn("console logins send tokens over plaintext HTTP: put TLS in front of --http-listen", "http_listen", f.httpListen)
 	}
 	con, err := console.New(console.Config{
 		Conn: conn, Authenticator: authn, Open: open, Lag: rep.Server.AdminServer().GetLag, Logger: log,
