@@ -50,7 +50,15 @@ func TestServerSpansPerRPC(t *testing.T) {
 	}
 	served := make(chan error, 1)
 	go func() { served <- rep.Serve(ctx, lis) }()
-	defer func() { cancel(); <-served }()
+	stopped := false
+	stop := func() {
+		if !stopped {
+			stopped = true
+			cancel()
+			<-served
+		}
+	}
+	defer stop()
 
 	// The client sends its span's context as traceparent metadata.
 	conn, err := grpc.NewClient(lis.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()),
@@ -66,6 +74,10 @@ func TestServerSpansPerRPC(t *testing.T) {
 	if _, err := outboxv1.NewAdminServiceClient(conn).GetLag(t.Context(), &outboxv1.GetLagRequest{}); err != nil {
 		t.Fatal(err)
 	}
+
+	// A server span ends after its response is sent; once Serve has
+	// returned (a graceful stop waits for handlers) every one has ended.
+	stop()
 
 	byKind := map[trace.SpanKind]map[string]sdktrace.ReadOnlySpan{}
 	for _, s := range rec.Ended() {
