@@ -4,6 +4,11 @@
 // so the event exists if and only if that transaction commits. Emit is a thin
 // wrapper over outbox.emit_event, the PL/pgSQL body of the SQL function
 // outbox.emit that producers in other languages call with their own drivers.
+//
+// Emit carries the caller's OpenTelemetry trace context to the relay: when
+// ctx holds a valid span context, the event's headers get its W3C
+// "traceparent" and "tracestate" (see Event.Headers), so the relay's publish
+// span links back to the transaction that recorded the event.
 package client
 
 import (
@@ -11,9 +16,12 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"strings"
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
 )
 
 // Querier is what Emit needs from a connection: pgx.Tx, *pgx.Conn and
@@ -35,7 +43,13 @@ type Event struct {
 	// Payload is the event body as JSON text. It must be valid JSON and at
 	// most outbox.settings.max_payload_bytes (1 MiB by default).
 	Payload json.RawMessage
-	// Headers are string headers carried to the broker.
+	// Headers are string headers carried to the broker. When Emit's context
+	// holds a valid OpenTelemetry span context, Emit adds its W3C trace
+	// context as "traceparent" and "tracestate" (the latter only when not
+	// empty), unless Headers already has either key (in any case): the
+	// caller's trace context is never overwritten nor mixed with another,
+	// so a producer can carry a context of its own choosing. Emit does not
+	// modify the map it is given.
 	Headers map[string]string
 	// Revision is the event's revision within its aggregate. Zero lets the
 	// database assign the next one; otherwise it is checked for uniqueness.
@@ -71,9 +85,9 @@ func Emit(ctx context.Context, q Querier, ev Event) (Emitted, error) {
 		return Emitted{}, fmt.Errorf("%w: revision %d is negative", ErrInvalidEvent, ev.Revision)
 	}
 	headers := []byte("{}")
-	if len(ev.Headers) > 0 {
+	if h := withTraceContext(ctx, ev.Headers); len(h) > 0 {
 		var err error
-		if headers, err = json.Marshal(ev.Headers); err != nil {
+		if headers, err = json.Marshal(h); err != nil {
 			return Emitted{}, fmt.Errorf("%w: headers: %v", ErrInvalidEvent, err)
 		}
 	}
@@ -94,4 +108,24 @@ func Emit(ctx context.Context, q Querier, ev Event) (Emitted, error) {
 		return Emitted{}, fmt.Errorf("client: emit %s/%s: %w", ev.Stream, ev.AggregateKey, err)
 	}
 	return out, nil
+}
+
+// withTraceContext returns a copy of h with the W3C trace context of ctx's
+// span added, or h itself when ctx holds no valid span context or h
+// already carries a trace context of the caller's.
+func withTraceContext(ctx context.Context, h map[string]string) map[string]string {
+	if !trace.SpanContextFromContext(ctx).IsValid() {
+		return h
+	}
+	for k := range h {
+		if strings.EqualFold(k, "traceparent") || strings.EqualFold(k, "tracestate") {
+			return h
+		}
+	}
+	out := make(map[string]string, len(h)+2)
+	for k, v := range h {
+		out[k] = v
+	}
+	propagation.TraceContext{}.Inject(ctx, propagation.MapCarrier(out))
+	return out
 }

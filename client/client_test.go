@@ -3,9 +3,15 @@ package client_test
 import (
 	"context"
 	"errors"
+	"fmt"
+	"maps"
 	"testing"
 
+	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/outboxd/outboxd/client"
 	"github.com/outboxd/outboxd/internal/testdb"
@@ -52,5 +58,65 @@ func TestEmitRefusesWhatItCanCheck(t *testing.T) {
 		if _, err := client.Emit(context.Background(), nil, ev); !errors.Is(err, client.ErrInvalidEvent) {
 			t.Errorf("Emit(%+v) = %v, want ErrInvalidEvent", ev, err)
 		}
+	}
+}
+
+func TestEmitCarriesTraceContext(t *testing.T) {
+	ctx := context.Background()
+	pool := testdb.NewPoolURL(t, testdb.New(t))
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(tracetest.NewSpanRecorder()))
+	t.Cleanup(func() { _ = tp.Shutdown(context.Background()) })
+	ts, err := trace.ParseTraceState("vendor=abc")
+	if err != nil {
+		t.Fatal(err)
+	}
+	// A remote parent with a tracestate, as an incoming request would give.
+	parent := trace.NewSpanContext(trace.SpanContextConfig{
+		TraceID: trace.TraceID{1, 2, 3}, SpanID: trace.SpanID{4, 5, 6}, TraceFlags: trace.FlagsSampled,
+		TraceState: ts, Remote: true,
+	})
+	spanCtx, span := tp.Tracer("test").Start(trace.ContextWithRemoteSpanContext(ctx, parent), "place order")
+	defer span.End()
+	sc := span.SpanContext()
+	wantParent := fmt.Sprintf("00-%s-%s-01", sc.TraceID(), sc.SpanID())
+
+	headersOf := func(id uuid.UUID) map[string]string {
+		t.Helper()
+		var h map[string]string
+		if err := pool.QueryRow(ctx, `SELECT headers FROM outbox.event WHERE event_id = $1`, id).Scan(&h); err != nil {
+			t.Fatal(err)
+		}
+		return h
+	}
+	emit := func(ctx context.Context, key string, headers map[string]string) map[string]string {
+		t.Helper()
+		e, err := client.Emit(ctx, pool, client.Event{Stream: "orders", AggregateKey: key, Type: "T", Payload: []byte(`{}`), Headers: headers})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return headersOf(e.ID)
+	}
+
+	mine := map[string]string{"h": "v"}
+	got := emit(spanCtx, "1", mine)
+	want := map[string]string{"h": "v", "traceparent": wantParent, "tracestate": "vendor=abc"}
+	if !maps.Equal(got, want) {
+		t.Errorf("with a span: headers %v, want %v", got, want)
+	}
+	if len(mine) != 1 {
+		t.Errorf("Emit modified the caller's map: %v", mine)
+	}
+	// The caller's own trace context (either key, any case) is kept whole.
+	for _, own := range []map[string]string{
+		{"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"},
+		{"TraceState": "mine=1"},
+	} {
+		if got := emit(spanCtx, "2", own); !maps.Equal(got, own) {
+			t.Errorf("caller's %v: headers %v, want them unchanged", own, got)
+		}
+	}
+	// Without a span nothing is added.
+	if got := emit(ctx, "3", nil); len(got) != 0 {
+		t.Errorf("without a span: headers %v, want none", got)
 	}
 }

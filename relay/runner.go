@@ -36,6 +36,7 @@ import (
 	"time"
 	"unicode/utf8"
 
+	"go.opentelemetry.io/otel/trace"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -96,6 +97,14 @@ type Config struct {
 	DrainTimeout time.Duration
 	// Logger receives the relay's logs. Default: discard.
 	Logger *slog.Logger
+	// TracerProvider makes each publish's producer span (see tracing.go).
+	// Default: OpenTelemetry's global provider, a no-op unless the process
+	// installs one.
+	TracerProvider trace.TracerProvider
+	// MessagingSystem is the publish spans' messaging.system, naming the
+	// broker ("nats", "kafka", ...; sink.MessagingSystem maps a sink URL).
+	// Empty leaves the attribute out.
+	MessagingSystem string
 }
 
 // setDefaults fills in the defaults and reports every field at fault.
@@ -186,6 +195,7 @@ func NewRunner(cfg Config) (*Runner, error) {
 	if err := cfg.setDefaults(); err != nil {
 		return nil, err
 	}
+	cfg.Publisher = newTracedPublisher(cfg)
 	return &Runner{
 		cfg:    cfg,
 		client: outboxv1.NewRelayServiceClient(cfg.Conn),

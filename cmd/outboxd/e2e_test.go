@@ -97,7 +97,16 @@ type process struct {
 
 func start(t *testing.T, args ...string) *process {
 	t.Helper()
+	return startEnv(t, nil, args...)
+}
+
+// startEnv is start with env (KEY=value) added to the test's environment.
+func startEnv(t *testing.T, env []string, args ...string) *process {
+	t.Helper()
 	cmd := exec.Command(binary, args...)
+	if env != nil {
+		cmd.Env = append(os.Environ(), env...)
+	}
 	pr, pw := io.Pipe()
 	cmd.Stdout, cmd.Stderr = pw, pw
 	if err := cmd.Start(); err != nil {

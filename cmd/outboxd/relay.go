@@ -45,6 +45,11 @@ failure against their events.`,
 			if err != nil {
 				return err
 			}
+			stopTracing, err := startTracing(ctx, "outboxd-relay", log)
+			if err != nil {
+				return err
+			}
+			defer stopTracing()
 			if sinkURL == "" {
 				return fmt.Errorf("--sink is required (stdout://, nats://host:port, amqp://user:pass@host:port/?exchange=..., redis://host:port/0, https://host/path?secret_file=..., kafka://host:port)")
 			}
@@ -65,6 +70,7 @@ failure against their events.`,
 			r, err := relay.NewRunner(relay.Config{
 				Conn: conn, Publisher: s, RelayID: relayID, Streams: streams,
 				MaxInFlight: maxInFlight, LeaseTTL: leaseTTL, DrainTimeout: drain, Logger: log,
+				MessagingSystem: sink.MessagingSystem(sinkURL),
 			})
 			if err != nil {
 				return err

@@ -216,6 +216,11 @@ applies migrations and serves on --listen.`,
 // claiming, let outstanding deliveries be acked (up to --shutdown-timeout),
 // release leases, close streams.
 func runServer(ctx context.Context, url string, f *serveFlags, log *slog.Logger, ready func(addr string)) error {
+	stopTracing, err := startTracing(ctx, "outboxd", log)
+	if err != nil {
+		return err
+	}
+	defer stopTracing()
 	poolCfg, err := pgxpool.ParseConfig(url)
 	if err != nil {
 		return fmt.Errorf("--database-url: %w", err)

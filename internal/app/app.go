@@ -1,8 +1,9 @@
 // Package app composes a runnable outboxd replica exactly as `outboxd serve`
 // runs it: the gRPC server with its interceptor chain (metrics, logging,
 // authentication, panic recovery), transport limits and keepalive, the
-// health service driven by readiness checks, reflection, and the graceful
-// shutdown sequence. Both cmd/outboxd and internal/servertest build their
+// health service driven by readiness checks, reflection, OpenTelemetry
+// tracing of every RPC but health checks, and the graceful shutdown
+// sequence. Both cmd/outboxd and internal/servertest build their
 // replicas here, so tests exercise the server users run rather than a bare
 // grpc.NewServer.
 package app
@@ -21,6 +22,10 @@ import (
 	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/logging"
 	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/recovery"
 	"github.com/prometheus/client_golang/prometheus"
+	"go.opentelemetry.io/contrib/instrumentation/google.golang.org/grpc/otelgrpc"
+	"go.opentelemetry.io/contrib/instrumentation/google.golang.org/grpc/otelgrpc/filters"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
@@ -28,6 +33,7 @@ import (
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/keepalive"
 	"google.golang.org/grpc/reflection"
+	"google.golang.org/grpc/stats"
 	"google.golang.org/grpc/status"
 	"google.golang.org/grpc/test/bufconn"
 
@@ -78,6 +84,11 @@ type Config struct {
 	ShutdownTimeout time.Duration
 	// ServerOptions are appended to the gRPC server's options.
 	ServerOptions []grpc.ServerOption
+	// TracerProvider makes a server span per RPC (otelgrpc's stats
+	// handler), child of the caller's W3C trace context when the request
+	// carries one. Default: OpenTelemetry's global provider, a no-op unless
+	// the process installs one (cmd/outboxd does from OTEL_* variables).
+	TracerProvider trace.TracerProvider
 }
 
 // Replica is a runnable outboxd replica: the server registered on the
@@ -285,9 +296,25 @@ func newGRPCServer(log *slog.Logger, reg prometheus.Registerer, srv *server.Serv
 	if cfg.Creds != nil {
 		opts = append(opts, grpc.Creds(inProcessCreds{cfg.Creds}))
 	}
+	opts = append(opts, grpc.StatsHandler(tracingHandler(cfg.TracerProvider)))
 	g := grpc.NewServer(append(opts, cfg.ServerOptions...)...)
 	metrics.InitializeMetrics(g)
 	return g
+}
+
+// tracingHandler traces every RPC but health checks (probes every few
+// seconds would drown the rest). It reads the W3C trace context and
+// baggage (traceparent, tracestate, baggage metadata), and records no
+// per-message events: a relay's Subscribe stream lives for hours.
+func tracingHandler(tp trace.TracerProvider) stats.Handler {
+	opts := []otelgrpc.Option{
+		otelgrpc.WithFilter(filters.Not(filters.HealthCheck())),
+		otelgrpc.WithPropagators(propagation.NewCompositeTextMapPropagator(propagation.TraceContext{}, propagation.Baggage{})),
+	}
+	if tp != nil {
+		opts = append(opts, otelgrpc.WithTracerProvider(tp))
+	}
+	return otelgrpc.NewServerHandler(opts...)
 }
 
 // rpcLogLevel keeps the busy path quiet: successful calls (thousands of acks
