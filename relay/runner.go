@@ -371,7 +371,7 @@ func (r *Runner) handle(ctx context.Context, f *fatal, rd received, acks *ackBat
 // stream) and the event comes again: nothing is lost.
 func (r *Runner) nack(ctx context.Context, f *fatal, d *outboxv1.SubscribeResponse, perr error) {
 	id := d.GetEvent().GetEventId()
-	req := &outboxv1.NackRequest{EventId: id, LeaseToken: d.GetLeaseToken(), Error: nackText(perr)}
+	req := &outboxv1.NackRequest{EventId: id, LeaseToken: d.GetLeaseToken(), Error: nackText(perr), Permanent: IsPermanent(perr)}
 	if after, ok := RetryAfterOf(perr); ok {
 		req.RetryAfter = durationpb.New(after)
 	}

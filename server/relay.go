@@ -232,9 +232,16 @@ func (r *relayService) Nack(ctx context.Context, req *outboxv1.NackRequest) (*ou
 	if err := s.authorizeEvents(ctx, []uuid.UUID{t.EventID}); err != nil {
 		return nil, err
 	}
+	maxFailures := s.cfg.MaxFailures
+	if req.GetPermanent() {
+		// The relay knows retrying cannot help (an event larger than its
+		// broker accepts): this failure is the last, so it parks now with
+		// the relay's error in its reason.
+		maxFailures, retryAfter = 1, 0
+	}
 	res, err := s.store.Nack(ctx, store.NackParams{
 		EventID: t.EventID, Epoch: t.Epoch, Error: nackErrorText(req.GetError()), RetryAfter: retryAfter,
-		BackoffBase: s.cfg.BackoffBase, BackoffCap: s.cfg.BackoffCap, MaxFailures: s.cfg.MaxFailures,
+		BackoffBase: s.cfg.BackoffBase, BackoffCap: s.cfg.BackoffCap, MaxFailures: maxFailures,
 	})
 	if errors.Is(err, store.ErrLeaseLost) {
 		return nil, status.Error(codes.FailedPrecondition, "lease is no longer current (acked, expired and re-leased, or released); nothing changed")

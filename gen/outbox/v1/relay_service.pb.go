@@ -496,7 +496,13 @@ type NackRequest struct {
 	// retry_after asks the server to wait at least this long before offering the
 	// event again (for example a broker's throttle hint), up to the server's
 	// backoff cap (5 minutes by default); a longer one is capped. Optional.
-	RetryAfter    *durationpb.Duration `protobuf:"bytes,4,opt,name=retry_after,json=retryAfter,proto3" json:"retry_after,omitempty"`
+	RetryAfter *durationpb.Duration `protobuf:"bytes,4,opt,name=retry_after,json=retryAfter,proto3" json:"retry_after,omitempty"`
+	// permanent says that retrying cannot succeed (for example the event is
+	// larger than the broker accepts): the aggregate is parked at once, with
+	// error as its reason, instead of after the server's configured number of
+	// failures. retry_after is then ignored. Optional; servers that predate it
+	// treat the nack as an ordinary failure.
+	Permanent     bool `protobuf:"varint,5,opt,name=permanent,proto3" json:"permanent,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -557,6 +563,13 @@ func (x *NackRequest) GetRetryAfter() *durationpb.Duration {
 		return x.RetryAfter
 	}
 	return nil
+}
+
+func (x *NackRequest) GetPermanent() bool {
+	if x != nil {
+		return x.Permanent
+	}
+	return false
 }
 
 // NackResponse says what happens next to the nacked event.
@@ -775,14 +788,15 @@ const file_outbox_v1_relay_service_proto_rawDesc = "" +
 	"\tAckResult\x12\x19\n" +
 	"\bevent_id\x18\x01 \x01(\tR\aeventId\x12,\n" +
 	"\x06status\x18\x02 \x01(\x0e2\x14.outbox.v1.AckStatusR\x06status\x12\x18\n" +
-	"\amessage\x18\x03 \x01(\tR\amessage\"\x9b\x01\n" +
+	"\amessage\x18\x03 \x01(\tR\amessage\"\xb9\x01\n" +
 	"\vNackRequest\x12\x19\n" +
 	"\bevent_id\x18\x01 \x01(\tR\aeventId\x12\x1f\n" +
 	"\vlease_token\x18\x02 \x01(\tR\n" +
 	"leaseToken\x12\x14\n" +
 	"\x05error\x18\x03 \x01(\tR\x05error\x12:\n" +
 	"\vretry_after\x18\x04 \x01(\v2\x19.google.protobuf.DurationR\n" +
-	"retryAfter\"\x86\x01\n" +
+	"retryAfter\x12\x1c\n" +
+	"\tpermanent\x18\x05 \x01(\bR\tpermanent\"\x86\x01\n" +
 	"\fNackResponse\x12\x16\n" +
 	"\x06parked\x18\x01 \x01(\bR\x06parked\x12B\n" +
 	"\x0fnext_attempt_at\x18\x02 \x01(\v2\x1a.google.protobuf.TimestampR\rnextAttemptAt\x12\x1a\n" +
