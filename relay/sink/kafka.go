@@ -175,7 +175,7 @@ func (s *kafkaSink) Publish(ctx context.Context, ev relay.Event) error {
 		return fmt.Errorf("kafka sink: %w", err)
 	}
 	if topic == "" || topic == "." || topic == ".." || !validKafkaTopicChars(topic) {
-		return fmt.Errorf("kafka sink: event %s: topic %q is not a valid Kafka topic name (only ASCII letters, digits, '.', '_', '-')", ev.ID, topic)
+		return relay.Permanent(fmt.Errorf("kafka sink: event %s: topic %q is not a valid Kafka topic name (only ASCII letters, digits, '.', '_', '-')", ev.ID, topic))
 	}
 	rec := &kgo.Record{
 		Topic:   topic,
@@ -206,7 +206,9 @@ func (s *kafkaSink) Publish(ctx context.Context, ev relay.Event) error {
 	defer cancel()
 	if err := s.cl.ProduceSync(ctx, rec).FirstErr(); err != nil {
 		if errors.Is(err, kerr.MessageTooLarge) {
-			return fmt.Errorf("kafka sink: event %s to %q: record over max_bytes=%d (raise it with the topic's max.message.bytes): %w", ev.ID, topic, s.cfg.maxBytes, err)
+			// Refused by the client (over ProducerBatchMaxBytes) or by the
+			// broker (over message.max.bytes): the same record always is.
+			return relay.Permanent(fmt.Errorf("kafka sink: event %s to %q: record over max_bytes=%d (raise it with the topic's max.message.bytes): %w", ev.ID, topic, s.cfg.maxBytes, err))
 		}
 		return fmt.Errorf("kafka sink: produce event %s to %q: %w", ev.ID, topic, err)
 	}

@@ -311,6 +311,12 @@ func (s *natsSink) Publish(ctx context.Context, ev relay.Event) error {
 		// a stream other than the configured one.
 		jetstream.WithExpectStream(s.stream),
 	)
+	if errors.Is(err, nats.ErrMaxPayload) {
+		// The server's max_payload counts headers and body; the same
+		// message never fits, so park it now rather than retry it.
+		return relay.Permanent(fmt.Errorf("nats sink: event %s: message of %d bytes (body and headers) over the server's max_payload of %d bytes: %w",
+			ev.ID, natsMsgSize(msg), s.nc.MaxPayload(), err))
+	}
 	if err != nil {
 		return fmt.Errorf("nats sink: publish event %s to %q: %w", ev.ID, subj, err)
 	}
@@ -358,4 +364,16 @@ func (s *natsSink) Close() error {
 		<-s.closed
 	})
 	return s.closeErr
+}
+
+// natsMsgSize approximates what nats.go counts against max_payload: the
+// body and the encoded header block.
+func natsMsgSize(m *nats.Msg) int {
+	n := len(m.Data) + len("NATS/1.0\r\n\r\n")
+	for k, vs := range m.Header {
+		for _, v := range vs {
+			n += len(k) + len(": ") + len(v) + len("\r\n")
+		}
+	}
+	return n
 }

@@ -41,6 +41,8 @@
 //	             "outbox.{stream}.{aggregate_key}"
 //	timeout      bound on each publish and its confirm (and on Open's
 //	             connect), default 10s
+//	max_bytes    largest body, default 16777216 (RabbitMQ 4.x's
+//	             max_message_size); a larger event fails permanently
 //
 // Each message is published mandatory and persistent, with message-id =
 // event ID, type = event type, timestamp = created_at, content type
@@ -82,9 +84,10 @@
 // (Unix seconds at sending) and webhook-signature ("v1," + base64
 // HMAC-SHA256 of "id.timestamp.body"). A 2xx answer acks. 408, 429 and 5xx
 // are errors marked with the response's Retry-After (relay.RetryAfter), so
-// the runner's nack asks the server to wait that long; any other answer,
-// redirects included (they are not followed), is an error quoting the
-// status and the start of the body, and the event parks after the server's
+// the runner's nack asks the server to wait that long; any other 4xx (413
+// too large included) is a permanent error (relay.Permanent) quoting the
+// status and the start of the body, so the aggregate parks at once; a
+// redirect (not followed) is an ordinary error, parked after the server's
 // max failures. TLS uses the system's roots, as net/http's default
 // transport does.
 //
@@ -97,7 +100,8 @@
 //	           connect), default 10s, at least 1s
 //	max_bytes  largest record batch, default 1000012 (Kafka's default
 //	           message.max.bytes); raise it together with the topic's
-//	           max.message.bytes for events over 1 MB
+//	           max.message.bytes for events over 1 MB. A record over it,
+//	           or refused by the broker as too large, fails permanently
 //	tls        true to connect with TLS (system roots), default false
 //	client_id  the client.id brokers see, default "outboxd-relay"
 //

@@ -207,8 +207,13 @@ func (s *webhookSink) Publish(ctx context.Context, ev relay.Event) error {
 		return relay.RetryAfter(err, retryAfter(resp.Header.Get("Retry-After"), s.now()))
 	case resp.StatusCode >= 300 && resp.StatusCode < 400:
 		return fmt.Errorf("%w (redirect to %q not followed: configure the final URL)", err, resp.Header.Get("Location"))
+	case resp.StatusCode >= 400:
+		// 413 (too large) and the other refusals of this request: the
+		// same bytes would be refused again, so the aggregate parks now
+		// with the status and body excerpt as its reason.
+		return relay.Permanent(fmt.Errorf("%w (refused by the receiver; retrying will not help until it changes)", err))
 	default:
-		return fmt.Errorf("%w (refused by the receiver; retrying will not help until it changes)", err)
+		return fmt.Errorf("%w (unexpected status)", err)
 	}
 }
 
