@@ -38,6 +38,7 @@ type amqpConfig struct {
 	key      *subjectTemplate
 	timeout  time.Duration
 	maxBytes int
+	ce       ceConfig
 }
 
 func parseAMQPURL(u *url.URL, display string) (*amqpConfig, error) {
@@ -47,11 +48,16 @@ func parseAMQPURL(u *url.URL, display string) (*amqpConfig, error) {
 	if u.Fragment != "" {
 		return nil, invalid(display, "unexpected fragment")
 	}
-	p, err := params(u, display, "exchange", "routing_key", "timeout", "max_bytes")
+	p, err := params(u, display, append([]string{"exchange", "routing_key", "timeout", "max_bytes"}, ceParams...)...)
 	if err != nil {
 		return nil, err
 	}
 	cfg := &amqpConfig{timeout: DefaultAMQPTimeout, maxBytes: DefaultAMQPMaxBytes}
+	// The AMQP binding's prefix; in RabbitMQ's AMQP 0-9-1 headers table,
+	// which stands for AMQP 1.0's application properties.
+	if cfg.ce, err = parseCE(p, display, "cloudEvents:"); err != nil {
+		return nil, err
+	}
 	ex, ok := p["exchange"]
 	if !ok {
 		// No default: an exchange that does not exist, or the default
@@ -273,11 +279,21 @@ func (s *amqpSink) Publish(ctx context.Context, ev relay.Event) error {
 	if err != nil {
 		return fmt.Errorf("amqp sink: %w", err)
 	}
-	headers := make(amqp.Table, len(ev.Headers)+7)
+	m, err := s.cfg.ce.message(ev)
+	if err != nil {
+		return fmt.Errorf("amqp sink: %w", err)
+	}
+	headers := make(amqp.Table, len(ev.Headers)+len(m.headers)+7)
 	for k, v := range ev.Headers {
 		if err := checkAMQPHeader(k); err != nil {
 			return fmt.Errorf("amqp sink: event %s: %w", ev.ID, err)
 		}
+		if err := s.cfg.ce.checkHeader(k); err != nil {
+			return fmt.Errorf("amqp sink: event %s: %w", ev.ID, err)
+		}
+		headers[k] = v
+	}
+	for k, v := range m.headers {
 		headers[k] = v
 	}
 	headers[HeaderEventID] = ev.ID
@@ -289,13 +305,13 @@ func (s *amqpSink) Publish(ctx context.Context, ev relay.Event) error {
 	headers[HeaderAttempt] = strconv.Itoa(ev.Attempt)
 	msg := amqp.Publishing{
 		Headers:      headers,
-		ContentType:  "application/json",
+		ContentType:  m.contentType,
 		DeliveryMode: amqp.Persistent,
 		MessageId:    ev.ID,
 		Timestamp:    ev.CreatedAt,
 		Type:         ev.Type,
 		AppId:        "outboxd",
-		Body:         ev.Payload,
+		Body:         m.body,
 	}
 
 	if len(msg.Body) > s.cfg.maxBytes {

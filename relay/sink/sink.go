@@ -115,6 +115,20 @@
 // Outbox-Event-Id. SASL is not supported yet. The tests run against
 // franz-go's in-process kfake cluster.
 //
+// CloudEvents 1.0 (Kafka, AMQP, NATS and webhook sinks; opt-in):
+//
+//	cloudevents  binary (attributes as headers under the protocol
+//	             binding's prefix: Kafka ce_, HTTP and NATS ce-, AMQP
+//	             cloudEvents:) or structured (the event as
+//	             application/cloudevents+json); default off
+//	ce_source    the source attribute, {stream} replaced by the event's
+//	             stream; default "/outboxd/{stream}"
+//
+// id = event ID, type = event type, subject = aggregate key, time =
+// created_at, data = payload (application/json), extensions outboxstream
+// and outboxrevision, and traceparent/tracestate from the event's headers.
+// The sink's own headers (Outbox-*, the event's) are kept in both modes.
+//
 // Templates: placeholders {stream}, {aggregate_key}, {event_type}, each a
 // whole '.'-separated token, are substituted with EscapeSubjectToken
 // (except in Kafka topics, see above), so a value never adds a token or a
@@ -241,6 +255,9 @@ func params(u *url.URL, display string, known ...string) (map[string]string, err
 	out := make(map[string]string, len(q))
 	for k, vs := range q {
 		if !slices.Contains(known, k) {
+			if slices.Contains(ceParams, k) {
+				return nil, invalid(display, "parameter %q: this sink has no CloudEvents binding (kafka, amqp, nats and webhook sinks have)", k)
+			}
 			if len(known) == 0 {
 				return nil, invalid(display, "unknown parameter %q; this sink takes none", k)
 			}
