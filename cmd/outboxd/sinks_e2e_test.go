@@ -157,10 +157,7 @@ func TestRelayKilledMidStreamNATS(t *testing.T) {
 
 func TestRelayKilledMidStreamRabbitMQ(t *testing.T) {
 	t.Parallel()
-	server := os.Getenv("AMQP_URL")
-	if server == "" {
-		server = "amqp://guest:guest@127.0.0.1:5672/"
-	}
+	server := envOr("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
 	conn, err := amqp.Dial(server)
 	if err != nil {
 		t.Fatalf("connect to RabbitMQ at %s (or set AMQP_URL): %v", server, err)
@@ -203,10 +200,7 @@ func TestRelayKilledMidStreamRabbitMQ(t *testing.T) {
 
 func TestRelayKilledMidStreamRedis(t *testing.T) {
 	t.Parallel()
-	server := os.Getenv("REDIS_URL")
-	if server == "" {
-		server = "redis://127.0.0.1:6379/0"
-	}
+	server := envOr("REDIS_URL", "redis://127.0.0.1:6379/0")
 	opts, err := redis.ParseURL(server)
 	if err != nil {
 		t.Fatal(err)

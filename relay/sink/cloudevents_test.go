@@ -87,23 +87,24 @@ func checkStructured(t *testing.T, what, contentType string, body []byte, want m
 	}
 }
 
-func ceEvent(id string) relay.Event {
-	ev := testEvent(id)
-	ev.Stream = "orders.eu"
-	return ev
+// publishBoth publishes the event e-bin through bin and e-str through str.
+func publishBoth(t *testing.T, bin, str relay.Publisher) {
+	t.Helper()
+	if err := bin.Publish(t.Context(), testEvent("e-bin")); err != nil {
+		t.Fatal(err)
+	}
+	if err := str.Publish(t.Context(), testEvent("e-str")); err != nil {
+		t.Fatal(err)
+	}
 }
+
 
 func TestCloudEventsKafka(t *testing.T) {
 	t.Parallel()
 	c := newKafka(t, "outbox.orders.eu")
 	bin := openSink(t, kafkaSinkURL(c, map[string]string{"cloudevents": "binary"}))
 	str := openSink(t, kafkaSinkURL(c, map[string]string{"cloudevents": "structured", "ce_source": "https://shop.example/{stream}"}))
-	if err := bin.Publish(t.Context(), ceEvent("e-bin")); err != nil {
-		t.Fatal(err)
-	}
-	if err := str.Publish(t.Context(), ceEvent("e-str")); err != nil {
-		t.Fatal(err)
-	}
+	publishBoth(t, bin, str)
 	for _, r := range consume(t, c, 2, "outbox.orders.eu") {
 		h := map[string]string{}
 		for _, x := range r.Headers {
@@ -128,12 +129,7 @@ func TestCloudEventsAMQP(t *testing.T) {
 	e := newRabbitEnv(t, "#")
 	bin := openSink(t, e.url(map[string]string{"cloudevents": "binary"}))
 	str := openSink(t, e.url(map[string]string{"cloudevents": "structured"}))
-	if err := bin.Publish(t.Context(), ceEvent("e-bin")); err != nil {
-		t.Fatal(err)
-	}
-	if err := str.Publish(t.Context(), ceEvent("e-str")); err != nil {
-		t.Fatal(err)
-	}
+	publishBoth(t, bin, str)
 	for _, d := range e.get(t, 2) {
 		h := map[string]string{}
 		for k, v := range d.Headers {
@@ -159,12 +155,7 @@ func TestCloudEventsNATS(t *testing.T) {
 	e := newJSEnv(t)
 	bin := e.open(t, map[string]string{"cloudevents": "binary"})
 	str := e.open(t, map[string]string{"cloudevents": "structured"})
-	if err := bin.Publish(t.Context(), ceEvent("e-bin")); err != nil {
-		t.Fatal(err)
-	}
-	if err := str.Publish(t.Context(), ceEvent("e-str")); err != nil {
-		t.Fatal(err)
-	}
+	publishBoth(t, bin, str)
 	for _, m := range e.fetch(t, 2) {
 		h := map[string]string{}
 		for k, vs := range m.Headers() {
@@ -208,12 +199,7 @@ func TestCloudEventsWebhook(t *testing.T) {
 	}
 	bin := openSink(t, h.url(t, map[string]string{"cloudevents": "binary"}))
 	str := openSink(t, h.url(t, map[string]string{"cloudevents": "structured"}))
-	if err := bin.Publish(t.Context(), ceEvent("e-bin")); err != nil {
-		t.Fatal(err)
-	}
-	if err := str.Publish(t.Context(), ceEvent("e-str")); err != nil {
-		t.Fatal(err)
-	}
+	publishBoth(t, bin, str)
 	mu.Lock()
 	defer mu.Unlock()
 	if len(got) != 2 {
