@@ -48,6 +48,21 @@ func (r *relayService) Subscribe(req *outboxv1.SubscribeRequest, stream outboxv1
 		}
 		seen[name] = true
 	}
+	if len(req.GetExcludeStreams()) > maxSubscribeStreams {
+		f.add("exclude_streams", "at most %d streams, got %d", maxSubscribeStreams, len(req.GetExcludeStreams()))
+	}
+	excluded := make(map[string]bool)
+	for i, name := range req.GetExcludeStreams() {
+		field := fmt.Sprintf("exclude_streams[%d]", i)
+		checkStream(&f, field, name)
+		switch {
+		case excluded[name]:
+			f.add(field, "%q is listed twice", name)
+		case seen[name]:
+			f.add(field, "%q is also in streams", name)
+		}
+		excluded[name] = true
+	}
 	if m := req.GetMaxInFlight(); m < 1 || int(m) > s.cfg.MaxInFlight {
 		f.add("max_in_flight", "must be between 1 and %d, got %d", s.cfg.MaxInFlight, m)
 	}
@@ -75,6 +90,7 @@ func (r *relayService) Subscribe(req *outboxv1.SubscribeRequest, stream outboxv1
 		peerAddr = p.Addr.String()
 	}
 	sess := newSession(s, req.GetRelayId(), peerAddr, req.GetStreams(), int(req.GetMaxInFlight()), ttl)
+	sess.excludeStreams = req.GetExcludeStreams()
 	sess.subscriber = subscriberKey(ctx, req.GetRelayId())
 	if h := s.beforeAddSession; h != nil {
 		h()
@@ -87,7 +103,7 @@ func (r *relayService) Subscribe(req *outboxv1.SubscribeRequest, stream outboxv1
 	// which session id operators will see it), before any event exists.
 	_ = stream.SendHeader(metadata.Pairs(SessionIDHeader, sess.id.String()))
 	log := s.log.With("session", sess.id, "relay", sess.relayID, "peer", peerAddr)
-	log.Info("relay subscribed", "streams", sess.streams, "max_in_flight", sess.maxInFlight, "lease_ttl", ttl)
+	log.Info("relay subscribed", "streams", sess.streams, "exclude_streams", sess.excludeStreams, "max_in_flight", sess.maxInFlight, "lease_ttl", ttl)
 	defer func() {
 		// The stream is over: give its leases back at once so the events go
 		// to another relay now, not after the TTL.
