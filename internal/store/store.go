@@ -91,8 +91,8 @@ type ClaimParams struct {
 	Streams []string
 	// ExcludeStreams are never claimed; nil excludes nothing.
 	ExcludeStreams []string
-	Limit   int
-	TTL     time.Duration
+	Limit          int
+	TTL            time.Duration
 	// MaxAttempts parks an aggregate instead of leasing its event again once
 	// that event has been delivered this many times without an ack or a
 	// nack; 0 means no limit.

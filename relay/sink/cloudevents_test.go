@@ -98,7 +98,6 @@ func publishBoth(t *testing.T, bin, str relay.Publisher) {
 	}
 }
 
-
 func TestCloudEventsKafka(t *testing.T) {
 	t.Parallel()
 	c := newKafka(t, "outbox.orders.eu")
