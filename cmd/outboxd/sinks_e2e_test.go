@@ -345,3 +345,49 @@ func TestRelayKilledMidStreamWebhook(t *testing.T) {
 		return append([]brokerMsg(nil), got...)
 	})
 }
+
+// `outboxd relay --route` serves two sinks from one process: billing to
+// one Redis stream family, every other stream to another (the server
+// excludes billing from the catch-all). Each event lands in its route's
+// sink only.
+func TestRelayRoutesByStream(t *testing.T) {
+	t.Parallel()
+	server := envOr("REDIS_URL", "redis://127.0.0.1:6379/0")
+	opts, err := redis.ParseURL(server)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := redis.NewClient(opts)
+	t.Cleanup(func() { c.Close() })
+	a, b := unique("route_a"), unique("route_b")
+	streams := []string{"billing", "orders", "shipping"}
+	t.Cleanup(func() {
+		for _, s := range streams {
+			c.Del(context.Background(), a+"."+s, b+"."+s)
+		}
+	})
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	const perStream = 30
+	if _, err := pool.Exec(context.Background(), `SELECT outbox.emit(s, 'k-' || (i % 5), 'Changed', jsonb_build_object('i', i))
+		FROM unnest($1::text[]) s, generate_series(1, $2::int) i ORDER BY i, s`, streams, perStream); err != nil {
+		t.Fatal(err)
+	}
+	addr := freeAddr(t)
+	start(t, "serve", "--database-url", url, "--listen", addr, "--http-listen", "", "--log-level", "warn")
+	start(t, "relay", "--server", addr, "--log-level", "warn", "--max-in-flight", "4",
+		"--route", "billing="+server+"?stream="+a+".{stream}",
+		"--route", "*="+server+"?stream="+b+".{stream}")
+	waitPublished(t, pool, int64(perStream*len(streams)))
+	for _, s := range streams {
+		want := map[string]int64{a: 0, b: perStream}
+		if s == "billing" {
+			want = map[string]int64{a: perStream, b: 0}
+		}
+		for prefix, n := range want {
+			if got := c.XLen(t.Context(), prefix+"."+s).Val(); got != n {
+				t.Errorf("%s.%s holds %d entries, want %d", prefix, s, got, n)
+			}
+		}
+	}
+}
