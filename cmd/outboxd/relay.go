@@ -19,6 +19,7 @@ func relayCommand(g *globalFlags) *cobra.Command {
 		routes      []string
 		relayID     string
 		streams     []string
+		exclude     []string
 		maxInFlight int
 		leaseTTL    time.Duration
 		drain       time.Duration
@@ -56,8 +57,8 @@ failure against their events.`,
 			}
 			var rs []route
 			switch {
-			case len(routes) > 0 && (sinkURL != "" || len(streams) > 0):
-				return fmt.Errorf("--route replaces --sink and --streams; give the streams in each route")
+			case len(routes) > 0 && (sinkURL != "" || len(streams) > 0 || len(exclude) > 0):
+				return fmt.Errorf("--route replaces --sink, --streams and --exclude-streams; give the streams in each route")
 			case len(routes) > 0:
 				if rs, err = parseRoutes(routes); err != nil {
 					return err
@@ -65,7 +66,7 @@ failure against their events.`,
 			case sinkURL == "":
 				return fmt.Errorf("--sink (or --route) is required (stdout://, nats://host:port, amqp://user:pass@host:port/?exchange=..., redis://host:port/0, https://host/path?secret_file=..., kafka://host:port)")
 			default:
-				rs = []route{{streams: streams, sinkURL: sinkURL}}
+				rs = []route{{streams: streams, exclude: exclude, sinkURL: sinkURL}}
 			}
 			if relayID == "" {
 				host, _ := os.Hostname()
@@ -114,6 +115,7 @@ failure against their events.`,
 	fl.StringVar(&sinkURL, "sink", "", "where to publish: stdout://, nats://host:port, amqp://user:pass@host:port/vhost?exchange=..., redis://host:port/db, https://host/path?secret_file=..., kafka://host:port")
 	fl.StringVar(&relayID, "relay-id", "", "name shown to operators (default hostname-pid)")
 	fl.StringSliceVar(&streams, "streams", nil, "streams to relay (default all)")
+	fl.StringSliceVar(&exclude, "exclude-streams", nil, "streams never to relay (for a catch-all beside relays that take them)")
 	fl.StringArrayVar(&routes, "route", nil, "STREAMS=SINK_URL, repeatable: serve several sinks, each for its streams (comma-separated names, or * for the rest); replaces --sink and --streams")
 	fl.IntVar(&maxInFlight, "max-in-flight", 64, "deliveries outstanding at once (the relay's credit)")
 	fl.DurationVar(&leaseTTL, "lease-ttl", 0, "lease TTL to ask for (default: the server's)")
