@@ -171,11 +171,12 @@ func signWebhook(keys [][]byte, id, timestamp string, body []byte) string {
 	return strings.Join(sigs, " ")
 }
 
-// Publish POSTs ev as JSON and returns nil on a 2xx answer. 408, 429 and
-// 5xx are errors the runner retries with its backoff, or after the
-// response's Retry-After when that is longer (relay.RetryAfter). Any other
-// answer is an error too, naming the status and quoting the body: the event
-// is retried and then parked with it, since the receiver refused it.
+// Publish POSTs ev as JSON (or as a CloudEvent) and returns nil on a 2xx
+// answer. 408, 429 and 5xx are errors the runner retries with its backoff,
+// or after the response's Retry-After when that is longer
+// (relay.RetryAfter). Another 4xx is a permanent error naming the status
+// and quoting the body, so the aggregate parks at once with it: the
+// receiver refused these bytes. A redirect is an ordinary error.
 func (s *webhookSink) Publish(ctx context.Context, ev relay.Event) error {
 	if ev.ID == "" {
 		return errors.New("webhook sink: event has no ID, which webhook-id needs")
