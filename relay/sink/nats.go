@@ -337,6 +337,11 @@ func (s *natsSink) Publish(ctx context.Context, ev relay.Event) error {
 		return relay.Permanent(fmt.Errorf("nats sink: event %s: message of %d bytes (body and headers) over the server's max_payload of %d bytes: %w",
 			ev.ID, natsMsgSize(msg), s.nc.MaxPayload(), err))
 	}
+	if errors.Is(err, jetstream.ErrStreamMessageExceedsMaximum) {
+		// The stream's own max_msg_size, below the server's max_payload.
+		return relay.Permanent(fmt.Errorf("nats sink: event %s: message of %d bytes over stream %s's max_msg_size: %w",
+			ev.ID, natsMsgSize(msg), s.stream, err))
+	}
 	if err != nil {
 		return fmt.Errorf("nats sink: publish event %s to %q: %w", ev.ID, subj, err)
 	}

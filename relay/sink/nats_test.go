@@ -274,6 +274,30 @@ func TestNATSCreateFalseMissingStream(t *testing.T) {
 	}
 }
 
+// A stream whose max_msg_size is below the server's max_payload refuses a
+// large message on the server side; that too is permanent.
+func TestNATSStreamMaxMsgSizeIsPermanent(t *testing.T) {
+	t.Parallel()
+	e := newJSEnv(t)
+	ctx, cancel := context.WithTimeout(t.Context(), waitFor)
+	defer cancel()
+	if _, err := e.js.CreateStream(ctx, jetstream.StreamConfig{
+		Name: e.stream, Subjects: []string{e.prefix + ".>"}, Storage: jetstream.MemoryStorage, MaxMsgSize: 1024,
+	}); err != nil {
+		t.Fatal(err)
+	}
+	s := e.open(t, map[string]string{"create": "false"})
+	big := testEvent("e-big")
+	big.Payload = []byte(`"` + strings.Repeat("x", 2048) + `"`)
+	if err := s.Publish(t.Context(), big); err == nil || !relay.IsPermanent(err) || !strings.Contains(err.Error(), "max_msg_size") {
+		t.Errorf("Publish over the stream's max_msg_size = %v (permanent: %v)", err, relay.IsPermanent(err))
+	}
+	if err := s.Publish(t.Context(), testEvent("e-small")); err != nil {
+		t.Fatalf("Publish of a small event: %v", err)
+	}
+	e.fetch(t, 1)
+}
+
 func TestNATSCreateFalseUsesExistingStream(t *testing.T) {
 	t.Parallel()
 	e := newJSEnv(t)
