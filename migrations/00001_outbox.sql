@@ -747,7 +747,8 @@ CREATE FUNCTION outbox.claim(
     p_streams text[],
     p_limit integer,
     p_ttl interval,
-    p_max_attempts integer DEFAULT NULL
+    p_max_attempts integer DEFAULT NULL,
+    p_exclude_streams text[] DEFAULT NULL
 ) RETURNS SETOF outbox.lease
 LANGUAGE plpgsql AS $$
 #variable_conflict use_column
@@ -771,6 +772,7 @@ BEGIN
         SELECT d.stream, d.aggregate_key FROM outbox.delivery d
         WHERE d.claimable_at <= v_now
           AND (p_streams IS NULL OR d.stream = ANY (p_streams))
+          AND (p_exclude_streams IS NULL OR d.stream <> ALL (p_exclude_streams))
         ORDER BY d.claimable_at
         LIMIT p_limit
         FOR UPDATE SKIP LOCKED

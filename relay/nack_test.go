@@ -105,3 +105,40 @@ func TestRetryAfterOf(t *testing.T) {
 		t.Error("RetryAfterOf of a plain error reports a delay")
 	}
 }
+
+// A publish error marked Permanent parks its aggregate at the first
+// failure, with the error in the reason, although the server would
+// otherwise retry it MaxFailures times; an ordinary error on another
+// aggregate is only counted.
+func TestRunnerPermanentErrorParksAtOnce(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, servertest.Options{Configure: func(c *server.Config) { c.MaxFailures = 100 }})
+	e.emit(t, "orders", "big")
+	e.emit(t, "orders", "flaky")
+	pub := &permanentPublisher{}
+	start(t, Config{Conn: e.srv.Conn, Publisher: pub}, hooks{})
+	var big, flaky *outboxv1.Aggregate
+	waitUntil(t, "the permanent failure to park its aggregate", func() bool {
+		big = e.aggregate(t, "orders", "big")
+		flaky = e.aggregate(t, "orders", "flaky")
+		return big.GetParkedAt() != nil && flaky.GetFailures() >= 1
+	})
+	if big.GetFailures() != 1 || !strings.Contains(big.GetParkedReason(), "event of 9 bytes exceeds") {
+		t.Errorf("parked after %d failures with reason %q; want 1 and the publisher's error", big.GetFailures(), big.GetParkedReason())
+	}
+	if flaky.GetParkedAt() != nil {
+		t.Errorf("an ordinary failure parked its aggregate after %d failures", flaky.GetFailures())
+	}
+	if !IsPermanent(fmt.Errorf("wrapped: %w", Permanent(errors.New("x")))) || IsPermanent(errors.New("x")) || Permanent(nil) != nil {
+		t.Error("Permanent/IsPermanent do not round-trip through a wrap")
+	}
+}
+
+type permanentPublisher struct{}
+
+func (permanentPublisher) Publish(_ context.Context, ev Event) error {
+	if ev.AggregateKey == "big" {
+		return Permanent(errors.New("event of 9 bytes exceeds the broker's limit"))
+	}
+	return errors.New("broker unavailable")
+}

@@ -79,3 +79,27 @@ type retryAfterError struct {
 
 func (e *retryAfterError) Error() string { return e.err.Error() }
 func (e *retryAfterError) Unwrap() error { return e.err }
+
+// Permanent returns err marked as a failure that retrying cannot fix (an
+// event larger than the broker accepts, a message the broker refuses for
+// its content). The runner's nack then asks the server to park the
+// aggregate at once, with err as the reason, instead of after the
+// server's max failures. A nil err stays nil.
+func Permanent(err error) error {
+	if err == nil {
+		return nil
+	}
+	return &permanentError{err: err}
+}
+
+// IsPermanent reports whether err's chain holds an error marked by
+// Permanent.
+func IsPermanent(err error) bool {
+	var pe *permanentError
+	return errors.As(err, &pe)
+}
+
+type permanentError struct{ err error }
+
+func (e *permanentError) Error() string { return e.err.Error() }
+func (e *permanentError) Unwrap() error { return e.err }

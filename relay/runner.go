@@ -67,6 +67,10 @@ type Config struct {
 	RelayID string
 	// Streams limits delivery to these streams; empty means all.
 	Streams []string
+	// ExcludeStreams are never delivered to this runner: with Streams
+	// empty, a catch-all beside runners that take those streams. Needs a
+	// server that knows SubscribeRequest.exclude_streams.
+	ExcludeStreams []string
 	// MaxInFlight is the credit asked of the server, and so the most
 	// concurrent publishes. Default 64.
 	MaxInFlight int
@@ -270,9 +274,10 @@ func (r *Runner) runOnce(ctx context.Context) error {
 	streamCtx, cancelStream := context.WithCancel(context.WithoutCancel(ctx))
 	defer cancelStream()
 	req := &outboxv1.SubscribeRequest{
-		RelayId:     r.cfg.RelayID,
-		Streams:     r.cfg.Streams,
-		MaxInFlight: uint32(r.cfg.MaxInFlight),
+		RelayId:        r.cfg.RelayID,
+		Streams:        r.cfg.Streams,
+		ExcludeStreams: r.cfg.ExcludeStreams,
+		MaxInFlight:    uint32(r.cfg.MaxInFlight),
 	}
 	if r.cfg.LeaseTTL > 0 {
 		req.LeaseTtl = durationpb.New(r.cfg.LeaseTTL)
@@ -381,7 +386,7 @@ func (r *Runner) handle(ctx context.Context, f *fatal, rd received, acks *ackBat
 // stream) and the event comes again: nothing is lost.
 func (r *Runner) nack(ctx context.Context, f *fatal, d *outboxv1.SubscribeResponse, perr error) {
 	id := d.GetEvent().GetEventId()
-	req := &outboxv1.NackRequest{EventId: id, LeaseToken: d.GetLeaseToken(), Error: nackText(perr)}
+	req := &outboxv1.NackRequest{EventId: id, LeaseToken: d.GetLeaseToken(), Error: nackText(perr), Permanent: IsPermanent(perr)}
 	if after, ok := RetryAfterOf(perr); ok {
 		req.RetryAfter = durationpb.New(after)
 	}

@@ -38,7 +38,7 @@
 //	(none) or idle ──(discovery finds an event)──▶ ready ──claim──▶ leased
 //	leased ──ack──▶ ready (next revision committed) or idle (nothing follows)
 //	leased ──nack──▶ backoff ──(next_attempt_at)──▶ claimable again
-//	leased ──nack #MaxFailures──▶ parked (waits for an operator)
+//	leased ──nack #MaxFailures, or a permanent nack──▶ parked (waits for an operator)
 //	leased ──(TTL passes)──▶ claimable again (expired lease; attempt+1)
 //	leased ──(stream ends)──▶ ready (released at once)
 //	ready ──claim finds the next revision missing, a later one present──▶ gap

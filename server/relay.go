@@ -48,6 +48,21 @@ func (r *relayService) Subscribe(req *outboxv1.SubscribeRequest, stream outboxv1
 		}
 		seen[name] = true
 	}
+	if len(req.GetExcludeStreams()) > maxSubscribeStreams {
+		f.add("exclude_streams", "at most %d streams, got %d", maxSubscribeStreams, len(req.GetExcludeStreams()))
+	}
+	excluded := make(map[string]bool)
+	for i, name := range req.GetExcludeStreams() {
+		field := fmt.Sprintf("exclude_streams[%d]", i)
+		checkStream(&f, field, name)
+		switch {
+		case excluded[name]:
+			f.add(field, "%q is listed twice", name)
+		case seen[name]:
+			f.add(field, "%q is also in streams", name)
+		}
+		excluded[name] = true
+	}
 	if m := req.GetMaxInFlight(); m < 1 || int(m) > s.cfg.MaxInFlight {
 		f.add("max_in_flight", "must be between 1 and %d, got %d", s.cfg.MaxInFlight, m)
 	}
@@ -75,6 +90,7 @@ func (r *relayService) Subscribe(req *outboxv1.SubscribeRequest, stream outboxv1
 		peerAddr = p.Addr.String()
 	}
 	sess := newSession(s, req.GetRelayId(), peerAddr, req.GetStreams(), int(req.GetMaxInFlight()), ttl)
+	sess.excludeStreams = req.GetExcludeStreams()
 	sess.subscriber = subscriberKey(ctx, req.GetRelayId())
 	if h := s.beforeAddSession; h != nil {
 		h()
@@ -87,7 +103,7 @@ func (r *relayService) Subscribe(req *outboxv1.SubscribeRequest, stream outboxv1
 	// which session id operators will see it), before any event exists.
 	_ = stream.SendHeader(metadata.Pairs(SessionIDHeader, sess.id.String()))
 	log := s.log.With("session", sess.id, "relay", sess.relayID, "peer", peerAddr)
-	log.Info("relay subscribed", "streams", sess.streams, "max_in_flight", sess.maxInFlight, "lease_ttl", ttl)
+	log.Info("relay subscribed", "streams", sess.streams, "exclude_streams", sess.excludeStreams, "max_in_flight", sess.maxInFlight, "lease_ttl", ttl)
 	defer func() {
 		// The stream is over: give its leases back at once so the events go
 		// to another relay now, not after the TTL.
@@ -232,9 +248,16 @@ func (r *relayService) Nack(ctx context.Context, req *outboxv1.NackRequest) (*ou
 	if err := s.authorizeEvents(ctx, []uuid.UUID{t.EventID}); err != nil {
 		return nil, err
 	}
+	maxFailures := s.cfg.MaxFailures
+	if req.GetPermanent() {
+		// The relay knows retrying cannot help (an event larger than its
+		// broker accepts): this failure is the last, so it parks now with
+		// the relay's error in its reason.
+		maxFailures, retryAfter = 1, 0
+	}
 	res, err := s.store.Nack(ctx, store.NackParams{
 		EventID: t.EventID, Epoch: t.Epoch, Error: nackErrorText(req.GetError()), RetryAfter: retryAfter,
-		BackoffBase: s.cfg.BackoffBase, BackoffCap: s.cfg.BackoffCap, MaxFailures: s.cfg.MaxFailures,
+		BackoffBase: s.cfg.BackoffBase, BackoffCap: s.cfg.BackoffCap, MaxFailures: maxFailures,
 	})
 	if errors.Is(err, store.ErrLeaseLost) {
 		return nil, status.Error(codes.FailedPrecondition, "lease is no longer current (acked, expired and re-leased, or released); nothing changed")

@@ -31,14 +31,16 @@ const (
 // session is one Subscribe stream: its credit, its outstanding deliveries and
 // the loop that claims and sends.
 type session struct {
-	srv         *Server
-	id          uuid.UUID
-	relayID     string
-	peer        string
-	streams     []string
-	maxInFlight int
-	ttl         time.Duration
-	connectedAt time.Time
+	srv     *Server
+	id      uuid.UUID
+	relayID string
+	peer    string
+	streams []string
+	// excludeStreams are never claimed for this stream (SubscribeRequest.exclude_streams).
+	excludeStreams []string
+	maxInFlight    int
+	ttl            time.Duration
+	connectedAt    time.Time
 	// subscriber is who opened the stream, for the per-relay limit.
 	subscriber string
 
@@ -155,7 +157,7 @@ func (ss *session) claimAndSend(ctx context.Context, n int, send func(*outboxv1.
 	claimCtx, cancelClaim := context.WithTimeout(context.WithoutCancel(ctx), claimTimeout)
 	leases, err := ss.srv.store.Claim(claimCtx, store.ClaimParams{
 		Holder: ss.id, RelayID: ss.relayID, ReplicaID: ss.srv.cfg.ReplicaID,
-		Streams: ss.streams, Limit: n, TTL: ss.ttl, MaxAttempts: ss.srv.cfg.MaxDeliveries,
+		Streams: ss.streams, ExcludeStreams: ss.excludeStreams, Limit: n, TTL: ss.ttl, MaxAttempts: ss.srv.cfg.MaxDeliveries,
 	})
 	if h := ss.srv.afterClaim; h != nil {
 		leases, err = h(leases, err)

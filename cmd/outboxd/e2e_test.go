@@ -44,11 +44,15 @@ func TestMain(m *testing.M) {
 	os.Exit(code)
 }
 
-func natsURL() string {
-	if u := os.Getenv("NATS_URL"); u != "" {
-		return u
+func natsURL() string { return envOr("NATS_URL", "nats://127.0.0.1:4222") }
+
+// envOr returns the environment variable name, or def when it is unset or
+// empty: where the tests find their brokers.
+func envOr(name, def string) string {
+	if v := os.Getenv(name); v != "" {
+		return v
 	}
-	return "nats://127.0.0.1:4222"
+	return def
 }
 
 // `outboxd migrate` twice in parallel on an empty database: one applies, the

@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/spf13/cobra"
+	"golang.org/x/sync/errgroup"
 
 	"github.com/outboxd/outboxd/relay"
 	"github.com/outboxd/outboxd/relay/sink"
@@ -15,8 +16,10 @@ func relayCommand(g *globalFlags) *cobra.Command {
 	var (
 		client      clientFlags
 		sinkURL     string
+		routes      []string
 		relayID     string
 		streams     []string
+		exclude     []string
 		maxInFlight int
 		leaseTTL    time.Duration
 		drain       time.Duration
@@ -31,6 +34,13 @@ redis://host:port/db?stream=... (Redis Streams),
 https://host/path?secret_file=... (signed webhooks) and
 kafka://host:port?topic=... (Kafka);
 see the README's sink table or relay/sink for their parameters.
+
+--route STREAMS=URL, given several times, serves several sinks from one
+process: STREAMS is a comma-separated list of stream names, or * for every
+stream no other route names (the server excludes those). Each route is its own
+Subscribe stream with its own --max-in-flight credit, so a slow broker holds
+back only its own streams. Routes must not overlap, and names are exact: the
+server selects streams by name, not by pattern.
 
 It reconnects while the server is unavailable, and exits with an error when the
 server refuses its token (UNAUTHENTICATED, PERMISSION_DENIED) on any call. On
@@ -50,33 +60,60 @@ failure against their events.`,
 				return err
 			}
 			defer stopTracing()
-			if sinkURL == "" {
-				return fmt.Errorf("--sink is required (stdout://, nats://host:port, amqp://user:pass@host:port/?exchange=..., redis://host:port/0, https://host/path?secret_file=..., kafka://host:port)")
+			var rs []route
+			switch {
+			case len(routes) > 0 && (sinkURL != "" || len(streams) > 0 || len(exclude) > 0):
+				return fmt.Errorf("--route replaces --sink, --streams and --exclude-streams; give the streams in each route")
+			case len(routes) > 0:
+				if rs, err = parseRoutes(routes); err != nil {
+					return err
+				}
+			case sinkURL == "":
+				return fmt.Errorf("--sink (or --route) is required (stdout://, nats://host:port, amqp://user:pass@host:port/?exchange=..., redis://host:port/0, https://host/path?secret_file=..., kafka://host:port)")
+			default:
+				rs = []route{{streams: streams, exclude: exclude, sinkURL: sinkURL}}
 			}
 			if relayID == "" {
 				host, _ := os.Hostname()
 				relayID = fmt.Sprintf("%s-%d", host, os.Getpid())
 			}
-			s, err := sink.Open(ctx, sinkURL, sink.Options{Logger: log})
-			if err != nil {
-				return err
-			}
-			defer s.Close()
+			// Open every sink before serving any, so a bad URL or an
+			// unreachable broker stops the relay at start.
+			runners := make([]*relay.Runner, len(rs))
 			conn, err := dialServer(cmd, &client)
 			if err != nil {
 				return err
 			}
 			defer conn.Close()
-			r, err := relay.NewRunner(relay.Config{
-				Conn: conn, Publisher: s, RelayID: relayID, Streams: streams,
-				MaxInFlight: maxInFlight, LeaseTTL: leaseTTL, DrainTimeout: drain, Logger: log,
-				MessagingSystem: sink.MessagingSystem(sinkURL),
-			})
-			if err != nil {
-				return err
+			for i, rt := range rs {
+				s, err := sink.Open(ctx, rt.sinkURL, sink.Options{Logger: log})
+				if err != nil {
+					return err
+				}
+				defer s.Close()
+				id := relayID
+				if len(routes) > 0 {
+					// relay_id is at most 128 characters.
+					id = relayID + "/" + rt.label()
+					id = id[:min(len(id), 128)]
+				}
+				if runners[i], err = relay.NewRunner(relay.Config{
+					Conn: conn, Publisher: s, RelayID: id, Streams: rt.streams, ExcludeStreams: rt.exclude,
+					MaxInFlight: maxInFlight, LeaseTTL: leaseTTL, DrainTimeout: drain, Logger: log.With("route", rt.label()),
+					MessagingSystem: sink.MessagingSystem(rt.sinkURL),
+				}); err != nil {
+					return err
+				}
+				log.Info("relay running", "server", client.server, "sink", sink.Redact(rt.sinkURL), "relay_id", id,
+					"streams", rt.label(), "exclude_streams", rt.exclude)
 			}
-			log.Info("relay running", "server", client.server, "sink", sink.Redact(sinkURL), "relay_id", relayID)
-			return r.Run(ctx)
+			// One route failing (refused credentials) stops them all: a
+			// relay that serves only some of its routes would look alive.
+			eg, egCtx := errgroup.WithContext(ctx)
+			for _, r := range runners {
+				eg.Go(func() error { return r.Run(egCtx) })
+			}
+			return eg.Wait()
 		},
 	}
 	fl := cmd.Flags()
@@ -84,6 +121,8 @@ failure against their events.`,
 	fl.StringVar(&sinkURL, "sink", "", "where to publish: stdout://, nats://host:port, amqp://user:pass@host:port/vhost?exchange=..., redis://host:port/db, https://host/path?secret_file=..., kafka://host:port")
 	fl.StringVar(&relayID, "relay-id", "", "name shown to operators (default hostname-pid)")
 	fl.StringSliceVar(&streams, "streams", nil, "streams to relay (default all)")
+	fl.StringSliceVar(&exclude, "exclude-streams", nil, "streams never to relay (for a catch-all beside relays that take them)")
+	fl.StringArrayVar(&routes, "route", nil, "STREAMS=SINK_URL, repeatable: serve several sinks, each for its streams (comma-separated names, or * for the rest); replaces --sink and --streams")
 	fl.IntVar(&maxInFlight, "max-in-flight", 64, "deliveries outstanding at once (the relay's credit)")
 	fl.DurationVar(&leaseTTL, "lease-ttl", 0, "lease TTL to ask for (default: the server's)")
 	fl.DurationVar(&drain, "drain-timeout", relay.DefaultDrainTimeout, "on shutdown, how long publishes under way may take to finish")

@@ -89,8 +89,10 @@ type ClaimParams struct {
 	ReplicaID string
 	// Streams limits the claim; nil means every stream.
 	Streams []string
-	Limit   int
-	TTL     time.Duration
+	// ExcludeStreams are never claimed; nil excludes nothing.
+	ExcludeStreams []string
+	Limit          int
+	TTL            time.Duration
 	// MaxAttempts parks an aggregate instead of leasing its event again once
 	// that event has been delivered this many times without an ack or a
 	// nack; 0 means no limit.
@@ -127,6 +129,10 @@ func (s *Store) Claim(ctx context.Context, p ClaimParams) ([]Lease, error) {
 	if len(p.Streams) > 0 {
 		streams = p.Streams
 	}
+	var exclude []string
+	if len(p.ExcludeStreams) > 0 {
+		exclude = p.ExcludeStreams
+	}
 	var maxAttempts *int
 	if p.MaxAttempts > 0 {
 		maxAttempts = &p.MaxAttempts
@@ -134,8 +140,8 @@ func (s *Store) Claim(ctx context.Context, p ClaimParams) ([]Lease, error) {
 	rows, err := s.pool.Query(ctx,
 		`SELECT event_id, stream, aggregate_key, revision, event_type, payload, headers, created_at,
 		        epoch, attempt, lease_expires_at
-		 FROM outbox.claim($1, $2, $3, $4, $5, $6, $7)`,
-		p.Holder, p.RelayID, p.ReplicaID, streams, p.Limit, p.TTL, maxAttempts)
+		 FROM outbox.claim($1, $2, $3, $4, $5, $6, $7, $8)`,
+		p.Holder, p.RelayID, p.ReplicaID, streams, p.Limit, p.TTL, maxAttempts, exclude)
 	if err != nil {
 		return nil, fmt.Errorf("store: claim: %w", err)
 	}

@@ -146,10 +146,10 @@ END
 $$;
 
 --
--- Name: claim(uuid, text, text, text[], integer, interval, integer); Type: FUNCTION; Schema: outbox; Owner: -
+-- Name: claim(uuid, text, text, text[], integer, interval, integer, text[]); Type: FUNCTION; Schema: outbox; Owner: -
 --
 
-CREATE FUNCTION outbox.claim(p_holder uuid, p_relay_id text, p_replica_id text, p_streams text[], p_limit integer, p_ttl interval, p_max_attempts integer DEFAULT NULL::integer) RETURNS SETOF outbox.lease
+CREATE FUNCTION outbox.claim(p_holder uuid, p_relay_id text, p_replica_id text, p_streams text[], p_limit integer, p_ttl interval, p_max_attempts integer DEFAULT NULL::integer, p_exclude_streams text[] DEFAULT NULL::text[]) RETURNS SETOF outbox.lease
     LANGUAGE plpgsql
     AS $$
 #variable_conflict use_column
@@ -173,6 +173,7 @@ BEGIN
         SELECT d.stream, d.aggregate_key FROM outbox.delivery d
         WHERE d.claimable_at <= v_now
           AND (p_streams IS NULL OR d.stream = ANY (p_streams))
+          AND (p_exclude_streams IS NULL OR d.stream <> ALL (p_exclude_streams))
         ORDER BY d.claimable_at
         LIMIT p_limit
         FOR UPDATE SKIP LOCKED

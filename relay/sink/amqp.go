@@ -21,6 +21,10 @@ import (
 const (
 	DefaultAMQPRoutingKey = "outbox.{stream}.{aggregate_key}"
 	DefaultAMQPTimeout    = 10 * time.Second
+	// DefaultAMQPMaxBytes is RabbitMQ 4.x's default max_message_size
+	// (16 MiB; 3.x allowed 128 MiB): above outboxd's largest event, so
+	// it only bites when the broker's limit is lowered and max_bytes with it.
+	DefaultAMQPMaxBytes = 16 << 20
 )
 
 // maxAMQPName is the longest exchange name or routing key AMQP 0-9-1 can
@@ -33,6 +37,8 @@ type amqpConfig struct {
 	exchange *subjectTemplate
 	key      *subjectTemplate
 	timeout  time.Duration
+	maxBytes int
+	ce       ceConfig
 }
 
 func parseAMQPURL(u *url.URL, display string) (*amqpConfig, error) {
@@ -42,11 +48,16 @@ func parseAMQPURL(u *url.URL, display string) (*amqpConfig, error) {
 	if u.Fragment != "" {
 		return nil, invalid(display, "unexpected fragment")
 	}
-	p, err := params(u, display, "exchange", "routing_key", "timeout")
+	p, err := params(u, display, append([]string{"exchange", "routing_key", "timeout", "max_bytes"}, ceParams...)...)
 	if err != nil {
 		return nil, err
 	}
-	cfg := &amqpConfig{timeout: DefaultAMQPTimeout}
+	cfg := &amqpConfig{timeout: DefaultAMQPTimeout, maxBytes: DefaultAMQPMaxBytes}
+	// The AMQP binding's prefix; in RabbitMQ's AMQP 0-9-1 headers table,
+	// which stands for AMQP 1.0's application properties.
+	if cfg.ce, err = parseCE(p, display, "cloudEvents:"); err != nil {
+		return nil, err
+	}
 	ex, ok := p["exchange"]
 	if !ok {
 		// No default: an exchange that does not exist, or the default
@@ -68,6 +79,13 @@ func parseAMQPURL(u *url.URL, display string) (*amqpConfig, error) {
 		if cfg.timeout, err = positiveDuration(v); err != nil {
 			return nil, invalid(display, "timeout=%q: %v", v, err)
 		}
+	}
+	if v, ok := p["max_bytes"]; ok {
+		n, err := strconv.Atoi(v)
+		if err != nil || n < 1024 {
+			return nil, invalid(display, "max_bytes=%q: want a number of bytes, at least 1024 (match the broker's max_message_size)", v)
+		}
+		cfg.maxBytes = n
 	}
 	server := *u
 	server.RawQuery, server.ForceQuery = "", false
@@ -261,11 +279,21 @@ func (s *amqpSink) Publish(ctx context.Context, ev relay.Event) error {
 	if err != nil {
 		return fmt.Errorf("amqp sink: %w", err)
 	}
-	headers := make(amqp.Table, len(ev.Headers)+7)
+	m, err := s.cfg.ce.message(ev)
+	if err != nil {
+		return fmt.Errorf("amqp sink: %w", err)
+	}
+	headers := make(amqp.Table, len(ev.Headers)+len(m.headers)+7)
 	for k, v := range ev.Headers {
 		if err := checkAMQPHeader(k); err != nil {
 			return fmt.Errorf("amqp sink: event %s: %w", ev.ID, err)
 		}
+		if err := s.cfg.ce.checkHeader(k); err != nil {
+			return fmt.Errorf("amqp sink: event %s: %w", ev.ID, err)
+		}
+		headers[k] = v
+	}
+	for k, v := range m.headers {
 		headers[k] = v
 	}
 	headers[HeaderEventID] = ev.ID
@@ -277,15 +305,20 @@ func (s *amqpSink) Publish(ctx context.Context, ev relay.Event) error {
 	headers[HeaderAttempt] = strconv.Itoa(ev.Attempt)
 	msg := amqp.Publishing{
 		Headers:      headers,
-		ContentType:  "application/json",
+		ContentType:  m.contentType,
 		DeliveryMode: amqp.Persistent,
 		MessageId:    ev.ID,
 		Timestamp:    ev.CreatedAt,
 		Type:         ev.Type,
 		AppId:        "outboxd",
-		Body:         ev.Payload,
+		Body:         m.body,
 	}
 
+	if len(msg.Body) > s.cfg.maxBytes {
+		// RabbitMQ would close the channel with PRECONDITION_FAILED for
+		// every attempt; refuse it here, for good.
+		return relay.Permanent(fmt.Errorf("amqp sink: event %s: body of %d bytes over max_bytes=%d (the broker's max_message_size)", ev.ID, len(msg.Body), s.cfg.maxBytes))
+	}
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.timeout)
 	defer cancel()
 	c, err := s.channel(ctx)

@@ -272,6 +272,12 @@ func TestAMQPPublishErrors(t *testing.T) {
 	if err := s.Publish(ctx, testEvent("e-cancelled")); !errors.Is(err, context.Canceled) {
 		t.Errorf("Publish with a cancelled context = %v, want context.Canceled", err)
 	}
+	small := openSink(t, e.url(map[string]string{"max_bytes": "1024"}))
+	big := testEvent("e-big")
+	big.Payload = []byte(`"` + strings.Repeat("x", 1100) + `"`)
+	if err := small.Publish(t.Context(), big); err == nil || !relay.IsPermanent(err) || !strings.Contains(err.Error(), "max_bytes=1024") {
+		t.Errorf("Publish over max_bytes = %v (permanent: %v), want a permanent error naming max_bytes", err, relay.IsPermanent(err))
+	}
 	e.get(t, 0)
 }
 

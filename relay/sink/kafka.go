@@ -6,8 +6,10 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
 	"net"
 	"net/url"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -39,6 +41,7 @@ type kafkaConfig struct {
 	maxBytes int32
 	tls      bool
 	clientID string
+	ce       ceConfig
 }
 
 func parseKafkaURL(u *url.URL, display string) (*kafkaConfig, error) {
@@ -54,11 +57,14 @@ func parseKafkaURL(u *url.URL, display string) (*kafkaConfig, error) {
 	if u.Fragment != "" {
 		return nil, invalid(display, "unexpected fragment")
 	}
-	p, err := params(u, display, "topic", "timeout", "max_bytes", "tls", "client_id")
+	p, err := params(u, display, append([]string{"topic", "timeout", "max_bytes", "tls", "client_id"}, ceParams...)...)
 	if err != nil {
 		return nil, err
 	}
 	cfg := &kafkaConfig{timeout: DefaultKafkaTimeout, maxBytes: DefaultKafkaMaxBytes, clientID: "outboxd-relay"}
+	if cfg.ce, err = parseCE(p, display, "ce_"); err != nil {
+		return nil, err
+	}
 	for _, b := range strings.Split(u.Host, ",") {
 		if host, port, err := net.SplitHostPort(b); err != nil || host == "" || port == "" {
 			return nil, invalid(display, "broker %q: want host:port", b)
@@ -175,13 +181,17 @@ func (s *kafkaSink) Publish(ctx context.Context, ev relay.Event) error {
 		return fmt.Errorf("kafka sink: %w", err)
 	}
 	if topic == "" || topic == "." || topic == ".." || !validKafkaTopicChars(topic) {
-		return fmt.Errorf("kafka sink: event %s: topic %q is not a valid Kafka topic name (only ASCII letters, digits, '.', '_', '-')", ev.ID, topic)
+		return relay.Permanent(fmt.Errorf("kafka sink: event %s: topic %q is not a valid Kafka topic name (only ASCII letters, digits, '.', '_', '-')", ev.ID, topic))
+	}
+	m, err := s.cfg.ce.message(ev)
+	if err != nil {
+		return fmt.Errorf("kafka sink: %w", err)
 	}
 	rec := &kgo.Record{
 		Topic:   topic,
 		Key:     []byte(ev.AggregateKey),
-		Value:   ev.Payload,
-		Headers: make([]kgo.RecordHeader, 0, len(ev.Headers)+7),
+		Value:   m.body,
+		Headers: make([]kgo.RecordHeader, 0, len(ev.Headers)+len(m.headers)+8),
 		// Timestamp is left to the client (the produce time): created_at
 		// can be days old for an event that was parked, and a topic's
 		// time-based retention would delete such a record at once. It is
@@ -190,6 +200,9 @@ func (s *kafkaSink) Publish(ctx context.Context, ev relay.Event) error {
 	for k, v := range ev.Headers {
 		if len(k) >= 7 && strings.EqualFold(k[:7], "outbox-") {
 			return fmt.Errorf("kafka sink: event %s: header name %q uses the reserved prefix %q", ev.ID, k, k[:7])
+		}
+		if err := s.cfg.ce.checkHeader(k); err != nil {
+			return fmt.Errorf("kafka sink: event %s: %w", ev.ID, err)
 		}
 		rec.Headers = append(rec.Headers, kgo.RecordHeader{Key: k, Value: []byte(v)})
 	}
@@ -202,11 +215,20 @@ func (s *kafkaSink) Publish(ctx context.Context, ev relay.Event) error {
 		kgo.RecordHeader{Key: HeaderCreatedAt, Value: []byte(ev.CreatedAt.UTC().Format(time.RFC3339Nano))},
 		kgo.RecordHeader{Key: HeaderAttempt, Value: []byte(strconv.Itoa(ev.Attempt))},
 	)
+	if s.cfg.ce.on() {
+		// The Kafka binding: content-type header, attributes as ce_*.
+		rec.Headers = append(rec.Headers, kgo.RecordHeader{Key: "content-type", Value: []byte(m.contentType)})
+		for _, k := range slices.Sorted(maps.Keys(m.headers)) {
+			rec.Headers = append(rec.Headers, kgo.RecordHeader{Key: k, Value: []byte(m.headers[k])})
+		}
+	}
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.timeout)
 	defer cancel()
 	if err := s.cl.ProduceSync(ctx, rec).FirstErr(); err != nil {
 		if errors.Is(err, kerr.MessageTooLarge) {
-			return fmt.Errorf("kafka sink: event %s to %q: record over max_bytes=%d (raise it with the topic's max.message.bytes): %w", ev.ID, topic, s.cfg.maxBytes, err)
+			// Refused by the client (over ProducerBatchMaxBytes) or by the
+			// broker (over message.max.bytes): the same record always is.
+			return relay.Permanent(fmt.Errorf("kafka sink: event %s to %q: record over max_bytes=%d (raise it with the topic's max.message.bytes): %w", ev.ID, topic, s.cfg.maxBytes, err))
 		}
 		return fmt.Errorf("kafka sink: produce event %s to %q: %w", ev.ID, topic, err)
 	}

@@ -12,6 +12,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kfake"
 	"github.com/twmb/franz-go/pkg/kgo"
 
+	"github.com/outboxd/outboxd/relay"
 	"github.com/outboxd/outboxd/relay/sink"
 )
 
@@ -143,19 +144,19 @@ func TestKafkaPublishErrors(t *testing.T) {
 
 	ev := testEvent("e-bad-topic")
 	ev.Stream, ev.AggregateKey = "orders", "has space"
-	if err := s.Publish(t.Context(), ev); err == nil || !strings.Contains(err.Error(), "not a valid Kafka topic") {
+	if err := s.Publish(t.Context(), ev); err == nil || !strings.Contains(err.Error(), "not a valid Kafka topic") || !relay.IsPermanent(err) {
 		t.Errorf("Publish to an invalid topic = %v", err)
 	}
 	ev = testEvent("e-missing-topic")
 	ev.Stream, ev.AggregateKey = "orders", "nosuch"
-	if err := s.Publish(t.Context(), ev); err == nil {
-		t.Error("Publish to a topic that does not exist succeeded")
+	if err := s.Publish(t.Context(), ev); err == nil || relay.IsPermanent(err) {
+		t.Errorf("Publish to a topic that does not exist = %v; want an error worth retrying (the topic may be created)", err)
 	}
 	ev = testEvent("e-large")
 	ev.Stream = "orders"
 	ev.Payload = []byte(`"` + strings.Repeat("x", 4096) + `"`)
-	if err := s.Publish(t.Context(), ev); err == nil || !strings.Contains(err.Error(), "max_bytes") {
-		t.Errorf("Publish of a record over max_bytes = %v", err)
+	if err := s.Publish(t.Context(), ev); err == nil || !strings.Contains(err.Error(), "max_bytes") || !relay.IsPermanent(err) {
+		t.Errorf("Publish of a record over max_bytes = %v (permanent: %v)", err, relay.IsPermanent(err))
 	}
 	ev = testEvent("e-reserved")
 	ev.Headers = map[string]string{"Outbox-Event-Id": "spoof"}

@@ -45,6 +45,7 @@ type natsSink struct {
 	tmpl    *subjectTemplate
 	stream  string
 	timeout time.Duration
+	ce      ceConfig
 	log     *slog.Logger
 
 	closeOnce sync.Once
@@ -62,6 +63,7 @@ type natsConfig struct {
 	create     bool
 	duplicates time.Duration
 	timeout    time.Duration
+	ce         ceConfig
 }
 
 // parseNATSURL validates everything in a nats:// URL before any network
@@ -76,7 +78,7 @@ func parseNATSURL(u *url.URL, display string) (*natsConfig, error) {
 	if u.Fragment != "" {
 		return nil, invalid(display, "unexpected fragment")
 	}
-	p, err := params(u, display, "subject", "stream", "create", "duplicates", "timeout")
+	p, err := params(u, display, append([]string{"subject", "stream", "create", "duplicates", "timeout"}, ceParams...)...)
 	if err != nil {
 		return nil, err
 	}
@@ -85,6 +87,9 @@ func parseNATSURL(u *url.URL, display string) (*natsConfig, error) {
 		create:     true,
 		duplicates: DefaultNATSDuplicates,
 		timeout:    DefaultNATSTimeout,
+	}
+	if cfg.ce, err = parseCE(p, display, "ce-"); err != nil {
+		return nil, err
 	}
 	subject := DefaultNATSSubject
 	if v, ok := p["subject"]; ok {
@@ -159,6 +164,7 @@ func openNATS(ctx context.Context, u *url.URL, display string, opts Options) (re
 		tmpl:    cfg.subject,
 		stream:  cfg.stream,
 		timeout: cfg.timeout,
+		ce:      cfg.ce,
 		log:     log,
 		closed:  make(chan struct{}),
 	}
@@ -288,12 +294,26 @@ func (s *natsSink) Publish(ctx context.Context, ev relay.Event) error {
 	if err != nil {
 		return fmt.Errorf("nats sink: %w", err)
 	}
-	msg := &nats.Msg{Subject: subj, Data: ev.Payload, Header: make(nats.Header, len(ev.Headers)+8)}
+	m, err := s.ce.message(ev)
+	if err != nil {
+		return fmt.Errorf("nats sink: %w", err)
+	}
+	msg := &nats.Msg{Subject: subj, Data: m.body, Header: make(nats.Header, len(ev.Headers)+len(m.headers)+9)}
 	for k, v := range ev.Headers {
 		if err := checkProducerHeader(k); err != nil {
 			return fmt.Errorf("nats sink: event %s: %w", ev.ID, err)
 		}
+		if err := s.ce.checkHeader(k); err != nil {
+			return fmt.Errorf("nats sink: event %s: %w", ev.ID, err)
+		}
 		msg.Header.Set(k, v)
+	}
+	if s.ce.on() {
+		// The NATS binding: content-type header, attributes as ce-*.
+		msg.Header.Set("content-type", m.contentType)
+		for k, v := range m.headers {
+			msg.Header.Set(k, v)
+		}
 	}
 	msg.Header.Set(HeaderEventID, ev.ID)
 	msg.Header.Set(HeaderStream, ev.Stream)
@@ -311,6 +331,17 @@ func (s *natsSink) Publish(ctx context.Context, ev relay.Event) error {
 		// a stream other than the configured one.
 		jetstream.WithExpectStream(s.stream),
 	)
+	if errors.Is(err, nats.ErrMaxPayload) {
+		// The server's max_payload counts headers and body; the same
+		// message never fits, so park it now rather than retry it.
+		return relay.Permanent(fmt.Errorf("nats sink: event %s: message of %d bytes (body and headers) over the server's max_payload of %d bytes: %w",
+			ev.ID, natsMsgSize(msg), s.nc.MaxPayload(), err))
+	}
+	if errors.Is(err, jetstream.ErrStreamMessageExceedsMaximum) {
+		// The stream's own max_msg_size, below the server's max_payload.
+		return relay.Permanent(fmt.Errorf("nats sink: event %s: message of %d bytes over stream %s's max_msg_size: %w",
+			ev.ID, natsMsgSize(msg), s.stream, err))
+	}
 	if err != nil {
 		return fmt.Errorf("nats sink: publish event %s to %q: %w", ev.ID, subj, err)
 	}
@@ -358,4 +389,16 @@ func (s *natsSink) Close() error {
 		<-s.closed
 	})
 	return s.closeErr
+}
+
+// natsMsgSize approximates what nats.go counts against max_payload: the
+// body and the encoded header block.
+func natsMsgSize(m *nats.Msg) int {
+	n := len(m.Data) + len("NATS/1.0\r\n\r\n")
+	for k, vs := range m.Header {
+		for _, v := range vs {
+			n += len(k) + len(": ") + len(v) + len("\r\n")
+		}
+	}
+	return n
 }

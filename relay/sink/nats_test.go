@@ -32,6 +32,7 @@ func natsURL() string {
 // jsEnv is one test's private corner of the shared NATS server: its own
 // stream name and subject prefix, and a client of its own to inspect them.
 type jsEnv struct {
+	nc     *nats.Conn
 	js     jetstream.JetStream
 	stream string
 	prefix string
@@ -55,7 +56,7 @@ func newJSEnv(t *testing.T) *jsEnv {
 		return '_'
 	}, t.Name())
 	suffix := rand.Text()[:10]
-	e := &jsEnv{js: js, stream: "T_" + name + "_" + suffix, prefix: "t_" + strings.ToLower(name+"_"+suffix)}
+	e := &jsEnv{nc: nc, js: js, stream: "T_" + name + "_" + suffix, prefix: "t_" + strings.ToLower(name+"_"+suffix)}
 	t.Cleanup(func() {
 		ctx, cancel := context.WithTimeout(context.Background(), waitFor)
 		defer cancel()
@@ -273,6 +274,30 @@ func TestNATSCreateFalseMissingStream(t *testing.T) {
 	}
 }
 
+// A stream whose max_msg_size is below the server's max_payload refuses a
+// large message on the server side; that too is permanent.
+func TestNATSStreamMaxMsgSizeIsPermanent(t *testing.T) {
+	t.Parallel()
+	e := newJSEnv(t)
+	ctx, cancel := context.WithTimeout(t.Context(), waitFor)
+	defer cancel()
+	if _, err := e.js.CreateStream(ctx, jetstream.StreamConfig{
+		Name: e.stream, Subjects: []string{e.prefix + ".>"}, Storage: jetstream.MemoryStorage, MaxMsgSize: 1024,
+	}); err != nil {
+		t.Fatal(err)
+	}
+	s := e.open(t, map[string]string{"create": "false"})
+	big := testEvent("e-big")
+	big.Payload = []byte(`"` + strings.Repeat("x", 2048) + `"`)
+	if err := s.Publish(t.Context(), big); err == nil || !relay.IsPermanent(err) || !strings.Contains(err.Error(), "max_msg_size") {
+		t.Errorf("Publish over the stream's max_msg_size = %v (permanent: %v)", err, relay.IsPermanent(err))
+	}
+	if err := s.Publish(t.Context(), testEvent("e-small")); err != nil {
+		t.Fatalf("Publish of a small event: %v", err)
+	}
+	e.fetch(t, 1)
+}
+
 func TestNATSCreateFalseUsesExistingStream(t *testing.T) {
 	t.Parallel()
 	e := newJSEnv(t)
@@ -355,6 +380,13 @@ func TestNATSPublishErrors(t *testing.T) {
 	cancel()
 	if err := s.Publish(ctx, testEvent("e-cancelled")); !errors.Is(err, context.Canceled) {
 		t.Errorf("Publish with a cancelled context = %v, want context.Canceled", err)
+	}
+	// Over the server's max_payload (1 MB by default; outboxd allows up
+	// to 3 MiB): parked at once, not retried.
+	big := testEvent("e-big")
+	big.Payload = []byte(`"` + strings.Repeat("x", int(e.nc.MaxPayload())) + `"`)
+	if err := s.Publish(t.Context(), big); err == nil || !relay.IsPermanent(err) || !strings.Contains(err.Error(), "max_payload") {
+		t.Errorf("Publish over max_payload = %v (permanent: %v)", err, relay.IsPermanent(err))
 	}
 
 	info, err := e.js.Stream(t.Context(), e.stream)

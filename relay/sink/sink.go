@@ -41,6 +41,8 @@
 //	             "outbox.{stream}.{aggregate_key}"
 //	timeout      bound on each publish and its confirm (and on Open's
 //	             connect), default 10s
+//	max_bytes    largest body, default 16777216 (RabbitMQ 4.x's
+//	             max_message_size); a larger event fails permanently
 //
 // Each message is published mandatory and persistent, with message-id =
 // event ID, type = event type, timestamp = created_at, content type
@@ -82,9 +84,10 @@
 // (Unix seconds at sending) and webhook-signature ("v1," + base64
 // HMAC-SHA256 of "id.timestamp.body"). A 2xx answer acks. 408, 429 and 5xx
 // are errors marked with the response's Retry-After (relay.RetryAfter), so
-// the runner's nack asks the server to wait that long; any other answer,
-// redirects included (they are not followed), is an error quoting the
-// status and the start of the body, and the event parks after the server's
+// the runner's nack asks the server to wait that long; any other 4xx (413
+// too large included) is a permanent error (relay.Permanent) quoting the
+// status and the start of the body, so the aggregate parks at once; a
+// redirect (not followed) is an ordinary error, parked after the server's
 // max failures. TLS uses the system's roots, as net/http's default
 // transport does.
 //
@@ -97,7 +100,8 @@
 //	           connect), default 10s, at least 1s
 //	max_bytes  largest record batch, default 1000012 (Kafka's default
 //	           message.max.bytes); raise it together with the topic's
-//	           max.message.bytes for events over 1 MB
+//	           max.message.bytes for events over 1 MB. A record over it,
+//	           or refused by the broker as too large, fails permanently
 //	tls        true to connect with TLS (system roots), default false
 //	client_id  the client.id brokers see, default "outboxd-relay"
 //
@@ -110,6 +114,20 @@
 // runner is a new record, so consumers still deduplicate by
 // Outbox-Event-Id. SASL is not supported yet. The tests run against
 // franz-go's in-process kfake cluster.
+//
+// CloudEvents 1.0 (Kafka, AMQP, NATS and webhook sinks; opt-in):
+//
+//	cloudevents  binary (attributes as headers under the protocol
+//	             binding's prefix: Kafka ce_, HTTP and NATS ce-, AMQP
+//	             cloudEvents:) or structured (the event as
+//	             application/cloudevents+json); default off
+//	ce_source    the source attribute, {stream} replaced by the event's
+//	             stream; default "/outboxd/{stream}"
+//
+// id = event ID, type = event type, subject = aggregate key, time =
+// created_at, data = payload (application/json), extensions outboxstream
+// and outboxrevision, and traceparent/tracestate from the event's headers.
+// The sink's own headers (Outbox-*, the event's) are kept in both modes.
 //
 // Templates: placeholders {stream}, {aggregate_key}, {event_type}, each a
 // whole '.'-separated token, are substituted with EscapeSubjectToken
@@ -237,6 +255,9 @@ func params(u *url.URL, display string, known ...string) (map[string]string, err
 	out := make(map[string]string, len(q))
 	for k, vs := range q {
 		if !slices.Contains(known, k) {
+			if slices.Contains(ceParams, k) {
+				return nil, invalid(display, "parameter %q: this sink has no CloudEvents binding (kafka, amqp, nats and webhook sinks have)", k)
+			}
 			if len(known) == 0 {
 				return nil, invalid(display, "unknown parameter %q; this sink takes none", k)
 			}

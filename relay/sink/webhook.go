@@ -40,6 +40,7 @@ type webhookConfig struct {
 	endpoint string
 	keys     [][]byte
 	timeout  time.Duration
+	ce       ceConfig
 }
 
 func parseWebhookURL(u *url.URL, display string) (*webhookConfig, error) {
@@ -52,11 +53,14 @@ func parseWebhookURL(u *url.URL, display string) (*webhookConfig, error) {
 	if u.Fragment != "" {
 		return nil, invalid(display, "unexpected fragment")
 	}
-	p, err := params(u, display, "secret_file", "timeout", "query")
+	p, err := params(u, display, append([]string{"secret_file", "timeout", "query"}, ceParams...)...)
 	if err != nil {
 		return nil, err
 	}
 	cfg := &webhookConfig{timeout: DefaultWebhookTimeout}
+	if cfg.ce, err = parseCE(p, display, "ce-"); err != nil {
+		return nil, err
+	}
 	file, ok := p["secret_file"]
 	if !ok || file == "" {
 		return nil, invalid(display, `missing parameter "secret_file" (a file holding the whsec_... signing secret)`)
@@ -167,25 +171,49 @@ func signWebhook(keys [][]byte, id, timestamp string, body []byte) string {
 	return strings.Join(sigs, " ")
 }
 
-// Publish POSTs ev as JSON and returns nil on a 2xx answer. 408, 429 and
-// 5xx are errors the runner retries with its backoff, or after the
-// response's Retry-After when that is longer (relay.RetryAfter). Any other
-// answer is an error too, naming the status and quoting the body: the event
-// is retried and then parked with it, since the receiver refused it.
+// Publish POSTs ev as JSON (or as a CloudEvent) and returns nil on a 2xx
+// answer. 408, 429 and 5xx are errors the runner retries with its backoff,
+// or after the response's Retry-After when that is longer
+// (relay.RetryAfter). Another 4xx is a permanent error naming the status
+// and quoting the body, so the aggregate parks at once with it: the
+// receiver refused these bytes. A redirect is an ordinary error.
 func (s *webhookSink) Publish(ctx context.Context, ev relay.Event) error {
 	if ev.ID == "" {
 		return errors.New("webhook sink: event has no ID, which webhook-id needs")
 	}
-	body, err := encodeEvent(ev)
+	var (
+		m   ceMessage
+		err error
+	)
+	if s.cfg.ce.on() {
+		m, err = s.cfg.ce.message(ev)
+	} else {
+		m.body, err = encodeEvent(ev)
+		m.contentType = "application/json"
+	}
 	if err != nil {
 		return fmt.Errorf("webhook sink: %w", err)
 	}
+	body := m.body
 	ts := strconv.FormatInt(s.now().Unix(), 10)
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, s.cfg.endpoint, bytes.NewReader(body))
 	if err != nil {
 		return fmt.Errorf("webhook sink: %w", err)
 	}
-	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("Content-Type", m.contentType)
+	// The HTTP binding: attributes as ce-* headers (binary mode). The
+	// event's own headers travel in the body only without CloudEvents;
+	// with them, the W3C trace context goes as HTTP headers too.
+	for k, v := range m.headers {
+		req.Header.Set(k, v)
+	}
+	if s.cfg.ce.on() {
+		for _, h := range []string{"traceparent", "tracestate"} {
+			if v, ok := lookupFold(ev.Headers, h); ok {
+				req.Header.Set(h, v)
+			}
+		}
+	}
 	req.Header.Set("User-Agent", "outboxd-relay")
 	req.Header.Set(HeaderWebhookID, ev.ID)
 	req.Header.Set(HeaderWebhookTimestamp, ts)
@@ -207,8 +235,13 @@ func (s *webhookSink) Publish(ctx context.Context, ev relay.Event) error {
 		return relay.RetryAfter(err, retryAfter(resp.Header.Get("Retry-After"), s.now()))
 	case resp.StatusCode >= 300 && resp.StatusCode < 400:
 		return fmt.Errorf("%w (redirect to %q not followed: configure the final URL)", err, resp.Header.Get("Location"))
+	case resp.StatusCode >= 400:
+		// 413 (too large) and the other refusals of this request: the
+		// same bytes would be refused again, so the aggregate parks now
+		// with the status and body excerpt as its reason.
+		return relay.Permanent(fmt.Errorf("%w (refused by the receiver; retrying will not help until it changes)", err))
 	default:
-		return fmt.Errorf("%w (refused by the receiver; retrying will not help until it changes)", err)
+		return fmt.Errorf("%w (unexpected status)", err)
 	}
 }
 

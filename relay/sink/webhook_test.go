@@ -212,6 +212,7 @@ func TestWebhookStatusHandling(t *testing.T) {
 		ok         bool
 		wantAfter  time.Duration // 0: no RetryAfter; -1: some, about 90s
 		wantInText []string
+		permanent  bool // the refusal parks at once (relay.Permanent)
 	}{
 		{status: 200, ok: true},
 		{status: 202, ok: true},
@@ -219,8 +220,9 @@ func TestWebhookStatusHandling(t *testing.T) {
 		{status: 429, retryAfter: "7", wantAfter: 7 * time.Second, wantInText: []string{"429 Too Many Requests"}},
 		{status: 503, retryAfter: date, wantAfter: -1, body: "maintenance", wantInText: []string{"503", "maintenance"}},
 		{status: 500, retryAfter: "soon", body: "oops", wantInText: []string{"500", "oops"}},
-		{status: 400, body: `{"error":"unknown field total"}` + strings.Repeat("x", 1000), wantInText: []string{"400 Bad Request", "unknown field total", "…", "refused"}},
-		{status: 410, wantInText: []string{"410"}},
+		{status: 400, body: `{"error":"unknown field total"}` + strings.Repeat("x", 1000), wantInText: []string{"400 Bad Request", "unknown field total", "…", "refused"}, permanent: true},
+		{status: 410, wantInText: []string{"410"}, permanent: true},
+		{status: 413, wantInText: []string{"413 Request Entity Too Large"}, permanent: true},
 		{status: 302, wantInText: []string{"302", "redirect", "/elsewhere"}},
 	}
 	for _, c := range cases {
@@ -255,6 +257,9 @@ func TestWebhookStatusHandling(t *testing.T) {
 		}
 		if len(err.Error()) > 600 {
 			t.Errorf("status %d: error is %d bytes; want a bounded excerpt", c.status, len(err.Error()))
+		}
+		if relay.IsPermanent(err) != c.permanent {
+			t.Errorf("status %d: permanent = %v, want %v", c.status, relay.IsPermanent(err), c.permanent)
 		}
 		d, has := relay.RetryAfterOf(err)
 		switch {

@@ -119,9 +119,16 @@ type SubscribeRequest struct {
 	// lease_ttl is how long the relay has to ack, nack or extend a delivery
 	// before its lease expires and the event is offered again, possibly to
 	// another relay. Unset means the server's default (30s); otherwise 1s to 1h.
-	LeaseTtl      *durationpb.Duration `protobuf:"bytes,4,opt,name=lease_ttl,json=leaseTtl,proto3" json:"lease_ttl,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	LeaseTtl *durationpb.Duration `protobuf:"bytes,4,opt,name=lease_ttl,json=leaseTtl,proto3" json:"lease_ttl,omitempty"`
+	// exclude_streams are streams this stream never delivers, for a catch-all
+	// relay beside relays that each take some streams (outboxd relay --route):
+	// with streams empty it means every stream but these. Same rules as
+	// streams (at most 64 names, none listed twice), and no name may be in
+	// both. Names need not have been used yet. Optional; servers that predate
+	// it ignore it, so a relay that needs it must talk to a server that has it.
+	ExcludeStreams []string `protobuf:"bytes,5,rep,name=exclude_streams,json=excludeStreams,proto3" json:"exclude_streams,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *SubscribeRequest) Reset() {
@@ -178,6 +185,13 @@ func (x *SubscribeRequest) GetMaxInFlight() uint32 {
 func (x *SubscribeRequest) GetLeaseTtl() *durationpb.Duration {
 	if x != nil {
 		return x.LeaseTtl
+	}
+	return nil
+}
+
+func (x *SubscribeRequest) GetExcludeStreams() []string {
+	if x != nil {
+		return x.ExcludeStreams
 	}
 	return nil
 }
@@ -496,7 +510,13 @@ type NackRequest struct {
 	// retry_after asks the server to wait at least this long before offering the
 	// event again (for example a broker's throttle hint), up to the server's
 	// backoff cap (5 minutes by default); a longer one is capped. Optional.
-	RetryAfter    *durationpb.Duration `protobuf:"bytes,4,opt,name=retry_after,json=retryAfter,proto3" json:"retry_after,omitempty"`
+	RetryAfter *durationpb.Duration `protobuf:"bytes,4,opt,name=retry_after,json=retryAfter,proto3" json:"retry_after,omitempty"`
+	// permanent says that retrying cannot succeed (for example the event is
+	// larger than the broker accepts): the aggregate is parked at once, with
+	// error as its reason, instead of after the server's configured number of
+	// failures. retry_after is then ignored. Optional; servers that predate it
+	// treat the nack as an ordinary failure.
+	Permanent     bool `protobuf:"varint,5,opt,name=permanent,proto3" json:"permanent,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -557,6 +577,13 @@ func (x *NackRequest) GetRetryAfter() *durationpb.Duration {
 		return x.RetryAfter
 	}
 	return nil
+}
+
+func (x *NackRequest) GetPermanent() bool {
+	if x != nil {
+		return x.Permanent
+	}
+	return false
 }
 
 // NackResponse says what happens next to the nacked event.
@@ -750,12 +777,13 @@ var File_outbox_v1_relay_service_proto protoreflect.FileDescriptor
 
 const file_outbox_v1_relay_service_proto_rawDesc = "" +
 	"\n" +
-	"\x1doutbox/v1/relay_service.proto\x12\toutbox.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x15outbox/v1/event.proto\"\xa3\x01\n" +
+	"\x1doutbox/v1/relay_service.proto\x12\toutbox.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x15outbox/v1/event.proto\"\xcc\x01\n" +
 	"\x10SubscribeRequest\x12\x19\n" +
 	"\brelay_id\x18\x01 \x01(\tR\arelayId\x12\x18\n" +
 	"\astreams\x18\x02 \x03(\tR\astreams\x12\"\n" +
 	"\rmax_in_flight\x18\x03 \x01(\rR\vmaxInFlight\x126\n" +
-	"\tlease_ttl\x18\x04 \x01(\v2\x19.google.protobuf.DurationR\bleaseTtl\"\x87\x02\n" +
+	"\tlease_ttl\x18\x04 \x01(\v2\x19.google.protobuf.DurationR\bleaseTtl\x12'\n" +
+	"\x0fexclude_streams\x18\x05 \x03(\tR\x0eexcludeStreams\"\x87\x02\n" +
 	"\x11SubscribeResponse\x12&\n" +
 	"\x05event\x18\x01 \x01(\v2\x10.outbox.v1.EventR\x05event\x12\x1f\n" +
 	"\vlease_token\x18\x02 \x01(\tR\n" +
@@ -775,14 +803,15 @@ const file_outbox_v1_relay_service_proto_rawDesc = "" +
 	"\tAckResult\x12\x19\n" +
 	"\bevent_id\x18\x01 \x01(\tR\aeventId\x12,\n" +
 	"\x06status\x18\x02 \x01(\x0e2\x14.outbox.v1.AckStatusR\x06status\x12\x18\n" +
-	"\amessage\x18\x03 \x01(\tR\amessage\"\x9b\x01\n" +
+	"\amessage\x18\x03 \x01(\tR\amessage\"\xb9\x01\n" +
 	"\vNackRequest\x12\x19\n" +
 	"\bevent_id\x18\x01 \x01(\tR\aeventId\x12\x1f\n" +
 	"\vlease_token\x18\x02 \x01(\tR\n" +
 	"leaseToken\x12\x14\n" +
 	"\x05error\x18\x03 \x01(\tR\x05error\x12:\n" +
 	"\vretry_after\x18\x04 \x01(\v2\x19.google.protobuf.DurationR\n" +
-	"retryAfter\"\x86\x01\n" +
+	"retryAfter\x12\x1c\n" +
+	"\tpermanent\x18\x05 \x01(\bR\tpermanent\"\x86\x01\n" +
 	"\fNackResponse\x12\x16\n" +
 	"\x06parked\x18\x01 \x01(\bR\x06parked\x12B\n" +
 	"\x0fnext_attempt_at\x18\x02 \x01(\v2\x1a.google.protobuf.TimestampR\rnextAttemptAt\x12\x1a\n" +

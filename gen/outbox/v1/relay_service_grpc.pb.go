@@ -53,8 +53,9 @@ type RelayServiceClient interface {
 	Ack(ctx context.Context, in *AckRequest, opts ...grpc.CallOption) (*AckResponse, error)
 	// Nack reports that publishing failed. The event is offered again after a
 	// backoff (exponential with jitter, or retry_after if longer); after the
-	// server's configured number of failures the aggregate is parked: later
-	// revisions wait, other aggregates go on, and an operator retries it.
+	// server's configured number of failures, or at once for a permanent nack,
+	// the aggregate is parked: later revisions wait, other aggregates go on, and
+	// an operator retries it.
 	//
 	// Errors: INVALID_ARGUMENT for a malformed token; FAILED_PRECONDITION when
 	// the token's lease is no longer the current one (the nack changed nothing).
@@ -149,8 +150,9 @@ type RelayServiceServer interface {
 	Ack(context.Context, *AckRequest) (*AckResponse, error)
 	// Nack reports that publishing failed. The event is offered again after a
 	// backoff (exponential with jitter, or retry_after if longer); after the
-	// server's configured number of failures the aggregate is parked: later
-	// revisions wait, other aggregates go on, and an operator retries it.
+	// server's configured number of failures, or at once for a permanent nack,
+	// the aggregate is parked: later revisions wait, other aggregates go on, and
+	// an operator retries it.
 	//
 	// Errors: INVALID_ARGUMENT for a malformed token; FAILED_PRECONDITION when
 	// the token's lease is no longer the current one (the nack changed nothing).
