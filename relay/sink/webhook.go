@@ -202,16 +202,15 @@ func (s *webhookSink) Publish(ctx context.Context, ev relay.Event) error {
 	}
 	req.Header.Set("Content-Type", m.contentType)
 	// The HTTP binding: attributes as ce-* headers (binary mode). The
-	// event's own headers travel in the body only without CloudEvents;
-	// with them, the W3C trace context goes as HTTP headers too.
+	// event's own headers travel in the body; the W3C trace context also
+	// goes as HTTP headers, in every mode, so that the receiver's HTTP
+	// instrumentation continues the relay's trace.
 	for k, v := range m.headers {
 		req.Header.Set(k, v)
 	}
-	if s.cfg.ce.on() {
-		for _, h := range []string{"traceparent", "tracestate"} {
-			if v, ok := lookupFold(ev.Headers, h); ok {
-				req.Header.Set(h, v)
-			}
+	for _, h := range []string{"traceparent", "tracestate"} {
+		if v, ok := lookupFold(ev.Headers, h); ok {
+			req.Header.Set(h, v)
 		}
 	}
 	req.Header.Set("User-Agent", "outboxd-relay")

@@ -326,3 +326,31 @@ func TestWebhookOpenRejectsBadSecrets(t *testing.T) {
 		}
 	}
 }
+
+// The W3C trace context the relay put in the event's headers also goes as
+// HTTP headers without CloudEvents, so a receiver's HTTP instrumentation
+// continues the trace.
+func TestWebhookSendsTraceContextAsHTTPHeaders(t *testing.T) {
+	t.Parallel()
+	h := newHook(t)
+	s := openSink(t, h.url(t, nil))
+	ev := testEvent("7c9e6679-7425-40de-944b-e07fc1f90ae7")
+	const tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+	ev.Headers = map[string]string{"traceparent": tp, "tracestate": "vendor=1", "X-Tenant": "acme"}
+	if err := s.Publish(t.Context(), ev); err != nil {
+		t.Fatalf("Publish: %v", err)
+	}
+	got := h.requests()
+	if len(got) != 1 || got[0].err != nil {
+		t.Fatalf("requests %+v", got)
+	}
+	if g := got[0].header.Get("traceparent"); g != tp {
+		t.Errorf("traceparent header %q, want %q", g, tp)
+	}
+	if g := got[0].header.Get("tracestate"); g != "vendor=1" {
+		t.Errorf("tracestate header %q", g)
+	}
+	if g := got[0].header.Get("X-Tenant"); g != "" {
+		t.Errorf("producer header X-Tenant sent as an HTTP header (%q); it belongs in the body", g)
+	}
+}
