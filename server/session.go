@@ -51,6 +51,8 @@ type session struct {
 
 	mu        sync.Mutex
 	freed     []freedLease
+	handed    []store.Lease // leases acks handed over, not yet sent
+	closed    bool          // the stream is over: no more hand-overs
 	reconcile bool
 	kick      chan struct{} // capacity 1: "look at freed/reconcile"
 	aborted   chan struct{}
@@ -74,6 +76,41 @@ func (ss *session) free(id uuid.UUID, published bool) {
 	ss.freed = append(ss.freed, freedLease{id, published})
 	ss.mu.Unlock()
 	ss.poke()
+}
+
+// handOver records, in one step, that the lease on event acked ended by an
+// ack and that the same ack leased l to this session: the loop sees both at
+// once, so its credit never counts the one without the other. It returns
+// false, taking nothing, once the stream is over.
+func (ss *session) handOver(acked uuid.UUID, l store.Lease) bool {
+	ss.mu.Lock()
+	if ss.closed {
+		ss.mu.Unlock()
+		return false
+	}
+	ss.freed = append(ss.freed, freedLease{acked, true})
+	ss.handed = append(ss.handed, l)
+	ss.mu.Unlock()
+	ss.poke()
+	return true
+}
+
+// takesHandOver reports whether an ack may hand this session a lease: its
+// stream is open and the server is not stopping. (Credit does not matter:
+// a hand-over replaces the lease the ack ended.)
+func (ss *session) takesHandOver() bool {
+	ss.mu.Lock()
+	defer ss.mu.Unlock()
+	return !ss.closed
+}
+
+// close refuses hand-overs from now on. The stream's release runs after it,
+// so it covers every lease handed over before; one refused here is released
+// by the acker.
+func (ss *session) close() {
+	ss.mu.Lock()
+	ss.closed = true
+	ss.mu.Unlock()
 }
 
 type freedLease struct {
@@ -105,7 +142,11 @@ func (ss *session) run(ctx context.Context, send func(*outboxv1.SubscribeRespons
 	w := newSessionWait(ss)
 	defer w.stop()
 	for {
-		if err := ss.applyFreed(ctx); err != nil {
+		handed, err := ss.applyFreed(ctx)
+		if err != nil {
+			return err
+		}
+		if err := ss.sendHanded(ctx, handed, send); err != nil {
 			return err
 		}
 		stopping := isClosed(ss.srv.stopping)
@@ -317,12 +358,24 @@ func (ss *session) releaseUndelivered(ctx context.Context) {
 	}
 }
 
-// applyFreed drops ended leases from inflight, and reconciles with the
-// database when asked to.
-func (ss *session) applyFreed(ctx context.Context) error {
+// sendHanded sends the leases acks handed over to this session; applyFreed
+// has already counted them in inflight.
+func (ss *session) sendHanded(ctx context.Context, handed []store.Lease, send func(*outboxv1.SubscribeResponse) error) error {
+	for _, l := range handed {
+		if err := ss.sendLease(ctx, l, send); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// applyFreed drops ended leases from inflight, adds the leases acks handed
+// over (returned, to be sent), and reconciles with the database when asked
+// to.
+func (ss *session) applyFreed(ctx context.Context) ([]store.Lease, error) {
 	ss.mu.Lock()
-	freed, reconcile := ss.freed, ss.reconcile
-	ss.freed, ss.reconcile = nil, false
+	freed, handed, reconcile := ss.freed, ss.handed, ss.reconcile
+	ss.freed, ss.handed, ss.reconcile = nil, nil, false
 	ss.mu.Unlock()
 	for _, f := range freed {
 		if _, ok := ss.inflight[f.id]; ok {
@@ -332,11 +385,14 @@ func (ss *session) applyFreed(ctx context.Context) error {
 			}
 		}
 	}
+	for _, l := range handed {
+		ss.inflight[l.Event.ID] = struct{}{}
+	}
 	if reconcile && len(ss.inflight) > 0 {
 		held, err := ss.srv.store.HeldEvents(ctx, ss.id)
 		if err != nil {
 			if ctx.Err() != nil {
-				return ctx.Err()
+				return nil, ctx.Err()
 			}
 			ss.srv.log.Warn("reconcile failed", "session", ss.id, "err", err)
 		} else {
@@ -351,7 +407,7 @@ func (ss *session) applyFreed(ctx context.Context) error {
 		}
 	}
 	ss.inflightN.Store(int64(len(ss.inflight)))
-	return nil
+	return handed, nil
 }
 
 // countGone sorts leases that ended without this replica seeing an ack or
