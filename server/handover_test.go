@@ -297,3 +297,41 @@ func TestHotAggregatesRacingTwoReplicas(t *testing.T) {
 	}
 	t.Logf("duplicates %d, hand-overs %d + %d", sink.duplicates, reps[0].Server.HandOvers(), reps[1].Server.HandOvers())
 }
+
+// A hand-over alone does not make the session claim: it replaced the lease
+// the ack ended. A stream with spare credit on one hot aggregate runs its K
+// events with a handful of claims (the first, and the idle polls, which
+// back off from 2 ms), not one empty claim per event.
+func TestHandOverCostsNoClaim(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	const k = 100
+	emit(t, pool, "orders", "hot", k)
+	var claims atomic.Int64
+	r := startReplica(t, url, func(c *server.Config) {
+		c.PollInterval = time.Hour
+		c.ReconcileInterval = time.Hour
+	})
+	r.Server.SetAfterClaim(func(ls []store.Lease, err error) ([]store.Lease, error) {
+		claims.Add(1)
+		return ls, err
+	})
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 10})
+	for i := range k {
+		d := recv(t, st)
+		if d.GetEvent().GetRevision() != int64(i+1) {
+			t.Fatalf("revision %d, want %d", d.GetEvent().GetRevision(), i+1)
+		}
+		ack(t, r, d)
+	}
+	if n := r.Server.HandOvers(); n != k-1 {
+		t.Fatalf("%d hand-overs, want %d", n, k-1)
+	}
+	if n := claims.Load(); n >= k/4 {
+		t.Fatalf("%d claims for %d handed-over events: hand-overs make the session claim", n, k)
+	}
+	t.Logf("%d claims", claims.Load())
+}

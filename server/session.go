@@ -136,15 +136,27 @@ func (ss *session) poke() {
 func (ss *session) abort() { ss.abortOnce.Do(func() { close(ss.aborted) }) }
 
 // run claims and sends until ctx ends, the server stops, or sending fails.
-// Each turn of the loop settles ended leases, claims and sends up to the
-// free credit, and, when that found less than it asked for, waits for work.
+// Each turn of the loop settles ended leases, sends what acks handed over,
+// claims and sends up to the free credit, and, when that found less than it
+// asked for, waits for work.
+//
+// A turn claims only when something may have made work claimable for it
+// since its last claim came back short: credit freed by an ack or nack
+// without a hand-over, a lease found gone, new events discovered, the poll
+// timer, a reconcile tick. A hand-over alone is no such reason (it replaced
+// the lease the ack ended), so a hot aggregate's events cost one ack each
+// and no empty claim.
 func (ss *session) run(ctx context.Context, send func(*outboxv1.SubscribeResponse) error) error {
 	w := newSessionWait(ss)
 	defer w.stop()
+	wantClaim := true
 	for {
-		handed, err := ss.applyFreed(ctx)
+		handed, freed, err := ss.applyFreed(ctx)
 		if err != nil {
 			return err
+		}
+		if freed {
+			wantClaim = true
 		}
 		if err := ss.sendHanded(ctx, handed, send); err != nil {
 			return err
@@ -154,7 +166,7 @@ func (ss *session) run(ctx context.Context, send func(*outboxv1.SubscribeRespons
 			return errShuttingDown
 		}
 		credit := ss.maxInFlight - len(ss.inflight)
-		if credit > 0 && !stopping {
+		if credit > 0 && !stopping && wantClaim {
 			outcome, err := ss.claimAndSend(ctx, min(credit, ss.srv.cfg.ClaimBatch), send)
 			if err != nil {
 				return err
@@ -165,13 +177,19 @@ func (ss *session) run(ctx context.Context, send func(*outboxv1.SubscribeRespons
 				continue // there may be more
 			case claimedSome:
 				w.found()
+				wantClaim = false
 			case claimedNone:
+				wantClaim = false
 			case claimFailed:
 				w.claimFailed()
 			}
 		}
-		if err := w.wait(ctx, credit > 0 && !stopping); err != nil {
+		kicked, err := w.wait(ctx, credit > 0 && !stopping)
+		if err != nil {
 			return err
+		}
+		if !kicked {
+			wantClaim = true
 		}
 	}
 }
@@ -295,7 +313,11 @@ func (w *sessionWait) claimFailed() {
 // wait blocks until something may have changed: credit freed, new events
 // discovered, the poll timer (only when polling), a reconcile tick, or the
 // server stopping. The error ends the session.
-func (w *sessionWait) wait(ctx context.Context, polling bool) error {
+//
+// kicked reports that only the session's own kick woke it (leases ended,
+// handed over, or a reconcile asked for): applyFreed says whether that
+// freed credit.
+func (w *sessionWait) wait(ctx context.Context, polling bool) (kicked bool, err error) {
 	ss := w.ss
 	var pollC <-chan time.Time
 	if polling {
@@ -312,10 +334,11 @@ func (w *sessionWait) wait(ctx context.Context, polling bool) error {
 	}
 	select {
 	case <-ctx.Done():
-		return ctx.Err()
+		return false, ctx.Err()
 	case <-ss.aborted:
-		return errShuttingDown
+		return false, errShuttingDown
 	case <-ss.kick:
+		return true, nil
 		// Credit freed: claim at once. The backoff is kept, so a session
 		// that then finds nothing does not start over with fast polls.
 	case <-ss.srv.wake.wait():
@@ -336,7 +359,7 @@ func (w *sessionWait) wait(ctx context.Context, polling bool) error {
 		// when its last delivery is acked or nacked.
 		w.stopWake = nil
 	}
-	return nil
+	return false, nil
 }
 
 // releaseUndelivered gives back the leases this session holds but never
@@ -372,12 +395,13 @@ func (ss *session) sendHanded(ctx context.Context, handed []store.Lease, send fu
 // applyFreed drops ended leases from inflight, adds the leases acks handed
 // over (returned, to be sent), and reconciles with the database when asked
 // to.
-func (ss *session) applyFreed(ctx context.Context) ([]store.Lease, error) {
+func (ss *session) applyFreed(ctx context.Context) (handed []store.Lease, freed bool, err error) {
 	ss.mu.Lock()
-	freed, handed, reconcile := ss.freed, ss.handed, ss.reconcile
+	ended, handed, reconcile := ss.freed, ss.handed, ss.reconcile
 	ss.freed, ss.handed, ss.reconcile = nil, nil, false
 	ss.mu.Unlock()
-	for _, f := range freed {
+	before := len(ss.inflight)
+	for _, f := range ended {
 		if _, ok := ss.inflight[f.id]; ok {
 			delete(ss.inflight, f.id)
 			if f.published {
@@ -388,11 +412,12 @@ func (ss *session) applyFreed(ctx context.Context) ([]store.Lease, error) {
 	for _, l := range handed {
 		ss.inflight[l.Event.ID] = struct{}{}
 	}
+	defer func() { freed = len(ss.inflight) < before }()
 	if reconcile && len(ss.inflight) > 0 {
 		held, err := ss.srv.store.HeldEvents(ctx, ss.id)
 		if err != nil {
 			if ctx.Err() != nil {
-				return nil, ctx.Err()
+				return nil, false, ctx.Err()
 			}
 			ss.srv.log.Warn("reconcile failed", "session", ss.id, "err", err)
 		} else {
@@ -407,7 +432,7 @@ func (ss *session) applyFreed(ctx context.Context) ([]store.Lease, error) {
 		}
 	}
 	ss.inflightN.Store(int64(len(ss.inflight)))
-	return handed, nil
+	return handed, false, nil
 }
 
 // countGone sorts leases that ended without this replica seeing an ack or
