@@ -335,3 +335,46 @@ func TestHandOverCostsNoClaim(t *testing.T) {
 	}
 	t.Logf("%d claims", claims.Load())
 }
+
+// A hand-over starts the next event afresh: the failures, last error and
+// attempts of the event before it (nacked, then redelivered and acked) do
+// not carry over.
+func TestHandOverResetsFailures(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	emit(t, pool, "orders", "hot", 2)
+	r := startReplica(t, url, func(c *server.Config) {
+		c.BackoffBase, c.BackoffCap = time.Millisecond, time.Millisecond
+	})
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 1})
+	d := recv(t, st)
+	if _, err := r.Relay.Nack(ctx, &outboxv1.NackRequest{EventId: d.GetEvent().GetEventId(), LeaseToken: d.GetLeaseToken(), Error: "broker down"}); err != nil {
+		t.Fatal(err)
+	}
+	d = recv(t, st)
+	if d.GetEvent().GetRevision() != 1 || d.GetAttempt() != 2 {
+		t.Fatalf("after the nack: revision %d attempt %d", d.GetEvent().GetRevision(), d.GetAttempt())
+	}
+	ack(t, r, d)
+	d = recv(t, st)
+	if d.GetEvent().GetRevision() != 2 || d.GetAttempt() != 1 {
+		t.Fatalf("handed over: revision %d attempt %d, want 2 and 1", d.GetEvent().GetRevision(), d.GetAttempt())
+	}
+	var state string
+	var failures, unanswered int
+	var lastError *string
+	if err := pool.QueryRow(ctx, `SELECT state, failures, unanswered, last_error FROM outbox.delivery WHERE aggregate_key = 'hot'`).
+		Scan(&state, &failures, &unanswered, &lastError); err != nil {
+		t.Fatal(err)
+	}
+	if state != "leased" || failures != 0 || unanswered != 0 || lastError != nil {
+		t.Fatalf("handed-over lease: state %s failures %d unanswered %d last_error %v", state, failures, unanswered, lastError)
+	}
+	if n := r.Server.HandOvers(); n != 1 {
+		t.Fatalf("%d hand-overs, want 1", n)
+	}
+	ack(t, r, d)
+}
