@@ -62,6 +62,11 @@ func TestAckHandsOverNextEvent(t *testing.T) {
 			if status.Code(err) != codes.FailedPrecondition {
 				t.Fatalf("nack with the previous lease's token: %v, want FailedPrecondition", err)
 			}
+			_, err = r.Relay.ExtendLease(ctx, &outboxv1.ExtendLeaseRequest{EventId: prev.GetEvent().GetEventId(),
+				LeaseToken: prev.GetLeaseToken(), Ttl: durationpb.New(ttl)})
+			if status.Code(err) != codes.FailedPrecondition {
+				t.Fatalf("extend with the previous lease's token: %v, want FailedPrecondition", err)
+			}
 			if res := ack(t, r, prev); res[0].GetStatus() != outboxv1.AckStatus_ACK_STATUS_ALREADY_PUBLISHED {
 				t.Fatalf("repeated ack: %v", res[0])
 			}
