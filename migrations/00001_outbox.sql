@@ -898,14 +898,6 @@ DECLARE
     v_handed outbox.lease[];
 BEGIN
     PERFORM outbox.require_read_committed('outbox.ack');
-    -- A mark of published is recorded, not promised: if PostgreSQL crashes
-    -- before this commit reaches disk, the events are simply pending again
-    -- and delivered once more (at-least-once allows it; the broker already
-    -- has them, so nothing is lost and first copies stay in order). So the
-    -- commit does not wait for its WAL flush, which would otherwise bound a
-    -- hot aggregate to one event per flush. WAL is flushed in order: an ack
-    -- that did survive implies every earlier one did.
-    PERFORM set_config('synchronous_commit', 'off', true);
     -- Lock the pending events, then their aggregates' delivery rows, each in
     -- a fixed order so that concurrent batches cannot deadlock.
     SELECT array_agg(e.event_id), array_agg(e.stream), array_agg(e.aggregate_key),
