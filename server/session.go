@@ -165,6 +165,9 @@ func (ss *session) run(ctx context.Context, send func(*outboxv1.SubscribeRespons
 		if stopping && len(ss.inflight) == 0 {
 			return errShuttingDown
 		}
+		// Taken before claiming: a discovery round that ends while the
+		// claim runs (and may have missed it) still wakes the wait below.
+		discovered := ss.srv.wake.wait()
 		credit := ss.maxInFlight - len(ss.inflight)
 		if credit > 0 && !stopping && wantClaim {
 			outcome, err := ss.claimAndSend(ctx, min(credit, ss.srv.cfg.ClaimBatch), send)
@@ -184,7 +187,7 @@ func (ss *session) run(ctx context.Context, send func(*outboxv1.SubscribeRespons
 				w.claimFailed()
 			}
 		}
-		kicked, err := w.wait(ctx, credit > 0 && !stopping)
+		kicked, err := w.wait(ctx, credit > 0 && !stopping, discovered)
 		if err != nil {
 			return err
 		}
@@ -314,10 +317,11 @@ func (w *sessionWait) claimFailed() {
 // discovered, the poll timer (only when polling), a reconcile tick, or the
 // server stopping. The error ends the session.
 //
-// kicked reports that only the session's own kick woke it (leases ended,
-// handed over, or a reconcile asked for): applyFreed says whether that
-// freed credit.
-func (w *sessionWait) wait(ctx context.Context, polling bool) (kicked bool, err error) {
+// discovered is the discovery wake-up taken before the turn's claim, so a
+// round that ended during the claim is not missed. kicked reports that
+// only the session's own kick woke it (leases ended, handed over, or a
+// reconcile asked for): applyFreed says whether that freed credit.
+func (w *sessionWait) wait(ctx context.Context, polling bool, discovered <-chan struct{}) (kicked bool, err error) {
 	ss := w.ss
 	var pollC <-chan time.Time
 	if polling {
@@ -341,7 +345,7 @@ func (w *sessionWait) wait(ctx context.Context, polling bool) (kicked bool, err 
 		return true, nil
 		// Credit freed: claim at once. The backoff is kept, so a session
 		// that then finds nothing does not start over with fast polls.
-	case <-ss.srv.wake.wait():
+	case <-discovered:
 		// Discovery found new events: claim at once, backoff kept (another
 		// session may take them, and all of them were woken).
 	case <-pollC:
