@@ -57,7 +57,10 @@
 // Subscribe opens a session with a credit (max_in_flight). The session loop
 // claims up to its free credit (outbox.claim: lock delivery rows FOR UPDATE
 // SKIP LOCKED, lease each one's next revision, epoch+1) and sends one
-// delivery per lease. Credit comes back only when the database says the lease
+// delivery per lease. After a claim that came back short it claims again
+// only when work may have appeared for it: credit freed without a
+// hand-over, a lease found gone, a discovery round, its poll or reconcile
+// timer; a hand-over alone is no reason. Credit comes back only when the database says the lease
 // is gone: an ack or nack on this replica signals the session directly; one
 // on another replica sends NOTIFY outbox_released with the holder's session
 // id; and every ReconcileInterval the session rechecks its leases (which also
