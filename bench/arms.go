@@ -152,13 +152,16 @@ func (s *countingSink) err() error {
 // armEnv is what an arm works with: its fresh database and the run's
 // shared bookkeeping.
 type armEnv struct {
-	cfg         *Config
-	dbName      string
-	dbURL       string
-	pool        *pgxpool.Pool // producers and setup
-	ledger      *Ledger
-	sink        *countingSink
-	aggregates  int
+	cfg        *Config
+	dbName     string
+	dbURL      string
+	pool       *pgxpool.Pool // producers and setup
+	ledger     *Ledger
+	sink       *countingSink
+	aggregates int
+	// revisions is how many events each aggregate of a drain backlog has
+	// (all of it on one aggregate in hot-drain).
+	revisions   int
 	maxInFlight int
 	log         *slog.Logger
 }
@@ -303,9 +306,10 @@ func (*outboxdArm) prepare(ctx context.Context, env *armEnv, backlog int) error 
 		return nil
 	}
 	// Through the trigger, as a producer would, with explicit revisions
-	// 1..10 per aggregate: the bookkeeping is the real one. Chunks of
-	// aggregates go to parallel connections; no two touch one aggregate.
-	aggs := backlog / drainRevisions
+	// 1..env.revisions per aggregate (10; all of it on one aggregate in
+	// hot-drain): the bookkeeping is the real one. Chunks of aggregates go
+	// to parallel connections; no two touch one aggregate.
+	aggs := backlog / env.revisions
 	fmt.Fprintf(env.cfg.Progress, "        filling %s pending events through outbox.event's trigger...\n", fmtCount(backlog))
 	const chunk = 2_000
 	g, gctx := errgroup.WithContext(ctx)
@@ -319,14 +323,14 @@ func (*outboxdArm) prepare(ctx context.Context, env *armEnv, backlog int) error 
 				       jsonb_build_object('agg', a::text, 'p', -1, 'seq', 0, 't', 0, 'pad', repeat('x', $3::int))
 				FROM generate_series($4::int, $5::int) a, generate_series(1, $6::int) r
 				ORDER BY a, r`,
-				benchStream, benchEventType, backlogPad, from, to, drainRevisions)
+				benchStream, benchEventType, backlogPad, from, to, env.revisions)
 			return err
 		})
 	}
 	if err := g.Wait(); err != nil {
 		return fmt.Errorf("bench: fill the drain backlog: %w", err)
 	}
-	return settleBacklog(ctx, env, aggs)
+	return settleBacklog(ctx, env, aggs, env.revisions)
 }
 
 func (*outboxdArm) produce(ctx context.Context, conn *pgxpool.Conn, agg int, payload []byte) (int64, error) {
@@ -441,7 +445,7 @@ func (*naiveArm) prepare(ctx context.Context, env *armEnv, backlog int) error {
 		ORDER BY a, r`, benchStream, benchEventType, backlogPad, aggs, drainRevisions); err != nil {
 		return fmt.Errorf("bench: fill the drain backlog: %w", err)
 	}
-	return settleBacklog(ctx, env, aggs)
+	return settleBacklog(ctx, env, aggs, drainRevisions)
 }
 
 func (*naiveArm) produce(ctx context.Context, conn *pgxpool.Conn, agg int, payload []byte) (int64, error) {
@@ -600,9 +604,9 @@ func scanEvents(ctx context.Context, pool *pgxpool.Pool, query string, fn func(i
 // vacuums, analyzes and checkpoints, so that the drain measures delivery and
 // not the fill's aftermath (autovacuum's first pass, a checkpoint forced by
 // the fill's WAL).
-func settleBacklog(ctx context.Context, env *armEnv, aggs int) error {
+func settleBacklog(ctx context.Context, env *armEnv, aggs, revisions int) error {
 	for agg := range aggs {
-		if err := env.ledger.Prefill(agg, drainRevisions); err != nil {
+		if err := env.ledger.Prefill(agg, int64(revisions)); err != nil {
 			return err
 		}
 	}

@@ -20,6 +20,10 @@ const (
 	WorkloadDrain = "drain"
 	// WorkloadHot: every event to one aggregate, the sequential round trip.
 	WorkloadHot = "hot"
+	// WorkloadHotDrain: a backlog of one aggregate committed before
+	// delivery starts, no producers: the sequential round trip alone, not
+	// bounded by producers that serialise on the aggregate's order lock.
+	WorkloadHotDrain = "hot-drain"
 	// WorkloadProducer: producers only, no delivery: what recording an
 	// event costs a business transaction on each producer path.
 	WorkloadProducer = "producer"
@@ -72,7 +76,7 @@ const (
 // order they run. The producer workload always runs its three paths
 // (ceiling-insert, emit, insert-trigger), whatever Arms says.
 var (
-	AllWorkloads = []string{WorkloadSteady, WorkloadLatency, WorkloadDrain, WorkloadHot, WorkloadProducer, WorkloadHeldXmin}
+	AllWorkloads = []string{WorkloadSteady, WorkloadLatency, WorkloadDrain, WorkloadHot, WorkloadHotDrain, WorkloadProducer, WorkloadHeldXmin}
 	AllArms      = []string{ArmCeilingInsert, ArmCeilingInsertMark, ArmNaivePoller, ArmOutboxd, ArmWatermill, ArmWatermill10ms, ArmRiver}
 	// PeerArms are the libraries users would pick instead of outboxd. None
 	// promises per-aggregate order, so their reorders are reported and do

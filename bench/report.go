@@ -477,6 +477,11 @@ func (r *Report) ratios() []Ratio {
 	if hot := r.find(WorkloadHot, ArmOutboxd, 0, 0); hot != nil {
 		atLeast("outboxd hot aggregate (sink 0)", hot.Throughput, 1000, "ev/s", "")
 	}
+	for _, hot := range r.Results {
+		if hot.Workload == WorkloadHotDrain && hot.Arm == ArmOutboxd {
+			atLeast(fmt.Sprintf("outboxd hot aggregate, backlog of %s", fmtCount(hot.Backlog)), hot.Throughput, 1000, "ev/s", "")
+		}
+	}
 	// Context, no goals: how each arm compares with the database's floor and
 	// with the naive poller at every sink latency.
 	if ceiling != nil {

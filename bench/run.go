@@ -98,6 +98,9 @@ func plan(cfg *Config) []armSpec {
 		add(WorkloadHot, ArmNaivePoller, first, 0)
 		add(WorkloadHot, ArmOutboxd, first, 0)
 	}
+	if cfg.runs(WorkloadHotDrain) {
+		add(WorkloadHotDrain, ArmOutboxd, first, hotDrainBacklog(cfg))
+	}
 	if cfg.runs(WorkloadProducer) {
 		for _, arm := range []string{ArmCeilingInsert, ArmEmit, ArmInsertTrigger} {
 			out = append(out, armSpec{workload: WorkloadProducer, arm: arm})
@@ -187,12 +190,14 @@ func runArm(ctx context.Context, cfg *Config, sc *scratch, spec armSpec, rep *Re
 	}
 	defer func() { err = errors.Join(err, sc.drop(ctx, dbName)) }()
 
-	aggregates := cfg.Aggregates
+	aggregates, revisions := cfg.Aggregates, drainRevisions
 	switch spec.workload {
 	case WorkloadHot:
 		aggregates = 1
 	case WorkloadDrain:
 		aggregates = spec.backlog / drainRevisions
+	case WorkloadHotDrain:
+		aggregates, revisions = 1, spec.backlog
 	}
 	maxInFlight := cfg.MaxInFlight
 	if spec.workload == WorkloadDrain {
@@ -213,7 +218,7 @@ func runArm(ctx context.Context, cfg *Config, sc *scratch, spec armSpec, rep *Re
 	env := &armEnv{
 		cfg: cfg, dbName: dbName, dbURL: dbURL, pool: pool, ledger: ledger,
 		sink:       &countingSink{latency: spec.sink, ledger: ledger, next: broker},
-		aggregates: aggregates, maxInFlight: maxInFlight, log: cfg.Logger.With("arm", spec.arm),
+		aggregates: aggregates, revisions: revisions, maxInFlight: maxInFlight, log: cfg.Logger.With("arm", spec.arm),
 	}
 	res = &Result{
 		Workload: spec.workload, Arm: spec.arm, Producers: cfg.Producers, Relays: cfg.Relays,
@@ -234,7 +239,7 @@ func runArm(ctx context.Context, cfg *Config, sc *scratch, spec armSpec, rep *Re
 		return nil, err
 	}
 	var sizes map[string]int64
-	if spec.workload != WorkloadDrain {
+	if spec.workload != WorkloadDrain && spec.workload != WorkloadHotDrain {
 		if sizes, err = tableSizes(ctx, pool, a.tables()); err != nil {
 			return nil, err
 		}
@@ -243,7 +248,7 @@ func runArm(ctx context.Context, cfg *Config, sc *scratch, spec armSpec, rep *Re
 	if err != nil {
 		return nil, err
 	}
-	if spec.workload == WorkloadDrain {
+	if spec.workload == WorkloadDrain || spec.workload == WorkloadHotDrain {
 		err = measureDrain(ctx, env, a, srv, res)
 	} else {
 		var rate float64
@@ -585,3 +590,12 @@ func (ps *producers) sleep(ctx context.Context, d time.Duration) error {
 }
 
 func ptr[T any](v T) *T { return &v }
+
+// hotDrainBacklog is how many events of one aggregate the hot-drain workload
+// delivers: enough for a few seconds at the hot-aggregate goal.
+func hotDrainBacklog(cfg *Config) int {
+	if cfg.Quick {
+		return 2_000
+	}
+	return 5_000
+}

@@ -11,7 +11,10 @@ import (
 
 // ackCommitter applies acks in group commits: while one batch is in the
 // database, requests from every Ack RPC queue up, and the next statement takes
-// them all. Each row is still checked on its own inside outbox.ack.
+// them all. Each row is still checked on its own inside outbox.ack. The
+// batch passes the replica's sessions that take more work, so an ack that
+// ends one's lease can hand it the aggregate's next event in the same commit
+// (see Server.handOver).
 type ackCommitter struct {
 	s    *Server
 	reqs chan *ackRequest
@@ -88,17 +91,30 @@ func (a *ackCommitter) commit(ctx context.Context, batch []*ackRequest, n int) {
 	}
 	// Acks already taken must land even while the server shuts down.
 	dbCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
-	res, err := a.s.store.Ack(dbCtx, ids, a.s.cfg.ReplicaID)
+	res, err := a.s.store.Ack(dbCtx, store.AckParams{IDs: ids, ReplicaID: a.s.cfg.ReplicaID, HandOver: a.s.handOverHolders()})
 	cancel()
+	if h := a.s.beforeHandOver; h != nil && err == nil {
+		h(res)
+	}
 	byID := make(map[uuid.UUID]store.AckResult, len(res))
 	for _, r := range res {
 		byID[r.EventID] = r
-		if r.Status == store.AckPublished {
-			a.s.metrics.publishLag.Observe(r.PublishLag.Seconds())
-			if r.Holder != uuid.Nil {
-				a.s.released(r.Holder, r.EventID, true)
-			}
+		if r.Status != store.AckPublished {
+			continue
 		}
+		a.s.metrics.publishLag.Observe(r.PublishLag.Seconds())
+		switch {
+		case r.HandOver != nil:
+			// The ack ended r.Holder's lease and leased the next event to
+			// it in one commit: credit-neutral for the session.
+			a.s.handOver(ctx, r.Holder, r.EventID, *r.HandOver)
+		case r.Holder != uuid.Nil:
+			a.s.released(r.Holder, r.EventID, true)
+		}
+		// Hand-over is not in the answer to the relay: its ack was applied
+		// like any other.
+		r.HandOver = nil
+		byID[r.EventID] = r
 	}
 	if err != nil {
 		a.s.log.Warn("ack batch failed", "acks", len(ids), "err", err)

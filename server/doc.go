@@ -36,6 +36,7 @@
 // # States of an aggregate (outbox.delivery.state)
 //
 //	(none) or idle ──(discovery finds an event)──▶ ready ──claim──▶ leased
+//	leased ──ack──▶ leased (hand-over: next revision committed, holder local)
 //	leased ──ack──▶ ready (next revision committed) or idle (nothing follows)
 //	leased ──nack──▶ backoff ──(next_attempt_at)──▶ claimable again
 //	leased ──nack #MaxFailures, or a permanent nack──▶ parked (waits for an operator)
@@ -56,7 +57,10 @@
 // Subscribe opens a session with a credit (max_in_flight). The session loop
 // claims up to its free credit (outbox.claim: lock delivery rows FOR UPDATE
 // SKIP LOCKED, lease each one's next revision, epoch+1) and sends one
-// delivery per lease. Credit comes back only when the database says the lease
+// delivery per lease. After a claim that came back short it claims again
+// only when work may have appeared for it: credit freed without a
+// hand-over, a lease found gone, a discovery round, its poll or reconcile
+// timer; a hand-over alone is no reason. Credit comes back only when the database says the lease
 // is gone: an ack or nack on this replica signals the session directly; one
 // on another replica sends NOTIFY outbox_released with the holder's session
 // id; and every ReconcileInterval the session rechecks its leases (which also
@@ -72,6 +76,22 @@
 // then their delivery rows in key order (no deadlocks between batches), mark
 // each event published if it is still its aggregate's next revision and not
 // skipped, advance the cursor, and make the aggregate ready or idle.
+//
+// Hand-over: the batch also passes this replica's open sessions (with their
+// lease TTLs) unless the server is stopping. When an ack ends the lease of
+// one of them and the aggregate's next revision is committed and not
+// skipped, the same statement leases that event to the same session (epoch
+// raised as by a claim, attempt 1, expiry now + the session's TTL) instead
+// of making the aggregate ready, and the acker gives the lease to the
+// session together with the freed credit, in one step: credit-neutral, and
+// sent at once with no claim in between. The next event is of the same
+// aggregate and so of the same stream: the session's stream filter admits
+// it. A gap or a skipped next revision hands nothing over; the aggregate is
+// made ready and the claim applies its rules. An ack on another replica
+// hands nothing over (that replica's sessions are not the holder). A
+// session whose stream ends first refuses hand-overs (under its lock) before
+// its release runs, so the release covers every lease it accepted; a lease
+// it refused is released by the acker at once.
 //
 // Nack and ExtendLease must name the current epoch: a stale lease cannot
 // push back or prolong the current holder's delivery.
@@ -109,9 +129,19 @@
 //     whose snapshot is newer than its lock on the delivery row. A discovery
 //     round locks the rows it wakes; one that locked the row first had its
 //     events committed before that snapshot, so they are seen; one that comes
-//     after finds the row idle and wakes it. Hence the functions refuse to run
-//     at REPEATABLE READ (where a statement after a lock reads an older
-//     snapshot), and the server pins READ COMMITTED on its connections.
+//     after finds the row idle and wakes it. Hand-over changes only what the
+//     ack does when it does find the next event: it leases it rather than
+//     making the row ready, decided in that same statement, so the argument
+//     is unchanged. The next event need not have been discovered yet: a
+//     later round that finds it sees the row leased (or already past it)
+//     and leaves it alone, as it does for a row an ack made ready. Hence the
+//     functions refuse to run at REPEATABLE READ (where a statement after a
+//     lock reads an older snapshot), and the server pins READ COMMITTED on
+//     its connections.
+//   - Hand-over keeps one lease per aggregate (it replaces the lease the ack
+//     ended, on the same locked row) and fencing (its epoch is raised like
+//     a claim's, so the previous lease's token can no longer nack or extend;
+//     its ack answers ALREADY_PUBLISHED).
 //   - outbox.stranded counts pending events no rule will deliver, from the
 //     producers' counters and the events rather than from delivery's states,
 //     so a bug in the above shows in GetLag and metrics instead of hiding.

@@ -22,3 +22,11 @@ func (s *Server) SetBeforeAddSession(f func()) { s.beforeAddSession = f }
 // SetAfterClaim makes every claim's outcome pass through f, which may
 // replace it. Set it before the first Subscribe.
 func (s *Server) SetAfterClaim(f func([]store.Lease, error) ([]store.Lease, error)) { s.afterClaim = f }
+
+// SetBeforeHandOver makes every ack batch call f with its results once it
+// has committed, before the leases it handed over reach their sessions.
+// Set it before the first Ack.
+func (s *Server) SetBeforeHandOver(f func([]store.AckResult)) { s.beforeHandOver = f }
+
+// HandOvers is how many leases acks on this replica have handed over.
+func (s *Server) HandOvers() uint64 { return s.handOvers.Load() }

@@ -25,6 +25,7 @@ type metrics struct {
 	ackDuration     prometheus.Histogram
 	publishLag      prometheus.Histogram
 	sessions        prometheus.Gauge
+	handOvers       prometheus.Counter
 }
 
 func newMetrics() *metrics {
@@ -79,12 +80,16 @@ func newMetrics() *metrics {
 			Name: "outboxd_relay_sessions",
 			Help: "Relay Subscribe streams open on this replica.",
 		}),
+		handOvers: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "outboxd_hand_overs_total",
+			Help: "Leases an ack gave straight to the session whose lease it ended, on the aggregate's next event (no claim in between).",
+		}),
 	}
 }
 
 func (m *metrics) collectors() []prometheus.Collector {
 	return []prometheus.Collector{m.deliveries, m.redeliveries, m.discovered, m.discoveryErrors, m.acks, m.nacks, m.leasesExpired,
-		m.purged, m.panics, m.ackDuration, m.publishLag, m.sessions}
+		m.purged, m.panics, m.ackDuration, m.publishLag, m.sessions, m.handOvers}
 }
 
 // RecoveredPanic counts a panic recovered in an RPC handler; the gRPC

@@ -106,7 +106,9 @@ func (r *relayService) Subscribe(req *outboxv1.SubscribeRequest, stream outboxv1
 	log.Info("relay subscribed", "streams", sess.streams, "exclude_streams", sess.excludeStreams, "max_in_flight", sess.maxInFlight, "lease_ttl", ttl)
 	defer func() {
 		// The stream is over: give its leases back at once so the events go
-		// to another relay now, not after the TTL.
+		// to another relay now, not after the TTL. Hand-overs stop first,
+		// so this release covers every lease an ack handed this session.
+		sess.close()
 		relCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), releaseTimeout)
 		defer cancel()
 		n, err := s.store.Release(relCtx, sess.id)

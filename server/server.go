@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"os"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/google/uuid"
@@ -89,6 +90,12 @@ type Config struct {
 	// token's name, or a relay_id when auth is off) holds open on this
 	// replica. Default 64.
 	MaxSubscriptionsPerRelay int
+
+	// NoHandOver turns off hand-over (an ack that ends a local session's
+	// lease leasing the aggregate's next event to that session at once):
+	// every next event then waits for a claim. It exists to compare the
+	// two paths in benchmarks and tests; leave it off.
+	NoHandOver bool
 }
 
 func (c *Config) setDefaults() error {
@@ -190,6 +197,12 @@ type Server struct {
 	// afterClaim, when set (by tests), sees and may replace the outcome of
 	// every claim statement.
 	afterClaim func([]store.Lease, error) ([]store.Lease, error)
+	// beforeHandOver, when set (by tests), runs after an ack batch that
+	// handed leases over has committed, before they reach their sessions.
+	beforeHandOver func([]store.AckResult)
+	// handOvers counts leases handed over by acks (and delivered or
+	// released); read by tests.
+	handOvers atomic.Uint64
 }
 
 // New validates cfg and loads the lease-signing key.
@@ -361,6 +374,48 @@ func (s *Server) released(holder uuid.UUID, id uuid.UUID, published bool) bool {
 		sess.free(id, published)
 	}
 	return sess != nil
+}
+
+// handOverHolders returns this replica's sessions that take a handed-over
+// lease with their lease TTL, or nil when hand-over is off or the server is
+// stopping.
+func (s *Server) handOverHolders() map[uuid.UUID]time.Duration {
+	if s.cfg.NoHandOver || isClosed(s.stopping) {
+		return nil
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	m := make(map[uuid.UUID]time.Duration, len(s.sessions))
+	for id, sess := range s.sessions {
+		if sess.takesHandOver() {
+			m[id] = sess.ttl
+		}
+	}
+	return m
+}
+
+// handOver gives the local session holder the lease l on the next event of
+// the aggregate whose event acked it just acked. When the session has ended
+// in the meantime, the lease is released at once rather than left to its
+// TTL.
+func (s *Server) handOver(ctx context.Context, holder, acked uuid.UUID, l store.Lease) {
+	s.handOvers.Add(1)
+	s.metrics.handOvers.Inc()
+	s.mu.Lock()
+	sess := s.sessions[holder]
+	s.mu.Unlock()
+	if sess != nil && sess.handOver(acked, l) {
+		return
+	}
+	// The session closed before the lease reached it. Its own release may
+	// have run before this lease committed, so release again: the holder
+	// is gone, so every lease it still has is orphaned.
+	relCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), releaseTimeout)
+	defer cancel()
+	if _, err := s.store.Release(relCtx, holder); err != nil {
+		s.log.Warn("releasing a lease handed to a session that ended failed; it expires by TTL",
+			"session", holder, "event_id", l.Event.ID, "err", err)
+	}
 }
 
 // reconcileSession makes a local session recheck its leases (a lease of its

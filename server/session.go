@@ -53,6 +53,8 @@ type session struct {
 
 	mu        sync.Mutex
 	freed     []freedLease
+	handed    []store.Lease // leases acks handed over, not yet sent
+	closed    bool          // the stream is over: no more hand-overs
 	reconcile bool
 	kick      chan struct{} // capacity 1: "look at freed/reconcile"
 	aborted   chan struct{}
@@ -78,6 +80,41 @@ func (ss *session) free(id uuid.UUID, published bool) {
 	ss.poke()
 }
 
+// handOver records, in one step, that the lease on event acked ended by an
+// ack and that the same ack leased l to this session: the loop sees both at
+// once, so its credit never counts the one without the other. It returns
+// false, taking nothing, once the stream is over.
+func (ss *session) handOver(acked uuid.UUID, l store.Lease) bool {
+	ss.mu.Lock()
+	if ss.closed {
+		ss.mu.Unlock()
+		return false
+	}
+	ss.freed = append(ss.freed, freedLease{acked, true})
+	ss.handed = append(ss.handed, l)
+	ss.mu.Unlock()
+	ss.poke()
+	return true
+}
+
+// takesHandOver reports whether an ack may hand this session a lease: its
+// stream is open and the server is not stopping. (Credit does not matter:
+// a hand-over replaces the lease the ack ended.)
+func (ss *session) takesHandOver() bool {
+	ss.mu.Lock()
+	defer ss.mu.Unlock()
+	return !ss.closed
+}
+
+// close refuses hand-overs from now on. The stream's release runs after it,
+// so it covers every lease handed over before; one refused here is released
+// by the acker.
+func (ss *session) close() {
+	ss.mu.Lock()
+	ss.closed = true
+	ss.mu.Unlock()
+}
+
 type freedLease struct {
 	id        uuid.UUID
 	published bool
@@ -101,21 +138,40 @@ func (ss *session) poke() {
 func (ss *session) abort() { ss.abortOnce.Do(func() { close(ss.aborted) }) }
 
 // run claims and sends until ctx ends, the server stops, or sending fails.
-// Each turn of the loop settles ended leases, claims and sends up to the
-// free credit, and, when that found less than it asked for, waits for work.
+// Each turn of the loop settles ended leases, sends what acks handed over,
+// claims and sends up to the free credit, and, when that found less than it
+// asked for, waits for work.
+//
+// A turn claims only when something may have made work claimable for it
+// since its last claim came back short: credit freed by an ack or nack
+// without a hand-over, a lease found gone, new events discovered, the poll
+// timer, a reconcile tick. A hand-over alone is no such reason (it replaced
+// the lease the ack ended), so a hot aggregate's events cost one ack each
+// and no empty claim.
 func (ss *session) run(ctx context.Context, send func(*outboxv1.SubscribeResponse) error) error {
 	w := newSessionWait(ss)
 	defer w.stop()
+	wantClaim := true
 	for {
-		if err := ss.applyFreed(ctx); err != nil {
+		handed, freed, err := ss.applyFreed(ctx)
+		if err != nil {
+			return err
+		}
+		if freed {
+			wantClaim = true
+		}
+		if err := ss.sendHanded(ctx, handed, send); err != nil {
 			return err
 		}
 		stopping := isClosed(ss.srv.stopping)
 		if stopping && len(ss.inflight) == 0 {
 			return errShuttingDown
 		}
+		// Taken before claiming: a discovery round that ends while the
+		// claim runs (and may have missed it) still wakes the wait below.
+		discovered := ss.srv.wake.wait()
 		credit := ss.maxInFlight - len(ss.inflight)
-		if credit > 0 && !stopping {
+		if credit > 0 && !stopping && wantClaim {
 			outcome, err := ss.claimAndSend(ctx, min(credit, ss.srv.cfg.ClaimBatch), send)
 			if err != nil {
 				return err
@@ -126,13 +182,19 @@ func (ss *session) run(ctx context.Context, send func(*outboxv1.SubscribeRespons
 				continue // there may be more
 			case claimedSome:
 				w.found()
+				wantClaim = false
 			case claimedNone:
+				wantClaim = false
 			case claimFailed:
 				w.claimFailed()
 			}
 		}
-		if err := w.wait(ctx, credit > 0 && !stopping); err != nil {
+		kicked, err := w.wait(ctx, credit > 0 && !stopping, discovered)
+		if err != nil {
 			return err
+		}
+		if !kicked {
+			wantClaim = true
 		}
 	}
 }
@@ -256,7 +318,12 @@ func (w *sessionWait) claimFailed() {
 // wait blocks until something may have changed: credit freed, new events
 // discovered, the poll timer (only when polling), a reconcile tick, or the
 // server stopping. The error ends the session.
-func (w *sessionWait) wait(ctx context.Context, polling bool) error {
+//
+// discovered is the discovery wake-up taken before the turn's claim, so a
+// round that ended during the claim is not missed. kicked reports that
+// only the session's own kick woke it (leases ended, handed over, or a
+// reconcile asked for): applyFreed says whether that freed credit.
+func (w *sessionWait) wait(ctx context.Context, polling bool, discovered <-chan struct{}) (kicked bool, err error) {
 	ss := w.ss
 	var pollC <-chan time.Time
 	if polling {
@@ -273,13 +340,14 @@ func (w *sessionWait) wait(ctx context.Context, polling bool) error {
 	}
 	select {
 	case <-ctx.Done():
-		return ctx.Err()
+		return false, ctx.Err()
 	case <-ss.aborted:
-		return errShuttingDown
+		return false, errShuttingDown
 	case <-ss.kick:
+		return true, nil
 		// Credit freed: claim at once. The backoff is kept, so a session
 		// that then finds nothing does not start over with fast polls.
-	case <-ss.srv.wake.wait():
+	case <-discovered:
 		// Discovery found new events: claim at once, backoff kept (another
 		// session may take them, and all of them were woken).
 	case <-pollC:
@@ -297,7 +365,7 @@ func (w *sessionWait) wait(ctx context.Context, polling bool) error {
 		// when its last delivery is acked or nacked.
 		w.stopWake = nil
 	}
-	return nil
+	return false, nil
 }
 
 // releaseUndelivered gives back the leases this session holds but never
@@ -319,14 +387,27 @@ func (ss *session) releaseUndelivered(ctx context.Context) {
 	}
 }
 
-// applyFreed drops ended leases from inflight, and reconciles with the
-// database when asked to.
-func (ss *session) applyFreed(ctx context.Context) error {
+// sendHanded sends the leases acks handed over to this session; applyFreed
+// has already counted them in inflight.
+func (ss *session) sendHanded(ctx context.Context, handed []store.Lease, send func(*outboxv1.SubscribeResponse) error) error {
+	for _, l := range handed {
+		if err := ss.sendLease(ctx, l, send); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// applyFreed drops ended leases from inflight, adds the leases acks handed
+// over (returned, to be sent), and reconciles with the database when asked
+// to.
+func (ss *session) applyFreed(ctx context.Context) (handed []store.Lease, freed bool, err error) {
 	ss.mu.Lock()
-	freed, reconcile := ss.freed, ss.reconcile
-	ss.freed, ss.reconcile = nil, false
+	ended, handed, reconcile := ss.freed, ss.handed, ss.reconcile
+	ss.freed, ss.handed, ss.reconcile = nil, nil, false
 	ss.mu.Unlock()
-	for _, f := range freed {
+	before := len(ss.inflight)
+	for _, f := range ended {
 		if _, ok := ss.inflight[f.id]; ok {
 			delete(ss.inflight, f.id)
 			if f.published {
@@ -334,11 +415,15 @@ func (ss *session) applyFreed(ctx context.Context) error {
 			}
 		}
 	}
+	for _, l := range handed {
+		ss.inflight[l.Event.ID] = struct{}{}
+	}
+	defer func() { freed = len(ss.inflight) < before }()
 	if reconcile && len(ss.inflight) > 0 {
 		held, err := ss.srv.store.HeldEvents(ctx, ss.id)
 		if err != nil {
 			if ctx.Err() != nil {
-				return ctx.Err()
+				return nil, false, ctx.Err()
 			}
 			ss.srv.log.Warn("reconcile failed", "session", ss.id, "err", err)
 		} else {
@@ -353,7 +438,7 @@ func (ss *session) applyFreed(ctx context.Context) error {
 		}
 	}
 	ss.inflightN.Store(int64(len(ss.inflight)))
-	return nil
+	return handed, false, nil
 }
 
 // countGone sorts leases that ended without this replica seeing an ack or

@@ -185,6 +185,20 @@ type AckResult struct {
 	PublishLag time.Duration
 	// Err is set for AckFailed.
 	Err error
+	// HandOver, when set, is the lease on the aggregate's next event that
+	// the same statement gave to Holder (see AckParams.HandOver).
+	HandOver *Lease
+}
+
+// AckParams says which acks to apply and where.
+type AckParams struct {
+	IDs       []uuid.UUID
+	ReplicaID string
+	// HandOver maps the replica's sessions that take more work to their
+	// lease TTL. An ack ending a lease held by one of them leases the
+	// aggregate's next event to it in the same transaction, when that event
+	// is committed and not skipped (outbox.ack).
+	HandOver map[uuid.UUID]time.Duration
 }
 
 // Ack marks events published in one transaction, each checked on its own.
@@ -196,29 +210,32 @@ type AckResult struct {
 // its batch: a batch that fails with anything but a lost connection or a
 // cancelled context is split in halves and each half tried on its own, down
 // to single ids, and an id that still fails gets AckFailed with the error.
-func (s *Store) Ack(ctx context.Context, ids []uuid.UUID, replicaID string) ([]AckResult, error) {
-	res, err := s.ackRetrying(ctx, ids, replicaID)
+func (s *Store) Ack(ctx context.Context, p AckParams) ([]AckResult, error) {
+	res, err := s.ackRetrying(ctx, p)
 	if err == nil || ctx.Err() != nil || !isItemError(err) {
 		return res, err
 	}
+	ids := p.IDs
 	if len(ids) == 1 {
 		return []AckResult{{EventID: ids[0], Status: AckFailed, Err: err}}, nil
 	}
 	half := len(ids) / 2
-	first, err := s.Ack(ctx, ids[:half], replicaID)
+	p.IDs = ids[:half]
+	first, err := s.Ack(ctx, p)
 	if err != nil {
 		return nil, err
 	}
-	second, err := s.Ack(ctx, ids[half:], replicaID)
+	p.IDs = ids[half:]
+	second, err := s.Ack(ctx, p)
 	if err != nil {
 		return nil, err
 	}
 	return append(first, second...), nil
 }
 
-func (s *Store) ackRetrying(ctx context.Context, ids []uuid.UUID, replicaID string) ([]AckResult, error) {
+func (s *Store) ackRetrying(ctx context.Context, p AckParams) ([]AckResult, error) {
 	for attempt := 0; ; attempt++ {
-		res, err := s.ack(ctx, ids, replicaID)
+		res, err := s.ack(ctx, p)
 		if err == nil || attempt >= 5 || !isRetryable(err) {
 			return res, err
 		}
@@ -242,9 +259,19 @@ func isItemError(err error) bool {
 	return true
 }
 
-func (s *Store) ack(ctx context.Context, ids []uuid.UUID, replicaID string) ([]AckResult, error) {
+func (s *Store) ack(ctx context.Context, p AckParams) ([]AckResult, error) {
+	var holders []uuid.UUID
+	var ttls []time.Duration
+	for h, ttl := range p.HandOver {
+		holders = append(holders, h)
+		ttls = append(ttls, ttl)
+	}
 	rows, err := s.pool.Query(ctx,
-		`SELECT event_id, status, holder, clock_timestamp() - created_at FROM outbox.ack($1, $2)`, ids, replicaID)
+		`SELECT a.event_id, a.status, a.holder, clock_timestamp() - a.created_at,
+		        (a.handover).event_id, (a.handover).stream, (a.handover).aggregate_key, (a.handover).revision,
+		        (a.handover).event_type, (a.handover).payload, (a.handover).headers, (a.handover).created_at,
+		        (a.handover).epoch, (a.handover).attempt, (a.handover).lease_expires_at
+		 FROM outbox.ack($1, $2, $3, $4) a`, p.IDs, p.ReplicaID, holders, ttls)
 	if err != nil {
 		return nil, fmt.Errorf("store: ack: %w", err)
 	}
@@ -253,7 +280,17 @@ func (s *Store) ack(ctx context.Context, ids []uuid.UUID, replicaID string) ([]A
 		var status string
 		var holder *uuid.UUID
 		var lag *time.Duration
-		if err := row.Scan(&r.EventID, &status, &holder, &lag); err != nil {
+		var h struct {
+			id                        *uuid.UUID
+			stream, key, typ, payload *string
+			rev, epoch                *int64
+			headers                   map[string]string
+			created, expires          *time.Time
+			attempt                   *int
+		}
+		if err := row.Scan(&r.EventID, &status, &holder, &lag,
+			&h.id, &h.stream, &h.key, &h.rev, &h.typ, &h.payload, &h.headers, &h.created,
+			&h.epoch, &h.attempt, &h.expires); err != nil {
 			return r, err
 		}
 		if lag != nil {
@@ -261,6 +298,13 @@ func (s *Store) ack(ctx context.Context, ids []uuid.UUID, replicaID string) ([]A
 		}
 		if holder != nil {
 			r.Holder = *holder
+		}
+		if h.id != nil {
+			r.HandOver = &Lease{
+				Event: Event{ID: *h.id, Stream: *h.stream, AggregateKey: *h.key, Revision: *h.rev,
+					Type: *h.typ, Payload: []byte(*h.payload), Headers: h.headers, CreatedAt: *h.created},
+				Epoch: *h.epoch, Attempt: *h.attempt, ExpiresAt: *h.expires,
+			}
 		}
 		switch status {
 		case "published":

@@ -27,10 +27,10 @@ CREATE TYPE outbox.lease AS (
 );
 
 --
--- Name: ack(uuid[], text); Type: FUNCTION; Schema: outbox; Owner: -
+-- Name: ack(uuid[], text, uuid[], interval[]); Type: FUNCTION; Schema: outbox; Owner: -
 --
 
-CREATE FUNCTION outbox.ack(p_event_ids uuid[], p_replica_id text) RETURNS TABLE(event_id uuid, status text, holder uuid, created_at timestamp with time zone)
+CREATE FUNCTION outbox.ack(p_event_ids uuid[], p_replica_id text, p_handover_holders uuid[] DEFAULT NULL::uuid[], p_handover_ttls interval[] DEFAULT NULL::interval[]) RETURNS TABLE(event_id uuid, status text, holder uuid, created_at timestamp with time zone, handover outbox.lease)
     LANGUAGE plpgsql
     AS $$
 #variable_conflict use_column
@@ -48,6 +48,7 @@ DECLARE
     v_ok_created timestamptz[];
     v_holders uuid[];
     v_remote uuid[];
+    v_handed outbox.lease[];
 BEGIN
     PERFORM outbox.require_read_committed('outbox.ack');
     -- Lock the pending events, then their aggregates' delivery rows, each in
@@ -93,32 +94,59 @@ BEGIN
         UPDATE outbox.event e SET published_at = v_now WHERE e.event_id = ANY (v_ok);
         PERFORM set_config('outbox.acking', 'off', true);
 
-        -- Advance each cursor and say what comes next: ready when a later
-        -- revision is committed, idle otherwise. This statement's snapshot
-        -- is newer than the row locks above, so it sees every event that
-        -- discovery found before; one committed but not yet discovered is
-        -- found by the next round, which wakes the idle aggregate.
+        -- Advance each cursor and say what comes next: leased to the same
+        -- holder (hand-over) when the next revision is committed, not
+        -- skipped, and the holder is one of p_handover_holders; ready when
+        -- a later revision is committed; idle otherwise. This statement's
+        -- snapshot is newer than the row locks above, so it sees every
+        -- event that discovery found before; one committed but not yet
+        -- discovered is found by the next round, which wakes the idle
+        -- aggregate (a leased or ready one needs no waking).
         WITH nxt AS (
-            SELECT a.stream, a.aggregate_key, a.revision, n.created_at AS next_created_at,
+            SELECT a.stream, a.aggregate_key, a.revision, n.event_id AS next_id,
+                   n.created_at AS next_created_at, h.ttl AS handover_ttl,
                    (n.event_id IS NOT NULL OR EXISTS (
                         SELECT 1 FROM outbox.event x
                         WHERE x.stream = a.stream AND x.aggregate_key = a.aggregate_key
                           AND x.revision > a.revision + 1)) AS has_next
-            FROM unnest(v_ok_streams, v_ok_keys, v_ok_revs) AS a(stream, aggregate_key, revision)
+            FROM unnest(v_ok_streams, v_ok_keys, v_ok_revs, v_holders) AS a(stream, aggregate_key, revision, holder)
             LEFT JOIN outbox.event n ON n.stream = a.stream AND n.aggregate_key = a.aggregate_key
                                     AND n.revision = a.revision + 1
+            LEFT JOIN LATERAL (
+                SELECT t.ttl FROM unnest(p_handover_holders, p_handover_ttls) AS t(holder, ttl)
+                WHERE t.holder = a.holder AND n.event_id IS NOT NULL
+                  AND NOT EXISTS (SELECT 1 FROM outbox.skipped_event s WHERE s.event_id = n.event_id)
+                LIMIT 1
+            ) h ON true
+        ), advanced AS (
+            UPDATE outbox.delivery d
+            SET delivered_revision = x.revision,
+                state = CASE WHEN x.handover_ttl IS NOT NULL THEN 'leased'
+                             WHEN x.has_next THEN 'ready' ELSE 'idle' END,
+                claimable_at = CASE WHEN x.handover_ttl IS NOT NULL THEN v_now + x.handover_ttl
+                                    WHEN x.has_next THEN coalesce(x.next_created_at, v_now) END,
+                pending_since = CASE WHEN x.has_next THEN coalesce(x.next_created_at, v_now) END,
+                epoch = CASE WHEN x.handover_ttl IS NOT NULL
+                             THEN greatest(d.epoch + 1, (extract(epoch FROM v_now) * 1000000)::bigint)
+                             ELSE d.epoch END,
+                holder = CASE WHEN x.handover_ttl IS NOT NULL THEN d.holder END,
+                holder_relay_id = CASE WHEN x.handover_ttl IS NOT NULL THEN d.holder_relay_id END,
+                holder_replica_id = CASE WHEN x.handover_ttl IS NOT NULL THEN d.holder_replica_id END,
+                lease_expires_at = CASE WHEN x.handover_ttl IS NOT NULL THEN v_now + x.handover_ttl END,
+                leased_event_id = CASE WHEN x.handover_ttl IS NOT NULL THEN x.next_id END,
+                attempt = CASE WHEN x.handover_ttl IS NOT NULL THEN 1 ELSE 0 END,
+                failures = 0, unanswered = 0,
+                last_error = NULL, next_attempt_at = NULL, parked_at = NULL, parked_reason = NULL,
+                gap_revision = NULL
+            FROM nxt x
+            WHERE d.stream = x.stream AND d.aggregate_key = x.aggregate_key
+            RETURNING d.stream, d.aggregate_key, d.state, d.leased_event_id, d.epoch, d.attempt, d.lease_expires_at
         )
-        UPDATE outbox.delivery d
-        SET delivered_revision = x.revision,
-            state = CASE WHEN x.has_next THEN 'ready' ELSE 'idle' END,
-            claimable_at = CASE WHEN x.has_next THEN coalesce(x.next_created_at, v_now) END,
-            pending_since = CASE WHEN x.has_next THEN coalesce(x.next_created_at, v_now) END,
-            holder = NULL, holder_relay_id = NULL, holder_replica_id = NULL,
-            lease_expires_at = NULL, leased_event_id = NULL, attempt = 0, failures = 0, unanswered = 0,
-            last_error = NULL, next_attempt_at = NULL, parked_at = NULL, parked_reason = NULL,
-            gap_revision = NULL
-        FROM nxt x
-        WHERE d.stream = x.stream AND d.aggregate_key = x.aggregate_key;
+        SELECT array_agg(ROW(e.event_id, e.stream, e.aggregate_key, e.revision, e.event_type, e.payload::text,
+                             e.headers, e.created_at, a.epoch, a.attempt, a.lease_expires_at)::outbox.lease)
+        INTO v_handed
+        FROM advanced a JOIN outbox.event e ON e.event_id = a.leased_event_id
+        WHERE a.state = 'leased';
 
         -- Sessions on other replicas holding these leases free their credit
         -- now rather than at their next reconciliation.
@@ -128,15 +156,17 @@ BEGIN
     -- Published ones straight from the arrays; the rest need a look at the
     -- event to say why not.
     RETURN QUERY
-    SELECT o.id, 'published'::text, o.holder, o.created_at
-    FROM unnest(v_ok, v_holders, v_ok_created) AS o(id, holder, created_at)
+    SELECT o.id, 'published'::text, o.holder, o.created_at, h
+    FROM unnest(v_ok, v_holders, v_ok_created, v_ok_streams, v_ok_keys)
+         AS o(id, holder, created_at, stream, aggregate_key)
+    LEFT JOIN unnest(v_handed) AS h ON h.stream = o.stream AND h.aggregate_key = o.aggregate_key
     UNION ALL
     SELECT i.id,
            CASE WHEN l.id IS NOT NULL THEN 'lease_lost'
                 WHEN e.published_at IS NOT NULL THEN 'already_published'
                 WHEN e.event_id IS NOT NULL THEN 'lease_lost'
                 ELSE 'not_found' END,
-           NULL::uuid, NULL::timestamptz
+           NULL::uuid, NULL::timestamptz, NULL::outbox.lease
     FROM (SELECT DISTINCT unnest(p_event_ids) AS id) i
     LEFT JOIN unnest(v_ok) AS ok(id) ON ok.id = i.id
     LEFT JOIN unnest(v_ids) AS l(id) ON l.id = i.id

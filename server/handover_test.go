@@ -1,0 +1,391 @@
+package server_test
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/durationpb"
+
+	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+	"github.com/outboxd/outboxd/internal/store"
+	"github.com/outboxd/outboxd/internal/testdb"
+	"github.com/outboxd/outboxd/relay"
+	"github.com/outboxd/outboxd/server"
+)
+
+// claimCounter counts the claim statements that leased something.
+type claimCounter struct{ n atomic.Int64 }
+
+func (c *claimCounter) hook(ls []store.Lease, err error) ([]store.Lease, error) {
+	if len(ls) > 0 {
+		c.n.Add(1)
+	}
+	return ls, err
+}
+
+// Hand-over: a hot aggregate of K committed events goes out with one claim
+// (its first event); every later event is leased by the ack of the one
+// before, to the same session, with the session's TTL and a new epoch, and
+// sent at once. The previous lease's token is fenced off.
+func TestAckHandsOverNextEvent(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	const k = 20
+	ids := emit(t, pool, "orders", "hot", k)
+	emit(t, pool, "orders", "cold", 1) // another aggregate: claimed, never handed over
+	var claims claimCounter
+	r := startReplica(t, url, nil)
+	r.Server.SetAfterClaim(claims.hook)
+	const ttl = time.Hour
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 1, Streams: []string{"orders"}, LeaseTtl: durationpb.New(ttl)})
+	var prev *outboxv1.SubscribeResponse
+	for i := 0; i < k+1; i++ {
+		d := recv(t, st)
+		if d.GetEvent().GetAggregateKey() == "cold" {
+			if res := ack(t, r, d); res[0].GetStatus() != outboxv1.AckStatus_ACK_STATUS_PUBLISHED {
+				t.Fatalf("ack cold: %v", res[0])
+			}
+			continue
+		}
+		if prev != nil && prev.GetEvent().GetAggregateKey() == "hot" {
+			// The previous lease is over: its token is stale.
+			_, err := r.Relay.Nack(ctx, &outboxv1.NackRequest{EventId: prev.GetEvent().GetEventId(), LeaseToken: prev.GetLeaseToken(), Error: "x"})
+			if status.Code(err) != codes.FailedPrecondition {
+				t.Fatalf("nack with the previous lease's token: %v, want FailedPrecondition", err)
+			}
+			_, err = r.Relay.ExtendLease(ctx, &outboxv1.ExtendLeaseRequest{EventId: prev.GetEvent().GetEventId(),
+				LeaseToken: prev.GetLeaseToken(), Ttl: durationpb.New(ttl)})
+			if status.Code(err) != codes.FailedPrecondition {
+				t.Fatalf("extend with the previous lease's token: %v, want FailedPrecondition", err)
+			}
+			if res := ack(t, r, prev); res[0].GetStatus() != outboxv1.AckStatus_ACK_STATUS_ALREADY_PUBLISHED {
+				t.Fatalf("repeated ack: %v", res[0])
+			}
+		}
+		rev := d.GetEvent().GetRevision()
+		if d.GetEvent().GetEventId() != ids[rev-1].String() || d.GetAttempt() != 1 {
+			t.Fatalf("got %s revision %d attempt %d", d.GetEvent().GetEventId(), rev, d.GetAttempt())
+		}
+		if prev != nil && prev.GetEvent().GetAggregateKey() == "hot" && rev != prev.GetEvent().GetRevision()+1 {
+			t.Fatalf("revision %d after %d", rev, prev.GetEvent().GetRevision())
+		}
+		before := time.Now()
+		if _, err := r.Relay.ExtendLease(ctx, &outboxv1.ExtendLeaseRequest{EventId: d.GetEvent().GetEventId(),
+			LeaseToken: d.GetLeaseToken(), Ttl: durationpb.New(ttl)}); err != nil {
+			t.Fatalf("extend the handed-over lease of revision %d: %v", rev, err)
+		}
+		if d.GetLeaseExpiresAt().AsTime().Before(before.Add(ttl - time.Minute)) {
+			t.Fatalf("revision %d leased until %v: not the session's TTL", rev, d.GetLeaseExpiresAt().AsTime())
+		}
+		prev = d
+		if res := ack(t, r, d); res[0].GetStatus() != outboxv1.AckStatus_ACK_STATUS_PUBLISHED {
+			t.Fatalf("ack revision %d: %v", rev, res[0])
+		}
+	}
+	// One claim for the hot aggregate's first event, one for the cold one.
+	if n := claims.n.Load(); n != 2 {
+		t.Fatalf("%d claims leased something, want 2 (the rest handed over)", n)
+	}
+	if n := r.Server.HandOvers(); n != k-1 {
+		t.Fatalf("%d hand-overs, want %d", n, k-1)
+	}
+	waitPending(t, pool, 0)
+}
+
+// With hand-over off (the benchmark's comparison switch) every event is
+// claimed.
+func TestNoHandOverClaimsEveryEvent(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	const k = 5
+	emit(t, pool, "orders", "hot", k)
+	var claims claimCounter
+	r := startReplica(t, url, func(c *server.Config) { c.NoHandOver = true })
+	r.Server.SetAfterClaim(claims.hook)
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 1})
+	for i := range k {
+		d := recv(t, st)
+		if d.GetEvent().GetRevision() != int64(i+1) {
+			t.Fatalf("revision %d, want %d", d.GetEvent().GetRevision(), i+1)
+		}
+		ack(t, r, d)
+	}
+	if n := claims.n.Load(); n != k {
+		t.Fatalf("%d claims, want %d", n, k)
+	}
+	if n := r.Server.HandOvers(); n != 0 {
+		t.Fatalf("%d hand-overs with hand-over off", n)
+	}
+}
+
+// An ack arriving on another replica than the holder's hands nothing over:
+// the aggregate becomes ready and the holder's replica claims it.
+func TestAckOnAnotherReplicaDoesNotHandOver(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	emit(t, pool, "orders", "hot", 2)
+	a, b := startReplica(t, url, nil), startReplica(t, url, nil)
+	st := subscribe(t, ctx, a, &outboxv1.SubscribeRequest{MaxInFlight: 1})
+	d1 := recv(t, st)
+	if res := ack(t, b, d1); res[0].GetStatus() != outboxv1.AckStatus_ACK_STATUS_PUBLISHED {
+		t.Fatalf("ack on b: %v", res[0])
+	}
+	d2 := recv(t, st)
+	if d2.GetEvent().GetRevision() != 2 {
+		t.Fatalf("revision %d, want 2", d2.GetEvent().GetRevision())
+	}
+	ack(t, a, d2)
+	if a.Server.HandOvers()+b.Server.HandOvers() != 0 {
+		t.Fatalf("hand-overs: a %d, b %d; want none", a.Server.HandOvers(), b.Server.HandOvers())
+	}
+}
+
+// A missing next revision (a gap) or a skipped one is not handed over: the
+// ack leaves the aggregate ready and the claim applies the gap and skip
+// rules as before.
+func TestNoHandOverAcrossGapOrSkip(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	emitAt(t, pool, "orders", "gap", 1)
+	emitAt(t, pool, "orders", "gap", 3)
+	skipped := emit(t, pool, "orders", "skip", 3)
+	r := startReplica(t, url, nil)
+	if _, err := r.Admin.SkipEvent(ctx, &outboxv1.SkipEventRequest{EventId: skipped[1].String(), Reason: "test", Actor: "test"}); err != nil {
+		t.Fatal(err)
+	}
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 2})
+	got := map[string][]int64{}
+	for range 3 { // gap r1, skip r1, skip r3
+		d := recv(t, st)
+		key := d.GetEvent().GetAggregateKey()
+		got[key] = append(got[key], d.GetEvent().GetRevision())
+		if res := ack(t, r, d); res[0].GetStatus() != outboxv1.AckStatus_ACK_STATUS_PUBLISHED {
+			t.Fatalf("ack %s/%d: %v", key, d.GetEvent().GetRevision(), res[0])
+		}
+	}
+	if fmt.Sprint(got["gap"]) != "[1]" || fmt.Sprint(got["skip"]) != "[1 3]" {
+		t.Fatalf("delivered %v", got)
+	}
+	if n := r.Server.HandOvers(); n != 0 {
+		t.Fatalf("%d hand-overs across a gap or a skipped revision", n)
+	}
+	// The gap is held: once revision 2 commits, 2 and then 3 go out, 3
+	// handed over by the ack of 2.
+	emitAt(t, pool, "orders", "gap", 2)
+	for _, want := range []int64{2, 3} {
+		d := recv(t, st)
+		if d.GetEvent().GetAggregateKey() != "gap" || d.GetEvent().GetRevision() != want {
+			t.Fatalf("got %s/%d, want gap/%d", d.GetEvent().GetAggregateKey(), d.GetEvent().GetRevision(), want)
+		}
+		ack(t, r, d)
+	}
+	if n := r.Server.HandOvers(); n != 1 {
+		t.Fatalf("%d hand-overs, want 1 (revision 3)", n)
+	}
+}
+
+// A session that ends between the commit of an ack that handed it a lease
+// and the hand-over reaching it loses nothing: the lease is released at once
+// (not left to its hour-long TTL) and the event goes to the next relay.
+func TestHandOverToEndedSessionIsReleased(t *testing.T) {
+	t.Parallel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	ids := emit(t, pool, "orders", "hot", 2)
+	r := startReplica(t, url, nil)
+	ctx1, cancel1 := context.WithCancel(context.Background())
+	defer cancel1()
+	var hooked atomic.Bool
+	r.Server.SetBeforeHandOver(func(res []store.AckResult) {
+		for _, a := range res {
+			if a.HandOver != nil && hooked.CompareAndSwap(false, true) {
+				// The lease on revision 2 is committed; end its session
+				// and wait until the stream's own release has run.
+				cancel1()
+				waitCtx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+				defer cancel()
+				if err := r.Server.Wait(waitCtx); err != nil {
+					t.Errorf("session did not end: %v", err)
+				}
+			}
+		}
+	})
+	st1 := subscribe(t, ctx1, r, &outboxv1.SubscribeRequest{MaxInFlight: 1, LeaseTtl: durationpb.New(time.Hour)})
+	d1 := recv(t, st1)
+	if res := ack(t, r, d1); res[0].GetStatus() != outboxv1.AckStatus_ACK_STATUS_PUBLISHED {
+		t.Fatalf("ack: %v", res[0])
+	}
+	if !hooked.Load() {
+		t.Fatal("the ack handed nothing over")
+	}
+	// The Ack has returned: the handed lease is already released.
+	var state string
+	var holder *string
+	if err := pool.QueryRow(context.Background(), `SELECT state, holder::text FROM outbox.delivery WHERE aggregate_key = 'hot'`).Scan(&state, &holder); err != nil {
+		t.Fatal(err)
+	}
+	if state != "ready" || holder != nil {
+		t.Fatalf("after the session ended: state %s holder %v, want ready and no holder", state, holder)
+	}
+	ctx2, cancel2 := context.WithCancel(context.Background())
+	defer cancel2()
+	d2 := recv(t, subscribe(t, ctx2, r, &outboxv1.SubscribeRequest{MaxInFlight: 1}))
+	if d2.GetEvent().GetEventId() != ids[1].String() {
+		t.Fatalf("next relay got %s, want revision 2", d2.GetEvent().GetEventId())
+	}
+	ack(t, r, d2)
+}
+
+// Hot aggregates under racing producers, discovery, claims, hand-overs and
+// acks: two replicas, two relays on each, producers emitting while they
+// run. Every event reaches the sink exactly once, in revision order, and
+// hand-overs did happen.
+func TestHotAggregatesRacingTwoReplicas(t *testing.T) {
+	t.Parallel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	const aggregates, perProducer, producers = 3, 100, 2
+	emit(t, pool, "orders", "seed", 1) // so that the stream exists
+	reps := []*replica{startReplica(t, url, nil), startReplica(t, url, nil)}
+	sink := newOrderSink()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	var wg sync.WaitGroup
+	for i := range 4 {
+		runner, err := relay.NewRunner(relay.Config{
+			Conn: reps[i%2].Conn, Publisher: sink, RelayID: fmt.Sprintf("r%d", i), MaxInFlight: 4,
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		wg.Add(1)
+		go func() { defer wg.Done(); _ = runner.Run(ctx) }()
+	}
+	var pwg sync.WaitGroup
+	for p := range producers {
+		pwg.Add(1)
+		go func() {
+			defer pwg.Done()
+			for i := range perProducer {
+				emit(t, pool, "orders", fmt.Sprintf("hot-%d", (i+p)%aggregates), 1)
+			}
+		}()
+	}
+	pwg.Wait()
+	sink.waitFor(t, 1+producers*perProducer)
+	waitPending(t, pool, 0)
+	cancel()
+	wg.Wait()
+	if sink.reordered > 0 {
+		t.Fatalf("%d first deliveries out of revision order", sink.reordered)
+	}
+	// No lease expires within the test (30s TTL) and no stream ends before
+	// the last event is delivered, so a duplicate could only come from two
+	// leases on one event at once.
+	if sink.duplicates > 0 {
+		t.Fatalf("%d duplicate deliveries: an event was leased twice", sink.duplicates)
+	}
+	if reps[0].Server.HandOvers()+reps[1].Server.HandOvers() == 0 {
+		t.Fatal("no hand-over happened")
+	}
+	t.Logf("duplicates %d, hand-overs %d + %d", sink.duplicates, reps[0].Server.HandOvers(), reps[1].Server.HandOvers())
+}
+
+// A hand-over alone does not make the session claim: it replaced the lease
+// the ack ended. A stream with spare credit on one hot aggregate runs its K
+// events with a handful of claims (the first, and the idle polls, which
+// back off from 2 ms), not one empty claim per event.
+func TestHandOverCostsNoClaim(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	const k = 100
+	emit(t, pool, "orders", "hot", k)
+	var claims atomic.Int64
+	r := startReplica(t, url, func(c *server.Config) {
+		c.PollInterval = time.Hour
+		c.ReconcileInterval = time.Hour
+	})
+	r.Server.SetAfterClaim(func(ls []store.Lease, err error) ([]store.Lease, error) {
+		claims.Add(1)
+		return ls, err
+	})
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 10})
+	for i := range k {
+		d := recv(t, st)
+		if d.GetEvent().GetRevision() != int64(i+1) {
+			t.Fatalf("revision %d, want %d", d.GetEvent().GetRevision(), i+1)
+		}
+		ack(t, r, d)
+	}
+	if n := r.Server.HandOvers(); n != k-1 {
+		t.Fatalf("%d hand-overs, want %d", n, k-1)
+	}
+	if n := claims.Load(); n >= k/4 {
+		t.Fatalf("%d claims for %d handed-over events: hand-overs make the session claim", n, k)
+	}
+	t.Logf("%d claims", claims.Load())
+}
+
+// A hand-over starts the next event afresh: the failures, last error and
+// attempts of the event before it (nacked, then redelivered and acked) do
+// not carry over.
+func TestHandOverResetsFailures(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	emit(t, pool, "orders", "hot", 2)
+	r := startReplica(t, url, func(c *server.Config) {
+		c.BackoffBase, c.BackoffCap = time.Millisecond, time.Millisecond
+	})
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 1})
+	d := recv(t, st)
+	if _, err := r.Relay.Nack(ctx, &outboxv1.NackRequest{EventId: d.GetEvent().GetEventId(), LeaseToken: d.GetLeaseToken(), Error: "broker down"}); err != nil {
+		t.Fatal(err)
+	}
+	d = recv(t, st)
+	if d.GetEvent().GetRevision() != 1 || d.GetAttempt() != 2 {
+		t.Fatalf("after the nack: revision %d attempt %d", d.GetEvent().GetRevision(), d.GetAttempt())
+	}
+	ack(t, r, d)
+	d = recv(t, st)
+	if d.GetEvent().GetRevision() != 2 || d.GetAttempt() != 1 {
+		t.Fatalf("handed over: revision %d attempt %d, want 2 and 1", d.GetEvent().GetRevision(), d.GetAttempt())
+	}
+	var state string
+	var failures, unanswered int
+	var lastError *string
+	if err := pool.QueryRow(ctx, `SELECT state, failures, unanswered, last_error FROM outbox.delivery WHERE aggregate_key = 'hot'`).
+		Scan(&state, &failures, &unanswered, &lastError); err != nil {
+		t.Fatal(err)
+	}
+	if state != "leased" || failures != 0 || unanswered != 0 || lastError != nil {
+		t.Fatalf("handed-over lease: state %s failures %d unanswered %d last_error %v", state, failures, unanswered, lastError)
+	}
+	if n := r.Server.HandOvers(); n != 1 {
+		t.Fatalf("%d hand-overs, want 1", n)
+	}
+	ack(t, r, d)
+}
