@@ -583,7 +583,7 @@ BEGIN
     IF NEW.published_at IS DISTINCT FROM OLD.published_at
        -- An operator's republish (outbox.v1.AdminService.Republish) makes
        -- published events pending again, to be delivered and acked anew.
-       AND NOT (NEW.published_at IS NULL AND current_setting('outbox.republishing', true) = 'on')
+       AND NOT (NEW.published_at IS NULL AND current_setting('outbox.republishing', true) IS NOT DISTINCT FROM 'on')
        AND (OLD.published_at IS NOT NULL OR current_setting('outbox.acking', true) IS DISTINCT FROM 'on') THEN
         RAISE EXCEPTION 'outbox: published_at of event % is set only by outboxd when a relay acks it', OLD.event_id
             USING ERRCODE = 'object_not_in_prerequisite_state',
