@@ -267,7 +267,7 @@ Exits 6 if not confirmed.`, cobra.NoArgs)
 				if err != nil {
 					return 0, err
 				}
-				return resp.GetMatched(), printBulk(c, resp, resp.GetMatched(), resp.GetSample(), "aggregates would be retried")
+				return resp.GetMatched(), printBulk(c, b.dryRun, resp, resp.GetMatched(), resp.GetSample(), "aggregates would be retried")
 			}, func() error {
 				req.DryRun = false
 				resp, err := call(ctx, c, "BulkRetry", c.rpc.BulkRetry, req)
@@ -286,9 +286,14 @@ Exits 6 if not confirmed.`, cobra.NoArgs)
 }
 
 // printBulk prints a dry run's count and sample (or its JSON).
-func printBulk(c *adminClient, resp proto.Message, matched int64, sample []*outboxv1.Aggregate, what string) error {
+// With --json only a --dry-run prints it: stdout then holds one document,
+// the final answer.
+func printBulk(c *adminClient, dryRun bool, resp proto.Message, matched int64, sample []*outboxv1.Aggregate, what string) error {
 	if c.flags.json {
-		return writeJSON(c.out, resp)
+		if dryRun {
+			return writeJSON(c.out, resp)
+		}
+		return nil
 	}
 	fmt.Fprintf(c.out, "%d %s", matched, what)
 	if matched == 0 {
@@ -345,7 +350,7 @@ Exits 2 without --reason, 6 if not confirmed.`, cobra.NoArgs)
 				if err != nil {
 					return 0, err
 				}
-				return resp.GetMatched(), printBulk(c, resp, resp.GetMatched(), resp.GetSample(), "aggregates would have their next event skipped")
+				return resp.GetMatched(), printBulk(c, b.dryRun, resp, resp.GetMatched(), resp.GetSample(), "aggregates would have their next event skipped")
 			}, func() error {
 				req.DryRun = false
 				resp, err := call(ctx, c, "BulkSkip", c.rpc.BulkSkip, req)
@@ -425,7 +430,10 @@ confirmed.`, cobra.RangeArgs(1, 2))
 				}
 				events = resp.GetEvents()
 				if f.json {
-					return events, writeJSON(c.out, resp)
+					if b.dryRun {
+						return events, writeJSON(c.out, resp)
+					}
+					return events, nil
 				}
 				return events, printRepublish(c.out, resp, "would be")
 			}, func() error {

@@ -52,7 +52,13 @@ type ListedAggregate struct {
 
 // where renders the filter as SQL predicates over outbox.delivery d.
 func (f AggregateFilter) where(arg func(any) string) []string {
-	w := []string{"d.pending_since IS NOT NULL"}
+	// pending_since can outlive the last pending event for a moment (a skip
+	// the next claim has not settled yet), so the events say.
+	w := []string{`d.pending_since IS NOT NULL AND EXISTS (
+		SELECT 1 FROM outbox.event e
+		WHERE e.stream = d.stream AND e.aggregate_key = d.aggregate_key AND e.revision > d.delivered_revision
+		  AND e.published_at IS NULL
+		  AND NOT EXISTS (SELECT 1 FROM outbox.skipped_event s WHERE s.event_id = e.event_id))`}
 	switch {
 	case f.StreamPrefix && f.Stream != "":
 		w = append(w, "starts_with(d.stream, "+arg(f.Stream)+")")
