@@ -205,6 +205,12 @@ type bulkFlags struct {
 }
 
 func (b *bulkFlags) register(fl *pflag.FlagSet, reasonHelp string) {
+	// One call acts on every match, an aggregate at a time: give it longer
+	// than an inspection's 10 s.
+	if t := fl.Lookup("timeout"); t != nil {
+		_ = t.Value.Set("10m")
+		t.DefValue = t.Value.String()
+	}
 	fl.StringVar(&b.reason, "reason", "", reasonHelp)
 	fl.StringVar(&b.actor, "actor", defaultActor(), "who is asking, when the credential does not say so")
 	fl.BoolVar(&b.dryRun, "dry-run", false, "only count what would change, and show a sample")
