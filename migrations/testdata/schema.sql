@@ -794,8 +794,9 @@ $$;
 --
 
 CREATE FUNCTION outbox.record_expired(p_streams text[], p_keys text[], p_now timestamp with time zone, p_max_attempts integer) RETURNS void
-    LANGUAGE sql
+    LANGUAGE plpgsql
     AS $$
+BEGIN
     INSERT INTO outbox.attempt (stream, aggregate_key, event_id, revision, attempt, outcome, error,
                                 relay_id, replica_id, at)
     SELECT d.stream, d.aggregate_key, e.event_id, e.revision, d.attempt,
@@ -810,7 +811,8 @@ CREATE FUNCTION outbox.record_expired(p_streams text[], p_keys text[], p_now tim
     JOIN outbox.delivery d ON d.stream = l.stream AND d.aggregate_key = l.aggregate_key
     JOIN outbox.event e ON e.event_id = d.leased_event_id AND e.revision = d.delivered_revision + 1
     WHERE (d.state = 'leased' OR (d.state = 'ready' AND d.unanswered + 1 >= p_max_attempts))
-      AND NOT EXISTS (SELECT 1 FROM outbox.skipped_event s WHERE s.event_id = e.event_id)
+      AND NOT EXISTS (SELECT 1 FROM outbox.skipped_event s WHERE s.event_id = e.event_id);
+END
 $$;
 
 --
