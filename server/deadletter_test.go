@@ -739,3 +739,44 @@ func TestRepublishRefuses(t *testing.T) {
 		t.Fatalf("time range over refused aggregates: %v, %v", res, err)
 	}
 }
+
+// Purging a published event deletes its attempt history too; a pending
+// event's history stays.
+func TestPurgeTakesAttemptsAlong(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	r := startReplica(t, url, func(c *server.Config) { c.BackoffBase, c.BackoffCap = time.Millisecond, time.Millisecond })
+	ids := emit(t, pool, "orders", "p", 2)
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 1, LeaseTtl: durationpb.New(time.Hour)})
+	nack(t, r, recv(t, st))
+	ack(t, r, recv(t, st))  // revision 1 published after one failure
+	nack(t, r, recv(t, st)) // revision 2 fails once and stays pending
+	if n := countWhere(t, pool, "outbox.attempt", "true"); n != 2 {
+		t.Fatalf("%d attempts recorded, want 2", n)
+	}
+	purge, err := r.Admin.Purge(ctx, &outboxv1.PurgeRequest{PublishedBefore: timestamppb.New(time.Now().Add(time.Hour))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for {
+		res, err := purge.Recv()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if res.GetDone() {
+			if res.GetDeleted() != 1 {
+				t.Fatalf("purged %d events, want 1", res.GetDeleted())
+			}
+			break
+		}
+	}
+	if n := countWhere(t, pool, "outbox.attempt", "event_id = '"+ids[0].String()+"'"); n != 0 {
+		t.Fatalf("%d attempts of the purged event left", n)
+	}
+	if n := countWhere(t, pool, "outbox.attempt", "event_id = '"+ids[1].String()+"'"); n != 1 {
+		t.Fatalf("%d attempts of the pending event left, want 1", n)
+	}
+}
