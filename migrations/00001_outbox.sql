@@ -196,8 +196,8 @@ CREATE TABLE outbox.accepted_gap (
 -- on those paths, never by an ack, and trimmed per aggregate to
 -- outbox.settings.attempt_history_per_aggregate rows by a statement trigger
 -- (outbox.trim_attempts). No foreign key to outbox.event: the insert would
--- share-lock the event row that outbox.ack locks first, and purged events'
--- attempts are bounded anyway.
+-- share-lock the event row that outbox.ack locks first; purge deletes an
+-- event's attempts with it instead.
 CREATE TABLE outbox.attempt (
     attempt_id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     stream text NOT NULL,
