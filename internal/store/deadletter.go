@@ -176,18 +176,17 @@ func (s *Store) Attempts(ctx context.Context, p AttemptsParams) ([]Attempt, erro
 	if before <= 0 {
 		before = 1<<63 - 1
 	}
-	cond := "a.stream = $1 AND a.aggregate_key = $2"
-	args := []any{p.Stream, p.AggregateKey, before, p.Limit}
+	// One of two predicates, each walking its own index newest first.
+	cond, args := "a.stream = $3 AND a.aggregate_key = $4", []any{before, p.Limit, p.Stream, p.AggregateKey}
 	if p.EventID != uuid.Nil {
-		cond = "a.event_id = $1 AND $2::text IS NOT NULL"
-		args[0], args[1] = p.EventID, ""
+		cond, args = "a.event_id = $3", []any{before, p.Limit, p.EventID}
 	}
 	rows, err := s.pool.Query(ctx, `
 		SELECT a.attempt_id, a.event_id, a.stream, a.aggregate_key, a.revision, a.attempt, a.outcome,
 		       coalesce(a.error, ''), coalesce(a.relay_id, ''), coalesce(a.replica_id, ''), a.at
 		FROM outbox.attempt a
-		WHERE `+cond+` AND a.attempt_id < $3
-		ORDER BY a.attempt_id DESC LIMIT $4`, args...)
+		WHERE `+cond+` AND a.attempt_id < $1
+		ORDER BY a.attempt_id DESC LIMIT $2`, args...)
 	if err != nil {
 		return nil, fmt.Errorf("store: attempts: %w", err)
 	}
