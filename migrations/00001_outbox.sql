@@ -1169,7 +1169,7 @@ LANGUAGE sql AS $$
         -- (this statement's snapshot, from before the update).
         INSERT INTO outbox.attempt (stream, aggregate_key, event_id, revision, attempt, outcome, error, relay_id, replica_id)
         SELECT d.stream, d.aggregate_key, d.leased_event_id, e.revision, d.attempt, 'released',
-               'the relay''s stream ended while it held the lease', d.holder_relay_id, d.holder_replica_id
+               'the lease was given back unanswered: the relay''s stream ended (or the server stopped) while it held it', d.holder_relay_id, d.holder_replica_id
         FROM released r
         JOIN outbox.delivery d ON d.stream = r.stream AND d.aggregate_key = r.aggregate_key
         JOIN outbox.event e ON e.event_id = d.leased_event_id
