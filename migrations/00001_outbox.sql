@@ -23,7 +23,19 @@ CREATE TABLE outbox.settings (
     -- so that an event with the largest headers, key and type still fits in
     -- one delivery message (4 MiB, the limit server and relay share).
     max_payload_bytes integer NOT NULL DEFAULT 1048576
-        CHECK (max_payload_bytes > 0 AND max_payload_bytes <= 3145728)
+        CHECK (max_payload_bytes > 0 AND max_payload_bytes <= 3145728),
+    -- How many failed delivery attempts outbox.attempt keeps per aggregate
+    -- (the oldest go first).
+    attempt_history_per_aggregate integer NOT NULL DEFAULT 50
+        CHECK (attempt_history_per_aggregate BETWEEN 1 AND 10000),
+    -- An aggregate is stalled (outbox.stall_reason) once this many leases of
+    -- its next event ended unanswered, or this many publishes of it failed,
+    -- with no progress since.
+    stall_after_unanswered integer NOT NULL DEFAULT 3 CHECK (stall_after_unanswered > 0),
+    stall_after_failures integer NOT NULL DEFAULT 3 CHECK (stall_after_failures > 0),
+    -- A connected relay holding nothing is idle once work on its streams has
+    -- waited this long for a relay, and it has been connected this long.
+    idle_relay_after interval NOT NULL DEFAULT '1 minute' CHECK (idle_relay_after > interval '0')
 );
 INSERT INTO outbox.settings DEFAULT VALUES;
 
@@ -176,6 +188,60 @@ CREATE TABLE outbox.accepted_gap (
     actor text NOT NULL CHECK (actor <> ''),
     accepted_at timestamptz NOT NULL DEFAULT now(),
     PRIMARY KEY (stream, aggregate_key, from_revision),
+    CHECK (from_revision <= to_revision)
+);
+
+-- Delivery attempts that did not publish, for operators: a nack, a parking,
+-- a lease that expired, a stream that ended holding the lease. Written only
+-- on those paths, never by an ack, and trimmed per aggregate to
+-- outbox.settings.attempt_history_per_aggregate rows by a statement trigger
+-- (outbox.trim_attempts). No foreign key to outbox.event: the insert would
+-- share-lock the event row that outbox.ack locks first; purge deletes an
+-- event's attempts with it instead.
+CREATE TABLE outbox.attempt (
+    attempt_id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    stream text NOT NULL,
+    aggregate_key text NOT NULL,
+    event_id uuid NOT NULL,
+    revision bigint NOT NULL,
+    -- The delivery's number for this event (1 is the first).
+    attempt integer NOT NULL,
+    outcome text NOT NULL CHECK (outcome IN ('nacked', 'expired', 'released', 'parked')),
+    error text,
+    relay_id text,
+    replica_id text,
+    at timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+CREATE INDEX attempt_aggregate_idx ON outbox.attempt (stream, aggregate_key, attempt_id);
+CREATE INDEX attempt_event_idx ON outbox.attempt (event_id, attempt_id);
+
+-- Operators' bulk actions and republishes, with who, when, why and what
+-- (the request as JSON, and how many aggregates and events it changed).
+CREATE TABLE outbox.operator_action (
+    action_id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    action text NOT NULL CHECK (action IN ('bulk_retry', 'bulk_skip', 'republish')),
+    actor text NOT NULL CHECK (actor <> ''),
+    reason text NOT NULL,
+    request jsonb NOT NULL,
+    aggregates bigint NOT NULL DEFAULT 0,
+    events bigint NOT NULL DEFAULT 0,
+    started_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+    finished_at timestamptz
+);
+
+-- One row per aggregate a republish rewound: revisions from_revision to
+-- to_revision (the cursor before the rewind) are delivered again, under
+-- their event ids; previous_published_at keeps when each was first
+-- published, since the republish makes them pending again.
+CREATE TABLE outbox.republished (
+    action_id bigint NOT NULL REFERENCES outbox.operator_action (action_id),
+    stream text NOT NULL,
+    aggregate_key text NOT NULL,
+    from_revision bigint NOT NULL,
+    to_revision bigint NOT NULL,
+    events bigint NOT NULL,
+    previous_published_at jsonb NOT NULL,
+    PRIMARY KEY (action_id, stream, aggregate_key),
     CHECK (from_revision <= to_revision)
 );
 
@@ -410,6 +476,9 @@ CREATE FUNCTION outbox.event_guard_published() RETURNS trigger
 LANGUAGE plpgsql AS $$
 BEGIN
     IF NEW.published_at IS DISTINCT FROM OLD.published_at
+       -- An operator's republish (outbox.v1.AdminService.Republish) makes
+       -- published events pending again, to be delivered and acked anew.
+       AND NOT (NEW.published_at IS NULL AND current_setting('outbox.republishing', true) IS NOT DISTINCT FROM 'on')
        AND (OLD.published_at IS NOT NULL OR current_setting('outbox.acking', true) IS DISTINCT FROM 'on') THEN
         RAISE EXCEPTION 'outbox: published_at of event % is set only by outboxd when a relay acks it', OLD.event_id
             USING ERRCODE = 'object_not_in_prerequisite_state',
@@ -686,6 +755,8 @@ LANGUAGE plpgsql AS $$
 #variable_conflict use_column
 BEGIN
     PERFORM set_config('synchronous_commit', 'off', true);
+    -- Attempt history: earlier leases of these events that expired.
+    PERFORM outbox.record_expired(p_streams, p_keys, p_now, p_max_attempts);
     RETURN QUERY
     WITH heads AS (
         SELECT d.stream, d.aggregate_key, e.event_id, u.unanswered,
@@ -1050,6 +1121,15 @@ LANGUAGE sql AS $$
         WHERE e.event_id = p_event_id AND d.leased_event_id = p_event_id
           AND d.epoch = p_epoch AND d.state = 'leased'
         FOR UPDATE OF d
+    ), recorded AS (
+        -- Attempt history (outbox.attempt), from the lease as it was.
+        INSERT INTO outbox.attempt (stream, aggregate_key, event_id, revision, attempt, outcome, error, relay_id, replica_id)
+        SELECT c.stream, c.aggregate_key, p_event_id, e.revision, d.attempt,
+               CASE WHEN c.failures >= p_max_failures THEN 'parked' ELSE 'nacked' END,
+               left(p_error, 4096), d.holder_relay_id, d.holder_replica_id
+        FROM cur c
+        JOIN outbox.delivery d ON d.stream = c.stream AND d.aggregate_key = c.aggregate_key
+        JOIN outbox.event e ON e.event_id = p_event_id
     )
     UPDATE outbox.delivery d
     SET failures = c.failures,
@@ -1079,6 +1159,14 @@ LANGUAGE sql AS $$
         WHERE e.event_id = p_event_id AND d.leased_event_id = p_event_id
           AND d.epoch = p_epoch AND d.state = 'leased'
         FOR UPDATE OF d
+    ), recorded AS (
+        -- Attempt history (outbox.attempt), from the lease as it was.
+        INSERT INTO outbox.attempt (stream, aggregate_key, event_id, revision, attempt, outcome, error, relay_id, replica_id)
+        SELECT c.stream, c.aggregate_key, p_event_id, e.revision, d.attempt, 'parked', left(p_reason, 4096),
+               d.holder_relay_id, d.holder_replica_id
+        FROM cur c
+        JOIN outbox.delivery d ON d.stream = c.stream AND d.aggregate_key = c.aggregate_key
+        JOIN outbox.event e ON e.event_id = p_event_id
     )
     UPDATE outbox.delivery d
     SET state = 'parked', claimable_at = NULL, parked_at = clock_timestamp(), parked_reason = p_reason,
@@ -1122,7 +1210,16 @@ LANGUAGE sql AS $$
             holder = NULL, holder_relay_id = NULL, holder_replica_id = NULL, lease_expires_at = NULL
         FROM mine m
         WHERE d.stream = m.stream AND d.aggregate_key = m.aggregate_key AND d.holder = p_holder
-        RETURNING 1
+        RETURNING d.stream, d.aggregate_key
+    ), recorded AS (
+        -- Attempt history (outbox.attempt), from the leases as they were
+        -- (this statement's snapshot, from before the update).
+        INSERT INTO outbox.attempt (stream, aggregate_key, event_id, revision, attempt, outcome, error, relay_id, replica_id)
+        SELECT d.stream, d.aggregate_key, d.leased_event_id, e.revision, d.attempt, 'released',
+               'the lease was given back unanswered: the relay''s stream ended (or the server stopped) while it held it', d.holder_relay_id, d.holder_replica_id
+        FROM released r
+        JOIN outbox.delivery d ON d.stream = r.stream AND d.aggregate_key = r.aggregate_key
+        JOIN outbox.event e ON e.event_id = d.leased_event_id
     )
     SELECT count(*)::integer FROM released
 $$;
@@ -1222,6 +1319,86 @@ LANGUAGE sql STABLE AS $$
     SELECT x.stream, sum(x.events)::bigint
     FROM (SELECT * FROM unclaimed UNION ALL SELECT * FROM late) x
     GROUP BY x.stream
+$$;
+-- +goose StatementEnd
+
+-- record_expired writes the attempt history (outbox.attempt) of the named
+-- aggregates whose previous lease of their next event ended unanswered and
+-- that lease_heads is about to lease again: an expired lease, or (when that
+-- makes lease_heads park the aggregate, having reached p_max_attempts) a
+-- released one, whose release outbox.release recorded already. The caller
+-- holds the delivery rows locked.
+-- +goose StatementBegin
+CREATE FUNCTION outbox.record_expired(p_streams text[], p_keys text[], p_now timestamptz, p_max_attempts integer)
+RETURNS void
+-- PL/pgSQL so that the INSERT keeps its plan for the connection's life:
+-- every claim calls this, and it usually inserts nothing.
+LANGUAGE plpgsql AS $$
+BEGIN
+    INSERT INTO outbox.attempt (stream, aggregate_key, event_id, revision, attempt, outcome, error,
+                                relay_id, replica_id, at)
+    SELECT d.stream, d.aggregate_key, e.event_id, e.revision, d.attempt,
+           CASE WHEN d.unanswered + 1 >= p_max_attempts THEN 'parked' ELSE 'expired' END,
+           CASE WHEN d.unanswered + 1 >= p_max_attempts THEN format(
+                    'delivered %s times without an ack or a nack: each lease expired or the stream holding it ended',
+                    d.unanswered + 1)
+                ELSE format('the lease expired at %s without an ack or a nack', d.lease_expires_at) END,
+           d.holder_relay_id, d.holder_replica_id,
+           CASE WHEN d.state = 'leased' THEN least(coalesce(d.lease_expires_at, p_now), p_now) ELSE p_now END
+    FROM unnest(p_streams, p_keys) AS l(stream, aggregate_key)
+    JOIN outbox.delivery d ON d.stream = l.stream AND d.aggregate_key = l.aggregate_key
+    JOIN outbox.event e ON e.event_id = d.leased_event_id AND e.revision = d.delivered_revision + 1
+    WHERE (d.state = 'leased' OR (d.state = 'ready' AND d.unanswered + 1 >= p_max_attempts))
+      AND NOT EXISTS (SELECT 1 FROM outbox.skipped_event s WHERE s.event_id = e.event_id);
+END
+$$;
+-- +goose StatementEnd
+
+-- trim_attempts keeps the newest outbox.settings.attempt_history_per_aggregate
+-- attempts of each aggregate a statement added attempts to: an index scan of
+-- that many rows per aggregate, on failure paths only.
+-- +goose StatementBegin
+CREATE FUNCTION outbox.trim_attempts() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    DELETE FROM outbox.attempt a
+    USING (SELECT DISTINCT n.stream, n.aggregate_key FROM added n) n
+    CROSS JOIN outbox.settings s
+    CROSS JOIN LATERAL (
+        SELECT x.attempt_id FROM outbox.attempt x
+        WHERE x.stream = n.stream AND x.aggregate_key = n.aggregate_key
+        ORDER BY x.attempt_id DESC
+        OFFSET s.attempt_history_per_aggregate LIMIT 1
+    ) cut
+    WHERE a.stream = n.stream AND a.aggregate_key = n.aggregate_key AND a.attempt_id <= cut.attempt_id;
+    RETURN NULL;
+END
+$$;
+-- +goose StatementEnd
+
+CREATE TRIGGER attempt_trim
+    AFTER INSERT ON outbox.attempt
+    REFERENCING NEW TABLE AS added
+    FOR EACH STATEMENT EXECUTE FUNCTION outbox.trim_attempts();
+
+-- stall_reason says why an aggregate with work in hand is stalled, or NULL:
+-- several leases of its next event ended unanswered (expired, or the stream
+-- holding it ended), or several publishes of it failed, with no progress
+-- since (an ack or a skip resets both counts; so does an operator's retry).
+-- Parked and gap-held aggregates are reported as such, not as stalled.
+-- +goose StatementBegin
+CREATE FUNCTION outbox.stall_reason(p_state text, p_unanswered integer, p_failures integer, p_last_error text)
+RETURNS text
+LANGUAGE sql STABLE AS $$
+    SELECT CASE
+        WHEN p_state NOT IN ('ready', 'leased', 'backoff') THEN NULL
+        WHEN p_unanswered >= s.stall_after_unanswered THEN format(
+            '%s deliveries of the next event ended without an ack or a nack (lease expired or the relay''s stream ended)',
+            p_unanswered)
+        WHEN p_failures >= s.stall_after_failures THEN format(
+            '%s publishes of the next event failed in a row; last error: %s', p_failures, left(coalesce(p_last_error, ''), 512))
+    END
+    FROM outbox.settings s
 $$;
 -- +goose StatementEnd
 

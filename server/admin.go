@@ -138,6 +138,12 @@ func lagProto(lag store.Lag, named []string) *outboxv1.GetLagResponse {
 		total.Gap += l.Gap
 		total.DeliveredLastMinute += l.DeliveredLastMinute
 		total.Stranded += l.Stranded
+		total.Stalled += l.Stalled
+		for _, id := range l.IdleRelays {
+			if !slices.Contains(total.IdleRelays, id) {
+				total.IdleRelays = append(total.IdleRelays, id)
+			}
+		}
 	}
 	resp.Total = streamLagProto(total, lag.Now)
 	return resp
@@ -156,6 +162,8 @@ func streamLagProto(l store.StreamLag, now time.Time) *outboxv1.StreamLag {
 		DeliveredLastMinute:  l.DeliveredLastMinute,
 		DeliveredPerSecond:   float64(l.DeliveredLastMinute) / 60,
 		StrandedEvents:       l.Stranded,
+		StalledAggregates:    l.Stalled,
+		IdleRelays:           int64(len(l.IdleRelays)),
 	}
 	if !l.OldestPending.IsZero() {
 		out.OldestPendingCreatedAt = timestamppb.New(l.OldestPending)
@@ -255,6 +263,8 @@ func aggregateProto(a store.Aggregate) *outboxv1.Aggregate {
 		LastError:           a.LastError,
 		ParkedReason:        a.ParkedReason,
 		GapRevision:         a.GapRevision,
+		Stalled:             a.StalledReason != "",
+		StalledReason:       a.StalledReason,
 	}
 	if a.State == "leased" {
 		out.LeaseHolder = a.Holder.String()

@@ -131,6 +131,46 @@ func TestStreamLimitedAdminToken(t *testing.T) {
 		t.Errorf("Purge{billing.invoice}: %v", err)
 	}
 
+	covered["ListAggregates"] = true
+	for _, f := range []*outboxv1.AggregateFilter{nil, {Stream: "*"}, {Stream: "sales_order"}, {Stream: "sales.*"}} {
+		_, err = limited.ListAggregates(ctx, &outboxv1.ListAggregatesRequest{Filter: f})
+		denied("ListAggregates{"+f.GetStream()+"}", err)
+	}
+	for _, st := range []string{"billing.invoice", "billing.*", "billing.in*"} {
+		if _, err := limited.ListAggregates(ctx, &outboxv1.ListAggregatesRequest{Filter: &outboxv1.AggregateFilter{Stream: st}}); err != nil &&
+			!(st == "billing.in*" && status.Code(err) == codes.InvalidArgument) {
+			t.Errorf("ListAggregates{%s}: %v", st, err)
+		}
+	}
+
+	covered["ListAttempts"] = true
+	_, err = limited.ListAttempts(ctx, &outboxv1.ListAttemptsRequest{Stream: "sales_order", AggregateKey: "o-1"})
+	denied("ListAttempts(sales_order)", err)
+	_, err = limited.ListAttempts(ctx, &outboxv1.ListAttemptsRequest{EventId: orders[0].String()})
+	denied("ListAttempts(sales_order event)", err)
+	if _, err := limited.ListAttempts(ctx, &outboxv1.ListAttemptsRequest{EventId: bills[0].String()}); err != nil {
+		t.Errorf("ListAttempts(billing event): %v", err)
+	}
+
+	covered["BulkRetry"] = true
+	_, err = limited.BulkRetry(ctx, &outboxv1.BulkRetryRequest{Filter: &outboxv1.AggregateFilter{Stream: "*"}})
+	denied("BulkRetry{*}", err)
+	_, err = limited.BulkRetry(ctx, &outboxv1.BulkRetryRequest{Filter: &outboxv1.AggregateFilter{Stream: "sales_order"}})
+	denied("BulkRetry{sales_order}", err)
+
+	covered["BulkSkip"] = true
+	_, err = limited.BulkSkip(ctx, &outboxv1.BulkSkipRequest{Filter: &outboxv1.AggregateFilter{Stream: "*"}, Reason: "r"})
+	denied("BulkSkip{*}", err)
+	_, err = limited.BulkSkip(ctx, &outboxv1.BulkSkipRequest{Filter: &outboxv1.AggregateFilter{Stream: "sales_order"}, Reason: "r"})
+	denied("BulkSkip{sales_order}", err)
+	if n := countWhere(t, pool, "outbox.skipped_event", "true"); n != 0 {
+		t.Fatalf("a refused bulk skip skipped %d events", n)
+	}
+
+	covered["Republish"] = true
+	_, err = limited.Republish(ctx, &outboxv1.RepublishRequest{Stream: "sales_order", AggregateKey: "o-1", FromRevision: 1, Reason: "r"})
+	denied("Republish(sales_order)", err)
+
 	for _, m := range outboxv1.AdminService_ServiceDesc.Methods {
 		if !covered[m.MethodName] {
 			t.Errorf("AdminService.%s is not checked with a stream-limited token", m.MethodName)

@@ -169,6 +169,16 @@
 // and are refused afterwards as "at or below the delivery cursor" (or, if a
 // REPEATABLE READ producer's stale read let one in, reported as stranded).
 //
+// Bulk retry and skip (server/deadletter.go) run the RetryAggregate and
+// SkipEvent transactions one aggregate at a time, so they take the same
+// locks in the same order. Republish rewinds an aggregate under its
+// delivery row's lock: the published events from the chosen revision to the
+// cursor become pending again (the published_at guard allows it only under
+// the transaction-local setting outbox.republishing), the cursor moves back
+// and any lease ends; delivery then treats them as any pending events, so
+// order, fencing, ack-gated marking and purge's refusal hold as they are.
+// docs/design.md has the reasoning and what it refuses.
+//
 // Purge and the retention janitor delete only published events, in keyset
 // batches over (created_at, event_id), each batch its own statement, so no
 // transaction stays open across batches to hold back vacuum; the table's

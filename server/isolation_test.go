@@ -163,6 +163,12 @@ func TestUndeliverableEventIsParkedNotSent(t *testing.T) {
 	if !strings.Contains(reason, "undeliverable") || !strings.Contains(reason, "4194304-byte limit") {
 		t.Fatalf("parked_reason = %q", reason)
 	}
+	// The attempt history says so too (outbox.park).
+	at, err := r.Admin.ListAttempts(ctx, &outboxv1.ListAttemptsRequest{EventId: big.String()})
+	if err != nil || len(at.GetAttempts()) != 1 || at.GetAttempts()[0].GetOutcome() != outboxv1.AttemptOutcome_ATTEMPT_OUTCOME_PARKED ||
+		at.GetAttempts()[0].GetError() != reason {
+		t.Fatalf("attempts of the parked event: %v, %v", at, err)
+	}
 	// The stream lives on and carries the next event.
 	next := emit(t, pool, "orders", "small", 1)[0]
 	if d := recv(t, st); d.GetEvent().GetEventId() != next.String() {

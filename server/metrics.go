@@ -109,6 +109,8 @@ type lagCollector struct {
 	aggregates    *prometheus.Desc
 	delivered     *prometheus.Desc
 	stranded      *prometheus.Desc
+	stalled       *prometheus.Desc
+	idleRelays    *prometheus.Desc
 	relays        *prometheus.Desc
 	scrapeSuccess *prometheus.Desc
 
@@ -132,6 +134,12 @@ func newLagCollector(s *Server) *lagCollector {
 			"Events marked published in the last minute, per stream (database-wide).", []string{"stream"}, nil),
 		stranded: prometheus.NewDesc("outboxd_stranded_events",
 			"Pending events no rule will deliver, per stream (database-wide); anything but 0 needs an operator.", []string{"stream"}, nil),
+		stalled: prometheus.NewDesc("outboxd_stalled_aggregates",
+			"Aggregates whose deliveries keep ending without progress (leases expiring or publishes failing repeatedly), per stream (database-wide).",
+			[]string{"stream"}, nil),
+		idleRelays: prometheus.NewDesc("outboxd_idle_relays",
+			"Connected relays holding no delivery while a ready aggregate of the stream has waited longer than outbox.settings.idle_relay_after, per stream (database-wide).",
+			[]string{"stream"}, nil),
 		relays: prometheus.NewDesc("outboxd_connected_relays",
 			"Relay Subscribe streams open on all replicas (database-wide).", nil, nil),
 		scrapeSuccess: prometheus.NewDesc("outboxd_lag_scrape_success",
@@ -140,7 +148,7 @@ func newLagCollector(s *Server) *lagCollector {
 }
 
 func (c *lagCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{c.pending, c.oldest, c.aggregates, c.delivered, c.stranded, c.relays, c.scrapeSuccess} {
+	for _, d := range []*prometheus.Desc{c.pending, c.oldest, c.aggregates, c.delivered, c.stranded, c.stalled, c.idleRelays, c.relays, c.scrapeSuccess} {
 		ch <- d
 	}
 }
@@ -165,6 +173,8 @@ func (c *lagCollector) Collect(ch chan<- prometheus.Metric) {
 		}
 		ch <- prometheus.MustNewConstMetric(c.delivered, prometheus.GaugeValue, float64(l.DeliveredLastMinute), l.Stream)
 		ch <- prometheus.MustNewConstMetric(c.stranded, prometheus.GaugeValue, float64(l.Stranded), l.Stream)
+		ch <- prometheus.MustNewConstMetric(c.stalled, prometheus.GaugeValue, float64(l.Stalled), l.Stream)
+		ch <- prometheus.MustNewConstMetric(c.idleRelays, prometheus.GaugeValue, float64(len(l.IdleRelays)), l.Stream)
 	}
 }
 

@@ -142,6 +142,9 @@ func printAggregate(w io.Writer, a *outboxv1.Aggregate, now time.Time) error {
 	if a.GetGapRevision() != 0 {
 		kv("missing revision", fmt.Sprint(a.GetGapRevision()))
 	}
+	if a.GetStalled() {
+		kv("stalled", cell(a.GetStalledReason(), 0))
+	}
 	return tw.Flush()
 }
 

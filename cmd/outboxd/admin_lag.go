@@ -29,8 +29,11 @@ func lagCommand() *cobra.Command {
 lag shows, per stream and in total: pending events and aggregates, how long
 the oldest pending event has waited (OLDEST) and the oldest of those no relay
 is offered because their aggregate is backing off, parked or held at a gap
-(HELD), aggregates by delivery state, and events delivered per second over the
-last minute; then the number of connected relays.
+(HELD), aggregates by delivery state, STALLED aggregates (deliveries of their
+next event keep expiring or failing with no progress), STRANDED events (no
+rule will deliver them), IDLE RELAYS (connected, holding nothing, while the
+stream's ready work waits), and events delivered per second over the last
+minute; then the number of connected relays.
 
 --watch redraws every --interval until interrupted (Ctrl-C exits 0); --timeout
 then bounds each refresh. With --json every refresh is one line.
@@ -134,13 +137,14 @@ func watchLag(ctx context.Context, c *adminClient, req *outboxv1.GetLagRequest, 
 // printLag prints the lag table, a TOTAL row, and the relay count.
 func printLag(w io.Writer, resp *outboxv1.GetLagResponse) error {
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
-	fmt.Fprintln(tw, "STREAM\tPENDING\tAGGREGATES\tOLDEST\tHELD\tREADY\tLEASED\tBACKOFF\tPARKED\tGAP\tSTRANDED\tDELIVERED/S")
+	fmt.Fprintln(tw, "STREAM\tPENDING\tAGGREGATES\tOLDEST\tHELD\tREADY\tLEASED\tBACKOFF\tPARKED\tGAP\tSTALLED\tSTRANDED\tIDLE RELAYS\tDELIVERED/S")
 	row := func(name string, s *outboxv1.StreamLag) {
-		fmt.Fprintf(tw, "%s\t%d\t%d\t%s\t%s\t%d\t%d\t%d\t%d\t%d\t%d\t%s\n",
+		fmt.Fprintf(tw, "%s\t%d\t%d\t%s\t%s\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%s\n",
 			name, s.GetPendingEvents(), s.GetPendingAggregates(),
 			fmtDuration(s.GetOldestPendingAge()), fmtDuration(s.GetOldestHeldAge()),
 			s.GetReadyAggregates(), s.GetLeasedAggregates(), s.GetBackingOffAggregates(),
-			s.GetParkedAggregates(), s.GetGapAggregates(), s.GetStrandedEvents(), fmtRate(s.GetDeliveredPerSecond()))
+			s.GetParkedAggregates(), s.GetGapAggregates(), s.GetStalledAggregates(), s.GetStrandedEvents(),
+			s.GetIdleRelays(), fmtRate(s.GetDeliveredPerSecond()))
 	}
 	for _, s := range resp.GetStreams() {
 		row(cell(s.GetStream(), 0), s)

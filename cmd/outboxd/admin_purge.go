@@ -208,9 +208,15 @@ func purgeStream(ctx context.Context, c *adminClient, req *outboxv1.PurgeRequest
 // refuses outright when stdin is not a terminal: a script must say --yes.
 // An interrupt while it waits is a refusal too.
 func confirm(ctx context.Context, c *adminClient, prompt string) error {
+	return confirmAction(ctx, c, prompt, "purging", "purge")
+}
+
+// confirmAction is confirm for any action: doing ("purging") and do
+// ("purge") word its refusals.
+func confirmAction(ctx context.Context, c *adminClient, prompt, doing, do string) error {
 	if !isTerminal(c.in) {
-		return withExitCode(exitNotConfirmed, errors.New(
-			"not purging: confirmation needs a terminal on stdin; pass --yes to purge without asking"))
+		return withExitCode(exitNotConfirmed, fmt.Errorf(
+			"not %s: confirmation needs a terminal on stdin; pass --yes to %s without asking", doing, do))
 	}
 	fmt.Fprint(c.errOut, prompt)
 	type answer struct {
@@ -228,11 +234,11 @@ func confirm(ctx context.Context, c *adminClient, prompt string) error {
 	select {
 	case <-ctx.Done():
 		fmt.Fprintln(c.errOut)
-		return withExitCode(exitNotConfirmed, errors.New("not purging: interrupted"))
+		return withExitCode(exitNotConfirmed, fmt.Errorf("not %s: interrupted", doing))
 	case a = <-answered:
 	}
 	if a.err != nil && !errors.Is(a.err, io.EOF) {
-		return withExitCode(exitNotConfirmed, fmt.Errorf("not purging: reading the answer: %w", a.err))
+		return withExitCode(exitNotConfirmed, fmt.Errorf("not %s: reading the answer: %w", doing, a.err))
 	}
 	switch strings.ToLower(strings.TrimSpace(a.line)) {
 	case "y", "yes":
@@ -241,7 +247,7 @@ func confirm(ctx context.Context, c *adminClient, prompt string) error {
 	if errors.Is(a.err, io.EOF) {
 		fmt.Fprintln(c.errOut)
 	}
-	return withExitCode(exitNotConfirmed, errors.New("not purging: not confirmed"))
+	return withExitCode(exitNotConfirmed, fmt.Errorf("not %s: not confirmed", doing))
 }
 
 func plural(n int64, one, many string) string {

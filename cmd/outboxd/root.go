@@ -37,7 +37,8 @@ func rootCommand() *cobra.Command {
 	root.PersistentFlags().StringVar(&g.logLevel, "log-level", "info", "log level: debug, info, warn, error")
 	root.AddCommand(serveCommand(&g), devCommand(&g), relayCommand(&g), migrateCommand(&g),
 		lagCommand(), relaysCommand(), aggregateCommand(), eventsCommand(),
-		retryCommand(), skipCommand(), purgeCommand(), benchCommand())
+		retryCommand(), skipCommand(), purgeCommand(), benchCommand(),
+		aggregatesCommand(), attemptsCommand(), bulkRetryCommand(), bulkSkipCommand(), republishCommand())
 	return root
 }
 

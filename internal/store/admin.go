@@ -48,6 +48,14 @@ type StreamLag struct {
 	// already passed, or delivery has a bug. Such events are not in
 	// PendingEvents.
 	Stranded int64
+	// Stalled counts aggregates whose deliveries keep ending without
+	// progress (outbox.stall_reason).
+	Stalled int64
+	// IdleRelays are the sessions of connected relays that may take this
+	// stream's work, hold no delivery, and have been connected for
+	// outbox.settings.idle_relay_after while a ready aggregate of the stream
+	// has waited that long for a relay.
+	IdleRelays []uuid.UUID
 }
 
 // Lag is a snapshot of delivery lag.
@@ -75,7 +83,8 @@ func (s *Store) Lag(ctx context.Context, streams []string, sessionTTL time.Durat
 	lag := Lag{}
 	rows, err := s.pool.Query(ctx, `
 		WITH pend AS (
-		    SELECT d.stream, d.state, p.events, p.oldest_created_at
+		    SELECT d.stream, d.state, p.events, p.oldest_created_at,
+		           outbox.stall_reason(d.state, d.unanswered, d.failures, d.last_error) IS NOT NULL AS stalled
 		    FROM outbox.delivery d
 		    CROSS JOIN LATERAL outbox.pending_of(d.stream, d.aggregate_key, d.delivered_revision) p
 		    WHERE d.pending_since IS NOT NULL AND ($1::text[] IS NULL OR d.stream = ANY ($1))
@@ -88,7 +97,8 @@ func (s *Store) Lag(ctx context.Context, streams []string, sessionTTL time.Durat
 		           count(*) FILTER (WHERE state = 'leased') AS leased,
 		           count(*) FILTER (WHERE state = 'backoff') AS backoff,
 		           count(*) FILTER (WHERE state = 'parked') AS parked,
-		           count(*) FILTER (WHERE state = 'gap') AS gap
+		           count(*) FILTER (WHERE state = 'gap') AS gap,
+		           count(*) FILTER (WHERE stalled) AS stalled
 		    FROM pend GROUP BY stream
 		), rate AS (
 		    SELECT stream, sum(events)::bigint AS delivered FROM outbox.delivered_count
@@ -104,7 +114,7 @@ func (s *Store) Lag(ctx context.Context, streams []string, sessionTTL time.Durat
 		       coalesce(b.events, 0) + coalesce(u.events, 0), coalesce(b.aggregates, 0),
 		       least(b.oldest, u.oldest_created_at), b.oldest_held, coalesce(b.ready, 0), coalesce(b.leased, 0),
 		       coalesce(b.backoff, 0), coalesce(b.parked, 0), coalesce(b.gap, 0),
-		       coalesce(r.delivered, 0), coalesce(x.events, 0)
+		       coalesce(r.delivered, 0), coalesce(x.events, 0), coalesce(b.stalled, 0)
 		FROM by_stream b
 		FULL JOIN rate r ON r.stream = b.stream
 		FULL JOIN stranded x ON x.stream = coalesce(b.stream, r.stream)
@@ -117,12 +127,15 @@ func (s *Store) Lag(ctx context.Context, streams []string, sessionTTL time.Durat
 		var l StreamLag
 		var oldest, held *time.Time
 		err := row.Scan(&l.Stream, &l.PendingEvents, &l.PendingAggregates, &oldest, &held,
-			&l.Ready, &l.Leased, &l.Backoff, &l.Parked, &l.Gap, &l.DeliveredLastMinute, &l.Stranded)
+			&l.Ready, &l.Leased, &l.Backoff, &l.Parked, &l.Gap, &l.DeliveredLastMinute, &l.Stranded, &l.Stalled)
 		l.OldestPending, l.OldestHeld = deref(oldest), deref(held)
 		return l, err
 	})
 	if err != nil {
 		return lag, fmt.Errorf("store: lag: %w", err)
+	}
+	if err := s.idleRelays(ctx, filter, sessionTTL, lag.Streams); err != nil {
+		return lag, err
 	}
 	err = s.pool.QueryRow(ctx, `
 		SELECT clock_timestamp(), count(*) FROM outbox.relay_session
@@ -131,6 +144,41 @@ func (s *Store) Lag(ctx context.Context, streams []string, sessionTTL time.Durat
 		return lag, fmt.Errorf("store: lag: %w", err)
 	}
 	return lag, nil
+}
+
+// idleRelays fills in each stream's IdleRelays. Ready aggregates are found
+// through the claim index (claimable_at), so the cost follows the backlog.
+func (s *Store) idleRelays(ctx context.Context, filter []string, sessionTTL time.Duration, streams []StreamLag) error {
+	rows, err := s.pool.Query(ctx, `
+		WITH waiting AS (
+		    SELECT DISTINCT d.stream FROM outbox.delivery d, outbox.settings st
+		    WHERE d.claimable_at < clock_timestamp() - st.idle_relay_after AND d.state = 'ready'
+		      AND ($1::text[] IS NULL OR d.stream = ANY ($1))
+		)
+		SELECT w.stream, r.session_id
+		FROM waiting w
+		JOIN outbox.relay_session r ON r.streams = '{}' OR w.stream = ANY (r.streams)
+		CROSS JOIN outbox.settings st
+		WHERE r.seen_at > clock_timestamp() - $2::interval AND r.in_flight = 0
+		  AND r.connected_at < clock_timestamp() - st.idle_relay_after
+		ORDER BY 1, 2`, filter, sessionTTL)
+	if err != nil {
+		return fmt.Errorf("store: idle relays: %w", err)
+	}
+	var stream string
+	var id uuid.UUID
+	byStream := make(map[string][]uuid.UUID)
+	_, err = pgx.ForEachRow(rows, []any{&stream, &id}, func() error {
+		byStream[stream] = append(byStream[stream], id)
+		return nil
+	})
+	if err != nil {
+		return fmt.Errorf("store: idle relays: %w", err)
+	}
+	for i := range streams {
+		streams[i].IdleRelays = byStream[streams[i].Stream]
+	}
+	return nil
 }
 
 func deref(t *time.Time) time.Time {
@@ -260,6 +308,9 @@ type Aggregate struct {
 	ParkedAt             time.Time
 	ParkedReason         string
 	GapRevision          int64
+	// StalledReason says why the aggregate is stalled (outbox.stall_reason);
+	// empty when it is not.
+	StalledReason string
 }
 
 // querier is what a pool and a transaction have in common.
@@ -274,19 +325,14 @@ func (s *Store) GetAggregate(ctx context.Context, stream, key string) (Aggregate
 
 func getAggregate(ctx context.Context, q querier, stream, key string) (Aggregate, error) {
 	a := Aggregate{Stream: stream, AggregateKey: key}
-	var (
-		next                              *int64
-		oldest, expires, nextAt, parkedAt *time.Time
-		holder, leased                    *uuid.UUID
-		relayID, lastErr, parkedReason    *string
-		gap                               *int64
-	)
+	var c aggregateCols
 	err := q.QueryRow(ctx, `
 		SELECT coalesce(d.state, 'ready'), coalesce(g.last_revision, 0), c.delivered_revision,
 		       p.events, p.next_revision, p.oldest_created_at,
 		       d.holder, d.holder_relay_id, coalesce(d.epoch, 0), d.lease_expires_at, d.leased_event_id,
 		       coalesce(d.attempt, 0), coalesce(d.failures, 0), d.last_error, d.next_attempt_at,
-		       d.parked_at, d.parked_reason, d.gap_revision
+		       d.parked_at, d.parked_reason, d.gap_revision,
+		       outbox.stall_reason(d.state, d.unanswered, d.failures, d.last_error)
 		FROM (SELECT $1::text AS stream, $2::text AS aggregate_key) k
 		LEFT JOIN outbox.delivery d ON d.stream = k.stream AND d.aggregate_key = k.aggregate_key
 		LEFT JOIN outbox.aggregate g ON g.stream = k.stream AND g.aggregate_key = k.aggregate_key
@@ -299,16 +345,36 @@ func getAggregate(ctx context.Context, q querier, stream, key string) (Aggregate
 		) c
 		CROSS JOIN LATERAL outbox.pending_of(k.stream, k.aggregate_key, c.delivered_revision) p
 		WHERE d.stream IS NOT NULL OR g.stream IS NOT NULL`, stream, key).Scan(
-		&a.State, &a.LastRevision, &a.DeliveredRevision,
-		&a.PendingEvents, &next, &oldest,
-		&holder, &relayID, &a.Epoch, &expires, &leased,
-		&a.Attempt, &a.Failures, &lastErr, &nextAt, &parkedAt, &parkedReason, &gap)
+		c.targets(&a)...)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return a, ErrNotFound
 	}
 	if err != nil {
 		return a, fmt.Errorf("store: get aggregate: %w", err)
 	}
+	c.fill(&a)
+	return a, nil
+}
+
+// aggregateCols receives the nullable columns of an aggregate row, in the
+// order targets lists them (getAggregate's and ListAggregates' select lists).
+type aggregateCols struct {
+	next                                        *int64
+	oldest, expires, nextAt, parkedAt           *time.Time
+	holder, leased                              *uuid.UUID
+	relayID, lastErr, parkedReason, stallReason *string
+	gap                                         *int64
+}
+
+func (c *aggregateCols) targets(a *Aggregate) []any {
+	return []any{&a.State, &a.LastRevision, &a.DeliveredRevision,
+		&a.PendingEvents, &c.next, &c.oldest,
+		&c.holder, &c.relayID, &a.Epoch, &c.expires, &c.leased,
+		&a.Attempt, &a.Failures, &c.lastErr, &c.nextAt, &c.parkedAt, &c.parkedReason, &c.gap, &c.stallReason}
+}
+
+func (c *aggregateCols) fill(a *Aggregate) {
+	next, holder, leased, gap := c.next, c.holder, c.leased, c.gap
 	if next != nil {
 		a.NextPendingRevision = *next
 	}
@@ -321,9 +387,9 @@ func getAggregate(ctx context.Context, q querier, stream, key string) (Aggregate
 	if gap != nil {
 		a.GapRevision = *gap
 	}
-	a.OldestPending, a.LeaseExpiresAt, a.NextAttemptAt, a.ParkedAt = deref(oldest), deref(expires), deref(nextAt), deref(parkedAt)
-	a.HolderRelayID, a.LastError, a.ParkedReason = derefString(relayID), derefString(lastErr), derefString(parkedReason)
-	return a, nil
+	a.OldestPending, a.LeaseExpiresAt, a.NextAttemptAt, a.ParkedAt = deref(c.oldest), deref(c.expires), deref(c.nextAt), deref(c.parkedAt)
+	a.HolderRelayID, a.LastError, a.ParkedReason = derefString(c.relayID), derefString(c.lastErr), derefString(c.parkedReason)
+	a.StalledReason = derefString(c.stallReason)
 }
 
 func derefString(s *string) string {

@@ -158,10 +158,14 @@ func (s *Store) CountPurgeable(ctx context.Context, p PurgeParams) (int64, error
 // the same rows twice. Since published_at >= created_at, an event published
 // before the cut-off was also created before it, which bounds the scan.
 func (s *Store) PurgeOne(ctx context.Context, p PurgeParams, after EventPosition) (PurgeBatch, error) {
+	// The attempt history of a deleted event goes with it (outbox.attempt
+	// has no foreign key; see there).
 	act := `DELETE FROM outbox.event e USING scan s
-	        WHERE e.event_id = s.event_id AND e.published_at < $1 RETURNING 1`
+	        WHERE e.event_id = s.event_id AND e.published_at < $1 RETURNING e.event_id
+	    ), attempts AS (
+	        DELETE FROM outbox.attempt a USING act WHERE a.event_id = act.event_id`
 	if p.DryRun {
-		act = `SELECT 1 FROM scan s WHERE s.published_at < $1`
+		act = `SELECT s.event_id FROM scan s WHERE s.published_at < $1`
 	}
 	var b PurgeBatch
 	var examined int64

@@ -612,6 +612,9 @@ CREATE FUNCTION outbox.event_guard_published() RETURNS trigger
     AS $$
 BEGIN
     IF NEW.published_at IS DISTINCT FROM OLD.published_at
+       -- An operator's republish (outbox.v1.AdminService.Republish) makes
+       -- published events pending again, to be delivered and acked anew.
+       AND NOT (NEW.published_at IS NULL AND current_setting('outbox.republishing', true) IS NOT DISTINCT FROM 'on')
        AND (OLD.published_at IS NOT NULL OR current_setting('outbox.acking', true) IS DISTINCT FROM 'on') THEN
         RAISE EXCEPTION 'outbox: published_at of event % is set only by outboxd when a relay acks it', OLD.event_id
             USING ERRCODE = 'object_not_in_prerequisite_state',
@@ -677,6 +680,8 @@ CREATE FUNCTION outbox.lease_heads(p_streams text[], p_keys text[], p_holder uui
 #variable_conflict use_column
 BEGIN
     PERFORM set_config('synchronous_commit', 'off', true);
+    -- Attempt history: earlier leases of these events that expired.
+    PERFORM outbox.record_expired(p_streams, p_keys, p_now, p_max_attempts);
     RETURN QUERY
     WITH heads AS (
         SELECT d.stream, d.aggregate_key, e.event_id, u.unanswered,
@@ -745,6 +750,15 @@ CREATE FUNCTION outbox.nack(p_event_id uuid, p_epoch bigint, p_error text, p_ret
         WHERE e.event_id = p_event_id AND d.leased_event_id = p_event_id
           AND d.epoch = p_epoch AND d.state = 'leased'
         FOR UPDATE OF d
+    ), recorded AS (
+        -- Attempt history (outbox.attempt), from the lease as it was.
+        INSERT INTO outbox.attempt (stream, aggregate_key, event_id, revision, attempt, outcome, error, relay_id, replica_id)
+        SELECT c.stream, c.aggregate_key, p_event_id, e.revision, d.attempt,
+               CASE WHEN c.failures >= p_max_failures THEN 'parked' ELSE 'nacked' END,
+               left(p_error, 4096), d.holder_relay_id, d.holder_replica_id
+        FROM cur c
+        JOIN outbox.delivery d ON d.stream = c.stream AND d.aggregate_key = c.aggregate_key
+        JOIN outbox.event e ON e.event_id = p_event_id
     )
     UPDATE outbox.delivery d
     SET failures = c.failures,
@@ -774,6 +788,14 @@ CREATE FUNCTION outbox.park(p_event_id uuid, p_epoch bigint, p_reason text) RETU
         WHERE e.event_id = p_event_id AND d.leased_event_id = p_event_id
           AND d.epoch = p_epoch AND d.state = 'leased'
         FOR UPDATE OF d
+    ), recorded AS (
+        -- Attempt history (outbox.attempt), from the lease as it was.
+        INSERT INTO outbox.attempt (stream, aggregate_key, event_id, revision, attempt, outcome, error, relay_id, replica_id)
+        SELECT c.stream, c.aggregate_key, p_event_id, e.revision, d.attempt, 'parked', left(p_reason, 4096),
+               d.holder_relay_id, d.holder_replica_id
+        FROM cur c
+        JOIN outbox.delivery d ON d.stream = c.stream AND d.aggregate_key = c.aggregate_key
+        JOIN outbox.event e ON e.event_id = p_event_id
     )
     UPDATE outbox.delivery d
     SET state = 'parked', claimable_at = NULL, parked_at = clock_timestamp(), parked_reason = p_reason,
@@ -799,6 +821,32 @@ CREATE FUNCTION outbox.pending_of(p_stream text, p_aggregate_key text, p_after_r
 $$;
 
 --
+-- Name: record_expired(text[], text[], timestamp with time zone, integer); Type: FUNCTION; Schema: outbox; Owner: -
+--
+
+CREATE FUNCTION outbox.record_expired(p_streams text[], p_keys text[], p_now timestamp with time zone, p_max_attempts integer) RETURNS void
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+    INSERT INTO outbox.attempt (stream, aggregate_key, event_id, revision, attempt, outcome, error,
+                                relay_id, replica_id, at)
+    SELECT d.stream, d.aggregate_key, e.event_id, e.revision, d.attempt,
+           CASE WHEN d.unanswered + 1 >= p_max_attempts THEN 'parked' ELSE 'expired' END,
+           CASE WHEN d.unanswered + 1 >= p_max_attempts THEN format(
+                    'delivered %s times without an ack or a nack: each lease expired or the stream holding it ended',
+                    d.unanswered + 1)
+                ELSE format('the lease expired at %s without an ack or a nack', d.lease_expires_at) END,
+           d.holder_relay_id, d.holder_replica_id,
+           CASE WHEN d.state = 'leased' THEN least(coalesce(d.lease_expires_at, p_now), p_now) ELSE p_now END
+    FROM unnest(p_streams, p_keys) AS l(stream, aggregate_key)
+    JOIN outbox.delivery d ON d.stream = l.stream AND d.aggregate_key = l.aggregate_key
+    JOIN outbox.event e ON e.event_id = d.leased_event_id AND e.revision = d.delivered_revision + 1
+    WHERE (d.state = 'leased' OR (d.state = 'ready' AND d.unanswered + 1 >= p_max_attempts))
+      AND NOT EXISTS (SELECT 1 FROM outbox.skipped_event s WHERE s.event_id = e.event_id);
+END
+$$;
+
+--
 -- Name: release(uuid, uuid[]); Type: FUNCTION; Schema: outbox; Owner: -
 --
 
@@ -816,7 +864,16 @@ CREATE FUNCTION outbox.release(p_holder uuid, p_keep uuid[] DEFAULT '{}'::uuid[]
             holder = NULL, holder_relay_id = NULL, holder_replica_id = NULL, lease_expires_at = NULL
         FROM mine m
         WHERE d.stream = m.stream AND d.aggregate_key = m.aggregate_key AND d.holder = p_holder
-        RETURNING 1
+        RETURNING d.stream, d.aggregate_key
+    ), recorded AS (
+        -- Attempt history (outbox.attempt), from the leases as they were
+        -- (this statement's snapshot, from before the update).
+        INSERT INTO outbox.attempt (stream, aggregate_key, event_id, revision, attempt, outcome, error, relay_id, replica_id)
+        SELECT d.stream, d.aggregate_key, d.leased_event_id, e.revision, d.attempt, 'released',
+               'the lease was given back unanswered: the relay''s stream ended (or the server stopped) while it held it', d.holder_relay_id, d.holder_replica_id
+        FROM released r
+        JOIN outbox.delivery d ON d.stream = r.stream AND d.aggregate_key = r.aggregate_key
+        JOIN outbox.event e ON e.event_id = d.leased_event_id
     )
     SELECT count(*)::integer FROM released
 $$;
@@ -836,6 +893,24 @@ BEGIN
                   HINT = 'Set default_transaction_isolation = ''read committed'' on outboxd''s connections.';
     END IF;
 END
+$$;
+
+--
+-- Name: stall_reason(text, integer, integer, text); Type: FUNCTION; Schema: outbox; Owner: -
+--
+
+CREATE FUNCTION outbox.stall_reason(p_state text, p_unanswered integer, p_failures integer, p_last_error text) RETURNS text
+    LANGUAGE sql STABLE
+    AS $$
+    SELECT CASE
+        WHEN p_state NOT IN ('ready', 'leased', 'backoff') THEN NULL
+        WHEN p_unanswered >= s.stall_after_unanswered THEN format(
+            '%s deliveries of the next event ended without an ack or a nack (lease expired or the relay''s stream ended)',
+            p_unanswered)
+        WHEN p_failures >= s.stall_after_failures THEN format(
+            '%s publishes of the next event failed in a row; last error: %s', p_failures, left(coalesce(p_last_error, ''), 512))
+    END
+    FROM outbox.settings s
 $$;
 
 --
@@ -876,6 +951,28 @@ CREATE FUNCTION outbox.stranded(p_streams text[]) RETURNS TABLE(stream text, eve
     SELECT x.stream, sum(x.events)::bigint
     FROM (SELECT * FROM unclaimed UNION ALL SELECT * FROM late) x
     GROUP BY x.stream
+$$;
+
+--
+-- Name: trim_attempts(); Type: FUNCTION; Schema: outbox; Owner: -
+--
+
+CREATE FUNCTION outbox.trim_attempts() RETURNS trigger
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+    DELETE FROM outbox.attempt a
+    USING (SELECT DISTINCT n.stream, n.aggregate_key FROM added n) n
+    CROSS JOIN outbox.settings s
+    CROSS JOIN LATERAL (
+        SELECT x.attempt_id FROM outbox.attempt x
+        WHERE x.stream = n.stream AND x.aggregate_key = n.aggregate_key
+        ORDER BY x.attempt_id DESC
+        OFFSET s.attempt_history_per_aggregate LIMIT 1
+    ) cut
+    WHERE a.stream = n.stream AND a.aggregate_key = n.aggregate_key AND a.attempt_id <= cut.attempt_id;
+    RETURN NULL;
+END
 $$;
 
 --
@@ -938,6 +1035,38 @@ CREATE TABLE outbox.aggregate (
     last_revision bigint NOT NULL
 )
 WITH (fillfactor='50');
+
+--
+-- Name: attempt; Type: TABLE; Schema: outbox; Owner: -
+--
+
+CREATE TABLE outbox.attempt (
+    attempt_id bigint NOT NULL,
+    stream text NOT NULL,
+    aggregate_key text NOT NULL,
+    event_id uuid NOT NULL,
+    revision bigint NOT NULL,
+    attempt integer NOT NULL,
+    outcome text NOT NULL,
+    error text,
+    relay_id text,
+    replica_id text,
+    at timestamp with time zone DEFAULT clock_timestamp() NOT NULL,
+    CONSTRAINT attempt_outcome_check CHECK ((outcome = ANY (ARRAY['nacked'::text, 'expired'::text, 'released'::text, 'parked'::text])))
+);
+
+--
+-- Name: attempt_attempt_id_seq; Type: SEQUENCE; Schema: outbox; Owner: -
+--
+
+ALTER TABLE outbox.attempt ALTER COLUMN attempt_id ADD GENERATED ALWAYS AS IDENTITY (
+    SEQUENCE NAME outbox.attempt_attempt_id_seq
+    START WITH 1
+    INCREMENT BY 1
+    NO MINVALUE
+    NO MAXVALUE
+    CACHE 1
+);
 
 --
 -- Name: delivered_count; Type: TABLE; Schema: outbox; Owner: -
@@ -1059,6 +1188,37 @@ CREATE TABLE outbox.lease_key (
 );
 
 --
+-- Name: operator_action; Type: TABLE; Schema: outbox; Owner: -
+--
+
+CREATE TABLE outbox.operator_action (
+    action_id bigint NOT NULL,
+    action text NOT NULL,
+    actor text NOT NULL,
+    reason text NOT NULL,
+    request jsonb NOT NULL,
+    aggregates bigint DEFAULT 0 NOT NULL,
+    events bigint DEFAULT 0 NOT NULL,
+    started_at timestamp with time zone DEFAULT clock_timestamp() NOT NULL,
+    finished_at timestamp with time zone,
+    CONSTRAINT operator_action_action_check CHECK ((action = ANY (ARRAY['bulk_retry'::text, 'bulk_skip'::text, 'republish'::text]))),
+    CONSTRAINT operator_action_actor_check CHECK ((actor <> ''::text))
+);
+
+--
+-- Name: operator_action_action_id_seq; Type: SEQUENCE; Schema: outbox; Owner: -
+--
+
+ALTER TABLE outbox.operator_action ALTER COLUMN action_id ADD GENERATED ALWAYS AS IDENTITY (
+    SEQUENCE NAME outbox.operator_action_action_id_seq
+    START WITH 1
+    INCREMENT BY 1
+    NO MINVALUE
+    NO MAXVALUE
+    CACHE 1
+);
+
+--
 -- Name: relay_session; Type: TABLE; Schema: outbox; Owner: -
 --
 
@@ -1076,14 +1236,37 @@ CREATE TABLE outbox.relay_session (
 );
 
 --
+-- Name: republished; Type: TABLE; Schema: outbox; Owner: -
+--
+
+CREATE TABLE outbox.republished (
+    action_id bigint NOT NULL,
+    stream text NOT NULL,
+    aggregate_key text NOT NULL,
+    from_revision bigint NOT NULL,
+    to_revision bigint NOT NULL,
+    events bigint NOT NULL,
+    previous_published_at jsonb NOT NULL,
+    CONSTRAINT republished_check CHECK ((from_revision <= to_revision))
+);
+
+--
 -- Name: settings; Type: TABLE; Schema: outbox; Owner: -
 --
 
 CREATE TABLE outbox.settings (
     singleton boolean DEFAULT true NOT NULL,
     max_payload_bytes integer DEFAULT 1048576 NOT NULL,
+    attempt_history_per_aggregate integer DEFAULT 50 NOT NULL,
+    stall_after_unanswered integer DEFAULT 3 NOT NULL,
+    stall_after_failures integer DEFAULT 3 NOT NULL,
+    idle_relay_after interval DEFAULT '00:01:00'::interval NOT NULL,
+    CONSTRAINT settings_attempt_history_per_aggregate_check CHECK (((attempt_history_per_aggregate >= 1) AND (attempt_history_per_aggregate <= 10000))),
+    CONSTRAINT settings_idle_relay_after_check CHECK ((idle_relay_after > '00:00:00'::interval)),
     CONSTRAINT settings_max_payload_bytes_check CHECK (((max_payload_bytes > 0) AND (max_payload_bytes <= 3145728))),
-    CONSTRAINT settings_singleton_check CHECK (singleton)
+    CONSTRAINT settings_singleton_check CHECK (singleton),
+    CONSTRAINT settings_stall_after_failures_check CHECK ((stall_after_failures > 0)),
+    CONSTRAINT settings_stall_after_unanswered_check CHECK ((stall_after_unanswered > 0))
 );
 
 --
@@ -1112,6 +1295,13 @@ ALTER TABLE ONLY outbox.accepted_gap
 
 ALTER TABLE ONLY outbox.aggregate
     ADD CONSTRAINT aggregate_pkey PRIMARY KEY (stream, aggregate_key);
+
+--
+-- Name: attempt attempt_pkey; Type: CONSTRAINT; Schema: outbox; Owner: -
+--
+
+ALTER TABLE ONLY outbox.attempt
+    ADD CONSTRAINT attempt_pkey PRIMARY KEY (attempt_id);
 
 --
 -- Name: delivered_count delivered_count_pkey; Type: CONSTRAINT; Schema: outbox; Owner: -
@@ -1170,11 +1360,25 @@ ALTER TABLE ONLY outbox.lease_key
     ADD CONSTRAINT lease_key_pkey PRIMARY KEY (singleton);
 
 --
+-- Name: operator_action operator_action_pkey; Type: CONSTRAINT; Schema: outbox; Owner: -
+--
+
+ALTER TABLE ONLY outbox.operator_action
+    ADD CONSTRAINT operator_action_pkey PRIMARY KEY (action_id);
+
+--
 -- Name: relay_session relay_session_pkey; Type: CONSTRAINT; Schema: outbox; Owner: -
 --
 
 ALTER TABLE ONLY outbox.relay_session
     ADD CONSTRAINT relay_session_pkey PRIMARY KEY (session_id);
+
+--
+-- Name: republished republished_pkey; Type: CONSTRAINT; Schema: outbox; Owner: -
+--
+
+ALTER TABLE ONLY outbox.republished
+    ADD CONSTRAINT republished_pkey PRIMARY KEY (action_id, stream, aggregate_key);
 
 --
 -- Name: settings settings_pkey; Type: CONSTRAINT; Schema: outbox; Owner: -
@@ -1189,6 +1393,18 @@ ALTER TABLE ONLY outbox.settings
 
 ALTER TABLE ONLY outbox.skipped_event
     ADD CONSTRAINT skipped_event_pkey PRIMARY KEY (event_id);
+
+--
+-- Name: attempt_aggregate_idx; Type: INDEX; Schema: outbox; Owner: -
+--
+
+CREATE INDEX attempt_aggregate_idx ON outbox.attempt USING btree (stream, aggregate_key, attempt_id);
+
+--
+-- Name: attempt_event_idx; Type: INDEX; Schema: outbox; Owner: -
+--
+
+CREATE INDEX attempt_event_idx ON outbox.attempt USING btree (event_id, attempt_id);
 
 --
 -- Name: delivery_claimable_idx; Type: INDEX; Schema: outbox; Owner: -
@@ -1219,6 +1435,12 @@ CREATE INDEX event_created_at_event_id_idx ON outbox.event USING btree (created_
 --
 
 CREATE INDEX event_xid_idx ON outbox.event USING btree (xid);
+
+--
+-- Name: attempt attempt_trim; Type: TRIGGER; Schema: outbox; Owner: -
+--
+
+CREATE TRIGGER attempt_trim AFTER INSERT ON outbox.attempt REFERENCING NEW TABLE AS added FOR EACH STATEMENT EXECUTE FUNCTION outbox.trim_attempts();
 
 --
 -- Name: event event_before_insert; Type: TRIGGER; Schema: outbox; Owner: -
@@ -1256,6 +1478,13 @@ CREATE TRIGGER event_keep_pending BEFORE DELETE ON outbox.event FOR EACH ROW EXE
 
 ALTER TABLE ONLY outbox.late_event
     ADD CONSTRAINT late_event_event_id_fkey FOREIGN KEY (event_id) REFERENCES outbox.event(event_id) ON DELETE CASCADE;
+
+--
+-- Name: republished republished_action_id_fkey; Type: FK CONSTRAINT; Schema: outbox; Owner: -
+--
+
+ALTER TABLE ONLY outbox.republished
+    ADD CONSTRAINT republished_action_id_fkey FOREIGN KEY (action_id) REFERENCES outbox.operator_action(action_id);
 
 --
 -- Name: skipped_event skipped_event_event_id_fkey; Type: FK CONSTRAINT; Schema: outbox; Owner: -

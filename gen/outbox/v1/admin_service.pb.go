@@ -370,8 +370,10 @@ type StreamLag struct {
 	// Aggregate.stalled).
 	StalledAggregates int64 `protobuf:"varint,15,opt,name=stalled_aggregates,json=stalledAggregates,proto3" json:"stalled_aggregates,omitempty"`
 	// idle_relays counts relays connected for this stream's work that hold no
-	// delivery while the stream has ready aggregates. Only in per-stream
-	// entries where it can be attributed; the total carries the sum.
+	// delivery while a ready aggregate of the stream has waited for a relay
+	// longer than outbox.settings.idle_relay_after (1 minute by default), and
+	// have been connected at least that long. The total counts each relay
+	// once, however many of its streams wait.
 	IdleRelays    int64 `protobuf:"varint,16,opt,name=idle_relays,json=idleRelays,proto3" json:"idle_relays,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -1062,7 +1064,8 @@ func (x *Aggregate) GetStalledReason() string {
 }
 
 // AggregateFilter selects aggregates with pending work. Every set field must
-// match; an empty filter matches every aggregate with pending work.
+// match; an empty filter matches every aggregate with pending work (and is
+// refused by the bulk actions: stream "*" says "every stream" explicitly).
 type AggregateFilter struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// stream matches the stream exactly, or by prefix when it ends in ".*"
@@ -1071,7 +1074,7 @@ type AggregateFilter struct {
 	// states keeps aggregates in one of these states; empty means any.
 	States []AggregateState `protobuf:"varint,2,rep,packed,name=states,proto3,enum=outbox.v1.AggregateState" json:"states,omitempty"`
 	// error_contains keeps aggregates whose last error contains this text
-	// (case-insensitive).
+	// (case-insensitive; at most 1024 bytes).
 	ErrorContains string `protobuf:"bytes,3,opt,name=error_contains,json=errorContains,proto3" json:"error_contains,omitempty"`
 	// pending_before keeps aggregates whose oldest pending event was created
 	// before this time.
@@ -1928,10 +1931,17 @@ func (x *RepublishRequest) GetActor() string {
 // RepublishResponse reports what a republish did (or would do).
 type RepublishResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// aggregates counts aggregates rewound.
+	// aggregates counts aggregates rewound (or that would be, in a dry run).
 	Aggregates int64 `protobuf:"varint,1,opt,name=aggregates,proto3" json:"aggregates,omitempty"`
 	// events counts events that will be delivered again.
-	Events        int64 `protobuf:"varint,2,opt,name=events,proto3" json:"events,omitempty"`
+	Events int64 `protobuf:"varint,2,opt,name=events,proto3" json:"events,omitempty"`
+	// refused_aggregates counts aggregates of a time-range republish that were
+	// not rewound: parked, backing off or held at a gap (retry or skip their
+	// next event first), or with a revision missing or stranded in the range.
+	// A single-aggregate republish answers FAILED_PRECONDITION instead.
+	RefusedAggregates int64 `protobuf:"varint,3,opt,name=refused_aggregates,json=refusedAggregates,proto3" json:"refused_aggregates,omitempty"`
+	// refused lists up to 20 of them, each as "stream/key: why".
+	Refused       []string `protobuf:"bytes,4,rep,name=refused,proto3" json:"refused,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1978,6 +1988,20 @@ func (x *RepublishResponse) GetEvents() int64 {
 		return x.Events
 	}
 	return 0
+}
+
+func (x *RepublishResponse) GetRefusedAggregates() int64 {
+	if x != nil {
+		return x.RefusedAggregates
+	}
+	return 0
+}
+
+func (x *RepublishResponse) GetRefused() []string {
+	if x != nil {
+		return x.Refused
+	}
+	return nil
 }
 
 // ListEventsRequest filters and pages events.
@@ -2812,12 +2836,14 @@ const file_outbox_v1_admin_service_proto_rawDesc = "" +
 	"\x10published_before\x18\x05 \x01(\v2\x1a.google.protobuf.TimestampR\x0fpublishedBefore\x12\x16\n" +
 	"\x06reason\x18\x06 \x01(\tR\x06reason\x12\x17\n" +
 	"\adry_run\x18\a \x01(\bR\x06dryRun\x12\x14\n" +
-	"\x05actor\x18\b \x01(\tR\x05actor\"K\n" +
+	"\x05actor\x18\b \x01(\tR\x05actor\"\x94\x01\n" +
 	"\x11RepublishResponse\x12\x1e\n" +
 	"\n" +
 	"aggregates\x18\x01 \x01(\x03R\n" +
 	"aggregates\x12\x16\n" +
-	"\x06events\x18\x02 \x01(\x03R\x06events\"\xbd\x02\n" +
+	"\x06events\x18\x02 \x01(\x03R\x06events\x12-\n" +
+	"\x12refused_aggregates\x18\x03 \x01(\x03R\x11refusedAggregates\x12\x18\n" +
+	"\arefused\x18\x04 \x03(\tR\arefused\"\xbd\x02\n" +
 	"\x11ListEventsRequest\x12\x16\n" +
 	"\x06stream\x18\x01 \x01(\tR\x06stream\x12#\n" +
 	"\raggregate_key\x18\x02 \x01(\tR\faggregateKey\x12+\n" +

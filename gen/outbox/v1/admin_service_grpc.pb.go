@@ -88,6 +88,16 @@ type AdminServiceClient interface {
 	// aggregate's first event published in the range on) is delivered again.
 	// The reason is mandatory; the action is recorded with actor and reason.
 	// With dry_run it only counts.
+	//
+	// It rewinds the aggregate's delivery cursor and makes those events
+	// pending again (their first published_at is kept in the audit record), so
+	// they count in lag, are never purged, and are marked published anew only
+	// by the ack of their new delivery; a lease in flight on the aggregate
+	// ends (its ack answers LEASE_LOST and its event follows the republished
+	// ones). Aggregates that are parked, backing off or held at a gap, and
+	// ranges with a missing (purged, accepted-gap) or stranded revision, are
+	// refused: FAILED_PRECONDITION for one aggregate, refused_aggregates in a
+	// time range.
 	Republish(ctx context.Context, in *RepublishRequest, opts ...grpc.CallOption) (*RepublishResponse, error)
 }
 
@@ -283,6 +293,16 @@ type AdminServiceServer interface {
 	// aggregate's first event published in the range on) is delivered again.
 	// The reason is mandatory; the action is recorded with actor and reason.
 	// With dry_run it only counts.
+	//
+	// It rewinds the aggregate's delivery cursor and makes those events
+	// pending again (their first published_at is kept in the audit record), so
+	// they count in lag, are never purged, and are marked published anew only
+	// by the ack of their new delivery; a lease in flight on the aggregate
+	// ends (its ack answers LEASE_LOST and its event follows the republished
+	// ones). Aggregates that are parked, backing off or held at a gap, and
+	// ranges with a missing (purged, accepted-gap) or stranded revision, are
+	// refused: FAILED_PRECONDITION for one aggregate, refused_aggregates in a
+	// time range.
 	Republish(context.Context, *RepublishRequest) (*RepublishResponse, error)
 	mustEmbedUnimplementedAdminServiceServer()
 }
