@@ -943,7 +943,10 @@ $$;
 -- ready, and returns the lease in handover: the replica sends it down the
 -- session's stream at once, with no claim in between. The next event is of
 -- the same aggregate, so of the same stream: the session's stream filter
--- admits it.
+-- admits it. It never jumps the claim order: while another aggregate is
+-- claimable with an older claim order than the next event's created_at,
+-- the aggregate goes back to ready instead, so a hot aggregate cannot hold
+-- a session's credit while older work waits.
 -- +goose StatementBegin
 CREATE FUNCTION outbox.ack(
     p_event_ids uuid[],
@@ -1036,6 +1039,17 @@ BEGIN
                 SELECT t.ttl FROM unnest(p_handover_holders, p_handover_ttls) AS t(holder, ttl)
                 WHERE t.holder = a.holder AND n.event_id IS NOT NULL
                   AND NOT EXISTS (SELECT 1 FROM outbox.skipped_event s WHERE s.event_id = n.event_id)
+                  -- Never ahead of older work: if any aggregate is
+                  -- claimable now with a claim order older than this next
+                  -- event, the claim would take that one first, so this
+                  -- aggregate goes back to ready and waits its turn. (One
+                  -- probe of the claim index; not per stream, so a session
+                  -- may yield to work only another relay takes, which costs
+                  -- it a claim, never an event's turn.) The oldest claim
+                  -- order is read as a min over the claim index, a plan
+                  -- that stays an index probe whatever the parameters.
+                  AND NOT coalesce((SELECT min(o.claimable_at) FROM outbox.delivery o
+                                    WHERE o.claimable_at IS NOT NULL) < least(v_now, n.created_at), false)
                 LIMIT 1
             ) h ON true
         ), advanced AS (

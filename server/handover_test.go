@@ -389,3 +389,38 @@ func TestHandOverResetsFailures(t *testing.T) {
 	}
 	ack(t, r, d)
 }
+
+// Hand-over never jumps the queue: an aggregate whose next event is younger
+// than work already claimable elsewhere goes back to ready, and the claim
+// takes the oldest. With credit 1 and a hot aggregate's backlog, an older
+// event of another aggregate would otherwise wait for the whole backlog (or
+// forever, if the hot aggregate kept growing).
+func TestHandOverYieldsToOlderWork(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	emit(t, pool, "orders", "hot", 1)
+	emit(t, pool, "orders", "cold", 1) // older than the hot aggregate's revisions 2..k
+	const k = 10
+	emit(t, pool, "orders", "hot", k-1)
+	r := startReplica(t, url, nil)
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 1})
+	var order []string
+	for range k + 1 {
+		d := recv(t, st)
+		order = append(order, fmt.Sprintf("%s/%d", d.GetEvent().GetAggregateKey(), d.GetEvent().GetRevision()))
+		if res := ack(t, r, d); res[0].GetStatus() != outboxv1.AckStatus_ACK_STATUS_PUBLISHED {
+			t.Fatalf("ack %s: %v", order[len(order)-1], res[0])
+		}
+	}
+	if order[0] != "hot/1" || order[1] != "cold/1" {
+		t.Fatalf("delivery order %v: the older cold/1 must come right after hot/1, before hot/2", order)
+	}
+	// The rest of the backlog, with nothing older waiting, is handed over.
+	if n := r.Server.HandOvers(); n != k-2 {
+		t.Fatalf("%d hand-overs, want %d (hot/3..hot/%d)", n, k-2, k)
+	}
+	waitPending(t, pool, 0)
+}
