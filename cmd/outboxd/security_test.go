@@ -183,3 +183,28 @@ func consoleLogin(t *testing.T, base, token string) {
 		t.Fatalf("console after login: %d, want the streams page listing sales_order\n%.2000s", resp.StatusCode, b)
 	}
 }
+
+// With mutual TLS and no tokens, the console stays closed even on loopback:
+// its in-process connection skips TLS, so an open console would be a way
+// around the client certificates.
+func TestConsoleClosedBesideMutualTLSWithoutTokens(t *testing.T) {
+	t.Parallel()
+	url := testdb.New(t)
+	dir := t.TempDir()
+	ca := tlstest.NewCA(t, "outboxd test CA")
+	srv := tlstest.WriteLeaf(t, dir, "server", ca.Issue(t, "outboxd", x509.ExtKeyUsageServerAuth))
+	caFile := tlstest.WriteCA(t, dir, "ca.pem", ca)
+	addr, httpAddr := freeAddr(t), freeAddr(t)
+	start(t, "serve", "--database-url", url, "--listen", addr, "--http-listen", httpAddr,
+		"--tls-cert", srv.Cert, "--tls-key", srv.Key, "--tls-client-ca", caFile)
+	var code int
+	var body string
+	eventually(t, "the HTTP port answers", func() bool {
+		code, body = httpGet("http://" + httpAddr + "/readyz")
+		return code == http.StatusOK
+	})
+	code, body = httpGet("http://" + httpAddr + "/")
+	if code != http.StatusForbidden || !strings.Contains(body, "needs tokens") {
+		t.Fatalf("console beside mutual TLS without tokens: %d, want 403 asking for tokens\n%.1000s", code, body)
+	}
+}

@@ -119,15 +119,21 @@ func (f *serveFlags) security(log *slog.Logger) (credentials.TransportCredential
 }
 
 // newConsole builds the operator console on the replica's in-process
-// connection. Without tokens it follows serve's loopback rule: open on a
-// loopback HTTP address (or with --insecure-no-auth), refusing otherwise.
+// connection. Without tokens it is open (no login) only on a loopback HTTP
+// address and only when gRPC does not ask for client certificates: the
+// in-process connection skips TLS, so an open console beside mutual TLS
+// would be a way around it. --insecure-no-auth never opens it: that flag
+// trusts something in front of the gRPC port, which does not guard the
+// HTTP port.
 func (f *serveFlags) newConsole(rep *app.Replica, authn *auth.Authenticator, log *slog.Logger) (*console.Console, func(), error) {
 	conn, err := rep.DialInProcess()
 	if err != nil {
 		return nil, nil, fmt.Errorf("console: %w", err)
 	}
-	open := authn == nil && (auth.IsLoopback(f.httpListen) || f.insecureNoAuth)
+	open := authn == nil && auth.IsLoopback(f.httpListen) && f.tlsClientCA == ""
 	switch {
+	case authn == nil && f.tlsClientCA != "":
+		log.Warn("console refused: gRPC requires client certificates and the console has no tokens to stand in for them; give --token-file to use it")
 	case authn == nil && !open:
 		log.Warn("console refused: no tokens and --http-listen is not loopback; give --token-file to use it", "http_listen", f.httpListen)
 	case authn != nil && !auth.IsLoopback(f.httpListen):

@@ -3,6 +3,7 @@ package console_test
 import (
 	"context"
 	"net/http"
+	"net/http/httptest"
 	"net/url"
 	"os"
 	"strings"
@@ -312,6 +313,15 @@ func TestWithoutTokens(t *testing.T) {
 	resp.Body.Close()
 	if resp.StatusCode != http.StatusForbidden {
 		t.Errorf("open console with Host rebound.evil.example: %d, want 403", resp.StatusCode)
+	}
+	// A peer from elsewhere claiming a loopback Host is refused too: the
+	// Host header is the client's to choose, the peer address is not.
+	remote := httptest.NewRequest(http.MethodGet, "http://127.0.0.1/", nil)
+	remote.RemoteAddr = "192.0.2.7:40000"
+	rec := httptest.NewRecorder()
+	h.con.Handler().ServeHTTP(rec, remote)
+	if rec.Code != http.StatusForbidden || !strings.Contains(rec.Body.String(), "connections from this machine") {
+		t.Errorf("open console from a non-loopback peer with Host 127.0.0.1: %d, want 403", rec.Code)
 	}
 	form := url.Values{"event_id": {ev.GetEventId()}, "reason": {"drop"}, "stream": {"sales_order"}, "key": {ev.GetAggregateKey()}}
 	if code, _ := b.post(t, "/act/skip", form); code != http.StatusForbidden {

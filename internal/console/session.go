@@ -162,11 +162,16 @@ func (c *Console) disabled(r *http.Request) string {
 	case c.cfg.Authenticator != nil:
 		return ""
 	case !c.cfg.Open:
-		return "The console needs tokens: this server runs without a token file on an HTTP address other machines can reach. Give serve --token-file (a token with the viewer or admin role logs in), or bind --http-listen to loopback."
+		return "The console needs tokens: this server runs without a token file, and without one the console opens only on a loopback --http-listen and only when gRPC does not require client certificates. Give serve --token-file (a token with the viewer or admin role logs in)."
 	case !loopbackHost(r.Host):
 		// Without login, a page from elsewhere could rebind a name of its
 		// own to 127.0.0.1; only loopback names reach an open console.
 		return "Without tokens the console answers only to a loopback host name (127.0.0.1, [::1] or localhost)."
+	case !loopbackHost(r.RemoteAddr):
+		// The Host header is the client's to choose; the peer address is
+		// not. A proxy on this machine forwarding others' requests still
+		// passes, which is why an open console needs a loopback listener.
+		return "Without tokens the console answers only to connections from this machine."
 	}
 	return ""
 }
