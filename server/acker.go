@@ -91,8 +91,21 @@ func (a *ackCommitter) commit(ctx context.Context, batch []*ackRequest, n int) {
 	}
 	// Acks already taken must land even while the server shuts down.
 	dbCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
-	res, err := a.s.store.Ack(dbCtx, store.AckParams{IDs: ids, ReplicaID: a.s.cfg.ReplicaID, HandOver: a.s.handOverHolders()})
+	a.s.handOverMu.Lock()
+	defer a.s.handOverMu.Unlock()
+	holders := a.s.handOverHolders()
+	res, err := a.s.store.Ack(dbCtx, store.AckParams{IDs: ids, ReplicaID: a.s.cfg.ReplicaID, HandOver: holders})
 	cancel()
+	if h := a.s.afterAck; h != nil {
+		res, err = h(res, err)
+	}
+	if err != nil && len(holders) > 0 {
+		// The statement may have committed (its answer lost) or a part of
+		// a split batch may have: leases it handed over would then be held
+		// by sessions that never hear of them. Each session that could
+		// have received one sweeps its orphans once this batch is done.
+		a.s.sweepSessions(holders)
+	}
 	if h := a.s.beforeHandOver; h != nil && err == nil {
 		h(res)
 	}

@@ -23,6 +23,12 @@ func (s *Server) SetBeforeAddSession(f func()) { s.beforeAddSession = f }
 // replace it. Set it before the first Subscribe.
 func (s *Server) SetAfterClaim(f func([]store.Lease, error) ([]store.Lease, error)) { s.afterClaim = f }
 
+// SetAfterAck makes every ack statement's outcome pass through f, which may
+// replace it. Set it before the first Ack.
+func (s *Server) SetAfterAck(f func([]store.AckResult, error) ([]store.AckResult, error)) {
+	s.afterAck = f
+}
+
 // SetBeforeHandOver makes every ack batch call f with its results once it
 // has committed, before the leases it handed over reach their sessions.
 // Set it before the first Ack.

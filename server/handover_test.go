@@ -424,3 +424,52 @@ func TestHandOverYieldsToOlderWork(t *testing.T) {
 	}
 	waitPending(t, pool, 0)
 }
+
+// An ack batch whose statement committed but whose answer was lost (or
+// half of a split batch) may have handed leases to sessions that never hear
+// of them. Those sessions sweep their unknown leases, so the aggregate's
+// next event is delivered again at once instead of after its lease TTL
+// (an hour here: the test would hang).
+func TestLostAckAnswerDoesNotStrandHandedLease(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	ids := emit(t, pool, "orders", "hot", 3)
+	r := startReplica(t, url, func(c *server.Config) { c.ReconcileInterval = 50 * time.Millisecond })
+	var lost atomic.Bool
+	r.Server.SetAfterAck(func(res []store.AckResult, err error) ([]store.AckResult, error) {
+		if err == nil && lost.CompareAndSwap(false, true) {
+			for _, x := range res {
+				if x.HandOver == nil {
+					t.Errorf("the first ack handed nothing over: %+v", x)
+				}
+			}
+			return nil, fmt.Errorf("answer lost after commit (test)")
+		}
+		return res, err
+	})
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 1, LeaseTtl: durationpb.New(time.Hour)})
+	d := recv(t, st)
+	if d.GetEvent().GetEventId() != ids[0].String() {
+		t.Fatalf("first delivery %s, want revision 1", d.GetEvent().GetEventId())
+	}
+	if _, err := r.Relay.Ack(ctx, &outboxv1.AckRequest{Acks: []*outboxv1.AckItem{{EventId: d.GetEvent().GetEventId(), LeaseToken: d.GetLeaseToken()}}}); err == nil {
+		t.Fatal("the ack whose answer was lost succeeded")
+	}
+	// The relay retries its ack: the first commit stands.
+	if res := ack(t, r, d); res[0].GetStatus() != outboxv1.AckStatus_ACK_STATUS_ALREADY_PUBLISHED {
+		t.Fatalf("retried ack: %v", res[0])
+	}
+	for _, want := range ids[1:] {
+		d := recv(t, st)
+		if d.GetEvent().GetEventId() != want.String() {
+			t.Fatalf("got %s revision %d, want %s", d.GetEvent().GetEventId(), d.GetEvent().GetRevision(), want)
+		}
+		if res := ack(t, r, d); res[0].GetStatus() != outboxv1.AckStatus_ACK_STATUS_PUBLISHED {
+			t.Fatalf("ack revision %d: %v", d.GetEvent().GetRevision(), res[0])
+		}
+	}
+	waitPending(t, pool, 0)
+}

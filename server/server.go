@@ -197,9 +197,18 @@ type Server struct {
 	// afterClaim, when set (by tests), sees and may replace the outcome of
 	// every claim statement.
 	afterClaim func([]store.Lease, error) ([]store.Lease, error)
+	// afterAck, when set (by tests), sees and may replace the outcome of
+	// every ack statement (say, to lose the answer of one that committed).
+	afterAck func([]store.AckResult, error) ([]store.AckResult, error)
 	// beforeHandOver, when set (by tests), runs after an ack batch that
 	// handed leases over has committed, before they reach their sessions.
 	beforeHandOver func([]store.AckResult)
+	// handOverMu is held by the ack committer from an ack batch's
+	// statement until every lease it handed over is with its session (or
+	// released), and by a session computing which of its leases are
+	// orphans: a lease handed over but not yet with its session is never
+	// mistaken for one.
+	handOverMu sync.Mutex
 	// handOvers counts leases handed over by acks (and delivered or
 	// released); read by tests.
 	handOvers atomic.Uint64
@@ -392,6 +401,18 @@ func (s *Server) handOverHolders() map[uuid.UUID]time.Duration {
 		}
 	}
 	return m
+}
+
+// sweepSessions asks each of these local sessions to release the leases it
+// holds but does not know of.
+func (s *Server) sweepSessions(holders map[uuid.UUID]time.Duration) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for id := range holders {
+		if sess := s.sessions[id]; sess != nil {
+			sess.requestSweep()
+		}
+	}
 }
 
 // handOver gives the local session holder the lease l on the next event of

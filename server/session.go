@@ -54,6 +54,7 @@ type session struct {
 	mu        sync.Mutex
 	freed     []freedLease
 	handed    []store.Lease // leases acks handed over, not yet sent
+	sweep     bool          // release leases held but unknown (requestSweep)
 	closed    bool          // the stream is over: no more hand-overs
 	reconcile bool
 	kick      chan struct{} // capacity 1: "look at freed/reconcile"
@@ -120,6 +121,15 @@ type freedLease struct {
 	published bool
 }
 
+// requestSweep asks the loop to release the leases this session holds but
+// does not know of (see releaseUndelivered).
+func (ss *session) requestSweep() {
+	ss.mu.Lock()
+	ss.sweep = true
+	ss.mu.Unlock()
+	ss.poke()
+}
+
 // requestReconcile asks the loop to recheck its leases against the database.
 func (ss *session) requestReconcile() {
 	ss.mu.Lock()
@@ -152,6 +162,7 @@ func (ss *session) run(ctx context.Context, send func(*outboxv1.SubscribeRespons
 	w := newSessionWait(ss)
 	defer w.stop()
 	wantClaim := true
+	var discovered <-chan struct{}
 	for {
 		handed, freed, err := ss.applyFreed(ctx)
 		if err != nil {
@@ -169,13 +180,18 @@ func (ss *session) run(ctx context.Context, send func(*outboxv1.SubscribeRespons
 		}
 		// Taken before claiming: a discovery round that ends while the
 		// claim runs (and may have missed it) still wakes the wait below.
-		discovered := ss.srv.wake.wait()
+		// Kept across turns that do not claim (a hand-over's kick), so a
+		// round that ends during such a turn is not missed either.
+		if wantClaim || discovered == nil {
+			discovered = ss.srv.wake.wait()
+		}
 		credit := ss.maxInFlight - len(ss.inflight)
 		if credit > 0 && !stopping && wantClaim {
 			outcome, err := ss.claimAndSend(ctx, min(credit, ss.srv.cfg.ClaimBatch), send)
 			if err != nil {
 				return err
 			}
+			w.claimed()
 			switch outcome {
 			case claimedAll:
 				w.found()
@@ -289,7 +305,15 @@ type sessionWait struct {
 	// sweepOrphans asks for one more releaseUndelivered after a failed
 	// claim.
 	sweepOrphans bool
+	// pollAt is when the poll timer fires, zero when it is not armed. It
+	// is armed once per claim, not per wait, so that kicks (hand-overs)
+	// arriving faster than the poll delay do not keep pushing it back.
+	pollAt time.Time
 }
+
+// claimed restarts the poll clock: the next poll is pollDelay after this
+// claim.
+func (w *sessionWait) claimed() { w.pollAt = time.Time{} }
 
 func newSessionWait(ss *session) *sessionWait {
 	return &sessionWait{
@@ -327,7 +351,10 @@ func (w *sessionWait) wait(ctx context.Context, polling bool, discovered <-chan 
 	ss := w.ss
 	var pollC <-chan time.Time
 	if polling {
-		w.idle.Reset(w.pollDelay)
+		if w.pollAt.IsZero() {
+			w.pollAt = time.Now().Add(w.pollDelay)
+		}
+		w.idle.Reset(time.Until(w.pollAt))
 		pollC = w.idle.C
 		defer func() {
 			if !w.idle.Stop() {
@@ -351,6 +378,7 @@ func (w *sessionWait) wait(ctx context.Context, polling bool, discovered <-chan 
 		// Discovery found new events: claim at once, backoff kept (another
 		// session may take them, and all of them were woken).
 	case <-pollC:
+		w.pollAt = time.Time{}
 		w.pollDelay = min(w.pollDelay*2, ss.srv.cfg.PollInterval)
 	case <-w.reconcile.C:
 		if len(ss.inflight) > 0 {
@@ -371,11 +399,22 @@ func (w *sessionWait) wait(ctx context.Context, polling bool, discovered <-chan 
 // releaseUndelivered gives back the leases this session holds but never
 // sent, so that a claim which committed although the session saw it fail
 // does not hold its aggregates until their TTL.
+//
+// Leases acks handed over are kept too: those already queued for this
+// session, and (by waiting for handOverMu) those of an ack batch still
+// being distributed.
 func (ss *session) releaseUndelivered(ctx context.Context) {
+	ss.srv.handOverMu.Lock()
+	defer ss.srv.handOverMu.Unlock()
 	keep := make([]uuid.UUID, 0, len(ss.inflight))
 	for id := range ss.inflight {
 		keep = append(keep, id)
 	}
+	ss.mu.Lock()
+	for _, l := range ss.handed {
+		keep = append(keep, l.Event.ID)
+	}
+	ss.mu.Unlock()
 	relCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), releaseTimeout)
 	defer cancel()
 	n, err := ss.srv.store.ReleaseAllBut(relCtx, ss.id, keep)
@@ -403,8 +442,8 @@ func (ss *session) sendHanded(ctx context.Context, handed []store.Lease, send fu
 // to.
 func (ss *session) applyFreed(ctx context.Context) (handed []store.Lease, freed bool, err error) {
 	ss.mu.Lock()
-	ended, handed, reconcile := ss.freed, ss.handed, ss.reconcile
-	ss.freed, ss.handed, ss.reconcile = nil, nil, false
+	ended, handed, reconcile, sweep := ss.freed, ss.handed, ss.reconcile, ss.sweep
+	ss.freed, ss.handed, ss.reconcile, ss.sweep = nil, nil, false, false
 	ss.mu.Unlock()
 	before := len(ss.inflight)
 	for _, f := range ended {
@@ -417,6 +456,9 @@ func (ss *session) applyFreed(ctx context.Context) (handed []store.Lease, freed 
 	}
 	for _, l := range handed {
 		ss.inflight[l.Event.ID] = struct{}{}
+	}
+	if sweep {
+		ss.releaseUndelivered(ctx)
 	}
 	defer func() { freed = len(ss.inflight) < before }()
 	if reconcile && len(ss.inflight) > 0 {
