@@ -277,6 +277,18 @@ CREATE UNLOGGED TABLE outbox.delivered_count (
     PRIMARY KEY (stream, bucket, backend_pid)
 );
 
+-- Index plans, whatever the statistics. The delivery functions below are
+-- PL/pgSQL, so each statement's plan is cached for the connection's life,
+-- and every statement in them reaches rows by key (arrays of keys joined to
+-- primary keys, the xid and claim indexes). Planned against a young table,
+-- or one autovacuum has not analyzed, the planner prefers a sequential scan
+-- or a hash join over the whole table, and the cached plan keeps doing it
+-- as the table grows: a claim or an ack batch would cost O(aggregates). So
+-- those functions carry SET enable_seqscan, enable_hashjoin and
+-- enable_mergejoin = off (nested loops over index probes are the only plans
+-- left), and jit = off (the disabled paths' nominal costs would otherwise
+-- start the JIT compiler, which costs more than the statement).
+
 -- require_read_committed refuses to run a delivery function in a transaction
 -- whose statements share one snapshot: each of them reads what it needs in a
 -- statement after taking its locks, which under REPEATABLE READ or
@@ -601,7 +613,9 @@ $$;
 -- +goose StatementBegin
 CREATE FUNCTION outbox.discover()
 RETURNS TABLE (events bigint, aggregates bigint)
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql
+SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off
+AS $$
 #variable_conflict use_column
 DECLARE
     v_prev pg_snapshot;
@@ -609,7 +623,6 @@ DECLARE
     v_xip xid8[];
     v_events bigint;
     v_aggregates bigint;
-    v_enable_seqscan text := current_setting('enable_seqscan');
 BEGIN
     PERFORM outbox.require_read_committed('outbox.discover');
     IF NOT pg_try_advisory_xact_lock(7954802400917419382) THEN -- 'outboxd.discover'
@@ -632,16 +645,13 @@ BEGIN
     END IF;
     v_xip := ARRAY(SELECT pg_snapshot_xip(v_prev));
     -- Both sets are always a sliver of the table, read through the xid
-    -- index, but without fresh statistics (a new table, autovacuum behind)
-    -- the planner guesses that "xid >= x" matches a third of the table and
-    -- would scan all of it. JIT compiling would cost more than the round.
-    PERFORM set_config('enable_seqscan', 'off', true);
-    PERFORM set_config('jit', 'off', true);
+    -- index (the function's SET clauses keep the planner from guessing
+    -- otherwise: without fresh statistics it takes "xid >= x" to match a
+    -- third of the table).
     -- Most rounds find nothing: two index probes say so without planning the
     -- statement below.
     IF NOT EXISTS (SELECT 1 FROM outbox.event e WHERE e.xid >= v_xmax)
        AND NOT EXISTS (SELECT 1 FROM outbox.event e WHERE e.xid = ANY (v_xip)) THEN
-        PERFORM set_config('enable_seqscan', v_enable_seqscan, true);
         RETURN QUERY SELECT 0::bigint, 0::bigint;
         RETURN;
     END IF;
@@ -694,7 +704,6 @@ BEGIN
         WHERE EXISTS (SELECT 1 FROM found)
     )
     SELECT (SELECT count(*) FROM found), (SELECT count(*) FROM woken) INTO v_events, v_aggregates;
-    PERFORM set_config('enable_seqscan', v_enable_seqscan, true);
     IF v_events > 0 THEN
         -- Idle sessions on every replica claim at once. One NOTIFY per round
         -- that found something, never one per producer transaction.
@@ -751,7 +760,9 @@ CREATE FUNCTION outbox.lease_heads(
     p_now timestamptz,
     p_max_attempts integer
 ) RETURNS SETOF outbox.lease
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql
+SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off
+AS $$
 #variable_conflict use_column
 BEGIN
     PERFORM set_config('synchronous_commit', 'off', true);
@@ -821,7 +832,9 @@ CREATE FUNCTION outbox.claim(
     p_max_attempts integer DEFAULT NULL,
     p_exclude_streams text[] DEFAULT NULL
 ) RETURNS SETOF outbox.lease
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql
+SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off
+AS $$
 #variable_conflict use_column
 DECLARE
     v_now timestamptz := clock_timestamp();
@@ -955,7 +968,9 @@ CREATE FUNCTION outbox.ack(
     p_handover_ttls interval[] DEFAULT NULL
 )
 RETURNS TABLE (event_id uuid, status text, holder uuid, created_at timestamptz, handover outbox.lease)
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql
+SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off
+AS $$
 #variable_conflict use_column
 DECLARE
     v_now timestamptz := clock_timestamp();
@@ -1264,14 +1279,14 @@ $$;
 -- +goose StatementBegin
 CREATE FUNCTION outbox.undiscovered(p_streams text[])
 RETURNS TABLE (stream text, events bigint, oldest_created_at timestamptz)
-LANGUAGE plpgsql STABLE AS $$
+LANGUAGE plpgsql STABLE
+SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off
+AS $$
 #variable_conflict use_column
 DECLARE
     v_prev pg_snapshot;
-    v_enable_seqscan text := current_setting('enable_seqscan');
 BEGIN
     SELECT d.snapshot INTO v_prev FROM outbox.discovery d;
-    PERFORM set_config('enable_seqscan', 'off', true);
     RETURN QUERY
     SELECT e.stream, count(*), min(e.created_at)
     FROM (
@@ -1287,7 +1302,6 @@ BEGIN
           WHERE d.stream = e.stream AND d.aggregate_key = e.aggregate_key
             AND d.pending_since IS NOT NULL AND e.revision > d.delivered_revision)
     GROUP BY e.stream;
-    PERFORM set_config('enable_seqscan', v_enable_seqscan, true);
 END
 $$;
 -- +goose StatementEnd
@@ -1347,8 +1361,19 @@ CREATE FUNCTION outbox.record_expired(p_streams text[], p_keys text[], p_now tim
 RETURNS void
 -- PL/pgSQL so that the INSERT keeps its plan for the connection's life:
 -- every claim calls this, and it usually inserts nothing.
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql
+SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off
+AS $$
 BEGIN
+    -- Usually nothing qualifies (claims take ready aggregates whose head
+    -- was never leased): say so with index probes alone, so that the
+    -- INSERT and its statement trigger (trim_attempts) do not run at all.
+    IF NOT EXISTS (
+        SELECT 1 FROM unnest(p_streams, p_keys) AS l(stream, aggregate_key)
+        JOIN outbox.delivery d ON d.stream = l.stream AND d.aggregate_key = l.aggregate_key
+        WHERE d.state = 'leased' OR (d.state = 'ready' AND d.unanswered + 1 >= p_max_attempts)) THEN
+        RETURN;
+    END IF;
     INSERT INTO outbox.attempt (stream, aggregate_key, event_id, revision, attempt, outcome, error,
                                 relay_id, replica_id, at)
     SELECT d.stream, d.aggregate_key, e.event_id, e.revision, d.attempt,

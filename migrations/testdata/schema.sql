@@ -32,6 +32,10 @@ CREATE TYPE outbox.lease AS (
 
 CREATE FUNCTION outbox.ack(p_event_ids uuid[], p_replica_id text, p_handover_holders uuid[] DEFAULT NULL::uuid[], p_handover_ttls interval[] DEFAULT NULL::interval[]) RETURNS TABLE(event_id uuid, status text, holder uuid, created_at timestamp with time zone, handover outbox.lease)
     LANGUAGE plpgsql
+    SET enable_seqscan TO 'off'
+    SET enable_hashjoin TO 'off'
+    SET enable_mergejoin TO 'off'
+    SET jit TO 'off'
     AS $$
 #variable_conflict use_column
 DECLARE
@@ -192,6 +196,10 @@ $$;
 
 CREATE FUNCTION outbox.claim(p_holder uuid, p_relay_id text, p_replica_id text, p_streams text[], p_limit integer, p_ttl interval, p_max_attempts integer DEFAULT NULL::integer, p_exclude_streams text[] DEFAULT NULL::text[]) RETURNS SETOF outbox.lease
     LANGUAGE plpgsql
+    SET enable_seqscan TO 'off'
+    SET enable_hashjoin TO 'off'
+    SET enable_mergejoin TO 'off'
+    SET jit TO 'off'
     AS $$
 #variable_conflict use_column
 DECLARE
@@ -325,6 +333,10 @@ $$;
 
 CREATE FUNCTION outbox.discover() RETURNS TABLE(events bigint, aggregates bigint)
     LANGUAGE plpgsql
+    SET enable_seqscan TO 'off'
+    SET enable_hashjoin TO 'off'
+    SET enable_mergejoin TO 'off'
+    SET jit TO 'off'
     AS $$
 #variable_conflict use_column
 DECLARE
@@ -333,7 +345,6 @@ DECLARE
     v_xip xid8[];
     v_events bigint;
     v_aggregates bigint;
-    v_enable_seqscan text := current_setting('enable_seqscan');
 BEGIN
     PERFORM outbox.require_read_committed('outbox.discover');
     IF NOT pg_try_advisory_xact_lock(7954802400917419382) THEN -- 'outboxd.discover'
@@ -356,16 +367,13 @@ BEGIN
     END IF;
     v_xip := ARRAY(SELECT pg_snapshot_xip(v_prev));
     -- Both sets are always a sliver of the table, read through the xid
-    -- index, but without fresh statistics (a new table, autovacuum behind)
-    -- the planner guesses that "xid >= x" matches a third of the table and
-    -- would scan all of it. JIT compiling would cost more than the round.
-    PERFORM set_config('enable_seqscan', 'off', true);
-    PERFORM set_config('jit', 'off', true);
+    -- index (the function's SET clauses keep the planner from guessing
+    -- otherwise: without fresh statistics it takes "xid >= x" to match a
+    -- third of the table).
     -- Most rounds find nothing: two index probes say so without planning the
     -- statement below.
     IF NOT EXISTS (SELECT 1 FROM outbox.event e WHERE e.xid >= v_xmax)
        AND NOT EXISTS (SELECT 1 FROM outbox.event e WHERE e.xid = ANY (v_xip)) THEN
-        PERFORM set_config('enable_seqscan', v_enable_seqscan, true);
         RETURN QUERY SELECT 0::bigint, 0::bigint;
         RETURN;
     END IF;
@@ -418,7 +426,6 @@ BEGIN
         WHERE EXISTS (SELECT 1 FROM found)
     )
     SELECT (SELECT count(*) FROM found), (SELECT count(*) FROM woken) INTO v_events, v_aggregates;
-    PERFORM set_config('enable_seqscan', v_enable_seqscan, true);
     IF v_events > 0 THEN
         -- Idle sessions on every replica claim at once. One NOTIFY per round
         -- that found something, never one per producer transaction.
@@ -687,6 +694,10 @@ $$;
 
 CREATE FUNCTION outbox.lease_heads(p_streams text[], p_keys text[], p_holder uuid, p_relay_id text, p_replica_id text, p_ttl interval, p_now timestamp with time zone, p_max_attempts integer) RETURNS SETOF outbox.lease
     LANGUAGE plpgsql
+    SET enable_seqscan TO 'off'
+    SET enable_hashjoin TO 'off'
+    SET enable_mergejoin TO 'off'
+    SET jit TO 'off'
     AS $$
 #variable_conflict use_column
 BEGIN
@@ -837,8 +848,21 @@ $$;
 
 CREATE FUNCTION outbox.record_expired(p_streams text[], p_keys text[], p_now timestamp with time zone, p_max_attempts integer) RETURNS void
     LANGUAGE plpgsql
+    SET enable_seqscan TO 'off'
+    SET enable_hashjoin TO 'off'
+    SET enable_mergejoin TO 'off'
+    SET jit TO 'off'
     AS $$
 BEGIN
+    -- Usually nothing qualifies (claims take ready aggregates whose head
+    -- was never leased): say so with index probes alone, so that the
+    -- INSERT and its statement trigger (trim_attempts) do not run at all.
+    IF NOT EXISTS (
+        SELECT 1 FROM unnest(p_streams, p_keys) AS l(stream, aggregate_key)
+        JOIN outbox.delivery d ON d.stream = l.stream AND d.aggregate_key = l.aggregate_key
+        WHERE d.state = 'leased' OR (d.state = 'ready' AND d.unanswered + 1 >= p_max_attempts)) THEN
+        RETURN;
+    END IF;
     INSERT INTO outbox.attempt (stream, aggregate_key, event_id, revision, attempt, outcome, error,
                                 relay_id, replica_id, at)
     SELECT d.stream, d.aggregate_key, e.event_id, e.revision, d.attempt,
@@ -992,14 +1016,16 @@ $$;
 
 CREATE FUNCTION outbox.undiscovered(p_streams text[]) RETURNS TABLE(stream text, events bigint, oldest_created_at timestamp with time zone)
     LANGUAGE plpgsql STABLE
+    SET enable_seqscan TO 'off'
+    SET enable_hashjoin TO 'off'
+    SET enable_mergejoin TO 'off'
+    SET jit TO 'off'
     AS $$
 #variable_conflict use_column
 DECLARE
     v_prev pg_snapshot;
-    v_enable_seqscan text := current_setting('enable_seqscan');
 BEGIN
     SELECT d.snapshot INTO v_prev FROM outbox.discovery d;
-    PERFORM set_config('enable_seqscan', 'off', true);
     RETURN QUERY
     SELECT e.stream, count(*), min(e.created_at)
     FROM (
@@ -1015,7 +1041,6 @@ BEGIN
           WHERE d.stream = e.stream AND d.aggregate_key = e.aggregate_key
             AND d.pending_since IS NOT NULL AND e.revision > d.delivered_revision)
     GROUP BY e.stream;
-    PERFORM set_config('enable_seqscan', v_enable_seqscan, true);
 END
 $$;
 
