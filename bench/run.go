@@ -133,7 +133,7 @@ func Run(ctx context.Context, cfg Config) (rep *Report, err error) {
 	}
 	rep = newReport(&cfg)
 	rep.ScratchPrefix = newPrefix()
-	sc, err := newScratch(ctx, cfg.DatabaseURL, rep.ScratchPrefix, cfg.Logger)
+	sc, err := newScratch(ctx, cfg.DatabaseURL, rep.ScratchPrefix, cfg.ServerBinary, cfg.Logger)
 	if err != nil {
 		return rep, err
 	}

@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net/url"
+	"os/exec"
 	"strings"
 	"sync"
 	"time"
@@ -96,8 +97,10 @@ func newPrefix() string {
 }
 
 // newScratch creates and migrates the run's template database; every
-// database it creates is named prefix_*.
-func newScratch(ctx context.Context, adminURL, prefix string, log *slog.Logger) (_ *scratch, err error) {
+// database it creates is named prefix_*. With a server binary, the schema is
+// that binary's (`outboxd migrate`), so that comparing two builds compares
+// their SQL too; without one, the migrations this module links.
+func newScratch(ctx context.Context, adminURL, prefix, serverBinary string, log *slog.Logger) (_ *scratch, err error) {
 	s := &scratch{adminURL: adminURL, prefix: prefix, log: log}
 	s.template = s.prefix + "_template"
 	if err := s.warnLeftovers(ctx); err != nil {
@@ -120,7 +123,12 @@ func newScratch(ctx context.Context, adminURL, prefix string, log *slog.Logger) 
 		return nil, err
 	}
 	defer db.Close()
-	if _, err := migrations.Up(ctx, db, nil); err != nil {
+	if serverBinary != "" {
+		out, err := exec.CommandContext(ctx, serverBinary, "migrate", "--database-url", tmplURL).CombinedOutput()
+		if err != nil {
+			return nil, fmt.Errorf("bench: migrate the template database with %s: %w: %s", serverBinary, err, out)
+		}
+	} else if _, err := migrations.Up(ctx, db, nil); err != nil {
 		return nil, fmt.Errorf("bench: migrate the template database: %w", err)
 	}
 	if _, err := db.ExecContext(ctx, benchSchema); err != nil {
