@@ -592,27 +592,54 @@ LANGUAGE sql AS $$
 $$;
 -- +goose StatementEnd
 
--- discover finds the events whose transactions committed since the previous
--- round, makes their aggregates claimable (it creates the delivery row of a
--- new aggregate and wakes an idle or gap-held one) and wakes idle sessions.
+-- A lease as claim, lease_heads, ack (hand-over) and discovery (dispatch)
+-- return it: the event to deliver and the lease covering it.
+CREATE TYPE outbox.lease AS (
+    event_id uuid,
+    stream text,
+    aggregate_key text,
+    revision bigint,
+    event_type text,
+    payload text,
+    headers jsonb,
+    created_at timestamptz,
+    epoch bigint,
+    attempt integer,
+    lease_expires_at timestamptz
+);
+
+-- A discovery round finds the events whose transactions committed since the
+-- previous round and makes their aggregates deliverable: it creates the
+-- delivery row of a new aggregate and wakes an idle or gap-held one, and it
+-- may lease the next event of an idle or new aggregate straight to a relay
+-- session of the calling replica (dispatch), which saves the claim that
+-- would otherwise rewrite the row a second time.
+--
 -- Everything visible in the stored snapshot was discovered. An event visible
 -- now but not then belongs to a transaction that had not started by the
 -- stored snapshot (xid at or above its xmax) or was running then (xid in its
 -- xip list), so both sets are read through the xid index, and a long-running
--- transaction costs one index probe per round, never a rescan. The main
--- statement reads those events and stores pg_current_snapshot() in one
--- snapshot, so the events it read are exactly those visible in the snapshot
--- it stores. Replicas take turns with an advisory lock (no row lock, so an
--- empty round writes nothing and needs no transaction id); the snapshot
--- advances only when something was found.
+-- transaction costs one index probe per round, never a rescan. A round is two
+-- statements in one transaction: outbox.discover_scan reads those events and
+-- pg_current_snapshot() in one snapshot N and returns N with the aggregates
+-- found; the caller chooses which idle ones go to which of its sessions; and
+-- outbox.discover_apply re-reads exactly the events visible in N, writes the
+-- delivery rows and stores N. Replicas take turns with an advisory lock (no
+-- row lock, so an empty round writes nothing and needs no transaction id);
+-- the snapshot advances only when something was found. outbox.discover() is
+-- both halves in one call, with no dispatch.
 --
--- Locking the delivery rows here is what lets an ack or claim decide
--- "nothing follows" safely: they read events in a statement after locking
--- the row, so they see every event a round that locked it before them
--- discovered, and a round after them finds the row idle and wakes it.
+-- Locking the delivery rows is what lets an ack or claim decide "nothing
+-- follows" safely: they read events in a statement after locking the row,
+-- so they see every event a round that locked it before them discovered
+-- (those committed before N, taken before the round's locks), and a round
+-- that locks it after them finds the row idle and wakes it. So
+-- discover_apply locks every found aggregate's row, whatever its state,
+-- before a later statement (a newer snapshot) reads and decides.
 -- +goose StatementBegin
-CREATE FUNCTION outbox.discover()
-RETURNS TABLE (events bigint, aggregates bigint)
+CREATE FUNCTION outbox.discover_scan()
+RETURNS TABLE (prev_snapshot text, snapshot text, events bigint, stream text, aggregate_key text,
+               idle boolean, first_created_at timestamptz)
 LANGUAGE plpgsql
 SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off
 AS $$
@@ -621,12 +648,9 @@ DECLARE
     v_prev pg_snapshot;
     v_xmax xid8;
     v_xip xid8[];
-    v_events bigint;
-    v_aggregates bigint;
 BEGIN
-    PERFORM outbox.require_read_committed('outbox.discover');
+    PERFORM outbox.require_read_committed('outbox.discover_scan');
     IF NOT pg_try_advisory_xact_lock(7954802400917419382) THEN -- 'outboxd.discover'
-        RETURN QUERY SELECT 0::bigint, 0::bigint;
         RETURN;
     END IF;
     -- Read after taking the lock (a fresh snapshot in READ COMMITTED), so it
@@ -647,90 +671,268 @@ BEGIN
     -- Both sets are always a sliver of the table, read through the xid
     -- index (the function's SET clauses keep the planner from guessing
     -- otherwise: without fresh statistics it takes "xid >= x" to match a
-    -- third of the table).
-    -- Most rounds find nothing: two index probes say so without planning the
-    -- statement below.
+    -- third of the table). Most rounds find nothing: two index probes say
+    -- so without planning the statement below.
     IF NOT EXISTS (SELECT 1 FROM outbox.event e WHERE e.xid >= v_xmax)
        AND NOT EXISTS (SELECT 1 FROM outbox.event e WHERE e.xid = ANY (v_xip)) THEN
-        RETURN QUERY SELECT 0::bigint, 0::bigint;
         RETURN;
     END IF;
-    -- What a round writes can be written again: if PostgreSQL crashes
-    -- before this commit reaches disk, the next round finds the same events
-    -- and its upsert is idempotent. So the commit does not wait for the WAL
-    -- flush (any later synchronous commit, such as an ack's, flushes it).
-    PERFORM set_config('synchronous_commit', 'off', true);
+    -- One row per aggregate with a pending event found, oldest first; one
+    -- row with a NULL stream when every event found is already published
+    -- (an ack that saw it committed got there first); none when nothing was
+    -- found. pg_current_snapshot() is this statement's snapshot: the one the
+    -- events are read in.
+    RETURN QUERY
     WITH found AS (
-        SELECT e.event_id, e.stream, e.aggregate_key, e.revision, e.created_at, e.published_at
-        FROM outbox.event e
+        SELECT e.stream, e.aggregate_key, e.created_at, e.published_at FROM outbox.event e
         WHERE e.xid >= v_xmax
         UNION ALL
-        SELECT e.event_id, e.stream, e.aggregate_key, e.revision, e.created_at, e.published_at
-        FROM outbox.event e
+        SELECT e.stream, e.aggregate_key, e.created_at, e.published_at FROM outbox.event e
         WHERE e.xid = ANY (v_xip)
     ), agg AS (
-        -- An event can be published before a round finds it (an ack that
-        -- saw it committed made its aggregate ready at once): nothing to do.
-        SELECT f.stream, f.aggregate_key, min(f.revision) AS first_revision, min(f.created_at) AS first_created
+        SELECT f.stream, f.aggregate_key, min(f.created_at) AS first_created_at
         FROM found f WHERE f.published_at IS NULL
         GROUP BY f.stream, f.aggregate_key
-    ), woken AS (
-        INSERT INTO outbox.delivery AS d
-            (stream, aggregate_key, state, delivered_revision, claimable_at, pending_since)
-        SELECT a.stream, a.aggregate_key, 'ready', a.first_revision - 1, a.first_created, a.first_created
-        FROM agg a ORDER BY a.stream, a.aggregate_key
-        -- A row in another state already has work in hand: it is only
-        -- locked (waiting for an ack or claim holding it, then looking at
-        -- the row as they left it), not rewritten.
-        ON CONFLICT (stream, aggregate_key) DO UPDATE
-        SET state = 'ready', claimable_at = excluded.claimable_at,
-            pending_since = excluded.pending_since, gap_revision = NULL
-        WHERE d.state IN ('idle', 'gap')
-        RETURNING 1
-    ), late AS (
-        -- Against the cursor as this statement's snapshot has it: delivery
-        -- can only have moved past one of these events since by publishing
-        -- it, and candidates that were published are not counted where late
-        -- events are.
-        INSERT INTO outbox.late_event (event_id)
-        SELECT f.event_id FROM found f
-        JOIN outbox.delivery d ON d.stream = f.stream AND d.aggregate_key = f.aggregate_key
-        WHERE f.published_at IS NULL AND f.revision <= d.delivered_revision
-        ON CONFLICT (event_id) DO NOTHING
-    ), advanced AS (
-        -- pg_current_snapshot() is this statement's snapshot: the one the
-        -- events above were read in.
-        UPDATE outbox.discovery d SET snapshot = pg_current_snapshot(), advanced_at = now()
-        WHERE EXISTS (SELECT 1 FROM found)
+    ), header AS (
+        SELECT v_prev::text AS prev_snapshot, pg_current_snapshot()::text AS snapshot,
+               (SELECT count(*) FROM found) AS events
     )
-    SELECT (SELECT count(*) FROM found), (SELECT count(*) FROM woken) INTO v_events, v_aggregates;
-    IF v_events > 0 THEN
-        -- Idle sessions on every replica claim at once. One NOTIFY per round
-        -- that found something, never one per producer transaction.
-        PERFORM pg_notify('outbox_wakeup', '');
-    END IF;
-    events := v_events;
-    aggregates := v_aggregates;
-    RETURN NEXT;
+    SELECT h.prev_snapshot, h.snapshot, h.events, a.stream, a.aggregate_key,
+           a.stream IS NOT NULL AND coalesce(d.state = 'idle', true), a.first_created_at
+    FROM header h
+    LEFT JOIN agg a ON true
+    LEFT JOIN outbox.delivery d ON d.stream = a.stream AND d.aggregate_key = a.aggregate_key
+    WHERE h.events > 0
+    ORDER BY a.first_created_at;
 END
 $$;
 -- +goose StatementEnd
 
--- A lease as claim and lease_heads return it: the event to deliver and the
--- lease covering it.
-CREATE TYPE outbox.lease AS (
-    event_id uuid,
-    stream text,
-    aggregate_key text,
-    revision bigint,
-    event_type text,
-    payload text,
-    headers jsonb,
-    created_at timestamptz,
-    epoch bigint,
-    attempt integer,
-    lease_expires_at timestamptz
-);
+-- discover_apply is the second half of the round discover_scan began in this
+-- transaction (p_prev and p_snapshot are what it returned). p_streams and
+-- p_keys name idle or new aggregates to lease at once to the sessions
+-- p_holders (with their relays and lease TTLs): each is leased only if,
+-- after its row is locked, it is still idle or new and its next revision is
+-- committed and not skipped. Every other aggregate found is woken (ready)
+-- as before. The first row returned carries how many rows were made ready
+-- (woken), the rest one lease each.
+--
+-- Unlike a hand-over, dispatch needs no check of the claim order: it only
+-- uses credit a session offered while waiting, which it does only after a
+-- claim came back short, and a session claims with every credit an ack
+-- frees before it offers any again; so older claimable work is always
+-- claimed first.
+-- +goose StatementBegin
+CREATE FUNCTION outbox.discover_apply(
+    p_prev text,
+    p_snapshot text,
+    p_streams text[] DEFAULT NULL,
+    p_keys text[] DEFAULT NULL,
+    p_holders uuid[] DEFAULT NULL,
+    p_relay_ids text[] DEFAULT NULL,
+    p_ttls interval[] DEFAULT NULL,
+    p_replica_id text DEFAULT NULL
+) RETURNS TABLE (woken bigint, holder uuid, lease outbox.lease)
+LANGUAGE plpgsql
+SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off SET jit = off
+AS $$
+#variable_conflict use_column
+DECLARE
+    v_now timestamptz := clock_timestamp();
+    v_snapshot pg_snapshot := p_snapshot::pg_snapshot;
+    v_prev pg_snapshot;
+    v_xmax xid8;
+    v_xip xid8[];
+    v_ids uuid[];
+    v_streams text[];
+    v_keys text[];
+    v_revs bigint[];
+    v_created timestamptz[];
+    v_woken bigint;
+    v_holders uuid[];
+    v_leases outbox.lease[];
+BEGIN
+    PERFORM outbox.require_read_committed('outbox.discover_apply');
+    -- The advisory lock is re-entrant: this succeeds when discover_scan took
+    -- it in this transaction, and the stored snapshot is then still the one
+    -- it read (no other round can have run since).
+    IF NOT pg_try_advisory_xact_lock(7954802400917419382) THEN
+        RAISE EXCEPTION 'outbox: discover_apply must follow discover_scan in the same transaction'
+            USING ERRCODE = 'invalid_transaction_state';
+    END IF;
+    SELECT d.snapshot INTO v_prev FROM outbox.discovery d;
+    IF v_prev::text IS DISTINCT FROM p_prev THEN
+        RAISE EXCEPTION 'outbox: discovery moved from % to % since this round''s scan', p_prev, v_prev
+            USING ERRCODE = 'invalid_transaction_state',
+                  HINT = 'Call discover_scan and discover_apply in one transaction.';
+    END IF;
+    v_xmax := pg_snapshot_xmax(v_prev);
+    v_xip := ARRAY(SELECT pg_snapshot_xip(v_prev));
+    -- What a round writes can be written again: if PostgreSQL crashes
+    -- before this commit reaches disk, the next round finds the same events
+    -- and writes the same rows. A lease given by a round that is lost that
+    -- way is soft state (see lease_heads): its event is offered again. So
+    -- the commit does not wait for the WAL flush (any later synchronous
+    -- commit, such as an ack's, flushes it).
+    PERFORM set_config('synchronous_commit', 'off', true);
+
+    -- 1. The pending events found: exactly those visible in the scan's
+    --    snapshot and not in the stored one.
+    SELECT array_agg(f.event_id), array_agg(f.stream), array_agg(f.aggregate_key),
+           array_agg(f.revision), array_agg(f.created_at)
+    INTO v_ids, v_streams, v_keys, v_revs, v_created
+    FROM (
+        SELECT e.event_id, e.stream, e.aggregate_key, e.revision, e.created_at, e.published_at
+        FROM outbox.event e
+        WHERE e.xid >= v_xmax AND pg_visible_in_snapshot(e.xid, v_snapshot)
+        UNION ALL
+        SELECT e.event_id, e.stream, e.aggregate_key, e.revision, e.created_at, e.published_at
+        FROM outbox.event e
+        WHERE e.xid = ANY (v_xip) AND pg_visible_in_snapshot(e.xid, v_snapshot)
+    ) f
+    WHERE f.published_at IS NULL;
+
+    IF v_ids IS NOT NULL THEN
+        -- 2. Lock every found aggregate's row, in key order (as acks and
+        --    releases lock them), whatever its state: a row an ack or claim
+        --    holds is waited for, then seen below as they left it.
+        PERFORM 1 FROM outbox.delivery d
+        WHERE (d.stream, d.aggregate_key) IN (SELECT * FROM unnest(v_streams, v_keys))
+        ORDER BY d.stream, d.aggregate_key
+        FOR UPDATE OF d;
+
+        -- 3. Decide, in a statement whose snapshot is newer than the locks:
+        --    lease the next event of an idle or new aggregate named for a
+        --    session, wake every other idle or gap-held one, leave the rest
+        --    (they have work in hand) alone.
+        WITH agg AS (
+            SELECT f.stream, f.aggregate_key, min(f.revision) AS first_revision,
+                   min(f.created_at) AS first_created_at
+            FROM unnest(v_streams, v_keys, v_revs, v_created) AS f(stream, aggregate_key, revision, created_at)
+            GROUP BY f.stream, f.aggregate_key
+        ), cand AS (
+            SELECT a.stream, a.aggregate_key, a.first_revision, a.first_created_at,
+                   d.state, coalesce(d.delivered_revision, a.first_revision - 1) AS cursor,
+                   t.holder, t.relay_id, t.ttl
+            FROM agg a
+            LEFT JOIN outbox.delivery d ON d.stream = a.stream AND d.aggregate_key = a.aggregate_key
+            LEFT JOIN unnest(p_streams, p_keys, p_holders, p_relay_ids, p_ttls)
+                 AS t(stream, aggregate_key, holder, relay_id, ttl)
+                 ON t.stream = a.stream AND t.aggregate_key = a.aggregate_key
+        ), plan AS (
+            SELECT c.*, h.event_id AS head_id, h.created_at AS head_created_at
+            FROM cand c
+            LEFT JOIN LATERAL (
+                SELECT e.event_id, e.created_at FROM outbox.event e
+                WHERE c.holder IS NOT NULL AND coalesce(c.state = 'idle', true)
+                  AND e.stream = c.stream AND e.aggregate_key = c.aggregate_key
+                  AND e.revision = c.cursor + 1
+                  AND NOT EXISTS (SELECT 1 FROM outbox.skipped_event s WHERE s.event_id = e.event_id)
+            ) h ON true
+        ), created AS (
+            INSERT INTO outbox.delivery AS d
+                (stream, aggregate_key, state, delivered_revision, claimable_at, pending_since,
+                 epoch, holder, holder_relay_id, holder_replica_id, leased_event_id, lease_expires_at, attempt)
+            SELECT p.stream, p.aggregate_key,
+                   CASE WHEN p.head_id IS NOT NULL THEN 'leased' ELSE 'ready' END,
+                   p.cursor,
+                   CASE WHEN p.head_id IS NOT NULL THEN v_now + p.ttl ELSE p.first_created_at END,
+                   p.first_created_at,
+                   CASE WHEN p.head_id IS NOT NULL THEN (extract(epoch FROM v_now) * 1000000)::bigint ELSE 0 END,
+                   CASE WHEN p.head_id IS NOT NULL THEN p.holder END,
+                   CASE WHEN p.head_id IS NOT NULL THEN p.relay_id END,
+                   CASE WHEN p.head_id IS NOT NULL THEN p_replica_id END,
+                   p.head_id,
+                   CASE WHEN p.head_id IS NOT NULL THEN v_now + p.ttl END,
+                   CASE WHEN p.head_id IS NOT NULL THEN 1 ELSE 0 END
+            FROM plan p WHERE p.state IS NULL
+            ORDER BY p.stream, p.aggregate_key
+            -- Only discovery creates delivery rows, and rounds take turns.
+            ON CONFLICT (stream, aggregate_key) DO NOTHING
+            RETURNING d.stream, d.aggregate_key, d.state, d.holder, d.leased_event_id, d.epoch, d.attempt,
+                      d.lease_expires_at
+        ), updated AS (
+            UPDATE outbox.delivery d
+            SET state = CASE WHEN p.head_id IS NOT NULL THEN 'leased' ELSE 'ready' END,
+                claimable_at = CASE WHEN p.head_id IS NOT NULL THEN v_now + p.ttl ELSE p.first_created_at END,
+                pending_since = CASE WHEN p.head_id IS NOT NULL THEN p.head_created_at
+                                     ELSE least(d.pending_since, p.first_created_at) END,
+                epoch = CASE WHEN p.head_id IS NOT NULL
+                             THEN greatest(d.epoch + 1, (extract(epoch FROM v_now) * 1000000)::bigint)
+                             ELSE d.epoch END,
+                holder = CASE WHEN p.head_id IS NOT NULL THEN p.holder END,
+                holder_relay_id = CASE WHEN p.head_id IS NOT NULL THEN p.relay_id END,
+                holder_replica_id = CASE WHEN p.head_id IS NOT NULL THEN p_replica_id END,
+                leased_event_id = CASE WHEN p.head_id IS NOT NULL THEN p.head_id ELSE d.leased_event_id END,
+                lease_expires_at = CASE WHEN p.head_id IS NOT NULL THEN v_now + p.ttl END,
+                attempt = CASE WHEN p.head_id IS NOT NULL THEN 1 ELSE d.attempt END,
+                failures = CASE WHEN p.head_id IS NOT NULL THEN 0 ELSE d.failures END,
+                unanswered = CASE WHEN p.head_id IS NOT NULL THEN 0 ELSE d.unanswered END,
+                next_attempt_at = NULL, gap_revision = NULL
+            FROM plan p
+            WHERE d.stream = p.stream AND d.aggregate_key = p.aggregate_key AND p.state IN ('idle', 'gap')
+            RETURNING d.stream, d.aggregate_key, d.state, d.holder, d.leased_event_id, d.epoch, d.attempt,
+                      d.lease_expires_at
+        ), written AS (
+            SELECT * FROM created UNION ALL SELECT * FROM updated
+        ), late AS (
+            -- Against the cursor as this statement sees it: delivery can
+            -- only have moved past one of these events since by publishing
+            -- it, and published events are not counted where late events
+            -- are.
+            INSERT INTO outbox.late_event (event_id)
+            SELECT f.event_id
+            FROM unnest(v_ids, v_streams, v_keys, v_revs) AS f(event_id, stream, aggregate_key, revision)
+            JOIN outbox.delivery d ON d.stream = f.stream AND d.aggregate_key = f.aggregate_key
+            WHERE f.revision <= d.delivered_revision
+            ON CONFLICT (event_id) DO NOTHING
+        )
+        SELECT count(*) FILTER (WHERE w.state = 'ready'),
+               array_agg(w.holder) FILTER (WHERE w.state = 'leased'),
+               array_agg(ROW(e.event_id, e.stream, e.aggregate_key, e.revision, e.event_type, e.payload::text,
+                             e.headers, e.created_at, w.epoch, w.attempt, w.lease_expires_at)::outbox.lease)
+                   FILTER (WHERE w.state = 'leased')
+        INTO v_woken, v_holders, v_leases
+        FROM written w
+        LEFT JOIN outbox.event e ON e.event_id = w.leased_event_id AND w.state = 'leased';
+    END IF;
+
+    UPDATE outbox.discovery d SET snapshot = v_snapshot, advanced_at = now();
+    IF coalesce(v_woken, 0) > 0 THEN
+        -- Idle sessions on every replica claim at once. One NOTIFY per round
+        -- that made something ready, never one per producer transaction.
+        PERFORM pg_notify('outbox_wakeup', '');
+    END IF;
+    RETURN QUERY SELECT coalesce(v_woken, 0), NULL::uuid, NULL::outbox.lease;
+    RETURN QUERY SELECT NULL::bigint, v_holders[i], v_leases[i] FROM generate_subscripts(v_holders, 1) AS i;
+END
+$$;
+-- +goose StatementEnd
+
+-- discover runs one whole round with no dispatch: discover_scan, then
+-- discover_apply, in the caller's transaction. It returns how many events
+-- were found and how many delivery rows were created or woken.
+-- +goose StatementBegin
+CREATE FUNCTION outbox.discover()
+RETURNS TABLE (events bigint, aggregates bigint)
+LANGUAGE plpgsql AS $$
+#variable_conflict use_column
+DECLARE
+    v_prev text;
+    v_snapshot text;
+    v_events bigint;
+BEGIN
+    SELECT s.prev_snapshot, s.snapshot, s.events INTO v_prev, v_snapshot, v_events
+    FROM outbox.discover_scan() s LIMIT 1;
+    IF NOT FOUND THEN
+        RETURN QUERY SELECT 0::bigint, 0::bigint;
+        RETURN;
+    END IF;
+    RETURN QUERY SELECT v_events, a.woken FROM outbox.discover_apply(v_prev, v_snapshot) a WHERE a.woken IS NOT NULL;
+END
+$$;
+-- +goose StatementEnd
+
 
 -- lease_heads leases each named aggregate whose next revision exists and is
 -- not skipped, and returns that event with its lease. The caller holds the

@@ -91,8 +91,8 @@ func (a *ackCommitter) commit(ctx context.Context, batch []*ackRequest, n int) {
 	}
 	// Acks already taken must land even while the server shuts down.
 	dbCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
-	a.s.handOverMu.Lock()
-	defer a.s.handOverMu.Unlock()
+	a.s.handOverMu.RLock()
+	defer a.s.handOverMu.RUnlock()
 	holders := a.s.handOverHolders()
 	res, err := a.s.store.Ack(dbCtx, store.AckParams{IDs: ids, ReplicaID: a.s.cfg.ReplicaID, HandOver: holders})
 	cancel()

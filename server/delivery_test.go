@@ -414,12 +414,13 @@ func TestNackErrorTextIsSanitized(t *testing.T) {
 // A claim that committed but failed before the session read its rows (a
 // timeout, say) leaves no orphaned lease: the session gives back what it
 // does not know it holds, and the event is delivered at once, not after its
-// one-hour TTL.
+// one-hour TTL. (Dispatch off, so that the event takes the claim path;
+// TestDispatchWithLostAnswerLeavesNoOrphan is the same for a round.)
 func TestFailedClaimOrphansNoLease(t *testing.T) {
 	t.Parallel()
 	url := testdb.New(t)
 	pool := testdb.NewPoolURL(t, url)
-	r := startReplica(t, url, nil)
+	r := startReplica(t, url, func(c *server.Config) { c.NoDispatch = true })
 	var dropped atomic.Bool
 	r.Server.SetAfterClaim(func(leases []store.Lease, err error) ([]store.Lease, error) {
 		if err == nil && len(leases) > 0 && dropped.CompareAndSwap(false, true) {

@@ -1,14 +1,22 @@
 package server
 
 import (
+	"bytes"
 	"context"
+	"slices"
 	"time"
+
+	"github.com/google/uuid"
+
+	"github.com/outboxd/outboxd/internal/store"
 )
 
-// discover runs discovery rounds (outbox.discover) until ctx ends: each
-// finds the events committed since the previous round, makes their
-// aggregates claimable, and (through NOTIFY outbox_wakeup, and directly for
-// this replica's sessions) wakes idle sessions. It is how producers' events
+// discover runs discovery rounds until ctx ends: each finds the events
+// committed since the previous round, leases the next event of idle
+// aggregates straight to this replica's waiting sessions (dispatch, see
+// discoverRound), makes the other aggregates claimable, and (through NOTIFY
+// outbox_wakeup, and directly for this replica's sessions) wakes idle
+// sessions to claim those. It is how producers' events
 // reach delivery without their transactions writing anything the server
 // owns. Every replica runs the loop; replicas take turns in the database, so
 // concurrent rounds cost one advisory-lock attempt each.
@@ -27,7 +35,7 @@ func (s *Server) discover(ctx context.Context) {
 			return
 		case <-t.C:
 		}
-		found, err := s.store.Discover(ctx)
+		found, err := s.discoverRound(ctx)
 		switch {
 		case err != nil:
 			if ctx.Err() != nil {
@@ -40,7 +48,11 @@ func (s *Server) discover(ctx context.Context) {
 			s.log.Warn("discovery round failed; retrying", "err", err, "in", wait)
 		case found.Events > 0:
 			s.metrics.discovered.Add(float64(found.Events))
-			s.wake.broadcast()
+			if found.Aggregates > 0 {
+				// Rows made ready wait for a claim; dispatched ones are
+				// with their sessions already.
+				s.wake.broadcast()
+			}
 			wait = s.cfg.DiscoveryInterval
 		default:
 			// Linear, not doubling: under a steady trickle of events the
@@ -50,4 +62,123 @@ func (s *Server) discover(ctx context.Context) {
 		}
 		t.Reset(wait)
 	}
+}
+
+// discoverRound runs one discovery round, dispatching what it can.
+//
+// Dispatch: an aggregate the round finds idle (or new) has nothing in hand,
+// so its next event would otherwise be made ready by the round and leased
+// by a claim, two writes of its delivery row. Instead the round leases it
+// to a local session in the same statement that wakes the others. Sessions
+// offer the credit they have free while they wait (session.offerCredit);
+// for each idle aggregate, oldest first, the round takes one unit from the
+// next session in turn whose stream filter admits it (session.lend), so
+// the credit a session lends is never also used by its own claims. The
+// database leases an aggregate only if it is still idle once locked and its
+// next revision is there and not skipped; the round then gives each session
+// its leases and returns the credit it did not use (session.give).
+// Dispatch cannot starve older work: a session offers credit only after a
+// claim came back short, and claims with the credit an ack frees before it
+// offers any again.
+func (s *Server) discoverRound(ctx context.Context) (store.Discovery, error) {
+	var loans map[uuid.UUID]*loan
+	holdingHandOvers := false
+	choose := func(found []store.FoundAggregate) []store.Dispatch {
+		if s.cfg.NoDispatch || isClosed(s.stopping) {
+			return nil
+		}
+		sessions := s.dispatchSessions()
+		if len(sessions) == 0 {
+			return nil
+		}
+		// A lease dispatched but not yet with its session must not be
+		// taken for an orphan (releaseUndelivered): held until every one
+		// is given.
+		s.handOverMu.RLock()
+		holdingHandOvers = true
+		loans = make(map[uuid.UUID]*loan)
+		var picks []store.Dispatch
+		for _, a := range found {
+			if !a.Idle {
+				continue
+			}
+			for i := range sessions {
+				ss := sessions[(s.dispatchNext+i)%len(sessions)]
+				if !ss.lend(a.Stream) {
+					continue
+				}
+				l := loans[ss.id]
+				if l == nil {
+					l = &loan{ss: ss}
+					loans[ss.id] = l
+				}
+				l.units++
+				picks = append(picks, store.Dispatch{
+					Stream: a.Stream, AggregateKey: a.AggregateKey, Holder: ss.id, RelayID: ss.relayID, TTL: ss.ttl,
+				})
+				s.dispatchNext = (s.dispatchNext + i + 1) % len(sessions)
+				break
+			}
+		}
+		return picks
+	}
+	found, err := s.store.Discover(ctx, s.cfg.ReplicaID, choose)
+	if holdingHandOvers {
+		defer s.handOverMu.RUnlock()
+	}
+	if h := s.afterDiscover.Load(); h != nil {
+		found, err = (*h)(found, err)
+	}
+	if err != nil {
+		// The round may have committed with its answer lost: a session it
+		// dispatched to could hold leases it never hears of, so each one
+		// sweeps its orphans once this round is done.
+		for _, l := range loans {
+			l.ss.give(nil, l.units)
+			l.ss.requestSweep()
+		}
+		return found, err
+	}
+	for _, d := range found.Dispatched {
+		if l := loans[d.Holder]; l != nil {
+			l.leases = append(l.leases, d.Lease)
+		}
+	}
+	for _, l := range loans {
+		s.metrics.dispatched.Add(float64(len(l.leases)))
+		s.dispatched.Add(uint64(len(l.leases)))
+		if l.ss.give(l.leases, l.units) || len(l.leases) == 0 {
+			continue
+		}
+		// The session's stream ended before its leases reached it; its own
+		// release may have run before they committed, so release again.
+		relCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), releaseTimeout)
+		if _, err := s.store.Release(relCtx, l.ss.id); err != nil {
+			s.log.Warn("releasing leases dispatched to a session that ended failed; they expire by TTL",
+				"session", l.ss.id, "leases", len(l.leases), "err", err)
+		}
+		cancel()
+	}
+	return found, nil
+}
+
+// loan is the credit one discovery round took from one session, and the
+// leases it dispatched to it.
+type loan struct {
+	ss     *session
+	units  int
+	leases []store.Lease
+}
+
+// dispatchSessions returns this replica's sessions in a stable order (by id),
+// so that rotating dispatchNext spreads rounds over them.
+func (s *Server) dispatchSessions() []*session {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	out := make([]*session, 0, len(s.sessions))
+	for _, ss := range s.sessions {
+		out = append(out, ss)
+	}
+	slices.SortFunc(out, func(a, b *session) int { return bytes.Compare(a.id[:], b.id[:]) })
+	return out
 }

@@ -22,20 +22,40 @@
 //
 // # Discovery
 //
-// Every replica runs discovery rounds (outbox.discover; replicas take turns
-// with an advisory lock). outbox.discovery stores a transaction snapshot S:
-// every event whose transaction is visible in S has been discovered. A round,
-// in one statement and so one snapshot N, reads the events with xid >=
-// xmax(S) or xid in S's list of running transactions: exactly those visible
-// in N and not in S, whenever they committed. It creates the delivery row of
-// a new aggregate (cursor just below its first revision) or wakes an idle or
-// gap-held one, stores N, and sends one NOTIFY outbox_wakeup. A transaction
-// left open costs one index probe per round; it never delays other events.
-// An empty round writes nothing.
+// Every replica runs discovery rounds (replicas take turns with an advisory
+// lock). outbox.discovery stores a transaction snapshot S: every event whose
+// transaction is visible in S has been discovered. A round is one
+// transaction of two statements. outbox.discover_scan reads, in one
+// snapshot N, the events with xid >= xmax(S) or xid in S's list of running
+// transactions: exactly those visible in N and not in S, whenever they
+// committed; it returns N and the aggregates found, saying which are idle
+// or new. The replica then picks which of those go straight to its waiting
+// sessions (dispatch, below), and outbox.discover_apply re-reads exactly the
+// events visible in N, locks every found aggregate's delivery row, creates
+// the row of a new aggregate (cursor just below its first revision) or
+// wakes an idle or gap-held one, stores N, and sends one NOTIFY
+// outbox_wakeup when it made a row ready. A transaction left open costs one
+// index probe per round; it never delays other events. An empty round
+// writes nothing.
+//
+// Dispatch: a new or idle aggregate has nothing in hand, so instead of
+// making it ready for a claim (a second write of its row, a second
+// statement, a wake-up), the round leases its next event to a local session
+// in the same statement, when that event is committed and not skipped and
+// the row is still idle once locked. A session offers the credit it has
+// free while it waits after a claim that came back short; the round takes
+// one unit per aggregate from the next session in turn whose stream filter
+// admits it, and gives back what it did not use together with the leases.
+// Credit an ack frees is claimed with before any is offered again, so
+// dispatch never starves older claimable work. A session whose stream
+// ended before its leases reached it refuses them and the round releases
+// them; a round whose answer is lost makes the sessions it lent credit
+// from sweep their orphans, as a lost ack answer does.
 //
 // # States of an aggregate (outbox.delivery.state)
 //
 //	(none) or idle ──(discovery finds an event)──▶ ready ──claim──▶ leased
+//	(none) or idle ──(discovery finds an event, dispatches it)──▶ leased
 //	leased ──ack──▶ leased (hand-over: next revision committed, holder local)
 //	leased ──ack──▶ ready (next revision committed) or idle (nothing follows)
 //	leased ──nack──▶ backoff ──(next_attempt_at)──▶ claimable again
@@ -132,7 +152,10 @@
 //     after finds the row idle and wakes it. Hand-over changes only what the
 //     ack does when it does find the next event: it leases it rather than
 //     making the row ready, decided in that same statement, so the argument
-//     is unchanged. The next event need not have been discovered yet: a
+//     is unchanged. Dispatch changes only what a round does with an idle
+//     row it has locked: it leases the next event instead of making the
+//     row ready, decided in a statement after the lock, so the same
+//     argument covers it. The next event need not have been discovered yet: a
 //     later round that finds it sees the row leased (or already past it)
 //     and leaves it alone, as it does for a row an ack made ready. Hence the
 //     functions refuse to run at REPEATABLE READ (where a statement after a
@@ -149,9 +172,9 @@
 // # Wake-ups
 //
 // Producers never NOTIFY: NOTIFY takes a global lock at commit that would
-// serialise every producer. A discovery round that found events wakes this
-// replica's idle sessions directly and the others' through one NOTIFY
-// outbox_wakeup. Rounds run every Config.DiscoveryInterval while they find
+// serialise every producer. A discovery round that made aggregates ready
+// (rather than dispatching them) wakes this replica's idle sessions directly
+// and the others' through one NOTIFY outbox_wakeup. Rounds run every Config.DiscoveryInterval while they find
 // events and back off to Config.DiscoveryIdleInterval while they do not;
 // idle sessions also poll, so a lost notification only delays an event.
 //

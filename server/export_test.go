@@ -3,6 +3,8 @@ package server
 import (
 	"context"
 
+	"github.com/google/uuid"
+
 	"github.com/outboxd/outboxd/internal/store"
 )
 
@@ -36,3 +38,19 @@ func (s *Server) SetBeforeHandOver(f func([]store.AckResult)) { s.beforeHandOver
 
 // HandOvers is how many leases acks on this replica have handed over.
 func (s *Server) HandOvers() uint64 { return s.handOvers.Load() }
+
+// SetAfterOffer makes every session loop call f (with the session's id) each
+// time it has offered its free credit to discovery, before it waits; a
+// blocking f keeps the offer standing. Set it before the first Subscribe.
+func (s *Server) SetAfterOffer(f func(session uuid.UUID)) { s.afterOffer = f }
+
+// SetAfterDiscover makes every discovery round's outcome pass through f,
+// which may replace it (say, to lose the answer of one that committed),
+// before the leases it dispatched reach their sessions.
+func (s *Server) SetAfterDiscover(f func(store.Discovery, error) (store.Discovery, error)) {
+	s.afterDiscover.Store(&f)
+}
+
+// Dispatched is how many leases discovery rounds on this replica have given
+// to sessions.
+func (s *Server) Dispatched() uint64 { return s.dispatched.Load() }

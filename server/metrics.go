@@ -26,6 +26,7 @@ type metrics struct {
 	publishLag      prometheus.Histogram
 	sessions        prometheus.Gauge
 	handOvers       prometheus.Counter
+	dispatched      prometheus.Counter
 }
 
 func newMetrics() *metrics {
@@ -84,12 +85,16 @@ func newMetrics() *metrics {
 			Name: "outboxd_hand_overs_total",
 			Help: "Leases an ack gave straight to the session whose lease it ended, on the aggregate's next event (no claim in between).",
 		}),
+		dispatched: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "outboxd_dispatched_total",
+			Help: "Leases a discovery round gave straight to a waiting session, on the next event of an aggregate it found idle (no claim in between).",
+		}),
 	}
 }
 
 func (m *metrics) collectors() []prometheus.Collector {
 	return []prometheus.Collector{m.deliveries, m.redeliveries, m.discovered, m.discoveryErrors, m.acks, m.nacks, m.leasesExpired,
-		m.purged, m.panics, m.ackDuration, m.publishLag, m.sessions, m.handOvers}
+		m.purged, m.panics, m.ackDuration, m.publishLag, m.sessions, m.handOvers, m.dispatched}
 }
 
 // RecoveredPanic counts a panic recovered in an RPC handler; the gRPC

@@ -96,6 +96,11 @@ type Config struct {
 	// every next event then waits for a claim. It exists to compare the
 	// two paths in benchmarks and tests; leave it off.
 	NoHandOver bool
+	// NoDispatch turns off dispatch (a discovery round leasing the next
+	// event of an idle aggregate straight to a waiting local session):
+	// every event then waits for a claim. It exists to compare the two
+	// paths in benchmarks and to test the claim path; leave it off.
+	NoDispatch bool
 }
 
 func (c *Config) setDefaults() error {
@@ -200,18 +205,30 @@ type Server struct {
 	// afterAck, when set (by tests), sees and may replace the outcome of
 	// every ack statement (say, to lose the answer of one that committed).
 	afterAck func([]store.AckResult, error) ([]store.AckResult, error)
+	// afterOffer, when set (by tests), runs in a session's loop each time
+	// it has offered its free credit to discovery, before it waits.
+	afterOffer func(session uuid.UUID)
+	// afterDiscover, when set (by tests), sees and may replace the outcome
+	// of every discovery round. Atomic: tests set it while the discovery
+	// loop runs.
+	afterDiscover atomic.Pointer[func(store.Discovery, error) (store.Discovery, error)]
 	// beforeHandOver, when set (by tests), runs after an ack batch that
 	// handed leases over has committed, before they reach their sessions.
 	beforeHandOver func([]store.AckResult)
-	// handOverMu is held by the ack committer from an ack batch's
+	// handOverMu is held shared by the ack committer from an ack batch's
 	// statement until every lease it handed over is with its session (or
-	// released), and by a session computing which of its leases are
-	// orphans: a lease handed over but not yet with its session is never
-	// mistaken for one.
-	handOverMu sync.Mutex
+	// released), and likewise by a discovery round that dispatches; and
+	// exclusively by a session computing which of its leases are orphans:
+	// a lease handed over or dispatched but not yet with its session is
+	// never mistaken for one.
+	handOverMu sync.RWMutex
+	// dispatchNext rotates the session a discovery round offers its first
+	// aggregate to, so that dispatch spreads over the relays.
+	dispatchNext int
 	// handOvers counts leases handed over by acks (and delivered or
-	// released); read by tests.
-	handOvers atomic.Uint64
+	// released), dispatched those discovery rounds gave to sessions; read
+	// by tests.
+	handOvers, dispatched atomic.Uint64
 }
 
 // New validates cfg and loads the lease-signing key.

@@ -3,6 +3,7 @@ package server
 import (
 	"context"
 	"fmt"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -57,9 +58,14 @@ type session struct {
 	sweep     bool          // release leases held but unknown (requestSweep)
 	closed    bool          // the stream is over: no more hand-overs
 	reconcile bool
-	kick      chan struct{} // capacity 1: "look at freed/reconcile"
-	aborted   chan struct{}
-	abortOnce sync.Once
+	// offered is the credit the loop lets discovery rounds take while it
+	// waits (see offerCredit); lent is what a round took and has not given
+	// back yet, as leases or unused. The loop never claims with either.
+	offered, lent int
+	waiting       bool          // the loop is between offerCredit and withdrawCredit
+	kick          chan struct{} // capacity 1: "look at freed/reconcile"
+	aborted       chan struct{}
+	abortOnce     sync.Once
 }
 
 func newSession(srv *Server, relayID, peer string, streams []string, maxInFlight int, ttl time.Duration) *session {
@@ -107,13 +113,82 @@ func (ss *session) takesHandOver() bool {
 	return !ss.closed
 }
 
-// close refuses hand-overs from now on. The stream's release runs after it,
-// so it covers every lease handed over before; one refused here is released
-// by the acker.
+// close refuses hand-overs and dispatched leases from now on. The stream's
+// release runs after it, so it covers every lease handed over before; one
+// refused here is released by the acker or the discovery round.
 func (ss *session) close() {
 	ss.mu.Lock()
 	ss.closed = true
+	ss.offered = 0
 	ss.mu.Unlock()
+}
+
+// offerCredit lets discovery rounds take, while the loop waits, the credit
+// free leaves after what a round holds already and what leases wait to be
+// counted (free is the loop's maxInFlight less its inflight).
+func (ss *session) offerCredit(free int) {
+	ss.mu.Lock()
+	ss.waiting = true
+	if !ss.closed {
+		ss.offered = max(free-ss.lent-len(ss.handed), 0)
+	}
+	ss.mu.Unlock()
+}
+
+// withdrawCredit takes the offer back before the loop claims, and returns the
+// credit the loop must leave alone: what a discovery round holds, and leases
+// handed over or dispatched that it has not counted yet.
+func (ss *session) withdrawCredit() int {
+	ss.mu.Lock()
+	defer ss.mu.Unlock()
+	ss.waiting = false
+	ss.offered = 0
+	return ss.lent + len(ss.handed)
+}
+
+// lend takes one unit of the offered credit for a discovery round, if the
+// session takes stream; false when it does not, or has none to offer.
+func (ss *session) lend(stream string) bool {
+	if !ss.admits(stream) {
+		return false
+	}
+	ss.mu.Lock()
+	defer ss.mu.Unlock()
+	if ss.offered == 0 {
+		return false
+	}
+	ss.offered--
+	ss.lent++
+	return true
+}
+
+// give ends a discovery round's loan of n units of credit: leases (at most n)
+// are the ones it dispatched to this session, and the rest of the loan is
+// offered again if the loop is still waiting. It returns false, taking
+// nothing, once the stream is over: the caller then releases the leases.
+func (ss *session) give(leases []store.Lease, n int) bool {
+	ss.mu.Lock()
+	ss.lent -= n
+	if ss.closed {
+		ss.mu.Unlock()
+		return false
+	}
+	ss.handed = append(ss.handed, leases...)
+	if ss.waiting {
+		ss.offered += n - len(leases)
+	}
+	ss.mu.Unlock()
+	if len(leases) > 0 {
+		ss.poke()
+	}
+	return true
+}
+
+// admits says whether the stream's filter takes events of stream (as the
+// claim's filter does).
+func (ss *session) admits(stream string) bool {
+	return (len(ss.streams) == 0 || slices.Contains(ss.streams, stream)) &&
+		!slices.Contains(ss.excludeStreams, stream)
 }
 
 type freedLease struct {
@@ -185,7 +260,7 @@ func (ss *session) run(ctx context.Context, send func(*outboxv1.SubscribeRespons
 		if wantClaim || discovered == nil {
 			discovered = ss.srv.wake.wait()
 		}
-		credit := ss.maxInFlight - len(ss.inflight)
+		credit := ss.maxInFlight - len(ss.inflight) - ss.withdrawCredit()
 		if credit > 0 && !stopping && wantClaim {
 			outcome, err := ss.claimAndSend(ctx, min(credit, ss.srv.cfg.ClaimBatch), send)
 			if err != nil {
@@ -203,6 +278,12 @@ func (ss *session) run(ctx context.Context, send func(*outboxv1.SubscribeRespons
 				wantClaim = false
 			case claimFailed:
 				w.claimFailed()
+			}
+		}
+		if !stopping {
+			ss.offerCredit(ss.maxInFlight - len(ss.inflight))
+			if h := ss.srv.afterOffer; h != nil {
+				h(ss.id)
 			}
 		}
 		kicked, err := w.wait(ctx, credit > 0 && !stopping, discovered)

@@ -8,6 +8,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 
 	"github.com/google/uuid"
@@ -44,22 +45,160 @@ func ConfigurePool(cfg *pgxpool.Config) {
 	cfg.ConnConfig.RuntimeParams["jit"] = "off"
 }
 
-// Discovery is what one discovery round found.
+// Discovery is what one discovery round found and did.
 type Discovery struct {
 	// Events is how many newly committed events the round found, and
-	// Aggregates how many delivery rows it created or woke.
+	// Aggregates how many delivery rows it created or woke as ready (for a
+	// claim to take).
 	Events, Aggregates int64
+	// Dispatched are the leases the round gave straight to sessions (see
+	// Store.Discover).
+	Dispatched []DispatchedLease
 }
 
-// Discover runs one discovery round (outbox.discover): it finds the events
-// committed since the previous round and makes their aggregates claimable.
-// A round that another replica is running at the same moment finds nothing.
-func (s *Store) Discover(ctx context.Context) (Discovery, error) {
+// FoundAggregate is an aggregate a discovery round found pending events of.
+type FoundAggregate struct {
+	Stream, AggregateKey string
+	// Idle says its next event may be dispatched: the aggregate is new or
+	// idle (nothing in hand), as the round's scan saw it.
+	Idle bool
+	// FirstCreatedAt is its oldest event's created_at among those found.
+	FirstCreatedAt time.Time
+}
+
+// Dispatch asks a discovery round to lease an idle aggregate's next event
+// straight to a session.
+type Dispatch struct {
+	Stream, AggregateKey string
+	Holder               uuid.UUID
+	RelayID              string
+	TTL                  time.Duration
+}
+
+// DispatchedLease is a lease a discovery round gave to session Holder.
+type DispatchedLease struct {
+	Holder uuid.UUID
+	Lease  Lease
+}
+
+// Discover runs one discovery round: it finds the events committed since the
+// previous round (outbox.discover_scan), asks choose which of the idle
+// aggregates found go to which sessions, and makes the rest claimable
+// (outbox.discover_apply), in one transaction. choose may return nil; it is
+// called only when the round found something. A round that another replica
+// is running at the same moment finds nothing.
+//
+// When Discover returns an error the round may still have committed (its
+// answer lost): leases it dispatched are then held by sessions that never
+// hear of them, and the caller must have those sessions sweep.
+func (s *Store) Discover(ctx context.Context, replicaID string, choose func([]FoundAggregate) []Dispatch) (Discovery, error) {
 	var d Discovery
-	if err := s.pool.QueryRow(ctx, `SELECT events, aggregates FROM outbox.discover()`).Scan(&d.Events, &d.Aggregates); err != nil {
+	tx, err := s.pool.Begin(ctx)
+	if err != nil {
 		return d, fmt.Errorf("store: discover: %w", err)
 	}
+	defer tx.Rollback(context.WithoutCancel(ctx)) //nolint:errcheck // a no-op after Commit
+	rows, err := tx.Query(ctx, `SELECT prev_snapshot, snapshot, events, stream, aggregate_key, idle, first_created_at
+		FROM outbox.discover_scan()`)
+	if err != nil {
+		return d, fmt.Errorf("store: discover: %w", err)
+	}
+	var prev, next string
+	var found []FoundAggregate
+	for rows.Next() {
+		var stream, key *string
+		var created *time.Time
+		var idle bool
+		if err := rows.Scan(&prev, &next, &d.Events, &stream, &key, &idle, &created); err != nil {
+			rows.Close()
+			return d, fmt.Errorf("store: discover: %w", err)
+		}
+		if stream != nil {
+			found = append(found, FoundAggregate{Stream: *stream, AggregateKey: *key, Idle: idle, FirstCreatedAt: *created})
+		}
+	}
+	if err := rows.Err(); err != nil {
+		return d, fmt.Errorf("store: discover: %w", err)
+	}
+	if d.Events == 0 {
+		return d, nil // nothing found (or another replica's turn): nothing written
+	}
+	var streams, keys, relays []string
+	var holders []uuid.UUID
+	var ttls []time.Duration
+	if choose != nil && len(found) > 0 {
+		for _, x := range choose(found) {
+			streams, keys = append(streams, x.Stream), append(keys, x.AggregateKey)
+			holders, relays, ttls = append(holders, x.Holder), append(relays, x.RelayID), append(ttls, x.TTL)
+		}
+	}
+	rows, err = tx.Query(ctx, `SELECT a.woken, a.holder, `+leaseColumns("a.lease")+`
+		FROM outbox.discover_apply($1, $2, $3, $4, $5, $6, $7, $8) a`,
+		prev, next, streams, keys, holders, relays, ttls, replicaID)
+	if err != nil {
+		return d, fmt.Errorf("store: discover: %w", err)
+	}
+	for rows.Next() {
+		var woken *int64
+		var holder *uuid.UUID
+		var l nullableLease
+		if err := rows.Scan(append([]any{&woken, &holder}, l.dest()...)...); err != nil {
+			rows.Close()
+			return d, fmt.Errorf("store: discover: %w", err)
+		}
+		if woken != nil {
+			d.Aggregates = *woken
+		}
+		if lease := l.lease(); lease != nil && holder != nil {
+			d.Dispatched = append(d.Dispatched, DispatchedLease{Holder: *holder, Lease: *lease})
+		}
+	}
+	if err := rows.Err(); err != nil {
+		return d, fmt.Errorf("store: discover: %w", err)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		return d, fmt.Errorf("store: discover: commit: %w", err)
+	}
 	return d, nil
+}
+
+// leaseColumns selects the fields of an outbox.lease value (as nullableLease
+// scans them).
+func leaseColumns(v string) string {
+	cols := []string{"event_id", "stream", "aggregate_key", "revision", "event_type", "payload", "headers",
+		"created_at", "epoch", "attempt", "lease_expires_at"}
+	for i, c := range cols {
+		cols[i] = "(" + v + ")." + c
+	}
+	return strings.Join(cols, ", ")
+}
+
+// nullableLease scans the columns leaseColumns selects, any of which may be
+// NULL (no lease).
+type nullableLease struct {
+	id                        *uuid.UUID
+	stream, key, typ, payload *string
+	rev, epoch                *int64
+	headers                   map[string]string
+	created, expires          *time.Time
+	attempt                   *int
+}
+
+func (h *nullableLease) dest() []any {
+	return []any{&h.id, &h.stream, &h.key, &h.rev, &h.typ, &h.payload, &h.headers, &h.created,
+		&h.epoch, &h.attempt, &h.expires}
+}
+
+// lease returns the scanned lease, or nil when there was none.
+func (h *nullableLease) lease() *Lease {
+	if h.id == nil {
+		return nil
+	}
+	return &Lease{
+		Event: Event{ID: *h.id, Stream: *h.stream, AggregateKey: *h.key, Revision: *h.rev,
+			Type: *h.typ, Payload: []byte(*h.payload), Headers: h.headers, CreatedAt: *h.created},
+		Epoch: *h.epoch, Attempt: *h.attempt, ExpiresAt: *h.expires,
+	}
 }
 
 // Event is an event row as delivered.
@@ -267,10 +406,7 @@ func (s *Store) ack(ctx context.Context, p AckParams) ([]AckResult, error) {
 		ttls = append(ttls, ttl)
 	}
 	rows, err := s.pool.Query(ctx,
-		`SELECT a.event_id, a.status, a.holder, clock_timestamp() - a.created_at,
-		        (a.handover).event_id, (a.handover).stream, (a.handover).aggregate_key, (a.handover).revision,
-		        (a.handover).event_type, (a.handover).payload, (a.handover).headers, (a.handover).created_at,
-		        (a.handover).epoch, (a.handover).attempt, (a.handover).lease_expires_at
+		`SELECT a.event_id, a.status, a.holder, clock_timestamp() - a.created_at, `+leaseColumns("a.handover")+`
 		 FROM outbox.ack($1, $2, $3, $4) a`, p.IDs, p.ReplicaID, holders, ttls)
 	if err != nil {
 		return nil, fmt.Errorf("store: ack: %w", err)
@@ -280,17 +416,8 @@ func (s *Store) ack(ctx context.Context, p AckParams) ([]AckResult, error) {
 		var status string
 		var holder *uuid.UUID
 		var lag *time.Duration
-		var h struct {
-			id                        *uuid.UUID
-			stream, key, typ, payload *string
-			rev, epoch                *int64
-			headers                   map[string]string
-			created, expires          *time.Time
-			attempt                   *int
-		}
-		if err := row.Scan(&r.EventID, &status, &holder, &lag,
-			&h.id, &h.stream, &h.key, &h.rev, &h.typ, &h.payload, &h.headers, &h.created,
-			&h.epoch, &h.attempt, &h.expires); err != nil {
+		var h nullableLease
+		if err := row.Scan(append([]any{&r.EventID, &status, &holder, &lag}, h.dest()...)...); err != nil {
 			return r, err
 		}
 		if lag != nil {
@@ -299,13 +426,7 @@ func (s *Store) ack(ctx context.Context, p AckParams) ([]AckResult, error) {
 		if holder != nil {
 			r.Holder = *holder
 		}
-		if h.id != nil {
-			r.HandOver = &Lease{
-				Event: Event{ID: *h.id, Stream: *h.stream, AggregateKey: *h.key, Revision: *h.rev,
-					Type: *h.typ, Payload: []byte(*h.payload), Headers: h.headers, CreatedAt: *h.created},
-				Epoch: *h.epoch, Attempt: *h.attempt, ExpiresAt: *h.expires,
-			}
-		}
+		r.HandOver = h.lease()
 		switch status {
 		case "published":
 			r.Status = AckPublished

@@ -1,0 +1,190 @@
+package migrations_test
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/outboxd/outboxd/internal/testdb"
+)
+
+// dispatchRound runs one discovery round the way a replica does
+// (discover_scan, then discover_apply in the same transaction), naming
+// every aggregate the scan found idle (or, with all, every one found) for
+// session holder, and returns the events leased to it by revision and
+// aggregate key.
+func dispatchRound(ctx context.Context, pool *pgxpool.Pool, holder uuid.UUID, all bool) (map[string]uuid.UUID, error) {
+	leased := map[string]uuid.UUID{}
+	err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		rows, err := tx.Query(ctx, `SELECT prev_snapshot, snapshot, stream, aggregate_key, idle FROM outbox.discover_scan()`)
+		if err != nil {
+			return err
+		}
+		var prev, next string
+		var streams, keys []string
+		for rows.Next() {
+			var stream, key *string
+			var idle bool
+			if err := rows.Scan(&prev, &next, &stream, &key, &idle); err != nil {
+				return err
+			}
+			if stream != nil && (idle || all) {
+				streams, keys = append(streams, *stream), append(keys, *key)
+			}
+		}
+		if err := rows.Err(); err != nil {
+			return err
+		}
+		if prev == "" {
+			return nil // nothing found
+		}
+		holders := make([]uuid.UUID, len(keys))
+		relays := make([]string, len(keys))
+		ttls := make([]time.Duration, len(keys))
+		for i := range keys {
+			holders[i], relays[i], ttls[i] = holder, "relay", 30*time.Second
+		}
+		rows, err = tx.Query(ctx, `SELECT (a.lease).aggregate_key, (a.lease).event_id
+			FROM outbox.discover_apply($1, $2, $3, $4, $5, $6, $7, 'replica') a WHERE a.holder IS NOT NULL`,
+			prev, next, streams, keys, holders, relays, ttls)
+		if err != nil {
+			return err
+		}
+		for rows.Next() {
+			var key string
+			var id uuid.UUID
+			if err := rows.Scan(&key, &id); err != nil {
+				return err
+			}
+			leased[key] = id
+		}
+		return rows.Err()
+	})
+	return leased, err
+}
+
+// A round leases the next event of an aggregate it names only while the
+// aggregate is new or idle once its row is locked, and the next revision is
+// there and not skipped; everything else found is made ready or left to the
+// lease in hand. The lease is the session's: its holder, attempt 1, a fresh
+// epoch.
+func TestDispatchLeasesOnlyIdleAggregatesNextEvent(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := testdb.NewPool(t)
+	holder := uuid.New()
+	round := func(all bool) map[string]uuid.UUID {
+		t.Helper()
+		got, err := dispatchRound(ctx, pool, holder, all)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return got
+	}
+	state := func(key string) string {
+		t.Helper()
+		var s string
+		if err := pool.QueryRow(ctx, `SELECT state FROM outbox.delivery WHERE aggregate_key = $1`, key).Scan(&s); err != nil {
+			t.Fatal(err)
+		}
+		return s
+	}
+
+	// A new aggregate: leased to the session.
+	exec(t, pool, `SELECT outbox.emit('orders', 'a', 'T', '{}')`)
+	exec(t, pool, `SELECT outbox.emit('orders', 'g', 'T', '{}', revision => 1)`)
+	got := round(false)
+	if len(got) != 2 {
+		t.Fatalf("leased %v, want a and g", got)
+	}
+	var h uuid.UUID
+	var attempt int
+	var epoch int64
+	if err := pool.QueryRow(ctx, `SELECT holder, attempt, epoch FROM outbox.delivery WHERE aggregate_key = 'a' AND state = 'leased'`).
+		Scan(&h, &attempt, &epoch); err != nil {
+		t.Fatal(err)
+	}
+	if h != holder || attempt != 1 || epoch < time.Now().Add(-time.Hour).UnixMicro() {
+		t.Fatalf("lease: holder %s attempt %d epoch %d", h, attempt, epoch)
+	}
+
+	// Named again while its lease is in hand: left alone.
+	exec(t, pool, `SELECT outbox.emit('orders', 'a', 'T', '{}')`)
+	if got := round(true); len(got) != 0 {
+		t.Fatalf("leased %v while the aggregates' leases were in hand", got)
+	}
+	if n := count(t, pool, `SELECT count(*) FROM outbox.delivery d JOIN outbox.event e ON e.event_id = d.leased_event_id
+		WHERE d.aggregate_key = 'a' AND d.state = 'leased' AND e.revision = 1`); n != 1 {
+		t.Fatal("the lease on a's revision 1 changed")
+	}
+
+	// g idle at revision 1; revision 3 commits, 2 does not: held for the
+	// claim's gap rule, not leased.
+	ackEvents(t, pool, `aggregate_key = 'g'`)
+	if s := state("g"); s != "idle" {
+		t.Fatalf("g is %s after its ack, want idle", s)
+	}
+	exec(t, pool, `SELECT outbox.emit('orders', 'g', 'T', '{}', revision => 3)`)
+	if got := round(false); len(got) != 0 {
+		t.Fatalf("leased %v across a gap", got)
+	}
+	if s := state("g"); s != "ready" {
+		t.Fatalf("g is %s, want ready (for the claim to hold the gap)", s)
+	}
+
+	// A new aggregate whose first event an operator skipped: not leased.
+	exec(t, pool, `SELECT outbox.emit('orders', 's', 'T', '{}')`)
+	exec(t, pool, `INSERT INTO outbox.skipped_event (event_id, reason, actor)
+		SELECT event_id, 'test', 'test' FROM outbox.event WHERE aggregate_key = 's'`)
+	if got := round(false); len(got) != 0 {
+		t.Fatalf("leased %v: a skipped event", got)
+	}
+	if s := state("s"); s != "ready" {
+		t.Fatalf("s is %s, want ready", s)
+	}
+	if n := strandedEvents(t, pool); n != 0 {
+		t.Fatalf("%d stranded events", n)
+	}
+}
+
+// discover_apply refuses to apply a scan another round has overtaken.
+func TestDispatchRefusesAnOvertakenScan(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := testdb.NewPool(t)
+	exec(t, pool, `SELECT outbox.emit('orders', 'a', 'T', '{}')`)
+	var prev, next string
+	if err := pool.QueryRow(ctx, `SELECT prev_snapshot, snapshot FROM outbox.discover_scan() LIMIT 1`).Scan(&prev, &next); err != nil {
+		t.Fatal(err)
+	}
+	discover(t, pool) // another round stores its snapshot
+	_, err := pool.Exec(ctx, `SELECT * FROM outbox.discover_apply($1, $2)`, prev, next)
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) || pgErr.Code != "25000" {
+		t.Fatalf("applying an overtaken scan: %v, want SQLSTATE 25000", err)
+	}
+}
+
+// The race of TestDiscoveryClaimAndAckRace with dispatching discovery
+// rounds whose "replica" acks what it was given at once.
+func TestDispatchClaimAndAckRace(t *testing.T) {
+	t.Parallel()
+	raceDelivery(t, func(ctx context.Context, pool *pgxpool.Pool) error {
+		leased, err := dispatchRound(ctx, pool, uuid.New(), false)
+		if err != nil || len(leased) == 0 {
+			return err
+		}
+		ids := make([]uuid.UUID, 0, len(leased))
+		for _, id := range leased {
+			ids = append(ids, id)
+		}
+		_, err = pool.Exec(ctx, `SELECT * FROM outbox.ack($1, 'x')`, ids)
+		return err
+	})
+}

@@ -1,0 +1,316 @@
+package server_test
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"google.golang.org/protobuf/types/known/durationpb"
+
+	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+	"github.com/outboxd/outboxd/internal/store"
+	"github.com/outboxd/outboxd/internal/testdb"
+	"github.com/outboxd/outboxd/server"
+)
+
+// offerGate holds a session's loop right after it offered its credit to
+// discovery, so that the offer stands (the loop cannot withdraw it to claim)
+// until the test opens the gate: whatever reaches the session meanwhile was
+// dispatched by a discovery round, not claimed.
+type offerGate struct {
+	mu     sync.Mutex
+	held   chan struct{} // receives once per hold: the loop is held
+	open   chan struct{} // closed to release the current hold
+	closed bool          // no more holds
+}
+
+// newOfferGate returns a gate that holds every offer; with armed false it
+// holds none until arm.
+func newOfferGate(armed bool) *offerGate {
+	return &offerGate{held: make(chan struct{}, 1), open: make(chan struct{}), closed: !armed}
+}
+
+// arm makes the next offers held.
+func (g *offerGate) arm() {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	g.closed = false
+}
+
+func (g *offerGate) hook(uuid.UUID) {
+	g.mu.Lock()
+	if g.closed {
+		g.mu.Unlock()
+		return
+	}
+	open := g.open
+	g.mu.Unlock()
+	select {
+	case g.held <- struct{}{}:
+	default:
+	}
+	<-open
+}
+
+// waitHeld waits until a session loop is held at its offer.
+func (g *offerGate) waitHeld(t *testing.T) {
+	t.Helper()
+	select {
+	case <-g.held:
+	case <-time.After(30 * time.Second):
+		t.Fatal("no session offered its credit within 30s")
+	}
+}
+
+// release lets the held loop go on; with again, the loop's next offer is held
+// too.
+func (g *offerGate) release(again bool) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	close(g.open)
+	g.open = make(chan struct{})
+	g.closed = !again
+}
+
+// dispatchWatch records what each discovery round dispatched.
+type dispatchWatch struct{ rounds chan []store.DispatchedLease }
+
+func (w *dispatchWatch) hook(d store.Discovery, err error) (store.Discovery, error) {
+	if err == nil && len(d.Dispatched) > 0 {
+		w.rounds <- d.Dispatched
+	}
+	return d, err
+}
+
+func (w *dispatchWatch) next(t *testing.T) []store.DispatchedLease {
+	t.Helper()
+	select {
+	case d := <-w.rounds:
+		return d
+	case <-time.After(30 * time.Second):
+		t.Fatal("no discovery round dispatched within 30s")
+		return nil
+	}
+}
+
+// A session waiting for work gets an idle aggregate's next event from the
+// discovery round that finds it, with no claim: the lease has the session's
+// TTL, attempt 1 and a working token, and the stream's credit holds.
+func TestDiscoveryDispatchesToWaitingSession(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	var claims claimCounter
+	gate := newOfferGate(false)
+	defer gate.release(false) // a held loop would keep the replica from stopping
+	watch := &dispatchWatch{rounds: make(chan []store.DispatchedLease, 16)}
+	r := startReplica(t, url, nil)
+	r.Server.SetAfterClaim(claims.hook)
+	r.Server.SetAfterOffer(gate.hook)
+	r.Server.SetAfterDiscover(watch.hook)
+	const ttl = time.Hour
+	emit(t, pool, "billing", "b", 1)
+	first := emit(t, pool, "orders", "o", 1)[0]
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 2, Streams: []string{"orders"}, LeaseTtl: durationpb.New(ttl)})
+	// The first event was committed before the stream opened: claimed.
+	if d := recv(t, st); d.GetEvent().GetEventId() != first.String() {
+		t.Fatalf("got %s, want %s", d.GetEvent().GetEventId(), first)
+	} else {
+		ack(t, r, d)
+	}
+	// Whether that event was claimed or dispatched (the round may have
+	// run once the stream was open), from here on every event is counted.
+	claims.n.Store(0)
+	dispatchedBefore := r.Server.Dispatched()
+	for len(watch.rounds) > 0 {
+		<-watch.rounds
+	}
+	gate.arm()
+	const k = 6
+	for i := range k {
+		gate.waitHeld(t)
+		// Two aggregates, other stream first: the filter keeps "billing"
+		// for a claim, so only "orders" may be dispatched to this session.
+		emit(t, pool, "billing", "b", 1)
+		id := emit(t, pool, "orders", "o", 1)[0]
+		dispatched := watch.next(t)
+		if len(dispatched) != 1 || dispatched[0].Lease.Event.ID != id {
+			t.Fatalf("round %d dispatched %v, want only orders/o revision %d", i, dispatched, i+2)
+		}
+		// Not held again until the lease is with the relay: a loop held
+		// at its offer could not send it.
+		gate.release(false)
+		before := time.Now()
+		d := recv(t, st)
+		if d.GetEvent().GetEventId() != id.String() || d.GetAttempt() != 1 {
+			t.Fatalf("got %s attempt %d, want %s attempt 1", d.GetEvent().GetEventId(), d.GetAttempt(), id)
+		}
+		if d.GetLeaseExpiresAt().AsTime().Before(before.Add(ttl - time.Minute)) {
+			t.Fatalf("leased until %v: not the session's TTL", d.GetLeaseExpiresAt().AsTime())
+		}
+		if res := ack(t, r, d); res[0].GetStatus() != outboxv1.AckStatus_ACK_STATUS_PUBLISHED {
+			t.Fatalf("ack: %v", res[0])
+		}
+		if i < k-1 {
+			gate.arm()
+		}
+	}
+	if n := claims.n.Load(); n != 0 {
+		t.Fatalf("%d claims leased something, want none (every event dispatched)", n)
+	}
+	if n := r.Server.Dispatched() - dispatchedBefore; n != k {
+		t.Fatalf("%d dispatched, want %d", n, k)
+	}
+	// The billing aggregate was made ready, not dispatched: nobody took it.
+	var ready int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM outbox.delivery WHERE stream = 'billing' AND state = 'ready'`).Scan(&ready); err != nil {
+		t.Fatal(err)
+	}
+	if ready != 1 {
+		t.Fatalf("billing: %d ready aggregates, want 1", ready)
+	}
+}
+
+// With dispatch off every event is claimed.
+func TestNoDispatchClaimsEveryEvent(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	gate := newOfferGate(true)
+	defer gate.release(false) // a held loop would keep the replica from stopping
+	rounds := make(chan store.Discovery, 16)
+	r := startReplica(t, url, func(c *server.Config) { c.NoDispatch = true })
+	r.Server.SetAfterOffer(gate.hook)
+	r.Server.SetAfterDiscover(func(d store.Discovery, err error) (store.Discovery, error) {
+		if err == nil && d.Events > 0 {
+			rounds <- d
+		}
+		return d, err
+	})
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 1})
+	gate.waitHeld(t)
+	id := emit(t, pool, "orders", "o", 1)[0]
+	// Held at its offer, the session takes nothing from the round that
+	// finds the event: it is made ready, for a claim.
+	select {
+	case d := <-rounds:
+		if len(d.Dispatched) != 0 || d.Aggregates != 1 {
+			t.Fatalf("round with dispatch off: %d dispatched, %d made ready; want 0 and 1", len(d.Dispatched), d.Aggregates)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("no discovery round found the event")
+	}
+	gate.release(false)
+	if d := recv(t, st); d.GetEvent().GetEventId() != id.String() {
+		t.Fatalf("got %s, want %s", d.GetEvent().GetEventId(), id)
+	}
+	if n := r.Server.Dispatched(); n != 0 {
+		t.Fatalf("%d dispatched with dispatch off", n)
+	}
+}
+
+// A session whose stream ends between the commit of the round that
+// dispatched to it and the lease reaching it loses nothing: the lease is
+// released at once (not left to its hour-long TTL) and the event goes to the
+// next relay.
+func TestDispatchToEndedSessionIsReleased(t *testing.T) {
+	t.Parallel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	r := startReplica(t, url, nil)
+	gate := newOfferGate(true)
+	defer gate.release(false) // a held loop would keep the replica from stopping
+	r.Server.SetAfterOffer(gate.hook)
+	ctx1, cancel1 := context.WithCancel(context.Background())
+	defer cancel1()
+	var once sync.Once
+	released := make(chan struct{})
+	r.Server.SetAfterDiscover(func(d store.Discovery, err error) (store.Discovery, error) {
+		if err == nil && len(d.Dispatched) > 0 {
+			once.Do(func() {
+				// The lease is committed; end its session and wait until
+				// the stream's own release has run.
+				gate.release(false)
+				cancel1()
+				waitCtx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+				defer cancel()
+				if err := r.Server.Wait(waitCtx); err != nil {
+					t.Errorf("session did not end: %v", err)
+				}
+				close(released)
+			})
+		}
+		return d, err
+	})
+	subscribe(t, ctx1, r, &outboxv1.SubscribeRequest{MaxInFlight: 1, LeaseTtl: durationpb.New(time.Hour)})
+	gate.waitHeld(t)
+	id := emit(t, pool, "orders", "o", 1)[0]
+	select {
+	case <-released:
+	case <-time.After(30 * time.Second):
+		t.Fatal("nothing was dispatched")
+	}
+	ctx2, cancel2 := context.WithCancel(context.Background())
+	defer cancel2()
+	d := recv(t, subscribe(t, ctx2, r, &outboxv1.SubscribeRequest{MaxInFlight: 1}))
+	if d.GetEvent().GetEventId() != id.String() {
+		t.Fatalf("next relay got %s, want %s", d.GetEvent().GetEventId(), id)
+	}
+	ack(t, r, d)
+}
+
+// A round whose answer is lost after it committed (the dispatched leases
+// exist, their session never hears of them) leaves nothing held: the
+// session sweeps its orphans and the event is delivered well before its
+// hour-long TTL.
+func TestDispatchWithLostAnswerLeavesNoOrphan(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	r := startReplica(t, url, nil)
+	gate := newOfferGate(true)
+	defer gate.release(false) // a held loop would keep the replica from stopping
+	r.Server.SetAfterOffer(gate.hook)
+	var once sync.Once
+	lost := make(chan uuid.UUID, 1)
+	r.Server.SetAfterDiscover(func(d store.Discovery, err error) (store.Discovery, error) {
+		if err == nil && len(d.Dispatched) > 0 {
+			var drop bool
+			once.Do(func() { drop = true })
+			if drop {
+				lost <- d.Dispatched[0].Lease.Event.ID
+				gate.release(false)
+				return store.Discovery{}, errors.New("test: the round's answer was lost")
+			}
+		}
+		return d, err
+	})
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 1, LeaseTtl: durationpb.New(time.Hour)})
+	gate.waitHeld(t)
+	id := emit(t, pool, "orders", "o", 1)[0]
+	select {
+	case got := <-lost:
+		if got != id {
+			t.Fatalf("dispatched %s, want %s", got, id)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("nothing was dispatched")
+	}
+	d := recv(t, st)
+	if d.GetEvent().GetEventId() != id.String() || d.GetAttempt() != 2 {
+		t.Fatalf("got %s attempt %d, want %s attempt 2 (the orphaned lease released, then claimed)",
+			d.GetEvent().GetEventId(), d.GetAttempt(), id)
+	}
+	if res := ack(t, r, d); res[0].GetStatus() != outboxv1.AckStatus_ACK_STATUS_PUBLISHED {
+		t.Fatalf("ack: %v", res[0])
+	}
+}
