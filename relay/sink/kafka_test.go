@@ -160,8 +160,8 @@ func TestKafkaPublishErrors(t *testing.T) {
 	}
 	ev = testEvent("e-reserved")
 	ev.Headers = map[string]string{"Outbox-Event-Id": "spoof"}
-	if err := s.Publish(t.Context(), ev); err == nil {
-		t.Error("Publish with an Outbox- header succeeded")
+	if err := s.Publish(t.Context(), ev); err == nil || !relay.IsPermanent(err) {
+		t.Errorf("Publish with an Outbox- header = %v (permanent: %v), want a permanent error", err, relay.IsPermanent(err))
 	}
 }
 

@@ -52,7 +52,8 @@
 // (retried, then parked), not a silent drop. RabbitMQ keeps no duplicate
 // window: consumers deduplicate by message-id. Producer headers named CC or
 // BCC (which RabbitMQ reads as extra routing keys) or starting with
-// "Outbox-" are refused. A connection found closed is dialled again by the
+// "Outbox-" are refused, permanently (relay.Permanent: the aggregate parks
+// at once), as are templates that render over their name's length limit. A connection found closed is dialled again by the
 // next publish.
 //
 // Redis Streams parameters (all optional):
