@@ -5,6 +5,7 @@ import (
 	"crypto/rand"
 	"encoding/base64"
 	"encoding/json"
+	"encoding/pem"
 	"fmt"
 	"io"
 	"net/http"
@@ -307,8 +308,9 @@ func highWatermark(t *testing.T, cl *kgo.Client, topic string, partition int32) 
 	return p.Offset
 }
 
-// Webhooks to an httptest receiver in this process, which records each
-// accepted POST in arrival order.
+// Webhooks over https to an httptest receiver in this process, which
+// records each accepted POST in arrival order; the relay trusts the
+// receiver's test CA through ca_file.
 func TestRelayKilledMidStreamWebhook(t *testing.T) {
 	t.Parallel()
 	key := make([]byte, 32)
@@ -321,7 +323,7 @@ func TestRelayKilledMidStreamWebhook(t *testing.T) {
 		mu  sync.Mutex
 		got []brokerMsg
 	)
-	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	srv := httptest.NewTLSServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		body, _ := io.ReadAll(r.Body)
 		var ev struct {
 			EventID      string          `json:"event_id"`
@@ -339,7 +341,11 @@ func TestRelayKilledMidStreamWebhook(t *testing.T) {
 		w.WriteHeader(http.StatusNoContent)
 	}))
 	t.Cleanup(srv.Close)
-	relayKilledMidStream(t, srv.URL+"/hook?secret_file="+url.QueryEscape(secret), func(t *testing.T, total int) []brokerMsg {
+	ca := filepath.Join(t.TempDir(), "ca.pem")
+	if err := os.WriteFile(ca, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: srv.Certificate().Raw}), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	relayKilledMidStream(t, srv.URL+"/hook?secret_file="+url.QueryEscape(secret)+"&ca_file="+url.QueryEscape(ca), func(t *testing.T, total int) []brokerMsg {
 		mu.Lock()
 		defer mu.Unlock()
 		return append([]brokerMsg(nil), got...)

@@ -79,6 +79,8 @@
 //	timeout      bound on each POST, default 10s
 //	query        the endpoint's own query string (URL-encoded), since the
 //	             URL's query holds the sink's parameters
+//	ca_file      https only: a PEM file of the CA certificates that verify
+//	             the receiver, instead of the system's roots. Read at Open
 //
 // Each event is POSTed as the JSON object the stdout sink prints, with the
 // Standard Webhooks headers webhook-id (the event ID), webhook-timestamp
@@ -89,8 +91,8 @@
 // too large included) is a permanent error (relay.Permanent) quoting the
 // status and the start of the body, so the aggregate parks at once; a
 // redirect (not followed) is an ordinary error, parked after the server's
-// max failures. TLS uses the system's roots, as net/http's default
-// transport does.
+// max failures. TLS verifies the receiver with the system's roots, as
+// net/http's default transport does, or with ca_file's certificates.
 //
 // Kafka parameters (all optional):
 //
