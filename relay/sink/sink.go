@@ -130,7 +130,10 @@
 // id = event ID, type = event type, subject = aggregate key, time =
 // created_at, data = payload (application/json), extensions outboxstream
 // and outboxrevision, and traceparent/tracestate from the event's headers.
-// The sink's own headers (Outbox-*, the event's) are kept in both modes.
+// The sink's own headers (Outbox-*, the event's) are kept in both modes,
+// except by webhooks, which have none: their event headers travel in the
+// JSON body that the CloudEvent replaces, so only the attributes and the
+// trace context (also as HTTP headers) are sent.
 //
 // Templates: placeholders {stream}, {aggregate_key}, {event_type}, each a
 // whole '.'-separated token, are substituted with EscapeSubjectToken
