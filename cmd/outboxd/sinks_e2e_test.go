@@ -5,6 +5,7 @@ import (
 	"crypto/rand"
 	"encoding/base64"
 	"encoding/json"
+	"encoding/pem"
 	"fmt"
 	"io"
 	"net/http"
@@ -307,8 +308,9 @@ func highWatermark(t *testing.T, cl *kgo.Client, topic string, partition int32) 
 	return p.Offset
 }
 
-// Webhooks to an httptest receiver in this process, which records each
-// accepted POST in arrival order.
+// Webhooks over https to an httptest receiver in this process, which
+// records each accepted POST in arrival order; the relay trusts the
+// receiver's test CA through ca_file.
 func TestRelayKilledMidStreamWebhook(t *testing.T) {
 	t.Parallel()
 	key := make([]byte, 32)
@@ -321,7 +323,7 @@ func TestRelayKilledMidStreamWebhook(t *testing.T) {
 		mu  sync.Mutex
 		got []brokerMsg
 	)
-	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	srv := httptest.NewTLSServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		body, _ := io.ReadAll(r.Body)
 		var ev struct {
 			EventID      string          `json:"event_id"`
@@ -339,7 +341,11 @@ func TestRelayKilledMidStreamWebhook(t *testing.T) {
 		w.WriteHeader(http.StatusNoContent)
 	}))
 	t.Cleanup(srv.Close)
-	relayKilledMidStream(t, srv.URL+"/hook?secret_file="+url.QueryEscape(secret), func(t *testing.T, total int) []brokerMsg {
+	ca := filepath.Join(t.TempDir(), "ca.pem")
+	if err := os.WriteFile(ca, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: srv.Certificate().Raw}), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	relayKilledMidStream(t, srv.URL+"/hook?secret_file="+url.QueryEscape(secret)+"&ca_file="+url.QueryEscape(ca), func(t *testing.T, total int) []brokerMsg {
 		mu.Lock()
 		defer mu.Unlock()
 		return append([]brokerMsg(nil), got...)
@@ -389,5 +395,79 @@ func TestRelayRoutesByStream(t *testing.T) {
 				t.Errorf("%s.%s holds %d entries, want %d", prefix, s, got, n)
 			}
 		}
+	}
+}
+
+// Each --route has its own Subscribe stream and credit: a billing webhook
+// that never answers holds --max-in-flight billing events and nothing
+// else, and every other stream keeps flowing to its own sink.
+func TestRelayRouteStalledSinkHoldsOnlyItsStreams(t *testing.T) {
+	t.Parallel()
+	server := envOr("REDIS_URL", "redis://127.0.0.1:6379/0")
+	opts, err := redis.ParseURL(server)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := redis.NewClient(opts)
+	t.Cleanup(func() { c.Close() })
+	prefix := unique("route_stall")
+	streams := []string{"orders", "shipping"}
+	t.Cleanup(func() {
+		for _, s := range streams {
+			c.Del(context.Background(), prefix+"."+s)
+		}
+	})
+	key := make([]byte, 32)
+	_, _ = rand.Read(key)
+	secret := filepath.Join(t.TempDir(), "whsec")
+	if err := os.WriteFile(secret, []byte("whsec_"+base64.StdEncoding.EncodeToString(key)+"\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	var (
+		mu      sync.Mutex
+		waiting int
+	)
+	release := make(chan struct{})
+	stalled := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		mu.Lock()
+		waiting++
+		mu.Unlock()
+		select {
+		case <-release:
+		case <-r.Context().Done():
+		}
+		http.Error(w, "stalled", http.StatusServiceUnavailable)
+	}))
+	t.Cleanup(stalled.Close)
+	t.Cleanup(func() { close(release) })
+
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	const perStream = 30
+	// billing first in every round, so a shared credit would be spent on it.
+	if _, err := pool.Exec(context.Background(), `SELECT outbox.emit(s, 'k-' || i, 'Changed', jsonb_build_object('i', i))
+		FROM generate_series(1, $2::int) i, unnest($1::text[]) WITH ORDINALITY u(s, o) ORDER BY i, o`,
+		append([]string{"billing"}, streams...), perStream); err != nil {
+		t.Fatal(err)
+	}
+	addr := freeAddr(t)
+	start(t, "serve", "--database-url", url, "--listen", addr, "--http-listen", "", "--log-level", "warn")
+	start(t, "relay", "--server", addr, "--log-level", "warn", "--max-in-flight", "2",
+		"--route", "billing="+stalled.URL+"/hook?timeout=5m&secret_file="+secret,
+		"--route", "*="+server+"?stream="+prefix+".{stream}")
+	waitPublished(t, pool, int64(perStream*len(streams)))
+	for _, s := range streams {
+		if got := c.XLen(t.Context(), prefix+"."+s).Val(); got != perStream {
+			t.Errorf("%s.%s holds %d entries, want %d", prefix, s, got, perStream)
+		}
+	}
+	var billing int64
+	if err := pool.QueryRow(context.Background(), `SELECT count(*) FROM outbox.event WHERE stream = 'billing' AND published_at IS NOT NULL`).Scan(&billing); err != nil {
+		t.Fatal(err)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if billing != 0 || waiting == 0 || waiting > 2 {
+		t.Errorf("billing: %d published, %d POSTs waiting; want none published and at most --max-in-flight (2) waiting", billing, waiting)
 	}
 }

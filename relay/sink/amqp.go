@@ -286,7 +286,8 @@ func (s *amqpSink) Publish(ctx context.Context, ev relay.Event) error {
 	headers := make(amqp.Table, len(ev.Headers)+len(m.headers)+7)
 	for k, v := range ev.Headers {
 		if err := checkAMQPHeader(k); err != nil {
-			return fmt.Errorf("amqp sink: event %s: %w", ev.ID, err)
+			// An event's headers never change: park it now.
+			return relay.Permanent(fmt.Errorf("amqp sink: event %s: %w", ev.ID, err))
 		}
 		if err := s.cfg.ce.checkHeader(k); err != nil {
 			return fmt.Errorf("amqp sink: event %s: %w", ev.ID, err)

@@ -260,9 +260,15 @@ func TestAMQPPublishErrors(t *testing.T) {
 	} {
 		ev := testEvent("e-" + name)
 		ev.Headers = h
-		if err := s.Publish(t.Context(), ev); err == nil {
-			t.Errorf("Publish with header %s succeeded", name)
+		if err := s.Publish(t.Context(), ev); err == nil || !relay.IsPermanent(err) {
+			t.Errorf("Publish with header %s = %v (permanent: %v), want a permanent error", name, err, relay.IsPermanent(err))
 		}
+	}
+	// A routing key over AMQP's 255 bytes never fits: permanent too.
+	long := testEvent("e-long-key")
+	long.AggregateKey = strings.Repeat("k", 300)
+	if err := s.Publish(t.Context(), long); err == nil || !relay.IsPermanent(err) || !strings.Contains(err.Error(), "routing key") {
+		t.Errorf("Publish with a 300-byte routing key = %v (permanent: %v), want a permanent error", err, relay.IsPermanent(err))
 	}
 	if err := s.Publish(t.Context(), testEvent("")); err == nil {
 		t.Error("Publish without an event ID succeeded")

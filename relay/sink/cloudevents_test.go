@@ -226,6 +226,10 @@ func TestCloudEventsWebhook(t *testing.T) {
 		if r.Header.Get("traceparent") == "" {
 			t.Errorf("%s: the W3C traceparent header was not forwarded", id)
 		}
+		// As the README says: the event's other headers are not sent.
+		if v := r.Header.Get("X-Tenant"); v != "" || strings.Contains(string(bod[i]), "X-Tenant") {
+			t.Errorf("%s: the producer header X-Tenant was sent (header %q)", id, v)
+		}
 		// The SDK's HTTP binding reads it back as the same event.
 		ce, err := cehttp.NewEventFromHTTPRequest(r)
 		if err != nil {

@@ -2,6 +2,7 @@ package sink_test
 
 import (
 	"context"
+	"crypto/rand"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -12,6 +13,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/twmb/franz-go/pkg/kfake"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 
@@ -358,4 +360,61 @@ func TestAMQPRelayCutMidStream(t *testing.T) {
 	}
 	t.Logf("%d messages for %d events", n, len(keys)*revs)
 	checkOrder(t, keys, revs, got)
+}
+
+// An event over the broker's largest message parks its aggregate at once
+// (a permanent nack, not --max-failures retries), with the sizes in the
+// reason, while other aggregates go on. Kafka's broker (kfake, with
+// message.max.bytes lowered to 4 KiB) refuses the record; the sink's own
+// max_bytes is left at its default, so the refusal is the broker's.
+func TestKafkaTooLargeEventParksThroughRunner(t *testing.T) {
+	t.Parallel()
+	c, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(3, "outbox.orders"),
+		kfake.BrokerConfigs(map[string]string{"message.max.bytes": "4096"}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(c.Close)
+	e := newRelayEnv(t, func(c *server.Config) {
+		// Only a permanent nack can park it within the test's wait.
+		c.BackoffBase, c.BackoffCap, c.MaxFailures = time.Second, 5*time.Second, 100
+	})
+	keys := []string{"a", "b", "c"}
+	e.emit(t, "orders", keys, 2)
+	for rev := 1; rev <= 2; rev++ {
+		if _, err := client.Emit(context.Background(), e.pool, client.Event{
+			Stream: "orders", AggregateKey: "big", Type: "Changed",
+			Payload: json.RawMessage(`"` + incompressible(8192) + `"`),
+		}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	e.run(t, openSink(t, kafkaSinkURL(c, nil)))
+	e.waitPublished(t, len(keys)*2)
+
+	agg := e.waitParked(t, "orders", "big")
+	if agg.GetFailures() != 1 || agg.GetDeliveredRevision() != 0 {
+		t.Errorf("parked after %d failures with revision %d delivered; want 1 failure and nothing delivered", agg.GetFailures(), agg.GetDeliveredRevision())
+	}
+	reason := agg.GetLastError() + " " + agg.GetParkedReason()
+	for _, want := range []string{"max_bytes", "MESSAGE_TOO_LARGE", "uncompressed_bytes="} {
+		if !strings.Contains(reason, want) {
+			t.Errorf("parked aggregate's reason %q does not mention %q", reason, want)
+		}
+	}
+	for _, r := range consume(t, c, len(keys)*2, "outbox.orders") {
+		if string(r.Key) == "big" {
+			t.Errorf("the too-large event reached the topic")
+		}
+	}
+}
+
+// incompressible returns n bytes of random base32 text, so that the
+// Kafka client's compression cannot shrink a record under a limit.
+func incompressible(n int) string {
+	var b strings.Builder
+	for b.Len() < n {
+		b.WriteString(rand.Text())
+	}
+	return b.String()[:n]
 }

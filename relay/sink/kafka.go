@@ -199,7 +199,8 @@ func (s *kafkaSink) Publish(ctx context.Context, ev relay.Event) error {
 	}
 	for k, v := range ev.Headers {
 		if len(k) >= 7 && strings.EqualFold(k[:7], "outbox-") {
-			return fmt.Errorf("kafka sink: event %s: header name %q uses the reserved prefix %q", ev.ID, k, k[:7])
+			// An event's headers never change: park it now.
+			return relay.Permanent(fmt.Errorf("kafka sink: event %s: header name %q uses the reserved prefix %q", ev.ID, k, k[:7]))
 		}
 		if err := s.cfg.ce.checkHeader(k); err != nil {
 			return fmt.Errorf("kafka sink: event %s: %w", ev.ID, err)

@@ -6,11 +6,13 @@ import (
 	"net/url"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
 	"github.com/twmb/franz-go/pkg/kfake"
 	"github.com/twmb/franz-go/pkg/kgo"
+	"github.com/twmb/franz-go/pkg/kmsg"
 
 	"github.com/outboxd/outboxd/relay"
 	"github.com/outboxd/outboxd/relay/sink"
@@ -137,6 +139,68 @@ func TestKafkaAggregateKeepsPartitionAndOrder(t *testing.T) {
 	}
 }
 
+// The sink's promise rests on the producer being idempotent with
+// acks=all: the cluster sees every produce request ask for all in-sync
+// replicas (acks -1), and every batch carry a producer ID and sequence
+// numbers (the broker's duplicate check), after an InitProducerID.
+func TestKafkaProducerIsIdempotentWithAcksAll(t *testing.T) {
+	t.Parallel()
+	c := newKafka(t, "outbox.orders.eu")
+	var (
+		mu       sync.Mutex
+		inits    int
+		produces []*kmsg.ProduceRequest
+	)
+	// Observers: not handled, so the cluster answers as usual.
+	c.ControlKey(int16(kmsg.InitProducerID), func(kmsg.Request) (kmsg.Response, error, bool) {
+		mu.Lock()
+		inits++
+		mu.Unlock()
+		return nil, nil, false
+	})
+	c.ControlKey(int16(kmsg.Produce), func(req kmsg.Request) (kmsg.Response, error, bool) {
+		mu.Lock()
+		produces = append(produces, req.(*kmsg.ProduceRequest))
+		mu.Unlock()
+		return nil, nil, false
+	})
+	s := openSink(t, kafkaSinkURL(c, nil))
+	for i := range 3 {
+		if err := s.Publish(t.Context(), testEvent("e-"+strconv.Itoa(i))); err != nil {
+			t.Fatal(err)
+		}
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if inits == 0 {
+		t.Error("no InitProducerID request: the producer is not idempotent")
+	}
+	if len(produces) == 0 {
+		t.Fatal("no produce request seen")
+	}
+	batches := 0
+	for _, req := range produces {
+		if req.Acks != -1 {
+			t.Errorf("produce request with acks %d, want -1 (all in-sync replicas)", req.Acks)
+		}
+		for _, tp := range req.Topics {
+			for _, p := range tp.Partitions {
+				var b kmsg.RecordBatch
+				if err := b.ReadFrom(p.Records); err != nil {
+					t.Fatalf("decode record batch: %v", err)
+				}
+				batches++
+				if b.ProducerID < 0 || b.FirstSequence < 0 {
+					t.Errorf("record batch with producer ID %d, sequence %d: not an idempotent write", b.ProducerID, b.FirstSequence)
+				}
+			}
+		}
+	}
+	if batches == 0 {
+		t.Error("no record batch seen")
+	}
+}
+
 func TestKafkaPublishErrors(t *testing.T) {
 	t.Parallel()
 	c := newKafka(t, "outbox.orders.order-42")
@@ -160,8 +224,8 @@ func TestKafkaPublishErrors(t *testing.T) {
 	}
 	ev = testEvent("e-reserved")
 	ev.Headers = map[string]string{"Outbox-Event-Id": "spoof"}
-	if err := s.Publish(t.Context(), ev); err == nil {
-		t.Error("Publish with an Outbox- header succeeded")
+	if err := s.Publish(t.Context(), ev); err == nil || !relay.IsPermanent(err) {
+		t.Errorf("Publish with an Outbox- header = %v (permanent: %v), want a permanent error", err, relay.IsPermanent(err))
 	}
 }
 

@@ -301,7 +301,7 @@ func (s *natsSink) Publish(ctx context.Context, ev relay.Event) error {
 	msg := &nats.Msg{Subject: subj, Data: m.body, Header: make(nats.Header, len(ev.Headers)+len(m.headers)+9)}
 	for k, v := range ev.Headers {
 		if err := checkProducerHeader(k); err != nil {
-			return fmt.Errorf("nats sink: event %s: %w", ev.ID, err)
+			return relay.Permanent(fmt.Errorf("nats sink: event %s: %w", ev.ID, err))
 		}
 		if err := s.ce.checkHeader(k); err != nil {
 			return fmt.Errorf("nats sink: event %s: %w", ev.ID, err)
@@ -355,7 +355,9 @@ func (s *natsSink) Publish(ctx context.Context, ev relay.Event) error {
 // and the reserved prefixes: "Nats-" headers are instructions to the server
 // (Nats-Rollup can purge a subject, Nats-Msg-Id would defeat
 // deduplication), and "Outbox-" names are the sink's own. Rejecting makes
-// the event fail visibly (retried, then parked) instead of being altered.
+// the event fail visibly instead of being altered; Publish marks the
+// refusal permanent (an event's headers never change), so the aggregate
+// parks at once with it as the reason.
 func checkProducerHeader(k string) error {
 	if k == "" {
 		return errors.New("empty header name")

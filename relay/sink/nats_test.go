@@ -365,13 +365,13 @@ func TestNATSPublishErrors(t *testing.T) {
 
 	reserved := testEvent("e-reserved")
 	reserved.Headers = map[string]string{"Nats-Rollup": "all"}
-	if err := s.Publish(t.Context(), reserved); err == nil || !strings.Contains(err.Error(), "reserved") {
-		t.Errorf("Publish with a Nats- header = %v, want a reserved-prefix error", err)
+	if err := s.Publish(t.Context(), reserved); err == nil || !strings.Contains(err.Error(), "reserved") || !relay.IsPermanent(err) {
+		t.Errorf("Publish with a Nats- header = %v (permanent: %v), want a permanent reserved-prefix error", err, relay.IsPermanent(err))
 	}
 	spoof := testEvent("e-spoof")
 	spoof.Headers = map[string]string{"outbox-event-id": "other"}
-	if err := s.Publish(t.Context(), spoof); err == nil {
-		t.Error("Publish with an Outbox- header succeeded")
+	if err := s.Publish(t.Context(), spoof); err == nil || !relay.IsPermanent(err) {
+		t.Errorf("Publish with an Outbox- header = %v (permanent: %v), want a permanent error", err, relay.IsPermanent(err))
 	}
 	if err := s.Publish(t.Context(), testEvent("")); err == nil {
 		t.Error("Publish without an event ID succeeded")

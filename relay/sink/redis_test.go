@@ -1,9 +1,14 @@
 package sink_test
 
 import (
+	"bufio"
+	"cmp"
 	"context"
 	"crypto/rand"
 	"encoding/json"
+	"fmt"
+	"io"
+	"net"
 	"net/url"
 	"os"
 	"strconv"
@@ -136,6 +141,62 @@ func TestRedisMaxLenTrims(t *testing.T) {
 	}
 	if n < 10 || n > 150 {
 		t.Errorf("stream holds %d entries after 250 adds with maxlen=10 (approximate)", n)
+	}
+}
+
+// How many entries an approximate trim keeps depends on the server's node
+// sizes (stream-node-max-entries, stream-node-max-bytes), so the count
+// above cannot tell MAXLEN ~ from an exact MAXLEN, which costs Redis a node
+// split per add. The command itself can: MONITOR, on a connection of its
+// own, shows it.
+func TestRedisMaxLenIsApproximate(t *testing.T) {
+	t.Parallel()
+	e := newRedisEnv(t)
+	s := openSink(t, e.url(map[string]string{"maxlen": "1000"}))
+	opts, err := redis.ParseURL(redisURL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	conn, err := net.Dial("tcp", opts.Addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	_ = conn.SetDeadline(time.Now().Add(10 * time.Second))
+	rd := bufio.NewReader(conn)
+	command := func(cmd string) {
+		t.Helper()
+		if _, err := io.WriteString(conn, cmd+"\r\n"); err != nil {
+			t.Fatal(err)
+		}
+		l, err := rd.ReadString('\n')
+		if err != nil {
+			t.Fatal(err)
+		}
+		if l != "+OK\r\n" {
+			t.Skipf("%s refused: %q", strings.Fields(cmd)[0], l)
+		}
+	}
+	if opts.Password != "" {
+		command(fmt.Sprintf("AUTH %s %s", cmp.Or(opts.Username, "default"), opts.Password))
+	}
+	command("MONITOR")
+	if err := s.Publish(t.Context(), testEvent("e1")); err != nil {
+		t.Fatal(err)
+	}
+	key := strconv.Quote(e.prefix + ".orders%2Eeu")
+	for {
+		l, err := rd.ReadString('\n')
+		if err != nil {
+			t.Fatalf("MONITOR showed no XADD to %s: %v", key, err)
+		}
+		if !strings.Contains(strings.ToUpper(l), `"XADD" `) || !strings.Contains(l, key) {
+			continue // another test's command
+		}
+		if !strings.Contains(strings.ToUpper(l), `"MAXLEN" "~" "1000"`) {
+			t.Errorf("XADD sent as %.200s; want MAXLEN ~ 1000", l)
+		}
+		return
 	}
 }
 

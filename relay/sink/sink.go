@@ -52,7 +52,8 @@
 // (retried, then parked), not a silent drop. RabbitMQ keeps no duplicate
 // window: consumers deduplicate by message-id. Producer headers named CC or
 // BCC (which RabbitMQ reads as extra routing keys) or starting with
-// "Outbox-" are refused. A connection found closed is dialled again by the
+// "Outbox-" are refused, permanently (relay.Permanent: the aggregate parks
+// at once), as are templates that render over their name's length limit. A connection found closed is dialled again by the
 // next publish.
 //
 // Redis Streams parameters (all optional):
@@ -78,6 +79,8 @@
 //	timeout      bound on each POST, default 10s
 //	query        the endpoint's own query string (URL-encoded), since the
 //	             URL's query holds the sink's parameters
+//	ca_file      https only: a PEM file of the CA certificates that verify
+//	             the receiver, instead of the system's roots. Read at Open
 //
 // Each event is POSTed as the JSON object the stdout sink prints, with the
 // Standard Webhooks headers webhook-id (the event ID), webhook-timestamp
@@ -88,8 +91,8 @@
 // too large included) is a permanent error (relay.Permanent) quoting the
 // status and the start of the body, so the aggregate parks at once; a
 // redirect (not followed) is an ordinary error, parked after the server's
-// max failures. TLS uses the system's roots, as net/http's default
-// transport does.
+// max failures. TLS verifies the receiver with the system's roots, as
+// net/http's default transport does, or with ca_file's certificates.
 //
 // Kafka parameters (all optional):
 //
@@ -127,7 +130,10 @@
 // id = event ID, type = event type, subject = aggregate key, time =
 // created_at, data = payload (application/json), extensions outboxstream
 // and outboxrevision, and traceparent/tracestate from the event's headers.
-// The sink's own headers (Outbox-*, the event's) are kept in both modes.
+// The sink's own headers (Outbox-*, the event's) are kept in both modes,
+// except by webhooks, which have none: their event headers travel in the
+// JSON body that the CloudEvent replaces, so only the attributes and the
+// trace context (also as HTTP headers) are sent.
 //
 // Templates: placeholders {stream}, {aggregate_key}, {event_type}, each a
 // whole '.'-separated token, are substituted with EscapeSubjectToken

@@ -5,6 +5,8 @@ import (
 	"context"
 	"crypto/hmac"
 	"crypto/sha256"
+	"crypto/tls"
+	"crypto/x509"
 	"encoding/base64"
 	"errors"
 	"fmt"
@@ -40,6 +42,7 @@ type webhookConfig struct {
 	endpoint string
 	keys     [][]byte
 	timeout  time.Duration
+	roots    *x509.CertPool // from ca_file; nil: the system's
 	ce       ceConfig
 }
 
@@ -53,7 +56,7 @@ func parseWebhookURL(u *url.URL, display string) (*webhookConfig, error) {
 	if u.Fragment != "" {
 		return nil, invalid(display, "unexpected fragment")
 	}
-	p, err := params(u, display, append([]string{"secret_file", "timeout", "query"}, ceParams...)...)
+	p, err := params(u, display, append([]string{"secret_file", "timeout", "query", "ca_file"}, ceParams...)...)
 	if err != nil {
 		return nil, err
 	}
@@ -71,6 +74,14 @@ func parseWebhookURL(u *url.URL, display string) (*webhookConfig, error) {
 	if v, ok := p["timeout"]; ok {
 		if cfg.timeout, err = positiveDuration(v); err != nil {
 			return nil, invalid(display, "timeout=%q: %v", v, err)
+		}
+	}
+	if v, ok := p["ca_file"]; ok {
+		if u.Scheme != "https" {
+			return nil, invalid(display, "ca_file=%q: only for https:// endpoints", v)
+		}
+		if cfg.roots, err = readCAFile(v); err != nil {
+			return nil, invalid(display, "ca_file=%q: %v", v, err)
 		}
 	}
 	endpoint := *u
@@ -121,6 +132,20 @@ func readWebhookSecrets(file string) ([][]byte, error) {
 	return keys, nil
 }
 
+// readCAFile reads the PEM certificates that verify a receiver instead of
+// the system's roots.
+func readCAFile(file string) (*x509.CertPool, error) {
+	b, err := os.ReadFile(file)
+	if err != nil {
+		return nil, err
+	}
+	pool := x509.NewCertPool()
+	if !pool.AppendCertsFromPEM(b) {
+		return nil, errors.New("no PEM certificate in the file")
+	}
+	return pool, nil
+}
+
 // webhookSink POSTs each event to one endpoint, signed as Standard
 // Webhooks specifies.
 type webhookSink struct {
@@ -139,6 +164,11 @@ func openWebhook(_ context.Context, u *url.URL, display string, opts Options) (r
 	// environment, TLS with the system roots, HTTP/2), so Close can drop
 	// its idle connections without touching anyone else's.
 	tr := http.DefaultTransport.(*http.Transport).Clone()
+	if cfg.roots != nil {
+		// Still HTTP/2 when the receiver offers it: the clone keeps
+		// ForceAttemptHTTP2.
+		tr.TLSClientConfig = &tls.Config{RootCAs: cfg.roots, MinVersion: tls.VersionTLS12}
+	}
 	s := &webhookSink{
 		cfg:       cfg,
 		transport: tr,

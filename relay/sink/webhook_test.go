@@ -6,6 +6,7 @@ import (
 	"crypto/sha256"
 	"encoding/base64"
 	"encoding/json"
+	"encoding/pem"
 	"errors"
 	"fmt"
 	"io"
@@ -352,5 +353,85 @@ func TestWebhookSendsTraceContextAsHTTPHeaders(t *testing.T) {
 	}
 	if g := got[0].header.Get("X-Tenant"); g != "" {
 		t.Errorf("producer header X-Tenant sent as an HTTP header (%q); it belongs in the body", g)
+	}
+}
+
+// caFile writes srv's certificate as a PEM file of the test.
+func caFile(t *testing.T, srv *httptest.Server) string {
+	t.Helper()
+	p := filepath.Join(t.TempDir(), "ca.pem")
+	block := pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: srv.Certificate().Raw})
+	if err := os.WriteFile(p, block, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+// Over https the receiver's certificate is verified: with the system's
+// roots a test CA is refused (an error worth retrying: the receiver may
+// fix its certificate), and with ca_file naming that CA the signed POST
+// lands, over HTTP/2 when the receiver offers it.
+func TestWebhookTLS(t *testing.T) {
+	t.Parallel()
+	secret := newSecret()
+	var (
+		mu    sync.Mutex
+		proto []string
+	)
+	srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		body, _ := io.ReadAll(r.Body)
+		if err := verifyStandardWebhook(secret, r.Header, body, time.Now()); err != nil || r.TLS == nil {
+			http.Error(w, fmt.Sprintf("tls %v: %v", r.TLS != nil, err), http.StatusUnauthorized)
+			return
+		}
+		mu.Lock()
+		proto = append(proto, r.Proto)
+		mu.Unlock()
+		w.WriteHeader(http.StatusNoContent)
+	}))
+	srv.EnableHTTP2 = true
+	srv.StartTLS()
+	t.Cleanup(srv.Close)
+	base := srv.URL + "/hook?secret_file=" + url.QueryEscape(secretFile(t, secret))
+
+	untrusted := openSink(t, base)
+	err := untrusted.Publish(t.Context(), testEvent("e-untrusted"))
+	if err == nil || !strings.Contains(err.Error(), "certificate") || relay.IsPermanent(err) {
+		t.Errorf("Publish to a receiver with an unknown CA = %v (permanent: %v); want a certificate error, not permanent", err, relay.IsPermanent(err))
+	}
+
+	trusted := openSink(t, base+"&ca_file="+url.QueryEscape(caFile(t, srv)))
+	if err := trusted.Publish(t.Context(), testEvent("e-trusted")); err != nil {
+		t.Fatalf("Publish with ca_file: %v", err)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if len(proto) != 1 || proto[0] != "HTTP/2.0" {
+		t.Errorf("receiver accepted %v; want one request over HTTP/2.0", proto)
+	}
+}
+
+func TestWebhookOpenRejectsBadCAFile(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	notPEM := filepath.Join(dir, "ca.pem")
+	if err := os.WriteFile(notPEM, []byte("not a certificate\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	secret := url.QueryEscape(secretFile(t, newSecret()))
+	for _, c := range []struct{ url, want string }{
+		{"https://127.0.0.1:1/h?secret_file=" + secret + "&ca_file=" + url.QueryEscape(filepath.Join(dir, "nope")), "no such file"},
+		{"https://127.0.0.1:1/h?secret_file=" + secret + "&ca_file=" + url.QueryEscape(notPEM), "no PEM certificate"},
+		{"http://127.0.0.1:1/h?secret_file=" + secret + "&ca_file=" + url.QueryEscape(notPEM), "only for https://"},
+	} {
+		s, err := sink.Open(t.Context(), c.url, sink.Options{})
+		if err == nil {
+			_ = s.Close()
+			t.Errorf("Open(%s) succeeded", c.url)
+			continue
+		}
+		if !errors.Is(err, sink.ErrInvalidURL) || !strings.Contains(err.Error(), "ca_file=") || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("Open(%s) = %q, want ErrInvalidURL naming ca_file and %q", c.url, err, c.want)
+		}
 	}
 }
