@@ -1,6 +1,8 @@
 package console_test
 
 import (
+	"context"
+	"encoding/json"
 	"html"
 	"net/http"
 	"net/url"
@@ -180,5 +182,97 @@ func TestPurgeDryRun(t *testing.T) {
 	code, body := b.post(t, "/purge", url.Values{"csrf": {csrf}, "older_than": {"0s"}, "stream": {"sales_order"}})
 	if code != http.StatusOK || !strings.Contains(body, `would delete <b>0</b> event(s)`) {
 		t.Errorf("purge dry run: %d\n%s", code, body)
+	}
+}
+
+// The streams page shows every stall signal GetLag has: here events no
+// rule will deliver (a delivery row that says idle with an event pending,
+// as a delivery bug would leave it) and a relay connected for a stream
+// whose ready work waits while it holds nothing, in the table the server
+// renders and in what the page polls.
+func TestStreamsPageShowsStrandedAndIdleRelays(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t, harnessOptions{})
+	ctx := t.Context()
+	h.emit(t, "orders", "lost", 1)
+	h.emit(t, "billing.invoice", "waiting", 1)
+	for _, key := range []string{"lost", "waiting"} {
+		deadline := time.Now().Add(30 * time.Second)
+		for {
+			var st string
+			_ = h.pool.QueryRow(ctx, `SELECT state FROM outbox.delivery WHERE aggregate_key = $1`, key).Scan(&st)
+			if st == "ready" {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("%s not ready: %q", key, st)
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	}
+	exec := func(sql string, args ...any) {
+		t.Helper()
+		if _, err := h.pool.Exec(context.Background(), sql, args...); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var claimable, since time.Time
+	if err := h.pool.QueryRow(ctx, `UPDATE outbox.delivery d SET state = 'idle', claimable_at = NULL, pending_since = NULL
+		FROM outbox.delivery o WHERE o.stream = d.stream AND o.aggregate_key = d.aggregate_key AND d.aggregate_key = 'lost'
+		RETURNING o.claimable_at, o.pending_since`).Scan(&claimable, &since); err != nil {
+		t.Fatal(err)
+	}
+	// The replica's cleanup counts stranded events: put the row back.
+	defer exec(`UPDATE outbox.delivery SET state = 'ready', claimable_at = $1, pending_since = $2 WHERE aggregate_key = 'lost'`, claimable, since)
+	exec(`UPDATE outbox.settings SET idle_relay_after = '1 millisecond'`)
+	exec(`INSERT INTO outbox.relay_session (session_id, relay_id, peer, replica_id, streams, max_in_flight, in_flight, connected_at, seen_at)
+		VALUES (gen_random_uuid(), 'wedged', '10.0.0.1:1', 'other-replica', '{billing.invoice}', 8, 0, now() - interval '1 hour', clock_timestamp())`)
+
+	b := h.browser(t)
+	b.login(t, viewerSecret)
+	code, body := b.get(t, "/")
+	if code != http.StatusOK || !strings.Contains(body, `>Stranded</th>`) {
+		t.Fatalf("streams page: %d, Stranded column %v", code, strings.Contains(body, `>Stranded</th>`))
+	}
+	cells := func(stream string) []string {
+		t.Helper()
+		row := regexp.MustCompile(`(?s)<tr>\s*<td><a [^>]*>` + regexp.QuoteMeta(stream) + `</a></td>(.*?)</tr>`).FindStringSubmatch(body)
+		if row == nil {
+			t.Fatalf("no row for %s:\n%s", stream, body)
+		}
+		var out []string
+		for _, m := range regexp.MustCompile(`<td class="([^"]*)">([^<]*)</td>`).FindAllStringSubmatch(row[1], -1) {
+			out = append(out, strings.TrimSpace(m[1])+"="+m[2])
+		}
+		if len(out) != 12 {
+			t.Fatalf("row of %s has %d figures: %v", stream, len(out), out)
+		}
+		return out
+	}
+	// Pending, aggregates, oldest, delivered, ready, leased, backing off,
+	// parked, gap, stalled, stranded, idle relays.
+	if got := cells("orders"); got[10] != "n bad=1" || got[11] != "n=0" {
+		t.Errorf("orders: stranded %q, idle relays %q; want 1 (marked bad) and 0", got[10], got[11])
+	}
+	if got := cells("billing.invoice"); got[10] != "n=0" || got[11] != "n warn=1" {
+		t.Errorf("billing.invoice: stranded %q, idle relays %q; want 0 and 1 (marked warn)", got[10], got[11])
+	}
+	var lag struct {
+		Streams []struct {
+			Stream     string `json:"stream"`
+			Stranded   int64  `json:"stranded"`
+			IdleRelays int64  `json:"idle_relays"`
+		} `json:"streams"`
+		Total struct {
+			Stranded   int64 `json:"stranded"`
+			IdleRelays int64 `json:"idle_relays"`
+		} `json:"total"`
+	}
+	_, js := b.get(t, "/api/lag")
+	if err := json.Unmarshal([]byte(js), &lag); err != nil {
+		t.Fatalf("/api/lag: %v\n%s", err, js)
+	}
+	if lag.Total.Stranded != 1 || lag.Total.IdleRelays != 1 {
+		t.Errorf("/api/lag total: stranded %d, idle relays %d; want 1 and 1\n%s", lag.Total.Stranded, lag.Total.IdleRelays, js)
 	}
 }

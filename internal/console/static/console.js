@@ -29,7 +29,7 @@
     body.textContent = "";
     if (!d.streams.length) {
       var tr = el("tr");
-      tr.appendChild(el("td", { colspan: "12", "class": "muted" }, "No stream has pending work or recent deliveries."));
+      tr.appendChild(el("td", { colspan: "13", "class": "muted" }, "No stream has pending work or recent deliveries."));
       body.appendChild(tr);
     }
     d.streams.forEach(function (s) {
@@ -38,7 +38,7 @@
       td.appendChild(el("a", { href: "/events?state=pending&stream=" + encodeURIComponent(s.stream) }, s.stream));
       tr.appendChild(td);
       [[s.pending], [s.aggregates], [s.oldest], [rate(s.rate)], [s.ready], [s.leased],
-       [s.backoff, "warn"], [s.parked, "bad"], [s.gap, "bad"], [s.stalled, "bad"], [s.idle_relays]].forEach(function (c) {
+       [s.backoff, "warn"], [s.parked, "bad"], [s.gap, "bad"], [s.stalled, "bad"], [s.stranded, "bad"], [s.idle_relays, "warn"]].forEach(function (c) {
         tr.appendChild(el("td", { "class": "n" + (c[1] && c[0] ? " " + c[1] : "") }, String(c[0])));
       });
       body.appendChild(tr);
