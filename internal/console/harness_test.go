@@ -76,6 +76,7 @@ type harnessOptions struct {
 	open     bool
 	tls      bool // serve the console over HTTPS
 	config   func(*console.Config)
+	server   func(*server.Config) // after the harness's own settings
 }
 
 func newHarness(t *testing.T, o harnessOptions) *harness {
@@ -98,6 +99,9 @@ func newHarness(t *testing.T, o harnessOptions) *harness {
 		Configure: func(c *server.Config) {
 			c.Logger = log
 			c.MaxFailures = 1 // one nack parks
+			if o.server != nil {
+				o.server(c)
+			}
 		},
 	})
 	conn, err := h.rep.App.DialInProcess()

@@ -11,6 +11,9 @@ import (
 	"testing"
 	"time"
 
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/protobuf/types/known/durationpb"
+
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
 )
 
@@ -274,5 +277,57 @@ func TestStreamsPageShowsStrandedAndIdleRelays(t *testing.T) {
 	}
 	if lag.Total.Stranded != 1 || lag.Total.IdleRelays != 1 {
 		t.Errorf("/api/lag total: stranded %d, idle relays %d; want 1 and 1\n%s", lag.Total.Stranded, lag.Total.IdleRelays, js)
+	}
+}
+
+// An aggregate whose leases keep expiring is stalled while leased, in none
+// of the trouble states: the default aggregates page lists it under them,
+// and a bulk action from the stalled filter keeps the filter.
+func TestAggregatesPageListsStalledLeased(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t, harnessOptions{})
+	h.park(t, "sales_order", "p-1", 1)
+	if _, err := h.pool.Exec(t.Context(), `UPDATE outbox.settings SET stall_after_unanswered = 2`); err != nil {
+		t.Fatal(err)
+	}
+	h.emit(t, "billing.invoice", "hangs", 1)
+	ctx, cancel := context.WithCancel(metadata.AppendToOutgoingContext(t.Context(), "authorization", "Bearer "+relaySecret))
+	defer cancel()
+	st, err := h.rep.Relay.Subscribe(ctx, &outboxv1.SubscribeRequest{RelayId: "hanging-relay", Streams: []string{"billing.invoice"},
+		MaxInFlight: 2, LeaseTtl: durationpb.New(time.Second)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for want := uint32(1); want <= 3; want++ { // two leases end unanswered
+		d, err := st.Recv()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if d.GetAttempt() != want {
+			t.Fatalf("attempt %d, want %d", d.GetAttempt(), want)
+		}
+	}
+	b := h.browser(t)
+	b.login(t, viewerSecret)
+	code, body := b.get(t, "/aggregates")
+	if code != http.StatusOK || !strings.Contains(body, "p-1") {
+		t.Fatalf("aggregates page: %d, parked aggregate listed %v", code, strings.Contains(body, "p-1"))
+	}
+	i := strings.Index(body, `id="stalled"`)
+	if i < 0 {
+		t.Fatalf("no stalled section on the default aggregates page:\n%s", body)
+	}
+	if s := body[i:]; !strings.Contains(s, "key=hangs") || !strings.Contains(s, ">leased<") || !strings.Contains(s, "2 deliveries") {
+		t.Errorf("stalled section:\n%s", s)
+	}
+	if _, body = b.get(t, "/aggregates?state=parked"); strings.Contains(body, `id="stalled"`) {
+		t.Error("a state filter still lists the stalled section")
+	}
+	_, body = b.get(t, "/aggregates?state=any&stalled=1")
+	if !strings.Contains(body, "key=hangs") || strings.Contains(body, "p-1") {
+		t.Errorf("stalled only: the list is wrong:\n%s", body)
+	}
+	if !regexp.MustCompile(`href="/bulk\?[^"]*stalled=1`).MatchString(body) {
+		t.Error("the bulk link from the stalled filter drops stalled")
 	}
 }
