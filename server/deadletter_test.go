@@ -402,6 +402,17 @@ func TestListAggregatesFiltersAndPages(t *testing.T) {
 	if got := list(&outboxv1.AggregateFilter{Stream: "billing.*", PendingBefore: timestamppb.New(time.Now().Add(-time.Hour))}, 0); len(got) != 0 {
 		t.Fatalf("pending before an hour ago: %v", got)
 	}
+	// The invoices were emitted before the refunds: a cut between them.
+	var cut time.Time
+	if err := pool.QueryRow(ctx, `SELECT min(created_at) FROM outbox.event WHERE stream = 'billing.refund'`).Scan(&cut); err != nil {
+		t.Fatal(err)
+	}
+	if got := list(&outboxv1.AggregateFilter{Stream: "billing.*", PendingBefore: timestamppb.New(cut)}, 0); !slices.Equal(got, parked) {
+		t.Fatalf("pending before the first refund: %v, want the invoices %v", got, parked)
+	}
+	if got := list(&outboxv1.AggregateFilter{Stream: "billing.*", PendingBefore: timestamppb.Now()}, 0); len(got) != 7 {
+		t.Fatalf("pending before now: %v", got)
+	}
 
 	for _, c := range []struct {
 		req   *outboxv1.ListAggregatesRequest
@@ -443,6 +454,22 @@ func TestBulkRetryAndSkip(t *testing.T) {
 	wantCode(t, err, codes.InvalidArgument, "reason")
 	_, err = r.Admin.BulkSkip(ctx, &outboxv1.BulkSkipRequest{Filter: &outboxv1.AggregateFilter{Stream: "*"}})
 	wantCode(t, err, codes.InvalidArgument, "reason")
+
+	// Older than: the invoices were parked before the refunds were emitted.
+	var cut time.Time
+	if err := pool.QueryRow(ctx, `SELECT min(created_at) FROM outbox.event WHERE stream = 'billing.refund'`).Scan(&cut); err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct {
+		before time.Time
+		want   int64
+	}{{cut, 30}, {time.Now(), 34}, {time.Now().Add(-time.Hour), 0}} {
+		res, err := r.Admin.BulkSkip(ctx, &outboxv1.BulkSkipRequest{Filter: &outboxv1.AggregateFilter{Stream: "billing.*",
+			PendingBefore: timestamppb.New(c.before)}, Reason: "r", DryRun: true})
+		if err != nil || res.GetMatched() != c.want {
+			t.Fatalf("bulk skip dry run pending before %v: %v, %v; want %d matched", c.before, res, err, c.want)
+		}
+	}
 
 	// Dry runs count and sample, and change nothing.
 	dry, err := r.Admin.BulkRetry(ctx, &outboxv1.BulkRetryRequest{Filter: &outboxv1.AggregateFilter{ErrorContains: "503"}, DryRun: true})
