@@ -69,6 +69,7 @@ type harness struct {
 	srv    *httptest.Server
 	logs   *syncBuffer // everything the replica and the console logged
 	tokens string      // the token file's path
+	url    string      // the database's
 }
 
 type harnessOptions struct {
@@ -82,7 +83,7 @@ type harnessOptions struct {
 func newHarness(t *testing.T, o harnessOptions) *harness {
 	t.Helper()
 	url := testdb.New(t)
-	h := &harness{pool: testdb.NewPoolURL(t, url), logs: &syncBuffer{}}
+	h := &harness{pool: testdb.NewPoolURL(t, url), logs: &syncBuffer{}, url: url}
 	log := slog.New(slog.NewTextHandler(io.MultiWriter(h.logs, testWriter{t}), &slog.HandlerOptions{Level: slog.LevelDebug}))
 	if !o.noTokens {
 		h.tokens = filepath.Join(t.TempDir(), "tokens")

@@ -247,6 +247,7 @@ func (c *Console) relays(q *request) {
 	data := map[string]any{}
 	code := http.StatusOK
 	resp, err := c.admin.ListRelays(q.ctx, &outboxv1.ListRelaysRequest{})
+	replicaOf := map[string]string{} // session id: replica id
 	if err != nil {
 		data["Error"], code = describe(err), httpCode(err)
 	} else {
@@ -254,6 +255,7 @@ func (c *Console) relays(q *request) {
 		replicas := map[string]bool{}
 		for _, r := range resp.GetRelays() {
 			replicas[r.GetReplicaId()] = true
+			replicaOf[r.GetSessionId()] = r.GetReplicaId()
 		}
 		data["Replicas"] = len(replicas)
 	}
@@ -262,7 +264,18 @@ func (c *Console) relays(q *request) {
 	if err != nil {
 		data["InFlightError"] = describe(err)
 	} else {
-		data["InFlight"] = leased.GetAggregates()
+		rows := make([]inFlight, 0, len(leased.GetAggregates()))
+		for _, a := range leased.GetAggregates() {
+			rows = append(rows, inFlight{Aggregate: a, Replica: replicaOf[a.GetLeaseHolder()]})
+		}
+		data["InFlight"], data["MoreInFlight"] = rows, leased.GetNextPageToken() != ""
 	}
 	c.render(q.w, q.r, code, "relays", q, data)
+}
+
+// inFlight is a leased aggregate with the replica whose session holds the
+// lease ("" when that session is not listed, e.g. it just ended).
+type inFlight struct {
+	*outboxv1.Aggregate
+	Replica string
 }

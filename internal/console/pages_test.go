@@ -16,6 +16,8 @@ import (
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+	"github.com/outboxd/outboxd/internal/servertest"
+	"github.com/outboxd/outboxd/server"
 )
 
 // The events browser filters by stream, key, state and creation time and
@@ -325,5 +327,63 @@ func TestAggregatesPageListsStalledLeased(t *testing.T) {
 	}
 	if !regexp.MustCompile(`href="/bulk\?[^"]*stalled=1`).MatchString(body) {
 		t.Error("the bulk link from the stalled filter drops stalled")
+	}
+}
+
+// The relays page shows the relays of every replica on the database, and
+// their deliveries in flight with the replica holding each lease, though
+// the console asks only its own replica.
+func TestRelaysAcrossReplicas(t *testing.T) {
+	t.Parallel()
+	const replicaA, replicaB = "replica-a", "replica-b"
+	h := newHarness(t, harnessOptions{server: func(c *server.Config) { c.ReplicaID = replicaA }})
+	other := servertest.Start(t, h.url, servertest.Options{Authenticator: h.authn, Configure: func(c *server.Config) {
+		c.ReplicaID, c.SessionRefreshInterval = replicaB, 100*time.Millisecond
+	}})
+	h.emit(t, "billing.invoice", "on-a", 1)
+	h.emit(t, "sales_order", "on-b", 1)
+	ctx, cancel := context.WithCancel(metadata.AppendToOutgoingContext(t.Context(), "authorization", "Bearer "+relaySecret))
+	defer cancel()
+	hold := func(relay outboxv1.RelayServiceClient, id, stream string) {
+		t.Helper()
+		st, err := relay.Subscribe(ctx, &outboxv1.SubscribeRequest{RelayId: id, Streams: []string{stream}, MaxInFlight: 1})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := st.Recv(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	hold(h.rep.Relay, "relay-on-a", "billing.invoice")
+	hold(other.Relay, "relay-on-b", "sales_order")
+
+	b := h.browser(t)
+	b.login(t, viewerSecret)
+	var body string
+	for deadline := time.Now().Add(20 * time.Second); ; {
+		var code int
+		if code, body = b.get(t, "/relays"); code != http.StatusOK {
+			t.Fatalf("relays page: %d\n%s", code, body)
+		}
+		if strings.Contains(body, "relay-on-b") {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the other replica's relay never showed:\n%s", body)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	if !strings.Contains(body, "2 connected to 2 replica(s)") {
+		t.Errorf("relays heading: want 2 relays on 2 replicas\n%s", body)
+	}
+	inFlight := body[strings.Index(body, `id="in-flight"`):]
+	for _, want := range []string{
+		"<td>relay-on-a</td><td>" + replicaA + "</td>",
+		"<td>relay-on-b</td><td>" + replicaB + "</td>",
+		"key=on-a", "key=on-b",
+	} {
+		if !strings.Contains(inFlight, want) {
+			t.Errorf("deliveries in flight lack %q:\n%s", want, inFlight)
+		}
 	}
 }
