@@ -65,7 +65,8 @@ func TestEventsBrowser(t *testing.T) {
 }
 
 // Accepting a gap and skipping need a reason; a retry of a parked
-// aggregate makes it ready, recorded as the token's action.
+// aggregate makes it ready and accepting a gap releases a gap-held one,
+// each recorded as the token's action.
 func TestAggregateActions(t *testing.T) {
 	t.Parallel()
 	h := newHarness(t, harnessOptions{})
@@ -86,6 +87,46 @@ func TestAggregateActions(t *testing.T) {
 	if err != nil || got.GetAggregate().GetState() != outboxv1.AggregateState_AGGREGATE_STATE_READY {
 		t.Fatalf("after retry: %v, %v", got, err)
 	}
+	if !strings.Contains(h.logs.String(), `msg="aggregate retried by operator" component=server`) ||
+		!regexp.MustCompile(`msg="aggregate retried by operator".* actor=ops`).MatchString(h.logs.String()) {
+		t.Error("the retry is not on the record as the token's (ops)")
+	}
+
+	// A gap: revisions 1 and 3, revision 1 delivered, 2 never comes.
+	for _, rev := range []int{1, 3} {
+		if _, err := h.pool.Exec(t.Context(), `SELECT outbox.emit('gaps', 'gap-1', 'T', '{}', revision => $1)`, rev); err != nil {
+			t.Fatal(err)
+		}
+	}
+	rctx, cancel := context.WithCancel(metadata.AppendToOutgoingContext(t.Context(), "authorization", "Bearer "+relaySecret))
+	defer cancel()
+	st, err := h.rep.Relay.Subscribe(rctx, &outboxv1.SubscribeRequest{RelayId: "acker", Streams: []string{"gaps"}, MaxInFlight: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	d, err := st.Recv()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := h.rep.Relay.Ack(rctx, &outboxv1.AckRequest{Acks: []*outboxv1.AckItem{{EventId: d.GetEvent().GetEventId(), LeaseToken: d.GetLeaseToken()}}}); err != nil {
+		t.Fatal(err)
+	}
+	for deadline := time.Now().Add(30 * time.Second); h.aggState(t, "gaps", "gap-1") != outboxv1.AggregateState_AGGREGATE_STATE_GAP; {
+		if time.Now().After(deadline) {
+			t.Fatalf("gap-1 is %v, want gap", h.aggState(t, "gaps", "gap-1"))
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	gap := url.Values{"csrf": {csrf}, "stream": {"gaps"}, "key": {"gap-1"}, "reason": {"revision 2 rolled back upstream"}}
+	if _, body := b.post(t, "/act/accept-gap", gap); !strings.Contains(body, "Gap accepted for gaps/gap-1: now") {
+		t.Fatalf("accept gap: %s", body)
+	}
+	var actor, why string
+	if err := h.pool.QueryRow(t.Context(), `SELECT actor, reason FROM outbox.accepted_gap WHERE aggregate_key = 'gap-1'`).Scan(&actor, &why); err != nil ||
+		actor != "ops" || why != "revision 2 rolled back upstream" {
+		t.Errorf("accepted gap recorded by %q (%q), %v; want ops and the reason", actor, why, err)
+	}
+
 	// A retry of an aggregate that is not parked: the server's refusal is
 	// shown, not hidden.
 	if _, body = b.post(t, "/act/retry", url.Values{"csrf": {csrf}, "stream": {"sales_order"}, "key": {"nope"}}); !strings.Contains(body, "NotFound") {
