@@ -100,6 +100,15 @@ func TestCLIBulkRetryAndSkip(t *testing.T) {
 	if !strings.HasPrefix(r.stdout, "4 aggregates would be retried") || !strings.Contains(r.stdout, "i04") {
 		t.Errorf("dry run:\n%s", r.stdout)
 	}
+	// Older than: nothing was pending an hour ago; all of them before a
+	// minute from now (RFC 3339).
+	if r := ts.cli(t, nil, "bulk-retry", "--error", "503", "--pending-before", "1h", "--dry-run").want(t, exitOK); !strings.HasPrefix(r.stdout, "0 aggregates would be retried") {
+		t.Errorf("dry run older than an hour:\n%s", r.stdout)
+	}
+	soon := time.Now().Add(time.Minute).UTC().Format(time.RFC3339)
+	if r := ts.cli(t, nil, "bulk-skip", "--stream", "billing.*", "--pending-before", soon, "--reason", "x", "--dry-run").want(t, exitOK); !strings.HasPrefix(r.stdout, "6 aggregates would have their next event skipped") {
+		t.Errorf("dry run pending before %s:\n%s", soon, r.stdout)
+	}
 	// Not confirmed: without a terminal and without --yes, or answered no.
 	ts.cli(t, nil, "bulk-retry", "--error", "503").want(t, exitNotConfirmed)
 	ts.cli(t, tty{strings.NewReader("n\n")}, "bulk-retry", "--error", "503").want(t, exitNotConfirmed)

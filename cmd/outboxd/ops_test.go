@@ -2,6 +2,7 @@ package main_test
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"io"
 	"log/slog"
@@ -93,6 +94,22 @@ func TestHealthFollowsDatabase(t *testing.T) {
 	if code, body := httpGet("http://" + httpAddr + "/"); code != http.StatusOK || !strings.Contains(body, "no login (loopback)") {
 		t.Fatalf("console at / %d:\n%.2000s", code, body)
 	}
+	// Its chart: serve samples lag for it, over the last hour.
+	eventually(t, "a lag sample for the console's chart", func() bool {
+		var lag struct {
+			History   []json.RawMessage `json:"history"`
+			IntervalS float64           `json:"interval_s"`
+			WindowS   float64           `json:"window_s"`
+		}
+		code, body := httpGet("http://" + httpAddr + "/api/lag")
+		if code != http.StatusOK || json.Unmarshal([]byte(body), &lag) != nil {
+			t.Fatalf("/api/lag %d:\n%.2000s", code, body)
+		}
+		if lag.WindowS != 3600 || lag.IntervalS != 10 {
+			t.Fatalf("/api/lag: the chart covers %vs sampled every %vs, want an hour every 10s", lag.WindowS, lag.IntervalS)
+		}
+		return len(lag.History) > 0
+	})
 
 	if err := db.StopServer(ctx); err != nil {
 		t.Fatal(err)

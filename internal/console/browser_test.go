@@ -72,6 +72,9 @@ func TestBrowser(t *testing.T) {
 	h := newHarness(t, harnessOptions{})
 	parked := h.park(t, "sales_order", "42", 2)
 	h.emit(t, "sales_order", "43", 1)
+	// Another parked aggregate, still parked when the aggregates and bulk
+	// pages are visited.
+	h.park(t, "billing.refund", "r-1", 1)
 
 	// A relay holding billing deliveries without acking them, to show in
 	// flight.
@@ -173,19 +176,58 @@ func TestBrowser(t *testing.T) {
 
 	// Lag grows in three steps while the page polls: each step waits until
 	// the page shows the new total, so the chart has a history to draw.
-	total := 4
+	// checkTicks: the chart's gridlines are labelled with whole, evenly
+	// spaced numbers from 0 up to at least min.
+	checkTicks := func(min int) {
+		t.Helper()
+		ticks, err := chromedp.Run(ctx, chromedp.Evaluate[[]string](`Array.from(document.querySelectorAll("#chart text.ytick")).map(e => e.textContent)`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(ticks) != 5 {
+			t.Fatalf("chart y labels %q, want 5", ticks)
+		}
+		step, _ := strconv.Atoi(ticks[1])
+		for i, tick := range ticks {
+			if v, err := strconv.Atoi(tick); err != nil || v != i*step || step < 1 {
+				t.Errorf("chart y labels %q: not whole multiples of one step", ticks)
+				break
+			}
+		}
+		if top, _ := strconv.Atoi(ticks[4]); top < min {
+			t.Errorf("chart y labels %q: the top is below %d", ticks, min)
+		}
+	}
+	total := 5
 	for i := range 3 {
 		h.emit(t, "billing.invoice", "i-"+strconv.Itoa(i), 2+2*i)
 		total += 2 + 2*i
 		run("see the lag grow", chromedp.Poll[chromedp.Void](fmt.Sprintf(`document.getElementById("total-pending").textContent === "%d"`, total)))
+		if i == 0 {
+			// A small maximum (5 to 7), whose gridlines a step of a quarter
+			// of it would put between whole numbers.
+			run("see the chart", chromedp.WaitVisible(css("#chart svg path.series")))
+			checkTicks(5)
+		}
 	}
 	run("see the chart", chromedp.WaitVisible(css("#chart svg path.series")))
+	checkTicks(total)
 	rows := text("#streams tbody")
 	if !strings.Contains(rows, "sales_order") || !strings.Contains(rows, "billing.invoice") {
 		t.Errorf("streams table: %q", rows)
 	}
 	if got := text(`#streams tbody tr:has(a[href*="sales_order"]) td.bad`); got != "1" {
 		t.Errorf("parked aggregates of sales_order: %q, want 1", got)
+	}
+	// The rows the page script drew have a cell per column.
+	cells, err := chromedp.Run(ctx, chromedp.Evaluate[[]int](`Array.from(document.querySelectorAll("#streams tr")).map(r => r.cells.length)`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, n := range cells {
+		if n != cells[0] {
+			t.Errorf("streams table row %d has %d cells, the header %d", i, n, cells[0])
+		}
 	}
 	run("screenshot the streams", shot("streams"))
 
@@ -233,12 +275,14 @@ func TestBrowser(t *testing.T) {
 		t.Errorf("the server recorded %v by %q (%q)", info.GetState(), info.GetSkip().GetActor(), info.GetSkip().GetReason())
 	}
 
-	// ListAggregates and BulkRetry may not exist on this server yet: the
-	// page then says so; either way it renders.
 	run("aggregates in trouble",
 		loads(chromedp.Click(css(`nav a[href="/aggregates"]`))),
-		chromedp.WaitVisible(css(`#unimplemented, main table.grid tbody tr`)),
+		chromedp.WaitVisible(css(`main table.grid tbody a[href*="key=r-1"]`)),
 		shot("aggregates"))
+	if got := text("main table.grid tbody"); !strings.Contains(got, "billing.refund") || !strings.Contains(got, "parked") ||
+		!strings.Contains(got, "schema v3 unknown") || strings.Contains(got, "sales_order") {
+		t.Errorf("aggregates in trouble: %q, want billing.refund/r-1 parked with its error, not the skipped one", got)
+	}
 	run("purge dry run",
 		loads(chromedp.Click(css(`nav a[href="/purge"]`))),
 		chromedp.WaitVisible(css("#purge-dry-run")),
@@ -249,10 +293,16 @@ func TestBrowser(t *testing.T) {
 		t.Errorf("purge dry run: %q", got)
 	}
 	run("bulk dry run",
-		chromedp.Navigate(base+"/bulk?state=parked&stream=sales_order"),
+		chromedp.Navigate(base+"/bulk?state=parked&stream=billing.*"),
 		loads(chromedp.Click(css("#dry-run"))),
-		chromedp.WaitVisible(css(`#unimplemented, section.confirm`)),
+		chromedp.WaitVisible(css(`section.confirm`)),
 		shot("bulk"))
+	if got := text("section.confirm"); !strings.Contains(got, "Dry run: 1 aggregate(s) match") || !strings.Contains(got, "r-1") {
+		t.Errorf("bulk dry run: %q", got)
+	}
+	if st := h.aggState(t, "billing.refund", "r-1"); st != outboxv1.AggregateState_AGGREGATE_STATE_PARKED {
+		t.Errorf("after the dry run billing.refund/r-1 is %v", st)
+	}
 	run("relays",
 		loads(chromedp.Click(css(`nav a[href="/relays"]`))),
 		chromedp.WaitVisible(css("#relays")),

@@ -31,6 +31,17 @@ func (h *harness) eventState(t *testing.T, stream, key, id string) *outboxv1.Eve
 	return nil
 }
 
+// aggState reads an aggregate's state through the admin API (as ops).
+func (h *harness) aggState(t *testing.T, stream, key string) outboxv1.AggregateState {
+	t.Helper()
+	admin, with := h.as(adminSecret)
+	resp, err := admin.GetAggregate(with(t.Context()), &outboxv1.GetAggregateRequest{Stream: stream, AggregateKey: key})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return resp.GetAggregate().GetState()
+}
+
 func noRedirect(b *browser) {
 	b.CheckRedirect = func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }
 }

@@ -27,9 +27,10 @@
 // Every POST needs the session's synchronizer token (a hidden form field)
 // and, when the browser sends one, an Origin (or Referer) naming this host.
 //
-// Without tokens the console mirrors `serve`: on a loopback HTTP address
-// (or with --insecure-no-auth) it needs no login and actions are recorded
-// as "console@<address>"; otherwise it refuses every page. Without login it
-// also refuses requests whose Host is not a loopback name, against DNS
-// rebinding.
+// Without tokens the console follows `serve`'s loopback rule: Config.Open
+// (serve sets it on a loopback HTTP address when gRPC does not require
+// client certificates; --insecure-no-auth never does) serves it without
+// login, actions recorded as "console@<address>"; otherwise it refuses every
+// page. Without login it also refuses peers that are not loopback and
+// requests whose Host is not a loopback name, against DNS rebinding.
 package console

@@ -69,6 +69,7 @@ type harness struct {
 	srv    *httptest.Server
 	logs   *syncBuffer // everything the replica and the console logged
 	tokens string      // the token file's path
+	url    string      // the database's
 }
 
 type harnessOptions struct {
@@ -76,12 +77,13 @@ type harnessOptions struct {
 	open     bool
 	tls      bool // serve the console over HTTPS
 	config   func(*console.Config)
+	server   func(*server.Config) // after the harness's own settings
 }
 
 func newHarness(t *testing.T, o harnessOptions) *harness {
 	t.Helper()
 	url := testdb.New(t)
-	h := &harness{pool: testdb.NewPoolURL(t, url), logs: &syncBuffer{}}
+	h := &harness{pool: testdb.NewPoolURL(t, url), logs: &syncBuffer{}, url: url}
 	log := slog.New(slog.NewTextHandler(io.MultiWriter(h.logs, testWriter{t}), &slog.HandlerOptions{Level: slog.LevelDebug}))
 	if !o.noTokens {
 		h.tokens = filepath.Join(t.TempDir(), "tokens")
@@ -98,6 +100,9 @@ func newHarness(t *testing.T, o harnessOptions) *harness {
 		Configure: func(c *server.Config) {
 			c.Logger = log
 			c.MaxFailures = 1 // one nack parks
+			if o.server != nil {
+				o.server(c)
+			}
 		},
 	})
 	conn, err := h.rep.App.DialInProcess()

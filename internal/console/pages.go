@@ -48,6 +48,18 @@ type filterForm struct {
 	Stalled                         bool
 }
 
+// trouble reports whether the form asks for the default view: the trouble
+// states, not only stalled aggregates.
+func (f filterForm) trouble() bool { return (f.State == "" || f.State == "trouble") && !f.Stalled }
+
+// StalledParam is the form's stalled flag as a query value ("" when off).
+func (f filterForm) StalledParam() string {
+	if f.Stalled {
+		return "1"
+	}
+	return ""
+}
+
 func readFilter(r *http.Request) filterForm {
 	v := func(k string) string { return strings.TrimSpace(r.FormValue(k)) }
 	return filterForm{Stream: v("stream"), State: v("state"), Error: v("error"), OlderThan: v("older_than"),
@@ -109,9 +121,32 @@ func (c *Console) aggregates(q *request) {
 		data["Error"], code = describe(err), httpCode(err)
 	default:
 		data["Aggregates"], data["Next"] = resp.GetAggregates(), resp.GetNextPageToken()
+		if f.trouble() && q.r.FormValue("page") == "" {
+			// Stalled aggregates that are ready or leased are in trouble
+			// too, though in none of the trouble states: the first of them
+			// under the list (stalled backing-off ones are in it already).
+			stalled := &outboxv1.AggregateFilter{Stream: filter.GetStream(), ErrorContains: filter.GetErrorContains(),
+				PendingBefore: filter.GetPendingBefore(), StalledOnly: true, States: activeStates}
+			if more, err := c.admin.ListAggregates(q.ctx, &outboxv1.ListAggregatesRequest{Filter: stalled, PageSize: stalledPageSize}); err != nil {
+				data["StalledError"] = describe(err)
+			} else {
+				data["Stalled"], data["MoreStalled"] = more.GetAggregates(), more.GetNextPageToken() != ""
+			}
+		}
 	}
 	c.render(q.w, q.r, code, "aggregates", q, data)
 }
+
+// activeStates are the states in which a stalled aggregate is not among the
+// trouble states.
+var activeStates = []outboxv1.AggregateState{
+	outboxv1.AggregateState_AGGREGATE_STATE_READY,
+	outboxv1.AggregateState_AGGREGATE_STATE_LEASED,
+}
+
+// stalledPageSize is how many stalled ready or leased aggregates the
+// default aggregates page lists under the trouble states.
+const stalledPageSize = 20
 
 var stateNames = []string{"trouble", "any", "parked", "backoff", "gap", "ready", "leased"}
 
@@ -212,6 +247,7 @@ func (c *Console) relays(q *request) {
 	data := map[string]any{}
 	code := http.StatusOK
 	resp, err := c.admin.ListRelays(q.ctx, &outboxv1.ListRelaysRequest{})
+	replicaOf := map[string]string{} // session id: replica id
 	if err != nil {
 		data["Error"], code = describe(err), httpCode(err)
 	} else {
@@ -219,6 +255,7 @@ func (c *Console) relays(q *request) {
 		replicas := map[string]bool{}
 		for _, r := range resp.GetRelays() {
 			replicas[r.GetReplicaId()] = true
+			replicaOf[r.GetSessionId()] = r.GetReplicaId()
 		}
 		data["Replicas"] = len(replicas)
 	}
@@ -227,7 +264,18 @@ func (c *Console) relays(q *request) {
 	if err != nil {
 		data["InFlightError"] = describe(err)
 	} else {
-		data["InFlight"] = leased.GetAggregates()
+		rows := make([]inFlight, 0, len(leased.GetAggregates()))
+		for _, a := range leased.GetAggregates() {
+			rows = append(rows, inFlight{Aggregate: a, Replica: replicaOf[a.GetLeaseHolder()]})
+		}
+		data["InFlight"], data["MoreInFlight"] = rows, leased.GetNextPageToken() != ""
 	}
 	c.render(q.w, q.r, code, "relays", q, data)
+}
+
+// inFlight is a leased aggregate with the replica whose session holds the
+// lease ("" when that session is not listed, e.g. it just ended).
+type inFlight struct {
+	*outboxv1.Aggregate
+	Replica string
 }

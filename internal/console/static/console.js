@@ -29,7 +29,7 @@
     body.textContent = "";
     if (!d.streams.length) {
       var tr = el("tr");
-      tr.appendChild(el("td", { colspan: "12", "class": "muted" }, "No stream has pending work or recent deliveries."));
+      tr.appendChild(el("td", { colspan: "13", "class": "muted" }, "No stream has pending work or recent deliveries."));
       body.appendChild(tr);
     }
     d.streams.forEach(function (s) {
@@ -38,7 +38,7 @@
       td.appendChild(el("a", { href: "/events?state=pending&stream=" + encodeURIComponent(s.stream) }, s.stream));
       tr.appendChild(td);
       [[s.pending], [s.aggregates], [s.oldest], [rate(s.rate)], [s.ready], [s.leased],
-       [s.backoff, "warn"], [s.parked, "bad"], [s.gap, "bad"], [s.stalled, "bad"], [s.idle_relays]].forEach(function (c) {
+       [s.backoff, "warn"], [s.parked, "bad"], [s.gap, "bad"], [s.stalled, "bad"], [s.stranded, "bad"], [s.idle_relays, "warn"]].forEach(function (c) {
         tr.appendChild(el("td", { "class": "n" + (c[1] && c[0] ? " " + c[1] : "") }, String(c[0])));
       });
       body.appendChild(tr);
@@ -50,10 +50,14 @@
     set("updated", "updated " + new Date(d.now).toLocaleTimeString());
   }
 
-  function niceMax(v) {
-    if (v <= 5) return 5;
-    var p = Math.pow(10, Math.floor(Math.log10(v)));
-    var m = [1, 2, 5, 10].find(function (f) { return f * p >= v; });
+  // niceStep is the gridline step for values up to v over four steps: 1, 2
+  // or 5 times a power of ten and at least 1, so that every label is a whole
+  // number on its gridline (a maximum of 5 over four steps would put "1" on
+  // the line at 1.25).
+  function niceStep(v) {
+    var raw = Math.max(v / 4, 1);
+    var p = Math.pow(10, Math.floor(Math.log10(raw)));
+    var m = [1, 2, 5, 10].find(function (f) { return f * p >= raw; });
     return m * p;
   }
 
@@ -73,14 +77,15 @@
     top.forEach(function (n) {
       series.push({ name: n, pts: hist.map(function (h) { return [h.at, h.streams[n] ? h.streams[n].pending : 0]; }) });
     });
-    var ymax = niceMax(Math.max.apply(null, series[0].pts.map(function (p) { return p[1]; }).concat([1])));
+    var step = niceStep(Math.max.apply(null, series[0].pts.map(function (p) { return p[1]; }).concat([1])));
+    var ymax = 4 * step;
     var x = function (t) { return L + (W - L - R) * (new Date(t).getTime() - t0) / (t1 - t0); };
     var y = function (v) { return T + (H - T - B) * (1 - v / ymax); };
     var s = svg("svg", { viewBox: "0 0 " + W + " " + H, role: "img" });
     for (var i = 0; i <= 4; i++) {
-      var v = ymax * i / 4, yy = y(v);
+      var v = step * i, yy = y(v);
       s.appendChild(svg("line", { x1: L, x2: W - R, y1: yy, y2: yy, "class": i ? "gridline" : "axis" }));
-      s.appendChild(svg("text", { x: L - 6, y: yy + 4, "text-anchor": "end" }, String(Math.round(v))));
+      s.appendChild(svg("text", { x: L - 6, y: yy + 4, "text-anchor": "end", "class": "ytick" }, String(v)));
     }
     for (var m = 0; m <= 6; m++) {
       var t = t0 + (t1 - t0) * m / 6;
