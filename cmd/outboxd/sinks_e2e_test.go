@@ -428,9 +428,13 @@ func TestRelayRouteStalledSinkHoldsOnlyItsStreams(t *testing.T) {
 		waiting int
 	)
 	release := make(chan struct{})
+	firstPost := make(chan struct{})
 	stalled := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		mu.Lock()
 		waiting++
+		if waiting == 1 {
+			close(firstPost)
+		}
 		mu.Unlock()
 		select {
 		case <-release:
@@ -456,6 +460,13 @@ func TestRelayRouteStalledSinkHoldsOnlyItsStreams(t *testing.T) {
 		"--route", "billing="+stalled.URL+"/hook?timeout=5m&secret_file="+secret,
 		"--route", "*="+server+"?stream="+prefix+".{stream}")
 	waitPublished(t, pool, int64(perStream*len(streams)))
+	// The billing route may connect after the others are done (the relay
+	// can start before the server listens): wait until it holds a POST.
+	select {
+	case <-firstPost:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the billing route never posted to its webhook")
+	}
 	for _, s := range streams {
 		if got := c.XLen(t.Context(), prefix+"."+s).Val(); got != perStream {
 			t.Errorf("%s.%s holds %d entries, want %d", prefix, s, got, perStream)
