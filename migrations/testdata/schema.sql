@@ -33,8 +33,6 @@ CREATE TYPE outbox.lease AS (
 CREATE FUNCTION outbox.ack(p_event_ids uuid[], p_replica_id text, p_handover_holders uuid[] DEFAULT NULL::uuid[], p_handover_ttls interval[] DEFAULT NULL::interval[]) RETURNS TABLE(event_id uuid, status text, holder uuid, created_at timestamp with time zone, handover outbox.lease)
     LANGUAGE plpgsql
     SET enable_seqscan TO 'off'
-    SET enable_hashjoin TO 'off'
-    SET enable_mergejoin TO 'off'
     SET jit TO 'off'
     AS $$
 #variable_conflict use_column
@@ -197,8 +195,6 @@ $$;
 CREATE FUNCTION outbox.claim(p_holder uuid, p_relay_id text, p_replica_id text, p_streams text[], p_limit integer, p_ttl interval, p_max_attempts integer DEFAULT NULL::integer, p_exclude_streams text[] DEFAULT NULL::text[]) RETURNS SETOF outbox.lease
     LANGUAGE plpgsql
     SET enable_seqscan TO 'off'
-    SET enable_hashjoin TO 'off'
-    SET enable_mergejoin TO 'off'
     SET jit TO 'off'
     AS $$
 #variable_conflict use_column
@@ -357,8 +353,6 @@ $$;
 CREATE FUNCTION outbox.discover_apply(p_prev text, p_snapshot text, p_streams text[] DEFAULT NULL::text[], p_keys text[] DEFAULT NULL::text[], p_holders uuid[] DEFAULT NULL::uuid[], p_relay_ids text[] DEFAULT NULL::text[], p_ttls interval[] DEFAULT NULL::interval[], p_replica_id text DEFAULT NULL::text) RETURNS TABLE(woken bigint, holder uuid, lease outbox.lease)
     LANGUAGE plpgsql
     SET enable_seqscan TO 'off'
-    SET enable_hashjoin TO 'off'
-    SET enable_mergejoin TO 'off'
     SET jit TO 'off'
     AS $$
 #variable_conflict use_column
@@ -540,8 +534,6 @@ $$;
 CREATE FUNCTION outbox.discover_scan() RETURNS TABLE(prev_snapshot text, snapshot text, events bigint, stream text, aggregate_key text, idle boolean, first_created_at timestamp with time zone)
     LANGUAGE plpgsql
     SET enable_seqscan TO 'off'
-    SET enable_hashjoin TO 'off'
-    SET enable_mergejoin TO 'off'
     SET jit TO 'off'
     AS $$
 #variable_conflict use_column
@@ -866,8 +858,6 @@ $$;
 CREATE FUNCTION outbox.lease_heads(p_streams text[], p_keys text[], p_holder uuid, p_relay_id text, p_replica_id text, p_ttl interval, p_now timestamp with time zone, p_max_attempts integer) RETURNS SETOF outbox.lease
     LANGUAGE plpgsql
     SET enable_seqscan TO 'off'
-    SET enable_hashjoin TO 'off'
-    SET enable_mergejoin TO 'off'
     SET jit TO 'off'
     AS $$
 #variable_conflict use_column
@@ -1020,8 +1010,6 @@ $$;
 CREATE FUNCTION outbox.record_expired(p_streams text[], p_keys text[], p_now timestamp with time zone, p_max_attempts integer) RETURNS void
     LANGUAGE plpgsql
     SET enable_seqscan TO 'off'
-    SET enable_hashjoin TO 'off'
-    SET enable_mergejoin TO 'off'
     SET jit TO 'off'
     AS $$
 BEGIN
@@ -1188,8 +1176,6 @@ $$;
 CREATE FUNCTION outbox.undiscovered(p_streams text[]) RETURNS TABLE(stream text, events bigint, oldest_created_at timestamp with time zone)
     LANGUAGE plpgsql STABLE
     SET enable_seqscan TO 'off'
-    SET enable_hashjoin TO 'off'
-    SET enable_mergejoin TO 'off'
     SET jit TO 'off'
     AS $$
 #variable_conflict use_column
@@ -1665,7 +1651,7 @@ CREATE TRIGGER event_count_published AFTER UPDATE ON outbox.event REFERENCING NE
 -- Name: event event_guard_published; Type: TRIGGER; Schema: outbox; Owner: -
 --
 
-CREATE TRIGGER event_guard_published BEFORE UPDATE OF published_at ON outbox.event FOR EACH ROW EXECUTE FUNCTION outbox.event_guard_published();
+CREATE TRIGGER event_guard_published BEFORE UPDATE OF published_at ON outbox.event FOR EACH ROW WHEN (((new.published_at IS DISTINCT FROM old.published_at) AND (NOT ((old.published_at IS NULL) AND (NOT (current_setting('outbox.acking'::text, true) IS DISTINCT FROM 'on'::text)))))) EXECUTE FUNCTION outbox.event_guard_published();
 
 --
 -- Name: event event_immutable; Type: TRIGGER; Schema: outbox; Owner: -
