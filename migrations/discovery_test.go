@@ -243,6 +243,8 @@ func TestDeliveryFunctionsNeedReadCommitted(t *testing.T) {
 	pool := testdb.NewPool(t)
 	for _, call := range []string{
 		`SELECT * FROM outbox.discover()`,
+		`SELECT * FROM outbox.discover_scan()`,
+		`SELECT * FROM outbox.discover_apply('1:1:', '1:1:')`,
 		`SELECT * FROM outbox.claim(gen_random_uuid(), 'r', 'x', NULL, 1, interval '30 seconds')`,
 		`SELECT * FROM outbox.ack(ARRAY[gen_random_uuid()], 'x')`,
 	} {
