@@ -726,8 +726,10 @@ $$;
 -- Unlike a hand-over, dispatch needs no check of the claim order: it only
 -- uses credit a session offered while waiting, which it does only after a
 -- claim came back short, and a session claims with every credit an ack
--- frees before it offers any again; so older claimable work is always
--- claimed first.
+-- frees before it offers any again; so dispatch cannot starve older
+-- claimable work (an aggregate whose backoff ended since the session's last
+-- claim may still go after a dispatched one: no order across aggregates is
+-- promised).
 -- +goose StatementBegin
 CREATE FUNCTION outbox.discover_apply(
     p_prev text,

@@ -120,6 +120,9 @@ func (s *Server) discoverRound(ctx context.Context) (store.Discovery, error) {
 				break
 			}
 		}
+		if h := s.beforeApply.Load(); h != nil && len(picks) > 0 {
+			(*h)()
+		}
 		return picks
 	}
 	found, err := s.store.Discover(ctx, s.cfg.ReplicaID, choose)

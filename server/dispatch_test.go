@@ -216,10 +216,11 @@ func TestNoDispatchClaimsEveryEvent(t *testing.T) {
 	}
 }
 
-// A session whose stream ends between the commit of the round that
-// dispatched to it and the lease reaching it loses nothing: the lease is
-// released at once (not left to its hour-long TTL) and the event goes to the
-// next relay.
+// A session whose stream ends after a round chose it and before the round's
+// leases commit loses nothing: the stream's own release has already run
+// (it found nothing to release), the session refuses the leases, and the
+// round releases them at once, not after their hour-long TTL, so the event
+// goes to the next relay.
 func TestDispatchToEndedSessionIsReleased(t *testing.T) {
 	t.Parallel()
 	url := testdb.New(t)
@@ -231,32 +232,41 @@ func TestDispatchToEndedSessionIsReleased(t *testing.T) {
 	ctx1, cancel1 := context.WithCancel(context.Background())
 	defer cancel1()
 	var once sync.Once
-	released := make(chan struct{})
+	ended := make(chan struct{})
+	r.Server.SetBeforeApply(func() {
+		once.Do(func() {
+			// The round has taken the session's credit; end the session
+			// and wait until its stream's release has run.
+			gate.release(false)
+			cancel1()
+			waitCtx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			if err := r.Server.Wait(waitCtx); err != nil {
+				t.Errorf("session did not end: %v", err)
+			}
+			close(ended)
+		})
+	})
+	refused := make(chan struct{})
+	var refusedOnce sync.Once
 	r.Server.SetAfterDiscover(func(d store.Discovery, err error) (store.Discovery, error) {
 		if err == nil && len(d.Dispatched) > 0 {
-			once.Do(func() {
-				// The lease is committed; end its session and wait until
-				// the stream's own release has run.
-				gate.release(false)
-				cancel1()
-				waitCtx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-				defer cancel()
-				if err := r.Server.Wait(waitCtx); err != nil {
-					t.Errorf("session did not end: %v", err)
-				}
-				close(released)
-			})
+			refusedOnce.Do(func() { close(refused) })
 		}
 		return d, err
 	})
 	subscribe(t, ctx1, r, &outboxv1.SubscribeRequest{MaxInFlight: 1, LeaseTtl: durationpb.New(time.Hour)})
 	gate.waitHeld(t)
 	id := emit(t, pool, "orders", "o", 1)[0]
-	select {
-	case <-released:
-	case <-time.After(30 * time.Second):
-		t.Fatal("nothing was dispatched")
+	for _, c := range []chan struct{}{ended, refused} {
+		select {
+		case <-c:
+		case <-time.After(30 * time.Second):
+			t.Fatal("nothing was dispatched to the ending session")
+		}
 	}
+	// The lease was committed for a session that no longer exists; only
+	// the round's own release frees it before its TTL.
 	ctx2, cancel2 := context.WithCancel(context.Background())
 	defer cancel2()
 	d := recv(t, subscribe(t, ctx2, r, &outboxv1.SubscribeRequest{MaxInFlight: 1}))

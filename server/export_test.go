@@ -51,6 +51,10 @@ func (s *Server) SetAfterDiscover(f func(store.Discovery, error) (store.Discover
 	s.afterDiscover.Store(&f)
 }
 
+// SetBeforeApply makes every discovery round that dispatches call f after it
+// chose its sessions and before its leases are written.
+func (s *Server) SetBeforeApply(f func()) { s.beforeApply.Store(&f) }
+
 // Dispatched is how many leases discovery rounds on this replica have given
 // to sessions.
 func (s *Server) Dispatched() uint64 { return s.dispatched.Load() }

@@ -208,6 +208,10 @@ type Server struct {
 	// afterOffer, when set (by tests), runs in a session's loop each time
 	// it has offered its free credit to discovery, before it waits.
 	afterOffer func(session uuid.UUID)
+	// beforeApply, when set (by tests), runs in a discovery round that
+	// dispatches, after it chose its sessions and before its leases are
+	// written (and so before they commit).
+	beforeApply atomic.Pointer[func()]
 	// afterDiscover, when set (by tests), sees and may replace the outcome
 	// of every discovery round. Atomic: tests set it while the discovery
 	// loop runs.
