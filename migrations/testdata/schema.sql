@@ -360,8 +360,6 @@ DECLARE
     v_now timestamptz := clock_timestamp();
     v_snapshot pg_snapshot := p_snapshot::pg_snapshot;
     v_prev pg_snapshot;
-    v_xmax xid8;
-    v_xip xid8[];
     v_ids uuid[];
     v_streams text[];
     v_keys text[];
@@ -385,8 +383,6 @@ BEGIN
             USING ERRCODE = 'invalid_transaction_state',
                   HINT = 'Call discover_scan and discover_apply in one transaction.';
     END IF;
-    v_xmax := pg_snapshot_xmax(v_prev);
-    v_xip := ARRAY(SELECT pg_snapshot_xip(v_prev));
     -- What a round writes can be written again: if PostgreSQL crashes
     -- before this commit reaches disk, the next round finds the same events
     -- and writes the same rows. A lease given by a round that is lost that
@@ -400,16 +396,8 @@ BEGIN
     SELECT array_agg(f.event_id), array_agg(f.stream), array_agg(f.aggregate_key),
            array_agg(f.revision), array_agg(f.created_at)
     INTO v_ids, v_streams, v_keys, v_revs, v_created
-    FROM (
-        SELECT e.event_id, e.stream, e.aggregate_key, e.revision, e.created_at, e.published_at
-        FROM outbox.event e
-        WHERE e.xid >= v_xmax AND pg_visible_in_snapshot(e.xid, v_snapshot)
-        UNION ALL
-        SELECT e.event_id, e.stream, e.aggregate_key, e.revision, e.created_at, e.published_at
-        FROM outbox.event e
-        WHERE e.xid = ANY (v_xip) AND pg_visible_in_snapshot(e.xid, v_snapshot)
-    ) f
-    WHERE f.published_at IS NULL;
+    FROM outbox.events_since(v_prev) f
+    WHERE pg_visible_in_snapshot(f.xid, v_snapshot) AND f.published_at IS NULL;
 
     IF v_ids IS NOT NULL THEN
         -- 2. Lock every found aggregate's row, in key order (as acks and
@@ -540,7 +528,6 @@ CREATE FUNCTION outbox.discover_scan() RETURNS TABLE(prev_snapshot text, snapsho
 DECLARE
     v_prev pg_snapshot;
     v_xmax xid8;
-    v_xip xid8[];
 BEGIN
     PERFORM outbox.require_read_committed('outbox.discover_scan');
     IF NOT pg_try_advisory_xact_lock(7954802400917419382) THEN -- 'outboxd.discover'
@@ -560,14 +547,12 @@ BEGIN
             USING ERRCODE = 'data_corrupted',
                   HINT = 'The database was copied from another cluster; outboxd supports pg_upgrade and physical replicas, not logical copies.';
     END IF;
-    v_xip := ARRAY(SELECT pg_snapshot_xip(v_prev));
-    -- Both sets are always a sliver of the table, read through the xid
-    -- index (the function's SET clauses keep the planner from guessing
+    -- The new events are always a sliver of the table, read through the
+    -- xid index (the function's SET clauses keep the planner from guessing
     -- otherwise: without fresh statistics it takes "xid >= x" to match a
-    -- third of the table). Most rounds find nothing: two index probes say
-    -- so without planning the statement below.
-    IF NOT EXISTS (SELECT 1 FROM outbox.event e WHERE e.xid >= v_xmax)
-       AND NOT EXISTS (SELECT 1 FROM outbox.event e WHERE e.xid = ANY (v_xip)) THEN
+    -- third of the table). Most rounds find nothing: index probes say so
+    -- without planning the statement below.
+    IF NOT EXISTS (SELECT 1 FROM outbox.events_since(v_prev)) THEN
         RETURN;
     END IF;
     -- One row per aggregate with a pending event found, oldest first; one
@@ -577,11 +562,7 @@ BEGIN
     -- events are read in.
     RETURN QUERY
     WITH found AS (
-        SELECT e.stream, e.aggregate_key, e.created_at, e.published_at FROM outbox.event e
-        WHERE e.xid >= v_xmax
-        UNION ALL
-        SELECT e.stream, e.aggregate_key, e.created_at, e.published_at FROM outbox.event e
-        WHERE e.xid = ANY (v_xip)
+        SELECT e.stream, e.aggregate_key, e.created_at, e.published_at FROM outbox.events_since(v_prev) e
     ), agg AS (
         SELECT f.stream, f.aggregate_key, min(f.created_at) AS first_created_at
         FROM found f WHERE f.published_at IS NULL
@@ -834,6 +815,41 @@ BEGIN
     END IF;
     RETURN OLD;
 END
+$$;
+
+--
+-- Name: event; Type: TABLE; Schema: outbox; Owner: -
+--
+
+CREATE TABLE outbox.event (
+    event_id uuid DEFAULT gen_random_uuid() NOT NULL,
+    stream text NOT NULL,
+    aggregate_key text NOT NULL,
+    revision bigint NOT NULL,
+    event_type text NOT NULL,
+    payload jsonb NOT NULL,
+    headers jsonb DEFAULT '{}'::jsonb NOT NULL,
+    created_at timestamp with time zone DEFAULT now() NOT NULL,
+    published_at timestamp with time zone,
+    xid xid8 DEFAULT pg_current_xact_id() NOT NULL,
+    CONSTRAINT event_aggregate_key_check CHECK (((aggregate_key <> ''::text) AND (octet_length(aggregate_key) <= 1024))),
+    CONSTRAINT event_event_type_check CHECK (((event_type <> ''::text) AND (octet_length(event_type) <= 256))),
+    CONSTRAINT event_headers_check CHECK ((jsonb_typeof(headers) = 'object'::text)),
+    CONSTRAINT event_revision_check CHECK (((revision > 0) AND (revision <= '9007199254740991'::bigint))),
+    CONSTRAINT event_stream_check CHECK ((stream ~ '^[a-z][a-z0-9_.-]{0,127}$'::text))
+)
+WITH (fillfactor='50');
+
+--
+-- Name: events_since(pg_snapshot); Type: FUNCTION; Schema: outbox; Owner: -
+--
+
+CREATE FUNCTION outbox.events_since(p_since pg_snapshot) RETURNS SETOF outbox.event
+    LANGUAGE sql STABLE
+    AS $$
+    SELECT * FROM outbox.event e WHERE e.xid >= pg_snapshot_xmax(p_since)
+    UNION ALL
+    SELECT * FROM outbox.event e WHERE e.xid = ANY (ARRAY(SELECT pg_snapshot_xip(p_since)))
 $$;
 
 --
@@ -1185,13 +1201,7 @@ BEGIN
     SELECT d.snapshot INTO v_prev FROM outbox.discovery d;
     RETURN QUERY
     SELECT e.stream, count(*), min(e.created_at)
-    FROM (
-        SELECT e.stream, e.aggregate_key, e.revision, e.created_at, e.published_at FROM outbox.event e
-        WHERE e.xid >= pg_snapshot_xmax(v_prev)
-        UNION ALL
-        SELECT e.stream, e.aggregate_key, e.revision, e.created_at, e.published_at FROM outbox.event e
-        WHERE e.xid = ANY (ARRAY(SELECT pg_snapshot_xip(v_prev)))
-    ) e
+    FROM outbox.events_since(v_prev) e
     WHERE e.published_at IS NULL AND (p_streams IS NULL OR e.stream = ANY (p_streams))
       AND NOT EXISTS (
           SELECT 1 FROM outbox.delivery d
@@ -1312,29 +1322,6 @@ CREATE TABLE outbox.discovery (
     advanced_at timestamp with time zone NOT NULL,
     CONSTRAINT discovery_singleton_check CHECK (singleton)
 );
-
---
--- Name: event; Type: TABLE; Schema: outbox; Owner: -
---
-
-CREATE TABLE outbox.event (
-    event_id uuid DEFAULT gen_random_uuid() NOT NULL,
-    stream text NOT NULL,
-    aggregate_key text NOT NULL,
-    revision bigint NOT NULL,
-    event_type text NOT NULL,
-    payload jsonb NOT NULL,
-    headers jsonb DEFAULT '{}'::jsonb NOT NULL,
-    created_at timestamp with time zone DEFAULT now() NOT NULL,
-    published_at timestamp with time zone,
-    xid xid8 DEFAULT pg_current_xact_id() NOT NULL,
-    CONSTRAINT event_aggregate_key_check CHECK (((aggregate_key <> ''::text) AND (octet_length(aggregate_key) <= 1024))),
-    CONSTRAINT event_event_type_check CHECK (((event_type <> ''::text) AND (octet_length(event_type) <= 256))),
-    CONSTRAINT event_headers_check CHECK ((jsonb_typeof(headers) = 'object'::text)),
-    CONSTRAINT event_revision_check CHECK (((revision > 0) AND (revision <= '9007199254740991'::bigint))),
-    CONSTRAINT event_stream_check CHECK ((stream ~ '^[a-z][a-z0-9_.-]{0,127}$'::text))
-)
-WITH (fillfactor='50');
 
 --
 -- Name: goose_db_version; Type: TABLE; Schema: outbox; Owner: -
