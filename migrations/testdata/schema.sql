@@ -34,6 +34,7 @@ CREATE FUNCTION outbox.ack(p_event_ids uuid[], p_replica_id text, p_handover_hol
     LANGUAGE plpgsql
     SET enable_seqscan TO 'off'
     SET jit TO 'off'
+    SET plan_cache_mode TO 'force_generic_plan'
     AS $$
 #variable_conflict use_column
 DECLARE
@@ -53,6 +54,12 @@ DECLARE
     v_handed outbox.lease[];
 BEGIN
     PERFORM outbox.require_read_committed('outbox.ack');
+    -- Not waiting for the WAL flush: an ack lost in a PostgreSQL crash
+    -- leaves its event pending, to be delivered again with the same
+    -- event_id, which at-least-once allows. WAL is replayed in order, so a
+    -- later ack that survived implies every earlier one did: first copies
+    -- stay in revision order.
+    PERFORM set_config('synchronous_commit', 'off', true);
     -- Lock the pending events, then their aggregates' delivery rows, each in
     -- a fixed order so that concurrent batches cannot deadlock.
     SELECT array_agg(e.event_id), array_agg(e.stream), array_agg(e.aggregate_key),
@@ -196,6 +203,7 @@ CREATE FUNCTION outbox.claim(p_holder uuid, p_relay_id text, p_replica_id text, 
     LANGUAGE plpgsql
     SET enable_seqscan TO 'off'
     SET jit TO 'off'
+    SET plan_cache_mode TO 'force_generic_plan'
     AS $$
 #variable_conflict use_column
 DECLARE
@@ -354,6 +362,7 @@ CREATE FUNCTION outbox.discover_apply(p_prev text, p_snapshot text, p_streams te
     LANGUAGE plpgsql
     SET enable_seqscan TO 'off'
     SET jit TO 'off'
+    SET plan_cache_mode TO 'force_generic_plan'
     AS $$
 #variable_conflict use_column
 DECLARE
@@ -388,7 +397,7 @@ BEGIN
     -- and writes the same rows. A lease given by a round that is lost that
     -- way is soft state (see lease_heads): its event is offered again. So
     -- the commit does not wait for the WAL flush (any later synchronous
-    -- commit, such as an ack's, flushes it).
+    -- commit, such as a producer's, flushes it).
     PERFORM set_config('synchronous_commit', 'off', true);
 
     -- 1. The pending events found: exactly those visible in the scan's
@@ -523,6 +532,7 @@ CREATE FUNCTION outbox.discover_scan() RETURNS TABLE(prev_snapshot text, snapsho
     LANGUAGE plpgsql
     SET enable_seqscan TO 'off'
     SET jit TO 'off'
+    SET plan_cache_mode TO 'force_generic_plan'
     AS $$
 #variable_conflict use_column
 DECLARE
@@ -875,6 +885,7 @@ CREATE FUNCTION outbox.lease_heads(p_streams text[], p_keys text[], p_holder uui
     LANGUAGE plpgsql
     SET enable_seqscan TO 'off'
     SET jit TO 'off'
+    SET plan_cache_mode TO 'force_generic_plan'
     AS $$
 #variable_conflict use_column
 BEGIN
@@ -1027,6 +1038,7 @@ CREATE FUNCTION outbox.record_expired(p_streams text[], p_keys text[], p_now tim
     LANGUAGE plpgsql
     SET enable_seqscan TO 'off'
     SET jit TO 'off'
+    SET plan_cache_mode TO 'force_generic_plan'
     AS $$
 BEGIN
     -- Usually nothing qualifies (claims take ready aggregates whose head
@@ -1193,6 +1205,7 @@ CREATE FUNCTION outbox.undiscovered(p_streams text[]) RETURNS TABLE(stream text,
     LANGUAGE plpgsql STABLE
     SET enable_seqscan TO 'off'
     SET jit TO 'off'
+    SET plan_cache_mode TO 'force_generic_plan'
     AS $$
 #variable_conflict use_column
 DECLARE
