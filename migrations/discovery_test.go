@@ -636,14 +636,15 @@ func TestDiscoveryClaimAndAckRace(t *testing.T) {
 	raceDelivery(t, func(ctx context.Context, pool *pgxpool.Pool) error {
 		_, err := pool.Exec(ctx, `SELECT * FROM outbox.discover()`)
 		return err
-	})
+	}, nil)
 }
 
 // raceDelivery runs producers at READ COMMITTED and REPEATABLE READ on a few
 // hot aggregates against a loop of discovery rounds (round) and two
-// claim-and-ack workers, and checks that every event is published, in
-// revision order, with nothing stranded.
-func raceDelivery(t *testing.T, round func(context.Context, *pgxpool.Pool) error) {
+// claim-and-ack workers (worker, or by default one claim of 4 and its
+// acks), and checks that every event is published, in revision order, with
+// nothing stranded.
+func raceDelivery(t *testing.T, round, worker func(context.Context, *pgxpool.Pool) error) {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 	pool := testdb.NewPoolConfig(t, func(c *pgxpool.Config) { c.MaxConns = 12 })
@@ -692,9 +693,15 @@ func raceDelivery(t *testing.T, round func(context.Context, *pgxpool.Pool) error
 	loop(func() error { return round(ctx, pool) })
 	const claimAndAck = `WITH c AS (SELECT event_id FROM outbox.claim(gen_random_uuid(), 'r', 'x', NULL, 4, interval '30 seconds'))
 		SELECT * FROM outbox.ack(ARRAY(SELECT event_id FROM c), 'x')`
+	if worker == nil {
+		worker = func(ctx context.Context, pool *pgxpool.Pool) error {
+			_, err := pool.Exec(ctx, claimAndAck)
+			return err
+		}
+	}
 	for range 2 {
 		loop(func() error {
-			if _, err := pool.Exec(ctx, claimAndAck); err != nil {
+			if err := worker(ctx, pool); err != nil {
 				return fmt.Errorf("claim and ack: %w", err)
 			}
 			return nil

@@ -186,5 +186,5 @@ func TestDispatchClaimAndAckRace(t *testing.T) {
 		}
 		_, err = pool.Exec(ctx, `SELECT * FROM outbox.ack($1, 'x')`, ids)
 		return err
-	})
+	}, nil)
 }

@@ -30,21 +30,38 @@ type ackBatcher struct {
 	r     *Runner
 	ctx   context.Context
 	fatal *fatal
-	items chan *outboxv1.AckItem
+	items chan ackEntry
 	done  chan struct{}
+}
+
+// ackEntry is one queued ack; answered, when set, is closed once the
+// request carrying it is answered or the ack given up.
+type ackEntry struct {
+	item     *outboxv1.AckItem
+	answered chan struct{}
 }
 
 func newAckBatcher(ctx context.Context, r *Runner, f *fatal) *ackBatcher {
 	b := &ackBatcher{
 		r: r, ctx: ctx, fatal: f,
-		items: make(chan *outboxv1.AckItem, r.cfg.MaxInFlight),
+		items: make(chan ackEntry, r.cfg.MaxInFlight),
 		done:  make(chan struct{}),
 	}
 	go b.run()
 	return b
 }
 
-func (b *ackBatcher) add(it *outboxv1.AckItem) { b.items <- it }
+func (b *ackBatcher) add(it *outboxv1.AckItem) { b.items <- ackEntry{item: it} }
+
+// addWait queues it and returns a channel closed once the request carrying
+// it is answered (whatever the answer) or the ack is given up: the point
+// after which a Nack of a later revision of its aggregate finds it applied
+// if it could be.
+func (b *ackBatcher) addWait(it *outboxv1.AckItem) <-chan struct{} {
+	answered := make(chan struct{})
+	b.items <- ackEntry{item: it, answered: answered}
+	return answered
+}
 
 // close flushes what is queued and waits for it.
 func (b *ackBatcher) close() {
@@ -55,12 +72,21 @@ func (b *ackBatcher) close() {
 func (b *ackBatcher) run() {
 	defer close(b.done)
 	for {
-		it, ok := <-b.items
+		e, ok := <-b.items
 		if !ok {
 			return
 		}
-		batch, open := b.gather([]*outboxv1.AckItem{it})
-		b.flush(batch)
+		batch, open := b.gather([]ackEntry{e})
+		items := make([]*outboxv1.AckItem, len(batch))
+		for i, e := range batch {
+			items[i] = e.item
+		}
+		b.flush(items)
+		for _, e := range batch {
+			if e.answered != nil {
+				close(e.answered)
+			}
+		}
 		if !open {
 			return
 		}
@@ -69,7 +95,7 @@ func (b *ackBatcher) run() {
 
 // gather adds to batch what is queued, and what arrives within AckMaxDelay,
 // up to AckBatchSize. It reports whether the queue is still open.
-func (b *ackBatcher) gather(batch []*outboxv1.AckItem) ([]*outboxv1.AckItem, bool) {
+func (b *ackBatcher) gather(batch []ackEntry) ([]ackEntry, bool) {
 	var linger <-chan time.Time
 	if d := b.r.cfg.AckMaxDelay; d > 0 {
 		t := time.NewTimer(d)

@@ -4,9 +4,11 @@
 // accepted it.
 //
 // A Runner publishes with bounded concurrency (the server leases one event
-// per aggregate at a time, so events of one aggregate never overlap), batches
-// acks by size and delay, nacks failures with the error text, extends the
-// lease of slow publishes, and reconnects with exponential backoff and jitter.
+// per aggregate at a time, so events of one aggregate never overlap; with a
+// window, Config.MaxInFlightPerAggregate, the runner publishes an
+// aggregate's events one after another itself), batches acks by size and
+// delay, nacks failures with the error text, extends the lease of slow
+// publishes, and reconnects with exponential backoff and jitter.
 //
 // No answer of the server can wedge it. It sorts errors into three kinds:
 // the relay's credentials refused (UNAUTHENTICATED, PERMISSION_DENIED, from
@@ -74,6 +76,16 @@ type Config struct {
 	// MaxInFlight is the credit asked of the server, and so the most
 	// concurrent publishes. Default 64.
 	MaxInFlight int
+	// MaxInFlightPerAggregate is the window asked of the server: the most
+	// events of one aggregate it sends before the first of them is acked
+	// (SubscribeRequest.max_in_flight_per_aggregate). Default 1. Above 1 the
+	// runner still publishes an aggregate's events one at a time, in
+	// revision order, so every Publisher keeps their order; what the window
+	// saves is the wait for the server between one event and the next (an
+	// ack, then a send). It stops at an aggregate's first failure (see
+	// aggregateLines). Needs a server that knows the field; one that does
+	// not sends one event of an aggregate at a time. At most MaxInFlight.
+	MaxInFlightPerAggregate int
 	// LeaseTTL is asked of the server; zero takes the server's default.
 	LeaseTTL time.Duration
 	// AckBatchSize is the most acks one Ack request carries: 1 to
@@ -129,6 +141,12 @@ func (c *Config) setDefaults() error {
 	}
 	if c.MaxInFlight < 0 {
 		bad("MaxInFlight %d must be positive", c.MaxInFlight)
+	}
+	if c.MaxInFlightPerAggregate == 0 {
+		c.MaxInFlightPerAggregate = 1
+	}
+	if c.MaxInFlightPerAggregate < 0 || c.MaxInFlightPerAggregate > max(c.MaxInFlight, 1) {
+		bad("MaxInFlightPerAggregate %d must be between 1 and MaxInFlight (%d)", c.MaxInFlightPerAggregate, c.MaxInFlight)
 	}
 	if c.LeaseTTL < 0 {
 		bad("LeaseTTL %v must not be negative", c.LeaseTTL)
@@ -192,6 +210,10 @@ type hooks struct {
 	// publishCancelled is called when a publish was cut short by the
 	// runner (drain timeout, terminal error) and left unacked and unnacked.
 	publishCancelled func(eventID string)
+	// windowQueued is called for each delivery queued on its aggregate's
+	// line, and windowDropped for one dropped because an earlier event of
+	// its lease failed (see aggregateLines).
+	windowQueued, windowDropped func(eventID string)
 }
 
 // NewRunner validates cfg; the error names every field at fault.
@@ -279,6 +301,9 @@ func (r *Runner) runOnce(ctx context.Context) error {
 		ExcludeStreams: r.cfg.ExcludeStreams,
 		MaxInFlight:    uint32(r.cfg.MaxInFlight),
 	}
+	if r.cfg.MaxInFlightPerAggregate > 1 {
+		req.MaxInFlightPerAggregate = uint32(r.cfg.MaxInFlightPerAggregate)
+	}
 	if r.cfg.LeaseTTL > 0 {
 		req.LeaseTtl = durationpb.New(r.cfg.LeaseTTL)
 	}
@@ -311,6 +336,10 @@ func (r *Runner) runOnce(ctx context.Context) error {
 	}()
 
 	acks := newAckBatcher(workCtx, r, f)
+	var lines *aggregateLines
+	if r.cfg.MaxInFlightPerAggregate > 1 {
+		lines = newAggregateLines(r, f, acks, workCtx, ctx)
+	}
 	var wg sync.WaitGroup
 	var result error
 loop:
@@ -319,6 +348,10 @@ loop:
 		case rd := <-deliveries:
 			if ctx.Err() != nil {
 				break loop // stopping: released with the stream
+			}
+			if lines != nil {
+				lines.add(rd)
+				continue
 			}
 			wg.Add(1)
 			go func() {
@@ -334,6 +367,9 @@ loop:
 		}
 	}
 	wg.Wait()
+	if lines != nil {
+		lines.wait()
+	}
 	acks.close()
 	cancelStream()
 	if result == nil {
@@ -349,9 +385,27 @@ loop:
 // context ended are cancelled.
 var errDrainTimeout = errors.New("relay: stopping, and Config.DrainTimeout passed")
 
-// handle publishes one delivery and acks or nacks it, extending its lease
-// while a slow publish runs.
+// handle publishes one delivery and acks or nacks it.
 func (r *Runner) handle(ctx context.Context, f *fatal, rd received, acks *ackBatcher) {
+	err, cancelled := r.publish(ctx, f, rd)
+	switch {
+	case cancelled:
+	case err == nil:
+		acks.add(ackItem(rd))
+	default:
+		r.nack(ctx, f, rd.d, err)
+	}
+}
+
+// ackItem is the ack of a delivery.
+func ackItem(rd received) *outboxv1.AckItem {
+	return &outboxv1.AckItem{EventId: rd.d.GetEvent().GetEventId(), LeaseToken: rd.d.GetLeaseToken()}
+}
+
+// publish publishes one delivery, extending its lease while a slow publish
+// runs. It returns the broker's error, and cancelled when the runner cut
+// the publish short, which is no failure to nack.
+func (r *Runner) publish(ctx context.Context, f *fatal, rd received) (err error, cancelled bool) {
 	d := rd.d
 	ev := d.GetEvent()
 	e := Event{
@@ -360,11 +414,10 @@ func (r *Runner) handle(ctx context.Context, f *fatal, rd received, acks *ackBat
 		Headers: ev.GetHeaders(), CreatedAt: ev.GetCreatedAt().AsTime(), Attempt: int(d.GetAttempt()),
 	}
 	stopExtend := r.keepLease(ctx, f, d, rd.at)
-	err := r.cfg.Publisher.Publish(ctx, e)
+	err = r.cfg.Publisher.Publish(ctx, e)
 	stopExtend()
 	if err == nil {
-		acks.add(&outboxv1.AckItem{EventId: e.ID, LeaseToken: d.GetLeaseToken()})
-		return
+		return nil, false
 	}
 	if ctx.Err() != nil {
 		// The runner cut the publish short (it is stopping): that is no
@@ -375,10 +428,11 @@ func (r *Runner) handle(ctx context.Context, f *fatal, rd received, acks *ackBat
 		if h := r.hooks.publishCancelled; h != nil {
 			h(e.ID)
 		}
-		return
+		return err, true
 	}
-	r.log.Warn("publish failed; nacking", "event_id", e.ID, "stream", e.Stream, "aggregate_key", e.AggregateKey, "attempt", e.Attempt, "err", err)
-	r.nack(ctx, f, d, err)
+	r.log.Warn("publish failed; nacking", "event_id", e.ID, "stream", e.Stream, "aggregate_key", e.AggregateKey,
+		"revision", e.Revision, "attempt", e.Attempt, "err", err)
+	return err, false
 }
 
 // nack reports a failed publish, retrying briefly while the server is

@@ -93,7 +93,7 @@ func (a *ackCommitter) commit(ctx context.Context, batch []*ackRequest, n int) {
 	dbCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
 	a.s.handOverMu.RLock()
 	defer a.s.handOverMu.RUnlock()
-	holders := a.s.handOverHolders()
+	holders, loans := a.s.handOverTargets()
 	res, err := a.s.store.Ack(dbCtx, store.AckParams{IDs: ids, ReplicaID: a.s.cfg.ReplicaID, HandOver: holders})
 	cancel()
 	if h := a.s.afterAck; h != nil {
@@ -110,24 +110,47 @@ func (a *ackCommitter) commit(ctx context.Context, batch []*ackRequest, n int) {
 		h(res)
 	}
 	byID := make(map[uuid.UUID]store.AckResult, len(res))
+	type settlement struct {
+		acked  []uuid.UUID
+		leases []store.Lease
+	}
+	var settle map[uuid.UUID]*settlement
 	for _, r := range res {
-		byID[r.EventID] = r
-		if r.Status != store.AckPublished {
-			continue
-		}
-		a.s.metrics.publishLag.Observe(r.PublishLag.Seconds())
-		switch {
-		case r.HandOver != nil:
-			// The ack ended r.Holder's lease and leased the next event to
-			// it in one commit: credit-neutral for the session.
-			a.s.handOver(ctx, r.Holder, r.EventID, *r.HandOver)
-		case r.Holder != uuid.Nil:
-			a.s.released(r.Holder, r.EventID, true)
+		if r.Status == store.AckPublished {
+			a.s.metrics.publishLag.Observe(r.PublishLag.Seconds())
+			if r.Holder != uuid.Nil {
+				if settle == nil {
+					settle = make(map[uuid.UUID]*settlement)
+				}
+				st := settle[r.Holder]
+				if st == nil {
+					st = &settlement{}
+					settle[r.Holder] = st
+				}
+				st.acked = append(st.acked, r.EventID)
+				st.leases = append(st.leases, r.HandOver...)
+			}
 		}
 		// Hand-over is not in the answer to the relay: its ack was applied
 		// like any other.
 		r.HandOver = nil
 		byID[r.EventID] = r
+	}
+	// Each holder learns in one step which of its leases these acks ended,
+	// which leases they handed it, and that its loan is over: for a session
+	// with a window of 1 and no loan, credit-neutral when every ack hands
+	// over.
+	for holder, st := range settle {
+		lent := loans[holder]
+		delete(loans, holder)
+		if len(st.leases) == 0 && lent == 0 {
+			a.s.released(holder, true, 0, st.acked...)
+			continue
+		}
+		a.s.settleAcks(ctx, holder, st.acked, st.leases, lent)
+	}
+	for holder, lent := range loans {
+		a.s.settleAcks(ctx, holder, nil, nil, lent)
 	}
 	if err != nil {
 		a.s.log.Warn("ack batch failed", "acks", len(ids), "err", err)

@@ -264,30 +264,7 @@ func TestCreditBoundsOutstandingDeliveries(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 2})
-	got := make(chan *outboxv1.SubscribeResponse, 10)
-	go func() {
-		for {
-			d, err := st.Recv()
-			if err != nil {
-				close(got)
-				return
-			}
-			got <- d
-		}
-	}()
-	next := func() *outboxv1.SubscribeResponse {
-		t.Helper()
-		select {
-		case d, ok := <-got:
-			if !ok {
-				t.Fatal("stream ended")
-			}
-			return d
-		case <-time.After(30 * time.Second):
-			t.Fatal("no delivery within 30s")
-			return nil
-		}
-	}
+	got, next := receive(t, st)
 	leased := func() int64 {
 		var n int64
 		if err := pool.QueryRow(ctx, `SELECT count(*) FROM outbox.delivery WHERE state = 'leased'`).Scan(&n); err != nil {
@@ -320,6 +297,35 @@ func TestCreditBoundsOutstandingDeliveries(t *testing.T) {
 	ack(t, r, b, c)
 	next()
 	next()
+}
+
+// receive reads st in the background: got has every delivery, and next
+// returns the next one (failing the test after 30 s, or if the stream ends).
+func receive(t *testing.T, st outboxv1.RelayService_SubscribeClient) (got <-chan *outboxv1.SubscribeResponse, next func() *outboxv1.SubscribeResponse) {
+	c := make(chan *outboxv1.SubscribeResponse, 64)
+	go func() {
+		for {
+			d, err := st.Recv()
+			if err != nil {
+				close(c)
+				return
+			}
+			c <- d
+		}
+	}()
+	return c, func() *outboxv1.SubscribeResponse {
+		t.Helper()
+		select {
+		case d, ok := <-c:
+			if !ok {
+				t.Fatal("stream ended")
+			}
+			return d
+		case <-time.After(30 * time.Second):
+			t.Fatal("no delivery within 30s")
+			return nil
+		}
+	}
 }
 
 func TestAckThroughAnotherReplica(t *testing.T) {
@@ -462,6 +468,8 @@ func TestBadRelayInput(t *testing.T) {
 		{&outboxv1.SubscribeRequest{RelayId: "r", MaxInFlight: 1, Streams: []string{"Bad Name"}}, codes.InvalidArgument, "streams[0]"},
 		{&outboxv1.SubscribeRequest{RelayId: "r", MaxInFlight: 1, LeaseTtl: durationpb.New(time.Millisecond)}, codes.InvalidArgument, "lease_ttl"},
 		{&outboxv1.SubscribeRequest{RelayId: "r", MaxInFlight: 1, Streams: []string{"no_such_stream"}}, codes.NotFound, ""},
+		{&outboxv1.SubscribeRequest{RelayId: "r", MaxInFlight: 4, MaxInFlightPerAggregate: 5}, codes.InvalidArgument, "max_in_flight_per_aggregate"},
+		{&outboxv1.SubscribeRequest{RelayId: "r", MaxInFlight: 5000, MaxInFlightPerAggregate: 1001}, codes.InvalidArgument, "max_in_flight_per_aggregate"},
 	}
 	for _, c := range badSubs {
 		st, err := r.Relay.Subscribe(ctx, c.req)

@@ -21,6 +21,8 @@ import (
 // until the test opens the gate: whatever reaches the session meanwhile was
 // dispatched by a discovery round, not claimed.
 type offerGate struct {
+	// least is the smallest offer held; smaller ones pass.
+	least  int
 	mu     sync.Mutex
 	held   chan struct{} // receives once per hold: the loop is held
 	open   chan struct{} // closed to release the current hold
@@ -34,15 +36,19 @@ func newOfferGate(armed bool) *offerGate {
 }
 
 // arm makes the next offers held.
-func (g *offerGate) arm() {
+func (g *offerGate) arm() { g.armFrom(0) }
+
+// armFrom makes the next offers of at least least units held.
+func (g *offerGate) armFrom(least int) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	g.closed = false
+	g.least = least
 }
 
-func (g *offerGate) hook(uuid.UUID) {
+func (g *offerGate) hook(_ uuid.UUID, offered int) {
 	g.mu.Lock()
-	if g.closed {
+	if g.closed || offered < g.least {
 		g.mu.Unlock()
 		return
 	}

@@ -113,21 +113,51 @@
 // its release runs, so the release covers every lease it accepted; a lease
 // it refused is released by the acker at once.
 //
+// Window: a relay that asks for max_in_flight_per_aggregate W > 1 gets
+// leases that cover up to W consecutive revisions of an aggregate, one
+// epoch for all of them (delivery.leased_through is the last). A claim
+// gives every aggregate it locks its next event before any a second, and so
+// on, within the session's free credit: each event counts against
+// max_in_flight. An ack batch applies an aggregate's acks in revision order
+// (one whose earlier revision is pending answers out_of_order, LEASE_LOST to
+// the relay); a lease whose window reaches past the new cursor goes on,
+// same epoch, and for a local holder slides forward by as many events as
+// its acks freed, plus what the session lends of the credit it offers
+// while waiting (so a window that started small can grow to W). Nack must
+// name the lease's head (the relay lands the acks before it first) and
+// ends the whole window; its credit comes back at once, by event and
+// epoch, so a new lease of the same event is not freed by mistake. A
+// window never spans a skipped or missing revision, and an operator's skip
+// of any revision it covers ends it. Discovery still dispatches one event
+// per aggregate; the first acks grow the window. The relay publishes an
+// aggregate's events one at a time, in the order sent, and drops the rest
+// of a window whose event failed (SubscribeResponse.lease_epoch tells it
+// which deliveries belong to that lease); the window saves the round trip
+// to the server between one event and the next.
+//
 // Nack and ExtendLease must name the current epoch: a stale lease cannot
-// push back or prolong the current holder's delivery.
+// push back or prolong the current holder's delivery. ExtendLease may name
+// any event the lease covers and not yet acked; it extends the whole lease.
 //
 // # Why the invariants hold
 //
-//   - Per-aggregate order (3): a lease is only ever issued for
-//     delivered_revision+1, and delivered_revision advances only when that
-//     event is published (ack) or skipped (operator). At most one lease exists
-//     per aggregate because the delivery row is locked while leasing and the
-//     state says leased until ack, nack, release or expiry.
+//   - Per-aggregate order (3): a lease always starts at
+//     delivered_revision+1 (a window covers consecutive revisions from
+//     there), and delivered_revision advances only when that event is
+//     published (ack, in revision order) or skipped (operator). At most one
+//     lease exists per aggregate because the delivery row is locked while
+//     leasing and the state says leased until ack, nack, release or expiry.
+//     A window's events reach one relay, in order, which publishes them one
+//     at a time and stops at the first failure.
 //   - One holder, fencing (4): every lease raises the epoch (to the larger of
 //     epoch+1 and the clock in microseconds); Nack and ExtendLease check it.
 //     A claim commits without waiting for its WAL flush: a lease lost in a
 //     PostgreSQL crash just means the event is offered again, and the
-//     clock-based epoch is never handed out twice.
+//     clock-based epoch is never handed out twice. So does an ack: an ack
+//     lost that way leaves its event pending, delivered again with the same
+//     event_id (at-least-once allows it), and since WAL is replayed in
+//     order, a later ack that survived means every earlier one did, so
+//     first copies stay in revision order.
 //   - Ack-gated marking (5): published_at is set only by outbox.ack, only for
 //     ids whose token the server signed for that exact event. A token whose
 //     lease has expired still marks the event while it is pending: the relay's

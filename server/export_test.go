@@ -39,10 +39,11 @@ func (s *Server) SetBeforeHandOver(f func([]store.AckResult)) { s.beforeHandOver
 // HandOvers is how many leases acks on this replica have handed over.
 func (s *Server) HandOvers() uint64 { return s.handOvers.Load() }
 
-// SetAfterOffer makes every session loop call f (with the session's id) each
-// time it has offered its free credit to discovery, before it waits; a
-// blocking f keeps the offer standing. Set it before the first Subscribe.
-func (s *Server) SetAfterOffer(f func(session uuid.UUID)) { s.afterOffer = f }
+// SetAfterOffer makes every session loop call f (with the session's id and
+// the credit it offers) each time it has offered its free credit to
+// discovery, before it waits; a blocking f keeps the offer standing. Set it
+// before the first Subscribe.
+func (s *Server) SetAfterOffer(f func(session uuid.UUID, offered int)) { s.afterOffer = f }
 
 // SetAfterDiscover makes every discovery round's outcome pass through f,
 // which may replace it (say, to lose the answer of one that committed),

@@ -66,6 +66,10 @@ func (r *relayService) Subscribe(req *outboxv1.SubscribeRequest, stream outboxv1
 	if m := req.GetMaxInFlight(); m < 1 || int(m) > s.cfg.MaxInFlight {
 		f.add("max_in_flight", "must be between 1 and %d, got %d", s.cfg.MaxInFlight, m)
 	}
+	window := max(int(req.GetMaxInFlightPerAggregate()), 1)
+	if limit := min(s.cfg.MaxInFlightPerAggregate, max(int(req.GetMaxInFlight()), 1)); window > limit {
+		f.add("max_in_flight_per_aggregate", "must be between 1 and %d (the server's limit, and at most max_in_flight), got %d", limit, window)
+	}
 	ttl := checkDuration(&f, "lease_ttl", req.GetLeaseTtl(), s.cfg.DefaultLeaseTTL, s.cfg.MinLeaseTTL, s.cfg.MaxLeaseTTL)
 	if err := f.err(); err != nil {
 		return err
@@ -91,6 +95,7 @@ func (r *relayService) Subscribe(req *outboxv1.SubscribeRequest, stream outboxv1
 	}
 	sess := newSession(s, req.GetRelayId(), peerAddr, req.GetStreams(), int(req.GetMaxInFlight()), ttl)
 	sess.excludeStreams = req.GetExcludeStreams()
+	sess.window = window
 	sess.subscriber = subscriberKey(ctx, req.GetRelayId())
 	if h := s.beforeAddSession; h != nil {
 		h()
@@ -103,7 +108,8 @@ func (r *relayService) Subscribe(req *outboxv1.SubscribeRequest, stream outboxv1
 	// which session id operators will see it), before any event exists.
 	_ = stream.SendHeader(metadata.Pairs(SessionIDHeader, sess.id.String()))
 	log := s.log.With("session", sess.id, "relay", sess.relayID, "peer", peerAddr)
-	log.Info("relay subscribed", "streams", sess.streams, "exclude_streams", sess.excludeStreams, "max_in_flight", sess.maxInFlight, "lease_ttl", ttl)
+	log.Info("relay subscribed", "streams", sess.streams, "exclude_streams", sess.excludeStreams, "max_in_flight", sess.maxInFlight,
+		"max_in_flight_per_aggregate", window, "lease_ttl", ttl)
 	defer func() {
 		// The stream is over: give its leases back at once so the events go
 		// to another relay now, not after the TTL. Hand-overs stop first,
@@ -208,6 +214,9 @@ func ackStatus(st store.AckStatus) (outboxv1.AckStatus, string) {
 		return outboxv1.AckStatus_ACK_STATUS_ALREADY_PUBLISHED, "already published"
 	case store.AckLeaseLost:
 		return outboxv1.AckStatus_ACK_STATUS_LEASE_LOST, "event was skipped by an operator; not marked published"
+	case store.AckOutOfOrder:
+		return outboxv1.AckStatus_ACK_STATUS_LEASE_LOST,
+			"an earlier revision of this aggregate is not acked yet (acks apply in revision order); not marked published, it will be delivered again"
 	case store.AckNotFound:
 		return outboxv1.AckStatus_ACK_STATUS_NOT_FOUND, "no such event (never existed, or purged)"
 	case store.AckFailed:
@@ -262,12 +271,17 @@ func (r *relayService) Nack(ctx context.Context, req *outboxv1.NackRequest) (*ou
 		BackoffBase: s.cfg.BackoffBase, BackoffCap: s.cfg.BackoffCap, MaxFailures: maxFailures,
 	})
 	if errors.Is(err, store.ErrLeaseLost) {
-		return nil, status.Error(codes.FailedPrecondition, "lease is no longer current (acked, expired and re-leased, or released); nothing changed")
+		return nil, status.Error(codes.FailedPrecondition,
+			"lease is no longer current (acked, expired and re-leased, or released), or the event is not its earliest pending revision (with max_in_flight_per_aggregate above 1, the acks of the revisions before it must land first); nothing changed")
 	}
 	if err != nil {
 		return nil, s.dbError(ctx, "nack", err)
 	}
-	if res.Holder != uuid.Nil && !s.released(res.Holder, t.EventID, false) {
+	ended := res.Ended
+	if len(ended) == 0 {
+		ended = []uuid.UUID{t.EventID}
+	}
+	if res.Holder != uuid.Nil && !s.released(res.Holder, false, t.Epoch, ended...) {
 		// Held through another replica: tell it, so the session frees its
 		// credit now rather than at its next reconciliation. Best effort;
 		// the reconciliation still catches it.

@@ -40,6 +40,9 @@ type Config struct {
 	MinLeaseTTL, MaxLeaseTTL time.Duration
 	// MaxInFlight bounds a relay's credit. Default 10000.
 	MaxInFlight int
+	// MaxInFlightPerAggregate bounds a relay's window on one aggregate
+	// (SubscribeRequest.max_in_flight_per_aggregate). Default 1000.
+	MaxInFlightPerAggregate int
 	// ClaimBatch is the most aggregates one claim statement leases. Default 64.
 	ClaimBatch int
 
@@ -137,6 +140,7 @@ func (c *Config) setDefaults() error {
 	def(&c.DiscoveryIdleInterval, 25*time.Millisecond)
 	def(&c.ReconcileInterval, 2*time.Second)
 	defInt(&c.MaxInFlight, 10000)
+	defInt(&c.MaxInFlightPerAggregate, 1000)
 	defInt(&c.ClaimBatch, 64)
 	defInt(&c.MaxFailures, 10)
 	defInt(&c.MaxDeliveries, 25)
@@ -152,6 +156,8 @@ func (c *Config) setDefaults() error {
 		return fmt.Errorf("server: Config.DefaultLeaseTTL %v is outside [%v, %v]", c.DefaultLeaseTTL, c.MinLeaseTTL, c.MaxLeaseTTL)
 	case c.MaxInFlight < 1:
 		return fmt.Errorf("server: Config.MaxInFlight %d must be positive", c.MaxInFlight)
+	case c.MaxInFlightPerAggregate < 1:
+		return fmt.Errorf("server: Config.MaxInFlightPerAggregate %d must be positive", c.MaxInFlightPerAggregate)
 	case c.ClaimBatch < 1:
 		return fmt.Errorf("server: Config.ClaimBatch %d must be positive", c.ClaimBatch)
 	case c.MaxFailures < 1:
@@ -207,7 +213,7 @@ type Server struct {
 	afterAck func([]store.AckResult, error) ([]store.AckResult, error)
 	// afterOffer, when set (by tests), runs in a session's loop each time
 	// it has offered its free credit to discovery, before it waits.
-	afterOffer func(session uuid.UUID)
+	afterOffer func(session uuid.UUID, offered int)
 	// beforeApply, when set (by tests), runs in a discovery round that
 	// dispatches, after it chose its sessions and before its leases are
 	// written (and so before they commit).
@@ -393,40 +399,53 @@ func (s *Server) removeSession(sess *session) {
 	s.sessWG.Done()
 }
 
-// released tells the local session holder that its lease of event id ended,
-// by an ack (published) or a nack. It reports whether holder is a session
-// of this replica.
-func (s *Server) released(holder uuid.UUID, id uuid.UUID, published bool) bool {
+// released tells the local session holder that its leases of events ids
+// ended, by an ack (published) or by a nack of the lease at epoch. It
+// reports whether holder is a session of this replica.
+func (s *Server) released(holder uuid.UUID, published bool, epoch int64, ids ...uuid.UUID) bool {
 	s.mu.Lock()
 	sess := s.sessions[holder]
 	s.mu.Unlock()
 	if sess != nil {
-		sess.free(id, published)
+		sess.free(published, epoch, ids...)
 	}
 	return sess != nil
 }
 
-// handOverHolders returns this replica's sessions that take a handed-over
-// lease with their lease TTL, or nil when hand-over is off or the server is
-// stopping.
-func (s *Server) handOverHolders() map[uuid.UUID]time.Duration {
+// handOverTargets returns this replica's sessions that take handed-over
+// leases, with their lease TTL and window, or nil when hand-over is off or
+// the server is stopping. A session with a window lends the credit it
+// offers (see session.lendOffered), so that a window can grow as well as
+// slide; loans says how much, for the caller to settle.
+func (s *Server) handOverTargets() (targets map[uuid.UUID]store.HandOverTarget, loans map[uuid.UUID]int) {
 	if s.cfg.NoHandOver || isClosed(s.stopping) {
-		return nil
+		return nil, nil
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	m := make(map[uuid.UUID]time.Duration, len(s.sessions))
+	targets = make(map[uuid.UUID]store.HandOverTarget, len(s.sessions))
 	for id, sess := range s.sessions {
-		if sess.takesHandOver() {
-			m[id] = sess.ttl
+		if !sess.takesHandOver() {
+			continue
 		}
+		t := store.HandOverTarget{TTL: sess.ttl, Window: sess.window}
+		if sess.window > 1 {
+			if n := sess.lendOffered(); n > 0 {
+				t.Credit = n
+				if loans == nil {
+					loans = make(map[uuid.UUID]int)
+				}
+				loans[id] = n
+			}
+		}
+		targets[id] = t
 	}
-	return m
+	return targets, loans
 }
 
 // sweepSessions asks each of these local sessions to release the leases it
 // holds but does not know of.
-func (s *Server) sweepSessions(holders map[uuid.UUID]time.Duration) {
+func (s *Server) sweepSessions(holders map[uuid.UUID]store.HandOverTarget) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	for id := range holders {
@@ -436,27 +455,31 @@ func (s *Server) sweepSessions(holders map[uuid.UUID]time.Duration) {
 	}
 }
 
-// handOver gives the local session holder the lease l on the next event of
-// the aggregate whose event acked it just acked. When the session has ended
-// in the meantime, the lease is released at once rather than left to its
-// TTL.
-func (s *Server) handOver(ctx context.Context, holder, acked uuid.UUID, l store.Lease) {
-	s.handOvers.Add(1)
-	s.metrics.handOvers.Inc()
+// settleAcks tells the local session holder, in one step, that its leases
+// of the events acked ended by an ack, that the same ack batch leased it
+// leases (hand-over, or a window sliding forward), and that the loan of
+// credit it made to the batch is over. When the session has ended in the
+// meantime, the leases are released at once rather than left to their TTL.
+func (s *Server) settleAcks(ctx context.Context, holder uuid.UUID, acked []uuid.UUID, leases []store.Lease, lent int) {
+	s.handOvers.Add(uint64(len(leases)))
+	s.metrics.handOvers.Add(float64(len(leases)))
 	s.mu.Lock()
 	sess := s.sessions[holder]
 	s.mu.Unlock()
-	if sess != nil && sess.handOver(acked, l) {
+	if sess != nil && sess.settle(acked, leases, lent) {
 		return
 	}
-	// The session closed before the lease reached it. Its own release may
+	if len(leases) == 0 {
+		return
+	}
+	// The session closed before the leases reached it. Its own release may
 	// have run before this lease committed, so release again: the holder
 	// is gone, so every lease it still has is orphaned.
 	relCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), releaseTimeout)
 	defer cancel()
 	if _, err := s.store.Release(relCtx, holder); err != nil {
-		s.log.Warn("releasing a lease handed to a session that ended failed; it expires by TTL",
-			"session", holder, "event_id", l.Event.ID, "err", err)
+		s.log.Warn("releasing leases handed to a session that ended failed; they expire by TTL",
+			"session", holder, "event_id", leases[0].Event.ID, "err", err)
 	}
 }
 

@@ -40,17 +40,28 @@ type session struct {
 	// excludeStreams are never claimed for this stream (SubscribeRequest.exclude_streams).
 	excludeStreams []string
 	maxInFlight    int
-	ttl            time.Duration
-	connectedAt    time.Time
+	// window is the most events of one aggregate one lease covers
+	// (SubscribeRequest.max_in_flight_per_aggregate): 1 unless the relay
+	// asked for more.
+	window      int
+	ttl         time.Duration
+	connectedAt time.Time
 	// subscriber is who opened the stream, for the per-relay limit.
 	subscriber string
 
 	// inflight holds the events delivered on this stream whose lease still
 	// exists as far as the session knows. Only the session loop touches it;
 	// its size is published in inflightN for ListRelays.
-	inflight  map[uuid.UUID]struct{}
+	// Each maps to the epoch of the lease it was sent under.
+	inflight  map[uuid.UUID]int64
 	inflightN atomic.Int64
 	acked     atomic.Uint64
+	// parked holds the leases (aggregate and epoch) this session parked
+	// for an event too large to send: no later event of such a lease may
+	// follow on the stream (an ack may have slid its window forward before
+	// the park), or the relay would publish past the parked one. Only the
+	// session loop touches it.
+	parked map[leaseRef]bool
 
 	mu        sync.Mutex
 	freed     []freedLease
@@ -71,37 +82,61 @@ type session struct {
 func newSession(srv *Server, relayID, peer string, streams []string, maxInFlight int, ttl time.Duration) *session {
 	return &session{
 		srv: srv, id: uuid.New(), relayID: relayID, peer: peer, streams: streams,
-		maxInFlight: maxInFlight, ttl: ttl, connectedAt: time.Now(),
-		inflight: make(map[uuid.UUID]struct{}),
+		maxInFlight: maxInFlight, window: 1, ttl: ttl, connectedAt: time.Now(),
+		inflight: make(map[uuid.UUID]int64),
 		kick:     make(chan struct{}, 1),
 		aborted:  make(chan struct{}),
 	}
 }
 
-// free records that the lease on event id ended: acked (published) or
-// nacked.
-func (ss *session) free(id uuid.UUID, published bool) {
+// free records that the leases on events ids ended: acked (published), or
+// nacked at epoch (a later lease of the same event, claimed before this
+// reaches the loop, stays counted).
+func (ss *session) free(published bool, epoch int64, ids ...uuid.UUID) {
 	ss.mu.Lock()
-	ss.freed = append(ss.freed, freedLease{id, published})
+	for _, id := range ids {
+		ss.freed = append(ss.freed, freedLease{id, published, epoch})
+	}
 	ss.mu.Unlock()
 	ss.poke()
 }
 
-// handOver records, in one step, that the lease on event acked ended by an
-// ack and that the same ack leased l to this session: the loop sees both at
-// once, so its credit never counts the one without the other. It returns
-// false, taking nothing, once the stream is over.
-func (ss *session) handOver(acked uuid.UUID, l store.Lease) bool {
+// settle records, in one step, that the leases on events acked ended by an
+// ack, that the same ack batch leased leases to this session (hand-over,
+// or a window sliding forward), and that the batch's loan of lent units of
+// credit is over: the loop sees it all at once, so its credit never counts
+// the one without the other. What the leases did not use of the loan is
+// offered again if the loop still waits. It returns false, taking nothing,
+// once the stream is over: the caller then releases the leases.
+func (ss *session) settle(acked []uuid.UUID, leases []store.Lease, lent int) bool {
 	ss.mu.Lock()
+	ss.lent -= lent
 	if ss.closed {
 		ss.mu.Unlock()
-		return false
+		return len(leases) == 0
 	}
-	ss.freed = append(ss.freed, freedLease{acked, true})
-	ss.handed = append(ss.handed, l)
+	for _, id := range acked {
+		ss.freed = append(ss.freed, freedLease{id, true, 0})
+	}
+	ss.handed = append(ss.handed, leases...)
+	if ss.waiting {
+		ss.offered += lent - min(max(len(leases)-len(acked), 0), lent)
+	}
 	ss.mu.Unlock()
 	ss.poke()
 	return true
+}
+
+// lendOffered takes all the credit the loop offers for an ack batch, which
+// may lease a windowed session more events than its acks free (a window
+// growing). settle ends the loan.
+func (ss *session) lendOffered() int {
+	ss.mu.Lock()
+	defer ss.mu.Unlock()
+	n := ss.offered
+	ss.offered = 0
+	ss.lent += n
+	return n
 }
 
 // takesHandOver reports whether an ack may hand this session a lease: its
@@ -123,16 +158,18 @@ func (ss *session) close() {
 	ss.mu.Unlock()
 }
 
-// offerCredit lets discovery rounds take, while the loop waits, the credit
-// free leaves after what a round holds already and what leases wait to be
-// counted (free is the loop's maxInFlight less its inflight).
-func (ss *session) offerCredit(free int) {
+// offerCredit lets discovery rounds (and ack batches, for a session with a
+// window) take, while the loop waits, the credit free leaves after what a
+// round holds already and what leases wait to be counted (free is the
+// loop's maxInFlight less its inflight), and returns it.
+func (ss *session) offerCredit(free int) (offered int) {
 	ss.mu.Lock()
+	defer ss.mu.Unlock()
 	ss.waiting = true
 	if !ss.closed {
 		ss.offered = max(free-ss.lent-len(ss.handed), 0)
 	}
-	ss.mu.Unlock()
+	return ss.offered
 }
 
 // withdrawCredit takes the offer back before the loop claims, and returns the
@@ -194,6 +231,7 @@ func (ss *session) admits(stream string) bool {
 type freedLease struct {
 	id        uuid.UUID
 	published bool
+	epoch     int64 // of the lease that ended; 0: whichever (a published event is never leased again)
 }
 
 // requestSweep asks the loop to release the leases this session holds but
@@ -262,7 +300,7 @@ func (ss *session) run(ctx context.Context, send func(*outboxv1.SubscribeRespons
 		}
 		credit := ss.maxInFlight - len(ss.inflight) - ss.withdrawCredit()
 		if credit > 0 && !stopping && wantClaim {
-			outcome, err := ss.claimAndSend(ctx, min(credit, ss.srv.cfg.ClaimBatch), send)
+			outcome, err := ss.claimAndSend(ctx, credit, send)
 			if err != nil {
 				return err
 			}
@@ -281,9 +319,9 @@ func (ss *session) run(ctx context.Context, send func(*outboxv1.SubscribeRespons
 			}
 		}
 		if !stopping {
-			ss.offerCredit(ss.maxInFlight - len(ss.inflight))
+			offered := ss.offerCredit(ss.maxInFlight - len(ss.inflight))
 			if h := ss.srv.afterOffer; h != nil {
-				h(ss.id)
+				h(ss.id, offered)
 			}
 		}
 		kicked, err := w.wait(ctx, credit > 0 && !stopping, discovered)
@@ -306,9 +344,11 @@ const (
 	claimFailed                     // the claim failed: wait, then try again
 )
 
-// claimAndSend claims up to n aggregates and sends their events. The error
-// ends the session (the stream failed, or ctx ended).
-func (ss *session) claimAndSend(ctx context.Context, n int, send func(*outboxv1.SubscribeResponse) error) (claimOutcome, error) {
+// claimAndSend claims up to ClaimBatch aggregates, and up to credit events
+// (more than one per aggregate with a window), and sends their events. The
+// error ends the session (the stream failed, or ctx ended).
+func (ss *session) claimAndSend(ctx context.Context, credit int, send func(*outboxv1.SubscribeResponse) error) (claimOutcome, error) {
+	n := min(credit, ss.srv.cfg.ClaimBatch)
 	// Not cancelled with the stream: a claim interrupted by the relay
 	// hanging up may still commit in the database after the stream's leases
 	// were released, orphaning its leases until their TTL. Letting it finish
@@ -316,7 +356,9 @@ func (ss *session) claimAndSend(ctx context.Context, n int, send func(*outboxv1.
 	claimCtx, cancelClaim := context.WithTimeout(context.WithoutCancel(ctx), claimTimeout)
 	leases, err := ss.srv.store.Claim(claimCtx, store.ClaimParams{
 		Holder: ss.id, RelayID: ss.relayID, ReplicaID: ss.srv.cfg.ReplicaID,
-		Streams: ss.streams, ExcludeStreams: ss.excludeStreams, Limit: n, TTL: ss.ttl, MaxAttempts: ss.srv.cfg.MaxDeliveries,
+		Streams: ss.streams, ExcludeStreams: ss.excludeStreams,
+		Limit: min(credit, ss.srv.cfg.ClaimBatch), Window: ss.window, Credit: credit,
+		TTL: ss.ttl, MaxAttempts: ss.srv.cfg.MaxDeliveries,
 	})
 	if h := ss.srv.afterClaim; h != nil {
 		leases, err = h(leases, err)
@@ -335,7 +377,7 @@ func (ss *session) claimAndSend(ctx context.Context, n int, send func(*outboxv1.
 	// Counted before sending: a send blocked by a relay that stopped
 	// reading must not hide the claim's leases from ListRelays.
 	for _, l := range leases {
-		ss.inflight[l.Event.ID] = struct{}{}
+		ss.inflight[l.Event.ID] = l.Epoch
 	}
 	ss.inflightN.Store(int64(len(ss.inflight)))
 	for _, l := range leases {
@@ -346,7 +388,7 @@ func (ss *session) claimAndSend(ctx context.Context, n int, send func(*outboxv1.
 	switch {
 	case err != nil:
 		return claimFailed, nil
-	case len(leases) == n:
+	case len(leases) == credit || aggregates(leases) == n:
 		return claimedAll, nil
 	case len(leases) > 0:
 		return claimedSome, nil
@@ -355,9 +397,22 @@ func (ss *session) claimAndSend(ctx context.Context, n int, send func(*outboxv1.
 	}
 }
 
+// leaseRef names one lease: an aggregate and the epoch it was leased at.
+type leaseRef struct {
+	stream, aggregateKey string
+	epoch                int64
+}
+
 // sendLease sends one claimed event, or parks it when no relay could
 // receive it.
 func (ss *session) sendLease(ctx context.Context, l store.Lease, send func(*outboxv1.SubscribeResponse) error) error {
+	ref := leaseRef{l.Event.Stream, l.Event.AggregateKey, l.Epoch}
+	if ss.parked[ref] {
+		// The lease ended when an earlier event of it was parked.
+		delete(ss.inflight, l.Event.ID)
+		ss.inflightN.Store(int64(len(ss.inflight)))
+		return nil
+	}
 	ss.srv.metrics.deliveries.Inc()
 	if l.Attempt > 1 {
 		ss.srv.metrics.redeliveries.Inc()
@@ -366,7 +421,12 @@ func (ss *session) sendLease(ctx context.Context, l store.Lease, send func(*outb
 	if size := proto.Size(d); size > limits.MaxDeliveryBytes {
 		// Sending it would end the stream, and the next claim would pick
 		// it again: park it with the reason instead.
-		ss.parkUndeliverable(ctx, l, size)
+		if ss.parkUndeliverable(ctx, l, size) {
+			if ss.parked == nil {
+				ss.parked = make(map[leaseRef]bool)
+			}
+			ss.parked[ref] = true
+		}
 		return nil
 	}
 	return send(d)
@@ -527,16 +587,28 @@ func (ss *session) applyFreed(ctx context.Context) (handed []store.Lease, freed 
 	ss.freed, ss.handed, ss.reconcile, ss.sweep = nil, nil, false, false
 	ss.mu.Unlock()
 	before := len(ss.inflight)
+	var nacked map[uuid.UUID]bool
 	for _, f := range ended {
-		if _, ok := ss.inflight[f.id]; ok {
+		if !f.published {
+			if nacked == nil {
+				nacked = make(map[uuid.UUID]bool)
+			}
+			nacked[f.id] = true
+		}
+		if epoch, ok := ss.inflight[f.id]; ok && (f.epoch == 0 || f.epoch == epoch) {
 			delete(ss.inflight, f.id)
 			if f.published {
 				ss.acked.Add(1)
 			}
 		}
 	}
+	if nacked != nil {
+		// A nack ends its whole lease, window and all: a window's event
+		// an ack handed over before the nack is not sent at all.
+		handed = slices.DeleteFunc(handed, func(l store.Lease) bool { return nacked[l.Event.ID] })
+	}
 	for _, l := range handed {
-		ss.inflight[l.Event.ID] = struct{}{}
+		ss.inflight[l.Event.ID] = l.Epoch
 	}
 	if sweep {
 		ss.releaseUndelivered(ctx)
@@ -580,20 +652,38 @@ func (ss *session) countGone(ctx context.Context, gone []uuid.UUID) {
 }
 
 // parkUndeliverable parks the aggregate of a lease whose delivery would be
-// size bytes, over the limit every relay receives.
-func (ss *session) parkUndeliverable(ctx context.Context, l store.Lease, size int) {
+// size bytes, over the limit every relay receives, and reports whether it
+// did. With a window the event need not be the lease's head: the events
+// before it are with the relay already, and their acks still land.
+func (ss *session) parkUndeliverable(ctx context.Context, l store.Lease, size int) bool {
 	reason := fmt.Sprintf("undeliverable: the delivery is %d bytes, over the %d-byte limit of one message", size, limits.MaxDeliveryBytes)
 	ss.srv.log.Error("event parked: too large to deliver", "event_id", l.Event.ID, "stream", l.Event.Stream, "bytes", size)
 	dbCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), claimTimeout)
 	defer cancel()
-	if err := ss.srv.store.Park(dbCtx, l.Event.ID, l.Epoch, reason); err != nil {
+	ended, err := ss.srv.store.Park(dbCtx, l.Event.ID, l.Epoch, reason)
+	if err != nil {
 		// The lease stays with this session until the stream ends or its
 		// TTL passes; then the next claim tries again.
 		ss.srv.log.Warn("parking an undeliverable event failed", "event_id", l.Event.ID, "err", err)
-		return
+		return false
 	}
-	delete(ss.inflight, l.Event.ID)
+	// The whole lease ended; the rest of its window, if any, is not sent
+	// (sendLease's caller stops at the parked event).
+	for _, id := range append(ended, l.Event.ID) {
+		delete(ss.inflight, id)
+	}
 	ss.inflightN.Store(int64(len(ss.inflight)))
+	return true
+}
+
+// aggregates counts the distinct aggregates among leases.
+func aggregates(leases []store.Lease) int {
+	type key struct{ stream, aggregate string }
+	seen := make(map[key]bool, len(leases))
+	for _, l := range leases {
+		seen[key{l.Event.Stream, l.Event.AggregateKey}] = true
+	}
+	return len(seen)
 }
 
 func (ss *session) delivery(l store.Lease) *outboxv1.SubscribeResponse {
@@ -606,6 +696,7 @@ func (ss *session) delivery(l store.Lease) *outboxv1.SubscribeResponse {
 		// The claim has just set the lease to the database's now + ttl; the
 		// relay counts this from receipt on its own clock.
 		LeaseTtlRemaining: durationpb.New(ss.ttl),
+		LeaseEpoch:        l.Epoch,
 	}
 }
 

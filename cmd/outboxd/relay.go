@@ -14,15 +14,16 @@ import (
 
 func relayCommand(g *globalFlags) *cobra.Command {
 	var (
-		client      clientFlags
-		sinkURL     string
-		routes      []string
-		relayID     string
-		streams     []string
-		exclude     []string
-		maxInFlight int
-		leaseTTL    time.Duration
-		drain       time.Duration
+		client       clientFlags
+		sinkURL      string
+		routes       []string
+		relayID      string
+		streams      []string
+		exclude      []string
+		maxInFlight  int
+		perAggregate int
+		leaseTTL     time.Duration
+		drain        time.Duration
 	)
 	cmd := &cobra.Command{
 		Use:   "relay",
@@ -99,7 +100,8 @@ failure against their events.`,
 				}
 				if runners[i], err = relay.NewRunner(relay.Config{
 					Conn: conn, Publisher: s, RelayID: id, Streams: rt.streams, ExcludeStreams: rt.exclude,
-					MaxInFlight: maxInFlight, LeaseTTL: leaseTTL, DrainTimeout: drain, Logger: log.With("route", rt.label()),
+					MaxInFlight: maxInFlight, MaxInFlightPerAggregate: perAggregate,
+					LeaseTTL: leaseTTL, DrainTimeout: drain, Logger: log.With("route", rt.label()),
 					MessagingSystem: sink.MessagingSystem(rt.sinkURL),
 				}); err != nil {
 					return err
@@ -124,6 +126,7 @@ failure against their events.`,
 	fl.StringSliceVar(&exclude, "exclude-streams", nil, "streams never to relay (for a catch-all beside relays that take them)")
 	fl.StringArrayVar(&routes, "route", nil, "STREAMS=SINK_URL, repeatable: serve several sinks, each for its streams (comma-separated names, or * for the rest); replaces --sink and --streams")
 	fl.IntVar(&maxInFlight, "max-in-flight", 64, "deliveries outstanding at once (the relay's credit)")
+	fl.IntVar(&perAggregate, "max-in-flight-per-aggregate", 1, "events of one aggregate outstanding at once (its window); each aggregate's events are still published one at a time, in order, but the next needs no server round trip")
 	fl.DurationVar(&leaseTTL, "lease-ttl", 0, "lease TTL to ask for (default: the server's)")
 	fl.DurationVar(&drain, "drain-timeout", relay.DefaultDrainTimeout, "on shutdown, how long publishes under way may take to finish")
 	return cmd

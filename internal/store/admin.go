@@ -566,9 +566,11 @@ func (s *Store) SkipEvent(ctx context.Context, id uuid.UUID, reason, actor strin
 		}
 		var delivered int64
 		var holder *uuid.UUID
+		var leasedThrough *int64 // the lease's window, while leased
 		err = tx.QueryRow(ctx, `
-			SELECT delivered_revision, holder FROM outbox.delivery
-			WHERE stream = $1 AND aggregate_key = $2 FOR UPDATE`, stream, key).Scan(&delivered, &holder)
+			SELECT delivered_revision, holder, CASE WHEN state = 'leased' THEN leased_through END
+			FROM outbox.delivery
+			WHERE stream = $1 AND aggregate_key = $2 FOR UPDATE`, stream, key).Scan(&delivered, &holder, &leasedThrough)
 		noDeliveryYet := errors.Is(err, pgx.ErrNoRows) // committed, not discovered yet
 		if err != nil && !noDeliveryYet {
 			return err
@@ -578,13 +580,16 @@ func (s *Store) SkipEvent(ctx context.Context, id uuid.UUID, reason, actor strin
 			RETURNING skipped_at`, id, reason, actor).Scan(&sk.SkippedAt); err != nil {
 			return err
 		}
-		if noDeliveryYet || revision != delivered+1 {
+		inWindow := leasedThrough != nil && revision > delivered && revision <= *leasedThrough
+		if noDeliveryYet || (revision != delivered+1 && !inWindow) {
 			// A later revision, or an aggregate discovery has not reached
 			// yet: the claim steps over the skipped event when it comes.
 			return nil
 		}
-		// The head event: whatever was happening to it (a lease, a backoff,
-		// parking) ends, and the next claim steps over it.
+		// The head event, or one a lease's window covers: whatever was
+		// happening to it (a lease, a backoff, parking) ends, and the next
+		// claim steps over it. (The acks of a window's revisions before it
+		// still land: an ack with an expired-but-genuine token publishes.)
 		if _, err := tx.Exec(ctx, `
 			UPDATE outbox.delivery
 			SET state = 'ready', claimable_at = clock_timestamp(),

@@ -230,7 +230,12 @@ type ClaimParams struct {
 	Streams []string
 	// ExcludeStreams are never claimed; nil excludes nothing.
 	ExcludeStreams []string
-	Limit          int
+	// Limit is the most aggregates leased.
+	Limit int
+	// Window is the most events of one aggregate one lease covers (0 or 1:
+	// just the next one), and Credit the most events leased in all (0: one
+	// per aggregate). Credit must be at least Limit.
+	Window, Credit int
 	TTL            time.Duration
 	// MaxAttempts parks an aggregate instead of leasing its event again once
 	// that event has been delivered this many times without an ack or a
@@ -279,8 +284,9 @@ func (s *Store) Claim(ctx context.Context, p ClaimParams) ([]Lease, error) {
 	rows, err := s.pool.Query(ctx,
 		`SELECT event_id, stream, aggregate_key, revision, event_type, payload, headers, created_at,
 		        epoch, attempt, lease_expires_at
-		 FROM outbox.claim($1, $2, $3, $4, $5, $6, $7, $8)`,
-		p.Holder, p.RelayID, p.ReplicaID, streams, p.Limit, p.TTL, maxAttempts, exclude)
+		 FROM outbox.claim($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)`,
+		p.Holder, p.RelayID, p.ReplicaID, streams, p.Limit, p.TTL, maxAttempts, exclude,
+		max(p.Window, 1), max(p.Credit, p.Limit))
 	if err != nil {
 		return nil, fmt.Errorf("store: claim: %w", err)
 	}
@@ -307,6 +313,9 @@ const (
 	AckPublished AckStatus = iota + 1
 	AckAlreadyPublished
 	AckLeaseLost
+	// AckOutOfOrder: an earlier revision of the event's aggregate is still
+	// pending, so this ack was not applied (acks apply in revision order).
+	AckOutOfOrder
 	AckNotFound
 	// AckFailed: the database refused this ack on its own (the rest of its
 	// batch was applied); Err says why. The relay may retry it.
@@ -324,20 +333,35 @@ type AckResult struct {
 	PublishLag time.Duration
 	// Err is set for AckFailed.
 	Err error
-	// HandOver, when set, is the lease on the aggregate's next event that
-	// the same statement gave to Holder (see AckParams.HandOver).
-	HandOver *Lease
+	// HandOver holds the leases on the aggregate's next events that the
+	// same statement gave to Holder (see AckParams.HandOver), in revision
+	// order: a new lease when this ack ended Holder's, or the window of a
+	// lease that goes on sliding forward. Set on the aggregate's last
+	// published ack of the batch.
+	HandOver []Lease
 }
 
 // AckParams says which acks to apply and where.
 type AckParams struct {
 	IDs       []uuid.UUID
 	ReplicaID string
-	// HandOver maps the replica's sessions that take more work to their
-	// lease TTL. An ack ending a lease held by one of them leases the
-	// aggregate's next event to it in the same transaction, when that event
-	// is committed and not skipped (outbox.ack).
-	HandOver map[uuid.UUID]time.Duration
+	// HandOver maps the replica's sessions that take more work to what
+	// they take. An ack ending a lease held by one of them leases the
+	// aggregate's next events to it in the same transaction, when they are
+	// committed and not skipped, and the window of a lease that goes on
+	// slides forward (outbox.ack).
+	HandOver map[uuid.UUID]HandOverTarget
+}
+
+// HandOverTarget is what a session takes from an ack batch.
+type HandOverTarget struct {
+	TTL time.Duration
+	// Window is the session's most events of one aggregate under one lease
+	// (0 or 1: one).
+	Window int
+	// Credit is what the session lends beyond the credit the batch's acks
+	// free: the most extra events it may be leased.
+	Credit int
 }
 
 // Ack marks events published in one transaction, each checked on its own.
@@ -401,17 +425,20 @@ func isItemError(err error) bool {
 func (s *Store) ack(ctx context.Context, p AckParams) ([]AckResult, error) {
 	var holders []uuid.UUID
 	var ttls []time.Duration
-	for h, ttl := range p.HandOver {
+	var windows, credits []int32
+	for h, t := range p.HandOver {
 		holders = append(holders, h)
-		ttls = append(ttls, ttl)
+		ttls = append(ttls, t.TTL)
+		windows = append(windows, int32(max(t.Window, 1)))
+		credits = append(credits, int32(max(t.Credit, 0)))
 	}
 	rows, err := s.pool.Query(ctx,
 		`SELECT a.event_id, a.status, a.holder, clock_timestamp() - a.created_at, `+leaseColumns("a.handover")+`
-		 FROM outbox.ack($1, $2, $3, $4) a`, p.IDs, p.ReplicaID, holders, ttls)
+		 FROM outbox.ack($1, $2, $3, $4, $5, $6) a`, p.IDs, p.ReplicaID, holders, ttls, windows, credits)
 	if err != nil {
 		return nil, fmt.Errorf("store: ack: %w", err)
 	}
-	res, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (AckResult, error) {
+	rowsOut, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (AckResult, error) {
 		var r AckResult
 		var status string
 		var holder *uuid.UUID
@@ -426,14 +453,20 @@ func (s *Store) ack(ctx context.Context, p AckParams) ([]AckResult, error) {
 		if holder != nil {
 			r.Holder = *holder
 		}
-		r.HandOver = h.lease()
+		if l := h.lease(); l != nil {
+			r.HandOver = []Lease{*l}
+		}
 		switch status {
 		case "published":
 			r.Status = AckPublished
+		case "handed_over":
+			// Not a result of its own: folded into its ack's below.
 		case "already_published":
 			r.Status = AckAlreadyPublished
 		case "lease_lost":
 			r.Status = AckLeaseLost
+		case "out_of_order":
+			r.Status = AckOutOfOrder
 		case "not_found":
 			r.Status = AckNotFound
 		default:
@@ -443,6 +476,21 @@ func (s *Store) ack(ctx context.Context, p AckParams) ([]AckResult, error) {
 	})
 	if err != nil {
 		return nil, fmt.Errorf("store: ack: %w", err)
+	}
+	// Leases come after every result, each naming the ack that handed it.
+	res := make([]AckResult, 0, len(rowsOut))
+	at := make(map[uuid.UUID]int, len(rowsOut))
+	for _, r := range rowsOut {
+		if r.Status != 0 {
+			at[r.EventID] = len(res)
+			res = append(res, r)
+			continue
+		}
+		i, ok := at[r.EventID]
+		if !ok || res[i].Status != AckPublished || len(r.HandOver) == 0 {
+			return nil, fmt.Errorf("store: ack: a lease handed over by %s, which was not published in this batch", r.EventID)
+		}
+		res[i].HandOver = append(res[i].HandOver, r.HandOver...)
 	}
 	return res, nil
 }
@@ -464,6 +512,9 @@ type NackResult struct {
 	NextAttemptAt time.Time
 	Failures      int
 	Holder        uuid.UUID
+	// Ended lists the events the lease covered, the nacked one first: with
+	// a window, more than one.
+	Ended []uuid.UUID
 }
 
 // Nack records a failed publish by the current lease.
@@ -472,9 +523,9 @@ func (s *Store) Nack(ctx context.Context, p NackParams) (NackResult, error) {
 	var next *time.Time
 	var holder *uuid.UUID
 	err := s.pool.QueryRow(ctx,
-		`SELECT parked, next_attempt_at, failures, holder FROM outbox.nack($1, $2, $3, $4, $5, $6, $7)`,
+		`SELECT parked, next_attempt_at, failures, holder, ended FROM outbox.nack($1, $2, $3, $4, $5, $6, $7)`,
 		p.EventID, p.Epoch, p.Error, p.RetryAfter, p.BackoffBase, p.BackoffCap, p.MaxFailures,
-	).Scan(&r.Parked, &next, &r.Failures, &holder)
+	).Scan(&r.Parked, &next, &r.Failures, &holder, &r.Ended)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return r, ErrLeaseLost
 	}
@@ -501,17 +552,19 @@ func (s *Store) NotifyReleased(ctx context.Context, holder uuid.UUID) error {
 }
 
 // Park parks the aggregate of the current lease on eventID at once, with
-// reason, for an event that cannot be delivered at all.
-func (s *Store) Park(ctx context.Context, eventID uuid.UUID, epoch int64, reason string) error {
+// reason, for an event that cannot be delivered at all. It returns the
+// events the lease covered (see NackResult.Ended).
+func (s *Store) Park(ctx context.Context, eventID uuid.UUID, epoch int64, reason string) ([]uuid.UUID, error) {
 	var holder *uuid.UUID
-	err := s.pool.QueryRow(ctx, `SELECT holder FROM outbox.park($1, $2, $3)`, eventID, epoch, reason).Scan(&holder)
+	var ended []uuid.UUID
+	err := s.pool.QueryRow(ctx, `SELECT holder, ended FROM outbox.park($1, $2, $3)`, eventID, epoch, reason).Scan(&holder, &ended)
 	if errors.Is(err, pgx.ErrNoRows) {
-		return ErrLeaseLost
+		return nil, ErrLeaseLost
 	}
 	if err != nil {
-		return fmt.Errorf("store: park: %w", err)
+		return nil, fmt.Errorf("store: park: %w", err)
 	}
-	return nil
+	return ended, nil
 }
 
 // ExtendLease pushes the current lease's expiry to now + ttl.
@@ -548,10 +601,12 @@ func (s *Store) ReleaseAllBut(ctx context.Context, holder uuid.UUID, keep []uuid
 	return n, nil
 }
 
-// HeldEvents returns the events holder currently has leased.
+// HeldEvents returns the events holder currently has leased: every event
+// each of its leases covers.
 func (s *Store) HeldEvents(ctx context.Context, holder uuid.UUID) (map[uuid.UUID]bool, error) {
 	rows, err := s.pool.Query(ctx,
-		`SELECT leased_event_id FROM outbox.delivery WHERE holder = $1 AND state = 'leased'`, holder)
+		`SELECT unnest(outbox.lease_window(stream, aggregate_key, delivered_revision, leased_through))
+		 FROM outbox.delivery WHERE holder = $1 AND state = 'leased'`, holder)
 	if err != nil {
 		return nil, fmt.Errorf("store: held events: %w", err)
 	}

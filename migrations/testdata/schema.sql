@@ -27,10 +27,10 @@ CREATE TYPE outbox.lease AS (
 );
 
 --
--- Name: ack(uuid[], text, uuid[], interval[]); Type: FUNCTION; Schema: outbox; Owner: -
+-- Name: ack(uuid[], text, uuid[], interval[], integer[], integer[]); Type: FUNCTION; Schema: outbox; Owner: -
 --
 
-CREATE FUNCTION outbox.ack(p_event_ids uuid[], p_replica_id text, p_handover_holders uuid[] DEFAULT NULL::uuid[], p_handover_ttls interval[] DEFAULT NULL::interval[]) RETURNS TABLE(event_id uuid, status text, holder uuid, created_at timestamp with time zone, handover outbox.lease)
+CREATE FUNCTION outbox.ack(p_event_ids uuid[], p_replica_id text, p_handover_holders uuid[] DEFAULT NULL::uuid[], p_handover_ttls interval[] DEFAULT NULL::interval[], p_handover_windows integer[] DEFAULT NULL::integer[], p_handover_credits integer[] DEFAULT NULL::integer[]) RETURNS TABLE(event_id uuid, status text, holder uuid, created_at timestamp with time zone, handover outbox.lease)
     LANGUAGE plpgsql
     SET enable_seqscan TO 'off'
     SET jit TO 'off'
@@ -51,7 +51,11 @@ DECLARE
     v_ok_created timestamptz[];
     v_holders uuid[];
     v_remote uuid[];
+    v_oldest timestamptz;
     v_handed outbox.lease[];
+    v_handed_holders uuid[];
+    v_handed_acks uuid[];
+    v_windowed boolean;
 BEGIN
     PERFORM outbox.require_read_committed('outbox.ack');
     -- Not waiting for the WAL flush: an ack lost in a PostgreSQL crash
@@ -74,28 +78,40 @@ BEGIN
 
     IF v_ids IS NOT NULL THEN
         -- An event may be marked only while it is its aggregate's next
-        -- revision and not skipped. Tokens are only ever issued for that
-        -- revision, so this fails only for events an operator skipped.
-        SELECT array_agg(x.event_id) FILTER (WHERE x.ok),
-               array_agg(x.stream) FILTER (WHERE x.ok),
-               array_agg(x.aggregate_key) FILTER (WHERE x.ok),
-               array_agg(x.revision) FILTER (WHERE x.ok),
-               array_agg(x.created_at) FILTER (WHERE x.ok),
-               array_agg(x.holder) FILTER (WHERE x.ok),
-               array_agg(DISTINCT x.holder) FILTER (WHERE x.ok AND x.holder IS NOT NULL
-                                                    AND x.holder_replica_id IS DISTINCT FROM p_replica_id)
-        INTO v_ok, v_ok_streams, v_ok_keys, v_ok_revs, v_ok_created, v_holders, v_remote
+        -- revision and not skipped, the acks before it in this call
+        -- counted: its revision is the cursor plus its rank among this
+        -- call's acks ahead of the cursor, and none of those before it is
+        -- skipped.
+        SELECT array_agg(z.event_id) FILTER (WHERE z.ok),
+               array_agg(z.stream) FILTER (WHERE z.ok),
+               array_agg(z.aggregate_key) FILTER (WHERE z.ok),
+               array_agg(z.revision) FILTER (WHERE z.ok),
+               array_agg(z.created_at) FILTER (WHERE z.ok),
+               array_agg(z.holder) FILTER (WHERE z.ok),
+               array_agg(DISTINCT z.holder) FILTER (WHERE z.ok AND z.holder IS NOT NULL
+                                                    AND z.holder_replica_id IS DISTINCT FROM p_replica_id),
+               -- A window in play: an aggregate with more than one ack
+               -- here, or a lease that covers more than the acked revision.
+               coalesce(bool_or(z.ok AND (z.rank > 1 OR (z.state = 'leased' AND z.leased_through > z.revision))), false)
+        INTO v_ok, v_ok_streams, v_ok_keys, v_ok_revs, v_ok_created, v_holders, v_remote, v_windowed
         FROM (
-            SELECT l.event_id, l.stream, l.aggregate_key, l.revision, l.created_at,
-                   d.holder, d.holder_replica_id,
-                   d.delivered_revision = l.revision - 1
-                   AND NOT EXISTS (SELECT 1 FROM outbox.skipped_event s WHERE s.event_id = l.event_id) AS ok
-            FROM unnest(v_ids, v_streams, v_keys, v_revs, v_created)
-                 AS l(event_id, stream, aggregate_key, revision, created_at)
-            JOIN outbox.delivery d ON d.stream = l.stream AND d.aggregate_key = l.aggregate_key
-            ORDER BY d.stream, d.aggregate_key
-            FOR UPDATE OF d
-        ) x;
+            SELECT y.*, y.ahead AND y.revision = y.delivered_revision + y.rank AND y.clean AS ok
+            FROM (
+                SELECT x.*, row_number() OVER w AS rank, bool_and(NOT x.skipped) OVER w AS clean
+                FROM (
+                    SELECT l.event_id, l.stream, l.aggregate_key, l.revision, l.created_at,
+                           d.holder, d.holder_replica_id, d.delivered_revision, d.state, d.leased_through,
+                           l.revision > d.delivered_revision AS ahead,
+                           EXISTS (SELECT 1 FROM outbox.skipped_event s WHERE s.event_id = l.event_id) AS skipped
+                    FROM unnest(v_ids, v_streams, v_keys, v_revs, v_created)
+                         AS l(event_id, stream, aggregate_key, revision, created_at)
+                    JOIN outbox.delivery d ON d.stream = l.stream AND d.aggregate_key = l.aggregate_key
+                    ORDER BY d.stream, d.aggregate_key
+                    FOR UPDATE OF d
+                ) x
+                WINDOW w AS (PARTITION BY x.stream, x.aggregate_key, x.ahead ORDER BY x.revision)
+            ) y
+        ) z;
     END IF;
 
     IF v_ok IS NOT NULL THEN
@@ -103,70 +119,187 @@ BEGIN
         UPDATE outbox.event e SET published_at = v_now WHERE e.event_id = ANY (v_ok);
         PERFORM set_config('outbox.acking', 'off', true);
 
-        -- Advance each cursor and say what comes next: leased to the same
-        -- holder (hand-over) when the next revision is committed, not
-        -- skipped, and the holder is one of p_handover_holders; ready when
-        -- a later revision is committed; idle otherwise. This statement's
-        -- snapshot is newer than the row locks above, so it sees every
-        -- event that discovery found before; one committed but not yet
-        -- discovered is found by the next round, which wakes the idle
-        -- aggregate (a leased or ready one needs no waking).
-        WITH nxt AS (
-            SELECT a.stream, a.aggregate_key, a.revision, n.event_id AS next_id,
-                   n.created_at AS next_created_at, h.ttl AS handover_ttl,
-                   (n.event_id IS NOT NULL OR EXISTS (
-                        SELECT 1 FROM outbox.event x
-                        WHERE x.stream = a.stream AND x.aggregate_key = a.aggregate_key
-                          AND x.revision > a.revision + 1)) AS has_next
-            FROM unnest(v_ok_streams, v_ok_keys, v_ok_revs, v_holders) AS a(stream, aggregate_key, revision, holder)
-            LEFT JOIN outbox.event n ON n.stream = a.stream AND n.aggregate_key = a.aggregate_key
-                                    AND n.revision = a.revision + 1
-            LEFT JOIN LATERAL (
-                SELECT t.ttl FROM unnest(p_handover_holders, p_handover_ttls) AS t(holder, ttl)
-                WHERE t.holder = a.holder AND n.event_id IS NOT NULL
-                  AND NOT EXISTS (SELECT 1 FROM outbox.skipped_event s WHERE s.event_id = n.event_id)
-                  -- Never ahead of older work: if any aggregate is
-                  -- claimable now with a claim order older than this next
-                  -- event, the claim would take that one first, so this
-                  -- aggregate goes back to ready and waits its turn. (One
-                  -- probe of the claim index; not per stream, so a session
-                  -- may yield to work only another relay takes, which costs
-                  -- it a claim, never an event's turn.) The oldest claim
-                  -- order is read as a min over the claim index, a plan
-                  -- that stays an index probe whatever the parameters.
-                  AND NOT coalesce((SELECT min(o.claimable_at) FROM outbox.delivery o
-                                    WHERE o.claimable_at IS NOT NULL) < least(v_now, n.created_at), false)
-                LIMIT 1
-            ) h ON true
-        ), advanced AS (
-            UPDATE outbox.delivery d
-            SET delivered_revision = x.revision,
-                state = CASE WHEN x.handover_ttl IS NOT NULL THEN 'leased'
-                             WHEN x.has_next THEN 'ready' ELSE 'idle' END,
-                claimable_at = CASE WHEN x.handover_ttl IS NOT NULL THEN v_now + x.handover_ttl
-                                    WHEN x.has_next THEN coalesce(x.next_created_at, v_now) END,
-                pending_since = CASE WHEN x.has_next THEN coalesce(x.next_created_at, v_now) END,
-                epoch = CASE WHEN x.handover_ttl IS NOT NULL
-                             THEN greatest(d.epoch + 1, (extract(epoch FROM v_now) * 1000000)::bigint)
-                             ELSE d.epoch END,
-                holder = CASE WHEN x.handover_ttl IS NOT NULL THEN d.holder END,
-                holder_relay_id = CASE WHEN x.handover_ttl IS NOT NULL THEN d.holder_relay_id END,
-                holder_replica_id = CASE WHEN x.handover_ttl IS NOT NULL THEN d.holder_replica_id END,
-                lease_expires_at = CASE WHEN x.handover_ttl IS NOT NULL THEN v_now + x.handover_ttl END,
-                leased_event_id = CASE WHEN x.handover_ttl IS NOT NULL THEN x.next_id END,
-                attempt = CASE WHEN x.handover_ttl IS NOT NULL THEN 1 ELSE 0 END,
-                failures = 0, unanswered = 0,
-                last_error = NULL, next_attempt_at = NULL, parked_at = NULL, parked_reason = NULL,
-                gap_revision = NULL
-            FROM nxt x
-            WHERE d.stream = x.stream AND d.aggregate_key = x.aggregate_key
-            RETURNING d.stream, d.aggregate_key, d.state, d.leased_event_id, d.epoch, d.attempt, d.lease_expires_at
-        )
-        SELECT array_agg(ROW(e.event_id, e.stream, e.aggregate_key, e.revision, e.event_type, e.payload::text,
-                             e.headers, e.created_at, a.epoch, a.attempt, a.lease_expires_at)::outbox.lease)
-        INTO v_handed
-        FROM advanced a JOIN outbox.event e ON e.event_id = a.leased_event_id
-        WHERE a.state = 'leased';
+        -- The claim order hand-over must not jump (one probe of the claim
+        -- index, read as a min so that the plan stays an index probe). Not
+        -- per stream, so a session may yield to work only another relay
+        -- takes, which costs it a claim, never an event's turn.
+        SELECT min(o.claimable_at) INTO v_oldest FROM outbox.delivery o WHERE o.claimable_at IS NOT NULL;
+
+        IF NOT v_windowed AND coalesce(NOT 1 < ANY (p_handover_windows), true)
+           AND coalesce(NOT 0 < ANY (p_handover_credits), true) THEN
+            -- No window in play (every session here takes one event of an
+            -- aggregate at a time, and every lease covers one revision):
+            -- one ack per aggregate, whose lease it ends, and a hand-over of
+            -- at most the next revision. The same decisions as the general
+            -- statement below, in a statement of a third of its plan: the
+            -- executor's start-up of that plan cost about as much as
+            -- running it, on every ack batch.
+            WITH nxt AS (
+                SELECT a.event_id, a.stream, a.aggregate_key, a.revision, a.holder, n.event_id AS next_id,
+                       n.created_at AS next_created_at, h.ttl AS handover_ttl,
+                       (n.event_id IS NOT NULL OR EXISTS (
+                            SELECT 1 FROM outbox.event x
+                            WHERE x.stream = a.stream AND x.aggregate_key = a.aggregate_key
+                              AND x.revision > a.revision + 1)) AS has_next
+                FROM unnest(v_ok, v_ok_streams, v_ok_keys, v_ok_revs, v_holders)
+                     AS a(event_id, stream, aggregate_key, revision, holder)
+                LEFT JOIN outbox.event n ON n.stream = a.stream AND n.aggregate_key = a.aggregate_key
+                                        AND n.revision = a.revision + 1
+                LEFT JOIN LATERAL (
+                    SELECT t.ttl FROM unnest(p_handover_holders, p_handover_ttls) AS t(holder, ttl)
+                    WHERE t.holder = a.holder AND n.event_id IS NOT NULL
+                      AND NOT EXISTS (SELECT 1 FROM outbox.skipped_event s WHERE s.event_id = n.event_id)
+                      AND NOT coalesce(v_oldest < least(v_now, n.created_at), false)
+                    LIMIT 1
+                ) h ON true
+            ), advanced AS (
+                UPDATE outbox.delivery d
+                SET delivered_revision = x.revision,
+                    state = CASE WHEN x.handover_ttl IS NOT NULL THEN 'leased'
+                                 WHEN x.has_next THEN 'ready' ELSE 'idle' END,
+                    claimable_at = CASE WHEN x.handover_ttl IS NOT NULL THEN v_now + x.handover_ttl
+                                        WHEN x.has_next THEN coalesce(x.next_created_at, v_now) END,
+                    pending_since = CASE WHEN x.has_next THEN coalesce(x.next_created_at, v_now) END,
+                    epoch = CASE WHEN x.handover_ttl IS NOT NULL
+                                 THEN greatest(d.epoch + 1, (extract(epoch FROM v_now) * 1000000)::bigint)
+                                 ELSE d.epoch END,
+                    holder = CASE WHEN x.handover_ttl IS NOT NULL THEN d.holder END,
+                    holder_relay_id = CASE WHEN x.handover_ttl IS NOT NULL THEN d.holder_relay_id END,
+                    holder_replica_id = CASE WHEN x.handover_ttl IS NOT NULL THEN d.holder_replica_id END,
+                    lease_expires_at = CASE WHEN x.handover_ttl IS NOT NULL THEN v_now + x.handover_ttl END,
+                    leased_event_id = CASE WHEN x.handover_ttl IS NOT NULL THEN x.next_id END,
+                    leased_through = CASE WHEN x.handover_ttl IS NOT NULL THEN x.revision + 1 END,
+                    attempt = CASE WHEN x.handover_ttl IS NOT NULL THEN 1 ELSE 0 END,
+                    failures = 0, unanswered = 0,
+                    last_error = NULL, next_attempt_at = NULL, parked_at = NULL, parked_reason = NULL,
+                    gap_revision = NULL
+                FROM nxt x
+                WHERE d.stream = x.stream AND d.aggregate_key = x.aggregate_key
+                RETURNING d.state, d.holder, d.leased_event_id, d.epoch, d.attempt, d.lease_expires_at, x.event_id AS acked
+            )
+            SELECT array_agg(ROW(e.event_id, e.stream, e.aggregate_key, e.revision, e.event_type, e.payload::text,
+                                 e.headers, e.created_at, a.epoch, a.attempt, a.lease_expires_at)::outbox.lease),
+                   array_agg(a.holder), array_agg(a.acked)
+            INTO v_handed, v_handed_holders, v_handed_acks
+            FROM advanced a JOIN outbox.event e ON e.event_id = a.leased_event_id
+            WHERE a.state = 'leased';
+        ELSE
+            -- Advance each cursor and say what comes next: the lease goes on
+            -- when its window reaches past the cursor (and slides forward for a
+            -- local holder); for a local holder whose lease ended, a new lease
+            -- of the next revisions when they are committed and not skipped;
+            -- ready when a later revision is committed; idle otherwise. This
+            -- statement's snapshot is newer than the row locks above, so it
+            -- sees every event that discovery found before; one committed but
+            -- not yet discovered is found by the next round, which wakes the
+            -- idle aggregate (a leased or ready one needs no waking).
+            WITH acked AS (
+                SELECT a.stream, a.aggregate_key, max(a.revision) AS cursor, count(*) AS acks,
+                       (array_agg(a.event_id ORDER BY a.revision DESC))[1] AS last_ack
+                FROM unnest(v_ok, v_ok_streams, v_ok_keys, v_ok_revs) AS a(event_id, stream, aggregate_key, revision)
+                GROUP BY a.stream, a.aggregate_key
+            ), cur AS (
+                SELECT a.*, d.holder, h.ttl, coalesce(h.win, 1) AS win, coalesce(h.credit, 0) AS credit,
+                       n.event_id AS next_id, n.created_at AS next_created_at,
+                       n.event_id IS NOT NULL AND NOT n.skipped AS next_ok,
+                       d.state = 'leased' AND d.leased_through > a.cursor AND n.event_id IS NOT NULL
+                           AND NOT n.skipped AS continues,
+                       d.leased_through,
+                       (n.event_id IS NOT NULL OR EXISTS (
+                            SELECT 1 FROM outbox.event x
+                            WHERE x.stream = a.stream AND x.aggregate_key = a.aggregate_key
+                              AND x.revision > a.cursor + 1)) AS has_next
+                FROM acked a
+                JOIN outbox.delivery d ON d.stream = a.stream AND d.aggregate_key = a.aggregate_key
+                LEFT JOIN LATERAL (
+                    SELECT e.event_id, e.created_at,
+                           EXISTS (SELECT 1 FROM outbox.skipped_event s WHERE s.event_id = e.event_id) AS skipped
+                    FROM outbox.event e
+                    WHERE e.stream = a.stream AND e.aggregate_key = a.aggregate_key AND e.revision = a.cursor + 1
+                ) n ON true
+                LEFT JOIN unnest(p_handover_holders, p_handover_ttls, p_handover_windows, p_handover_credits)
+                     AS h(holder, ttl, win, credit) ON h.holder = d.holder
+            ), want AS (
+                -- Where new leases would start, and how many at most.
+                SELECT c.*,
+                       CASE WHEN c.continues THEN c.leased_through + 1 ELSE c.cursor + 1 END AS start,
+                       CASE WHEN c.ttl IS NULL THEN 0
+                            WHEN c.continues THEN c.cursor + c.win - c.leased_through
+                            WHEN c.next_ok THEN c.win
+                            ELSE 0 END AS room
+                FROM cur c
+            ), avail AS (
+                -- How many of those are there: contiguous, not skipped. A
+                -- window of one from the next revision is what cur read
+                -- already.
+                SELECT w.*, CASE WHEN coalesce(v_oldest < least(v_now, v.first_created_at), false) THEN 0
+                                 ELSE coalesce(v.n, 0) END AS n
+                FROM want w
+                LEFT JOIN LATERAL (
+                    SELECT 1 AS n, w.next_created_at AS first_created_at
+                    WHERE w.room = 1 AND NOT w.continues
+                    UNION ALL
+                    SELECT count(*), min(r.created_at)
+                    FROM (
+                        SELECT e.revision, e.created_at, row_number() OVER (ORDER BY e.revision) AS rn
+                        FROM outbox.event e
+                        WHERE (w.room > 1 OR (w.room = 1 AND w.continues))
+                          AND e.stream = w.stream AND e.aggregate_key = w.aggregate_key
+                          AND e.revision >= w.start AND e.revision < w.start + w.room
+                          AND NOT EXISTS (SELECT 1 FROM outbox.skipped_event s WHERE s.event_id = e.event_id)
+                    ) r
+                    WHERE r.revision = w.start + r.rn - 1
+                    HAVING count(*) > 0
+                ) v ON true
+            ), granted AS (
+                -- A holder's credit here: what its acks in this call free plus
+                -- what it lends, shared out over its aggregates in key order.
+                SELECT a.*, greatest(0, least(a.n,
+                           sum(a.acks) OVER (PARTITION BY a.holder) + a.credit
+                           - (sum(a.n) OVER (PARTITION BY a.holder ORDER BY a.stream, a.aggregate_key) - a.n)))::bigint AS grant_n
+                FROM avail a
+            ), advanced AS (
+                UPDATE outbox.delivery d
+                SET delivered_revision = g.cursor,
+                    state = CASE WHEN g.continues OR g.grant_n > 0 THEN 'leased'
+                                 WHEN g.has_next THEN 'ready' ELSE 'idle' END,
+                    leased_through = CASE WHEN g.continues THEN d.leased_through + g.grant_n
+                                          WHEN g.grant_n > 0 THEN g.cursor + g.grant_n END,
+                    leased_event_id = CASE WHEN g.continues OR g.grant_n > 0 THEN g.next_id END,
+                    epoch = CASE WHEN NOT g.continues AND g.grant_n > 0
+                                 THEN greatest(d.epoch + 1, (extract(epoch FROM v_now) * 1000000)::bigint)
+                                 ELSE d.epoch END,
+                    -- Events leased now are sent with the holder's full TTL.
+                    lease_expires_at = CASE WHEN g.grant_n > 0 THEN greatest(v_now + g.ttl, CASE WHEN g.continues THEN d.lease_expires_at END)
+                                            WHEN g.continues THEN d.lease_expires_at END,
+                    claimable_at = CASE WHEN g.grant_n > 0 THEN greatest(v_now + g.ttl, CASE WHEN g.continues THEN d.lease_expires_at END)
+                                        WHEN g.continues THEN d.lease_expires_at
+                                        WHEN g.has_next THEN coalesce(g.next_created_at, v_now) END,
+                    pending_since = CASE WHEN g.has_next THEN coalesce(g.next_created_at, v_now) END,
+                    holder = CASE WHEN g.continues OR g.grant_n > 0 THEN d.holder END,
+                    holder_relay_id = CASE WHEN g.continues OR g.grant_n > 0 THEN d.holder_relay_id END,
+                    holder_replica_id = CASE WHEN g.continues OR g.grant_n > 0 THEN d.holder_replica_id END,
+                    attempt = CASE WHEN g.continues THEN d.attempt WHEN g.grant_n > 0 THEN 1 ELSE 0 END,
+                    failures = 0, unanswered = 0,
+                    last_error = NULL, next_attempt_at = NULL, parked_at = NULL, parked_reason = NULL,
+                    gap_revision = NULL
+                FROM granted g
+                WHERE d.stream = g.stream AND d.aggregate_key = g.aggregate_key
+                RETURNING d.stream, d.aggregate_key, d.holder, d.epoch, d.attempt, d.lease_expires_at,
+                          g.start, g.grant_n, g.last_ack
+            )
+            SELECT array_agg(ROW(e.event_id, e.stream, e.aggregate_key, e.revision, e.event_type, e.payload::text,
+                                 e.headers, e.created_at, a.epoch, a.attempt, a.lease_expires_at)::outbox.lease
+                             ORDER BY e.stream, e.aggregate_key, e.revision),
+                   array_agg(a.holder ORDER BY e.stream, e.aggregate_key, e.revision),
+                   array_agg(a.last_ack ORDER BY e.stream, e.aggregate_key, e.revision)
+            INTO v_handed, v_handed_holders, v_handed_acks
+            FROM advanced a
+            JOIN outbox.event e ON e.stream = a.stream AND e.aggregate_key = a.aggregate_key
+                               AND e.revision >= a.start AND e.revision < a.start + a.grant_n
+            WHERE a.grant_n > 0;
+
+        END IF;
 
         -- Sessions on other replicas holding these leases free their credit
         -- now rather than at their next reconciliation.
@@ -174,32 +307,41 @@ BEGIN
     END IF;
 
     -- Published ones straight from the arrays; the rest need a look at the
-    -- event to say why not.
+    -- event to say why not. Then the leases handed over, in revision order.
     RETURN QUERY
-    SELECT o.id, 'published'::text, o.holder, o.created_at, h
-    FROM unnest(v_ok, v_holders, v_ok_created, v_ok_streams, v_ok_keys)
-         AS o(id, holder, created_at, stream, aggregate_key)
-    LEFT JOIN unnest(v_handed) AS h ON h.stream = o.stream AND h.aggregate_key = o.aggregate_key
+    SELECT o.id, 'published'::text, o.holder, o.created_at, NULL::outbox.lease
+    FROM unnest(v_ok, v_holders, v_ok_created) AS o(id, holder, created_at)
     UNION ALL
     SELECT i.id,
-           CASE WHEN l.id IS NOT NULL THEN 'lease_lost'
+           CASE WHEN l.id IS NOT NULL AND NOT l.skipped AND l.revision > d.delivered_revision + 1 THEN 'out_of_order'
+                WHEN l.id IS NOT NULL THEN 'lease_lost'
                 WHEN e.published_at IS NOT NULL THEN 'already_published'
                 WHEN e.event_id IS NOT NULL THEN 'lease_lost'
                 ELSE 'not_found' END,
            NULL::uuid, NULL::timestamptz, NULL::outbox.lease
     FROM (SELECT DISTINCT unnest(p_event_ids) AS id) i
     LEFT JOIN unnest(v_ok) AS ok(id) ON ok.id = i.id
-    LEFT JOIN unnest(v_ids) AS l(id) ON l.id = i.id
+    LEFT JOIN LATERAL (
+        SELECT u.id, u.stream, u.aggregate_key, u.revision,
+               EXISTS (SELECT 1 FROM outbox.skipped_event s WHERE s.event_id = u.id) AS skipped
+        FROM unnest(v_ids, v_streams, v_keys, v_revs) AS u(id, stream, aggregate_key, revision)
+        WHERE u.id = i.id
+    ) l ON true
+    LEFT JOIN outbox.delivery d ON d.stream = l.stream AND d.aggregate_key = l.aggregate_key
     LEFT JOIN outbox.event e ON e.event_id = i.id AND l.id IS NULL
     WHERE ok.id IS NULL;
+    RETURN QUERY
+    SELECT v_handed_acks[i], 'handed_over'::text, v_handed_holders[i], NULL::timestamptz, v_handed[i]
+    FROM generate_subscripts(v_handed, 1) AS i
+    ORDER BY i;
 END
 $$;
 
 --
--- Name: claim(uuid, text, text, text[], integer, interval, integer, text[]); Type: FUNCTION; Schema: outbox; Owner: -
+-- Name: claim(uuid, text, text, text[], integer, interval, integer, text[], integer, integer); Type: FUNCTION; Schema: outbox; Owner: -
 --
 
-CREATE FUNCTION outbox.claim(p_holder uuid, p_relay_id text, p_replica_id text, p_streams text[], p_limit integer, p_ttl interval, p_max_attempts integer DEFAULT NULL::integer, p_exclude_streams text[] DEFAULT NULL::text[]) RETURNS SETOF outbox.lease
+CREATE FUNCTION outbox.claim(p_holder uuid, p_relay_id text, p_replica_id text, p_streams text[], p_limit integer, p_ttl interval, p_max_attempts integer DEFAULT NULL::integer, p_exclude_streams text[] DEFAULT NULL::text[], p_window integer DEFAULT 1, p_credit integer DEFAULT NULL::integer) RETURNS SETOF outbox.lease
     LANGUAGE plpgsql
     SET enable_seqscan TO 'off'
     SET jit TO 'off'
@@ -236,9 +378,11 @@ BEGIN
     END IF;
 
     -- 2. Lease every locked aggregate whose next revision is there.
-    RETURN QUERY SELECT * FROM outbox.lease_heads(v_streams, v_keys, p_holder, p_relay_id, p_replica_id, p_ttl, v_now, p_max_attempts);
+    RETURN QUERY SELECT * FROM outbox.lease_heads(v_streams, v_keys, p_holder, p_relay_id, p_replica_id, p_ttl, v_now,
+                                                  p_max_attempts, p_window, p_credit);
     GET DIAGNOSTICS v_leased = ROW_COUNT;
-    IF v_leased = cardinality(v_streams) THEN
+    -- (With a window the count is of events, so it proves nothing.)
+    IF v_leased = cardinality(v_streams) AND p_window = 1 THEN
         RETURN;
     END IF;
     -- (An aggregate lease_heads parked instead has its next revision, so the
@@ -305,7 +449,8 @@ BEGIN
     -- 4. Lease the aggregates whose cursor stepped over skipped revisions to
     --    an event that is there.
     IF v_again_streams IS NOT NULL THEN
-        RETURN QUERY SELECT * FROM outbox.lease_heads(v_again_streams, v_again_keys, p_holder, p_relay_id, p_replica_id, p_ttl, v_now, p_max_attempts);
+        RETURN QUERY SELECT * FROM outbox.lease_heads(v_again_streams, v_again_keys, p_holder, p_relay_id, p_replica_id,
+                                                      p_ttl, v_now, p_max_attempts, p_window, (p_credit - v_leased)::integer);
     END IF;
 END
 $$;
@@ -448,7 +593,8 @@ BEGIN
         ), created AS (
             INSERT INTO outbox.delivery AS d
                 (stream, aggregate_key, state, delivered_revision, claimable_at, pending_since,
-                 epoch, holder, holder_relay_id, holder_replica_id, leased_event_id, lease_expires_at, attempt)
+                 epoch, holder, holder_relay_id, holder_replica_id, leased_event_id, leased_through,
+                 lease_expires_at, attempt)
             SELECT p.stream, p.aggregate_key,
                    CASE WHEN p.head_id IS NOT NULL THEN 'leased' ELSE 'ready' END,
                    p.cursor,
@@ -459,6 +605,7 @@ BEGIN
                    CASE WHEN p.head_id IS NOT NULL THEN p.relay_id END,
                    CASE WHEN p.head_id IS NOT NULL THEN p_replica_id END,
                    p.head_id,
+                   CASE WHEN p.head_id IS NOT NULL THEN p.cursor + 1 END,
                    CASE WHEN p.head_id IS NOT NULL THEN v_now + p.ttl END,
                    CASE WHEN p.head_id IS NOT NULL THEN 1 ELSE 0 END
             FROM plan p WHERE p.state IS NULL
@@ -480,6 +627,7 @@ BEGIN
                 holder_relay_id = CASE WHEN p.head_id IS NOT NULL THEN p.relay_id END,
                 holder_replica_id = CASE WHEN p.head_id IS NOT NULL THEN p_replica_id END,
                 leased_event_id = CASE WHEN p.head_id IS NOT NULL THEN p.head_id ELSE d.leased_event_id END,
+                leased_through = CASE WHEN p.head_id IS NOT NULL THEN p.cursor + 1 ELSE d.leased_through END,
                 lease_expires_at = CASE WHEN p.head_id IS NOT NULL THEN v_now + p.ttl END,
                 attempt = CASE WHEN p.head_id IS NOT NULL THEN 1 ELSE d.attempt END,
                 failures = CASE WHEN p.head_id IS NOT NULL THEN 0 ELSE d.failures END,
@@ -873,15 +1021,16 @@ CREATE FUNCTION outbox.extend_lease(p_event_id uuid, p_epoch bigint, p_ttl inter
     SET lease_expires_at = clock_timestamp() + p_ttl, claimable_at = clock_timestamp() + p_ttl
     FROM outbox.event e
     WHERE e.event_id = p_event_id AND d.stream = e.stream AND d.aggregate_key = e.aggregate_key
-      AND d.leased_event_id = p_event_id AND d.epoch = p_epoch AND d.state = 'leased'
+      AND e.revision > d.delivered_revision AND e.revision <= d.leased_through
+      AND d.epoch = p_epoch AND d.state = 'leased'
     RETURNING d.lease_expires_at
 $$;
 
 --
--- Name: lease_heads(text[], text[], uuid, text, text, interval, timestamp with time zone, integer); Type: FUNCTION; Schema: outbox; Owner: -
+-- Name: lease_heads(text[], text[], uuid, text, text, interval, timestamp with time zone, integer, integer, integer); Type: FUNCTION; Schema: outbox; Owner: -
 --
 
-CREATE FUNCTION outbox.lease_heads(p_streams text[], p_keys text[], p_holder uuid, p_relay_id text, p_replica_id text, p_ttl interval, p_now timestamp with time zone, p_max_attempts integer) RETURNS SETOF outbox.lease
+CREATE FUNCTION outbox.lease_heads(p_streams text[], p_keys text[], p_holder uuid, p_relay_id text, p_replica_id text, p_ttl interval, p_now timestamp with time zone, p_max_attempts integer, p_window integer DEFAULT 1, p_credit integer DEFAULT NULL::integer) RETURNS SETOF outbox.lease
     LANGUAGE plpgsql
     SET enable_seqscan TO 'off'
     SET jit TO 'off'
@@ -894,9 +1043,9 @@ BEGIN
     PERFORM outbox.record_expired(p_streams, p_keys, p_now, p_max_attempts);
     RETURN QUERY
     WITH heads AS (
-        SELECT d.stream, d.aggregate_key, e.event_id, u.unanswered,
+        SELECT d.stream, d.aggregate_key, e.event_id, e.revision, l.ord, u.unanswered,
                coalesce(u.unanswered >= p_max_attempts, false) AS exhausted
-        FROM unnest(p_streams, p_keys) AS l(stream, aggregate_key)
+        FROM unnest(p_streams, p_keys) WITH ORDINALITY AS l(stream, aggregate_key, ord)
         JOIN outbox.delivery d ON d.stream = l.stream AND d.aggregate_key = l.aggregate_key
         JOIN outbox.event e ON e.stream = d.stream AND e.aggregate_key = d.aggregate_key
                            AND e.revision = d.delivered_revision + 1
@@ -909,6 +1058,29 @@ BEGIN
                         ELSE d.unanswered END AS unanswered
         ) u
         WHERE NOT EXISTS (SELECT 1 FROM outbox.skipped_event s WHERE s.event_id = e.event_id)
+    ), extra AS (
+        -- The rest of each window: revisions after the head, contiguous
+        -- and not skipped, ranked by their place in the window and then by
+        -- claim order, and cut at the credit the heads leave.
+        SELECT r.stream, r.aggregate_key, r.event_id, r.revision
+        FROM (
+            SELECT c.*, row_number() OVER (ORDER BY c.revision - c.head_revision, c.ord) AS n
+            FROM (
+                SELECT h.stream, h.aggregate_key, h.ord, h.revision AS head_revision, e.event_id, e.revision,
+                       row_number() OVER (PARTITION BY h.stream, h.aggregate_key ORDER BY e.revision) AS rn
+                FROM heads h
+                JOIN outbox.event e ON e.stream = h.stream AND e.aggregate_key = h.aggregate_key
+                                   AND e.revision > h.revision AND e.revision < h.revision + p_window
+                WHERE p_window > 1 AND NOT h.exhausted
+                  AND NOT EXISTS (SELECT 1 FROM outbox.skipped_event s WHERE s.event_id = e.event_id)
+            ) c
+            WHERE c.revision = c.head_revision + c.rn
+        ) r
+        -- (One unit is kept for every named aggregate, leased or not, so
+        -- that a caller leasing the rest later stays within the credit.)
+        WHERE p_credit IS NULL OR r.n <= p_credit - cardinality(p_streams)
+    ), widths AS (
+        SELECT x.stream, x.aggregate_key, count(*) AS n FROM extra x GROUP BY x.stream, x.aggregate_key
     ), changed AS (
         UPDATE outbox.delivery d
         SET state = CASE WHEN h.exhausted THEN 'parked' ELSE 'leased' END,
@@ -922,6 +1094,7 @@ BEGIN
             failures = CASE WHEN d.leased_event_id = h.event_id THEN d.failures ELSE 0 END,
             unanswered = h.unanswered,
             leased_event_id = h.event_id,
+            leased_through = h.revision + coalesce(w.n, 0),
             lease_expires_at = CASE WHEN h.exhausted THEN NULL ELSE p_now + p_ttl END,
             claimable_at = CASE WHEN h.exhausted THEN NULL ELSE p_now + p_ttl END,
             parked_at = CASE WHEN h.exhausted THEN p_now END,
@@ -930,27 +1103,45 @@ BEGIN
                 h.unanswered) END,
             next_attempt_at = NULL, gap_revision = NULL
         FROM heads h
+        LEFT JOIN widths w ON w.stream = h.stream AND w.aggregate_key = h.aggregate_key
         WHERE d.stream = h.stream AND d.aggregate_key = h.aggregate_key
         RETURNING d.stream, d.aggregate_key, d.state, d.epoch, d.attempt, d.lease_expires_at
     )
     SELECT e.event_id, e.stream, e.aggregate_key, e.revision, e.event_type, e.payload::text,
            e.headers, e.created_at, c.epoch, c.attempt, c.lease_expires_at
     FROM changed c
-    JOIN heads h ON h.stream = c.stream AND h.aggregate_key = c.aggregate_key
-    JOIN outbox.event e ON e.event_id = h.event_id
-    WHERE c.state = 'leased';
+    JOIN (SELECT h.stream, h.aggregate_key, h.event_id FROM heads h
+          UNION ALL SELECT x.stream, x.aggregate_key, x.event_id FROM extra x) l
+      ON l.stream = c.stream AND l.aggregate_key = c.aggregate_key
+    JOIN outbox.event e ON e.event_id = l.event_id
+    WHERE c.state = 'leased'
+    ORDER BY e.stream, e.aggregate_key, e.revision;
 END
+$$;
+
+--
+-- Name: lease_window(text, text, bigint, bigint); Type: FUNCTION; Schema: outbox; Owner: -
+--
+
+CREATE FUNCTION outbox.lease_window(p_stream text, p_aggregate_key text, p_cursor bigint, p_through bigint) RETURNS uuid[]
+    LANGUAGE sql STABLE
+    AS $$
+    SELECT coalesce(array_agg(e.event_id ORDER BY e.revision), '{}')
+    FROM outbox.event e
+    WHERE e.stream = p_stream AND e.aggregate_key = p_aggregate_key
+      AND e.revision > p_cursor AND e.revision <= p_through
 $$;
 
 --
 -- Name: nack(uuid, bigint, text, interval, interval, interval, integer); Type: FUNCTION; Schema: outbox; Owner: -
 --
 
-CREATE FUNCTION outbox.nack(p_event_id uuid, p_epoch bigint, p_error text, p_retry_after interval, p_backoff_base interval, p_backoff_cap interval, p_max_failures integer) RETURNS TABLE(parked boolean, next_attempt_at timestamp with time zone, failures integer, holder uuid)
+CREATE FUNCTION outbox.nack(p_event_id uuid, p_epoch bigint, p_error text, p_retry_after interval, p_backoff_base interval, p_backoff_cap interval, p_max_failures integer) RETURNS TABLE(parked boolean, next_attempt_at timestamp with time zone, failures integer, holder uuid, ended uuid[])
     LANGUAGE sql
     AS $$
     WITH cur AS (
         SELECT d.stream, d.aggregate_key, d.failures + 1 AS failures, d.holder,
+               d.delivered_revision, d.leased_through,
                clock_timestamp() + greatest(
                    coalesce(p_retry_after, interval '0'),
                    least(p_backoff_cap, p_backoff_base * power(2, least(d.failures, 30)))
@@ -982,20 +1173,21 @@ CREATE FUNCTION outbox.nack(p_event_id uuid, p_epoch bigint, p_error text, p_ret
         holder = NULL, holder_relay_id = NULL, holder_replica_id = NULL, lease_expires_at = NULL
     FROM cur c
     WHERE d.stream = c.stream AND d.aggregate_key = c.aggregate_key
-    RETURNING d.state = 'parked', d.next_attempt_at, d.failures, c.holder
+    RETURNING d.state = 'parked', d.next_attempt_at, d.failures, c.holder,
+              outbox.lease_window(c.stream, c.aggregate_key, c.delivered_revision, c.leased_through)
 $$;
 
 --
 -- Name: park(uuid, bigint, text); Type: FUNCTION; Schema: outbox; Owner: -
 --
 
-CREATE FUNCTION outbox.park(p_event_id uuid, p_epoch bigint, p_reason text) RETURNS TABLE(holder uuid)
+CREATE FUNCTION outbox.park(p_event_id uuid, p_epoch bigint, p_reason text) RETURNS TABLE(holder uuid, ended uuid[])
     LANGUAGE sql
     AS $$
     WITH cur AS (
-        SELECT d.stream, d.aggregate_key, d.holder FROM outbox.event e
+        SELECT d.stream, d.aggregate_key, d.holder, e.revision, d.leased_through FROM outbox.event e
         JOIN outbox.delivery d ON d.stream = e.stream AND d.aggregate_key = e.aggregate_key
-        WHERE e.event_id = p_event_id AND d.leased_event_id = p_event_id
+        WHERE e.event_id = p_event_id AND e.revision > d.delivered_revision AND e.revision <= d.leased_through
           AND d.epoch = p_epoch AND d.state = 'leased'
         FOR UPDATE OF d
     ), recorded AS (
@@ -1013,7 +1205,7 @@ CREATE FUNCTION outbox.park(p_event_id uuid, p_epoch bigint, p_reason text) RETU
         holder = NULL, holder_relay_id = NULL, holder_replica_id = NULL, lease_expires_at = NULL
     FROM cur c
     WHERE d.stream = c.stream AND d.aggregate_key = c.aggregate_key
-    RETURNING c.holder
+    RETURNING c.holder, outbox.lease_window(c.stream, c.aggregate_key, c.revision - 1, c.leased_through)
 $$;
 
 --
@@ -1311,6 +1503,7 @@ CREATE TABLE outbox.delivery (
     holder_relay_id text,
     holder_replica_id text,
     leased_event_id uuid,
+    leased_through bigint,
     lease_expires_at timestamp with time zone,
     attempt integer DEFAULT 0 NOT NULL,
     failures integer DEFAULT 0 NOT NULL,

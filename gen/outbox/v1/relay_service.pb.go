@@ -127,8 +127,23 @@ type SubscribeRequest struct {
 	// both. Names need not have been used yet. Optional; servers that predate
 	// it ignore it, so a relay that needs it must talk to a server that has it.
 	ExcludeStreams []string `protobuf:"bytes,5,rep,name=exclude_streams,json=excludeStreams,proto3" json:"exclude_streams,omitempty"`
-	unknownFields  protoimpl.UnknownFields
-	sizeCache      protoimpl.SizeCache
+	// max_in_flight_per_aggregate is the relay's window on one aggregate: the
+	// most events of it the server may have outstanding on this stream at
+	// once. Unset or 1: one at a time, the next sent once the previous is
+	// acked. Above 1, one lease (one epoch) covers up to that many consecutive
+	// revisions, sent in revision order, and each ack slides the window
+	// forward. The relay must then publish an aggregate's events in the order
+	// received, one after another, and stop at the first failure: the acks of
+	// the revisions before it must land before it nacks it (a nack names the
+	// lease's earliest pending revision), and it drops the rest of the window,
+	// which comes again. Acks apply in revision order: an ack whose earlier
+	// revision is still pending answers LEASE_LOST and changes nothing. Each
+	// event counts against max_in_flight, and the window may not exceed it.
+	// 1 to the server's limit (1000 by default). Servers that predate it
+	// ignore it and send one event of an aggregate at a time.
+	MaxInFlightPerAggregate uint32 `protobuf:"varint,6,opt,name=max_in_flight_per_aggregate,json=maxInFlightPerAggregate,proto3" json:"max_in_flight_per_aggregate,omitempty"`
+	unknownFields           protoimpl.UnknownFields
+	sizeCache               protoimpl.SizeCache
 }
 
 func (x *SubscribeRequest) Reset() {
@@ -196,6 +211,13 @@ func (x *SubscribeRequest) GetExcludeStreams() []string {
 	return nil
 }
 
+func (x *SubscribeRequest) GetMaxInFlightPerAggregate() uint32 {
+	if x != nil {
+		return x.MaxInFlightPerAggregate
+	}
+	return 0
+}
+
 // SubscribeResponse is one delivery: an event and the lease that covers it.
 type SubscribeResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -216,8 +238,16 @@ type SubscribeResponse struct {
 	// The transit time makes it slightly optimistic: extend well before it runs
 	// out. Unset from servers that predate it.
 	LeaseTtlRemaining *durationpb.Duration `protobuf:"bytes,5,opt,name=lease_ttl_remaining,json=leaseTtlRemaining,proto3" json:"lease_ttl_remaining,omitempty"`
-	unknownFields     protoimpl.UnknownFields
-	sizeCache         protoimpl.SizeCache
+	// lease_epoch is the fencing epoch of the lease: deliveries of one
+	// aggregate with the same lease_epoch belong to one lease (with
+	// max_in_flight_per_aggregate above 1, one window), and a later lease of
+	// the aggregate always has a higher one. A relay that stops at a failure
+	// inside a window drops the deliveries of that aggregate at or below the
+	// failed lease's epoch that still arrive. Zero from servers that predate
+	// it.
+	LeaseEpoch    int64 `protobuf:"varint,6,opt,name=lease_epoch,json=leaseEpoch,proto3" json:"lease_epoch,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *SubscribeResponse) Reset() {
@@ -283,6 +313,13 @@ func (x *SubscribeResponse) GetLeaseTtlRemaining() *durationpb.Duration {
 		return x.LeaseTtlRemaining
 	}
 	return nil
+}
+
+func (x *SubscribeResponse) GetLeaseEpoch() int64 {
+	if x != nil {
+		return x.LeaseEpoch
+	}
+	return 0
 }
 
 // AckRequest acknowledges a batch of deliveries.
@@ -777,20 +814,23 @@ var File_outbox_v1_relay_service_proto protoreflect.FileDescriptor
 
 const file_outbox_v1_relay_service_proto_rawDesc = "" +
 	"\n" +
-	"\x1doutbox/v1/relay_service.proto\x12\toutbox.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x15outbox/v1/event.proto\"\xcc\x01\n" +
+	"\x1doutbox/v1/relay_service.proto\x12\toutbox.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x15outbox/v1/event.proto\"\x8a\x02\n" +
 	"\x10SubscribeRequest\x12\x19\n" +
 	"\brelay_id\x18\x01 \x01(\tR\arelayId\x12\x18\n" +
 	"\astreams\x18\x02 \x03(\tR\astreams\x12\"\n" +
 	"\rmax_in_flight\x18\x03 \x01(\rR\vmaxInFlight\x126\n" +
 	"\tlease_ttl\x18\x04 \x01(\v2\x19.google.protobuf.DurationR\bleaseTtl\x12'\n" +
-	"\x0fexclude_streams\x18\x05 \x03(\tR\x0eexcludeStreams\"\x87\x02\n" +
+	"\x0fexclude_streams\x18\x05 \x03(\tR\x0eexcludeStreams\x12<\n" +
+	"\x1bmax_in_flight_per_aggregate\x18\x06 \x01(\rR\x17maxInFlightPerAggregate\"\xa8\x02\n" +
 	"\x11SubscribeResponse\x12&\n" +
 	"\x05event\x18\x01 \x01(\v2\x10.outbox.v1.EventR\x05event\x12\x1f\n" +
 	"\vlease_token\x18\x02 \x01(\tR\n" +
 	"leaseToken\x12D\n" +
 	"\x10lease_expires_at\x18\x03 \x01(\v2\x1a.google.protobuf.TimestampR\x0eleaseExpiresAt\x12\x18\n" +
 	"\aattempt\x18\x04 \x01(\rR\aattempt\x12I\n" +
-	"\x13lease_ttl_remaining\x18\x05 \x01(\v2\x19.google.protobuf.DurationR\x11leaseTtlRemaining\"4\n" +
+	"\x13lease_ttl_remaining\x18\x05 \x01(\v2\x19.google.protobuf.DurationR\x11leaseTtlRemaining\x12\x1f\n" +
+	"\vlease_epoch\x18\x06 \x01(\x03R\n" +
+	"leaseEpoch\"4\n" +
 	"\n" +
 	"AckRequest\x12&\n" +
 	"\x04acks\x18\x01 \x03(\v2\x12.outbox.v1.AckItemR\x04acks\"E\n" +

@@ -30,7 +30,8 @@ const (
 // For semantics around ctx use and closing/ending streaming RPCs, please refer to https://pkg.go.dev/google.golang.org/grpc/?tab=doc#ClientConn.NewStream.
 //
 // RelayService is what relay workers call. A relay subscribes, receives one
-// leased event per aggregate at a time, publishes it to its own broker and, once
+// leased event per aggregate at a time (or a window of consecutive ones, see
+// max_in_flight_per_aggregate), publishes it to its own broker and, once
 // the broker has durably accepted it, acknowledges it with Ack. Any RPC except
 // Subscribe may be sent to any outboxd replica that shares the database.
 // Callers need the relay role.
@@ -127,7 +128,8 @@ func (c *relayServiceClient) ExtendLease(ctx context.Context, in *ExtendLeaseReq
 // for forward compatibility.
 //
 // RelayService is what relay workers call. A relay subscribes, receives one
-// leased event per aggregate at a time, publishes it to its own broker and, once
+// leased event per aggregate at a time (or a window of consecutive ones, see
+// max_in_flight_per_aggregate), publishes it to its own broker and, once
 // the broker has durably accepted it, acknowledges it with Ack. Any RPC except
 // Subscribe may be sent to any outboxd replica that shares the database.
 // Callers need the relay role.

@@ -1,0 +1,146 @@
+package server_test
+
+import (
+	"context"
+	"fmt"
+	"testing"
+	"time"
+
+	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+	"github.com/outboxd/outboxd/internal/testdb"
+	"github.com/outboxd/outboxd/server"
+)
+
+// With max_in_flight_per_aggregate above 1 the server sends consecutive
+// revisions of an aggregate under one lease, in revision order, never more
+// than max_in_flight in all; acks slide the window forward (and, with
+// credit to spare, grow it to its limit) under the same epoch; a nack of
+// the window's head ends it all and frees its credit, and the aggregate
+// comes again from the nacked revision under a higher epoch.
+func TestWindowedSession(t *testing.T) {
+	t.Parallel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	const reconcile = 10 * time.Millisecond
+	r := startReplica(t, url, func(c *server.Config) {
+		c.ReconcileInterval = reconcile
+		// Long enough that the nack has freed its credit before the
+		// aggregate is claimable again, so that the new window is whole.
+		c.BackoffBase, c.BackoffCap = 200*time.Millisecond, time.Second
+	})
+	emit(t, pool, "orders", "a", 20)
+	emit(t, pool, "orders", "b", 3)
+	// Both found before the relay subscribes, so that its first claim
+	// leases whole windows (a discovery round dispatches one event).
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		var n int
+		if err := pool.QueryRow(context.Background(), `SELECT count(*) FROM outbox.delivery`).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		if n == 2 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("aggregates not discovered within 30s")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	gate := newOfferGate(false)
+	r.Server.SetAfterOffer(gate.hook)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 6, MaxInFlightPerAggregate: 4})
+	got, next := receive(t, st)
+	// nothingMore checks over 30 reconcile intervals that nothing beyond
+	// the credit arrives.
+	nothingMore := func(when string) {
+		t.Helper()
+		select {
+		case d := <-got:
+			t.Fatalf("%s: extra delivery %s/%d beyond the credit", when, d.GetEvent().GetAggregateKey(), d.GetEvent().GetRevision())
+		case <-time.After(30 * reconcile):
+		}
+	}
+	held := map[string][]*outboxv1.SubscribeResponse{}
+	take := func(n int) {
+		t.Helper()
+		for range n {
+			d := next()
+			k := d.GetEvent().GetAggregateKey()
+			if prev := held[k]; len(prev) > 0 {
+				last := prev[len(prev)-1]
+				if d.GetEvent().GetRevision() != last.GetEvent().GetRevision()+1 {
+					t.Fatalf("%s: revision %d after %d", k, d.GetEvent().GetRevision(), last.GetEvent().GetRevision())
+				}
+			}
+			held[k] = append(held[k], d)
+		}
+	}
+	revs := func(k string) string {
+		var s []int64
+		for _, d := range held[k] {
+			s = append(s, d.GetEvent().GetRevision())
+		}
+		return fmt.Sprint(s)
+	}
+	// Credit 6 over two aggregates: each one's next, then each one's
+	// second, then each one's third.
+	take(6)
+	nothingMore("before any ack")
+	if revs("a") != "[1 2 3]" || revs("b") != "[1 2 3]" {
+		t.Fatalf("first deliveries a %s b %s, want [1 2 3] each", revs("a"), revs("b"))
+	}
+	epoch := held["a"][0].GetLeaseEpoch()
+	for _, d := range held["a"] {
+		if d.GetLeaseEpoch() != epoch || epoch == 0 {
+			t.Fatalf("a's window under epochs %d and %d", epoch, d.GetLeaseEpoch())
+		}
+	}
+	// Acking a1 and a2 slides a's window: a4 and a5, same epoch.
+	ack(t, r, held["a"][0], held["a"][1])
+	take(2)
+	nothingMore("after two acks")
+	if revs("a") != "[1 2 3 4 5]" {
+		t.Fatalf("a after acking 1-2: %s", revs("a"))
+	}
+	// b done: its three units are free, and once the session offers them
+	// (held there, so that the offer stands) a's window may grow to its
+	// limit of 4: 3, 4, 5 and then 6, 7 after acking 3.
+	gate.armFrom(3) // not an offer made before b's acks landed
+	ack(t, r, held["b"]...)
+	gate.waitHeld(t)
+	ack(t, r, held["a"][2])
+	gate.release(false)
+	take(2)
+	if revs("a") != "[1 2 3 4 5 6 7]" {
+		t.Fatalf("a after acking 3 with credit to spare: %s", revs("a"))
+	}
+	for _, d := range held["a"] {
+		if d.GetLeaseEpoch() != epoch {
+			t.Fatalf("the window moved to epoch %d (was %d)", d.GetLeaseEpoch(), epoch)
+		}
+	}
+	// Nacking a4, now the head: the window (4-7) ends; a comes again from
+	// 4, under a higher epoch.
+	a4 := held["a"][3]
+	if _, err := r.Relay.Nack(ctx, &outboxv1.NackRequest{EventId: a4.GetEvent().GetEventId(), LeaseToken: a4.GetLeaseToken(), Error: "broker down"}); err != nil {
+		t.Fatal(err)
+	}
+	again := next()
+	if again.GetEvent().GetRevision() != 4 || again.GetLeaseEpoch() <= epoch {
+		t.Fatalf("after the nack: revision %d at epoch %d, want 4 above %d", again.GetEvent().GetRevision(), again.GetLeaseEpoch(), epoch)
+	}
+	// Its credit came back whole: a new window of up to 4 (4-7).
+	held["a"] = []*outboxv1.SubscribeResponse{again}
+	take(3)
+	if revs("a") != "[4 5 6 7]" {
+		t.Fatalf("a's new window %s, want [4 5 6 7]", revs("a"))
+	}
+	nothingMore("after the new window")
+	// An ack out of revision order changes nothing.
+	res := ack(t, r, held["a"][1])
+	if res[0].GetStatus() != outboxv1.AckStatus_ACK_STATUS_LEASE_LOST || publishedAt(t, pool, held["a"][1].GetEvent().GetEventId()) != nil {
+		t.Fatalf("ack of 5 before 4: %v", res[0])
+	}
+}
