@@ -163,7 +163,9 @@ type armEnv struct {
 	// (all of it on one aggregate in hot-drain).
 	revisions   int
 	maxInFlight int
-	log         *slog.Logger
+	// window is the relays' max_in_flight_per_aggregate (0: 1).
+	window int
+	log    *slog.Logger
 }
 
 // arm is one way of getting events from producers to the sink.
@@ -353,7 +355,7 @@ func (a *outboxdArm) startServer(ctx context.Context, env *armEnv) (serverHandle
 
 func (a *outboxdArm) startDelivery(ctx context.Context, env *armEnv) error {
 	var err error
-	a.relays, err = startRelays(ctx, a.server.addr(), env.cfg.Relays, env.maxInFlight, env.sink, env.log)
+	a.relays, err = startRelays(ctx, a.server.addr(), env.cfg.Relays, env.maxInFlight, env.window, env.sink, env.log)
 	return err
 }
 

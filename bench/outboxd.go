@@ -233,7 +233,7 @@ type relayFleet struct {
 	errs   []error
 }
 
-func startRelays(ctx context.Context, addr string, k, maxInFlight int, pub relay.Publisher, log *slog.Logger) (*relayFleet, error) {
+func startRelays(ctx context.Context, addr string, k, maxInFlight, window int, pub relay.Publisher, log *slog.Logger) (*relayFleet, error) {
 	runCtx, cancel := context.WithCancel(context.WithoutCancel(ctx))
 	f := &relayFleet{cancel: cancel}
 	for i := range k {
@@ -245,7 +245,7 @@ func startRelays(ctx context.Context, addr string, k, maxInFlight int, pub relay
 		f.conns = append(f.conns, conn)
 		r, err := relay.NewRunner(relay.Config{
 			Conn: conn, Publisher: pub, RelayID: fmt.Sprintf("bench-relay-%d", i),
-			MaxInFlight: maxInFlight, Logger: log,
+			MaxInFlight: maxInFlight, MaxInFlightPerAggregate: window, Logger: log,
 		})
 		if err != nil {
 			_ = f.stop()

@@ -259,9 +259,9 @@ func (r *Report) drainHotPanel() panel {
 		case WorkloadDrain:
 			bars = append(bars, bar{label: fmt.Sprintf("%s, drain %s", res.Arm, fmtCount(res.Backlog)), value: res.Throughput, arm: res.Arm})
 		case WorkloadHot:
-			bars = append(bars, bar{label: res.Arm + ", hot aggregate", value: res.Throughput, arm: res.Arm})
+			bars = append(bars, bar{label: res.armName() + ", hot aggregate", value: res.Throughput, arm: res.Arm})
 		case WorkloadHotDrain:
-			bars = append(bars, bar{label: fmt.Sprintf("%s, hot aggregate backlog %s", res.Arm, fmtCount(res.Backlog)), value: res.Throughput, arm: res.Arm})
+			bars = append(bars, bar{label: fmt.Sprintf("%s, hot aggregate backlog %s", res.armName(), fmtCount(res.Backlog)), value: res.Throughput, arm: res.Arm})
 		}
 	}
 	if len(bars) == 0 {

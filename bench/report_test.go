@@ -35,6 +35,10 @@ func TestReportGoals(t *testing.T) {
 	lat.CommitToSink = &Percentiles{N: 10, P50Ms: 1.5, P99Ms: 12}
 	bigDrain := result(WorkloadDrain, ArmOutboxd, zero, 1_000_000, 19_000)
 	bigDrain.ServerPeakRSSMiB = ptr(120.0)
+	// The pipelined hot arm has its own goal, and the one-in-flight goal
+	// is not read off it.
+	pipelined := result(WorkloadHot, ArmOutboxd, zero, 0, 6_000)
+	pipelined.Window = HotWindow
 	rep.Results = []*Result{
 		result(WorkloadSteady, ArmCeilingInsert, nil, 0, 10_000),
 		result(WorkloadSteady, ArmOutboxd, zero, 0, 7_500),
@@ -44,6 +48,7 @@ func TestReportGoals(t *testing.T) {
 		result(WorkloadDrain, ArmOutboxd, zero, 10_000, 20_000),
 		bigDrain,
 		result(WorkloadHot, ArmOutboxd, zero, 0, 900),
+		pipelined,
 	}
 	rep.finish()
 	check := func(prefix string, value float64, met bool) {
@@ -62,7 +67,8 @@ func TestReportGoals(t *testing.T) {
 	check("outboxd drain 1M / drain 10k", 0.95, true)
 	check("outboxd drain, slowest backlog (1M)", 19_000, false)
 	check("outboxd server peak RSS, drain 1M, 1000 in flight", 120, true)
-	check("outboxd hot aggregate", 900, false)
+	check("outboxd hot aggregate (sink 0)", 900, false)
+	check("outboxd hot aggregate, pipelined (window 64)", 6_000, true)
 	if len(rep.Failures) != 0 {
 		t.Fatalf("failures %v from clean counts", rep.Failures)
 	}

@@ -40,6 +40,7 @@ type armSpec struct {
 	sink     time.Duration
 	backlog  int    // drain: events pending before delivery starts
 	holder   string // held-xmin: who holds the transaction id
+	window   int    // hot, hot-drain: outboxd relays' max_in_flight_per_aggregate (0: 1)
 }
 
 // plan lists the arms to run, in order. The ceilings do not deliver, so they
@@ -94,12 +95,20 @@ func plan(cfg *Config) []armSpec {
 			add(WorkloadDrain, ArmOutboxd, first, n)
 		}
 	}
+	// Hot aggregates run with one event in flight and pipelined (a window).
+	pipelined := func(workload string, backlog int) {
+		if cfg.uses(ArmOutboxd) {
+			out = append(out, armSpec{workload: workload, arm: ArmOutboxd, sink: first, backlog: backlog, window: HotWindow})
+		}
+	}
 	if cfg.runs(WorkloadHot) {
 		add(WorkloadHot, ArmNaivePoller, first, 0)
 		add(WorkloadHot, ArmOutboxd, first, 0)
+		pipelined(WorkloadHot, 0)
 	}
 	if cfg.runs(WorkloadHotDrain) {
 		add(WorkloadHotDrain, ArmOutboxd, first, hotDrainBacklog(cfg))
+		pipelined(WorkloadHotDrain, hotDrainBacklog(cfg))
 	}
 	if cfg.runs(WorkloadProducer) {
 		for _, arm := range []string{ArmCeilingInsert, ArmEmit, ArmInsertTrigger} {
@@ -203,6 +212,7 @@ func runArm(ctx context.Context, cfg *Config, sc *scratch, spec armSpec, rep *Re
 	if spec.workload == WorkloadDrain {
 		maxInFlight = max(maxInFlight, (drainInFlight+cfg.Relays-1)/cfg.Relays)
 	}
+	maxInFlight = max(maxInFlight, spec.window)
 	poolCfg, err := pgxpool.ParseConfig(dbURL)
 	if err != nil {
 		return nil, err
@@ -218,11 +228,13 @@ func runArm(ctx context.Context, cfg *Config, sc *scratch, spec armSpec, rep *Re
 	env := &armEnv{
 		cfg: cfg, dbName: dbName, dbURL: dbURL, pool: pool, ledger: ledger,
 		sink:       &countingSink{latency: spec.sink, ledger: ledger, next: broker},
-		aggregates: aggregates, revisions: revisions, maxInFlight: maxInFlight, log: cfg.Logger.With("arm", spec.arm),
+		aggregates: aggregates, revisions: revisions, maxInFlight: maxInFlight, window: spec.window,
+		log: cfg.Logger.With("arm", spec.arm),
 	}
 	res = &Result{
 		Workload: spec.workload, Arm: spec.arm, Producers: cfg.Producers, Relays: cfg.Relays,
 		MaxInFlight: maxInFlight, Aggregates: aggregates, Backlog: spec.backlog, Holder: spec.holder,
+		Window: spec.window,
 	}
 	a := newArm(spec.arm, cfg)
 	if a.delivers() {
@@ -590,6 +602,10 @@ func (ps *producers) sleep(ctx context.Context, d time.Duration) error {
 }
 
 func ptr[T any](v T) *T { return &v }
+
+// HotWindow is the per-aggregate window (max_in_flight_per_aggregate) of
+// the pipelined hot and hot-drain arms.
+const HotWindow = 64
 
 // hotDrainBacklog is how many events of one aggregate the hot-drain workload
 // delivers: enough for a few seconds at the hot-aggregate goal.

@@ -75,9 +75,13 @@ func TestRunEndToEnd(t *testing.T) {
 		t.Fatalf("run: %v\nlogs:\n%s", err, logs.String())
 	}
 	// Every arm of every workload: 2 ceilings and 2 delivering arms in
-	// steady, then 2 each in latency, drain and hot.
-	if len(rep.Results) != 10 {
-		t.Fatalf("%d results, want 10", len(rep.Results))
+	// steady, then 2 each in latency and drain, and in hot 3 (outboxd with
+	// one event in flight and pipelined).
+	if len(rep.Results) != 11 {
+		t.Fatalf("%d results, want 11", len(rep.Results))
+	}
+	if w := rep.Results[len(rep.Results)-1]; w.Workload != WorkloadHot || w.Window != HotWindow {
+		t.Fatalf("last result %s, want hot outboxd at window %d", w.label(), HotWindow)
 	}
 	for _, res := range rep.Results {
 		if res.Arm == ArmCeilingInsert || res.Arm == ArmCeilingInsertMark {
