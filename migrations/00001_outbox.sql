@@ -136,6 +136,10 @@ CREATE TABLE outbox.delivery (
     next_attempt_at timestamptz,
     parked_at timestamptz,
     parked_reason text,
+    -- The revision parked at, while parked: with a window it can be past
+    -- the head (an event too large to send), and the acks of the revisions
+    -- before it still land without unparking the aggregate.
+    parked_revision bigint,
     gap_revision bigint,
     PRIMARY KEY (stream, aggregate_key),
     CONSTRAINT delivery_claimable_check CHECK (
@@ -1058,6 +1062,7 @@ BEGIN
             lease_expires_at = CASE WHEN h.exhausted THEN NULL ELSE p_now + p_ttl END,
             claimable_at = CASE WHEN h.exhausted THEN NULL ELSE p_now + p_ttl END,
             parked_at = CASE WHEN h.exhausted THEN p_now END,
+            parked_revision = CASE WHEN h.exhausted THEN h.revision END,
             parked_reason = CASE WHEN h.exhausted THEN format(
                 'delivered %s times without an ack or a nack: each lease expired or the stream holding it ended',
                 h.unanswered) END,
@@ -1372,9 +1377,13 @@ BEGIN
             ), advanced AS (
                 UPDATE outbox.delivery d
                 SET delivered_revision = x.revision,
-                    state = CASE WHEN x.handover_ttl IS NOT NULL THEN 'leased'
+                    -- Parked past this ack (an event of a window too large to
+                    -- send): it stays parked. Otherwise whatever held it ends.
+                    state = CASE WHEN d.state = 'parked' AND d.parked_revision > x.revision THEN 'parked'
+                                 WHEN x.handover_ttl IS NOT NULL THEN 'leased'
                                  WHEN x.has_next THEN 'ready' ELSE 'idle' END,
-                    claimable_at = CASE WHEN x.handover_ttl IS NOT NULL THEN v_now + x.handover_ttl
+                    claimable_at = CASE WHEN d.state = 'parked' AND d.parked_revision > x.revision THEN NULL
+                                        WHEN x.handover_ttl IS NOT NULL THEN v_now + x.handover_ttl
                                         WHEN x.has_next THEN coalesce(x.next_created_at, v_now) END,
                     pending_since = CASE WHEN x.has_next THEN coalesce(x.next_created_at, v_now) END,
                     epoch = CASE WHEN x.handover_ttl IS NOT NULL
@@ -1388,8 +1397,10 @@ BEGIN
                     leased_through = CASE WHEN x.handover_ttl IS NOT NULL THEN x.revision + 1 END,
                     attempt = CASE WHEN x.handover_ttl IS NOT NULL THEN 1 ELSE 0 END,
                     failures = 0, unanswered = 0,
-                    last_error = NULL, next_attempt_at = NULL, parked_at = NULL, parked_reason = NULL,
-                    gap_revision = NULL
+                    last_error = CASE WHEN d.state = 'parked' AND d.parked_revision > x.revision THEN d.last_error END,
+                    parked_at = CASE WHEN d.state = 'parked' AND d.parked_revision > x.revision THEN d.parked_at END,
+                    parked_reason = CASE WHEN d.state = 'parked' AND d.parked_revision > x.revision THEN d.parked_reason END,
+                    next_attempt_at = NULL, gap_revision = NULL
                 FROM nxt x
                 WHERE d.stream = x.stream AND d.aggregate_key = x.aggregate_key
                 RETURNING d.state, d.holder, d.leased_event_id, d.epoch, d.attempt, d.lease_expires_at, x.event_id AS acked
@@ -1478,7 +1489,8 @@ BEGIN
             ), advanced AS (
                 UPDATE outbox.delivery d
                 SET delivered_revision = g.cursor,
-                    state = CASE WHEN g.continues OR g.grant_n > 0 THEN 'leased'
+                    state = CASE WHEN d.state = 'parked' AND d.parked_revision > g.cursor THEN 'parked'
+                                 WHEN g.continues OR g.grant_n > 0 THEN 'leased'
                                  WHEN g.has_next THEN 'ready' ELSE 'idle' END,
                     leased_through = CASE WHEN g.continues THEN d.leased_through + g.grant_n
                                           WHEN g.grant_n > 0 THEN g.cursor + g.grant_n END,
@@ -1489,7 +1501,8 @@ BEGIN
                     -- Events leased now are sent with the holder's full TTL.
                     lease_expires_at = CASE WHEN g.grant_n > 0 THEN greatest(v_now + g.ttl, CASE WHEN g.continues THEN d.lease_expires_at END)
                                             WHEN g.continues THEN d.lease_expires_at END,
-                    claimable_at = CASE WHEN g.grant_n > 0 THEN greatest(v_now + g.ttl, CASE WHEN g.continues THEN d.lease_expires_at END)
+                    claimable_at = CASE WHEN d.state = 'parked' AND d.parked_revision > g.cursor THEN NULL
+                                        WHEN g.grant_n > 0 THEN greatest(v_now + g.ttl, CASE WHEN g.continues THEN d.lease_expires_at END)
                                         WHEN g.continues THEN d.lease_expires_at
                                         WHEN g.has_next THEN coalesce(g.next_created_at, v_now) END,
                     pending_since = CASE WHEN g.has_next THEN coalesce(g.next_created_at, v_now) END,
@@ -1498,8 +1511,10 @@ BEGIN
                     holder_replica_id = CASE WHEN g.continues OR g.grant_n > 0 THEN d.holder_replica_id END,
                     attempt = CASE WHEN g.continues THEN d.attempt WHEN g.grant_n > 0 THEN 1 ELSE 0 END,
                     failures = 0, unanswered = 0,
-                    last_error = NULL, next_attempt_at = NULL, parked_at = NULL, parked_reason = NULL,
-                    gap_revision = NULL
+                    last_error = CASE WHEN d.state = 'parked' AND d.parked_revision > g.cursor THEN d.last_error END,
+                    parked_at = CASE WHEN d.state = 'parked' AND d.parked_revision > g.cursor THEN d.parked_at END,
+                    parked_reason = CASE WHEN d.state = 'parked' AND d.parked_revision > g.cursor THEN d.parked_reason END,
+                    next_attempt_at = NULL, gap_revision = NULL
                 FROM granted g
                 WHERE d.stream = g.stream AND d.aggregate_key = g.aggregate_key
                 RETURNING d.stream, d.aggregate_key, d.holder, d.epoch, d.attempt, d.lease_expires_at,
@@ -1614,6 +1629,7 @@ LANGUAGE sql AS $$
         claimable_at = CASE WHEN c.failures >= p_max_failures THEN NULL ELSE c.retry_at END,
         next_attempt_at = CASE WHEN c.failures >= p_max_failures THEN NULL ELSE c.retry_at END,
         parked_at = CASE WHEN c.failures >= p_max_failures THEN clock_timestamp() END,
+        parked_revision = CASE WHEN c.failures >= p_max_failures THEN c.delivered_revision + 1 END,
         parked_reason = CASE WHEN c.failures >= p_max_failures
             THEN format('publish failed %s times; last error: %s', c.failures, left(p_error, 1024)) END,
         holder = NULL, holder_relay_id = NULL, holder_replica_id = NULL, lease_expires_at = NULL
@@ -1650,6 +1666,7 @@ LANGUAGE sql AS $$
     )
     UPDATE outbox.delivery d
     SET state = 'parked', claimable_at = NULL, parked_at = clock_timestamp(), parked_reason = p_reason,
+        parked_revision = c.revision,
         last_error = p_reason, next_attempt_at = NULL,
         holder = NULL, holder_relay_id = NULL, holder_replica_id = NULL, lease_expires_at = NULL
     FROM cur c
@@ -1678,13 +1695,21 @@ $$;
 -- release gives back every lease a session holds (its stream ended), making
 -- the aggregates claimable at once with their original priority. Leases of
 -- the events in p_keep stay: a session that saw a claim fail gives back what
--- that claim may have leased and keeps what it sent.
+-- that claim may have leased and keeps what it sent. A lease stays only when
+-- both its head and the last event it covers are in p_keep: a window that an
+-- ack batch whose answer was lost slid forward is given back, since the
+-- session never saw the events it slid onto (a later slide would otherwise
+-- send the revisions after them first).
 -- +goose StatementBegin
 CREATE FUNCTION outbox.release(p_holder uuid, p_keep uuid[] DEFAULT '{}') RETURNS integer
 LANGUAGE sql AS $$
     WITH mine AS (
         SELECT d.stream, d.aggregate_key FROM outbox.delivery d
-        WHERE d.holder = p_holder AND NOT coalesce(d.leased_event_id = ANY (p_keep), false)
+        WHERE d.holder = p_holder
+          AND NOT coalesce(d.leased_event_id = ANY (p_keep) AND EXISTS (
+                  SELECT 1 FROM outbox.event t
+                  WHERE t.stream = d.stream AND t.aggregate_key = d.aggregate_key
+                    AND t.revision = d.leased_through AND t.event_id = ANY (p_keep)), false)
         ORDER BY d.stream, d.aggregate_key
         FOR UPDATE
     ), released AS (

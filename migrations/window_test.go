@@ -323,6 +323,47 @@ func TestWindowNackAndParkEndTheLease(t *testing.T) {
 	if st[b[0].id] != "published" || st[b[1].id] != "published" {
 		t.Fatalf("acks before the parked event: %v", st)
 	}
+	// ... and leave it parked, at its third event, with the reason.
+	var state, reason string
+	var cursor int64
+	if err := pool.QueryRow(ctx, `SELECT state, delivered_revision, coalesce(parked_reason, '') FROM outbox.delivery WHERE aggregate_key = 'b'`).
+		Scan(&state, &cursor, &reason); err != nil {
+		t.Fatal(err)
+	}
+	if state != "parked" || cursor != 2 || reason != "too large" {
+		t.Fatalf("after the acks before the parked event: %s, cursor %d, reason %q; want parked at 2, \"too large\"", state, cursor, reason)
+	}
+}
+
+// A session that sweeps its orphans (an ack batch's answer was lost) keeps
+// a lease only when it knows both its head and the last event it covers:
+// a window the lost batch slid forward is given back, or its next slide
+// would send revisions past events the session never saw.
+func TestReleaseGivesBackAWindowSlidUnseen(t *testing.T) {
+	t.Parallel()
+	pool := testdb.NewPool(t)
+	emitN(t, pool, "a", 8)
+	discover(t, pool)
+	holder := uuid.New()
+	got := claimWindow(t, pool, holder, 1, 4, 4) // 1-4
+	// The batch acking 1 and 2 slid the window to 3-6; its answer is lost,
+	// so the session knows 3 and 4 only.
+	if _, handed := ackWindow(t, pool, []uuid.UUID{got[0].id, got[1].id}, holder, 4, 0); len(handed) != 2 {
+		t.Fatalf("handed %v", handed)
+	}
+	release := func(keep ...uuid.UUID) int64 {
+		var n int64
+		if err := pool.QueryRow(context.Background(), `SELECT outbox.release($1, $2)`, holder, keep).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+	if n := release(got[2].id, got[3].id, eventID(t, pool, "a", 5), eventID(t, pool, "a", 6)); n != 0 {
+		t.Fatalf("released %d leases the session knows whole", n)
+	}
+	if n := release(got[2].id, got[3].id); n != 1 {
+		t.Fatalf("released %d, want the window slid past what the session knows", n)
+	}
 }
 
 // Producers, discovery rounds and workers that claim with a window and ack

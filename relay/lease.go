@@ -30,19 +30,33 @@ func remaining(d *durationpb.Duration, expiresAt *timestamppb.Timestamp) time.Du
 	return time.Until(expiresAt.AsTime())
 }
 
+// leaseExpiry is when d's lease lapses by the relay's monotonic clock, as
+// the server stated it on a delivery received at receivedAt; zero when the
+// server stated none.
+func leaseExpiry(d *outboxv1.SubscribeResponse, receivedAt time.Time) time.Time {
+	ttl := remaining(d.GetLeaseTtlRemaining(), d.GetLeaseExpiresAt())
+	if ttl <= 0 {
+		return time.Time{}
+	}
+	return receivedAt.Add(ttl)
+}
+
 // keepLease extends the delivery's lease, at half its remaining life, until
-// the returned stop function is called. Lease time is measured on the
-// relay's monotonic clock: from receivedAt for the delivery, and from the
-// moment each ExtendLease request was sent (which can only underestimate
-// what the server granted).
+// the returned stop function is called; stop returns the lease's expiry as
+// the last extension left it. Lease time is measured on the relay's
+// monotonic clock: expiry is when the lease lapses as far as the runner
+// knows (from the delivery's receipt, or from an earlier extension of the
+// same lease: with a window, one lease covers several deliveries), and
+// each extension counts from the moment its request was sent (which can
+// only underestimate what the server granted).
 //
 // A failed extension is retried with backoff until it succeeds, the server
 // says the lease is gone (FAILED_PRECONDITION, NOT_FOUND), or the lease's
 // expiry passes; a refusal of the relay's credentials stops the runner.
-func (r *Runner) keepLease(ctx context.Context, f *fatal, d *outboxv1.SubscribeResponse, receivedAt time.Time) (stop func()) {
+func (r *Runner) keepLease(ctx context.Context, f *fatal, d *outboxv1.SubscribeResponse, expiry time.Time) (stop func() time.Time) {
 	ttl := remaining(d.GetLeaseTtlRemaining(), d.GetLeaseExpiresAt())
-	if ttl <= 0 {
-		return func() {}
+	if ttl <= 0 || expiry.IsZero() {
+		return func() time.Time { return expiry }
 	}
 	extendTTL := r.cfg.LeaseTTL
 	if extendTTL <= 0 {
@@ -52,8 +66,7 @@ func (r *Runner) keepLease(ctx context.Context, f *fatal, d *outboxv1.SubscribeR
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
-		expiry := receivedAt.Add(ttl)
-		next := receivedAt.Add(ttl / 2)
+		next := time.Now().Add(time.Until(expiry) / 2)
 		for {
 			if !sleep(ctx, time.Until(next)) {
 				return
@@ -65,7 +78,7 @@ func (r *Runner) keepLease(ctx context.Context, f *fatal, d *outboxv1.SubscribeR
 			next = time.Now().Add(time.Until(expiry) / 2)
 		}
 	}()
-	return func() { cancel(); <-done }
+	return func() time.Time { cancel(); <-done; return expiry }
 }
 
 // extend extends the lease once, retrying until it succeeds, the lease is

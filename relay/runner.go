@@ -387,7 +387,7 @@ var errDrainTimeout = errors.New("relay: stopping, and Config.DrainTimeout passe
 
 // handle publishes one delivery and acks or nacks it.
 func (r *Runner) handle(ctx context.Context, f *fatal, rd received, acks *ackBatcher) {
-	err, cancelled := r.publish(ctx, f, rd)
+	err, cancelled, _ := r.publish(ctx, f, rd, leaseExpiry(rd.d, rd.at))
 	switch {
 	case cancelled:
 	case err == nil:
@@ -402,10 +402,12 @@ func ackItem(rd received) *outboxv1.AckItem {
 	return &outboxv1.AckItem{EventId: rd.d.GetEvent().GetEventId(), LeaseToken: rd.d.GetLeaseToken()}
 }
 
-// publish publishes one delivery, extending its lease while a slow publish
-// runs. It returns the broker's error, and cancelled when the runner cut
-// the publish short, which is no failure to nack.
-func (r *Runner) publish(ctx context.Context, f *fatal, rd received) (err error, cancelled bool) {
+// publish publishes one delivery, extending its lease (which lapses at
+// expiry as far as the runner knows) while a slow publish runs. It returns
+// the broker's error, cancelled when the runner cut the publish short,
+// which is no failure to nack, and the lease's expiry as the extensions
+// left it.
+func (r *Runner) publish(ctx context.Context, f *fatal, rd received, expiry time.Time) (err error, cancelled bool, leaseExpiry time.Time) {
 	d := rd.d
 	ev := d.GetEvent()
 	e := Event{
@@ -413,11 +415,11 @@ func (r *Runner) publish(ctx context.Context, f *fatal, rd received) (err error,
 		Revision: ev.GetRevision(), Type: ev.GetEventType(), Payload: ev.GetPayload(),
 		Headers: ev.GetHeaders(), CreatedAt: ev.GetCreatedAt().AsTime(), Attempt: int(d.GetAttempt()),
 	}
-	stopExtend := r.keepLease(ctx, f, d, rd.at)
+	stopExtend := r.keepLease(ctx, f, d, expiry)
 	err = r.cfg.Publisher.Publish(ctx, e)
-	stopExtend()
+	expiry = stopExtend()
 	if err == nil {
-		return nil, false
+		return nil, false, expiry
 	}
 	if ctx.Err() != nil {
 		// The runner cut the publish short (it is stopping): that is no
@@ -428,11 +430,11 @@ func (r *Runner) publish(ctx context.Context, f *fatal, rd received) (err error,
 		if h := r.hooks.publishCancelled; h != nil {
 			h(e.ID)
 		}
-		return err, true
+		return err, true, expiry
 	}
 	r.log.Warn("publish failed; nacking", "event_id", e.ID, "stream", e.Stream, "aggregate_key", e.AggregateKey,
 		"revision", e.Revision, "attempt", e.Attempt, "err", err)
-	return err, false
+	return err, false, expiry
 }
 
 // nack reports a failed publish, retrying briefly while the server is

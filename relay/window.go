@@ -3,6 +3,7 @@ package relay
 import (
 	"context"
 	"sync"
+	"time"
 )
 
 // aggregateLines publishes with a window (Config.MaxInFlightPerAggregate
@@ -43,6 +44,17 @@ type aggregateLine struct {
 	failedEpoch int64
 	// answered is closed once the line's last ack is answered.
 	answered <-chan struct{}
+	// epoch and expiry are the lease of the line's last publish and when
+	// it lapses as far as the runner knows: an extension made while one
+	// event of a window was being published extends the whole lease, so
+	// the events after it start from there rather than from their own
+	// receipt. Only the line's goroutine touches them.
+	epoch  int64
+	expiry time.Time
+	// revision is the line's last revision published (or tried) under
+	// epoch: a lease covers consecutive revisions, so the next delivery of
+	// the same lease must be revision+1.
+	revision int64
 }
 
 func newAggregateLines(r *Runner, f *fatal, acks *ackBatcher, work, stop context.Context) *aggregateLines {
@@ -111,7 +123,23 @@ func (a *aggregateLines) run(ref aggregateRef, l *aggregateLine) {
 			}
 			continue
 		}
-		err, cancelled := a.r.publish(a.work, a.f, rd)
+		rev := rd.d.GetEvent().GetRevision()
+		if epoch != 0 && epoch == l.epoch && rev != l.revision+1 {
+			// Never expected (the server slides a window only onto the
+			// revision after the last it sent): publishing it would skip
+			// revisions at the broker. Drop the rest of the lease; it
+			// comes again from the cursor once the lease lapses.
+			a.r.log.Error("delivery out of sequence within its lease; dropping the lease's deliveries",
+				"event_id", rd.d.GetEvent().GetEventId(), "revision", rev, "after", l.revision)
+			l.failedEpoch = epoch
+			continue
+		}
+		expiry := leaseExpiry(rd.d, rd.at)
+		if epoch == l.epoch && l.expiry.After(expiry) {
+			expiry = l.expiry
+		}
+		err, cancelled, expiry := a.r.publish(a.work, a.f, rd, expiry)
+		l.epoch, l.expiry, l.revision = epoch, expiry, rev
 		switch {
 		case cancelled:
 			continue // released with the stream, as the rest of the queue is

@@ -128,7 +128,14 @@
 // ends the whole window; its credit comes back at once, by event and
 // epoch, so a new lease of the same event is not freed by mistake. A
 // window never spans a skipped or missing revision, and an operator's skip
-// of any revision it covers ends it. Discovery still dispatches one event
+// of any revision it covers ends it. An event of a window too large to
+// send parks the aggregate at that revision (parked_revision): the acks of
+// the revisions before it still land and leave it parked. When an ack
+// batch's answer is lost, the sessions it may have handed leases sweep
+// their orphans, and a lease stays only if the session knows both its head
+// and the last event it covers: a window the lost batch slid forward is
+// given back, since sliding it again would send revisions past events the
+// relay never got. A claim leases at most four times ClaimBatch events. Discovery still dispatches one event
 // per aggregate; the first acks grow the window. The relay publishes an
 // aggregate's events one at a time, in the order sent, and drops the rest
 // of a window whose event failed (SubscribeResponse.lease_epoch tells it

@@ -27,6 +27,10 @@ const (
 	minIdlePoll = 2 * time.Millisecond
 	// claimTimeout bounds one claim statement.
 	claimTimeout = 10 * time.Second
+	// windowClaimFactor bounds the events one claim leases with windows:
+	// ClaimBatch aggregates and this many times as many events, so that a
+	// statement never carries a whole MaxInFlight of payloads.
+	windowClaimFactor = 4
 )
 
 // session is one Subscribe stream: its credit, its outstanding deliveries and
@@ -345,10 +349,12 @@ const (
 )
 
 // claimAndSend claims up to ClaimBatch aggregates, and up to credit events
-// (more than one per aggregate with a window), and sends their events. The
-// error ends the session (the stream failed, or ctx ended).
+// (more than one per aggregate with a window, and at most windowClaimFactor
+// times ClaimBatch in one statement), and sends their events. The error ends
+// the session (the stream failed, or ctx ended).
 func (ss *session) claimAndSend(ctx context.Context, credit int, send func(*outboxv1.SubscribeResponse) error) (claimOutcome, error) {
 	n := min(credit, ss.srv.cfg.ClaimBatch)
+	credit = min(credit, windowClaimFactor*ss.srv.cfg.ClaimBatch)
 	// Not cancelled with the stream: a claim interrupted by the relay
 	// hanging up may still commit in the database after the stream's leases
 	// were released, orphaning its leases until their TTL. Letting it finish
@@ -357,7 +363,7 @@ func (ss *session) claimAndSend(ctx context.Context, credit int, send func(*outb
 	leases, err := ss.srv.store.Claim(claimCtx, store.ClaimParams{
 		Holder: ss.id, RelayID: ss.relayID, ReplicaID: ss.srv.cfg.ReplicaID,
 		Streams: ss.streams, ExcludeStreams: ss.excludeStreams,
-		Limit: min(credit, ss.srv.cfg.ClaimBatch), Window: ss.window, Credit: credit,
+		Limit: n, Window: ss.window, Credit: credit,
 		TTL: ss.ttl, MaxAttempts: ss.srv.cfg.MaxDeliveries,
 	})
 	if h := ss.srv.afterClaim; h != nil {

@@ -26,7 +26,7 @@ func TestWindowedSession(t *testing.T) {
 		c.ReconcileInterval = reconcile
 		// Long enough that the nack has freed its credit before the
 		// aggregate is claimable again, so that the new window is whole.
-		c.BackoffBase, c.BackoffCap = 200*time.Millisecond, time.Second
+		c.BackoffBase, c.BackoffCap = time.Second, 2*time.Second
 	})
 	emit(t, pool, "orders", "a", 20)
 	emit(t, pool, "orders", "b", 3)

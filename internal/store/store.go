@@ -353,6 +353,16 @@ type AckParams struct {
 	HandOver map[uuid.UUID]HandOverTarget
 }
 
+// withoutLoans is targets with no lent credit.
+func withoutLoans(targets map[uuid.UUID]HandOverTarget) map[uuid.UUID]HandOverTarget {
+	out := make(map[uuid.UUID]HandOverTarget, len(targets))
+	for h, t := range targets {
+		t.Credit = 0
+		out[h] = t
+	}
+	return out
+}
+
 // HandOverTarget is what a session takes from an ack batch.
 type HandOverTarget struct {
 	TTL time.Duration
@@ -388,6 +398,9 @@ func (s *Store) Ack(ctx context.Context, p AckParams) ([]AckResult, error) {
 	if err != nil {
 		return nil, err
 	}
+	// The credit sessions lend is for the whole batch: the first half may
+	// have used it all.
+	p.HandOver = withoutLoans(p.HandOver)
 	p.IDs = ids[half:]
 	second, err := s.Ack(ctx, p)
 	if err != nil {

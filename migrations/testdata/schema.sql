@@ -155,9 +155,13 @@ BEGIN
             ), advanced AS (
                 UPDATE outbox.delivery d
                 SET delivered_revision = x.revision,
-                    state = CASE WHEN x.handover_ttl IS NOT NULL THEN 'leased'
+                    -- Parked past this ack (an event of a window too large to
+                    -- send): it stays parked. Otherwise whatever held it ends.
+                    state = CASE WHEN d.state = 'parked' AND d.parked_revision > x.revision THEN 'parked'
+                                 WHEN x.handover_ttl IS NOT NULL THEN 'leased'
                                  WHEN x.has_next THEN 'ready' ELSE 'idle' END,
-                    claimable_at = CASE WHEN x.handover_ttl IS NOT NULL THEN v_now + x.handover_ttl
+                    claimable_at = CASE WHEN d.state = 'parked' AND d.parked_revision > x.revision THEN NULL
+                                        WHEN x.handover_ttl IS NOT NULL THEN v_now + x.handover_ttl
                                         WHEN x.has_next THEN coalesce(x.next_created_at, v_now) END,
                     pending_since = CASE WHEN x.has_next THEN coalesce(x.next_created_at, v_now) END,
                     epoch = CASE WHEN x.handover_ttl IS NOT NULL
@@ -171,8 +175,10 @@ BEGIN
                     leased_through = CASE WHEN x.handover_ttl IS NOT NULL THEN x.revision + 1 END,
                     attempt = CASE WHEN x.handover_ttl IS NOT NULL THEN 1 ELSE 0 END,
                     failures = 0, unanswered = 0,
-                    last_error = NULL, next_attempt_at = NULL, parked_at = NULL, parked_reason = NULL,
-                    gap_revision = NULL
+                    last_error = CASE WHEN d.state = 'parked' AND d.parked_revision > x.revision THEN d.last_error END,
+                    parked_at = CASE WHEN d.state = 'parked' AND d.parked_revision > x.revision THEN d.parked_at END,
+                    parked_reason = CASE WHEN d.state = 'parked' AND d.parked_revision > x.revision THEN d.parked_reason END,
+                    next_attempt_at = NULL, gap_revision = NULL
                 FROM nxt x
                 WHERE d.stream = x.stream AND d.aggregate_key = x.aggregate_key
                 RETURNING d.state, d.holder, d.leased_event_id, d.epoch, d.attempt, d.lease_expires_at, x.event_id AS acked
@@ -261,7 +267,8 @@ BEGIN
             ), advanced AS (
                 UPDATE outbox.delivery d
                 SET delivered_revision = g.cursor,
-                    state = CASE WHEN g.continues OR g.grant_n > 0 THEN 'leased'
+                    state = CASE WHEN d.state = 'parked' AND d.parked_revision > g.cursor THEN 'parked'
+                                 WHEN g.continues OR g.grant_n > 0 THEN 'leased'
                                  WHEN g.has_next THEN 'ready' ELSE 'idle' END,
                     leased_through = CASE WHEN g.continues THEN d.leased_through + g.grant_n
                                           WHEN g.grant_n > 0 THEN g.cursor + g.grant_n END,
@@ -272,7 +279,8 @@ BEGIN
                     -- Events leased now are sent with the holder's full TTL.
                     lease_expires_at = CASE WHEN g.grant_n > 0 THEN greatest(v_now + g.ttl, CASE WHEN g.continues THEN d.lease_expires_at END)
                                             WHEN g.continues THEN d.lease_expires_at END,
-                    claimable_at = CASE WHEN g.grant_n > 0 THEN greatest(v_now + g.ttl, CASE WHEN g.continues THEN d.lease_expires_at END)
+                    claimable_at = CASE WHEN d.state = 'parked' AND d.parked_revision > g.cursor THEN NULL
+                                        WHEN g.grant_n > 0 THEN greatest(v_now + g.ttl, CASE WHEN g.continues THEN d.lease_expires_at END)
                                         WHEN g.continues THEN d.lease_expires_at
                                         WHEN g.has_next THEN coalesce(g.next_created_at, v_now) END,
                     pending_since = CASE WHEN g.has_next THEN coalesce(g.next_created_at, v_now) END,
@@ -281,8 +289,10 @@ BEGIN
                     holder_replica_id = CASE WHEN g.continues OR g.grant_n > 0 THEN d.holder_replica_id END,
                     attempt = CASE WHEN g.continues THEN d.attempt WHEN g.grant_n > 0 THEN 1 ELSE 0 END,
                     failures = 0, unanswered = 0,
-                    last_error = NULL, next_attempt_at = NULL, parked_at = NULL, parked_reason = NULL,
-                    gap_revision = NULL
+                    last_error = CASE WHEN d.state = 'parked' AND d.parked_revision > g.cursor THEN d.last_error END,
+                    parked_at = CASE WHEN d.state = 'parked' AND d.parked_revision > g.cursor THEN d.parked_at END,
+                    parked_reason = CASE WHEN d.state = 'parked' AND d.parked_revision > g.cursor THEN d.parked_reason END,
+                    next_attempt_at = NULL, gap_revision = NULL
                 FROM granted g
                 WHERE d.stream = g.stream AND d.aggregate_key = g.aggregate_key
                 RETURNING d.stream, d.aggregate_key, d.holder, d.epoch, d.attempt, d.lease_expires_at,
@@ -1098,6 +1108,7 @@ BEGIN
             lease_expires_at = CASE WHEN h.exhausted THEN NULL ELSE p_now + p_ttl END,
             claimable_at = CASE WHEN h.exhausted THEN NULL ELSE p_now + p_ttl END,
             parked_at = CASE WHEN h.exhausted THEN p_now END,
+            parked_revision = CASE WHEN h.exhausted THEN h.revision END,
             parked_reason = CASE WHEN h.exhausted THEN format(
                 'delivered %s times without an ack or a nack: each lease expired or the stream holding it ended',
                 h.unanswered) END,
@@ -1168,6 +1179,7 @@ CREATE FUNCTION outbox.nack(p_event_id uuid, p_epoch bigint, p_error text, p_ret
         claimable_at = CASE WHEN c.failures >= p_max_failures THEN NULL ELSE c.retry_at END,
         next_attempt_at = CASE WHEN c.failures >= p_max_failures THEN NULL ELSE c.retry_at END,
         parked_at = CASE WHEN c.failures >= p_max_failures THEN clock_timestamp() END,
+        parked_revision = CASE WHEN c.failures >= p_max_failures THEN c.delivered_revision + 1 END,
         parked_reason = CASE WHEN c.failures >= p_max_failures
             THEN format('publish failed %s times; last error: %s', c.failures, left(p_error, 1024)) END,
         holder = NULL, holder_relay_id = NULL, holder_replica_id = NULL, lease_expires_at = NULL
@@ -1201,6 +1213,7 @@ CREATE FUNCTION outbox.park(p_event_id uuid, p_epoch bigint, p_reason text) RETU
     )
     UPDATE outbox.delivery d
     SET state = 'parked', claimable_at = NULL, parked_at = clock_timestamp(), parked_reason = p_reason,
+        parked_revision = c.revision,
         last_error = p_reason, next_attempt_at = NULL,
         holder = NULL, holder_relay_id = NULL, holder_replica_id = NULL, lease_expires_at = NULL
     FROM cur c
@@ -1269,7 +1282,11 @@ CREATE FUNCTION outbox.release(p_holder uuid, p_keep uuid[] DEFAULT '{}'::uuid[]
     AS $$
     WITH mine AS (
         SELECT d.stream, d.aggregate_key FROM outbox.delivery d
-        WHERE d.holder = p_holder AND NOT coalesce(d.leased_event_id = ANY (p_keep), false)
+        WHERE d.holder = p_holder
+          AND NOT coalesce(d.leased_event_id = ANY (p_keep) AND EXISTS (
+                  SELECT 1 FROM outbox.event t
+                  WHERE t.stream = d.stream AND t.aggregate_key = d.aggregate_key
+                    AND t.revision = d.leased_through AND t.event_id = ANY (p_keep)), false)
         ORDER BY d.stream, d.aggregate_key
         FOR UPDATE
     ), released AS (
@@ -1512,6 +1529,7 @@ CREATE TABLE outbox.delivery (
     next_attempt_at timestamp with time zone,
     parked_at timestamp with time zone,
     parked_reason text,
+    parked_revision bigint,
     gap_revision bigint,
     CONSTRAINT delivery_claimable_check CHECK (((state = ANY (ARRAY['ready'::text, 'leased'::text, 'backoff'::text])) = (claimable_at IS NOT NULL))),
     CONSTRAINT delivery_lease_check CHECK (((state = 'leased'::text) = (holder IS NOT NULL))),
