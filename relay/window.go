@@ -32,6 +32,9 @@ type aggregateLines struct {
 
 	mu    sync.Mutex
 	lines map[aggregateRef]*aggregateLine
+	// pruneAt is the number of lines at which add forgets idle lines
+	// whose failed lease has lapsed (see prune).
+	pruneAt int
 }
 
 type aggregateRef struct{ stream, key string }
@@ -58,7 +61,24 @@ type aggregateLine struct {
 }
 
 func newAggregateLines(r *Runner, f *fatal, acks *ackBatcher, work, stop context.Context) *aggregateLines {
-	return &aggregateLines{r: r, f: f, acks: acks, work: work, stop: stop, lines: make(map[aggregateRef]*aggregateLine)}
+	return &aggregateLines{r: r, f: f, acks: acks, work: work, stop: stop,
+		lines: make(map[aggregateRef]*aggregateLine), pruneAt: minPruneAt}
+}
+
+// minPruneAt is the fewest lines at which add prunes.
+const minPruneAt = 1024
+
+// prune forgets the idle lines kept only to drop deliveries of a failed
+// lease that has lapsed since: the server sends a lease's deliveries while
+// it holds it, so none of that lease can still be on its way. Called with
+// a.mu held; a line that is not running is not touched by any goroutine.
+func (a *aggregateLines) prune(now time.Time) {
+	for ref, l := range a.lines {
+		if !l.running && len(l.queue) == 0 && now.After(l.expiry) {
+			delete(a.lines, ref)
+		}
+	}
+	a.pruneAt = max(2*len(a.lines), minPruneAt)
 }
 
 // add queues a delivery on its aggregate's line, starting the line's
@@ -68,6 +88,9 @@ func (a *aggregateLines) add(rd received) {
 	ref := aggregateRef{ev.GetStream(), ev.GetAggregateKey()}
 	a.mu.Lock()
 	defer a.mu.Unlock()
+	if len(a.lines) >= a.pruneAt {
+		a.prune(time.Now())
+	}
 	l := a.lines[ref]
 	if l == nil {
 		l = &aggregateLine{}

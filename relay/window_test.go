@@ -135,3 +135,24 @@ func TestRunnerWindowStopsAtFirstFailure(t *testing.T) {
 		t.Fatalf("%d nacks of revision 7 recorded, want 1 (the nack must land after the acks of 1-6)", nacked)
 	}
 }
+
+// Lines kept only to drop a failed lease's deliveries are forgotten once
+// that lease has lapsed; lines still busy, or whose lease has not lapsed,
+// stay.
+func TestAggregateLinesPruneLapsedFailures(t *testing.T) {
+	t.Parallel()
+	now := time.Now()
+	a := newAggregateLines(nil, nil, nil, context.Background(), context.Background())
+	a.lines[aggregateRef{"s", "lapsed"}] = &aggregateLine{failedEpoch: 7, expiry: now.Add(-time.Second)}
+	a.lines[aggregateRef{"s", "live"}] = &aggregateLine{failedEpoch: 7, expiry: now.Add(time.Minute)}
+	a.lines[aggregateRef{"s", "busy"}] = &aggregateLine{failedEpoch: 7, expiry: now.Add(-time.Second), running: true}
+	a.prune(now)
+	if _, ok := a.lines[aggregateRef{"s", "lapsed"}]; ok {
+		t.Error("a line whose failed lease lapsed is kept")
+	}
+	for _, k := range []string{"live", "busy"} {
+		if _, ok := a.lines[aggregateRef{"s", k}]; !ok {
+			t.Errorf("line %s was forgotten", k)
+		}
+	}
+}
