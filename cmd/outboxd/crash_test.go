@@ -47,9 +47,11 @@ func TestCrashKillsLoseNothing(t *testing.T) {
 		return start(t, "serve", "--database-url", url, "--listen", addrs[i], "--lease-ttl", "2s", "--log-level", "warn", "--http-listen", "")
 	}
 	sinkURL := fmt.Sprintf("%s?stream=%s&subject=%s.{stream}.{aggregate_key}&duplicates=100ms", natsURL(), streamName, prefix)
+	// Relays 1 and 3 take windows of 8 events per aggregate: windowed and
+	// one-at-a-time sessions share both servers.
 	relay := func(i int) *process {
 		return start(t, "relay", "--server", addrs[i%2], "--sink", sinkURL, "--max-in-flight", "16",
-			"--relay-id", "r"+strconv.Itoa(i), "--log-level", "warn")
+			"--max-in-flight-per-aggregate", strconv.Itoa(1+7*(i%2)), "--relay-id", "r"+strconv.Itoa(i), "--log-level", "warn")
 	}
 	servers := []*process{serve(0), serve(1)}
 	relays := []*process{relay(0), relay(1), relay(2), relay(3)}

@@ -51,8 +51,9 @@ func TestPostgresCrashesLoseNothing(t *testing.T) {
 		start(t, "serve", "--database-url", db.URL, "--listen", addrs[i], "--lease-ttl", "2s", "--log-level", "warn", "--http-listen", "")
 	}
 	sinkURL := fmt.Sprintf("%s?stream=%s&subject=%s.{stream}.{aggregate_key}&duplicates=100ms", natsURL(), streamName, prefix)
-	for i := range 2 {
-		start(t, "relay", "--server", addrs[i], "--sink", sinkURL, "--max-in-flight", "16", "--relay-id", "r"+strconv.Itoa(i), "--log-level", "warn")
+	for i := range 2 { // relay 1 with a window of 8 events per aggregate
+		start(t, "relay", "--server", addrs[i], "--sink", sinkURL, "--max-in-flight", "16",
+			"--max-in-flight-per-aggregate", strconv.Itoa(1+7*i), "--relay-id", "r"+strconv.Itoa(i), "--log-level", "warn")
 	}
 
 	// One round: an event for every aggregate, with ids fixed by round and
