@@ -243,6 +243,36 @@ func jetStreamSink(t *testing.T, kind string) (js jetstream.JetStream, streamNam
 }
 
 // waitPublished waits (bounded) until n events are published.
+// pendingStates describes where the pending events stand, for a failure
+// message: per delivery state, how many aggregates and an example.
+func pendingStates(pool *pgxpool.Pool) string {
+	rows, err := pool.Query(context.Background(), `
+		SELECT coalesce(d.state, 'no delivery row'), count(DISTINCT (e.stream, e.aggregate_key)),
+		       min(format('%s/%s r%s cursor %s through %s holder %s expires %s discovered %s', e.stream, e.aggregate_key,
+		           e.revision, d.delivered_revision, d.leased_through, d.holder, d.lease_expires_at,
+		           pg_visible_in_snapshot(e.xid, (SELECT snapshot FROM outbox.discovery))))
+		FROM outbox.event e
+		LEFT JOIN outbox.delivery d ON d.stream = e.stream AND d.aggregate_key = e.aggregate_key
+		WHERE e.published_at IS NULL GROUP BY 1`)
+	if err != nil {
+		return err.Error()
+	}
+	defer rows.Close()
+	var out []string
+	for rows.Next() {
+		var state, example string
+		var n int64
+		if err := rows.Scan(&state, &n, &example); err != nil {
+			return err.Error()
+		}
+		out = append(out, fmt.Sprintf("%s: %d aggregates (e.g. %s)", state, n, example))
+	}
+	if len(out) == 0 {
+		return "none pending: the missing events do not exist (never committed, or their commits were lost)"
+	}
+	return strings.Join(out, "; ")
+}
+
 func waitPublished(t *testing.T, pool *pgxpool.Pool, n int64) {
 	t.Helper()
 	deadline := time.Now().Add(2 * time.Minute)
@@ -254,7 +284,7 @@ func waitPublished(t *testing.T, pool *pgxpool.Pool, n int64) {
 			return
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("%d of %d events published (last error: %v)", got, n, err)
+			t.Fatalf("%d of %d events published (last error: %v); pending by delivery state: %s", got, n, err, pendingStates(pool))
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
