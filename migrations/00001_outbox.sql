@@ -1278,6 +1278,7 @@ DECLARE
     v_handed_holders uuid[];
     v_handed_acks uuid[];
     v_windowed boolean;
+    v_ok_parked boolean[];
 BEGIN
     PERFORM outbox.require_read_committed('outbox.ack');
     -- Not waiting for the WAL flush: an ack lost in a PostgreSQL crash
@@ -1314,15 +1315,18 @@ BEGIN
                                                     AND z.holder_replica_id IS DISTINCT FROM p_replica_id),
                -- A window in play: an aggregate with more than one ack
                -- here, or a lease that covers more than the acked revision.
-               coalesce(bool_or(z.ok AND (z.rank > 1 OR (z.state = 'leased' AND z.leased_through > z.revision))), false)
-        INTO v_ok, v_ok_streams, v_ok_keys, v_ok_revs, v_ok_created, v_holders, v_remote, v_windowed
+               coalesce(bool_or(z.ok AND (z.rank > 1 OR (z.state = 'leased' AND z.leased_through > z.revision))), false),
+               -- Parked past this ack (an event of a window too large to
+               -- send): the aggregate stays parked.
+               array_agg(z.state = 'parked' AND z.parked_revision > z.revision) FILTER (WHERE z.ok)
+        INTO v_ok, v_ok_streams, v_ok_keys, v_ok_revs, v_ok_created, v_holders, v_remote, v_windowed, v_ok_parked
         FROM (
             SELECT y.*, y.ahead AND y.revision = y.delivered_revision + y.rank AND y.clean AS ok
             FROM (
                 SELECT x.*, row_number() OVER w AS rank, bool_and(NOT x.skipped) OVER w AS clean
                 FROM (
                     SELECT l.event_id, l.stream, l.aggregate_key, l.revision, l.created_at,
-                           d.holder, d.holder_replica_id, d.delivered_revision, d.state, d.leased_through,
+                           d.holder, d.holder_replica_id, d.delivered_revision, d.state, d.leased_through, d.parked_revision,
                            l.revision > d.delivered_revision AS ahead,
                            EXISTS (SELECT 1 FROM outbox.skipped_event s WHERE s.event_id = l.event_id) AS skipped
                     FROM unnest(v_ids, v_streams, v_keys, v_revs, v_created)
@@ -1357,14 +1361,14 @@ BEGIN
             -- executor's start-up of that plan cost about as much as
             -- running it, on every ack batch.
             WITH nxt AS (
-                SELECT a.event_id, a.stream, a.aggregate_key, a.revision, a.holder, n.event_id AS next_id,
+                SELECT a.event_id, a.stream, a.aggregate_key, a.revision, a.holder, a.stays_parked, n.event_id AS next_id,
                        n.created_at AS next_created_at, h.ttl AS handover_ttl,
                        (n.event_id IS NOT NULL OR EXISTS (
                             SELECT 1 FROM outbox.event x
                             WHERE x.stream = a.stream AND x.aggregate_key = a.aggregate_key
                               AND x.revision > a.revision + 1)) AS has_next
-                FROM unnest(v_ok, v_ok_streams, v_ok_keys, v_ok_revs, v_holders)
-                     AS a(event_id, stream, aggregate_key, revision, holder)
+                FROM unnest(v_ok, v_ok_streams, v_ok_keys, v_ok_revs, v_holders, v_ok_parked)
+                     AS a(event_id, stream, aggregate_key, revision, holder, stays_parked)
                 LEFT JOIN outbox.event n ON n.stream = a.stream AND n.aggregate_key = a.aggregate_key
                                         AND n.revision = a.revision + 1
                 LEFT JOIN LATERAL (
@@ -1377,12 +1381,10 @@ BEGIN
             ), advanced AS (
                 UPDATE outbox.delivery d
                 SET delivered_revision = x.revision,
-                    -- Parked past this ack (an event of a window too large to
-                    -- send): it stays parked. Otherwise whatever held it ends.
-                    state = CASE WHEN d.state = 'parked' AND d.parked_revision > x.revision THEN 'parked'
+                    state = CASE WHEN x.stays_parked THEN 'parked'
                                  WHEN x.handover_ttl IS NOT NULL THEN 'leased'
                                  WHEN x.has_next THEN 'ready' ELSE 'idle' END,
-                    claimable_at = CASE WHEN d.state = 'parked' AND d.parked_revision > x.revision THEN NULL
+                    claimable_at = CASE WHEN x.stays_parked THEN NULL
                                         WHEN x.handover_ttl IS NOT NULL THEN v_now + x.handover_ttl
                                         WHEN x.has_next THEN coalesce(x.next_created_at, v_now) END,
                     pending_since = CASE WHEN x.has_next THEN coalesce(x.next_created_at, v_now) END,
@@ -1397,9 +1399,9 @@ BEGIN
                     leased_through = CASE WHEN x.handover_ttl IS NOT NULL THEN x.revision + 1 END,
                     attempt = CASE WHEN x.handover_ttl IS NOT NULL THEN 1 ELSE 0 END,
                     failures = 0, unanswered = 0,
-                    last_error = CASE WHEN d.state = 'parked' AND d.parked_revision > x.revision THEN d.last_error END,
-                    parked_at = CASE WHEN d.state = 'parked' AND d.parked_revision > x.revision THEN d.parked_at END,
-                    parked_reason = CASE WHEN d.state = 'parked' AND d.parked_revision > x.revision THEN d.parked_reason END,
+                    last_error = CASE WHEN x.stays_parked THEN d.last_error END,
+                    parked_at = CASE WHEN x.stays_parked THEN d.parked_at END,
+                    parked_reason = CASE WHEN x.stays_parked THEN d.parked_reason END,
                     next_attempt_at = NULL, gap_revision = NULL
                 FROM nxt x
                 WHERE d.stream = x.stream AND d.aggregate_key = x.aggregate_key
@@ -1423,8 +1425,10 @@ BEGIN
             -- idle aggregate (a leased or ready one needs no waking).
             WITH acked AS (
                 SELECT a.stream, a.aggregate_key, max(a.revision) AS cursor, count(*) AS acks,
-                       (array_agg(a.event_id ORDER BY a.revision DESC))[1] AS last_ack
-                FROM unnest(v_ok, v_ok_streams, v_ok_keys, v_ok_revs) AS a(event_id, stream, aggregate_key, revision)
+                       (array_agg(a.event_id ORDER BY a.revision DESC))[1] AS last_ack,
+                       bool_and(a.stays_parked) AS stays_parked
+                FROM unnest(v_ok, v_ok_streams, v_ok_keys, v_ok_revs, v_ok_parked)
+                     AS a(event_id, stream, aggregate_key, revision, stays_parked)
                 GROUP BY a.stream, a.aggregate_key
             ), cur AS (
                 SELECT a.*, d.holder, h.ttl, coalesce(h.win, 1) AS win, coalesce(h.credit, 0) AS credit,
@@ -1489,7 +1493,7 @@ BEGIN
             ), advanced AS (
                 UPDATE outbox.delivery d
                 SET delivered_revision = g.cursor,
-                    state = CASE WHEN d.state = 'parked' AND d.parked_revision > g.cursor THEN 'parked'
+                    state = CASE WHEN g.stays_parked THEN 'parked'
                                  WHEN g.continues OR g.grant_n > 0 THEN 'leased'
                                  WHEN g.has_next THEN 'ready' ELSE 'idle' END,
                     leased_through = CASE WHEN g.continues THEN d.leased_through + g.grant_n
@@ -1501,7 +1505,7 @@ BEGIN
                     -- Events leased now are sent with the holder's full TTL.
                     lease_expires_at = CASE WHEN g.grant_n > 0 THEN greatest(v_now + g.ttl, CASE WHEN g.continues THEN d.lease_expires_at END)
                                             WHEN g.continues THEN d.lease_expires_at END,
-                    claimable_at = CASE WHEN d.state = 'parked' AND d.parked_revision > g.cursor THEN NULL
+                    claimable_at = CASE WHEN g.stays_parked THEN NULL
                                         WHEN g.grant_n > 0 THEN greatest(v_now + g.ttl, CASE WHEN g.continues THEN d.lease_expires_at END)
                                         WHEN g.continues THEN d.lease_expires_at
                                         WHEN g.has_next THEN coalesce(g.next_created_at, v_now) END,
@@ -1511,9 +1515,9 @@ BEGIN
                     holder_replica_id = CASE WHEN g.continues OR g.grant_n > 0 THEN d.holder_replica_id END,
                     attempt = CASE WHEN g.continues THEN d.attempt WHEN g.grant_n > 0 THEN 1 ELSE 0 END,
                     failures = 0, unanswered = 0,
-                    last_error = CASE WHEN d.state = 'parked' AND d.parked_revision > g.cursor THEN d.last_error END,
-                    parked_at = CASE WHEN d.state = 'parked' AND d.parked_revision > g.cursor THEN d.parked_at END,
-                    parked_reason = CASE WHEN d.state = 'parked' AND d.parked_revision > g.cursor THEN d.parked_reason END,
+                    last_error = CASE WHEN g.stays_parked THEN d.last_error END,
+                    parked_at = CASE WHEN g.stays_parked THEN d.parked_at END,
+                    parked_reason = CASE WHEN g.stays_parked THEN d.parked_reason END,
                     next_attempt_at = NULL, gap_revision = NULL
                 FROM granted g
                 WHERE d.stream = g.stream AND d.aggregate_key = g.aggregate_key

@@ -319,20 +319,29 @@ func TestWindowNackAndParkEndTheLease(t *testing.T) {
 	if !slices.Equal(ended, []uuid.UUID{b[2].id, b[3].id}) {
 		t.Fatalf("park ended %v, want revisions 3 and 4", ended)
 	}
-	st, _ := ackWindow(t, pool, []uuid.UUID{b[0].id, b[1].id}, uuid.New(), 1, 0)
-	if st[b[0].id] != "published" || st[b[1].id] != "published" {
-		t.Fatalf("acks before the parked event: %v", st)
+	// ... and leave it parked, at its third event, with the reason: the
+	// ack of 1 alone (the ack's path for batches with no window in play)
+	// and then that of 2 with a window target (its general path).
+	stillParked := func(want int64) {
+		t.Helper()
+		var state, reason string
+		var cursor int64
+		if err := pool.QueryRow(ctx, `SELECT state, delivered_revision, coalesce(parked_reason, '') FROM outbox.delivery WHERE aggregate_key = 'b'`).
+			Scan(&state, &cursor, &reason); err != nil {
+			t.Fatal(err)
+		}
+		if state != "parked" || cursor != want || reason != "too large" {
+			t.Fatalf("after the acks before the parked event: %s, cursor %d, reason %q; want parked at %d, \"too large\"", state, cursor, reason, want)
+		}
 	}
-	// ... and leave it parked, at its third event, with the reason.
-	var state, reason string
-	var cursor int64
-	if err := pool.QueryRow(ctx, `SELECT state, delivered_revision, coalesce(parked_reason, '') FROM outbox.delivery WHERE aggregate_key = 'b'`).
-		Scan(&state, &cursor, &reason); err != nil {
-		t.Fatal(err)
+	if st, _ := ackWindow(t, pool, []uuid.UUID{b[0].id}, uuid.New(), 1, 0); st[b[0].id] != "published" {
+		t.Fatalf("ack of 1 before the parked event: %v", st)
 	}
-	if state != "parked" || cursor != 2 || reason != "too large" {
-		t.Fatalf("after the acks before the parked event: %s, cursor %d, reason %q; want parked at 2, \"too large\"", state, cursor, reason)
+	stillParked(1)
+	if st, _ := ackWindow(t, pool, []uuid.UUID{b[1].id}, uuid.New(), 4, 0); st[b[1].id] != "published" {
+		t.Fatalf("ack of 2 before the parked event: %v", st)
 	}
+	stillParked(2)
 }
 
 // A session that sweeps its orphans (an ack batch's answer was lost) keeps

@@ -143,10 +143,6 @@ func (a *ackCommitter) commit(ctx context.Context, batch []*ackRequest, n int) {
 	for holder, st := range settle {
 		lent := loans[holder]
 		delete(loans, holder)
-		if len(st.leases) == 0 && lent == 0 {
-			a.s.released(holder, true, 0, st.acked...)
-			continue
-		}
 		a.s.settleAcks(ctx, holder, st.acked, st.leases, lent)
 	}
 	for holder, lent := range loans {

@@ -3,10 +3,14 @@ package server_test
 import (
 	"context"
 	"fmt"
+	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
+
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+	"github.com/outboxd/outboxd/internal/store"
 	"github.com/outboxd/outboxd/internal/testdb"
 	"github.com/outboxd/outboxd/server"
 )
@@ -32,20 +36,7 @@ func TestWindowedSession(t *testing.T) {
 	emit(t, pool, "orders", "b", 3)
 	// Both found before the relay subscribes, so that its first claim
 	// leases whole windows (a discovery round dispatches one event).
-	deadline := time.Now().Add(30 * time.Second)
-	for {
-		var n int
-		if err := pool.QueryRow(context.Background(), `SELECT count(*) FROM outbox.delivery`).Scan(&n); err != nil {
-			t.Fatal(err)
-		}
-		if n == 2 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("aggregates not discovered within 30s")
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
+	waitDiscovered(t, pool, 2)
 	gate := newOfferGate(false)
 	r.Server.SetAfterOffer(gate.hook)
 	ctx, cancel := context.WithCancel(context.Background())
@@ -142,5 +133,54 @@ func TestWindowedSession(t *testing.T) {
 	res := ack(t, r, held["a"][1])
 	if res[0].GetStatus() != outboxv1.AckStatus_ACK_STATUS_LEASE_LOST || publishedAt(t, pool, held["a"][1].GetEvent().GetEventId()) != nil {
 		t.Fatalf("ack of 5 before 4: %v", res[0])
+	}
+}
+
+// waitDiscovered waits (bounded) until n aggregates have delivery rows.
+func waitDiscovered(t *testing.T, pool *pgxpool.Pool, n int) {
+	t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		var got int
+		if err := pool.QueryRow(context.Background(), `SELECT count(*) FROM outbox.delivery`).Scan(&got); err != nil {
+			t.Fatal(err)
+		}
+		if got == n {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d of %d aggregates discovered within 30s", got, n)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// One claim leases at most four times ClaimBatch events, however large
+// the credit and the window: a statement never carries a whole
+// max_in_flight of payloads.
+func TestWindowedClaimIsBounded(t *testing.T) {
+	t.Parallel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	r := startReplica(t, url, func(c *server.Config) { c.ClaimBatch = 2 })
+	var largest atomic.Int64
+	r.Server.SetAfterClaim(func(ls []store.Lease, err error) ([]store.Lease, error) {
+		if n := int64(len(ls)); n > largest.Load() {
+			largest.Store(n)
+		}
+		return ls, err
+	})
+	emit(t, pool, "orders", "a", 20)
+	emit(t, pool, "orders", "b", 20)
+	waitDiscovered(t, pool, 2)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 32, MaxInFlightPerAggregate: 16})
+	_, next := receive(t, st)
+	for range 8 {
+		next()
+	}
+	if n := largest.Load(); n != 8 {
+		t.Fatalf("largest claim leased %d events, want 8 (4 x ClaimBatch 2)", n)
 	}
 }
