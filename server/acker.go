@@ -2,10 +2,12 @@ package server
 
 import (
 	"context"
+	"sync"
 	"time"
 
 	"github.com/google/uuid"
 
+	"github.com/outboxd/outboxd/internal/leasetoken"
 	"github.com/outboxd/outboxd/internal/store"
 )
 
@@ -15,9 +17,20 @@ import (
 // batch passes the replica's sessions that take more work, so an ack that
 // ends one's lease can hand it the aggregate's next event in the same commit
 // (see Server.handOver).
+//
+// Config.AckCommitters batches run at once, each on its own connection, so
+// that the database applies acks on as many cores while one batch commits.
+// An ack goes to the committer its lease's epoch picks. Every event of one
+// lease (a window) has the same epoch, so its acks queue in one committer in
+// the order they arrived and are applied in that order: spreading them over
+// committers could apply a later revision's ack first, which outbox.ack
+// refuses as out of order. A lease of another epoch of the same aggregate
+// exists only once the earlier one ended: its acks were applied, or it
+// expired or was nacked, and an ack of it that is still queued elsewhere can
+// only be refused.
 type ackCommitter struct {
-	s    *Server
-	reqs chan *ackRequest
+	s      *Server
+	shards []chan *ackRequest
 }
 
 type ackRequest struct {
@@ -31,35 +44,94 @@ type ackOutcome struct {
 }
 
 func newAckCommitter(s *Server) *ackCommitter {
-	return &ackCommitter{s: s, reqs: make(chan *ackRequest, 1024)}
+	a := &ackCommitter{s: s, shards: make([]chan *ackRequest, s.cfg.AckCommitters)}
+	for i := range a.shards {
+		a.shards[i] = make(chan *ackRequest, 1024)
+	}
+	return a
 }
 
-// submit queues ids and waits for the batch that carries them to commit.
-func (a *ackCommitter) submit(ctx context.Context, ids []uuid.UUID) (map[uuid.UUID]store.AckResult, error) {
-	req := &ackRequest{ids: ids, done: make(chan ackOutcome, 1)}
-	select {
-	case a.reqs <- req:
-	case <-ctx.Done():
-		return nil, ctx.Err()
+// shard picks the committer of a lease's acks from its epoch (a clock in
+// microseconds or a counter), mixed so that neighbouring epochs spread.
+func (a *ackCommitter) shard(epoch int64) int {
+	x := uint64(epoch) * 0x9E3779B97F4A7C15
+	return int((x >> 32) % uint64(len(a.shards)))
+}
+
+// submit queues the acks of tokens and waits for the batches that carry
+// them to commit.
+func (a *ackCommitter) submit(ctx context.Context, tokens []leasetoken.Token) (map[uuid.UUID]store.AckResult, error) {
+	parts := make(map[int][]uuid.UUID, 1)
+	for _, t := range tokens {
+		i := a.shard(t.Epoch)
+		parts[i] = append(parts[i], t.EventID)
+	}
+	reqs := make([]*ackRequest, 0, len(parts))
+	for i, ids := range parts {
+		req := &ackRequest{ids: ids, done: make(chan ackOutcome, 1)}
+		select {
+		case a.shards[i] <- req:
+			if h := a.s.afterAckQueued; h != nil {
+				h()
+			}
+		case <-ctx.Done():
+			// Parts already queued commit regardless; their outcome is
+			// buffered and dropped.
+			return nil, ctx.Err()
+		}
+		reqs = append(reqs, req)
 	}
 	// Once queued, wait for the outcome even if the caller gives up: the
 	// batch commits regardless, and the result must not be lost to a
 	// half-read channel.
-	select {
-	case out := <-req.done:
-		return out.results, out.err
-	case <-ctx.Done():
-		return nil, ctx.Err()
+	outs := make([]map[uuid.UUID]store.AckResult, 0, len(reqs))
+	for _, req := range reqs {
+		select {
+		case out := <-req.done:
+			if out.err != nil {
+				return nil, out.err
+			}
+			outs = append(outs, out.results)
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		}
 	}
+	if len(outs) == 1 {
+		return outs[0], nil
+	}
+	// Each batch's results are shared by every request it carried: read
+	// them, never write them.
+	results := make(map[uuid.UUID]store.AckResult, len(tokens))
+	for _, out := range outs {
+		for _, t := range tokens {
+			if r, ok := out[t.EventID]; ok {
+				results[t.EventID] = r
+			}
+		}
+	}
+	return results, nil
 }
 
+// run runs every committer until ctx ends.
 func (a *ackCommitter) run(ctx context.Context) {
+	var wg sync.WaitGroup
+	for _, reqs := range a.shards {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			a.runShard(ctx, reqs)
+		}()
+	}
+	wg.Wait()
+}
+
+func (a *ackCommitter) runShard(ctx context.Context, reqs chan *ackRequest) {
 	for {
 		var first *ackRequest
 		select {
-		case first = <-a.reqs:
+		case first = <-reqs:
 		case <-ctx.Done():
-			a.failQueued(ctx.Err())
+			failQueued(reqs, ctx.Err())
 			return
 		}
 		batch := []*ackRequest{first}
@@ -67,7 +139,7 @@ func (a *ackCommitter) run(ctx context.Context) {
 	drain:
 		for n < a.s.cfg.AckBatch {
 			select {
-			case r := <-a.reqs:
+			case r := <-reqs:
 				batch = append(batch, r)
 				n += len(r.ids)
 			default:
@@ -88,6 +160,9 @@ func (a *ackCommitter) commit(ctx context.Context, batch []*ackRequest, n int) {
 				ids = append(ids, id)
 			}
 		}
+	}
+	if h := a.s.beforeAckBatch; h != nil {
+		h()
 	}
 	// Acks already taken must land even while the server shuts down.
 	dbCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
@@ -156,10 +231,10 @@ func (a *ackCommitter) commit(ctx context.Context, batch []*ackRequest, n int) {
 	}
 }
 
-func (a *ackCommitter) failQueued(err error) {
+func failQueued(reqs chan *ackRequest, err error) {
 	for {
 		select {
-		case r := <-a.reqs:
+		case r := <-reqs:
 			r.done <- ackOutcome{err: err}
 		default:
 			return

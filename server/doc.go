@@ -36,7 +36,8 @@
 // wakes an idle or gap-held one, stores N, and sends one NOTIFY
 // outbox_wakeup when it made a row ready. A transaction left open costs one
 // index probe per round; it never delays other events. An empty round
-// writes nothing.
+// writes nothing. BEGIN is sent with the scan and COMMIT with the apply, so
+// a round is two round trips to the database.
 //
 // Dispatch: a new or idle aggregate has nothing in hand, so instead of
 // making it ready for a claim (a second write of its row, a second
@@ -91,8 +92,12 @@
 // its next reconcile tick.
 //
 // Ack verifies each token's HMAC (any replica can: the key is in the
-// database) and hands the ids to the group committer, which applies every
-// queued ack in one call of outbox.ack: lock the pending events in id order,
+// database) and hands the ids to a group committer, which applies every ack
+// queued for it in one call of outbox.ack. Config.AckCommitters committers
+// (2 by default) apply batches at once, each on its own connection; a
+// lease's epoch picks its committer, so the acks of one window queue in one
+// committer in the order they came and are applied in that order. A batch
+// runs outbox.ack: lock the pending events in id order,
 // then their delivery rows in key order (no deadlocks between batches), mark
 // each event published if it is still its aggregate's next revision and not
 // skipped, advance the cursor, and make the aggregate ready or idle.

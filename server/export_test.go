@@ -59,3 +59,12 @@ func (s *Server) SetBeforeApply(f func()) { s.beforeApply.Store(&f) }
 // Dispatched is how many leases discovery rounds on this replica have given
 // to sessions.
 func (s *Server) Dispatched() uint64 { return s.dispatched.Load() }
+
+// SetBeforeAckBatch makes every ack batch call f before it goes to the
+// database; a blocking f holds that committer. Set it before the first Ack.
+func (s *Server) SetBeforeAckBatch(f func()) { s.beforeAckBatch = f }
+
+// SetAfterAckQueued makes every Ack call run f after it queued a request
+// for a committer (one per committer its acks go to). Set it before the
+// first Ack.
+func (s *Server) SetAfterAckQueued(f func()) { s.afterAckQueued = f }

@@ -164,6 +164,7 @@ func (r *relayService) Ack(ctx context.Context, req *outboxv1.AckRequest) (*outb
 	}
 	results := make([]*outboxv1.AckResult, len(items))
 	ids := make([]uuid.UUID, 0, len(items))
+	tokens := make([]leasetoken.Token, 0, len(items))
 	for i, it := range items {
 		results[i] = &outboxv1.AckResult{EventId: it.GetEventId()}
 		id, err := r.verify(it.GetEventId(), it.GetLeaseToken())
@@ -173,12 +174,13 @@ func (r *relayService) Ack(ctx context.Context, req *outboxv1.AckRequest) (*outb
 			continue
 		}
 		ids = append(ids, id.EventID)
+		tokens = append(tokens, id)
 	}
 	if err := s.authorizeEvents(ctx, ids); err != nil {
 		return nil, err
 	}
 	if len(ids) > 0 {
-		byID, err := s.acks.submit(ctx, ids)
+		byID, err := s.acks.submit(ctx, tokens)
 		if err != nil {
 			return nil, s.dbError(ctx, "ack", err)
 		}

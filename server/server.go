@@ -73,6 +73,9 @@ type Config struct {
 	ReconcileInterval time.Duration
 	// AckBatch is the most acks one group commit applies. Default 2000.
 	AckBatch int
+	// AckCommitters is how many ack batches the replica applies at once,
+	// each on its own database connection. Default 2.
+	AckCommitters int
 
 	// Registerer receives the replica's Prometheus metrics, including the
 	// database-wide backlog gauges read at scrape time. Default: none.
@@ -145,6 +148,7 @@ func (c *Config) setDefaults() error {
 	defInt(&c.MaxFailures, 10)
 	defInt(&c.MaxDeliveries, 25)
 	defInt(&c.AckBatch, 2000)
+	defInt(&c.AckCommitters, 2)
 	def(&c.SessionRefreshInterval, 5*time.Second)
 	def(&c.JanitorInterval, time.Minute)
 	defInt(&c.JanitorBatch, 1000)
@@ -173,6 +177,8 @@ func (c *Config) setDefaults() error {
 			c.DiscoveryInterval, c.DiscoveryIdleInterval)
 	case c.AckBatch < 1:
 		return fmt.Errorf("server: Config.AckBatch %d must be positive", c.AckBatch)
+	case c.AckCommitters < 1:
+		return fmt.Errorf("server: Config.AckCommitters %d must be positive", c.AckCommitters)
 	case c.MaxSubscriptionsPerRelay < 1:
 		return fmt.Errorf("server: Config.MaxSubscriptionsPerRelay %d must be positive", c.MaxSubscriptionsPerRelay)
 	case c.SessionRefreshInterval <= 0:
@@ -225,6 +231,10 @@ type Server struct {
 	// beforeHandOver, when set (by tests), runs after an ack batch that
 	// handed leases over has committed, before they reach their sessions.
 	beforeHandOver func([]store.AckResult)
+	// beforeAckBatch and afterAckQueued, when set (by tests), run as each
+	// ack batch begins, and after each ack request is queued for a
+	// committer.
+	beforeAckBatch, afterAckQueued func()
 	// handOverMu is held shared by the ack committer from an ack batch's
 	// statement until every lease it handed over is with its session (or
 	// released), and likewise by a discovery round that dispatches; and

@@ -184,3 +184,62 @@ func TestWindowedClaimIsBounded(t *testing.T) {
 		t.Fatalf("largest claim leased %d events, want 8 (4 x ClaimBatch 2)", n)
 	}
 }
+
+// Ack batches run on several committers at once, but the acks of one
+// window are applied in the order they arrived: the relay acks each
+// revision of a window in its own call, one after another, while every
+// committer is held, and once they run every ack is applied (none is
+// refused as out of order, as it would be if a later revision's ack were
+// applied in a batch of its own before an earlier one).
+func TestWindowAcksKeepOrderAcrossCommitters(t *testing.T) {
+	t.Parallel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	const n = 24
+	r := startReplica(t, url, func(c *server.Config) { c.AckCommitters = 4 })
+	held := make(chan struct{})
+	r.Server.SetBeforeAckBatch(func() { <-held })
+	queued := make(chan struct{}, n)
+	r.Server.SetAfterAckQueued(func() { queued <- struct{}{} })
+	emit(t, pool, "orders", "a", n)
+	waitDiscovered(t, pool, 1)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: n, MaxInFlightPerAggregate: n})
+	_, next := receive(t, st)
+	ds := make([]*outboxv1.SubscribeResponse, n)
+	for i := range ds {
+		ds[i] = next()
+		if got := ds[i].GetEvent().GetRevision(); got != int64(i+1) {
+			t.Fatalf("delivery %d is revision %d", i, got)
+		}
+		if ds[i].GetLeaseEpoch() != ds[0].GetLeaseEpoch() {
+			t.Fatalf("revision %d came under epoch %d, not the window's %d", i+1, ds[i].GetLeaseEpoch(), ds[0].GetLeaseEpoch())
+		}
+	}
+	type answer struct {
+		res *outboxv1.AckResponse
+		err error
+	}
+	answers := make(chan answer, n)
+	for _, d := range ds {
+		go func() {
+			res, err := r.Relay.Ack(ctx, &outboxv1.AckRequest{Acks: []*outboxv1.AckItem{
+				{EventId: d.GetEvent().GetEventId(), LeaseToken: d.GetLeaseToken()}}})
+			answers <- answer{res, err}
+		}()
+		<-queued // this ack waits in its committer's queue before the next is sent
+	}
+	close(held)
+	for range n {
+		a := <-answers
+		if a.err != nil {
+			t.Fatal(a.err)
+		}
+		for _, res := range a.res.GetResults() {
+			if res.GetStatus() != outboxv1.AckStatus_ACK_STATUS_PUBLISHED {
+				t.Errorf("ack of %s: %v %s", res.GetEventId(), res.GetStatus(), res.GetMessage())
+			}
+		}
+	}
+}
