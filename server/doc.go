@@ -251,9 +251,9 @@
 //
 // Lag is counted through outbox.pending_of() over the delivery rows of
 // aggregates with pending work, so its cost follows the backlog and not the
-// table. The delivery rate comes from outbox.delivered_count, fed by a
-// statement trigger on the ack's UPDATE, because an index on published_at
-// would make every ack a non-HOT update. Relay sessions are recorded in
+// table. The delivery rate comes from outbox.delivered_count, which
+// outbox.ack adds to as it marks events published, because an index on
+// published_at would make every ack a non-HOT update. Relay sessions are recorded in
 // outbox.relay_session by their replica and refreshed every
 // Config.SessionRefreshInterval, so ListRelays sees every replica's relays;
 // the refresh has its own loop, so a long purge by the janitor cannot let
