@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"math"
 	"slices"
 	"time"
 )
@@ -123,6 +124,11 @@ type Config struct {
 	// spread over size/10 aggregates, for at most twice Duration. Default
 	// 10k, 100k, 1M (quick: 10k, 50k).
 	DrainSizes []int
+	// LatencyRate, when positive, is the latency workload's open-loop
+	// producer rate in events/s instead of half of outboxd's steady rate in
+	// the same run: two builds compared back to back then carry the same
+	// load. Default 0.
+	LatencyRate float64
 	// Quick selects the reduced set's defaults (about a minute in all).
 	Quick bool
 	// ServerBinary is the outboxd binary whose `serve` command runs the
@@ -217,6 +223,8 @@ func (c *Config) setDefaults() error {
 		return fmt.Errorf("bench: Config.MaxInFlight %d (--max-in-flight) must be positive", c.MaxInFlight)
 	case c.Aggregates < 1:
 		return fmt.Errorf("bench: Config.Aggregates %d (--aggregates) must be positive", c.Aggregates)
+	case c.LatencyRate < 0 || math.IsNaN(c.LatencyRate) || math.IsInf(c.LatencyRate, 0):
+		return fmt.Errorf("bench: Config.LatencyRate %v (--latency-rate) must be a positive rate, or 0 for half the steady rate", c.LatencyRate)
 	}
 	for _, l := range c.SinkLatencies {
 		if l < 0 {

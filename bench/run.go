@@ -265,7 +265,7 @@ func runArm(ctx context.Context, cfg *Config, sc *scratch, spec armSpec, rep *Re
 	} else {
 		var rate float64
 		if spec.workload == WorkloadLatency {
-			if rate, err = latencyRate(rep, spec.sink); err != nil {
+			if rate, err = latencyRate(rep, spec.sink, env.cfg.LatencyRate); err != nil {
 				return nil, err
 			}
 		}
@@ -290,10 +290,13 @@ func runArm(ctx context.Context, cfg *Config, sc *scratch, spec armSpec, rep *Re
 	return res, nil
 }
 
-// latencyRate is the latency workload's open-loop rate: half of what outboxd
-// (or, without it, the naive poller) delivered in steady at this sink
-// latency earlier in the run.
-func latencyRate(rep *Report, sink time.Duration) (float64, error) {
+// latencyRate is the latency workload's open-loop rate: fixed when given,
+// else half of what outboxd (or, without it, the naive poller) delivered in
+// steady at this sink latency earlier in the run.
+func latencyRate(rep *Report, sink time.Duration, fixed float64) (float64, error) {
+	if fixed > 0 {
+		return fixed, nil
+	}
 	for _, arm := range []string{ArmOutboxd, ArmNaivePoller} {
 		if r := rep.find(WorkloadSteady, arm, sink, 0); r != nil && r.Throughput > 0 {
 			return r.Throughput / 2, nil

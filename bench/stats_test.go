@@ -3,6 +3,7 @@ package bench
 import (
 	"math"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 )
@@ -103,5 +104,30 @@ func TestRates(t *testing.T) {
 	}
 	if !math.IsNaN(ratio(3, 0)) || !math.IsNaN(ratio(math.NaN(), 1)) {
 		t.Error("a ratio over nothing must be NaN, not a number that could pass a goal")
+	}
+}
+
+// The latency workload runs at half of outboxd's steady rate in the same run
+// unless --latency-rate fixes it; a negative or non-finite rate is refused.
+func TestLatencyRate(t *testing.T) {
+	zero := 0.0
+	rep := &Report{Results: []*Result{{Workload: WorkloadSteady, Arm: ArmOutboxd, SinkLatencyMs: &zero, Throughput: 1200}}}
+	if got, err := latencyRate(rep, 0, 0); err != nil || got != 600 {
+		t.Errorf("derived rate: %v, %v; want 600", got, err)
+	}
+	if got, err := latencyRate(rep, 0, 250); err != nil || got != 250 {
+		t.Errorf("fixed rate: %v, %v; want 250", got, err)
+	}
+	if _, err := latencyRate(&Report{}, 0, 0); err == nil {
+		t.Error("no steady run and no fixed rate: want an error")
+	}
+	if got, err := latencyRate(&Report{}, 0, 400); err != nil || got != 400 {
+		t.Errorf("fixed rate without a steady run: %v, %v; want 400", got, err)
+	}
+	for _, bad := range []float64{-1, math.Inf(1), math.NaN()} {
+		c := Config{LatencyRate: bad, DatabaseURL: "postgres://127.0.0.1/x", ServerBinary: "outboxd"}
+		if err := c.setDefaults(); err == nil || !strings.Contains(err.Error(), "--latency-rate") {
+			t.Errorf("LatencyRate %v: %v; want an error naming --latency-rate", bad, err)
+		}
 	}
 }

@@ -164,6 +164,7 @@ compare arms of the same run.`,
 	fl.IntVar(&cfg.Aggregates, "aggregates", 10_000, "aggregates the steady and latency workloads spread events over")
 	fl.DurationSliceVar(&cfg.SinkLatencies, "sink-latency", nil, "sink publish latencies standing in for a broker round trip; steady runs each, the rest use the first (default 0,1ms,5ms; 0,1ms with --quick)")
 	fl.IntSliceVar(&cfg.DrainSizes, "drain-sizes", nil, "backlogs the drain workload empties (default 10000,100000,1000000; 10000,50000 with --quick)")
+	fl.Float64Var(&cfg.LatencyRate, "latency-rate", 0, "the latency workload's producer rate in events/s (default: half of outboxd's steady rate in the same run), to compare builds at the same load")
 	fl.StringVar(&cfg.SinkURL, "sink", "", "publish to a real broker (a relay sink URL such as nats://127.0.0.1:4222) before counting, instead of only the in-process sink")
 	fl.BoolVar(&cfg.Quick, "quick", false, "run the reduced set (about two minutes)")
 	fl.StringVar(&jsonPath, "json", "", "write every figure to this JSON file")
