@@ -1532,9 +1532,9 @@ BEGIN
 
     -- Published ones straight from the arrays; the rest, if any, need a look
     -- at the event to say why not. Then the leases handed over, in revision
-    -- order. (Each statement here is run only when it has rows to return:
-    -- starting a statement's executor costs as much as a small one's work,
-    -- and a batch of one ack runs on every event of a hot aggregate.)
+    -- order. (The last two run only when they have rows to return: starting
+    -- a statement's executor costs as much as a small one's work, and a
+    -- batch of one ack runs on every event of a hot aggregate.)
     RETURN QUERY
     SELECT o.id, 'published'::text, o.holder, o.created_at, NULL::outbox.lease
     FROM unnest(v_ok, v_holders, v_ok_created) AS o(id, holder, created_at);

@@ -20,14 +20,15 @@ import (
 //
 // Config.AckCommitters batches run at once, each on its own connection, so
 // that the database applies acks on as many cores while one batch commits.
-// An ack goes to the committer its lease's epoch picks. Every event of one
-// lease (a window) has the same epoch, so its acks queue in one committer in
-// the order they arrived and are applied in that order: spreading them over
-// committers could apply a later revision's ack first, which outbox.ack
-// refuses as out of order. A lease of another epoch of the same aggregate
-// exists only once the earlier one ended: its acks were applied, or it
-// expired or was nacked, and an ack of it that is still queued elsewhere can
-// only be refused.
+// An ack goes to the committer its lease picks: the lease's epoch and its
+// aggregate's hash, both in the token. Every event of one lease (a window)
+// has the same pair, so its acks queue in one committer in the order they
+// arrived and are applied in that order: spreading them over committers
+// could apply a later revision's ack first, which outbox.ack refuses as out
+// of order (a redelivery, never a loss). The leases one statement makes
+// share an epoch but not an aggregate, so their acks spread. A lease of
+// another epoch of the same aggregate starts only once the earlier one
+// ended, when its acks were applied or refused.
 type ackCommitter struct {
 	s      *Server
 	shards []chan *ackRequest
@@ -51,10 +52,10 @@ func newAckCommitter(s *Server) *ackCommitter {
 	return a
 }
 
-// shard picks the committer of a lease's acks from its epoch (a clock in
-// microseconds or a counter), mixed so that neighbouring epochs spread.
-func (a *ackCommitter) shard(epoch int64) int {
-	x := uint64(epoch) * 0x9E3779B97F4A7C15
+// shard picks the committer of a lease's acks from its epoch and aggregate,
+// mixed so that neighbouring values spread.
+func (a *ackCommitter) shard(t leasetoken.Token) int {
+	x := (uint64(t.Epoch) ^ uint64(t.Aggregate)<<32 ^ uint64(t.Aggregate)) * 0x9E3779B97F4A7C15
 	return int((x >> 32) % uint64(len(a.shards)))
 }
 
@@ -63,7 +64,7 @@ func (a *ackCommitter) shard(epoch int64) int {
 func (a *ackCommitter) submit(ctx context.Context, tokens []leasetoken.Token) (map[uuid.UUID]store.AckResult, error) {
 	parts := make(map[int][]uuid.UUID, 1)
 	for _, t := range tokens {
-		i := a.shard(t.Epoch)
+		i := a.shard(t)
 		parts[i] = append(parts[i], t.EventID)
 	}
 	reqs := make([]*ackRequest, 0, len(parts))
@@ -81,32 +82,46 @@ func (a *ackCommitter) submit(ctx context.Context, tokens []leasetoken.Token) (m
 		}
 		reqs = append(reqs, req)
 	}
-	// Once queued, wait for the outcome even if the caller gives up: the
-	// batch commits regardless, and the result must not be lost to a
-	// half-read channel.
+	// Every part is waited for, even after one failed: the answer to an Ack
+	// call means each of its acks was applied if it could be (a relay
+	// counts on it before nacking a later revision). Only the caller giving
+	// up ends the wait; the batches commit regardless, and their outcome
+	// channels are buffered.
 	outs := make([]map[uuid.UUID]store.AckResult, 0, len(reqs))
+	var failed error
 	for _, req := range reqs {
 		select {
 		case out := <-req.done:
 			if out.err != nil {
-				return nil, out.err
+				failed = out.err
+				continue
 			}
 			outs = append(outs, out.results)
 		case <-ctx.Done():
 			return nil, ctx.Err()
 		}
 	}
+	if failed != nil {
+		return nil, failed
+	}
 	if len(outs) == 1 {
 		return outs[0], nil
 	}
 	// Each batch's results are shared by every request it carried: read
-	// them, never write them.
+	// them, never write them. An event acked under two leases in one call
+	// (an expired lease's token and its redelivery's) has a result in each
+	// part: the one that published it wins.
 	results := make(map[uuid.UUID]store.AckResult, len(tokens))
 	for _, out := range outs {
 		for _, t := range tokens {
-			if r, ok := out[t.EventID]; ok {
-				results[t.EventID] = r
+			r, ok := out[t.EventID]
+			if !ok {
+				continue
 			}
+			if prev, seen := results[t.EventID]; seen && prev.Status == store.AckPublished {
+				continue
+			}
+			results[t.EventID] = r
 		}
 	}
 	return results, nil

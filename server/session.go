@@ -695,8 +695,9 @@ func aggregates(leases []store.Lease) int {
 func (ss *session) delivery(l store.Lease) *outboxv1.SubscribeResponse {
 	e := l.Event
 	return &outboxv1.SubscribeResponse{
-		Event:          eventProto(e),
-		LeaseToken:     ss.srv.signer.Sign(leasetoken.Token{EventID: e.ID, Epoch: l.Epoch}),
+		Event: eventProto(e),
+		LeaseToken: ss.srv.signer.Sign(leasetoken.Token{
+			EventID: e.ID, Epoch: l.Epoch, Aggregate: leasetoken.AggregateHash(e.Stream, e.AggregateKey)}),
 		LeaseExpiresAt: timestamppb.New(l.ExpiresAt),
 		Attempt:        uint32(l.Attempt),
 		// The claim has just set the lease to the database's now + ttl; the

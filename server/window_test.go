@@ -3,6 +3,7 @@ package server_test
 import (
 	"context"
 	"fmt"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -198,6 +199,9 @@ func TestWindowAcksKeepOrderAcrossCommitters(t *testing.T) {
 	const n = 24
 	r := startReplica(t, url, func(c *server.Config) { c.AckCommitters = 4 })
 	held := make(chan struct{})
+	var releaseOnce sync.Once
+	release := func() { releaseOnce.Do(func() { close(held) }) }
+	t.Cleanup(release) // before the replica stops, should the test fail while holding it
 	r.Server.SetBeforeAckBatch(func() { <-held })
 	queued := make(chan struct{}, n)
 	r.Server.SetAfterAckQueued(func() { queued <- struct{}{} })
@@ -228,9 +232,14 @@ func TestWindowAcksKeepOrderAcrossCommitters(t *testing.T) {
 				{EventId: d.GetEvent().GetEventId(), LeaseToken: d.GetLeaseToken()}}})
 			answers <- answer{res, err}
 		}()
-		<-queued // this ack waits in its committer's queue before the next is sent
+		// This ack waits in its committer's queue before the next is sent.
+		select {
+		case <-queued:
+		case a := <-answers:
+			t.Fatalf("an Ack was answered before it was queued: %v", a.err)
+		}
 	}
-	close(held)
+	release()
 	for range n {
 		a := <-answers
 		if a.err != nil {
@@ -240,6 +249,70 @@ func TestWindowAcksKeepOrderAcrossCommitters(t *testing.T) {
 			if res.GetStatus() != outboxv1.AckStatus_ACK_STATUS_PUBLISHED {
 				t.Errorf("ack of %s: %v %s", res.GetEventId(), res.GetStatus(), res.GetMessage())
 			}
+		}
+	}
+}
+
+// The leases one claim makes share an epoch, but their acks still spread
+// over the committers: one Ack call acking many aggregates at once has
+// batches in two committers at the same moment.
+func TestAcksOfOneClaimSpreadOverCommitters(t *testing.T) {
+	t.Parallel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	const aggregates = 40
+	r := startReplica(t, url, func(c *server.Config) { c.AckCommitters = 2 })
+	entered := make(chan struct{}, aggregates)
+	held := make(chan struct{})
+	var releaseOnce sync.Once
+	release := func() { releaseOnce.Do(func() { close(held) }) }
+	t.Cleanup(release) // before the replica stops, should the test fail while holding it
+	r.Server.SetBeforeAckBatch(func() {
+		entered <- struct{}{}
+		<-held
+	})
+	for i := range aggregates {
+		emit(t, pool, "orders", fmt.Sprintf("a%d", i), 1)
+	}
+	// All found before the relay subscribes, so that one claim leases them
+	// all (under one epoch).
+	waitDiscovered(t, pool, aggregates)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: aggregates})
+	_, next := receive(t, st)
+	ds := make([]*outboxv1.SubscribeResponse, aggregates)
+	epochs := map[int64]bool{}
+	for i := range ds {
+		ds[i] = next()
+		epochs[ds[i].GetLeaseEpoch()] = true
+	}
+	if len(epochs) != 1 {
+		t.Logf("the claim's leases came under %d epochs; the test wants them to share one", len(epochs))
+	}
+	done := make(chan []*outboxv1.AckResult, 1)
+	go func() {
+		req := &outboxv1.AckRequest{}
+		for _, d := range ds {
+			req.Acks = append(req.Acks, &outboxv1.AckItem{EventId: d.GetEvent().GetEventId(), LeaseToken: d.GetLeaseToken()})
+		}
+		res, err := r.Relay.Ack(ctx, req)
+		if err != nil {
+			t.Error(err)
+		}
+		done <- res.GetResults()
+	}()
+	for i := range 2 {
+		select {
+		case <-entered:
+		case <-time.After(30 * time.Second):
+			t.Fatalf("%d ack batch(es) began; want 2 at once, one per committer", i)
+		}
+	}
+	release()
+	for _, res := range <-done {
+		if res.GetStatus() != outboxv1.AckStatus_ACK_STATUS_PUBLISHED {
+			t.Errorf("ack of %s: %v %s", res.GetEventId(), res.GetStatus(), res.GetMessage())
 		}
 	}
 }

@@ -1,7 +1,8 @@
 // Package leasetoken makes and checks lease tokens: the proof a relay shows
 // to Ack, Nack or ExtendLease a delivery.
 //
-// A token binds an event id and a lease epoch under an HMAC-SHA256 with a key
+// A token binds an event id, a lease epoch and its aggregate's hash under an
+// HMAC-SHA256 with a key
 // every replica reads from the database (outbox.lease_key), so any replica can
 // verify a token another one issued, and nobody without the key can forge
 // one. The server needs no table of issued tokens: a genuine token proves the
@@ -15,14 +16,16 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"hash/fnv"
 
 	"github.com/google/uuid"
 )
 
 const (
-	version = 1
+	version = 2
 	macSize = 16 // truncated HMAC-SHA256: 128 bits is ample against forgery
-	rawSize = 1 + 16 + 8 + macSize
+	rawSize = 1 + 16 + 8 + 4 + macSize
+	signed  = rawSize - macSize
 )
 
 // ErrInvalid is returned for malformed, forged or foreign tokens.
@@ -34,6 +37,20 @@ type Token struct {
 	EventID uuid.UUID
 	// Epoch is the aggregate's lease epoch when it was issued.
 	Epoch int64
+	// Aggregate is AggregateHash of the leased event's stream and key.
+	// With Epoch it names one lease: the events of one window share both,
+	// while leases made by one statement (a claim of many aggregates)
+	// share only the epoch.
+	Aggregate uint32
+}
+
+// AggregateHash is the Aggregate of a token for an event of stream and key.
+func AggregateHash(stream, key string) uint32 {
+	h := fnv.New32a()
+	h.Write([]byte(stream))
+	h.Write([]byte{0})
+	h.Write([]byte(key))
+	return h.Sum32()
 }
 
 // Signer makes and checks tokens with one key.
@@ -55,7 +72,8 @@ func (s *Signer) Sign(t Token) string {
 	raw[0] = version
 	copy(raw[1:17], t.EventID[:])
 	binary.BigEndian.PutUint64(raw[17:25], uint64(t.Epoch))
-	copy(raw[25:], s.mac(raw[:25]))
+	binary.BigEndian.PutUint32(raw[25:29], t.Aggregate)
+	copy(raw[signed:], s.mac(raw[:signed]))
 	return base64.RawURLEncoding.EncodeToString(raw[:])
 }
 
@@ -75,12 +93,13 @@ func (s *Signer) Verify(token string) (Token, error) {
 	if raw[0] != version {
 		return Token{}, fmt.Errorf("%w: unknown version %d", ErrInvalid, raw[0])
 	}
-	if !hmac.Equal(raw[25:], s.mac(raw[:25])) {
+	if !hmac.Equal(raw[signed:], s.mac(raw[:signed])) {
 		return Token{}, fmt.Errorf("%w: signature mismatch", ErrInvalid)
 	}
 	var t Token
 	copy(t.EventID[:], raw[1:17])
 	t.Epoch = int64(binary.BigEndian.Uint64(raw[17:25]))
+	t.Aggregate = binary.BigEndian.Uint32(raw[25:29])
 	return t, nil
 }
 

@@ -18,7 +18,7 @@ func signer(t testing.TB, b byte) *Signer {
 
 func TestRoundTripAndForgery(t *testing.T) {
 	s := signer(t, 1)
-	tok := Token{EventID: uuid.New(), Epoch: 42}
+	tok := Token{EventID: uuid.New(), Epoch: 42, Aggregate: AggregateHash("orders", "order-7")}
 	str := s.Sign(tok)
 	got, err := s.Verify(str)
 	if err != nil || got != tok {
