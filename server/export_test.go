@@ -68,3 +68,10 @@ func (s *Server) SetBeforeAckBatch(f func()) { s.beforeAckBatch = f }
 // for a committer (one per committer its acks go to). Set it before the
 // first Ack.
 func (s *Server) SetAfterAckQueued(f func()) { s.afterAckQueued = f }
+
+// InFlight is how many events this replica's sessions count as in flight:
+// a session counts its leases before it sends them.
+func (s *Server) InFlight() (n int64) {
+	s.forEachSession(func(ss *session) { n += ss.inflightN.Load() })
+	return n
+}

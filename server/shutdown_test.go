@@ -190,9 +190,13 @@ func TestStopHonoursDeadlineWithStalledRelay(t *testing.T) {
 	if _, err := st.Header(); err != nil {
 		t.Fatal(err)
 	}
-	// Never read: the session claims all n and blocks sending them.
+	// Never read: the session leases all n and blocks sending them. Waited
+	// for in the session, which counts its leases before sending them: the
+	// database shows a discovery round's leases before they reach the
+	// session, and a session stopped in between ends at once (it has
+	// nothing in flight), with no stalled Send for Stop to time out on.
 	waitFor(t, func() int32 {
-		if countLeased(t, pool) == n {
+		if countLeased(t, pool) == n && r.Server.InFlight() == n {
 			return 1
 		}
 		return 0
