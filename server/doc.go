@@ -94,13 +94,14 @@
 // Ack verifies each token's HMAC (any replica can: the key is in the
 // database) and hands the ids to a group committer, which applies every ack
 // queued for it in one call of outbox.ack. Config.AckCommitters committers
-// (2 by default) apply batches at once, each on its own connection; a
-// lease's epoch picks its committer, so the acks of one window queue in one
-// committer in the order they came and are applied in that order. A batch
-// runs outbox.ack: lock the pending events in id order,
-// then their delivery rows in key order (no deadlocks between batches), mark
-// each event published if it is still its aggregate's next revision and not
-// skipped, advance the cursor, and make the aggregate ready or idle.
+// (one by default; serve --ack-committers) apply batches at once, each on
+// its own connection; a lease (its epoch and aggregate) picks its committer,
+// so the acks of one window queue in one committer in the order they came
+// and are applied in that order. A batch runs outbox.ack: lock the pending
+// events in id order, then their delivery rows in key order (no deadlocks
+// between batches), mark each event published if it is still its aggregate's
+// next revision and not skipped, advance the cursor, and make the aggregate
+// ready or idle.
 //
 // Hand-over: the batch also passes this replica's open sessions (with their
 // lease TTLs) unless the server is stopping. When an ack ends the lease of

@@ -44,7 +44,9 @@ func TestCrashKillsLoseNothing(t *testing.T) {
 
 	addrs := []string{freeAddr(t), freeAddr(t)}
 	serve := func(i int) *process {
-		return start(t, "serve", "--database-url", url, "--listen", addrs[i], "--lease-ttl", "2s", "--log-level", "warn", "--http-listen", "")
+		// Server 1 applies acks in three committers at once.
+		return start(t, "serve", "--database-url", url, "--listen", addrs[i], "--lease-ttl", "2s", "--log-level", "warn", "--http-listen", "",
+			"--ack-committers", strconv.Itoa(1+2*i))
 	}
 	sinkURL := fmt.Sprintf("%s?stream=%s&subject=%s.{stream}.{aggregate_key}&duplicates=100ms", natsURL(), streamName, prefix)
 	// Relays 1 and 3 take windows of 8 events per aggregate: windowed and

@@ -60,7 +60,9 @@ func TestPostgresCrashesLoseNothing(t *testing.T) {
 	const aggregates, rounds = 200, 30
 	addrs := []string{freeAddr(t), freeAddr(t)}
 	for i := range addrs {
-		start(t, "serve", "--database-url", db.URL, "--listen", addrs[i], "--lease-ttl", "2s", "--log-level", "warn", "--http-listen", "")
+		// Server 1 applies acks in three committers at once.
+		start(t, "serve", "--database-url", db.URL, "--listen", addrs[i], "--lease-ttl", "2s", "--log-level", "warn", "--http-listen", "",
+			"--ack-committers", strconv.Itoa(1+2*i))
 	}
 	sinkURL := fmt.Sprintf("%s?stream=%s&subject=%s.{stream}.{aggregate_key}&duplicates=100ms", natsURL(), streamName, prefix)
 	for i := range 2 { // relay 1 with a window of 8 events per aggregate

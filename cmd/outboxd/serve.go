@@ -50,6 +50,7 @@ type serveFlags struct {
 	tlsCert, tlsKey      string
 	tlsClientCA          string
 	maxSubscriptions     int
+	ackCommitters        int
 	pprof                bool
 	console              bool
 }
@@ -79,6 +80,7 @@ func (f *serveFlags) register(cmd *cobra.Command) {
 	fl.StringVar(&f.tlsClientCA, "tls-client-ca", "", "CA file for client certificates: turns on mutual TLS")
 	fl.BoolVar(&f.pprof, "pprof", false, "serve Go profiles on the HTTP port under /debug/pprof/")
 	fl.BoolVar(&f.console, "console", true, "serve the operator console at / on the HTTP port (login with a viewer or admin token)")
+	fl.IntVar(&f.ackCommitters, "ack-committers", 1, "ack batches applied at once, each on its own database connection: more drains a backlog faster on several cores, but makes each batch smaller (more database work per ack) when load is light")
 	fl.IntVar(&f.maxSubscriptions, "max-subscriptions-per-relay", 64, "Subscribe streams one token (or relay id, without auth) may hold open on this replica")
 }
 
@@ -262,7 +264,7 @@ func runServer(ctx context.Context, url string, f *serveFlags, log *slog.Logger,
 			DefaultLeaseTTL: f.defaultLeaseTTL, MaxFailures: f.maxFailures, MaxDeliveries: f.maxDeliveries,
 			BackoffBase: f.backoffBase, BackoffCap: f.backoffCap, PollInterval: f.pollInterval,
 			Registerer: reg, Retention: f.retention, JanitorInterval: f.janitorInterval,
-			MaxSubscriptionsPerRelay: f.maxSubscriptions,
+			MaxSubscriptionsPerRelay: f.maxSubscriptions, AckCommitters: f.ackCommitters,
 		},
 		Authenticator:   authn,
 		Creds:           creds,
