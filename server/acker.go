@@ -28,7 +28,10 @@ import (
 // of order (a redelivery, never a loss). The leases one statement makes
 // share an epoch but not an aggregate, so their acks spread. A lease of
 // another epoch of the same aggregate starts only once the earlier one
-// ended, when its acks were applied or refused.
+// ended (its acks applied, or it expired or was nacked); an ack of the
+// earlier lease still queued in another committer is then applied if its
+// event is still the next revision, or refused, as an ack on another
+// replica would be.
 type ackCommitter struct {
 	s      *Server
 	shards []chan *ackRequest
