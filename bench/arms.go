@@ -222,7 +222,7 @@ func newArm(name string, cfg *Config) arm {
 	case ArmRiver:
 		return &riverArm{}
 	default:
-		return &outboxdArm{binary: cfg.ServerBinary}
+		return &outboxdArm{binary: cfg.ServerBinary, flags: cfg.ServeFlags}
 	}
 }
 
@@ -297,6 +297,7 @@ func (a *producerArm) produce(ctx context.Context, conn *pgxpool.Conn, agg int, 
 // the real server and K relay runners over loopback gRPC.
 type outboxdArm struct {
 	binary string
+	flags  []string // extra serve flags
 	server serverHandle
 	relays *relayFleet
 }
@@ -345,7 +346,7 @@ func (*outboxdArm) produce(ctx context.Context, conn *pgxpool.Conn, agg int, pay
 func (a *outboxdArm) startServer(ctx context.Context, env *armEnv) (serverHandle, error) {
 	// Assigned only on success: a nil *childServer in the interface would
 	// not compare equal to nil in stop.
-	s, err := startChildServer(ctx, a.binary, env.dbURL, logWriter{env.log})
+	s, err := startChildServer(ctx, a.binary, a.flags, env.dbURL, logWriter{env.log})
 	if err != nil {
 		return nil, err
 	}

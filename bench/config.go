@@ -135,6 +135,9 @@ type Config struct {
 	// server in a child process (BuildServer makes one). Required when an
 	// arm needs the server.
 	ServerBinary string
+	// ServeFlags are extra flags for the child's serve command (say
+	// --ack-committers=2), to measure a setting other than the defaults.
+	ServeFlags []string
 	// SinkURL, when set, names a real broker (a relay sink URL such as
 	// nats://host:4222) every delivery is published to before the
 	// in-process sink counts it.

@@ -58,7 +58,7 @@ type childServer struct {
 // startChildServer runs `binary serve` on a free loopback port against
 // dbURL and waits until it reports SERVING. The server's warnings go to
 // logw.
-func startChildServer(ctx context.Context, binary, dbURL string, logw io.Writer) (*childServer, error) {
+func startChildServer(ctx context.Context, binary string, flags []string, dbURL string, logw io.Writer) (*childServer, error) {
 	var lastErr error
 	// The port is found free, then handed to the child: another process may
 	// take it in between, so try a few.
@@ -67,7 +67,7 @@ func startChildServer(ctx context.Context, binary, dbURL string, logw io.Writer)
 		if err != nil {
 			return nil, err
 		}
-		s, err := launchChildServer(ctx, binary, addr, dbURL, logw)
+		s, err := launchChildServer(ctx, binary, flags, addr, dbURL, logw)
 		if err == nil {
 			return s, nil
 		}
@@ -79,9 +79,9 @@ func startChildServer(ctx context.Context, binary, dbURL string, logw io.Writer)
 	return nil, lastErr
 }
 
-func launchChildServer(ctx context.Context, binary, addr, dbURL string, logw io.Writer) (*childServer, error) {
+func launchChildServer(ctx context.Context, binary string, flags []string, addr, dbURL string, logw io.Writer) (*childServer, error) {
 	s := &childServer{address: addr, stderr: newTailWriter(logw, "outboxd serve: "), done: make(chan struct{})}
-	s.cmd = exec.Command(binary, serveArgs(binary, addr, dbURL)...)
+	s.cmd = exec.Command(binary, append(serveArgs(binary, addr, dbURL), flags...)...)
 	s.cmd.Stdout = io.Discard
 	s.cmd.Stderr = s.stderr
 	setDeathSignal(s.cmd)

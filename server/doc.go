@@ -37,7 +37,8 @@
 // outbox_wakeup when it made a row ready. A transaction left open costs one
 // index probe per round; it never delays other events. An empty round
 // writes nothing. BEGIN is sent with the scan and COMMIT with the apply, so
-// a round is two round trips to the database.
+// a round is two round trips to the database (once its statements are
+// prepared on the connection).
 //
 // Dispatch: a new or idle aggregate has nothing in hand, so instead of
 // making it ready for a claim (a second write of its row, a second

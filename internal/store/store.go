@@ -101,7 +101,8 @@ func (s *Store) Discover(ctx context.Context, replicaID string, choose func([]Fo
 	// between its two batches) is closed by the pool, never reused.
 	defer conn.Release()
 	// BEGIN travels with the scan and COMMIT with the apply, so a round is
-	// two round trips to the database rather than four. A discovery round
+	// two round trips to the database rather than four (once the
+	// connection has prepared the two statements: its first round adds one). A discovery round
 	// is on the path of every event's latency, and on a busy machine each
 	// round trip waits for a core on both sides.
 	br := conn.SendBatch(ctx, &pgx.Batch{QueuedQueries: []*pgx.QueuedQuery{

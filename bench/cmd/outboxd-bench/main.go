@@ -169,6 +169,7 @@ compare arms of the same run.`,
 	fl.BoolVar(&cfg.Quick, "quick", false, "run the reduced set (about two minutes)")
 	fl.StringVar(&jsonPath, "json", "", "write every figure to this JSON file")
 	fl.StringVar(&plotPath, "plot", "", "draw the figures to this .png or .svg file")
+	fl.StringArrayVar(&cfg.ServeFlags, "serve-flag", nil, "an extra flag for the server's serve command, such as --serve-flag=--ack-committers=2 (repeatable); the defaults are measured without")
 	fl.StringVar(&serverBinary, "server-binary", "", "the outboxd binary whose serve command runs the server (default: build cmd/outboxd from the main module)")
 	fl.StringVar(&cpuProfile, "cpuprofile", "", "write a CPU profile of the benchmark process (producers, relays, peers, sink) to this file")
 	fl.StringVar(&replot, "replot", "", "run nothing: draw --plot from this JSON file of an earlier run")
