@@ -88,8 +88,15 @@ func TestAttemptHistory(t *testing.T) {
 		t.Fatalf("by event: %d attempts", len(got))
 	}
 
-	// A release: a relay's stream ends holding the lease.
+	// A release: a relay's stream ends holding the lease. relay-a's
+	// session must be over first: one still running when the retry makes
+	// the aggregate ready could claim it and release it as relay-a.
 	cancel1()
+	waitCtx, cancelWait := context.WithTimeout(ctx, 30*time.Second)
+	defer cancelWait()
+	if err := r.Server.Wait(waitCtx); err != nil {
+		t.Fatalf("relay-a's session did not end: %v", err)
+	}
 	if _, err := r.Admin.RetryAggregate(ctx, &outboxv1.RetryAggregateRequest{Stream: "orders", AggregateKey: "h"}); err != nil {
 		t.Fatal(err)
 	}
