@@ -1001,11 +1001,7 @@ CREATE TABLE outbox.event (
     created_at timestamp with time zone DEFAULT now() NOT NULL,
     published_at timestamp with time zone,
     xid xid8 DEFAULT pg_current_xact_id() NOT NULL,
-    CONSTRAINT event_aggregate_key_check CHECK (((aggregate_key <> ''::text) AND (octet_length(aggregate_key) <= 1024))),
-    CONSTRAINT event_event_type_check CHECK (((event_type <> ''::text) AND (octet_length(event_type) <= 256))),
-    CONSTRAINT event_headers_check CHECK ((jsonb_typeof(headers) = 'object'::text)),
-    CONSTRAINT event_revision_check CHECK (((revision > 0) AND (revision <= '9007199254740991'::bigint))),
-    CONSTRAINT event_stream_check CHECK ((stream ~ '^[a-z][a-z0-9_.-]{0,127}$'::text))
+    CONSTRAINT event_revision_check CHECK (((revision > 0) AND (revision <= '9007199254740991'::bigint)))
 )
 WITH (fillfactor='50');
 
