@@ -1208,6 +1208,16 @@ $$;
 -- still pending answers out_of_order. Returns one row per distinct input
 -- id; created_at is set for published ones.
 --
+-- claimable_in, on published rows, is what the batch saw of claimable
+-- work once it had applied: zero when some aggregate was claimable at
+-- once, otherwise how long until the first one would be (a lease expiring,
+-- a backoff ending), NULL when none would. A session whose credit these
+-- acks freed claims with it only when there is something to claim, and
+-- otherwise no later than that: an empty claim after every ack that ends a
+-- lease without a hand-over was most of the claims of a replica in steady
+-- delivery. Anything made claimable after this statement's snapshot wakes
+-- the sessions itself (a discovery round) or is seen by the next batch.
+--
 -- A lease whose window (see lease_heads) reaches past the acked revisions
 -- goes on, same epoch and holder, from the next revision.
 --
@@ -1239,7 +1249,8 @@ CREATE FUNCTION outbox.ack(
     p_handover_windows integer[] DEFAULT NULL,
     p_handover_credits integer[] DEFAULT NULL
 )
-RETURNS TABLE (event_id uuid, status text, holder uuid, created_at timestamptz, handover outbox.lease)
+RETURNS TABLE (event_id uuid, status text, holder uuid, created_at timestamptz, handover outbox.lease,
+               claimable_in interval)
 LANGUAGE plpgsql
 SET enable_seqscan = off SET jit = off SET plan_cache_mode = force_generic_plan
 AS $$
@@ -1259,6 +1270,7 @@ DECLARE
     v_holders uuid[];
     v_remote uuid[];
     v_oldest timestamptz;
+    v_first_claimable timestamptz;
     v_handed outbox.lease[];
     v_handed_holders uuid[];
     v_handed_acks uuid[];
@@ -1399,12 +1411,14 @@ BEGIN
                     next_attempt_at = NULL, gap_revision = NULL
                 FROM nxt x
                 WHERE d.stream = x.stream AND d.aggregate_key = x.aggregate_key
-                RETURNING d.state, d.holder, d.leased_event_id, d.epoch, d.attempt, d.lease_expires_at, x.event_id AS acked
+                RETURNING d.state, d.holder, d.leased_event_id, d.epoch, d.attempt, d.lease_expires_at, x.event_id AS acked,
+                          d.claimable_at
             )
             SELECT array_agg(ROW(e.event_id, e.stream, e.aggregate_key, e.revision, e.event_type, e.payload::text,
                                  e.headers, e.created_at, a.epoch, a.attempt, a.lease_expires_at)::outbox.lease),
-                   array_agg(a.holder), array_agg(a.acked)
-            INTO v_handed, v_handed_holders, v_handed_acks
+                   array_agg(a.holder), array_agg(a.acked),
+                   (SELECT min(x.claimable_at) FROM advanced x)
+            INTO v_handed, v_handed_holders, v_handed_acks, v_first_claimable
             FROM advanced a JOIN outbox.event e ON e.event_id = a.leased_event_id
             WHERE a.state = 'leased';
         ELSE
@@ -1516,14 +1530,15 @@ BEGIN
                 FROM granted g
                 WHERE d.stream = g.stream AND d.aggregate_key = g.aggregate_key
                 RETURNING d.stream, d.aggregate_key, d.holder, d.epoch, d.attempt, d.lease_expires_at,
-                          g.start, g.grant_n, g.last_ack
+                          g.start, g.grant_n, g.last_ack, d.claimable_at
             )
             SELECT array_agg(ROW(e.event_id, e.stream, e.aggregate_key, e.revision, e.event_type, e.payload::text,
                                  e.headers, e.created_at, a.epoch, a.attempt, a.lease_expires_at)::outbox.lease
                              ORDER BY e.stream, e.aggregate_key, e.revision),
                    array_agg(a.holder ORDER BY e.stream, e.aggregate_key, e.revision),
-                   array_agg(a.last_ack ORDER BY e.stream, e.aggregate_key, e.revision)
-            INTO v_handed, v_handed_holders, v_handed_acks
+                   array_agg(a.last_ack ORDER BY e.stream, e.aggregate_key, e.revision),
+                   (SELECT min(x.claimable_at) FROM advanced x)
+            INTO v_handed, v_handed_holders, v_handed_acks, v_first_claimable
             FROM advanced a
             JOIN outbox.event e ON e.stream = a.stream AND e.aggregate_key = a.aggregate_key
                                AND e.revision >= a.start AND e.revision < a.start + a.grant_n
@@ -1536,6 +1551,11 @@ BEGIN
         IF v_remote IS NOT NULL THEN
             PERFORM pg_notify('outbox_released', h::text) FROM unnest(v_remote) AS h;
         END IF;
+        -- The first claimable_at once this batch applied: the rows it
+        -- wrote as they are now, and every other as the claim-order probe
+        -- above read it, after this batch's locks (a row of this batch it
+        -- read as leased makes this earlier than it is, never later).
+        v_first_claimable := least(v_first_claimable, v_oldest);
     END IF;
 
     -- Published ones straight from the arrays; the rest, if any, need a look
@@ -1544,7 +1564,8 @@ BEGIN
     -- a statement's executor costs as much as a small one's work, and a
     -- batch of one ack runs on every event of a hot aggregate.)
     RETURN QUERY
-    SELECT o.id, 'published'::text, o.holder, o.created_at, NULL::outbox.lease
+    SELECT o.id, 'published'::text, o.holder, o.created_at, NULL::outbox.lease,
+           greatest(v_first_claimable - v_now, interval '0')
     FROM unnest(v_ok, v_holders, v_ok_created) AS o(id, holder, created_at);
     IF coalesce(cardinality(v_ok), 0) < cardinality(p_event_ids) THEN
         RETURN QUERY
@@ -1554,7 +1575,7 @@ BEGIN
                     WHEN e.published_at IS NOT NULL THEN 'already_published'
                     WHEN e.event_id IS NOT NULL THEN 'lease_lost'
                     ELSE 'not_found' END,
-               NULL::uuid, NULL::timestamptz, NULL::outbox.lease
+               NULL::uuid, NULL::timestamptz, NULL::outbox.lease, NULL::interval
         FROM (SELECT DISTINCT unnest(p_event_ids) AS id) i
         LEFT JOIN unnest(v_ok) AS ok(id) ON ok.id = i.id
         LEFT JOIN LATERAL (
@@ -1569,7 +1590,8 @@ BEGIN
     END IF;
     IF v_handed IS NOT NULL THEN
         RETURN QUERY
-        SELECT v_handed_acks[i], 'handed_over'::text, v_handed_holders[i], NULL::timestamptz, v_handed[i]
+        SELECT v_handed_acks[i], 'handed_over'::text, v_handed_holders[i], NULL::timestamptz, v_handed[i],
+               NULL::interval
         FROM generate_subscripts(v_handed, 1) AS i
         ORDER BY i;
     END IF;

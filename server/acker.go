@@ -206,6 +206,9 @@ func (a *ackCommitter) commit(ctx context.Context, batch []*ackRequest, n int) {
 	type settlement struct {
 		acked  []uuid.UUID
 		leases []store.Lease
+		// claimableIn is the earliest of its acks' (the halves of a split
+		// batch may differ); nil while every one saw nothing claimable.
+		claimableIn *time.Duration
 	}
 	var settle map[uuid.UUID]*settlement
 	for _, r := range res {
@@ -222,6 +225,9 @@ func (a *ackCommitter) commit(ctx context.Context, batch []*ackRequest, n int) {
 				}
 				st.acked = append(st.acked, r.EventID)
 				st.leases = append(st.leases, r.HandOver...)
+				if c := r.ClaimableIn; c != nil && (st.claimableIn == nil || *c < *st.claimableIn) {
+					st.claimableIn = c
+				}
 			}
 		}
 		// Hand-over is not in the answer to the relay: its ack was applied
@@ -236,10 +242,10 @@ func (a *ackCommitter) commit(ctx context.Context, batch []*ackRequest, n int) {
 	for holder, st := range settle {
 		lent := loans[holder]
 		delete(loans, holder)
-		a.s.settleAcks(ctx, holder, st.acked, st.leases, lent)
+		a.s.settleAcks(ctx, holder, st.acked, st.leases, lent, st.claimableIn)
 	}
 	for holder, lent := range loans {
-		a.s.settleAcks(ctx, holder, nil, nil, lent)
+		a.s.settleAcks(ctx, holder, nil, nil, lent, nil)
 	}
 	if err != nil {
 		a.s.log.Warn("ack batch failed", "acks", len(ids), "err", err)

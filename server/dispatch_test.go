@@ -330,3 +330,58 @@ func TestDispatchWithLostAnswerLeavesNoOrphan(t *testing.T) {
 		t.Fatalf("ack: %v", res[0])
 	}
 }
+
+// Credit an ack frees is claimed with at once only when the ack's batch saw
+// claimable work; otherwise the session makes no claim (an empty claim
+// after every ack that ended a lease without a hand-over was most of a
+// steady replica's claims), waits no longer than the first time the batch
+// saw anything become claimable, and still gets new events by dispatch.
+func TestAckFreedCreditIsClaimedOnlyWhenWorkIsClaimable(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	type decision struct {
+		claim bool
+		by    time.Time
+	}
+	decisions := make(chan decision, 16)
+	r := startReplica(t, url, nil)
+	r.Server.SetAfterFreed(func(_ uuid.UUID, claim bool, by time.Time) { decisions <- decision{claim, by} })
+	next := func() decision {
+		t.Helper()
+		select {
+		case d := <-decisions:
+			return d
+		case <-time.After(30 * time.Second):
+			t.Fatal("no session found credit freed within 30s")
+			return decision{}
+		}
+	}
+	const ttl = time.Hour
+	emit(t, pool, "orders", "a", 1)
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 1, LeaseTtl: durationpb.New(ttl)})
+	a := recv(t, st)
+	// Found while the session's one unit of credit is in use: made ready.
+	b := emit(t, pool, "orders", "b", 1)[0]
+	waitState(t, pool, "b", "ready")
+	ack(t, r, a)
+	if d := next(); !d.claim {
+		t.Fatalf("ack with orders/b ready: claim %v by %v, want a claim at once", d.claim, d.by)
+	}
+	if d := recv(t, st); d.GetEvent().GetEventId() != b.String() {
+		t.Fatalf("got %s, want orders/b %s", d.GetEvent().GetEventId(), b)
+	} else {
+		ack(t, r, d)
+	}
+	// Nothing else pending: no claim, and a bound no later than a lease
+	// of this session would expire.
+	if d := next(); d.claim || d.by.IsZero() || d.by.After(time.Now().Add(ttl)) {
+		t.Fatalf("ack with nothing claimable: claim %v by %v, want no claim and a bound within the TTL", d.claim, d.by)
+	}
+	c := emit(t, pool, "orders", "c", 1)[0]
+	if d := recv(t, st); d.GetEvent().GetEventId() != c.String() {
+		t.Fatalf("got %s, want orders/c %s", d.GetEvent().GetEventId(), c)
+	}
+}

@@ -2,6 +2,7 @@ package server
 
 import (
 	"context"
+	"time"
 
 	"github.com/google/uuid"
 
@@ -44,6 +45,13 @@ func (s *Server) HandOvers() uint64 { return s.handOvers.Load() }
 // discovery, before it waits; a blocking f keeps the offer standing. Set it
 // before the first Subscribe.
 func (s *Server) SetAfterOffer(f func(session uuid.UUID, offered int)) { s.afterOffer = f }
+
+// SetAfterFreed makes every session loop call f each time it found credit
+// freed, with whether it claims at once and, if not, the latest time it
+// will (zero: no bound but its poll). Set it before the first Subscribe.
+func (s *Server) SetAfterFreed(f func(session uuid.UUID, claim bool, claimBy time.Time)) {
+	s.afterFreed = f
+}
 
 // SetAfterDiscover makes every discovery round's outcome pass through f,
 // which may replace it (say, to lose the answer of one that committed),

@@ -223,6 +223,10 @@ type Server struct {
 	// afterOffer, when set (by tests), runs in a session's loop each time
 	// it has offered its free credit to discovery, before it waits.
 	afterOffer func(session uuid.UUID, offered int)
+	// afterFreed, when set (by tests), runs in a session's loop each time
+	// it found credit freed, with its decision: claim at once, or not
+	// (then by claimBy at the latest, when set).
+	afterFreed func(session uuid.UUID, claim bool, claimBy time.Time)
 	// beforeApply, when set (by tests), runs in a discovery round that
 	// dispatches, after it chose its sessions and before its leases are
 	// written (and so before they commit).
@@ -473,13 +477,13 @@ func (s *Server) sweepSessions(holders map[uuid.UUID]store.HandOverTarget) {
 // leases (hand-over, or a window sliding forward), and that the loan of
 // credit it made to the batch is over. When the session has ended in the
 // meantime, the leases are released at once rather than left to their TTL.
-func (s *Server) settleAcks(ctx context.Context, holder uuid.UUID, acked []uuid.UUID, leases []store.Lease, lent int) {
+func (s *Server) settleAcks(ctx context.Context, holder uuid.UUID, acked []uuid.UUID, leases []store.Lease, lent int, claimableIn *time.Duration) {
 	s.handOvers.Add(uint64(len(leases)))
 	s.metrics.handOvers.Add(float64(len(leases)))
 	s.mu.Lock()
 	sess := s.sessions[holder]
 	s.mu.Unlock()
-	if sess != nil && sess.settle(acked, leases, lent) {
+	if sess != nil && sess.settle(acked, leases, lent, claimableIn) {
 		return
 	}
 	if len(leases) == 0 {

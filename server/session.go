@@ -67,12 +67,20 @@ type session struct {
 	// session loop touches it.
 	parked map[leaseRef]bool
 
-	mu        sync.Mutex
-	freed     []freedLease
-	handed    []store.Lease // leases acks handed over, not yet sent
-	sweep     bool          // release leases held but unknown (requestSweep)
-	closed    bool          // the stream is over: no more hand-overs
-	reconcile bool
+	mu    sync.Mutex
+	freed []freedLease
+	// claimFreed says the credit freed since the loop last looked is to be
+	// claimed with at once: a nack or a release freed some, or an ack batch
+	// saw claimable work. Otherwise claimBy, when set, is the latest time
+	// to claim (the first claimable time the ack batches saw): an ack batch
+	// that saw nothing claimable spares the session a claim that would find
+	// nothing (see outbox.ack's claimable_in).
+	claimFreed bool
+	claimBy    time.Time
+	handed     []store.Lease // leases acks handed over, not yet sent
+	sweep      bool          // release leases held but unknown (requestSweep)
+	closed     bool          // the stream is over: no more hand-overs
+	reconcile  bool
 	// offered is the credit the loop lets discovery rounds take while it
 	// waits (see offerCredit); lent is what a round took and has not given
 	// back yet, as leases or unused. The loop never claims with either.
@@ -101,6 +109,7 @@ func (ss *session) free(published bool, epoch int64, ids ...uuid.UUID) {
 	for _, id := range ids {
 		ss.freed = append(ss.freed, freedLease{id, published, epoch})
 	}
+	ss.claimFreed = true
 	ss.mu.Unlock()
 	ss.poke()
 }
@@ -110,9 +119,12 @@ func (ss *session) free(published bool, epoch int64, ids ...uuid.UUID) {
 // or a window sliding forward), and that the batch's loan of lent units of
 // credit is over: the loop sees it all at once, so its credit never counts
 // the one without the other. What the leases did not use of the loan is
-// offered again if the loop still waits. It returns false, taking nothing,
-// once the stream is over: the caller then releases the leases.
-func (ss *session) settle(acked []uuid.UUID, leases []store.Lease, lent int) bool {
+// offered again if the loop still waits. claimableIn is what the batch saw
+// of claimable work (store.AckResult.ClaimableIn): the credit the acks free
+// is claimed with at once only if something was claimable. It returns
+// false, taking nothing, once the stream is over: the caller then releases
+// the leases.
+func (ss *session) settle(acked []uuid.UUID, leases []store.Lease, lent int, claimableIn *time.Duration) bool {
 	ss.mu.Lock()
 	ss.lent -= lent
 	if ss.closed {
@@ -121,6 +133,13 @@ func (ss *session) settle(acked []uuid.UUID, leases []store.Lease, lent int) boo
 	}
 	for _, id := range acked {
 		ss.freed = append(ss.freed, freedLease{id, true, 0})
+	}
+	if len(acked) > 0 && claimableIn != nil {
+		if *claimableIn <= 0 {
+			ss.claimFreed = true
+		} else if by := time.Now().Add(*claimableIn); ss.claimBy.IsZero() || by.Before(ss.claimBy) {
+			ss.claimBy = by
+		}
 	}
 	ss.handed = append(ss.handed, leases...)
 	if ss.waiting {
@@ -270,23 +289,27 @@ func (ss *session) abort() { ss.abortOnce.Do(func() { close(ss.aborted) }) }
 // asked for, waits for work.
 //
 // A turn claims only when something may have made work claimable for it
-// since its last claim came back short: credit freed by an ack or nack
-// without a hand-over, a lease found gone, new events discovered, the poll
-// timer, a reconcile tick. A hand-over alone is no such reason (it replaced
-// the lease the ack ended), so a hot aggregate's events cost one ack each
-// and no empty claim.
+// since its last claim came back short: credit freed by a nack, or by an
+// ack without a hand-over whose batch saw claimable work, a lease found
+// gone, new events discovered, the poll timer, a reconcile tick. A
+// hand-over alone is no such reason (it replaced the lease the ack ended),
+// so a hot aggregate's events cost one ack each and no empty claim; nor is
+// credit an ack batch freed when it saw nothing claimable, which instead
+// bounds the wait by the first time it saw anything become claimable.
 func (ss *session) run(ctx context.Context, send func(*outboxv1.SubscribeResponse) error) error {
 	w := newSessionWait(ss)
 	defer w.stop()
 	wantClaim := true
 	var discovered <-chan struct{}
 	for {
-		handed, freed, err := ss.applyFreed(ctx)
+		handed, claim, claimBy, err := ss.applyFreed(ctx)
 		if err != nil {
 			return err
 		}
-		if freed {
+		if claim {
 			wantClaim = true
+		} else {
+			w.claimNoLaterThan(claimBy)
 		}
 		if err := ss.sendHanded(ctx, handed, send); err != nil {
 			return err
@@ -456,11 +479,22 @@ type sessionWait struct {
 	// is armed once per claim, not per wait, so that kicks (hand-overs)
 	// arriving faster than the poll delay do not keep pushing it back.
 	pollAt time.Time
+	// claimBy, when set, is the latest time for the next claim: credit an
+	// ack batch freed was left unclaimed because it saw nothing claimable
+	// before then.
+	claimBy time.Time
 }
 
 // claimed restarts the poll clock: the next poll is pollDelay after this
 // claim.
-func (w *sessionWait) claimed() { w.pollAt = time.Time{} }
+func (w *sessionWait) claimed() { w.pollAt, w.claimBy = time.Time{}, time.Time{} }
+
+// claimNoLaterThan makes the poll fire by t at the latest (zero: no bound).
+func (w *sessionWait) claimNoLaterThan(t time.Time) {
+	if !t.IsZero() && (w.claimBy.IsZero() || t.Before(w.claimBy)) {
+		w.claimBy = t
+	}
+}
 
 func newSessionWait(ss *session) *sessionWait {
 	return &sessionWait{
@@ -497,11 +531,16 @@ func (w *sessionWait) claimFailed() {
 func (w *sessionWait) wait(ctx context.Context, polling bool, discovered <-chan struct{}) (kicked bool, err error) {
 	ss := w.ss
 	var pollC <-chan time.Time
+	early := false // the poll fires at claimBy, before its own time
 	if polling {
 		if w.pollAt.IsZero() {
 			w.pollAt = time.Now().Add(w.pollDelay)
 		}
-		w.idle.Reset(time.Until(w.pollAt))
+		at := w.pollAt
+		if !w.claimBy.IsZero() && w.claimBy.Before(at) {
+			at, early = w.claimBy, true
+		}
+		w.idle.Reset(time.Until(at))
 		pollC = w.idle.C
 		defer func() {
 			if !w.idle.Stop() {
@@ -525,6 +564,11 @@ func (w *sessionWait) wait(ctx context.Context, polling bool, discovered <-chan 
 		// Discovery found new events: claim at once, backoff kept (another
 		// session may take them, and all of them were woken).
 	case <-pollC:
+		if early {
+			// Not a poll that found nothing: the backoff stays.
+			w.claimBy = time.Time{}
+			break
+		}
 		w.pollAt = time.Time{}
 		w.pollDelay = min(w.pollDelay*2, ss.srv.cfg.PollInterval)
 	case <-w.reconcile.C:
@@ -586,11 +630,15 @@ func (ss *session) sendHanded(ctx context.Context, handed []store.Lease, send fu
 
 // applyFreed drops ended leases from inflight, adds the leases acks handed
 // over (returned, to be sent), and reconciles with the database when asked
-// to.
-func (ss *session) applyFreed(ctx context.Context) (handed []store.Lease, freed bool, err error) {
+// to. claim says that credit was freed and should be claimed with at once;
+// when credit was freed by acks that saw nothing claimable, claimBy is the
+// latest time to claim with it (zero: none).
+func (ss *session) applyFreed(ctx context.Context) (handed []store.Lease, claim bool, claimBy time.Time, err error) {
 	ss.mu.Lock()
 	ended, handed, reconcile, sweep := ss.freed, ss.handed, ss.reconcile, ss.sweep
 	ss.freed, ss.handed, ss.reconcile, ss.sweep = nil, nil, false, false
+	claimFreed, freedBy := ss.claimFreed, ss.claimBy
+	ss.claimFreed, ss.claimBy = false, time.Time{}
 	ss.mu.Unlock()
 	before := len(ss.inflight)
 	var nacked map[uuid.UUID]bool
@@ -619,12 +667,25 @@ func (ss *session) applyFreed(ctx context.Context) (handed []store.Lease, freed 
 	if sweep {
 		ss.releaseUndelivered(ctx)
 	}
-	defer func() { freed = len(ss.inflight) < before }()
+	settled := len(ss.inflight)
+	defer func() {
+		if len(ss.inflight) >= before {
+			return
+		}
+		// A lease found gone by the reconcile is no ack's doing: claim.
+		claim = claimFreed || len(ss.inflight) < settled
+		if !claim {
+			claimBy = freedBy
+		}
+		if h := ss.srv.afterFreed; h != nil {
+			h(ss.id, claim, claimBy)
+		}
+	}()
 	if reconcile && len(ss.inflight) > 0 {
 		held, err := ss.srv.store.HeldEvents(ctx, ss.id)
 		if err != nil {
 			if ctx.Err() != nil {
-				return nil, false, ctx.Err()
+				return nil, false, time.Time{}, ctx.Err()
 			}
 			ss.srv.log.Warn("reconcile failed", "session", ss.id, "err", err)
 		} else {
@@ -639,7 +700,7 @@ func (ss *session) applyFreed(ctx context.Context) (handed []store.Lease, freed 
 		}
 	}
 	ss.inflightN.Store(int64(len(ss.inflight)))
-	return handed, false, nil
+	return handed, false, time.Time{}, nil
 }
 
 // countGone sorts leases that ended without this replica seeing an ack or

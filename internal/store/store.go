@@ -376,6 +376,13 @@ type AckResult struct {
 	// lease that goes on sliding forward. Set on the aggregate's last
 	// published ack of the batch.
 	HandOver []Lease
+	// ClaimableIn is, for AckPublished, what the batch saw of claimable
+	// work once it had applied: zero when some aggregate was claimable at
+	// once, otherwise how long until the first would be (a lease expiring,
+	// a backoff ending); nil when none would until something changes (an
+	// event commits, a lease is released or nacked), which wakes sessions
+	// or reaches them through a later batch.
+	ClaimableIn *time.Duration
 }
 
 // AckParams says which acks to apply and where.
@@ -483,7 +490,7 @@ func (s *Store) ack(ctx context.Context, p AckParams) ([]AckResult, error) {
 		credits = append(credits, int32(max(t.Credit, 0)))
 	}
 	rows, err := s.pool.Query(ctx,
-		`SELECT a.event_id, a.status, a.holder, clock_timestamp() - a.created_at, `+leaseColumns("a.handover")+`
+		`SELECT a.event_id, a.status, a.holder, clock_timestamp() - a.created_at, a.claimable_in, `+leaseColumns("a.handover")+`
 		 FROM outbox.ack($1, $2, $3, $4, $5, $6) a`, p.IDs, p.ReplicaID, holders, ttls, windows, credits)
 	if err != nil {
 		return nil, fmt.Errorf("store: ack: %w", err)
@@ -494,7 +501,7 @@ func (s *Store) ack(ctx context.Context, p AckParams) ([]AckResult, error) {
 		var holder *uuid.UUID
 		var lag *time.Duration
 		var h nullableLease
-		if err := row.Scan(append([]any{&r.EventID, &status, &holder, &lag}, h.dest()...)...); err != nil {
+		if err := row.Scan(append([]any{&r.EventID, &status, &holder, &lag, &r.ClaimableIn}, h.dest()...)...); err != nil {
 			return r, err
 		}
 		if lag != nil {
