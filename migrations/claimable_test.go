@@ -59,8 +59,35 @@ func TestAckSaysWhenWorkIsClaimable(t *testing.T) {
 	if status, in := ackClaimable(t, pool, "c", 1); status != "already_published" || in != nil {
 		t.Fatalf("second ack of c: %s, claimable in %v; want already_published, NULL", status, in)
 	}
-	var ready int
-	if err := pool.QueryRow(ctx, `SELECT count(*) FROM outbox.delivery WHERE claimable_at <= now()`).Scan(&ready); err != nil || ready != 0 {
-		t.Fatalf("%d aggregates claimable, %v; want none", ready, err)
+	// The last lease ends: nothing is or will become claimable.
+	if status, in := ackClaimable(t, pool, "b", 1); status != "published" || in != nil {
+		t.Fatalf("ack of b, the last lease: %s, claimable in %v; want published, NULL", status, in)
+	}
+	var claimable int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM outbox.delivery WHERE claimable_at IS NOT NULL`).Scan(&claimable); err != nil || claimable != 0 {
+		t.Fatalf("%d aggregates claimable or leased, %v; want none", claimable, err)
+	}
+}
+
+// A windowed ack (the general statement) says the same: a lease that goes
+// on is claimable only when it expires.
+func TestWindowedAckSaysWhenWorkIsClaimable(t *testing.T) {
+	t.Parallel()
+	pool := testdb.NewPool(t)
+	holder := uuid.New()
+	emitN(t, pool, "a", 3)
+	discover(t, pool)
+	if got := claimWindow(t, pool, holder, 1, 3, 3); len(got) != 3 {
+		t.Fatalf("claimed %v, want a's three revisions", got)
+	}
+	var status string
+	var in *time.Duration
+	if err := pool.QueryRow(context.Background(),
+		`SELECT status, claimable_in FROM outbox.ack(ARRAY[$1::uuid], 'x', ARRAY[$2::uuid], ARRAY[interval '30 seconds'], ARRAY[3], ARRAY[0])`,
+		eventID(t, pool, "a", 1), holder).Scan(&status, &in); err != nil {
+		t.Fatal(err)
+	}
+	if status != "published" || in == nil || *in <= 20*time.Second || *in > 30*time.Second {
+		t.Fatalf("ack of a/1 in a window of 3: %s, claimable in %v; want published, 20-30s (the window's lease)", status, in)
 	}
 }

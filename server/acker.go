@@ -206,9 +206,9 @@ func (a *ackCommitter) commit(ctx context.Context, batch []*ackRequest, n int) {
 	type settlement struct {
 		acked  []uuid.UUID
 		leases []store.Lease
-		// claimableIn is the earliest of its acks' (the halves of a split
-		// batch may differ); nil while every one saw nothing claimable.
-		claimableIn *time.Duration
+		// claimable is the earliest of its acks' hints (the halves of a
+		// split batch may differ).
+		claimable store.ClaimHint
 	}
 	var settle map[uuid.UUID]*settlement
 	for _, r := range res {
@@ -220,14 +220,12 @@ func (a *ackCommitter) commit(ctx context.Context, batch []*ackRequest, n int) {
 				}
 				st := settle[r.Holder]
 				if st == nil {
-					st = &settlement{}
+					st = &settlement{claimable: r.Claimable}
 					settle[r.Holder] = st
 				}
+				st.claimable = st.claimable.Earliest(r.Claimable)
 				st.acked = append(st.acked, r.EventID)
 				st.leases = append(st.leases, r.HandOver...)
-				if c := r.ClaimableIn; c != nil && (st.claimableIn == nil || *c < *st.claimableIn) {
-					st.claimableIn = c
-				}
 			}
 		}
 		// Hand-over is not in the answer to the relay: its ack was applied
@@ -242,10 +240,10 @@ func (a *ackCommitter) commit(ctx context.Context, batch []*ackRequest, n int) {
 	for holder, st := range settle {
 		lent := loans[holder]
 		delete(loans, holder)
-		a.s.settleAcks(ctx, holder, st.acked, st.leases, lent, st.claimableIn)
+		a.s.settleAcks(ctx, holder, st.acked, st.leases, lent, st.claimable)
 	}
 	for holder, lent := range loans {
-		a.s.settleAcks(ctx, holder, nil, nil, lent, nil)
+		a.s.settleAcks(ctx, holder, nil, nil, lent, store.ClaimHint{})
 	}
 	if err != nil {
 		a.s.log.Warn("ack batch failed", "acks", len(ids), "err", err)

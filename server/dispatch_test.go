@@ -361,7 +361,7 @@ func TestAckFreedCreditIsClaimedOnlyWhenWorkIsClaimable(t *testing.T) {
 	}
 	const ttl = time.Hour
 	emit(t, pool, "orders", "a", 1)
-	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 1, LeaseTtl: durationpb.New(ttl)})
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 1, Streams: []string{"orders"}, LeaseTtl: durationpb.New(ttl)})
 	a := recv(t, st)
 	// Found while the session's one unit of credit is in use: made ready.
 	b := emit(t, pool, "orders", "b", 1)[0]
@@ -375,13 +375,31 @@ func TestAckFreedCreditIsClaimedOnlyWhenWorkIsClaimable(t *testing.T) {
 	} else {
 		ack(t, r, d)
 	}
-	// Nothing else pending: no claim, and a bound no later than a lease
-	// of this session would expire.
-	if d := next(); d.claim || d.by.IsZero() || d.by.After(time.Now().Add(ttl)) {
-		t.Fatalf("ack with nothing claimable: claim %v by %v, want no claim and a bound within the TTL", d.claim, d.by)
+	// Nothing else pending, nothing leased: no claim, and no bound but the
+	// poll.
+	if d := next(); d.claim || !d.by.IsZero() {
+		t.Fatalf("ack with nothing claimable: claim %v by %v, want no claim and no bound", d.claim, d.by)
+	}
+	// Another relay holds billing/x for a minute: nothing is claimable
+	// before its lease expires, which bounds the wait.
+	x := emit(t, pool, "billing", "x", 1)[0]
+	other := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{RelayId: "other", MaxInFlight: 1, Streams: []string{"billing"},
+		LeaseTtl: durationpb.New(time.Minute)})
+	if d := recv(t, other); d.GetEvent().GetEventId() != x.String() {
+		t.Fatalf("other got %s, want billing/x %s", d.GetEvent().GetEventId(), x)
 	}
 	c := emit(t, pool, "orders", "c", 1)[0]
 	if d := recv(t, st); d.GetEvent().GetEventId() != c.String() {
 		t.Fatalf("got %s, want orders/c %s", d.GetEvent().GetEventId(), c)
+	} else {
+		ack(t, r, d)
+	}
+	if d := next(); d.claim || d.by.Before(time.Now().Add(30*time.Second)) || d.by.After(time.Now().Add(time.Minute)) {
+		t.Fatalf("ack with billing/x leased for a minute: claim %v by %v, want no claim, by within the minute", d.claim, d.by)
+	}
+	// The session still gets new events, by dispatch.
+	e := emit(t, pool, "orders", "e", 1)[0]
+	if d := recv(t, st); d.GetEvent().GetEventId() != e.String() {
+		t.Fatalf("got %s, want orders/e %s", d.GetEvent().GetEventId(), e)
 	}
 }

@@ -83,12 +83,15 @@
 // only when work may have appeared for it: credit freed without a
 // hand-over, a lease found gone, a discovery round, its poll or reconcile
 // timer; a hand-over alone is no reason. Credit an ack frees is claimed
-// with only if the ack's batch saw some aggregate claimable once it had
-// applied (outbox.ack returns how long until the first would be);
-// otherwise the claim would find nothing as of that batch, so the session
-// waits as after a short claim, and claims no later than that time. Most
-// acks of a steady replica end a lease with nothing following, and their
-// empty claims were most of its claims. Credit comes back only when the database says the lease
+// with only if the ack's batch, probing the claim index once it had
+// applied, saw some aggregate claimable (outbox.ack returns how long until
+// the first would be); otherwise a claim would find nothing as of that
+// probe, so the session waits as after a short claim, and claims no later
+// than that time. Work made claimable after the probe wakes the sessions
+// (a discovery round that made it ready, a release) or is seen by the
+// next batch's probe. Most acks of a steady replica end a lease with
+// nothing following, and their empty claims were most of its claims.
+// Credit comes back only when the database says the lease
 // is gone: an ack or nack on this replica signals the session directly; one
 // on another replica sends NOTIFY outbox_released with the holder's session
 // id; and every ReconcileInterval the session rechecks its leases (which also

@@ -477,13 +477,13 @@ func (s *Server) sweepSessions(holders map[uuid.UUID]store.HandOverTarget) {
 // leases (hand-over, or a window sliding forward), and that the loan of
 // credit it made to the batch is over. When the session has ended in the
 // meantime, the leases are released at once rather than left to their TTL.
-func (s *Server) settleAcks(ctx context.Context, holder uuid.UUID, acked []uuid.UUID, leases []store.Lease, lent int, claimableIn *time.Duration) {
+func (s *Server) settleAcks(ctx context.Context, holder uuid.UUID, acked []uuid.UUID, leases []store.Lease, lent int, claimable store.ClaimHint) {
 	s.handOvers.Add(uint64(len(leases)))
 	s.metrics.handOvers.Add(float64(len(leases)))
 	s.mu.Lock()
 	sess := s.sessions[holder]
 	s.mu.Unlock()
-	if sess != nil && sess.settle(acked, leases, lent, claimableIn) {
+	if sess != nil && sess.settle(acked, leases, lent, claimable) {
 		return
 	}
 	if len(leases) == 0 {

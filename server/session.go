@@ -23,7 +23,8 @@ const (
 	// minIdlePoll is the first re-poll delay of a session that found no work;
 	// it doubles up to Config.PollInterval. Discovery wakes idle sessions
 	// when events commit, so polls only catch what no wake-up announces:
-	// backoffs and leases that expire.
+	// backoffs and leases that expire, and work an operator made claimable
+	// on another replica.
 	minIdlePoll = 2 * time.Millisecond
 	// claimTimeout bounds one claim statement.
 	claimTimeout = 10 * time.Second
@@ -119,12 +120,11 @@ func (ss *session) free(published bool, epoch int64, ids ...uuid.UUID) {
 // or a window sliding forward), and that the batch's loan of lent units of
 // credit is over: the loop sees it all at once, so its credit never counts
 // the one without the other. What the leases did not use of the loan is
-// offered again if the loop still waits. claimableIn is what the batch saw
-// of claimable work (store.AckResult.ClaimableIn): the credit the acks free
-// is claimed with at once only if something was claimable. It returns
-// false, taking nothing, once the stream is over: the caller then releases
-// the leases.
-func (ss *session) settle(acked []uuid.UUID, leases []store.Lease, lent int, claimableIn *time.Duration) bool {
+// offered again if the loop still waits. claimable is what the batch saw
+// of claimable work: the credit the acks free is claimed with at once
+// unless the batch saw nothing claimable. It returns false, taking
+// nothing, once the stream is over: the caller then releases the leases.
+func (ss *session) settle(acked []uuid.UUID, leases []store.Lease, lent int, claimable store.ClaimHint) bool {
 	ss.mu.Lock()
 	ss.lent -= lent
 	if ss.closed {
@@ -134,11 +134,15 @@ func (ss *session) settle(acked []uuid.UUID, leases []store.Lease, lent int, cla
 	for _, id := range acked {
 		ss.freed = append(ss.freed, freedLease{id, true, 0})
 	}
-	if len(acked) > 0 && claimableIn != nil {
-		if *claimableIn <= 0 {
+	if len(acked) > 0 {
+		switch {
+		case !claimable.Seen || (!claimable.None && claimable.In <= 0):
 			ss.claimFreed = true
-		} else if by := time.Now().Add(*claimableIn); ss.claimBy.IsZero() || by.Before(ss.claimBy) {
-			ss.claimBy = by
+		case claimable.None:
+		default:
+			if by := time.Now().Add(claimable.In); ss.claimBy.IsZero() || by.Before(ss.claimBy) {
+				ss.claimBy = by
+			}
 		}
 	}
 	ss.handed = append(ss.handed, leases...)
@@ -479,20 +483,20 @@ type sessionWait struct {
 	// is armed once per claim, not per wait, so that kicks (hand-overs)
 	// arriving faster than the poll delay do not keep pushing it back.
 	pollAt time.Time
-	// claimBy, when set, is the latest time for the next claim: credit an
+	// claimDue, when set, is the latest time for the next claim: credit an
 	// ack batch freed was left unclaimed because it saw nothing claimable
 	// before then.
-	claimBy time.Time
+	claimDue time.Time
 }
 
 // claimed restarts the poll clock: the next poll is pollDelay after this
 // claim.
-func (w *sessionWait) claimed() { w.pollAt, w.claimBy = time.Time{}, time.Time{} }
+func (w *sessionWait) claimed() { w.pollAt, w.claimDue = time.Time{}, time.Time{} }
 
 // claimNoLaterThan makes the poll fire by t at the latest (zero: no bound).
 func (w *sessionWait) claimNoLaterThan(t time.Time) {
-	if !t.IsZero() && (w.claimBy.IsZero() || t.Before(w.claimBy)) {
-		w.claimBy = t
+	if !t.IsZero() && (w.claimDue.IsZero() || t.Before(w.claimDue)) {
+		w.claimDue = t
 	}
 }
 
@@ -531,14 +535,14 @@ func (w *sessionWait) claimFailed() {
 func (w *sessionWait) wait(ctx context.Context, polling bool, discovered <-chan struct{}) (kicked bool, err error) {
 	ss := w.ss
 	var pollC <-chan time.Time
-	early := false // the poll fires at claimBy, before its own time
+	early := false // the poll fires at claimDue, before its own time
 	if polling {
 		if w.pollAt.IsZero() {
 			w.pollAt = time.Now().Add(w.pollDelay)
 		}
 		at := w.pollAt
-		if !w.claimBy.IsZero() && w.claimBy.Before(at) {
-			at, early = w.claimBy, true
+		if !w.claimDue.IsZero() && w.claimDue.Before(at) {
+			at, early = w.claimDue, true
 		}
 		w.idle.Reset(time.Until(at))
 		pollC = w.idle.C
@@ -566,7 +570,7 @@ func (w *sessionWait) wait(ctx context.Context, polling bool, discovered <-chan 
 	case <-pollC:
 		if early {
 			// Not a poll that found nothing: the backoff stays.
-			w.claimBy = time.Time{}
+			w.claimDue = time.Time{}
 			break
 		}
 		w.pollAt = time.Time{}

@@ -376,13 +376,37 @@ type AckResult struct {
 	// lease that goes on sliding forward. Set on the aggregate's last
 	// published ack of the batch.
 	HandOver []Lease
-	// ClaimableIn is, for AckPublished, what the batch saw of claimable
-	// work once it had applied: zero when some aggregate was claimable at
-	// once, otherwise how long until the first would be (a lease expiring,
-	// a backoff ending); nil when none would until something changes (an
-	// event commits, a lease is released or nacked), which wakes sessions
-	// or reaches them through a later batch.
-	ClaimableIn *time.Duration
+	// Claimable is, for AckPublished, what the batch saw of claimable work
+	// once it had applied.
+	Claimable ClaimHint
+}
+
+// ClaimHint is what an ack batch saw of claimable work once it had applied
+// (outbox.ack's claimable_in). The zero value knows nothing: claim.
+type ClaimHint struct {
+	// Seen says the batch looked; without it nothing is known.
+	Seen bool
+	// None says no aggregate was claimable, nor would become so without a
+	// change (an event, a nack, a release, an operator's action), which
+	// wakes sessions or reaches them through a later batch.
+	None bool
+	// In is otherwise how long until the first aggregate becomes claimable
+	// (a lease expiring, a backoff ending): zero when one already was.
+	In time.Duration
+}
+
+// Earliest is the hint that claims no later than either h or o would.
+func (h ClaimHint) Earliest(o ClaimHint) ClaimHint {
+	switch {
+	case !h.Seen || !o.Seen:
+		return ClaimHint{}
+	case h.None:
+		return o
+	case o.None || h.In <= o.In:
+		return h
+	default:
+		return o
+	}
 }
 
 // AckParams says which acks to apply and where.
@@ -501,7 +525,8 @@ func (s *Store) ack(ctx context.Context, p AckParams) ([]AckResult, error) {
 		var holder *uuid.UUID
 		var lag *time.Duration
 		var h nullableLease
-		if err := row.Scan(append([]any{&r.EventID, &status, &holder, &lag, &r.ClaimableIn}, h.dest()...)...); err != nil {
+		var claimableIn *time.Duration
+		if err := row.Scan(append([]any{&r.EventID, &status, &holder, &lag, &claimableIn}, h.dest()...)...); err != nil {
 			return r, err
 		}
 		if lag != nil {
@@ -516,6 +541,10 @@ func (s *Store) ack(ctx context.Context, p AckParams) ([]AckResult, error) {
 		switch status {
 		case "published":
 			r.Status = AckPublished
+			r.Claimable = ClaimHint{Seen: true, None: claimableIn == nil}
+			if claimableIn != nil {
+				r.Claimable.In = *claimableIn
+			}
 		case "handed_over":
 			// Not a result of its own: folded into its ack's below.
 		case "already_published":

@@ -193,14 +193,12 @@ BEGIN
                     next_attempt_at = NULL, gap_revision = NULL
                 FROM nxt x
                 WHERE d.stream = x.stream AND d.aggregate_key = x.aggregate_key
-                RETURNING d.state, d.holder, d.leased_event_id, d.epoch, d.attempt, d.lease_expires_at, x.event_id AS acked,
-                          d.claimable_at
+                RETURNING d.state, d.holder, d.leased_event_id, d.epoch, d.attempt, d.lease_expires_at, x.event_id AS acked
             )
             SELECT array_agg(ROW(e.event_id, e.stream, e.aggregate_key, e.revision, e.event_type, e.payload::text,
                                  e.headers, e.created_at, a.epoch, a.attempt, a.lease_expires_at)::outbox.lease),
-                   array_agg(a.holder), array_agg(a.acked),
-                   (SELECT min(x.claimable_at) FROM advanced x)
-            INTO v_handed, v_handed_holders, v_handed_acks, v_first_claimable
+                   array_agg(a.holder), array_agg(a.acked)
+            INTO v_handed, v_handed_holders, v_handed_acks
             FROM advanced a JOIN outbox.event e ON e.event_id = a.leased_event_id
             WHERE a.state = 'leased';
         ELSE
@@ -312,15 +310,14 @@ BEGIN
                 FROM granted g
                 WHERE d.stream = g.stream AND d.aggregate_key = g.aggregate_key
                 RETURNING d.stream, d.aggregate_key, d.holder, d.epoch, d.attempt, d.lease_expires_at,
-                          g.start, g.grant_n, g.last_ack, d.claimable_at
+                          g.start, g.grant_n, g.last_ack
             )
             SELECT array_agg(ROW(e.event_id, e.stream, e.aggregate_key, e.revision, e.event_type, e.payload::text,
                                  e.headers, e.created_at, a.epoch, a.attempt, a.lease_expires_at)::outbox.lease
                              ORDER BY e.stream, e.aggregate_key, e.revision),
                    array_agg(a.holder ORDER BY e.stream, e.aggregate_key, e.revision),
-                   array_agg(a.last_ack ORDER BY e.stream, e.aggregate_key, e.revision),
-                   (SELECT min(x.claimable_at) FROM advanced x)
-            INTO v_handed, v_handed_holders, v_handed_acks, v_first_claimable
+                   array_agg(a.last_ack ORDER BY e.stream, e.aggregate_key, e.revision)
+            INTO v_handed, v_handed_holders, v_handed_acks
             FROM advanced a
             JOIN outbox.event e ON e.stream = a.stream AND e.aggregate_key = a.aggregate_key
                                AND e.revision >= a.start AND e.revision < a.start + a.grant_n
@@ -333,11 +330,9 @@ BEGIN
         IF v_remote IS NOT NULL THEN
             PERFORM pg_notify('outbox_released', h::text) FROM unnest(v_remote) AS h;
         END IF;
-        -- The first claimable_at once this batch applied: the rows it
-        -- wrote as they are now, and every other as the claim-order probe
-        -- above read it, after this batch's locks (a row of this batch it
-        -- read as leased makes this earlier than it is, never later).
-        v_first_claimable := least(v_first_claimable, v_oldest);
+        -- What is claimable now that this batch applied, as late as this
+        -- transaction can look (one probe of the claim index).
+        SELECT min(o.claimable_at) INTO v_first_claimable FROM outbox.delivery o WHERE o.claimable_at IS NOT NULL;
     END IF;
 
     -- Published ones straight from the arrays; the rest, if any, need a look
@@ -347,7 +342,7 @@ BEGIN
     -- batch of one ack runs on every event of a hot aggregate.)
     RETURN QUERY
     SELECT o.id, 'published'::text, o.holder, o.created_at, NULL::outbox.lease,
-           greatest(v_first_claimable - v_now, interval '0')
+           CASE WHEN v_first_claimable IS NOT NULL THEN greatest(v_first_claimable - clock_timestamp(), interval '0') END
     FROM unnest(v_ok, v_holders, v_ok_created) AS o(id, holder, created_at);
     IF coalesce(cardinality(v_ok), 0) < cardinality(p_event_ids) THEN
         RETURN QUERY
@@ -1313,8 +1308,13 @@ CREATE FUNCTION outbox.release(p_holder uuid, p_keep uuid[] DEFAULT '{}'::uuid[]
         FROM released r
         JOIN outbox.delivery d ON d.stream = r.stream AND d.aggregate_key = r.aggregate_key
         JOIN outbox.event e ON e.event_id = d.leased_event_id
+    ), woken AS (
+        -- Released aggregates are ready: idle sessions on every replica
+        -- claim them now rather than at their next poll. (A stream ends
+        -- rarely; producers never notify.)
+        SELECT pg_notify('outbox_wakeup', '') FROM (SELECT 1 FROM released LIMIT 1) r
     )
-    SELECT count(*)::integer FROM released
+    SELECT count(*)::integer FROM released, (SELECT count(*) FROM woken) w
 $$;
 
 --
