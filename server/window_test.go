@@ -137,16 +137,23 @@ func TestWindowedSession(t *testing.T) {
 	}
 }
 
-// waitDiscovered waits (bounded) until n aggregates have delivery rows.
+// waitDiscovered waits (bounded) until n aggregates have delivery rows and
+// every event has been discovered.
 func waitDiscovered(t *testing.T, pool *pgxpool.Pool, n int) {
 	t.Helper()
 	deadline := time.Now().Add(30 * time.Second)
 	for {
+		// Every event, not only every aggregate: a round that finds an
+		// aggregate's later events locks its row, and a claim meanwhile
+		// skips it (this made TestWindowedSession's first claim lease one
+		// aggregate's window alone, once).
 		var got int
-		if err := pool.QueryRow(context.Background(), `SELECT count(*) FROM outbox.delivery`).Scan(&got); err != nil {
+		var pending bool
+		if err := pool.QueryRow(context.Background(), `SELECT (SELECT count(*) FROM outbox.delivery),
+			EXISTS (SELECT 1 FROM outbox.events_since((SELECT snapshot FROM outbox.discovery)))`).Scan(&got, &pending); err != nil {
 			t.Fatal(err)
 		}
-		if got == n {
+		if got == n && !pending {
 			return
 		}
 		if time.Now().After(deadline) {
