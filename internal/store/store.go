@@ -16,6 +16,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgx/v5/stdlib"
+	pgxuuid "github.com/vgarvardt/pgx-google-uuid/v5"
 
 	"github.com/outboxd/outboxd/migrations"
 )
@@ -43,6 +44,19 @@ func New(pool *pgxpool.Pool) *Store { return &Store{pool: pool} }
 func ConfigurePool(cfg *pgxpool.Config) {
 	cfg.ConnConfig.RuntimeParams["default_transaction_isolation"] = "read committed"
 	cfg.ConnConfig.RuntimeParams["jit"] = "off"
+	// uuid.UUID is a driver.Valuer that returns a string, so without this
+	// pgx encodes every uuid parameter by failing a binary encode (an error
+	// built with fmt), scanning the string back and encoding again: 2.8 us
+	// per uuid, 39 us for an array of 16, against 0.1 and 1.6 us through
+	// pgtype.UUID. Every ack batch, claim and dispatch passes them.
+	afterConnect := cfg.AfterConnect
+	cfg.AfterConnect = func(ctx context.Context, conn *pgx.Conn) error {
+		pgxuuid.Register(conn.TypeMap())
+		if afterConnect != nil {
+			return afterConnect(ctx, conn)
+		}
+		return nil
+	}
 }
 
 // Discovery is what one discovery round found and did.

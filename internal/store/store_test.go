@@ -1,0 +1,74 @@
+package store_test
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"testing"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgtype"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/outboxd/outboxd/internal/store"
+	"github.com/outboxd/outboxd/internal/testdb"
+)
+
+// Pools set up by ConfigurePool encode uuid.UUID parameters as uuids, not
+// through its driver.Valuer (a string, which pgx encodes only after a
+// failed binary attempt), and keep an AfterConnect set before.
+func TestConfigurePoolEncodesUUIDsDirectly(t *testing.T) {
+	// Not parallel: testing.AllocsPerRun refuses to run in a parallel test.
+	ctx := context.Background()
+	cfg, err := pgxpool.ParseConfig(testdb.New(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	earlier := false
+	cfg.AfterConnect = func(context.Context, *pgx.Conn) error { earlier = true; return nil }
+	store.ConfigurePool(cfg)
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
+	conn, err := pool.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Release()
+	if !earlier {
+		t.Error("the AfterConnect set before ConfigurePool did not run")
+	}
+	m := conn.Conn().TypeMap()
+	if plan := m.PlanEncode(pgtype.UUIDOID, pgtype.BinaryFormatCode, uuid.New()); plan == nil ||
+		strings.Contains(fmt.Sprintf("%T", plan), "DriverValuer") {
+		t.Errorf("uuid.UUID encodes with %T, want a plan that does not go through driver.Valuer", plan)
+	}
+	// An array's elements: through driver.Valuer, 16 of them cost over 300
+	// allocations (a string and an error each); directly, about 20.
+	ids16 := make([]uuid.UUID, 16)
+	for i := range ids16 {
+		ids16[i] = uuid.New()
+	}
+	buf := make([]byte, 0, 1024)
+	allocs := testing.AllocsPerRun(20, func() {
+		if _, err := m.Encode(pgtype.UUIDArrayOID, pgtype.BinaryFormatCode, ids16, buf[:0]); err != nil {
+			t.Fatal(err)
+		}
+	})
+	if allocs > 64 {
+		t.Errorf("encoding 16 uuids takes %.0f allocations, want at most 64 (not through driver.Valuer)", allocs)
+	}
+	// And round-trips through the database.
+	ids := []uuid.UUID{uuid.New(), uuid.New()}
+	var got []uuid.UUID
+	var one uuid.UUID
+	if err := conn.QueryRow(ctx, `SELECT $1::uuid[], $2::uuid`, ids, ids[1]).Scan(&got, &one); err != nil {
+		t.Fatal(err)
+	}
+	if len(got) != 2 || got[0] != ids[0] || got[1] != ids[1] || one != ids[1] {
+		t.Fatalf("round trip: %v %v, want %v", got, one, ids)
+	}
+}
