@@ -20,6 +20,7 @@ import (
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgtype"
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
 )
@@ -95,18 +96,23 @@ func Emit(ctx context.Context, q Querier, ev Event) (Emitted, error) {
 	if ev.Revision != 0 {
 		revision = &ev.Revision
 	}
-	var id *uuid.UUID
+	// pgtype.UUID rather than uuid.UUID: pgx encodes the latter through its
+	// driver.Valuer string, after a failed binary attempt, unless the
+	// caller's pool registered an integration.
+	var id pgtype.UUID
 	if ev.ID != uuid.Nil {
-		id = &ev.ID
+		id = pgtype.UUID{Bytes: ev.ID, Valid: true}
 	}
 	var out Emitted
+	var outID pgtype.UUID
 	err := q.QueryRow(ctx,
 		`SELECT event_id, revision FROM outbox.emit_event($1, $2, $3, $4::jsonb, $5::jsonb, $6, $7)`,
 		ev.Stream, ev.AggregateKey, ev.Type, string(ev.Payload), string(headers), revision, id,
-	).Scan(&out.ID, &out.Revision)
+	).Scan(&outID, &out.Revision)
 	if err != nil {
 		return Emitted{}, fmt.Errorf("client: emit %s/%s: %w", ev.Stream, ev.AggregateKey, err)
 	}
+	out.ID = outID.Bytes
 	return out, nil
 }
 
