@@ -81,9 +81,11 @@ CREATE TABLE outbox.event (
     -- table's CHECK expressions for each statement that writes it and
     -- evaluates them for every row written, the stream's regular expression
     -- included, about 20 microseconds of a 60-100 microsecond emit here. A
-    -- row skips the trigger only with triggers disabled, which outboxd does
-    -- not support (such a row takes no order lock and moves no counter
-    -- either).
+    -- row skips the trigger only with triggers disabled (ALTER TABLE ...
+    -- DISABLE TRIGGER, session_replication_role = replica as in logical
+    -- replication's apply, pg_restore --disable-triggers), which outboxd
+    -- does not support for producers (such a row takes no order lock and
+    -- moves no counter either).
 ) WITH (fillfactor = 50);
 
 -- Purge walks (created_at, event_id) upward, ListEvents downward; the pair is

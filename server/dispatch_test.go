@@ -347,7 +347,11 @@ func TestAckFreedCreditIsClaimedOnlyWhenWorkIsClaimable(t *testing.T) {
 		by    time.Time
 	}
 	decisions := make(chan decision, 16)
-	r := startReplica(t, url, nil)
+	// No reconcile: one that read the session's leases after an ack
+	// committed but before the acker settled it would free the lease as
+	// gone, a reason to claim at once, and the decision under test would
+	// never be made.
+	r := startReplica(t, url, func(c *server.Config) { c.ReconcileInterval = time.Hour })
 	r.Server.SetAfterFreed(func(_ uuid.UUID, claim bool, by time.Time) { decisions <- decision{claim, by} })
 	next := func() decision {
 		t.Helper()

@@ -90,7 +90,9 @@
 // than that time. Work made claimable after the probe wakes the sessions
 // (a discovery round that made it ready, a release) or is seen by the
 // next batch's probe. Most acks of a steady replica end a lease with
-// nothing following, and their empty claims were most of its claims.
+// nothing following, and their empty claims were most of its claims. The
+// probe is not per stream: a ready aggregate of a stream no connected
+// relay takes makes every ack claim, as all acks did before.
 // Credit comes back only when the database says the lease
 // is gone: an ack or nack on this replica signals the session directly; one
 // on another replica sends NOTIFY outbox_released with the holder's session

@@ -48,7 +48,9 @@ func ConfigurePool(cfg *pgxpool.Config) {
 	// pgx encodes every uuid parameter by failing a binary encode (an error
 	// built with fmt), scanning the string back and encoding again: 2.8 us
 	// per uuid, 39 us for an array of 16, against 0.1 and 1.6 us through
-	// pgtype.UUID. Every ack batch, claim and dispatch passes them.
+	// pgtype.UUID. Every ack batch, claim and dispatch passes them. (Only
+	// parameters gain: pgx prefers uuid.UUID's sql.Scanner when scanning,
+	// which costs a fraction of a microsecond.)
 	afterConnect := cfg.AfterConnect
 	cfg.AfterConnect = func(ctx context.Context, conn *pgx.Conn) error {
 		pgxuuid.Register(conn.TypeMap())
