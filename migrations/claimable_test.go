@@ -2,6 +2,7 @@ package migrations_test
 
 import (
 	"context"
+	"fmt"
 	"testing"
 	"time"
 
@@ -89,5 +90,58 @@ func TestWindowedAckSaysWhenWorkIsClaimable(t *testing.T) {
 	}
 	if status != "published" || in == nil || *in <= 20*time.Second || *in > 30*time.Second {
 		t.Fatalf("ack of a/1 in a window of 3: %s, claimable in %v; want published, 20-30s (the window's lease)", status, in)
+	}
+}
+
+// A release that gave leases back sends one outbox_wakeup, so idle sessions
+// on every replica claim the aggregates at once; one that released nothing
+// sends none.
+func TestReleaseWakesIdleSessions(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := testdb.NewPool(t)
+	listener, err := pool.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer listener.Release()
+	if _, err := listener.Exec(ctx, `LISTEN outbox_wakeup`); err != nil {
+		t.Fatal(err)
+	}
+	holder := uuid.New()
+	emitN(t, pool, "a", 1)
+	discover(t, pool) // may notify: it made a ready
+	if got := claimWindow(t, pool, holder, 1, 1, 1); len(got) != 1 {
+		t.Fatalf("claimed %v, want orders/a", got)
+	}
+	// Notifications are delivered to an idle connection before it answers
+	// its next query: this drains what discovery sent.
+	drain := func() (n int) {
+		t.Helper()
+		if _, err := listener.Exec(ctx, `SELECT 1`); err != nil {
+			t.Fatal(err)
+		}
+		for {
+			wctx, cancel := context.WithTimeout(ctx, 50*time.Millisecond)
+			_, err := listener.Conn().WaitForNotification(wctx)
+			cancel()
+			if err != nil {
+				return n
+			}
+			n++
+		}
+	}
+	drain()
+	if n := count(t, pool, fmt.Sprintf(`SELECT outbox.release('%s')`, uuid.New())); n != 0 {
+		t.Fatalf("released %d for a holder with no leases", n)
+	}
+	if n := drain(); n != 0 {
+		t.Fatalf("%d wake-ups from a release of nothing, want none", n)
+	}
+	if n := count(t, pool, fmt.Sprintf(`SELECT outbox.release('%s')`, holder)); n != 1 {
+		t.Fatalf("released %d, want 1", n)
+	}
+	if n := drain(); n != 1 {
+		t.Fatalf("%d wake-ups from a release of one lease, want 1", n)
 	}
 }

@@ -222,8 +222,9 @@ func (a *ackCommitter) commit(ctx context.Context, batch []*ackRequest, n int) {
 				if st == nil {
 					st = &settlement{claimable: r.Claimable}
 					settle[r.Holder] = st
+				} else {
+					st.claimable = st.claimable.Earliest(r.Claimable)
 				}
-				st.claimable = st.claimable.Earliest(r.Claimable)
 				st.acked = append(st.acked, r.EventID)
 				st.leases = append(st.leases, r.HandOver...)
 			}

@@ -135,15 +135,9 @@ func (ss *session) settle(acked []uuid.UUID, leases []store.Lease, lent int, cla
 		ss.freed = append(ss.freed, freedLease{id, true, 0})
 	}
 	if len(acked) > 0 {
-		switch {
-		case !claimable.Seen || (!claimable.None && claimable.In <= 0):
-			ss.claimFreed = true
-		case claimable.None:
-		default:
-			if by := time.Now().Add(claimable.In); ss.claimBy.IsZero() || by.Before(ss.claimBy) {
-				ss.claimBy = by
-			}
-		}
+		now, by := claimable.ClaimAt(time.Now())
+		ss.claimFreed = ss.claimFreed || now
+		ss.claimBy = earlierDeadline(ss.claimBy, by)
 	}
 	ss.handed = append(ss.handed, leases...)
 	if ss.waiting {
@@ -494,10 +488,14 @@ type sessionWait struct {
 func (w *sessionWait) claimed() { w.pollAt, w.claimDue = time.Time{}, time.Time{} }
 
 // claimNoLaterThan makes the poll fire by t at the latest (zero: no bound).
-func (w *sessionWait) claimNoLaterThan(t time.Time) {
-	if !t.IsZero() && (w.claimDue.IsZero() || t.Before(w.claimDue)) {
-		w.claimDue = t
+func (w *sessionWait) claimNoLaterThan(t time.Time) { w.claimDue = earlierDeadline(w.claimDue, t) }
+
+// earlierDeadline is the earlier of two deadlines, zero meaning none.
+func earlierDeadline(a, b time.Time) time.Time {
+	if a.IsZero() || (!b.IsZero() && b.Before(a)) {
+		return b
 	}
+	return a
 }
 
 func newSessionWait(ss *session) *sessionWait {

@@ -118,9 +118,9 @@ func (s *Store) Discover(ctx context.Context, replicaID string, choose func([]Fo
 	defer conn.Release()
 	// BEGIN travels with the scan and COMMIT with the apply, so a round is
 	// two round trips to the database rather than four (once the
-	// connection has prepared the two statements: its first round adds one). A discovery round
-	// is on the path of every event's latency, and on a busy machine each
-	// round trip waits for a core on both sides.
+	// connection has prepared the two statements: its first round adds
+	// one). A discovery round is on the path of every event's latency, and
+	// on a busy machine each round trip waits for a core on both sides.
 	br := conn.SendBatch(ctx, &pgx.Batch{QueuedQueries: []*pgx.QueuedQuery{
 		{SQL: "BEGIN"},
 		{SQL: `SELECT prev_snapshot, snapshot, events, stream, aggregate_key, idle, first_created_at
@@ -409,6 +409,19 @@ type ClaimHint struct {
 	// In is otherwise how long until the first aggregate becomes claimable
 	// (a lease expiring, a backoff ending): zero when one already was.
 	In time.Duration
+}
+
+// ClaimAt says when credit freed by the acks h came from is to be claimed
+// with: now, or by a time (zero: no bound but a session's poll).
+func (h ClaimHint) ClaimAt(now time.Time) (claimNow bool, by time.Time) {
+	switch {
+	case !h.Seen || (!h.None && h.In <= 0):
+		return true, time.Time{}
+	case h.None:
+		return false, time.Time{}
+	default:
+		return false, now.Add(h.In)
+	}
 }
 
 // Earliest is the hint that claims no later than either h or o would.

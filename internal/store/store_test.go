@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
@@ -70,5 +71,39 @@ func TestConfigurePoolEncodesUUIDsDirectly(t *testing.T) {
 	}
 	if len(got) != 2 || got[0] != ids[0] || got[1] != ids[1] || one != ids[1] {
 		t.Fatalf("round trip: %v %v, want %v", got, one, ids)
+	}
+}
+
+// A hint that knows nothing claims at once; "none" claims only at a poll;
+// otherwise by the time given. Combined (the halves of a split ack batch),
+// the hint that claims sooner wins.
+func TestClaimHint(t *testing.T) {
+	now := time.Unix(1000, 0)
+	unknown := store.ClaimHint{}
+	none := store.ClaimHint{Seen: true, None: true}
+	ready := store.ClaimHint{Seen: true}
+	in := func(d time.Duration) store.ClaimHint { return store.ClaimHint{Seen: true, In: d} }
+	for _, c := range []struct {
+		name    string
+		h       store.ClaimHint
+		wantNow bool
+		wantBy  time.Time
+	}{
+		{"unknown", unknown, true, time.Time{}},
+		{"ready", ready, true, time.Time{}},
+		{"none", none, false, time.Time{}},
+		{"in 5s", in(5 * time.Second), false, now.Add(5 * time.Second)},
+		{"unknown and in 5s", unknown.Earliest(in(5 * time.Second)), true, time.Time{}},
+		{"in 5s and unknown", in(5 * time.Second).Earliest(unknown), true, time.Time{}},
+		{"none and in 5s", none.Earliest(in(5 * time.Second)), false, now.Add(5 * time.Second)},
+		{"in 5s and none", in(5 * time.Second).Earliest(none), false, now.Add(5 * time.Second)},
+		{"none and none", none.Earliest(none), false, time.Time{}},
+		{"in 5s and in 2s", in(5 * time.Second).Earliest(in(2 * time.Second)), false, now.Add(2 * time.Second)},
+		{"in 2s and ready", in(2 * time.Second).Earliest(ready), true, time.Time{}},
+	} {
+		gotNow, gotBy := c.h.ClaimAt(now)
+		if gotNow != c.wantNow || !gotBy.Equal(c.wantBy) {
+			t.Errorf("%s: ClaimAt = %v, %v; want %v, %v", c.name, gotNow, gotBy, c.wantNow, c.wantBy)
+		}
 	}
 }
