@@ -260,9 +260,10 @@ func (c *ceilingArm) produce(ctx context.Context, conn *pgxpool.Conn, agg int, p
 	return rev, nil
 }
 
-// producerArm is the producer workload's outbox path: outbox.emit (client.Emit),
-// or with trigger a plain INSERT into outbox.event that leaves the revision
-// to the table's trigger. Nothing delivers.
+// producerArm is the producer workload's outbox path: outbox.emit, the SQL
+// function producers in any language call, or with trigger client.Emit, the
+// Go producers' path, a plain INSERT into outbox.event that leaves the
+// revision to the table's trigger. Nothing delivers.
 type producerArm struct{ trigger bool }
 
 func (*producerArm) delivers() bool                                             { return false }
@@ -277,23 +278,21 @@ func (*producerArm) deletesOnAck() bool { return false }
 func (*producerArm) tables() string     { return "schemaname = 'outbox'" }
 
 func (a *producerArm) produce(ctx context.Context, conn *pgxpool.Conn, agg int, payload []byte) (int64, error) {
-	if !a.trigger {
+	if a.trigger {
 		e, err := client.Emit(ctx, conn, client.Event{
 			Stream: benchStream, AggregateKey: strconv.Itoa(agg), Type: benchEventType, Payload: payload,
 		})
 		return e.Revision, err
 	}
 	var rev int64
-	if err := conn.QueryRow(ctx,
-		`INSERT INTO outbox.event (stream, aggregate_key, event_type, payload)
-		 VALUES ($1, $2, $3, $4::jsonb) RETURNING revision`,
+	if err := conn.QueryRow(ctx, `SELECT revision FROM outbox.emit($1, $2, $3, $4::jsonb)`,
 		benchStream, strconv.Itoa(agg), benchEventType, string(payload)).Scan(&rev); err != nil {
-		return 0, fmt.Errorf("bench: insert into outbox.event: %w", err)
+		return 0, fmt.Errorf("bench: outbox.emit: %w", err)
 	}
 	return rev, nil
 }
 
-// outboxdArm produces through outbox.emit (client.Emit) and delivers with
+// outboxdArm produces through client.Emit (a plain INSERT) and delivers with
 // the real server and K relay runners over loopback gRPC.
 type outboxdArm struct {
 	binary string

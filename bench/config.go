@@ -44,7 +44,7 @@ const (
 	// ArmNaivePoller: the textbook outbox protocol in SQL, publishing inside
 	// the transaction that locks the aggregate.
 	ArmNaivePoller = "naive-poller"
-	// ArmOutboxd: outbox.emit, the real server and relays over loopback gRPC.
+	// ArmOutboxd: client.Emit, the real server and relays over loopback gRPC.
 	ArmOutboxd = "outboxd"
 	// ArmWatermill: Watermill SQL Pub/Sub on PostgreSQL (the queue schema
 	// and offsets adapter), published inside the producer's transaction,
@@ -57,8 +57,9 @@ const (
 	ArmRiver = "river"
 
 	// ArmEmit and ArmInsertTrigger are the producer workload's outbox paths,
-	// measured against ArmCeilingInsert: a call of outbox.emit, and a plain
-	// INSERT into outbox.event whose trigger keeps the bookkeeping.
+	// measured against ArmCeilingInsert: a call of outbox.emit, and
+	// client.Emit, a plain INSERT into outbox.event whose trigger keeps the
+	// bookkeeping.
 	ArmEmit          = "emit"
 	ArmInsertTrigger = "insert-trigger"
 )

@@ -12,7 +12,7 @@
 //   - naive-poller: the textbook outbox protocol in SQL by K workers (lock
 //     an aggregate FOR UPDATE SKIP LOCKED, select its earliest pending event
 //     FOR UPDATE, publish while holding the transaction, mark, commit).
-//   - outboxd: producers call outbox.emit; the real server runs as a child
+//   - outboxd: producers call client.Emit (a plain INSERT); the real server runs as a child
 //     process (`outboxd serve`, its shipped defaults); K relay.Runners
 //     connect to it over loopback gRPC, each on its own connection, and
 //     publish to the sink.
@@ -25,8 +25,8 @@
 // Workloads: steady (P producers at full speed over 10,000 aggregates),
 // latency (open-loop producers at half of outboxd's steady maximum), drain
 // (a backlog committed before delivery starts), hot (one aggregate),
-// producer (plain INSERT, outbox.emit and INSERT through outbox.event's
-// trigger, nothing delivering) and held-xmin (steady while a transaction id
+// producer (plain INSERT, outbox.emit and client.Emit, an INSERT through
+// outbox.event's trigger, nothing delivering) and held-xmin (steady while a transaction id
 // stays open in another database, or in a REPEATABLE READ transaction in the
 // same one).
 //

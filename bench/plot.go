@@ -280,7 +280,7 @@ func (r *Report) producerPanel() panel {
 			continue
 		}
 		name := map[string]string{
-			ArmCeilingInsert: "plain INSERT", ArmEmit: "outbox.emit", ArmInsertTrigger: "INSERT outbox.event (trigger)",
+			ArmCeilingInsert: "plain INSERT", ArmEmit: "outbox.emit", ArmInsertTrigger: "client.Emit (INSERT, trigger)",
 		}[res.Arm]
 		text := ""
 		if plain != nil && plain.Throughput > 0 {

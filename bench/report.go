@@ -554,7 +554,7 @@ func (r *Report) ratios() []Ratio {
 			atLeast("producer: outbox.emit / plain INSERT", ratio(rate(e), rate(plain)), 0.8, "×", "")
 		}
 		if t := r.find(WorkloadProducer, ArmInsertTrigger, 0, 0); t != nil {
-			atLeast("producer: INSERT into outbox.event (trigger) / plain INSERT", ratio(rate(t), rate(plain)), 0, "×", "context")
+			atLeast("producer: client.Emit (INSERT, trigger) / plain INSERT", ratio(rate(t), rate(plain)), 0, "×", "context")
 		}
 	}
 	// A held transaction id against the same arm's steady run.

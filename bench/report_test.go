@@ -167,7 +167,7 @@ func TestReportPeerProducerHeldXminRatios(t *testing.T) {
 		{"outboxd / river steady (sink 0s)", 0.5, nil},
 		{"watermill steady / ceiling-insert", 0.8, nil},
 		{"producer: outbox.emit / plain INSERT", 0.7, ptr(false)},
-		{"producer: INSERT into outbox.event (trigger)", 0.9, nil},
+		{"producer: client.Emit (INSERT, trigger)", 0.9, nil},
 		{"outboxd held-xmin (same-db-rr) / steady", 0.75, ptr(false)},
 	} {
 		r := findRatio(t, rep.Ratios, c.name)

@@ -1,9 +1,11 @@
 // Package client is what Go producers and operators import.
 //
 // Producers call Emit inside the transaction that changes their business rows,
-// so the event exists if and only if that transaction commits. Emit is a thin
-// wrapper over outbox.emit_event, the PL/pgSQL body of the SQL function
-// outbox.emit that producers in other languages call with their own drivers.
+// so the event exists if and only if that transaction commits. Emit inserts
+// into outbox.event, whose insert trigger checks the event and assigns its
+// revision, as it does for outbox.emit, the SQL function producers in other
+// languages call with their own drivers; a plain INSERT spares the function
+// call (about a tenth of the database's work for an event).
 //
 // Emit carries the caller's OpenTelemetry trace context to the relay: when
 // ctx holds a valid span context, the event's headers get its W3C
@@ -71,7 +73,7 @@ type Emitted struct {
 // database, for input it can check itself.
 var ErrInvalidEvent = errors.New("client: invalid event")
 
-// Emit records ev through outbox.emit_event on q. The database checks everything
+// Emit records ev in outbox.event through q. The database checks everything
 // again and answers bad input with SQLSTATE 22023 (invalid_parameter_value),
 // an oversized payload with 54000, and a repeated revision with 23505; those
 // errors come back as *pgconn.PgError.
@@ -106,9 +108,16 @@ func Emit(ctx context.Context, q Querier, ev Event) (Emitted, error) {
 	var out Emitted
 	var outID pgtype.UUID
 	err := q.QueryRow(ctx,
-		`SELECT event_id, revision FROM outbox.emit_event($1, $2, $3, $4::jsonb, $5::jsonb, $6, $7)`,
+		`INSERT INTO outbox.event (stream, aggregate_key, event_type, payload, headers, revision, event_id)
+		 VALUES ($1, $2, $3, $4::jsonb, $5::jsonb, $6, $7) RETURNING event_id, revision`,
 		ev.Stream, ev.AggregateKey, ev.Type, string(ev.Payload), string(headers), revision, id,
 	).Scan(&outID, &out.Revision)
+	if errors.Is(err, pgx.ErrNoRows) && id.Valid {
+		// The insert trigger inserts nothing for a retry of a recorded event
+		// (same id and content): answer with the recorded one.
+		err = q.QueryRow(ctx, `SELECT event_id, revision FROM outbox.event WHERE event_id = $1`, id).
+			Scan(&outID, &out.Revision)
+	}
 	if err != nil {
 		return Emitted{}, fmt.Errorf("client: emit %s/%s: %w", ev.Stream, ev.AggregateKey, err)
 	}

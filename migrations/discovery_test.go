@@ -259,9 +259,9 @@ func TestDeliveryFunctionsNeedReadCommitted(t *testing.T) {
 }
 
 // An idempotent retry of an event (same event_id) records nothing and
-// consumes no revision, with outbox.emit, with INSERT ... ON CONFLICT DO
-// NOTHING, and when it races the first attempt; the same id with other
-// content is refused.
+// consumes no revision, with client.Emit, with outbox.emit, with INSERT ...
+// ON CONFLICT DO NOTHING, and when it races the first attempt; the same id
+// with other content is refused.
 func TestIdempotentRetryCreatesNoGap(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -275,6 +275,12 @@ func TestIdempotentRetryCreatesNoGap(t *testing.T) {
 	again, err := client.Emit(ctx, pool, ev)
 	if err != nil || again != first {
 		t.Fatalf("retry through emit = %+v, %v; want the recorded %+v", again, err, first)
+	}
+	var emitted client.Emitted
+	if err := pool.QueryRow(ctx, `SELECT event_id, revision FROM outbox.emit(stream => 'orders',
+		aggregate_key => 'o-1', event_type => 'T', payload => '{"a":1}', event_id => $1)`, id).
+		Scan(&emitted.ID, &emitted.Revision); err != nil || emitted != first {
+		t.Fatalf("retry through outbox.emit = %+v, %v; want the recorded %+v", emitted, err, first)
 	}
 	const insert = `INSERT INTO outbox.event (event_id, stream, aggregate_key, event_type, payload)
 		VALUES ($1, 'orders', 'o-1', 'T', '{"a":1}') ON CONFLICT DO NOTHING`
