@@ -23,7 +23,8 @@ CREATE TABLE outbox.settings (
     -- so that an event with the largest headers, key and type still fits in
     -- one delivery message (4 MiB, the limit server and relay share).
     -- At least 1 KiB, so that the insert trigger reads this row only for a
-    -- payload larger than that (a read of it was about a tenth of an emit).
+    -- payload larger than that (each read starts an executor: a few percent
+    -- of an emit).
     max_payload_bytes integer NOT NULL DEFAULT 1048576
         CHECK (max_payload_bytes >= 1024 AND max_payload_bytes <= 3145728),
     -- How many failed delivery attempts outbox.attempt keeps per aggregate
