@@ -341,9 +341,17 @@ END
 $$;
 -- +goose StatementEnd
 
+-- The insert trigger checks an event, assigns its revision under the
+-- aggregate's order lock, and answers a retry. It runs with its owner's
+-- rights (SECURITY DEFINER), so that a producer's role needs nothing but
+-- INSERT on outbox.event (and SELECT of event_id and revision to read them
+-- back): the counters, the settings, other producers' events and the
+-- server's rows stay out of its reach. A fixed search_path keeps a
+-- producer's own schemas from shadowing anything the function calls; the
+-- switch costs about 5 % of an emit.
 -- +goose StatementBegin
 CREATE FUNCTION outbox.event_before_insert() RETURNS trigger
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     v_max_payload integer;
     v_payload_bytes integer;

@@ -792,7 +792,8 @@ $$;
 --
 
 CREATE FUNCTION outbox.event_before_insert() RETURNS trigger
-    LANGUAGE plpgsql
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'pg_catalog', 'pg_temp'
     AS $_$
 DECLARE
     v_max_payload integer;
