@@ -5,7 +5,8 @@
 // into outbox.event, whose insert trigger checks the event and assigns its
 // revision, as it does for outbox.emit, the SQL function producers in other
 // languages call with their own drivers; a plain INSERT spares the function
-// call (about a tenth of the database's work for an event).
+// call, which was about 15 % of the database's work for an event
+// (BENCHMARKS.md, bench/pgbench/producer-and-ack.sh).
 //
 // Emit carries the caller's OpenTelemetry trace context to the relay: when
 // ctx holds a valid span context, the event's headers get its W3C

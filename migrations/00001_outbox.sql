@@ -347,8 +347,8 @@ $$;
 -- INSERT on outbox.event (and SELECT of event_id and revision to read them
 -- back): the counters, the settings, other producers' events and the
 -- server's rows stay out of its reach. A fixed search_path keeps a
--- producer's own schemas from shadowing anything the function calls; the
--- switch costs about 5 % of an emit.
+-- producer's own schemas from shadowing anything the function calls
+-- (BENCHMARKS.md has what the switch of rights costs).
 -- +goose StatementBegin
 CREATE FUNCTION outbox.event_before_insert() RETURNS trigger
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$

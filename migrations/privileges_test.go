@@ -2,14 +2,13 @@ package migrations_test
 
 import (
 	"context"
-	"errors"
+	"fmt"
 	"net/url"
 	"strings"
 	"testing"
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/outboxd/outboxd/client"
 	"github.com/outboxd/outboxd/internal/testdb"
@@ -49,7 +48,7 @@ func TestProducerNeedsOnlyInsert(t *testing.T) {
 		}
 		_ = admin.Close(ctx)
 	})
-	if _, err := owner.Exec(ctx, strings.ReplaceAll(producerGrants, "%[1]s", role)); err != nil {
+	if _, err := owner.Exec(ctx, fmt.Sprintf(producerGrants, role)); err != nil {
 		t.Fatal(err)
 	}
 	u, err := url.Parse(dbURL)
@@ -98,10 +97,7 @@ func TestProducerNeedsOnlyInsert(t *testing.T) {
 		`SELECT * FROM outbox.lease_key`,
 	} {
 		_, err := producer.Exec(ctx, sql)
-		var pgErr *pgconn.PgError
-		if !errors.As(err, &pgErr) || pgErr.Code != "42501" {
-			t.Errorf("as the producer, %s: %v; want permission denied (42501)", sql, err)
-		}
+		wantSQLState(t, err, "42501") // permission denied
 	}
 	if n := count(t, owner, `SELECT count(*) FROM outbox.event`); n != 4 {
 		t.Fatalf("%d events recorded, want 4", n)
