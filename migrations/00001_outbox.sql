@@ -634,25 +634,6 @@ $$;
 
 -- A lease as claim, lease_heads, ack (hand-over) and discovery (dispatch)
 -- return it: the event to deliver and the lease covering it.
--- What outbox.ack reads of one event and its aggregate's delivery row when
--- it applies a single ack (its one-row path).
-CREATE TYPE outbox.event_head AS (
-    event_id uuid,
-    stream text,
-    aggregate_key text,
-    revision bigint,
-    created_at timestamptz,
-    skipped boolean
-);
-CREATE TYPE outbox.delivery_head AS (
-    delivered_revision bigint,
-    state text,
-    holder uuid,
-    holder_replica_id text,
-    leased_through bigint,
-    parked_revision bigint
-);
-
 CREATE TYPE outbox.lease AS (
     event_id uuid,
     stream text,
@@ -1330,9 +1311,21 @@ DECLARE
     v_handed_acks uuid[];
     v_windowed boolean;
     v_ok_parked boolean[];
-    v_one outbox.event_head;
-    v_cur outbox.delivery_head;
-    v_next outbox.event_head;
+    v_id uuid;
+    v_stream text;
+    v_key text;
+    v_rev bigint;
+    v_at timestamptz;
+    v_cursor bigint;
+    v_state text;
+    v_holder uuid;
+    v_holder_replica text;
+    v_through bigint;
+    v_parked_rev bigint;
+    v_skipped boolean;
+    v_next_id uuid;
+    v_next_at timestamptz;
+    v_next_skipped boolean;
     v_has_next boolean;
     v_ttl interval;
     v_slot integer;
@@ -1356,63 +1349,70 @@ BEGIN
     -- each in statements a fraction of their size. Starting a statement's
     -- executor costs about as much as a small statement's work, so the
     -- batch path's plans (arrays, window functions, a dozen aggregates)
-    -- cost an ack of one event more than its writes. Anything else this
-    -- path does not decide (the event not pending, not the next revision,
-    -- skipped, a lease that covers more than it) goes to the batch path,
-    -- which takes the same locks again (re-entrant) and answers.
+    -- cost an ack of one event more than its writes. What this path does
+    -- not decide (the event not pending or skipped, no delivery row, not
+    -- the next revision, a lease that covers more than it) goes to the
+    -- batch path before anything is written; it takes the same locks
+    -- again (re-entrant) and answers.
     IF cardinality(p_event_ids) = 1 AND coalesce(NOT 1 < ANY (p_handover_windows), true)
        AND coalesce(NOT 0 < ANY (p_handover_credits), true) THEN
-        SELECT e.event_id, e.stream, e.aggregate_key, e.revision, e.created_at,
-               EXISTS (SELECT 1 FROM outbox.skipped_event s WHERE s.event_id = e.event_id)
-        INTO v_one
+        SELECT e.event_id, e.stream, e.aggregate_key, e.revision, e.created_at
+        INTO v_id, v_stream, v_key, v_rev, v_at
         FROM outbox.event e
         WHERE e.event_id = p_event_ids[1] AND e.published_at IS NULL
         FOR UPDATE OF e;
-        IF v_one.event_id IS NOT NULL AND NOT v_one.skipped THEN
-            SELECT d.delivered_revision, d.state, d.holder, d.holder_replica_id, d.leased_through, d.parked_revision
-            INTO v_cur
+        IF v_id IS NOT NULL THEN
+            -- Whether the event is skipped is read here, in a statement
+            -- after its lock, never in the statement that waited for it:
+            -- SkipEvent locks the event, records the skip and commits, and
+            -- a statement that waited for that lock reads the skip table as
+            -- it was before.
+            SELECT d.delivered_revision, d.state, d.holder, d.holder_replica_id, d.leased_through, d.parked_revision,
+                   EXISTS (SELECT 1 FROM outbox.skipped_event s WHERE s.event_id = v_id)
+            INTO v_cursor, v_state, v_holder, v_holder_replica, v_through, v_parked_rev, v_skipped
             FROM outbox.delivery d
-            WHERE d.stream = v_one.stream AND d.aggregate_key = v_one.aggregate_key
+            WHERE d.stream = v_stream AND d.aggregate_key = v_key
             FOR UPDATE OF d;
         END IF;
-        IF v_cur.delivered_revision IS NOT NULL AND v_one.revision = v_cur.delivered_revision + 1
-           AND NOT (v_cur.state = 'leased' AND v_cur.leased_through > v_one.revision) THEN
+        IF v_cursor IS NOT NULL AND NOT v_skipped AND v_rev = v_cursor + 1
+           AND NOT (v_state = 'leased' AND v_through > v_rev) THEN
+            RAISE DEBUG 'outbox.ack: one-row path';
             v_set := set_config('outbox.acking', 'on', true);
-            UPDATE outbox.event e SET published_at = v_now WHERE e.event_id = v_one.event_id;
+            UPDATE outbox.event e SET published_at = v_now WHERE e.event_id = v_id;
             v_set := set_config('outbox.acking', 'off', true);
             INSERT INTO outbox.delivered_count AS c (stream, bucket, backend_pid, events)
-            VALUES (v_one.stream, date_bin('5 seconds', v_now, timestamptz '2000-01-01'), pg_backend_pid(), 1)
+            VALUES (v_stream, date_bin('5 seconds', v_now, timestamptz '2000-01-01'), pg_backend_pid(), 1)
             ON CONFLICT (stream, bucket, backend_pid) DO UPDATE SET events = c.events + 1;
             SELECT min(o.claimable_at) INTO v_oldest FROM outbox.delivery o WHERE o.claimable_at IS NOT NULL;
 
-            SELECT n.event_id, n.stream, n.aggregate_key, n.revision, n.created_at,
-                   EXISTS (SELECT 1 FROM outbox.skipped_event s WHERE s.event_id = n.event_id)
-            INTO v_next
+            SELECT n.event_id, n.created_at, EXISTS (SELECT 1 FROM outbox.skipped_event s WHERE s.event_id = n.event_id)
+            INTO v_next_id, v_next_at, v_next_skipped
             FROM outbox.event n
-            WHERE n.stream = v_one.stream AND n.aggregate_key = v_one.aggregate_key AND n.revision = v_one.revision + 1;
-            v_has_next := v_next.event_id IS NOT NULL OR EXISTS (
+            WHERE n.stream = v_stream AND n.aggregate_key = v_key AND n.revision = v_rev + 1;
+            v_has_next := v_next_id IS NOT NULL OR EXISTS (
                 SELECT 1 FROM outbox.event x
-                WHERE x.stream = v_one.stream AND x.aggregate_key = v_one.aggregate_key
-                  AND x.revision > v_one.revision + 1);
-            v_stays_parked := v_cur.state = 'parked' AND v_cur.parked_revision > v_one.revision;
-            IF v_cur.holder IS NOT NULL THEN
-                v_slot := array_position(p_handover_holders, v_cur.holder);
+                WHERE x.stream = v_stream AND x.aggregate_key = v_key AND x.revision > v_rev + 1);
+            -- Parked past this ack (an event of a window too large to send):
+            -- the aggregate stays parked. A parked row has no holder, so
+            -- nothing is handed over then.
+            v_stays_parked := v_state = 'parked' AND v_parked_rev > v_rev;
+            IF v_holder IS NOT NULL THEN
+                v_slot := array_position(p_handover_holders, v_holder);
             END IF;
-            IF v_slot IS NOT NULL AND v_next.event_id IS NOT NULL AND NOT v_next.skipped
-               AND NOT coalesce(v_oldest < least(v_now, v_next.created_at), false) THEN
+            IF v_slot IS NOT NULL AND v_next_id IS NOT NULL AND NOT v_next_skipped
+               AND NOT coalesce(v_oldest < least(v_now, v_next_at), false) THEN
                 v_ttl := p_handover_ttls[v_slot];
             END IF;
-            v_ttl := CASE WHEN v_stays_parked THEN NULL ELSE v_ttl END;
 
             UPDATE outbox.delivery d
-            SET delivered_revision = v_one.revision,
+            SET delivered_revision = v_rev,
                 state = CASE WHEN v_stays_parked THEN 'parked'
                              WHEN v_ttl IS NOT NULL THEN 'leased'
                              WHEN v_has_next THEN 'ready' ELSE 'idle' END,
                 claimable_at = CASE WHEN v_stays_parked THEN NULL
                                     WHEN v_ttl IS NOT NULL THEN v_now + v_ttl
-                                    WHEN v_has_next THEN coalesce(v_next.created_at, v_now) END,
-                pending_since = CASE WHEN v_has_next THEN coalesce(v_next.created_at, v_now) END,
+                                    WHEN v_has_next THEN coalesce(v_next_at, v_now) END,
+                pending_since = CASE WHEN v_has_next THEN coalesce(v_next_at, v_now) END,
                 epoch = CASE WHEN v_ttl IS NOT NULL
                              THEN greatest(d.epoch + 1, (extract(epoch FROM v_now) * 1000000)::bigint)
                              ELSE d.epoch END,
@@ -1420,36 +1420,37 @@ BEGIN
                 holder_relay_id = CASE WHEN v_ttl IS NOT NULL THEN d.holder_relay_id END,
                 holder_replica_id = CASE WHEN v_ttl IS NOT NULL THEN d.holder_replica_id END,
                 lease_expires_at = CASE WHEN v_ttl IS NOT NULL THEN v_now + v_ttl END,
-                leased_event_id = CASE WHEN v_ttl IS NOT NULL THEN v_next.event_id END,
-                leased_through = CASE WHEN v_ttl IS NOT NULL THEN v_one.revision + 1 END,
+                leased_event_id = CASE WHEN v_ttl IS NOT NULL THEN v_next_id END,
+                leased_through = CASE WHEN v_ttl IS NOT NULL THEN v_rev + 1 END,
                 attempt = CASE WHEN v_ttl IS NOT NULL THEN 1 ELSE 0 END,
                 failures = 0, unanswered = 0,
                 last_error = CASE WHEN v_stays_parked THEN d.last_error END,
                 parked_at = CASE WHEN v_stays_parked THEN d.parked_at END,
                 parked_reason = CASE WHEN v_stays_parked THEN d.parked_reason END,
                 next_attempt_at = NULL, gap_revision = NULL
-            WHERE d.stream = v_one.stream AND d.aggregate_key = v_one.aggregate_key
+            WHERE d.stream = v_stream AND d.aggregate_key = v_key
             RETURNING d.epoch, d.attempt, d.lease_expires_at INTO v_epoch, v_attempt, v_expires;
 
-            IF v_cur.holder IS NOT NULL AND v_cur.holder_replica_id IS DISTINCT FROM p_replica_id THEN
-                PERFORM pg_notify('outbox_released', v_cur.holder::text);
+            IF v_holder IS NOT NULL AND v_holder_replica IS DISTINCT FROM p_replica_id THEN
+                PERFORM pg_notify('outbox_released', v_holder::text);
             END IF;
             SELECT min(o.claimable_at) INTO v_first_claimable FROM outbox.delivery o WHERE o.claimable_at IS NOT NULL;
 
             RETURN QUERY
-            SELECT v_one.event_id, 'published'::text, v_cur.holder, v_one.created_at, NULL::outbox.lease,
+            SELECT v_id, 'published'::text, v_holder, v_at, NULL::outbox.lease,
                    CASE WHEN v_first_claimable IS NOT NULL THEN greatest(v_first_claimable - clock_timestamp(), interval '0') END;
             IF v_ttl IS NOT NULL THEN
                 SELECT e.event_id, e.stream, e.aggregate_key, e.revision, e.event_type, e.payload::text,
                        e.headers, e.created_at, v_epoch, v_attempt, v_expires
                 INTO v_lease
-                FROM outbox.event e WHERE e.event_id = v_next.event_id;
+                FROM outbox.event e WHERE e.event_id = v_next_id;
                 RETURN QUERY
-                SELECT v_one.event_id, 'handed_over'::text, v_cur.holder, NULL::timestamptz, v_lease, NULL::interval;
+                SELECT v_id, 'handed_over'::text, v_holder, NULL::timestamptz, v_lease, NULL::interval;
             END IF;
             RETURN;
         END IF;
     END IF;
+
     -- Lock the pending events, then their aggregates' delivery rows, each in
     -- a fixed order so that concurrent batches cannot deadlock.
     SELECT array_agg(e.event_id), array_agg(e.stream), array_agg(e.aggregate_key),

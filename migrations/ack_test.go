@@ -7,6 +7,8 @@ import (
 	"testing"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outboxd/outboxd/internal/testdb"
@@ -21,14 +23,17 @@ import (
 // match.
 
 // ackCase sets up a database and returns the event to ack and the
-// hand-over holders to pass (nil: the ack comes from another replica).
+// hand-over holders to pass (nil: the ack comes from another replica), each
+// given a TTL of its own. oneRow says whether a lone ack of it takes the
+// one-row path.
 type ackCase struct {
-	name  string
-	setup func(t *testing.T, pool *pgxpool.Pool) (ack uuid.UUID, local []uuid.UUID)
+	name   string
+	oneRow bool
+	setup  func(t *testing.T, pool *pgxpool.Pool) (ack uuid.UUID, local []uuid.UUID)
 }
 
-// claimOne leases the oldest claimable aggregate to holder with a window
-// and returns the head event's id.
+// claimOne leases the oldest claimable aggregate to holder, as a session of
+// replica x, with a window, and returns the head event's id.
 func claimOne(t *testing.T, pool *pgxpool.Pool, holder uuid.UUID, window int) uuid.UUID {
 	t.Helper()
 	got := claimWindow(t, pool, holder, 1, window, window)
@@ -38,30 +43,94 @@ func claimOne(t *testing.T, pool *pgxpool.Pool, holder uuid.UUID, window int) uu
 	return got[0].id
 }
 
+// claimAs is claimOne for a session of another replica.
+func claimAs(t *testing.T, pool *pgxpool.Pool, holder uuid.UUID, replica string) leased {
+	t.Helper()
+	rows, err := pool.Query(context.Background(),
+		`SELECT aggregate_key, revision, event_id, epoch FROM outbox.claim($1, 'r', $2, NULL, 1, interval '30 seconds')`,
+		holder, replica)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := collectLeases(t, rows)
+	if len(got) != 1 {
+		t.Fatalf("claimed %v, want one lease", got)
+	}
+	return got[0]
+}
+
+// noTTLs marks a case whose hand-over holders are passed without TTLs.
+var noTTLs = uuid.MustParse("00000000-0000-0000-0000-00000000a77e")
+
 var oneAckCases = []ackCase{
-	{"next revision handed over to the local holder", func(t *testing.T, pool *pgxpool.Pool) (uuid.UUID, []uuid.UUID) {
+	{"next revision handed over to the local holder", true, func(t *testing.T, pool *pgxpool.Pool) (uuid.UUID, []uuid.UUID) {
 		h := uuid.New()
 		emitN(t, pool, "a", 2)
 		discover(t, pool)
 		return claimOne(t, pool, h, 1), []uuid.UUID{uuid.New(), h}
 	}},
-	{"nothing follows: idle", func(t *testing.T, pool *pgxpool.Pool) (uuid.UUID, []uuid.UUID) {
+	{"nothing follows: idle", true, func(t *testing.T, pool *pgxpool.Pool) (uuid.UUID, []uuid.UUID) {
 		h := uuid.New()
 		emitN(t, pool, "a", 1)
 		discover(t, pool)
 		return claimOne(t, pool, h, 1), []uuid.UUID{h}
 	}},
-	{"holder on another replica: ready", func(t *testing.T, pool *pgxpool.Pool) (uuid.UUID, []uuid.UUID) {
+	{"holder on another replica: ready, the holder notified", true, func(t *testing.T, pool *pgxpool.Pool) (uuid.UUID, []uuid.UUID) {
 		emitN(t, pool, "a", 2)
 		discover(t, pool)
-		return claimOne(t, pool, uuid.New(), 1), []uuid.UUID{uuid.New()}
+		return claimAs(t, pool, uuid.New(), "elsewhere").id, []uuid.UUID{uuid.New()}
 	}},
-	{"ack from another replica, no sessions passed", func(t *testing.T, pool *pgxpool.Pool) (uuid.UUID, []uuid.UUID) {
+	{"holder listed twice: the first TTL", true, func(t *testing.T, pool *pgxpool.Pool) (uuid.UUID, []uuid.UUID) {
+		h := uuid.New()
+		emitN(t, pool, "a", 2)
+		discover(t, pool)
+		return claimOne(t, pool, h, 1), []uuid.UUID{uuid.New(), h, h}
+	}},
+	{"hand-over holders without TTLs", true, func(t *testing.T, pool *pgxpool.Pool) (uuid.UUID, []uuid.UUID) {
+		h := uuid.New()
+		emitN(t, pool, "a", 2)
+		discover(t, pool)
+		return claimOne(t, pool, h, 1), []uuid.UUID{noTTLs, h}
+	}},
+	{"lease nacked, then acked by its token: backoff ends", true, func(t *testing.T, pool *pgxpool.Pool) (uuid.UUID, []uuid.UUID) {
+		emitN(t, pool, "a", 2)
+		discover(t, pool)
+		l := claimAs(t, pool, uuid.New(), "x")
+		exec(t, pool, fmt.Sprintf(`SELECT * FROM outbox.nack('%s', %d, 'broker down', NULL, interval '1 minute', interval '1 hour', 10)`, l.id, l.epoch))
+		return l.id, nil
+	}},
+	{"lease released, then acked by its token", true, func(t *testing.T, pool *pgxpool.Pool) (uuid.UUID, []uuid.UUID) {
+		h := uuid.New()
+		emitN(t, pool, "a", 2)
+		discover(t, pool)
+		id := claimOne(t, pool, h, 1)
+		exec(t, pool, fmt.Sprintf(`SELECT outbox.release('%s')`, h))
+		return id, []uuid.UUID{h}
+	}},
+	{"parked at the acked revision", true, func(t *testing.T, pool *pgxpool.Pool) (uuid.UUID, []uuid.UUID) {
+		emitN(t, pool, "a", 2)
+		discover(t, pool)
+		l := claimAs(t, pool, uuid.New(), "x")
+		exec(t, pool, fmt.Sprintf(`SELECT * FROM outbox.park('%s', %d, 'too large')`, l.id, l.epoch))
+		return l.id, nil
+	}},
+	{"held at a gap: a later revision's ack", false, func(t *testing.T, pool *pgxpool.Pool) (uuid.UUID, []uuid.UUID) {
+		emitN(t, pool, "a", 1)
+		exec(t, pool, `INSERT INTO outbox.event (stream, aggregate_key, revision, event_type, payload) VALUES ('orders', 'a', 3, 'T', '{}')`)
+		discover(t, pool)
+		id := claimOne(t, pool, uuid.New(), 1)
+		exec(t, pool, fmt.Sprintf(`SELECT * FROM outbox.ack(ARRAY['%s'::uuid], 'x')`, id))
+		if got := claimWindow(t, pool, uuid.New(), 1, 1, 1); len(got) != 0 {
+			t.Fatalf("claimed %v past a gap", got)
+		}
+		return eventID(t, pool, "a", 3), nil
+	}},
+	{"ack from another replica, no sessions passed", true, func(t *testing.T, pool *pgxpool.Pool) (uuid.UUID, []uuid.UUID) {
 		emitN(t, pool, "a", 2)
 		discover(t, pool)
 		return claimOne(t, pool, uuid.New(), 1), nil
 	}},
-	{"next revision skipped: ready, nothing handed over", func(t *testing.T, pool *pgxpool.Pool) (uuid.UUID, []uuid.UUID) {
+	{"next revision skipped: ready, nothing handed over", true, func(t *testing.T, pool *pgxpool.Pool) (uuid.UUID, []uuid.UUID) {
 		h := uuid.New()
 		emitN(t, pool, "a", 2)
 		discover(t, pool)
@@ -70,14 +139,14 @@ var oneAckCases = []ackCase{
 			eventID(t, pool, "a", 2)))
 		return id, []uuid.UUID{h}
 	}},
-	{"next revision missing, a later one present: ready", func(t *testing.T, pool *pgxpool.Pool) (uuid.UUID, []uuid.UUID) {
+	{"next revision missing, a later one present: ready", true, func(t *testing.T, pool *pgxpool.Pool) (uuid.UUID, []uuid.UUID) {
 		h := uuid.New()
 		emitN(t, pool, "a", 1)
 		exec(t, pool, `INSERT INTO outbox.event (stream, aggregate_key, revision, event_type, payload) VALUES ('orders', 'a', 3, 'T', '{}')`)
 		discover(t, pool)
 		return claimOne(t, pool, h, 1), []uuid.UUID{h}
 	}},
-	{"older claimable work: no hand-over", func(t *testing.T, pool *pgxpool.Pool) (uuid.UUID, []uuid.UUID) {
+	{"older claimable work: no hand-over", true, func(t *testing.T, pool *pgxpool.Pool) (uuid.UUID, []uuid.UUID) {
 		h := uuid.New()
 		emitN(t, pool, "a", 1)
 		emitN(t, pool, "b", 1)
@@ -85,21 +154,21 @@ var oneAckCases = []ackCase{
 		discover(t, pool)
 		return claimOne(t, pool, h, 1), []uuid.UUID{h}
 	}},
-	{"not the next revision: out of order", func(t *testing.T, pool *pgxpool.Pool) (uuid.UUID, []uuid.UUID) {
+	{"not the next revision: out of order", false, func(t *testing.T, pool *pgxpool.Pool) (uuid.UUID, []uuid.UUID) {
 		h := uuid.New()
 		emitN(t, pool, "a", 2)
 		discover(t, pool)
 		claimOne(t, pool, h, 1)
 		return eventID(t, pool, "a", 2), []uuid.UUID{h}
 	}},
-	{"already published", func(t *testing.T, pool *pgxpool.Pool) (uuid.UUID, []uuid.UUID) {
+	{"already published", false, func(t *testing.T, pool *pgxpool.Pool) (uuid.UUID, []uuid.UUID) {
 		emitN(t, pool, "a", 2)
 		discover(t, pool)
 		id := claimOne(t, pool, uuid.New(), 1)
 		exec(t, pool, fmt.Sprintf(`SELECT * FROM outbox.ack(ARRAY['%s'::uuid], 'x')`, id))
 		return id, nil
 	}},
-	{"head event skipped under its lease", func(t *testing.T, pool *pgxpool.Pool) (uuid.UUID, []uuid.UUID) {
+	{"head event skipped under its lease", false, func(t *testing.T, pool *pgxpool.Pool) (uuid.UUID, []uuid.UUID) {
 		h := uuid.New()
 		emitN(t, pool, "a", 2)
 		discover(t, pool)
@@ -107,15 +176,15 @@ var oneAckCases = []ackCase{
 		exec(t, pool, fmt.Sprintf(`INSERT INTO outbox.skipped_event (event_id, reason, actor) VALUES ('%s', 'test', 'test')`, id))
 		return id, []uuid.UUID{h}
 	}},
-	{"unknown event", func(t *testing.T, pool *pgxpool.Pool) (uuid.UUID, []uuid.UUID) {
+	{"unknown event", false, func(t *testing.T, pool *pgxpool.Pool) (uuid.UUID, []uuid.UUID) {
 		return uuid.New(), nil
 	}},
-	{"lease covering more than the acked revision", func(t *testing.T, pool *pgxpool.Pool) (uuid.UUID, []uuid.UUID) {
+	{"lease covering more than the acked revision", false, func(t *testing.T, pool *pgxpool.Pool) (uuid.UUID, []uuid.UUID) {
 		emitN(t, pool, "a", 3)
 		discover(t, pool)
 		return claimOne(t, pool, uuid.New(), 2), nil
 	}},
-	{"parked past the acked revision", func(t *testing.T, pool *pgxpool.Pool) (uuid.UUID, []uuid.UUID) {
+	{"parked past the acked revision", true, func(t *testing.T, pool *pgxpool.Pool) (uuid.UUID, []uuid.UUID) {
 		emitN(t, pool, "a", 3)
 		discover(t, pool)
 		ls := claimWindow(t, pool, uuid.New(), 1, 3, 3)
@@ -127,26 +196,76 @@ var oneAckCases = []ackCase{
 	}},
 }
 
-// ackOutcome is what an ack call answered for the acked event and what it
-// left in the database, with what differs between two runs (ids, times,
-// epochs) replaced by how it relates to the data.
-func ackOutcome(t *testing.T, pool *pgxpool.Pool, ids []uuid.UUID, local []uuid.UUID) string {
+// ackOutcome acks ids on a connection of its own and returns what the call
+// answered for the first id and what it left in the database, with what
+// differs between two runs (ids, times, epochs) replaced by how it relates
+// to the data; and whether the call took the one-row path (it says so in a
+// DEBUG message).
+func ackOutcome(t *testing.T, pool *pgxpool.Pool, ids []uuid.UUID, local []uuid.UUID) (string, bool) {
 	t.Helper()
 	ctx := context.Background()
-	var ttls []string
-	for range local {
-		ttls = append(ttls, "30 seconds")
+	oneRow := false
+	cfg := pool.Config().ConnConfig.Copy()
+	cfg.OnNotice = func(_ *pgconn.PgConn, n *pgconn.Notice) {
+		if n.Message == "outbox.ack: one-row path" {
+			oneRow = true
+		}
 	}
-	var holders, intervals any
+	conn, err := pgx.ConnectConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(ctx)
+	listener, err := pgx.ConnectConfig(ctx, pool.Config().ConnConfig.Copy())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer listener.Close(ctx)
+	if _, err := listener.Exec(ctx, `LISTEN outbox_released`); err != nil {
+		t.Fatal(err)
+	}
+
+	// Each hand-over holder gets a TTL of its own (20, 27, 34 s ...), so
+	// that taking the wrong one shows.
+	var holders, ttls any
 	if local != nil {
-		holders, intervals = local, ttls
+		var hs []uuid.UUID
+		var ts []string
+		for i, h := range local {
+			if h == noTTLs {
+				continue
+			}
+			hs = append(hs, h)
+			ts = append(ts, fmt.Sprintf("%d seconds", 20+7*i))
+		}
+		holders = hs
+		if local[0] != noTTLs {
+			ttls = ts
+		}
 	}
-	rows, err := pool.Query(ctx, `
+	var before struct {
+		epoch  int64
+		holder *uuid.UUID
+	}
+	if err := conn.QueryRow(ctx,
+		`SELECT coalesce(max(d.epoch), 0), max(d.holder::text)::uuid FROM outbox.event e
+		 JOIN outbox.delivery d ON d.stream = e.stream AND d.aggregate_key = e.aggregate_key
+		 WHERE e.event_id = $1`, ids[0]).Scan(&before.epoch, &before.holder); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := conn.Exec(ctx, `SET client_min_messages = debug1`); err != nil {
+		t.Fatal(err)
+	}
+	rows, err := conn.Query(ctx, `
 		SELECT a.status, a.event_id = $1, a.holder IS NULL, a.created_at IS NULL, a.claimable_in IS NULL,
-		       coalesce((a.handover).aggregate_key || '/' || (a.handover).revision || ' attempt ' || (a.handover).attempt
-		                || ' expires ' || ((a.handover).lease_expires_at > now() + interval '20 seconds'), '')
+		       CASE WHEN (a.handover).event_id IS NOT NULL THEN
+		           format('%s/%s attempt %s epoch raised %s, expires in %ss',
+		                  (a.handover).aggregate_key, (a.handover).revision, (a.handover).attempt,
+		                  (a.handover).epoch > $5,
+		                  round(extract(epoch FROM (a.handover).lease_expires_at - clock_timestamp())))
+		       ELSE '' END
 		FROM outbox.ack($2, 'x', $3::uuid[], $4::interval[]) a
-		ORDER BY a.status, a.event_id = $1 DESC`, ids[0], ids, holders, intervals)
+		ORDER BY a.status, a.event_id = $1 DESC`, ids[0], ids, holders, ttls, before.epoch)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -166,14 +285,36 @@ func ackOutcome(t *testing.T, pool *pgxpool.Pool, ids []uuid.UUID, local []uuid.
 	if err := rows.Err(); err != nil {
 		t.Fatal(err)
 	}
-	rows, err = pool.Query(ctx, `
+	if _, err := conn.Exec(ctx, `RESET client_min_messages`); err != nil {
+		t.Fatal(err)
+	}
+
+	// Notifications arrive in commit order: everything before this marker
+	// was sent by the ack or earlier.
+	if _, err := conn.Exec(ctx, `SELECT pg_notify('outbox_released', 'marker')`); err != nil {
+		t.Fatal(err)
+	}
+	for {
+		n, err := listener.WaitForNotification(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if n.Payload == "marker" {
+			break
+		}
+		fmt.Fprintf(&b, "outbox_released for the holder before the ack: %t\n",
+			before.holder != nil && n.Payload == before.holder.String())
+	}
+
+	rows, err = conn.Query(ctx, `
 		SELECT format('delivery %s/%s: %s', d.stream, d.aggregate_key,
 		       row(d.state, d.delivered_revision, d.claimable_at IS NULL,
 		           d.pending_since IS NOT DISTINCT FROM (SELECT min(e.created_at) FROM outbox.event e
 		               WHERE e.stream = d.stream AND e.aggregate_key = d.aggregate_key AND e.revision > d.delivered_revision),
-		           d.holder IS NULL, d.holder_relay_id, d.holder_replica_id,
+		           d.epoch > $1, d.holder IS NULL, d.holder_relay_id, d.holder_replica_id,
 		           (SELECT e.revision FROM outbox.event e WHERE e.event_id = d.leased_event_id), d.leased_through,
-		           d.lease_expires_at IS NULL, d.attempt, d.failures, d.unanswered, d.last_error, d.next_attempt_at IS NULL,
+		           round(extract(epoch FROM d.lease_expires_at - now())), d.claimable_at IS NOT DISTINCT FROM d.lease_expires_at,
+		           d.attempt, d.failures, d.unanswered, d.last_error, d.next_attempt_at IS NULL,
 		           d.parked_at IS NULL, d.parked_reason, d.parked_revision, d.gap_revision)::text)
 		FROM outbox.delivery d
 		UNION ALL
@@ -182,7 +323,7 @@ func ackOutcome(t *testing.T, pool *pgxpool.Pool, ids []uuid.UUID, local []uuid.
 		FROM outbox.event e GROUP BY e.stream, e.aggregate_key
 		UNION ALL
 		SELECT format('delivered_count %s', coalesce(sum(c.events), 0)) FROM outbox.delivered_count c
-		ORDER BY 1`)
+		ORDER BY 1`, before.epoch)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -196,7 +337,7 @@ func ackOutcome(t *testing.T, pool *pgxpool.Pool, ids []uuid.UUID, local []uuid.
 	if err := rows.Err(); err != nil {
 		t.Fatal(err)
 	}
-	return b.String()
+	return b.String(), oneRow
 }
 
 func TestOneAckDecidesAsABatch(t *testing.T) {
@@ -209,12 +350,88 @@ func TestOneAckDecidesAsABatch(t *testing.T) {
 			id2, local2 := c.setup(t, inBatch)
 			// The same case in both databases: the hand-over holders are
 			// fresh ids, so the batch run passes its own.
-			got := ackOutcome(t, alone, []uuid.UUID{id}, local)
-			want := ackOutcome(t, inBatch, []uuid.UUID{id2, uuid.New()}, local2)
+			got, oneRow := ackOutcome(t, alone, []uuid.UUID{id}, local)
+			want, batchOneRow := ackOutcome(t, inBatch, []uuid.UUID{id2, uuid.New()}, local2)
 			if got != want {
 				t.Fatalf("a lone ack decided\n%s\nthe same ack in a batch decided\n%s", got, want)
 			}
+			if oneRow != c.oneRow || batchOneRow {
+				t.Fatalf("the lone ack took the one-row path: %t, want %t; the batch took it: %t", oneRow, c.oneRow, batchOneRow)
+			}
 			t.Logf("both decided\n%s", got)
 		})
+	}
+}
+
+// A skip that commits while a lone ack waits for the event's lock wins: the
+// ack answers lease_lost and the event stays unpublished. (The skip locks
+// the event, records itself and commits; a statement that waited for that
+// lock still reads the skip table as it was before.)
+func TestSkipWhileALoneAckWaitsWins(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := testdb.NewPool(t)
+	h := uuid.New()
+	emitN(t, pool, "a", 2)
+	discover(t, pool)
+	id := claimOne(t, pool, h, 1)
+
+	skip, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer skip.Rollback(ctx)
+	var skipPID int
+	if err := skip.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&skipPID); err != nil {
+		t.Fatal(err)
+	}
+	// What SkipEvent does first: lock the event row.
+	exec := func(sql string, args ...any) {
+		t.Helper()
+		if _, err := skip.Exec(ctx, sql, args...); err != nil {
+			t.Fatal(err)
+		}
+	}
+	exec(`SELECT 1 FROM outbox.event WHERE event_id = $1 FOR UPDATE`, id)
+
+	ackConn, err := pool.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ackConn.Release()
+	var ackPID int
+	if err := ackConn.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&ackPID); err != nil {
+		t.Fatal(err)
+	}
+	type answer struct {
+		status string
+		err    error
+	}
+	answered := make(chan answer, 1)
+	go func() {
+		var a answer
+		a.err = ackConn.QueryRow(ctx,
+			`SELECT status FROM outbox.ack(ARRAY[$1::uuid], 'x', ARRAY[$2::uuid], ARRAY[interval '30 seconds'])
+			 ORDER BY status = 'handed_over' LIMIT 1`, id, h).Scan(&a.status)
+		answered <- a
+	}()
+	waitUntilBlockedBy(t, pool, ackPID, skipPID)
+	// The rest of SkipEvent, then its commit.
+	exec(`INSERT INTO outbox.skipped_event (event_id, reason, actor) VALUES ($1, 'test', 'test')`, id)
+	exec(`UPDATE outbox.delivery SET state = 'ready', claimable_at = clock_timestamp(), holder = NULL,
+	          holder_relay_id = NULL, holder_replica_id = NULL, lease_expires_at = NULL, attempt = 0
+	      WHERE aggregate_key = 'a'`)
+	if err := skip.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	a := <-answered
+	if a.err != nil {
+		t.Fatal(a.err)
+	}
+	if a.status != "lease_lost" {
+		t.Fatalf("the ack answered %s, want lease_lost", a.status)
+	}
+	if n := count(t, pool, fmt.Sprintf(`SELECT count(*) FROM outbox.event WHERE event_id = '%s' AND published_at IS NOT NULL`, id)); n != 0 {
+		t.Fatal("a skipped event was marked published")
 	}
 }
