@@ -132,7 +132,7 @@ func TestListenerReconnects(t *testing.T) {
 	waitFor(t, func() int32 {
 		var n int32
 		_ = pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE pid <> $2
-			AND application_name = $1 AND query LIKE 'LISTEN outbox_released%'`,
+			AND application_name = $1 AND query LIKE 'LISTEN "outbox_released"%'`,
 			server.ListenerApplicationName+" deaf", old).Scan(&n)
 		return n
 	})

@@ -7,17 +7,13 @@ import (
 	"time"
 
 	"github.com/google/uuid"
-	"github.com/jackc/pgx/v5"
+
+	"github.com/outboxd/outboxd/internal/store"
 )
 
 // ListenerApplicationName is the application_name of a replica's LISTEN
 // connection, followed by a space and the replica's id.
 const ListenerApplicationName = "outboxd-listener"
-
-const (
-	chanWakeup   = "outbox_wakeup"
-	chanReleased = "outbox_released"
-)
 
 // waker owns the replica's LISTEN connection. It wakes idle sessions when a
 // discovery round (on any replica) found new events, and routes "lease
@@ -71,37 +67,23 @@ func (w *waker) run(ctx context.Context) {
 
 // listen runs one LISTEN connection until it fails.
 func (w *waker) listen(ctx context.Context) error {
-	cfg, err := pgx.ParseConfig(w.s.cfg.DatabaseURL)
-	if err != nil {
-		return err
-	}
 	// Named, so operators (and tests) can find it in pg_stat_activity.
-	cfg.RuntimeParams["application_name"] = ListenerApplicationName + " " + w.s.cfg.ReplicaID
-	conn, err := pgx.ConnectConfig(ctx, cfg)
-	if err != nil {
-		return err
-	}
-	defer conn.Close(context.WithoutCancel(ctx))
-	for _, ch := range []string{chanWakeup, chanReleased} {
-		if _, err := conn.Exec(ctx, "LISTEN "+ch); err != nil {
-			return err
-		}
-	}
-	// Anything notified while we were not listening is found by this round.
-	w.broadcast()
-	w.s.forEachSession(func(ss *session) { ss.requestReconcile() })
-	for {
-		n, err := conn.WaitForNotification(ctx)
-		if err != nil {
-			return err
-		}
-		switch n.Channel {
-		case chanWakeup:
+	name := ListenerApplicationName + " " + w.s.cfg.ReplicaID
+	return store.Listen(ctx, w.s.cfg.DatabaseURL, name, []string{store.ChannelWakeup, store.ChannelReleased},
+		func() {
+			// Anything notified while we were not listening is found by
+			// this round.
 			w.broadcast()
-		case chanReleased:
-			if holder, err := uuid.Parse(n.Payload); err == nil {
-				w.s.reconcileSession(holder)
+			w.s.forEachSession(func(ss *session) { ss.requestReconcile() })
+		},
+		func(channel, payload string) {
+			switch channel {
+			case store.ChannelWakeup:
+				w.broadcast()
+			case store.ChannelReleased:
+				if holder, err := uuid.Parse(payload); err == nil {
+					w.s.reconcileSession(holder)
+				}
 			}
-		}
-	}
+		})
 }
