@@ -114,7 +114,7 @@
 // between batches), mark each event published if it is still its aggregate's
 // next revision and not skipped, advance the cursor, and make the aggregate
 // ready or idle. A batch of one ack with no window in play (every event of
-// a hot aggregate, most batches at low load) is decided in one-row
+// a hot aggregate, any batch that holds one ack) is decided in one-row
 // statements of its own, the same decisions at about 40 % less cost: the
 // batch statements' executor start-up cost more than their work on one row.
 //

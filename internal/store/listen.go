@@ -6,13 +6,14 @@ import (
 	"github.com/jackc/pgx/v5"
 )
 
-// The channels the outbox schema's functions and SkipEvent notify on.
-// Producers never notify.
+// The channels the outbox schema's functions and this package's operator
+// actions notify on. Producers never notify.
 const (
-	// ChannelWakeup: a discovery round or a release made aggregates ready.
+	// ChannelWakeup: aggregates were made ready (a discovery round, a
+	// release, an operator's retry).
 	ChannelWakeup = "outbox_wakeup"
-	// ChannelReleased: a lease ended on another replica than its holder's;
-	// the payload is the holder's session id.
+	// ChannelReleased: a lease ended away from its holder's replica (an ack
+	// there, an operator's skip); the payload is the holder's session id.
 	ChannelReleased = "outbox_released"
 )
 

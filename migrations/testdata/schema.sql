@@ -91,15 +91,15 @@ BEGIN
     -- stay in revision order.
     v_set := set_config('synchronous_commit', 'off', true);
 
-    -- One ack, no window (a hot aggregate's every event, most acks at low
-    -- load): the decisions of the batch statements below, made on one row
-    -- each in statements a fraction of their size. Starting a statement's
-    -- executor costs about as much as a small statement's work, so the
-    -- batch path's plans (arrays, window functions, a dozen aggregates)
-    -- cost an ack of one event more than its writes. What this path does
-    -- not decide (the event not pending or skipped, no delivery row, not
-    -- the next revision, a lease that covers more than it) goes to the
-    -- batch path before anything is written; it takes the same locks
+    -- One ack, no window (every event of a hot aggregate, any batch that
+    -- holds one ack): the decisions of the batch statements below, made on
+    -- one row each in statements a fraction of their size. Starting a
+    -- statement's executor costs about as much as a small statement's
+    -- work, so the batch path's plans (arrays, window functions, a dozen
+    -- aggregates) cost an ack of one event more than its writes. What this
+    -- path does not decide (the event not pending or skipped, no delivery
+    -- row, not the next revision, a lease that covers more than it) goes to
+    -- the batch path before anything is written; it takes the same locks
     -- again (re-entrant) and answers.
     IF cardinality(p_event_ids) = 1 AND coalesce(NOT 1 < ANY (p_handover_windows), true)
        AND coalesce(NOT 0 < ANY (p_handover_credits), true) THEN
