@@ -123,6 +123,8 @@ BEGIN
         END IF;
         IF v_cursor IS NOT NULL AND NOT v_skipped AND v_rev = v_cursor + 1
            AND NOT (v_state = 'leased' AND v_through > v_rev) THEN
+            -- For TestOneAckDecidesAsABatch, which must know the path ran
+            -- (sent only to a session that asked for DEBUG1 messages).
             RAISE DEBUG 'outbox.ack: one-row path';
             v_set := set_config('outbox.acking', 'on', true);
             UPDATE outbox.event e SET published_at = v_now WHERE e.event_id = v_id;
@@ -252,9 +254,9 @@ BEGIN
     END IF;
 
     IF v_ok IS NOT NULL THEN
-        PERFORM set_config('outbox.acking', 'on', true);
+        v_set := set_config('outbox.acking', 'on', true);
         UPDATE outbox.event e SET published_at = v_now WHERE e.event_id = ANY (v_ok);
-        PERFORM set_config('outbox.acking', 'off', true);
+        v_set := set_config('outbox.acking', 'off', true);
         -- The delivery rate, counted where events are marked published (only
         -- here), per stream. Not a trigger on outbox.event: an AFTER
         -- statement trigger with a transition table cost an ack of one
