@@ -8,6 +8,7 @@ package server
 // outbox.operator_action before they start and updated when they end.
 
 import (
+	"cmp"
 	"context"
 	"encoding/base64"
 	"encoding/json"
@@ -70,9 +71,7 @@ func checkFilter(f *fieldErrors, pf *outboxv1.AggregateFilter, bulk bool) store.
 			out.States = append(out.States, name)
 		}
 	}
-	if e := pf.GetErrorContains(); len(e) > maxErrorFilterLen {
-		f.add("filter.error_contains", "must be at most %d bytes", maxErrorFilterLen)
-	} else {
+	if e := pf.GetErrorContains(); checkText(f, "filter.error_contains", e, maxErrorFilterLen) {
 		out.ErrorContains = e
 	}
 	out.PendingBefore = checkTimestamp(f, "filter.pending_before", pf.GetPendingBefore())
@@ -266,14 +265,21 @@ func (a *adminService) bulkMatch(ctx context.Context, filter store.AggregateFilt
 	return n, sample, nil
 }
 
-// eachMatch calls fn for every aggregate filter matches, in pages, in the
-// listing's order. Aggregates fn changes so that they no longer match are
-// passed over by the keyset, not seen twice.
+// eachMatch calls fn once for every aggregate filter matches, in pages in
+// (stream, aggregate_key) order, and returns how many it passed to fn. The
+// key order is what makes it once: fn releases work (a skip, a retry) that
+// relays deliver while later pages are read, and a delivered aggregate can
+// match again (its next event fails the same way), but its key stays
+// behind the cursor. An aggregate that comes to match only while the walk
+// is under way is acted on if its key is still ahead, as if it had matched
+// from the start. The sessions are woken after each page, so what fn
+// released is delivered while the action goes on, not after it.
 func (a *adminService) eachMatch(ctx context.Context, filter store.AggregateFilter, fn func(store.ListedAggregate) error) (int64, error) {
-	var after store.AggregatePosition
+	page := cmp.Or(a.s.bulkPage, bulkBatch)
+	var afterStream, afterKey string
 	var seen int64
 	for {
-		list, err := a.s.store.ListAggregates(ctx, filter, after, bulkBatch)
+		list, err := a.s.store.ListAggregatesByKey(ctx, filter, afterStream, afterKey, page)
 		if err != nil {
 			return seen, err
 		}
@@ -286,10 +292,14 @@ func (a *adminService) eachMatch(ctx context.Context, filter store.AggregateFilt
 				return seen, err
 			}
 		}
-		if len(list) < bulkBatch {
+		if len(list) < page {
 			return seen, nil
 		}
-		after = list[len(list)-1].Position
+		a.s.wake.broadcast()
+		if a.s.afterBulkPage != nil {
+			a.s.afterBulkPage()
+		}
+		afterStream, afterKey = list[len(list)-1].Stream, list[len(list)-1].AggregateKey
 	}
 }
 
@@ -435,9 +445,7 @@ func (a *adminService) Republish(ctx context.Context, req *outboxv1.RepublishReq
 	var f fieldErrors
 	checkStream(&f, "stream", req.GetStream())
 	key := req.GetAggregateKey()
-	if len(key) > maxAggregateKeyLen {
-		f.add("aggregate_key", "must be at most %d bytes", maxAggregateKeyLen)
-	}
+	checkText(&f, "aggregate_key", key, maxAggregateKeyLen)
 	ranged := req.GetPublishedAfter() != nil || req.GetPublishedBefore() != nil
 	after := checkTimestamp(&f, "published_after", req.GetPublishedAfter())
 	before := checkTimestamp(&f, "published_before", req.GetPublishedBefore())

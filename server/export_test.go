@@ -83,3 +83,8 @@ func (s *Server) InFlight() (n int64) {
 	s.forEachSession(func(ss *session) { n += ss.inflightN.Load() })
 	return n
 }
+
+// SetBulkPage makes bulk actions read n aggregates per page and call f
+// (which may be nil) after acting on each page, before reading the next.
+// Set it before the first bulk action.
+func (s *Server) SetBulkPage(n int, f func()) { s.bulkPage, s.afterBulkPage = n, f }

@@ -242,6 +242,12 @@ type Server struct {
 	// ack batch begins, and after each ack request is queued for a
 	// committer.
 	beforeAckBatch, afterAckQueued func()
+	// bulkPage, when set (by tests), is how many aggregates a bulk action
+	// reads per page instead of bulkBatch; afterBulkPage, when set (by
+	// tests), runs after a bulk action acted on a page and woke the
+	// sessions, before it reads the next page.
+	bulkPage      int
+	afterBulkPage func()
 	// handOverMu is held shared by the ack committer from an ack batch's
 	// statement until every lease it handed over is with its session (or
 	// released), and likewise by a discovery round that dispatches; and

@@ -85,15 +85,43 @@ func (f AggregateFilter) where(arg func(any) string) []string {
 // rows of aggregates with pending work (delivery_pending_idx), so its cost
 // follows the backlog.
 func (s *Store) ListAggregates(ctx context.Context, f AggregateFilter, after AggregatePosition, limit int) ([]ListedAggregate, error) {
+	return s.listAggregates(ctx, f, limit, "d.pending_since, d.stream, d.aggregate_key", func(arg func(any) string) string {
+		if after.IsZero() {
+			return ""
+		}
+		return fmt.Sprintf("(d.pending_since, d.stream, d.aggregate_key) > (%s, %s, %s)",
+			arg(after.PendingSince), arg(after.Stream), arg(after.AggregateKey))
+	})
+}
+
+// ListAggregatesByKey lists the aggregates f matches in (stream,
+// aggregate_key) order, after the aggregate afterStream/afterKey (both
+// empty: from the first), at most limit of them. Bulk actions page with it:
+// an aggregate's key never moves, whereas its pending_since does as relays
+// deliver what the action released, which would bring an aggregate already
+// acted on round again later in a pending_since order. It walks the
+// delivery rows in key order (the primary key), idle ones included, so a
+// whole walk costs one pass over the stream's aggregates.
+func (s *Store) ListAggregatesByKey(ctx context.Context, f AggregateFilter, afterStream, afterKey string, limit int) ([]ListedAggregate, error) {
+	return s.listAggregates(ctx, f, limit, "d.stream, d.aggregate_key", func(arg func(any) string) string {
+		if afterStream == "" {
+			return ""
+		}
+		return fmt.Sprintf("(d.stream, d.aggregate_key) > (%s, %s)", arg(afterStream), arg(afterKey))
+	})
+}
+
+// listAggregates lists the aggregates f matches in the order given, after
+// the position the keyset predicate renders ("" for none).
+func (s *Store) listAggregates(ctx context.Context, f AggregateFilter, limit int, order string, keyset func(arg func(any) string) string) ([]ListedAggregate, error) {
 	var args []any
 	arg := func(v any) string {
 		args = append(args, v)
 		return fmt.Sprintf("$%d", len(args))
 	}
 	where := f.where(arg)
-	if !after.IsZero() {
-		where = append(where, fmt.Sprintf("(d.pending_since, d.stream, d.aggregate_key) > (%s, %s, %s)",
-			arg(after.PendingSince), arg(after.Stream), arg(after.AggregateKey)))
+	if k := keyset(arg); k != "" {
+		where = append(where, k)
 	}
 	rows, err := s.pool.Query(ctx, `
 		SELECT d.stream, d.aggregate_key, d.pending_since,
@@ -109,7 +137,7 @@ func (s *Store) ListAggregates(ctx context.Context, f AggregateFilter, after Agg
 		LEFT JOIN outbox.aggregate g ON g.stream = d.stream AND g.aggregate_key = d.aggregate_key
 		CROSS JOIN LATERAL outbox.pending_of(d.stream, d.aggregate_key, d.delivered_revision) p
 		WHERE `+strings.Join(where, " AND ")+`
-		ORDER BY d.pending_since, d.stream, d.aggregate_key
+		ORDER BY `+order+`
 		LIMIT `+arg(limit), args...)
 	if err != nil {
 		return nil, fmt.Errorf("store: list aggregates: %w", err)
