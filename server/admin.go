@@ -215,9 +215,11 @@ func (a *adminService) ListRelays(ctx context.Context, _ *outboxv1.ListRelaysReq
 // checkAggregate validates a (stream, aggregate_key) pair.
 func checkAggregate(f *fieldErrors, stream, key string) {
 	checkStream(f, "stream", stream)
-	if key == "" || len(key) > maxAggregateKeyLen {
-		f.add("aggregate_key", "must be 1 to %d bytes", maxAggregateKeyLen)
+	if key == "" {
+		f.add("aggregate_key", "is required (1 to %d bytes)", maxAggregateKeyLen)
+		return
 	}
+	checkText(f, "aggregate_key", key, maxAggregateKeyLen)
 }
 
 func (a *adminService) GetAggregate(ctx context.Context, req *outboxv1.GetAggregateRequest) (*outboxv1.GetAggregateResponse, error) {
@@ -296,9 +298,7 @@ func (a *adminService) ListEvents(ctx context.Context, req *outboxv1.ListEventsR
 	if p.AggregateKey != "" && p.Stream == "" {
 		f.add("aggregate_key", "requires stream")
 	}
-	if len(p.AggregateKey) > maxAggregateKeyLen {
-		f.add("aggregate_key", "must be at most %d bytes", maxAggregateKeyLen)
-	}
+	checkText(&f, "aggregate_key", p.AggregateKey, maxAggregateKeyLen)
 	switch req.GetState() {
 	case outboxv1.EventState_EVENT_STATE_UNSPECIFIED:
 	case outboxv1.EventState_EVENT_STATE_PENDING:
@@ -417,8 +417,8 @@ func checkReason(f *fieldErrors, reason string) {
 		f.add("reason", "is required: say why, it is stored with the decision")
 		return
 	}
-	if utf8.RuneCountInString(reason) > maxReasonLen || !utf8.ValidString(reason) || strings.ContainsRune(reason, 0) {
-		f.add("reason", "must be valid UTF-8 text of at most %d characters", maxReasonLen)
+	if checkText(f, "reason", reason, utf8.UTFMax*maxReasonLen) && utf8.RuneCountInString(reason) > maxReasonLen {
+		f.add("reason", "must be at most %d characters", maxReasonLen)
 	}
 }
 

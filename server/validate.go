@@ -3,7 +3,9 @@ package server
 import (
 	"fmt"
 	"regexp"
+	"strings"
 	"time"
+	"unicode/utf8"
 
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc/codes"
@@ -59,6 +61,27 @@ func checkPrintableASCII(f *fieldErrors, field, v string, maxLen int) {
 			return
 		}
 	}
+}
+
+// checkText validates text a request sends on to PostgreSQL as a text
+// value, and is where every admin text field is checked for it: text
+// cannot hold a NUL byte and must be valid UTF-8 (otherwise the statement
+// fails, which a caller would see as the database's fault, after earlier
+// statements of the call may have written), and every field has a bound.
+// An empty value passes; the caller says whether one is required. It
+// reports whether v passed.
+func checkText(f *fieldErrors, field, v string, maxBytes int) bool {
+	switch {
+	case len(v) > maxBytes:
+		f.add(field, "must be at most %d bytes, got %d", maxBytes, len(v))
+	case !utf8.ValidString(v):
+		f.add(field, "must be valid UTF-8")
+	case strings.IndexByte(v, 0) >= 0:
+		f.add(field, "must not contain a NUL byte (PostgreSQL text cannot hold one)")
+	default:
+		return true
+	}
+	return false
 }
 
 func checkStream(f *fieldErrors, field, v string) {
