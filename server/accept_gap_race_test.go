@@ -1,0 +1,106 @@
+package server_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"google.golang.org/protobuf/types/known/durationpb"
+
+	"github.com/outboxd/outboxd/client"
+	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+	"github.com/outboxd/outboxd/internal/testdb"
+)
+
+// Issue 24 item 9. Accepting a gap while a producer of the missing revision
+// has inserted it but not committed: the accept waits for the producer (it
+// takes the producers' row lock), then finds the revision there, so it
+// records no gap and the revision is delivered in order, not stranded below
+// the cursor. The race is forced: the producer's transaction is held until
+// pg_blocking_pids shows the accept waiting for it.
+func TestAcceptGapWaitsForProducerOfMissingRevision(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	r := startReplica(t, url, nil)
+	emitAt(t, pool, "orders", "g", 1)
+	emitAt(t, pool, "orders", "g", 3)
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 4, LeaseTtl: durationpb.New(time.Hour)})
+	ack(t, r, recv(t, st))
+	waitState(t, pool, "g", "gap")
+
+	// The producer of revision 2 inserts it and holds its transaction.
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(context.Background()) //nolint:errcheck // committed below
+	var producer int32
+	if err := tx.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&producer); err != nil {
+		t.Fatal(err)
+	}
+	id2, err := client.Emit(ctx, tx, client.Event{Stream: "orders", AggregateKey: "g", Type: "T", Payload: []byte(`{}`), Revision: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	type result struct {
+		res *outboxv1.RetryAggregateResponse
+		err error
+	}
+	done := make(chan result, 1)
+	go func() {
+		res, err := r.Admin.RetryAggregate(ctx, &outboxv1.RetryAggregateRequest{Stream: "orders", AggregateKey: "g",
+			AcceptGap: true, Reason: "revision 2 is lost", Actor: "ops"})
+		done <- result{res, err}
+	}()
+	// Commit the producer once the accept waits for it; an accept that does
+	// not wait ends first, and the producer commits after it.
+	var accepted result
+	blocked := false
+	for !blocked {
+		select {
+		case accepted = <-done:
+			blocked = true
+			t.Log("the accept did not wait for the producer")
+			continue
+		case <-ctx.Done():
+			t.Fatal("the accept neither finished nor blocked on the producer")
+		case <-time.After(5 * time.Millisecond): // poll interval of pg_blocking_pids, bounded by ctx
+		}
+		if err := pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_stat_activity
+			WHERE $1 = ANY (pg_blocking_pids(pid)) AND query LIKE '%FROM outbox.aggregate%FOR UPDATE%')`, producer).Scan(&blocked); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if accepted.res == nil && accepted.err == nil {
+		select {
+		case accepted = <-done:
+		case <-ctx.Done():
+			t.Fatal("the accept did not finish after the producer committed")
+		}
+	}
+	if accepted.err != nil {
+		t.Fatalf("accept gap: %v", accepted.err)
+	}
+	if a := accepted.res.GetAggregate(); a.GetDeliveredRevision() != 1 || a.GetState() != outboxv1.AggregateState_AGGREGATE_STATE_READY {
+		t.Errorf("after the accept: delivered %d, state %v; want 1, ready (revision 2 is there)", a.GetDeliveredRevision(), a.GetState())
+	}
+	if n := countWhere(t, pool, "outbox.accepted_gap", "true"); n != 0 {
+		t.Errorf("%d gaps recorded for a revision that was committed", n)
+	}
+	// Revision 2 is delivered, then 3: nothing stranded, order kept.
+	if d := recv(t, st); d.GetEvent().GetEventId() != id2.ID.String() {
+		t.Fatalf("after the accept got revision %d, want the producer's revision 2", d.GetEvent().GetRevision())
+	} else {
+		ack(t, r, d)
+	}
+	if d := recv(t, st); d.GetEvent().GetRevision() != 3 {
+		t.Fatalf("then revision %d, want 3", d.GetEvent().GetRevision())
+	}
+}
