@@ -25,11 +25,17 @@ import (
 	"github.com/outboxd/outboxd/server"
 )
 
+// emitTimeout bounds each emit of the helpers below, so that a producer
+// blocked by a bug fails the test instead of hanging it.
+const emitTimeout = 30 * time.Second
+
 func emit(t testing.TB, pool *pgxpool.Pool, stream, key string, n int) []uuid.UUID {
 	t.Helper()
 	ids := make([]uuid.UUID, n)
+	ctx, cancel := context.WithTimeout(context.Background(), emitTimeout)
+	defer cancel()
 	for i := range n {
-		e, err := client.Emit(context.Background(), pool, client.Event{
+		e, err := client.Emit(ctx, pool, client.Event{
 			Stream: stream, AggregateKey: key, Type: "Changed",
 			Payload: []byte(fmt.Sprintf(`{"i":%d}`, i)), Headers: map[string]string{"trace": "t-" + key},
 		})
@@ -44,7 +50,9 @@ func emit(t testing.TB, pool *pgxpool.Pool, stream, key string, n int) []uuid.UU
 // emitAt emits one event with an explicit revision.
 func emitAt(t testing.TB, pool *pgxpool.Pool, stream, key string, rev int64) string {
 	t.Helper()
-	e, err := client.Emit(context.Background(), pool, client.Event{
+	ctx, cancel := context.WithTimeout(context.Background(), emitTimeout)
+	defer cancel()
+	e, err := client.Emit(ctx, pool, client.Event{
 		Stream: stream, AggregateKey: key, Type: "T", Payload: []byte(`{}`), Revision: rev})
 	if err != nil {
 		t.Fatal(err)

@@ -18,7 +18,7 @@ import (
 // skipped; inserting it releases the aggregate.
 func TestGapHoldsAggregateUntilMissingRevisionArrives(t *testing.T) {
 	t.Parallel()
-	ctx, cancel := context.WithCancel(context.Background())
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute) // every emit and wait is bounded
 	defer cancel()
 	url := testdb.New(t)
 	pool := testdb.NewPoolURL(t, url)
@@ -52,7 +52,7 @@ func TestGapHoldsAggregateUntilMissingRevisionArrives(t *testing.T) {
 // aggregates nor the ack of that aggregate's earlier revision.
 func TestOpenProducerTransactionBlocksNothingElse(t *testing.T) {
 	t.Parallel()
-	ctx, cancel := context.WithCancel(context.Background())
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute) // every emit and wait is bounded
 	defer cancel()
 	url := testdb.New(t)
 	pool := testdb.NewPoolURL(t, url)
@@ -100,7 +100,7 @@ func TestOpenProducerTransactionBlocksNothingElse(t *testing.T) {
 // through NOTIFY outbox_wakeup.
 func TestListenerReconnects(t *testing.T) {
 	t.Parallel()
-	ctx, cancel := context.WithCancel(context.Background())
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute) // every emit and wait is bounded
 	defer cancel()
 	url := testdb.New(t)
 	pool := testdb.NewPoolURL(t, url)
