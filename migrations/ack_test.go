@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
@@ -30,6 +31,9 @@ type ackCase struct {
 	name   string
 	oneRow bool
 	setup  func(t *testing.T, pool *pgxpool.Pool) (ack uuid.UUID, local []uuid.UUID)
+	// want are lines (or starts of lines) the outcome must hold, whichever
+	// path decided it: the two paths agreeing on a wrong answer fails too.
+	want []string
 }
 
 // claimOne leases the oldest claimable aggregate to holder, as a session of
@@ -68,37 +72,37 @@ var oneAckCases = []ackCase{
 		emitN(t, pool, "a", 2)
 		discover(t, pool)
 		return claimOne(t, pool, h, 1), []uuid.UUID{uuid.New(), h}
-	}},
+	}, []string{"answer handed_over", "a/2 attempt 1 epoch raised t, expires in 27s", "delivery orders/a: (leased,1,", "events orders/a: 1 published, 2 pending"}},
 	{"nothing follows: idle", true, func(t *testing.T, pool *pgxpool.Pool) (uuid.UUID, []uuid.UUID) {
 		h := uuid.New()
 		emitN(t, pool, "a", 1)
 		discover(t, pool)
 		return claimOne(t, pool, h, 1), []uuid.UUID{h}
-	}},
+	}, []string{"answer published", "delivery orders/a: (idle,1,", "events orders/a: 1 published\n"}},
 	{"holder on another replica: ready, the holder notified", true, func(t *testing.T, pool *pgxpool.Pool) (uuid.UUID, []uuid.UUID) {
 		emitN(t, pool, "a", 2)
 		discover(t, pool)
 		return claimAs(t, pool, uuid.New(), "elsewhere").id, []uuid.UUID{uuid.New()}
-	}},
+	}, []string{"answer published", "outbox_released for the holder before the ack: true", "delivery orders/a: (ready,1,", "events orders/a: 1 published, 2 pending"}},
 	{"holder listed twice: the first TTL", true, func(t *testing.T, pool *pgxpool.Pool) (uuid.UUID, []uuid.UUID) {
 		h := uuid.New()
 		emitN(t, pool, "a", 2)
 		discover(t, pool)
 		return claimOne(t, pool, h, 1), []uuid.UUID{uuid.New(), h, h}
-	}},
+	}, []string{"answer handed_over", "expires in 27s", "delivery orders/a: (leased,1,"}},
 	{"hand-over holders without TTLs", true, func(t *testing.T, pool *pgxpool.Pool) (uuid.UUID, []uuid.UUID) {
 		h := uuid.New()
 		emitN(t, pool, "a", 2)
 		discover(t, pool)
 		return claimOne(t, pool, h, 1), []uuid.UUID{noTTLs, h}
-	}},
+	}, []string{"answer published", "delivery orders/a: (ready,1,", "events orders/a: 1 published, 2 pending"}},
 	{"lease nacked, then acked by its token: backoff ends", true, func(t *testing.T, pool *pgxpool.Pool) (uuid.UUID, []uuid.UUID) {
 		emitN(t, pool, "a", 2)
 		discover(t, pool)
 		l := claimAs(t, pool, uuid.New(), "x")
 		exec(t, pool, fmt.Sprintf(`SELECT * FROM outbox.nack('%s', %d, 'broker down', NULL, interval '1 minute', interval '1 hour', 10)`, l.id, l.epoch))
 		return l.id, nil
-	}},
+	}, []string{"answer published", "delivery orders/a: (ready,1,", "events orders/a: 1 published, 2 pending"}},
 	{"lease released, then acked by its token", true, func(t *testing.T, pool *pgxpool.Pool) (uuid.UUID, []uuid.UUID) {
 		h := uuid.New()
 		emitN(t, pool, "a", 2)
@@ -106,14 +110,14 @@ var oneAckCases = []ackCase{
 		id := claimOne(t, pool, h, 1)
 		exec(t, pool, fmt.Sprintf(`SELECT outbox.release('%s')`, h))
 		return id, []uuid.UUID{h}
-	}},
+	}, []string{"answer published", "delivery orders/a: (ready,1,", "events orders/a: 1 published, 2 pending"}},
 	{"parked at the acked revision", true, func(t *testing.T, pool *pgxpool.Pool) (uuid.UUID, []uuid.UUID) {
 		emitN(t, pool, "a", 2)
 		discover(t, pool)
 		l := claimAs(t, pool, uuid.New(), "x")
 		exec(t, pool, fmt.Sprintf(`SELECT * FROM outbox.park('%s', %d, 'too large')`, l.id, l.epoch))
 		return l.id, nil
-	}},
+	}, []string{"answer published", "delivery orders/a: (ready,1,", "events orders/a: 1 published, 2 pending"}},
 	{"held at a gap: a later revision's ack", false, func(t *testing.T, pool *pgxpool.Pool) (uuid.UUID, []uuid.UUID) {
 		emitN(t, pool, "a", 1)
 		exec(t, pool, `INSERT INTO outbox.event (stream, aggregate_key, revision, event_type, payload) VALUES ('orders', 'a', 3, 'T', '{}')`)
@@ -124,12 +128,12 @@ var oneAckCases = []ackCase{
 			t.Fatalf("claimed %v past a gap", got)
 		}
 		return eventID(t, pool, "a", 3), nil
-	}},
+	}, []string{"answer out_of_order", "delivery orders/a: (gap,1,", ",2)\n", "events orders/a: 1 published, 3 pending"}},
 	{"ack from another replica, no sessions passed", true, func(t *testing.T, pool *pgxpool.Pool) (uuid.UUID, []uuid.UUID) {
 		emitN(t, pool, "a", 2)
 		discover(t, pool)
 		return claimOne(t, pool, uuid.New(), 1), nil
-	}},
+	}, []string{"answer published", "delivery orders/a: (ready,1,", "events orders/a: 1 published, 2 pending"}},
 	{"next revision skipped: ready, nothing handed over", true, func(t *testing.T, pool *pgxpool.Pool) (uuid.UUID, []uuid.UUID) {
 		h := uuid.New()
 		emitN(t, pool, "a", 2)
@@ -138,14 +142,14 @@ var oneAckCases = []ackCase{
 		exec(t, pool, fmt.Sprintf(`INSERT INTO outbox.skipped_event (event_id, reason, actor) VALUES ('%s', 'test', 'test')`,
 			eventID(t, pool, "a", 2)))
 		return id, []uuid.UUID{h}
-	}},
+	}, []string{"answer published", "delivery orders/a: (ready,1,", "events orders/a: 1 published, 2 pending"}},
 	{"next revision missing, a later one present: ready", true, func(t *testing.T, pool *pgxpool.Pool) (uuid.UUID, []uuid.UUID) {
 		h := uuid.New()
 		emitN(t, pool, "a", 1)
 		exec(t, pool, `INSERT INTO outbox.event (stream, aggregate_key, revision, event_type, payload) VALUES ('orders', 'a', 3, 'T', '{}')`)
 		discover(t, pool)
 		return claimOne(t, pool, h, 1), []uuid.UUID{h}
-	}},
+	}, []string{"answer published", "delivery orders/a: (ready,1,", "events orders/a: 1 published, 3 pending"}},
 	{"older claimable work: no hand-over", true, func(t *testing.T, pool *pgxpool.Pool) (uuid.UUID, []uuid.UUID) {
 		h := uuid.New()
 		emitN(t, pool, "a", 1)
@@ -153,21 +157,21 @@ var oneAckCases = []ackCase{
 		emitN(t, pool, "a", 1)
 		discover(t, pool)
 		return claimOne(t, pool, h, 1), []uuid.UUID{h}
-	}},
+	}, []string{"answer published", "delivery orders/a: (ready,1,", "delivery orders/b: (ready,0,", "events orders/a: 1 published, 2 pending"}},
 	{"not the next revision: out of order", false, func(t *testing.T, pool *pgxpool.Pool) (uuid.UUID, []uuid.UUID) {
 		h := uuid.New()
 		emitN(t, pool, "a", 2)
 		discover(t, pool)
 		claimOne(t, pool, h, 1)
 		return eventID(t, pool, "a", 2), []uuid.UUID{h}
-	}},
+	}, []string{"answer out_of_order", "delivery orders/a: (leased,0,", "events orders/a: 1 pending, 2 pending"}},
 	{"already published", false, func(t *testing.T, pool *pgxpool.Pool) (uuid.UUID, []uuid.UUID) {
 		emitN(t, pool, "a", 2)
 		discover(t, pool)
 		id := claimOne(t, pool, uuid.New(), 1)
 		exec(t, pool, fmt.Sprintf(`SELECT * FROM outbox.ack(ARRAY['%s'::uuid], 'x')`, id))
 		return id, nil
-	}},
+	}, []string{"answer already_published", "delivery orders/a: (ready,1,", "events orders/a: 1 published, 2 pending"}},
 	{"head event skipped under its lease", false, func(t *testing.T, pool *pgxpool.Pool) (uuid.UUID, []uuid.UUID) {
 		h := uuid.New()
 		emitN(t, pool, "a", 2)
@@ -175,15 +179,15 @@ var oneAckCases = []ackCase{
 		id := claimOne(t, pool, h, 1)
 		exec(t, pool, fmt.Sprintf(`INSERT INTO outbox.skipped_event (event_id, reason, actor) VALUES ('%s', 'test', 'test')`, id))
 		return id, []uuid.UUID{h}
-	}},
+	}, []string{"answer lease_lost", "delivery orders/a: (leased,0,", "events orders/a: 1 pending, 2 pending"}},
 	{"unknown event", false, func(t *testing.T, pool *pgxpool.Pool) (uuid.UUID, []uuid.UUID) {
 		return uuid.New(), nil
-	}},
+	}, []string{"answer not_found", "delivered_count 0"}},
 	{"lease covering more than the acked revision", false, func(t *testing.T, pool *pgxpool.Pool) (uuid.UUID, []uuid.UUID) {
 		emitN(t, pool, "a", 3)
 		discover(t, pool)
 		return claimOne(t, pool, uuid.New(), 2), nil
-	}},
+	}, []string{"answer published", "delivery orders/a: (leased,1,", "events orders/a: 1 published, 2 pending, 3 pending"}},
 	{"parked past the acked revision", true, func(t *testing.T, pool *pgxpool.Pool) (uuid.UUID, []uuid.UUID) {
 		emitN(t, pool, "a", 3)
 		discover(t, pool)
@@ -193,7 +197,7 @@ var oneAckCases = []ackCase{
 		}
 		exec(t, pool, fmt.Sprintf(`SELECT * FROM outbox.park('%s', %d, 'too large')`, ls[2].id, ls[2].epoch))
 		return ls[0].id, nil
-	}},
+	}, []string{"answer published", "delivery orders/a: (parked,1,", `"too large",3,)`, "events orders/a: 1 published, 2 pending, 3 pending"}},
 }
 
 // ackOutcome acks ids on a connection of its own and returns what the call
@@ -244,13 +248,14 @@ func ackOutcome(t *testing.T, pool *pgxpool.Pool, ids []uuid.UUID, local []uuid.
 		}
 	}
 	var before struct {
-		epoch  int64
-		holder *uuid.UUID
+		epoch   int64
+		holder  *uuid.UUID
+		expires *time.Time
 	}
 	if err := conn.QueryRow(ctx,
-		`SELECT coalesce(max(d.epoch), 0), max(d.holder::text)::uuid FROM outbox.event e
+		`SELECT coalesce(max(d.epoch), 0), max(d.holder::text)::uuid, max(d.lease_expires_at) FROM outbox.event e
 		 JOIN outbox.delivery d ON d.stream = e.stream AND d.aggregate_key = e.aggregate_key
-		 WHERE e.event_id = $1`, ids[0]).Scan(&before.epoch, &before.holder); err != nil {
+		 WHERE e.event_id = $1`, ids[0]).Scan(&before.epoch, &before.holder, &before.expires); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := conn.Exec(ctx, `SET client_min_messages = debug1`); err != nil {
@@ -313,7 +318,11 @@ func ackOutcome(t *testing.T, pool *pgxpool.Pool, ids []uuid.UUID, local []uuid.
 		               WHERE e.stream = d.stream AND e.aggregate_key = d.aggregate_key AND e.revision > d.delivered_revision),
 		           d.epoch > $1, d.holder IS NULL, d.holder_relay_id, d.holder_replica_id,
 		           (SELECT e.revision FROM outbox.event e WHERE e.event_id = d.leased_event_id), d.leased_through,
-		           round(extract(epoch FROM d.lease_expires_at - now())), d.claimable_at IS NOT DISTINCT FROM d.lease_expires_at,
+		           -- A lease the ack left alone says so: its time left depends on
+		           -- when the setup claimed it, which differs between the runs.
+		           CASE WHEN d.lease_expires_at = $2 THEN 'unchanged'
+		                ELSE round(extract(epoch FROM d.lease_expires_at - now()))::text END,
+		           d.claimable_at IS NOT DISTINCT FROM d.lease_expires_at,
 		           d.attempt, d.failures, d.unanswered, d.last_error, d.next_attempt_at IS NULL,
 		           d.parked_at IS NULL, d.parked_reason, d.parked_revision, d.gap_revision)::text)
 		FROM outbox.delivery d
@@ -323,7 +332,7 @@ func ackOutcome(t *testing.T, pool *pgxpool.Pool, ids []uuid.UUID, local []uuid.
 		FROM outbox.event e GROUP BY e.stream, e.aggregate_key
 		UNION ALL
 		SELECT format('delivered_count %s', coalesce(sum(c.events), 0)) FROM outbox.delivered_count c
-		ORDER BY 1`, before.epoch)
+		ORDER BY 1`, before.epoch, before.expires)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -357,6 +366,14 @@ func TestOneAckDecidesAsABatch(t *testing.T) {
 			}
 			if oneRow != c.oneRow || batchOneRow {
 				t.Fatalf("the lone ack took the one-row path: %t, want %t; the batch took it: %t", oneRow, c.oneRow, batchOneRow)
+			}
+			if len(c.want) == 0 {
+				t.Fatal("the case says nothing of the outcome it expects")
+			}
+			for _, w := range c.want {
+				if !strings.Contains(got, w) {
+					t.Errorf("both decided\n%s\nwhich lacks %q", got, w)
+				}
 			}
 			t.Logf("both decided\n%s", got)
 		})
