@@ -27,6 +27,7 @@ func TestAcceptGapWaitsForProducerOfMissingRevision(t *testing.T) {
 	r := startReplica(t, url, nil)
 	emitAt(t, pool, "orders", "g", 1)
 	emitAt(t, pool, "orders", "g", 3)
+	waitDiscovered(t, pool, 1) // no round wakes g once it is held at the gap
 	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 4, LeaseTtl: durationpb.New(time.Hour)})
 	ack(t, r, recv(t, st))
 	waitState(t, pool, "g", "gap")
