@@ -7,9 +7,13 @@ BUF := go tool -modfile=tools/go.mod buf
 
 .PHONY: dev test fuzz generate check-generated lint bench bench-quick build schema
 
-# Run outboxd against a PostgreSQL found or started by internal/devdb.
-dev:
-	go run ./cmd/outboxd dev
+# Run outboxd against a PostgreSQL found or started by internal/devdb. The
+# binary is built first and run by exec rather than by `go run`: on Ctrl-C,
+# go run exits 1 whatever its program does (cmd/go marks an interrupted run
+# failed), so make printed "Error 1" after a clean stop. outboxd itself
+# exits 0 when SIGINT or SIGTERM asked it to stop.
+dev: build
+	exec ./bin/outboxd dev
 
 # The benchmark is a module of its own (bench/), which ./... does not reach.
 test:

@@ -161,7 +161,10 @@ type armEnv struct {
 	aggregates int
 	// revisions is how many events each aggregate of a drain backlog has
 	// (all of it on one aggregate in hot-drain).
-	revisions   int
+	revisions int
+	// relays is how many relays (or pollers) deliver: Config.Relays, or
+	// Config.ManyRelays in the many-relays workload.
+	relays      int
 	maxInFlight int
 	// window is the relays' max_in_flight_per_aggregate (0: 1).
 	window int
@@ -355,7 +358,7 @@ func (a *outboxdArm) startServer(ctx context.Context, env *armEnv) (serverHandle
 
 func (a *outboxdArm) startDelivery(ctx context.Context, env *armEnv) error {
 	var err error
-	a.relays, err = startRelays(ctx, a.server.addr(), env.cfg.Relays, env.maxInFlight, env.window, env.sink, env.log)
+	a.relays, err = startRelays(ctx, a.server.addr(), env.relays, env.maxInFlight, env.window, env.sink, env.log)
 	return err
 }
 

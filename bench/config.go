@@ -31,6 +31,12 @@ const (
 	// WorkloadHeldXmin: steady while another session holds a transaction id
 	// (and so the xmin horizon) open for the whole window.
 	WorkloadHeldXmin = "held-xmin"
+	// WorkloadManyRelays: outboxd with many relays subscribed to one
+	// replica (Config.ManyRelays): first idle, to measure what the server
+	// costs when nothing happens, then open-loop producers at
+	// Config.ManyRelaysRate, to measure commit→sink latency when a few
+	// events at a time meet hundreds of idle sessions.
+	WorkloadManyRelays = "many-relays"
 )
 
 // Arms, as docs/benchmark.md defines them.
@@ -78,7 +84,7 @@ const (
 // order they run. The producer workload always runs its three paths
 // (ceiling-insert, emit, insert-trigger), whatever Arms says.
 var (
-	AllWorkloads = []string{WorkloadSteady, WorkloadLatency, WorkloadDrain, WorkloadHot, WorkloadHotDrain, WorkloadProducer, WorkloadHeldXmin}
+	AllWorkloads = []string{WorkloadSteady, WorkloadLatency, WorkloadDrain, WorkloadHot, WorkloadHotDrain, WorkloadProducer, WorkloadHeldXmin, WorkloadManyRelays}
 	AllArms      = []string{ArmCeilingInsert, ArmCeilingInsertMark, ArmNaivePoller, ArmOutboxd, ArmWatermill, ArmWatermill10ms, ArmRiver}
 	// PeerArms are the libraries users would pick instead of outboxd. None
 	// promises per-aggregate order, so their reorders are reported and do
@@ -130,6 +136,12 @@ type Config struct {
 	// the same run: two builds compared back to back then carry the same
 	// load. Default 0.
 	LatencyRate float64
+	// ManyRelays is how many relays the many-relays workload subscribes,
+	// each on its own connection. Default 300 (quick: 100).
+	ManyRelays int
+	// ManyRelaysRate is the many-relays workload's open-loop producer rate
+	// in events/s. Default 500.
+	ManyRelaysRate float64
 	// Quick selects the reduced set's defaults (about a minute in all).
 	Quick bool
 	// ServerBinary is the outboxd binary whose `serve` command runs the
@@ -195,6 +207,15 @@ func (c *Config) setDefaults() error {
 	if c.Aggregates == 0 {
 		c.Aggregates = 10_000
 	}
+	if c.ManyRelays == 0 {
+		c.ManyRelays = 300
+		if c.Quick {
+			c.ManyRelays = 100
+		}
+	}
+	if c.ManyRelaysRate == 0 {
+		c.ManyRelaysRate = 500
+	}
 	if len(c.SinkLatencies) == 0 {
 		c.SinkLatencies = []time.Duration{0, time.Millisecond, 5 * time.Millisecond}
 		if c.Quick {
@@ -225,6 +246,10 @@ func (c *Config) setDefaults() error {
 		return fmt.Errorf("bench: Config.Relays %d (--relays) must be positive", c.Relays)
 	case c.MaxInFlight < 1:
 		return fmt.Errorf("bench: Config.MaxInFlight %d (--max-in-flight) must be positive", c.MaxInFlight)
+	case c.ManyRelays < 1:
+		return fmt.Errorf("bench: Config.ManyRelays %d (--many-relays) must be positive", c.ManyRelays)
+	case c.ManyRelaysRate < 0 || math.IsNaN(c.ManyRelaysRate) || math.IsInf(c.ManyRelaysRate, 0):
+		return fmt.Errorf("bench: Config.ManyRelaysRate %v (--many-relays-rate) must be a positive rate", c.ManyRelaysRate)
 	case c.Aggregates < 1:
 		return fmt.Errorf("bench: Config.Aggregates %d (--aggregates) must be positive", c.Aggregates)
 	case c.LatencyRate < 0 || math.IsNaN(c.LatencyRate) || math.IsInf(c.LatencyRate, 0):

@@ -105,8 +105,10 @@ type Result struct {
 
 	CPU              CPUFigures `json:"cpu"`
 	ServerPeakRSSMiB *float64   `json:"server_peak_rss_mib,omitempty"`
-	WALBytesPerEvent float64    `json:"wal_bytes_per_event"`
-	WALSyncsPerEvent float64    `json:"wal_syncs_per_event"`
+	// Idle is the many-relays workload's window before producers start.
+	Idle             *IdleFigures `json:"idle,omitempty"`
+	WALBytesPerEvent float64      `json:"wal_bytes_per_event"`
+	WALSyncsPerEvent float64      `json:"wal_syncs_per_event"`
 	// CommitsPerEvent counts the scratch database's committed transactions
 	// (pg_stat_database, which lags up to a second) per event.
 	CommitsPerEvent float64 `json:"commits_per_event"`
@@ -120,6 +122,17 @@ type Result struct {
 	Limit       string   `json:"limit"`
 	Notes       []string `json:"notes,omitempty"`
 	ArmElapsedS float64  `json:"arm_elapsed_s"`
+}
+
+// IdleFigures are what a server with many relays subscribed and nothing to
+// deliver costs: CPU time over the window as a percentage of one core.
+type IdleFigures struct {
+	WindowS         float64  `json:"window_s"`
+	ServerCorePct   *float64 `json:"server_core_pct,omitempty"`
+	PostgresCorePct *float64 `json:"postgres_core_pct,omitempty"`
+	// CommitsPerS counts the scratch database's commits per second
+	// (pg_stat_database, which lags up to a second): the idle claims.
+	CommitsPerS float64 `json:"commits_per_s"`
 }
 
 // CPUFigures are the window's CPU costs. Seconds are totals over the window;
@@ -682,6 +695,12 @@ func (r *Report) WriteTable(w io.Writer) {
 				res.WALBytesPerEvent, res.WALSyncsPerEvent, res.CommitsPerEvent, res.Limit)
 		}
 		tw.Flush()
+		for _, res := range rows {
+			if i := res.Idle; i != nil {
+				fmt.Fprintf(w, "%s, %d relays idle for %s before producers: server %s %% of a core, postgres %s %%, %.0f commits/s\n",
+					res.armName(), res.Relays, fmtSeconds(i.WindowS), fmtOpt(i.ServerCorePct, "%.1f"), fmtOpt(i.PostgresCorePct, "%.1f"), i.CommitsPerS)
+			}
+		}
 	}
 
 	r.writeSideBySide(w)

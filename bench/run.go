@@ -115,6 +115,9 @@ func plan(cfg *Config) []armSpec {
 			out = append(out, armSpec{workload: WorkloadProducer, arm: arm})
 		}
 	}
+	if cfg.runs(WorkloadManyRelays) && cfg.uses(ArmOutboxd) {
+		out = append(out, armSpec{workload: WorkloadManyRelays, arm: ArmOutboxd, sink: first})
+	}
 	if cfg.runs(WorkloadHeldXmin) {
 		for _, holder := range []string{HolderOtherDB, HolderSameDBRR} {
 			arms := []string{ArmOutboxd}
@@ -213,6 +216,10 @@ func runArm(ctx context.Context, cfg *Config, sc *scratch, spec armSpec, rep *Re
 		maxInFlight = max(maxInFlight, (drainInFlight+cfg.Relays-1)/cfg.Relays)
 	}
 	maxInFlight = max(maxInFlight, spec.window)
+	relays := cfg.Relays
+	if spec.workload == WorkloadManyRelays {
+		relays = cfg.ManyRelays
+	}
 	poolCfg, err := pgxpool.ParseConfig(dbURL)
 	if err != nil {
 		return nil, err
@@ -228,11 +235,11 @@ func runArm(ctx context.Context, cfg *Config, sc *scratch, spec armSpec, rep *Re
 	env := &armEnv{
 		cfg: cfg, dbName: dbName, dbURL: dbURL, pool: pool, ledger: ledger,
 		sink:       &countingSink{latency: spec.sink, ledger: ledger, next: broker},
-		aggregates: aggregates, revisions: revisions, maxInFlight: maxInFlight, window: spec.window,
+		aggregates: aggregates, revisions: revisions, relays: relays, maxInFlight: maxInFlight, window: spec.window,
 		log: cfg.Logger.With("arm", spec.arm),
 	}
 	res = &Result{
-		Workload: spec.workload, Arm: spec.arm, Producers: cfg.Producers, Relays: cfg.Relays,
+		Workload: spec.workload, Arm: spec.arm, Producers: cfg.Producers, Relays: relays,
 		MaxInFlight: maxInFlight, Aggregates: aggregates, Backlog: spec.backlog, Holder: spec.holder,
 		Window: spec.window,
 	}
@@ -264,10 +271,13 @@ func runArm(ctx context.Context, cfg *Config, sc *scratch, spec armSpec, rep *Re
 		err = measureDrain(ctx, env, a, srv, res)
 	} else {
 		var rate float64
-		if spec.workload == WorkloadLatency {
+		switch spec.workload {
+		case WorkloadLatency:
 			if rate, err = latencyRate(rep, spec.sink, env.cfg.LatencyRate); err != nil {
 				return nil, err
 			}
+		case WorkloadManyRelays:
+			rate = env.cfg.ManyRelaysRate
 		}
 		err = measureProducers(ctx, env, a, srv, spec, rate, res)
 	}
@@ -312,6 +322,11 @@ func measureProducers(ctx context.Context, env *armEnv, a arm, srv serverHandle,
 	cfg := env.cfg
 	if a.delivers() {
 		if err := a.startDelivery(ctx, env); err != nil {
+			return err
+		}
+	}
+	if spec.workload == WorkloadManyRelays {
+		if err := measureIdle(ctx, env, srv, res); err != nil {
 			return err
 		}
 	}
@@ -380,6 +395,49 @@ func measureProducers(ctx context.Context, env *armEnv, a arm, srv serverHandle,
 	res.setLatencies(toSink, toPublished, cs, cp)
 	res.fillCosts(m, toDone-fromDone, env.cfg, rss, spec.sink)
 	return nil
+}
+
+// measureIdle measures the many-relays workload's idle window: the relays
+// have subscribed (given the warm-up to do so) and nothing is produced; the
+// window's CPU time of the server and of PostgreSQL, as a share of one core,
+// is what the relays' sessions cost while they wait.
+func measureIdle(ctx context.Context, env *armEnv, srv serverHandle, res *Result) error {
+	if err := sleepCtx(ctx, env.cfg.Warmup); err != nil {
+		return err
+	}
+	pr, err := openWindow(ctx, env.cfg.DatabaseURL, env.dbName, srv)
+	if err != nil {
+		return err
+	}
+	sleepErr := sleepCtx(ctx, env.cfg.Duration)
+	m, err := pr.close(ctx)
+	if err := errors.Join(sleepErr, err); err != nil {
+		return err
+	}
+	idle := &IdleFigures{WindowS: m.elapsed.Seconds()}
+	if m.serverOK {
+		idle.ServerCorePct = ptr(100 * m.serverCPU.Seconds() / m.elapsed.Seconds())
+	}
+	if m.postgresOK {
+		idle.PostgresCorePct = ptr(100 * m.postgresCPU.Seconds() / m.elapsed.Seconds())
+	}
+	if m.commits > 0 {
+		idle.CommitsPerS = float64(m.commits) / m.elapsed.Seconds()
+	}
+	res.Idle = idle
+	return nil
+}
+
+// sleepCtx waits d or until ctx ends.
+func sleepCtx(ctx context.Context, d time.Duration) error {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
 }
 
 // measureDrain runs drain: the server is up, the backlog committed; the

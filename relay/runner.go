@@ -32,12 +32,12 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"math/rand/v2"
 	"strings"
 	"sync"
 	"time"
 	"unicode/utf8"
 
+	"github.com/cenkalti/backoff/v5"
 	"go.opentelemetry.io/otel/trace"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -103,8 +103,10 @@ type Config struct {
 	// too, its acks are given up and their events delivered again.
 	// Default 30s.
 	AckRetryTimeout time.Duration
-	// ReconnectBase and ReconnectCap shape the reconnect backoff. Defaults
-	// 100ms and 10s.
+	// ReconnectBase and ReconnectCap shape the reconnect backoff: the wait
+	// starts at about ReconnectBase and doubles up to ReconnectCap, each
+	// wait randomised by ±50 %. Defaults 100ms and 10s. A failure that
+	// repeats unchanged is logged as a warning once, then every 5 minutes.
 	ReconnectBase, ReconnectCap time.Duration
 	// DrainTimeout bounds how long a stopping Runner waits for publishes
 	// already under way; their leases stay held meanwhile. A publish still
@@ -210,6 +212,11 @@ type hooks struct {
 	// publishCancelled is called when a publish was cut short by the
 	// runner (drain timeout, terminal error) and left unacked and unnacked.
 	publishCancelled func(eventID string)
+	// reconnecting is called before each wait to reconnect, with the error
+	// that ended the stream and the wait.
+	reconnecting func(err error, wait time.Duration)
+	// now replaces time.Now for the reconnect log's quiet interval.
+	now func() time.Time
 	// windowQueued is called for each delivery queued on its aggregate's
 	// line, and windowDropped for one dropped because an earlier event of
 	// its lease failed (see aggregateLines).
@@ -236,9 +243,15 @@ func NewRunner(cfg Config) (*Runner, error) {
 // any RPC (UNAUTHENTICATED, PERMISSION_DENIED). The error wraps the gRPC
 // status, so status.Code reports it.
 func (r *Runner) Run(ctx context.Context) error {
-	delay := r.cfg.ReconnectBase
+	// A well-kept implementation of exponential backoff with jitter, in the
+	// module graph already (through OpenTelemetry's exporters).
+	b := &backoff.ExponentialBackOff{
+		InitialInterval: r.cfg.ReconnectBase, RandomizationFactor: 0.5, Multiplier: 2, MaxInterval: r.cfg.ReconnectCap,
+	}
+	b.Reset()
+	var quiet repeatedFailure
 	for {
-		start := time.Now()
+		start := r.now()
 		err := r.runOnce(ctx)
 		var fe *fatalError
 		if errors.As(err, &fe) {
@@ -251,16 +264,74 @@ func (r *Runner) Run(ctx context.Context) error {
 		case codes.InvalidArgument, codes.Unauthenticated, codes.PermissionDenied, codes.Unimplemented:
 			return fmt.Errorf("relay: Subscribe refused (%s): %w", code, err)
 		}
-		if time.Since(start) > r.cfg.ReconnectCap {
-			delay = r.cfg.ReconnectBase // it ran fine for a while: start over
+		if r.now().Sub(start) > r.cfg.ReconnectCap {
+			// It ran fine for a while: start over, and say the next
+			// failure again.
+			b.Reset()
+			quiet = repeatedFailure{}
 		}
-		wait := delay/2 + rand.N(delay/2+1)
-		r.log.Warn("stream ended; reconnecting", "err", err, "in", wait)
+		wait := b.NextBackOff()
+		r.logReconnect(&quiet, err, wait)
+		if h := r.hooks.reconnecting; h != nil {
+			h(err, wait)
+		}
 		if !sleep(ctx, wait) {
 			return nil
 		}
-		delay = min(delay*2, r.cfg.ReconnectCap)
 	}
+}
+
+// quietInterval is how often a failure that keeps repeating unchanged is
+// logged as a warning again; the repeats in between are logged at debug
+// level. A relay started before its producers, or with a mistyped stream,
+// retries for as long as it runs: one warning that says what is wrong is
+// useful, one every few seconds buries everything else.
+const quietInterval = 5 * time.Minute
+
+// repeatedFailure is what the runner last warned about, and when.
+type repeatedFailure struct {
+	last     string
+	warnedAt time.Time
+	repeats  int // since warnedAt
+}
+
+// logReconnect logs a broken (or refused) stream: a warning when the
+// failure is new, or again every quietInterval while it repeats, and at
+// debug level in between.
+func (r *Runner) logReconnect(q *repeatedFailure, err error, wait time.Duration) {
+	st := status.Convert(err)
+	key := st.Code().String() + ": " + st.Message()
+	now := r.now()
+	if key == q.last && now.Sub(q.warnedAt) < quietInterval {
+		q.repeats++
+		r.log.Debug("stream failed again; reconnecting", "err", err, "in", wait)
+		return
+	}
+	repeats := q.repeats
+	if key != q.last {
+		repeats = 0
+	}
+	*q = repeatedFailure{last: key, warnedAt: now}
+	var msg string
+	switch {
+	case st.Code() == codes.NotFound:
+		// The server refuses streams no event has used yet, naming the
+		// ones that exist (a typo), or the producers have not run yet.
+		msg = fmt.Sprintf("subscription refused: %s; retrying until the streams have events, saying so again every %v", st.Message(), quietInterval)
+	case repeats > 0:
+		msg = fmt.Sprintf("stream still failing (%d more times in the last %v); reconnecting", repeats, quietInterval)
+	default:
+		msg = "stream ended; reconnecting"
+	}
+	r.log.Warn(msg, "err", err, "in", wait)
+}
+
+// now is the runner's clock: a test's when set.
+func (r *Runner) now() time.Time {
+	if h := r.hooks.now; h != nil {
+		return h()
+	}
+	return time.Now()
 }
 
 // fatalError carries a terminal error out of runOnce.

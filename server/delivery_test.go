@@ -755,3 +755,32 @@ func (s *orderSink) waitFor(t *testing.T, n int) {
 		}
 	}
 }
+
+// A subscription to a stream no event has used is refused with NOT_FOUND
+// naming the streams that exist, so that a typo shows next to the name it
+// missed.
+func TestSubscribeToUnknownStreamNamesKnownOnes(t *testing.T) {
+	t.Parallel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	r := startReplica(t, url, nil)
+	ctx := t.Context()
+	recvErr := func() error {
+		st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{Streams: []string{"ordres"}, MaxInFlight: 1})
+		_, err := st.Recv()
+		return err
+	}
+	err := recvErr()
+	wantCode(t, err, codes.NotFound, "")
+	if msg := status.Convert(err).Message(); !strings.Contains(msg, `"ordres"`) || !strings.Contains(msg, "no stream has events yet") {
+		t.Errorf("with no events at all: %q, want it to name ordres and say no stream has events", msg)
+	}
+	emit(t, pool, "orders", "o-1", 2)
+	emit(t, pool, "orders", "o-2", 1)
+	emit(t, pool, "billing", "b-1", 1)
+	err = recvErr()
+	wantCode(t, err, codes.NotFound, "")
+	if msg := status.Convert(err).Message(); !strings.Contains(msg, "known streams: billing, orders;") {
+		t.Errorf("got %q, want it to list the known streams billing, orders", msg)
+	}
+}

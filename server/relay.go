@@ -148,9 +148,41 @@ func (r *relayService) checkStreamsExist(ctx context.Context, streams []string) 
 	}
 	if len(unknown) > 0 {
 		return status.Errorf(codes.NotFound,
-			"no event has ever been written to stream(s) %q; check the names, or retry once producers have emitted", unknown)
+			"no event has ever been written to stream(s) %q; %s; check the names, or retry once producers have emitted",
+			unknown, r.knownStreams(ctx))
 	}
 	return nil
+}
+
+// maxKnownStreams bounds the stream names a refused subscription lists.
+const maxKnownStreams = 20
+
+// knownStreams says which streams exist, as far as the caller's token may
+// see them, for the error that refuses an unknown one: a typo is then
+// obvious next to the name it missed.
+func (r *relayService) knownStreams(ctx context.Context) string {
+	names, err := r.s.store.KnownStreams(ctx, maxKnownStreams+1)
+	if err != nil {
+		return "known streams could not be read"
+	}
+	more := len(names) > maxKnownStreams
+	names = names[:min(len(names), maxKnownStreams)]
+	visible := names[:0]
+	for _, n := range names {
+		if auth.AuthorizeStreams(ctx, n) == nil {
+			visible = append(visible, n)
+		}
+	}
+	switch {
+	case len(names) == 0:
+		return "no stream has events yet"
+	case len(visible) == 0:
+		return "no stream this token may relay has events yet"
+	case more:
+		return "known streams include " + strings.Join(visible, ", ")
+	default:
+		return "known streams: " + strings.Join(visible, ", ")
+	}
 }
 
 func (r *relayService) Ack(ctx context.Context, req *outboxv1.AckRequest) (*outboxv1.AckResponse, error) {

@@ -4,7 +4,10 @@ import (
 	"bufio"
 	"bytes"
 	"context"
+	"crypto/hmac"
+	"crypto/rand"
 	"crypto/sha256"
+	"encoding/base64"
 	"encoding/hex"
 	"encoding/json"
 	"fmt"
@@ -14,7 +17,10 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
+	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -263,6 +269,7 @@ func TestNodeRelayToWebhookNacksFailures(t *testing.T) {
 	start(t, "serve", "--database-url", url, "--listen", addr, "--http-listen", "",
 		"--backoff-base", "10ms", "--backoff-cap", "50ms")
 
+	secretFile, secrets := webhookSecrets(t, 2)
 	var (
 		mu       sync.Mutex
 		attempts = map[string]int{}
@@ -279,6 +286,11 @@ func TestNodeRelayToWebhookNacksFailures(t *testing.T) {
 		if err != nil || r.Header.Get("webhook-id") != l.EventID {
 			t.Errorf("webhook got %q (webhook-id %q): %v", body, r.Header.Get("webhook-id"), err)
 			http.Error(w, "bad request", http.StatusBadRequest)
+			return
+		}
+		if err := checkWebhookSignature(r, body, secrets); err != nil {
+			t.Errorf("webhook %s: %v", l.EventID, err)
+			http.Error(w, "bad signature", http.StatusUnauthorized)
 			return
 		}
 		mu.Lock()
@@ -299,7 +311,7 @@ func TestNodeRelayToWebhookNacksFailures(t *testing.T) {
 	// With a 2 minute lease, only nacks can bring each event back within
 	// the minute this test waits: a failure left to its lease's expiry
 	// would hold the aggregate for two.
-	relay := startNodeRelay(t, dir, "--server", addr, "--sink", hook.URL, "--lease-ttl", "120")
+	relay := startNodeRelay(t, dir, "--server", addr, "--sink", hook.URL, "--secret-file", secretFile, "--lease-ttl", "120")
 	select {
 	case <-all:
 	case <-relay.done:
@@ -317,5 +329,90 @@ func TestNodeRelayToWebhookNacksFailures(t *testing.T) {
 		if l.Attempt != 2 || attempts[l.EventID] != 2 {
 			t.Errorf("event %s accepted on attempt %d after %d POSTs, want the second of two", l.EventID, l.Attempt, attempts[l.EventID])
 		}
+	}
+}
+
+// webhookSecrets writes n whsec_ secrets to a file, as the Go webhook sink's
+// secret_file holds them, and returns the file and the keys.
+func webhookSecrets(t *testing.T, n int) (file string, keys [][]byte) {
+	t.Helper()
+	var text strings.Builder
+	for range n {
+		k := make([]byte, 32)
+		if _, err := rand.Read(k); err != nil {
+			t.Fatal(err)
+		}
+		keys = append(keys, k)
+		text.WriteString("whsec_" + base64.StdEncoding.EncodeToString(k) + "\n")
+	}
+	file = filepath.Join(t.TempDir(), "webhook-secret")
+	if err := os.WriteFile(file, []byte(text.String()), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return file, keys
+}
+
+// checkWebhookSignature verifies a request as a Standard Webhooks receiver
+// does, and as the Go webhook sink signs: webhook-signature holds "v1,"
+// and the base64 HMAC-SHA256 of "id.timestamp.body" under each key, in
+// order, space-separated; the timestamp is recent.
+func checkWebhookSignature(r *http.Request, body []byte, keys [][]byte) error {
+	id, ts := r.Header.Get("webhook-id"), r.Header.Get("webhook-timestamp")
+	sec, err := strconv.ParseInt(ts, 10, 64)
+	if err != nil || time.Since(time.Unix(sec, 0)).Abs() > 5*time.Minute {
+		return fmt.Errorf("webhook-timestamp %q is not a recent Unix time", ts)
+	}
+	var want []string
+	for _, k := range keys {
+		m := hmac.New(sha256.New, k)
+		m.Write([]byte(id + "." + ts + "."))
+		m.Write(body)
+		want = append(want, "v1,"+base64.StdEncoding.EncodeToString(m.Sum(nil)))
+	}
+	if got := r.Header.Get("webhook-signature"); got != strings.Join(want, " ") {
+		return fmt.Errorf("webhook-signature %q, want %q", got, strings.Join(want, " "))
+	}
+	return nil
+}
+
+// A webhook that refuses an event with a 4xx other than 408 and 429 (here
+// 401) gets it once: the JavaScript relay nacks it as permanent, as the Go
+// sink does, and the aggregate parks at once with the status in its
+// reason, instead of being retried forever.
+func TestNodeRelayParksWebhook4xx(t *testing.T) {
+	t.Parallel()
+	dir := nodeExample(t)
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	addr := freeAddr(t)
+	start(t, "serve", "--database-url", url, "--listen", addr, "--http-listen", "",
+		"--backoff-base", "10ms", "--backoff-cap", "50ms")
+	secretFile, _ := webhookSecrets(t, 1)
+	var posts atomic.Int64
+	hook := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		posts.Add(1)
+		http.Error(w, "who are you", http.StatusUnauthorized)
+	}))
+	t.Cleanup(hook.Close)
+	emitRevisions(t, pool, "sales_order", 1, 1, 1)
+	relay := startNodeRelay(t, dir, "--server", addr, "--sink", hook.URL, "--secret-file", secretFile, "--lease-ttl", "120")
+	var state, reason string
+	for deadline := time.Now().Add(time.Minute); state != "parked"; time.Sleep(20 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("aggregate %s after a minute of 401s (%d POSTs), want parked", state, posts.Load())
+		}
+		if err := pool.QueryRow(t.Context(), `SELECT coalesce((SELECT state FROM outbox.delivery LIMIT 1), 'undiscovered'),
+			coalesce((SELECT error FROM outbox.attempt ORDER BY attempt_id DESC LIMIT 1), '')`).Scan(&state, &reason); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if n := posts.Load(); n != 1 {
+		t.Errorf("%d POSTs of the refused event, want 1", n)
+	}
+	if !strings.Contains(reason, "401") {
+		t.Errorf("parked with %q, want the 401 in the reason", reason)
+	}
+	if code := relay.stop(t); code != 0 {
+		t.Errorf("relay.js exited with %d after SIGTERM", code)
 	}
 }

@@ -114,3 +114,26 @@ func TestServeExitsOnSIGTERMWithStalledRelay(t *testing.T) {
 		t.Errorf("%d leases (1 h TTL) still held after serve exited", held)
 	}
 }
+
+// Ctrl-C (SIGINT) is a requested stop like SIGTERM: `outboxd dev` (what
+// `make dev` runs) and serve exit 0 after their graceful shutdown, so that
+// make and shells report no failure.
+func TestDevAndServeExitZeroOnSIGINT(t *testing.T) {
+	t.Parallel()
+	for _, command := range []string{"dev", "serve"} {
+		t.Run(command, func(t *testing.T) {
+			t.Parallel()
+			url := testdb.New(t)
+			addr := freeAddr(t)
+			p := start(t, command, "--database-url", url, "--listen", addr, "--http-listen", "")
+			subscribeNoRead(t, t.Context(), addr, 10)
+			code, took, ok := p.signalWithin(syscall.SIGINT, time.Minute)
+			if !ok {
+				t.Fatalf("%s had not exited %v after SIGINT", command, took)
+			}
+			if code != 0 {
+				t.Errorf("%s exited %d after SIGINT, want 0", command, code)
+			}
+		})
+	}
+}

@@ -1,11 +1,16 @@
 package main_test
 
 import (
+	"bytes"
 	"context"
+	"encoding/json"
 	"fmt"
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"os"
+	"os/exec"
+	"strings"
 	"sync"
 	"syscall"
 	"testing"
@@ -136,5 +141,58 @@ func TestServeAndRelayExportTraces(t *testing.T) {
 		if server[name] != tracepb.Span_SPAN_KIND_SERVER {
 			t.Errorf("no server span %s exported by serve (got %v)", name, server)
 		}
+	}
+}
+
+// With the console exporter, spans go to standard error: `relay --sink
+// stdout://` keeps standard output for its events, one JSON object per
+// line, which spans interleaved there would corrupt.
+func TestConsoleSpansStayOffTheStdoutSink(t *testing.T) {
+	t.Parallel()
+	ctx := t.Context()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	addr := freeAddr(t)
+	start(t, "serve", "--database-url", url, "--listen", addr, "--http-listen", "")
+	if _, err := pool.Exec(ctx, `SELECT outbox.emit('sales_order', 'o-' || a, 'OrderPaid', '{}') FROM generate_series(1, 3) a`); err != nil {
+		t.Fatal(err)
+	}
+	relayCmd := exec.Command(binary, "relay", "--server", addr, "--sink", "stdout://", "--streams", "sales_order")
+	relayCmd.Env = append(os.Environ(), "OTEL_TRACES_EXPORTER=console", "OTEL_BSP_SCHEDULE_DELAY=50")
+	var stdout, stderr bytes.Buffer
+	relayCmd.Stdout, relayCmd.Stderr = &stdout, &stderr
+	if err := relayCmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	exited := make(chan error, 1)
+	go func() { exited <- relayCmd.Wait() }()
+	t.Cleanup(func() {
+		_ = relayCmd.Process.Kill()
+	})
+	waitPublished(t, pool, 3)
+	// SIGTERM flushes the spans still buffered before the process exits.
+	_ = relayCmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case err := <-exited:
+		if err != nil {
+			t.Fatalf("relay: %v\n%s", err, stderr.String())
+		}
+	case <-time.After(time.Minute):
+		t.Fatal("relay had not exited a minute after SIGTERM")
+	}
+	lines := strings.Split(strings.TrimSpace(stdout.String()), "\n")
+	if len(lines) != 3 {
+		t.Errorf("stdout holds %d lines, want the 3 events:\n%s", len(lines), stdout.String())
+	}
+	for _, line := range lines {
+		var ev struct {
+			EventID string `json:"event_id"`
+		}
+		if err := json.Unmarshal([]byte(line), &ev); err != nil || ev.EventID == "" {
+			t.Errorf("stdout line is not an event: %q", line)
+		}
+	}
+	if !strings.Contains(stderr.String(), `"SpanContext"`) {
+		t.Errorf("no span on stderr:\n%s", stderr.String())
 	}
 }

@@ -8,12 +8,15 @@
 //      per aggregate at a time, so publishing deliveries concurrently never
 //      reorders an aggregate.
 //   2. Publish each event to the sink: stdout (one JSON line) or a webhook
-//      (an HTTP POST).
+//      (an HTTP POST, signed as outboxd's own webhook sink signs: Standard
+//      Webhooks' webhook-id, webhook-timestamp and webhook-signature).
 //   3. Only once the publish succeeded, Ack the event with its lease token
 //      (acks are batched: those that complete while one Ack call is in
 //      flight share the next). The server marks it published and hands out
 //      the aggregate's next revision. On failure, Nack it with the error:
-//      the server retries it with backoff, then parks the aggregate.
+//      the server retries it with backoff, then parks the aggregate. A
+//      failure that retrying cannot mend (a webhook's 4xx other than 408
+//      and 429) is nacked as permanent: the aggregate parks at once.
 //
 // A lease that is neither acked nor nacked within its TTL expires and the
 // event is delivered again, so this relay bounds each publish by half the
@@ -24,13 +27,19 @@
 // Usage:
 //
 //   node relay.js [--server 127.0.0.1:7070] [--sink stdout|https://host/path]
-//                 [--relay-id ID] [--streams a,b] [--max-in-flight 16]
-//                 [--lease-ttl 30]
+//                 [--secret-file FILE] [--relay-id ID] [--streams a,b]
+//                 [--max-in-flight 16] [--lease-ttl 30]
+//
+// A webhook sink needs --secret-file: a file of whsec_... secrets, one a
+// line, the format of the Go sink's secret_file; every one signs each
+// request.
 //
 // OUTBOXD_TOKEN, when set, is sent as the bearer token. Logs go to stderr.
 // SIGTERM or SIGINT: stop taking deliveries, finish the publishes under way,
 // ack them, close the stream and exit 0.
 
+import crypto from 'node:crypto';
+import fs from 'node:fs';
 import os from 'node:os';
 import path from 'node:path';
 import { fileURLToPath } from 'node:url';
@@ -44,6 +53,7 @@ const { values: args } = parseArgs({
   options: {
     server: { type: 'string', default: '127.0.0.1:7070' },
     sink: { type: 'string', default: 'stdout' },
+    'secret-file': { type: 'string', default: '' },
     'relay-id': { type: 'string', default: `node-${os.hostname()}-${process.pid}` },
     streams: { type: 'string', default: '' },
     'max-in-flight': { type: 'string', default: '16' },
@@ -68,7 +78,7 @@ const definition = protoLoader.loadSync('outbox/v1/relay_service.proto', {
 const { RelayService } = grpc.loadPackageDefinition(definition).outbox.v1;
 const client = new RelayService(args.server, grpc.credentials.createInsecure());
 
-const publish = args.sink === 'stdout' ? publishToStdout : webhook(args.sink);
+const publish = args.sink === 'stdout' ? publishToStdout : webhook(args.sink, readSecrets(args['secret-file']));
 
 // --- sinks -----------------------------------------------------------------
 
@@ -96,21 +106,71 @@ function publishToStdout(d) {
   });
 }
 
-// webhook POSTs each event as JSON; any 2xx answer is success. The event id
-// goes in webhook-id so the receiver can deduplicate redeliveries.
-function webhook(url) {
+// readSecrets reads whsec_ secrets, one a line, as outboxd's webhook sink
+// does (relay/sink/webhook.go): base64 after the prefix, at least 24 bytes.
+function readSecrets(file) {
+  if (!file) usage('a webhook sink needs --secret-file (a file holding the whsec_... signing secret)');
+  let text;
+  try {
+    text = fs.readFileSync(file, 'utf8');
+  } catch (err) {
+    usage(`--secret-file ${file}: ${err.message}`);
+  }
+  const keys = [];
+  text.split('\n').forEach((line, i) => {
+    line = line.trim();
+    if (line === '') return;
+    if (!line.startsWith('whsec_')) usage(`--secret-file ${file}: line ${i + 1}: want a secret starting with "whsec_"`);
+    const key = Buffer.from(line.slice('whsec_'.length), 'base64');
+    if (key.length < 24) usage(`--secret-file ${file}: line ${i + 1}: the secret is ${key.length} bytes; want at least 24`);
+    keys.push(key);
+  });
+  if (keys.length === 0) usage(`--secret-file ${file}: no secret in the file`);
+  return keys;
+}
+
+// sign returns the webhook-signature header: "v1," and the base64
+// HMAC-SHA256 of "id.timestamp.body" under each key, space-separated.
+function sign(keys, id, timestamp, body) {
+  return keys
+    .map((k) => 'v1,' + crypto.createHmac('sha256', k).update(`${id}.${timestamp}.${body}`).digest('base64'))
+    .join(' ');
+}
+
+// webhook POSTs each event as JSON, signed; any 2xx answer is success. The
+// event id goes in webhook-id so the receiver can deduplicate redeliveries.
+// 408, 429 and 5xx are retried (after Retry-After when given); any other
+// 4xx is permanent, as in the Go sink: the receiver refused these bytes, so
+// the aggregate parks with the status as its reason instead of being
+// retried forever. Redirects are not followed.
+function webhook(url, keys) {
   if (!/^https?:\/\//.test(url)) usage(`--sink ${url}: want stdout or an http(s) URL`);
   return async (d, signal) => {
+    const body = toJSON(d);
+    const id = d.event.event_id;
+    const timestamp = String(Math.floor(Date.now() / 1000));
     const res = await fetch(url, {
       method: 'POST',
-      headers: { 'content-type': 'application/json', 'webhook-id': d.event.event_id },
-      body: toJSON(d),
+      headers: {
+        'content-type': 'application/json',
+        'user-agent': 'outboxd-relay-node',
+        'webhook-id': id,
+        'webhook-timestamp': timestamp,
+        'webhook-signature': sign(keys, id, timestamp, body),
+      },
+      body,
+      redirect: 'manual',
       signal,
     });
     if (res.ok) return;
-    const body = (await res.text()).slice(0, 200);
-    const err = new Error(`webhook answered ${res.status}: ${body}`);
-    err.retryAfterSeconds = Number(res.headers.get('retry-after')) || 0;
+    const excerpt = (await res.text()).slice(0, 200);
+    const err = new Error(`webhook answered ${res.status}: ${excerpt}`);
+    if (res.status === 408 || res.status === 429 || res.status >= 500) {
+      err.retryAfterSeconds = Number(res.headers.get('retry-after')) || 0;
+    } else if (res.status >= 400) {
+      err.message += ' (refused by the receiver; retrying will not help until it changes)';
+      err.permanent = true;
+    }
     throw err;
   };
 }
@@ -129,7 +189,7 @@ async function handle(d) {
     await publish(d, AbortSignal.timeout(Math.max(1000, seconds(d.lease_ttl_remaining) * 500)));
   } catch (err) {
     log('publish failed; nacking', { event_id: id, attempt: d.attempt, err: err.message });
-    const req = { event_id: id, lease_token: d.lease_token, error: err.message };
+    const req = { event_id: id, lease_token: d.lease_token, error: err.message, permanent: err.permanent === true };
     if (err.retryAfterSeconds > 0) req.retry_after = { seconds: err.retryAfterSeconds, nanos: 0 };
     try {
       await unary('Nack', req);

@@ -771,6 +771,30 @@ func isRetryable(err error) bool {
 	return errors.As(err, &pgErr) && (pgErr.Code == "40P01" || pgErr.Code == "40001")
 }
 
+// KnownStreams returns up to limit stream names that some event has used,
+// in name order: what a refused subscription to an unknown stream lists as
+// the names it might have meant. It skips from one stream to the next along
+// outbox.aggregate's primary key, one index probe per stream, however many
+// aggregates each holds.
+func (s *Store) KnownStreams(ctx context.Context, limit int) ([]string, error) {
+	rows, err := s.pool.Query(ctx, `
+		WITH RECURSIVE known(stream) AS (
+			(SELECT stream FROM outbox.aggregate ORDER BY stream LIMIT 1)
+			UNION ALL
+			SELECT (SELECT a.stream FROM outbox.aggregate a WHERE a.stream > known.stream ORDER BY a.stream LIMIT 1)
+			FROM known WHERE known.stream IS NOT NULL
+		)
+		SELECT stream FROM known WHERE stream IS NOT NULL LIMIT $1`, limit)
+	if err != nil {
+		return nil, fmt.Errorf("store: known streams: %w", err)
+	}
+	names, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return nil, fmt.Errorf("store: known streams: %w", err)
+	}
+	return names, nil
+}
+
 // UnknownStreams returns the names among streams that no event has used.
 func (s *Store) UnknownStreams(ctx context.Context, streams []string) ([]string, error) {
 	rows, err := s.pool.Query(ctx,

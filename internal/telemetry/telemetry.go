@@ -20,6 +20,11 @@
 // headers, TLS, timeout). The SDK reads OTEL_TRACES_SAMPLER(_ARG) and
 // OTEL_BSP_*; the resource takes OTEL_SERVICE_NAME and
 // OTEL_RESOURCE_ATTRIBUTES over the command's default service name.
+//
+// The console exporter writes its spans to standard error, not to standard
+// output as autoexport's does: standard output carries a command's own
+// output, and for `relay --sink stdout://` that is the events, which spans
+// interleaved there would corrupt.
 package telemetry
 
 import (
@@ -33,6 +38,7 @@ import (
 	"go.opentelemetry.io/contrib/exporters/autoexport"
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/exporters/stdout/stdouttrace"
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/sdk/resource"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
@@ -61,7 +67,14 @@ func Setup(ctx context.Context, serviceName string, log *slog.Logger) (shutdown 
 	if !Enabled(os.Getenv) {
 		return func(context.Context) error { return nil }, nil
 	}
-	exp, err := autoexport.NewSpanExporter(ctx)
+	var exp sdktrace.SpanExporter
+	if exporterName() == "console" {
+		// Not autoexport's console exporter, which writes to standard
+		// output (see the package comment).
+		exp, err = stdouttrace.New(stdouttrace.WithWriter(os.Stderr))
+	} else {
+		exp, err = autoexport.NewSpanExporter(ctx)
+	}
 	if err != nil {
 		return nil, fmt.Errorf("opentelemetry: trace exporter from OTEL_TRACES_EXPORTER=%q: %w", os.Getenv("OTEL_TRACES_EXPORTER"), err)
 	}

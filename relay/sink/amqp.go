@@ -39,7 +39,15 @@ type amqpConfig struct {
 	timeout  time.Duration
 	maxBytes int
 	ce       ceConfig
+	// declare (opt in) declares the exchange, durable, at Open; with queue
+	// set, a durable queue too, bound to it by binding.
+	declare        bool
+	queue, binding string
 }
+
+// DefaultAMQPBindingKey binds a declared queue to every message the sink
+// publishes with the default routing key.
+const DefaultAMQPBindingKey = "outbox.#"
 
 func parseAMQPURL(u *url.URL, display string) (*amqpConfig, error) {
 	if u.Opaque != "" || u.Host == "" {
@@ -48,7 +56,7 @@ func parseAMQPURL(u *url.URL, display string) (*amqpConfig, error) {
 	if u.Fragment != "" {
 		return nil, invalid(display, "unexpected fragment")
 	}
-	p, err := params(u, display, append([]string{"exchange", "routing_key", "timeout", "max_bytes"}, ceParams...)...)
+	p, err := params(u, display, append([]string{"exchange", "routing_key", "timeout", "max_bytes", "declare", "queue", "binding_key"}, ceParams...)...)
 	if err != nil {
 		return nil, err
 	}
@@ -87,6 +95,9 @@ func parseAMQPURL(u *url.URL, display string) (*amqpConfig, error) {
 		}
 		cfg.maxBytes = n
 	}
+	if err := parseAMQPDeclare(cfg, p, display); err != nil {
+		return nil, err
+	}
 	server := *u
 	server.RawQuery, server.ForceQuery = "", false
 	if _, err := amqp.ParseURI(server.String()); err != nil {
@@ -94,6 +105,59 @@ func parseAMQPURL(u *url.URL, display string) (*amqpConfig, error) {
 	}
 	cfg.server = server.String()
 	return cfg, nil
+}
+
+// parseAMQPDeclare reads the opt-in declaration: declare=true, and queue=
+// with binding_key=, which only make sense with it.
+func parseAMQPDeclare(cfg *amqpConfig, p map[string]string, display string) error {
+	if v, ok := p["declare"]; ok {
+		var err error
+		if cfg.declare, err = strconv.ParseBool(v); err != nil {
+			return invalid(display, "declare=%q: want true or false", v)
+		}
+	}
+	queue, hasQueue := p["queue"]
+	binding, hasBinding := p["binding_key"]
+	switch {
+	case !cfg.declare && (hasQueue || hasBinding):
+		return invalid(display, "queue= and binding_key= need declare=true")
+	case !cfg.declare:
+		return nil
+	case !cfg.exchange.literal() || cfg.exchange.raw == "":
+		return invalid(display, "declare=true needs a named exchange without placeholders (the default exchange cannot be declared)")
+	case hasQueue && (queue == "" || len(queue) > maxAMQPName || strings.HasPrefix(queue, "amq.")):
+		return invalid(display, "queue=%q: want a name of 1 to %d bytes, not starting with amq. (reserved)", queue, maxAMQPName)
+	case hasBinding && !hasQueue:
+		return invalid(display, "binding_key= needs queue=")
+	case len(binding) > maxAMQPName:
+		return invalid(display, "binding_key: at most %d bytes", maxAMQPName)
+	}
+	cfg.queue = queue
+	cfg.binding = DefaultAMQPBindingKey
+	if hasBinding {
+		cfg.binding = binding
+	}
+	return nil
+}
+
+// declareOn declares the exchange (durable topic) and, when asked, a durable
+// queue bound to it: opt in, so that a first run needs no other tool.
+// Declaring what exists with the same arguments is a no-op; with others,
+// RabbitMQ refuses (PRECONDITION_FAILED), and so does Open.
+func (c *amqpConfig) declareOn(ch *amqp.Channel) error {
+	if err := ch.ExchangeDeclare(c.exchange.raw, "topic", true, false, false, false, nil); err != nil {
+		return fmt.Errorf("declare exchange %q: %w", c.exchange.raw, err)
+	}
+	if c.queue == "" {
+		return nil
+	}
+	if _, err := ch.QueueDeclare(c.queue, true, false, false, false, nil); err != nil {
+		return fmt.Errorf("declare queue %q: %w", c.queue, err)
+	}
+	if err := ch.QueueBind(c.queue, c.binding, c.exchange.raw, false, nil); err != nil {
+		return fmt.Errorf("bind queue %q to exchange %q with %q: %w", c.queue, c.exchange.raw, c.binding, err)
+	}
+	return nil
 }
 
 // amqpSink publishes to RabbitMQ (AMQP 0-9-1) with publisher confirms.
@@ -147,6 +211,13 @@ func openAMQP(ctx context.Context, u *url.URL, display string, opts Options) (re
 		_ = s.Close()
 		return nil, err
 	}
+	if cfg.declare {
+		// A failed declare closes the channel.
+		if err := cfg.declareOn(c.ch); err != nil {
+			_ = s.Close()
+			return nil, fmt.Errorf("amqp sink %q: %w", display, err)
+		}
+	}
 	if cfg.exchange.literal() && cfg.exchange.raw != "" {
 		// A missing exchange would fail every publish: say so now. The
 		// passive declare closes the channel when it fails.
@@ -156,7 +227,7 @@ func openAMQP(ctx context.Context, u *url.URL, display string, opts Options) (re
 		}
 	}
 	s.release(c, true)
-	s.log.Info("amqp sink ready", "exchange", cfg.exchange.raw, "routing_key", cfg.key.raw)
+	s.log.Info("amqp sink ready", "exchange", cfg.exchange.raw, "routing_key", cfg.key.raw, "declared", cfg.declare, "queue", cfg.queue)
 	return s, nil
 }
 

@@ -440,3 +440,58 @@ func TestAMQPPublishTimeout(t *testing.T) {
 	// not failed, which is why the relay retries with the same ID.
 	e.get(t, 2)
 }
+
+// With declare=true and queue=, Open declares a durable exchange and a
+// durable queue bound to it, so a first run needs no other tool: the queue
+// receives what the sink publishes. Without declare, the same URL's missing
+// exchange fails Open.
+func TestAMQPDeclaresExchangeAndQueueWhenAsked(t *testing.T) {
+	t.Parallel()
+	conn, err := amqp.Dial(amqpURL())
+	if err != nil {
+		t.Fatalf("connect to RabbitMQ at %s (or set AMQP_URL): %v", amqpURL(), err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	ch, err := conn.Channel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	suffix := strings.ToLower(rand.Text()[:10])
+	e := &rabbitEnv{ch: ch, exchange: "t.outbox.declared.x." + suffix, queue: "t.outbox.declared.q." + suffix}
+	t.Cleanup(func() {
+		_, _ = ch.QueueDelete(e.queue, false, false, false)
+		_ = ch.ExchangeDelete(e.exchange, false, false)
+	})
+	if _, err := sink.Open(t.Context(), e.url(nil), sink.Options{}); err == nil || !strings.Contains(err.Error(), "NOT_FOUND") {
+		t.Fatalf("Open without declare and no exchange: %v, want the exchange's NOT_FOUND", err)
+	}
+	s := openSink(t, e.url(map[string]string{"declare": "true", "queue": e.queue}))
+	ev := testEvent("6f1c3e2a-8c0e-4b5a-9d7e-2a4b6c8d0e1f")
+	if err := s.Publish(t.Context(), ev); err != nil {
+		t.Fatalf("Publish: %v", err)
+	}
+	if d := e.get(t, 1)[0]; d.MessageId != ev.ID || d.Exchange != e.exchange {
+		t.Errorf("queue got message-id %q from exchange %q, want %q from %q", d.MessageId, d.Exchange, ev.ID, e.exchange)
+	}
+	// Durable both, so they outlive a broker restart: RabbitMQ refuses to
+	// declare them again as not durable (and closes the channel).
+	for what, redeclare := range map[string]func(*amqp.Channel) error{
+		"queue": func(c *amqp.Channel) error {
+			_, err := c.QueueDeclare(e.queue, false, false, false, false, nil)
+			return err
+		},
+		"exchange": func(c *amqp.Channel) error {
+			return c.ExchangeDeclare(e.exchange, "topic", false, false, false, false, nil)
+		},
+	} {
+		c, err := conn.Channel()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := redeclare(c); err == nil || !strings.Contains(err.Error(), "durable") {
+			t.Errorf("the declared %s redeclared as not durable: %v, want PRECONDITION_FAILED for durable", what, err)
+		}
+	}
+	// A second Open declares the same again: a no-op.
+	openSink(t, e.url(map[string]string{"declare": "true", "queue": e.queue}))
+}

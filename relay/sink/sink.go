@@ -35,8 +35,16 @@
 //	exchange     required; exchange template ("exchange=" is the default
 //	             exchange). Same syntax as the NATS subject, but the first
 //	             token may be a placeholder. A literal exchange must exist
-//	             at Open (checked with a passive declare); the sink never
-//	             declares or binds anything
+//	             at Open (checked with a passive declare) unless
+//	             declare=true
+//	declare      true: declare the exchange at Open, a durable topic
+//	             exchange (opt in; default false, the sink then declares
+//	             and binds nothing). Needs a literal, named exchange
+//	queue        with declare=true: also declare this durable queue and
+//	             bind it to the exchange, so that a first run works
+//	             without another tool
+//	binding_key  the queue's binding, default "outbox.#" (every message
+//	             of the default routing key)
 //	routing_key  routing key template, default
 //	             "outbox.{stream}.{aggregate_key}"
 //	timeout      bound on each publish and its confirm (and on Open's

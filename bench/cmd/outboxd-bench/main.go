@@ -59,8 +59,9 @@ outboxd (outbox.emit, the real server, K relays over loopback gRPC), and the
 peers as their users would build an outbox: watermill and watermill-10ms
 (Watermill SQL's PostgreSQL queue adapter at its default 1s poll and at
 10ms) and river (one River job per producer transaction). Workloads: steady,
-latency, drain, hot, producer (the producer's cost alone) and held-xmin
-(steady while a transaction id stays open). Every delivering arm publishes to
+latency, drain, hot, producer (the producer's cost alone), held-xmin
+(steady while a transaction id stays open) and many-relays (outboxd alone:
+--many-relays relays idle on one server, then --many-relays-rate events/s). Every delivering arm publishes to
 a sink that checks order and counts lost and duplicated events; a run in
 which outboxd or the naive poller loses or reorders an event fails. Peers
 promise no per-key order: they report reorders, and losses as defects of
@@ -165,6 +166,8 @@ compare arms of the same run.`,
 	fl.DurationSliceVar(&cfg.SinkLatencies, "sink-latency", nil, "sink publish latencies standing in for a broker round trip; steady runs each, the rest use the first (default 0,1ms,5ms; 0,1ms with --quick)")
 	fl.IntSliceVar(&cfg.DrainSizes, "drain-sizes", nil, "backlogs the drain workload empties (default 10000,100000,1000000; 10000,50000 with --quick)")
 	fl.Float64Var(&cfg.LatencyRate, "latency-rate", 0, "the latency workload's producer rate in events/s (default: half of outboxd's steady rate in the same run), to compare builds at the same load")
+	fl.IntVar(&cfg.ManyRelays, "many-relays", 0, "relays the many-relays workload subscribes, each on its own connection (default 300; 100 with --quick)")
+	fl.Float64Var(&cfg.ManyRelaysRate, "many-relays-rate", 0, "the many-relays workload's producer rate in events/s after its idle window (default 500)")
 	fl.StringVar(&cfg.SinkURL, "sink", "", "publish to a real broker (a relay sink URL such as nats://127.0.0.1:4222) before counting, instead of only the in-process sink")
 	fl.BoolVar(&cfg.Quick, "quick", false, "run the reduced set (about two minutes)")
 	fl.StringVar(&jsonPath, "json", "", "write every figure to this JSON file")
