@@ -905,11 +905,19 @@ BEGIN
         -- 3. Decide, in a statement whose snapshot is newer than the locks:
         --    lease the next event of an idle or new aggregate named for a
         --    session, wake every other idle or gap-held one, leave the rest
-        --    (they have work in hand) alone.
-        WITH agg AS (
+        --    (they have work in hand) alone. An event an ack published
+        --    since step 1 (committing while this round waited for its row)
+        --    is left out: that ack decided what follows it.
+        WITH found AS (
+            SELECT f.event_id, f.stream, f.aggregate_key, f.revision, f.created_at
+            FROM unnest(v_ids, v_streams, v_keys, v_revs, v_created)
+                 AS f(event_id, stream, aggregate_key, revision, created_at)
+            JOIN outbox.event e ON e.event_id = f.event_id
+            WHERE e.published_at IS NULL
+        ), agg AS (
             SELECT f.stream, f.aggregate_key, min(f.revision) AS first_revision,
                    min(f.created_at) AS first_created_at
-            FROM unnest(v_streams, v_keys, v_revs, v_created) AS f(stream, aggregate_key, revision, created_at)
+            FROM found f
             GROUP BY f.stream, f.aggregate_key
         ), cand AS (
             SELECT a.stream, a.aggregate_key, a.first_revision, a.first_created_at,
@@ -984,13 +992,12 @@ BEGIN
             -- locks. Delivery can have moved past one of these events since
             -- step 1 only by publishing it (an ack that committed while
             -- this round waited for the row): that event was delivered, not
-            -- late, so only events still pending now are recorded.
+            -- late, and found holds only events still pending now.
             INSERT INTO outbox.late_event (event_id)
             SELECT f.event_id
-            FROM unnest(v_ids, v_streams, v_keys, v_revs) AS f(event_id, stream, aggregate_key, revision)
+            FROM found f
             JOIN outbox.delivery d ON d.stream = f.stream AND d.aggregate_key = f.aggregate_key
-            JOIN outbox.event e ON e.event_id = f.event_id
-            WHERE f.revision <= d.delivered_revision AND e.published_at IS NULL
+            WHERE f.revision <= d.delivered_revision
             ON CONFLICT (event_id) DO NOTHING
         )
         SELECT count(*) FILTER (WHERE w.state = 'ready'),
