@@ -116,9 +116,9 @@ func TestRestoredIntoAnotherClusterDiscoveryStopsUntilRescan(t *testing.T) {
 	// The restore: the old cluster's discovery state (its xmax ahead of
 	// this counter) and events it had not discovered yet.
 	stored := counter(t, pool) + 3000
-	copyEvent(t, pool, "copied", 1, stored+1000)     // a new aggregate
-	copyEvent(t, pool, "held", 2, stored+1500)       // the next revision of a ready one
-	copyEvent(t, pool, "delivered", 2, stored+1200)  // the next revision of an idle one
+	copyEvent(t, pool, "copied", 1, stored+1000)    // a new aggregate
+	copyEvent(t, pool, "held", 2, stored+1500)      // the next revision of a ready one
+	copyEvent(t, pool, "delivered", 2, stored+1200) // the next revision of an idle one
 	copyEvent(t, pool, "far", 1, stored+10_000_000) // an id this cluster reaches only much later
 	exec(t, pool, fmt.Sprintf(`UPDATE outbox.discovery SET snapshot = '%[1]d:%[1]d:', system_identifier = 42`, stored))
 
