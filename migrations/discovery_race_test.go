@@ -2,6 +2,7 @@ package migrations_test
 
 import (
 	"context"
+	"fmt"
 	"testing"
 	"time"
 
@@ -46,11 +47,17 @@ func openAck(t *testing.T, pool *pgxpool.Pool, ids []uuid.UUID, holder *uuid.UUI
 	return tx, pid
 }
 
-// roundBehind starts a discovery round (outbox.discover) on its own
-// connection and returns once the round waits for backend holder, or has
-// finished without waiting (which the caller's assertions then catch);
-// the channel yields the round's error.
-func roundBehind(t *testing.T, pool *pgxpool.Pool, holder int) <-chan error {
+// discoverRound runs one whole round with no dispatch.
+func discoverRound(ctx context.Context, conn *pgxpool.Conn) error {
+	_, err := conn.Exec(ctx, `SELECT * FROM outbox.discover()`)
+	return err
+}
+
+// roundBehind starts a discovery round (round, by default discoverRound) on
+// its own connection and returns once the round waits for backend holder,
+// or has finished without waiting (which the caller's assertions then
+// catch); the channel yields the round's error.
+func roundBehind(t *testing.T, pool *pgxpool.Pool, holder int, round ...func(context.Context, *pgxpool.Conn) error) <-chan error {
 	t.Helper()
 	ctx := testContext(t)
 	conn, err := pool.Acquire(ctx)
@@ -63,10 +70,13 @@ func roundBehind(t *testing.T, pool *pgxpool.Pool, holder int) <-chan error {
 		t.Fatal(err)
 	}
 	done := make(chan error, 1)
+	run := discoverRound
+	if len(round) > 0 {
+		run = round[0]
+	}
 	go func() {
 		defer conn.Release()
-		_, err := conn.Exec(ctx, `SELECT * FROM outbox.discover()`)
-		done <- err
+		done <- run(ctx, conn)
 	}()
 	for {
 		var blocked bool
@@ -162,6 +172,45 @@ func TestLateEventsLeaveOutEventsAckedDuringTheRound(t *testing.T) {
 	}
 	if n := count(t, pool, `SELECT count(*) FROM outbox.delivery WHERE state = 'idle' AND delivered_revision = 2`); n != 1 {
 		t.Fatal("the aggregate is not idle at revision 2")
+	}
+	if n := strandedEvents(t, pool); n != 0 {
+		t.Fatalf("%d stranded events", n)
+	}
+}
+
+// The same interleaving with dispatch: the round names the aggregate for a
+// session, waits for the ack's row lock, then finds it idle and leases
+// revision 2 to the session. Deciding before the lock (leased: work in
+// hand) would lease nothing and strand revision 2.
+func TestDispatchWaitsForAnAckInItsTransaction(t *testing.T) {
+	t.Parallel()
+	pool := testdb.NewPoolConfig(t, func(c *pgxpool.Config) { c.MaxConns = 6 })
+	emitN(t, pool, "a", 1)
+	discover(t, pool)
+	first := claimAs(t, pool, uuid.New(), "elsewhere")
+
+	ack, ackPID := openAck(t, pool, []uuid.UUID{first.id}, nil)
+	emitN(t, pool, "a", 1)
+	h := uuid.New()
+	var leased map[string]uuid.UUID
+	round := roundBehind(t, pool, ackPID, func(ctx context.Context, conn *pgxpool.Conn) error {
+		// The scan sees the aggregate leased, so it is named for the
+		// session whatever its state (all): the apply decides after the lock.
+		var err error
+		leased, err = dispatchRound(ctx, conn, h, true)
+		return err
+	})
+	if err := ack.Commit(testContext(t)); err != nil {
+		t.Fatal(err)
+	}
+	await(t, round)
+
+	want := eventID(t, pool, "a", 2)
+	if leased["a"] != want {
+		t.Fatalf("the round dispatched %v, want revision 2 of a (%s)", leased, want)
+	}
+	if n := count(t, pool, fmt.Sprintf(`SELECT count(*) FROM outbox.delivery WHERE aggregate_key = 'a' AND state = 'leased' AND holder = '%s'`, h)); n != 1 {
+		t.Fatal("aggregate a is not leased to the session")
 	}
 	if n := strandedEvents(t, pool); n != 0 {
 		t.Fatalf("%d stranded events", n)
