@@ -49,6 +49,7 @@ func (s *Server) discover(ctx context.Context) {
 		found, err := s.discoverRound(ctx)
 		if stopped != "" && err == nil {
 			s.log.Info("discovery resumed")
+			s.metrics.discoveryStop.Set(0)
 			stopped = ""
 		}
 		switch {
@@ -58,6 +59,7 @@ func (s *Server) discover(ctx context.Context) {
 			if rerr != nil {
 				reason = err.Error()
 			}
+			s.metrics.discoveryStop.Set(1)
 			if reason != stopped {
 				s.log.Error("discovery stopped: new events are not delivered until an operator re-scans", "reason", reason)
 				stopped = reason

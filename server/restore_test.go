@@ -7,9 +7,12 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
 	"github.com/outboxd/outboxd/internal/store"
 	"github.com/outboxd/outboxd/internal/testdb"
+	"github.com/outboxd/outboxd/server"
 )
 
 // A database restored into another PostgreSQL cluster stops discovery on a
@@ -23,7 +26,8 @@ func TestRestoredDatabaseStopsDiscoveryUntilRescan(t *testing.T) {
 	defer cancel()
 	url := testdb.New(t)
 	pool := testdb.NewPoolURL(t, url)
-	r := startReplica(t, url, nil)
+	reg := prometheus.NewPedanticRegistry()
+	r := startReplica(t, url, func(c *server.Config) { c.Registerer = reg })
 	stoppedRounds := make(chan struct{}, 1)
 	r.Server.SetAfterDiscover(func(d store.Discovery, err error) (store.Discovery, error) {
 		if errors.Is(err, store.ErrDiscoveryStopped) {
@@ -44,10 +48,16 @@ func TestRestoredDatabaseStopsDiscoveryUntilRescan(t *testing.T) {
 		t.Fatal(err)
 	}
 	during := emit(t, pool, "orders", "during", 2)
-	select {
-	case <-stoppedRounds:
-	case <-ctx.Done():
-		t.Fatal("no discovery round stopped")
+	// Two stopped rounds: the loop has dealt with the first one.
+	for range 2 {
+		select {
+		case <-stoppedRounds:
+		case <-ctx.Done():
+			t.Fatal("no discovery round stopped")
+		}
+	}
+	if got := gatherSum(t, reg, "outboxd_discovery_stopped"); got != 1 {
+		t.Fatalf("outboxd_discovery_stopped = %v, want 1", got)
 	}
 
 	wantStopped := func(what, reason string) {
