@@ -22,6 +22,13 @@ import (
 // open; it returns the transaction and its backend's pid.
 func openAck(t *testing.T, pool *pgxpool.Pool, ids []uuid.UUID, holder *uuid.UUID) (pgx.Tx, int) {
 	t.Helper()
+	return openWindowedAck(t, pool, ids, holder, 0)
+}
+
+// openWindowedAck is openAck for a holder taking a window (and as much
+// credit) of window > 0, which sends the ack down its windowed path.
+func openWindowedAck(t *testing.T, pool *pgxpool.Pool, ids []uuid.UUID, holder *uuid.UUID, window int) (pgx.Tx, int) {
+	t.Helper()
 	ctx := testContext(t)
 	tx, err := pool.Begin(ctx)
 	if err != nil {
@@ -36,9 +43,13 @@ func openAck(t *testing.T, pool *pgxpool.Pool, ids []uuid.UUID, holder *uuid.UUI
 	if holder != nil {
 		holders = []uuid.UUID{*holder}
 	}
+	var windows []int32
+	if window > 0 {
+		windows = []int32{int32(window)}
+	}
 	var published int
-	if err := tx.QueryRow(ctx, `SELECT count(*) FROM outbox.ack($1, 'x', $2, ARRAY[interval '30 seconds'])
-		WHERE status = 'published'`, ids, holders).Scan(&published); err != nil {
+	if err := tx.QueryRow(ctx, `SELECT count(*) FROM outbox.ack($1, 'x', $2, ARRAY[interval '30 seconds'], $3, $3)
+		WHERE status = 'published'`, ids, holders, windows).Scan(&published); err != nil {
 		t.Fatal(err)
 	}
 	if published != len(ids) {
@@ -211,6 +222,37 @@ func TestDispatchWaitsForAnAckInItsTransaction(t *testing.T) {
 	}
 	if n := count(t, pool, fmt.Sprintf(`SELECT count(*) FROM outbox.delivery WHERE aggregate_key = 'a' AND state = 'leased' AND holder = '%s'`, h)); n != 1 {
 		t.Fatal("aggregate a is not leased to the session")
+	}
+	if n := strandedEvents(t, pool); n != 0 {
+		t.Fatalf("%d stranded events", n)
+	}
+}
+
+// The same interleaving through the windowed ack path: the window's last
+// revision acked in an open transaction ends the lease with nothing to
+// follow; the round that finds the next revision waits for it and wakes
+// the aggregate.
+func TestDiscoveryWaitsForAWindowedAckInItsTransaction(t *testing.T) {
+	t.Parallel()
+	pool := testdb.NewPoolConfig(t, func(c *pgxpool.Config) { c.MaxConns = 6 })
+	h := uuid.New()
+	emitN(t, pool, "a", 2)
+	discover(t, pool)
+	ls := claimWindow(t, pool, h, 1, 4, 4)
+	if len(ls) != 2 {
+		t.Fatalf("claimed %v, want revisions 1 and 2 in one window", ls)
+	}
+
+	ack, ackPID := openWindowedAck(t, pool, []uuid.UUID{ls[0].id, ls[1].id}, &h, 4)
+	emitN(t, pool, "a", 1) // revision 3, committed after the ack read the events
+	round := roundBehind(t, pool, ackPID)
+	if err := ack.Commit(testContext(t)); err != nil {
+		t.Fatal(err)
+	}
+	await(t, round)
+
+	if got := claimRevisions(t, pool); got["a"] != 3 {
+		t.Fatalf("claim after the round = %v, want a at revision 3", got)
 	}
 	if n := strandedEvents(t, pool); n != 0 {
 		t.Fatalf("%d stranded events", n)
