@@ -30,7 +30,7 @@ func discover(t *testing.T, pool *pgxpool.Pool) int64 {
 // claimed is what one claim returned, by event revision.
 func claimRevisions(t *testing.T, pool *pgxpool.Pool) map[string]int64 {
 	t.Helper()
-	rows, err := pool.Query(context.Background(),
+	rows, err := pool.Query(testContext(t),
 		`SELECT aggregate_key, revision FROM outbox.claim(gen_random_uuid(), 'r', 'x', NULL, 100, interval '30 seconds')`)
 	if err != nil {
 		t.Fatal(err)
@@ -65,7 +65,7 @@ func strandedEvents(t *testing.T, pool *pgxpool.Pool) int64 {
 // events committed after it started.
 func TestDiscoveryFindsLateCommitsExactlyOnce(t *testing.T) {
 	t.Parallel()
-	ctx := context.Background()
+	ctx := testContext(t)
 	pool := testdb.NewPool(t)
 
 	open, err := pool.Begin(ctx)
@@ -121,7 +121,7 @@ func TestDiscoveryFindsLateCommitsExactlyOnce(t *testing.T) {
 // counter: no delivery row, no lock on anything the server writes.
 func TestProducerWritesNothingTheServerOwns(t *testing.T) {
 	t.Parallel()
-	ctx := context.Background()
+	ctx := testContext(t)
 	pool := testdb.NewPool(t)
 	exec(t, pool, `SELECT outbox.emit('orders', 'o-1', 'T', '{}')`)
 	discover(t, pool)
@@ -166,7 +166,7 @@ func TestSnapshotIsolationProducersRacingAcks(t *testing.T) {
 	for _, level := range []pgx.TxIsoLevel{pgx.RepeatableRead, pgx.Serializable} {
 		t.Run(string(level), func(t *testing.T) {
 			t.Parallel()
-			ctx := context.Background()
+			ctx := testContext(t)
 			pool := testdb.NewPool(t)
 
 			// Rev 1 is leased; the producer's snapshot is taken while it is.
@@ -239,7 +239,7 @@ func TestSnapshotIsolationProducersRacingAcks(t *testing.T) {
 // after their locks.
 func TestDeliveryFunctionsNeedReadCommitted(t *testing.T) {
 	t.Parallel()
-	ctx := context.Background()
+	ctx := testContext(t)
 	pool := testdb.NewPool(t)
 	for _, call := range []string{
 		`SELECT * FROM outbox.discover()`,
@@ -264,7 +264,7 @@ func TestDeliveryFunctionsNeedReadCommitted(t *testing.T) {
 // with other content is refused.
 func TestIdempotentRetryCreatesNoGap(t *testing.T) {
 	t.Parallel()
-	ctx := context.Background()
+	ctx := testContext(t)
 	pool := testdb.NewPoolConfig(t, func(c *pgxpool.Config) { c.MaxConns = 6 })
 	id := uuid.New()
 	ev := client.Event{ID: id, Stream: "orders", AggregateKey: "o-1", Type: "T", Payload: []byte(`{"a":1}`)}
@@ -360,7 +360,7 @@ func waitUntilBlockedBy(t *testing.T, pool *pgxpool.Pool, pid, holder int) {
 	deadline := time.Now().Add(30 * time.Second)
 	for time.Now().Before(deadline) {
 		var blocked bool
-		if err := pool.QueryRow(context.Background(),
+		if err := pool.QueryRow(testContext(t),
 			`SELECT $2::int = ANY (pg_blocking_pids($1))`, pid, holder).Scan(&blocked); err != nil {
 			t.Fatal(err)
 		}
@@ -376,7 +376,7 @@ func waitUntilBlockedBy(t *testing.T, pool *pgxpool.Pool, pid, holder int) {
 // insert, published_at by an UPDATE.
 func TestProducersCannotSetDeliveryColumns(t *testing.T) {
 	t.Parallel()
-	ctx := context.Background()
+	ctx := testContext(t)
 	pool := testdb.NewPool(t)
 	_, err := pool.Exec(ctx, `INSERT INTO outbox.event (stream, aggregate_key, event_type, payload, published_at)
 		VALUES ('orders', 'o-1', 'T', '{}', now())`)
@@ -397,7 +397,7 @@ func TestProducersCannotSetDeliveryColumns(t *testing.T) {
 // counter refuses to go past it with an error, not a wedged aggregate.
 func TestRevisionsAreBounded(t *testing.T) {
 	t.Parallel()
-	ctx := context.Background()
+	ctx := testContext(t)
 	pool := testdb.NewPool(t)
 	const maxRevision = 1<<53 - 1
 	_, err := client.Emit(ctx, pool, client.Event{Stream: "orders", AggregateKey: "o-1", Type: "T", Payload: []byte(`{}`), Revision: maxRevision + 1})
@@ -425,7 +425,7 @@ func TestRevisionsAreBounded(t *testing.T) {
 // delivery message.
 func TestEventSizeIsBounded(t *testing.T) {
 	t.Parallel()
-	ctx := context.Background()
+	ctx := testContext(t)
 	pool := testdb.NewPool(t)
 	big := func(n int) string { return fmt.Sprintf("%0*d", n, 0) }
 	_, err := pool.Exec(ctx, `SELECT outbox.emit('orders', $1, 'T', '{}')`, big(1025))
@@ -448,7 +448,7 @@ func TestEventSizeIsBounded(t *testing.T) {
 // operator's skip clears the first.
 func TestStrandedCountsWhatNoRuleDelivers(t *testing.T) {
 	t.Parallel()
-	ctx := context.Background()
+	ctx := testContext(t)
 	pool := testdb.NewPool(t)
 	exec(t, pool, `SELECT outbox.emit('orders', 'o-1', 'T', '{}', revision => 5)`)
 	if n := strandedEvents(t, pool); n != 0 {
@@ -508,7 +508,7 @@ func TestEventDeliveredTooOftenWithoutAnswerParks(t *testing.T) {
 		t.Fatalf("a fourth delivery happened (%d)", n)
 	}
 	var state, reason string
-	if err := pool.QueryRow(context.Background(), `SELECT state, parked_reason FROM outbox.delivery WHERE aggregate_key = 'poison'`).
+	if err := pool.QueryRow(testContext(t), `SELECT state, parked_reason FROM outbox.delivery WHERE aggregate_key = 'poison'`).
 		Scan(&state, &reason); err != nil {
 		t.Fatal(err)
 	}
@@ -527,7 +527,7 @@ func TestEventDeliveredTooOftenWithoutAnswerParks(t *testing.T) {
 // an aggregate parked that way starts afresh rather than parking again.
 func TestNackedDeliveriesDoNotCountAsUnanswered(t *testing.T) {
 	t.Parallel()
-	ctx := context.Background()
+	ctx := testContext(t)
 	pool := testdb.NewPool(t)
 	exec(t, pool, `SELECT outbox.emit('orders', 'o-1', 'T', '{}')`)
 	discover(t, pool)
@@ -564,7 +564,7 @@ func TestNackedDeliveriesDoNotCountAsUnanswered(t *testing.T) {
 // event was delivered (the cursor check must not refuse the retry).
 func TestRetryOfDeliveredExplicitRevisionIsNoOp(t *testing.T) {
 	t.Parallel()
-	ctx := context.Background()
+	ctx := testContext(t)
 	pool := testdb.NewPool(t)
 	ev := client.Event{ID: uuid.New(), Stream: "orders", AggregateKey: "o-1", Type: "T", Payload: []byte(`{"a":1}`), Revision: 1}
 	first, err := client.Emit(ctx, pool, ev)
@@ -605,7 +605,7 @@ func TestDiscoveryRefusesASnapshotFromAnotherCluster(t *testing.T) {
 	t.Parallel()
 	pool := testdb.NewPool(t)
 	exec(t, pool, `UPDATE outbox.discovery SET snapshot = '900000000000:900000000000:'`)
-	_, err := pool.Exec(context.Background(), `SELECT * FROM outbox.discover()`)
+	_, err := pool.Exec(testContext(t), `SELECT * FROM outbox.discover()`)
 	wantSQLState(t, err, "XX001")
 }
 
@@ -651,7 +651,7 @@ func TestDiscoveryClaimAndAckRace(t *testing.T) {
 // acks), and checks that every event is published, in revision order, with
 // nothing stranded.
 func raceDelivery(t *testing.T, round, worker func(context.Context, *pgxpool.Pool) error) {
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	ctx, cancel := context.WithTimeout(t.Context(), 2*time.Minute)
 	defer cancel()
 	pool := testdb.NewPoolConfig(t, func(c *pgxpool.Config) { c.MaxConns = 12 })
 	const producers, perProducer, aggregates = 4, 150, 8

@@ -19,7 +19,9 @@ import (
 // every aggregate the scan found idle (or, with all, every one found) for
 // session holder, and returns the events leased to it by revision and
 // aggregate key.
-func dispatchRound(ctx context.Context, pool *pgxpool.Pool, holder uuid.UUID, all bool) (map[string]uuid.UUID, error) {
+func dispatchRound(ctx context.Context, pool interface {
+	Begin(context.Context) (pgx.Tx, error)
+}, holder uuid.UUID, all bool) (map[string]uuid.UUID, error) {
 	leased := map[string]uuid.UUID{}
 	err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
 		rows, err := tx.Query(ctx, `SELECT prev_snapshot, snapshot, stream, aggregate_key, idle FROM outbox.discover_scan()`)

@@ -454,7 +454,7 @@ func TestExplicitRevisionsBelowTheCursorAreRefused(t *testing.T) {
 
 func exec(t *testing.T, pool *pgxpool.Pool, sql string) {
 	t.Helper()
-	if _, err := pool.Exec(context.Background(), sql); err != nil {
+	if _, err := pool.Exec(testContext(t), sql); err != nil {
 		t.Fatalf("%s: %v", sql, err)
 	}
 }
@@ -462,7 +462,7 @@ func exec(t *testing.T, pool *pgxpool.Pool, sql string) {
 func count(t *testing.T, pool *pgxpool.Pool, sql string) int64 {
 	t.Helper()
 	var n int64
-	if err := pool.QueryRow(context.Background(), sql).Scan(&n); err != nil {
+	if err := pool.QueryRow(testContext(t), sql).Scan(&n); err != nil {
 		t.Fatalf("%s: %v", sql, err)
 	}
 	return n

@@ -81,7 +81,13 @@ func (a *adminService) GetLag(ctx context.Context, req *outboxv1.GetLagRequest) 
 			}
 		}
 	}
-	return lagProto(lag, req.GetStreams()), nil
+	resp := lagProto(lag, req.GetStreams())
+	// Whatever the caller's streams: a stopped discovery holds back every
+	// stream's new events.
+	if resp.DiscoveryStopped, err = a.s.store.DiscoveryStopped(ctx); err != nil {
+		return nil, a.s.dbError(ctx, "get lag", err)
+	}
+	return resp, nil
 }
 
 // visibleStreams returns, for a caller whose token is limited to some

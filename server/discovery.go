@@ -3,6 +3,7 @@ package server
 import (
 	"bytes"
 	"context"
+	"errors"
 	"slices"
 	"time"
 
@@ -25,10 +26,20 @@ import (
 // find nothing it lengthens the wait by as much up to DiscoveryIdleInterval, which is then
 // the longest an event waits for its first round. An empty round takes no
 // transaction id and writes nothing.
+//
+// A database whose discovery state is not this cluster's (restored from a
+// dump into another cluster, or a transaction counter set back) stops
+// discovery: rounds fail with store.ErrDiscoveryStopped until an operator
+// re-scans (`outboxd rescan`), and resume by themselves after it. The loop
+// records the stop in the database at once (see store.DiscoveryStopped), so
+// that it holds even after the counter passes the stored snapshot, says so
+// once at error level, and tries again every DiscoveryIdleInterval (a
+// second at least).
 func (s *Server) discover(ctx context.Context) {
 	wait := s.cfg.DiscoveryInterval
 	t := time.NewTimer(0)
 	defer t.Stop()
+	stopped := ""
 	for {
 		select {
 		case <-ctx.Done():
@@ -36,7 +47,24 @@ func (s *Server) discover(ctx context.Context) {
 		case <-t.C:
 		}
 		found, err := s.discoverRound(ctx)
+		if stopped != "" && err == nil {
+			s.log.Info("discovery resumed")
+			s.metrics.discoveryStop.Set(0)
+			stopped = ""
+		}
 		switch {
+		case errors.Is(err, store.ErrDiscoveryStopped):
+			s.metrics.discoveryErrors.Inc()
+			reason, rerr := s.store.DiscoveryStopped(ctx)
+			if rerr != nil {
+				reason = err.Error()
+			}
+			s.metrics.discoveryStop.Set(1)
+			if reason != stopped {
+				s.log.Error("discovery stopped: new events are not delivered until an operator re-scans", "reason", reason)
+				stopped = reason
+			}
+			wait = max(time.Second, s.cfg.DiscoveryIdleInterval)
 		case err != nil:
 			if ctx.Err() != nil {
 				return

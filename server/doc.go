@@ -54,6 +54,27 @@
 // them; a round whose answer is lost makes the sessions it lent credit
 // from sweep their orphans, as a lost ack answer does.
 //
+// Transaction ids are the cluster's: S is stored with the cluster's
+// system identifier, and the argument above holds only while every new
+// event gets an id the next round looks at (at or above xmax(S), or in its
+// running list), that is, while the counter stays ahead of S in the same
+// cluster. A database restored from a dump into another cluster (or moved
+// by pg_upgrade, or with its counter set back) breaks that: an event
+// written with an id below xmax(S) would never be found. So discover_scan
+// refuses to run (XX001) when the counter is behind xmax(S) or, in a round
+// that found something, the cluster is not S's; the first to notice (the
+// replica whose round failed, a readiness check) records the stop in
+// outbox.discovery, so it holds after the counter passes xmax(S), when the
+// ids would look plausible again. Readiness and GetLag say so.
+// outbox.rescan_discovery (`outboxd rescan`) restores the argument: in one
+// snapshot N it reads every pending event and re-stamps as frozen (xid 2)
+// every event row visible in N whose id is not (a row of this cluster
+// visible in N committed before N, so only a copied row can be such), then
+// locks the found aggregates' delivery rows, creates or wakes them as a
+// round does in a newer statement, and stores N with this cluster's
+// identity. Every event visible in N is then known to delivery, and every
+// event not visible in N has an id of this cluster that rounds from N find.
+//
 // # States of an aggregate (outbox.delivery.state)
 //
 //	(none) or idle ──(discovery finds an event)──▶ ready ──claim──▶ leased
@@ -207,7 +228,11 @@
 //     whose snapshot is newer than its lock on the delivery row. A discovery
 //     round locks the rows it wakes; one that locked the row first had its
 //     events committed before that snapshot, so they are seen; one that comes
-//     after finds the row idle and wakes it. Hand-over changes only what the
+//     after finds the row idle and wakes it. Such a round decides only on
+//     events still pending after its locks: one the ack published
+//     meanwhile is the ack's to follow up, so it neither wakes the row nor
+//     counts as late (outbox.late_event holds only pending events found at
+//     or below the cursor, which no rule delivers). Hand-over changes only what the
 //     ack does when it does find the next event: it leases it rather than
 //     making the row ready, decided in that same statement, so the argument
 //     is unchanged. Dispatch changes only what a round does with an idle

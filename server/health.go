@@ -6,15 +6,18 @@ import (
 	"time"
 )
 
-// Readiness is the replica's ability to serve: the database answers and its
-// schema is the one this binary expects.
+// Readiness is the replica's ability to serve: the database answers, its
+// schema is the one this binary expects, and discovery can run on it.
 type Readiness struct {
 	Ready  bool
 	Reason string // why not, for logs and /readyz
 }
 
-// CheckReadiness pings the database and compares its applied migrations with
-// the embedded ones.
+// CheckReadiness pings the database, compares its applied migrations with
+// the embedded ones, and asks whether discovery is stopped (a database
+// restored into another cluster: new events would not be delivered until
+// an operator re-scans; the check records the stop, see
+// store.DiscoveryStopped).
 func (s *Server) CheckReadiness(ctx context.Context) Readiness {
 	ctx, cancel := context.WithTimeout(ctx, 3*time.Second)
 	defer cancel()
@@ -24,6 +27,13 @@ func (s *Server) CheckReadiness(ctx context.Context) Readiness {
 		return Readiness{Reason: err.Error()}
 	case n > 0:
 		return Readiness{Reason: fmt.Sprintf("%d schema migration(s) pending; run `outboxd migrate`", n)}
+	}
+	stopped, err := s.store.DiscoveryStopped(ctx)
+	switch {
+	case err != nil:
+		return Readiness{Reason: err.Error()}
+	case stopped != "":
+		return Readiness{Reason: "discovery stopped: " + stopped}
 	}
 	return Readiness{Ready: true}
 }
@@ -41,7 +51,7 @@ func (s *Server) WatchReadiness(ctx context.Context, interval time.Duration, rep
 		}
 		if last == nil || last.Ready != r.Ready {
 			if r.Ready {
-				s.log.Info("ready: database reachable and schema current")
+				s.log.Info("ready: database reachable, schema current, discovery running")
 			} else {
 				s.log.Warn("not ready", "reason", r.Reason)
 			}

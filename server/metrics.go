@@ -17,6 +17,7 @@ type metrics struct {
 	redeliveries    prometheus.Counter
 	discovered      prometheus.Counter
 	discoveryErrors prometheus.Counter
+	discoveryStop   prometheus.Gauge
 	acks            *prometheus.CounterVec
 	nacks           *prometheus.CounterVec
 	leasesExpired   prometheus.Counter
@@ -46,6 +47,10 @@ func newMetrics() *metrics {
 		discoveryErrors: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "outboxd_discovery_errors_total",
 			Help: "Discovery rounds of this replica that failed (retried; new events wait meanwhile).",
+		}),
+		discoveryStop: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "outboxd_discovery_stopped",
+			Help: "1 while this replica finds discovery stopped (the database moved to another PostgreSQL cluster or its transaction counter was set back; new events wait for `outboxd rescan`), else 0.",
 		}),
 		acks: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "outboxd_acks_total",
@@ -93,7 +98,7 @@ func newMetrics() *metrics {
 }
 
 func (m *metrics) collectors() []prometheus.Collector {
-	return []prometheus.Collector{m.deliveries, m.redeliveries, m.discovered, m.discoveryErrors, m.acks, m.nacks, m.leasesExpired,
+	return []prometheus.Collector{m.deliveries, m.redeliveries, m.discovered, m.discoveryErrors, m.discoveryStop, m.acks, m.nacks, m.leasesExpired,
 		m.purged, m.panics, m.ackDuration, m.publishLag, m.sessions, m.handOvers, m.dispatched}
 }
 

@@ -33,7 +33,9 @@ is offered because their aggregate is backing off, parked or held at a gap
 next event keep expiring or failing with no progress), STRANDED events (no
 rule will deliver them), IDLE RELAYS (connected, holding nothing, while the
 stream's ready work waits), and events delivered per second over the last
-minute; then the number of connected relays.
+minute; then the number of connected relays, and DISCOVERY STOPPED with the
+reason and the fix if new events are not being found (a database restored
+into another PostgreSQL cluster: run outboxd rescan).
 
 --watch redraws every --interval until interrupted (Ctrl-C exits 0); --timeout
 then bounds each refresh. With --json every refresh is one line.
@@ -153,8 +155,14 @@ func printLag(w io.Writer, resp *outboxv1.GetLagResponse) error {
 	if err := tw.Flush(); err != nil {
 		return err
 	}
-	_, err := fmt.Fprintf(w, "\nconnected relays: %d\n", resp.GetConnectedRelays())
-	return err
+	if _, err := fmt.Fprintf(w, "\nconnected relays: %d\n", resp.GetConnectedRelays()); err != nil {
+		return err
+	}
+	if stopped := resp.GetDiscoveryStopped(); stopped != "" {
+		_, err := fmt.Fprintf(w, "\nDISCOVERY STOPPED: %s\n", stopped)
+		return err
+	}
+	return nil
 }
 
 func fmtRate(r float64) string {

@@ -35,7 +35,7 @@ func rootCommand() *cobra.Command {
 		"PostgreSQL URL (default: $DATABASE_URL, else "+devdb.LocalURL+")")
 	root.PersistentFlags().StringVar(&g.logFormat, "log-format", "text", "log format: text or json")
 	root.PersistentFlags().StringVar(&g.logLevel, "log-level", "info", "log level: debug, info, warn, error")
-	root.AddCommand(serveCommand(&g), devCommand(&g), relayCommand(&g), migrateCommand(&g),
+	root.AddCommand(serveCommand(&g), devCommand(&g), relayCommand(&g), migrateCommand(&g), rescanCommand(&g),
 		lagCommand(), relaysCommand(), aggregateCommand(), eventsCommand(),
 		retryCommand(), skipCommand(), purgeCommand(), benchCommand(),
 		aggregatesCommand(), attemptsCommand(), bulkRetryCommand(), bulkSkipCommand(), republishCommand())

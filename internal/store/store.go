@@ -106,7 +106,9 @@ type DispatchedLease struct {
 //
 // When Discover returns an error the round may still have committed (its
 // answer lost): leases it dispatched are then held by sessions that never
-// hear of them, and the caller must have those sessions sweep.
+// hear of them, and the caller must have those sessions sweep. It returns
+// ErrDiscoveryStopped when the database's discovery state is not this
+// cluster's (see DiscoveryStopped).
 func (s *Store) Discover(ctx context.Context, replicaID string, choose func([]FoundAggregate) []Dispatch) (Discovery, error) {
 	var d Discovery
 	conn, err := s.pool.Acquire(ctx)
@@ -155,7 +157,7 @@ func (s *Store) Discover(ctx context.Context, replicaID string, choose func([]Fo
 		return br.Close()
 	}()
 	if err != nil {
-		return d, fmt.Errorf("store: discover: %w", err)
+		return d, discoverError(err)
 	}
 	if d.Events == 0 {
 		// Nothing found (or another replica's turn): nothing written.

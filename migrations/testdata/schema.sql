@@ -628,6 +628,17 @@ END
 $$;
 
 --
+-- Name: cluster_system_identifier(); Type: FUNCTION; Schema: outbox; Owner: -
+--
+
+CREATE FUNCTION outbox.cluster_system_identifier() RETURNS bigint
+    LANGUAGE sql STABLE SECURITY DEFINER
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+    SELECT system_identifier FROM pg_control_system()
+$$;
+
+--
 -- Name: discover(); Type: FUNCTION; Schema: outbox; Owner: -
 --
 
@@ -716,11 +727,19 @@ BEGIN
         -- 3. Decide, in a statement whose snapshot is newer than the locks:
         --    lease the next event of an idle or new aggregate named for a
         --    session, wake every other idle or gap-held one, leave the rest
-        --    (they have work in hand) alone.
-        WITH agg AS (
+        --    (they have work in hand) alone. An event an ack published
+        --    since step 1 (committing while this round waited for its row)
+        --    is left out: that ack decided what follows it.
+        WITH found AS (
+            SELECT f.event_id, f.stream, f.aggregate_key, f.revision, f.created_at
+            FROM unnest(v_ids, v_streams, v_keys, v_revs, v_created)
+                 AS f(event_id, stream, aggregate_key, revision, created_at)
+            JOIN outbox.event e ON e.event_id = f.event_id
+            WHERE e.published_at IS NULL
+        ), agg AS (
             SELECT f.stream, f.aggregate_key, min(f.revision) AS first_revision,
                    min(f.created_at) AS first_created_at
-            FROM unnest(v_streams, v_keys, v_revs, v_created) AS f(stream, aggregate_key, revision, created_at)
+            FROM found f
             GROUP BY f.stream, f.aggregate_key
         ), cand AS (
             SELECT a.stream, a.aggregate_key, a.first_revision, a.first_created_at,
@@ -791,13 +810,14 @@ BEGIN
         ), written AS (
             SELECT * FROM created UNION ALL SELECT * FROM updated
         ), late AS (
-            -- Against the cursor as this statement sees it: delivery can
-            -- only have moved past one of these events since by publishing
-            -- it, and published events are not counted where late events
-            -- are.
+            -- Against the cursor as this statement sees it, after the
+            -- locks. Delivery can have moved past one of these events since
+            -- step 1 only by publishing it (an ack that committed while
+            -- this round waited for the row): that event was delivered, not
+            -- late, and found holds only events still pending now.
             INSERT INTO outbox.late_event (event_id)
             SELECT f.event_id
-            FROM unnest(v_ids, v_streams, v_keys, v_revs) AS f(event_id, stream, aggregate_key, revision)
+            FROM found f
             JOIN outbox.delivery d ON d.stream = f.stream AND d.aggregate_key = f.aggregate_key
             WHERE f.revision <= d.delivered_revision
             ON CONFLICT (event_id) DO NOTHING
@@ -837,6 +857,8 @@ CREATE FUNCTION outbox.discover_scan() RETURNS TABLE(prev_snapshot text, snapsho
 DECLARE
     v_prev pg_snapshot;
     v_xmax xid8;
+    v_system bigint;
+    v_stopped text;
 BEGIN
     PERFORM outbox.require_read_committed('outbox.discover_scan');
     IF NOT pg_try_advisory_xact_lock(7954802400917419382) THEN -- 'outboxd.discover'
@@ -844,17 +866,22 @@ BEGIN
     END IF;
     -- Read after taking the lock (a fresh snapshot in READ COMMITTED), so it
     -- is the latest round's.
-    SELECT d.snapshot INTO v_prev FROM outbox.discovery d;
+    SELECT d.snapshot, d.system_identifier, d.stopped_reason INTO v_prev, v_system, v_stopped
+    FROM outbox.discovery d;
     v_xmax := pg_snapshot_xmax(v_prev);
-    IF v_xmax > pg_snapshot_xmax(pg_current_snapshot()) THEN
-        -- Transaction ids are only meaningful within one cluster: this
-        -- database was copied from another (logical replication, a dump
-        -- restored with triggers off). Finding events by them would miss
-        -- every new one, so stop loudly instead.
-        RAISE EXCEPTION 'outbox: outbox.discovery is at transaction % but this cluster is only at %',
-                v_xmax, pg_snapshot_xmax(pg_current_snapshot())
+    -- Transaction ids are only meaningful within one cluster and while its
+    -- counter moves forward. A round must not run on ids that are not this
+    -- cluster's: an event written with an id below the stored xmax would be
+    -- missed for good. So stop loudly, and stay stopped (the reason is
+    -- recorded by outbox.discovery_stopped(), which the server calls on
+    -- this error) until an operator re-scans.
+    IF v_stopped IS NULL AND v_xmax > pg_snapshot_xmax(pg_current_snapshot()) THEN
+        v_stopped := outbox.discovery_stop_reason(v_prev, v_system);
+    END IF;
+    IF v_stopped IS NOT NULL THEN
+        RAISE EXCEPTION 'outbox: discovery is stopped: %', v_stopped
             USING ERRCODE = 'data_corrupted',
-                  HINT = 'The database was copied from another cluster; outboxd supports pg_upgrade and physical replicas, not logical copies.';
+                  HINT = 'Run `outboxd rescan` (SELECT * FROM outbox.rescan_discovery()) once; discovery resumes after it.';
     END IF;
     -- The new events are always a sliver of the table, read through the
     -- xid index (the function's SET clauses keep the planner from guessing
@@ -863,6 +890,19 @@ BEGIN
     -- without planning the statement below.
     IF NOT EXISTS (SELECT 1 FROM outbox.events_since(v_prev)) THEN
         RETURN;
+    END IF;
+    -- A round that found something checks the cluster too before it
+    -- writes (an empty round writes nothing, so it need not). Reading
+    -- pg_control takes tens of microseconds, so the answer is kept for
+    -- the connection's life (a backend never changes cluster), in a
+    -- setting made by the first round that commits.
+    IF coalesce(current_setting('outbox.system_identifier', true), '') = '' THEN
+        PERFORM set_config('outbox.system_identifier', outbox.cluster_system_identifier()::text, false);
+    END IF;
+    IF current_setting('outbox.system_identifier')::bigint IS DISTINCT FROM v_system THEN
+        RAISE EXCEPTION 'outbox: discovery is stopped: %', outbox.discovery_stop_reason(v_prev, v_system)
+            USING ERRCODE = 'data_corrupted',
+                  HINT = 'Run `outboxd rescan` (SELECT * FROM outbox.rescan_discovery()) once; discovery resumes after it.';
     END IF;
     -- One row per aggregate with a pending event found, oldest first; one
     -- row with a NULL stream when every event found is already published
@@ -887,6 +927,66 @@ BEGIN
     LEFT JOIN outbox.delivery d ON d.stream = a.stream AND d.aggregate_key = a.aggregate_key
     WHERE h.events > 0
     ORDER BY a.first_created_at;
+END
+$$;
+
+--
+-- Name: discovery_stop_reason(pg_snapshot, bigint); Type: FUNCTION; Schema: outbox; Owner: -
+--
+
+CREATE FUNCTION outbox.discovery_stop_reason(p_snapshot pg_snapshot, p_system bigint) RETURNS text
+    LANGUAGE plpgsql STABLE
+    AS $$
+DECLARE
+    v_system bigint := outbox.cluster_system_identifier();
+    v_counter xid8 := pg_snapshot_xmax(pg_current_snapshot());
+BEGIN
+    IF p_system IS DISTINCT FROM v_system THEN
+        RETURN format('the database moved to another PostgreSQL cluster (restored from a dump, copied, or upgraded '
+                      'with pg_upgrade: discovery state from system identifier %s, this cluster is %s), so the '
+                      'transaction ids events are found by may not be this cluster''s', p_system, v_system);
+    END IF;
+    IF pg_snapshot_xmax(p_snapshot) > v_counter THEN
+        RETURN format('this cluster''s transaction counter (%s) is behind discovery''s stored snapshot (xmax %s): '
+                      'it was set back (pg_resetwal) or the database was copied from another cluster',
+                      v_counter, pg_snapshot_xmax(p_snapshot));
+    END IF;
+    RETURN NULL;
+END
+$$;
+
+--
+-- Name: discovery_stopped(); Type: FUNCTION; Schema: outbox; Owner: -
+--
+
+CREATE FUNCTION outbox.discovery_stopped() RETURNS text
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+    v_prev pg_snapshot;
+    v_system bigint;
+    v_stopped text;
+BEGIN
+    SELECT d.snapshot, d.system_identifier, d.stopped_reason INTO v_prev, v_system, v_stopped
+    FROM outbox.discovery d;
+    IF v_stopped IS NULL THEN
+        -- After reading the row: the counter read here is never older
+        -- than the snapshot stored there.
+        v_stopped := outbox.discovery_stop_reason(v_prev, v_system);
+        IF v_stopped IS NOT NULL AND pg_try_advisory_xact_lock(7954802400917419382) THEN
+            UPDATE outbox.discovery d SET stopped_reason = v_stopped, stopped_at = now()
+            WHERE d.stopped_reason IS NULL
+            RETURNING d.stopped_reason INTO v_stopped;
+            IF NOT FOUND THEN
+                SELECT d.stopped_reason INTO v_stopped FROM outbox.discovery d;
+            END IF;
+        END IF;
+    END IF;
+    IF v_stopped IS NULL THEN
+        RETURN NULL;
+    END IF;
+    RETURN v_stopped || '; new events are not being found. Run `outboxd rescan` '
+           '(SELECT * FROM outbox.rescan_discovery()) once to find every pending event and resume discovery';
 END
 $$;
 
@@ -1119,6 +1219,15 @@ CREATE FUNCTION outbox.event_immutable() RETURNS trigger
     LANGUAGE plpgsql
     AS $$
 BEGIN
+    -- outbox.rescan_discovery() re-stamps the xid of events copied from
+    -- another cluster as frozen (2), and changes nothing else.
+    IF current_setting('outbox.rescanning', true) IS NOT DISTINCT FROM 'on' AND NEW.xid = '2'::xid8
+       AND (NEW.event_id, NEW.stream, NEW.aggregate_key, NEW.revision, NEW.event_type, NEW.payload,
+            NEW.headers, NEW.created_at)
+           IS NOT DISTINCT FROM (OLD.event_id, OLD.stream, OLD.aggregate_key, OLD.revision, OLD.event_type,
+                                 OLD.payload, OLD.headers, OLD.created_at) THEN
+        RETURN NEW;
+    END IF;
     RAISE EXCEPTION 'outbox: event % is immutable; only published_at may change', OLD.event_id
         USING ERRCODE = 'object_not_in_prerequisite_state',
               HINT = 'Emit a new event instead of editing a committed one.';
@@ -1485,6 +1594,116 @@ END
 $$;
 
 --
+-- Name: rescan_discovery(); Type: FUNCTION; Schema: outbox; Owner: -
+--
+
+CREATE FUNCTION outbox.rescan_discovery() RETURNS TABLE(events bigint, aggregates bigint, restamped bigint)
+    LANGUAGE plpgsql
+    SET jit TO 'off'
+    AS $$
+#variable_conflict use_column
+DECLARE
+    v_snapshot pg_snapshot;
+    v_restamped bigint;
+    v_ids uuid[];
+    v_streams text[];
+    v_keys text[];
+    v_revs bigint[];
+    v_created timestamptz[];
+    v_woken bigint := 0;
+BEGIN
+    PERFORM outbox.require_read_committed('outbox.rescan_discovery');
+    PERFORM pg_advisory_xact_lock(7954802400917419382); -- 'outboxd.discover': rounds take turns with it
+    PERFORM set_config('outbox.rescanning', 'on', true);
+
+    -- 1. In one snapshot N: re-stamp the copied ids, and read every pending
+    --    event.
+    WITH snap AS MATERIALIZED (
+        SELECT pg_current_snapshot() AS s
+    ), restamp AS (
+        UPDATE outbox.event e SET xid = '2'::xid8
+        FROM snap
+        WHERE e.xid >= pg_snapshot_xmax(snap.s) OR e.xid = ANY (ARRAY(SELECT pg_snapshot_xip(snap.s)))
+        RETURNING 1
+    ), pending AS (
+        SELECT e.event_id, e.stream, e.aggregate_key, e.revision, e.created_at
+        FROM outbox.event e
+        WHERE e.published_at IS NULL
+          AND NOT EXISTS (SELECT 1 FROM outbox.skipped_event s WHERE s.event_id = e.event_id)
+    )
+    SELECT (SELECT s FROM snap), (SELECT count(*) FROM restamp),
+           array_agg(p.event_id), array_agg(p.stream), array_agg(p.aggregate_key),
+           array_agg(p.revision), array_agg(p.created_at)
+    INTO v_snapshot, v_restamped, v_ids, v_streams, v_keys, v_revs, v_created
+    FROM pending p;
+
+    IF v_ids IS NOT NULL THEN
+        -- 2. Lock the found aggregates' delivery rows, in key order.
+        PERFORM 1 FROM outbox.delivery d
+        WHERE (d.stream, d.aggregate_key) IN (SELECT * FROM unnest(v_streams, v_keys))
+        ORDER BY d.stream, d.aggregate_key
+        FOR UPDATE OF d;
+
+        -- 3. Decide in a newer statement: events published meanwhile are
+        --    left out; a new aggregate gets a ready delivery row from its
+        --    oldest pending revision; an idle or gap-held one with a
+        --    pending revision past its cursor is woken; the rest have work
+        --    in hand. Pending events at or below the cursor are late.
+        WITH found AS (
+            SELECT f.event_id, f.stream, f.aggregate_key, f.revision, f.created_at
+            FROM unnest(v_ids, v_streams, v_keys, v_revs, v_created)
+                 AS f(event_id, stream, aggregate_key, revision, created_at)
+            JOIN outbox.event e ON e.event_id = f.event_id
+            WHERE e.published_at IS NULL
+              AND NOT EXISTS (SELECT 1 FROM outbox.skipped_event s WHERE s.event_id = f.event_id)
+        ), fresh AS (
+            SELECT f.stream, f.aggregate_key, min(f.revision) AS first_revision, min(f.created_at) AS first_created_at
+            FROM found f
+            WHERE NOT EXISTS (SELECT 1 FROM outbox.delivery d WHERE d.stream = f.stream AND d.aggregate_key = f.aggregate_key)
+            GROUP BY f.stream, f.aggregate_key
+        ), created AS (
+            INSERT INTO outbox.delivery AS d (stream, aggregate_key, state, delivered_revision, claimable_at, pending_since)
+            SELECT x.stream, x.aggregate_key, 'ready', x.first_revision - 1, x.first_created_at, x.first_created_at
+            FROM fresh x
+            ORDER BY x.stream, x.aggregate_key
+            ON CONFLICT (stream, aggregate_key) DO NOTHING
+            RETURNING 1
+        ), ahead AS (
+            SELECT f.stream, f.aggregate_key, min(f.created_at) AS first_created_at
+            FROM found f
+            JOIN outbox.delivery d ON d.stream = f.stream AND d.aggregate_key = f.aggregate_key
+            WHERE f.revision > d.delivered_revision AND d.state IN ('idle', 'gap')
+            GROUP BY f.stream, f.aggregate_key
+        ), woken AS (
+            UPDATE outbox.delivery d
+            SET state = 'ready', claimable_at = x.first_created_at,
+                pending_since = least(d.pending_since, x.first_created_at),
+                next_attempt_at = NULL, gap_revision = NULL
+            FROM ahead x
+            WHERE d.stream = x.stream AND d.aggregate_key = x.aggregate_key
+            RETURNING 1
+        ), late AS (
+            INSERT INTO outbox.late_event (event_id)
+            SELECT f.event_id
+            FROM found f
+            JOIN outbox.delivery d ON d.stream = f.stream AND d.aggregate_key = f.aggregate_key
+            WHERE f.revision <= d.delivered_revision
+            ON CONFLICT (event_id) DO NOTHING
+        )
+        SELECT (SELECT count(*) FROM created) + (SELECT count(*) FROM woken) INTO v_woken;
+    END IF;
+
+    UPDATE outbox.discovery d
+    SET snapshot = v_snapshot, advanced_at = now(), system_identifier = outbox.cluster_system_identifier(),
+        stopped_reason = NULL, stopped_at = NULL;
+    IF v_woken > 0 THEN
+        PERFORM pg_notify('outbox_wakeup', '');
+    END IF;
+    RETURN QUERY SELECT coalesce(cardinality(v_ids), 0)::bigint, v_woken, v_restamped;
+END
+$$;
+
+--
 -- Name: stall_reason(text, integer, integer, text); Type: FUNCTION; Schema: outbox; Owner: -
 --
 
@@ -1702,6 +1921,10 @@ CREATE TABLE outbox.discovery (
     singleton boolean DEFAULT true NOT NULL,
     snapshot pg_snapshot NOT NULL,
     advanced_at timestamp with time zone NOT NULL,
+    system_identifier bigint DEFAULT outbox.cluster_system_identifier() NOT NULL,
+    stopped_reason text,
+    stopped_at timestamp with time zone,
+    CONSTRAINT discovery_check CHECK (((stopped_reason IS NULL) = (stopped_at IS NULL))),
     CONSTRAINT discovery_singleton_check CHECK (singleton)
 );
 

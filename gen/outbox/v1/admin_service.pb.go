@@ -267,8 +267,15 @@ type GetLagResponse struct {
 	Total *StreamLag `protobuf:"bytes,2,opt,name=total,proto3" json:"total,omitempty"`
 	// connected_relays counts open Subscribe streams across all replicas.
 	ConnectedRelays uint32 `protobuf:"varint,3,opt,name=connected_relays,json=connectedRelays,proto3" json:"connected_relays,omitempty"`
-	unknownFields   protoimpl.UnknownFields
-	sizeCache       protoimpl.SizeCache
+	// discovery_stopped is empty while discovery runs. Otherwise it says why
+	// discovery is stopped and what to do: the database's discovery state is
+	// not this PostgreSQL cluster's (restored from a dump into another
+	// cluster, or a transaction counter set back), so newly committed events
+	// are not found (and not counted above) until an operator runs
+	// `outboxd rescan`.
+	DiscoveryStopped string `protobuf:"bytes,4,opt,name=discovery_stopped,json=discoveryStopped,proto3" json:"discovery_stopped,omitempty"`
+	unknownFields    protoimpl.UnknownFields
+	sizeCache        protoimpl.SizeCache
 }
 
 func (x *GetLagResponse) Reset() {
@@ -320,6 +327,13 @@ func (x *GetLagResponse) GetConnectedRelays() uint32 {
 		return x.ConnectedRelays
 	}
 	return 0
+}
+
+func (x *GetLagResponse) GetDiscoveryStopped() string {
+	if x != nil {
+		return x.DiscoveryStopped
+	}
+	return ""
 }
 
 // StreamLag is the delivery backlog of one stream.
@@ -2699,11 +2713,12 @@ const file_outbox_v1_admin_service_proto_rawDesc = "" +
 	"\n" +
 	"\x1doutbox/v1/admin_service.proto\x12\toutbox.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x15outbox/v1/event.proto\")\n" +
 	"\rGetLagRequest\x12\x18\n" +
-	"\astreams\x18\x01 \x03(\tR\astreams\"\x97\x01\n" +
+	"\astreams\x18\x01 \x03(\tR\astreams\"\xc4\x01\n" +
 	"\x0eGetLagResponse\x12.\n" +
 	"\astreams\x18\x01 \x03(\v2\x14.outbox.v1.StreamLagR\astreams\x12*\n" +
 	"\x05total\x18\x02 \x01(\v2\x14.outbox.v1.StreamLagR\x05total\x12)\n" +
-	"\x10connected_relays\x18\x03 \x01(\rR\x0fconnectedRelays\"\x9d\x06\n" +
+	"\x10connected_relays\x18\x03 \x01(\rR\x0fconnectedRelays\x12+\n" +
+	"\x11discovery_stopped\x18\x04 \x01(\tR\x10discoveryStopped\"\x9d\x06\n" +
 	"\tStreamLag\x12\x16\n" +
 	"\x06stream\x18\x01 \x01(\tR\x06stream\x12%\n" +
 	"\x0epending_events\x18\x02 \x01(\x03R\rpendingEvents\x12-\n" +

@@ -1,0 +1,63 @@
+package store
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+// ErrDiscoveryStopped means discovery cannot run on this database: its
+// stored snapshot's transaction ids are not this cluster's (the database
+// was restored or copied into another cluster) or the cluster's counter is
+// behind it. It stays so until RescanDiscovery runs. The wrapping error
+// says why.
+var ErrDiscoveryStopped = errors.New("store: discovery is stopped")
+
+// discoverError maps the SQLSTATE outbox.discover_scan stops with (XX001,
+// data_corrupted) to ErrDiscoveryStopped.
+func discoverError(err error) error {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && pgErr.Code == "XX001" {
+		return fmt.Errorf("%w: %s", ErrDiscoveryStopped, pgErr.Message)
+	}
+	return fmt.Errorf("store: discover: %w", err)
+}
+
+// DiscoveryStopped returns why discovery is stopped and what to do, or ""
+// while it runs (outbox.discovery_stopped). The first caller to notice a
+// reason records it, so that discovery stays stopped until a re-scan even
+// once the cluster's transaction counter passes the stored snapshot.
+func (s *Store) DiscoveryStopped(ctx context.Context) (string, error) {
+	var reason *string
+	if err := s.pool.QueryRow(ctx, `SELECT outbox.discovery_stopped()`).Scan(&reason); err != nil {
+		return "", fmt.Errorf("store: discovery stopped: %w", err)
+	}
+	if reason == nil {
+		return "", nil
+	}
+	return *reason, nil
+}
+
+// Rescan is what a re-scan of discovery state found and did.
+type Rescan struct {
+	// Events is how many pending events it found, Aggregates how many
+	// delivery rows it created or woke, Restamped how many events copied
+	// from another cluster it re-stamped so that no round finds them again.
+	Events, Aggregates, Restamped int64
+}
+
+// RescanDiscovery rebuilds discovery's state from the events themselves
+// (outbox.rescan_discovery) and lets a stopped discovery resume. It is
+// safe while producers write and relays deliver; it reads the whole event
+// table and, after a restore, rewrites the transaction id of each copied
+// event once, so it wants the schema owner's role.
+func (s *Store) RescanDiscovery(ctx context.Context) (Rescan, error) {
+	var r Rescan
+	if err := s.pool.QueryRow(ctx, `SELECT events, aggregates, restamped FROM outbox.rescan_discovery()`).
+		Scan(&r.Events, &r.Aggregates, &r.Restamped); err != nil {
+		return r, fmt.Errorf("store: rescan discovery: %w", err)
+	}
+	return r, nil
+}
