@@ -29,7 +29,19 @@ func TestOperatorActionsPages(t *testing.T) {
 		t.Fatalf("skip: %s", body)
 	}
 
-	code, body := b.get(t, "/actions")
+	// A retry's optional reason is recorded with it.
+	h.park(t, "sales_order", "43", 1)
+	if _, body := b.post(t, "/act/retry", url.Values{"csrf": {csrf}, "stream": {"sales_order"}, "key": {"43"},
+		"reason": {"sink redeployed"}}); !strings.Contains(body, "Retried sales_order/43") {
+		t.Fatalf("retry: %s", body)
+	}
+	_, body := b.get(t, "/aggregate?stream=sales_order&key=43")
+	if s := regexp.MustCompile(`(?s)<table class="grid" id="agg-actions">.*?</table>`).FindString(body); !strings.Contains(s, "retried (was parked)") ||
+		!strings.Contains(s, "sink redeployed") {
+		t.Fatalf("the retried aggregate's actions: %q", s)
+	}
+
+	code, body := b.get(t, "/actions?action=skip")
 	row := regexp.MustCompile(`(?s)<tr>\s*<td class="n">\d+</td>.*?</tr>`).FindString(body)
 	if code != http.StatusOK || !strings.Contains(row, "<td>skip</td>") || !strings.Contains(row, "<td>ops</td>") ||
 		!strings.Contains(row, "<td>sales_order</td>") || !strings.Contains(row, "schema v3 is not deployed") {
@@ -44,8 +56,8 @@ func TestOperatorActionsPages(t *testing.T) {
 	if _, body = b.get(t, "/actions?stream=sales_order&key=42"); !strings.Contains(body, "What it did here") {
 		t.Errorf("actions of one aggregate without what each did there")
 	}
-	if _, body = b.get(t, "/actions?action=retry"); !strings.Contains(body, "No operator action matches.") {
-		t.Errorf("retries listed where there were none")
+	if _, body = b.get(t, "/actions?action=bulk_skip"); !strings.Contains(body, "No operator action matches.") {
+		t.Errorf("bulk skips listed where there were none")
 	}
 	if code, body = b.get(t, "/actions?action=drop"); code != http.StatusBadRequest || !strings.Contains(body, "unknown action") {
 		t.Errorf("an unknown action: %d", code)
