@@ -157,6 +157,12 @@ CREATE TABLE outbox.delivery (
     -- before it still land without unparking the aggregate.
     parked_revision bigint,
     gap_revision bigint,
+    -- After an operator's republish, the last revision it made pending again
+    -- (outbox.republished.to_revision), until delivery leases a revision
+    -- past it. While it is set, the first lease of each of those events
+    -- continues the event's attempt numbers (outbox.continue_attempts);
+    -- NULL otherwise, so that no other lease pays for the lookup.
+    republished_through bigint,
     PRIMARY KEY (stream, aggregate_key),
     CONSTRAINT delivery_claimable_check CHECK (
         (state IN ('ready', 'leased', 'backoff')) = (claimable_at IS NOT NULL)),
@@ -272,24 +278,53 @@ CREATE TABLE outbox.attempt (
 CREATE INDEX attempt_aggregate_idx ON outbox.attempt (stream, aggregate_key, attempt_id);
 CREATE INDEX attempt_event_idx ON outbox.attempt (event_id, attempt_id);
 
--- Operators' bulk actions and republishes, with who, when, why and what
--- (the request as JSON, and how many aggregates and events it changed).
+-- Operators' actions, with who, when, why and what (the request as JSON, and
+-- how many aggregates and events it changed): every retry (one aggregate's,
+-- with or without an accepted gap, or a bulk retry's), every skip (one
+-- event's, or a bulk skip's), and every republish. A single retry or skip is
+-- recorded in the transaction that makes it; a bulk action or a republish
+-- before it starts (finished_at unset until it ends, so that one cut short
+-- is on record too).
 CREATE TABLE outbox.operator_action (
     action_id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
-    action text NOT NULL CHECK (action IN ('bulk_retry', 'bulk_skip', 'republish')),
+    action text NOT NULL CHECK (action IN ('bulk_retry', 'bulk_skip', 'republish', 'retry', 'skip')),
     actor text NOT NULL CHECK (actor <> ''),
     reason text NOT NULL,
     request jsonb NOT NULL,
     aggregates bigint NOT NULL DEFAULT 0,
     events bigint NOT NULL DEFAULT 0,
     started_at timestamptz NOT NULL DEFAULT clock_timestamp(),
-    finished_at timestamptz
+    finished_at timestamptz,
+    -- The stream the action named, or a bulk filter's stream pattern
+    -- (billing.*, or * for every stream): what a stream-limited token must
+    -- cover to see the action.
+    stream text NOT NULL DEFAULT '*'
 );
+CREATE INDEX operator_action_started_idx ON outbox.operator_action (started_at);
+
+-- Each aggregate an operator action changed, and what it did there (JSON:
+-- the state a retry found, the revisions an accepted gap gave up, the event
+-- a skip abandoned, the revisions a republish rewound): an aggregate's own
+-- history of operator actions, bulk ones included.
+CREATE TABLE outbox.operator_action_aggregate (
+    action_id bigint NOT NULL REFERENCES outbox.operator_action (action_id),
+    stream text NOT NULL,
+    aggregate_key text NOT NULL,
+    detail jsonb NOT NULL DEFAULT '{}',
+    at timestamptz NOT NULL DEFAULT clock_timestamp(),
+    PRIMARY KEY (action_id, stream, aggregate_key)
+);
+CREATE INDEX operator_action_aggregate_idx ON outbox.operator_action_aggregate (stream, aggregate_key, action_id);
 
 -- One row per aggregate a republish rewound: revisions from_revision to
 -- to_revision (the cursor before the rewind) are delivered again, under
 -- their event ids; previous_published_at keeps when each was first
--- published, since the republish makes them pending again.
+-- published, since the republish makes them pending again. A republish that
+-- includes skipped events withdraws their skips: previous_skips keeps each
+-- one's record (reason, actor, skipped_at) by event id. earlier_attempts
+-- has, by event id, how many deliveries of it came before (at least one
+-- past the highest attempt on record, or in an earlier republish), which
+-- the event's next attempt numbers continue from.
 CREATE TABLE outbox.republished (
     action_id bigint NOT NULL REFERENCES outbox.operator_action (action_id),
     stream text NOT NULL,
@@ -298,9 +333,52 @@ CREATE TABLE outbox.republished (
     to_revision bigint NOT NULL,
     events bigint NOT NULL,
     previous_published_at jsonb NOT NULL,
+    previous_skips jsonb NOT NULL DEFAULT '{}',
+    earlier_attempts jsonb NOT NULL DEFAULT '{}',
     PRIMARY KEY (action_id, stream, aggregate_key),
     CHECK (from_revision <= to_revision)
 );
+CREATE INDEX republished_aggregate_idx ON outbox.republished (stream, aggregate_key, action_id);
+
+-- continue_attempts numbers the first lease of a republished event after
+-- the deliveries it had before (outbox.republished.earlier_attempts), so
+-- that a relay and the attempt history never see attempt 1 of an event
+-- twice. The claim numbers a lease of a new head event 1 and a repeat of
+-- the same head one more than the last; this adds the earlier deliveries
+-- to the former. It runs only for aggregates a republish marked
+-- (delivery.republished_through), and clears the mark once delivery leases
+-- a revision past the republished ones.
+-- +goose StatementBegin
+CREATE FUNCTION outbox.continue_attempts() RETURNS trigger
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_revision bigint;
+    v_earlier integer;
+BEGIN
+    SELECT e.revision INTO v_revision FROM outbox.event e WHERE e.event_id = NEW.leased_event_id;
+    IF v_revision IS NULL OR v_revision > NEW.republished_through THEN
+        NEW.republished_through := NULL;
+        RETURN NEW;
+    END IF;
+    SELECT (r.earlier_attempts ->> NEW.leased_event_id::text)::integer INTO v_earlier
+    FROM outbox.republished r
+    WHERE r.stream = NEW.stream AND r.aggregate_key = NEW.aggregate_key
+    ORDER BY r.action_id DESC LIMIT 1;
+    NEW.attempt := NEW.attempt + coalesce(v_earlier, 0);
+    RETURN NEW;
+END
+$$;
+-- +goose StatementEnd
+
+-- Fires for a lease's first attempt (attempt set to 1 for a new head, or
+-- from 0 after the rewind) of a marked aggregate; the WHEN clause keeps
+-- every other update of delivery from calling the function.
+CREATE TRIGGER delivery_continue_attempts
+    BEFORE UPDATE OF attempt ON outbox.delivery
+    FOR EACH ROW
+    WHEN (NEW.republished_through IS NOT NULL AND NEW.attempt = 1 AND NEW.holder IS NOT NULL
+          AND (OLD.attempt <> 1 OR OLD.leased_event_id IS DISTINCT FROM NEW.leased_event_id))
+    EXECUTE FUNCTION outbox.continue_attempts();
 
 -- One row per open Subscribe stream of any replica, for ListRelays and the
 -- connected-relay count. The serving replica inserts it when the stream

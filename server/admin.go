@@ -298,6 +298,16 @@ func optionalTimestamp(t time.Time) *timestamppb.Timestamp {
 func (a *adminService) ListEvents(ctx context.Context, req *outboxv1.ListEventsRequest) (*outboxv1.ListEventsResponse, error) {
 	var f fieldErrors
 	p := store.ListEventsParams{Stream: req.GetStream(), AggregateKey: req.GetAggregateKey(), Limit: defaultPageSize}
+	if id := req.GetEventId(); id != "" {
+		var err error
+		if p.EventID, err = uuid.Parse(id); err != nil {
+			f.add("event_id", "%.80q is not an event id (a UUID such as 0190a8c2-5d1e-7c3a-9f00-2b4c6d8e0f12)", id)
+		}
+		if p.Stream != "" || p.AggregateKey != "" || req.GetState() != 0 || req.GetCreatedAfter() != nil ||
+			req.GetCreatedBefore() != nil || req.GetPageToken() != "" {
+			f.add("event_id", "names one event; leave the other filters and page_token empty")
+		}
+	}
 	if p.Stream != "" {
 		checkStream(&f, "stream", p.Stream)
 	}
@@ -333,7 +343,12 @@ func (a *adminService) ListEvents(ctx context.Context, req *outboxv1.ListEventsR
 	if err := f.err(); err != nil {
 		return nil, err
 	}
-	if err := authorizeOptionalStream(ctx, p.Stream); err != nil {
+	if p.EventID != uuid.Nil {
+		// A limited token may find events of its streams by id.
+		if err := a.s.authorizeEvents(ctx, []uuid.UUID{p.EventID}); err != nil {
+			return nil, err
+		}
+	} else if err := authorizeOptionalStream(ctx, p.Stream); err != nil {
 		return nil, err
 	}
 	// One more than the page tells whether another page follows.
@@ -464,7 +479,8 @@ func (a *adminService) RetryAggregate(ctx context.Context, req *outboxv1.RetryAg
 	checkAggregate(&f, req.GetStream(), req.GetAggregateKey())
 	p := store.RetryParams{Stream: req.GetStream(), AggregateKey: req.GetAggregateKey(), AcceptGap: req.GetAcceptGap(),
 		Actor: actor(ctx, &f, req.GetActor())}
-	if p.AcceptGap {
+	if p.AcceptGap || req.GetReason() != "" {
+		// Required to accept a gap; recorded with any retry when given.
 		checkReason(&f, req.GetReason())
 		p.Reason = req.GetReason()
 	}

@@ -171,6 +171,31 @@ func TestStreamLimitedAdminToken(t *testing.T) {
 	_, err = limited.Republish(ctx, &outboxv1.RepublishRequest{Stream: "sales_order", AggregateKey: "o-1", FromRevision: 1, Reason: "r"})
 	denied("Republish(sales_order)", err)
 
+	covered["ListOperatorActions"] = true
+	if _, err := full.SkipEvent(ctx, &outboxv1.SkipEventRequest{EventId: orders[1].String(), Reason: "sales"}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := limited.SkipEvent(ctx, &outboxv1.SkipEventRequest{EventId: bills[1].String(), Reason: "billing"}); err != nil {
+		t.Fatal(err)
+	}
+	_, err = limited.ListOperatorActions(ctx, &outboxv1.ListOperatorActionsRequest{Stream: "sales_order"})
+	denied("ListOperatorActions{sales_order}", err)
+	_, err = limited.ListOperatorActions(ctx, &outboxv1.ListOperatorActionsRequest{Stream: "sales_order", AggregateKey: "o-1"})
+	denied("ListOperatorActions(sales_order/o-1)", err)
+	if acts, err := limited.ListOperatorActions(ctx, &outboxv1.ListOperatorActionsRequest{}); err != nil ||
+		len(acts.GetActions()) != 1 || acts.GetActions()[0].GetStream() != "billing.invoice" {
+		t.Errorf("ListOperatorActions{} for billing.*: %v, %v; want only the billing skip", acts, err)
+	}
+	if acts, err := full.ListOperatorActions(ctx, &outboxv1.ListOperatorActionsRequest{}); err != nil || len(acts.GetActions()) != 2 {
+		t.Errorf("ListOperatorActions{} for the unrestricted admin: %v, %v; want both skips", acts, err)
+	}
+	// Finding an event by id is limited to the token's streams too.
+	_, err = limited.ListEvents(ctx, &outboxv1.ListEventsRequest{EventId: orders[0].String()})
+	denied("ListEvents{event_id of sales_order}", err)
+	if evs, err := limited.ListEvents(ctx, &outboxv1.ListEventsRequest{EventId: bills[0].String()}); err != nil || len(evs.GetEvents()) != 1 {
+		t.Errorf("ListEvents{event_id of billing.invoice}: %v, %v", evs, err)
+	}
+
 	for _, m := range outboxv1.AdminService_ServiceDesc.Methods {
 		if !covered[m.MethodName] {
 			t.Errorf("AdminService.%s is not checked with a stream-limited token", m.MethodName)

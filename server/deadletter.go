@@ -351,14 +351,14 @@ func (a *adminService) BulkRetry(ctx context.Context, req *outboxv1.BulkRetryReq
 	if req.GetDryRun() {
 		return resp, nil
 	}
-	actionID, err := a.s.store.StartAction(ctx, store.OperatorAction{Action: "bulk_retry", Actor: who, Reason: req.GetReason(),
-		Request: map[string]any{"filter": filterRecord(req.GetFilter()), "accept_gap": req.GetAcceptGap()}})
+	actionID, err := a.s.store.StartAction(ctx, store.OperatorAction{Action: store.ActionBulkRetry, Actor: who, Reason: req.GetReason(),
+		Stream: req.GetFilter().GetStream(), Request: map[string]any{"filter": filterRecord(req.GetFilter()), "accept_gap": req.GetAcceptGap()}})
 	if err != nil {
 		return nil, a.s.dbError(ctx, "bulk retry", err)
 	}
 	seen, err := a.eachMatch(ctx, filter, func(l store.ListedAggregate) error {
 		_, err := a.s.store.RetryAggregate(ctx, store.RetryParams{Stream: l.Stream, AggregateKey: l.AggregateKey,
-			AcceptGap: req.GetAcceptGap() && l.State == "gap", Reason: req.GetReason(), Actor: who})
+			AcceptGap: req.GetAcceptGap() && l.State == "gap", Reason: req.GetReason(), Actor: who, ActionID: actionID})
 		var se *store.StateError
 		switch {
 		case errors.Is(err, store.ErrNotFound) || errors.As(err, &se):
@@ -414,8 +414,8 @@ func (a *adminService) BulkSkip(ctx context.Context, req *outboxv1.BulkSkipReque
 	if req.GetDryRun() {
 		return resp, nil
 	}
-	actionID, err := a.s.store.StartAction(ctx, store.OperatorAction{Action: "bulk_skip", Actor: who, Reason: req.GetReason(),
-		Request: map[string]any{"filter": filterRecord(req.GetFilter())}})
+	actionID, err := a.s.store.StartAction(ctx, store.OperatorAction{Action: store.ActionBulkSkip, Actor: who, Reason: req.GetReason(),
+		Stream: req.GetFilter().GetStream(), Request: map[string]any{"filter": filterRecord(req.GetFilter())}})
 	if err != nil {
 		return nil, a.s.dbError(ctx, "bulk skip", err)
 	}
@@ -427,7 +427,7 @@ func (a *adminService) BulkSkip(ctx context.Context, req *outboxv1.BulkSkipReque
 		// The event that was next when it matched, and only it: if a relay
 		// published it meanwhile, SkipEvent refuses, and its successor is
 		// not skipped in its place.
-		_, err := a.s.store.SkipEvent(ctx, l.NextPendingEventID, reason, who)
+		_, err := a.s.store.SkipEventOf(ctx, actionID, l.NextPendingEventID, reason, who)
 		switch {
 		case errors.Is(err, store.ErrNotFound), errors.Is(err, store.ErrAlreadyPublished), errors.Is(err, store.ErrAlreadySkipped):
 			return nil
@@ -482,16 +482,16 @@ func (a *adminService) Republish(ctx context.Context, req *outboxv1.RepublishReq
 	var actionID int64
 	if !req.GetDryRun() {
 		var err error
-		actionID, err = a.s.store.StartAction(ctx, store.OperatorAction{Action: "republish", Actor: who, Reason: req.GetReason(),
-			Request: map[string]any{"stream": req.GetStream(), "aggregate_key": key, "from_revision": req.GetFromRevision(),
-				"published_after": after, "published_before": before}})
+		actionID, err = a.s.store.StartAction(ctx, store.OperatorAction{Action: store.ActionRepublish, Actor: who, Reason: req.GetReason(),
+			Stream: req.GetStream(), Request: map[string]any{"stream": req.GetStream(), "aggregate_key": key, "from_revision": req.GetFromRevision(),
+				"published_after": after, "published_before": before, "include_skipped": req.GetIncludeSkipped()}})
 		if err != nil {
 			return nil, a.s.dbError(ctx, "republish", err)
 		}
 	}
 	one := func(c store.RepublishCandidate) error {
 		r, err := a.s.store.Republish(ctx, store.RepublishParams{Stream: c.Stream, AggregateKey: c.AggregateKey,
-			FromRevision: c.FromRevision, ActionID: actionID, DryRun: req.GetDryRun()})
+			FromRevision: c.FromRevision, ActionID: actionID, DryRun: req.GetDryRun(), IncludeSkipped: req.GetIncludeSkipped()})
 		var se *store.StateError
 		switch {
 		case errors.As(err, &se) && ranged && key == "":
@@ -509,6 +509,7 @@ func (a *adminService) Republish(ctx context.Context, req *outboxv1.RepublishReq
 		}
 		resp.Aggregates++
 		resp.Events += r.Events
+		resp.UnskippedEvents += r.Unskipped
 		return nil
 	}
 	var err error

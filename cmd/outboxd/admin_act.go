@@ -28,19 +28,20 @@ An aggregate held at a gap (a revision is missing) is released only with
 delivery resumes at the next revision that exists, and the decision is
 recorded like a skip.
 
+A retry that changes the aggregate is recorded as an operator action, with
+--actor and --reason (optional without --accept-gap): 'outboxd actions' and
+'outboxd aggregate' show it.
+
 Exits 3 if the aggregate has never had an event, 4 if it is idle, leased, or
 held at a gap without --accept-gap.`, cobra.ExactArgs(2))
 	f.register(cmd)
 	fl := cmd.Flags()
 	fl.BoolVar(&acceptGap, "accept-gap", false, "give up on missing revisions of a gap-held aggregate (needs --reason)")
-	fl.StringVar(&reason, "reason", "", "why the gap is accepted; recorded with it")
+	fl.StringVar(&reason, "reason", "", "why; recorded with the retry (required with --accept-gap)")
 	fl.StringVar(&actor, "actor", defaultActor(), "who is asking, when the credential does not say so")
 	cmd.RunE = func(cmd *cobra.Command, args []string) error {
-		switch {
-		case acceptGap && strings.TrimSpace(reason) == "":
+		if acceptGap && strings.TrimSpace(reason) == "" {
 			return usageError("--accept-gap needs a --reason")
-		case !acceptGap && reason != "":
-			return usageError("--reason is recorded only with --accept-gap")
 		}
 		return f.run(cmd, func(ctx context.Context, c *adminClient) error {
 			resp, err := call(ctx, c, "RetryAggregate", c.rpc.RetryAggregate, &outboxv1.RetryAggregateRequest{
@@ -71,7 +72,9 @@ func skipCommand() *cobra.Command {
 skip abandons one pending event: it is never delivered nor marked published,
 stays listed by 'outboxd events --state skipped' with the reason, who skipped
 it and when, and later revisions of its aggregate may proceed. Use it for an
-event no broker will ever accept; it cannot be undone.
+event no broker will ever accept. The skip is recorded as an operator action
+('outboxd actions'). To deliver a skipped event after all, once delivery has
+passed it: 'outboxd republish STREAM KEY --from-revision N --include-skipped'.
 
 Exits 2 without --reason, 4 if the event is already published or skipped.`,
 		cobra.ExactArgs(1))

@@ -376,10 +376,11 @@ Exits 2 without --reason, 6 if not confirmed.`, cobra.NoArgs)
 
 func republishCommand() *cobra.Command {
 	var (
-		f             adminFlags
-		b             bulkFlags
-		from          int64
-		since, before time.Time
+		f              adminFlags
+		b              bulkFlags
+		from           int64
+		since, before  time.Time
+		includeSkipped bool
 	)
 	cmd := adminCommand("republish STREAM [KEY] --reason REASON (--from-revision N | --published-since T)",
 		"Deliver already-published events again, in order, under the same ids", `
@@ -391,6 +392,14 @@ range, from its first such event on. The events keep their ids and are
 delivered in revision order before anything newer of their aggregate; each is
 marked published again when its relay acks it. Aggregates parked, backing off
 or held at a gap, or missing a revision in the range (purged), are refused.
+
+Skipped events in the range stay skipped unless --include-skipped: then their
+skips are withdrawn (the skip records are kept with the action) and they are
+delivered in their place in revision order, under their own ids, payloads
+and headers. A skipped event delivery has not passed yet cannot be
+republished. Every republished delivery continues its event's attempt
+numbers (attempt 2 after one earlier delivery, and so on), never 1 again.
+
 It first shows what would be delivered again, then asks for confirmation
 unless --yes; --dry-run stops after the count. Recorded with --actor and
 --reason.
@@ -403,8 +412,10 @@ confirmed.`, cobra.RangeArgs(1, 2))
 	fl.Int64Var(&from, "from-revision", 0, "with KEY: the first revision to deliver again")
 	fl.Var(&timeValue{t: &since}, "published-since", "events published at or after this time (RFC 3339, or a duration ago: 2h)")
 	fl.Var(&timeValue{t: &before}, "published-before", "events published before this time (default: now)")
+	fl.BoolVar(&includeSkipped, "include-skipped", false, "deliver the range's skipped events too, withdrawing their skips")
 	cmd.RunE = func(cmd *cobra.Command, args []string) error {
-		req := &outboxv1.RepublishRequest{Stream: args[0], FromRevision: from, Reason: b.reason, Actor: b.actor}
+		req := &outboxv1.RepublishRequest{Stream: args[0], FromRevision: from, Reason: b.reason, Actor: b.actor,
+			IncludeSkipped: includeSkipped}
 		if len(args) == 2 {
 			req.AggregateKey = args[1]
 		}
@@ -461,6 +472,9 @@ confirmed.`, cobra.RangeArgs(1, 2))
 func printRepublish(w io.Writer, resp *outboxv1.RepublishResponse, are string) error {
 	fmt.Fprintf(w, "%s of %s %s delivered again\n", plural(resp.GetEvents(), "event", "events"),
 		plural(resp.GetAggregates(), "aggregate", "aggregates"), are)
+	if n := resp.GetUnskippedEvents(); n > 0 {
+		fmt.Fprintf(w, "%s of them skipped before; the skips are withdrawn\n", plural(n, "event", "events"))
+	}
 	if n := resp.GetRefusedAggregates(); n > 0 {
 		fmt.Fprintf(w, "%s refused (retry or skip, then republish them):\n", plural(n, "aggregate", "aggregates"))
 		for _, r := range resp.GetRefused() {

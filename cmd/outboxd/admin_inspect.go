@@ -65,7 +65,10 @@ func aggregateCommand() *cobra.Command {
 	cmd := adminCommand("aggregate STREAM KEY", "Show one aggregate's delivery state", `
 aggregate shows where one aggregate is in delivery: its state (idle, ready,
 leased, backoff, parked, gap), revisions committed and delivered, pending
-events, the current lease, retries and errors. Exits 3 if the aggregate has
+events, the current lease, retries and errors, and then the latest operator
+actions that changed it (retries, accepted gaps, skips, republishes: who,
+when, what and why; 'outboxd actions --stream STREAM --key KEY' lists them
+all). --json prints the aggregate's state only. Exits 3 if the aggregate has
 never had an event.`, cobra.ExactArgs(2))
 	f.register(cmd)
 	cmd.RunE = func(cmd *cobra.Command, args []string) error {
@@ -78,7 +81,10 @@ never had an event.`, cobra.ExactArgs(2))
 			if f.json {
 				return writeJSON(c.out, resp)
 			}
-			return printAggregate(c.out, resp.GetAggregate(), time.Now())
+			if err := printAggregate(c.out, resp.GetAggregate(), time.Now()); err != nil {
+				return err
+			}
+			return printAggregateActions(ctx, c, args[0], args[1])
 		})
 	}
 	return cmd

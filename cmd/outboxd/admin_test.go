@@ -600,7 +600,6 @@ func TestCLIRetry(t *testing.T) {
 		t.Errorf("parked aggregate shown as:\n%s", r.stdout)
 	}
 	ts.cli(t, nil, "retry", "flaky", "f1", "--accept-gap").want(t, exitUsage)
-	ts.cli(t, nil, "retry", "flaky", "f1", "--reason", "x").want(t, exitUsage)
 	ts.cli(t, nil, "retry", "flaky", "nope").want(t, exitNotFound)
 
 	r = ts.cli(t, nil, "retry", "flaky", "f1").want(t, exitOK)

@@ -38,7 +38,8 @@ func rootCommand() *cobra.Command {
 	root.AddCommand(serveCommand(&g), devCommand(&g), relayCommand(&g), migrateCommand(&g), rescanCommand(&g),
 		lagCommand(), relaysCommand(), aggregateCommand(), eventsCommand(),
 		retryCommand(), skipCommand(), purgeCommand(), benchCommand(),
-		aggregatesCommand(), attemptsCommand(), bulkRetryCommand(), bulkSkipCommand(), republishCommand())
+		aggregatesCommand(), attemptsCommand(), bulkRetryCommand(), bulkSkipCommand(), republishCommand(),
+		actionsCommand())
 	return root
 }
 

@@ -22,9 +22,9 @@
 //   - roles: relay (RelayService: Subscribe, Ack, Nack, ExtendLease), admin
 //     (AdminService), viewer (the read-only AdminService methods, see
 //     ReadOnlyAdminMethods: GetLag, ListRelays, GetAggregate, ListEvents,
-//     ListAggregates, ListAttempts; what the console's pages need), or
-//     several separated by commas. Admin does not imply relay; it implies
-//     everything viewer grants.
+//     ListAggregates, ListAttempts, ListOperatorActions; what the console's
+//     pages need), or several separated by commas. Admin does not imply
+//     relay; it implies everything viewer grants.
 //   - secret: the token itself, 16 to 1024 of A-Z a-z 0-9 - . _ ~ + / with
 //     optional trailing '=' (RFC 6750; e.g. openssl rand -base64 32), or
 //     "sha256:" and the 64 hex digits of its SHA-256 (printf %s "$TOKEN" |

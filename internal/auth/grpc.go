@@ -50,6 +50,7 @@ var ReadOnlyAdminMethods = []string{
 	outboxv1.AdminService_ListEvents_FullMethodName,
 	outboxv1.AdminService_ListAggregates_FullMethodName,
 	outboxv1.AdminService_ListAttempts_FullMethodName,
+	outboxv1.AdminService_ListOperatorActions_FullMethodName,
 }
 
 // allows reports whether p holds what need asks for.

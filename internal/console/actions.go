@@ -72,8 +72,11 @@ func (c *Console) retry(q *request) {
 		return
 	}
 	stream, key := q.r.PostFormValue("stream"), q.r.PostFormValue("key")
-	resp, err := c.admin.RetryAggregate(q.ctx, &outboxv1.RetryAggregateRequest{Stream: stream, AggregateKey: key, Actor: q.actor()})
-	c.logAction(q, "retry", err, "stream", stream, "aggregate_key", key)
+	// Optional for a retry; recorded with the action when given.
+	why := strings.TrimSpace(q.r.PostFormValue("reason"))
+	resp, err := c.admin.RetryAggregate(q.ctx, &outboxv1.RetryAggregateRequest{Stream: stream, AggregateKey: key, Actor: q.actor(),
+		Reason: why})
+	c.logAction(q, "retry", err, "stream", stream, "aggregate_key", key, "reason", why)
 	c.done(q, aggregateURL(stream, key), err,
 		fmt.Sprintf("Retried %s/%s: now %s.", stream, key, aggState(resp.GetAggregate().GetState())))
 }

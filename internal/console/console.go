@@ -172,6 +172,8 @@ func (c *Console) routes() {
 	m.HandleFunc("GET /aggregates", c.page(c.aggregates))
 	m.HandleFunc("GET /aggregate", c.page(c.aggregate))
 	m.HandleFunc("GET /events", c.page(c.events))
+	m.HandleFunc("GET /event", c.page(c.event))
+	m.HandleFunc("GET /actions", c.page(c.actions))
 	m.HandleFunc("GET /relays", c.page(c.relays))
 	m.HandleFunc("GET /bulk", c.page(c.bulkForm))
 	m.HandleFunc("POST /bulk", c.page(c.bulkPreview))

@@ -181,6 +181,7 @@ func (c *Console) aggregate(q *request) {
 	if err == nil {
 		data["Recent"] = recent.GetEvents()
 	}
+	c.aggregateActions(q, stream, key, data)
 	attempts, err := c.admin.ListAttempts(q.ctx, &outboxv1.ListAttemptsRequest{Stream: stream, AggregateKey: key,
 		PageSize: attemptsPageSize})
 	if err != nil {

@@ -46,6 +46,7 @@ var funcs = template.FuncMap{
 	"rate":     func(f float64) string { return fmt.Sprintf("%.1f/s", f) },
 	"query":    queryOf,
 	"troubled": troubled,
+	"detail":   actionDetail,
 }
 
 func parseTemplates() (map[string]*template.Template, error) {

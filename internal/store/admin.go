@@ -407,6 +407,9 @@ type RetryParams struct {
 	// Reason and Actor are then recorded in outbox.accepted_gap.
 	AcceptGap     bool
 	Reason, Actor string
+	// ActionID is the bulk action (outbox.operator_action) the retry is part
+	// of; 0 records the retry as an action of its own.
+	ActionID int64
 }
 
 // RetryAggregate makes a parked or backing-off aggregate claimable now with
@@ -459,6 +462,7 @@ func (s *Store) RetryAggregate(ctx context.Context, p RetryParams) (Aggregate, e
 		if err != nil {
 			return err
 		}
+		var accepted [2]int64 // the revisions an accepted gap gave up, if any
 		switch state {
 		case "idle":
 			return &StateError{"aggregate has nothing pending; there is nothing to retry"}
@@ -481,11 +485,17 @@ func (s *Store) RetryAggregate(ctx context.Context, p RetryParams) (Aggregate, e
 					"aggregate is held at a gap: revision %d is missing; retry with accept_gap and a reason to deliver from the next revision that exists",
 					delivered+1)}
 			}
-			if err := acceptGap(ctx, tx, p, delivered); err != nil {
+			if accepted, err = acceptGap(ctx, tx, p, delivered); err != nil {
 				return err
 			}
 		default:
 			return fmt.Errorf("unknown delivery state %q", state)
+		}
+		if state != "ready" {
+			// On record in the same transaction as the change itself.
+			if err := recordRetry(ctx, tx, p, state, accepted); err != nil {
+				return err
+			}
 		}
 		a, err = getAggregate(ctx, tx, p.Stream, p.AggregateKey)
 		return err
@@ -501,23 +511,26 @@ func (s *Store) RetryAggregate(ctx context.Context, p RetryParams) (Aggregate, e
 }
 
 // acceptGap moves the cursor of a gap-held aggregate to just before its next
-// existing pending revision and records the revisions given up. The caller
-// holds the producers' order lock and the delivery row.
-func acceptGap(ctx context.Context, tx pgx.Tx, p RetryParams, delivered int64) error {
+// existing pending revision and records the revisions given up, which it
+// returns (zeros when there were none). The caller holds the producers'
+// order lock and the delivery row.
+func acceptGap(ctx context.Context, tx pgx.Tx, p RetryParams, delivered int64) ([2]int64, error) {
+	var accepted [2]int64
 	var next *int64
 	if err := tx.QueryRow(ctx, `
 		SELECT min(revision) FROM outbox.event
 		WHERE stream = $1 AND aggregate_key = $2 AND revision > $3`,
 		p.Stream, p.AggregateKey, delivered).Scan(&next); err != nil {
-		return err
+		return accepted, err
 	}
 	if next != nil && *next > delivered+1 {
 		if _, err := tx.Exec(ctx, `
 			INSERT INTO outbox.accepted_gap (stream, aggregate_key, from_revision, to_revision, reason, actor)
 			VALUES ($1, $2, $3, $4, $5, $6)`,
 			p.Stream, p.AggregateKey, delivered+1, *next-1, p.Reason, p.Actor); err != nil {
-			return err
+			return accepted, err
 		}
+		accepted = [2]int64{delivered + 1, *next - 1}
 		delivered = *next - 1
 	}
 	// With nothing left after the gap (or the gap filled meanwhile), the
@@ -526,7 +539,7 @@ func acceptGap(ctx context.Context, tx pgx.Tx, p RetryParams, delivered int64) e
 		UPDATE outbox.delivery
 		SET state = 'ready', delivered_revision = $3, claimable_at = clock_timestamp(), gap_revision = NULL
 		WHERE stream = $1 AND aggregate_key = $2`, p.Stream, p.AggregateKey, delivered)
-	return err
+	return accepted, err
 }
 
 // Skip is an operator's recorded abandonment of an event.
@@ -538,9 +551,17 @@ type Skip struct {
 // SkipEvent abandons a pending event: it is recorded in outbox.skipped_event
 // and will never be delivered nor marked published. When it is its
 // aggregate's next event, the aggregate is offered again at once (ending any
-// lease on it, so its holder's ack gets LEASE_LOST). Errors: ErrNotFound,
-// ErrAlreadyPublished, ErrAlreadySkipped.
+// lease on it, so its holder's ack gets LEASE_LOST). The skip is recorded as
+// an operator action of its own (outbox.operator_action); SkipEventOf records
+// it as part of a bulk action. Errors: ErrNotFound, ErrAlreadyPublished,
+// ErrAlreadySkipped.
 func (s *Store) SkipEvent(ctx context.Context, id uuid.UUID, reason, actor string) (Skip, error) {
+	return s.SkipEventOf(ctx, 0, id, reason, actor)
+}
+
+// SkipEventOf is SkipEvent as part of the bulk action actionID (0: an action
+// of its own).
+func (s *Store) SkipEventOf(ctx context.Context, actionID int64, id uuid.UUID, reason, actor string) (Skip, error) {
 	sk := Skip{Reason: reason, Actor: actor}
 	err := pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
 		// Event row first, then the delivery row: the order outbox.ack
@@ -578,6 +599,9 @@ func (s *Store) SkipEvent(ctx context.Context, id uuid.UUID, reason, actor strin
 		if err := tx.QueryRow(ctx, `
 			INSERT INTO outbox.skipped_event (event_id, reason, actor) VALUES ($1, $2, $3)
 			RETURNING skipped_at`, id, reason, actor).Scan(&sk.SkippedAt); err != nil {
+			return err
+		}
+		if err := recordSkip(ctx, tx, actionID, stream, key, id, revision, reason, actor); err != nil {
 			return err
 		}
 		inWindow := leasedThrough != nil && revision > delivered && revision <= *leasedThrough

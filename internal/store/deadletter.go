@@ -239,11 +239,14 @@ func (s *Store) EventExists(ctx context.Context, id uuid.UUID) (bool, error) {
 	return ok, nil
 }
 
-// OperatorAction is the audit record of a bulk action or a republish.
+// OperatorAction is the audit record of an operator's action.
 type OperatorAction struct {
 	ID int64
-	// Action is bulk_retry, bulk_skip or republish.
+	// Action is one of ActionNames.
 	Action, Actor, Reason string
+	// Stream is the stream the action names, or a bulk filter's stream
+	// pattern (billing.*, or * for every stream).
+	Stream string
 	// Request is the request as the server understood it (JSON).
 	Request any
 }
@@ -258,8 +261,8 @@ func (s *Store) StartAction(ctx context.Context, a OperatorAction) (int64, error
 	}
 	var id int64
 	if err := s.pool.QueryRow(ctx, `
-		INSERT INTO outbox.operator_action (action, actor, reason, request) VALUES ($1, $2, $3, $4)
-		RETURNING action_id`, a.Action, a.Actor, a.Reason, req).Scan(&id); err != nil {
+		INSERT INTO outbox.operator_action (action, actor, reason, request, stream) VALUES ($1, $2, $3, $4, coalesce(nullif($5, ''), '*'))
+		RETURNING action_id`, a.Action, a.Actor, a.Reason, req, a.Stream).Scan(&id); err != nil {
 		return 0, fmt.Errorf("store: start action: %w", err)
 	}
 	return id, nil
@@ -285,13 +288,19 @@ type RepublishParams struct {
 	// dry run.
 	ActionID int64
 	DryRun   bool
+	// IncludeSkipped delivers the skipped events of the range too: their
+	// skips are withdrawn (and kept in outbox.republished.previous_skips).
+	// Without it they stay skipped.
+	IncludeSkipped bool
 }
 
 // RepublishResult says what a rewind did (or would do).
 type RepublishResult struct {
 	FromRevision, ToRevision int64
-	// Events counts published events made pending again.
-	Events int64
+	// Events counts events made pending again: published ones, and with
+	// IncludeSkipped the skipped ones (also counted in Unskipped).
+	Events    int64
+	Unskipped int64
 	// Holder is the session whose lease the rewind ended, if any.
 	Holder uuid.UUID
 }
@@ -302,8 +311,12 @@ type RepublishResult struct {
 // before anything after the old cursor; each is marked published anew by
 // the ack of its new delivery. When and by which action each was published
 // before is kept in outbox.republished. Skipped events in the range stay
-// skipped. A lease in flight on the next event ends (its ack answers
-// LEASE_LOST, the event comes again after the republished ones).
+// skipped unless p.IncludeSkipped, which withdraws their skips (kept in
+// outbox.republished.previous_skips) so they are delivered in their place in
+// revision order. A lease in flight on the next event ends (its ack answers
+// LEASE_LOST, the event comes again after the republished ones). Each
+// event's deliveries continue its attempt numbers (earlier_attempts, applied
+// by outbox.continue_attempts).
 //
 // It refuses (a *StateError) an aggregate that is parked, backing off or
 // held at a gap (retry or skip its next event first), one with nothing
@@ -336,7 +349,7 @@ func (s *Store) Republish(ctx context.Context, p RepublishParams) (RepublishResu
 		// from, and every revision from there to the cursor, each published
 		// or skipped.
 		var low *int64
-		var stored, published, pending int64
+		var stored, published, pending, skipped int64
 		err = tx.QueryRow(ctx, `
 			WITH r AS (
 			    SELECT e.revision, e.published_at,
@@ -345,12 +358,19 @@ func (s *Store) Republish(ctx context.Context, p RepublishParams) (RepublishResu
 			    WHERE e.stream = $1 AND e.aggregate_key = $2 AND e.revision >= $3 AND e.revision <= $4
 			)
 			SELECT min(revision), count(*), count(*) FILTER (WHERE published_at IS NOT NULL),
-			       count(*) FILTER (WHERE published_at IS NULL AND NOT skipped)
-			FROM r`, p.Stream, p.AggregateKey, p.FromRevision, delivered).Scan(&low, &stored, &published, &pending)
+			       count(*) FILTER (WHERE published_at IS NULL AND NOT skipped), count(*) FILTER (WHERE skipped)
+			FROM r`, p.Stream, p.AggregateKey, p.FromRevision, delivered).Scan(&low, &stored, &published, &pending, &skipped)
 		if err != nil {
 			return err
 		}
-		if low == nil || published == 0 {
+		if low == nil || published == 0 && (skipped == 0 || !p.IncludeSkipped) {
+			if skipped > 0 {
+				return &StateError{fmt.Sprintf("aggregate %s/%s has only skipped events from revision %d on (delivered up to %d); include skipped events (include_skipped, --include-skipped) to deliver them",
+					p.Stream, p.AggregateKey, p.FromRevision, delivered)}
+			}
+			if err := skippedAhead(ctx, tx, p, delivered); err != nil {
+				return err
+			}
 			return &StateError{fmt.Sprintf("aggregate %s/%s has no published event from revision %d on (delivered up to %d)",
 				p.Stream, p.AggregateKey, p.FromRevision, delivered)}
 		}
@@ -364,6 +384,10 @@ func (s *Store) Republish(ctx context.Context, p RepublishParams) (RepublishResu
 				p.Stream, p.AggregateKey, pending, *low, delivered)}
 		}
 		r.Events = published
+		if p.IncludeSkipped {
+			r.Unskipped = skipped
+			r.Events += skipped
+		}
 		if p.DryRun {
 			return nil
 		}
@@ -389,11 +413,53 @@ func (s *Store) Republish(ctx context.Context, p RepublishParams) (RepublishResu
 		if err != nil {
 			return err
 		}
-		if changed != r.Events {
+		if changed != published {
 			return &StateError{fmt.Sprintf("aggregate %s/%s changed while being rewound (%d of %d events); try again",
-				p.Stream, p.AggregateKey, changed, r.Events)}
+				p.Stream, p.AggregateKey, changed, published)}
 		}
 		if _, err := tx.Exec(ctx, `SELECT set_config('outbox.republishing', 'off', true)`); err != nil {
+			return err
+		}
+		previousSkips := []byte("{}")
+		if p.IncludeSkipped && skipped > 0 {
+			// The skips are withdrawn, not forgotten: a skipped event is
+			// never marked published, and this one is to be.
+			var n int64
+			err = tx.QueryRow(ctx, `
+				WITH unskipped AS (
+				    DELETE FROM outbox.skipped_event s USING outbox.event e
+				    WHERE s.event_id = e.event_id AND e.stream = $1 AND e.aggregate_key = $2
+				      AND e.revision >= $3 AND e.revision <= $4
+				    RETURNING s.event_id, s.reason, s.actor, s.skipped_at
+				)
+				SELECT count(*), coalesce(jsonb_object_agg(event_id,
+				           jsonb_build_object('reason', reason, 'actor', actor, 'skipped_at', skipped_at)), '{}')
+				FROM unskipped`, p.Stream, p.AggregateKey, r.FromRevision, delivered).Scan(&n, &previousSkips)
+			if err != nil {
+				return err
+			}
+			if n != skipped {
+				return &StateError{fmt.Sprintf("aggregate %s/%s changed while being rewound (%d of %d skipped events); try again",
+					p.Stream, p.AggregateKey, n, skipped)}
+			}
+		}
+		// How many deliveries each event had: at least one past the
+		// highest attempt on record (the one that published it, or that
+		// was in flight when it was skipped), and past the deliveries an
+		// earlier republish counted.
+		var earlier []byte
+		err = tx.QueryRow(ctx, `
+			SELECT coalesce(jsonb_object_agg(e.event_id, 1 + greatest(
+			           (SELECT max(a.attempt) FROM outbox.attempt a WHERE a.event_id = e.event_id),
+			           (SELECT (r.earlier_attempts ->> e.event_id::text)::integer FROM outbox.republished r
+			            WHERE r.stream = e.stream AND r.aggregate_key = e.aggregate_key
+			              AND r.earlier_attempts ? e.event_id::text
+			            ORDER BY r.action_id DESC LIMIT 1), 0)), '{}')
+			FROM outbox.event e
+			WHERE e.stream = $1 AND e.aggregate_key = $2 AND e.revision >= $3 AND e.revision <= $4
+			  AND NOT EXISTS (SELECT 1 FROM outbox.skipped_event s WHERE s.event_id = e.event_id)`,
+			p.Stream, p.AggregateKey, r.FromRevision, delivered).Scan(&earlier)
+		if err != nil {
 			return err
 		}
 		// Claimable at once, in the claim order an ack would give it (the
@@ -404,16 +470,25 @@ func (s *Store) Republish(ctx context.Context, p RepublishParams) (RepublishResu
 			    claimable_at = x.created_at, pending_since = x.created_at,
 			    holder = NULL, holder_relay_id = NULL, holder_replica_id = NULL, lease_expires_at = NULL,
 			    attempt = 0, failures = 0, unanswered = 0, last_error = NULL, next_attempt_at = NULL,
-			    parked_at = NULL, parked_reason = NULL, gap_revision = NULL
+			    parked_at = NULL, parked_reason = NULL, gap_revision = NULL,
+			    republished_through = $4
 			FROM (SELECT min(e.created_at) AS created_at FROM outbox.event e
 			      WHERE e.stream = $1 AND e.aggregate_key = $2 AND e.revision >= $3) x
-			WHERE d.stream = $1 AND d.aggregate_key = $2`, p.Stream, p.AggregateKey, r.FromRevision); err != nil {
+			WHERE d.stream = $1 AND d.aggregate_key = $2`, p.Stream, p.AggregateKey, r.FromRevision, r.ToRevision); err != nil {
 			return err
 		}
 		if _, err := tx.Exec(ctx, `
-			INSERT INTO outbox.republished (action_id, stream, aggregate_key, from_revision, to_revision, events, previous_published_at)
-			VALUES ($1, $2, $3, $4, $5, $6, $7)`,
-			p.ActionID, p.Stream, p.AggregateKey, r.FromRevision, r.ToRevision, r.Events, previous); err != nil {
+			INSERT INTO outbox.republished (action_id, stream, aggregate_key, from_revision, to_revision, events,
+			                                previous_published_at, previous_skips, earlier_attempts)
+			VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)`,
+			p.ActionID, p.Stream, p.AggregateKey, r.FromRevision, r.ToRevision, r.Events, previous, previousSkips, earlier); err != nil {
+			return err
+		}
+		detail := map[string]any{"from_revision": r.FromRevision, "to_revision": r.ToRevision, "events": r.Events}
+		if r.Unskipped > 0 {
+			detail["unskipped"] = r.Unskipped
+		}
+		if err := linkAction(ctx, tx, p.ActionID, p.Stream, p.AggregateKey, detail); err != nil {
 			return err
 		}
 		if holder != nil {
@@ -434,6 +509,22 @@ func (s *Store) Republish(ctx context.Context, p RepublishParams) (RepublishResu
 		return r, fmt.Errorf("store: republish: %w", err)
 	}
 	return r, nil
+}
+
+// skippedAhead explains why a skipped event delivery has not reached yet
+// cannot be republished: withdrawing its skip would let it through out of
+// the operator's sight, so it is refused with what to do instead.
+func skippedAhead(ctx context.Context, tx pgx.Tx, p RepublishParams, delivered int64) error {
+	var rev *int64
+	err := tx.QueryRow(ctx, `
+		SELECT min(e.revision) FROM outbox.event e JOIN outbox.skipped_event s ON s.event_id = e.event_id
+		WHERE e.stream = $1 AND e.aggregate_key = $2 AND e.revision >= $3 AND e.revision > $4`,
+		p.Stream, p.AggregateKey, p.FromRevision, delivered).Scan(&rev)
+	if err != nil || rev == nil {
+		return err
+	}
+	return &StateError{fmt.Sprintf("revision %d of aggregate %s/%s is skipped but delivery has not reached it yet (delivered up to %d); republish it once delivery has passed it",
+		*rev, p.Stream, p.AggregateKey, delivered)}
 }
 
 var stateWords = map[string]string{

@@ -42,6 +42,8 @@ type ListEventsParams struct {
 	// Before continues a listing: only events strictly older than it.
 	Before EventPosition
 	Limit  int
+	// EventID, when set, finds that one event.
+	EventID uuid.UUID
 }
 
 // EventRecord is an event with its delivery facts.
@@ -61,6 +63,9 @@ func (s *Store) ListEvents(ctx context.Context, p ListEventsParams) ([]EventReco
 	arg := func(v any) string {
 		args = append(args, v)
 		return fmt.Sprintf("$%d", len(args))
+	}
+	if p.EventID != uuid.Nil {
+		where = append(where, "e.event_id = "+arg(p.EventID))
 	}
 	if p.Stream != "" {
 		where = append(where, "e.stream = "+arg(p.Stream))

@@ -639,6 +639,31 @@ CREATE FUNCTION outbox.cluster_system_identifier() RETURNS bigint
 $$;
 
 --
+-- Name: continue_attempts(); Type: FUNCTION; Schema: outbox; Owner: -
+--
+
+CREATE FUNCTION outbox.continue_attempts() RETURNS trigger
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+    v_revision bigint;
+    v_earlier integer;
+BEGIN
+    SELECT e.revision INTO v_revision FROM outbox.event e WHERE e.event_id = NEW.leased_event_id;
+    IF v_revision IS NULL OR v_revision > NEW.republished_through THEN
+        NEW.republished_through := NULL;
+        RETURN NEW;
+    END IF;
+    SELECT (r.earlier_attempts ->> NEW.leased_event_id::text)::integer INTO v_earlier
+    FROM outbox.republished r
+    WHERE r.stream = NEW.stream AND r.aggregate_key = NEW.aggregate_key
+    ORDER BY r.action_id DESC LIMIT 1;
+    NEW.attempt := NEW.attempt + coalesce(v_earlier, 0);
+    RETURN NEW;
+END
+$$;
+
+--
 -- Name: discover(); Type: FUNCTION; Schema: outbox; Owner: -
 --
 
@@ -1908,6 +1933,7 @@ CREATE TABLE outbox.delivery (
     parked_reason text,
     parked_revision bigint,
     gap_revision bigint,
+    republished_through bigint,
     CONSTRAINT delivery_claimable_check CHECK (((state = ANY (ARRAY['ready'::text, 'leased'::text, 'backoff'::text])) = (claimable_at IS NOT NULL))),
     CONSTRAINT delivery_lease_check CHECK (((state = 'leased'::text) = (holder IS NOT NULL))),
     CONSTRAINT delivery_state_check CHECK ((state = ANY (ARRAY['idle'::text, 'ready'::text, 'leased'::text, 'backoff'::text, 'parked'::text, 'gap'::text])))
@@ -1986,7 +2012,8 @@ CREATE TABLE outbox.operator_action (
     events bigint DEFAULT 0 NOT NULL,
     started_at timestamp with time zone DEFAULT clock_timestamp() NOT NULL,
     finished_at timestamp with time zone,
-    CONSTRAINT operator_action_action_check CHECK ((action = ANY (ARRAY['bulk_retry'::text, 'bulk_skip'::text, 'republish'::text]))),
+    stream text DEFAULT '*'::text NOT NULL,
+    CONSTRAINT operator_action_action_check CHECK ((action = ANY (ARRAY['bulk_retry'::text, 'bulk_skip'::text, 'republish'::text, 'retry'::text, 'skip'::text]))),
     CONSTRAINT operator_action_actor_check CHECK ((actor <> ''::text))
 );
 
@@ -2001,6 +2028,18 @@ ALTER TABLE outbox.operator_action ALTER COLUMN action_id ADD GENERATED ALWAYS A
     NO MINVALUE
     NO MAXVALUE
     CACHE 1
+);
+
+--
+-- Name: operator_action_aggregate; Type: TABLE; Schema: outbox; Owner: -
+--
+
+CREATE TABLE outbox.operator_action_aggregate (
+    action_id bigint NOT NULL,
+    stream text NOT NULL,
+    aggregate_key text NOT NULL,
+    detail jsonb DEFAULT '{}'::jsonb NOT NULL,
+    at timestamp with time zone DEFAULT clock_timestamp() NOT NULL
 );
 
 --
@@ -2032,6 +2071,8 @@ CREATE TABLE outbox.republished (
     to_revision bigint NOT NULL,
     events bigint NOT NULL,
     previous_published_at jsonb NOT NULL,
+    previous_skips jsonb DEFAULT '{}'::jsonb NOT NULL,
+    earlier_attempts jsonb DEFAULT '{}'::jsonb NOT NULL,
     CONSTRAINT republished_check CHECK ((from_revision <= to_revision))
 );
 
@@ -2145,6 +2186,13 @@ ALTER TABLE ONLY outbox.lease_key
     ADD CONSTRAINT lease_key_pkey PRIMARY KEY (singleton);
 
 --
+-- Name: operator_action_aggregate operator_action_aggregate_pkey; Type: CONSTRAINT; Schema: outbox; Owner: -
+--
+
+ALTER TABLE ONLY outbox.operator_action_aggregate
+    ADD CONSTRAINT operator_action_aggregate_pkey PRIMARY KEY (action_id, stream, aggregate_key);
+
+--
 -- Name: operator_action operator_action_pkey; Type: CONSTRAINT; Schema: outbox; Owner: -
 --
 
@@ -2222,10 +2270,34 @@ CREATE INDEX event_created_at_event_id_idx ON outbox.event USING btree (created_
 CREATE INDEX event_xid_idx ON outbox.event USING btree (xid);
 
 --
+-- Name: operator_action_aggregate_idx; Type: INDEX; Schema: outbox; Owner: -
+--
+
+CREATE INDEX operator_action_aggregate_idx ON outbox.operator_action_aggregate USING btree (stream, aggregate_key, action_id);
+
+--
+-- Name: operator_action_started_idx; Type: INDEX; Schema: outbox; Owner: -
+--
+
+CREATE INDEX operator_action_started_idx ON outbox.operator_action USING btree (started_at);
+
+--
+-- Name: republished_aggregate_idx; Type: INDEX; Schema: outbox; Owner: -
+--
+
+CREATE INDEX republished_aggregate_idx ON outbox.republished USING btree (stream, aggregate_key, action_id);
+
+--
 -- Name: attempt attempt_trim; Type: TRIGGER; Schema: outbox; Owner: -
 --
 
 CREATE TRIGGER attempt_trim AFTER INSERT ON outbox.attempt REFERENCING NEW TABLE AS added FOR EACH STATEMENT EXECUTE FUNCTION outbox.trim_attempts();
+
+--
+-- Name: delivery delivery_continue_attempts; Type: TRIGGER; Schema: outbox; Owner: -
+--
+
+CREATE TRIGGER delivery_continue_attempts BEFORE UPDATE OF attempt ON outbox.delivery FOR EACH ROW WHEN (((new.republished_through IS NOT NULL) AND (new.attempt = 1) AND (new.holder IS NOT NULL) AND ((old.attempt <> 1) OR (old.leased_event_id IS DISTINCT FROM new.leased_event_id)))) EXECUTE FUNCTION outbox.continue_attempts();
 
 --
 -- Name: event event_before_insert; Type: TRIGGER; Schema: outbox; Owner: -
@@ -2257,6 +2329,13 @@ CREATE TRIGGER event_keep_pending BEFORE DELETE ON outbox.event FOR EACH ROW EXE
 
 ALTER TABLE ONLY outbox.late_event
     ADD CONSTRAINT late_event_event_id_fkey FOREIGN KEY (event_id) REFERENCES outbox.event(event_id) ON DELETE CASCADE;
+
+--
+-- Name: operator_action_aggregate operator_action_aggregate_action_id_fkey; Type: FK CONSTRAINT; Schema: outbox; Owner: -
+--
+
+ALTER TABLE ONLY outbox.operator_action_aggregate
+    ADD CONSTRAINT operator_action_aggregate_action_id_fkey FOREIGN KEY (action_id) REFERENCES outbox.operator_action(action_id);
 
 --
 -- Name: republished republished_action_id_fkey; Type: FK CONSTRAINT; Schema: outbox; Owner: -

@@ -1851,9 +1851,12 @@ type RepublishRequest struct {
 	// dry_run counts what would be delivered again and changes nothing.
 	DryRun bool `protobuf:"varint,7,opt,name=dry_run,json=dryRun,proto3" json:"dry_run,omitempty"`
 	// actor names who asks, when the credential does not already say so.
-	Actor         string `protobuf:"bytes,8,opt,name=actor,proto3" json:"actor,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Actor string `protobuf:"bytes,8,opt,name=actor,proto3" json:"actor,omitempty"`
+	// include_skipped also delivers the skipped events of the range, whose
+	// skips are withdrawn (and kept with the action's record).
+	IncludeSkipped bool `protobuf:"varint,9,opt,name=include_skipped,json=includeSkipped,proto3" json:"include_skipped,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *RepublishRequest) Reset() {
@@ -1942,6 +1945,13 @@ func (x *RepublishRequest) GetActor() string {
 	return ""
 }
 
+func (x *RepublishRequest) GetIncludeSkipped() bool {
+	if x != nil {
+		return x.IncludeSkipped
+	}
+	return false
+}
+
 // RepublishResponse reports what a republish did (or would do).
 type RepublishResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -1955,9 +1965,12 @@ type RepublishResponse struct {
 	// A single-aggregate republish answers FAILED_PRECONDITION instead.
 	RefusedAggregates int64 `protobuf:"varint,3,opt,name=refused_aggregates,json=refusedAggregates,proto3" json:"refused_aggregates,omitempty"`
 	// refused lists up to 20 of them, each as "stream/key: why".
-	Refused       []string `protobuf:"bytes,4,rep,name=refused,proto3" json:"refused,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Refused []string `protobuf:"bytes,4,rep,name=refused,proto3" json:"refused,omitempty"`
+	// unskipped_events counts the skipped events among events, whose skips
+	// include_skipped withdrew (or would, in a dry run).
+	UnskippedEvents int64 `protobuf:"varint,5,opt,name=unskipped_events,json=unskippedEvents,proto3" json:"unskipped_events,omitempty"`
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
 }
 
 func (x *RepublishResponse) Reset() {
@@ -2018,6 +2031,305 @@ func (x *RepublishResponse) GetRefused() []string {
 	return nil
 }
 
+func (x *RepublishResponse) GetUnskippedEvents() int64 {
+	if x != nil {
+		return x.UnskippedEvents
+	}
+	return 0
+}
+
+// ListOperatorActionsRequest filters and pages the operator actions on record.
+type ListOperatorActionsRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// stream keeps actions that named this stream or changed an aggregate of
+	// it; empty means any (a stream-limited token then sees the actions it
+	// covers).
+	Stream string `protobuf:"bytes,1,opt,name=stream,proto3" json:"stream,omitempty"`
+	// aggregate_key, with stream, keeps actions that changed this aggregate.
+	AggregateKey string `protobuf:"bytes,2,opt,name=aggregate_key,json=aggregateKey,proto3" json:"aggregate_key,omitempty"`
+	// action keeps actions of this kind: retry, skip, bulk_retry, bulk_skip or
+	// republish; empty means any.
+	Action string `protobuf:"bytes,3,opt,name=action,proto3" json:"action,omitempty"`
+	// since keeps actions started at or after this time.
+	Since *timestamppb.Timestamp `protobuf:"bytes,4,opt,name=since,proto3" json:"since,omitempty"`
+	// page_size is the most actions to return; default 100, at most 1000.
+	PageSize uint32 `protobuf:"varint,5,opt,name=page_size,json=pageSize,proto3" json:"page_size,omitempty"`
+	// page_token continues a previous listing; empty starts at the newest.
+	PageToken     string `protobuf:"bytes,6,opt,name=page_token,json=pageToken,proto3" json:"page_token,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListOperatorActionsRequest) Reset() {
+	*x = ListOperatorActionsRequest{}
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[21]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListOperatorActionsRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListOperatorActionsRequest) ProtoMessage() {}
+
+func (x *ListOperatorActionsRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[21]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListOperatorActionsRequest.ProtoReflect.Descriptor instead.
+func (*ListOperatorActionsRequest) Descriptor() ([]byte, []int) {
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{21}
+}
+
+func (x *ListOperatorActionsRequest) GetStream() string {
+	if x != nil {
+		return x.Stream
+	}
+	return ""
+}
+
+func (x *ListOperatorActionsRequest) GetAggregateKey() string {
+	if x != nil {
+		return x.AggregateKey
+	}
+	return ""
+}
+
+func (x *ListOperatorActionsRequest) GetAction() string {
+	if x != nil {
+		return x.Action
+	}
+	return ""
+}
+
+func (x *ListOperatorActionsRequest) GetSince() *timestamppb.Timestamp {
+	if x != nil {
+		return x.Since
+	}
+	return nil
+}
+
+func (x *ListOperatorActionsRequest) GetPageSize() uint32 {
+	if x != nil {
+		return x.PageSize
+	}
+	return 0
+}
+
+func (x *ListOperatorActionsRequest) GetPageToken() string {
+	if x != nil {
+		return x.PageToken
+	}
+	return ""
+}
+
+// ListOperatorActionsResponse is one page of operator actions.
+type ListOperatorActionsResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// actions is the page, newest first.
+	Actions []*OperatorAction `protobuf:"bytes,1,rep,name=actions,proto3" json:"actions,omitempty"`
+	// next_page_token continues the listing; empty on the last page.
+	NextPageToken string `protobuf:"bytes,2,opt,name=next_page_token,json=nextPageToken,proto3" json:"next_page_token,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListOperatorActionsResponse) Reset() {
+	*x = ListOperatorActionsResponse{}
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[22]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListOperatorActionsResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListOperatorActionsResponse) ProtoMessage() {}
+
+func (x *ListOperatorActionsResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[22]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListOperatorActionsResponse.ProtoReflect.Descriptor instead.
+func (*ListOperatorActionsResponse) Descriptor() ([]byte, []int) {
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{22}
+}
+
+func (x *ListOperatorActionsResponse) GetActions() []*OperatorAction {
+	if x != nil {
+		return x.Actions
+	}
+	return nil
+}
+
+func (x *ListOperatorActionsResponse) GetNextPageToken() string {
+	if x != nil {
+		return x.NextPageToken
+	}
+	return ""
+}
+
+// OperatorAction is the record of one operator action.
+type OperatorAction struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// action_id identifies the record.
+	ActionId int64 `protobuf:"varint,1,opt,name=action_id,json=actionId,proto3" json:"action_id,omitempty"`
+	// action is retry, skip, bulk_retry, bulk_skip or republish.
+	Action string `protobuf:"bytes,2,opt,name=action,proto3" json:"action,omitempty"`
+	// actor is who acted: the token's name (with the request's actor, if
+	// given, in parentheses), else the request's actor.
+	Actor string `protobuf:"bytes,3,opt,name=actor,proto3" json:"actor,omitempty"`
+	// reason is the operator's stated reason; empty for a retry given none.
+	Reason string `protobuf:"bytes,4,opt,name=reason,proto3" json:"reason,omitempty"`
+	// stream is the stream the action named, or a bulk filter's stream
+	// pattern ("billing.*", or "*" for every stream).
+	Stream string `protobuf:"bytes,5,opt,name=stream,proto3" json:"stream,omitempty"`
+	// request_json is the request as the server understood it, as JSON.
+	RequestJson string `protobuf:"bytes,6,opt,name=request_json,json=requestJson,proto3" json:"request_json,omitempty"`
+	// aggregates counts the aggregates the action changed.
+	Aggregates int64 `protobuf:"varint,7,opt,name=aggregates,proto3" json:"aggregates,omitempty"`
+	// events counts the events it skipped or made pending again.
+	Events int64 `protobuf:"varint,8,opt,name=events,proto3" json:"events,omitempty"`
+	// started_at is when the action started.
+	StartedAt *timestamppb.Timestamp `protobuf:"bytes,9,opt,name=started_at,json=startedAt,proto3" json:"started_at,omitempty"`
+	// finished_at is when it ended; unset while a bulk action runs, or if one
+	// was cut short before it could record its end.
+	FinishedAt *timestamppb.Timestamp `protobuf:"bytes,10,opt,name=finished_at,json=finishedAt,proto3" json:"finished_at,omitempty"`
+	// detail_json, when the request named an aggregate, is what the action did
+	// there, as JSON: {"state": ...} for a retry (with "accepted_gap":
+	// {"from_revision", "to_revision"} for the revisions given up),
+	// {"event_id", "revision"} for a skip, {"from_revision", "to_revision",
+	// "events", "unskipped"} for a republish.
+	DetailJson    string `protobuf:"bytes,11,opt,name=detail_json,json=detailJson,proto3" json:"detail_json,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *OperatorAction) Reset() {
+	*x = OperatorAction{}
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[23]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *OperatorAction) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*OperatorAction) ProtoMessage() {}
+
+func (x *OperatorAction) ProtoReflect() protoreflect.Message {
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[23]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use OperatorAction.ProtoReflect.Descriptor instead.
+func (*OperatorAction) Descriptor() ([]byte, []int) {
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{23}
+}
+
+func (x *OperatorAction) GetActionId() int64 {
+	if x != nil {
+		return x.ActionId
+	}
+	return 0
+}
+
+func (x *OperatorAction) GetAction() string {
+	if x != nil {
+		return x.Action
+	}
+	return ""
+}
+
+func (x *OperatorAction) GetActor() string {
+	if x != nil {
+		return x.Actor
+	}
+	return ""
+}
+
+func (x *OperatorAction) GetReason() string {
+	if x != nil {
+		return x.Reason
+	}
+	return ""
+}
+
+func (x *OperatorAction) GetStream() string {
+	if x != nil {
+		return x.Stream
+	}
+	return ""
+}
+
+func (x *OperatorAction) GetRequestJson() string {
+	if x != nil {
+		return x.RequestJson
+	}
+	return ""
+}
+
+func (x *OperatorAction) GetAggregates() int64 {
+	if x != nil {
+		return x.Aggregates
+	}
+	return 0
+}
+
+func (x *OperatorAction) GetEvents() int64 {
+	if x != nil {
+		return x.Events
+	}
+	return 0
+}
+
+func (x *OperatorAction) GetStartedAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.StartedAt
+	}
+	return nil
+}
+
+func (x *OperatorAction) GetFinishedAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.FinishedAt
+	}
+	return nil
+}
+
+func (x *OperatorAction) GetDetailJson() string {
+	if x != nil {
+		return x.DetailJson
+	}
+	return ""
+}
+
 // ListEventsRequest filters and pages events.
 type ListEventsRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -2034,14 +2346,17 @@ type ListEventsRequest struct {
 	// page_size is the most events to return; default 100, at most 1000.
 	PageSize uint32 `protobuf:"varint,6,opt,name=page_size,json=pageSize,proto3" json:"page_size,omitempty"`
 	// page_token continues a previous listing; empty starts at the newest.
-	PageToken     string `protobuf:"bytes,7,opt,name=page_token,json=pageToken,proto3" json:"page_token,omitempty"`
+	PageToken string `protobuf:"bytes,7,opt,name=page_token,json=pageToken,proto3" json:"page_token,omitempty"`
+	// event_id finds one event by its id (the page then holds it or nothing);
+	// the other filters must be empty with it.
+	EventId       string `protobuf:"bytes,8,opt,name=event_id,json=eventId,proto3" json:"event_id,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *ListEventsRequest) Reset() {
 	*x = ListEventsRequest{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[21]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2053,7 +2368,7 @@ func (x *ListEventsRequest) String() string {
 func (*ListEventsRequest) ProtoMessage() {}
 
 func (x *ListEventsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[21]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2066,7 +2381,7 @@ func (x *ListEventsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListEventsRequest.ProtoReflect.Descriptor instead.
 func (*ListEventsRequest) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{21}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *ListEventsRequest) GetStream() string {
@@ -2118,6 +2433,13 @@ func (x *ListEventsRequest) GetPageToken() string {
 	return ""
 }
 
+func (x *ListEventsRequest) GetEventId() string {
+	if x != nil {
+		return x.EventId
+	}
+	return ""
+}
+
 // ListEventsResponse is one page of events.
 type ListEventsResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -2131,7 +2453,7 @@ type ListEventsResponse struct {
 
 func (x *ListEventsResponse) Reset() {
 	*x = ListEventsResponse{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[22]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2143,7 +2465,7 @@ func (x *ListEventsResponse) String() string {
 func (*ListEventsResponse) ProtoMessage() {}
 
 func (x *ListEventsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[22]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2156,7 +2478,7 @@ func (x *ListEventsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListEventsResponse.ProtoReflect.Descriptor instead.
 func (*ListEventsResponse) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{22}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *ListEventsResponse) GetEvents() []*EventInfo {
@@ -2190,7 +2512,7 @@ type EventInfo struct {
 
 func (x *EventInfo) Reset() {
 	*x = EventInfo{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[23]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2202,7 +2524,7 @@ func (x *EventInfo) String() string {
 func (*EventInfo) ProtoMessage() {}
 
 func (x *EventInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[23]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2215,7 +2537,7 @@ func (x *EventInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EventInfo.ProtoReflect.Descriptor instead.
 func (*EventInfo) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{23}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *EventInfo) GetEvent() *Event {
@@ -2261,7 +2583,7 @@ type Skip struct {
 
 func (x *Skip) Reset() {
 	*x = Skip{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[24]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2273,7 +2595,7 @@ func (x *Skip) String() string {
 func (*Skip) ProtoMessage() {}
 
 func (x *Skip) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[24]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2286,7 +2608,7 @@ func (x *Skip) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Skip.ProtoReflect.Descriptor instead.
 func (*Skip) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{24}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *Skip) GetReason() string {
@@ -2321,8 +2643,8 @@ type RetryAggregateRequest struct {
 	// revisions: delivery resumes at the next revision that exists, and the
 	// decision is recorded like a skip (reason required then).
 	AcceptGap bool `protobuf:"varint,3,opt,name=accept_gap,json=acceptGap,proto3" json:"accept_gap,omitempty"`
-	// reason is recorded with accept_gap (1 to 1024 characters); ignored
-	// otherwise.
+	// reason is recorded with the retry (ListOperatorActions): required with
+	// accept_gap, optional otherwise (1 to 1024 characters when given).
 	Reason string `protobuf:"bytes,4,opt,name=reason,proto3" json:"reason,omitempty"`
 	// actor names who asks, when the credential does not already say so.
 	Actor         string `protobuf:"bytes,5,opt,name=actor,proto3" json:"actor,omitempty"`
@@ -2332,7 +2654,7 @@ type RetryAggregateRequest struct {
 
 func (x *RetryAggregateRequest) Reset() {
 	*x = RetryAggregateRequest{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[25]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2344,7 +2666,7 @@ func (x *RetryAggregateRequest) String() string {
 func (*RetryAggregateRequest) ProtoMessage() {}
 
 func (x *RetryAggregateRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[25]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2357,7 +2679,7 @@ func (x *RetryAggregateRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RetryAggregateRequest.ProtoReflect.Descriptor instead.
 func (*RetryAggregateRequest) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{25}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *RetryAggregateRequest) GetStream() string {
@@ -2406,7 +2728,7 @@ type RetryAggregateResponse struct {
 
 func (x *RetryAggregateResponse) Reset() {
 	*x = RetryAggregateResponse{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[26]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2418,7 +2740,7 @@ func (x *RetryAggregateResponse) String() string {
 func (*RetryAggregateResponse) ProtoMessage() {}
 
 func (x *RetryAggregateResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[26]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2431,7 +2753,7 @@ func (x *RetryAggregateResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RetryAggregateResponse.ProtoReflect.Descriptor instead.
 func (*RetryAggregateResponse) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{26}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *RetryAggregateResponse) GetAggregate() *Aggregate {
@@ -2456,7 +2778,7 @@ type SkipEventRequest struct {
 
 func (x *SkipEventRequest) Reset() {
 	*x = SkipEventRequest{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[27]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2468,7 +2790,7 @@ func (x *SkipEventRequest) String() string {
 func (*SkipEventRequest) ProtoMessage() {}
 
 func (x *SkipEventRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[27]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2481,7 +2803,7 @@ func (x *SkipEventRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SkipEventRequest.ProtoReflect.Descriptor instead.
 func (*SkipEventRequest) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{27}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{30}
 }
 
 func (x *SkipEventRequest) GetEventId() string {
@@ -2516,7 +2838,7 @@ type SkipEventResponse struct {
 
 func (x *SkipEventResponse) Reset() {
 	*x = SkipEventResponse{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[28]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2528,7 +2850,7 @@ func (x *SkipEventResponse) String() string {
 func (*SkipEventResponse) ProtoMessage() {}
 
 func (x *SkipEventResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[28]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2541,7 +2863,7 @@ func (x *SkipEventResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SkipEventResponse.ProtoReflect.Descriptor instead.
 func (*SkipEventResponse) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{28}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{31}
 }
 
 func (x *SkipEventResponse) GetSkip() *Skip {
@@ -2569,7 +2891,7 @@ type PurgeRequest struct {
 
 func (x *PurgeRequest) Reset() {
 	*x = PurgeRequest{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[29]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[32]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2581,7 +2903,7 @@ func (x *PurgeRequest) String() string {
 func (*PurgeRequest) ProtoMessage() {}
 
 func (x *PurgeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[29]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[32]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2594,7 +2916,7 @@ func (x *PurgeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PurgeRequest.ProtoReflect.Descriptor instead.
 func (*PurgeRequest) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{29}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{32}
 }
 
 func (x *PurgeRequest) GetPublishedBefore() *timestamppb.Timestamp {
@@ -2644,7 +2966,7 @@ type PurgeResponse struct {
 
 func (x *PurgeResponse) Reset() {
 	*x = PurgeResponse{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[30]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[33]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2656,7 +2978,7 @@ func (x *PurgeResponse) String() string {
 func (*PurgeResponse) ProtoMessage() {}
 
 func (x *PurgeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[30]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[33]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2669,7 +2991,7 @@ func (x *PurgeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PurgeResponse.ProtoReflect.Descriptor instead.
 func (*PurgeResponse) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{30}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{33}
 }
 
 func (x *PurgeResponse) GetDeleted() int64 {
@@ -2842,7 +3164,7 @@ const file_outbox_v1_admin_service_proto_rawDesc = "" +
 	"\x10BulkSkipResponse\x12\x18\n" +
 	"\amatched\x18\x01 \x01(\x03R\amatched\x12\x18\n" +
 	"\askipped\x18\x02 \x01(\x03R\askipped\x12,\n" +
-	"\x06sample\x18\x03 \x03(\v2\x14.outbox.v1.AggregateR\x06sample\"\xc7\x02\n" +
+	"\x06sample\x18\x03 \x03(\v2\x14.outbox.v1.AggregateR\x06sample\"\xf0\x02\n" +
 	"\x10RepublishRequest\x12\x16\n" +
 	"\x06stream\x18\x01 \x01(\tR\x06stream\x12#\n" +
 	"\raggregate_key\x18\x02 \x01(\tR\faggregateKey\x12#\n" +
@@ -2851,14 +3173,45 @@ const file_outbox_v1_admin_service_proto_rawDesc = "" +
 	"\x10published_before\x18\x05 \x01(\v2\x1a.google.protobuf.TimestampR\x0fpublishedBefore\x12\x16\n" +
 	"\x06reason\x18\x06 \x01(\tR\x06reason\x12\x17\n" +
 	"\adry_run\x18\a \x01(\bR\x06dryRun\x12\x14\n" +
-	"\x05actor\x18\b \x01(\tR\x05actor\"\x94\x01\n" +
+	"\x05actor\x18\b \x01(\tR\x05actor\x12'\n" +
+	"\x0finclude_skipped\x18\t \x01(\bR\x0eincludeSkipped\"\xbf\x01\n" +
 	"\x11RepublishResponse\x12\x1e\n" +
 	"\n" +
 	"aggregates\x18\x01 \x01(\x03R\n" +
 	"aggregates\x12\x16\n" +
 	"\x06events\x18\x02 \x01(\x03R\x06events\x12-\n" +
 	"\x12refused_aggregates\x18\x03 \x01(\x03R\x11refusedAggregates\x12\x18\n" +
-	"\arefused\x18\x04 \x03(\tR\arefused\"\xbd\x02\n" +
+	"\arefused\x18\x04 \x03(\tR\arefused\x12)\n" +
+	"\x10unskipped_events\x18\x05 \x01(\x03R\x0funskippedEvents\"\xdf\x01\n" +
+	"\x1aListOperatorActionsRequest\x12\x16\n" +
+	"\x06stream\x18\x01 \x01(\tR\x06stream\x12#\n" +
+	"\raggregate_key\x18\x02 \x01(\tR\faggregateKey\x12\x16\n" +
+	"\x06action\x18\x03 \x01(\tR\x06action\x120\n" +
+	"\x05since\x18\x04 \x01(\v2\x1a.google.protobuf.TimestampR\x05since\x12\x1b\n" +
+	"\tpage_size\x18\x05 \x01(\rR\bpageSize\x12\x1d\n" +
+	"\n" +
+	"page_token\x18\x06 \x01(\tR\tpageToken\"z\n" +
+	"\x1bListOperatorActionsResponse\x123\n" +
+	"\aactions\x18\x01 \x03(\v2\x19.outbox.v1.OperatorActionR\aactions\x12&\n" +
+	"\x0fnext_page_token\x18\x02 \x01(\tR\rnextPageToken\"\xff\x02\n" +
+	"\x0eOperatorAction\x12\x1b\n" +
+	"\taction_id\x18\x01 \x01(\x03R\bactionId\x12\x16\n" +
+	"\x06action\x18\x02 \x01(\tR\x06action\x12\x14\n" +
+	"\x05actor\x18\x03 \x01(\tR\x05actor\x12\x16\n" +
+	"\x06reason\x18\x04 \x01(\tR\x06reason\x12\x16\n" +
+	"\x06stream\x18\x05 \x01(\tR\x06stream\x12!\n" +
+	"\frequest_json\x18\x06 \x01(\tR\vrequestJson\x12\x1e\n" +
+	"\n" +
+	"aggregates\x18\a \x01(\x03R\n" +
+	"aggregates\x12\x16\n" +
+	"\x06events\x18\b \x01(\x03R\x06events\x129\n" +
+	"\n" +
+	"started_at\x18\t \x01(\v2\x1a.google.protobuf.TimestampR\tstartedAt\x12;\n" +
+	"\vfinished_at\x18\n" +
+	" \x01(\v2\x1a.google.protobuf.TimestampR\n" +
+	"finishedAt\x12\x1f\n" +
+	"\vdetail_json\x18\v \x01(\tR\n" +
+	"detailJson\"\xd8\x02\n" +
 	"\x11ListEventsRequest\x12\x16\n" +
 	"\x06stream\x18\x01 \x01(\tR\x06stream\x12#\n" +
 	"\raggregate_key\x18\x02 \x01(\tR\faggregateKey\x12+\n" +
@@ -2867,7 +3220,8 @@ const file_outbox_v1_admin_service_proto_rawDesc = "" +
 	"\x0ecreated_before\x18\x05 \x01(\v2\x1a.google.protobuf.TimestampR\rcreatedBefore\x12\x1b\n" +
 	"\tpage_size\x18\x06 \x01(\rR\bpageSize\x12\x1d\n" +
 	"\n" +
-	"page_token\x18\a \x01(\tR\tpageToken\"j\n" +
+	"page_token\x18\a \x01(\tR\tpageToken\x12\x19\n" +
+	"\bevent_id\x18\b \x01(\tR\aeventId\"j\n" +
 	"\x12ListEventsResponse\x12,\n" +
 	"\x06events\x18\x01 \x03(\v2\x14.outbox.v1.EventInfoR\x06events\x12&\n" +
 	"\x0fnext_page_token\x18\x02 \x01(\tR\rnextPageToken\"\xc4\x01\n" +
@@ -2927,7 +3281,7 @@ const file_outbox_v1_admin_service_proto_rawDesc = "" +
 	"\x17EVENT_STATE_UNSPECIFIED\x10\x00\x12\x17\n" +
 	"\x13EVENT_STATE_PENDING\x10\x01\x12\x19\n" +
 	"\x15EVENT_STATE_PUBLISHED\x10\x02\x12\x17\n" +
-	"\x13EVENT_STATE_SKIPPED\x10\x032\x8e\a\n" +
+	"\x13EVENT_STATE_SKIPPED\x10\x032\xf4\a\n" +
 	"\fAdminService\x12=\n" +
 	"\x06GetLag\x12\x18.outbox.v1.GetLagRequest\x1a\x19.outbox.v1.GetLagResponse\x12I\n" +
 	"\n" +
@@ -2942,7 +3296,8 @@ const file_outbox_v1_admin_service_proto_rawDesc = "" +
 	"\fListAttempts\x12\x1e.outbox.v1.ListAttemptsRequest\x1a\x1f.outbox.v1.ListAttemptsResponse\x12F\n" +
 	"\tBulkRetry\x12\x1b.outbox.v1.BulkRetryRequest\x1a\x1c.outbox.v1.BulkRetryResponse\x12C\n" +
 	"\bBulkSkip\x12\x1a.outbox.v1.BulkSkipRequest\x1a\x1b.outbox.v1.BulkSkipResponse\x12F\n" +
-	"\tRepublish\x12\x1b.outbox.v1.RepublishRequest\x1a\x1c.outbox.v1.RepublishResponseB3Z1github.com/outboxd/outboxd/gen/outbox/v1;outboxv1b\x06proto3"
+	"\tRepublish\x12\x1b.outbox.v1.RepublishRequest\x1a\x1c.outbox.v1.RepublishResponse\x12d\n" +
+	"\x13ListOperatorActions\x12%.outbox.v1.ListOperatorActionsRequest\x1a&.outbox.v1.ListOperatorActionsResponseB3Z1github.com/outboxd/outboxd/gen/outbox/v1;outboxv1b\x06proto3"
 
 var (
 	file_outbox_v1_admin_service_proto_rawDescOnce sync.Once
@@ -2957,115 +3312,124 @@ func file_outbox_v1_admin_service_proto_rawDescGZIP() []byte {
 }
 
 var file_outbox_v1_admin_service_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
-var file_outbox_v1_admin_service_proto_msgTypes = make([]protoimpl.MessageInfo, 31)
+var file_outbox_v1_admin_service_proto_msgTypes = make([]protoimpl.MessageInfo, 34)
 var file_outbox_v1_admin_service_proto_goTypes = []any{
-	(AggregateState)(0),            // 0: outbox.v1.AggregateState
-	(AttemptOutcome)(0),            // 1: outbox.v1.AttemptOutcome
-	(EventState)(0),                // 2: outbox.v1.EventState
-	(*GetLagRequest)(nil),          // 3: outbox.v1.GetLagRequest
-	(*GetLagResponse)(nil),         // 4: outbox.v1.GetLagResponse
-	(*StreamLag)(nil),              // 5: outbox.v1.StreamLag
-	(*ListRelaysRequest)(nil),      // 6: outbox.v1.ListRelaysRequest
-	(*ListRelaysResponse)(nil),     // 7: outbox.v1.ListRelaysResponse
-	(*Relay)(nil),                  // 8: outbox.v1.Relay
-	(*GetAggregateRequest)(nil),    // 9: outbox.v1.GetAggregateRequest
-	(*GetAggregateResponse)(nil),   // 10: outbox.v1.GetAggregateResponse
-	(*Aggregate)(nil),              // 11: outbox.v1.Aggregate
-	(*AggregateFilter)(nil),        // 12: outbox.v1.AggregateFilter
-	(*ListAggregatesRequest)(nil),  // 13: outbox.v1.ListAggregatesRequest
-	(*ListAggregatesResponse)(nil), // 14: outbox.v1.ListAggregatesResponse
-	(*Attempt)(nil),                // 15: outbox.v1.Attempt
-	(*ListAttemptsRequest)(nil),    // 16: outbox.v1.ListAttemptsRequest
-	(*ListAttemptsResponse)(nil),   // 17: outbox.v1.ListAttemptsResponse
-	(*BulkRetryRequest)(nil),       // 18: outbox.v1.BulkRetryRequest
-	(*BulkRetryResponse)(nil),      // 19: outbox.v1.BulkRetryResponse
-	(*BulkSkipRequest)(nil),        // 20: outbox.v1.BulkSkipRequest
-	(*BulkSkipResponse)(nil),       // 21: outbox.v1.BulkSkipResponse
-	(*RepublishRequest)(nil),       // 22: outbox.v1.RepublishRequest
-	(*RepublishResponse)(nil),      // 23: outbox.v1.RepublishResponse
-	(*ListEventsRequest)(nil),      // 24: outbox.v1.ListEventsRequest
-	(*ListEventsResponse)(nil),     // 25: outbox.v1.ListEventsResponse
-	(*EventInfo)(nil),              // 26: outbox.v1.EventInfo
-	(*Skip)(nil),                   // 27: outbox.v1.Skip
-	(*RetryAggregateRequest)(nil),  // 28: outbox.v1.RetryAggregateRequest
-	(*RetryAggregateResponse)(nil), // 29: outbox.v1.RetryAggregateResponse
-	(*SkipEventRequest)(nil),       // 30: outbox.v1.SkipEventRequest
-	(*SkipEventResponse)(nil),      // 31: outbox.v1.SkipEventResponse
-	(*PurgeRequest)(nil),           // 32: outbox.v1.PurgeRequest
-	(*PurgeResponse)(nil),          // 33: outbox.v1.PurgeResponse
-	(*durationpb.Duration)(nil),    // 34: google.protobuf.Duration
-	(*timestamppb.Timestamp)(nil),  // 35: google.protobuf.Timestamp
-	(*Event)(nil),                  // 36: outbox.v1.Event
+	(AggregateState)(0),                 // 0: outbox.v1.AggregateState
+	(AttemptOutcome)(0),                 // 1: outbox.v1.AttemptOutcome
+	(EventState)(0),                     // 2: outbox.v1.EventState
+	(*GetLagRequest)(nil),               // 3: outbox.v1.GetLagRequest
+	(*GetLagResponse)(nil),              // 4: outbox.v1.GetLagResponse
+	(*StreamLag)(nil),                   // 5: outbox.v1.StreamLag
+	(*ListRelaysRequest)(nil),           // 6: outbox.v1.ListRelaysRequest
+	(*ListRelaysResponse)(nil),          // 7: outbox.v1.ListRelaysResponse
+	(*Relay)(nil),                       // 8: outbox.v1.Relay
+	(*GetAggregateRequest)(nil),         // 9: outbox.v1.GetAggregateRequest
+	(*GetAggregateResponse)(nil),        // 10: outbox.v1.GetAggregateResponse
+	(*Aggregate)(nil),                   // 11: outbox.v1.Aggregate
+	(*AggregateFilter)(nil),             // 12: outbox.v1.AggregateFilter
+	(*ListAggregatesRequest)(nil),       // 13: outbox.v1.ListAggregatesRequest
+	(*ListAggregatesResponse)(nil),      // 14: outbox.v1.ListAggregatesResponse
+	(*Attempt)(nil),                     // 15: outbox.v1.Attempt
+	(*ListAttemptsRequest)(nil),         // 16: outbox.v1.ListAttemptsRequest
+	(*ListAttemptsResponse)(nil),        // 17: outbox.v1.ListAttemptsResponse
+	(*BulkRetryRequest)(nil),            // 18: outbox.v1.BulkRetryRequest
+	(*BulkRetryResponse)(nil),           // 19: outbox.v1.BulkRetryResponse
+	(*BulkSkipRequest)(nil),             // 20: outbox.v1.BulkSkipRequest
+	(*BulkSkipResponse)(nil),            // 21: outbox.v1.BulkSkipResponse
+	(*RepublishRequest)(nil),            // 22: outbox.v1.RepublishRequest
+	(*RepublishResponse)(nil),           // 23: outbox.v1.RepublishResponse
+	(*ListOperatorActionsRequest)(nil),  // 24: outbox.v1.ListOperatorActionsRequest
+	(*ListOperatorActionsResponse)(nil), // 25: outbox.v1.ListOperatorActionsResponse
+	(*OperatorAction)(nil),              // 26: outbox.v1.OperatorAction
+	(*ListEventsRequest)(nil),           // 27: outbox.v1.ListEventsRequest
+	(*ListEventsResponse)(nil),          // 28: outbox.v1.ListEventsResponse
+	(*EventInfo)(nil),                   // 29: outbox.v1.EventInfo
+	(*Skip)(nil),                        // 30: outbox.v1.Skip
+	(*RetryAggregateRequest)(nil),       // 31: outbox.v1.RetryAggregateRequest
+	(*RetryAggregateResponse)(nil),      // 32: outbox.v1.RetryAggregateResponse
+	(*SkipEventRequest)(nil),            // 33: outbox.v1.SkipEventRequest
+	(*SkipEventResponse)(nil),           // 34: outbox.v1.SkipEventResponse
+	(*PurgeRequest)(nil),                // 35: outbox.v1.PurgeRequest
+	(*PurgeResponse)(nil),               // 36: outbox.v1.PurgeResponse
+	(*durationpb.Duration)(nil),         // 37: google.protobuf.Duration
+	(*timestamppb.Timestamp)(nil),       // 38: google.protobuf.Timestamp
+	(*Event)(nil),                       // 39: outbox.v1.Event
 }
 var file_outbox_v1_admin_service_proto_depIdxs = []int32{
 	5,  // 0: outbox.v1.GetLagResponse.streams:type_name -> outbox.v1.StreamLag
 	5,  // 1: outbox.v1.GetLagResponse.total:type_name -> outbox.v1.StreamLag
-	34, // 2: outbox.v1.StreamLag.oldest_pending_age:type_name -> google.protobuf.Duration
-	35, // 3: outbox.v1.StreamLag.oldest_pending_created_at:type_name -> google.protobuf.Timestamp
-	34, // 4: outbox.v1.StreamLag.oldest_held_age:type_name -> google.protobuf.Duration
+	37, // 2: outbox.v1.StreamLag.oldest_pending_age:type_name -> google.protobuf.Duration
+	38, // 3: outbox.v1.StreamLag.oldest_pending_created_at:type_name -> google.protobuf.Timestamp
+	37, // 4: outbox.v1.StreamLag.oldest_held_age:type_name -> google.protobuf.Duration
 	8,  // 5: outbox.v1.ListRelaysResponse.relays:type_name -> outbox.v1.Relay
-	35, // 6: outbox.v1.Relay.connected_at:type_name -> google.protobuf.Timestamp
+	38, // 6: outbox.v1.Relay.connected_at:type_name -> google.protobuf.Timestamp
 	11, // 7: outbox.v1.GetAggregateResponse.aggregate:type_name -> outbox.v1.Aggregate
 	0,  // 8: outbox.v1.Aggregate.state:type_name -> outbox.v1.AggregateState
-	35, // 9: outbox.v1.Aggregate.lease_expires_at:type_name -> google.protobuf.Timestamp
-	35, // 10: outbox.v1.Aggregate.next_attempt_at:type_name -> google.protobuf.Timestamp
-	35, // 11: outbox.v1.Aggregate.parked_at:type_name -> google.protobuf.Timestamp
-	35, // 12: outbox.v1.Aggregate.oldest_pending_created_at:type_name -> google.protobuf.Timestamp
+	38, // 9: outbox.v1.Aggregate.lease_expires_at:type_name -> google.protobuf.Timestamp
+	38, // 10: outbox.v1.Aggregate.next_attempt_at:type_name -> google.protobuf.Timestamp
+	38, // 11: outbox.v1.Aggregate.parked_at:type_name -> google.protobuf.Timestamp
+	38, // 12: outbox.v1.Aggregate.oldest_pending_created_at:type_name -> google.protobuf.Timestamp
 	0,  // 13: outbox.v1.AggregateFilter.states:type_name -> outbox.v1.AggregateState
-	35, // 14: outbox.v1.AggregateFilter.pending_before:type_name -> google.protobuf.Timestamp
+	38, // 14: outbox.v1.AggregateFilter.pending_before:type_name -> google.protobuf.Timestamp
 	12, // 15: outbox.v1.ListAggregatesRequest.filter:type_name -> outbox.v1.AggregateFilter
 	11, // 16: outbox.v1.ListAggregatesResponse.aggregates:type_name -> outbox.v1.Aggregate
 	1,  // 17: outbox.v1.Attempt.outcome:type_name -> outbox.v1.AttemptOutcome
-	35, // 18: outbox.v1.Attempt.at:type_name -> google.protobuf.Timestamp
+	38, // 18: outbox.v1.Attempt.at:type_name -> google.protobuf.Timestamp
 	15, // 19: outbox.v1.ListAttemptsResponse.attempts:type_name -> outbox.v1.Attempt
 	12, // 20: outbox.v1.BulkRetryRequest.filter:type_name -> outbox.v1.AggregateFilter
 	11, // 21: outbox.v1.BulkRetryResponse.sample:type_name -> outbox.v1.Aggregate
 	12, // 22: outbox.v1.BulkSkipRequest.filter:type_name -> outbox.v1.AggregateFilter
 	11, // 23: outbox.v1.BulkSkipResponse.sample:type_name -> outbox.v1.Aggregate
-	35, // 24: outbox.v1.RepublishRequest.published_after:type_name -> google.protobuf.Timestamp
-	35, // 25: outbox.v1.RepublishRequest.published_before:type_name -> google.protobuf.Timestamp
-	2,  // 26: outbox.v1.ListEventsRequest.state:type_name -> outbox.v1.EventState
-	35, // 27: outbox.v1.ListEventsRequest.created_after:type_name -> google.protobuf.Timestamp
-	35, // 28: outbox.v1.ListEventsRequest.created_before:type_name -> google.protobuf.Timestamp
-	26, // 29: outbox.v1.ListEventsResponse.events:type_name -> outbox.v1.EventInfo
-	36, // 30: outbox.v1.EventInfo.event:type_name -> outbox.v1.Event
-	2,  // 31: outbox.v1.EventInfo.state:type_name -> outbox.v1.EventState
-	35, // 32: outbox.v1.EventInfo.published_at:type_name -> google.protobuf.Timestamp
-	27, // 33: outbox.v1.EventInfo.skip:type_name -> outbox.v1.Skip
-	35, // 34: outbox.v1.Skip.skipped_at:type_name -> google.protobuf.Timestamp
-	11, // 35: outbox.v1.RetryAggregateResponse.aggregate:type_name -> outbox.v1.Aggregate
-	27, // 36: outbox.v1.SkipEventResponse.skip:type_name -> outbox.v1.Skip
-	35, // 37: outbox.v1.PurgeRequest.published_before:type_name -> google.protobuf.Timestamp
-	34, // 38: outbox.v1.PurgeResponse.elapsed:type_name -> google.protobuf.Duration
-	3,  // 39: outbox.v1.AdminService.GetLag:input_type -> outbox.v1.GetLagRequest
-	6,  // 40: outbox.v1.AdminService.ListRelays:input_type -> outbox.v1.ListRelaysRequest
-	9,  // 41: outbox.v1.AdminService.GetAggregate:input_type -> outbox.v1.GetAggregateRequest
-	24, // 42: outbox.v1.AdminService.ListEvents:input_type -> outbox.v1.ListEventsRequest
-	28, // 43: outbox.v1.AdminService.RetryAggregate:input_type -> outbox.v1.RetryAggregateRequest
-	30, // 44: outbox.v1.AdminService.SkipEvent:input_type -> outbox.v1.SkipEventRequest
-	32, // 45: outbox.v1.AdminService.Purge:input_type -> outbox.v1.PurgeRequest
-	13, // 46: outbox.v1.AdminService.ListAggregates:input_type -> outbox.v1.ListAggregatesRequest
-	16, // 47: outbox.v1.AdminService.ListAttempts:input_type -> outbox.v1.ListAttemptsRequest
-	18, // 48: outbox.v1.AdminService.BulkRetry:input_type -> outbox.v1.BulkRetryRequest
-	20, // 49: outbox.v1.AdminService.BulkSkip:input_type -> outbox.v1.BulkSkipRequest
-	22, // 50: outbox.v1.AdminService.Republish:input_type -> outbox.v1.RepublishRequest
-	4,  // 51: outbox.v1.AdminService.GetLag:output_type -> outbox.v1.GetLagResponse
-	7,  // 52: outbox.v1.AdminService.ListRelays:output_type -> outbox.v1.ListRelaysResponse
-	10, // 53: outbox.v1.AdminService.GetAggregate:output_type -> outbox.v1.GetAggregateResponse
-	25, // 54: outbox.v1.AdminService.ListEvents:output_type -> outbox.v1.ListEventsResponse
-	29, // 55: outbox.v1.AdminService.RetryAggregate:output_type -> outbox.v1.RetryAggregateResponse
-	31, // 56: outbox.v1.AdminService.SkipEvent:output_type -> outbox.v1.SkipEventResponse
-	33, // 57: outbox.v1.AdminService.Purge:output_type -> outbox.v1.PurgeResponse
-	14, // 58: outbox.v1.AdminService.ListAggregates:output_type -> outbox.v1.ListAggregatesResponse
-	17, // 59: outbox.v1.AdminService.ListAttempts:output_type -> outbox.v1.ListAttemptsResponse
-	19, // 60: outbox.v1.AdminService.BulkRetry:output_type -> outbox.v1.BulkRetryResponse
-	21, // 61: outbox.v1.AdminService.BulkSkip:output_type -> outbox.v1.BulkSkipResponse
-	23, // 62: outbox.v1.AdminService.Republish:output_type -> outbox.v1.RepublishResponse
-	51, // [51:63] is the sub-list for method output_type
-	39, // [39:51] is the sub-list for method input_type
-	39, // [39:39] is the sub-list for extension type_name
-	39, // [39:39] is the sub-list for extension extendee
-	0,  // [0:39] is the sub-list for field type_name
+	38, // 24: outbox.v1.RepublishRequest.published_after:type_name -> google.protobuf.Timestamp
+	38, // 25: outbox.v1.RepublishRequest.published_before:type_name -> google.protobuf.Timestamp
+	38, // 26: outbox.v1.ListOperatorActionsRequest.since:type_name -> google.protobuf.Timestamp
+	26, // 27: outbox.v1.ListOperatorActionsResponse.actions:type_name -> outbox.v1.OperatorAction
+	38, // 28: outbox.v1.OperatorAction.started_at:type_name -> google.protobuf.Timestamp
+	38, // 29: outbox.v1.OperatorAction.finished_at:type_name -> google.protobuf.Timestamp
+	2,  // 30: outbox.v1.ListEventsRequest.state:type_name -> outbox.v1.EventState
+	38, // 31: outbox.v1.ListEventsRequest.created_after:type_name -> google.protobuf.Timestamp
+	38, // 32: outbox.v1.ListEventsRequest.created_before:type_name -> google.protobuf.Timestamp
+	29, // 33: outbox.v1.ListEventsResponse.events:type_name -> outbox.v1.EventInfo
+	39, // 34: outbox.v1.EventInfo.event:type_name -> outbox.v1.Event
+	2,  // 35: outbox.v1.EventInfo.state:type_name -> outbox.v1.EventState
+	38, // 36: outbox.v1.EventInfo.published_at:type_name -> google.protobuf.Timestamp
+	30, // 37: outbox.v1.EventInfo.skip:type_name -> outbox.v1.Skip
+	38, // 38: outbox.v1.Skip.skipped_at:type_name -> google.protobuf.Timestamp
+	11, // 39: outbox.v1.RetryAggregateResponse.aggregate:type_name -> outbox.v1.Aggregate
+	30, // 40: outbox.v1.SkipEventResponse.skip:type_name -> outbox.v1.Skip
+	38, // 41: outbox.v1.PurgeRequest.published_before:type_name -> google.protobuf.Timestamp
+	37, // 42: outbox.v1.PurgeResponse.elapsed:type_name -> google.protobuf.Duration
+	3,  // 43: outbox.v1.AdminService.GetLag:input_type -> outbox.v1.GetLagRequest
+	6,  // 44: outbox.v1.AdminService.ListRelays:input_type -> outbox.v1.ListRelaysRequest
+	9,  // 45: outbox.v1.AdminService.GetAggregate:input_type -> outbox.v1.GetAggregateRequest
+	27, // 46: outbox.v1.AdminService.ListEvents:input_type -> outbox.v1.ListEventsRequest
+	31, // 47: outbox.v1.AdminService.RetryAggregate:input_type -> outbox.v1.RetryAggregateRequest
+	33, // 48: outbox.v1.AdminService.SkipEvent:input_type -> outbox.v1.SkipEventRequest
+	35, // 49: outbox.v1.AdminService.Purge:input_type -> outbox.v1.PurgeRequest
+	13, // 50: outbox.v1.AdminService.ListAggregates:input_type -> outbox.v1.ListAggregatesRequest
+	16, // 51: outbox.v1.AdminService.ListAttempts:input_type -> outbox.v1.ListAttemptsRequest
+	18, // 52: outbox.v1.AdminService.BulkRetry:input_type -> outbox.v1.BulkRetryRequest
+	20, // 53: outbox.v1.AdminService.BulkSkip:input_type -> outbox.v1.BulkSkipRequest
+	22, // 54: outbox.v1.AdminService.Republish:input_type -> outbox.v1.RepublishRequest
+	24, // 55: outbox.v1.AdminService.ListOperatorActions:input_type -> outbox.v1.ListOperatorActionsRequest
+	4,  // 56: outbox.v1.AdminService.GetLag:output_type -> outbox.v1.GetLagResponse
+	7,  // 57: outbox.v1.AdminService.ListRelays:output_type -> outbox.v1.ListRelaysResponse
+	10, // 58: outbox.v1.AdminService.GetAggregate:output_type -> outbox.v1.GetAggregateResponse
+	28, // 59: outbox.v1.AdminService.ListEvents:output_type -> outbox.v1.ListEventsResponse
+	32, // 60: outbox.v1.AdminService.RetryAggregate:output_type -> outbox.v1.RetryAggregateResponse
+	34, // 61: outbox.v1.AdminService.SkipEvent:output_type -> outbox.v1.SkipEventResponse
+	36, // 62: outbox.v1.AdminService.Purge:output_type -> outbox.v1.PurgeResponse
+	14, // 63: outbox.v1.AdminService.ListAggregates:output_type -> outbox.v1.ListAggregatesResponse
+	17, // 64: outbox.v1.AdminService.ListAttempts:output_type -> outbox.v1.ListAttemptsResponse
+	19, // 65: outbox.v1.AdminService.BulkRetry:output_type -> outbox.v1.BulkRetryResponse
+	21, // 66: outbox.v1.AdminService.BulkSkip:output_type -> outbox.v1.BulkSkipResponse
+	23, // 67: outbox.v1.AdminService.Republish:output_type -> outbox.v1.RepublishResponse
+	25, // 68: outbox.v1.AdminService.ListOperatorActions:output_type -> outbox.v1.ListOperatorActionsResponse
+	56, // [56:69] is the sub-list for method output_type
+	43, // [43:56] is the sub-list for method input_type
+	43, // [43:43] is the sub-list for extension type_name
+	43, // [43:43] is the sub-list for extension extendee
+	0,  // [0:43] is the sub-list for field type_name
 }
 
 func init() { file_outbox_v1_admin_service_proto_init() }
@@ -3080,7 +3444,7 @@ func file_outbox_v1_admin_service_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_outbox_v1_admin_service_proto_rawDesc), len(file_outbox_v1_admin_service_proto_rawDesc)),
 			NumEnums:      3,
-			NumMessages:   31,
+			NumMessages:   34,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

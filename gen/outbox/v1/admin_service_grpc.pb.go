@@ -19,18 +19,19 @@ import (
 const _ = grpc.SupportPackageIsVersion9
 
 const (
-	AdminService_GetLag_FullMethodName         = "/outbox.v1.AdminService/GetLag"
-	AdminService_ListRelays_FullMethodName     = "/outbox.v1.AdminService/ListRelays"
-	AdminService_GetAggregate_FullMethodName   = "/outbox.v1.AdminService/GetAggregate"
-	AdminService_ListEvents_FullMethodName     = "/outbox.v1.AdminService/ListEvents"
-	AdminService_RetryAggregate_FullMethodName = "/outbox.v1.AdminService/RetryAggregate"
-	AdminService_SkipEvent_FullMethodName      = "/outbox.v1.AdminService/SkipEvent"
-	AdminService_Purge_FullMethodName          = "/outbox.v1.AdminService/Purge"
-	AdminService_ListAggregates_FullMethodName = "/outbox.v1.AdminService/ListAggregates"
-	AdminService_ListAttempts_FullMethodName   = "/outbox.v1.AdminService/ListAttempts"
-	AdminService_BulkRetry_FullMethodName      = "/outbox.v1.AdminService/BulkRetry"
-	AdminService_BulkSkip_FullMethodName       = "/outbox.v1.AdminService/BulkSkip"
-	AdminService_Republish_FullMethodName      = "/outbox.v1.AdminService/Republish"
+	AdminService_GetLag_FullMethodName              = "/outbox.v1.AdminService/GetLag"
+	AdminService_ListRelays_FullMethodName          = "/outbox.v1.AdminService/ListRelays"
+	AdminService_GetAggregate_FullMethodName        = "/outbox.v1.AdminService/GetAggregate"
+	AdminService_ListEvents_FullMethodName          = "/outbox.v1.AdminService/ListEvents"
+	AdminService_RetryAggregate_FullMethodName      = "/outbox.v1.AdminService/RetryAggregate"
+	AdminService_SkipEvent_FullMethodName           = "/outbox.v1.AdminService/SkipEvent"
+	AdminService_Purge_FullMethodName               = "/outbox.v1.AdminService/Purge"
+	AdminService_ListAggregates_FullMethodName      = "/outbox.v1.AdminService/ListAggregates"
+	AdminService_ListAttempts_FullMethodName        = "/outbox.v1.AdminService/ListAttempts"
+	AdminService_BulkRetry_FullMethodName           = "/outbox.v1.AdminService/BulkRetry"
+	AdminService_BulkSkip_FullMethodName            = "/outbox.v1.AdminService/BulkSkip"
+	AdminService_Republish_FullMethodName           = "/outbox.v1.AdminService/Republish"
+	AdminService_ListOperatorActions_FullMethodName = "/outbox.v1.AdminService/ListOperatorActions"
 )
 
 // AdminServiceClient is the client API for AdminService service.
@@ -49,19 +50,23 @@ type AdminServiceClient interface {
 	// GetAggregate shows one aggregate's delivery state. NOT_FOUND if the
 	// aggregate has never had an event.
 	GetAggregate(ctx context.Context, in *GetAggregateRequest, opts ...grpc.CallOption) (*GetAggregateResponse, error)
-	// ListEvents lists events, newest first, with cursor pagination.
+	// ListEvents lists events, newest first, with cursor pagination, or finds
+	// one by its event_id.
 	ListEvents(ctx context.Context, in *ListEventsRequest, opts ...grpc.CallOption) (*ListEventsResponse, error)
 	// RetryAggregate makes a parked or backing-off aggregate deliverable now,
 	// with a fresh set of attempts. For a gap-held aggregate it needs
 	// accept_gap and a reason. NOT_FOUND if the aggregate has never had an
 	// event; FAILED_PRECONDITION if it is idle, leased (wait for the lease to
 	// end) or held at a gap without accept_gap. A ready aggregate is returned
-	// unchanged.
+	// unchanged. A retry that changes the aggregate is recorded as an operator
+	// action (ListOperatorActions), with the revisions an accepted gap gave up.
 	RetryAggregate(ctx context.Context, in *RetryAggregateRequest, opts ...grpc.CallOption) (*RetryAggregateResponse, error)
 	// SkipEvent abandons one pending event: it will never be delivered nor
 	// marked published, stays queryable, and later revisions may proceed. The
 	// reason is mandatory (INVALID_ARGUMENT without one). FAILED_PRECONDITION if
-	// the event is already published or skipped.
+	// the event is already published or skipped. The skip is recorded as an
+	// operator action too (ListOperatorActions). A skipped event can be
+	// delivered after all with Republish and include_skipped.
 	SkipEvent(ctx context.Context, in *SkipEventRequest, opts ...grpc.CallOption) (*SkipEventResponse, error)
 	// Purge deletes published events created before a cut-off, in bounded
 	// batches, each its own short transaction; it never deletes a pending or
@@ -98,7 +103,26 @@ type AdminServiceClient interface {
 	// ranges with a missing (purged, accepted-gap) or stranded revision, are
 	// refused: FAILED_PRECONDITION for one aggregate, refused_aggregates in a
 	// time range.
+	//
+	// Skipped events in the range stay skipped unless include_skipped: then
+	// their skips are withdrawn (each skip's record is kept with the action)
+	// and they are delivered too, in their place in revision order, under
+	// their own event ids, payloads and headers. A skipped event delivery has
+	// not reached yet cannot be republished (FAILED_PRECONDITION).
+	//
+	// A republished event's deliveries continue its attempt numbers: the
+	// first is numbered one past the deliveries it had before (at least one
+	// past the highest attempt on record, or counted by an earlier republish),
+	// never 1 again.
 	Republish(ctx context.Context, in *RepublishRequest, opts ...grpc.CallOption) (*RepublishResponse, error)
+	// ListOperatorActions lists the operator actions on record, newest first:
+	// retries (with or without an accepted gap), skips, bulk retries and
+	// skips, and republishes, each with who, when, why and what. Naming an
+	// aggregate lists the actions that changed it, each with what it did
+	// there. A stream-limited token sees only actions whose stream (or bulk
+	// stream pattern) it covers. Read-only: callers need the viewer or admin
+	// role.
+	ListOperatorActions(ctx context.Context, in *ListOperatorActionsRequest, opts ...grpc.CallOption) (*ListOperatorActionsResponse, error)
 }
 
 type adminServiceClient struct {
@@ -238,6 +262,16 @@ func (c *adminServiceClient) Republish(ctx context.Context, in *RepublishRequest
 	return out, nil
 }
 
+func (c *adminServiceClient) ListOperatorActions(ctx context.Context, in *ListOperatorActionsRequest, opts ...grpc.CallOption) (*ListOperatorActionsResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(ListOperatorActionsResponse)
+	err := c.cc.Invoke(ctx, AdminService_ListOperatorActions_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // AdminServiceServer is the server API for AdminService service.
 // All implementations must embed UnimplementedAdminServiceServer
 // for forward compatibility.
@@ -254,19 +288,23 @@ type AdminServiceServer interface {
 	// GetAggregate shows one aggregate's delivery state. NOT_FOUND if the
 	// aggregate has never had an event.
 	GetAggregate(context.Context, *GetAggregateRequest) (*GetAggregateResponse, error)
-	// ListEvents lists events, newest first, with cursor pagination.
+	// ListEvents lists events, newest first, with cursor pagination, or finds
+	// one by its event_id.
 	ListEvents(context.Context, *ListEventsRequest) (*ListEventsResponse, error)
 	// RetryAggregate makes a parked or backing-off aggregate deliverable now,
 	// with a fresh set of attempts. For a gap-held aggregate it needs
 	// accept_gap and a reason. NOT_FOUND if the aggregate has never had an
 	// event; FAILED_PRECONDITION if it is idle, leased (wait for the lease to
 	// end) or held at a gap without accept_gap. A ready aggregate is returned
-	// unchanged.
+	// unchanged. A retry that changes the aggregate is recorded as an operator
+	// action (ListOperatorActions), with the revisions an accepted gap gave up.
 	RetryAggregate(context.Context, *RetryAggregateRequest) (*RetryAggregateResponse, error)
 	// SkipEvent abandons one pending event: it will never be delivered nor
 	// marked published, stays queryable, and later revisions may proceed. The
 	// reason is mandatory (INVALID_ARGUMENT without one). FAILED_PRECONDITION if
-	// the event is already published or skipped.
+	// the event is already published or skipped. The skip is recorded as an
+	// operator action too (ListOperatorActions). A skipped event can be
+	// delivered after all with Republish and include_skipped.
 	SkipEvent(context.Context, *SkipEventRequest) (*SkipEventResponse, error)
 	// Purge deletes published events created before a cut-off, in bounded
 	// batches, each its own short transaction; it never deletes a pending or
@@ -303,7 +341,26 @@ type AdminServiceServer interface {
 	// ranges with a missing (purged, accepted-gap) or stranded revision, are
 	// refused: FAILED_PRECONDITION for one aggregate, refused_aggregates in a
 	// time range.
+	//
+	// Skipped events in the range stay skipped unless include_skipped: then
+	// their skips are withdrawn (each skip's record is kept with the action)
+	// and they are delivered too, in their place in revision order, under
+	// their own event ids, payloads and headers. A skipped event delivery has
+	// not reached yet cannot be republished (FAILED_PRECONDITION).
+	//
+	// A republished event's deliveries continue its attempt numbers: the
+	// first is numbered one past the deliveries it had before (at least one
+	// past the highest attempt on record, or counted by an earlier republish),
+	// never 1 again.
 	Republish(context.Context, *RepublishRequest) (*RepublishResponse, error)
+	// ListOperatorActions lists the operator actions on record, newest first:
+	// retries (with or without an accepted gap), skips, bulk retries and
+	// skips, and republishes, each with who, when, why and what. Naming an
+	// aggregate lists the actions that changed it, each with what it did
+	// there. A stream-limited token sees only actions whose stream (or bulk
+	// stream pattern) it covers. Read-only: callers need the viewer or admin
+	// role.
+	ListOperatorActions(context.Context, *ListOperatorActionsRequest) (*ListOperatorActionsResponse, error)
 	mustEmbedUnimplementedAdminServiceServer()
 }
 
@@ -349,6 +406,9 @@ func (UnimplementedAdminServiceServer) BulkSkip(context.Context, *BulkSkipReques
 }
 func (UnimplementedAdminServiceServer) Republish(context.Context, *RepublishRequest) (*RepublishResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method Republish not implemented")
+}
+func (UnimplementedAdminServiceServer) ListOperatorActions(context.Context, *ListOperatorActionsRequest) (*ListOperatorActionsResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method ListOperatorActions not implemented")
 }
 func (UnimplementedAdminServiceServer) mustEmbedUnimplementedAdminServiceServer() {}
 func (UnimplementedAdminServiceServer) testEmbeddedByValue()                      {}
@@ -580,6 +640,24 @@ func _AdminService_Republish_Handler(srv interface{}, ctx context.Context, dec f
 	return interceptor(ctx, in, info, handler)
 }
 
+func _AdminService_ListOperatorActions_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(ListOperatorActionsRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(AdminServiceServer).ListOperatorActions(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: AdminService_ListOperatorActions_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(AdminServiceServer).ListOperatorActions(ctx, req.(*ListOperatorActionsRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // AdminService_ServiceDesc is the grpc.ServiceDesc for AdminService service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -630,6 +708,10 @@ var AdminService_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "Republish",
 			Handler:    _AdminService_Republish_Handler,
+		},
+		{
+			MethodName: "ListOperatorActions",
+			Handler:    _AdminService_ListOperatorActions_Handler,
 		},
 	},
 	Streams: []grpc.StreamDesc{

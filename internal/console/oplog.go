@@ -1,0 +1,108 @@
+package console
+
+// The record of operator actions (ListOperatorActions) and finding an event
+// by its id.
+
+import (
+	"fmt"
+	"net/http"
+	"slices"
+	"strings"
+
+	"github.com/google/uuid"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+	"github.com/outboxd/outboxd/internal/actiondetail"
+)
+
+const (
+	actionsPageSize = 50
+	// aggregateActionsShown is how many of an aggregate's actions its page
+	// shows.
+	aggregateActionsShown = 20
+)
+
+// actionKinds are the kinds the actions page filters by.
+var actionKinds = []string{"retry", "skip", "bulk_retry", "bulk_skip", "republish"}
+
+// actions lists operator actions: who did what, when, why.
+func (c *Console) actions(q *request) {
+	r := q.r
+	f := map[string]string{"Stream": strings.TrimSpace(r.FormValue("stream")), "Key": strings.TrimSpace(r.FormValue("key")),
+		"Action": r.FormValue("action"), "Since": r.FormValue("since")}
+	data := map[string]any{"F": f, "Kinds": actionKinds}
+	req := &outboxv1.ListOperatorActionsRequest{Stream: f["Stream"], AggregateKey: f["Key"], Action: f["Action"],
+		PageSize: actionsPageSize, PageToken: r.FormValue("page")}
+	bad := func(msg string) {
+		data["Error"] = msg
+		c.render(q.w, r, http.StatusBadRequest, "actions", q, data)
+	}
+	if req.AggregateKey != "" && req.Stream == "" {
+		bad("An aggregate key needs its stream.")
+		return
+	}
+	if req.Action != "" && !slices.Contains(actionKinds, req.Action) {
+		bad(fmt.Sprintf("unknown action %q", req.Action))
+		return
+	}
+	if f["Since"] != "" {
+		t, err := parseTime(f["Since"])
+		if err != nil {
+			bad("since: " + err.Error())
+			return
+		}
+		req.Since = timestamppb.New(t)
+	}
+	resp, err := c.admin.ListOperatorActions(q.ctx, req)
+	code := http.StatusOK
+	if err != nil {
+		data["Error"], code = describe(err), httpCode(err)
+	} else {
+		data["Actions"], data["Next"], data["PerAggregate"] = resp.GetActions(), resp.GetNextPageToken(), req.AggregateKey != ""
+	}
+	c.render(q.w, r, code, "actions", q, data)
+}
+
+// aggregateActions adds an aggregate's latest operator actions to its page.
+func (c *Console) aggregateActions(q *request, stream, key string, data map[string]any) {
+	resp, err := c.admin.ListOperatorActions(q.ctx, &outboxv1.ListOperatorActionsRequest{Stream: stream, AggregateKey: key,
+		PageSize: aggregateActionsShown})
+	if err != nil {
+		data["ActionsError"] = describe(err)
+		return
+	}
+	data["Actions"], data["MoreActions"] = resp.GetActions(), resp.GetNextPageToken() != ""
+}
+
+// event finds one event by its id, from the search box in every page's
+// header.
+func (c *Console) event(q *request) {
+	id := strings.TrimSpace(q.r.FormValue("id"))
+	data := map[string]any{"ID": id}
+	if _, err := uuid.Parse(id); err != nil {
+		data["Error"] = fmt.Sprintf("%q is not an event id: an event id is a UUID such as 0190a8c2-5d1e-7c3a-9f00-2b4c6d8e0f12.", id)
+		if id == "" {
+			data["Error"] = "Enter an event id (a UUID) to find the event."
+		}
+		c.render(q.w, q.r, http.StatusBadRequest, "event", q, data)
+		return
+	}
+	resp, err := c.admin.ListEvents(q.ctx, &outboxv1.ListEventsRequest{EventId: id})
+	switch {
+	case err != nil:
+		data["Error"] = describe(err)
+		c.render(q.w, q.r, httpCode(err), "event", q, data)
+	case len(resp.GetEvents()) == 0:
+		data["Error"] = fmt.Sprintf("No event has id %s: it never existed, or it was purged after it was published.", id)
+		c.render(q.w, q.r, http.StatusNotFound, "event", q, data)
+	default:
+		data["E"] = resp.GetEvents()[0]
+		c.render(q.w, q.r, http.StatusOK, "event", q, data)
+	}
+}
+
+// actionDetail is what an action did to the aggregate a listing named.
+func actionDetail(a *outboxv1.OperatorAction) string {
+	return actiondetail.Describe(a.GetAction(), a.GetDetailJson())
+}
