@@ -1386,9 +1386,12 @@ $$;
 -- id; created_at is set for published ones.
 --
 -- claimable_in, on published rows, is what the batch saw of claimable
--- work once it had applied: zero when some aggregate was claimable,
--- otherwise how long until the first one would be (a lease expiring, a
--- backoff ending), NULL when none would. A session whose credit these acks
+-- work once it had applied, in the streams the holder's session takes
+-- (p_filter_holders, p_filter_streams and p_filter_excluded describe this
+-- replica's sessions, see claim_probe_for; p_max_due as for claim): zero
+-- when some aggregate was claimable, otherwise how long until the first
+-- one would be (a lease expiring, a backoff ending), NULL when none would.
+-- A holder the call does not describe is told zero. A session whose credit these acks
 -- freed claims with it only when there is something to claim, and
 -- otherwise no later than that: an empty claim after every ack that ends a
 -- lease without a hand-over was most of the claims of a replica in steady
@@ -1414,8 +1417,8 @@ $$;
 -- leased more events than the acks free plus the credit it lends. The
 -- next events are of the same aggregate, so of the same stream: the
 -- session's stream filter admits them. It never jumps the claim order:
--- while another aggregate is claimable with an older claim order than the
--- first event to lease, nothing is leased (the aggregate goes back to
+-- while another aggregate of a stream the session takes is claimable with
+-- an older claim order than the first event to lease, nothing is leased (the aggregate goes back to
 -- ready when its lease ended), so a hot aggregate cannot hold a session's
 -- credit while older work waits.
 -- +goose StatementBegin
