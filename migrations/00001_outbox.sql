@@ -1259,40 +1259,60 @@ DECLARE
     r record;
     v_cursor bigint;
     v_later bigint;
+    v_scan integer := p_limit;
+    v_more_streams text[];
+    v_more_keys text[];
+    v_cut boolean;
 BEGIN
     PERFORM outbox.require_read_committed('outbox.claim');
     -- 1. Lock the oldest claimable aggregates of the streams this session
     --    takes. The candidates are read, unlocked, from the claim index one
-    --    stream and range at a time (the first p_limit of each, in claim
+    --    stream and range at a time (the first v_scan of each, in claim
     --    order), so what other streams hold is never read; then locked in
-    --    claim order until p_limit are, the row checked again once locked.
+    --    claim order until p_limit are, each row checked again once locked.
     --    SKIP LOCKED: one that another session is claiming, acking or
-    --    discovering right now is simply not ours this time. The claim
-    --    order of an aggregate whose claimable_at lies ahead of the clock
-    --    (claimable after a step back, see claim_ranges) is now.
-    SELECT array_agg(c.stream), array_agg(c.aggregate_key) INTO v_streams, v_keys
-    FROM (
-        SELECT d.stream, d.aggregate_key
-        FROM (
-            SELECT x.stream, x.aggregate_key, least(x.claimable_at, v_now) AS claim_order
+    --    discovering right now is simply not ours this time. When that
+    --    left the claim short and some range had more rows than were read,
+    --    it reads further (sessions claiming at once read the same
+    --    candidates, and the later ones must get past those the first
+    --    locked). The claim order of an aggregate whose claimable_at lies
+    --    ahead of the clock (claimable after a step back, see
+    --    claim_ranges) is now.
+    LOOP
+        WITH cand AS MATERIALIZED (
+            SELECT x.stream, x.aggregate_key, least(x.claimable_at, v_now) AS claim_order, x.n
             FROM outbox.claimable_streams(p_streams, p_exclude_streams) s
             CROSS JOIN outbox.claim_ranges(v_now, p_max_due) r
             CROSS JOIN LATERAL (
-                SELECT d.stream, d.aggregate_key, d.claimable_at FROM outbox.delivery d
-                WHERE d.stream = s.stream AND d.state = r.state
-                  AND d.claimable_at > r.after AND d.claimable_at <= r.through
-                ORDER BY d.claimable_at
-                LIMIT p_limit
+                SELECT d.stream, d.aggregate_key, d.claimable_at, row_number() OVER () AS n
+                FROM (
+                    SELECT d.stream, d.aggregate_key, d.claimable_at FROM outbox.delivery d
+                    WHERE d.stream = s.stream AND d.state = r.state
+                      AND d.claimable_at > r.after AND d.claimable_at <= r.through
+                    ORDER BY d.claimable_at
+                    LIMIT v_scan
+                ) d
             ) x
             WHERE r.claimable
-            ORDER BY 3, 1, 2
-        ) k
-        JOIN outbox.delivery d ON d.stream = k.stream AND d.aggregate_key = k.aggregate_key
-        WHERE d.state = 'ready' OR d.claimable_at <= v_now OR d.claimable_at > v_now + p_max_due
-        ORDER BY k.claim_order, k.stream, k.aggregate_key
-        LIMIT p_limit
-        FOR UPDATE OF d SKIP LOCKED
-    ) c;
+        )
+        SELECT array_agg(c.stream), array_agg(c.aggregate_key), coalesce((SELECT max(k.n) FROM cand k), 0) >= v_scan
+        INTO v_more_streams, v_more_keys, v_cut
+        FROM (
+            SELECT d.stream, d.aggregate_key
+            FROM cand k
+            JOIN outbox.delivery d ON d.stream = k.stream AND d.aggregate_key = k.aggregate_key
+            WHERE (d.state = 'ready' OR d.claimable_at <= v_now OR d.claimable_at > v_now + p_max_due)
+              AND (v_streams IS NULL
+                   OR (d.stream, d.aggregate_key) NOT IN (SELECT * FROM unnest(v_streams, v_keys)))
+            ORDER BY k.claim_order, k.stream, k.aggregate_key
+            LIMIT p_limit - coalesce(cardinality(v_streams), 0)
+            FOR UPDATE OF d SKIP LOCKED
+        ) c;
+        v_streams := v_streams || v_more_streams;
+        v_keys := v_keys || v_more_keys;
+        EXIT WHEN coalesce(cardinality(v_streams), 0) >= p_limit OR NOT v_cut OR v_scan >= 64 * p_limit;
+        v_scan := v_scan * 4;
+    END LOOP;
     IF v_streams IS NULL THEN
         RETURN;
     END IF;

@@ -265,3 +265,33 @@ func TestClockSteppedBackStallsNothingReady(t *testing.T) {
 		t.Fatalf("claimed %v after a step back of 20 minutes; want %s (short's lease still runs)", got, want)
 	}
 }
+
+// A claim gets past aggregates another transaction holds locked (sessions
+// that claim at once read the same oldest candidates): it still leases as
+// many as it asks for when that many are claimable, the next oldest.
+func TestClaimWalksPastLockedAggregates(t *testing.T) {
+	t.Parallel()
+	pool := testdb.NewPool(t)
+	for i := range 8 {
+		emitIn(t, pool, "orders", fmt.Sprintf("k%d", i), 1)
+	}
+	discover(t, pool)
+	ctx := t.Context()
+	other, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = other.Rollback(context.WithoutCancel(ctx)) }()
+	// The four oldest, as a concurrent claim would hold them.
+	if _, err := other.Exec(ctx, `SELECT 1 FROM outbox.delivery WHERE aggregate_key IN ('k0', 'k1', 'k2', 'k3') FOR UPDATE`); err != nil {
+		t.Fatal(err)
+	}
+	for _, streams := range [][]string{{"orders"}, nil} {
+		got, _ := claimIndexReads(t, pool,
+			`SELECT aggregate_key FROM outbox.claim($1, 'r', 'x', $2, 4, interval '30 seconds', NULL, NULL, 1, 4, interval '1 hour')
+			 ORDER BY aggregate_key`, uuid.New(), streams)
+		if want := "[k4 k5 k6 k7]"; fmt.Sprint(got) != want {
+			t.Errorf("streams %v: claimed %v with k0-k3 locked elsewhere; want %s", streams, got, want)
+		}
+	}
+}
