@@ -58,6 +58,11 @@ DECLARE
     v_hint_holders uuid[];
     v_hint_next timestamptz[];
     v_probed boolean := false;
+    -- Arguments of the probe, always variables: a call whose arguments hold
+    -- a volatile function (clock_timestamp()) or a subquery is not inlined,
+    -- and its body is then planned again on every call (milliseconds).
+    v_probe_now timestamptz;
+    v_probe_for uuid[];
     v_handed outbox.lease[];
     v_handed_holders uuid[];
     v_handed_acks uuid[];
@@ -199,9 +204,10 @@ BEGIN
             -- in the streams it takes, now that this ack applied. A holder
             -- not probed (another replica's session) is told to claim.
             IF v_holder IS NOT NULL AND (p_filter_holders IS NULL OR v_holder = ANY (p_filter_holders)) THEN
+                v_probe_now := clock_timestamp();
                 SELECT p.next_at INTO v_first_claimable
                 FROM outbox.claim_probe_for(ARRAY[v_holder], p_filter_holders, p_filter_streams, p_filter_excluded,
-                                            clock_timestamp(), p_max_due) p;
+                                            v_probe_now, p_max_due) p;
                 v_probed := true;
             END IF;
 
@@ -293,11 +299,11 @@ BEGIN
         -- take a hand-over, the oldest work claimable in the streams it
         -- takes (a few probes of the claim index per stream).
         IF p_handover_holders IS NOT NULL THEN
+            v_probe_for := ARRAY(SELECT DISTINCT h.holder FROM unnest(v_holders) AS h(holder)
+                                 JOIN unnest(p_handover_holders) AS t(holder) ON t.holder = h.holder);
             SELECT array_agg(p.holder), array_agg(p.oldest) INTO v_probe_holders, v_probe_oldest
-            FROM outbox.claim_probe_for(
-                     ARRAY(SELECT DISTINCT h.holder FROM unnest(v_holders) AS h(holder)
-                           JOIN unnest(p_handover_holders) AS t(holder) ON t.holder = h.holder),
-                     p_filter_holders, p_filter_streams, p_filter_excluded, v_now, p_max_due) p;
+            FROM outbox.claim_probe_for(v_probe_for, p_filter_holders, p_filter_streams, p_filter_excluded,
+                                        v_now, p_max_due) p;
         END IF;
 
         IF NOT v_windowed AND coalesce(NOT 1 < ANY (p_handover_windows), true)
@@ -498,12 +504,13 @@ BEGIN
         -- batch applied, as late as this transaction can look. Holders not
         -- among this replica's sessions (when it names them) are not
         -- probed: nothing reads their hint.
+        v_probe_for := CASE WHEN p_filter_holders IS NULL THEN v_holders
+                            ELSE ARRAY(SELECT DISTINCT h.holder FROM unnest(v_holders) AS h(holder)
+                                       JOIN unnest(p_filter_holders) AS f(holder) ON f.holder = h.holder) END;
+        v_probe_now := clock_timestamp();
         SELECT array_agg(p.holder), array_agg(p.next_at) INTO v_hint_holders, v_hint_next
-        FROM outbox.claim_probe_for(
-                 CASE WHEN p_filter_holders IS NULL THEN v_holders
-                      ELSE ARRAY(SELECT DISTINCT h.holder FROM unnest(v_holders) AS h(holder)
-                                 JOIN unnest(p_filter_holders) AS f(holder) ON f.holder = h.holder) END,
-                 p_filter_holders, p_filter_streams, p_filter_excluded, clock_timestamp(), p_max_due) p;
+        FROM outbox.claim_probe_for(v_probe_for, p_filter_holders, p_filter_streams, p_filter_excluded,
+                                    v_probe_now, p_max_due) p;
     END IF;
 
     -- Published ones straight from the arrays; the rest, if any, need a look
