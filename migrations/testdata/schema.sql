@@ -579,6 +579,8 @@ DECLARE
     v_scan integer := p_limit;
     v_more_streams text[];
     v_more_keys text[];
+    v_cand_streams text[];
+    v_cand_keys text[];
     v_cut boolean;
 BEGIN
     PERFORM outbox.require_read_committed('outbox.claim');
@@ -596,7 +598,11 @@ BEGIN
     --    ahead of the clock (claimable after a step back, see
     --    claim_ranges) is now.
     LOOP
-        WITH cand AS MATERIALIZED (
+        SELECT array_agg(x.stream ORDER BY x.claim_order, x.stream, x.aggregate_key),
+               array_agg(x.aggregate_key ORDER BY x.claim_order, x.stream, x.aggregate_key),
+               coalesce(max(x.n), 0) >= v_scan
+        INTO v_cand_streams, v_cand_keys, v_cut
+        FROM (
             SELECT x.stream, x.aggregate_key, least(x.claimable_at, v_now) AS claim_order, x.n
             FROM outbox.claimable_streams(p_streams, p_exclude_streams) s
             CROSS JOIN outbox.claim_ranges(v_now, p_max_due) r
@@ -611,17 +617,19 @@ BEGIN
                 ) d
             ) x
             WHERE r.claimable
-        )
-        SELECT array_agg(c.stream), array_agg(c.aggregate_key), coalesce((SELECT max(k.n) FROM cand k), 0) >= v_scan
-        INTO v_more_streams, v_more_keys, v_cut
+        ) x;
+        EXIT WHEN v_cand_streams IS NULL;
+        -- Locked in a statement of its own, by key from the candidates'
+        -- arrays (a nested loop over them, never a scan of the table).
+        SELECT array_agg(c.stream), array_agg(c.aggregate_key) INTO v_more_streams, v_more_keys
         FROM (
             SELECT d.stream, d.aggregate_key
-            FROM cand k
+            FROM unnest(v_cand_streams, v_cand_keys) WITH ORDINALITY AS k(stream, aggregate_key, ord)
             JOIN outbox.delivery d ON d.stream = k.stream AND d.aggregate_key = k.aggregate_key
             WHERE (d.state = 'ready' OR d.claimable_at <= v_now OR d.claimable_at > v_now + p_max_due)
               AND (v_streams IS NULL
                    OR (d.stream, d.aggregate_key) NOT IN (SELECT * FROM unnest(v_streams, v_keys)))
-            ORDER BY k.claim_order, k.stream, k.aggregate_key
+            ORDER BY k.ord
             LIMIT p_limit - coalesce(cardinality(v_streams), 0)
             FOR UPDATE OF d SKIP LOCKED
         ) c;
