@@ -122,9 +122,11 @@ CREATE TABLE outbox.delivery (
     -- Every revision up to this one is published or skipped (or predates the
     -- aggregate's first event). The next one to deliver is delivered_revision+1.
     delivered_revision bigint NOT NULL,
-    -- When the aggregate may next be claimed, and the claim order: the head
-    -- event's created_at when ready, the lease expiry when leased, the next
-    -- attempt when backing off. NULL when idle, parked or held at a gap.
+    -- The claim order, and for a leased or backing-off aggregate when it may
+    -- next be claimed: the head event's created_at when ready (a ready
+    -- aggregate is claimable at once, whatever this says: see
+    -- outbox.claim), the lease expiry when leased, the next attempt when
+    -- backing off. NULL when idle, parked or held at a gap.
     claimable_at timestamptz,
     -- created_at of the oldest pending event; NULL when nothing is pending.
     pending_since timestamptz,
@@ -170,8 +172,13 @@ CREATE TABLE outbox.delivery (
 );
 
 -- The claim index: holds only aggregates that are or will become claimable,
--- so its size follows pending aggregates, never the event backlog.
-CREATE INDEX delivery_claimable_idx ON outbox.delivery (claimable_at)
+-- so its size follows pending aggregates, never the event backlog. Led by
+-- stream, so that a claim reads only the streams its session takes (ready
+-- work in a stream no relay takes costs the others nothing); then state, so
+-- that the ready aggregates of a stream (claimable at once) and its leased
+-- and backing-off ones (claimable once claimable_at has passed) are each
+-- one range, read in claim order.
+CREATE INDEX delivery_claimable_idx ON outbox.delivery (stream, state, claimable_at)
     WHERE claimable_at IS NOT NULL;
 -- A session's leases (release on disconnect, reconciliation).
 CREATE INDEX delivery_holder_idx ON outbox.delivery (holder) WHERE holder IS NOT NULL;
@@ -1454,10 +1461,131 @@ END
 $$;
 -- +goose StatementEnd
 
--- claim leases up to p_limit aggregates, oldest claimable first, and returns
--- each one's next event with the new lease, or with p_window > 1 up to that
--- many of its next events under one lease, p_credit events in all (see
--- lease_heads). It never waits for a lock.
+-- claimable_streams lists the streams a session's filter takes that may
+-- hold claimable work: p_streams when given, otherwise every stream with a
+-- row in the claim index, but those in p_exclude. Those are found by
+-- stepping from one stream to the next in the claim index (one probe per
+-- stream, however many rows each holds), so a claim or a probe costs what
+-- the streams it takes cost, never what the others hold. A simple SQL
+-- function, so the planner inlines it.
+-- +goose StatementBegin
+CREATE FUNCTION outbox.claimable_streams(p_streams text[], p_exclude text[])
+RETURNS TABLE (stream text)
+LANGUAGE sql STABLE AS $$
+    SELECT s.stream FROM unnest(p_streams) AS s(stream)
+    UNION ALL
+    SELECT r.stream FROM (
+        WITH RECURSIVE r(stream) AS (
+            SELECT (SELECT min(d.stream) FROM outbox.delivery d WHERE d.claimable_at IS NOT NULL)
+            UNION ALL
+            SELECT (SELECT min(d.stream) FROM outbox.delivery d
+                    WHERE d.claimable_at IS NOT NULL AND d.stream > r.stream)
+            FROM r WHERE r.stream IS NOT NULL
+        )
+        SELECT r.stream FROM r
+    ) r
+    WHERE p_streams IS NULL AND r.stream IS NOT NULL AND r.stream <> ALL (coalesce(p_exclude, '{}'))
+$$;
+-- +goose StatementEnd
+
+-- claim_ranges are the ranges of the claim index, within one stream, that
+-- hold aggregates claimable at p_now (claimable) and, for the probe, those
+-- that will become so (not claimable): each range is a state and the
+-- claimable_at values after after and through through.
+--
+-- A ready aggregate is claimable at once, whatever its claimable_at (its
+-- head event's created_at, the claim order): a database clock that stepped
+-- back leaves created_at ahead of now(), and a ready aggregate must not
+-- wait for the clock to catch up. A leased or backing-off one is claimable
+-- once claimable_at (the lease expiry, the next attempt) has passed; and,
+-- with p_max_due (the longest lease or backoff the server sets), also when
+-- claimable_at lies further ahead than the server ever sets it, which only
+-- a clock that stepped back makes happen: so a step back delays a lease's
+-- expiry or a backoff's end by at most p_max_due, not by the step.
+-- +goose StatementBegin
+CREATE FUNCTION outbox.claim_ranges(p_now timestamptz, p_max_due interval)
+RETURNS TABLE (state text, after timestamptz, through timestamptz, claimable boolean)
+LANGUAGE sql IMMUTABLE AS $$
+    VALUES ('ready', '-infinity'::timestamptz, 'infinity'::timestamptz, true),
+           ('leased', '-infinity', p_now, true),
+           ('backoff', '-infinity', p_now, true),
+           ('leased', p_now + p_max_due, 'infinity', true),
+           ('backoff', p_now + p_max_due, 'infinity', true),
+           ('leased', p_now, coalesce(p_now + p_max_due, 'infinity'), false),
+           ('backoff', p_now, coalesce(p_now + p_max_due, 'infinity'), false)
+$$;
+-- +goose StatementEnd
+
+-- (claimable_streams, claim_ranges, claim_probe and claim_probe_for are
+-- inlined into their callers' plans, which PL/pgSQL keeps for the
+-- connection's life, only when called with arguments that hold no volatile
+-- function and no subquery: pass variables.)
+--
+-- claim_probe says what a claim with the stream filter p_streams (NULL:
+-- every stream) less p_exclude would find at p_now, with one probe of the
+-- claim index per range and stream: oldest is the claim order of the
+-- oldest claimable aggregate (NULL: none is), next_at when the first one
+-- is or becomes claimable (p_now when one is; NULL when none will be
+-- without a change: an event, a release, an operator's action).
+-- +goose StatementBegin
+CREATE FUNCTION outbox.claim_probe(p_streams text[], p_exclude text[], p_now timestamptz, p_max_due interval)
+RETURNS TABLE (oldest timestamptz, next_at timestamptz)
+LANGUAGE sql STABLE AS $$
+    SELECT min(least(x.claimable_at, p_now)) FILTER (WHERE r.claimable),
+           min(CASE WHEN r.claimable THEN p_now ELSE x.claimable_at END)
+    FROM outbox.claimable_streams(p_streams, p_exclude) s
+    CROSS JOIN outbox.claim_ranges(p_now, p_max_due) r
+    CROSS JOIN LATERAL (
+        SELECT d.claimable_at FROM outbox.delivery d
+        WHERE d.stream = s.stream AND d.state = r.state
+          AND d.claimable_at > r.after AND d.claimable_at <= r.through
+        ORDER BY d.claimable_at
+        LIMIT 1
+    ) x
+$$;
+-- +goose StatementEnd
+
+-- claim_probe_for runs claim_probe for each session in p_holders with its
+-- stream filter: p_filter_holders, p_filter_streams and p_filter_excluded
+-- list, row by row, the streams each session takes (excluded false; a NULL
+-- stream: every stream) and excludes (true). A session with no row there
+-- is taken to take every stream, which makes it claim and yield more often
+-- than it needs, never less. Sessions that share a filter share one probe.
+-- +goose StatementBegin
+CREATE FUNCTION outbox.claim_probe_for(
+    p_holders uuid[],
+    p_filter_holders uuid[],
+    p_filter_streams text[],
+    p_filter_excluded boolean[],
+    p_now timestamptz,
+    p_max_due interval
+) RETURNS TABLE (holder uuid, oldest timestamptz, next_at timestamptz)
+LANGUAGE sql STABLE AS $$
+    WITH h AS (
+        SELECT u.holder,
+               array_agg(f.stream ORDER BY f.stream) FILTER (WHERE f.stream IS NOT NULL AND NOT f.excluded) AS streams,
+               array_agg(f.stream ORDER BY f.stream) FILTER (WHERE f.excluded) AS exclude
+        FROM (SELECT DISTINCT x.holder FROM unnest(p_holders) AS x(holder) WHERE x.holder IS NOT NULL) u
+        LEFT JOIN unnest(p_filter_holders, p_filter_streams, p_filter_excluded) AS f(holder, stream, excluded)
+               ON f.holder = u.holder
+        GROUP BY u.holder
+    ), filters AS (
+        SELECT DISTINCT h.streams, h.exclude FROM h
+    )
+    SELECT h.holder, p.oldest, p.next_at
+    FROM filters f
+    CROSS JOIN LATERAL outbox.claim_probe(f.streams, f.exclude, p_now, p_max_due) p
+    JOIN h ON h.streams IS NOT DISTINCT FROM f.streams AND h.exclude IS NOT DISTINCT FROM f.exclude
+$$;
+-- +goose StatementEnd
+
+-- claim leases up to p_limit aggregates of the streams p_streams (NULL:
+-- every stream) less p_exclude_streams, oldest claimable first (see
+-- claim_ranges for what is claimable; p_max_due is the longest lease or
+-- backoff the server sets, NULL for no bound), and returns each one's next
+-- event with the new lease, or with p_window > 1 up to that many of its
+-- next events under one lease, p_credit events in all (see lease_heads).
+-- It never waits for a lock.
 -- +goose StatementBegin
 CREATE FUNCTION outbox.claim(
     p_holder uuid,
@@ -1469,7 +1597,8 @@ CREATE FUNCTION outbox.claim(
     p_max_attempts integer DEFAULT NULL,
     p_exclude_streams text[] DEFAULT NULL,
     p_window integer DEFAULT 1,
-    p_credit integer DEFAULT NULL
+    p_credit integer DEFAULT NULL,
+    p_max_due interval DEFAULT NULL
 ) RETURNS SETOF outbox.lease
 LANGUAGE plpgsql
 SET enable_seqscan = off SET jit = off SET plan_cache_mode = force_generic_plan
@@ -1485,21 +1614,68 @@ DECLARE
     r record;
     v_cursor bigint;
     v_later bigint;
+    v_scan integer := p_limit;
+    v_more_streams text[];
+    v_more_keys text[];
+    v_cand_streams text[];
+    v_cand_keys text[];
+    v_cut boolean;
 BEGIN
     PERFORM outbox.require_read_committed('outbox.claim');
-    -- 1. Lock the oldest claimable aggregates. SKIP LOCKED: one that another
-    --    session is claiming, acking or discovering right now is simply not
-    --    ours this time.
-    SELECT array_agg(c.stream), array_agg(c.aggregate_key) INTO v_streams, v_keys
-    FROM (
-        SELECT d.stream, d.aggregate_key FROM outbox.delivery d
-        WHERE d.claimable_at <= v_now
-          AND (p_streams IS NULL OR d.stream = ANY (p_streams))
-          AND (p_exclude_streams IS NULL OR d.stream <> ALL (p_exclude_streams))
-        ORDER BY d.claimable_at
-        LIMIT p_limit
-        FOR UPDATE SKIP LOCKED
-    ) c;
+    -- 1. Lock the oldest claimable aggregates of the streams this session
+    --    takes. The candidates are read, unlocked, from the claim index one
+    --    stream and range at a time (the first v_scan of each, in claim
+    --    order), so what other streams hold is never read; then locked in
+    --    claim order until p_limit are, each row checked again once locked.
+    --    SKIP LOCKED: one that another session is claiming, acking or
+    --    discovering right now is simply not ours this time. When that
+    --    left the claim short and some range had more rows than were read,
+    --    it reads further (sessions claiming at once read the same
+    --    candidates, and the later ones must get past those the first
+    --    locked). The claim order of an aggregate whose claimable_at lies
+    --    ahead of the clock (claimable after a step back, see
+    --    claim_ranges) is now.
+    LOOP
+        SELECT array_agg(x.stream ORDER BY x.claim_order, x.stream, x.aggregate_key),
+               array_agg(x.aggregate_key ORDER BY x.claim_order, x.stream, x.aggregate_key),
+               coalesce(max(x.n), 0) >= v_scan
+        INTO v_cand_streams, v_cand_keys, v_cut
+        FROM (
+            SELECT x.stream, x.aggregate_key, least(x.claimable_at, v_now) AS claim_order, x.n
+            FROM outbox.claimable_streams(p_streams, p_exclude_streams) s
+            CROSS JOIN outbox.claim_ranges(v_now, p_max_due) r
+            CROSS JOIN LATERAL (
+                SELECT d.stream, d.aggregate_key, d.claimable_at, row_number() OVER () AS n
+                FROM (
+                    SELECT d.stream, d.aggregate_key, d.claimable_at FROM outbox.delivery d
+                    WHERE d.stream = s.stream AND d.state = r.state
+                      AND d.claimable_at > r.after AND d.claimable_at <= r.through
+                    ORDER BY d.claimable_at
+                    LIMIT v_scan
+                ) d
+            ) x
+            WHERE r.claimable
+        ) x;
+        EXIT WHEN v_cand_streams IS NULL;
+        -- Locked in a statement of its own, by key from the candidates'
+        -- arrays (a nested loop over them, never a scan of the table).
+        SELECT array_agg(c.stream), array_agg(c.aggregate_key) INTO v_more_streams, v_more_keys
+        FROM (
+            SELECT d.stream, d.aggregate_key
+            FROM unnest(v_cand_streams, v_cand_keys) WITH ORDINALITY AS k(stream, aggregate_key, ord)
+            JOIN outbox.delivery d ON d.stream = k.stream AND d.aggregate_key = k.aggregate_key
+            WHERE (d.state = 'ready' OR d.claimable_at <= v_now OR d.claimable_at > v_now + p_max_due)
+              AND (v_streams IS NULL
+                   OR (d.stream, d.aggregate_key) NOT IN (SELECT * FROM unnest(v_streams, v_keys)))
+            ORDER BY k.ord
+            LIMIT p_limit - coalesce(cardinality(v_streams), 0)
+            FOR UPDATE OF d SKIP LOCKED
+        ) c;
+        v_streams := v_streams || v_more_streams;
+        v_keys := v_keys || v_more_keys;
+        EXIT WHEN coalesce(cardinality(v_streams), 0) >= p_limit OR NOT v_cut OR v_scan >= 64 * p_limit;
+        v_scan := v_scan * 4;
+    END LOOP;
     IF v_streams IS NULL THEN
         RETURN;
     END IF;
@@ -1593,9 +1769,12 @@ $$;
 -- id; created_at is set for published ones.
 --
 -- claimable_in, on published rows, is what the batch saw of claimable
--- work once it had applied: zero when some aggregate was claimable,
--- otherwise how long until the first one would be (a lease expiring, a
--- backoff ending), NULL when none would. A session whose credit these acks
+-- work once it had applied, in the streams the holder's session takes
+-- (p_filter_holders, p_filter_streams and p_filter_excluded describe this
+-- replica's sessions, see claim_probe_for; p_max_due as for claim): zero
+-- when some aggregate was claimable, otherwise how long until the first
+-- one would be (a lease expiring, a backoff ending), NULL when none would.
+-- A holder the call does not describe is told zero. A session whose credit these acks
 -- freed claims with it only when there is something to claim, and
 -- otherwise no later than that: an empty claim after every ack that ends a
 -- lease without a hand-over was most of the claims of a replica in steady
@@ -1621,8 +1800,8 @@ $$;
 -- leased more events than the acks free plus the credit it lends. The
 -- next events are of the same aggregate, so of the same stream: the
 -- session's stream filter admits them. It never jumps the claim order:
--- while another aggregate is claimable with an older claim order than the
--- first event to lease, nothing is leased (the aggregate goes back to
+-- while another aggregate of a stream the session takes is claimable with
+-- an older claim order than the first event to lease, nothing is leased (the aggregate goes back to
 -- ready when its lease ended), so a hot aggregate cannot hold a session's
 -- credit while older work waits.
 -- +goose StatementBegin
@@ -1632,7 +1811,11 @@ CREATE FUNCTION outbox.ack(
     p_handover_holders uuid[] DEFAULT NULL,
     p_handover_ttls interval[] DEFAULT NULL,
     p_handover_windows integer[] DEFAULT NULL,
-    p_handover_credits integer[] DEFAULT NULL
+    p_handover_credits integer[] DEFAULT NULL,
+    p_filter_holders uuid[] DEFAULT NULL,
+    p_filter_streams text[] DEFAULT NULL,
+    p_filter_excluded boolean[] DEFAULT NULL,
+    p_max_due interval DEFAULT NULL
 )
 RETURNS TABLE (event_id uuid, status text, holder uuid, created_at timestamptz, handover outbox.lease,
                claimable_in interval)
@@ -1656,6 +1839,16 @@ DECLARE
     v_remote uuid[];
     v_oldest timestamptz;
     v_first_claimable timestamptz;
+    v_probe_holders uuid[];
+    v_probe_oldest timestamptz[];
+    v_hint_holders uuid[];
+    v_hint_next timestamptz[];
+    v_probed boolean := false;
+    -- Arguments of the probe, always variables: a call whose arguments hold
+    -- a volatile function (clock_timestamp()) or a subquery is not inlined,
+    -- and its body is then planned again on every call (milliseconds).
+    v_probe_now timestamptz;
+    v_probe_for uuid[];
     v_handed outbox.lease[];
     v_handed_holders uuid[];
     v_handed_acks uuid[];
@@ -1735,7 +1928,6 @@ BEGIN
             INSERT INTO outbox.delivered_count AS c (stream, bucket, backend_pid, events)
             VALUES (v_stream, date_bin('5 seconds', v_now, timestamptz '2000-01-01'), pg_backend_pid(), 1)
             ON CONFLICT (stream, bucket, backend_pid) DO UPDATE SET events = c.events + 1;
-            SELECT min(o.claimable_at) INTO v_oldest FROM outbox.delivery o WHERE o.claimable_at IS NOT NULL;
 
             SELECT n.event_id, n.created_at, EXISTS (SELECT 1 FROM outbox.skipped_event s WHERE s.event_id = n.event_id)
             INTO v_next_id, v_next_at, v_next_skipped
@@ -1750,6 +1942,13 @@ BEGIN
             v_stays_parked := v_state = 'parked' AND v_parked_rev > v_rev;
             IF v_holder IS NOT NULL THEN
                 v_slot := array_position(p_handover_holders, v_holder);
+            END IF;
+            -- The claim order a hand-over must not jump: the oldest work
+            -- claimable in the streams the holder's session takes.
+            IF v_slot IS NOT NULL AND v_next_id IS NOT NULL AND NOT v_next_skipped THEN
+                SELECT p.oldest INTO v_oldest
+                FROM outbox.claim_probe_for(ARRAY[v_holder], p_filter_holders, p_filter_streams, p_filter_excluded,
+                                            v_now, p_max_due) p;
             END IF;
             IF v_slot IS NOT NULL AND v_next_id IS NOT NULL AND NOT v_next_skipped
                AND NOT coalesce(v_oldest < least(v_now, v_next_at), false) THEN
@@ -1786,11 +1985,23 @@ BEGIN
             IF v_holder IS NOT NULL AND v_holder_replica IS DISTINCT FROM p_replica_id THEN
                 PERFORM pg_notify('outbox_released', v_holder::text);
             END IF;
-            SELECT min(o.claimable_at) INTO v_first_claimable FROM outbox.delivery o WHERE o.claimable_at IS NOT NULL;
+
+            -- The claim hint: what the holder's session would find to claim
+            -- in the streams it takes, now that this ack applied. A holder
+            -- not probed (another replica's session) is told to claim.
+            IF v_holder IS NOT NULL AND (p_filter_holders IS NULL OR v_holder = ANY (p_filter_holders)) THEN
+                v_probe_now := clock_timestamp();
+                SELECT p.next_at INTO v_first_claimable
+                FROM outbox.claim_probe_for(ARRAY[v_holder], p_filter_holders, p_filter_streams, p_filter_excluded,
+                                            v_probe_now, p_max_due) p;
+                v_probed := true;
+            END IF;
 
             RETURN QUERY
             SELECT v_id, 'published'::text, v_holder, v_at, NULL::outbox.lease,
-                   CASE WHEN v_first_claimable IS NOT NULL THEN greatest(v_first_claimable - clock_timestamp(), interval '0') END;
+                   CASE WHEN NOT v_probed THEN interval '0'
+                        WHEN v_first_claimable IS NOT NULL THEN greatest(v_first_claimable - clock_timestamp(), interval '0')
+                   END;
             IF v_ttl IS NOT NULL THEN
                 SELECT e.event_id, e.stream, e.aggregate_key, e.revision, e.event_type, e.payload::text,
                        e.headers, e.created_at, v_epoch, v_attempt, v_expires
@@ -1870,11 +2081,16 @@ BEGIN
         GROUP BY n.stream
         ON CONFLICT (stream, bucket, backend_pid) DO UPDATE SET events = c.events + excluded.events;
 
-        -- The claim order hand-over must not jump (one probe of the claim
-        -- index, read as a min so that the plan stays an index probe). Not
-        -- per stream, so a session may yield to work only another relay
-        -- takes, which costs it a claim, never an event's turn.
-        SELECT min(o.claimable_at) INTO v_oldest FROM outbox.delivery o WHERE o.claimable_at IS NOT NULL;
+        -- The claim order hand-over must not jump: per session that may
+        -- take a hand-over, the oldest work claimable in the streams it
+        -- takes (a few probes of the claim index per stream).
+        IF p_handover_holders IS NOT NULL THEN
+            v_probe_for := ARRAY(SELECT DISTINCT h.holder FROM unnest(v_holders) AS h(holder)
+                                 JOIN unnest(p_handover_holders) AS t(holder) ON t.holder = h.holder);
+            SELECT array_agg(p.holder), array_agg(p.oldest) INTO v_probe_holders, v_probe_oldest
+            FROM outbox.claim_probe_for(v_probe_for, p_filter_holders, p_filter_streams, p_filter_excluded,
+                                        v_now, p_max_due) p;
+        END IF;
 
         IF NOT v_windowed AND coalesce(NOT 1 < ANY (p_handover_windows), true)
            AND coalesce(NOT 0 < ANY (p_handover_credits), true) THEN
@@ -1896,11 +2112,12 @@ BEGIN
                      AS a(event_id, stream, aggregate_key, revision, holder, stays_parked)
                 LEFT JOIN outbox.event n ON n.stream = a.stream AND n.aggregate_key = a.aggregate_key
                                         AND n.revision = a.revision + 1
+                LEFT JOIN unnest(v_probe_holders, v_probe_oldest) AS o(holder, oldest) ON o.holder = a.holder
                 LEFT JOIN LATERAL (
                     SELECT t.ttl FROM unnest(p_handover_holders, p_handover_ttls) AS t(holder, ttl)
                     WHERE t.holder = a.holder AND n.event_id IS NOT NULL
                       AND NOT EXISTS (SELECT 1 FROM outbox.skipped_event s WHERE s.event_id = n.event_id)
-                      AND NOT coalesce(v_oldest < least(v_now, n.created_at), false)
+                      AND NOT coalesce(o.oldest < least(v_now, n.created_at), false)
                     LIMIT 1
                 ) h ON true
             ), advanced AS (
@@ -1957,6 +2174,7 @@ BEGIN
                 GROUP BY a.stream, a.aggregate_key
             ), cur AS (
                 SELECT a.*, d.holder, h.ttl, coalesce(h.win, 1) AS win, coalesce(h.credit, 0) AS credit,
+                       o.oldest AS claim_oldest,
                        n.event_id AS next_id, n.created_at AS next_created_at,
                        n.event_id IS NOT NULL AND NOT n.skipped AS next_ok,
                        d.state = 'leased' AND d.leased_through > a.cursor AND n.event_id IS NOT NULL
@@ -1976,6 +2194,7 @@ BEGIN
                 ) n ON true
                 LEFT JOIN unnest(p_handover_holders, p_handover_ttls, p_handover_windows, p_handover_credits)
                      AS h(holder, ttl, win, credit) ON h.holder = d.holder
+                LEFT JOIN unnest(v_probe_holders, v_probe_oldest) AS o(holder, oldest) ON o.holder = d.holder
             ), want AS (
                 -- Where new leases would start, and how many at most.
                 SELECT c.*,
@@ -1989,7 +2208,7 @@ BEGIN
                 -- How many of those are there: contiguous, not skipped. A
                 -- window of one from the next revision is what cur read
                 -- already.
-                SELECT w.*, CASE WHEN coalesce(v_oldest < least(v_now, v.first_created_at), false) THEN 0
+                SELECT w.*, CASE WHEN coalesce(w.claim_oldest < least(v_now, v.first_created_at), false) THEN 0
                                  ELSE coalesce(v.n, 0) END AS n
                 FROM want w
                 LEFT JOIN LATERAL (
@@ -2067,9 +2286,17 @@ BEGIN
         IF v_remote IS NOT NULL THEN
             PERFORM pg_notify('outbox_released', h::text) FROM unnest(v_remote) AS h;
         END IF;
-        -- What is claimable now that this batch applied, as late as this
-        -- transaction can look (one probe of the claim index).
-        SELECT min(o.claimable_at) INTO v_first_claimable FROM outbox.delivery o WHERE o.claimable_at IS NOT NULL;
+        -- What each holder's session would find to claim now that this
+        -- batch applied, as late as this transaction can look. Holders not
+        -- among this replica's sessions (when it names them) are not
+        -- probed: nothing reads their hint.
+        v_probe_for := CASE WHEN p_filter_holders IS NULL THEN v_holders
+                            ELSE ARRAY(SELECT DISTINCT h.holder FROM unnest(v_holders) AS h(holder)
+                                       JOIN unnest(p_filter_holders) AS f(holder) ON f.holder = h.holder) END;
+        v_probe_now := clock_timestamp();
+        SELECT array_agg(p.holder), array_agg(p.next_at) INTO v_hint_holders, v_hint_next
+        FROM outbox.claim_probe_for(v_probe_for, p_filter_holders, p_filter_streams, p_filter_excluded,
+                                    v_probe_now, p_max_due) p;
     END IF;
 
     -- Published ones straight from the arrays; the rest, if any, need a look
@@ -2079,8 +2306,10 @@ BEGIN
     -- batch of one ack runs on every event of a hot aggregate.)
     RETURN QUERY
     SELECT o.id, 'published'::text, o.holder, o.created_at, NULL::outbox.lease,
-           CASE WHEN v_first_claimable IS NOT NULL THEN greatest(v_first_claimable - clock_timestamp(), interval '0') END
-    FROM unnest(v_ok, v_holders, v_ok_created) AS o(id, holder, created_at);
+           CASE WHEN n.holder IS NULL THEN interval '0'
+                WHEN n.next_at IS NOT NULL THEN greatest(n.next_at - clock_timestamp(), interval '0') END
+    FROM unnest(v_ok, v_holders, v_ok_created) AS o(id, holder, created_at)
+    LEFT JOIN unnest(v_hint_holders, v_hint_next) AS n(holder, next_at) ON n.holder = o.holder;
     IF coalesce(cardinality(v_ok), 0) < cardinality(p_event_ids) THEN
         RETURN QUERY
         SELECT i.id,

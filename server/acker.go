@@ -187,7 +187,8 @@ func (a *ackCommitter) commit(ctx context.Context, batch []*ackRequest, n int) {
 	a.s.handOverMu.RLock()
 	defer a.s.handOverMu.RUnlock()
 	holders, loans := a.s.handOverTargets()
-	res, err := a.s.store.Ack(dbCtx, store.AckParams{IDs: ids, ReplicaID: a.s.cfg.ReplicaID, HandOver: holders})
+	res, err := a.s.store.Ack(dbCtx, store.AckParams{IDs: ids, ReplicaID: a.s.cfg.ReplicaID, HandOver: holders,
+		Filters: a.s.streamFilters(), MaxDue: a.s.cfg.maxDue()})
 	cancel()
 	if h := a.s.afterAck; h != nil {
 		res, err = h(res, err)

@@ -384,8 +384,8 @@ func TestAckFreedCreditIsClaimedOnlyWhenWorkIsClaimable(t *testing.T) {
 	if d := next(); d.claim || !d.by.IsZero() {
 		t.Fatalf("ack with nothing claimable: claim %v by %v, want no claim and no bound", d.claim, d.by)
 	}
-	// Another relay holds billing/x for a minute: nothing is claimable
-	// before its lease expires, which bounds the wait.
+	// Another relay holds billing/x for a minute: a stream this session
+	// does not take, so it neither makes it claim nor bounds its wait.
 	x := emit(t, pool, "billing", "x", 1)[0]
 	other := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{RelayId: "other", MaxInFlight: 1, Streams: []string{"billing"},
 		LeaseTtl: durationpb.New(time.Minute)})
@@ -398,8 +398,26 @@ func TestAckFreedCreditIsClaimedOnlyWhenWorkIsClaimable(t *testing.T) {
 	} else {
 		ack(t, r, d)
 	}
+	if d := next(); d.claim || !d.by.IsZero() {
+		t.Fatalf("ack with billing/x leased for a minute: claim %v by %v, want no claim and no bound (not this session's stream)", d.claim, d.by)
+	}
+	// A third relay holds orders/x for a minute (given it while this
+	// session's credit was in use): nothing of orders is claimable before
+	// that lease expires, which bounds the wait.
+	c2 := emit(t, pool, "orders", "c2", 1)[0]
+	if d := recv(t, st); d.GetEvent().GetEventId() != c2.String() {
+		t.Fatalf("got %s, want orders/c2 %s", d.GetEvent().GetEventId(), c2)
+	} else {
+		ordersOther := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{RelayId: "orders-other", MaxInFlight: 1,
+			Streams: []string{"orders"}, LeaseTtl: durationpb.New(time.Minute)})
+		ox := emit(t, pool, "orders", "x", 1)[0]
+		if o := recv(t, ordersOther); o.GetEvent().GetEventId() != ox.String() {
+			t.Fatalf("orders-other got %s, want orders/x %s", o.GetEvent().GetEventId(), ox)
+		}
+		ack(t, r, d)
+	}
 	if d := next(); d.claim || d.by.Before(time.Now().Add(30*time.Second)) || d.by.After(time.Now().Add(time.Minute)) {
-		t.Fatalf("ack with billing/x leased for a minute: claim %v by %v, want no claim, by within the minute", d.claim, d.by)
+		t.Fatalf("ack with orders/x leased for a minute: claim %v by %v, want no claim, by within the minute", d.claim, d.by)
 	}
 	// The session still gets new events, by dispatch.
 	e := emit(t, pool, "orders", "e", 1)[0]

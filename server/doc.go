@@ -90,10 +90,23 @@
 //
 // claimable_at orders claims and is non-NULL exactly for ready, leased and
 // backoff: the head event's created_at when ready (oldest pending first), the
-// lease expiry when leased, the next attempt when backing off. A claim takes
-// rows with claimable_at <= now from a partial index that holds only such
-// aggregates, so its cost follows the number of pending aggregates, never the
-// event backlog.
+// lease expiry when leased, the next attempt when backing off. The claim
+// index holds only such aggregates, keyed (stream, state, claimable_at), so a
+// claim's cost follows the pending aggregates of the streams its session
+// takes, never the event backlog nor other streams' work. A claim reads, for
+// each stream it takes (named, or found by stepping from stream to stream in
+// the index, the excluded ones left out), the first ClaimBatch rows of three
+// ranges: every ready aggregate, and the leased and backing-off ones whose
+// claimable_at has passed; it merges them in claim order and locks them in
+// that order with SKIP LOCKED until it has ClaimBatch.
+//
+// A ready aggregate is claimable whatever its claimable_at: a database clock
+// that stepped back leaves created_at ahead of now(), and ready work must not
+// wait for the clock. A lease expiry or next attempt is a wall-clock time: a
+// step back delays it by the step, but by no more than max(MaxLeaseTTL,
+// BackoffCap), since a claimable_at further ahead than any the server sets
+// can only follow a step and counts as due (outbox.claim_ranges). Epochs stay
+// fenced across a step: each is above the previous one.
 //
 // # RPCs
 //
@@ -112,8 +125,11 @@
 // (a discovery round that made it ready, a release) or is seen by the
 // next batch's probe. Most acks of a steady replica end a lease with
 // nothing following, and their empty claims were most of its claims. The
-// probe is not per stream: a ready aggregate of a stream no connected
-// relay takes makes every ack claim, as all acks did before.
+// probe is per session: the acker passes every local session's stream
+// filter (outbox.ack's p_filter_*), and the probe reads the claim index of
+// those streams alone (outbox.claim_probe), so a ready aggregate of a stream
+// no connected relay takes neither makes acks claim nor bounds a wait. A
+// holder the acker does not describe counts as taking every stream.
 // Credit comes back only when the database says the lease
 // is gone: an ack or nack on this replica signals the session directly; one
 // on another replica sends NOTIFY outbox_released with the holder's session

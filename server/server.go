@@ -112,6 +112,12 @@ type Config struct {
 	NoDispatch bool
 }
 
+// maxDue is the longest lease or backoff this replica sets (a relay's
+// lease TTL is at most MaxLeaseTTL, a backoff at most BackoffCap): a lease
+// expiry or next attempt further ahead of the database clock than that can
+// only follow a clock that stepped back, and is claimable at once.
+func (c *Config) maxDue() time.Duration { return max(c.MaxLeaseTTL, c.BackoffCap) }
+
 func (c *Config) setDefaults() error {
 	if c.Store == nil {
 		return errors.New("server: Config.Store is required")
@@ -464,6 +470,18 @@ func (s *Server) handOverTargets() (targets map[uuid.UUID]store.HandOverTarget, 
 		targets[id] = t
 	}
 	return targets, loans
+}
+
+// streamFilters says which streams each local session takes, so that an ack
+// batch's claim hint and hand-over order look at those streams alone.
+func (s *Server) streamFilters() map[uuid.UUID]store.StreamFilter {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	filters := make(map[uuid.UUID]store.StreamFilter, len(s.sessions))
+	for id, sess := range s.sessions {
+		filters[id] = sess.filter()
+	}
+	return filters
 }
 
 // sweepSessions asks each of these local sessions to release the leases it

@@ -242,6 +242,11 @@ func (ss *session) give(leases []store.Lease, n int) bool {
 	return true
 }
 
+// filter is what the session takes, as the store names it.
+func (ss *session) filter() store.StreamFilter {
+	return store.StreamFilter{Streams: ss.streams, ExcludeStreams: ss.excludeStreams}
+}
+
 // admits says whether the stream's filter takes events of stream (as the
 // claim's filter does).
 func (ss *session) admits(stream string) bool {
@@ -385,7 +390,7 @@ func (ss *session) claimAndSend(ctx context.Context, credit int, send func(*outb
 		Holder: ss.id, RelayID: ss.relayID, ReplicaID: ss.srv.cfg.ReplicaID,
 		Streams: ss.streams, ExcludeStreams: ss.excludeStreams,
 		Limit: n, Window: ss.window, Credit: credit,
-		TTL: ss.ttl, MaxAttempts: ss.srv.cfg.MaxDeliveries,
+		TTL: ss.ttl, MaxAttempts: ss.srv.cfg.MaxDeliveries, MaxDue: ss.srv.cfg.maxDue(),
 	})
 	if h := ss.srv.afterClaim; h != nil {
 		leases, err = h(leases, err)

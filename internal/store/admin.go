@@ -147,13 +147,16 @@ func (s *Store) Lag(ctx context.Context, streams []string, sessionTTL time.Durat
 }
 
 // idleRelays fills in each stream's IdleRelays. Ready aggregates are found
-// through the claim index (claimable_at), so the cost follows the backlog.
+// through the claim index, one probe per stream, so the cost follows the
+// streams with work, not the backlog.
 func (s *Store) idleRelays(ctx context.Context, filter []string, sessionTTL time.Duration, streams []StreamLag) error {
 	rows, err := s.pool.Query(ctx, `
 		WITH waiting AS (
-		    SELECT DISTINCT d.stream FROM outbox.delivery d, outbox.settings st
-		    WHERE d.claimable_at < clock_timestamp() - st.idle_relay_after AND d.state = 'ready'
-		      AND ($1::text[] IS NULL OR d.stream = ANY ($1))
+		    SELECT s.stream FROM outbox.claimable_streams($1::text[], NULL) s, outbox.settings st
+		    WHERE EXISTS (
+		        SELECT 1 FROM outbox.delivery d
+		        WHERE d.stream = s.stream AND d.state = 'ready'
+		          AND d.claimable_at < clock_timestamp() - st.idle_relay_after)
 		)
 		SELECT w.stream, r.session_id
 		FROM waiting w

@@ -296,6 +296,12 @@ type ClaimParams struct {
 	// that event has been delivered this many times without an ack or a
 	// nack; 0 means no limit.
 	MaxAttempts int
+	// MaxDue is the longest lease or backoff any replica sets: a lease
+	// expiry or next attempt further ahead of the database clock than this
+	// is taken as claimable now (only a clock that stepped back puts it
+	// there; see outbox.claim_ranges). 0: no bound, such a row waits for
+	// the clock.
+	MaxDue time.Duration
 }
 
 // PendingMigrations pings the database and says how many of the schema
@@ -339,9 +345,9 @@ func (s *Store) Claim(ctx context.Context, p ClaimParams) ([]Lease, error) {
 	rows, err := s.pool.Query(ctx,
 		`SELECT event_id, stream, aggregate_key, revision, event_type, payload, headers, created_at,
 		        epoch, attempt, lease_expires_at
-		 FROM outbox.claim($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)`,
+		 FROM outbox.claim($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)`,
 		p.Holder, p.RelayID, p.ReplicaID, streams, p.Limit, p.TTL, maxAttempts, exclude,
-		max(p.Window, 1), max(p.Credit, p.Limit))
+		max(p.Window, 1), max(p.Credit, p.Limit), maxDue(p.MaxDue))
 	if err != nil {
 		return nil, fmt.Errorf("store: claim: %w", err)
 	}
@@ -399,8 +405,17 @@ type AckResult struct {
 	Claimable ClaimHint
 }
 
-// ClaimHint is what an ack batch saw of claimable work once it had applied
-// (outbox.ack's claimable_in). The zero value knows nothing: claim.
+// maxDue is d as outbox.claim and outbox.ack take it: NULL for no bound.
+func maxDue(d time.Duration) *time.Duration {
+	if d <= 0 {
+		return nil
+	}
+	return &d
+}
+
+// ClaimHint is what an ack batch saw of claimable work once it had applied,
+// in the streams the holder's session takes (outbox.ack's claimable_in).
+// The zero value knows nothing: claim.
 type ClaimHint struct {
 	// Seen says the batch looked; without it nothing is known.
 	Seen bool
@@ -450,6 +465,19 @@ type AckParams struct {
 	// committed and not skipped, and the window of a lease that goes on
 	// slides forward (outbox.ack).
 	HandOver map[uuid.UUID]HandOverTarget
+	// Filters maps the replica's sessions to the streams they take. An
+	// ack's claim hint (AckResult.Claimable) and a hand-over's claim order
+	// look only at the streams of the holder's session; a holder not
+	// listed is taken to take every stream.
+	Filters map[uuid.UUID]StreamFilter
+	// MaxDue is ClaimParams.MaxDue, for the claim hint.
+	MaxDue time.Duration
+}
+
+// StreamFilter is what a session takes: Streams, or when empty every
+// stream but ExcludeStreams.
+type StreamFilter struct {
+	Streams, ExcludeStreams []string
 }
 
 // withoutLoans is targets with no lent credit.
@@ -544,9 +572,26 @@ func (s *Store) ack(ctx context.Context, p AckParams) ([]AckResult, error) {
 		windows = append(windows, int32(max(t.Window, 1)))
 		credits = append(credits, int32(max(t.Credit, 0)))
 	}
+	// One row per stream a session takes or excludes; a NULL stream for
+	// a session that takes every stream.
+	var filterHolders []uuid.UUID
+	var filterStreams []*string
+	var filterExcluded []bool
+	for h, f := range p.Filters {
+		if len(f.Streams) == 0 {
+			filterHolders, filterStreams, filterExcluded = append(filterHolders, h), append(filterStreams, nil), append(filterExcluded, false)
+		}
+		for _, st := range f.Streams {
+			filterHolders, filterStreams, filterExcluded = append(filterHolders, h), append(filterStreams, &st), append(filterExcluded, false)
+		}
+		for _, st := range f.ExcludeStreams {
+			filterHolders, filterStreams, filterExcluded = append(filterHolders, h), append(filterStreams, &st), append(filterExcluded, true)
+		}
+	}
 	rows, err := s.pool.Query(ctx,
 		`SELECT a.event_id, a.status, a.holder, clock_timestamp() - a.created_at, a.claimable_in, `+leaseColumns("a.handover")+`
-		 FROM outbox.ack($1, $2, $3, $4, $5, $6) a`, p.IDs, p.ReplicaID, holders, ttls, windows, credits)
+		 FROM outbox.ack($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) a`, p.IDs, p.ReplicaID, holders, ttls, windows, credits,
+		filterHolders, filterStreams, filterExcluded, maxDue(p.MaxDue))
 	if err != nil {
 		return nil, fmt.Errorf("store: ack: %w", err)
 	}

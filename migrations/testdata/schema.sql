@@ -27,10 +27,10 @@ CREATE TYPE outbox.lease AS (
 );
 
 --
--- Name: ack(uuid[], text, uuid[], interval[], integer[], integer[]); Type: FUNCTION; Schema: outbox; Owner: -
+-- Name: ack(uuid[], text, uuid[], interval[], integer[], integer[], uuid[], text[], boolean[], interval); Type: FUNCTION; Schema: outbox; Owner: -
 --
 
-CREATE FUNCTION outbox.ack(p_event_ids uuid[], p_replica_id text, p_handover_holders uuid[] DEFAULT NULL::uuid[], p_handover_ttls interval[] DEFAULT NULL::interval[], p_handover_windows integer[] DEFAULT NULL::integer[], p_handover_credits integer[] DEFAULT NULL::integer[]) RETURNS TABLE(event_id uuid, status text, holder uuid, created_at timestamp with time zone, handover outbox.lease, claimable_in interval)
+CREATE FUNCTION outbox.ack(p_event_ids uuid[], p_replica_id text, p_handover_holders uuid[] DEFAULT NULL::uuid[], p_handover_ttls interval[] DEFAULT NULL::interval[], p_handover_windows integer[] DEFAULT NULL::integer[], p_handover_credits integer[] DEFAULT NULL::integer[], p_filter_holders uuid[] DEFAULT NULL::uuid[], p_filter_streams text[] DEFAULT NULL::text[], p_filter_excluded boolean[] DEFAULT NULL::boolean[], p_max_due interval DEFAULT NULL::interval) RETURNS TABLE(event_id uuid, status text, holder uuid, created_at timestamp with time zone, handover outbox.lease, claimable_in interval)
     LANGUAGE plpgsql
     SET enable_seqscan TO 'off'
     SET jit TO 'off'
@@ -53,6 +53,16 @@ DECLARE
     v_remote uuid[];
     v_oldest timestamptz;
     v_first_claimable timestamptz;
+    v_probe_holders uuid[];
+    v_probe_oldest timestamptz[];
+    v_hint_holders uuid[];
+    v_hint_next timestamptz[];
+    v_probed boolean := false;
+    -- Arguments of the probe, always variables: a call whose arguments hold
+    -- a volatile function (clock_timestamp()) or a subquery is not inlined,
+    -- and its body is then planned again on every call (milliseconds).
+    v_probe_now timestamptz;
+    v_probe_for uuid[];
     v_handed outbox.lease[];
     v_handed_holders uuid[];
     v_handed_acks uuid[];
@@ -132,7 +142,6 @@ BEGIN
             INSERT INTO outbox.delivered_count AS c (stream, bucket, backend_pid, events)
             VALUES (v_stream, date_bin('5 seconds', v_now, timestamptz '2000-01-01'), pg_backend_pid(), 1)
             ON CONFLICT (stream, bucket, backend_pid) DO UPDATE SET events = c.events + 1;
-            SELECT min(o.claimable_at) INTO v_oldest FROM outbox.delivery o WHERE o.claimable_at IS NOT NULL;
 
             SELECT n.event_id, n.created_at, EXISTS (SELECT 1 FROM outbox.skipped_event s WHERE s.event_id = n.event_id)
             INTO v_next_id, v_next_at, v_next_skipped
@@ -147,6 +156,13 @@ BEGIN
             v_stays_parked := v_state = 'parked' AND v_parked_rev > v_rev;
             IF v_holder IS NOT NULL THEN
                 v_slot := array_position(p_handover_holders, v_holder);
+            END IF;
+            -- The claim order a hand-over must not jump: the oldest work
+            -- claimable in the streams the holder's session takes.
+            IF v_slot IS NOT NULL AND v_next_id IS NOT NULL AND NOT v_next_skipped THEN
+                SELECT p.oldest INTO v_oldest
+                FROM outbox.claim_probe_for(ARRAY[v_holder], p_filter_holders, p_filter_streams, p_filter_excluded,
+                                            v_now, p_max_due) p;
             END IF;
             IF v_slot IS NOT NULL AND v_next_id IS NOT NULL AND NOT v_next_skipped
                AND NOT coalesce(v_oldest < least(v_now, v_next_at), false) THEN
@@ -183,11 +199,23 @@ BEGIN
             IF v_holder IS NOT NULL AND v_holder_replica IS DISTINCT FROM p_replica_id THEN
                 PERFORM pg_notify('outbox_released', v_holder::text);
             END IF;
-            SELECT min(o.claimable_at) INTO v_first_claimable FROM outbox.delivery o WHERE o.claimable_at IS NOT NULL;
+
+            -- The claim hint: what the holder's session would find to claim
+            -- in the streams it takes, now that this ack applied. A holder
+            -- not probed (another replica's session) is told to claim.
+            IF v_holder IS NOT NULL AND (p_filter_holders IS NULL OR v_holder = ANY (p_filter_holders)) THEN
+                v_probe_now := clock_timestamp();
+                SELECT p.next_at INTO v_first_claimable
+                FROM outbox.claim_probe_for(ARRAY[v_holder], p_filter_holders, p_filter_streams, p_filter_excluded,
+                                            v_probe_now, p_max_due) p;
+                v_probed := true;
+            END IF;
 
             RETURN QUERY
             SELECT v_id, 'published'::text, v_holder, v_at, NULL::outbox.lease,
-                   CASE WHEN v_first_claimable IS NOT NULL THEN greatest(v_first_claimable - clock_timestamp(), interval '0') END;
+                   CASE WHEN NOT v_probed THEN interval '0'
+                        WHEN v_first_claimable IS NOT NULL THEN greatest(v_first_claimable - clock_timestamp(), interval '0')
+                   END;
             IF v_ttl IS NOT NULL THEN
                 SELECT e.event_id, e.stream, e.aggregate_key, e.revision, e.event_type, e.payload::text,
                        e.headers, e.created_at, v_epoch, v_attempt, v_expires
@@ -267,11 +295,16 @@ BEGIN
         GROUP BY n.stream
         ON CONFLICT (stream, bucket, backend_pid) DO UPDATE SET events = c.events + excluded.events;
 
-        -- The claim order hand-over must not jump (one probe of the claim
-        -- index, read as a min so that the plan stays an index probe). Not
-        -- per stream, so a session may yield to work only another relay
-        -- takes, which costs it a claim, never an event's turn.
-        SELECT min(o.claimable_at) INTO v_oldest FROM outbox.delivery o WHERE o.claimable_at IS NOT NULL;
+        -- The claim order hand-over must not jump: per session that may
+        -- take a hand-over, the oldest work claimable in the streams it
+        -- takes (a few probes of the claim index per stream).
+        IF p_handover_holders IS NOT NULL THEN
+            v_probe_for := ARRAY(SELECT DISTINCT h.holder FROM unnest(v_holders) AS h(holder)
+                                 JOIN unnest(p_handover_holders) AS t(holder) ON t.holder = h.holder);
+            SELECT array_agg(p.holder), array_agg(p.oldest) INTO v_probe_holders, v_probe_oldest
+            FROM outbox.claim_probe_for(v_probe_for, p_filter_holders, p_filter_streams, p_filter_excluded,
+                                        v_now, p_max_due) p;
+        END IF;
 
         IF NOT v_windowed AND coalesce(NOT 1 < ANY (p_handover_windows), true)
            AND coalesce(NOT 0 < ANY (p_handover_credits), true) THEN
@@ -293,11 +326,12 @@ BEGIN
                      AS a(event_id, stream, aggregate_key, revision, holder, stays_parked)
                 LEFT JOIN outbox.event n ON n.stream = a.stream AND n.aggregate_key = a.aggregate_key
                                         AND n.revision = a.revision + 1
+                LEFT JOIN unnest(v_probe_holders, v_probe_oldest) AS o(holder, oldest) ON o.holder = a.holder
                 LEFT JOIN LATERAL (
                     SELECT t.ttl FROM unnest(p_handover_holders, p_handover_ttls) AS t(holder, ttl)
                     WHERE t.holder = a.holder AND n.event_id IS NOT NULL
                       AND NOT EXISTS (SELECT 1 FROM outbox.skipped_event s WHERE s.event_id = n.event_id)
-                      AND NOT coalesce(v_oldest < least(v_now, n.created_at), false)
+                      AND NOT coalesce(o.oldest < least(v_now, n.created_at), false)
                     LIMIT 1
                 ) h ON true
             ), advanced AS (
@@ -354,6 +388,7 @@ BEGIN
                 GROUP BY a.stream, a.aggregate_key
             ), cur AS (
                 SELECT a.*, d.holder, h.ttl, coalesce(h.win, 1) AS win, coalesce(h.credit, 0) AS credit,
+                       o.oldest AS claim_oldest,
                        n.event_id AS next_id, n.created_at AS next_created_at,
                        n.event_id IS NOT NULL AND NOT n.skipped AS next_ok,
                        d.state = 'leased' AND d.leased_through > a.cursor AND n.event_id IS NOT NULL
@@ -373,6 +408,7 @@ BEGIN
                 ) n ON true
                 LEFT JOIN unnest(p_handover_holders, p_handover_ttls, p_handover_windows, p_handover_credits)
                      AS h(holder, ttl, win, credit) ON h.holder = d.holder
+                LEFT JOIN unnest(v_probe_holders, v_probe_oldest) AS o(holder, oldest) ON o.holder = d.holder
             ), want AS (
                 -- Where new leases would start, and how many at most.
                 SELECT c.*,
@@ -386,7 +422,7 @@ BEGIN
                 -- How many of those are there: contiguous, not skipped. A
                 -- window of one from the next revision is what cur read
                 -- already.
-                SELECT w.*, CASE WHEN coalesce(v_oldest < least(v_now, v.first_created_at), false) THEN 0
+                SELECT w.*, CASE WHEN coalesce(w.claim_oldest < least(v_now, v.first_created_at), false) THEN 0
                                  ELSE coalesce(v.n, 0) END AS n
                 FROM want w
                 LEFT JOIN LATERAL (
@@ -464,9 +500,17 @@ BEGIN
         IF v_remote IS NOT NULL THEN
             PERFORM pg_notify('outbox_released', h::text) FROM unnest(v_remote) AS h;
         END IF;
-        -- What is claimable now that this batch applied, as late as this
-        -- transaction can look (one probe of the claim index).
-        SELECT min(o.claimable_at) INTO v_first_claimable FROM outbox.delivery o WHERE o.claimable_at IS NOT NULL;
+        -- What each holder's session would find to claim now that this
+        -- batch applied, as late as this transaction can look. Holders not
+        -- among this replica's sessions (when it names them) are not
+        -- probed: nothing reads their hint.
+        v_probe_for := CASE WHEN p_filter_holders IS NULL THEN v_holders
+                            ELSE ARRAY(SELECT DISTINCT h.holder FROM unnest(v_holders) AS h(holder)
+                                       JOIN unnest(p_filter_holders) AS f(holder) ON f.holder = h.holder) END;
+        v_probe_now := clock_timestamp();
+        SELECT array_agg(p.holder), array_agg(p.next_at) INTO v_hint_holders, v_hint_next
+        FROM outbox.claim_probe_for(v_probe_for, p_filter_holders, p_filter_streams, p_filter_excluded,
+                                    v_probe_now, p_max_due) p;
     END IF;
 
     -- Published ones straight from the arrays; the rest, if any, need a look
@@ -476,8 +520,10 @@ BEGIN
     -- batch of one ack runs on every event of a hot aggregate.)
     RETURN QUERY
     SELECT o.id, 'published'::text, o.holder, o.created_at, NULL::outbox.lease,
-           CASE WHEN v_first_claimable IS NOT NULL THEN greatest(v_first_claimable - clock_timestamp(), interval '0') END
-    FROM unnest(v_ok, v_holders, v_ok_created) AS o(id, holder, created_at);
+           CASE WHEN n.holder IS NULL THEN interval '0'
+                WHEN n.next_at IS NOT NULL THEN greatest(n.next_at - clock_timestamp(), interval '0') END
+    FROM unnest(v_ok, v_holders, v_ok_created) AS o(id, holder, created_at)
+    LEFT JOIN unnest(v_hint_holders, v_hint_next) AS n(holder, next_at) ON n.holder = o.holder;
     IF coalesce(cardinality(v_ok), 0) < cardinality(p_event_ids) THEN
         RETURN QUERY
         SELECT i.id,
@@ -510,10 +556,10 @@ END
 $$;
 
 --
--- Name: claim(uuid, text, text, text[], integer, interval, integer, text[], integer, integer); Type: FUNCTION; Schema: outbox; Owner: -
+-- Name: claim(uuid, text, text, text[], integer, interval, integer, text[], integer, integer, interval); Type: FUNCTION; Schema: outbox; Owner: -
 --
 
-CREATE FUNCTION outbox.claim(p_holder uuid, p_relay_id text, p_replica_id text, p_streams text[], p_limit integer, p_ttl interval, p_max_attempts integer DEFAULT NULL::integer, p_exclude_streams text[] DEFAULT NULL::text[], p_window integer DEFAULT 1, p_credit integer DEFAULT NULL::integer) RETURNS SETOF outbox.lease
+CREATE FUNCTION outbox.claim(p_holder uuid, p_relay_id text, p_replica_id text, p_streams text[], p_limit integer, p_ttl interval, p_max_attempts integer DEFAULT NULL::integer, p_exclude_streams text[] DEFAULT NULL::text[], p_window integer DEFAULT 1, p_credit integer DEFAULT NULL::integer, p_max_due interval DEFAULT NULL::interval) RETURNS SETOF outbox.lease
     LANGUAGE plpgsql
     SET enable_seqscan TO 'off'
     SET jit TO 'off'
@@ -530,21 +576,68 @@ DECLARE
     r record;
     v_cursor bigint;
     v_later bigint;
+    v_scan integer := p_limit;
+    v_more_streams text[];
+    v_more_keys text[];
+    v_cand_streams text[];
+    v_cand_keys text[];
+    v_cut boolean;
 BEGIN
     PERFORM outbox.require_read_committed('outbox.claim');
-    -- 1. Lock the oldest claimable aggregates. SKIP LOCKED: one that another
-    --    session is claiming, acking or discovering right now is simply not
-    --    ours this time.
-    SELECT array_agg(c.stream), array_agg(c.aggregate_key) INTO v_streams, v_keys
-    FROM (
-        SELECT d.stream, d.aggregate_key FROM outbox.delivery d
-        WHERE d.claimable_at <= v_now
-          AND (p_streams IS NULL OR d.stream = ANY (p_streams))
-          AND (p_exclude_streams IS NULL OR d.stream <> ALL (p_exclude_streams))
-        ORDER BY d.claimable_at
-        LIMIT p_limit
-        FOR UPDATE SKIP LOCKED
-    ) c;
+    -- 1. Lock the oldest claimable aggregates of the streams this session
+    --    takes. The candidates are read, unlocked, from the claim index one
+    --    stream and range at a time (the first v_scan of each, in claim
+    --    order), so what other streams hold is never read; then locked in
+    --    claim order until p_limit are, each row checked again once locked.
+    --    SKIP LOCKED: one that another session is claiming, acking or
+    --    discovering right now is simply not ours this time. When that
+    --    left the claim short and some range had more rows than were read,
+    --    it reads further (sessions claiming at once read the same
+    --    candidates, and the later ones must get past those the first
+    --    locked). The claim order of an aggregate whose claimable_at lies
+    --    ahead of the clock (claimable after a step back, see
+    --    claim_ranges) is now.
+    LOOP
+        SELECT array_agg(x.stream ORDER BY x.claim_order, x.stream, x.aggregate_key),
+               array_agg(x.aggregate_key ORDER BY x.claim_order, x.stream, x.aggregate_key),
+               coalesce(max(x.n), 0) >= v_scan
+        INTO v_cand_streams, v_cand_keys, v_cut
+        FROM (
+            SELECT x.stream, x.aggregate_key, least(x.claimable_at, v_now) AS claim_order, x.n
+            FROM outbox.claimable_streams(p_streams, p_exclude_streams) s
+            CROSS JOIN outbox.claim_ranges(v_now, p_max_due) r
+            CROSS JOIN LATERAL (
+                SELECT d.stream, d.aggregate_key, d.claimable_at, row_number() OVER () AS n
+                FROM (
+                    SELECT d.stream, d.aggregate_key, d.claimable_at FROM outbox.delivery d
+                    WHERE d.stream = s.stream AND d.state = r.state
+                      AND d.claimable_at > r.after AND d.claimable_at <= r.through
+                    ORDER BY d.claimable_at
+                    LIMIT v_scan
+                ) d
+            ) x
+            WHERE r.claimable
+        ) x;
+        EXIT WHEN v_cand_streams IS NULL;
+        -- Locked in a statement of its own, by key from the candidates'
+        -- arrays (a nested loop over them, never a scan of the table).
+        SELECT array_agg(c.stream), array_agg(c.aggregate_key) INTO v_more_streams, v_more_keys
+        FROM (
+            SELECT d.stream, d.aggregate_key
+            FROM unnest(v_cand_streams, v_cand_keys) WITH ORDINALITY AS k(stream, aggregate_key, ord)
+            JOIN outbox.delivery d ON d.stream = k.stream AND d.aggregate_key = k.aggregate_key
+            WHERE (d.state = 'ready' OR d.claimable_at <= v_now OR d.claimable_at > v_now + p_max_due)
+              AND (v_streams IS NULL
+                   OR (d.stream, d.aggregate_key) NOT IN (SELECT * FROM unnest(v_streams, v_keys)))
+            ORDER BY k.ord
+            LIMIT p_limit - coalesce(cardinality(v_streams), 0)
+            FOR UPDATE OF d SKIP LOCKED
+        ) c;
+        v_streams := v_streams || v_more_streams;
+        v_keys := v_keys || v_more_keys;
+        EXIT WHEN coalesce(cardinality(v_streams), 0) >= p_limit OR NOT v_cut OR v_scan >= 64 * p_limit;
+        v_scan := v_scan * 4;
+    END LOOP;
     IF v_streams IS NULL THEN
         RETURN;
     END IF;
@@ -625,6 +718,88 @@ BEGIN
                                                       p_ttl, v_now, p_max_attempts, p_window, (p_credit - v_leased)::integer);
     END IF;
 END
+$$;
+
+--
+-- Name: claim_probe(text[], text[], timestamp with time zone, interval); Type: FUNCTION; Schema: outbox; Owner: -
+--
+
+CREATE FUNCTION outbox.claim_probe(p_streams text[], p_exclude text[], p_now timestamp with time zone, p_max_due interval) RETURNS TABLE(oldest timestamp with time zone, next_at timestamp with time zone)
+    LANGUAGE sql STABLE
+    AS $$
+    SELECT min(least(x.claimable_at, p_now)) FILTER (WHERE r.claimable),
+           min(CASE WHEN r.claimable THEN p_now ELSE x.claimable_at END)
+    FROM outbox.claimable_streams(p_streams, p_exclude) s
+    CROSS JOIN outbox.claim_ranges(p_now, p_max_due) r
+    CROSS JOIN LATERAL (
+        SELECT d.claimable_at FROM outbox.delivery d
+        WHERE d.stream = s.stream AND d.state = r.state
+          AND d.claimable_at > r.after AND d.claimable_at <= r.through
+        ORDER BY d.claimable_at
+        LIMIT 1
+    ) x
+$$;
+
+--
+-- Name: claim_probe_for(uuid[], uuid[], text[], boolean[], timestamp with time zone, interval); Type: FUNCTION; Schema: outbox; Owner: -
+--
+
+CREATE FUNCTION outbox.claim_probe_for(p_holders uuid[], p_filter_holders uuid[], p_filter_streams text[], p_filter_excluded boolean[], p_now timestamp with time zone, p_max_due interval) RETURNS TABLE(holder uuid, oldest timestamp with time zone, next_at timestamp with time zone)
+    LANGUAGE sql STABLE
+    AS $$
+    WITH h AS (
+        SELECT u.holder,
+               array_agg(f.stream ORDER BY f.stream) FILTER (WHERE f.stream IS NOT NULL AND NOT f.excluded) AS streams,
+               array_agg(f.stream ORDER BY f.stream) FILTER (WHERE f.excluded) AS exclude
+        FROM (SELECT DISTINCT x.holder FROM unnest(p_holders) AS x(holder) WHERE x.holder IS NOT NULL) u
+        LEFT JOIN unnest(p_filter_holders, p_filter_streams, p_filter_excluded) AS f(holder, stream, excluded)
+               ON f.holder = u.holder
+        GROUP BY u.holder
+    ), filters AS (
+        SELECT DISTINCT h.streams, h.exclude FROM h
+    )
+    SELECT h.holder, p.oldest, p.next_at
+    FROM filters f
+    CROSS JOIN LATERAL outbox.claim_probe(f.streams, f.exclude, p_now, p_max_due) p
+    JOIN h ON h.streams IS NOT DISTINCT FROM f.streams AND h.exclude IS NOT DISTINCT FROM f.exclude
+$$;
+
+--
+-- Name: claim_ranges(timestamp with time zone, interval); Type: FUNCTION; Schema: outbox; Owner: -
+--
+
+CREATE FUNCTION outbox.claim_ranges(p_now timestamp with time zone, p_max_due interval) RETURNS TABLE(state text, after timestamp with time zone, through timestamp with time zone, claimable boolean)
+    LANGUAGE sql IMMUTABLE
+    AS $$
+    VALUES ('ready', '-infinity'::timestamptz, 'infinity'::timestamptz, true),
+           ('leased', '-infinity', p_now, true),
+           ('backoff', '-infinity', p_now, true),
+           ('leased', p_now + p_max_due, 'infinity', true),
+           ('backoff', p_now + p_max_due, 'infinity', true),
+           ('leased', p_now, coalesce(p_now + p_max_due, 'infinity'), false),
+           ('backoff', p_now, coalesce(p_now + p_max_due, 'infinity'), false)
+$$;
+
+--
+-- Name: claimable_streams(text[], text[]); Type: FUNCTION; Schema: outbox; Owner: -
+--
+
+CREATE FUNCTION outbox.claimable_streams(p_streams text[], p_exclude text[]) RETURNS TABLE(stream text)
+    LANGUAGE sql STABLE
+    AS $$
+    SELECT s.stream FROM unnest(p_streams) AS s(stream)
+    UNION ALL
+    SELECT r.stream FROM (
+        WITH RECURSIVE r(stream) AS (
+            SELECT (SELECT min(d.stream) FROM outbox.delivery d WHERE d.claimable_at IS NOT NULL)
+            UNION ALL
+            SELECT (SELECT min(d.stream) FROM outbox.delivery d
+                    WHERE d.claimable_at IS NOT NULL AND d.stream > r.stream)
+            FROM r WHERE r.stream IS NOT NULL
+        )
+        SELECT r.stream FROM r
+    ) r
+    WHERE p_streams IS NULL AND r.stream IS NOT NULL AND r.stream <> ALL (coalesce(p_exclude, '{}'))
 $$;
 
 --
@@ -2243,7 +2418,7 @@ CREATE INDEX attempt_event_idx ON outbox.attempt USING btree (event_id, attempt_
 -- Name: delivery_claimable_idx; Type: INDEX; Schema: outbox; Owner: -
 --
 
-CREATE INDEX delivery_claimable_idx ON outbox.delivery USING btree (claimable_at) WHERE (claimable_at IS NOT NULL);
+CREATE INDEX delivery_claimable_idx ON outbox.delivery USING btree (stream, state, claimable_at) WHERE (claimable_at IS NOT NULL);
 
 --
 -- Name: delivery_holder_idx; Type: INDEX; Schema: outbox; Owner: -

@@ -1,0 +1,307 @@
+package migrations_test
+
+import (
+	"context"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/outboxd/outboxd/internal/testdb"
+)
+
+// coldBacklog is how many ready aggregates the tests below leave in a
+// stream no session takes: far more than any claim or probe of another
+// stream may read.
+const coldBacklog = 2000
+
+// seedCold commits coldBacklog ready aggregates in stream cold, older than
+// anything the test emits after.
+func seedCold(t *testing.T, pool *pgxpool.Pool) {
+	t.Helper()
+	exec(t, pool, fmt.Sprintf(`INSERT INTO outbox.event (stream, aggregate_key, revision, event_type, payload)
+		SELECT 'cold', 'k' || g, 1, 'T', '{}' FROM generate_series(1, %d) g`, coldBacklog))
+}
+
+// emitIn emits n events of stream's aggregate key.
+func emitIn(t *testing.T, pool *pgxpool.Pool, stream, key string, n int) {
+	t.Helper()
+	exec(t, pool, fmt.Sprintf(`DO $$ BEGIN FOR i IN 1..%d LOOP PERFORM outbox.emit('%s', '%s', 'T', '{}'); END LOOP; END $$`,
+		n, stream, key))
+}
+
+// claimIndexReads runs query in a transaction it rolls back, and returns the
+// first column of its rows as text and how many index entries of
+// outbox.delivery the transaction read (the statistics of the transaction
+// itself, so nothing else running counts).
+func claimIndexReads(t *testing.T, pool *pgxpool.Pool, query string, args ...any) ([]string, int64) {
+	t.Helper()
+	ctx := t.Context()
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
+	before := deliveryIndexReads(t, tx)
+	rows, err := tx.Query(ctx, query, args...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (string, error) {
+		var v *string
+		err := r.Scan(&v)
+		if v == nil {
+			return "NULL", err
+		}
+		return *v, err
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return got, deliveryIndexReads(t, tx) - before
+}
+
+// deliveryIndexReads is how many index entries of outbox.delivery (the
+// claim index, the primary key, all of them) the connection has read and
+// not yet reported (earlier transactions' reads may be among them: read it
+// before and after, in one transaction, and take the difference).
+func deliveryIndexReads(t *testing.T, tx pgx.Tx) int64 {
+	t.Helper()
+	var reads int64
+	if err := tx.QueryRow(t.Context(), `
+		SELECT sum(pg_stat_get_xact_tuples_returned(i.indexrelid))::bigint FROM pg_index i
+		WHERE i.indrelid = 'outbox.delivery'::regclass`).Scan(&reads); err != nil {
+		t.Fatal(err)
+	}
+	return reads
+}
+
+// A claim reads the claim index of the streams its session takes, never the
+// ready backlog of a stream it does not take, whether it names its streams
+// or takes every stream but some. (The claim index used to be ordered by
+// claimable_at alone, and the stream filter applied row by row: a claim
+// for one stream walked every older ready aggregate of the others.)
+func TestClaimReadsOnlyTheStreamsItTakes(t *testing.T) {
+	t.Parallel()
+	pool := testdb.NewPool(t)
+	seedCold(t, pool)
+	emitIn(t, pool, "live", "a", 1)
+	emitIn(t, pool, "other", "b", 1)
+	discover(t, pool)
+	const bound = 20 // a few probes per stream and range, and the rows claimed
+
+	for _, c := range []struct {
+		name             string
+		streams, exclude []string
+		want             []string
+	}{
+		{"named stream", []string{"live"}, nil, []string{"a"}},
+		{"every stream but cold", nil, []string{"cold"}, []string{"a", "b"}},
+	} {
+		got, reads := claimIndexReads(t, pool,
+			`SELECT aggregate_key FROM outbox.claim($1, 'r', 'x', $2, 64, interval '30 seconds', NULL, $3, 1, 64, interval '1 hour')
+			 ORDER BY aggregate_key`, uuid.New(), c.streams, c.exclude)
+		if fmt.Sprint(got) != fmt.Sprint(c.want) {
+			t.Errorf("%s: claimed %v, want %v", c.name, got, c.want)
+		}
+		if reads > bound {
+			t.Errorf("%s: the claim read %d index entries of outbox.delivery with %d ready aggregates in cold; want at most %d",
+				c.name, reads, coldBacklog, bound)
+		}
+	}
+}
+
+// ackAsSession acks id as the local session holder that takes streams (nil:
+// every stream) and takes hand-overs, and returns the ack's status, its
+// claimable_in and whether it handed a lease over.
+func ackAsSession(t *testing.T, pool *pgxpool.Pool, id, holder uuid.UUID, streams []string) (string, *time.Duration, bool, int64) {
+	t.Helper()
+	var filterHolders []uuid.UUID
+	var filterStreams []*string
+	var filterExcluded []bool
+	if streams == nil {
+		filterHolders, filterStreams, filterExcluded = []uuid.UUID{holder}, []*string{nil}, []bool{false}
+	}
+	for _, s := range streams {
+		filterHolders, filterStreams, filterExcluded = append(filterHolders, holder), append(filterStreams, &s), append(filterExcluded, false)
+	}
+	ctx := t.Context()
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
+	before := deliveryIndexReads(t, tx)
+	rows, err := tx.Query(ctx,
+		`SELECT a.status, a.claimable_in FROM outbox.ack(ARRAY[$1::uuid], 'x', ARRAY[$2::uuid], ARRAY[interval '30 seconds'],
+		     NULL, NULL, $3, $4, $5, interval '1 hour') a`, id, holder, filterHolders, filterStreams, filterExcluded)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var status string
+	var in *time.Duration
+	handed := false
+	for rows.Next() {
+		var st string
+		var i *time.Duration
+		if err := rows.Scan(&st, &i); err != nil {
+			t.Fatal(err)
+		}
+		if st == "handed_over" {
+			handed = true
+			continue
+		}
+		status, in = st, i
+	}
+	if err := rows.Err(); err != nil {
+		t.Fatal(err)
+	}
+	reads := deliveryIndexReads(t, tx) - before
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	return status, in, handed, reads
+}
+
+// An ack looks at the streams of the holder's session alone: older ready
+// work in a stream it does not take neither stops the hand-over of its
+// aggregate's next event nor makes it claim, and the ack reads none of
+// that stream's claim index. A session that takes every stream yields to
+// the older work, and is told to claim.
+func TestAckProbesOnlyTheHoldersStreams(t *testing.T) {
+	t.Parallel()
+	pool := testdb.NewPool(t)
+	seedCold(t, pool)
+	emitIn(t, pool, "live", "hot", 3)
+	discover(t, pool)
+	holder := uuid.New()
+
+	var first uuid.UUID
+	if err := pool.QueryRow(t.Context(), `SELECT event_id FROM outbox.claim($1, 'r', 'x', '{live}', 1, interval '30 seconds')`,
+		holder).Scan(&first); err != nil {
+		t.Fatalf("claiming live/hot's first event: %v", err)
+	}
+	// The session takes live alone: revision 2 is handed over although
+	// cold's ready aggregates are older, and nothing in live is claimable
+	// before the lease handed over expires (in 30 seconds).
+	status, in, handed, reads := ackAsSession(t, pool, first, holder, []string{"live"})
+	if status != "published" || !handed || in == nil || *in <= 20*time.Second || *in > 30*time.Second {
+		t.Fatalf("ack of live/hot 1 by a session of live: %s, handed over %v, claimable in %v; want published, handed over, 20-30s",
+			status, handed, in)
+	}
+	if reads > 20 {
+		t.Errorf("the ack read %d index entries of outbox.delivery with %d ready aggregates in cold; want at most 20", reads, coldBacklog)
+	}
+
+	// A session that takes every stream must not jump cold's older work.
+	status, in, handed, _ = ackAsSession(t, pool, eventIDIn(t, pool, "live", "hot", 2), holder, nil)
+	if status != "published" || handed || in == nil || *in != 0 {
+		t.Fatalf("ack of live/hot 2 by a session of every stream: %s, handed over %v, claimable in %v; want published, no hand-over, 0",
+			status, handed, in)
+	}
+}
+
+func eventIDIn(t *testing.T, pool *pgxpool.Pool, stream, key string, rev int64) uuid.UUID {
+	t.Helper()
+	var id uuid.UUID
+	if err := pool.QueryRow(t.Context(), `SELECT event_id FROM outbox.event WHERE stream = $1 AND aggregate_key = $2 AND revision = $3`,
+		stream, key, rev).Scan(&id); err != nil {
+		t.Fatal(err)
+	}
+	return id
+}
+
+// shiftIntoFuture makes the events of stream, and the delivery rows'
+// stored times, lie d ahead of the clock, as they do after the database
+// clock stepped back by d.
+func shiftIntoFuture(t *testing.T, pool *pgxpool.Pool, stream string, d time.Duration) {
+	t.Helper()
+	ctx := t.Context()
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
+	for _, q := range []string{
+		`ALTER TABLE outbox.event DISABLE TRIGGER USER`,
+		`UPDATE outbox.event SET created_at = created_at + $2 WHERE stream = $1`,
+		`ALTER TABLE outbox.event ENABLE TRIGGER USER`,
+		`UPDATE outbox.delivery SET claimable_at = claimable_at + $2, pending_since = pending_since + $2,
+		     lease_expires_at = lease_expires_at + $2, next_attempt_at = next_attempt_at + $2 WHERE stream = $1`,
+	} {
+		var args []any
+		if q[0] == 'U' {
+			args = []any{stream, d}
+		}
+		if _, err := tx.Exec(ctx, q, args...); err != nil {
+			t.Fatalf("%s: %v", q, err)
+		}
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// After the database clock stepped back, a ready aggregate is claimable at
+// once whatever its head's created_at says; a lease whose expiry lies
+// further ahead than any lease the server gives (p_max_due) is claimable
+// too; one within that bound still waits for its expiry.
+func TestClockSteppedBackStallsNothingReady(t *testing.T) {
+	t.Parallel()
+	pool := testdb.NewPool(t)
+	for i := range 10 {
+		emitIn(t, pool, "orders", fmt.Sprintf("r%d", i), 1)
+	}
+	emitIn(t, pool, "orders", "long", 1)
+	emitIn(t, pool, "orders", "short", 1)
+	discover(t, pool)
+	holder := uuid.New()
+	exec(t, pool, `UPDATE outbox.delivery SET state = 'leased', holder = '00000000-0000-0000-0000-000000000001',
+		leased_event_id = (SELECT event_id FROM outbox.event e WHERE e.stream = 'orders' AND e.aggregate_key = delivery.aggregate_key),
+		leased_through = 1, epoch = 1, attempt = 1,
+		lease_expires_at = clock_timestamp() + CASE aggregate_key WHEN 'long' THEN interval '50 minutes' ELSE interval '1 minute' END,
+		claimable_at = clock_timestamp() + CASE aggregate_key WHEN 'long' THEN interval '50 minutes' ELSE interval '1 minute' END
+		WHERE aggregate_key IN ('long', 'short')`)
+	shiftIntoFuture(t, pool, "orders", 20*time.Minute)
+
+	got, _ := claimIndexReads(t, pool,
+		`SELECT aggregate_key FROM outbox.claim($1, 'r', 'x', '{orders}', 64, interval '30 seconds', NULL, NULL, 1, 64, interval '1 hour')
+		 ORDER BY aggregate_key`, holder)
+	want := "[long r0 r1 r2 r3 r4 r5 r6 r7 r8 r9]"
+	if fmt.Sprint(got) != want {
+		t.Fatalf("claimed %v after a step back of 20 minutes; want %s (short's lease still runs)", got, want)
+	}
+}
+
+// A claim gets past aggregates another transaction holds locked (sessions
+// that claim at once read the same oldest candidates): it still leases as
+// many as it asks for when that many are claimable, the next oldest.
+func TestClaimWalksPastLockedAggregates(t *testing.T) {
+	t.Parallel()
+	pool := testdb.NewPool(t)
+	for i := range 8 {
+		emitIn(t, pool, "orders", fmt.Sprintf("k%d", i), 1)
+	}
+	discover(t, pool)
+	ctx := t.Context()
+	other, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = other.Rollback(context.WithoutCancel(ctx)) }()
+	// The four oldest, as a concurrent claim would hold them.
+	if _, err := other.Exec(ctx, `SELECT 1 FROM outbox.delivery WHERE aggregate_key IN ('k0', 'k1', 'k2', 'k3') FOR UPDATE`); err != nil {
+		t.Fatal(err)
+	}
+	for _, streams := range [][]string{{"orders"}, nil} {
+		got, _ := claimIndexReads(t, pool,
+			`SELECT aggregate_key FROM outbox.claim($1, 'r', 'x', $2, 4, interval '30 seconds', NULL, NULL, 1, 4, interval '1 hour')
+			 ORDER BY aggregate_key`, uuid.New(), streams)
+		if want := "[k4 k5 k6 k7]"; fmt.Sprint(got) != want {
+			t.Errorf("streams %v: claimed %v with k0-k3 locked elsewhere; want %s", streams, got, want)
+		}
+	}
+}

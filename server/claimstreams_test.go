@@ -1,0 +1,144 @@
+package server_test
+
+import (
+	"context"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+	"github.com/outboxd/outboxd/internal/testdb"
+	"github.com/outboxd/outboxd/server"
+)
+
+// A session for stream live claims live's work while another stream holds
+// a large ready backlog, older than live's, that no relay takes.
+func TestSessionClaimsItsStreamBesideABacklogElsewhere(t *testing.T) {
+	t.Parallel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	if _, err := pool.Exec(ctx, `INSERT INTO outbox.event (stream, aggregate_key, revision, event_type, payload)
+		SELECT 'cold', 'k' || g, 1, 'T', '{}' FROM generate_series(1, 5000) g`); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := pool.Exec(ctx, `SELECT outbox.discover()`); err != nil {
+		t.Fatal(err)
+	}
+	emit(t, pool, "live", "seed", 1) // Subscribe refuses a stream no event has used
+	// No dispatch: every live event goes through a claim.
+	r := startReplica(t, url, func(c *server.Config) { c.NoDispatch = true })
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{Streams: []string{"live"}, MaxInFlight: 8})
+	if d := recv(t, st); d.GetEvent().GetAggregateKey() != "seed" {
+		t.Fatalf("first delivery %s/%s, want live/seed", d.GetEvent().GetStream(), d.GetEvent().GetAggregateKey())
+	} else {
+		ack(t, r, d)
+	}
+	for i := range 3 {
+		emit(t, pool, "live", fmt.Sprintf("a%d", i), 2)
+	}
+	for range 6 {
+		d := recv(t, st)
+		if d.GetEvent().GetStream() != "live" {
+			t.Fatalf("delivered %s/%s to a session of live", d.GetEvent().GetStream(), d.GetEvent().GetAggregateKey())
+		}
+		if res := ack(t, r, d); res[0].GetStatus() != outboxv1.AckStatus_ACK_STATUS_PUBLISHED {
+			t.Fatalf("ack of %s: %v", d.GetEvent().GetEventId(), res[0].GetStatus())
+		}
+	}
+	var ready int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM outbox.delivery WHERE stream = 'cold' AND state = 'ready'`).Scan(&ready); err != nil || ready != 5000 {
+		t.Fatalf("cold holds %d ready aggregates, %v; want all 5000 untouched", ready, err)
+	}
+}
+
+// shiftIntoFuture makes the events of stream, and the delivery rows' stored
+// times, lie d ahead of the database clock, as they do after the clock
+// stepped back by d.
+func shiftIntoFuture(t *testing.T, pool *pgxpool.Pool, stream string, d time.Duration) {
+	t.Helper()
+	ctx := t.Context()
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
+	for _, q := range []string{
+		`ALTER TABLE outbox.event DISABLE TRIGGER USER`,
+		`UPDATE outbox.event SET created_at = created_at + $2 WHERE stream = $1`,
+		`ALTER TABLE outbox.event ENABLE TRIGGER USER`,
+		`UPDATE outbox.delivery SET claimable_at = claimable_at + $2, pending_since = pending_since + $2 WHERE stream = $1`,
+	} {
+		var args []any
+		if q[0] == 'U' {
+			args = []any{stream, d}
+		}
+		if _, err := tx.Exec(ctx, q, args...); err != nil {
+			t.Fatalf("%s: %v", q, err)
+		}
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// After the database clock stepped back 10 minutes, ready aggregates whose
+// events were created "in the future" are delivered at once, and lag says
+// so sensibly: the work counts as pending and ready, its age is never
+// negative, nothing is stalled, and once delivered nothing is pending.
+func TestClockSteppedBackDeliversReadyAggregates(t *testing.T) {
+	t.Parallel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	for i := range 10 {
+		emit(t, pool, "orders", fmt.Sprintf("o%d", i), 1)
+	}
+	if _, err := pool.Exec(ctx, `SELECT outbox.discover()`); err != nil {
+		t.Fatal(err)
+	}
+	shiftIntoFuture(t, pool, "orders", 10*time.Minute)
+	r := startReplica(t, url, nil)
+
+	lag := func() *outboxv1.StreamLag {
+		t.Helper()
+		res, err := r.Admin.GetLag(ctx, &outboxv1.GetLagRequest{Streams: []string{"orders"}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, l := range res.GetStreams() {
+			if l.GetStream() == "orders" {
+				return l
+			}
+		}
+		return &outboxv1.StreamLag{}
+	}
+	before := lag()
+	if before.GetPendingEvents() != 10 || before.GetReadyAggregates() != 10 || before.GetStalledAggregates() != 0 ||
+		before.GetOldestPendingAge().AsDuration() < 0 ||
+		!before.GetOldestPendingCreatedAt().AsTime().After(time.Now().Add(5*time.Minute)) {
+		t.Fatalf("lag before delivery: %d pending, %d ready, %d stalled, oldest age %v created %v; want 10, 10, 0, >= 0, ~10 minutes ahead",
+			before.GetPendingEvents(), before.GetReadyAggregates(), before.GetStalledAggregates(),
+			before.GetOldestPendingAge().AsDuration(), before.GetOldestPendingCreatedAt().AsTime())
+	}
+
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{Streams: []string{"orders"}, MaxInFlight: 20})
+	got := map[string]bool{}
+	for range 10 {
+		d := recv(t, st) // a hang guard: before the fix they waited for the clock, 10 minutes
+		got[d.GetEvent().GetAggregateKey()] = true
+		if res := ack(t, r, d); res[0].GetStatus() != outboxv1.AckStatus_ACK_STATUS_PUBLISHED {
+			t.Fatalf("ack of %s: %v", d.GetEvent().GetEventId(), res[0].GetStatus())
+		}
+	}
+	if len(got) != 10 {
+		t.Fatalf("delivered %d distinct aggregates, want 10", len(got))
+	}
+	if after := lag(); after.GetPendingEvents() != 0 || after.GetStalledAggregates() != 0 {
+		t.Fatalf("lag after delivery: %d pending, %d stalled; want 0, 0", after.GetPendingEvents(), after.GetStalledAggregates())
+	}
+}
