@@ -114,16 +114,15 @@ func printAggregate(w io.Writer, a *outboxv1.Aggregate, now time.Time) error {
 	if a.GetOldestPendingCreatedAt() != nil {
 		kv("oldest pending since", fmtTimeAgo(a.GetOldestPendingCreatedAt(), now))
 	}
-	if a.GetLeaseHolder() != "" {
+	// The lease lines only while there is a lease: leased_event_id also
+	// names the latest lease's event after it ended (a parked aggregate's
+	// is not leased), and the fencing epoch means nothing to an operator
+	// (--json has both).
+	if a.GetState() == outboxv1.AggregateState_AGGREGATE_STATE_LEASED {
+		kv("leased event", cell(a.GetLeasedEventId(), 0))
 		kv("lease holder", cell(a.GetLeaseHolder(), 0))
 		kv("lease relay", cell(a.GetLeaseRelayId(), 0))
 		kv("lease expires", fmtTimeAgo(a.GetLeaseExpiresAt(), now))
-	}
-	if a.GetLeaseEpoch() != 0 {
-		kv("lease epoch", fmt.Sprint(a.GetLeaseEpoch()))
-	}
-	if a.GetLeasedEventId() != "" {
-		kv("leased event", cell(a.GetLeasedEventId(), 0))
 	}
 	if a.GetAttempt() != 0 || a.GetFailures() != 0 {
 		kv("attempt", fmt.Sprint(a.GetAttempt()))

@@ -410,7 +410,8 @@ type RetryParams struct {
 }
 
 // RetryAggregate makes a parked or backing-off aggregate claimable now with
-// a fresh set of attempts, or resumes a gap-held one past its missing
+// a fresh set of attempts (its last error goes with its failures: the
+// attempt history keeps it), or resumes a gap-held one past its missing
 // revisions when p.AcceptGap. It returns the aggregate's new state, or
 // ErrNotFound, or a *StateError when the state does not allow it.
 func (s *Store) RetryAggregate(ctx context.Context, p RetryParams) (Aggregate, error) {
@@ -471,7 +472,7 @@ func (s *Store) RetryAggregate(ctx context.Context, p RetryParams) (Aggregate, e
 			if _, err := tx.Exec(ctx, `
 				UPDATE outbox.delivery
 				SET state = 'ready', claimable_at = clock_timestamp(), next_attempt_at = NULL,
-				    failures = 0, unanswered = 0, parked_at = NULL, parked_reason = NULL
+				    failures = 0, unanswered = 0, last_error = NULL, parked_at = NULL, parked_reason = NULL
 				WHERE stream = $1 AND aggregate_key = $2`, p.Stream, p.AggregateKey); err != nil {
 				return err
 			}
@@ -538,7 +539,8 @@ type Skip struct {
 // SkipEvent abandons a pending event: it is recorded in outbox.skipped_event
 // and will never be delivered nor marked published. When it is its
 // aggregate's next event, the aggregate is offered again at once (ending any
-// lease on it, so its holder's ack gets LEASE_LOST). Errors: ErrNotFound,
+// lease on it, so its holder's ack gets LEASE_LOST), and the last error,
+// which was that event's, is cleared. Errors: ErrNotFound,
 // ErrAlreadyPublished, ErrAlreadySkipped.
 func (s *Store) SkipEvent(ctx context.Context, id uuid.UUID, reason, actor string) (Skip, error) {
 	sk := Skip{Reason: reason, Actor: actor}
@@ -594,7 +596,7 @@ func (s *Store) SkipEvent(ctx context.Context, id uuid.UUID, reason, actor strin
 			UPDATE outbox.delivery
 			SET state = 'ready', claimable_at = clock_timestamp(),
 			    holder = NULL, holder_relay_id = NULL, holder_replica_id = NULL, lease_expires_at = NULL,
-			    attempt = 0, failures = 0, next_attempt_at = NULL, parked_at = NULL, parked_reason = NULL
+			    attempt = 0, failures = 0, last_error = NULL, next_attempt_at = NULL, parked_at = NULL, parked_reason = NULL
 			WHERE stream = $1 AND aggregate_key = $2 AND state IN ('ready', 'leased', 'backoff', 'parked')`,
 			stream, key); err != nil {
 			return err
