@@ -685,6 +685,7 @@ func TestStatusExitCodes(t *testing.T) {
 		codes.OK: exitOK, codes.InvalidArgument: exitUsage, codes.NotFound: exitNotFound,
 		codes.FailedPrecondition: exitPrecondition, codes.Unavailable: exitFailure,
 		codes.Internal: exitFailure, codes.Unimplemented: exitFailure, codes.PermissionDenied: exitFailure,
+		codes.Unauthenticated: exitUnauthenticated,
 	} {
 		if got := statusExitCode(c); got != want {
 			t.Errorf("%v: exit %d, want %d", c, got, want)

@@ -1,0 +1,92 @@
+package main
+
+// Tests of what an operator sees first: credentials refused, errors
+// readable, stream patterns, streams with nothing pending.
+
+import (
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/outboxd/outboxd/internal/auth"
+	"github.com/outboxd/outboxd/internal/servertest"
+	"github.com/outboxd/outboxd/internal/testdb"
+	"github.com/outboxd/outboxd/server"
+)
+
+// A refused credential says how to give one and exits 7, its own code; a
+// token of the wrong role is still permission denied (exit 1). Not
+// parallel: it sets $OUTBOXD_TOKEN.
+func TestCLIAuthenticationFailure(t *testing.T) {
+	t.Setenv(auth.DefaultClientEnvVar, "")
+	dir := t.TempDir()
+	tokens := filepath.Join(dir, "tokens")
+	if err := os.WriteFile(tokens, []byte("ops admin "+auth.HashToken("cli-admin-secret-0123456789")+"\nfeed relay cli-relay-secret-0123456789\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	authn, err := auth.New(auth.Config{File: tokens, Logger: servertest.Logger(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rep := servertest.Start(t, testdb.New(t), servertest.Options{Authenticator: authn,
+		Configure: func(c *server.Config) {
+			c.PollInterval, c.ReconcileInterval = 50*time.Millisecond, 100*time.Millisecond
+		}})
+	file := func(name, content string) string {
+		p := filepath.Join(dir, name)
+		if err := os.WriteFile(p, []byte(content+"\n"), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	wrong, relayTok, admin := file("wrong", "not-a-known-token-0123456789"), file("relay", "cli-relay-secret-0123456789"),
+		file("admin", "cli-admin-secret-0123456789")
+	lag := func(args ...string) result {
+		return runCLI(t, t.Context(), nil, nil, append([]string{"lag", "--server", rep.Addr}, args...)...)
+	}
+
+	r := lag().want(t, exitUnauthenticated)
+	if !strings.Contains(r.stderr, "missing bearer token") || !strings.Contains(r.stderr, "--token-file") ||
+		!strings.Contains(r.stderr, "$OUTBOXD_TOKEN") {
+		t.Errorf("no token: the message does not say how to give one:\n%s", r.stderr)
+	}
+	if r := lag("--token-file", wrong).want(t, exitUnauthenticated); !strings.Contains(r.stderr, "the token from --token-file "+wrong) {
+		t.Errorf("unknown token from a file: the message does not say where it came from:\n%s", r.stderr)
+	}
+	t.Setenv(auth.DefaultClientEnvVar, "not-a-known-token-0123456789")
+	if r := lag().want(t, exitUnauthenticated); !strings.Contains(r.stderr, "the token from $OUTBOXD_TOKEN") {
+		t.Errorf("unknown token from the environment: the message does not say where it came from:\n%s", r.stderr)
+	}
+	t.Setenv(auth.DefaultClientEnvVar, "")
+	lag("--token-file", relayTok).want(t, exitFailure) // known, but not an operator's
+	lag("--token-file", admin).want(t, exitOK)
+
+	// A relay refused at its first Subscribe exits 7 too.
+	r = runCLI(t, t.Context(), nil, nil, "relay", "--server", rep.Addr, "--sink", "stdout://", "--token-file", wrong)
+	if r.code != exitUnauthenticated {
+		t.Errorf("relay with an unknown token: exit %d, want %d:\n%s", r.code, exitUnauthenticated, r.stderr)
+	}
+	r = runCLI(t, t.Context(), nil, nil, "relay", "--server", rep.Addr, "--sink", "stdout://")
+	if r.code != exitUnauthenticated || !strings.Contains(r.stderr, "--token-file") {
+		t.Errorf("relay without a token: exit %d, want %d and how to give one:\n%s", r.code, exitUnauthenticated, r.stderr)
+	}
+}
+
+// Skipping the event that failed clears the aggregate's last error with its
+// failures: the error was that event's, and the next one has not failed.
+func TestCLISkipClearsTheLastError(t *testing.T) {
+	t.Parallel()
+	ts := startServer(t, func(c *server.Config) { c.MaxFailures = 1 })
+	ids := ts.emit(t, "skips", "k1", "k1")
+	ts.park(t, "skips", 1, "HTTP 422: schema v3 unknown")
+	if r := ts.cli(t, nil, "aggregate", "skips", "k1").want(t, exitOK); !strings.Contains(r.stdout, "schema v3 unknown") {
+		t.Fatalf("parked aggregate shown as:\n%s", r.stdout)
+	}
+	ts.cli(t, nil, "skip", ids[0], "--reason", "poison").want(t, exitOK)
+	r := ts.cli(t, nil, "aggregate", "skips", "k1").want(t, exitOK)
+	if row := tableRow(t, r.stdout, "state"); row[1] != "ready" || strings.Contains(r.stdout, "schema v3 unknown") {
+		t.Errorf("after skipping the failed event:\n%s", r.stdout)
+	}
+}
