@@ -90,3 +90,25 @@ func TestCLISkipClearsTheLastError(t *testing.T) {
 		t.Errorf("after skipping the failed event:\n%s", r.stdout)
 	}
 }
+
+// A broker's answer after a long prefix still shows in the tables, cut
+// ones say so, and --wide prints the error whole.
+func TestCLIErrorsShowTheBrokersAnswer(t *testing.T) {
+	t.Parallel()
+	ts := startServer(t, func(c *server.Config) { c.MaxFailures = 1 })
+	ts.emit(t, "long", "l1")
+	answer := "503 Service Unavailable: the broker's disk is full"
+	errText := "amqp sink: publish to exchange \"orders-exchange-with-a-long-name\" routing key \"long.l1.orders.created.v1\": " + answer +
+		"; " + strings.Repeat("x", 200) + " the end"
+	ts.park(t, "long", 1, errText)
+	for _, args := range [][]string{{"aggregates", "--stream", "long"}, {"attempts", "long", "l1"}} {
+		r := ts.cli(t, nil, args...).want(t, exitOK)
+		if !strings.Contains(r.stdout, answer) || strings.Contains(r.stdout, "the end") || !strings.Contains(r.stderr, "--wide") {
+			t.Errorf("%s: want the broker's answer, the error cut, and a note on --wide:\n%s%s", args[0], r.stdout, r.stderr)
+		}
+		r = ts.cli(t, nil, append(args, "--wide")...).want(t, exitOK)
+		if !strings.Contains(r.stdout, errText) || strings.Contains(r.stderr, "--wide") {
+			t.Errorf("%s --wide: want the whole error:\n%s%s", args[0], r.stdout, r.stderr)
+		}
+	}
+}
