@@ -33,7 +33,8 @@ is offered because their aggregate is backing off, parked or held at a gap
 next event keep expiring or failing with no progress), STRANDED events (no
 rule will deliver them), IDLE RELAYS (connected, holding nothing, while the
 stream's ready work waits), and events delivered per second over the last
-minute; then the number of connected relays.
+minute; then the number of connected relays. Every stream that has had an
+event is listed, an idle one with zeros.
 
 --watch redraws every --interval until interrupted (Ctrl-C exits 0); --timeout
 then bounds each refresh. With --json every refresh is one line.
@@ -42,7 +43,7 @@ then bounds each refresh. With --json every refresh is one line.
 the total OLDEST exceeds the given age (e.g. 15m, 2h, 1d).`, cobra.NoArgs)
 	f.register(cmd)
 	fl := cmd.Flags()
-	fl.StringSliceVar(&streams, "stream", nil, "report only this stream (repeatable; default all)")
+	fl.StringSliceVar(&streams, "stream", nil, `report only this stream, or streams with a prefix ("billing.*") (repeatable; default all)`)
 	fl.BoolVarP(&watch, "watch", "w", false, "redraw in place every --interval until interrupted")
 	fl.DurationVar(&interval, "interval", 2*time.Second, "refresh interval of --watch")
 	fl.Var(&ageValue{d: &failOlder}, "fail-if-older-than",

@@ -6,10 +6,12 @@ package main
 import (
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
 
+	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
 	"github.com/outboxd/outboxd/internal/auth"
 	"github.com/outboxd/outboxd/internal/servertest"
 	"github.com/outboxd/outboxd/internal/testdb"
@@ -109,6 +111,55 @@ func TestCLIErrorsShowTheBrokersAnswer(t *testing.T) {
 		r = ts.cli(t, nil, append(args, "--wide")...).want(t, exitOK)
 		if !strings.Contains(r.stdout, errText) || strings.Contains(r.stderr, "--wide") {
 			t.Errorf("%s --wide: want the whole error:\n%s%s", args[0], r.stdout, r.stderr)
+		}
+	}
+}
+
+// lag takes the stream patterns the aggregate filter takes, an invalid one
+// is refused with the accepted forms, and a stream with nothing pending and
+// no recent delivery stays listed with zeros.
+func TestCLILagStreamPatternsAndIdleStreams(t *testing.T) {
+	t.Parallel()
+	ts := startServer(t, nil)
+	ts.emit(t, "billing.invoice", "i1", "i2")
+	ts.emit(t, "billing.refund", "r1")
+	ts.emit(t, "orders", "o1")
+	ts.emit(t, "shipped", "s1")
+	ts.publish(t, "shipped", 1)
+	// The delivery rate covers the last minute: clearing its counts stands
+	// for that minute passing.
+	ts.count(t, `WITH gone AS (DELETE FROM outbox.delivered_count RETURNING 1) SELECT count(*) FROM gone`)
+
+	streamsOf := func(args ...string) []string {
+		t.Helper()
+		lag := parseOne(t, ts.cli(t, nil, append([]string{"lag", "--json"}, args...)...).want(t, exitOK),
+			func() *outboxv1.GetLagResponse { return new(outboxv1.GetLagResponse) })
+		var names []string
+		for _, s := range lag.GetStreams() {
+			names = append(names, s.GetStream())
+		}
+		return names
+	}
+	if got := streamsOf("--stream", "billing.*"); !slices.Equal(got, []string{"billing.invoice", "billing.refund"}) {
+		t.Errorf("lag --stream billing.*: streams %v", got)
+	}
+	if got := streamsOf("--stream", "billing.*", "--stream", "orders"); !slices.Equal(got, []string{"billing.invoice", "billing.refund", "orders"}) {
+		t.Errorf("lag --stream billing.* --stream orders: streams %v", got)
+	}
+	if got := streamsOf("--stream", "nothing.*"); len(got) != 0 {
+		t.Errorf("lag --stream nothing.*: streams %v, want none", got)
+	}
+	if got := streamsOf("--stream", "*"); !slices.Equal(got, []string{"billing.invoice", "billing.refund", "orders", "shipped"}) {
+		t.Errorf("lag --stream '*': streams %v", got)
+	}
+	r := ts.cli(t, nil, "lag").want(t, exitOK)
+	if row := tableRow(t, r.stdout, "shipped"); row[1] != "0" {
+		t.Errorf("the idle stream: row %v, want 0 pending", row)
+	}
+	for _, args := range [][]string{{"lag", "--stream", "Billing*"}, {"aggregates", "--stream", "Billing*"}} {
+		r := ts.cli(t, nil, args...).want(t, exitUsage)
+		if !strings.Contains(r.stderr, `"billing.*"`) || !strings.Contains(r.stderr, `"*" for every stream`) {
+			t.Errorf("%s --stream Billing*: the error does not name the accepted forms:\n%s", args[0], r.stderr)
 		}
 	}
 }

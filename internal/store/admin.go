@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"time"
 
@@ -68,7 +69,33 @@ type Lag struct {
 	ConnectedRelays int64
 }
 
-// Lag reports the backlog per stream, limited to streams when not empty.
+// KnownStreams lists, in order, every stream that has had an event (each
+// has outbox.aggregate rows from its first commit on). It skips through the
+// primary key one stream at a time, so its cost follows the number of
+// streams, not of aggregates.
+func (s *Store) KnownStreams(ctx context.Context) ([]string, error) {
+	rows, err := s.pool.Query(ctx, `
+		WITH RECURSIVE known(stream) AS (
+		    (SELECT stream FROM outbox.aggregate ORDER BY stream LIMIT 1)
+		    UNION ALL
+		    SELECT (SELECT a.stream FROM outbox.aggregate a WHERE a.stream > k.stream ORDER BY a.stream LIMIT 1)
+		    FROM known k WHERE k.stream IS NOT NULL
+		)
+		SELECT stream FROM known WHERE stream IS NOT NULL`)
+	if err != nil {
+		return nil, fmt.Errorf("store: known streams: %w", err)
+	}
+	list, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return nil, fmt.Errorf("store: known streams: %w", err)
+	}
+	return list, nil
+}
+
+// Lag reports the backlog per stream, limited to streams when not nil (an
+// empty list matches no stream). Every known stream is listed (KnownStreams),
+// those with nothing pending and nothing delivered lately with zeros, so
+// that a stream does not vanish from a report while it is idle.
 // PendingEvents and OldestPending include events committed but not yet
 // discovered (outbox.undiscovered); the aggregate counts cover discovered
 // work. It reads the delivery rows of aggregates with pending work (an index scan)
@@ -76,10 +103,7 @@ type Lag struct {
 // cost follows the backlog, never the table size. sessionTTL is how recently
 // a relay session must have been refreshed to count as connected.
 func (s *Store) Lag(ctx context.Context, streams []string, sessionTTL time.Duration) (Lag, error) {
-	var filter []string
-	if len(streams) > 0 {
-		filter = streams
-	}
+	filter := streams
 	lag := Lag{}
 	rows, err := s.pool.Query(ctx, `
 		WITH pend AS (
@@ -134,6 +158,20 @@ func (s *Store) Lag(ctx context.Context, streams []string, sessionTTL time.Durat
 	if err != nil {
 		return lag, fmt.Errorf("store: lag: %w", err)
 	}
+	known, err := s.KnownStreams(ctx)
+	if err != nil {
+		return lag, err
+	}
+	listed := make(map[string]bool, len(lag.Streams))
+	for _, l := range lag.Streams {
+		listed[l.Stream] = true
+	}
+	for _, name := range known {
+		if !listed[name] && (filter == nil || slices.Contains(filter, name)) {
+			lag.Streams = append(lag.Streams, StreamLag{Stream: name})
+		}
+	}
+	slices.SortFunc(lag.Streams, func(a, b StreamLag) int { return strings.Compare(a.Stream, b.Stream) })
 	if err := s.idleRelays(ctx, filter, sessionTTL, lag.Streams); err != nil {
 		return lag, err
 	}

@@ -215,7 +215,9 @@ func (EventState) EnumDescriptor() ([]byte, []int) {
 // GetLagRequest asks for lag figures.
 type GetLagRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// streams limits the report to these streams; empty means all.
+	// streams limits the report to these streams; empty means all. Each is a
+	// name, or a pattern as in AggregateFilter.stream: a prefix ending in ".*"
+	// ("billing.*") or "*".
 	Streams       []string `protobuf:"bytes,1,rep,name=streams,proto3" json:"streams,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -261,7 +263,8 @@ func (x *GetLagRequest) GetStreams() []string {
 // GetLagResponse carries lag per stream and summed over all of them.
 type GetLagResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// streams has one entry per stream with any pending work or recent delivery.
+	// streams has one entry per stream that has had an event (an idle one
+	// with zeros) and per stream the request named.
 	Streams []*StreamLag `protobuf:"bytes,1,rep,name=streams,proto3" json:"streams,omitempty"`
 	// total sums every reported stream; its stream field is empty.
 	Total *StreamLag `protobuf:"bytes,2,opt,name=total,proto3" json:"total,omitempty"`
