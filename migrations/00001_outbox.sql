@@ -282,6 +282,9 @@ CREATE TABLE outbox.relay_session (
     peer text NOT NULL,
     replica_id text NOT NULL,
     streams text[] NOT NULL,
+    -- With streams empty: every stream but these (a catch-all beside relays
+    -- that take some streams).
+    exclude_streams text[] NOT NULL DEFAULT '{}',
     max_in_flight integer NOT NULL,
     in_flight integer NOT NULL DEFAULT 0,
     acked bigint NOT NULL DEFAULT 0,

@@ -235,15 +235,16 @@ func (a *adminService) ListRelays(ctx context.Context, _ *outboxv1.ListRelaysReq
 			continue
 		}
 		resp.Relays = append(resp.Relays, &outboxv1.Relay{
-			RelayId:     r.RelayID,
-			SessionId:   r.SessionID.String(),
-			Peer:        r.Peer,
-			ReplicaId:   r.ReplicaID,
-			Streams:     r.Streams,
-			MaxInFlight: uint32(r.MaxInFlight),
-			InFlight:    uint32(r.InFlight),
-			Acked:       uint64(r.Acked),
-			ConnectedAt: timestamppb.New(r.ConnectedAt),
+			RelayId:        r.RelayID,
+			SessionId:      r.SessionID.String(),
+			Peer:           r.Peer,
+			ReplicaId:      r.ReplicaID,
+			Streams:        r.Streams,
+			ExcludeStreams: r.ExcludeStreams,
+			MaxInFlight:    uint32(r.MaxInFlight),
+			InFlight:       uint32(r.InFlight),
+			Acked:          uint64(r.Acked),
+			ConnectedAt:    timestamppb.New(r.ConnectedAt),
 		})
 	}
 	return resp, nil

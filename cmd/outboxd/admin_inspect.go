@@ -21,7 +21,8 @@ func relaysCommand() *cobra.Command {
 	cmd := adminCommand("relays", "List the relays connected to every replica", `
 relays lists every open relay stream (Subscribe) across all replicas sharing
 the database: the relay's name, its session (the lease holder shown by
-'outboxd aggregate'), its address, the replica serving it, its stream filter,
+'outboxd aggregate'), its address, the replica serving it, its stream filter
+("all", or "all but" the streams a catch-all leaves to other relays),
 deliveries outstanding against its credit, acks so far, and when it connected.`,
 		cobra.NoArgs)
 	f.register(cmd)
@@ -49,8 +50,11 @@ func printRelays(w io.Writer, resp *outboxv1.ListRelaysResponse, now time.Time) 
 	fmt.Fprintln(tw, "RELAY\tSESSION\tPEER\tREPLICA\tSTREAMS\tIN FLIGHT\tACKED\tCONNECTED")
 	for _, r := range resp.GetRelays() {
 		streams := "all"
-		if len(r.GetStreams()) > 0 {
+		switch {
+		case len(r.GetStreams()) > 0:
 			streams = strings.Join(r.GetStreams(), ",")
+		case len(r.GetExcludeStreams()) > 0:
+			streams = "all but " + strings.Join(r.GetExcludeStreams(), ",")
 		}
 		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%d/%d\t%d\t%s\n",
 			cell(r.GetRelayId(), 40), cell(r.GetSessionId(), 0), cell(r.GetPeer(), 0),

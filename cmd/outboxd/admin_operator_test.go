@@ -4,6 +4,7 @@ package main
 // readable, stream patterns, streams with nothing pending.
 
 import (
+	"context"
 	"os"
 	"path/filepath"
 	"slices"
@@ -161,5 +162,47 @@ func TestCLILagStreamPatternsAndIdleStreams(t *testing.T) {
 		if !strings.Contains(r.stderr, `"billing.*"`) || !strings.Contains(r.stderr, `"*" for every stream`) {
 			t.Errorf("%s --stream Billing*: the error does not name the accepted forms:\n%s", args[0], r.stderr)
 		}
+	}
+}
+
+// A catch-all relay that leaves some streams to other relays is listed
+// with what it really takes, and is no idle relay of a stream it leaves.
+func TestCLIRelaysShowExcludedStreams(t *testing.T) {
+	t.Parallel()
+	ts := startServer(t, nil)
+	ts.emit(t, "billing", "b1")
+	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
+	defer cancel()
+	sub, err := ts.relay.Subscribe(ctx, &outboxv1.SubscribeRequest{RelayId: "catch-all", ExcludeStreams: []string{"billing", "orders"}, MaxInFlight: 5})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := sub.Header(); err != nil {
+		t.Fatal(err)
+	}
+	var list *outboxv1.ListRelaysResponse
+	for list.GetRelays() == nil && ctx.Err() == nil { // the session is recorded once the stream is open
+		list = parseOne(t, ts.cli(t, nil, "relays", "--json").want(t, exitOK),
+			func() *outboxv1.ListRelaysResponse { return new(outboxv1.ListRelaysResponse) })
+	}
+	if rel := list.GetRelays(); len(rel) != 1 || len(rel[0].GetStreams()) != 0 || !slices.Equal(rel[0].GetExcludeStreams(), []string{"billing", "orders"}) {
+		t.Fatalf("relays --json: %v", list)
+	}
+	if row := tableRow(t, ts.cli(t, nil, "relays").want(t, exitOK).stdout, "catch-all"); !strings.Contains(strings.Join(row, " "), "all but billing,orders") {
+		t.Errorf("relays row %v, want its streams as all but billing,orders", row)
+	}
+	// Both have waited past idle_relay_after; the relay does not take
+	// billing, whose aggregate is ready (discovered) first.
+	for ts.count(t, `SELECT count(*) FROM outbox.delivery WHERE stream = 'billing' AND state = 'ready'`) != 1 {
+		select {
+		case <-ctx.Done():
+			t.Fatal("billing/b1 never became ready")
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+	ts.count(t, `WITH s AS (UPDATE outbox.settings SET idle_relay_after = '1 millisecond' RETURNING 1) SELECT count(*) FROM s`)
+	ts.count(t, `WITH s AS (UPDATE outbox.relay_session SET connected_at = now() - interval '1 hour' RETURNING 1) SELECT count(*) FROM s`)
+	if row := tableRow(t, ts.cli(t, nil, "lag", "--stream", "billing").want(t, exitOK).stdout, "billing"); row[12] != "0" {
+		t.Errorf("billing counts the catch-all that excludes it as an idle relay: %v", row)
 	}
 }

@@ -195,7 +195,8 @@ func (s *Store) idleRelays(ctx context.Context, filter []string, sessionTTL time
 		)
 		SELECT w.stream, r.session_id
 		FROM waiting w
-		JOIN outbox.relay_session r ON r.streams = '{}' OR w.stream = ANY (r.streams)
+		JOIN outbox.relay_session r
+		  ON (r.streams = '{}' AND NOT w.stream = ANY (r.exclude_streams)) OR w.stream = ANY (r.streams)
 		CROSS JOIN outbox.settings st
 		WHERE r.seen_at > clock_timestamp() - $2::interval AND r.in_flight = 0
 		  AND r.connected_at < clock_timestamp() - st.idle_relay_after
@@ -228,15 +229,17 @@ func deref(t *time.Time) time.Time {
 
 // RelaySession is one open Subscribe stream, as recorded for ListRelays.
 type RelaySession struct {
-	SessionID   uuid.UUID
-	RelayID     string
-	Peer        string
-	ReplicaID   string
-	Streams     []string
-	MaxInFlight int
-	InFlight    int
-	Acked       int64
-	ConnectedAt time.Time
+	SessionID uuid.UUID
+	RelayID   string
+	Peer      string
+	ReplicaID string
+	Streams   []string
+	// ExcludeStreams, with Streams empty, are the streams it does not take.
+	ExcludeStreams []string
+	MaxInFlight    int
+	InFlight       int
+	Acked          int64
+	ConnectedAt    time.Time
 }
 
 // SaveRelaySessions records sessions as alive now, inserting new ones and
@@ -248,7 +251,7 @@ func (s *Store) SaveRelaySessions(ctx context.Context, sessions []RelaySession) 
 	var (
 		ids                  = make([]uuid.UUID, len(sessions))
 		relayIDs, peers, rep = make([]string, len(sessions)), make([]string, len(sessions)), make([]string, len(sessions))
-		streams              = make([]string, len(sessions))
+		streams, excluded    = make([]string, len(sessions)), make([]string, len(sessions))
 		maxes, inflight      = make([]int32, len(sessions)), make([]int32, len(sessions))
 		acked                = make([]int64, len(sessions))
 		connected            = make([]time.Time, len(sessions))
@@ -257,22 +260,23 @@ func (s *Store) SaveRelaySessions(ctx context.Context, sessions []RelaySession) 
 		ids[i], relayIDs[i], peers[i], rep[i] = r.SessionID, r.RelayID, r.Peer, r.ReplicaID
 		// Stream names cannot contain a comma (outbox.event checks them), so
 		// the list travels as one string per session.
-		streams[i] = strings.Join(r.Streams, ",")
+		streams[i], excluded[i] = strings.Join(r.Streams, ","), strings.Join(r.ExcludeStreams, ",")
 		maxes[i], inflight[i], acked[i], connected[i] = int32(r.MaxInFlight), int32(r.InFlight), r.Acked, r.ConnectedAt
 	}
 	_, err := s.pool.Exec(ctx, `
 		INSERT INTO outbox.relay_session AS r
-		    (session_id, relay_id, peer, replica_id, streams, max_in_flight, in_flight, acked, connected_at, seen_at)
+		    (session_id, relay_id, peer, replica_id, streams, exclude_streams, max_in_flight, in_flight, acked, connected_at, seen_at)
 		SELECT u.id, u.relay_id, u.peer, u.replica_id,
 		       coalesce(string_to_array(nullif(u.streams, ''), ','), '{}'),
+		       coalesce(string_to_array(nullif(u.excluded, ''), ','), '{}'),
 		       u.max_in_flight, u.in_flight, u.acked, u.connected_at, clock_timestamp()
 		FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[], $6::int[], $7::int[],
-		            $8::bigint[], $9::timestamptz[])
-		     AS u(id, relay_id, peer, replica_id, streams, max_in_flight, in_flight, acked, connected_at)
+		            $8::bigint[], $9::timestamptz[], $10::text[])
+		     AS u(id, relay_id, peer, replica_id, streams, max_in_flight, in_flight, acked, connected_at, excluded)
 		ORDER BY u.id
 		ON CONFLICT (session_id) DO UPDATE
 		SET in_flight = excluded.in_flight, acked = excluded.acked, seen_at = excluded.seen_at`,
-		ids, relayIDs, peers, rep, streams, maxes, inflight, acked, connected)
+		ids, relayIDs, peers, rep, streams, maxes, inflight, acked, connected, excluded)
 	if err != nil {
 		return fmt.Errorf("store: save relay sessions: %w", err)
 	}
@@ -308,7 +312,7 @@ func (s *Store) DeleteStaleStats(ctx context.Context, sessionTTL time.Duration, 
 // RelaySessions lists sessions refreshed within sessionTTL, oldest first.
 func (s *Store) RelaySessions(ctx context.Context, sessionTTL time.Duration) ([]RelaySession, error) {
 	rows, err := s.pool.Query(ctx, `
-		SELECT session_id, relay_id, peer, replica_id, streams, max_in_flight, in_flight, acked, connected_at
+		SELECT session_id, relay_id, peer, replica_id, streams, exclude_streams, max_in_flight, in_flight, acked, connected_at
 		FROM outbox.relay_session WHERE seen_at > clock_timestamp() - $1::interval
 		ORDER BY connected_at, session_id`, sessionTTL)
 	if err != nil {
@@ -316,7 +320,7 @@ func (s *Store) RelaySessions(ctx context.Context, sessionTTL time.Duration) ([]
 	}
 	list, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (RelaySession, error) {
 		var r RelaySession
-		err := row.Scan(&r.SessionID, &r.RelayID, &r.Peer, &r.ReplicaID, &r.Streams,
+		err := row.Scan(&r.SessionID, &r.RelayID, &r.Peer, &r.ReplicaID, &r.Streams, &r.ExcludeStreams,
 			&r.MaxInFlight, &r.InFlight, &r.Acked, &r.ConnectedAt)
 		return r, err
 	})

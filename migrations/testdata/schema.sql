@@ -1791,6 +1791,7 @@ CREATE TABLE outbox.relay_session (
     peer text NOT NULL,
     replica_id text NOT NULL,
     streams text[] NOT NULL,
+    exclude_streams text[] DEFAULT '{}'::text[] NOT NULL,
     max_in_flight integer NOT NULL,
     in_flight integer DEFAULT 0 NOT NULL,
     acked bigint DEFAULT 0 NOT NULL,
