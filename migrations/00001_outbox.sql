@@ -398,6 +398,9 @@ CREATE TABLE outbox.relay_session (
     peer text NOT NULL,
     replica_id text NOT NULL,
     streams text[] NOT NULL,
+    -- With streams empty: every stream but these (a catch-all beside relays
+    -- that take some streams).
+    exclude_streams text[] NOT NULL DEFAULT '{}',
     max_in_flight integer NOT NULL,
     in_flight integer NOT NULL DEFAULT 0,
     acked bigint NOT NULL DEFAULT 0,
@@ -2403,7 +2406,8 @@ LANGUAGE sql AS $$
         parked_at = CASE WHEN c.failures >= p_max_failures THEN clock_timestamp() END,
         parked_revision = CASE WHEN c.failures >= p_max_failures THEN c.delivered_revision + 1 END,
         parked_reason = CASE WHEN c.failures >= p_max_failures
-            THEN format('publish failed %s times; last error: %s', c.failures, left(p_error, 1024)) END,
+            THEN format('publish failed %s; last error: %s',
+                        CASE WHEN c.failures = 1 THEN 'once' ELSE c.failures || ' times' END, left(p_error, 1024)) END,
         holder = NULL, holder_relay_id = NULL, holder_replica_id = NULL, lease_expires_at = NULL
     FROM cur c
     WHERE d.stream = c.stream AND d.aggregate_key = c.aggregate_key

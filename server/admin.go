@@ -52,18 +52,33 @@ func (a *adminService) GetLag(ctx context.Context, req *outboxv1.GetLagRequest) 
 	if len(req.GetStreams()) > maxLagStreamsFilter {
 		f.add("streams", "at most %d streams, got %d", maxLagStreamsFilter, len(req.GetStreams()))
 	}
-	for i, name := range req.GetStreams() {
-		checkStream(&f, fmt.Sprintf("streams[%d]", i), name)
+	// Names, and patterns as the aggregate filter takes them.
+	var names, prefixes []string
+	every := false
+	for i, v := range req.GetStreams() {
+		switch s, prefix := checkStreamPattern(&f, fmt.Sprintf("streams[%d]", i), v); {
+		case !prefix:
+			names = append(names, s)
+		case s == "":
+			every = true
+		default:
+			prefixes = append(prefixes, s)
+		}
 	}
 	if err := f.err(); err != nil {
 		return nil, err
 	}
 	// Naming a stream the token may not see is refused, not answered
-	// with zeros; without names, a limited token sees its streams only.
-	if err := auth.AuthorizeStreams(ctx, req.GetStreams()...); err != nil {
+	// with zeros; without names, and for the streams a pattern matches, a
+	// limited token sees its streams only.
+	if err := auth.AuthorizeStreams(ctx, names...); err != nil {
 		return nil, err
 	}
-	lag, err := a.s.store.Lag(ctx, req.GetStreams(), a.s.sessionTTL())
+	filter, err := a.lagFilter(ctx, names, prefixes, every || len(req.GetStreams()) == 0)
+	if err != nil {
+		return nil, a.s.dbError(ctx, "get lag", err)
+	}
+	lag, err := a.s.store.Lag(ctx, filter, a.s.sessionTTL())
 	if err != nil {
 		return nil, a.s.dbError(ctx, "get lag", err)
 	}
@@ -81,13 +96,35 @@ func (a *adminService) GetLag(ctx context.Context, req *outboxv1.GetLagRequest) 
 			}
 		}
 	}
-	resp := lagProto(lag, req.GetStreams())
+	resp := lagProto(lag, names)
 	// Whatever the caller's streams: a stopped discovery holds back every
 	// stream's new events.
 	if resp.DiscoveryStopped, err = a.s.store.DiscoveryStopped(ctx); err != nil {
 		return nil, a.s.dbError(ctx, "get lag", err)
 	}
 	return resp, nil
+}
+
+// lagFilter is the streams a lag report covers: nil for every stream, else
+// the names and the known streams that match a prefix (none may match).
+func (a *adminService) lagFilter(ctx context.Context, names, prefixes []string, every bool) ([]string, error) {
+	if every {
+		return nil, nil
+	}
+	filter := append([]string{}, names...)
+	if len(prefixes) == 0 {
+		return filter, nil
+	}
+	known, err := a.s.store.KnownStreams(ctx, 0)
+	if err != nil {
+		return nil, err
+	}
+	for _, name := range known {
+		if slices.ContainsFunc(prefixes, func(p string) bool { return strings.HasPrefix(name, p) }) {
+			filter = append(filter, name)
+		}
+	}
+	return filter, nil
 }
 
 // visibleStreams returns, for a caller whose token is limited to some
@@ -204,15 +241,16 @@ func (a *adminService) ListRelays(ctx context.Context, _ *outboxv1.ListRelaysReq
 			continue
 		}
 		resp.Relays = append(resp.Relays, &outboxv1.Relay{
-			RelayId:     r.RelayID,
-			SessionId:   r.SessionID.String(),
-			Peer:        r.Peer,
-			ReplicaId:   r.ReplicaID,
-			Streams:     r.Streams,
-			MaxInFlight: uint32(r.MaxInFlight),
-			InFlight:    uint32(r.InFlight),
-			Acked:       uint64(r.Acked),
-			ConnectedAt: timestamppb.New(r.ConnectedAt),
+			RelayId:        r.RelayID,
+			SessionId:      r.SessionID.String(),
+			Peer:           r.Peer,
+			ReplicaId:      r.ReplicaID,
+			Streams:        r.Streams,
+			ExcludeStreams: r.ExcludeStreams,
+			MaxInFlight:    uint32(r.MaxInFlight),
+			InFlight:       uint32(r.InFlight),
+			Acked:          uint64(r.Acked),
+			ConnectedAt:    timestamppb.New(r.ConnectedAt),
 		})
 	}
 	return resp, nil

@@ -51,15 +51,10 @@ var aggregateStateNames = map[outboxv1.AggregateState]string{
 // "filter.". bulk refuses a filter that sets nothing.
 func checkFilter(f *fieldErrors, pf *outboxv1.AggregateFilter, bulk bool) store.AggregateFilter {
 	var out store.AggregateFilter
-	switch st := pf.GetStream(); {
-	case st == "" || st == "*":
+	if st := pf.GetStream(); st == "" {
 		out.StreamPrefix = true
-	case strings.HasSuffix(st, ".*"):
-		out.Stream, out.StreamPrefix = strings.TrimSuffix(st, "*"), true
-		checkStream(f, "filter.stream", strings.TrimSuffix(st, ".*"))
-	default:
-		out.Stream = st
-		checkStream(f, "filter.stream", st)
+	} else {
+		out.Stream, out.StreamPrefix = checkStreamPattern(f, "filter.stream", st)
 	}
 	for i, s := range pf.GetStates() {
 		name, ok := aggregateStateNames[s]

@@ -17,7 +17,7 @@ func (s *Server) sessionTTL() time.Duration { return 3 * s.cfg.SessionRefreshInt
 func (ss *session) record() store.RelaySession {
 	return store.RelaySession{
 		SessionID: ss.id, RelayID: ss.relayID, Peer: ss.peer, ReplicaID: ss.srv.cfg.ReplicaID,
-		Streams: ss.streams, MaxInFlight: ss.maxInFlight, InFlight: int(ss.inflightN.Load()),
+		Streams: ss.streams, ExcludeStreams: ss.excludeStreams, MaxInFlight: ss.maxInFlight, InFlight: int(ss.inflightN.Load()),
 		Acked: int64(ss.acked.Load()), ConnectedAt: ss.connectedAt,
 	}
 }

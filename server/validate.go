@@ -90,6 +90,25 @@ func checkStream(f *fieldErrors, field, v string) {
 	}
 }
 
+// checkStreamPattern validates a stream filter as every listing and bulk
+// action accepts it: a stream name, a prefix pattern ("billing.*": every
+// stream whose name starts with "billing."), or "*" for every stream. It
+// returns the name, or the prefix with prefix set ("" for every stream).
+func checkStreamPattern(f *fieldErrors, field, v string) (nameOrPrefix string, prefix bool) {
+	base, isPattern := strings.CutSuffix(v, ".*")
+	switch {
+	case v == "*":
+		return "", true
+	case isPattern && streamName.MatchString(base):
+		return base + ".", true
+	case !isPattern && streamName.MatchString(v):
+		return v, false
+	}
+	f.add(field, `%q is neither a stream name (^[a-z][a-z0-9_.-]{0,127}$) nor a pattern: want a name ("billing.invoice"), a prefix ending in ".*" ("billing.*"), or "*" for every stream`,
+		truncate(v, 140))
+	return v, false
+}
+
 // checkDuration validates an optional duration within [lo, hi]; nil yields def.
 func checkDuration(f *fieldErrors, field string, d *durationpb.Duration, def, lo, hi time.Duration) time.Duration {
 	if d == nil {

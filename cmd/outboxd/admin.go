@@ -54,6 +54,10 @@ type clientFlags struct {
 	tlsKey        string
 	tlsServerName string
 	insecure      bool
+
+	// tokenSource says where dialServer found the token it sends
+	// ("--token-file PATH" or "$OUTBOXD_TOKEN"); empty when it sends none.
+	tokenSource string
 }
 
 func (f *clientFlags) register(fl *pflag.FlagSet) {
@@ -94,6 +98,10 @@ func dialServer(_ *cobra.Command, f *clientFlags) (*grpc.ClientConn, error) {
 		return nil, usageError("%v", err)
 	}
 	if token != "" {
+		f.tokenSource = "$" + auth.DefaultClientEnvVar
+		if f.tokenFile != "" {
+			f.tokenSource = "--token-file " + f.tokenFile
+		}
 		allowPlain, err := auth.CheckTransport(f.server, useTLS, f.insecure)
 		if err != nil {
 			return nil, usageError("%v", err)
@@ -194,7 +202,14 @@ func (c *adminClient) rpcError(ctx context.Context, method string, err error) er
 	case codes.Unimplemented:
 		msg = fmt.Sprintf("outboxd at %s does not implement %s (is it an older version?): %s",
 			c.flags.server, method, st.Message())
-	case codes.Unauthenticated, codes.PermissionDenied:
+	case codes.Unauthenticated:
+		msg = fmt.Sprintf("%s: %s", method, st.Message())
+		if c.flags.tokenSource == "" {
+			msg += fmt.Sprintf("; outboxd sent none: give it with --token-file FILE or in $%s", auth.DefaultClientEnvVar)
+		} else {
+			msg += fmt.Sprintf(" (the token from %s)", c.flags.tokenSource)
+		}
+	case codes.PermissionDenied:
 		msg = fmt.Sprintf("%s: %s", method, st.Message())
 	default:
 		msg = st.Message()
@@ -213,6 +228,8 @@ func statusExitCode(c codes.Code) int {
 		return exitNotFound
 	case codes.FailedPrecondition, codes.AlreadyExists:
 		return exitPrecondition
+	case codes.Unauthenticated:
+		return exitUnauthenticated
 	default:
 		return exitFailure
 	}

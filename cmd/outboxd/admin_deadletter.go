@@ -10,6 +10,7 @@ import (
 	"strings"
 	"text/tabwriter"
 	"time"
+	"unicode/utf8"
 
 	"github.com/google/uuid"
 	"github.com/spf13/cobra"
@@ -71,11 +72,13 @@ are stalled, and the last error. Filter by stream (exact, "billing.*" for a
 prefix), state, error text, age and stalled; the same filter flags select
 what bulk-retry and bulk-skip act on. It follows pages until --limit
 aggregates are listed (0: all) and then prints the token that continues the
-listing with --page-token.`, cobra.NoArgs)
+listing with --page-token. Errors are cut at 160 characters; --wide, --json
+and 'outboxd aggregate STREAM KEY' show them whole.`, cobra.NoArgs)
 	f.register(cmd)
 	ff.register(cmd.Flags())
 	cmd.Flags().IntVar(&limit, "limit", 100, "list at most this many aggregates, following pages (0: all)")
 	cmd.Flags().StringVar(&token, "page-token", "", "continue a previous listing")
+	wide := cmd.Flags().Bool("wide", false, fmt.Sprintf("print errors whole (the table cuts them at %d characters)", errorCellWidth))
 	cmd.RunE = func(cmd *cobra.Command, _ []string) error {
 		filter, err := ff.filter()
 		if err != nil {
@@ -106,9 +109,14 @@ listing with --page-token.`, cobra.NoArgs)
 			if f.json {
 				return writeJSON(c.out, all)
 			}
-			if err := printAggregates(c.out, all.GetAggregates(), time.Now()); err != nil {
+			width := errorCellWidth
+			if *wide {
+				width = 0
+			}
+			if err := printAggregates(c.out, all.GetAggregates(), time.Now(), width); err != nil {
 				return err
 			}
+			noteCutErrors(c.errOut, width, all.GetAggregates(), (*outboxv1.Aggregate).GetLastError)
 			if all.NextPageToken != "" {
 				fmt.Fprintf(c.out, "\nmore aggregates remain; continue with --page-token %s\n", all.NextPageToken)
 			}
@@ -118,8 +126,23 @@ listing with --page-token.`, cobra.NoArgs)
 	return cmd
 }
 
-// printAggregates prints aggregates as a table; "no aggregates" when empty.
-func printAggregates(w io.Writer, list []*outboxv1.Aggregate, now time.Time) error {
+// errorCellWidth is where the aggregates and attempts tables cut an error
+// (the last column): room for a sink's prefix and the broker's answer.
+const errorCellWidth = 160
+
+// noteCutErrors says, when the table cut an error, how to see it whole.
+func noteCutErrors[T any](w io.Writer, width int, rows []T, errorOf func(T) string) {
+	for _, r := range rows {
+		if width > 0 && utf8.RuneCountInString(errorOf(r)) > width {
+			fmt.Fprintf(w, "errors are cut at %d characters; --wide or --json prints them whole\n", width)
+			return
+		}
+	}
+}
+
+// printAggregates prints aggregates as a table, errors cut at errWidth
+// characters (0: whole); "no aggregates" when empty.
+func printAggregates(w io.Writer, list []*outboxv1.Aggregate, now time.Time, errWidth int) error {
 	if len(list) == 0 {
 		_, err := fmt.Fprintln(w, "no aggregates")
 		return err
@@ -138,7 +161,7 @@ func printAggregates(w io.Writer, list []*outboxv1.Aggregate, now time.Time) err
 		fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%d\t%s\t%d\t%d\t%s\t%s\n",
 			cell(a.GetStream(), 0), cell(a.GetAggregateKey(), 40), aggregateStateName(a.GetState()),
 			a.GetPendingEvents(), a.GetNextPendingRevision(), oldest, a.GetAttempt(), a.GetFailures(),
-			stalled, cell(a.GetLastError(), 60))
+			stalled, cell(a.GetLastError(), errWidth))
 	}
 	return tw.Flush()
 }
@@ -154,9 +177,11 @@ aggregate that did not publish, newest first: when, which revision and
 attempt, how it ended (nacked, expired, released, parked), the relay and
 replica, and the error. The server keeps the newest attempts of each
 aggregate only (outbox.settings.attempt_history_per_aggregate, 50 by
-default). Exits 3 if the event does not exist.`, cobra.RangeArgs(1, 2))
+default). Errors are cut at 160 characters; --wide and --json show them
+whole. Exits 3 if the event does not exist.`, cobra.RangeArgs(1, 2))
 	f.register(cmd)
 	cmd.Flags().IntVar(&limit, "limit", 100, fmt.Sprintf("list at most this many attempts (1 to %d)", maxPageSize))
+	wide := cmd.Flags().Bool("wide", false, fmt.Sprintf("print errors whole (the table cuts them at %d characters)", errorCellWidth))
 	cmd.RunE = func(cmd *cobra.Command, args []string) error {
 		req := &outboxv1.ListAttemptsRequest{PageSize: uint32(limit)}
 		if len(args) == 1 {
@@ -182,13 +207,18 @@ default). Exits 3 if the event does not exist.`, cobra.RangeArgs(1, 2))
 				_, err := fmt.Fprintln(c.out, "no failed attempts recorded")
 				return err
 			}
+			width := errorCellWidth
+			if *wide {
+				width = 0
+			}
+			defer noteCutErrors(c.errOut, width, resp.GetAttempts(), (*outboxv1.Attempt).GetError)
 			tw := tabwriter.NewWriter(c.out, 0, 0, 2, ' ', 0)
 			fmt.Fprintln(tw, "AT\tEVENT ID\tREV\tATTEMPT\tOUTCOME\tRELAY\tREPLICA\tERROR")
 			for _, a := range resp.GetAttempts() {
 				fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%s\t%s\t%s\t%s\n",
 					fmtTime(a.GetAt()), cell(a.GetEventId(), 0), a.GetRevision(), a.GetAttempt(),
 					enumShortName(a.GetOutcome().String(), "ATTEMPT_OUTCOME_"), cell(a.GetRelayId(), 40),
-					cell(a.GetReplicaId(), 40), cell(a.GetError(), 80))
+					cell(a.GetReplicaId(), 40), cell(a.GetError(), width))
 			}
 			return tw.Flush()
 		})
@@ -311,7 +341,7 @@ func printBulk(c *adminClient, dryRun bool, resp proto.Message, matched int64, s
 	} else {
 		fmt.Fprint(c.out, ":\n\n")
 	}
-	if err := printAggregates(c.out, sample, time.Now()); err != nil {
+	if err := printAggregates(c.out, sample, time.Now(), errorCellWidth); err != nil {
 		return err
 	}
 	_, err := fmt.Fprintln(c.out)

@@ -21,7 +21,8 @@ func relaysCommand() *cobra.Command {
 	cmd := adminCommand("relays", "List the relays connected to every replica", `
 relays lists every open relay stream (Subscribe) across all replicas sharing
 the database: the relay's name, its session (the lease holder shown by
-'outboxd aggregate'), its address, the replica serving it, its stream filter,
+'outboxd aggregate'), its address, the replica serving it, its stream filter
+("all", or "all but" the streams a catch-all leaves to other relays),
 deliveries outstanding against its credit, acks so far, and when it connected.`,
 		cobra.NoArgs)
 	f.register(cmd)
@@ -49,8 +50,11 @@ func printRelays(w io.Writer, resp *outboxv1.ListRelaysResponse, now time.Time) 
 	fmt.Fprintln(tw, "RELAY\tSESSION\tPEER\tREPLICA\tSTREAMS\tIN FLIGHT\tACKED\tCONNECTED")
 	for _, r := range resp.GetRelays() {
 		streams := "all"
-		if len(r.GetStreams()) > 0 {
+		switch {
+		case len(r.GetStreams()) > 0:
 			streams = strings.Join(r.GetStreams(), ",")
+		case len(r.GetExcludeStreams()) > 0:
+			streams = "all but " + strings.Join(r.GetExcludeStreams(), ",")
 		}
 		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%d/%d\t%d\t%s\n",
 			cell(r.GetRelayId(), 40), cell(r.GetSessionId(), 0), cell(r.GetPeer(), 0),
@@ -120,16 +124,15 @@ func printAggregate(w io.Writer, a *outboxv1.Aggregate, now time.Time) error {
 	if a.GetOldestPendingCreatedAt() != nil {
 		kv("oldest pending since", fmtTimeAgo(a.GetOldestPendingCreatedAt(), now))
 	}
-	if a.GetLeaseHolder() != "" {
+	// The lease lines only while there is a lease: leased_event_id also
+	// names the latest lease's event after it ended (a parked aggregate's
+	// is not leased), and the fencing epoch means nothing to an operator
+	// (--json has both).
+	if a.GetState() == outboxv1.AggregateState_AGGREGATE_STATE_LEASED {
+		kv("leased event", cell(a.GetLeasedEventId(), 0))
 		kv("lease holder", cell(a.GetLeaseHolder(), 0))
 		kv("lease relay", cell(a.GetLeaseRelayId(), 0))
 		kv("lease expires", fmtTimeAgo(a.GetLeaseExpiresAt(), now))
-	}
-	if a.GetLeaseEpoch() != 0 {
-		kv("lease epoch", fmt.Sprint(a.GetLeaseEpoch()))
-	}
-	if a.GetLeasedEventId() != "" {
-		kv("leased event", cell(a.GetLeasedEventId(), 0))
 	}
 	if a.GetAttempt() != 0 || a.GetFailures() != 0 {
 		kv("attempt", fmt.Sprint(a.GetAttempt()))

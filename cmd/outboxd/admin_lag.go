@@ -35,7 +35,8 @@ rule will deliver them), IDLE RELAYS (connected, holding nothing, while the
 stream's ready work waits), and events delivered per second over the last
 minute; then the number of connected relays, and DISCOVERY STOPPED with the
 reason and the fix if new events are not being found (a database restored
-into another PostgreSQL cluster: run outboxd rescan).
+into another PostgreSQL cluster: run outboxd rescan). Every stream that has
+had an event is listed, an idle one with zeros.
 
 --watch redraws every --interval until interrupted (Ctrl-C exits 0); --timeout
 then bounds each refresh. With --json every refresh is one line.
@@ -44,7 +45,7 @@ then bounds each refresh. With --json every refresh is one line.
 the total OLDEST exceeds the given age (e.g. 15m, 2h, 1d).`, cobra.NoArgs)
 	f.register(cmd)
 	fl := cmd.Flags()
-	fl.StringSliceVar(&streams, "stream", nil, "report only this stream (repeatable; default all)")
+	fl.StringSliceVar(&streams, "stream", nil, `report only this stream, or streams with a prefix ("billing.*") (repeatable; default all)`)
 	fl.BoolVarP(&watch, "watch", "w", false, "redraw in place every --interval until interrupted")
 	fl.DurationVar(&interval, "interval", 2*time.Second, "refresh interval of --watch")
 	fl.Var(&ageValue{d: &failOlder}, "fail-if-older-than",

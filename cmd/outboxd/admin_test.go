@@ -599,6 +599,11 @@ func TestCLIRetry(t *testing.T) {
 	if row := tableRow(t, r.stdout, "state"); row[1] != "parked" || !strings.Contains(r.stdout, "broker says no") {
 		t.Errorf("parked aggregate shown as:\n%s", r.stdout)
 	}
+	// No lease lines for an aggregate nobody leases, and one failure is
+	// said as such.
+	if strings.Contains(r.stdout, "lease") || !strings.Contains(r.stdout, "publish failed once; last error: broker says no") {
+		t.Errorf("parked aggregate shown as:\n%s", r.stdout)
+	}
 	ts.cli(t, nil, "retry", "flaky", "f1", "--accept-gap").want(t, exitUsage)
 	ts.cli(t, nil, "retry", "flaky", "nope").want(t, exitNotFound)
 
@@ -608,8 +613,16 @@ func TestCLIRetry(t *testing.T) {
 	}
 	a := parseOne(t, ts.cli(t, nil, "retry", "flaky", "f1", "--json").want(t, exitOK), // ready stays ready
 		func() *outboxv1.RetryAggregateResponse { return new(outboxv1.RetryAggregateResponse) }).GetAggregate()
-	if a.GetState() != outboxv1.AggregateState_AGGREGATE_STATE_READY || a.GetFailures() != 0 {
+	if a.GetState() != outboxv1.AggregateState_AGGREGATE_STATE_READY || a.GetFailures() != 0 || a.GetLastError() != "" {
 		t.Errorf("after retry: %v", a)
+	}
+	// The error was the failed attempt's: after the retry the aggregate no
+	// longer shows it, and the attempt history keeps it.
+	if r := ts.cli(t, nil, "aggregate", "flaky", "f1").want(t, exitOK); strings.Contains(r.stdout, "broker says no") {
+		t.Errorf("the retried aggregate still shows the old error:\n%s", r.stdout)
+	}
+	if r := ts.cli(t, nil, "attempts", "flaky", "f1").want(t, exitOK); !strings.Contains(r.stdout, "broker says no") {
+		t.Errorf("the attempt history lost the error:\n%s", r.stdout)
 	}
 }
 
@@ -671,6 +684,7 @@ func TestStatusExitCodes(t *testing.T) {
 		codes.OK: exitOK, codes.InvalidArgument: exitUsage, codes.NotFound: exitNotFound,
 		codes.FailedPrecondition: exitPrecondition, codes.Unavailable: exitFailure,
 		codes.Internal: exitFailure, codes.Unimplemented: exitFailure, codes.PermissionDenied: exitFailure,
+		codes.Unauthenticated: exitUnauthenticated,
 	} {
 		if got := statusExitCode(c); got != want {
 			t.Errorf("%v: exit %d, want %d", c, got, want)

@@ -10,6 +10,9 @@ import (
 	"os"
 	"os/signal"
 	"syscall"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 )
 
 // Exit codes. Scripts and cron jobs branch on them, so they are part of the
@@ -33,6 +36,10 @@ const (
 	// exitNotConfirmed: purge was not confirmed (answered no, or stdin is not
 	// a terminal and --yes was not given).
 	exitNotConfirmed = 6
+	// exitUnauthenticated: the server did not accept the credential: no
+	// token was sent, or not one it knows (gRPC Unauthenticated). A token
+	// it knows without the needed role is permission denied: exitFailure.
+	exitUnauthenticated = 7
 )
 
 // exitCodesHelp documents the exit codes in command help.
@@ -43,7 +50,9 @@ const exitCodesHelp = `Exit codes:
   3  not found
   4  failed precondition (e.g. skipping an event that is already published)
   5  lag --fail-if-older-than: the oldest pending event is older than that
-  6  purge not confirmed`
+  6  purge not confirmed
+  7  not authenticated: no token (--token-file, $OUTBOXD_TOKEN), or one the
+     server does not accept`
 
 // exitError is an error that ends the process with a specific exit code.
 type exitError struct {
@@ -74,6 +83,10 @@ func exitCode(err error) int {
 	}
 	if e, ok := errors.AsType[*exitError](err); ok {
 		return e.code
+	}
+	// A relay refused at its first Subscribe ends with the server's status.
+	if status.Code(err) == codes.Unauthenticated {
+		return exitUnauthenticated
 	}
 	return exitFailure
 }

@@ -7,7 +7,10 @@ import (
 
 	"github.com/spf13/cobra"
 	"golang.org/x/sync/errgroup"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 
+	"github.com/outboxd/outboxd/internal/auth"
 	"github.com/outboxd/outboxd/relay"
 	"github.com/outboxd/outboxd/relay/sink"
 )
@@ -115,7 +118,11 @@ failure against their events.`,
 			for _, r := range runners {
 				eg.Go(func() error { return r.Run(egCtx) })
 			}
-			return eg.Wait()
+			err = eg.Wait()
+			if status.Code(err) == codes.Unauthenticated && client.tokenSource == "" {
+				err = fmt.Errorf("%w; outboxd sent no token: give it with --token-file FILE or in $%s", err, auth.DefaultClientEnvVar)
+			}
+			return err
 		},
 	}
 	fl := cmd.Flags()

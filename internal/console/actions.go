@@ -140,6 +140,16 @@ func (b *bulkForm) filter() (*outboxv1.AggregateFilter, error) {
 	if err != nil {
 		return nil, err
 	}
+	if b.Action == "retry" && b.F.trouble() {
+		// The form's default state, "parked, backing off or gap", means
+		// what a retry can act on: a gap-held aggregate is retried only by
+		// accepting its gap, which the server refuses without accept_gap.
+		f.States = []outboxv1.AggregateState{outboxv1.AggregateState_AGGREGATE_STATE_PARKED,
+			outboxv1.AggregateState_AGGREGATE_STATE_BACKOFF}
+		if b.AcceptGap {
+			f.States = append(f.States, outboxv1.AggregateState_AGGREGATE_STATE_GAP)
+		}
+	}
 	if b.PendingBefore != "" {
 		t, err := time.Parse(time.RFC3339Nano, b.PendingBefore)
 		if err != nil {
@@ -157,6 +167,14 @@ func (b *bulkForm) check() error {
 	case "retry":
 		if b.AcceptGap && b.Reason == "" {
 			return errors.New("accepting gaps needs a reason")
+		}
+		switch b.F.State {
+		case "gap":
+			if !b.AcceptGap {
+				return errors.New(`a gap-held aggregate is retried by accepting its gap: tick "retry accepts gaps" and give a reason`)
+			}
+		case "ready", "leased":
+			return fmt.Errorf("a retry acts on parked, backing-off and gap-held aggregates, not %s ones", b.F.State)
 		}
 	case "skip":
 		if b.Reason == "" {

@@ -292,7 +292,7 @@ func TestBrowser(t *testing.T) {
 	if got := text("#purge-result"); !strings.Contains(got, "would delete 0 event(s)") {
 		t.Errorf("purge dry run: %q", got)
 	}
-	run("bulk dry run",
+	run("bulk dry run of a prefix",
 		chromedp.Navigate(base+"/bulk?state=parked&stream=billing.*"),
 		loads(chromedp.Click(css("#dry-run"))),
 		chromedp.WaitVisible(css(`section.confirm`)),
@@ -302,6 +302,27 @@ func TestBrowser(t *testing.T) {
 	}
 	if st := h.aggState(t, "billing.refund", "r-1"); st != outboxv1.AggregateState_AGGREGATE_STATE_PARKED {
 		t.Errorf("after the dry run billing.refund/r-1 is %v", st)
+	}
+	// The form as it loads (retry, "parked, backing off or gap", no reason)
+	// is a valid request: dry run, then confirm.
+	run("bulk retry with the form's defaults",
+		loads(chromedp.Click(css(`nav a[href="/bulk"]`))),
+		chromedp.WaitVisible(css("#dry-run")),
+		loads(chromedp.Click(css("#dry-run"))),
+		// The dry run's count, or the refusal.
+		chromedp.WaitVisible(css(`section.confirm, .flash.error`)))
+	if got := text("main"); !strings.Contains(got, "Dry run: 1 aggregate(s) match") || !strings.Contains(got, "r-1") {
+		t.Fatalf("bulk dry run with the defaults: %q", got)
+	}
+	run("confirm the bulk retry",
+		loads(chromedp.Click(css("#confirm"))),
+		chromedp.WaitVisible(css(".flash.ok")),
+		shot("bulk-retried"))
+	if got := text(".flash.ok"); !strings.Contains(got, "Bulk retry: 1 matched, 1 retried") {
+		t.Errorf("bulk retry confirmation: %q", got)
+	}
+	if st := h.aggState(t, "billing.refund", "r-1"); st != outboxv1.AggregateState_AGGREGATE_STATE_READY {
+		t.Errorf("after the bulk retry billing.refund/r-1 is %v, want ready", st)
 	}
 	run("relays",
 		loads(chromedp.Click(css(`nav a[href="/relays"]`))),

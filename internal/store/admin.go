@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"time"
 
@@ -68,7 +69,10 @@ type Lag struct {
 	ConnectedRelays int64
 }
 
-// Lag reports the backlog per stream, limited to streams when not empty.
+// Lag reports the backlog per stream, limited to streams when not nil (an
+// empty list matches no stream). Every known stream is listed (KnownStreams),
+// those with nothing pending and nothing delivered lately with zeros, so
+// that a stream does not vanish from a report while it is idle.
 // PendingEvents and OldestPending include events committed but not yet
 // discovered (outbox.undiscovered); the aggregate counts cover discovered
 // work. It reads the delivery rows of aggregates with pending work (an index scan)
@@ -76,10 +80,7 @@ type Lag struct {
 // cost follows the backlog, never the table size. sessionTTL is how recently
 // a relay session must have been refreshed to count as connected.
 func (s *Store) Lag(ctx context.Context, streams []string, sessionTTL time.Duration) (Lag, error) {
-	var filter []string
-	if len(streams) > 0 {
-		filter = streams
-	}
+	filter := streams
 	lag := Lag{}
 	rows, err := s.pool.Query(ctx, `
 		WITH pend AS (
@@ -134,6 +135,20 @@ func (s *Store) Lag(ctx context.Context, streams []string, sessionTTL time.Durat
 	if err != nil {
 		return lag, fmt.Errorf("store: lag: %w", err)
 	}
+	known, err := s.KnownStreams(ctx, 0)
+	if err != nil {
+		return lag, err
+	}
+	listed := make(map[string]bool, len(lag.Streams))
+	for _, l := range lag.Streams {
+		listed[l.Stream] = true
+	}
+	for _, name := range known {
+		if !listed[name] && (filter == nil || slices.Contains(filter, name)) {
+			lag.Streams = append(lag.Streams, StreamLag{Stream: name})
+		}
+	}
+	slices.SortFunc(lag.Streams, func(a, b StreamLag) int { return strings.Compare(a.Stream, b.Stream) })
 	if err := s.idleRelays(ctx, filter, sessionTTL, lag.Streams); err != nil {
 		return lag, err
 	}
@@ -160,7 +175,8 @@ func (s *Store) idleRelays(ctx context.Context, filter []string, sessionTTL time
 		)
 		SELECT w.stream, r.session_id
 		FROM waiting w
-		JOIN outbox.relay_session r ON r.streams = '{}' OR w.stream = ANY (r.streams)
+		JOIN outbox.relay_session r
+		  ON (r.streams = '{}' AND NOT w.stream = ANY (r.exclude_streams)) OR w.stream = ANY (r.streams)
 		CROSS JOIN outbox.settings st
 		WHERE r.seen_at > clock_timestamp() - $2::interval AND r.in_flight = 0
 		  AND r.connected_at < clock_timestamp() - st.idle_relay_after
@@ -193,15 +209,17 @@ func deref(t *time.Time) time.Time {
 
 // RelaySession is one open Subscribe stream, as recorded for ListRelays.
 type RelaySession struct {
-	SessionID   uuid.UUID
-	RelayID     string
-	Peer        string
-	ReplicaID   string
-	Streams     []string
-	MaxInFlight int
-	InFlight    int
-	Acked       int64
-	ConnectedAt time.Time
+	SessionID uuid.UUID
+	RelayID   string
+	Peer      string
+	ReplicaID string
+	Streams   []string
+	// ExcludeStreams, with Streams empty, are the streams it does not take.
+	ExcludeStreams []string
+	MaxInFlight    int
+	InFlight       int
+	Acked          int64
+	ConnectedAt    time.Time
 }
 
 // SaveRelaySessions records sessions as alive now, inserting new ones and
@@ -213,7 +231,7 @@ func (s *Store) SaveRelaySessions(ctx context.Context, sessions []RelaySession) 
 	var (
 		ids                  = make([]uuid.UUID, len(sessions))
 		relayIDs, peers, rep = make([]string, len(sessions)), make([]string, len(sessions)), make([]string, len(sessions))
-		streams              = make([]string, len(sessions))
+		streams, excluded    = make([]string, len(sessions)), make([]string, len(sessions))
 		maxes, inflight      = make([]int32, len(sessions)), make([]int32, len(sessions))
 		acked                = make([]int64, len(sessions))
 		connected            = make([]time.Time, len(sessions))
@@ -222,22 +240,23 @@ func (s *Store) SaveRelaySessions(ctx context.Context, sessions []RelaySession) 
 		ids[i], relayIDs[i], peers[i], rep[i] = r.SessionID, r.RelayID, r.Peer, r.ReplicaID
 		// Stream names cannot contain a comma (outbox.event checks them), so
 		// the list travels as one string per session.
-		streams[i] = strings.Join(r.Streams, ",")
+		streams[i], excluded[i] = strings.Join(r.Streams, ","), strings.Join(r.ExcludeStreams, ",")
 		maxes[i], inflight[i], acked[i], connected[i] = int32(r.MaxInFlight), int32(r.InFlight), r.Acked, r.ConnectedAt
 	}
 	_, err := s.pool.Exec(ctx, `
 		INSERT INTO outbox.relay_session AS r
-		    (session_id, relay_id, peer, replica_id, streams, max_in_flight, in_flight, acked, connected_at, seen_at)
+		    (session_id, relay_id, peer, replica_id, streams, exclude_streams, max_in_flight, in_flight, acked, connected_at, seen_at)
 		SELECT u.id, u.relay_id, u.peer, u.replica_id,
 		       coalesce(string_to_array(nullif(u.streams, ''), ','), '{}'),
+		       coalesce(string_to_array(nullif(u.excluded, ''), ','), '{}'),
 		       u.max_in_flight, u.in_flight, u.acked, u.connected_at, clock_timestamp()
 		FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[], $6::int[], $7::int[],
-		            $8::bigint[], $9::timestamptz[])
-		     AS u(id, relay_id, peer, replica_id, streams, max_in_flight, in_flight, acked, connected_at)
+		            $8::bigint[], $9::timestamptz[], $10::text[])
+		     AS u(id, relay_id, peer, replica_id, streams, max_in_flight, in_flight, acked, connected_at, excluded)
 		ORDER BY u.id
 		ON CONFLICT (session_id) DO UPDATE
 		SET in_flight = excluded.in_flight, acked = excluded.acked, seen_at = excluded.seen_at`,
-		ids, relayIDs, peers, rep, streams, maxes, inflight, acked, connected)
+		ids, relayIDs, peers, rep, streams, maxes, inflight, acked, connected, excluded)
 	if err != nil {
 		return fmt.Errorf("store: save relay sessions: %w", err)
 	}
@@ -273,7 +292,7 @@ func (s *Store) DeleteStaleStats(ctx context.Context, sessionTTL time.Duration, 
 // RelaySessions lists sessions refreshed within sessionTTL, oldest first.
 func (s *Store) RelaySessions(ctx context.Context, sessionTTL time.Duration) ([]RelaySession, error) {
 	rows, err := s.pool.Query(ctx, `
-		SELECT session_id, relay_id, peer, replica_id, streams, max_in_flight, in_flight, acked, connected_at
+		SELECT session_id, relay_id, peer, replica_id, streams, exclude_streams, max_in_flight, in_flight, acked, connected_at
 		FROM outbox.relay_session WHERE seen_at > clock_timestamp() - $1::interval
 		ORDER BY connected_at, session_id`, sessionTTL)
 	if err != nil {
@@ -281,7 +300,7 @@ func (s *Store) RelaySessions(ctx context.Context, sessionTTL time.Duration) ([]
 	}
 	list, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (RelaySession, error) {
 		var r RelaySession
-		err := row.Scan(&r.SessionID, &r.RelayID, &r.Peer, &r.ReplicaID, &r.Streams,
+		err := row.Scan(&r.SessionID, &r.RelayID, &r.Peer, &r.ReplicaID, &r.Streams, &r.ExcludeStreams,
 			&r.MaxInFlight, &r.InFlight, &r.Acked, &r.ConnectedAt)
 		return r, err
 	})
@@ -416,7 +435,8 @@ type RetryParams struct {
 }
 
 // RetryAggregate makes a parked or backing-off aggregate claimable now with
-// a fresh set of attempts, or resumes a gap-held one past its missing
+// a fresh set of attempts (its last error goes with its failures: the
+// attempt history keeps it), or resumes a gap-held one past its missing
 // revisions when p.AcceptGap. It returns the aggregate's new state, or
 // ErrNotFound, or a *StateError when the state does not allow it.
 func (s *Store) RetryAggregate(ctx context.Context, p RetryParams) (Aggregate, error) {
@@ -478,7 +498,7 @@ func (s *Store) RetryAggregate(ctx context.Context, p RetryParams) (Aggregate, e
 			if _, err := tx.Exec(ctx, `
 				UPDATE outbox.delivery
 				SET state = 'ready', claimable_at = clock_timestamp(), next_attempt_at = NULL,
-				    failures = 0, unanswered = 0, parked_at = NULL, parked_reason = NULL
+				    failures = 0, unanswered = 0, last_error = NULL, parked_at = NULL, parked_reason = NULL
 				WHERE stream = $1 AND aggregate_key = $2`, p.Stream, p.AggregateKey); err != nil {
 				return err
 			}
@@ -554,9 +574,10 @@ type Skip struct {
 // SkipEvent abandons a pending event: it is recorded in outbox.skipped_event
 // and will never be delivered nor marked published. When it is its
 // aggregate's next event, the aggregate is offered again at once (ending any
-// lease on it, so its holder's ack gets LEASE_LOST). The skip is recorded as
-// an operator action of its own (outbox.operator_action); SkipEventOf records
-// it as part of a bulk action. Errors: ErrNotFound, ErrAlreadyPublished,
+// lease on it, so its holder's ack gets LEASE_LOST), and the last error,
+// which was that event's, is cleared. The skip is recorded as an operator
+// action of its own (outbox.operator_action); SkipEventOf records it as part
+// of a bulk action. Errors: ErrNotFound, ErrAlreadyPublished,
 // ErrAlreadySkipped.
 func (s *Store) SkipEvent(ctx context.Context, id uuid.UUID, reason, actor string) (Skip, error) {
 	return s.SkipEventOf(ctx, 0, id, reason, actor)
@@ -621,7 +642,7 @@ func (s *Store) SkipEventOf(ctx context.Context, actionID int64, id uuid.UUID, r
 			UPDATE outbox.delivery
 			SET state = 'ready', claimable_at = clock_timestamp(),
 			    holder = NULL, holder_relay_id = NULL, holder_replica_id = NULL, lease_expires_at = NULL,
-			    attempt = 0, failures = 0, next_attempt_at = NULL, parked_at = NULL, parked_reason = NULL
+			    attempt = 0, failures = 0, last_error = NULL, next_attempt_at = NULL, parked_at = NULL, parked_reason = NULL
 			WHERE stream = $1 AND aggregate_key = $2 AND state IN ('ready', 'leased', 'backoff', 'parked')`,
 			stream, key); err != nil {
 			return err

@@ -818,9 +818,11 @@ func isRetryable(err error) bool {
 	return errors.As(err, &pgErr) && (pgErr.Code == "40P01" || pgErr.Code == "40001")
 }
 
-// KnownStreams returns up to limit stream names that some event has used,
-// in name order: what a refused subscription to an unknown stream lists as
-// the names it might have meant. It skips from one stream to the next along
+// KnownStreams returns the stream names that some event has used (each has
+// outbox.aggregate rows from its first commit on), in name order, at most
+// limit of them (0: all): what a refused subscription to an unknown stream
+// lists as the names it might have meant, and the streams a lag report lists
+// even while idle. It skips from one stream to the next along
 // outbox.aggregate's primary key, one index probe per stream, however many
 // aggregates each holds.
 func (s *Store) KnownStreams(ctx context.Context, limit int) ([]string, error) {
@@ -831,7 +833,7 @@ func (s *Store) KnownStreams(ctx context.Context, limit int) ([]string, error) {
 			SELECT (SELECT a.stream FROM outbox.aggregate a WHERE a.stream > known.stream ORDER BY a.stream LIMIT 1)
 			FROM known WHERE known.stream IS NOT NULL
 		)
-		SELECT stream FROM known WHERE stream IS NOT NULL LIMIT $1`, limit)
+		SELECT stream FROM known WHERE stream IS NOT NULL LIMIT $1`, noLimitIfZero(limit))
 	if err != nil {
 		return nil, fmt.Errorf("store: known streams: %w", err)
 	}
@@ -840,6 +842,14 @@ func (s *Store) KnownStreams(ctx context.Context, limit int) ([]string, error) {
 		return nil, fmt.Errorf("store: known streams: %w", err)
 	}
 	return names, nil
+}
+
+// noLimitIfZero is a LIMIT parameter: NULL (no limit) for 0.
+func noLimitIfZero(limit int) *int {
+	if limit <= 0 {
+		return nil
+	}
+	return &limit
 }
 
 // UnknownStreams returns the names among streams that no event has used.

@@ -1643,7 +1643,8 @@ CREATE FUNCTION outbox.nack(p_event_id uuid, p_epoch bigint, p_error text, p_ret
         parked_at = CASE WHEN c.failures >= p_max_failures THEN clock_timestamp() END,
         parked_revision = CASE WHEN c.failures >= p_max_failures THEN c.delivered_revision + 1 END,
         parked_reason = CASE WHEN c.failures >= p_max_failures
-            THEN format('publish failed %s times; last error: %s', c.failures, left(p_error, 1024)) END,
+            THEN format('publish failed %s; last error: %s',
+                        CASE WHEN c.failures = 1 THEN 'once' ELSE c.failures || ' times' END, left(p_error, 1024)) END,
         holder = NULL, holder_relay_id = NULL, holder_replica_id = NULL, lease_expires_at = NULL
     FROM cur c
     WHERE d.stream = c.stream AND d.aggregate_key = c.aggregate_key
@@ -2227,6 +2228,7 @@ CREATE TABLE outbox.relay_session (
     peer text NOT NULL,
     replica_id text NOT NULL,
     streams text[] NOT NULL,
+    exclude_streams text[] DEFAULT '{}'::text[] NOT NULL,
     max_in_flight integer NOT NULL,
     in_flight integer DEFAULT 0 NOT NULL,
     acked bigint DEFAULT 0 NOT NULL,

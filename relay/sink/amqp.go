@@ -358,10 +358,10 @@ func (s *amqpSink) Publish(ctx context.Context, ev relay.Event) error {
 	for k, v := range ev.Headers {
 		if err := checkAMQPHeader(k); err != nil {
 			// An event's headers never change: park it now.
-			return relay.Permanent(fmt.Errorf("amqp sink: event %s: %w", ev.ID, err))
+			return relay.Permanent(fmt.Errorf("amqp sink: %w", err))
 		}
 		if err := s.cfg.ce.checkHeader(k); err != nil {
-			return fmt.Errorf("amqp sink: event %s: %w", ev.ID, err)
+			return fmt.Errorf("amqp sink: %w", err)
 		}
 		headers[k] = v
 	}
@@ -389,7 +389,7 @@ func (s *amqpSink) Publish(ctx context.Context, ev relay.Event) error {
 	if len(msg.Body) > s.cfg.maxBytes {
 		// RabbitMQ would close the channel with PRECONDITION_FAILED for
 		// every attempt; refuse it here, for good.
-		return relay.Permanent(fmt.Errorf("amqp sink: event %s: body of %d bytes over max_bytes=%d (the broker's max_message_size)", ev.ID, len(msg.Body), s.cfg.maxBytes))
+		return relay.Permanent(fmt.Errorf("amqp sink: body of %d bytes over max_bytes=%d (the broker's max_message_size)", len(msg.Body), s.cfg.maxBytes))
 	}
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.timeout)
 	defer cancel()
@@ -411,11 +411,11 @@ func (s *amqpSink) Publish(ctx context.Context, ev relay.Event) error {
 	dc, err := c.ch.PublishWithDeferredConfirmWithContext(ctx, exchange, key, true, false, msg)
 	if !stopWatch() {
 		s.release(c, false)
-		return fmt.Errorf("amqp sink: publish event %s to %s: no progress within %s: %w", ev.ID, where, s.cfg.timeout, context.Cause(ctx))
+		return fmt.Errorf("amqp sink: publish to %s: no progress within %s: %w", where, s.cfg.timeout, context.Cause(ctx))
 	}
 	if err != nil {
 		s.release(c, false)
-		return fmt.Errorf("amqp sink: publish event %s to %s: %w", ev.ID, where, err)
+		return fmt.Errorf("amqp sink: publish to %s: %w", where, err)
 	}
 	acked, err := dc.WaitContext(ctx)
 	if err != nil {
@@ -423,19 +423,19 @@ func (s *amqpSink) Publish(ctx context.Context, ev relay.Event) error {
 		// channel is dropped so a late confirm or return cannot be taken
 		// for a later message's.
 		s.release(c, false)
-		return fmt.Errorf("amqp sink: event %s to %s: no publisher confirm within %s: %w", ev.ID, where, s.cfg.timeout, err)
+		return fmt.Errorf("amqp sink: publish to %s: no publisher confirm within %s: %w", where, s.cfg.timeout, err)
 	}
 	if !acked {
 		s.release(c, false)
 		if c.ch.IsClosed() {
-			return fmt.Errorf("amqp sink: event %s to %s: channel closed before the confirm (broker restart, or the exchange does not exist)", ev.ID, where)
+			return fmt.Errorf("amqp sink: publish to %s: channel closed before the confirm (broker restart, or the exchange does not exist)", where)
 		}
-		return fmt.Errorf("amqp sink: event %s to %s: broker nacked the message (basic.nack)", ev.ID, where)
+		return fmt.Errorf("amqp sink: publish to %s: broker nacked the message (basic.nack)", where)
 	}
 	select {
 	case r := <-c.returns:
 		s.release(c, true)
-		return fmt.Errorf("amqp sink: event %s to %s was returned unroutable (%d %s): no queue is bound for it", ev.ID, where, r.ReplyCode, r.ReplyText)
+		return fmt.Errorf("amqp sink: publish to %s: returned unroutable (%d %s): no queue is bound for it", where, r.ReplyCode, r.ReplyText)
 	default:
 	}
 	s.release(c, true)

@@ -130,7 +130,7 @@ func (c ceConfig) event(ev relay.Event) (*event.Event, error) {
 	e.DataEncoded = ev.Payload
 	e.SetDataContentType(ceJSONContentType)
 	if err := e.Validate(); err != nil {
-		return nil, relay.Permanent(fmt.Errorf("event %s is not a valid CloudEvent: %w", ev.ID, err))
+		return nil, relay.Permanent(fmt.Errorf("not a valid CloudEvent: %w", err))
 	}
 	return &e, nil
 }
@@ -144,7 +144,7 @@ func (c ceConfig) structured(ev relay.Event) ([]byte, error) {
 	}
 	b, err := format.JSON.Marshal(e)
 	if err != nil {
-		return nil, relay.Permanent(fmt.Errorf("event %s: encode CloudEvent: %w", ev.ID, err))
+		return nil, relay.Permanent(fmt.Errorf("encode CloudEvent: %w", err))
 	}
 	return b, nil
 }
@@ -161,7 +161,7 @@ func (c ceConfig) binaryHeaders(ev relay.Event) (map[string]string, error) {
 	}
 	w := &ceHeaderWriter{prefix: c.prefix, out: map[string]string{}}
 	if err := binding.ToMessage(e).ReadBinary(context.Background(), w); err != nil {
-		return nil, relay.Permanent(fmt.Errorf("event %s: encode CloudEvent attributes: %w", ev.ID, err))
+		return nil, relay.Permanent(fmt.Errorf("encode CloudEvent attributes: %w", err))
 	}
 	return w.out, nil
 }

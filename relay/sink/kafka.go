@@ -181,7 +181,7 @@ func (s *kafkaSink) Publish(ctx context.Context, ev relay.Event) error {
 		return fmt.Errorf("kafka sink: %w", err)
 	}
 	if topic == "" || topic == "." || topic == ".." || !validKafkaTopicChars(topic) {
-		return relay.Permanent(fmt.Errorf("kafka sink: event %s: topic %q is not a valid Kafka topic name (only ASCII letters, digits, '.', '_', '-')", ev.ID, topic))
+		return relay.Permanent(fmt.Errorf("kafka sink: topic %q is not a valid Kafka topic name (only ASCII letters, digits, '.', '_', '-')", topic))
 	}
 	m, err := s.cfg.ce.message(ev)
 	if err != nil {
@@ -200,10 +200,10 @@ func (s *kafkaSink) Publish(ctx context.Context, ev relay.Event) error {
 	for k, v := range ev.Headers {
 		if len(k) >= 7 && strings.EqualFold(k[:7], "outbox-") {
 			// An event's headers never change: park it now.
-			return relay.Permanent(fmt.Errorf("kafka sink: event %s: header name %q uses the reserved prefix %q", ev.ID, k, k[:7]))
+			return relay.Permanent(fmt.Errorf("kafka sink: header name %q uses the reserved prefix %q", k, k[:7]))
 		}
 		if err := s.cfg.ce.checkHeader(k); err != nil {
-			return fmt.Errorf("kafka sink: event %s: %w", ev.ID, err)
+			return fmt.Errorf("kafka sink: %w", err)
 		}
 		rec.Headers = append(rec.Headers, kgo.RecordHeader{Key: k, Value: []byte(v)})
 	}
@@ -229,9 +229,9 @@ func (s *kafkaSink) Publish(ctx context.Context, ev relay.Event) error {
 		if errors.Is(err, kerr.MessageTooLarge) {
 			// Refused by the client (over ProducerBatchMaxBytes) or by the
 			// broker (over message.max.bytes): the same record always is.
-			return relay.Permanent(fmt.Errorf("kafka sink: event %s to %q: record over max_bytes=%d (raise it with the topic's max.message.bytes): %w", ev.ID, topic, s.cfg.maxBytes, err))
+			return relay.Permanent(fmt.Errorf("kafka sink: produce to %q: record over max_bytes=%d (raise it with the topic's max.message.bytes): %w", topic, s.cfg.maxBytes, err))
 		}
-		return fmt.Errorf("kafka sink: produce event %s to %q: %w", ev.ID, topic, err)
+		return fmt.Errorf("kafka sink: produce to %q: %w", topic, err)
 	}
 	return nil
 }

@@ -301,10 +301,10 @@ func (s *natsSink) Publish(ctx context.Context, ev relay.Event) error {
 	msg := &nats.Msg{Subject: subj, Data: m.body, Header: make(nats.Header, len(ev.Headers)+len(m.headers)+9)}
 	for k, v := range ev.Headers {
 		if err := checkProducerHeader(k); err != nil {
-			return relay.Permanent(fmt.Errorf("nats sink: event %s: %w", ev.ID, err))
+			return relay.Permanent(fmt.Errorf("nats sink: %w", err))
 		}
 		if err := s.ce.checkHeader(k); err != nil {
-			return fmt.Errorf("nats sink: event %s: %w", ev.ID, err)
+			return fmt.Errorf("nats sink: %w", err)
 		}
 		msg.Header.Set(k, v)
 	}
@@ -334,16 +334,16 @@ func (s *natsSink) Publish(ctx context.Context, ev relay.Event) error {
 	if errors.Is(err, nats.ErrMaxPayload) {
 		// The server's max_payload counts headers and body; the same
 		// message never fits, so park it now rather than retry it.
-		return relay.Permanent(fmt.Errorf("nats sink: event %s: message of %d bytes (body and headers) over the server's max_payload of %d bytes: %w",
-			ev.ID, natsMsgSize(msg), s.nc.MaxPayload(), err))
+		return relay.Permanent(fmt.Errorf("nats sink: message of %d bytes (body and headers) over the server's max_payload of %d bytes: %w",
+			natsMsgSize(msg), s.nc.MaxPayload(), err))
 	}
 	if errors.Is(err, jetstream.ErrStreamMessageExceedsMaximum) {
 		// The stream's own max_msg_size, below the server's max_payload.
-		return relay.Permanent(fmt.Errorf("nats sink: event %s: message of %d bytes over stream %s's max_msg_size: %w",
-			ev.ID, natsMsgSize(msg), s.stream, err))
+		return relay.Permanent(fmt.Errorf("nats sink: message of %d bytes over stream %s's max_msg_size: %w",
+			natsMsgSize(msg), s.stream, err))
 	}
 	if err != nil {
-		return fmt.Errorf("nats sink: publish event %s to %q: %w", ev.ID, subj, err)
+		return fmt.Errorf("nats sink: publish to %q: %w", subj, err)
 	}
 	if ack.Duplicate {
 		s.log.Debug("duplicate publish dropped by JetStream", "event_id", ev.ID, "seq", ack.Sequence)

@@ -135,7 +135,7 @@ func (s *redisSink) Publish(ctx context.Context, ev relay.Event) error {
 	}
 	h, err := json.Marshal(headers)
 	if err != nil {
-		return fmt.Errorf("redis sink: event %s: headers: %w", ev.ID, err)
+		return fmt.Errorf("redis sink: headers: %w", err)
 	}
 	args := &redis.XAddArgs{
 		Stream: key,
@@ -156,7 +156,7 @@ func (s *redisSink) Publish(ctx context.Context, ev relay.Event) error {
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.timeout)
 	defer cancel()
 	if err := s.c.XAdd(ctx, args).Err(); err != nil {
-		return fmt.Errorf("redis sink: XADD event %s to %q: %w", ev.ID, key, err)
+		return fmt.Errorf("redis sink: XADD to %q: %w", key, err)
 	}
 	return nil
 }

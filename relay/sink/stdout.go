@@ -66,7 +66,7 @@ func (s *stdoutSink) Publish(ctx context.Context, ev relay.Event) error {
 		return errSinkClosed
 	}
 	if _, err := s.w.Write(line); err != nil {
-		return fmt.Errorf("stdout sink: write event %s: %w", ev.ID, err)
+		return fmt.Errorf("stdout sink: write: %w", err)
 	}
 	return nil
 }
@@ -85,7 +85,7 @@ func encodeEvent(ev relay.Event) ([]byte, error) {
 	} else if !json.Valid(payload) {
 		// Failing here keeps the valid-JSON promise; the event is retried
 		// and then parked, which shows the bad producer.
-		return nil, fmt.Errorf("event %s: payload is not valid JSON", ev.ID)
+		return nil, errors.New("payload is not valid JSON")
 	}
 	var buf bytes.Buffer
 	enc := json.NewEncoder(&buf)
@@ -104,7 +104,7 @@ func encodeEvent(ev relay.Event) ([]byte, error) {
 		CreatedAt:    ev.CreatedAt.UTC().Format(time.RFC3339Nano),
 		Attempt:      ev.Attempt,
 	}); err != nil {
-		return nil, fmt.Errorf("encode event %s: %w", ev.ID, err)
+		return nil, fmt.Errorf("encode: %w", err)
 	}
 	return buf.Bytes(), nil
 }

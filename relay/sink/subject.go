@@ -253,7 +253,7 @@ func (t *subjectTemplate) render(ev relay.Event) (string, error) {
 	}
 	if b.Len() > t.rules.maxLen {
 		// The event never renders shorter: retrying cannot help.
-		return "", relay.Permanent(fmt.Errorf("%s for event %s is %d bytes after escaping, over the %d-byte limit", t.rules.what, ev.ID, b.Len(), t.rules.maxLen))
+		return "", relay.Permanent(fmt.Errorf("%s is %d bytes after escaping, over the %d-byte limit", t.rules.what, b.Len(), t.rules.maxLen))
 	}
 	return b.String(), nil
 }

@@ -249,7 +249,7 @@ func (s *webhookSink) Publish(ctx context.Context, ev relay.Event) error {
 	req.Header.Set(HeaderWebhookSignature, signWebhook(s.cfg.keys, ev.ID, ts, body))
 	resp, err := s.client.Do(req)
 	if err != nil {
-		return fmt.Errorf("webhook sink: POST event %s: %w", ev.ID, err)
+		return fmt.Errorf("webhook sink: %w", err)
 	}
 	defer resp.Body.Close()
 	excerpt, _ := io.ReadAll(io.LimitReader(resp.Body, maxWebhookExcerpt+1))
@@ -258,7 +258,7 @@ func (s *webhookSink) Publish(ctx context.Context, ev relay.Event) error {
 	if resp.StatusCode >= 200 && resp.StatusCode < 300 {
 		return nil
 	}
-	err = fmt.Errorf("webhook sink: POST event %s: %s%s", ev.ID, resp.Status, quoteExcerpt(excerpt))
+	err = fmt.Errorf("webhook sink: POST answered %s%s", resp.Status, quoteExcerpt(excerpt))
 	switch {
 	case resp.StatusCode == http.StatusRequestTimeout || resp.StatusCode == http.StatusTooManyRequests || resp.StatusCode >= 500:
 		return relay.RetryAfter(err, retryAfter(resp.Header.Get("Retry-After"), s.now()))

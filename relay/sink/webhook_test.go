@@ -259,6 +259,12 @@ func TestWebhookStatusHandling(t *testing.T) {
 		if len(err.Error()) > 600 {
 			t.Errorf("status %d: error is %d bytes; want a bounded excerpt", c.status, len(err.Error()))
 		}
+		// The nack that carries the error names the event: the text is
+		// the receiver's answer, first, so that a listing cut short shows it.
+		if want := "webhook sink: POST answered " + strconv.Itoa(c.status); !strings.HasPrefix(err.Error(), want) ||
+			strings.Contains(err.Error(), "e-"+strconv.Itoa(c.status)) {
+			t.Errorf("status %d: error %q, want it to start %q and not repeat the event id", c.status, err, want)
+		}
 		if relay.IsPermanent(err) != c.permanent {
 			t.Errorf("status %d: permanent = %v, want %v", c.status, relay.IsPermanent(err), c.permanent)
 		}

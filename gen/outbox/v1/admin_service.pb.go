@@ -215,7 +215,9 @@ func (EventState) EnumDescriptor() ([]byte, []int) {
 // GetLagRequest asks for lag figures.
 type GetLagRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// streams limits the report to these streams; empty means all.
+	// streams limits the report to these streams; empty means all. Each is a
+	// name, or a pattern as in AggregateFilter.stream: a prefix ending in ".*"
+	// ("billing.*") or "*".
 	Streams       []string `protobuf:"bytes,1,rep,name=streams,proto3" json:"streams,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -261,7 +263,8 @@ func (x *GetLagRequest) GetStreams() []string {
 // GetLagResponse carries lag per stream and summed over all of them.
 type GetLagResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// streams has one entry per stream with any pending work or recent delivery.
+	// streams has one entry per stream that has had an event (an idle one
+	// with zeros) and per stream the request named.
 	Streams []*StreamLag `protobuf:"bytes,1,rep,name=streams,proto3" json:"streams,omitempty"`
 	// total sums every reported stream; its stream field is empty.
 	Total *StreamLag `protobuf:"bytes,2,opt,name=total,proto3" json:"total,omitempty"`
@@ -629,7 +632,8 @@ type Relay struct {
 	Peer string `protobuf:"bytes,3,opt,name=peer,proto3" json:"peer,omitempty"`
 	// replica_id names the outboxd replica serving the stream.
 	ReplicaId string `protobuf:"bytes,4,opt,name=replica_id,json=replicaId,proto3" json:"replica_id,omitempty"`
-	// streams is the relay's stream filter; empty means all.
+	// streams is the relay's stream filter; empty means all but
+	// exclude_streams.
 	Streams []string `protobuf:"bytes,5,rep,name=streams,proto3" json:"streams,omitempty"`
 	// max_in_flight is the relay's credit.
 	MaxInFlight uint32 `protobuf:"varint,6,opt,name=max_in_flight,json=maxInFlight,proto3" json:"max_in_flight,omitempty"`
@@ -638,9 +642,13 @@ type Relay struct {
 	// acked counts deliveries of this stream acknowledged so far.
 	Acked uint64 `protobuf:"varint,8,opt,name=acked,proto3" json:"acked,omitempty"`
 	// connected_at is when the stream opened.
-	ConnectedAt   *timestamppb.Timestamp `protobuf:"bytes,9,opt,name=connected_at,json=connectedAt,proto3" json:"connected_at,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	ConnectedAt *timestamppb.Timestamp `protobuf:"bytes,9,opt,name=connected_at,json=connectedAt,proto3" json:"connected_at,omitempty"`
+	// exclude_streams, with streams empty, are the streams the relay does not
+	// take (SubscribeRequest.exclude_streams): a catch-all beside relays that
+	// take some streams.
+	ExcludeStreams []string `protobuf:"bytes,10,rep,name=exclude_streams,json=excludeStreams,proto3" json:"exclude_streams,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *Relay) Reset() {
@@ -732,6 +740,13 @@ func (x *Relay) GetAcked() uint64 {
 func (x *Relay) GetConnectedAt() *timestamppb.Timestamp {
 	if x != nil {
 		return x.ConnectedAt
+	}
+	return nil
+}
+
+func (x *Relay) GetExcludeStreams() []string {
+	if x != nil {
+		return x.ExcludeStreams
 	}
 	return nil
 }
@@ -3062,7 +3077,7 @@ const file_outbox_v1_admin_service_proto_rawDesc = "" +
 	"idleRelays\"\x13\n" +
 	"\x11ListRelaysRequest\">\n" +
 	"\x12ListRelaysResponse\x12(\n" +
-	"\x06relays\x18\x01 \x03(\v2\x10.outbox.v1.RelayR\x06relays\"\xa4\x02\n" +
+	"\x06relays\x18\x01 \x03(\v2\x10.outbox.v1.RelayR\x06relays\"\xcd\x02\n" +
 	"\x05Relay\x12\x19\n" +
 	"\brelay_id\x18\x01 \x01(\tR\arelayId\x12\x1d\n" +
 	"\n" +
@@ -3074,7 +3089,9 @@ const file_outbox_v1_admin_service_proto_rawDesc = "" +
 	"\rmax_in_flight\x18\x06 \x01(\rR\vmaxInFlight\x12\x1b\n" +
 	"\tin_flight\x18\a \x01(\rR\binFlight\x12\x14\n" +
 	"\x05acked\x18\b \x01(\x04R\x05acked\x12=\n" +
-	"\fconnected_at\x18\t \x01(\v2\x1a.google.protobuf.TimestampR\vconnectedAt\"R\n" +
+	"\fconnected_at\x18\t \x01(\v2\x1a.google.protobuf.TimestampR\vconnectedAt\x12'\n" +
+	"\x0fexclude_streams\x18\n" +
+	" \x03(\tR\x0eexcludeStreams\"R\n" +
 	"\x13GetAggregateRequest\x12\x16\n" +
 	"\x06stream\x18\x01 \x01(\tR\x06stream\x12#\n" +
 	"\raggregate_key\x18\x02 \x01(\tR\faggregateKey\"J\n" +

@@ -29,7 +29,7 @@
     body.textContent = "";
     if (!d.streams.length) {
       var tr = el("tr");
-      tr.appendChild(el("td", { colspan: "13", "class": "muted" }, "No stream has pending work or recent deliveries."));
+      tr.appendChild(el("td", { colspan: "13", "class": "muted" }, "No stream has had an event yet."));
       body.appendChild(tr);
     }
     d.streams.forEach(function (s) {
