@@ -93,6 +93,10 @@ func (fakeAdmin) ListAttempts(ctx context.Context, _ *outboxv1.ListAttemptsReque
 	return &outboxv1.ListAttemptsResponse{NextPageToken: callerName(ctx)}, nil
 }
 
+func (fakeAdmin) ListOperatorActions(ctx context.Context, _ *outboxv1.ListOperatorActionsRequest) (*outboxv1.ListOperatorActionsResponse, error) {
+	return &outboxv1.ListOperatorActionsResponse{NextPageToken: callerName(ctx)}, nil
+}
+
 // readOnlyCalls calls each read-only AdminService method and returns the
 // caller name the fake answered with.
 var readOnlyCalls = map[string]func(context.Context, outboxv1.AdminServiceClient) (string, error){
@@ -124,6 +128,10 @@ var readOnlyCalls = map[string]func(context.Context, outboxv1.AdminServiceClient
 	},
 	outboxv1.AdminService_ListAttempts_FullMethodName: func(ctx context.Context, c outboxv1.AdminServiceClient) (string, error) {
 		r, err := c.ListAttempts(ctx, &outboxv1.ListAttemptsRequest{})
+		return r.GetNextPageToken(), err
+	},
+	outboxv1.AdminService_ListOperatorActions_FullMethodName: func(ctx context.Context, c outboxv1.AdminServiceClient) (string, error) {
+		r, err := c.ListOperatorActions(ctx, &outboxv1.ListOperatorActionsRequest{})
 		return r.GetNextPageToken(), err
 	},
 }
