@@ -63,8 +63,17 @@ func TestConfigPrecedence(t *testing.T) {
 		"serve", "--config", cfg, "--listen", flagGRPC)
 	defer p.signal(os.Interrupt)
 
-	if code, body := configHTTPGet(t, ctx, "http://"+envHTTP+"/readyz"); code != http.StatusOK {
-		t.Fatalf("/readyz on the environment's HTTP address: %d %s", code, body)
+	// Ready once the first health check has run (bounded by ctx).
+	for {
+		code, body := configHTTPGet(t, ctx, "http://"+envHTTP+"/readyz")
+		if code == http.StatusOK {
+			break
+		}
+		select {
+		case <-ctx.Done():
+			t.Fatalf("/readyz on the environment's HTTP address: %d %s", code, body)
+		case <-time.After(50 * time.Millisecond):
+		}
 	}
 	if c, err := net.DialTimeout("tcp", flagGRPC, 2*time.Second); err != nil {
 		t.Errorf("not listening on the flag's gRPC address: %v", err)
