@@ -102,6 +102,9 @@ release:
 # CI's check of `make release`: the checksums verify, the binaries are
 # static, the native one names this commit, and a build of the same commit
 # from another folder has the same checksums (reproducible).
+# Run it in a clone: Go stamps version control information only where .git
+# is a directory, so a binary built in a git worktree (.git is a file) says
+# "commit unknown" and this check fails there.
 release-check: release
 	cd dist && sha256sum --check --quiet SHA256SUMS
 	@for f in dist/outboxd-*; do \
