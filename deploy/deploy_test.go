@@ -22,7 +22,10 @@ import (
 	"github.com/outboxd/outboxd/server"
 )
 
-func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+func TestMain(m *testing.M) {
+	// The cleanup replaces goleak's os.Exit, so it exits itself.
+	goleak.VerifyTestMain(m, goleak.Cleanup(func(code int) { removeBuilt(); os.Exit(code) }))
+}
 
 // promtool finds promtool (Debian's prometheus package has it). Locally a
 // missing promtool skips the test; in CI (CI=true) it fails it.

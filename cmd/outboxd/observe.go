@@ -14,10 +14,11 @@ import (
 )
 
 // newRegistry is the process's Prometheus registry: Go runtime and process
-// figures, plus what the server and the gRPC interceptors register.
+// figures, outboxd_build_info, plus what the server and the gRPC interceptors register.
 func newRegistry() *prometheus.Registry {
 	reg := prometheus.NewRegistry()
-	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
+		buildInfoCollector())
 	return reg
 }
 

@@ -30,7 +30,11 @@ func rootCommand() *cobra.Command {
 		Short:         "Transactional outbox delivery: lease, stream, ack-gated publish",
 		SilenceUsage:  true,
 		SilenceErrors: true,
+		// Configuration file and OUTBOXD_* environment for serve and relay.
+		PersistentPreRunE: applyConfig,
 	}
+	addVersion(root)
+	addConfigFlag(root)
 	root.PersistentFlags().StringVar(&g.databaseURL, "database-url", "",
 		"PostgreSQL URL (default: $DATABASE_URL, else "+devdb.LocalURL+")")
 	root.PersistentFlags().StringVar(&g.logFormat, "log-format", "text", "log format: text or json")

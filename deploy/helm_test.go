@@ -1,0 +1,401 @@
+package deploy_test
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"go.yaml.in/yaml/v3"
+
+	"github.com/outboxd/outboxd/internal/testdb"
+)
+
+// helm runs the helm pinned in tools/helm/go.mod (helm is not a Debian
+// package; `go tool` builds it once into the build cache).
+func helm(t *testing.T, args ...string) []byte {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(t.Context(), 5*time.Minute)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, "go", append([]string{"tool", "-modfile=tools/helm/go.mod", "helm"}, args...)...)
+	cmd.Dir = repoRoot(t)
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	out, err := cmd.Output()
+	if err != nil {
+		t.Fatalf("helm %s: %v\n%s%s", strings.Join(args, " "), err, out, stderr.Bytes())
+	}
+	return out
+}
+
+const chart = "deploy/helm/outboxd"
+
+// k8sObject is the part of a rendered manifest the checks read.
+type k8sObject struct {
+	Kind     string `yaml:"kind"`
+	Metadata struct {
+		Name   string            `yaml:"name"`
+		Labels map[string]string `yaml:"labels"`
+	} `yaml:"metadata"`
+	Data map[string]string `yaml:"data"`
+	Spec struct {
+		Selector yaml.Node `yaml:"selector"`
+		Ports    []struct {
+			Name       string `yaml:"name"`
+			Port       int    `yaml:"port"`
+			TargetPort string `yaml:"targetPort"`
+		} `yaml:"ports"`
+		Endpoints []struct {
+			Port string `yaml:"port"`
+			Path string `yaml:"path"`
+		} `yaml:"endpoints"`
+		Groups   []any   `yaml:"groups"`
+		Template podSpec `yaml:"template"`
+	} `yaml:"spec"`
+}
+
+type podSpec struct {
+	Spec podBody `yaml:"spec"`
+}
+
+type podBody struct {
+	TerminationGracePeriodSeconds int         `yaml:"terminationGracePeriodSeconds"`
+	Containers                    []container `yaml:"containers"`
+	Volumes                       []struct {
+		Name      string `yaml:"name"`
+		ConfigMap *struct {
+			Name string `yaml:"name"`
+		} `yaml:"configMap"`
+	} `yaml:"volumes"`
+}
+
+type probe struct {
+	HTTPGet *struct {
+		Path string `yaml:"path"`
+		Port string `yaml:"port"`
+	} `yaml:"httpGet"`
+}
+
+type container struct {
+	Name  string   `yaml:"name"`
+	Args  []string `yaml:"args"`
+	Ports []struct {
+		Name          string `yaml:"name"`
+		ContainerPort int    `yaml:"containerPort"`
+	} `yaml:"ports"`
+	ReadinessProbe *probe `yaml:"readinessProbe"`
+	LivenessProbe  *probe `yaml:"livenessProbe"`
+	Env            []struct {
+		Name string `yaml:"name"`
+	} `yaml:"env"`
+	VolumeMounts []struct {
+		Name      string `yaml:"name"`
+		MountPath string `yaml:"mountPath"`
+	} `yaml:"volumeMounts"`
+}
+
+func renderChart(t *testing.T, values ...string) []k8sObject {
+	t.Helper()
+	args := []string{"template", "rel", chart}
+	for _, v := range values {
+		args = append(args, "--values", v)
+	}
+	dec := yaml.NewDecoder(bytes.NewReader(helm(t, args...)))
+	var objs []k8sObject
+	for {
+		var o k8sObject
+		err := dec.Decode(&o)
+		if errors.Is(err, io.EOF) {
+			break
+		}
+		if err != nil {
+			t.Fatalf("rendered manifests: %v", err)
+		}
+		if o.Kind != "" {
+			objs = append(objs, o)
+		}
+	}
+	return objs
+}
+
+// TestHelmChart lints the chart and renders it with the default values and
+// with every optional part on, then checks the manifests against the
+// binary itself: every flag the chart passes (as an argument or a key of
+// the configuration file it mounts) is a flag of that command, every probe
+// path is one `outboxd serve` serves, every port the chart names is the
+// port the process listens on, and pods get longer to stop than the
+// process takes to drain.
+func TestHelmChart(t *testing.T) {
+	t.Parallel()
+	helm(t, "lint", "--strict", chart)
+	helm(t, "lint", "--strict", chart, "--values", chart+"/values-everything.yaml")
+
+	bin := outboxdBinary(t)
+	flags := map[string]map[string]bool{}
+	for _, sub := range []string{"serve", "relay", "migrate"} {
+		flags[sub] = commandFlags(t, bin, sub)
+	}
+	served := servedPaths(t, bin)
+
+	for _, tc := range []struct {
+		name   string
+		values []string
+		kinds  []string // kinds this rendering must contain
+	}{
+		{"default", nil, []string{"Deployment", "Service", "PodDisruptionBudget", "Job", "ConfigMap"}},
+		{"everything", []string{chart + "/values-everything.yaml"}, []string{
+			"Deployment", "Service", "PodDisruptionBudget", "Job", "ConfigMap", "ServiceMonitor", "PrometheusRule",
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			objs := renderChart(t, tc.values...)
+			kinds := map[string]int{}
+			configMaps := map[string]map[string]string{}
+			var service *k8sObject
+			for i, o := range objs {
+				kinds[o.Kind]++
+				if o.Kind == "ConfigMap" {
+					configMaps[o.Metadata.Name] = o.Data
+				}
+				if o.Kind == "Service" {
+					service = &objs[i]
+				}
+			}
+			for _, k := range tc.kinds {
+				if kinds[k] == 0 {
+					t.Errorf("no %s rendered (got %v)", k, kinds)
+				}
+			}
+			if service == nil {
+				t.Fatal("no Service rendered")
+			}
+			servicePorts := map[string]int{}
+			for _, p := range service.Spec.Ports {
+				servicePorts[p.Name] = p.Port
+			}
+			relays := 0
+			for _, o := range objs {
+				switch o.Kind {
+				case "Deployment", "Job":
+				case "ServiceMonitor":
+					for _, e := range o.Spec.Endpoints {
+						if _, ok := servicePorts[e.Port]; !ok {
+							t.Errorf("ServiceMonitor scrapes port %q, which the Service %s does not have", e.Port, service.Metadata.Name)
+						}
+						if !served[e.Path] {
+							t.Errorf("ServiceMonitor scrapes %s, which outboxd serve does not serve", e.Path)
+						}
+					}
+					continue
+				case "PrometheusRule":
+					if len(o.Spec.Groups) == 0 {
+						t.Error("PrometheusRule has no rule groups (deploy/prometheus/alerts.yaml not included?)")
+					}
+					continue
+				default:
+					continue
+				}
+				pod := o.Spec.Template.Spec
+				for _, c := range pod.Containers {
+					where := fmt.Sprintf("%s %s container %s", o.Kind, o.Metadata.Name, c.Name)
+					if len(c.Args) == 0 {
+						t.Errorf("%s: no args", where)
+						continue
+					}
+					sub := c.Args[0]
+					known, ok := flags[sub]
+					if !ok {
+						t.Errorf("%s runs outboxd %s, which this test does not know", where, sub)
+						continue
+					}
+					settings := map[string]string{}
+					for _, a := range c.Args[1:] {
+						name, value, _ := strings.Cut(strings.TrimPrefix(a, "--"), "=")
+						if !strings.HasPrefix(a, "--") || !known[name] {
+							t.Errorf("%s passes %q: not a flag of outboxd %s", where, a, sub)
+						}
+						settings[name] = value
+					}
+					if file := settings["config"]; file != "" {
+						for k, v := range mountedConfig(t, where, file, c, pod, configMaps) {
+							if !known[k] {
+								t.Errorf("%s: configuration file %s sets %q: not a flag of outboxd %s", where, file, k, sub)
+							}
+							if _, set := settings[k]; !set {
+								settings[k] = fmt.Sprint(v)
+							}
+						}
+					}
+					for _, e := range c.Env {
+						if name, ok := strings.CutPrefix(e.Name, "OUTBOXD_"); ok {
+							flag := strings.ToLower(strings.ReplaceAll(name, "_", "-"))
+							if !known[flag] {
+								t.Errorf("%s sets $%s: outboxd %s has no flag --%s", where, e.Name, sub, flag)
+							}
+						}
+					}
+					switch sub {
+					case "serve":
+						checkServerPorts(t, where, c, settings, served, servicePorts)
+						checkGrace(t, where, pod.TerminationGracePeriodSeconds, settings["shutdown-timeout"])
+					case "relay":
+						relays++
+						if want := fmt.Sprintf("%s:%d", service.Metadata.Name, servicePorts["grpc"]); settings["server"] != want {
+							t.Errorf("%s dials %q, want the Service's gRPC port %s", where, settings["server"], want)
+						}
+						checkGrace(t, where, pod.TerminationGracePeriodSeconds, settings["drain-timeout"])
+					}
+				}
+			}
+			if tc.name == "everything" && relays != 3 {
+				t.Errorf("rendered %d relay Deployments, want the 3 of values-everything.yaml", relays)
+			}
+		})
+	}
+}
+
+// mountedConfig finds the configuration file a container names in the
+// ConfigMap mounted at its folder and decodes it.
+func mountedConfig(t *testing.T, where, file string, c container, pod podBody, configMaps map[string]map[string]string) map[string]any {
+	t.Helper()
+	for _, m := range c.VolumeMounts {
+		if m.MountPath != path.Dir(file) {
+			continue
+		}
+		for _, v := range pod.Volumes {
+			if v.Name != m.Name || v.ConfigMap == nil {
+				continue
+			}
+			text, ok := configMaps[v.ConfigMap.Name][path.Base(file)]
+			if !ok {
+				t.Fatalf("%s: --config %s: ConfigMap %s has no key %s", where, file, v.ConfigMap.Name, path.Base(file))
+			}
+			var settings map[string]any
+			if err := yaml.Unmarshal([]byte(text), &settings); err != nil {
+				t.Fatalf("%s: --config %s: %v\n%s", where, file, err, text)
+			}
+			return settings
+		}
+	}
+	t.Fatalf("%s: --config %s is not in a mounted ConfigMap", where, file)
+	return nil
+}
+
+// checkServerPorts: the container ports are where serve listens, the
+// probes use those ports and paths serve answers, and the Service's
+// targets are the container's ports.
+func checkServerPorts(t *testing.T, where string, c container, settings map[string]string, served map[string]bool, servicePorts map[string]int) {
+	t.Helper()
+	ports := map[string]int{}
+	for _, p := range c.Ports {
+		ports[p.Name] = p.ContainerPort
+	}
+	for name, flag := range map[string]string{"grpc": "listen", "http": "http-listen"} {
+		_, port, err := net.SplitHostPort(settings[flag])
+		if err != nil {
+			t.Errorf("%s: --%s %q: %v", where, flag, settings[flag], err)
+			continue
+		}
+		if strconv.Itoa(ports[name]) != port {
+			t.Errorf("%s: container port %s is %d, but serve listens on %s (--%s)", where, name, ports[name], settings[flag], flag)
+		}
+		if servicePorts[name] == 0 {
+			t.Errorf("%s: the Service has no port %s", where, name)
+		}
+	}
+	for kind, p := range map[string]*probe{"readiness": c.ReadinessProbe, "liveness": c.LivenessProbe} {
+		switch {
+		case p == nil || p.HTTPGet == nil:
+			t.Errorf("%s: no HTTP %s probe", where, kind)
+		case p.HTTPGet.Port != "http":
+			t.Errorf("%s: %s probe on port %q, want the http port serve's /healthz and /readyz are on", where, kind, p.HTTPGet.Port)
+		case !served[p.HTTPGet.Path]:
+			t.Errorf("%s: %s probe path %s is not served by outboxd serve", where, kind, p.HTTPGet.Path)
+		}
+	}
+	if c.ReadinessProbe != nil && c.ReadinessProbe.HTTPGet != nil && c.ReadinessProbe.HTTPGet.Path != "/readyz" {
+		t.Errorf("%s: readiness probe %s, want /readyz (it fails while draining)", where, c.ReadinessProbe.HTTPGet.Path)
+	}
+}
+
+// checkGrace: the pod's grace period exceeds the process's drain.
+func checkGrace(t *testing.T, where string, graceSeconds int, drain string) {
+	t.Helper()
+	d, err := time.ParseDuration(drain)
+	if err != nil {
+		t.Errorf("%s: drain %q: %v", where, drain, err)
+		return
+	}
+	if time.Duration(graceSeconds)*time.Second <= d {
+		t.Errorf("%s: terminationGracePeriodSeconds %d is not longer than the drain %s: SIGKILL would cut it short", where, graceSeconds, d)
+	}
+}
+
+// servedPaths starts `outboxd serve` on loopback against a test database
+// and reports which of the paths a chart might probe or scrape it answers
+// (anything but 404).
+func servedPaths(t *testing.T, bin string) map[string]bool {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	httpAddr := l.Addr().String()
+	l.Close()
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, bin, "serve", "--listen=127.0.0.1:0", "--http-listen="+httpAddr,
+		"--database-url="+testdb.New(t), "--console=false")
+	cmd.Env = os.Environ()
+	var logs bytes.Buffer
+	cmd.Stderr = &logs
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer func() {
+		_ = cmd.Process.Signal(os.Interrupt)
+		_ = cmd.Wait()
+	}()
+	client := &http.Client{Timeout: 2 * time.Second}
+	get := func(p string) (int, error) {
+		resp, err := client.Get("http://" + httpAddr + p)
+		if err != nil {
+			return 0, err
+		}
+		resp.Body.Close()
+		return resp.StatusCode, nil
+	}
+	// Wait (bounded by ctx) for the HTTP port to answer.
+	for {
+		if _, err := get("/healthz"); err == nil {
+			break
+		}
+		select {
+		case <-ctx.Done():
+			t.Fatalf("outboxd serve did not answer on %s: %v\n%s", httpAddr, ctx.Err(), logs.String())
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
+	served := map[string]bool{}
+	for _, p := range []string{"/healthz", "/readyz", "/metrics", "/nothing-here"} {
+		code, err := get(p)
+		if err != nil {
+			t.Fatalf("GET %s: %v", p, err)
+		}
+		served[p] = code != http.StatusNotFound
+	}
+	if served["/nothing-here"] {
+		t.Fatal("outboxd serve answers an unknown path: the probe check would prove nothing")
+	}
+	return served
+}
