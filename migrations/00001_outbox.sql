@@ -1661,13 +1661,18 @@ BEGIN
         ) x;
         EXIT WHEN v_cand_streams IS NULL;
         -- Locked in a statement of its own, by key from the candidates'
-        -- arrays (a nested loop over them, never a scan of the table).
+        -- arrays (a nested loop over them, never a scan of the table). A
+        -- due time beyond the longest lease or backoff is judged against
+        -- the clock read here, not v_now: this statement sees leases that
+        -- acks and other claims granted since v_now, from a later clock,
+        -- for up to p_max_due, and against v_now such a lease would look
+        -- like one a clock step left ahead, and be leased a second time.
         SELECT array_agg(c.stream), array_agg(c.aggregate_key) INTO v_more_streams, v_more_keys
         FROM (
             SELECT d.stream, d.aggregate_key
             FROM unnest(v_cand_streams, v_cand_keys) WITH ORDINALITY AS k(stream, aggregate_key, ord)
             JOIN outbox.delivery d ON d.stream = k.stream AND d.aggregate_key = k.aggregate_key
-            WHERE (d.state = 'ready' OR d.claimable_at <= v_now OR d.claimable_at > v_now + p_max_due)
+            WHERE (d.state = 'ready' OR d.claimable_at <= v_now OR d.claimable_at > clock_timestamp() + p_max_due)
               AND (v_streams IS NULL
                    OR (d.stream, d.aggregate_key) NOT IN (SELECT * FROM unnest(v_streams, v_keys)))
             ORDER BY k.ord

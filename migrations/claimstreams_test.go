@@ -305,3 +305,94 @@ func TestClaimWalksPastLockedAggregates(t *testing.T) {
 		}
 	}
 }
+
+// A lease granted while a claim runs is not taken for one a clock step left
+// far ahead. The claim reads its candidates, then locks them in a statement
+// of its own; an ack or another claim may lease a candidate in between, for
+// the longest TTL there is, from a clock reading later than the one the
+// claim started with. Judged against the claim's start, that lease's expiry
+// lies further ahead than any lease the server sets, which is what only a
+// clock stepped back makes happen, and the claim would lease the aggregate
+// a second time, to a second holder. The test holds the claim between its
+// two statements with a table lock (pg_blocking_pids says when it waits
+// there), leases the candidate for the longest TTL meanwhile, and lets the
+// claim go on: it must leave the aggregate to its holder.
+func TestClaimLeavesALeaseGrantedWhileItRan(t *testing.T) {
+	t.Parallel()
+	ctx := testContext(t)
+	pool := testdb.NewPool(t)
+	emitIn(t, pool, "orders", "k", 1)
+	discover(t, pool)
+
+	// EXCLUSIVE lets the claim's plain read of its candidates through and
+	// stops its FOR UPDATE.
+	other, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = other.Rollback(context.WithoutCancel(ctx)) }()
+	var otherPID int
+	if err := other.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&otherPID); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := other.Exec(ctx, `LOCK TABLE outbox.delivery IN EXCLUSIVE MODE`); err != nil {
+		t.Fatal(err)
+	}
+
+	claimer, err := pool.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer claimer.Release()
+	var claimerPID int
+	if err := claimer.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&claimerPID); err != nil {
+		t.Fatal(err)
+	}
+	type result struct {
+		keys []string
+		err  error
+	}
+	done := make(chan result, 1)
+	go func() {
+		rows, err := claimer.Query(ctx,
+			`SELECT aggregate_key FROM outbox.claim($1, 'r', 'x', '{orders}', 1, interval '30 seconds', NULL, NULL, 1, 1, interval '1 hour')`,
+			uuid.New())
+		if err != nil {
+			done <- result{err: err}
+			return
+		}
+		keys, err := pgx.CollectRows(rows, pgx.RowTo[string])
+		done <- result{keys, err}
+	}()
+	waitUntilBlockedBy(t, pool, claimerPID, otherPID)
+
+	// What an ack's hand-over or another replica's claim writes: a lease
+	// for the longest TTL (the claim's p_max_due), from the clock now.
+	if _, err := other.Exec(ctx, `UPDATE outbox.delivery
+		SET state = 'leased', holder = '00000000-0000-0000-0000-000000000001',
+		    leased_event_id = (SELECT event_id FROM outbox.event WHERE aggregate_key = 'k'),
+		    leased_through = 1, epoch = epoch + 1, attempt = 1,
+		    lease_expires_at = clock_timestamp() + interval '1 hour',
+		    claimable_at = clock_timestamp() + interval '1 hour'
+		WHERE aggregate_key = 'k'`); err != nil {
+		t.Fatal(err)
+	}
+	if err := other.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case r := <-done:
+		if r.err != nil {
+			t.Fatal(r.err)
+		}
+		if len(r.keys) != 0 {
+			t.Fatalf("claim leased %v, which another holder leased for an hour while the claim ran", r.keys)
+		}
+	case <-ctx.Done():
+		t.Fatal("claim never finished")
+	}
+	if n := count(t, pool, `SELECT count(*) FROM outbox.delivery
+		WHERE aggregate_key = 'k' AND holder = '00000000-0000-0000-0000-000000000001'`); n != 1 {
+		t.Fatalf("the lease's holder changed (%d rows still held by it)", n)
+	}
+}
