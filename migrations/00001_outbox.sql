@@ -1187,8 +1187,13 @@ BEGIN
         -- than the snapshot stored there.
         v_stopped := outbox.discovery_stop_reason(v_prev, v_system);
         IF v_stopped IS NOT NULL AND pg_try_advisory_xact_lock(7954802400917419382) THEN
+            -- Only the state the reason was computed from: a re-scan that
+            -- committed since the read above stored a fresh snapshot of
+            -- this cluster, which must not be stopped on the old one's
+            -- account.
             UPDATE outbox.discovery d SET stopped_reason = v_stopped, stopped_at = now()
-            WHERE d.stopped_reason IS NULL
+            WHERE d.stopped_reason IS NULL AND d.snapshot::text = v_prev::text
+              AND d.system_identifier IS NOT DISTINCT FROM v_system
             RETURNING d.stopped_reason INTO v_stopped;
             IF NOT FOUND THEN
                 SELECT d.stopped_reason INTO v_stopped FROM outbox.discovery d;

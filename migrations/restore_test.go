@@ -1,6 +1,7 @@
 package migrations_test
 
 import (
+	"context"
 	"fmt"
 	"strings"
 	"testing"
@@ -224,5 +225,68 @@ func TestCounterSetBackStopsDiscoveryForGood(t *testing.T) {
 	delivered := drain(t, pool)
 	if fmt.Sprint(delivered) != fmt.Sprint(map[string][]int64{"before": {1}, "during": {1}}) {
 		t.Fatalf("delivered %v, want before and during", delivered)
+	}
+}
+
+// discovery_stopped records a stop only against the state it computed the
+// reason from: a re-scan that commits between its read and its write has
+// stored a fresh snapshot of this cluster, and discovery must stay running.
+// The test holds discovery_stopped between the two with a SHARE lock on
+// outbox.discovery (its read passes, its UPDATE waits; pg_blocking_pids says
+// when), stores what a re-scan stores from the lock's holder, and lets it go
+// on.
+func TestDiscoveryStoppedLeavesARescanThatCommittedMeanwhile(t *testing.T) {
+	t.Parallel()
+	ctx := testContext(t)
+	pool := testdb.NewPool(t)
+	exec(t, pool, `UPDATE outbox.discovery SET system_identifier = 42`) // restored from another cluster
+
+	rescan, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = rescan.Rollback(context.WithoutCancel(ctx)) }()
+	var rescanPID int
+	if err := rescan.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&rescanPID); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := rescan.Exec(ctx, `LOCK TABLE outbox.discovery IN SHARE MODE`); err != nil {
+		t.Fatal(err)
+	}
+	checker, err := pool.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer checker.Release()
+	var checkerPID int
+	if err := checker.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&checkerPID); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() {
+		var reason *string
+		done <- checker.QueryRow(ctx, `SELECT outbox.discovery_stopped()`).Scan(&reason)
+	}()
+	waitUntilBlockedBy(t, pool, checkerPID, rescanPID)
+	if _, err := rescan.Exec(ctx, `UPDATE outbox.discovery
+		SET snapshot = pg_current_snapshot(), advanced_at = now(), system_identifier = outbox.cluster_system_identifier()`); err != nil {
+		t.Fatal(err)
+	}
+	if err := rescan.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-ctx.Done():
+		t.Fatal("discovery_stopped never finished")
+	}
+	if got := discoveryStopped(t, pool); got != "" {
+		t.Fatalf("discovery stopped after a re-scan committed: %s", got)
+	}
+	if n := count(t, pool, `SELECT count(*) FROM outbox.discovery WHERE stopped_reason IS NOT NULL`); n != 0 {
+		t.Fatal("a stop was recorded against the re-scanned state")
 	}
 }

@@ -7,8 +7,10 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
+	"google.golang.org/protobuf/types/known/durationpb"
 
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+	"github.com/outboxd/outboxd/internal/store"
 	"github.com/outboxd/outboxd/internal/testdb"
 	"github.com/outboxd/outboxd/server"
 )
@@ -140,5 +142,59 @@ func TestClockSteppedBackDeliversReadyAggregates(t *testing.T) {
 	}
 	if after := lag(); after.GetPendingEvents() != 0 || after.GetStalledAggregates() != 0 {
 		t.Fatalf("lag after delivery: %d pending, %d stalled; want 0, 0", after.GetPendingEvents(), after.GetStalledAggregates())
+	}
+}
+
+// A lease granted for the longest TTL a relay may ask for keeps its holder
+// through a small step back of the database clock: its expiry then lies a
+// little further ahead than any lease the server sets, which must not yet
+// count as left there by a step (the bound has a margin; without it the
+// smallest step, a leap second or an NTP correction, handed the aggregate to
+// a second holder while the first still published). Dispatch is off and the
+// first relay's credit is full, so every claim after the step is the second
+// relay's; the after-claim hook says when one has run.
+func TestLongestLeaseSurvivesASmallClockStep(t *testing.T) {
+	t.Parallel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	const longest = 20 * time.Second
+	r := startReplica(t, url, func(c *server.Config) {
+		c.NoDispatch = true
+		c.MaxLeaseTTL, c.DefaultLeaseTTL = longest, longest
+		c.BackoffCap = time.Second
+	})
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	emit(t, pool, "orders", "o-1", 2)
+	first := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{Streams: []string{"orders"}, MaxInFlight: 1,
+		LeaseTtl: durationpb.New(longest)})
+	held := recv(t, first)
+
+	// The clock steps back 2 s: the lease's expiry now lies that much
+	// further ahead of it.
+	if _, err := pool.Exec(ctx, `UPDATE outbox.delivery
+		SET lease_expires_at = lease_expires_at + interval '2 seconds', claimable_at = claimable_at + interval '2 seconds'
+		WHERE aggregate_key = 'o-1'`); err != nil {
+		t.Fatal(err)
+	}
+	claimed := make(chan []store.Lease, 16)
+	r.Server.SetAfterClaim(func(leases []store.Lease, err error) ([]store.Lease, error) {
+		if err == nil {
+			claimed <- leases
+		}
+		return leases, err
+	})
+	subscribe(t, ctx, r, &outboxv1.SubscribeRequest{Streams: []string{"orders"}, MaxInFlight: 1})
+	select {
+	case leases := <-claimed:
+		if len(leases) != 0 {
+			t.Fatalf("the second relay's claim leased %s revision %d, which the first holds for another ~%v",
+				leases[0].Event.AggregateKey, leases[0].Event.Revision, longest)
+		}
+	case <-ctx.Done():
+		t.Fatal("the second relay's session never claimed")
+	}
+	if res := ack(t, r, held); res[0].GetStatus() != outboxv1.AckStatus_ACK_STATUS_PUBLISHED {
+		t.Fatalf("the first holder's ack: %v, want PUBLISHED", res[0].GetStatus())
 	}
 }

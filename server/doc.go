@@ -103,9 +103,11 @@
 // A ready aggregate is claimable whatever its claimable_at: a database clock
 // that stepped back leaves created_at ahead of now(), and ready work must not
 // wait for the clock. A lease expiry or next attempt is a wall-clock time: a
-// step back delays it by the step, but by no more than max(MaxLeaseTTL,
-// BackoffCap), since a claimable_at further ahead than any the server sets
-// can only follow a step and counts as due (outbox.claim_ranges). Epochs stay
+// step back delays it by the step, but by no more than twice max(MaxLeaseTTL,
+// BackoffCap), since a claimable_at further ahead than that can only follow
+// a step and counts as due (outbox.claim_ranges). Twice, so that a lease
+// granted for the longest TTL keeps its holder through any step shorter
+// than that TTL. Epochs stay
 // fenced across a step: each is above the previous one.
 //
 // # RPCs

@@ -112,11 +112,16 @@ type Config struct {
 	NoDispatch bool
 }
 
-// maxDue is the longest lease or backoff this replica sets (a relay's
-// lease TTL is at most MaxLeaseTTL, a backoff at most BackoffCap): a lease
-// expiry or next attempt further ahead of the database clock than that can
-// only follow a clock that stepped back, and is claimable at once.
-func (c *Config) maxDue() time.Duration { return max(c.MaxLeaseTTL, c.BackoffCap) }
+// maxDue bounds how far ahead of the database clock a lease expiry or next
+// attempt may lie before it counts as left there by a clock that stepped
+// back, and is claimable at once: twice the longest lease or backoff this
+// replica sets (a relay's lease TTL is at most MaxLeaseTTL, a backoff at
+// most BackoffCap). Not once: a lease granted for the longest TTL would then
+// lose its protection to the smallest step back (a leap second, an NTP
+// step) and be leased to a second holder while the first still publishes.
+// With the margin only a step longer than the longest lease or backoff ends
+// one early.
+func (c *Config) maxDue() time.Duration { return 2 * max(c.MaxLeaseTTL, c.BackoffCap) }
 
 func (c *Config) setDefaults() error {
 	if c.Store == nil {
