@@ -7,6 +7,7 @@ import (
 	"io"
 	"net/url"
 	"os"
+	"regexp"
 	"slices"
 	"strings"
 
@@ -168,9 +169,18 @@ func readConfigFile(path string, cmd *cobra.Command) (map[string]any, error) {
 	return file, nil
 }
 
+// passwordKeyword finds a password given as a keyword: libpq's key=value
+// connection strings (password=, sslpassword=) and the same names as URL
+// query parameters (postgres://u@h/db?password=...).
+var passwordKeyword = regexp.MustCompile(`(?i)(^|[\s?&])(ssl)?password\s*=`)
+
 // hasPassword reports whether s is (or, as in a --route STREAMS=URL, ends
-// with) a URL with a password, or a NATS URL with a token, in its user info.
+// with) a URL with a password, or a NATS URL with a token, in its user info,
+// or holds a password keyword anywhere (passwordKeyword).
 func hasPassword(s string) bool {
+	if passwordKeyword.MatchString(s) {
+		return true
+	}
 	for _, cand := range []string{s, s[strings.Index(s, "=")+1:]} {
 		u, err := url.Parse(cand)
 		if err != nil || u.User == nil {

@@ -129,6 +129,8 @@ func TestConfigRejects(t *testing.T) {
 		{"typo", "serve", "lisen: 127.0.0.1:1\nmax-db-conns: 4\n", nil, []string{"unknown key(s) lisen", "outboxd serve"}},
 		{"other command's key", "relay", "sink: stdout://\nlisten: 127.0.0.1:1\n", nil, []string{"unknown key(s) listen", "outboxd relay"}},
 		{"database password", "serve", "database-url: postgres://app:hunter2@db/outbox\n", nil, []string{"database-url holds a password", "OUTBOXD_DATABASE_URL"}},
+		{"database password as a URL parameter", "serve", "database-url: postgres://app@db/outbox?sslmode=require&password=hunter2\n", nil, []string{"database-url holds a password"}},
+		{"database password as a keyword", "serve", "database-url: host=db user=app password=hunter2 dbname=outbox\n", nil, []string{"database-url holds a password"}},
 		{"broker password in a route", "relay", "route: [\"orders=amqp://app:hunter2@mq:5672/?exchange=x\"]\n", nil, []string{"route holds a password"}},
 		{"bad value", "serve", "lease-ttl: soon\n", nil, []string{"lease-ttl", "soon"}},
 		{"bad environment value", "relay", "sink: stdout://\n", []string{"OUTBOXD_MAX_IN_FLIGHT=many"}, []string{"$OUTBOXD_MAX_IN_FLIGHT", "many"}},
