@@ -9,6 +9,8 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"os/signal"
+	"syscall"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -106,6 +108,11 @@ func (f *serveFlags) security(log *slog.Logger) (credentials.TransportCredential
 			return nil, nil, fmt.Errorf("refusing to serve %s without authentication: give --token-file or $%s, or --insecure-no-auth if something in front of outboxd authenticates",
 				f.listen, auth.DefaultEnvVar)
 		}
+		// SIGHUP asks serve to reload its tokens (systemctl reload sends
+		// it). With none there is nothing to reload, and Go's default for
+		// a signal nobody handles is to exit, which a service manager takes
+		// for a clean stop: ignore it instead.
+		signal.Ignore(syscall.SIGHUP)
 		return creds, nil, nil
 	}
 	authn, err := auth.New(auth.Config{

@@ -118,6 +118,28 @@ func TestServeExitsOnSIGTERMWithStalledRelay(t *testing.T) {
 // Ctrl-C (SIGINT) is a requested stop like SIGTERM: `outboxd dev` (what
 // `make dev` runs) and serve exit 0 after their graceful shutdown, so that
 // make and shells report no failure.
+// SIGHUP (what systemctl reload sends) leaves a serve without tokens
+// running: it has nothing to reload, and must not take the signal's default,
+// an exit. SIGHUP goes first, then SIGINT; a process the SIGHUP killed exits
+// by that signal, one that ignored it exits 0 from the SIGINT's drain.
+func TestServeWithoutTokensSurvivesSIGHUP(t *testing.T) {
+	t.Parallel()
+	url := testdb.New(t)
+	addr := freeAddr(t)
+	p := start(t, "serve", "--database-url", url, "--listen", addr, "--http-listen", "")
+	subscribeNoRead(t, t.Context(), addr, 10)
+	if err := p.cmd.Process.Signal(syscall.SIGHUP); err != nil {
+		t.Fatal(err)
+	}
+	code, took, ok := p.signalWithin(syscall.SIGINT, time.Minute)
+	if !ok {
+		t.Fatalf("serve had not exited %v after SIGHUP and SIGINT", took)
+	}
+	if code != 0 {
+		t.Fatalf("serve exited %d after SIGHUP then SIGINT (%v), want 0: SIGHUP ended it", code, p.cmd.ProcessState)
+	}
+}
+
 func TestDevAndServeExitZeroOnSIGINT(t *testing.T) {
 	t.Parallel()
 	for _, command := range []string{"dev", "serve"} {
