@@ -396,3 +396,96 @@ func TestClaimLeavesALeaseGrantedWhileItRan(t *testing.T) {
 		t.Fatalf("the lease's holder changed (%d rows still held by it)", n)
 	}
 }
+
+// A lease an ack hands over runs its TTL from when the ack has the rows, not
+// from when the ack started: an ack that waited for a delivery row (behind
+// a claim, a discovery round, a re-scan) would otherwise hand over a lease
+// shorter than its TTL, or one already over, which the next claim takes
+// from its holder at once. The test holds the row, waits on
+// pg_blocking_pids until the ack waits for it, reads the clock, lets the
+// ack go on, and wants the hand-over to expire a full TTL after that read.
+// Both paths of outbox.ack: a lone ack, and the same ack in a batch with
+// an id that names no event, which the one-row path leaves to the batch.
+func TestHandOverRunsItsTTLFromTheLocks(t *testing.T) {
+	t.Parallel()
+	for _, batch := range []bool{false, true} {
+		t.Run(fmt.Sprintf("batch=%v", batch), func(t *testing.T) {
+			t.Parallel()
+			handOverAfterWaiting(t, batch)
+		})
+	}
+}
+
+func handOverAfterWaiting(t *testing.T, batch bool) {
+	ctx := testContext(t)
+	pool := testdb.NewPool(t)
+	emitIn(t, pool, "orders", "k", 2)
+	discover(t, pool)
+	holder := uuid.New()
+	exec(t, pool, fmt.Sprintf(`SELECT * FROM outbox.claim('%s', 'r', 'x', '{orders}', 1, interval '30 seconds', NULL, NULL, 1, 1, interval '1 hour')`, holder))
+	first := eventIDIn(t, pool, "orders", "k", 1)
+
+	locker, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = locker.Rollback(context.WithoutCancel(ctx)) }()
+	var lockerPID int
+	if err := locker.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&lockerPID); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := locker.Exec(ctx, `SELECT 1 FROM outbox.delivery WHERE aggregate_key = 'k' FOR UPDATE`); err != nil {
+		t.Fatal(err)
+	}
+	acker, err := pool.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer acker.Release()
+	var ackerPID int
+	if err := acker.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&ackerPID); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() {
+		ids := []uuid.UUID{first}
+		holders := []uuid.UUID{holder}
+		ttls := []string{"10 seconds"}
+		if batch {
+			ids, holders, ttls = append(ids, uuid.New()), append(holders, holder), append(ttls, "10 seconds")
+		}
+		rows, err := acker.Query(ctx, `SELECT a.status FROM outbox.ack($1::uuid[], 'x', $2::uuid[], $3::interval[]) a`,
+			ids, holders, ttls)
+		if err == nil {
+			rows.Close()
+			err = rows.Err()
+		}
+		done <- err
+	}()
+	waitUntilBlockedBy(t, pool, ackerPID, lockerPID)
+	var released time.Time
+	if err := locker.QueryRow(ctx, `SELECT clock_timestamp()`).Scan(&released); err != nil {
+		t.Fatal(err)
+	}
+	if err := locker.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-ctx.Done():
+		t.Fatal("the ack never finished")
+	}
+	var rev int64
+	var expires time.Time
+	if err := pool.QueryRow(ctx, `SELECT leased_through, lease_expires_at FROM outbox.delivery WHERE aggregate_key = 'k' AND state = 'leased'`).
+		Scan(&rev, &expires); err != nil {
+		t.Fatalf("no hand-over: %v", err)
+	}
+	if want := released.Add(10 * time.Second); rev != 2 || expires.Before(want) {
+		t.Fatalf("handed over revision %d expiring %v; want revision 2 expiring at or after %v (10s after the row was free)",
+			rev, expires, want)
+	}
+}

@@ -130,6 +130,11 @@ BEGIN
             FROM outbox.delivery d
             WHERE d.stream = v_stream AND d.aggregate_key = v_key
             FOR UPDATE OF d;
+            -- The clock again, now that the rows are ours: the locks may
+            -- have waited (for a claim, a round, a re-scan), and a lease
+            -- handed over from the clock before the wait would be shorter
+            -- than its TTL, or over before it is sent.
+            v_now := clock_timestamp();
         END IF;
         IF v_cursor IS NOT NULL AND NOT v_skipped AND v_rev = v_cursor + 1
            AND NOT (v_state = 'leased' AND v_through > v_rev) THEN
@@ -279,6 +284,9 @@ BEGIN
                 WINDOW w AS (PARTITION BY x.stream, x.aggregate_key, x.ahead ORDER BY x.revision)
             ) y
         ) z;
+        -- The clock again, now that the rows are ours (see the one-row
+        -- path): hand-overs run their TTL from here.
+        v_now := clock_timestamp();
     END IF;
 
     IF v_ok IS NOT NULL THEN
