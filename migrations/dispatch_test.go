@@ -190,3 +190,81 @@ func TestDispatchClaimAndAckRace(t *testing.T) {
 		return err
 	}, nil)
 }
+
+// A lease a discovery round dispatches runs its TTL from when the round has
+// the delivery rows, not from when it started: a round that waited for a
+// row (behind an ack, a claim, a re-scan) would otherwise dispatch a lease
+// shorter than its TTL, or one already over. The test holds the idle
+// aggregate's row, waits on pg_blocking_pids until the round waits for it,
+// reads the clock, lets the round go on, and wants the lease to expire a
+// full TTL (dispatchRound's 30 s) after that read.
+func TestDispatchRunsItsTTLFromTheLocks(t *testing.T) {
+	t.Parallel()
+	ctx := testContext(t)
+	pool := testdb.NewPool(t)
+	emitIn(t, pool, "orders", "k", 1)
+	discover(t, pool)
+	if got := claimRevisions(t, pool); got["k"] != 1 {
+		t.Fatalf("claim = %v, want k revision 1", got)
+	}
+	ackEvents(t, pool, `aggregate_key = 'k' AND revision = 1`) // idle now
+	emitIn(t, pool, "orders", "k", 1)
+
+	locker, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = locker.Rollback(context.WithoutCancel(ctx)) }()
+	var lockerPID int
+	if err := locker.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&lockerPID); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := locker.Exec(ctx, `SELECT 1 FROM outbox.delivery WHERE aggregate_key = 'k' FOR UPDATE`); err != nil {
+		t.Fatal(err)
+	}
+	rounder, err := pool.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rounder.Release()
+	var rounderPID int
+	if err := rounder.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&rounderPID); err != nil {
+		t.Fatal(err)
+	}
+	type result struct {
+		leased map[string]uuid.UUID
+		err    error
+	}
+	done := make(chan result, 1)
+	go func() {
+		leased, err := dispatchRound(ctx, rounder, uuid.New(), false)
+		done <- result{leased, err}
+	}()
+	waitUntilBlockedBy(t, pool, rounderPID, lockerPID)
+	var released time.Time
+	if err := locker.QueryRow(ctx, `SELECT clock_timestamp()`).Scan(&released); err != nil {
+		t.Fatal(err)
+	}
+	if err := locker.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case r := <-done:
+		if r.err != nil {
+			t.Fatal(r.err)
+		}
+		if len(r.leased) != 1 {
+			t.Fatalf("the round leased %v, want k's revision 2", r.leased)
+		}
+	case <-ctx.Done():
+		t.Fatal("the round never finished")
+	}
+	var expires time.Time
+	if err := pool.QueryRow(ctx, `SELECT lease_expires_at FROM outbox.delivery WHERE aggregate_key = 'k' AND state = 'leased'`).
+		Scan(&expires); err != nil {
+		t.Fatalf("no lease: %v", err)
+	}
+	if want := released.Add(30 * time.Second); expires.Before(want) {
+		t.Fatalf("dispatched a lease expiring %v; want at or after %v (30s after the row was free)", expires, want)
+	}
+}

@@ -936,6 +936,10 @@ BEGIN
         WHERE (d.stream, d.aggregate_key) IN (SELECT * FROM unnest(v_streams, v_keys))
         ORDER BY d.stream, d.aggregate_key
         FOR UPDATE OF d;
+        -- The clock again, now that the rows are ours: the locks may have
+        -- waited (for an ack, a claim, a re-scan), and a lease dispatched
+        -- from the clock before the wait would be shorter than its TTL.
+        v_now := clock_timestamp();
 
         -- 3. Decide, in a statement whose snapshot is newer than the locks:
         --    lease the next event of an idle or new aggregate named for a
