@@ -387,8 +387,35 @@ func TestProducersCannotSetDeliveryColumns(t *testing.T) {
 	exec(t, pool, `SELECT outbox.emit('orders', 'o-1', 'T', '{}')`)
 	_, err = pool.Exec(ctx, `UPDATE outbox.event SET published_at = now()`)
 	wantSQLState(t, err, "55000")
-	if n := count(t, pool, `SELECT count(*) FROM outbox.event WHERE published_at IS NULL AND created_at <= now()`); n != 1 {
-		t.Fatalf("%d pending events with a past created_at, want 1", n)
+	// Discovery finds an event by its transaction's id, so whatever xid a
+	// producer writes, the trigger records its own: on the common path
+	// (empty headers) and on the other.
+	for _, headers := range []string{`{}`, `{"h":"v"}`} {
+		tx, err := pool.Begin(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var own, got string
+		var id uuid.UUID
+		if err := tx.QueryRow(ctx, `SELECT pg_current_xact_id()::text`).Scan(&own); err != nil {
+			t.Fatal(err)
+		}
+		if err := tx.QueryRow(ctx, `INSERT INTO outbox.event (stream, aggregate_key, event_type, payload, headers, xid)
+			VALUES ('orders', 'o-2', 'T', '{}', $1::jsonb, '3') RETURNING event_id`, headers).Scan(&id); err != nil {
+			t.Fatal(err)
+		}
+		if err := tx.QueryRow(ctx, `SELECT xid::text FROM outbox.event WHERE event_id = $1`, id).Scan(&got); err != nil {
+			t.Fatal(err)
+		}
+		if err := tx.Commit(ctx); err != nil {
+			t.Fatal(err)
+		}
+		if got != own {
+			t.Errorf("headers %s: event recorded with xid %s, want its transaction's %s", headers, got, own)
+		}
+	}
+	if n := count(t, pool, `SELECT count(*) FROM outbox.event WHERE published_at IS NULL AND created_at <= now()`); n != 3 {
+		t.Fatalf("%d pending events with a past created_at, want 3", n)
 	}
 }
 
