@@ -263,7 +263,7 @@ func (c *ceilingArm) produce(ctx context.Context, conn *pgxpool.Conn, agg int, p
 	return rev, nil
 }
 
-// producerArm is the producer workload's outbox path: outbox.emit, the SQL
+// producerArm is the producer workload's outbox path: outbox.emit, the
 // function producers in any language call, or with trigger client.Emit, the
 // Go producers' path, a plain INSERT into outbox.event that leaves the
 // revision to the table's trigger. Nothing delivers.

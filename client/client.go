@@ -3,10 +3,9 @@
 // Producers call Emit inside the transaction that changes their business rows,
 // so the event exists if and only if that transaction commits. Emit inserts
 // into outbox.event, whose insert trigger checks the event and assigns its
-// revision, as it does for outbox.emit, the SQL function producers in other
+// revision, as it does for outbox.emit, the function producers in other
 // languages call with their own drivers; a plain INSERT spares the function
-// call, which was about 15 % of the database's work for an event
-// (BENCHMARKS.md, bench/pgbench/producer-and-ack.sh).
+// call (BENCHMARKS.md, bench/pgbench/producer-and-ack.sh).
 //
 // Emit carries the caller's OpenTelemetry trace context to the relay: when
 // ctx holds a valid span context, the event's headers get its W3C

@@ -181,7 +181,28 @@ func emitSignature(ctx context.Context, conn *pgx.Conn) (in, out []sqlParam, err
 			return nil, nil, fmt.Errorf("outbox.emit parameter %s has mode %q", a.p.name, a.mode)
 		}
 	}
-	return in, out, nil
+	if len(out) > 0 {
+		return in, out, nil
+	}
+	// No output parameters: the result columns are those of the composite
+	// type it returns (outbox.emitted, as PL/pgSQL allows no output column
+	// named like a parameter). A scalar result has none, and fails above.
+	rows, err = conn.Query(ctx, `
+		SELECT a.attname, format_type(a.atttypid, a.atttypmod), false
+		FROM pg_proc p
+		JOIN pg_type t ON t.oid = p.prorettype
+		JOIN pg_attribute a ON a.attrelid = t.typrelid AND a.attnum > 0 AND NOT a.attisdropped
+		WHERE p.pronamespace = 'outbox'::regnamespace AND p.proname = 'emit'
+		ORDER BY a.attnum`)
+	if err != nil {
+		return nil, nil, err
+	}
+	out, err = pgx.CollectRows(rows, func(r pgx.CollectableRow) (sqlParam, error) {
+		var p sqlParam
+		err := r.Scan(&p.name, &p.typ, &p.hasDefault)
+		return p, err
+	})
+	return in, out, err
 }
 
 func eventColumns(ctx context.Context, conn *pgx.Conn) ([]liveColumn, error) {
