@@ -145,3 +145,72 @@ func TestReleaseWakesIdleSessions(t *testing.T) {
 		t.Fatalf("%d wake-ups from a release of one lease, want 1", n)
 	}
 }
+
+// A batch of acks (the batch statements, not the one-row path) says the
+// same per holder: zero while work is claimable in the streams the
+// holder's session takes, nothing when none is nor will be, and zero for a
+// holder the call does not describe (it is not probed).
+func TestBatchAckSaysWhenWorkIsClaimable(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := testdb.NewPool(t)
+	orders, quiet, other := uuid.New(), uuid.New(), uuid.New()
+	for _, k := range []string{"a", "b", "c"} {
+		exec(t, pool, fmt.Sprintf(`SELECT outbox.emit('orders', '%s', 'T', '{}')`, k))
+	}
+	exec(t, pool, `SELECT outbox.emit('quiet', 'q', 'T', '{}')`)
+	discover(t, pool)
+	claim := func(holder uuid.UUID, stream, want string) {
+		t.Helper()
+		var key string
+		if err := pool.QueryRow(ctx, `SELECT aggregate_key FROM outbox.claim($1, 'r', 'x', ARRAY[$2], 1, interval '30 seconds')`,
+			holder, stream).Scan(&key); err != nil || key != want {
+			t.Fatalf("claim of %s: %q, %v; want %s", stream, key, err, want)
+		}
+	}
+	claim(orders, "orders", "a")
+	claim(quiet, "quiet", "q")
+	claim(other, "orders", "b")
+	// orders' session takes orders, quiet's takes quiet; other's is not
+	// described.
+	ack := func(ids ...uuid.UUID) map[uuid.UUID]*time.Duration {
+		t.Helper()
+		rows, err := pool.Query(ctx, `SELECT event_id, status, claimable_in FROM outbox.ack($1, 'x', NULL, NULL, NULL, NULL,
+			ARRAY[$2::uuid, $3::uuid], ARRAY['orders', 'quiet'], ARRAY[false, false], interval '1 minute')`, ids, orders, quiet)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer rows.Close()
+		out := map[uuid.UUID]*time.Duration{}
+		for rows.Next() {
+			var id uuid.UUID
+			var status string
+			var in *time.Duration
+			if err := rows.Scan(&id, &status, &in); err != nil {
+				t.Fatal(err)
+			}
+			if status == "published" {
+				out[id] = in
+			}
+		}
+		if err := rows.Err(); err != nil {
+			t.Fatal(err)
+		}
+		return out
+	}
+	a, q, b := eventID(t, pool, "a", 1), eventIDIn(t, pool, "quiet", "q", 1), eventID(t, pool, "b", 1)
+	got := ack(a, q)
+	if in := got[a]; in == nil || *in != 0 {
+		t.Errorf("a, with c ready in orders: claimable in %v, want 0", in)
+	}
+	if in, ok := got[q]; !ok || in != nil {
+		t.Errorf("q, with nothing in quiet: claimable in %v (published %t), want NULL", in, ok)
+	}
+	claim(orders, "orders", "c")
+	// Nothing is ready now, and c's and b's leases run 30 seconds: a probe
+	// of every stream would say so. other is not probed: zero.
+	got = ack(b, uuid.New())
+	if in := got[b]; in == nil || *in != 0 {
+		t.Errorf("b, held by a session the call does not describe: claimable in %v, want 0", in)
+	}
+}

@@ -268,3 +268,77 @@ func TestDispatchRunsItsTTLFromTheLocks(t *testing.T) {
 		t.Fatalf("dispatched a lease expiring %v; want at or after %v (30s after the row was free)", expires, want)
 	}
 }
+
+// The lease a round returns for a dispatched event is that event, whole,
+// with the lease the round wrote on its delivery row: for a new aggregate
+// and for an idle one alike.
+func TestDispatchReturnsTheEventItLeases(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := testdb.NewPool(t)
+	exec(t, pool, `SELECT outbox.emit('orders', 'i', 'T', '{}')`)
+	discover(t, pool)
+	ackEvents(t, pool, `aggregate_key = 'i'`) // idle at revision 1
+	exec(t, pool, `SELECT outbox.emit('orders', 'i', 'Idle', '{"n": 2}', '{"h": "i"}')`)
+	exec(t, pool, `SELECT outbox.emit('orders', 'n', 'New', '{"n": 1}', '{"h": "n"}', revision => 5)`)
+	holder := uuid.New()
+	type lease struct {
+		holder                    uuid.UUID
+		id                        uuid.UUID
+		stream, key, typ, payload string
+		headers                   map[string]string
+		rev, epoch                int64
+		attempt                   int
+		created, expires          time.Time
+	}
+	var leases []lease
+	err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		var prev, next string
+		if err := tx.QueryRow(ctx, `SELECT min(prev_snapshot), min(snapshot) FROM outbox.discover_scan()`).Scan(&prev, &next); err != nil {
+			return err
+		}
+		rows, err := tx.Query(ctx, `
+			SELECT a.holder, (a.lease).event_id, (a.lease).stream, (a.lease).aggregate_key, (a.lease).revision,
+			       (a.lease).event_type, (a.lease).payload, (a.lease).headers, (a.lease).created_at,
+			       (a.lease).epoch, (a.lease).attempt, (a.lease).lease_expires_at
+			FROM outbox.discover_apply($1, $2, ARRAY['orders', 'orders'], ARRAY['i', 'n'], ARRAY[$3::uuid, $3::uuid],
+			                           ARRAY['relay', 'relay'], ARRAY[interval '30 seconds', interval '30 seconds'], 'replica') a
+			WHERE a.holder IS NOT NULL`, prev, next, holder)
+		if err != nil {
+			return err
+		}
+		defer rows.Close()
+		for rows.Next() {
+			var l lease
+			if err := rows.Scan(&l.holder, &l.id, &l.stream, &l.key, &l.rev, &l.typ, &l.payload, &l.headers, &l.created,
+				&l.epoch, &l.attempt, &l.expires); err != nil {
+				return err
+			}
+			leases = append(leases, l)
+		}
+		return rows.Err()
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, l := range leases {
+		var same bool
+		if err := pool.QueryRow(ctx, `
+			SELECT e.event_id = $1 AND e.stream = $2 AND e.revision = $4 AND e.event_type = $5 AND e.payload::text = $6
+			       AND e.headers = $7 AND e.created_at = $8 AND d.epoch = $9 AND d.attempt = $10 AND $10 = 1
+			       AND d.lease_expires_at = $11 AND d.leased_event_id = $1 AND d.holder = $12
+			FROM outbox.event e JOIN outbox.delivery d ON d.stream = e.stream AND d.aggregate_key = e.aggregate_key
+			WHERE e.event_id = $1 AND e.aggregate_key = $3`,
+			l.id, l.stream, l.key, l.rev, l.typ, l.payload, l.headers, l.created, l.epoch, l.attempt, l.expires,
+			holder).Scan(&same); err != nil || !same {
+			t.Errorf("the lease returned for %s revision %d is not the event and lease the round wrote (%v)", l.key, l.rev, err)
+		}
+		if want := map[string]int64{"i": 2, "n": 5}[l.key]; l.rev != want {
+			t.Errorf("leased %s revision %d, want %d", l.key, l.rev, want)
+		}
+	}
+	leased := len(leases)
+	if leased != 2 {
+		t.Fatalf("the round returned %d leases, want 2 (i and n)", leased)
+	}
+}

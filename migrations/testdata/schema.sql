@@ -64,14 +64,13 @@ DECLARE
     v_first_claimable timestamptz;
     v_probe_holders uuid[];
     v_probe_oldest timestamptz[];
-    v_hint_holders uuid[];
-    v_hint_next timestamptz[];
     v_probed boolean := false;
     -- Arguments of the probe, always variables: a call whose arguments hold
     -- a volatile function (clock_timestamp()) or a subquery is not inlined,
     -- and its body is then planned again on every call (milliseconds).
     v_probe_now timestamptz;
     v_probe_for uuid[];
+    v_probe_handover uuid[];
     v_handed outbox.lease[];
     v_handed_holders uuid[];
     v_handed_acks uuid[];
@@ -102,7 +101,9 @@ DECLARE
     v_expires timestamptz;
     v_set text;
 BEGIN
-    PERFORM outbox.require_read_committed('outbox.ack');
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        PERFORM outbox.require_read_committed('outbox.ack');
+    END IF;
     -- Not waiting for the WAL flush: an ack lost in a PostgreSQL crash
     -- leaves its event pending, to be delivered again with the same
     -- event_id, which at-least-once allows. WAL is replayed in order, so a
@@ -157,13 +158,19 @@ BEGIN
             VALUES (v_stream, date_bin('5 seconds', v_now, timestamptz '2000-01-01'), pg_backend_pid(), 1)
             ON CONFLICT (stream, bucket, backend_pid) DO UPDATE SET events = c.events + 1;
 
-            SELECT n.event_id, n.created_at, EXISTS (SELECT 1 FROM outbox.skipped_event s WHERE s.event_id = n.event_id)
-            INTO v_next_id, v_next_at, v_next_skipped
+            -- What follows, in one probe: the first revision after this
+            -- one is the next (if it is this one's plus one), and whether
+            -- there is any says whether anything follows.
+            SELECT CASE WHEN n.revision = v_rev + 1 THEN n.event_id END,
+                   CASE WHEN n.revision = v_rev + 1 THEN n.created_at END,
+                   n.revision = v_rev + 1 AND EXISTS (SELECT 1 FROM outbox.skipped_event s WHERE s.event_id = n.event_id),
+                   true
+            INTO v_next_id, v_next_at, v_next_skipped, v_has_next
             FROM outbox.event n
-            WHERE n.stream = v_stream AND n.aggregate_key = v_key AND n.revision = v_rev + 1;
-            v_has_next := v_next_id IS NOT NULL OR EXISTS (
-                SELECT 1 FROM outbox.event x
-                WHERE x.stream = v_stream AND x.aggregate_key = v_key AND x.revision > v_rev + 1);
+            WHERE n.stream = v_stream AND n.aggregate_key = v_key AND n.revision > v_rev
+            ORDER BY n.revision
+            LIMIT 1;
+            v_has_next := coalesce(v_has_next, false);
             -- Parked past this ack (an event of a window too large to send):
             -- the aggregate stays parked. A parked row has no holder, so
             -- nothing is handed over then.
@@ -273,8 +280,15 @@ BEGIN
                coalesce(bool_or(z.ok AND (z.rank > 1 OR (z.state = 'leased' AND z.leased_through > z.revision))), false),
                -- Parked past this ack (an event of a window too large to
                -- send): the aggregate stays parked.
-               array_agg(z.state = 'parked' AND z.parked_revision > z.revision) FILTER (WHERE z.ok)
-        INTO v_ok, v_ok_streams, v_ok_keys, v_ok_revs, v_ok_created, v_holders, v_remote, v_windowed, v_ok_parked
+               array_agg(z.state = 'parked' AND z.parked_revision > z.revision) FILTER (WHERE z.ok),
+               -- Whose claim index to probe: for the claim order, the
+               -- holders that may take a hand-over; for the hint, this
+               -- replica's (when it names them).
+               array_agg(DISTINCT z.holder) FILTER (WHERE z.ok AND z.holder = ANY (p_handover_holders)),
+               array_agg(DISTINCT z.holder) FILTER (WHERE z.ok AND z.holder IS NOT NULL
+                                                    AND (p_filter_holders IS NULL OR z.holder = ANY (p_filter_holders)))
+        INTO v_ok, v_ok_streams, v_ok_keys, v_ok_revs, v_ok_created, v_holders, v_remote, v_windowed, v_ok_parked,
+             v_probe_handover, v_probe_for
         FROM (
             SELECT y.*, y.ahead AND y.revision = y.delivered_revision + y.rank AND y.clean AS ok
             FROM (
@@ -299,29 +313,22 @@ BEGIN
     END IF;
 
     IF v_ok IS NOT NULL THEN
-        v_set := set_config('outbox.acking', 'on', true);
-        UPDATE outbox.event e SET published_at = v_now WHERE e.event_id = ANY (v_ok);
-        v_set := set_config('outbox.acking', 'off', true);
         -- The delivery rate, counted where events are marked published (only
-        -- here), per stream. Not a trigger on outbox.event: an AFTER
-        -- statement trigger with a transition table cost an ack of one
-        -- event more than the update itself.
+        -- here), per stream, in the statement that marks them. Not a
+        -- trigger on outbox.event: an AFTER statement trigger with a
+        -- transition table cost an ack of one event more than the update
+        -- itself.
+        v_set := set_config('outbox.acking', 'on', true);
+        WITH marked AS (
+            UPDATE outbox.event e SET published_at = v_now WHERE e.event_id = ANY (v_ok)
+            RETURNING e.stream
+        )
         INSERT INTO outbox.delivered_count AS c (stream, bucket, backend_pid, events)
         SELECT n.stream, date_bin('5 seconds', v_now, timestamptz '2000-01-01'), pg_backend_pid(), count(*)
-        FROM unnest(v_ok_streams) AS n(stream)
+        FROM marked n
         GROUP BY n.stream
         ON CONFLICT (stream, bucket, backend_pid) DO UPDATE SET events = c.events + excluded.events;
-
-        -- The claim order hand-over must not jump: per session that may
-        -- take a hand-over, the oldest work claimable in the streams it
-        -- takes (a few probes of the claim index per stream).
-        IF p_handover_holders IS NOT NULL THEN
-            v_probe_for := ARRAY(SELECT DISTINCT h.holder FROM unnest(v_holders) AS h(holder)
-                                 JOIN unnest(p_handover_holders) AS t(holder) ON t.holder = h.holder);
-            SELECT array_agg(p.holder), array_agg(p.oldest) INTO v_probe_holders, v_probe_oldest
-            FROM outbox.claim_probe_for(v_probe_for, p_filter_holders, p_filter_streams, p_filter_excluded,
-                                        v_now, p_max_due) p;
-        END IF;
+        v_set := set_config('outbox.acking', 'off', true);
 
         IF NOT v_windowed AND coalesce(NOT 1 < ANY (p_handover_windows), true)
            AND coalesce(NOT 0 < ANY (p_handover_credits), true) THEN
@@ -332,23 +339,42 @@ BEGIN
             -- statement below, in a statement of a third of its plan: the
             -- executor's start-up of that plan cost about as much as
             -- running it, on every ack batch.
-            WITH nxt AS (
-                SELECT a.event_id, a.stream, a.aggregate_key, a.revision, a.holder, a.stays_parked, n.event_id AS next_id,
-                       n.created_at AS next_created_at, h.ttl AS handover_ttl,
-                       (n.event_id IS NOT NULL OR EXISTS (
-                            SELECT 1 FROM outbox.event x
-                            WHERE x.stream = a.stream AND x.aggregate_key = a.aggregate_key
-                              AND x.revision > a.revision + 1)) AS has_next
+            --
+            -- The claim order a hand-over must not jump (probe): per
+            -- session that may take a hand-over, the oldest work claimable
+            -- in the streams it takes, a few probes of the claim index per
+            -- stream. Read only for an ack whose next revision is there
+            -- (the gate on next_id in h comes first, and a CTE is run
+            -- only when read), so a batch that hands nothing over never
+            -- probes.
+            WITH probe AS MATERIALIZED (
+                SELECT p.holder, p.oldest
+                FROM outbox.claim_probe_for(v_probe_handover, p_filter_holders, p_filter_streams, p_filter_excluded,
+                                            v_now, p_max_due) p
+            ), fol AS (
+                -- What follows each ack, in one probe: the first revision
+                -- after it is the next (if it is the ack's plus one), and
+                -- whether there is any says whether anything follows.
+                SELECT a.*, CASE WHEN f.revision = a.revision + 1 THEN f.event_id END AS next_id,
+                       CASE WHEN f.revision = a.revision + 1 THEN f.created_at END AS next_created_at,
+                       f.event_id IS NOT NULL AS has_next
                 FROM unnest(v_ok, v_ok_streams, v_ok_keys, v_ok_revs, v_holders, v_ok_parked)
                      AS a(event_id, stream, aggregate_key, revision, holder, stays_parked)
-                LEFT JOIN outbox.event n ON n.stream = a.stream AND n.aggregate_key = a.aggregate_key
-                                        AND n.revision = a.revision + 1
-                LEFT JOIN unnest(v_probe_holders, v_probe_oldest) AS o(holder, oldest) ON o.holder = a.holder
+                LEFT JOIN LATERAL (
+                    SELECT e.event_id, e.revision, e.created_at FROM outbox.event e
+                    WHERE e.stream = a.stream AND e.aggregate_key = a.aggregate_key AND e.revision > a.revision
+                    ORDER BY e.revision
+                    LIMIT 1
+                ) f ON true
+            ), nxt AS (
+                SELECT a.*, h.ttl AS handover_ttl
+                FROM fol a
                 LEFT JOIN LATERAL (
                     SELECT t.ttl FROM unnest(p_handover_holders, p_handover_ttls) AS t(holder, ttl)
-                    WHERE t.holder = a.holder AND n.event_id IS NOT NULL
-                      AND NOT EXISTS (SELECT 1 FROM outbox.skipped_event s WHERE s.event_id = n.event_id)
-                      AND NOT coalesce(o.oldest < least(v_now, n.created_at), false)
+                    WHERE t.holder = a.holder AND a.next_id IS NOT NULL
+                      AND NOT EXISTS (SELECT 1 FROM outbox.skipped_event s WHERE s.event_id = a.next_id)
+                      AND NOT coalesce((SELECT o.oldest FROM probe o WHERE o.holder = a.holder)
+                                       < least(v_now, a.next_created_at), false)
                     LIMIT 1
                 ) h ON true
             ), advanced AS (
@@ -387,6 +413,12 @@ BEGIN
             FROM advanced a JOIN outbox.event e ON e.event_id = a.leased_event_id
             WHERE a.state = 'leased';
         ELSE
+            -- The claim order hand-over must not jump, as above.
+            IF v_probe_handover IS NOT NULL THEN
+                SELECT array_agg(p.holder), array_agg(p.oldest) INTO v_probe_holders, v_probe_oldest
+                FROM outbox.claim_probe_for(v_probe_handover, p_filter_holders, p_filter_streams, p_filter_excluded,
+                                            v_now, p_max_due) p;
+            END IF;
             -- Advance each cursor and say what comes next: the lease goes on
             -- when its window reaches past the cursor (and slides forward for a
             -- local holder); for a local holder whose lease ended, a new lease
@@ -517,30 +549,30 @@ BEGIN
         IF v_remote IS NOT NULL THEN
             PERFORM pg_notify('outbox_released', h::text) FROM unnest(v_remote) AS h;
         END IF;
-        -- What each holder's session would find to claim now that this
-        -- batch applied, as late as this transaction can look. Holders not
-        -- among this replica's sessions (when it names them) are not
-        -- probed: nothing reads their hint.
-        v_probe_for := CASE WHEN p_filter_holders IS NULL THEN v_holders
-                            ELSE ARRAY(SELECT DISTINCT h.holder FROM unnest(v_holders) AS h(holder)
-                                       JOIN unnest(p_filter_holders) AS f(holder) ON f.holder = h.holder) END;
         v_probe_now := clock_timestamp();
-        SELECT array_agg(p.holder), array_agg(p.next_at) INTO v_hint_holders, v_hint_next
-        FROM outbox.claim_probe_for(v_probe_for, p_filter_holders, p_filter_streams, p_filter_excluded,
-                                    v_probe_now, p_max_due) p;
     END IF;
 
-    -- Published ones straight from the arrays; the rest, if any, need a look
-    -- at the event to say why not. Then the leases handed over, in revision
-    -- order. (The last two run only when they have rows to return: starting
-    -- a statement's executor costs as much as a small one's work, and a
-    -- batch of one ack runs on every event of a hot aggregate.)
+    -- Published ones straight from the arrays, each with its claim hint:
+    -- what its holder's session would find to claim now that this batch
+    -- applied, as late as this transaction can look (the probe in this
+    -- statement, after every write). Holders not among this replica's
+    -- sessions (when it names them) are not probed: nothing reads their
+    -- hint. The rest, if any, need a look at the event to say why not.
+    -- Then the leases handed over, in revision order. (The last two run
+    -- only when they have rows to return: starting a statement's executor
+    -- costs as much as a small one's work, and a batch of one ack runs on
+    -- every event of a hot aggregate.)
     RETURN QUERY
+    WITH hint AS MATERIALIZED (
+        SELECT p.holder, p.next_at
+        FROM outbox.claim_probe_for(v_probe_for, p_filter_holders, p_filter_streams, p_filter_excluded,
+                                    v_probe_now, p_max_due) p
+    )
     SELECT o.id, 'published'::text, o.holder, o.created_at, NULL::outbox.lease,
            CASE WHEN n.holder IS NULL THEN interval '0'
                 WHEN n.next_at IS NOT NULL THEN greatest(n.next_at - clock_timestamp(), interval '0') END
     FROM unnest(v_ok, v_holders, v_ok_created) AS o(id, holder, created_at)
-    LEFT JOIN unnest(v_hint_holders, v_hint_next) AS n(holder, next_at) ON n.holder = o.holder;
+    LEFT JOIN hint n ON n.holder = o.holder;
     IF coalesce(cardinality(v_ok), 0) < cardinality(p_event_ids) THEN
         RETURN QUERY
         SELECT i.id,
@@ -600,7 +632,9 @@ DECLARE
     v_cand_keys text[];
     v_cut boolean;
 BEGIN
-    PERFORM outbox.require_read_committed('outbox.claim');
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        PERFORM outbox.require_read_committed('outbox.claim');
+    END IF;
     -- 1. Lock the oldest claimable aggregates of the streams this session
     --    takes. The candidates are read, unlocked, from the claim index one
     --    stream and range at a time (the first v_scan of each, in claim
@@ -906,8 +940,11 @@ DECLARE
     v_woken bigint;
     v_holders uuid[];
     v_leases outbox.lease[];
+    v_set text;
 BEGIN
-    PERFORM outbox.require_read_committed('outbox.discover_apply');
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        PERFORM outbox.require_read_committed('outbox.discover_apply');
+    END IF;
     -- The advisory lock is re-entrant: this succeeds when discover_scan took
     -- it in this transaction, and the stored snapshot is then still the one
     -- it read (no other round can have run since).
@@ -927,10 +964,14 @@ BEGIN
     -- way is soft state (see lease_heads): its event is offered again. So
     -- the commit does not wait for the WAL flush (any later synchronous
     -- commit, such as a producer's, flushes it).
-    PERFORM set_config('synchronous_commit', 'off', true);
+    v_set := set_config('synchronous_commit', 'off', true);
 
     -- 1. The pending events found: exactly those visible in the scan's
-    --    snapshot and not in the stored one.
+    --    snapshot and not in the stored one. (Into arrays, which the
+    --    statements below join by key: their estimates keep those plans
+    --    to index probes per key, where a join with events_since, which
+    --    the planner may take to match a third of the table, could read
+    --    a whole index.)
     SELECT array_agg(f.event_id), array_agg(f.stream), array_agg(f.aggregate_key),
            array_agg(f.revision), array_agg(f.created_at)
     INTO v_ids, v_streams, v_keys, v_revs, v_created
@@ -946,16 +987,16 @@ BEGIN
         ORDER BY d.stream, d.aggregate_key
         FOR UPDATE OF d;
         -- The clock again, now that the rows are ours: the locks may have
-        -- waited (for an ack, a claim, a re-scan), and a lease dispatched
-        -- from the clock before the wait would be shorter than its TTL.
+        -- waited (for an ack, a claim, a re-scan), and a lease dispatched from
+        -- the clock before the wait would be shorter than its TTL.
         v_now := clock_timestamp();
 
         -- 3. Decide, in a statement whose snapshot is newer than the locks:
         --    lease the next event of an idle or new aggregate named for a
         --    session, wake every other idle or gap-held one, leave the rest
-        --    (they have work in hand) alone. An event an ack published
-        --    since step 1 (committing while this round waited for its row)
-        --    is left out: that ack decided what follows it.
+        --    (they have work in hand) alone. An event an ack published since
+        --    step 1 (committing while this round waited for its row) is left
+        --    out: that ack decided what follows it.
         WITH found AS (
             SELECT f.event_id, f.stream, f.aggregate_key, f.revision, f.created_at
             FROM unnest(v_ids, v_streams, v_keys, v_revs, v_created)
@@ -969,7 +1010,7 @@ BEGIN
             GROUP BY f.stream, f.aggregate_key
         ), cand AS (
             SELECT a.stream, a.aggregate_key, a.first_revision, a.first_created_at,
-                   d.state, coalesce(d.delivered_revision, a.first_revision - 1) AS cursor,
+                   d.state, coalesce(d.delivered_revision, a.first_revision - 1) AS cursor, d.ctid AS row_tid,
                    t.holder, t.relay_id, t.ttl
             FROM agg a
             LEFT JOIN outbox.delivery d ON d.stream = a.stream AND d.aggregate_key = a.aggregate_key
@@ -977,10 +1018,14 @@ BEGIN
                  AS t(stream, aggregate_key, holder, relay_id, ttl)
                  ON t.stream = a.stream AND t.aggregate_key = a.aggregate_key
         ), plan AS (
-            SELECT c.*, h.event_id AS head_id, h.created_at AS head_created_at
+            -- The head to dispatch, read whole: the lease returned is made
+            -- from it.
+            SELECT c.*, h.event_id AS head_id, h.created_at AS head_created_at, h.event_type AS head_type,
+                   h.payload AS head_payload, h.headers AS head_headers
             FROM cand c
             LEFT JOIN LATERAL (
-                SELECT e.event_id, e.created_at FROM outbox.event e
+                SELECT e.event_id, e.created_at, e.event_type, e.payload::text AS payload, e.headers
+                FROM outbox.event e
                 WHERE c.holder IS NOT NULL AND coalesce(c.state = 'idle', true)
                   AND e.stream = c.stream AND e.aggregate_key = c.aggregate_key
                   AND e.revision = c.cursor + 1
@@ -1030,32 +1075,35 @@ BEGIN
                 unanswered = CASE WHEN p.head_id IS NOT NULL THEN 0 ELSE d.unanswered END,
                 next_attempt_at = NULL, gap_revision = NULL
             FROM plan p
-            WHERE d.stream = p.stream AND d.aggregate_key = p.aggregate_key AND p.state IN ('idle', 'gap')
+            -- The row cand read (locked since step 1, so not moved since),
+            -- found by its tuple id rather than a second probe of the key.
+            WHERE d.ctid = p.row_tid AND p.state IN ('idle', 'gap')
             RETURNING d.stream, d.aggregate_key, d.state, d.holder, d.leased_event_id, d.epoch, d.attempt,
                       d.lease_expires_at
         ), written AS (
             SELECT * FROM created UNION ALL SELECT * FROM updated
         ), late AS (
             -- Against the cursor as this statement sees it, after the
-            -- locks. Delivery can have moved past one of these events since
-            -- step 1 only by publishing it (an ack that committed while
-            -- this round waited for the row): that event was delivered, not
-            -- late, and found holds only events still pending now.
+            -- locks (cand read it). Delivery can have moved past one of
+            -- these events since step 1 only by publishing it (an ack that
+            -- committed while this round waited for the row): that event
+            -- was delivered, not late, and found holds only events still
+            -- pending now.
             INSERT INTO outbox.late_event (event_id)
             SELECT f.event_id
             FROM found f
-            JOIN outbox.delivery d ON d.stream = f.stream AND d.aggregate_key = f.aggregate_key
-            WHERE f.revision <= d.delivered_revision
+            JOIN cand c ON c.stream = f.stream AND c.aggregate_key = f.aggregate_key
+            WHERE c.state IS NOT NULL AND f.revision <= c.cursor
             ON CONFLICT (event_id) DO NOTHING
         )
         SELECT count(*) FILTER (WHERE w.state = 'ready'),
                array_agg(w.holder) FILTER (WHERE w.state = 'leased'),
-               array_agg(ROW(e.event_id, e.stream, e.aggregate_key, e.revision, e.event_type, e.payload::text,
-                             e.headers, e.created_at, w.epoch, w.attempt, w.lease_expires_at)::outbox.lease)
+               array_agg(ROW(p.head_id, p.stream, p.aggregate_key, p.cursor + 1, p.head_type, p.head_payload,
+                             p.head_headers, p.head_created_at, w.epoch, w.attempt, w.lease_expires_at)::outbox.lease)
                    FILTER (WHERE w.state = 'leased')
         INTO v_woken, v_holders, v_leases
         FROM written w
-        LEFT JOIN outbox.event e ON e.event_id = w.leased_event_id AND w.state = 'leased';
+        LEFT JOIN plan p ON p.stream = w.stream AND p.aggregate_key = w.aggregate_key AND w.state = 'leased';
     END IF;
 
     UPDATE outbox.discovery d SET snapshot = v_snapshot, advanced_at = now();
@@ -1086,7 +1134,9 @@ DECLARE
     v_system bigint;
     v_stopped text;
 BEGIN
-    PERFORM outbox.require_read_committed('outbox.discover_scan');
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        PERFORM outbox.require_read_committed('outbox.discover_scan');
+    END IF;
     IF NOT pg_try_advisory_xact_lock(7954802400917419382) THEN -- 'outboxd.discover'
         RETURN;
     END IF;
@@ -1580,8 +1630,10 @@ CREATE FUNCTION outbox.lease_heads(p_streams text[], p_keys text[], p_holder uui
     SET plan_cache_mode TO 'force_generic_plan'
     AS $$
 #variable_conflict use_column
+DECLARE
+    v_set text;
 BEGIN
-    PERFORM set_config('synchronous_commit', 'off', true);
+    v_set := set_config('synchronous_commit', 'off', true);
     -- Attempt history: earlier leases of these events that expired.
     PERFORM outbox.record_expired(p_streams, p_keys, p_now, p_max_attempts);
     RETURN QUERY
