@@ -93,8 +93,8 @@ type session struct {
 	// probe (capacity 1) is the session's poll group asking it to claim:
 	// true for the group's poll, false for a wake-up (see pollGroup).
 	probe     chan bool
-	aborted       chan struct{}
-	abortOnce     sync.Once
+	aborted   chan struct{}
+	abortOnce sync.Once
 }
 
 func newSession(srv *Server, relayID, peer string, streams []string, maxInFlight int, ttl time.Duration) *session {
