@@ -90,11 +90,12 @@ type session struct {
 	offered, lent int
 	waiting       bool          // the loop is between offerCredit and withdrawCredit
 	kick          chan struct{} // capacity 1: "look at freed/reconcile"
+	aborted       chan struct{}
+	abortOnce     sync.Once
+
 	// probe (capacity 1) is the session's poll group asking it to claim:
 	// true for the group's poll, false for a wake-up (see pollGroup).
-	probe     chan bool
-	aborted   chan struct{}
-	abortOnce sync.Once
+	probe chan bool
 }
 
 func newSession(srv *Server, relayID, peer string, streams []string, maxInFlight int, ttl time.Duration) *session {
