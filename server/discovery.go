@@ -46,7 +46,7 @@ func (s *Server) discover(ctx context.Context) {
 			return
 		case <-t.C:
 		}
-		found, err := s.discoverRound(ctx)
+		found, ready, echoed, err := s.discoverRound(ctx)
 		if stopped != "" && err == nil {
 			s.log.Info("discovery resumed")
 			s.metrics.discoveryStop.Set(0)
@@ -76,11 +76,6 @@ func (s *Server) discover(ctx context.Context) {
 			s.log.Warn("discovery round failed; retrying", "err", err, "in", wait)
 		case found.Events > 0:
 			s.metrics.discovered.Add(float64(found.Events))
-			if found.Aggregates > 0 {
-				// Rows made ready wait for a claim; dispatched ones are
-				// with their sessions already.
-				s.wake.broadcast()
-			}
 			wait = s.cfg.DiscoveryInterval
 		default:
 			// Linear, not doubling: under a steady trickle of events the
@@ -88,11 +83,29 @@ func (s *Server) discover(ctx context.Context) {
 			// DiscoveryIdleInterval within a fraction of a second.
 			wait = min(wait+s.cfg.DiscoveryInterval, s.cfg.DiscoveryIdleInterval)
 		}
+		switch {
+		case err == nil && found.Aggregates > 0:
+			// Rows made ready wait for a claim; dispatched ones are with
+			// their sessions already. One session of each poll group that
+			// takes their streams claims (the others only if it finds all
+			// it asks for); the other replicas hear of them through the
+			// round's NOTIFY, which this replica's listener leaves alone.
+			s.wakeGroups(ready)
+		case echoed:
+			// A wake-up from the round's backend that the round does not
+			// account for (its answer was lost, say): act on it now.
+			s.wakeGroups(nil)
+		}
 		t.Reset(wait)
 	}
 }
 
-// discoverRound runs one discovery round, dispatching what it can.
+// discoverRound runs one discovery round, dispatching what it can. ready
+// names the streams of the aggregates it found and did not dispatch, the
+// only ones it may have made ready (nil: it cannot tell, any stream).
+// echoed says the listener held back a wake-up from the round's backend as
+// the round's own (see waker.openRound); the caller wakes the sessions when
+// the round does not say it made rows ready.
 //
 // Dispatch: an aggregate the round finds idle (or new) has nothing in hand,
 // so its next event would otherwise be made ready by the round and leased
@@ -108,10 +121,12 @@ func (s *Server) discover(ctx context.Context) {
 // Dispatch cannot starve older work: a session offers credit only after a
 // claim came back short, and claims with the credit an ack frees before it
 // offers any again.
-func (s *Server) discoverRound(ctx context.Context) (store.Discovery, error) {
+func (s *Server) discoverRound(ctx context.Context) (_ store.Discovery, ready []string, echoed bool, _ error) {
 	var loans map[uuid.UUID]*loan
+	var seen []store.FoundAggregate
 	holdingHandOvers := false
 	choose := func(found []store.FoundAggregate) []store.Dispatch {
+		seen = found
 		if s.cfg.NoDispatch || isClosed(s.stopping) {
 			return nil
 		}
@@ -153,12 +168,20 @@ func (s *Server) discoverRound(ctx context.Context) (store.Discovery, error) {
 		}
 		return picks
 	}
-	found, err := s.store.Discover(ctx, s.cfg.ReplicaID, choose)
+	var pid uint32
+	applying := func(p uint32) {
+		pid = p
+		s.wake.openRound(p)
+	}
+	found, err := s.store.Discover(ctx, s.cfg.ReplicaID, choose, applying)
 	if holdingHandOvers {
 		defer s.handOverMu.RUnlock()
 	}
 	if h := s.afterDiscover.Load(); h != nil {
 		found, err = (*h)(found, err)
+	}
+	if pid != 0 {
+		echoed = s.wake.closeRound(pid, err == nil && found.Aggregates > 0)
 	}
 	if err != nil {
 		// The round may have committed with its answer lost: a session it
@@ -168,7 +191,7 @@ func (s *Server) discoverRound(ctx context.Context) (store.Discovery, error) {
 			l.ss.give(nil, l.units)
 			l.ss.requestSweep()
 		}
-		return found, err
+		return found, nil, echoed, err
 	}
 	for _, d := range found.Dispatched {
 		if l := loans[d.Holder]; l != nil {
@@ -190,7 +213,24 @@ func (s *Server) discoverRound(ctx context.Context) (store.Discovery, error) {
 		}
 		cancel()
 	}
-	return found, nil
+	return found, readyStreams(seen, found.Dispatched), echoed, nil
+}
+
+// readyStreams returns the distinct streams of the aggregates found and not
+// dispatched, or nil when there were none to tell (any stream).
+func readyStreams(found []store.FoundAggregate, dispatched []store.DispatchedLease) []string {
+	type key struct{ stream, aggregate string }
+	leased := make(map[key]bool, len(dispatched))
+	for _, d := range dispatched {
+		leased[key{d.Lease.Event.Stream, d.Lease.Event.AggregateKey}] = true
+	}
+	var streams []string
+	for _, a := range found {
+		if !leased[key{a.Stream, a.AggregateKey}] && !slices.Contains(streams, a.Stream) {
+			streams = append(streams, a.Stream)
+		}
+	}
+	return streams
 }
 
 // loan is the credit one discovery round took from one session, and the

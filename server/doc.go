@@ -117,8 +117,9 @@
 // SKIP LOCKED, lease each one's next revision, epoch+1) and sends one
 // delivery per lease. After a claim that came back short it claims again
 // only when work may have appeared for it: credit freed without a
-// hand-over, a lease found gone, a discovery round, its poll or reconcile
-// timer; a hand-over alone is no reason. Credit an ack frees is claimed
+// hand-over, a lease found gone, its poll group asking (a wake-up, the
+// group's poll; see Wake-ups); a hand-over alone is no reason, nor is the
+// reconcile tick (a lease it finds gone is). Credit an ack frees is claimed
 // with only if the ack's batch, probing the claim index once it had
 // applied, saw some aggregate claimable (outbox.ack returns how long until
 // the first would be); otherwise a claim would find nothing as of that
@@ -234,9 +235,11 @@
 //     ALREADY_PUBLISHED; a skipped event answers LEASE_LOST and stays
 //     unpublished.
 //   - Liveness (6): an expired lease is claimable again (claimable_at is its
-//     expiry). Notifications only cut latency; every idle session polls, so a
-//     lost NOTIFY or a dropped LISTEN connection delays an event by at most
-//     the poll interval.
+//     expiry). Notifications only cut latency; every poll group with a
+//     session waiting with credit polls (one of them claims), and a session
+//     takes the same streams as the others of its group, so a lost NOTIFY
+//     or a dropped LISTEN connection delays an event by at most the poll
+//     interval.
 //   - Gaps (8): when the next revision is missing but a later one exists, the
 //     claim holds the aggregate in state gap (gap_revision says which one) and
 //     never skips it; discovery wakes it when any event of it commits, and the
@@ -275,9 +278,34 @@
 // Producers never NOTIFY: NOTIFY takes a global lock at commit that would
 // serialise every producer. A discovery round that made aggregates ready
 // (rather than dispatching them) wakes this replica's idle sessions directly
-// and the others' through one NOTIFY outbox_wakeup. Rounds run every Config.DiscoveryInterval while they find
-// events and back off to Config.DiscoveryIdleInterval while they do not;
-// idle sessions also poll, so a lost notification only delays an event.
+// and the others' through one NOTIFY outbox_wakeup. Rounds run every
+// Config.DiscoveryInterval while they find events and back off to
+// Config.DiscoveryIdleInterval while they do not.
+//
+// A replica's sessions that take the same streams (the same stream filter)
+// would all find the same work, so they wait as one poll group
+// (server/wakeup.go). A session waiting with credit free is idle in its
+// group. A wake-up wakes one idle session of each group whose filter takes
+// a stream the round made ready (every group, for a NOTIFY from another
+// replica or an operator's action); a claim that got all it asked for
+// wakes the next idle one, so the work, not the number of relays, decides
+// how many sessions claim. A wake-up that finds no session of a group idle
+// (all claiming, or without credit: a claim under way may have started
+// before the work was made claimable) is kept, and the next session of the
+// group to wait with credit claims at once; one signalled to a session
+// that then stops waiting without claiming (its credit went to a
+// hand-over, its stream ended) goes to another. The group polls in the
+// same way, one session at a time, backing off from 2 ms after work was
+// found to Config.PollInterval: an idle replica makes one claim per stream
+// filter per poll interval, whatever the number of relays, and a lost
+// notification only delays an event.
+//
+// A round's own NOTIFY comes back on the replica's LISTEN connection. The
+// round tells the listener the process id of its database backend before it
+// commits; a wake-up from that backend while the round is open, or the
+// first one after it ended (a backend's notifications arrive in commit
+// order), is the round's and is not acted on a second time, unless the
+// LISTEN connection was lost in between (then nothing is held back).
 //
 // # Operator actions
 //

@@ -88,3 +88,31 @@ func (s *Server) InFlight() (n int64) {
 // (which may be nil) after acting on each page, before reading the next.
 // Set it before the first bulk action.
 func (s *Server) SetBulkPage(n int, f func()) { s.bulkPage, s.afterBulkPage = n, f }
+
+// SetAfterPoll makes every poll of a poll group call f once it has woken a
+// session (or kept the wake-up for the next). Set it before the first
+// Subscribe.
+func (s *Server) SetAfterPoll(f func()) { s.afterPoll = f }
+
+// SetAfterNotify makes the listener call f after it acted on each
+// notification.
+func (s *Server) SetAfterNotify(f func(channel string)) { s.afterNotify.Store(&f) }
+
+// Wakeups is how many times poll groups asked a session to claim, other
+// than for their polls.
+func (s *Server) Wakeups() uint64 { return s.wakeups.Load() }
+
+// GroupWakeups is how many wake-ups poll groups received.
+func (s *Server) GroupWakeups() uint64 { return s.groupWakeups.Load() }
+
+// IdleSessions is how many sessions wait in their poll groups with credit.
+func (s *Server) IdleSessions() (n int) {
+	s.groupsMu.Lock()
+	defer s.groupsMu.Unlock()
+	for _, g := range s.groups {
+		g.mu.Lock()
+		n += len(g.idle)
+		g.mu.Unlock()
+	}
+	return n
+}

@@ -266,6 +266,24 @@ type Server struct {
 	// a lease handed over or dispatched but not yet with its session is
 	// never mistaken for one.
 	handOverMu sync.RWMutex
+	// groupsMu guards groups, the poll groups of the sessions by stream
+	// filter (see pollGroup).
+	groupsMu sync.Mutex
+	groups   map[string]*pollGroup
+	// wakeups counts the claims poll groups asked of sessions other than
+	// their polls (wake-ups, and claims that found all they asked for);
+	// read by tests.
+	wakeups atomic.Uint64
+	// afterNotify, when set (by tests), runs after the listener acted on
+	// each notification.
+	afterNotify atomic.Pointer[func(channel string)]
+	// groupWakeups counts the wake-ups poll groups received (one per group
+	// per discovery round that made rows ready, NOTIFY, operator action);
+	// read by tests.
+	groupWakeups atomic.Uint64
+	// afterPoll, when set (by tests), runs each time a poll group's poll
+	// fires, after it woke a member (or kept the wake-up for the next).
+	afterPoll func()
 	// dispatchNext rotates the session a discovery round offers its first
 	// aggregate to, so that dispatch spreads over the relays.
 	dispatchNext int

@@ -20,11 +20,13 @@ import (
 )
 
 const (
-	// minIdlePoll is the first re-poll delay of a session that found no work;
-	// it doubles up to Config.PollInterval. Discovery wakes idle sessions
-	// when events commit, so polls only catch what no wake-up announces:
-	// backoffs and leases that expire, and work an operator made claimable
-	// on another replica.
+	// minIdlePoll is the first re-poll delay of a poll group (the sessions
+	// of one stream filter, see pollGroup) whose claims found work; it
+	// doubles after each poll that found nothing, up to
+	// Config.PollInterval. Discovery wakes idle sessions when events
+	// commit, so polls only catch what no wake-up announces: backoffs and
+	// leases that expire, and work an operator made claimable on another
+	// replica.
 	minIdlePoll = 2 * time.Millisecond
 	// claimTimeout bounds one claim statement.
 	claimTimeout = 10 * time.Second
@@ -90,6 +92,10 @@ type session struct {
 	kick          chan struct{} // capacity 1: "look at freed/reconcile"
 	aborted       chan struct{}
 	abortOnce     sync.Once
+
+	// probe (capacity 1) is the session's poll group asking it to claim:
+	// true for the group's poll, false for a wake-up (see pollGroup).
+	probe chan bool
 }
 
 func newSession(srv *Server, relayID, peer string, streams []string, maxInFlight int, ttl time.Duration) *session {
@@ -98,6 +104,7 @@ func newSession(srv *Server, relayID, peer string, streams []string, maxInFlight
 		maxInFlight: maxInFlight, window: 1, ttl: ttl, connectedAt: time.Now(),
 		inflight: make(map[uuid.UUID]int64),
 		kick:     make(chan struct{}, 1),
+		probe:    make(chan bool, 1),
 		aborted:  make(chan struct{}),
 	}
 }
@@ -250,8 +257,7 @@ func (ss *session) filter() store.StreamFilter {
 // admits says whether the stream's filter takes events of stream (as the
 // claim's filter does).
 func (ss *session) admits(stream string) bool {
-	return (len(ss.streams) == 0 || slices.Contains(ss.streams, stream)) &&
-		!slices.Contains(ss.excludeStreams, stream)
+	return filterAdmits(ss.streams, ss.excludeStreams, stream)
 }
 
 type freedLease struct {
@@ -303,7 +309,6 @@ func (ss *session) run(ctx context.Context, send func(*outboxv1.SubscribeRespons
 	w := newSessionWait(ss)
 	defer w.stop()
 	wantClaim := true
-	var discovered <-chan struct{}
 	for {
 		handed, claim, claimBy, err := ss.applyFreed(ctx)
 		if err != nil {
@@ -321,28 +326,24 @@ func (ss *session) run(ctx context.Context, send func(*outboxv1.SubscribeRespons
 		if stopping && len(ss.inflight) == 0 {
 			return errShuttingDown
 		}
-		// Taken before claiming: a discovery round that ends while the
-		// claim runs (and may have missed it) still wakes the wait below.
-		// Kept across turns that do not claim (a hand-over's kick), so a
-		// round that ends during such a turn is not missed either.
-		if wantClaim || discovered == nil {
-			discovered = ss.srv.wake.wait()
-		}
+		// A discovery round that ends while the claim runs (and may have
+		// been missed by it) wakes the session's poll group: an idle member,
+		// or, with none idle, the next member to wait with credit, this one
+		// included (see pollGroup).
 		credit := ss.maxInFlight - len(ss.inflight) - ss.withdrawCredit()
 		if credit > 0 && !stopping && wantClaim {
+			// A wake-up signalled before this claim starts is answered by it.
+			poll := w.takeProbe()
 			outcome, err := ss.claimAndSend(ctx, credit, send)
 			if err != nil {
 				return err
 			}
 			w.claimed()
+			w.group.claimed(outcome, poll)
 			switch outcome {
 			case claimedAll:
-				w.found()
 				continue // there may be more
-			case claimedSome:
-				w.found()
-				wantClaim = false
-			case claimedNone:
+			case claimedSome, claimedNone:
 				wantClaim = false
 			case claimFailed:
 				w.claimFailed()
@@ -354,7 +355,7 @@ func (ss *session) run(ctx context.Context, send func(*outboxv1.SubscribeRespons
 				h(ss.id, offered)
 			}
 		}
-		kicked, err := w.wait(ctx, credit > 0 && !stopping, discovered)
+		kicked, err := w.wait(ctx, credit > 0 && !stopping)
 		if err != nil {
 			return err
 		}
@@ -464,11 +465,12 @@ func (ss *session) sendLease(ctx context.Context, l store.Lease, send func(*outb
 	return send(d)
 }
 
-// sessionWait is how a session waits for work: the poll backoff, the
-// reconcile ticker, and what a failed claim left to sweep.
+// sessionWait is how a session waits for work: its poll group (which polls
+// and wakes for all the sessions of its stream filter), the reconcile
+// ticker, the bound an ack batch set, and what a failed claim left to sweep.
 type sessionWait struct {
 	ss        *session
-	pollDelay time.Duration
+	group     *pollGroup
 	reconcile *time.Ticker
 	idle      *time.Timer
 	// stopWake fires once when the server starts stopping, to wake the
@@ -478,21 +480,20 @@ type sessionWait struct {
 	// sweepOrphans asks for one more releaseUndelivered after a failed
 	// claim.
 	sweepOrphans bool
-	// pollAt is when the poll timer fires, zero when it is not armed. It
-	// is armed once per claim, not per wait, so that kicks (hand-overs)
-	// arriving faster than the poll delay do not keep pushing it back.
-	pollAt time.Time
+	// poll says the group's poll woke the session: the next claim reports
+	// to the group as a poll (an empty one lengthens the group's backoff).
+	poll bool
 	// claimDue, when set, is the latest time for the next claim: credit an
 	// ack batch freed was left unclaimed because it saw nothing claimable
 	// before then.
 	claimDue time.Time
 }
 
-// claimed restarts the poll clock: the next poll is pollDelay after this
-// claim.
-func (w *sessionWait) claimed() { w.pollAt, w.claimDue = time.Time{}, time.Time{} }
+// claimed clears the ack batches' bound: a claim has run.
+func (w *sessionWait) claimed() { w.claimDue = time.Time{} }
 
-// claimNoLaterThan makes the poll fire by t at the latest (zero: no bound).
+// claimNoLaterThan makes the session claim by t at the latest (zero: no
+// bound).
 func (w *sessionWait) claimNoLaterThan(t time.Time) { w.claimDue = earlierDeadline(w.claimDue, t) }
 
 // earlierDeadline is the earlier of two deadlines, zero meaning none.
@@ -505,7 +506,7 @@ func earlierDeadline(a, b time.Time) time.Time {
 
 func newSessionWait(ss *session) *sessionWait {
 	return &sessionWait{
-		ss: ss, pollDelay: minIdlePoll,
+		ss: ss, group: ss.srv.joinPollGroup(ss),
 		reconcile: time.NewTicker(ss.srv.cfg.ReconcileInterval),
 		idle:      time.NewTimer(time.Hour),
 		stopWake:  ss.srv.stopping,
@@ -515,48 +516,64 @@ func newSessionWait(ss *session) *sessionWait {
 func (w *sessionWait) stop() {
 	w.reconcile.Stop()
 	w.idle.Stop()
+	w.group.leave(w.ss)
 }
 
-// found resets the poll backoff: work is flowing.
-func (w *sessionWait) found() { w.pollDelay = minIdlePoll }
-
-// claimFailed slows polling and schedules a sweep for late-committing
-// claims.
-func (w *sessionWait) claimFailed() {
-	w.sweepOrphans = true
-	w.pollDelay = max(w.pollDelay, 100*time.Millisecond)
+// takeProbe takes the group's signal, if any, before a claim (which answers
+// it) and says whether the claim is a poll.
+func (w *sessionWait) takeProbe() (poll bool) {
+	poll, w.poll = w.poll, false
+	select {
+	case p := <-w.ss.probe:
+		poll = poll || p
+	default:
+	}
+	return poll
 }
 
-// wait blocks until something may have changed: credit freed, new events
-// discovered, the poll timer (only when polling), a reconcile tick, or the
-// server stopping. The error ends the session.
+// claimFailed schedules a sweep for late-committing claims (the group slows
+// its polls).
+func (w *sessionWait) claimFailed() { w.sweepOrphans = true }
+
+// wait blocks until something may have changed: credit freed, the poll
+// group asking for a claim (a wake-up, its poll), the ack batches' bound,
+// a reconcile tick, or the server stopping. The error ends the session.
 //
-// discovered is the discovery wake-up taken before the turn's claim, so a
-// round that ended during the claim is not missed. kicked reports that
-// only the session's own kick woke it (leases ended, handed over, or a
-// reconcile asked for): applyFreed says whether that freed credit.
-func (w *sessionWait) wait(ctx context.Context, polling bool, discovered <-chan struct{}) (kicked bool, err error) {
+// polling says the session would claim if woken (it has credit free): only
+// then is it idle in its poll group. A session that would not claim passes
+// on a wake-up signalled to it. kicked reports that only the session's own
+// kick woke it (leases ended, handed over, or a reconcile asked for):
+// applyFreed says whether that freed credit.
+func (w *sessionWait) wait(ctx context.Context, polling bool) (kicked bool, err error) {
 	ss := w.ss
-	var pollC <-chan time.Time
-	early := false // the poll fires at claimDue, before its own time
+	var dueC <-chan time.Time
 	if polling {
-		if w.pollAt.IsZero() {
-			w.pollAt = time.Now().Add(w.pollDelay)
+		if now, poll := w.group.enterIdle(ss); now {
+			// A wake-up (or poll) found no member idle: claim now.
+			w.poll = w.poll || poll
+			return false, nil
 		}
-		at := w.pollAt
-		if !w.claimDue.IsZero() && w.claimDue.Before(at) {
-			at, early = w.claimDue, true
-		}
-		w.idle.Reset(time.Until(at))
-		pollC = w.idle.C
-		defer func() {
-			if !w.idle.Stop() {
-				select {
-				case <-w.idle.C:
-				default:
+		defer w.group.leaveIdle(ss)
+		if !w.claimDue.IsZero() {
+			w.idle.Reset(time.Until(w.claimDue))
+			dueC = w.idle.C
+			defer func() {
+				if !w.idle.Stop() {
+					select {
+					case <-w.idle.C:
+					default:
+					}
 				}
-			}
-		}()
+			}()
+		}
+	} else {
+		w.group.passOn(ss)
+	}
+	// The reconcile tick only matters with leases to check or orphans to
+	// sweep: an idle session's goroutine is not woken for nothing.
+	var reconcileC <-chan time.Time
+	if len(ss.inflight) > 0 || w.sweepOrphans {
+		reconcileC = w.reconcile.C
 	}
 	select {
 	case <-ctx.Done():
@@ -565,20 +582,16 @@ func (w *sessionWait) wait(ctx context.Context, polling bool, discovered <-chan 
 		return false, errShuttingDown
 	case <-ss.kick:
 		return true, nil
-		// Credit freed: claim at once. The backoff is kept, so a session
-		// that then finds nothing does not start over with fast polls.
-	case <-discovered:
-		// Discovery found new events: claim at once, backoff kept (another
-		// session may take them, and all of them were woken).
-	case <-pollC:
-		if early {
-			// Not a poll that found nothing: the backoff stays.
-			w.claimDue = time.Time{}
-			break
-		}
-		w.pollAt = time.Time{}
-		w.pollDelay = min(w.pollDelay*2, ss.srv.cfg.PollInterval)
-	case <-w.reconcile.C:
+	case poll := <-ss.probe:
+		// The group asks for a claim: new work announced (a discovery
+		// round, a NOTIFY, an operator), a claim that found all it asked
+		// for, or the group's poll.
+		w.poll = w.poll || poll
+	case <-dueC:
+		w.claimDue = time.Time{}
+	case <-reconcileC:
+		// No claim of its own: a lease the reconcile finds gone makes
+		// applyFreed claim, and the group's poll covers the rest.
 		if len(ss.inflight) > 0 {
 			ss.requestReconcile()
 		}
@@ -586,6 +599,7 @@ func (w *sessionWait) wait(ctx context.Context, polling bool, discovered <-chan 
 			w.sweepOrphans = false
 			ss.releaseUndelivered(ctx)
 		}
+		return true, nil
 	case <-w.stopWake:
 		// Seen once; from now on run claims nothing and ends the session
 		// when its last delivery is acked or nacked.

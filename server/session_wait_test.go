@@ -14,26 +14,80 @@ func TestWaitClaimsByTheAckBatchesBound(t *testing.T) {
 	ss := newSession(srv, "relay", "peer", nil, 1, time.Minute)
 	w := newSessionWait(ss)
 	defer w.stop()
-	w.pollDelay = time.Hour // backed off: the poll alone would not fire
+	w.group.delay = time.Hour // backed off: the poll alone would not fire
 	w.claimNoLaterThan(time.Now().Add(10 * time.Millisecond))
 	w.claimNoLaterThan(time.Now().Add(time.Hour)) // a later bound does not replace it
 
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
-	kicked, err := w.wait(ctx, true, make(chan struct{}))
+	kicked, err := w.wait(ctx, true)
 	if err != nil {
 		t.Fatalf("wait ended with %v, want the bound to fire first", err)
 	}
 	if kicked {
 		t.Fatal("wait reported a kick, want the bound (the caller then claims)")
 	}
-	if w.pollDelay != time.Hour || !w.claimDue.IsZero() {
-		t.Fatalf("after the bound fired: pollDelay %v, claimDue %v; want the backoff kept and the bound cleared", w.pollDelay, w.claimDue)
+	if w.group.delay != time.Hour || !w.claimDue.IsZero() || w.takeProbe() {
+		t.Fatalf("after the bound fired: poll delay %v, claimDue %v; want the backoff kept, the bound cleared, and no poll", w.group.delay, w.claimDue)
 	}
-	// A claim clears both clocks.
+	// A claim clears the bound.
 	w.claimNoLaterThan(time.Now().Add(time.Hour))
 	w.claimed()
-	if !w.claimDue.IsZero() || !w.pollAt.IsZero() {
-		t.Fatalf("after a claim: claimDue %v, pollAt %v; want both cleared", w.claimDue, w.pollAt)
+	if !w.claimDue.IsZero() {
+		t.Fatalf("after a claim: claimDue %v; want it cleared", w.claimDue)
+	}
+}
+
+// A poll group keeps a wake-up that found no session waiting (they were all
+// claiming, and their claims may have started before the work was made
+// claimable) for the next session to wait, once; passes on one signalled to
+// a session that stops waiting without claiming; and wakes only groups that
+// take the streams named.
+func TestPollGroupLosesNoWakeUp(t *testing.T) {
+	srv := &Server{cfg: Config{ReconcileInterval: time.Hour, PollInterval: time.Hour}, stopping: make(chan struct{})}
+	a := newSession(srv, "a", "peer", nil, 1, time.Minute)
+	b := newSession(srv, "b", "peer", nil, 1, time.Minute)
+	c := newSession(srv, "c", "peer", []string{"payments"}, 1, time.Minute)
+	g, gb, gc := srv.joinPollGroup(a), srv.joinPollGroup(b), srv.joinPollGroup(c)
+	if g != gb || g == gc {
+		t.Fatal("want a and b in one group, c in another")
+	}
+	g.delay, gc.delay = time.Hour, time.Hour // no poll fires
+
+	srv.wakeGroups(nil) // nobody waits
+	if now, _ := g.enterIdle(a); !now {
+		t.Fatal("a wake-up that found no session waiting was lost: the next to wait must claim at once")
+	}
+	if now, _ := g.enterIdle(b); now {
+		t.Fatal("a kept wake-up made two sessions claim")
+	}
+	if now, _ := gc.enterIdle(c); !now { // every group was woken
+		t.Fatal("a wake-up for every stream did not reach c's group")
+	}
+	if now, _ := gc.enterIdle(c); now {
+		t.Fatal("c claims twice for one wake-up")
+	}
+	srv.wakeGroups([]string{"orders"}) // b waits: signalled; c does not take orders
+	select {
+	case <-c.probe:
+		t.Fatal("a wake-up for orders reached a session that takes only payments")
+	default:
+	}
+	g.leaveIdle(b)
+	g.passOn(b) // b stops waiting without claiming (no credit left, say)
+	if now, _ := g.enterIdle(a); !now {
+		t.Fatal("a wake-up signalled to a session that did not claim was lost")
+	}
+	srv.wakeGroups([]string{"payments"})
+	select {
+	case <-c.probe:
+	default:
+		t.Fatal("a wake-up for payments did not reach the session that takes it")
+	}
+	g.leave(a)
+	g.leave(b)
+	gc.leave(c)
+	if len(srv.groups) != 0 {
+		t.Fatalf("%d groups left after every session left", len(srv.groups))
 	}
 }

@@ -20,11 +20,12 @@ const (
 // Listen opens a connection of its own to databaseURL, named
 // applicationName (operators find it in pg_stat_activity), LISTENs on
 // channels, calls ready once it listens, and then notified for each
-// notification, until ctx ends or the connection fails; it returns why. Not
+// notification (with the process id of the backend that sent it), until ctx
+// ends or the connection fails; it returns why. Not
 // one of the pool's connections: a LISTEN binds its session, and waiting for
 // notifications holds the connection for good.
 func Listen(ctx context.Context, databaseURL, applicationName string, channels []string,
-	ready func(), notified func(channel, payload string)) error {
+	ready func(), notified func(pid uint32, channel, payload string)) error {
 	cfg, err := pgx.ParseConfig(databaseURL)
 	if err != nil {
 		return err
@@ -46,6 +47,6 @@ func Listen(ctx context.Context, databaseURL, applicationName string, channels [
 		if err != nil {
 			return err
 		}
-		notified(n.Channel, n.Payload)
+		notified(n.PID, n.Channel, n.Payload)
 	}
 }

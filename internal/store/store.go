@@ -104,12 +104,16 @@ type DispatchedLease struct {
 // called only when the round found something. A round that another replica
 // is running at the same moment finds nothing.
 //
+// applying, when not nil, is called with the process id of the round's
+// database backend before the apply is sent: the NOTIFY outbox_wakeup of a
+// round that made rows ready comes from that backend.
+//
 // When Discover returns an error the round may still have committed (its
 // answer lost): leases it dispatched are then held by sessions that never
 // hear of them, and the caller must have those sessions sweep. It returns
 // ErrDiscoveryStopped when the database's discovery state is not this
 // cluster's (see DiscoveryStopped).
-func (s *Store) Discover(ctx context.Context, replicaID string, choose func([]FoundAggregate) []Dispatch) (Discovery, error) {
+func (s *Store) Discover(ctx context.Context, replicaID string, choose func([]FoundAggregate) []Dispatch, applying func(pid uint32)) (Discovery, error) {
 	var d Discovery
 	conn, err := s.pool.Acquire(ctx)
 	if err != nil {
@@ -174,6 +178,9 @@ func (s *Store) Discover(ctx context.Context, replicaID string, choose func([]Fo
 			streams, keys = append(streams, x.Stream), append(keys, x.AggregateKey)
 			holders, relays, ttls = append(holders, x.Holder), append(relays, x.RelayID), append(ttls, x.TTL)
 		}
+	}
+	if applying != nil {
+		applying(conn.Conn().PgConn().PID())
 	}
 	br = conn.SendBatch(ctx, &pgx.Batch{QueuedQueries: []*pgx.QueuedQuery{
 		{SQL: `SELECT a.woken, a.holder, ` + leaseColumns("a.lease") + `

@@ -1,0 +1,168 @@
+package server_test
+
+import (
+	"context"
+	"fmt"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"google.golang.org/protobuf/types/known/durationpb"
+
+	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+	"github.com/outboxd/outboxd/internal/store"
+	"github.com/outboxd/outboxd/internal/testdb"
+	"github.com/outboxd/outboxd/server"
+)
+
+// delivered is one delivery and the index of the stream it came on.
+type delivered struct {
+	stream int
+	d      *outboxv1.SubscribeResponse
+}
+
+// recvAll receives on every stream until it ends, into one channel.
+func recvAll(sts []outboxv1.RelayService_SubscribeClient) <-chan delivered {
+	c := make(chan delivered, 16)
+	for i, st := range sts {
+		go func() {
+			for {
+				d, err := st.Recv()
+				if err != nil {
+					return
+				}
+				c <- delivered{i, d}
+			}
+		}()
+	}
+	return c
+}
+
+// next returns the next delivery on any stream (bounded: a hang guard).
+func next(t *testing.T, c <-chan delivered) delivered {
+	t.Helper()
+	select {
+	case d := <-c:
+		return d
+	case <-time.After(30 * time.Second):
+		t.Fatal("no delivery within 30s")
+		return delivered{}
+	}
+}
+
+func countClaims(r *replica) *atomic.Int64 {
+	var n atomic.Int64
+	r.Server.SetAfterClaim(func(l []store.Lease, err error) ([]store.Lease, error) {
+		n.Add(1)
+		return l, err
+	})
+	return &n
+}
+
+func b2i(b bool) int32 {
+	if b {
+		return 1
+	}
+	return 0
+}
+
+// Sessions that take the same streams share one idle poll: while nothing is
+// claimable, each poll of the group makes one claim, not one per session;
+// and the shared poll still finds what no wake-up announces (a lease that
+// expired).
+func TestIdleSessionsOfOneFilterShareOnePoll(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	r := startReplica(t, url, func(c *server.Config) { c.PollInterval = 20 * time.Millisecond })
+	claims := countClaims(r)
+	var polls atomic.Int64
+	r.Server.SetAfterPoll(func() { polls.Add(1) })
+	const n = 8
+	sts := make([]outboxv1.RelayService_SubscribeClient, n)
+	for i := range sts {
+		sts[i] = subscribe(t, ctx, r, &outboxv1.SubscribeRequest{
+			RelayId: fmt.Sprintf("relay-%d", i), MaxInFlight: 4, LeaseTtl: durationpb.New(time.Second)})
+	}
+	// Every session made its first claim, and the group's poll has backed
+	// off to PollInterval.
+	waitFor(t, func() int32 { return b2i(claims.Load() >= n && polls.Load() >= 10) })
+	c0, p0 := claims.Load(), polls.Load()
+	waitFor(t, func() int32 { return b2i(polls.Load() >= p0+30) })
+	c1, p1 := claims.Load(), polls.Load()
+	// One claim per poll, give or take the one under way at each end (and
+	// the listener's wake-up when it connects).
+	if c1-c0 > p1-p0+2 {
+		t.Fatalf("%d idle sessions made %d claims over %d polls; want one claim per poll", n, c1-c0, p1-p0)
+	}
+
+	got := recvAll(sts)
+	ids := emit(t, pool, "orders", "a", 1)
+	first := next(t, got)
+	if first.d.GetEvent().GetEventId() != ids[0].String() || first.d.GetAttempt() != 1 {
+		t.Fatalf("first delivery %v", first.d)
+	}
+	// Not acked: the lease expires after a second, which nothing
+	// announces; the group's poll finds it again.
+	again := next(t, got)
+	if again.d.GetEvent().GetEventId() != ids[0].String() || again.d.GetAttempt() != 2 {
+		t.Fatalf("after the lease expired got %v, want the event again (attempt 2)", again.d)
+	}
+	ack(t, r, again.d)
+}
+
+// A discovery round that made an aggregate ready wakes one idle session of
+// the poll group that takes its stream, once: not every session, and not a
+// second time when the round's own NOTIFY outbox_wakeup comes back on the
+// replica's LISTEN connection.
+func TestAWakeUpWakesOneSessionOnce(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	r := startReplica(t, url, func(c *server.Config) {
+		c.ReplicaID = "waker"
+		c.PollInterval = time.Hour // only wake-ups make sessions claim
+		c.NoDispatch = true        // the round makes the aggregate ready
+	})
+	var notified atomic.Int64
+	r.Server.SetAfterNotify(func(channel string) {
+		if channel == store.ChannelWakeup {
+			notified.Add(1)
+		}
+	})
+	// Listening (LISTEN is the connection's first statement), so that
+	// the round's NOTIFY comes back to it.
+	waitFor(t, func() int32 {
+		var n int32
+		_ = pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE application_name = $1
+			AND query LIKE 'LISTEN "outbox_released"%'`, server.ListenerApplicationName+" waker").Scan(&n)
+		return n
+	})
+	const n = 5
+	sts := make([]outboxv1.RelayService_SubscribeClient, n)
+	for i := range sts {
+		sts[i] = subscribe(t, ctx, r, &outboxv1.SubscribeRequest{RelayId: fmt.Sprintf("relay-%d", i), MaxInFlight: 4})
+	}
+	waitFor(t, func() int32 { return b2i(r.Server.IdleSessions() == n) })
+	got := recvAll(sts)
+	w0, g0 := r.Server.Wakeups(), r.Server.GroupWakeups()
+
+	ids := emit(t, pool, "orders", "a", 1)
+	d := next(t, got)
+	if d.d.GetEvent().GetEventId() != ids[0].String() {
+		t.Fatalf("got %v", d.d)
+	}
+	// The round's NOTIFY has come back and been acted on.
+	waitFor(t, func() int32 { return b2i(notified.Load() >= 1) })
+	if w := r.Server.GroupWakeups() - g0; w != 1 {
+		t.Errorf("the round woke the group %d times; want once (its own NOTIFY is not a second wake-up)", w)
+	}
+	if w := r.Server.Wakeups() - w0; w != 1 {
+		t.Errorf("%d sessions were asked to claim; want one", w)
+	}
+	ack(t, r, d.d)
+}
