@@ -96,6 +96,7 @@ func (r *relayService) Subscribe(req *outboxv1.SubscribeRequest, stream outboxv1
 	sess := newSession(s, req.GetRelayId(), peerAddr, req.GetStreams(), int(req.GetMaxInFlight()), ttl)
 	sess.excludeStreams = req.GetExcludeStreams()
 	sess.window = window
+	sess.batches = req.GetAcceptBatches()
 	sess.subscriber = subscriberKey(ctx, req.GetRelayId())
 	if h := s.beforeAddSession; h != nil {
 		h()
@@ -109,7 +110,7 @@ func (r *relayService) Subscribe(req *outboxv1.SubscribeRequest, stream outboxv1
 	_ = stream.SendHeader(metadata.Pairs(SessionIDHeader, sess.id.String()))
 	log := s.log.With("session", sess.id, "relay", sess.relayID, "peer", peerAddr)
 	log.Info("relay subscribed", "streams", sess.streams, "exclude_streams", sess.excludeStreams, "max_in_flight", sess.maxInFlight,
-		"max_in_flight_per_aggregate", window, "lease_ttl", ttl)
+		"max_in_flight_per_aggregate", window, "lease_ttl", ttl, "accept_batches", sess.batches)
 	defer func() {
 		// The stream is over: give its leases back at once so the events go
 		// to another relay now, not after the TTL. Hand-overs stop first,
