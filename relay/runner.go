@@ -48,8 +48,9 @@ import (
 	"github.com/outboxd/outboxd/internal/limits"
 )
 
-// MaxDeliveryBytes is the largest delivery (one encoded SubscribeResponse)
-// the runner receives; the server never sends a larger one.
+// MaxDeliveryBytes is the largest message (one encoded SubscribeResponse:
+// one delivery, or a batch of them) the runner receives; the server never
+// sends a larger one.
 const MaxDeliveryBytes = limits.MaxDeliveryBytes
 
 // MaxAckBatchSize is the most acks the server takes in one Ack request, and
@@ -346,6 +347,22 @@ type received struct {
 	at time.Time
 }
 
+// unbatch is the deliveries one message carries, in order, received at
+// at: those of SubscribeResponse.deliveries when it has any (the server
+// batches them, since the runner sets accept_batches), else the message
+// itself.
+func unbatch(msg *outboxv1.SubscribeResponse, at time.Time) []received {
+	ds := msg.GetDeliveries()
+	if len(ds) == 0 {
+		return []received{{msg, at}}
+	}
+	out := make([]received, len(ds))
+	for i, d := range ds {
+		out[i] = received{d, at}
+	}
+	return out
+}
+
 // runOnce runs one subscription until it breaks, ctx is done or the server
 // refuses the relay, then waits for its publishes and acks.
 func (r *Runner) runOnce(ctx context.Context) error {
@@ -371,6 +388,9 @@ func (r *Runner) runOnce(ctx context.Context) error {
 		Streams:        r.cfg.Streams,
 		ExcludeStreams: r.cfg.ExcludeStreams,
 		MaxInFlight:    uint32(r.cfg.MaxInFlight),
+		// The runner reads several deliveries from one message (see
+		// received), which saves both sides a message per delivery.
+		AcceptBatches: true,
 	}
 	if r.cfg.MaxInFlightPerAggregate > 1 {
 		req.MaxInFlightPerAggregate = uint32(r.cfg.MaxInFlightPerAggregate)
@@ -387,17 +407,17 @@ func (r *Runner) runOnce(ctx context.Context) error {
 		return err
 	}
 
-	deliveries := make(chan received)
+	deliveries := make(chan []received)
 	recvErr := make(chan error, 1)
 	go func() {
 		for {
-			d, err := stream.Recv()
+			msg, err := stream.Recv()
 			if err != nil {
 				recvErr <- err
 				return
 			}
 			select {
-			case deliveries <- received{d, time.Now()}:
+			case deliveries <- unbatch(msg, time.Now()):
 			case <-streamCtx.Done():
 				// Not handled: released when the stream closes.
 				recvErr <- streamCtx.Err()
@@ -416,19 +436,23 @@ func (r *Runner) runOnce(ctx context.Context) error {
 loop:
 	for {
 		select {
-		case rd := <-deliveries:
-			if ctx.Err() != nil {
-				break loop // stopping: released with the stream
+		case batch := <-deliveries:
+			// A batch's deliveries are handled in order, as if each had
+			// come in a message of its own.
+			for _, rd := range batch {
+				if ctx.Err() != nil {
+					break loop // stopping: released with the stream
+				}
+				if lines != nil {
+					lines.add(rd)
+					continue
+				}
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					r.handle(workCtx, f, rd, acks)
+				}()
 			}
-			if lines != nil {
-				lines.add(rd)
-				continue
-			}
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				r.handle(workCtx, f, rd, acks)
-			}()
 		case result = <-recvErr:
 			break loop
 		case <-ctx.Done():

@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
@@ -676,6 +677,16 @@ func TestMetrics(t *testing.T) {
 	if got := gatherSum(t, reg, "outboxd_acks_total"); got != 3 {
 		t.Errorf("acks %v, want 3", got)
 	}
+	// Two forged acks in one call: each counted, under its result.
+	if _, err := r.Relay.Ack(ctx, &outboxv1.AckRequest{Acks: []*outboxv1.AckItem{
+		{EventId: uuid.NewString(), LeaseToken: "forged"}, {EventId: uuid.NewString(), LeaseToken: "forged too"}}}); err != nil {
+		t.Fatal(err)
+	}
+	for result, want := range map[string]float64{"published": 3, "invalid": 2} {
+		if got := testutil.ToFloat64(ackCounter(t, reg, result)); got != want {
+			t.Errorf("outboxd_acks_total{result=%q} = %v, want %v", result, got, want)
+		}
+	}
 	problems, err := testutil.GatherAndLint(reg)
 	if err != nil {
 		t.Fatal(err)
@@ -683,6 +694,29 @@ func TestMetrics(t *testing.T) {
 	for _, p := range problems {
 		t.Errorf("metric %s: %s", p.Metric, p.Text)
 	}
+}
+
+// ackCounter is outboxd_acks_total{result} as gathered from reg.
+func ackCounter(t *testing.T, reg *prometheus.Registry, result string) prometheus.Collector {
+	t.Helper()
+	c := prometheus.NewCounter(prometheus.CounterOpts{Name: "acks"})
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() != "outboxd_acks_total" {
+			continue
+		}
+		for _, m := range mf.GetMetric() {
+			for _, l := range m.GetLabel() {
+				if l.GetName() == "result" && l.GetValue() == result {
+					c.Add(m.GetCounter().GetValue())
+				}
+			}
+		}
+	}
+	return c
 }
 
 // gatherSum sums a metric family's values (counters, gauges), or sample

@@ -143,6 +143,15 @@
 // then releases every lease it holds but did not send, at once and again at
 // its next reconcile tick.
 //
+// Batched sending: a relay that set accept_batches gets every delivery the
+// session loop has ready at once (a claim's, or the leases ack batches and
+// discovery rounds handed it since the loop last looked) in one message
+// (SubscribeResponse.deliveries, up to 1 MiB), in the order they would have
+// gone one by one; a lone delivery, and every delivery to a relay that did
+// not set it, goes in a message of its own. Batching changes no lease and
+// no order: it saves a message, a socket write and a relay's read per
+// delivery.
+//
 // Ack verifies each token's HMAC (any replica can: the key is in the
 // database) and hands the ids to a group committer, which applies every ack
 // queued for it in one call of outbox.ack. Config.AckCommitters committers

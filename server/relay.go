@@ -96,6 +96,7 @@ func (r *relayService) Subscribe(req *outboxv1.SubscribeRequest, stream outboxv1
 	sess := newSession(s, req.GetRelayId(), peerAddr, req.GetStreams(), int(req.GetMaxInFlight()), ttl)
 	sess.excludeStreams = req.GetExcludeStreams()
 	sess.window = window
+	sess.batches = req.GetAcceptBatches()
 	sess.subscriber = subscriberKey(ctx, req.GetRelayId())
 	if h := s.beforeAddSession; h != nil {
 		h()
@@ -109,7 +110,7 @@ func (r *relayService) Subscribe(req *outboxv1.SubscribeRequest, stream outboxv1
 	_ = stream.SendHeader(metadata.Pairs(SessionIDHeader, sess.id.String()))
 	log := s.log.With("session", sess.id, "relay", sess.relayID, "peer", peerAddr)
 	log.Info("relay subscribed", "streams", sess.streams, "exclude_streams", sess.excludeStreams, "max_in_flight", sess.maxInFlight,
-		"max_in_flight_per_aggregate", window, "lease_ttl", ttl)
+		"max_in_flight_per_aggregate", window, "lease_ttl", ttl, "accept_batches", sess.batches)
 	defer func() {
 		// The stream is over: give its leases back at once so the events go
 		// to another relay now, not after the TTL. Hand-overs stop first,
@@ -197,14 +198,19 @@ func (r *relayService) Ack(ctx context.Context, req *outboxv1.AckRequest) (*outb
 	results := make([]*outboxv1.AckResult, len(items))
 	ids := make([]uuid.UUID, 0, len(items))
 	tokens := make([]leasetoken.Token, 0, len(items))
+	// verified[i] is the index in ids of item i's event, -1 if its token
+	// did not verify.
+	verified := make([]int, len(items))
 	for i, it := range items {
 		results[i] = &outboxv1.AckResult{EventId: it.GetEventId()}
 		id, err := r.verify(it.GetEventId(), it.GetLeaseToken())
 		if err != nil {
 			results[i].Status = outboxv1.AckStatus_ACK_STATUS_INVALID
 			results[i].Message = err.Error()
+			verified[i] = -1
 			continue
 		}
+		verified[i] = len(ids)
 		ids = append(ids, id.EventID)
 		tokens = append(tokens, id)
 	}
@@ -216,21 +222,30 @@ func (r *relayService) Ack(ctx context.Context, req *outboxv1.AckRequest) (*outb
 		if err != nil {
 			return nil, s.dbError(ctx, "ack", err)
 		}
-		for _, res := range results {
-			if res.Status != outboxv1.AckStatus_ACK_STATUS_UNSPECIFIED {
-				continue
+		for i, res := range results {
+			if verified[i] >= 0 {
+				res.Status, res.Message = ackStatus(byID[ids[verified[i]]].Status)
 			}
-			id, _ := uuid.Parse(res.EventId)
-			res.Status, res.Message = ackStatus(byID[id].Status)
 		}
 	}
+	// Counted per status, once per call rather than once per item.
+	var counts [len(ackResultLabels)]int
 	for _, res := range results {
-		s.metrics.acks.WithLabelValues(ackResultLabel[res.Status]).Inc()
+		if st := int(res.Status); st >= 0 && st < len(counts) {
+			counts[st]++
+		}
+	}
+	for st, n := range counts {
+		if n > 0 {
+			s.metrics.acks.WithLabelValues(ackResultLabels[st]).Add(float64(n))
+		}
 	}
 	return &outboxv1.AckResponse{Results: results}, nil
 }
 
-var ackResultLabel = map[outboxv1.AckStatus]string{
+// ackResultLabels is the outboxd_acks_total result label of each AckStatus,
+// by its number.
+var ackResultLabels = [...]string{
 	outboxv1.AckStatus_ACK_STATUS_UNSPECIFIED:       "unknown",
 	outboxv1.AckStatus_ACK_STATUS_PUBLISHED:         "published",
 	outboxv1.AckStatus_ACK_STATUS_ALREADY_PUBLISHED: "already_published",

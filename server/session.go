@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/durationpb"
 	"google.golang.org/protobuf/types/known/timestamppb"
@@ -50,7 +51,10 @@ type session struct {
 	// window is the most events of one aggregate one lease covers
 	// (SubscribeRequest.max_in_flight_per_aggregate): 1 unless the relay
 	// asked for more.
-	window      int
+	window int
+	// batches says the relay reads several deliveries in one message
+	// (SubscribeRequest.accept_batches): see sendLeases.
+	batches     bool
 	ttl         time.Duration
 	connectedAt time.Time
 	// subscriber is who opened the stream, for the per-relay limit.
@@ -413,10 +417,8 @@ func (ss *session) claimAndSend(ctx context.Context, credit int, send func(*outb
 		ss.inflight[l.Event.ID] = l.Epoch
 	}
 	ss.inflightN.Store(int64(len(ss.inflight)))
-	for _, l := range leases {
-		if err := ss.sendLease(ctx, l, send); err != nil {
-			return claimFailed, err
-		}
+	if err := ss.sendLeases(ctx, leases, send); err != nil {
+		return claimFailed, err
 	}
 	switch {
 	case err != nil:
@@ -436,34 +438,83 @@ type leaseRef struct {
 	epoch                int64
 }
 
-// sendLease sends one claimed event, or parks it when no relay could
-// receive it.
-func (ss *session) sendLease(ctx context.Context, l store.Lease, send func(*outboxv1.SubscribeResponse) error) error {
-	ref := leaseRef{l.Event.Stream, l.Event.AggregateKey, l.Epoch}
-	if ss.parked[ref] {
-		// The lease ended when an earlier event of it was parked.
-		delete(ss.inflight, l.Event.ID)
-		ss.inflightN.Store(int64(len(ss.inflight)))
-		return nil
-	}
-	ss.srv.metrics.deliveries.Inc()
-	if l.Attempt > 1 {
-		ss.srv.metrics.redeliveries.Inc()
-	}
-	d := ss.delivery(l)
-	if size := proto.Size(d); size > limits.MaxDeliveryBytes {
-		// Sending it would end the stream, and the next claim would pick
-		// it again: park it with the reason instead.
-		if ss.parkUndeliverable(ctx, l, size) {
-			if ss.parked == nil {
-				ss.parked = make(map[leaseRef]bool)
-			}
-			ss.parked[ref] = true
+// maxBatchBytes bounds the encoded deliveries one batched message carries
+// (see sendLeases): well under what a relay receives (MaxDeliveryBytes),
+// and large enough that a batch of ordinary events is never cut short.
+const maxBatchBytes = 1 << 20
+
+// sendLeases sends leases (claimed, or handed over by acks or discovery)
+// in their order, parking those no relay could receive. To a relay that
+// accepts batches (SubscribeRequest.accept_batches) it sends them in as few
+// messages as maxBatchBytes allows, each carrying its deliveries in order
+// in SubscribeResponse.deliveries: one message, one write to the socket and
+// one read for the relay, rather than one per delivery. A lone delivery
+// (the only one ready, or too large to share a message) goes in the plain
+// form, as to every other relay: at low load nothing changes on the wire.
+func (ss *session) sendLeases(ctx context.Context, leases []store.Lease, send func(*outboxv1.SubscribeResponse) error) error {
+	var batch []*outboxv1.SubscribeResponse
+	batchSize := 0
+	flush := func() error {
+		var msg *outboxv1.SubscribeResponse
+		switch len(batch) {
+		case 0:
+			return nil
+		case 1:
+			msg = batch[0]
+		default:
+			msg = &outboxv1.SubscribeResponse{Deliveries: batch}
 		}
-		return nil
+		batch, batchSize = nil, 0
+		return send(msg)
 	}
-	return send(d)
+	for _, l := range leases {
+		ref := leaseRef{l.Event.Stream, l.Event.AggregateKey, l.Epoch}
+		if ss.parked[ref] {
+			// The lease ended when an earlier event of it was parked.
+			delete(ss.inflight, l.Event.ID)
+			ss.inflightN.Store(int64(len(ss.inflight)))
+			continue
+		}
+		ss.srv.metrics.deliveries.Inc()
+		if l.Attempt > 1 {
+			ss.srv.metrics.redeliveries.Inc()
+		}
+		d := ss.delivery(l)
+		size := proto.Size(d)
+		if size > limits.MaxDeliveryBytes {
+			// Sending it would end the stream, and the next claim would
+			// pick it again: park it with the reason instead. What is
+			// batched before it is still sent: a window's events before
+			// it go to the relay, whose acks still land.
+			if ss.parkUndeliverable(ctx, l, size) {
+				if ss.parked == nil {
+					ss.parked = make(map[leaseRef]bool)
+				}
+				ss.parked[ref] = true
+			}
+			continue
+		}
+		if !ss.batches {
+			if err := send(d); err != nil {
+				return err
+			}
+			continue
+		}
+		// Its room in a batch: the field's tag and length, then itself.
+		room := protowire.SizeTag(deliveriesField) + protowire.SizeBytes(size)
+		if len(batch) > 0 && batchSize+room > maxBatchBytes {
+			if err := flush(); err != nil {
+				return err
+			}
+		}
+		batch = append(batch, d)
+		batchSize += room
+	}
+	return flush()
 }
+
+// deliveriesField is SubscribeResponse.deliveries' field number.
+var deliveriesField = (&outboxv1.SubscribeResponse{}).ProtoReflect().Descriptor().Fields().ByName("deliveries").Number()
 
 // sessionWait is how a session waits for work: its poll group (which polls
 // and wakes for all the sessions of its stream filter), the reconcile
@@ -638,15 +689,11 @@ func (ss *session) releaseUndelivered(ctx context.Context) {
 	}
 }
 
-// sendHanded sends the leases acks handed over to this session; applyFreed
-// has already counted them in inflight.
+// sendHanded sends the leases acks and discovery rounds handed over to
+// this session, all at once; applyFreed has already counted them in
+// inflight.
 func (ss *session) sendHanded(ctx context.Context, handed []store.Lease, send func(*outboxv1.SubscribeResponse) error) error {
-	for _, l := range handed {
-		if err := ss.sendLease(ctx, l, send); err != nil {
-			return err
-		}
-	}
-	return nil
+	return ss.sendLeases(ctx, handed, send)
 }
 
 // applyFreed drops ended leases from inflight, adds the leases acks handed
@@ -756,7 +803,7 @@ func (ss *session) parkUndeliverable(ctx context.Context, l store.Lease, size in
 		return false
 	}
 	// The whole lease ended; the rest of its window, if any, is not sent
-	// (sendLease's caller stops at the parked event).
+	// (sendLeases drops the parked lease's later events).
 	for _, id := range append(ended, l.Event.ID) {
 		delete(ss.inflight, id)
 	}

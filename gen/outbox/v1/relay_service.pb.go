@@ -142,8 +142,16 @@ type SubscribeRequest struct {
 	// 1 to the server's limit (1000 by default). Servers that predate it
 	// ignore it and send one event of an aggregate at a time.
 	MaxInFlightPerAggregate uint32 `protobuf:"varint,6,opt,name=max_in_flight_per_aggregate,json=maxInFlightPerAggregate,proto3" json:"max_in_flight_per_aggregate,omitempty"`
-	unknownFields           protoimpl.UnknownFields
-	sizeCache               protoimpl.SizeCache
+	// accept_batches says the relay reads SubscribeResponse.deliveries: the
+	// server may then send every delivery it has ready for the stream at once
+	// (after a claim, say) in one message, which saves a message, a write and
+	// a read per delivery under load. Unset: one delivery per message, as
+	// before. A relay that sets it must still read both forms: servers that
+	// predate it ignore it, and a server sends a lone delivery (or one too
+	// large to be wrapped) in the plain form.
+	AcceptBatches bool `protobuf:"varint,7,opt,name=accept_batches,json=acceptBatches,proto3" json:"accept_batches,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *SubscribeRequest) Reset() {
@@ -218,7 +226,16 @@ func (x *SubscribeRequest) GetMaxInFlightPerAggregate() uint32 {
 	return 0
 }
 
+func (x *SubscribeRequest) GetAcceptBatches() bool {
+	if x != nil {
+		return x.AcceptBatches
+	}
+	return false
+}
+
 // SubscribeResponse is one delivery: an event and the lease that covers it.
+// To a relay that set SubscribeRequest.accept_batches it may instead carry
+// several deliveries, in deliveries, with its own fields unset.
 type SubscribeResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// event is the aggregate's earliest pending event.
@@ -245,7 +262,15 @@ type SubscribeResponse struct {
 	// inside a window drops the deliveries of that aggregate at or below the
 	// failed lease's epoch that still arrive. Zero from servers that predate
 	// it.
-	LeaseEpoch    int64 `protobuf:"varint,6,opt,name=lease_epoch,json=leaseEpoch,proto3" json:"lease_epoch,omitempty"`
+	LeaseEpoch int64 `protobuf:"varint,6,opt,name=lease_epoch,json=leaseEpoch,proto3" json:"lease_epoch,omitempty"`
+	// deliveries, when not empty, are several deliveries in one message, each
+	// a SubscribeResponse of its own (fields 1 to 6 set, deliveries empty),
+	// and every other field of this message is unset. They are in the order
+	// the server would have sent them one per message: a relay handles them
+	// in list order, as if each had come on its own, so per-aggregate order
+	// and windows (lease_epoch) mean what they mean for single deliveries.
+	// Sent only to relays that set SubscribeRequest.accept_batches.
+	Deliveries    []*SubscribeResponse `protobuf:"bytes,7,rep,name=deliveries,proto3" json:"deliveries,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -320,6 +345,13 @@ func (x *SubscribeResponse) GetLeaseEpoch() int64 {
 		return x.LeaseEpoch
 	}
 	return 0
+}
+
+func (x *SubscribeResponse) GetDeliveries() []*SubscribeResponse {
+	if x != nil {
+		return x.Deliveries
+	}
+	return nil
 }
 
 // AckRequest acknowledges a batch of deliveries.
@@ -814,14 +846,15 @@ var File_outbox_v1_relay_service_proto protoreflect.FileDescriptor
 
 const file_outbox_v1_relay_service_proto_rawDesc = "" +
 	"\n" +
-	"\x1doutbox/v1/relay_service.proto\x12\toutbox.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x15outbox/v1/event.proto\"\x8a\x02\n" +
+	"\x1doutbox/v1/relay_service.proto\x12\toutbox.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x15outbox/v1/event.proto\"\xb1\x02\n" +
 	"\x10SubscribeRequest\x12\x19\n" +
 	"\brelay_id\x18\x01 \x01(\tR\arelayId\x12\x18\n" +
 	"\astreams\x18\x02 \x03(\tR\astreams\x12\"\n" +
 	"\rmax_in_flight\x18\x03 \x01(\rR\vmaxInFlight\x126\n" +
 	"\tlease_ttl\x18\x04 \x01(\v2\x19.google.protobuf.DurationR\bleaseTtl\x12'\n" +
 	"\x0fexclude_streams\x18\x05 \x03(\tR\x0eexcludeStreams\x12<\n" +
-	"\x1bmax_in_flight_per_aggregate\x18\x06 \x01(\rR\x17maxInFlightPerAggregate\"\xa8\x02\n" +
+	"\x1bmax_in_flight_per_aggregate\x18\x06 \x01(\rR\x17maxInFlightPerAggregate\x12%\n" +
+	"\x0eaccept_batches\x18\a \x01(\bR\racceptBatches\"\xe6\x02\n" +
 	"\x11SubscribeResponse\x12&\n" +
 	"\x05event\x18\x01 \x01(\v2\x10.outbox.v1.EventR\x05event\x12\x1f\n" +
 	"\vlease_token\x18\x02 \x01(\tR\n" +
@@ -830,7 +863,10 @@ const file_outbox_v1_relay_service_proto_rawDesc = "" +
 	"\aattempt\x18\x04 \x01(\rR\aattempt\x12I\n" +
 	"\x13lease_ttl_remaining\x18\x05 \x01(\v2\x19.google.protobuf.DurationR\x11leaseTtlRemaining\x12\x1f\n" +
 	"\vlease_epoch\x18\x06 \x01(\x03R\n" +
-	"leaseEpoch\"4\n" +
+	"leaseEpoch\x12<\n" +
+	"\n" +
+	"deliveries\x18\a \x03(\v2\x1c.outbox.v1.SubscribeResponseR\n" +
+	"deliveries\"4\n" +
 	"\n" +
 	"AckRequest\x12&\n" +
 	"\x04acks\x18\x01 \x03(\v2\x12.outbox.v1.AckItemR\x04acks\"E\n" +
@@ -913,27 +949,28 @@ var file_outbox_v1_relay_service_proto_depIdxs = []int32{
 	12, // 1: outbox.v1.SubscribeResponse.event:type_name -> outbox.v1.Event
 	13, // 2: outbox.v1.SubscribeResponse.lease_expires_at:type_name -> google.protobuf.Timestamp
 	11, // 3: outbox.v1.SubscribeResponse.lease_ttl_remaining:type_name -> google.protobuf.Duration
-	4,  // 4: outbox.v1.AckRequest.acks:type_name -> outbox.v1.AckItem
-	6,  // 5: outbox.v1.AckResponse.results:type_name -> outbox.v1.AckResult
-	0,  // 6: outbox.v1.AckResult.status:type_name -> outbox.v1.AckStatus
-	11, // 7: outbox.v1.NackRequest.retry_after:type_name -> google.protobuf.Duration
-	13, // 8: outbox.v1.NackResponse.next_attempt_at:type_name -> google.protobuf.Timestamp
-	11, // 9: outbox.v1.ExtendLeaseRequest.ttl:type_name -> google.protobuf.Duration
-	13, // 10: outbox.v1.ExtendLeaseResponse.lease_expires_at:type_name -> google.protobuf.Timestamp
-	11, // 11: outbox.v1.ExtendLeaseResponse.lease_ttl_remaining:type_name -> google.protobuf.Duration
-	1,  // 12: outbox.v1.RelayService.Subscribe:input_type -> outbox.v1.SubscribeRequest
-	3,  // 13: outbox.v1.RelayService.Ack:input_type -> outbox.v1.AckRequest
-	7,  // 14: outbox.v1.RelayService.Nack:input_type -> outbox.v1.NackRequest
-	9,  // 15: outbox.v1.RelayService.ExtendLease:input_type -> outbox.v1.ExtendLeaseRequest
-	2,  // 16: outbox.v1.RelayService.Subscribe:output_type -> outbox.v1.SubscribeResponse
-	5,  // 17: outbox.v1.RelayService.Ack:output_type -> outbox.v1.AckResponse
-	8,  // 18: outbox.v1.RelayService.Nack:output_type -> outbox.v1.NackResponse
-	10, // 19: outbox.v1.RelayService.ExtendLease:output_type -> outbox.v1.ExtendLeaseResponse
-	16, // [16:20] is the sub-list for method output_type
-	12, // [12:16] is the sub-list for method input_type
-	12, // [12:12] is the sub-list for extension type_name
-	12, // [12:12] is the sub-list for extension extendee
-	0,  // [0:12] is the sub-list for field type_name
+	2,  // 4: outbox.v1.SubscribeResponse.deliveries:type_name -> outbox.v1.SubscribeResponse
+	4,  // 5: outbox.v1.AckRequest.acks:type_name -> outbox.v1.AckItem
+	6,  // 6: outbox.v1.AckResponse.results:type_name -> outbox.v1.AckResult
+	0,  // 7: outbox.v1.AckResult.status:type_name -> outbox.v1.AckStatus
+	11, // 8: outbox.v1.NackRequest.retry_after:type_name -> google.protobuf.Duration
+	13, // 9: outbox.v1.NackResponse.next_attempt_at:type_name -> google.protobuf.Timestamp
+	11, // 10: outbox.v1.ExtendLeaseRequest.ttl:type_name -> google.protobuf.Duration
+	13, // 11: outbox.v1.ExtendLeaseResponse.lease_expires_at:type_name -> google.protobuf.Timestamp
+	11, // 12: outbox.v1.ExtendLeaseResponse.lease_ttl_remaining:type_name -> google.protobuf.Duration
+	1,  // 13: outbox.v1.RelayService.Subscribe:input_type -> outbox.v1.SubscribeRequest
+	3,  // 14: outbox.v1.RelayService.Ack:input_type -> outbox.v1.AckRequest
+	7,  // 15: outbox.v1.RelayService.Nack:input_type -> outbox.v1.NackRequest
+	9,  // 16: outbox.v1.RelayService.ExtendLease:input_type -> outbox.v1.ExtendLeaseRequest
+	2,  // 17: outbox.v1.RelayService.Subscribe:output_type -> outbox.v1.SubscribeResponse
+	5,  // 18: outbox.v1.RelayService.Ack:output_type -> outbox.v1.AckResponse
+	8,  // 19: outbox.v1.RelayService.Nack:output_type -> outbox.v1.NackResponse
+	10, // 20: outbox.v1.RelayService.ExtendLease:output_type -> outbox.v1.ExtendLeaseResponse
+	17, // [17:21] is the sub-list for method output_type
+	13, // [13:17] is the sub-list for method input_type
+	13, // [13:13] is the sub-list for extension type_name
+	13, // [13:13] is the sub-list for extension extendee
+	0,  // [0:13] is the sub-list for field type_name
 }
 
 func init() { file_outbox_v1_relay_service_proto_init() }
