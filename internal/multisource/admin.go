@@ -75,7 +75,10 @@ func (a *adminRouter) GetLag(ctx context.Context, req *outboxv1.GetLagRequest) (
 			if c := status.Code(p.err); c == codes.InvalidArgument || c == codes.PermissionDenied || ctx.Err() != nil {
 				return nil, p.err
 			}
-			ready, reason = false, status.Convert(p.err).Message()
+			if ready {
+				reason = status.Convert(p.err).Message()
+			}
+			ready = false
 			firstErr = cmpErr(firstErr, p.err)
 		}
 		out.Sources = append(out.Sources, &outboxv1.SourceHealth{Name: p.e.Name, Ready: ready, Reason: reason})
