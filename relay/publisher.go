@@ -29,6 +29,10 @@ type Event struct {
 	CreatedAt time.Time
 	// Attempt counts deliveries of this event, from 1.
 	Attempt int
+	// Source names the source database of the event on a server that
+	// fronts several; empty for the source named "default". ID is unique
+	// within a source only.
+	Source string
 }
 
 // Publisher hands events to a broker.

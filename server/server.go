@@ -340,6 +340,12 @@ func (s *Server) Register(g grpc.ServiceRegistrar) {
 // by each viewer's streams). Everything else goes through gRPC.
 func (s *Server) AdminServer() outboxv1.AdminServiceServer { return &adminService{s: s} }
 
+// RelayServer returns the RelayService implementation itself, for a
+// router in front of several servers (internal/multisource) that the gRPC
+// interceptors have already run for. Like AdminServer, calls made on it
+// directly bypass authentication unless the context carries a principal.
+func (s *Server) RelayServer() outboxv1.RelayServiceServer { return &relayService{s: s} }
+
 // Run runs the replica's background work (discovery, group-committed acks,
 // the LISTEN connection, the relay-session registry, the retention janitor)
 // until ctx is done. Call Stop first for a graceful end.

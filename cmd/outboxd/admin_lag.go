@@ -150,7 +150,11 @@ func printLag(w io.Writer, resp *outboxv1.GetLagResponse) error {
 			s.GetIdleRelays(), fmtRate(s.GetDeliveredPerSecond()))
 	}
 	for _, s := range resp.GetStreams() {
-		row(cell(s.GetStream(), 0), s)
+		name := s.GetStream()
+		if src := s.GetSource(); src != "" {
+			name = src + "/" + name
+		}
+		row(cell(name, 0), s)
 	}
 	row("TOTAL", resp.GetTotal())
 	if err := tw.Flush(); err != nil {
@@ -158,6 +162,17 @@ func printLag(w io.Writer, resp *outboxv1.GetLagResponse) error {
 	}
 	if _, err := fmt.Fprintf(w, "\nconnected relays: %d\n", resp.GetConnectedRelays()); err != nil {
 		return err
+	}
+	if srcs := resp.GetSources(); len(srcs) > 1 {
+		// Several sources: say which are not ready (a source whose lag
+		// could not be read is left out of the table).
+		for _, src := range srcs {
+			if !src.GetReady() {
+				if _, err := fmt.Fprintf(w, "source %s NOT READY: %s\n", src.GetName(), src.GetReason()); err != nil {
+					return err
+				}
+			}
+		}
 	}
 	if stopped := resp.GetDiscoveryStopped(); stopped != "" {
 		_, err := fmt.Fprintf(w, "\nDISCOVERY STOPPED: %s\n", stopped)

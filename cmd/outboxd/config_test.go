@@ -131,6 +131,7 @@ func TestConfigRejects(t *testing.T) {
 		{"database password", "serve", "database-url: postgres://app:hunter2@db/outbox\n", nil, []string{"database-url holds a password", "OUTBOXD_DATABASE_URL"}},
 		{"database password as a URL parameter", "serve", "database-url: postgres://app@db/outbox?sslmode=require&password=hunter2\n", nil, []string{"database-url holds a password"}},
 		{"database password as a keyword", "serve", "database-url: host=db user=app password=hunter2 dbname=outbox\n", nil, []string{"database-url holds a password"}},
+		{"database password in a source", "serve", "source: [\"orders=postgres://app:hunter2@db/orders\"]\n", nil, []string{"source holds a password", "OUTBOXD_SOURCE"}},
 		{"broker password in a route", "relay", "route: [\"orders=amqp://app:hunter2@mq:5672/?exchange=x\"]\n", nil, []string{"route holds a password"}},
 		{"bad value", "serve", "lease-ttl: soon\n", nil, []string{"lease-ttl", "soon"}},
 		{"bad environment value", "relay", "sink: stdout://\n", []string{"OUTBOXD_MAX_IN_FLIGHT=many"}, []string{"$OUTBOXD_MAX_IN_FLIGHT", "many"}},

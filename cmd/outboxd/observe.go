@@ -48,6 +48,12 @@ func newHTTPServer(reg *prometheus.Registry, readiness func() server.Readiness, 
 			http.Error(w, "not ready: "+r.Reason, http.StatusServiceUnavailable)
 			return
 		}
+		if r.Reason != "" {
+			// Several sources, some not ready: the replica still serves
+			// the others.
+			fmt.Fprintln(w, "ready; degraded: "+r.Reason)
+			return
+		}
 		fmt.Fprintln(w, "ready")
 	})
 	return &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}

@@ -76,53 +76,64 @@ func (g *globalFlags) logger(w io.Writer) (*slog.Logger, error) {
 }
 
 func migrateCommand(g *globalFlags) *cobra.Command {
+	var specs []string
 	cmd := &cobra.Command{
 		Use:   "migrate",
-		Short: "Apply pending schema migrations (idempotent; safe to run concurrently)",
-		Args:  cobra.NoArgs,
+		Short: "Apply pending schema migrations to every source (idempotent; safe to run concurrently)",
+		Long: `migrate applies pending schema migrations to the default source (--database-url)
+and to each --source NAME=URL, in turn; to migrate one source, give only it.`,
+		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			log, err := g.logger(os.Stderr)
 			if err != nil {
 				return err
 			}
-			return withSQL(cmd.Context(), g.dbURL(), func(db *sql.DB) error {
-				res, err := migrations.Up(cmd.Context(), db, log)
-				if err != nil {
-					return err
-				}
-				if len(res.Applied) == 0 {
-					fmt.Fprintf(cmd.OutOrStdout(), "schema is up to date at version %d\n", res.Version)
-				} else {
-					fmt.Fprintf(cmd.OutOrStdout(), "applied %v; schema is at version %d\n", res.Applied, res.Version)
-				}
-				return nil
+			all, err := g.sources(specs)
+			if err != nil {
+				return err
+			}
+			return migrateSources(cmd.Context(), all, log, func(format string, args ...any) {
+				fmt.Fprintf(cmd.OutOrStdout(), format, args...)
 			})
 		},
 	}
+	addSourceFlag(cmd.PersistentFlags(), &specs)
 	cmd.AddCommand(&cobra.Command{
 		Use:   "status",
-		Short: "List migrations and whether each is applied",
+		Short: "List migrations and whether each is applied, for every source",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			return withSQL(cmd.Context(), g.dbURL(), func(db *sql.DB) error {
-				st, err := migrations.Status(cmd.Context(), db)
-				if err != nil {
-					return err
+			all, err := g.sources(specs)
+			if err != nil {
+				return err
+			}
+			pending := 0
+			for _, src := range all {
+				if len(all) > 1 {
+					fmt.Fprintf(cmd.OutOrStdout(), "source %s:\n", src.name)
 				}
-				pending := 0
-				for _, s := range st {
-					state := "applied"
-					if !s.Applied {
-						state = "pending"
-						pending++
+				if err := withSQL(cmd.Context(), src.url, func(db *sql.DB) error {
+					st, err := migrations.Status(cmd.Context(), db)
+					if err != nil {
+						return err
 					}
-					fmt.Fprintf(cmd.OutOrStdout(), "%5d  %-8s %s\n", s.Version, state, s.Name)
+					for _, s := range st {
+						state := "applied"
+						if !s.Applied {
+							state = "pending"
+							pending++
+						}
+						fmt.Fprintf(cmd.OutOrStdout(), "%5d  %-8s %s\n", s.Version, state, s.Name)
+					}
+					return nil
+				}); err != nil {
+					return fmt.Errorf("%s%w", src.label(all), err)
 				}
-				if pending > 0 {
-					return fmt.Errorf("%d migration(s) pending; run `outboxd migrate`", pending)
-				}
-				return nil
-			})
+			}
+			if pending > 0 {
+				return fmt.Errorf("%d migration(s) pending; run `outboxd migrate`", pending)
+			}
+			return nil
 		},
 	})
 	return cmd

@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"database/sql"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -13,7 +12,6 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/spf13/cobra"
 	"golang.org/x/sync/errgroup"
 	"google.golang.org/grpc/credentials"
@@ -22,9 +20,9 @@ import (
 	"github.com/outboxd/outboxd/internal/auth"
 	"github.com/outboxd/outboxd/internal/console"
 	"github.com/outboxd/outboxd/internal/devdb"
+	"github.com/outboxd/outboxd/internal/multisource"
 	"github.com/outboxd/outboxd/internal/store"
 	"github.com/outboxd/outboxd/internal/tlsconfig"
-	"github.com/outboxd/outboxd/migrations"
 	"github.com/outboxd/outboxd/server"
 )
 
@@ -55,6 +53,7 @@ type serveFlags struct {
 	ackCommitters        int
 	pprof                bool
 	console              bool
+	sources              []string
 }
 
 func (f *serveFlags) register(cmd *cobra.Command) {
@@ -68,7 +67,7 @@ func (f *serveFlags) register(cmd *cobra.Command) {
 	fl.DurationVar(&f.backoffCap, "backoff-cap", 5*time.Minute, "longest retry delay after a nack (the same on every replica: a next attempt further ahead than the longest lease or backoff counts as due, see docs/design.md)")
 	fl.DurationVar(&f.pollInterval, "poll-interval", time.Second, "fallback poll of idle relay streams")
 	fl.DurationVar(&f.shutdownTimeout, "shutdown-timeout", 15*time.Second, "how long SIGTERM waits for outstanding deliveries to be acked")
-	fl.Int32Var(&f.maxConns, "max-db-conns", 16, "database connection pool size")
+	fl.Int32Var(&f.maxConns, "max-db-conns", 16, "database connection pool size, of each source")
 	fl.StringVar(&f.httpListen, "http-listen", "127.0.0.1:7071", "HTTP address for /metrics, /healthz and /readyz (empty: off)")
 	fl.DurationVar(&f.healthInterval, "health-interval", 2*time.Second, "how often readiness (database reachable, schema current) is checked")
 	fl.Var(&ageValue{d: &f.retention}, "retention", "delete events published longer ago than this, e.g. 7d or 36h (default: keep everything)")
@@ -84,6 +83,7 @@ func (f *serveFlags) register(cmd *cobra.Command) {
 	fl.BoolVar(&f.console, "console", true, "serve the operator console at / on the HTTP port (login with a viewer or admin token)")
 	fl.IntVar(&f.ackCommitters, "ack-committers", 1, "ack batches applied at once, each on its own database connection: more drains a backlog faster on several cores, but makes each batch smaller (more database work per ack) when load is light")
 	fl.IntVar(&f.maxSubscriptions, "max-subscriptions-per-relay", 64, "Subscribe streams one token (or relay id, without auth) may hold open on this replica")
+	addSourceFlag(fl, &f.sources)
 }
 
 // security builds the listener's transport credentials (nil: plaintext)
@@ -149,7 +149,7 @@ func (f *serveFlags) newConsole(rep *app.Replica, authn *auth.Authenticator, log
 		log.Warn("console logins send tokens over plaintext HTTP: put TLS in front of --http-listen", "http_listen", f.httpListen)
 	}
 	con, err := console.New(console.Config{
-		Conn: conn, Authenticator: authn, Open: open, Lag: rep.Server.AdminServer().GetLag, Logger: log,
+		Conn: conn, Authenticator: authn, Open: open, Lag: rep.AdminServer().GetLag, Logger: log,
 	})
 	if err != nil {
 		conn.Close()
@@ -169,7 +169,11 @@ func serveCommand(g *globalFlags) *cobra.Command {
 			if err != nil {
 				return err
 			}
-			return runServer(cmd.Context(), g.dbURL(), &f, log, nil)
+			all, err := g.sources(f.sources)
+			if err != nil {
+				return err
+			}
+			return runServer(cmd.Context(), all, &f, log, nil)
 		},
 	}
 	f.register(cmd)
@@ -206,13 +210,16 @@ applies migrations and serves on --listen.`,
 					log.Warn("stopping the throwaway database failed", "err", err)
 				}
 			}()
-			if err := withSQL(ctx, db.URL, func(sdb *sql.DB) error {
-				_, err := migrations.Up(ctx, sdb, log)
-				return err
-			}); err != nil {
+			all := []source{{multisource.Default, db.URL}}
+			named, err := (&globalFlags{databaseURL: db.URL}).sources(f.sources)
+			if err != nil {
 				return err
 			}
-			return runServer(ctx, db.URL, &f, log, func(addr string) {
+			all = append(all, named[1:]...)
+			if err := migrateSources(ctx, all, log, func(string, ...any) {}); err != nil {
+				return err
+			}
+			return runServer(ctx, all, &f, log, func(addr string) {
 				fmt.Fprintf(cmd.OutOrStdout(), `outboxd dev: gRPC on %s, database %s (%s)
   emit an event:  psql '%s' -c "SELECT * FROM outbox.emit('sales_order', '42', 'OrderPaid', '{\"order_id\": 42}')"
   relay to stdout: go run ./cmd/outboxd relay --server %s --sink stdout://
@@ -230,49 +237,45 @@ applies migrations and serves on --listen.`,
 // runServer serves until ctx is done, then shuts down gracefully: stop
 // claiming, let outstanding deliveries be acked (up to --shutdown-timeout),
 // release leases, close streams.
-func runServer(ctx context.Context, url string, f *serveFlags, log *slog.Logger, ready func(addr string)) error {
+func runServer(ctx context.Context, sources []source, f *serveFlags, log *slog.Logger, ready func(addr string)) error {
 	stopTracing, err := startTracing(ctx, "outboxd", log)
 	if err != nil {
 		return err
 	}
 	defer stopTracing()
-	poolCfg, err := pgxpool.ParseConfig(url)
-	if err != nil {
-		return fmt.Errorf("--database-url: %w", err)
+	reg := newRegistry()
+	base := server.Config{
+		Logger: log, ReplicaID: f.replicaID,
+		DefaultLeaseTTL: f.defaultLeaseTTL, MaxFailures: f.maxFailures, MaxDeliveries: f.maxDeliveries,
+		BackoffBase: f.backoffBase, BackoffCap: f.backoffCap, PollInterval: f.pollInterval,
+		Registerer: reg, Retention: f.retention, JanitorInterval: f.janitorInterval,
+		MaxSubscriptionsPerRelay: f.maxSubscriptions, AckCommitters: f.ackCommitters,
 	}
-	poolCfg.MaxConns = f.maxConns
-	store.ConfigurePool(poolCfg)
-	pool, err := pgxpool.NewWithConfig(ctx, poolCfg)
-	if err != nil {
-		return fmt.Errorf("database: %w", err)
-	}
-	defer pool.Close()
-	if err := pool.Ping(ctx); err != nil {
-		return fmt.Errorf("database %s: %w", redactURL(url), err)
-	}
-	if err := withSQL(ctx, url, func(db *sql.DB) error {
-		n, err := migrations.Pending(ctx, db)
-		if err == nil && n > 0 {
-			err = fmt.Errorf("%d schema migration(s) pending; run `outboxd migrate` first", n)
+	// One engine per source, each with its own pool of --max-db-conns.
+	defaultCfg := base
+	var named []app.Source
+	for _, src := range sources {
+		pool, err := openSource(ctx, src, sources, f.maxConns)
+		if err != nil {
+			return err
 		}
-		return err
-	}); err != nil {
-		return err
+		defer pool.Close()
+		if src.name == multisource.Default {
+			defaultCfg.Store, defaultCfg.DatabaseURL = store.New(pool), src.url
+			continue
+		}
+		sc := base
+		sc.Store, sc.DatabaseURL, sc.Logger, sc.Registerer = store.New(pool), src.url, nil, nil
+		named = append(named, app.Source{Name: src.name, Server: sc})
 	}
 
 	creds, authn, err := f.security(log)
 	if err != nil {
 		return err
 	}
-	reg := newRegistry()
 	rep, err := app.New(ctx, app.Config{
-		Server: server.Config{
-			Store: store.New(pool), DatabaseURL: url, Logger: log, ReplicaID: f.replicaID,
-			DefaultLeaseTTL: f.defaultLeaseTTL, MaxFailures: f.maxFailures, MaxDeliveries: f.maxDeliveries,
-			BackoffBase: f.backoffBase, BackoffCap: f.backoffCap, PollInterval: f.pollInterval,
-			Registerer: reg, Retention: f.retention, JanitorInterval: f.janitorInterval,
-			MaxSubscriptionsPerRelay: f.maxSubscriptions, AckCommitters: f.ackCommitters,
-		},
+		Server:          defaultCfg,
+		Sources:         named,
 		Authenticator:   authn,
 		Creds:           creds,
 		Reflection:      f.reflection,
@@ -330,7 +333,7 @@ func runServer(ctx context.Context, url string, f *serveFlags, log *slog.Logger,
 		})
 		log.Info("metrics and health over HTTP", "listen", httpLis.Addr().String())
 	}
-	log.Info("outboxd serving", "listen", lis.Addr().String())
+	log.Info("outboxd serving", "listen", lis.Addr().String(), "sources", len(sources))
 	if ready != nil {
 		ready(lis.Addr().String())
 	}

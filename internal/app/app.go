@@ -9,11 +9,14 @@
 package app
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
 	"log/slog"
 	"net"
+	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -39,6 +42,7 @@ import (
 
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
 	"github.com/outboxd/outboxd/internal/auth"
+	"github.com/outboxd/outboxd/internal/multisource"
 	"github.com/outboxd/outboxd/server"
 )
 
@@ -66,9 +70,17 @@ const (
 
 // Config configures a Replica.
 type Config struct {
-	// Server is the outboxd server's configuration. Its Registerer, when
-	// set, also receives the gRPC metrics.
+	// Server is the configuration of the engine of the source named
+	// "default" (--database-url). Its Registerer, when set, also receives
+	// the gRPC metrics, and its Logger and Registerer serve every source
+	// that has none of its own. With Sources, Server.Store may be nil:
+	// there is then no default source, and bare stream names are refused.
 	Server server.Config
+	// Sources are further source databases, each served by an engine of
+	// its own (its own pool, discovery, acks and health; see
+	// internal/multisource), behind one gRPC server. With any, every
+	// engine's metrics carry a "source" label. Default: none.
+	Sources []Source
 	// Authenticator, when not nil, authenticates and authorises every call
 	// but health (and reflection, unless it protects it).
 	Authenticator *auth.Authenticator
@@ -91,21 +103,34 @@ type Config struct {
 	TracerProvider trace.TracerProvider
 }
 
-// Replica is a runnable outboxd replica: the server registered on the
-// production gRPC server. Create it with New, run it with Serve.
+// Source is one source database beside the default one.
+type Source struct {
+	// Name addresses the source's streams ("name/stream"); see
+	// multisource.ValidName.
+	Name string
+	// Server configures its engine.
+	Server server.Config
+}
+
+// Replica is a runnable outboxd replica: one engine per source database,
+// behind a router registered on the production gRPC server. Create it with
+// New, run it with Serve.
 type Replica struct {
-	// Server is the outboxd server (RelayService and AdminService).
+	// Server is the engine of the source named "default", nil when there is
+	// none (see Config.Server).
 	Server *server.Server
 	// GRPC is the gRPC server it is registered on.
 	GRPC *grpc.Server
 
 	cfg       Config
 	log       *slog.Logger
+	engines   []*engine // in name order
+	router    *multisource.Router
 	health    *health.Server
 	readiness atomic.Pointer[server.Readiness]
 	ready     chan struct{} // closed when first ready
 	readyOnce sync.Once
-	readyMu   sync.Mutex
+	readyMu   sync.Mutex        // also serialises combining the sources' readiness
 	stopping  bool              // under readyMu; set by Shutdown: readiness stays "shutting down"
 	inproc    inProcessListener // see DialInProcess
 }
@@ -129,18 +154,17 @@ func New(ctx context.Context, cfg Config) (*Replica, error) {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	srv, err := server.New(ctx, cfg.Server)
-	if err != nil {
+	r := &Replica{cfg: cfg, log: log, health: health.NewServer(), ready: make(chan struct{}),
+		inproc: inProcessListener{bufconn.Listen(inProcessBuffer)}}
+	if err := r.newEngines(ctx); err != nil {
 		return nil, err
 	}
 	reg := cfg.Server.Registerer
 	if reg == nil {
 		reg = prometheus.NewRegistry() // metrics nobody reads
 	}
-	r := &Replica{Server: srv, cfg: cfg, log: log, health: health.NewServer(), ready: make(chan struct{}),
-		inproc: inProcessListener{bufconn.Listen(inProcessBuffer)}}
-	r.GRPC = newGRPCServer(log, reg, srv, cfg)
-	srv.Register(r.GRPC)
+	r.GRPC = newGRPCServer(log, reg, r.engines[0].srv, cfg)
+	r.router.Register(r.GRPC)
 	healthpb.RegisterHealthServer(r.GRPC, r.health)
 	if cfg.Reflection {
 		reflection.Register(r.GRPC)
@@ -149,9 +173,102 @@ func New(ctx context.Context, cfg Config) (*Replica, error) {
 	return r, nil
 }
 
+// engine is the engine of one source, with its latest readiness.
+type engine struct {
+	name      string
+	srv       *server.Server
+	readiness atomic.Pointer[server.Readiness]
+}
+
+// newEngines builds one engine per source and the router in front of them.
+func (r *Replica) newEngines(ctx context.Context) error {
+	cfg := r.cfg
+	sources := slices.Clone(cfg.Sources)
+	if cfg.Server.Store != nil || len(sources) == 0 {
+		sources = append([]Source{{Name: multisource.Default, Server: cfg.Server}}, sources...)
+	}
+	multi := len(sources) > 1
+	var routes []multisource.Engine
+	for _, src := range sources {
+		if err := multisource.ValidName(src.Name); err != nil {
+			return fmt.Errorf("app: Config.Sources: %w", err)
+		}
+		sc := src.Server
+		sc.Logger = cmp.Or(sc.Logger, r.log)
+		sc.Registerer = cmp.Or(sc.Registerer, cfg.Server.Registerer)
+		if multi {
+			sc.Logger = sc.Logger.With("source", src.Name)
+			if sc.Registerer != nil {
+				sc.Registerer = prometheus.WrapRegistererWith(prometheus.Labels{"source": src.Name}, sc.Registerer)
+			}
+		}
+		srv, err := server.New(ctx, sc)
+		if err != nil {
+			if multi {
+				return fmt.Errorf("source %s: %w", src.Name, err)
+			}
+			return err
+		}
+		e := &engine{name: src.Name, srv: srv}
+		e.readiness.Store(&server.Readiness{Reason: "starting"})
+		r.engines = append(r.engines, e)
+		if src.Name == multisource.Default {
+			r.Server = srv
+		}
+		routes = append(routes, multisource.Engine{Name: src.Name, Relay: srv.RelayServer(), Admin: srv.AdminServer(),
+			Readiness: func() (bool, string) { rd := e.readiness.Load(); return rd.Ready, rd.Reason }})
+	}
+	slices.SortFunc(r.engines, func(a, b *engine) int { return cmp.Compare(a.name, b.name) })
+	router, err := multisource.New(routes)
+	if err != nil {
+		return fmt.Errorf("app: Config.Sources: %w", err)
+	}
+	r.router = router
+	return nil
+}
+
+// Source returns the engine of the named source, or nil.
+func (r *Replica) Source(name string) *server.Server {
+	for _, e := range r.engines {
+		if e.name == name {
+			return e.srv
+		}
+	}
+	return nil
+}
+
+// AdminServer returns the AdminService as the router implements it, called
+// without the gRPC interceptors: see server.Server.AdminServer.
+func (r *Replica) AdminServer() outboxv1.AdminServiceServer { return r.router.AdminServer() }
+
 // Readiness is the replica's latest readiness: what the health service and
-// /readyz report.
+// /readyz report. With several sources the replica is ready while any
+// source is (a source down must not take the others out of a load
+// balancer), and Reason names every source that is not, even when Ready.
 func (r *Replica) Readiness() server.Readiness { return *r.readiness.Load() }
+
+// sourceReadiness records one source's readiness and publishes the
+// replica's.
+func (r *Replica) sourceReadiness(e *engine, rd server.Readiness) {
+	r.readyMu.Lock()
+	defer r.readyMu.Unlock()
+	e.readiness.Store(&rd)
+	if len(r.engines) == 1 {
+		r.setReadinessLocked(rd)
+		return
+	}
+	var all server.Readiness
+	var down []string
+	for _, e := range r.engines {
+		rd := e.readiness.Load()
+		all.Ready = all.Ready || rd.Ready
+		if !rd.Ready {
+			down = append(down, fmt.Sprintf("source %s: %s", e.name, rd.Reason))
+		}
+	}
+	all.Reason = strings.Join(down, "; ")
+	r.setReadinessLocked(all)
+}
 
 // Ready is closed the first time the replica reports ready (health
 // SERVING), which Serve's first readiness check does at once.
@@ -160,6 +277,10 @@ func (r *Replica) Ready() <-chan struct{} { return r.ready }
 func (r *Replica) setReadiness(rd server.Readiness) {
 	r.readyMu.Lock()
 	defer r.readyMu.Unlock()
+	r.setReadinessLocked(rd)
+}
+
+func (r *Replica) setReadinessLocked(rd server.Readiness) {
 	if r.stopping {
 		return // a readiness check finishing late must not undo Shutdown's
 	}
@@ -182,16 +303,18 @@ func (r *Replica) Serve(ctx context.Context, lis net.Listener) error {
 	runCtx, cancelRun := context.WithCancel(context.WithoutCancel(ctx))
 	defer cancelRun()
 	var wg sync.WaitGroup
-	var runErrs [2]error
-	wg.Add(2)
-	go func() { defer wg.Done(); runErrs[0] = r.Server.Run(runCtx) }()
-	go func() {
-		defer wg.Done()
-		r.Server.WatchReadiness(runCtx, r.cfg.HealthInterval, r.setReadiness)
-	}()
+	runErrs := make([]error, 1+len(r.engines))
+	for i, e := range r.engines {
+		wg.Add(2)
+		go func() { defer wg.Done(); runErrs[1+i] = e.srv.Run(runCtx) }()
+		go func() {
+			defer wg.Done()
+			e.srv.WatchReadiness(runCtx, r.cfg.HealthInterval, func(rd server.Readiness) { r.sourceReadiness(e, rd) })
+		}()
+	}
 	if a := r.cfg.Authenticator; a != nil {
 		wg.Add(1)
-		go func() { defer wg.Done(); runErrs[1] = a.Watch(runCtx) }()
+		go func() { defer wg.Done(); runErrs[0] = a.Watch(runCtx) }()
 	}
 	served := make(chan error, 1)
 	go func() { served <- r.GRPC.Serve(lis) }()
@@ -212,7 +335,7 @@ func (r *Replica) Serve(ctx context.Context, lis net.Listener) error {
 	}
 	cancelRun()
 	wg.Wait()
-	return errors.Join(serveErr, runErrs[0], runErrs[1])
+	return errors.Join(append([]error{serveErr}, runErrs...)...)
 }
 
 // Shutdown ends serving, bounded by Config.ShutdownTimeout plus a few
@@ -230,7 +353,7 @@ func (r *Replica) Shutdown() {
 	r.readyMu.Unlock()
 	r.health.Shutdown()
 	stopCtx, cancel := context.WithTimeout(context.Background(), r.cfg.ShutdownTimeout)
-	stuck := r.Server.Stop(stopCtx)
+	stuck := r.eachEngine(func(s *server.Server) error { return s.Stop(stopCtx) })
 	cancel()
 	if stuck == nil {
 		stopped := make(chan struct{})
@@ -247,10 +370,21 @@ func (r *Replica) Shutdown() {
 	r.GRPC.Stop()
 	drainCtx, cancel := context.WithTimeout(context.Background(), drainTimeout)
 	defer cancel()
-	if err := r.Server.Wait(drainCtx); err != nil {
+	if err := r.eachEngine(func(s *server.Server) error { return s.Wait(drainCtx) }); err != nil {
 		r.log.Warn("relay streams did not end after their connections closed; their leases expire by TTL", "err", err)
 	}
 	r.log.Info("outboxd stopped")
+}
+
+// eachEngine runs fn on every engine at once and joins their errors.
+func (r *Replica) eachEngine(fn func(*server.Server) error) error {
+	errs := make([]error, len(r.engines))
+	var wg sync.WaitGroup
+	for i, e := range r.engines {
+		wg.Go(func() { errs[i] = fn(e.srv) })
+	}
+	wg.Wait()
+	return errors.Join(errs...)
 }
 
 // newGRPCServer builds the gRPC server with its interceptors, outermost

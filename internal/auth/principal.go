@@ -19,7 +19,8 @@ type Principal struct {
 	// Roles are the roles granted, in a fixed order (relay, viewer, admin).
 	Roles []Role
 	// Streams are the stream patterns the token is limited to, sorted; '*'
-	// matches any run of characters. Empty means every stream.
+	// matches any run of characters. Empty means every stream. A pattern
+	// with a slash names a source too ("orders/billing.*", see ForSource).
 	Streams []string
 }
 
@@ -42,6 +43,40 @@ func (p *Principal) AllowsStream(stream string) bool {
 		}
 	}
 	return false
+}
+
+// DefaultSource is the name of the source database that --database-url
+// names: a pattern without a source ("billing.*") is one of its streams.
+const DefaultSource = "default"
+
+// ForSource returns p as the engine of one source database sees it: the
+// patterns that apply to that source's streams, written without the source
+// ("orders/billing.*" becomes "billing.*" for source orders, "*/payments"
+// becomes "payments" for every source, and a pattern without a source
+// applies to DefaultSource alone), and false when p may access no stream of
+// it. An unrestricted p (AllStreams, so also "*") is returned as it is.
+// Engines match bare stream names, so a request reaches one only with the
+// principal for its source: a token scoped to one source is refused on
+// every other.
+func (p *Principal) ForSource(source string) (*Principal, bool) {
+	if p.AllStreams() {
+		return p, true
+	}
+	var pats []string
+	for _, pat := range p.Streams {
+		src, stream, ok := strings.Cut(pat, "/")
+		switch {
+		case !ok && source == DefaultSource:
+			pats = append(pats, pat)
+		case ok && globMatch(src, source):
+			pats = append(pats, stream)
+		}
+	}
+	if len(pats) == 0 {
+		return nil, false
+	}
+	slices.Sort(pats)
+	return &Principal{Name: p.Name, Roles: p.Roles, Streams: slices.Compact(pats)}, true
 }
 
 // String returns the name: a Principal is safe to log.

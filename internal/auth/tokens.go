@@ -273,7 +273,7 @@ func parseStreams(s string) ([]string, string) {
 	var out []string
 	for i, pat := range strings.Split(list, ",") {
 		if !validPattern(pat) {
-			return nil, fmt.Sprintf("pattern %d %s is not a stream name with optional * wildcards (lower-case letters, digits, _ . - and *, starting with a letter or *, at most %d characters)", i+1, shown(pat), maxPatternLen)
+			return nil, fmt.Sprintf("pattern %d %s is not a stream name with optional * wildcards (lower-case letters, digits, _ . - and *, starting with a letter or *, at most %d characters), optionally after a source name with optional * wildcards and a slash (orders/billing.*)", i+1, shown(pat), maxPatternLen)
 		}
 		if !slices.Contains(out, pat) {
 			out = append(out, pat)
@@ -285,9 +285,18 @@ func parseStreams(s string) ([]string, string) {
 
 // validPattern accepts a stream name (^[a-z][a-z0-9_.-]{0,127}$) in which
 // any character may be replaced by '*', which matches any run of characters,
-// including none. Nothing else is special, so "billing.*" means what it reads
-// as and no pattern can fail at match time.
+// including none, optionally after a source pattern and a slash
+// ("orders/billing.*", "*/payments"): a source name (^[a-z][a-z0-9_]{0,31}$)
+// in which any character may be '*'. Nothing else is special, so
+// "billing.*" means what it reads as and no pattern can fail at match time.
 func validPattern(s string) bool {
+	if src, stream, ok := strings.Cut(s, "/"); ok {
+		return validSourcePattern(src) && validStreamPattern(stream)
+	}
+	return validStreamPattern(s)
+}
+
+func validStreamPattern(s string) bool {
 	if s == "" || len(s) > maxPatternLen {
 		return false
 	}
@@ -297,6 +306,25 @@ func validPattern(s string) bool {
 	for i := 0; i < len(s); i++ {
 		c := s[i]
 		if !('a' <= c && c <= 'z') && !('0' <= c && c <= '9') && c != '_' && c != '.' && c != '-' && c != '*' {
+			return false
+		}
+	}
+	return true
+}
+
+// maxSourceLen is the longest source name (^[a-z][a-z0-9_]{0,31}$).
+const maxSourceLen = 32
+
+func validSourcePattern(s string) bool {
+	if s == "" || len(s) > maxSourceLen {
+		return false
+	}
+	if c := s[0]; !('a' <= c && c <= 'z') && c != '*' {
+		return false
+	}
+	for i := 0; i < len(s); i++ {
+		c := s[i]
+		if !('a' <= c && c <= 'z') && !('0' <= c && c <= '9') && c != '_' && c != '*' {
 			return false
 		}
 	}

@@ -170,7 +170,12 @@ func TestParseErrors(t *testing.T) {
 		{"pattern empty", "a relay " + relaySecret + " streams=a,,b", false, []string{`pattern 2 "" is not`}, nil},
 		{"pattern starts with digit", "a relay " + relaySecret + " streams=1a", false, []string{`pattern 1 "1a"`}, nil},
 		{"pattern too long", "a relay " + relaySecret + " streams=" + strings.Repeat("a", 129), false, []string{"pattern 1 (129 characters, not shown)"}, nil},
-		{"pattern with slash", "a relay " + relaySecret + " streams=a/b", false, []string{`pattern 1 "a/b"`}, nil},
+		{"pattern with two slashes", "a relay " + relaySecret + " streams=a/b/c", false, []string{`pattern 1 "a/b/c"`}, nil},
+		{"source pattern with a dot", "a relay " + relaySecret + " streams=a.b/c", false, []string{`pattern 1 "a.b/c"`}, nil},
+		{"source pattern upper case", "a relay " + relaySecret + " streams=Orders/c", false, []string{`pattern 1 "Orders/c"`}, nil},
+		{"source pattern empty", "a relay " + relaySecret + " streams=/c", false, []string{`pattern 1 "/c"`}, nil},
+		{"source pattern too long", "a relay " + relaySecret + " streams=" + strings.Repeat("a", 33) + "/c", false, []string{"pattern 1 "}, nil},
+		{"stream pattern empty after source", "a relay " + relaySecret + " streams=orders/", false, []string{`pattern 1 "orders/"`}, nil},
 		{"pattern with bracket", "a relay " + relaySecret + " streams=a[b]", false, []string{`pattern 1 "a[b]"`}, nil},
 		{
 			"same secret twice",
@@ -325,9 +330,43 @@ func TestValidPatternAcceptsStreamNames(t *testing.T) {
 			t.Errorf("stream name %q is not a valid pattern", s)
 		}
 	}
-	for _, s := range []string{"*", "*.x", "a*", "billing.*"} {
+	for _, s := range []string{"*", "*.x", "a*", "billing.*", "orders/billing.*", "*/payments", "o*/*", strings.Repeat("a", 32) + "/x"} {
 		if !validPattern(s) {
 			t.Errorf("pattern %q refused", s)
+		}
+	}
+}
+
+// TestForSourceProjectsPatterns: a token's patterns reach the engine of one
+// source as that source's patterns without the source; a bare pattern is of
+// the default source only; a token with nothing of a source gets nothing.
+func TestForSourceProjectsPatterns(t *testing.T) {
+	t.Parallel()
+	p := &Principal{Name: "r", Streams: []string{"*/payments", "billing.*", "or*/sales", "orders/a"}}
+	for _, tc := range []struct {
+		source string
+		want   []string
+	}{
+		{DefaultSource, []string{"billing.*", "payments"}},
+		{"orders", []string{"a", "payments", "sales"}},
+		{"ordnance", []string{"payments", "sales"}},
+		{"shipping", []string{"payments"}},
+	} {
+		q, ok := p.ForSource(tc.source)
+		if !ok || !slices.Equal(q.Streams, tc.want) || q.Name != "r" {
+			t.Errorf("ForSource(%q) = %v, %v; want %v", tc.source, q, ok, tc.want)
+		}
+	}
+	only := &Principal{Name: "o", Streams: []string{"orders/*"}}
+	if q, ok := only.ForSource(DefaultSource); ok {
+		t.Errorf("a token of orders/* reaches default as %v", q.Streams)
+	}
+	if q, ok := only.ForSource("orders"); !ok || !q.AllStreams() {
+		t.Errorf("orders/* is not every stream of orders: %v, %v", q, ok)
+	}
+	for _, all := range []*Principal{{Name: "all"}, {Name: "star", Streams: []string{"*"}}} {
+		if q, ok := all.ForSource("orders"); !ok || q != all {
+			t.Errorf("unrestricted %v projected to %v, %v", all.Streams, q, ok)
 		}
 	}
 }

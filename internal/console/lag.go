@@ -43,7 +43,7 @@ func (g *lagRing) add(at time.Time, lag *outboxv1.GetLagResponse) {
 	})
 	s := sample{at: at, streams: make(map[string]point, min(len(streams), maxSampledStreams))}
 	for _, l := range streams[:min(len(streams), maxSampledStreams)] {
-		s.streams[l.GetStream()] = pointOf(l)
+		s.streams[streamAddress(l)] = pointOf(l)
 	}
 	g.mu.Lock()
 	defer g.mu.Unlock()
@@ -107,7 +107,7 @@ type streamRow struct {
 func rowOf(l *outboxv1.StreamLag) streamRow {
 	age := l.GetOldestPendingAge().AsDuration()
 	return streamRow{
-		Stream: l.GetStream(), Pending: l.GetPendingEvents(), Aggregates: l.GetPendingAggregates(),
+		Stream: streamAddress(l), Pending: l.GetPendingEvents(), Aggregates: l.GetPendingAggregates(),
 		OldestAgeS: age.Seconds(), Oldest: humanDuration(age, l.GetPendingEvents() > 0), Rate: l.GetDeliveredPerSecond(),
 		Ready: l.GetReadyAggregates(), Leased: l.GetLeasedAggregates(), Backoff: l.GetBackingOffAggregates(),
 		Parked: l.GetParkedAggregates(), Gap: l.GetGapAggregates(), Stalled: l.GetStalledAggregates(),
@@ -142,4 +142,13 @@ func (c *Console) lagJSON(q *request) {
 	}
 	q.w.Header().Set("Content-Type", "application/json")
 	_ = json.NewEncoder(q.w).Encode(out)
+}
+
+// streamAddress names a stream as operators and token scopes do: the bare
+// name for the default source, "source/stream" for another.
+func streamAddress(l *outboxv1.StreamLag) string {
+	if src := l.GetSource(); src != "" {
+		return src + "/" + l.GetStream()
+	}
+	return l.GetStream()
 }

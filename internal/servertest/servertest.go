@@ -38,6 +38,8 @@ type Replica struct {
 	Admin outboxv1.AdminServiceClient
 	// Pool is the replica's own database pool.
 	Pool *pgxpool.Pool
+	// Pools are the pools of Options.Sources, by name.
+	Pools map[string]*pgxpool.Pool
 
 	cancel    context.CancelFunc
 	served    chan struct{}
@@ -59,6 +61,10 @@ type Options struct {
 	ServerOptions []grpc.ServerOption
 	// DialOptions are added to the client connection.
 	DialOptions []grpc.DialOption
+	// Sources are further source databases, by name, each served by an
+	// engine of its own (app.Config.Sources) configured as the default one
+	// (Configure applies to each).
+	Sources map[string]string
 }
 
 // Start runs a replica against the database at url until t ends, built by
@@ -68,15 +74,7 @@ type Options struct {
 func Start(t testing.TB, url string, opts Options) *Replica {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
-	poolCfg, err := pgxpool.ParseConfig(url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	store.ConfigurePool(poolCfg)
-	pool, err := pgxpool.NewWithConfig(ctx, poolCfg)
-	if err != nil {
-		t.Fatal(err)
-	}
+	pool := newPool(t, ctx, url)
 	cfg := server.Config{
 		Store:             store.New(pool),
 		DatabaseURL:       url,
@@ -87,8 +85,21 @@ func Start(t testing.TB, url string, opts Options) *Replica {
 	if opts.Configure != nil {
 		opts.Configure(&cfg)
 	}
+	pools := map[string]*pgxpool.Pool{}
+	var sources []app.Source
+	for name, surl := range opts.Sources {
+		sp := newPool(t, ctx, surl)
+		pools[name] = sp
+		sc := server.Config{Store: store.New(sp), DatabaseURL: surl, Logger: cfg.Logger,
+			PollInterval: cfg.PollInterval, ReconcileInterval: cfg.ReconcileInterval}
+		if opts.Configure != nil {
+			opts.Configure(&sc)
+		}
+		sources = append(sources, app.Source{Name: name, Server: sc})
+	}
 	rep, err := app.New(ctx, app.Config{
 		Server:          cfg,
+		Sources:         sources,
 		Authenticator:   opts.Authenticator,
 		HealthInterval:  time.Second,
 		ShutdownTimeout: cmp.Or(opts.ShutdownTimeout, 5*time.Second),
@@ -96,13 +107,16 @@ func Start(t testing.TB, url string, opts Options) *Replica {
 	})
 	if err != nil {
 		pool.Close()
+		for _, sp := range pools {
+			sp.Close()
+		}
 		t.Fatal(err)
 	}
 	lis, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
-	r := &Replica{Server: rep.Server, App: rep, Addr: lis.Addr().String(), Pool: pool,
+	r := &Replica{Server: rep.Server, App: rep, Addr: lis.Addr().String(), Pool: pool, Pools: pools,
 		cancel: cancel, served: make(chan struct{})}
 	go func() { defer close(r.served); _ = rep.Serve(ctx, lis) }()
 	dial := append([]grpc.DialOption{grpc.WithTransportCredentials(insecure.NewCredentials())}, opts.DialOptions...)
@@ -115,6 +129,10 @@ func Start(t testing.TB, url string, opts Options) *Replica {
 		r.Close()
 		checkNothingStranded(t, pool)
 		pool.Close()
+		for _, sp := range pools {
+			checkNothingStranded(t, sp)
+			sp.Close()
+		}
 	})
 	select {
 	case <-rep.Ready():
@@ -122,6 +140,20 @@ func Start(t testing.TB, url string, opts Options) *Replica {
 		t.Fatalf("replica not ready after 30s: %s", rep.Readiness().Reason)
 	}
 	return r
+}
+
+func newPool(t testing.TB, ctx context.Context, url string) *pgxpool.Pool {
+	t.Helper()
+	poolCfg, err := pgxpool.ParseConfig(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	store.ConfigurePool(poolCfg)
+	pool, err := pgxpool.NewWithConfig(ctx, poolCfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return pool
 }
 
 // Close shuts the replica down as SIGTERM does `outboxd serve` (see

@@ -37,6 +37,7 @@ type stdoutLine struct {
 	Headers      map[string]string `json:"headers"`
 	CreatedAt    string            `json:"created_at"`
 	Attempt      int               `json:"attempt"`
+	Source       string            `json:"source,omitempty"`
 }
 
 func openStdout(_ context.Context, u *url.URL, display string, opts Options) (relay.Sink, error) {
@@ -103,6 +104,7 @@ func encodeEvent(ev relay.Event) ([]byte, error) {
 		Headers:      headers,
 		CreatedAt:    ev.CreatedAt.UTC().Format(time.RFC3339Nano),
 		Attempt:      ev.Attempt,
+		Source:       ev.Source,
 	}); err != nil {
 		return nil, fmt.Errorf("encode: %w", err)
 	}

@@ -277,8 +277,14 @@ type GetLagResponse struct {
 	// are not found (and not counted above) until an operator runs
 	// `outboxd rescan`.
 	DiscoveryStopped string `protobuf:"bytes,4,opt,name=discovery_stopped,json=discoveryStopped,proto3" json:"discovery_stopped,omitempty"`
-	unknownFields    protoimpl.UnknownFields
-	sizeCache        protoimpl.SizeCache
+	// sources has one entry per source database the server fronts (outboxd
+	// serve --source NAME=URL), in name order, saying whether it is healthy.
+	// The figures above leave out a source whose lag could not be read (its
+	// entry says why), so that one source down hides nothing of the others.
+	// Empty from servers that predate sources.
+	Sources       []*SourceHealth `protobuf:"bytes,5,rep,name=sources,proto3" json:"sources,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *GetLagResponse) Reset() {
@@ -339,6 +345,78 @@ func (x *GetLagResponse) GetDiscoveryStopped() string {
 	return ""
 }
 
+func (x *GetLagResponse) GetSources() []*SourceHealth {
+	if x != nil {
+		return x.Sources
+	}
+	return nil
+}
+
+// SourceHealth says whether one source database is healthy.
+type SourceHealth struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// name is the source's name ("default" for --database-url).
+	Name string `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	// ready is true while the source's database answers, its schema is
+	// current and its discovery runs: its events are being delivered.
+	Ready bool `protobuf:"varint,2,opt,name=ready,proto3" json:"ready,omitempty"`
+	// reason says why the source is not ready; empty when it is.
+	Reason        string `protobuf:"bytes,3,opt,name=reason,proto3" json:"reason,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SourceHealth) Reset() {
+	*x = SourceHealth{}
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[2]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SourceHealth) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SourceHealth) ProtoMessage() {}
+
+func (x *SourceHealth) ProtoReflect() protoreflect.Message {
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[2]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SourceHealth.ProtoReflect.Descriptor instead.
+func (*SourceHealth) Descriptor() ([]byte, []int) {
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{2}
+}
+
+func (x *SourceHealth) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *SourceHealth) GetReady() bool {
+	if x != nil {
+		return x.Ready
+	}
+	return false
+}
+
+func (x *SourceHealth) GetReason() string {
+	if x != nil {
+		return x.Reason
+	}
+	return ""
+}
+
 // StreamLag is the delivery backlog of one stream.
 type StreamLag struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -391,14 +469,17 @@ type StreamLag struct {
 	// longer than outbox.settings.idle_relay_after (1 minute by default), and
 	// have been connected at least that long. The total counts each relay
 	// once, however many of its streams wait.
-	IdleRelays    int64 `protobuf:"varint,16,opt,name=idle_relays,json=idleRelays,proto3" json:"idle_relays,omitempty"`
+	IdleRelays int64 `protobuf:"varint,16,opt,name=idle_relays,json=idleRelays,proto3" json:"idle_relays,omitempty"`
+	// source names the source database of the stream, on a server that fronts
+	// several; empty means "default" and is empty in a total.
+	Source        string `protobuf:"bytes,17,opt,name=source,proto3" json:"source,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *StreamLag) Reset() {
 	*x = StreamLag{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[2]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -410,7 +491,7 @@ func (x *StreamLag) String() string {
 func (*StreamLag) ProtoMessage() {}
 
 func (x *StreamLag) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[2]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -423,7 +504,7 @@ func (x *StreamLag) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StreamLag.ProtoReflect.Descriptor instead.
 func (*StreamLag) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{2}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *StreamLag) GetStream() string {
@@ -538,6 +619,13 @@ func (x *StreamLag) GetIdleRelays() int64 {
 	return 0
 }
 
+func (x *StreamLag) GetSource() string {
+	if x != nil {
+		return x.Source
+	}
+	return ""
+}
+
 // ListRelaysRequest asks for the connected relays.
 type ListRelaysRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
@@ -547,7 +635,7 @@ type ListRelaysRequest struct {
 
 func (x *ListRelaysRequest) Reset() {
 	*x = ListRelaysRequest{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[3]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -559,7 +647,7 @@ func (x *ListRelaysRequest) String() string {
 func (*ListRelaysRequest) ProtoMessage() {}
 
 func (x *ListRelaysRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[3]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -572,7 +660,7 @@ func (x *ListRelaysRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListRelaysRequest.ProtoReflect.Descriptor instead.
 func (*ListRelaysRequest) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{3}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{4}
 }
 
 // ListRelaysResponse lists connected relays.
@@ -586,7 +674,7 @@ type ListRelaysResponse struct {
 
 func (x *ListRelaysResponse) Reset() {
 	*x = ListRelaysResponse{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[4]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -598,7 +686,7 @@ func (x *ListRelaysResponse) String() string {
 func (*ListRelaysResponse) ProtoMessage() {}
 
 func (x *ListRelaysResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[4]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -611,7 +699,7 @@ func (x *ListRelaysResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListRelaysResponse.ProtoReflect.Descriptor instead.
 func (*ListRelaysResponse) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{4}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *ListRelaysResponse) GetRelays() []*Relay {
@@ -653,7 +741,7 @@ type Relay struct {
 
 func (x *Relay) Reset() {
 	*x = Relay{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[5]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -665,7 +753,7 @@ func (x *Relay) String() string {
 func (*Relay) ProtoMessage() {}
 
 func (x *Relay) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[5]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -678,7 +766,7 @@ func (x *Relay) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Relay.ProtoReflect.Descriptor instead.
 func (*Relay) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{5}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *Relay) GetRelayId() string {
@@ -764,7 +852,7 @@ type GetAggregateRequest struct {
 
 func (x *GetAggregateRequest) Reset() {
 	*x = GetAggregateRequest{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[6]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -776,7 +864,7 @@ func (x *GetAggregateRequest) String() string {
 func (*GetAggregateRequest) ProtoMessage() {}
 
 func (x *GetAggregateRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[6]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -789,7 +877,7 @@ func (x *GetAggregateRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetAggregateRequest.ProtoReflect.Descriptor instead.
 func (*GetAggregateRequest) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{6}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *GetAggregateRequest) GetStream() string {
@@ -817,7 +905,7 @@ type GetAggregateResponse struct {
 
 func (x *GetAggregateResponse) Reset() {
 	*x = GetAggregateResponse{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[7]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -829,7 +917,7 @@ func (x *GetAggregateResponse) String() string {
 func (*GetAggregateResponse) ProtoMessage() {}
 
 func (x *GetAggregateResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[7]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -842,7 +930,7 @@ func (x *GetAggregateResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetAggregateResponse.ProtoReflect.Descriptor instead.
 func (*GetAggregateResponse) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{7}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *GetAggregateResponse) GetAggregate() *Aggregate {
@@ -910,7 +998,7 @@ type Aggregate struct {
 
 func (x *Aggregate) Reset() {
 	*x = Aggregate{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[8]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -922,7 +1010,7 @@ func (x *Aggregate) String() string {
 func (*Aggregate) ProtoMessage() {}
 
 func (x *Aggregate) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[8]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -935,7 +1023,7 @@ func (x *Aggregate) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Aggregate.ProtoReflect.Descriptor instead.
 func (*Aggregate) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{8}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *Aggregate) GetStream() string {
@@ -1116,7 +1204,7 @@ type AggregateFilter struct {
 
 func (x *AggregateFilter) Reset() {
 	*x = AggregateFilter{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[9]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1128,7 +1216,7 @@ func (x *AggregateFilter) String() string {
 func (*AggregateFilter) ProtoMessage() {}
 
 func (x *AggregateFilter) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[9]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1141,7 +1229,7 @@ func (x *AggregateFilter) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AggregateFilter.ProtoReflect.Descriptor instead.
 func (*AggregateFilter) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{9}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *AggregateFilter) GetStream() string {
@@ -1194,7 +1282,7 @@ type ListAggregatesRequest struct {
 
 func (x *ListAggregatesRequest) Reset() {
 	*x = ListAggregatesRequest{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[10]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1206,7 +1294,7 @@ func (x *ListAggregatesRequest) String() string {
 func (*ListAggregatesRequest) ProtoMessage() {}
 
 func (x *ListAggregatesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[10]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1219,7 +1307,7 @@ func (x *ListAggregatesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListAggregatesRequest.ProtoReflect.Descriptor instead.
 func (*ListAggregatesRequest) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{10}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *ListAggregatesRequest) GetFilter() *AggregateFilter {
@@ -1256,7 +1344,7 @@ type ListAggregatesResponse struct {
 
 func (x *ListAggregatesResponse) Reset() {
 	*x = ListAggregatesResponse{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[11]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1268,7 +1356,7 @@ func (x *ListAggregatesResponse) String() string {
 func (*ListAggregatesResponse) ProtoMessage() {}
 
 func (x *ListAggregatesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[11]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1281,7 +1369,7 @@ func (x *ListAggregatesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListAggregatesResponse.ProtoReflect.Descriptor instead.
 func (*ListAggregatesResponse) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{11}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *ListAggregatesResponse) GetAggregates() []*Aggregate {
@@ -1327,7 +1415,7 @@ type Attempt struct {
 
 func (x *Attempt) Reset() {
 	*x = Attempt{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[12]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1339,7 +1427,7 @@ func (x *Attempt) String() string {
 func (*Attempt) ProtoMessage() {}
 
 func (x *Attempt) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[12]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1352,7 +1440,7 @@ func (x *Attempt) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Attempt.ProtoReflect.Descriptor instead.
 func (*Attempt) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{12}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *Attempt) GetEventId() string {
@@ -1444,7 +1532,7 @@ type ListAttemptsRequest struct {
 
 func (x *ListAttemptsRequest) Reset() {
 	*x = ListAttemptsRequest{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[13]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1456,7 +1544,7 @@ func (x *ListAttemptsRequest) String() string {
 func (*ListAttemptsRequest) ProtoMessage() {}
 
 func (x *ListAttemptsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[13]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1469,7 +1557,7 @@ func (x *ListAttemptsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListAttemptsRequest.ProtoReflect.Descriptor instead.
 func (*ListAttemptsRequest) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{13}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *ListAttemptsRequest) GetEventId() string {
@@ -1520,7 +1608,7 @@ type ListAttemptsResponse struct {
 
 func (x *ListAttemptsResponse) Reset() {
 	*x = ListAttemptsResponse{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[14]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1532,7 +1620,7 @@ func (x *ListAttemptsResponse) String() string {
 func (*ListAttemptsResponse) ProtoMessage() {}
 
 func (x *ListAttemptsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[14]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1545,7 +1633,7 @@ func (x *ListAttemptsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListAttemptsResponse.ProtoReflect.Descriptor instead.
 func (*ListAttemptsResponse) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{14}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *ListAttemptsResponse) GetAttempts() []*Attempt {
@@ -1581,7 +1669,7 @@ type BulkRetryRequest struct {
 
 func (x *BulkRetryRequest) Reset() {
 	*x = BulkRetryRequest{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[15]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1593,7 +1681,7 @@ func (x *BulkRetryRequest) String() string {
 func (*BulkRetryRequest) ProtoMessage() {}
 
 func (x *BulkRetryRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[15]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1606,7 +1694,7 @@ func (x *BulkRetryRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BulkRetryRequest.ProtoReflect.Descriptor instead.
 func (*BulkRetryRequest) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{15}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *BulkRetryRequest) GetFilter() *AggregateFilter {
@@ -1659,7 +1747,7 @@ type BulkRetryResponse struct {
 
 func (x *BulkRetryResponse) Reset() {
 	*x = BulkRetryResponse{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[16]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1671,7 +1759,7 @@ func (x *BulkRetryResponse) String() string {
 func (*BulkRetryResponse) ProtoMessage() {}
 
 func (x *BulkRetryResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[16]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1684,7 +1772,7 @@ func (x *BulkRetryResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BulkRetryResponse.ProtoReflect.Descriptor instead.
 func (*BulkRetryResponse) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{16}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *BulkRetryResponse) GetMatched() int64 {
@@ -1725,7 +1813,7 @@ type BulkSkipRequest struct {
 
 func (x *BulkSkipRequest) Reset() {
 	*x = BulkSkipRequest{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[17]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1737,7 +1825,7 @@ func (x *BulkSkipRequest) String() string {
 func (*BulkSkipRequest) ProtoMessage() {}
 
 func (x *BulkSkipRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[17]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1750,7 +1838,7 @@ func (x *BulkSkipRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BulkSkipRequest.ProtoReflect.Descriptor instead.
 func (*BulkSkipRequest) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{17}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *BulkSkipRequest) GetFilter() *AggregateFilter {
@@ -1796,7 +1884,7 @@ type BulkSkipResponse struct {
 
 func (x *BulkSkipResponse) Reset() {
 	*x = BulkSkipResponse{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[18]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1808,7 +1896,7 @@ func (x *BulkSkipResponse) String() string {
 func (*BulkSkipResponse) ProtoMessage() {}
 
 func (x *BulkSkipResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[18]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1821,7 +1909,7 @@ func (x *BulkSkipResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BulkSkipResponse.ProtoReflect.Descriptor instead.
 func (*BulkSkipResponse) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{18}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *BulkSkipResponse) GetMatched() int64 {
@@ -1876,7 +1964,7 @@ type RepublishRequest struct {
 
 func (x *RepublishRequest) Reset() {
 	*x = RepublishRequest{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[19]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1888,7 +1976,7 @@ func (x *RepublishRequest) String() string {
 func (*RepublishRequest) ProtoMessage() {}
 
 func (x *RepublishRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[19]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1901,7 +1989,7 @@ func (x *RepublishRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RepublishRequest.ProtoReflect.Descriptor instead.
 func (*RepublishRequest) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{19}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *RepublishRequest) GetStream() string {
@@ -1990,7 +2078,7 @@ type RepublishResponse struct {
 
 func (x *RepublishResponse) Reset() {
 	*x = RepublishResponse{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[20]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2002,7 +2090,7 @@ func (x *RepublishResponse) String() string {
 func (*RepublishResponse) ProtoMessage() {}
 
 func (x *RepublishResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[20]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2015,7 +2103,7 @@ func (x *RepublishResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RepublishResponse.ProtoReflect.Descriptor instead.
 func (*RepublishResponse) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{20}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *RepublishResponse) GetAggregates() int64 {
@@ -2077,7 +2165,7 @@ type ListOperatorActionsRequest struct {
 
 func (x *ListOperatorActionsRequest) Reset() {
 	*x = ListOperatorActionsRequest{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[21]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2089,7 +2177,7 @@ func (x *ListOperatorActionsRequest) String() string {
 func (*ListOperatorActionsRequest) ProtoMessage() {}
 
 func (x *ListOperatorActionsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[21]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2102,7 +2190,7 @@ func (x *ListOperatorActionsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListOperatorActionsRequest.ProtoReflect.Descriptor instead.
 func (*ListOperatorActionsRequest) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{21}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *ListOperatorActionsRequest) GetStream() string {
@@ -2160,7 +2248,7 @@ type ListOperatorActionsResponse struct {
 
 func (x *ListOperatorActionsResponse) Reset() {
 	*x = ListOperatorActionsResponse{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[22]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2172,7 +2260,7 @@ func (x *ListOperatorActionsResponse) String() string {
 func (*ListOperatorActionsResponse) ProtoMessage() {}
 
 func (x *ListOperatorActionsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[22]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2185,7 +2273,7 @@ func (x *ListOperatorActionsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListOperatorActionsResponse.ProtoReflect.Descriptor instead.
 func (*ListOperatorActionsResponse) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{22}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *ListOperatorActionsResponse) GetActions() []*OperatorAction {
@@ -2240,7 +2328,7 @@ type OperatorAction struct {
 
 func (x *OperatorAction) Reset() {
 	*x = OperatorAction{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[23]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2252,7 +2340,7 @@ func (x *OperatorAction) String() string {
 func (*OperatorAction) ProtoMessage() {}
 
 func (x *OperatorAction) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[23]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2265,7 +2353,7 @@ func (x *OperatorAction) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use OperatorAction.ProtoReflect.Descriptor instead.
 func (*OperatorAction) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{23}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *OperatorAction) GetActionId() int64 {
@@ -2371,7 +2459,7 @@ type ListEventsRequest struct {
 
 func (x *ListEventsRequest) Reset() {
 	*x = ListEventsRequest{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[24]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2383,7 +2471,7 @@ func (x *ListEventsRequest) String() string {
 func (*ListEventsRequest) ProtoMessage() {}
 
 func (x *ListEventsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[24]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2396,7 +2484,7 @@ func (x *ListEventsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListEventsRequest.ProtoReflect.Descriptor instead.
 func (*ListEventsRequest) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{24}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *ListEventsRequest) GetStream() string {
@@ -2468,7 +2556,7 @@ type ListEventsResponse struct {
 
 func (x *ListEventsResponse) Reset() {
 	*x = ListEventsResponse{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[25]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2480,7 +2568,7 @@ func (x *ListEventsResponse) String() string {
 func (*ListEventsResponse) ProtoMessage() {}
 
 func (x *ListEventsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[25]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2493,7 +2581,7 @@ func (x *ListEventsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListEventsResponse.ProtoReflect.Descriptor instead.
 func (*ListEventsResponse) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{25}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *ListEventsResponse) GetEvents() []*EventInfo {
@@ -2527,7 +2615,7 @@ type EventInfo struct {
 
 func (x *EventInfo) Reset() {
 	*x = EventInfo{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[26]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2539,7 +2627,7 @@ func (x *EventInfo) String() string {
 func (*EventInfo) ProtoMessage() {}
 
 func (x *EventInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[26]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2552,7 +2640,7 @@ func (x *EventInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EventInfo.ProtoReflect.Descriptor instead.
 func (*EventInfo) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{26}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *EventInfo) GetEvent() *Event {
@@ -2598,7 +2686,7 @@ type Skip struct {
 
 func (x *Skip) Reset() {
 	*x = Skip{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[27]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2610,7 +2698,7 @@ func (x *Skip) String() string {
 func (*Skip) ProtoMessage() {}
 
 func (x *Skip) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[27]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2623,7 +2711,7 @@ func (x *Skip) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Skip.ProtoReflect.Descriptor instead.
 func (*Skip) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{27}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *Skip) GetReason() string {
@@ -2669,7 +2757,7 @@ type RetryAggregateRequest struct {
 
 func (x *RetryAggregateRequest) Reset() {
 	*x = RetryAggregateRequest{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[28]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2681,7 +2769,7 @@ func (x *RetryAggregateRequest) String() string {
 func (*RetryAggregateRequest) ProtoMessage() {}
 
 func (x *RetryAggregateRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[28]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2694,7 +2782,7 @@ func (x *RetryAggregateRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RetryAggregateRequest.ProtoReflect.Descriptor instead.
 func (*RetryAggregateRequest) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{28}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *RetryAggregateRequest) GetStream() string {
@@ -2743,7 +2831,7 @@ type RetryAggregateResponse struct {
 
 func (x *RetryAggregateResponse) Reset() {
 	*x = RetryAggregateResponse{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[29]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2755,7 +2843,7 @@ func (x *RetryAggregateResponse) String() string {
 func (*RetryAggregateResponse) ProtoMessage() {}
 
 func (x *RetryAggregateResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[29]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2768,7 +2856,7 @@ func (x *RetryAggregateResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RetryAggregateResponse.ProtoReflect.Descriptor instead.
 func (*RetryAggregateResponse) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{29}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{30}
 }
 
 func (x *RetryAggregateResponse) GetAggregate() *Aggregate {
@@ -2793,7 +2881,7 @@ type SkipEventRequest struct {
 
 func (x *SkipEventRequest) Reset() {
 	*x = SkipEventRequest{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[30]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2805,7 +2893,7 @@ func (x *SkipEventRequest) String() string {
 func (*SkipEventRequest) ProtoMessage() {}
 
 func (x *SkipEventRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[30]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2818,7 +2906,7 @@ func (x *SkipEventRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SkipEventRequest.ProtoReflect.Descriptor instead.
 func (*SkipEventRequest) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{30}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{31}
 }
 
 func (x *SkipEventRequest) GetEventId() string {
@@ -2853,7 +2941,7 @@ type SkipEventResponse struct {
 
 func (x *SkipEventResponse) Reset() {
 	*x = SkipEventResponse{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[31]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[32]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2865,7 +2953,7 @@ func (x *SkipEventResponse) String() string {
 func (*SkipEventResponse) ProtoMessage() {}
 
 func (x *SkipEventResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[31]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[32]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2878,7 +2966,7 @@ func (x *SkipEventResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SkipEventResponse.ProtoReflect.Descriptor instead.
 func (*SkipEventResponse) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{31}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{32}
 }
 
 func (x *SkipEventResponse) GetSkip() *Skip {
@@ -2906,7 +2994,7 @@ type PurgeRequest struct {
 
 func (x *PurgeRequest) Reset() {
 	*x = PurgeRequest{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[32]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[33]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2918,7 +3006,7 @@ func (x *PurgeRequest) String() string {
 func (*PurgeRequest) ProtoMessage() {}
 
 func (x *PurgeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[32]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[33]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2931,7 +3019,7 @@ func (x *PurgeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PurgeRequest.ProtoReflect.Descriptor instead.
 func (*PurgeRequest) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{32}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{33}
 }
 
 func (x *PurgeRequest) GetPublishedBefore() *timestamppb.Timestamp {
@@ -2981,7 +3069,7 @@ type PurgeResponse struct {
 
 func (x *PurgeResponse) Reset() {
 	*x = PurgeResponse{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[33]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[34]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2993,7 +3081,7 @@ func (x *PurgeResponse) String() string {
 func (*PurgeResponse) ProtoMessage() {}
 
 func (x *PurgeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[33]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[34]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3006,7 +3094,7 @@ func (x *PurgeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PurgeResponse.ProtoReflect.Descriptor instead.
 func (*PurgeResponse) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{33}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{34}
 }
 
 func (x *PurgeResponse) GetDeleted() int64 {
@@ -3050,12 +3138,17 @@ const file_outbox_v1_admin_service_proto_rawDesc = "" +
 	"\n" +
 	"\x1doutbox/v1/admin_service.proto\x12\toutbox.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x15outbox/v1/event.proto\")\n" +
 	"\rGetLagRequest\x12\x18\n" +
-	"\astreams\x18\x01 \x03(\tR\astreams\"\xc4\x01\n" +
+	"\astreams\x18\x01 \x03(\tR\astreams\"\xf7\x01\n" +
 	"\x0eGetLagResponse\x12.\n" +
 	"\astreams\x18\x01 \x03(\v2\x14.outbox.v1.StreamLagR\astreams\x12*\n" +
 	"\x05total\x18\x02 \x01(\v2\x14.outbox.v1.StreamLagR\x05total\x12)\n" +
 	"\x10connected_relays\x18\x03 \x01(\rR\x0fconnectedRelays\x12+\n" +
-	"\x11discovery_stopped\x18\x04 \x01(\tR\x10discoveryStopped\"\x9d\x06\n" +
+	"\x11discovery_stopped\x18\x04 \x01(\tR\x10discoveryStopped\x121\n" +
+	"\asources\x18\x05 \x03(\v2\x17.outbox.v1.SourceHealthR\asources\"P\n" +
+	"\fSourceHealth\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\x12\x14\n" +
+	"\x05ready\x18\x02 \x01(\bR\x05ready\x12\x16\n" +
+	"\x06reason\x18\x03 \x01(\tR\x06reason\"\xb5\x06\n" +
 	"\tStreamLag\x12\x16\n" +
 	"\x06stream\x18\x01 \x01(\tR\x06stream\x12%\n" +
 	"\x0epending_events\x18\x02 \x01(\x03R\rpendingEvents\x12-\n" +
@@ -3074,7 +3167,8 @@ const file_outbox_v1_admin_service_proto_rawDesc = "" +
 	"\x0fstranded_events\x18\x0e \x01(\x03R\x0estrandedEvents\x12-\n" +
 	"\x12stalled_aggregates\x18\x0f \x01(\x03R\x11stalledAggregates\x12\x1f\n" +
 	"\vidle_relays\x18\x10 \x01(\x03R\n" +
-	"idleRelays\"\x13\n" +
+	"idleRelays\x12\x16\n" +
+	"\x06source\x18\x11 \x01(\tR\x06source\"\x13\n" +
 	"\x11ListRelaysRequest\">\n" +
 	"\x12ListRelaysResponse\x12(\n" +
 	"\x06relays\x18\x01 \x03(\v2\x10.outbox.v1.RelayR\x06relays\"\xcd\x02\n" +
@@ -3329,124 +3423,126 @@ func file_outbox_v1_admin_service_proto_rawDescGZIP() []byte {
 }
 
 var file_outbox_v1_admin_service_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
-var file_outbox_v1_admin_service_proto_msgTypes = make([]protoimpl.MessageInfo, 34)
+var file_outbox_v1_admin_service_proto_msgTypes = make([]protoimpl.MessageInfo, 35)
 var file_outbox_v1_admin_service_proto_goTypes = []any{
 	(AggregateState)(0),                 // 0: outbox.v1.AggregateState
 	(AttemptOutcome)(0),                 // 1: outbox.v1.AttemptOutcome
 	(EventState)(0),                     // 2: outbox.v1.EventState
 	(*GetLagRequest)(nil),               // 3: outbox.v1.GetLagRequest
 	(*GetLagResponse)(nil),              // 4: outbox.v1.GetLagResponse
-	(*StreamLag)(nil),                   // 5: outbox.v1.StreamLag
-	(*ListRelaysRequest)(nil),           // 6: outbox.v1.ListRelaysRequest
-	(*ListRelaysResponse)(nil),          // 7: outbox.v1.ListRelaysResponse
-	(*Relay)(nil),                       // 8: outbox.v1.Relay
-	(*GetAggregateRequest)(nil),         // 9: outbox.v1.GetAggregateRequest
-	(*GetAggregateResponse)(nil),        // 10: outbox.v1.GetAggregateResponse
-	(*Aggregate)(nil),                   // 11: outbox.v1.Aggregate
-	(*AggregateFilter)(nil),             // 12: outbox.v1.AggregateFilter
-	(*ListAggregatesRequest)(nil),       // 13: outbox.v1.ListAggregatesRequest
-	(*ListAggregatesResponse)(nil),      // 14: outbox.v1.ListAggregatesResponse
-	(*Attempt)(nil),                     // 15: outbox.v1.Attempt
-	(*ListAttemptsRequest)(nil),         // 16: outbox.v1.ListAttemptsRequest
-	(*ListAttemptsResponse)(nil),        // 17: outbox.v1.ListAttemptsResponse
-	(*BulkRetryRequest)(nil),            // 18: outbox.v1.BulkRetryRequest
-	(*BulkRetryResponse)(nil),           // 19: outbox.v1.BulkRetryResponse
-	(*BulkSkipRequest)(nil),             // 20: outbox.v1.BulkSkipRequest
-	(*BulkSkipResponse)(nil),            // 21: outbox.v1.BulkSkipResponse
-	(*RepublishRequest)(nil),            // 22: outbox.v1.RepublishRequest
-	(*RepublishResponse)(nil),           // 23: outbox.v1.RepublishResponse
-	(*ListOperatorActionsRequest)(nil),  // 24: outbox.v1.ListOperatorActionsRequest
-	(*ListOperatorActionsResponse)(nil), // 25: outbox.v1.ListOperatorActionsResponse
-	(*OperatorAction)(nil),              // 26: outbox.v1.OperatorAction
-	(*ListEventsRequest)(nil),           // 27: outbox.v1.ListEventsRequest
-	(*ListEventsResponse)(nil),          // 28: outbox.v1.ListEventsResponse
-	(*EventInfo)(nil),                   // 29: outbox.v1.EventInfo
-	(*Skip)(nil),                        // 30: outbox.v1.Skip
-	(*RetryAggregateRequest)(nil),       // 31: outbox.v1.RetryAggregateRequest
-	(*RetryAggregateResponse)(nil),      // 32: outbox.v1.RetryAggregateResponse
-	(*SkipEventRequest)(nil),            // 33: outbox.v1.SkipEventRequest
-	(*SkipEventResponse)(nil),           // 34: outbox.v1.SkipEventResponse
-	(*PurgeRequest)(nil),                // 35: outbox.v1.PurgeRequest
-	(*PurgeResponse)(nil),               // 36: outbox.v1.PurgeResponse
-	(*durationpb.Duration)(nil),         // 37: google.protobuf.Duration
-	(*timestamppb.Timestamp)(nil),       // 38: google.protobuf.Timestamp
-	(*Event)(nil),                       // 39: outbox.v1.Event
+	(*SourceHealth)(nil),                // 5: outbox.v1.SourceHealth
+	(*StreamLag)(nil),                   // 6: outbox.v1.StreamLag
+	(*ListRelaysRequest)(nil),           // 7: outbox.v1.ListRelaysRequest
+	(*ListRelaysResponse)(nil),          // 8: outbox.v1.ListRelaysResponse
+	(*Relay)(nil),                       // 9: outbox.v1.Relay
+	(*GetAggregateRequest)(nil),         // 10: outbox.v1.GetAggregateRequest
+	(*GetAggregateResponse)(nil),        // 11: outbox.v1.GetAggregateResponse
+	(*Aggregate)(nil),                   // 12: outbox.v1.Aggregate
+	(*AggregateFilter)(nil),             // 13: outbox.v1.AggregateFilter
+	(*ListAggregatesRequest)(nil),       // 14: outbox.v1.ListAggregatesRequest
+	(*ListAggregatesResponse)(nil),      // 15: outbox.v1.ListAggregatesResponse
+	(*Attempt)(nil),                     // 16: outbox.v1.Attempt
+	(*ListAttemptsRequest)(nil),         // 17: outbox.v1.ListAttemptsRequest
+	(*ListAttemptsResponse)(nil),        // 18: outbox.v1.ListAttemptsResponse
+	(*BulkRetryRequest)(nil),            // 19: outbox.v1.BulkRetryRequest
+	(*BulkRetryResponse)(nil),           // 20: outbox.v1.BulkRetryResponse
+	(*BulkSkipRequest)(nil),             // 21: outbox.v1.BulkSkipRequest
+	(*BulkSkipResponse)(nil),            // 22: outbox.v1.BulkSkipResponse
+	(*RepublishRequest)(nil),            // 23: outbox.v1.RepublishRequest
+	(*RepublishResponse)(nil),           // 24: outbox.v1.RepublishResponse
+	(*ListOperatorActionsRequest)(nil),  // 25: outbox.v1.ListOperatorActionsRequest
+	(*ListOperatorActionsResponse)(nil), // 26: outbox.v1.ListOperatorActionsResponse
+	(*OperatorAction)(nil),              // 27: outbox.v1.OperatorAction
+	(*ListEventsRequest)(nil),           // 28: outbox.v1.ListEventsRequest
+	(*ListEventsResponse)(nil),          // 29: outbox.v1.ListEventsResponse
+	(*EventInfo)(nil),                   // 30: outbox.v1.EventInfo
+	(*Skip)(nil),                        // 31: outbox.v1.Skip
+	(*RetryAggregateRequest)(nil),       // 32: outbox.v1.RetryAggregateRequest
+	(*RetryAggregateResponse)(nil),      // 33: outbox.v1.RetryAggregateResponse
+	(*SkipEventRequest)(nil),            // 34: outbox.v1.SkipEventRequest
+	(*SkipEventResponse)(nil),           // 35: outbox.v1.SkipEventResponse
+	(*PurgeRequest)(nil),                // 36: outbox.v1.PurgeRequest
+	(*PurgeResponse)(nil),               // 37: outbox.v1.PurgeResponse
+	(*durationpb.Duration)(nil),         // 38: google.protobuf.Duration
+	(*timestamppb.Timestamp)(nil),       // 39: google.protobuf.Timestamp
+	(*Event)(nil),                       // 40: outbox.v1.Event
 }
 var file_outbox_v1_admin_service_proto_depIdxs = []int32{
-	5,  // 0: outbox.v1.GetLagResponse.streams:type_name -> outbox.v1.StreamLag
-	5,  // 1: outbox.v1.GetLagResponse.total:type_name -> outbox.v1.StreamLag
-	37, // 2: outbox.v1.StreamLag.oldest_pending_age:type_name -> google.protobuf.Duration
-	38, // 3: outbox.v1.StreamLag.oldest_pending_created_at:type_name -> google.protobuf.Timestamp
-	37, // 4: outbox.v1.StreamLag.oldest_held_age:type_name -> google.protobuf.Duration
-	8,  // 5: outbox.v1.ListRelaysResponse.relays:type_name -> outbox.v1.Relay
-	38, // 6: outbox.v1.Relay.connected_at:type_name -> google.protobuf.Timestamp
-	11, // 7: outbox.v1.GetAggregateResponse.aggregate:type_name -> outbox.v1.Aggregate
-	0,  // 8: outbox.v1.Aggregate.state:type_name -> outbox.v1.AggregateState
-	38, // 9: outbox.v1.Aggregate.lease_expires_at:type_name -> google.protobuf.Timestamp
-	38, // 10: outbox.v1.Aggregate.next_attempt_at:type_name -> google.protobuf.Timestamp
-	38, // 11: outbox.v1.Aggregate.parked_at:type_name -> google.protobuf.Timestamp
-	38, // 12: outbox.v1.Aggregate.oldest_pending_created_at:type_name -> google.protobuf.Timestamp
-	0,  // 13: outbox.v1.AggregateFilter.states:type_name -> outbox.v1.AggregateState
-	38, // 14: outbox.v1.AggregateFilter.pending_before:type_name -> google.protobuf.Timestamp
-	12, // 15: outbox.v1.ListAggregatesRequest.filter:type_name -> outbox.v1.AggregateFilter
-	11, // 16: outbox.v1.ListAggregatesResponse.aggregates:type_name -> outbox.v1.Aggregate
-	1,  // 17: outbox.v1.Attempt.outcome:type_name -> outbox.v1.AttemptOutcome
-	38, // 18: outbox.v1.Attempt.at:type_name -> google.protobuf.Timestamp
-	15, // 19: outbox.v1.ListAttemptsResponse.attempts:type_name -> outbox.v1.Attempt
-	12, // 20: outbox.v1.BulkRetryRequest.filter:type_name -> outbox.v1.AggregateFilter
-	11, // 21: outbox.v1.BulkRetryResponse.sample:type_name -> outbox.v1.Aggregate
-	12, // 22: outbox.v1.BulkSkipRequest.filter:type_name -> outbox.v1.AggregateFilter
-	11, // 23: outbox.v1.BulkSkipResponse.sample:type_name -> outbox.v1.Aggregate
-	38, // 24: outbox.v1.RepublishRequest.published_after:type_name -> google.protobuf.Timestamp
-	38, // 25: outbox.v1.RepublishRequest.published_before:type_name -> google.protobuf.Timestamp
-	38, // 26: outbox.v1.ListOperatorActionsRequest.since:type_name -> google.protobuf.Timestamp
-	26, // 27: outbox.v1.ListOperatorActionsResponse.actions:type_name -> outbox.v1.OperatorAction
-	38, // 28: outbox.v1.OperatorAction.started_at:type_name -> google.protobuf.Timestamp
-	38, // 29: outbox.v1.OperatorAction.finished_at:type_name -> google.protobuf.Timestamp
-	2,  // 30: outbox.v1.ListEventsRequest.state:type_name -> outbox.v1.EventState
-	38, // 31: outbox.v1.ListEventsRequest.created_after:type_name -> google.protobuf.Timestamp
-	38, // 32: outbox.v1.ListEventsRequest.created_before:type_name -> google.protobuf.Timestamp
-	29, // 33: outbox.v1.ListEventsResponse.events:type_name -> outbox.v1.EventInfo
-	39, // 34: outbox.v1.EventInfo.event:type_name -> outbox.v1.Event
-	2,  // 35: outbox.v1.EventInfo.state:type_name -> outbox.v1.EventState
-	38, // 36: outbox.v1.EventInfo.published_at:type_name -> google.protobuf.Timestamp
-	30, // 37: outbox.v1.EventInfo.skip:type_name -> outbox.v1.Skip
-	38, // 38: outbox.v1.Skip.skipped_at:type_name -> google.protobuf.Timestamp
-	11, // 39: outbox.v1.RetryAggregateResponse.aggregate:type_name -> outbox.v1.Aggregate
-	30, // 40: outbox.v1.SkipEventResponse.skip:type_name -> outbox.v1.Skip
-	38, // 41: outbox.v1.PurgeRequest.published_before:type_name -> google.protobuf.Timestamp
-	37, // 42: outbox.v1.PurgeResponse.elapsed:type_name -> google.protobuf.Duration
-	3,  // 43: outbox.v1.AdminService.GetLag:input_type -> outbox.v1.GetLagRequest
-	6,  // 44: outbox.v1.AdminService.ListRelays:input_type -> outbox.v1.ListRelaysRequest
-	9,  // 45: outbox.v1.AdminService.GetAggregate:input_type -> outbox.v1.GetAggregateRequest
-	27, // 46: outbox.v1.AdminService.ListEvents:input_type -> outbox.v1.ListEventsRequest
-	31, // 47: outbox.v1.AdminService.RetryAggregate:input_type -> outbox.v1.RetryAggregateRequest
-	33, // 48: outbox.v1.AdminService.SkipEvent:input_type -> outbox.v1.SkipEventRequest
-	35, // 49: outbox.v1.AdminService.Purge:input_type -> outbox.v1.PurgeRequest
-	13, // 50: outbox.v1.AdminService.ListAggregates:input_type -> outbox.v1.ListAggregatesRequest
-	16, // 51: outbox.v1.AdminService.ListAttempts:input_type -> outbox.v1.ListAttemptsRequest
-	18, // 52: outbox.v1.AdminService.BulkRetry:input_type -> outbox.v1.BulkRetryRequest
-	20, // 53: outbox.v1.AdminService.BulkSkip:input_type -> outbox.v1.BulkSkipRequest
-	22, // 54: outbox.v1.AdminService.Republish:input_type -> outbox.v1.RepublishRequest
-	24, // 55: outbox.v1.AdminService.ListOperatorActions:input_type -> outbox.v1.ListOperatorActionsRequest
-	4,  // 56: outbox.v1.AdminService.GetLag:output_type -> outbox.v1.GetLagResponse
-	7,  // 57: outbox.v1.AdminService.ListRelays:output_type -> outbox.v1.ListRelaysResponse
-	10, // 58: outbox.v1.AdminService.GetAggregate:output_type -> outbox.v1.GetAggregateResponse
-	28, // 59: outbox.v1.AdminService.ListEvents:output_type -> outbox.v1.ListEventsResponse
-	32, // 60: outbox.v1.AdminService.RetryAggregate:output_type -> outbox.v1.RetryAggregateResponse
-	34, // 61: outbox.v1.AdminService.SkipEvent:output_type -> outbox.v1.SkipEventResponse
-	36, // 62: outbox.v1.AdminService.Purge:output_type -> outbox.v1.PurgeResponse
-	14, // 63: outbox.v1.AdminService.ListAggregates:output_type -> outbox.v1.ListAggregatesResponse
-	17, // 64: outbox.v1.AdminService.ListAttempts:output_type -> outbox.v1.ListAttemptsResponse
-	19, // 65: outbox.v1.AdminService.BulkRetry:output_type -> outbox.v1.BulkRetryResponse
-	21, // 66: outbox.v1.AdminService.BulkSkip:output_type -> outbox.v1.BulkSkipResponse
-	23, // 67: outbox.v1.AdminService.Republish:output_type -> outbox.v1.RepublishResponse
-	25, // 68: outbox.v1.AdminService.ListOperatorActions:output_type -> outbox.v1.ListOperatorActionsResponse
-	56, // [56:69] is the sub-list for method output_type
-	43, // [43:56] is the sub-list for method input_type
-	43, // [43:43] is the sub-list for extension type_name
-	43, // [43:43] is the sub-list for extension extendee
-	0,  // [0:43] is the sub-list for field type_name
+	6,  // 0: outbox.v1.GetLagResponse.streams:type_name -> outbox.v1.StreamLag
+	6,  // 1: outbox.v1.GetLagResponse.total:type_name -> outbox.v1.StreamLag
+	5,  // 2: outbox.v1.GetLagResponse.sources:type_name -> outbox.v1.SourceHealth
+	38, // 3: outbox.v1.StreamLag.oldest_pending_age:type_name -> google.protobuf.Duration
+	39, // 4: outbox.v1.StreamLag.oldest_pending_created_at:type_name -> google.protobuf.Timestamp
+	38, // 5: outbox.v1.StreamLag.oldest_held_age:type_name -> google.protobuf.Duration
+	9,  // 6: outbox.v1.ListRelaysResponse.relays:type_name -> outbox.v1.Relay
+	39, // 7: outbox.v1.Relay.connected_at:type_name -> google.protobuf.Timestamp
+	12, // 8: outbox.v1.GetAggregateResponse.aggregate:type_name -> outbox.v1.Aggregate
+	0,  // 9: outbox.v1.Aggregate.state:type_name -> outbox.v1.AggregateState
+	39, // 10: outbox.v1.Aggregate.lease_expires_at:type_name -> google.protobuf.Timestamp
+	39, // 11: outbox.v1.Aggregate.next_attempt_at:type_name -> google.protobuf.Timestamp
+	39, // 12: outbox.v1.Aggregate.parked_at:type_name -> google.protobuf.Timestamp
+	39, // 13: outbox.v1.Aggregate.oldest_pending_created_at:type_name -> google.protobuf.Timestamp
+	0,  // 14: outbox.v1.AggregateFilter.states:type_name -> outbox.v1.AggregateState
+	39, // 15: outbox.v1.AggregateFilter.pending_before:type_name -> google.protobuf.Timestamp
+	13, // 16: outbox.v1.ListAggregatesRequest.filter:type_name -> outbox.v1.AggregateFilter
+	12, // 17: outbox.v1.ListAggregatesResponse.aggregates:type_name -> outbox.v1.Aggregate
+	1,  // 18: outbox.v1.Attempt.outcome:type_name -> outbox.v1.AttemptOutcome
+	39, // 19: outbox.v1.Attempt.at:type_name -> google.protobuf.Timestamp
+	16, // 20: outbox.v1.ListAttemptsResponse.attempts:type_name -> outbox.v1.Attempt
+	13, // 21: outbox.v1.BulkRetryRequest.filter:type_name -> outbox.v1.AggregateFilter
+	12, // 22: outbox.v1.BulkRetryResponse.sample:type_name -> outbox.v1.Aggregate
+	13, // 23: outbox.v1.BulkSkipRequest.filter:type_name -> outbox.v1.AggregateFilter
+	12, // 24: outbox.v1.BulkSkipResponse.sample:type_name -> outbox.v1.Aggregate
+	39, // 25: outbox.v1.RepublishRequest.published_after:type_name -> google.protobuf.Timestamp
+	39, // 26: outbox.v1.RepublishRequest.published_before:type_name -> google.protobuf.Timestamp
+	39, // 27: outbox.v1.ListOperatorActionsRequest.since:type_name -> google.protobuf.Timestamp
+	27, // 28: outbox.v1.ListOperatorActionsResponse.actions:type_name -> outbox.v1.OperatorAction
+	39, // 29: outbox.v1.OperatorAction.started_at:type_name -> google.protobuf.Timestamp
+	39, // 30: outbox.v1.OperatorAction.finished_at:type_name -> google.protobuf.Timestamp
+	2,  // 31: outbox.v1.ListEventsRequest.state:type_name -> outbox.v1.EventState
+	39, // 32: outbox.v1.ListEventsRequest.created_after:type_name -> google.protobuf.Timestamp
+	39, // 33: outbox.v1.ListEventsRequest.created_before:type_name -> google.protobuf.Timestamp
+	30, // 34: outbox.v1.ListEventsResponse.events:type_name -> outbox.v1.EventInfo
+	40, // 35: outbox.v1.EventInfo.event:type_name -> outbox.v1.Event
+	2,  // 36: outbox.v1.EventInfo.state:type_name -> outbox.v1.EventState
+	39, // 37: outbox.v1.EventInfo.published_at:type_name -> google.protobuf.Timestamp
+	31, // 38: outbox.v1.EventInfo.skip:type_name -> outbox.v1.Skip
+	39, // 39: outbox.v1.Skip.skipped_at:type_name -> google.protobuf.Timestamp
+	12, // 40: outbox.v1.RetryAggregateResponse.aggregate:type_name -> outbox.v1.Aggregate
+	31, // 41: outbox.v1.SkipEventResponse.skip:type_name -> outbox.v1.Skip
+	39, // 42: outbox.v1.PurgeRequest.published_before:type_name -> google.protobuf.Timestamp
+	38, // 43: outbox.v1.PurgeResponse.elapsed:type_name -> google.protobuf.Duration
+	3,  // 44: outbox.v1.AdminService.GetLag:input_type -> outbox.v1.GetLagRequest
+	7,  // 45: outbox.v1.AdminService.ListRelays:input_type -> outbox.v1.ListRelaysRequest
+	10, // 46: outbox.v1.AdminService.GetAggregate:input_type -> outbox.v1.GetAggregateRequest
+	28, // 47: outbox.v1.AdminService.ListEvents:input_type -> outbox.v1.ListEventsRequest
+	32, // 48: outbox.v1.AdminService.RetryAggregate:input_type -> outbox.v1.RetryAggregateRequest
+	34, // 49: outbox.v1.AdminService.SkipEvent:input_type -> outbox.v1.SkipEventRequest
+	36, // 50: outbox.v1.AdminService.Purge:input_type -> outbox.v1.PurgeRequest
+	14, // 51: outbox.v1.AdminService.ListAggregates:input_type -> outbox.v1.ListAggregatesRequest
+	17, // 52: outbox.v1.AdminService.ListAttempts:input_type -> outbox.v1.ListAttemptsRequest
+	19, // 53: outbox.v1.AdminService.BulkRetry:input_type -> outbox.v1.BulkRetryRequest
+	21, // 54: outbox.v1.AdminService.BulkSkip:input_type -> outbox.v1.BulkSkipRequest
+	23, // 55: outbox.v1.AdminService.Republish:input_type -> outbox.v1.RepublishRequest
+	25, // 56: outbox.v1.AdminService.ListOperatorActions:input_type -> outbox.v1.ListOperatorActionsRequest
+	4,  // 57: outbox.v1.AdminService.GetLag:output_type -> outbox.v1.GetLagResponse
+	8,  // 58: outbox.v1.AdminService.ListRelays:output_type -> outbox.v1.ListRelaysResponse
+	11, // 59: outbox.v1.AdminService.GetAggregate:output_type -> outbox.v1.GetAggregateResponse
+	29, // 60: outbox.v1.AdminService.ListEvents:output_type -> outbox.v1.ListEventsResponse
+	33, // 61: outbox.v1.AdminService.RetryAggregate:output_type -> outbox.v1.RetryAggregateResponse
+	35, // 62: outbox.v1.AdminService.SkipEvent:output_type -> outbox.v1.SkipEventResponse
+	37, // 63: outbox.v1.AdminService.Purge:output_type -> outbox.v1.PurgeResponse
+	15, // 64: outbox.v1.AdminService.ListAggregates:output_type -> outbox.v1.ListAggregatesResponse
+	18, // 65: outbox.v1.AdminService.ListAttempts:output_type -> outbox.v1.ListAttemptsResponse
+	20, // 66: outbox.v1.AdminService.BulkRetry:output_type -> outbox.v1.BulkRetryResponse
+	22, // 67: outbox.v1.AdminService.BulkSkip:output_type -> outbox.v1.BulkSkipResponse
+	24, // 68: outbox.v1.AdminService.Republish:output_type -> outbox.v1.RepublishResponse
+	26, // 69: outbox.v1.AdminService.ListOperatorActions:output_type -> outbox.v1.ListOperatorActionsResponse
+	57, // [57:70] is the sub-list for method output_type
+	44, // [44:57] is the sub-list for method input_type
+	44, // [44:44] is the sub-list for extension type_name
+	44, // [44:44] is the sub-list for extension extendee
+	0,  // [0:44] is the sub-list for field type_name
 }
 
 func init() { file_outbox_v1_admin_service_proto_init() }
@@ -3461,7 +3557,7 @@ func file_outbox_v1_admin_service_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_outbox_v1_admin_service_proto_rawDesc), len(file_outbox_v1_admin_service_proto_rawDesc)),
 			NumEnums:      3,
-			NumMessages:   34,
+			NumMessages:   35,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -50,7 +50,14 @@ type Event struct {
 	// outbox.event.headers, whose values must be strings).
 	Headers map[string]string `protobuf:"bytes,7,rep,name=headers,proto3" json:"headers,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
 	// created_at is when the producing transaction inserted the event.
-	CreatedAt     *timestamppb.Timestamp `protobuf:"bytes,8,opt,name=created_at,json=createdAt,proto3" json:"created_at,omitempty"`
+	CreatedAt *timestamppb.Timestamp `protobuf:"bytes,8,opt,name=created_at,json=createdAt,proto3" json:"created_at,omitempty"`
+	// source names the source database the event was written to, on a server
+	// that fronts several (outboxd serve --source NAME=URL). Empty means the
+	// source named "default" (--database-url), and is all that servers with
+	// one source, or that predate sources, send. event_id is unique within a
+	// source, so a broker that deduplicates across sources keys on source and
+	// event_id together.
+	Source        string `protobuf:"bytes,9,opt,name=source,proto3" json:"source,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -141,11 +148,18 @@ func (x *Event) GetCreatedAt() *timestamppb.Timestamp {
 	return nil
 }
 
+func (x *Event) GetSource() string {
+	if x != nil {
+		return x.Source
+	}
+	return ""
+}
+
 var File_outbox_v1_event_proto protoreflect.FileDescriptor
 
 const file_outbox_v1_event_proto_rawDesc = "" +
 	"\n" +
-	"\x15outbox/v1/event.proto\x12\toutbox.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xe4\x02\n" +
+	"\x15outbox/v1/event.proto\x12\toutbox.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xfc\x02\n" +
 	"\x05Event\x12\x19\n" +
 	"\bevent_id\x18\x01 \x01(\tR\aeventId\x12\x16\n" +
 	"\x06stream\x18\x02 \x01(\tR\x06stream\x12#\n" +
@@ -156,7 +170,8 @@ const file_outbox_v1_event_proto_rawDesc = "" +
 	"\apayload\x18\x06 \x01(\fR\apayload\x127\n" +
 	"\aheaders\x18\a \x03(\v2\x1d.outbox.v1.Event.HeadersEntryR\aheaders\x129\n" +
 	"\n" +
-	"created_at\x18\b \x01(\v2\x1a.google.protobuf.TimestampR\tcreatedAt\x1a:\n" +
+	"created_at\x18\b \x01(\v2\x1a.google.protobuf.TimestampR\tcreatedAt\x12\x16\n" +
+	"\x06source\x18\t \x01(\tR\x06source\x1a:\n" +
 	"\fHeadersEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01B3Z1github.com/outboxd/outboxd/gen/outbox/v1;outboxv1b\x06proto3"

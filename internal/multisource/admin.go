@@ -1,0 +1,304 @@
+package multisource
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"sync"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/reflect/protoreflect"
+	"google.golang.org/protobuf/types/known/durationpb"
+
+	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+)
+
+// adminRouter implements outbox.v1.AdminService in front of the engines.
+type adminRouter struct {
+	outboxv1.UnimplementedAdminServiceServer
+	r *Router
+}
+
+// GetLag asks every source the caller may see at once (those the request's
+// streams name, when it names any: "orders/billing.*", "*/payments", bare
+// names for default) and reports each stream under its source, the total
+// over the sources that answered, and each source's health: a source that
+// cannot answer is left out of the figures and named in sources with the
+// reason, so one source down hides nothing of the others. When no source
+// answers, the call fails as a single source's does.
+func (a *adminRouter) GetLag(ctx context.Context, req *outboxv1.GetLagRequest) (*outboxv1.GetLagResponse, error) {
+	type part struct {
+		e   *Engine
+		ctx context.Context
+		req *outboxv1.GetLagRequest
+		res *outboxv1.GetLagResponse
+		err error
+	}
+	var parts []*part
+	for _, name := range a.r.names {
+		sctx, err := forSource(ctx, name)
+		if err != nil {
+			continue // the caller may see nothing of this source
+		}
+		sub := &outboxv1.GetLagRequest{}
+		for _, pat := range req.GetStreams() {
+			src, stream := SplitStream(pat)
+			if src == "*" || src == name {
+				sub.Streams = append(sub.Streams, stream)
+			}
+		}
+		if len(req.GetStreams()) > 0 && len(sub.Streams) == 0 {
+			continue
+		}
+		parts = append(parts, &part{e: a.r.engines[name], ctx: sctx, req: sub})
+	}
+	if len(parts) == 0 {
+		if len(req.GetStreams()) > 0 {
+			return nil, invalid("streams", "name no source this server serves (%s) that the caller may see", strings.Join(a.r.names, ", "))
+		}
+		return nil, status.Error(codes.PermissionDenied, "the token may access no stream of any source")
+	}
+	var wg sync.WaitGroup
+	for _, p := range parts {
+		wg.Go(func() { p.res, p.err = p.e.Admin.GetLag(p.ctx, p.req) })
+	}
+	wg.Wait()
+	out := &outboxv1.GetLagResponse{Total: &outboxv1.StreamLag{}}
+	var firstErr error
+	var stopped []string
+	answered := 0
+	for _, p := range parts {
+		ready, reason := p.e.ready()
+		if p.err != nil {
+			if c := status.Code(p.err); c == codes.InvalidArgument || c == codes.PermissionDenied || ctx.Err() != nil {
+				return nil, p.err
+			}
+			if ready {
+				reason = status.Convert(p.err).Message()
+			}
+			ready = false
+			firstErr = cmpErr(firstErr, p.err)
+		}
+		out.Sources = append(out.Sources, &outboxv1.SourceHealth{Name: p.e.Name, Ready: ready, Reason: reason})
+		if p.err != nil {
+			continue
+		}
+		answered++
+		for _, s := range p.res.GetStreams() {
+			if p.e.Name != Default {
+				s.Source = p.e.Name
+			}
+			out.Streams = append(out.Streams, s)
+		}
+		addLag(out.Total, p.res.GetTotal())
+		out.ConnectedRelays += p.res.GetConnectedRelays()
+		if d := p.res.GetDiscoveryStopped(); d != "" {
+			stopped = append(stopped, fmt.Sprintf("source %s: %s", p.e.Name, d))
+		}
+	}
+	if answered == 0 {
+		return nil, firstErr
+	}
+	if len(parts) == 1 {
+		out.DiscoveryStopped = parts[0].res.GetDiscoveryStopped()
+	} else {
+		out.DiscoveryStopped = strings.Join(stopped, "; ")
+	}
+	return out, nil
+}
+
+func cmpErr(a, b error) error {
+	if a != nil {
+		return a
+	}
+	return b
+}
+
+// addLag adds one source's total to the sum over sources: counts and rates
+// add up, the oldest figures are the oldest of any source.
+func addLag(sum, t *outboxv1.StreamLag) {
+	if t == nil {
+		return
+	}
+	sum.PendingEvents += t.GetPendingEvents()
+	sum.PendingAggregates += t.GetPendingAggregates()
+	sum.LeasedAggregates += t.GetLeasedAggregates()
+	sum.ParkedAggregates += t.GetParkedAggregates()
+	sum.GapAggregates += t.GetGapAggregates()
+	sum.BackingOffAggregates += t.GetBackingOffAggregates()
+	sum.DeliveredPerSecond += t.GetDeliveredPerSecond()
+	sum.DeliveredLastMinute += t.GetDeliveredLastMinute()
+	sum.ReadyAggregates += t.GetReadyAggregates()
+	sum.StrandedEvents += t.GetStrandedEvents()
+	sum.StalledAggregates += t.GetStalledAggregates()
+	sum.IdleRelays += t.GetIdleRelays()
+	if older(t.GetOldestPendingAge(), sum.GetOldestPendingAge()) {
+		sum.OldestPendingAge = t.GetOldestPendingAge()
+		sum.OldestPendingCreatedAt = t.GetOldestPendingCreatedAt()
+	}
+	if older(t.GetOldestHeldAge(), sum.GetOldestHeldAge()) {
+		sum.OldestHeldAge = t.GetOldestHeldAge()
+	}
+}
+
+func older(a, b *durationpb.Duration) bool {
+	return a != nil && (b == nil || a.AsDuration() > b.AsDuration())
+}
+
+// ListRelays lists the relays of every source the caller may see, their
+// streams written as addresses ("orders/billing"). A source that cannot
+// answer is left out; when none can, the call fails.
+func (a *adminRouter) ListRelays(ctx context.Context, req *outboxv1.ListRelaysRequest) (*outboxv1.ListRelaysResponse, error) {
+	out := &outboxv1.ListRelaysResponse{}
+	var firstErr error
+	answered := 0
+	for _, name := range a.r.names {
+		sctx, err := forSource(ctx, name)
+		if err != nil {
+			continue
+		}
+		res, err := a.r.engines[name].Admin.ListRelays(sctx, req)
+		if err != nil {
+			if c := status.Code(err); c == codes.PermissionDenied || ctx.Err() != nil {
+				return nil, err
+			}
+			firstErr = cmpErr(firstErr, err)
+			continue
+		}
+		answered++
+		for _, rl := range res.GetRelays() {
+			for i, s := range rl.Streams {
+				rl.Streams[i] = JoinStream(name, s)
+			}
+			for i, s := range rl.ExcludeStreams {
+				rl.ExcludeStreams[i] = JoinStream(name, s)
+			}
+			out.Relays = append(out.Relays, rl)
+		}
+	}
+	if answered == 0 {
+		if firstErr == nil {
+			return nil, status.Error(codes.PermissionDenied, "the token may access no stream of any source")
+		}
+		return nil, firstErr
+	}
+	return out, nil
+}
+
+// route finds the engine an admin request is for: the source of its
+// "stream" field, or of its "filter" message's (a bare name, or none, is
+// default's), and returns the request with the source stripped and the
+// context for that engine.
+func route[Req proto.Message](a *adminRouter, ctx context.Context, req Req) (*Engine, context.Context, Req, error) {
+	source, strip, changed := Default, func(Req) {}, false
+	msg, field := streamField(req.ProtoReflect())
+	if field != nil {
+		addr := msg.Get(field).String()
+		src, stream := SplitStream(addr)
+		if containsStar(src) {
+			return nil, nil, req, invalid(string(field.Name()), "%.140q spans sources: name one source", addr)
+		}
+		if src != Default || addr != stream {
+			source, changed = src, true
+			strip = func(clone Req) {
+				m, f := streamField(clone.ProtoReflect())
+				m.Set(f, protoreflect.ValueOfString(stream))
+			}
+		}
+	}
+	e, err := a.r.engine(source, "stream")
+	if err != nil {
+		return nil, nil, req, err
+	}
+	sctx, err := forSource(ctx, source)
+	if err != nil {
+		return nil, nil, req, err
+	}
+	if changed {
+		clone := proto.Clone(req).(Req)
+		strip(clone)
+		req = clone
+	}
+	return e, sctx, req, nil
+}
+
+// streamField returns the message holding the request's stream (itself or
+// its filter) and that field, or nil when it has none set.
+func streamField(m protoreflect.Message) (protoreflect.Message, protoreflect.FieldDescriptor) {
+	fields := m.Descriptor().Fields()
+	if f := fields.ByName("stream"); f != nil && f.Kind() == protoreflect.StringKind && m.Has(f) {
+		return m, f
+	}
+	if f := fields.ByName("filter"); f != nil && f.Kind() == protoreflect.MessageKind && m.Has(f) {
+		return streamField(m.Get(f).Message())
+	}
+	return nil, nil
+}
+
+func routed[Req proto.Message, Resp any](a *adminRouter, ctx context.Context, req Req,
+	call func(outboxv1.AdminServiceServer, context.Context, Req) (Resp, error)) (Resp, error) {
+	e, sctx, req, err := route(a, ctx, req)
+	if err != nil {
+		var zero Resp
+		return zero, err
+	}
+	return call(e.Admin, sctx, req)
+}
+
+func (a *adminRouter) GetAggregate(ctx context.Context, req *outboxv1.GetAggregateRequest) (*outboxv1.GetAggregateResponse, error) {
+	return routed(a, ctx, req, outboxv1.AdminServiceServer.GetAggregate)
+}
+
+func (a *adminRouter) ListEvents(ctx context.Context, req *outboxv1.ListEventsRequest) (*outboxv1.ListEventsResponse, error) {
+	return routed(a, ctx, req, outboxv1.AdminServiceServer.ListEvents)
+}
+
+func (a *adminRouter) RetryAggregate(ctx context.Context, req *outboxv1.RetryAggregateRequest) (*outboxv1.RetryAggregateResponse, error) {
+	return routed(a, ctx, req, outboxv1.AdminServiceServer.RetryAggregate)
+}
+
+func (a *adminRouter) SkipEvent(ctx context.Context, req *outboxv1.SkipEventRequest) (*outboxv1.SkipEventResponse, error) {
+	return routed(a, ctx, req, outboxv1.AdminServiceServer.SkipEvent)
+}
+
+func (a *adminRouter) ListAggregates(ctx context.Context, req *outboxv1.ListAggregatesRequest) (*outboxv1.ListAggregatesResponse, error) {
+	return routed(a, ctx, req, outboxv1.AdminServiceServer.ListAggregates)
+}
+
+func (a *adminRouter) ListAttempts(ctx context.Context, req *outboxv1.ListAttemptsRequest) (*outboxv1.ListAttemptsResponse, error) {
+	return routed(a, ctx, req, outboxv1.AdminServiceServer.ListAttempts)
+}
+
+func (a *adminRouter) BulkRetry(ctx context.Context, req *outboxv1.BulkRetryRequest) (*outboxv1.BulkRetryResponse, error) {
+	return routed(a, ctx, req, outboxv1.AdminServiceServer.BulkRetry)
+}
+
+func (a *adminRouter) BulkSkip(ctx context.Context, req *outboxv1.BulkSkipRequest) (*outboxv1.BulkSkipResponse, error) {
+	return routed(a, ctx, req, outboxv1.AdminServiceServer.BulkSkip)
+}
+
+func (a *adminRouter) Republish(ctx context.Context, req *outboxv1.RepublishRequest) (*outboxv1.RepublishResponse, error) {
+	return routed(a, ctx, req, outboxv1.AdminServiceServer.Republish)
+}
+
+func (a *adminRouter) ListOperatorActions(ctx context.Context, req *outboxv1.ListOperatorActionsRequest) (*outboxv1.ListOperatorActionsResponse, error) {
+	return routed(a, ctx, req, outboxv1.AdminServiceServer.ListOperatorActions)
+}
+
+func (a *adminRouter) Purge(req *outboxv1.PurgeRequest, stream outboxv1.AdminService_PurgeServer) error {
+	e, ctx, req, err := route(a, stream.Context(), req)
+	if err != nil {
+		return err
+	}
+	return e.Admin.Purge(req, &purgeStream{AdminService_PurgeServer: stream, ctx: ctx})
+}
+
+// purgeStream is a Purge stream with the context its engine must see.
+type purgeStream struct {
+	outboxv1.AdminService_PurgeServer
+	ctx context.Context
+}
+
+func (s *purgeStream) Context() context.Context { return s.ctx }

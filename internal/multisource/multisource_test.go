@@ -1,0 +1,400 @@
+package multisource_test
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"go.uber.org/goleak"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/durationpb"
+
+	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+	"github.com/outboxd/outboxd/internal/auth"
+	"github.com/outboxd/outboxd/internal/servertest"
+	"github.com/outboxd/outboxd/internal/testdb"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+// twoSources runs a replica with the sources default and orders, each a
+// database of its own on the local cluster. The test databases are clones
+// of one template, so orders is given a lease key of its own, as `outboxd
+// migrate` gives every database.
+func twoSources(t *testing.T, opts servertest.Options) (*servertest.Replica, string, string) {
+	t.Helper()
+	def, orders := testdb.New(t), testdb.New(t)
+	if _, err := testdb.NewPoolURL(t, orders).Exec(t.Context(), `UPDATE outbox.lease_key
+		SET key = decode(replace(gen_random_uuid()::text || gen_random_uuid()::text, '-', ''), 'hex')`); err != nil {
+		t.Fatal(err)
+	}
+	opts.Sources = map[string]string{"orders": orders}
+	return servertest.Start(t, def, opts), def, orders
+}
+
+func emit(t *testing.T, pool *pgxpool.Pool, stream, key string) string {
+	t.Helper()
+	var id string
+	if err := pool.QueryRow(t.Context(), `SELECT event_id::text FROM outbox.emit($1, $2, 'T', '{}')`, stream, key).Scan(&id); err != nil {
+		t.Fatal(err)
+	}
+	return id
+}
+
+func subscribe(t *testing.T, relay outboxv1.RelayServiceClient, streams ...string) outboxv1.RelayService_SubscribeClient {
+	t.Helper()
+	ctx, cancel := context.WithCancel(t.Context())
+	t.Cleanup(cancel)
+	st, err := relay.Subscribe(ctx, &outboxv1.SubscribeRequest{RelayId: "t", Streams: streams, MaxInFlight: 10})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return st
+}
+
+func recv(t *testing.T, st outboxv1.RelayService_SubscribeClient) *outboxv1.SubscribeResponse {
+	t.Helper()
+	d, err := st.Recv()
+	if err != nil {
+		t.Fatalf("receiving a delivery: %v", err)
+	}
+	return d
+}
+
+func published(t *testing.T, pool *pgxpool.Pool, id string) bool {
+	t.Helper()
+	var ok bool
+	if err := pool.QueryRow(t.Context(), `SELECT published_at IS NOT NULL FROM outbox.event WHERE event_id = $1`, id).Scan(&ok); err != nil {
+		t.Fatal(err)
+	}
+	return ok
+}
+
+// TestStreamsOfTwoSources: the same stream name in two source databases is
+// two streams; a Subscribe stream takes one source's; each delivery says
+// its source and its token binds to it, so one Ack batch with deliveries of
+// both sources, sent to another replica, marks each event in its own
+// database; and a token moved to the other source's prefix is refused.
+func TestStreamsOfTwoSources(t *testing.T) {
+	t.Parallel()
+	a, def, orders := twoSources(t, servertest.Options{})
+	b := servertest.Start(t, def, servertest.Options{Sources: map[string]string{"orders": orders}})
+	defPool, ordersPool := a.Pool, a.Pools["orders"]
+	defID := emit(t, defPool, "sales_order", "1")
+	ordersID := emit(t, ordersPool, "sales_order", "1")
+	ordersID2 := emit(t, ordersPool, "sales_order", "2")
+
+	dd := recv(t, subscribe(t, a.Relay, "sales_order"))
+	ost := subscribe(t, a.Relay, "orders/sales_order")
+	od, od2 := recv(t, ost), recv(t, ost)
+	if od.GetEvent().GetEventId() != ordersID {
+		od, od2 = od2, od
+	}
+	if dd.GetEvent().GetEventId() != defID || dd.GetEvent().GetSource() != "" {
+		t.Errorf("bare stream delivered %s of source %q; want %s of default (source empty)", dd.GetEvent().GetEventId(), dd.GetEvent().GetSource(), defID)
+	}
+	if od.GetEvent().GetEventId() != ordersID || od.GetEvent().GetSource() != "orders" || od.GetEvent().GetStream() != "sales_order" {
+		t.Errorf("orders/sales_order delivered %s of source %q stream %q; want %s of orders, stream sales_order",
+			od.GetEvent().GetEventId(), od.GetEvent().GetSource(), od.GetEvent().GetStream(), ordersID)
+	}
+	if !strings.HasPrefix(od.GetLeaseToken(), "orders.") || strings.Contains(dd.GetLeaseToken(), ".") {
+		t.Errorf("tokens %q (orders) and %q (default): want orders' prefixed, default's as a single-source server makes it", od.GetLeaseToken(), dd.GetLeaseToken())
+	}
+
+	// The orders token under default's spelling: default's engine cannot
+	// verify it (another database's key), so nothing changes.
+	moved, err := b.Relay.Ack(t.Context(), &outboxv1.AckRequest{Acks: []*outboxv1.AckItem{
+		{EventId: ordersID, LeaseToken: strings.TrimPrefix(od.GetLeaseToken(), "orders.")}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st := moved.GetResults()[0].GetStatus(); st != outboxv1.AckStatus_ACK_STATUS_INVALID {
+		t.Errorf("orders' token without its source: %v; want INVALID", st)
+	}
+
+	res, err := b.Relay.Ack(t.Context(), &outboxv1.AckRequest{Acks: []*outboxv1.AckItem{
+		{EventId: ordersID, LeaseToken: od.GetLeaseToken()},
+		{EventId: defID, LeaseToken: dd.GetLeaseToken()},
+		{EventId: ordersID2, LeaseToken: od2.GetLeaseToken()},
+	}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, r := range res.GetResults() {
+		if r.GetStatus() != outboxv1.AckStatus_ACK_STATUS_PUBLISHED {
+			t.Errorf("ack %d (%s): %v %s; want PUBLISHED", i, r.GetEventId(), r.GetStatus(), r.GetMessage())
+		}
+	}
+	for i, want := range []string{ordersID, defID, ordersID2} {
+		if got := res.GetResults()[i].GetEventId(); got != want {
+			t.Errorf("result %d is of %s; want %s (request order)", i, got, want)
+		}
+	}
+	if !published(t, ordersPool, ordersID) || !published(t, ordersPool, ordersID2) || !published(t, defPool, defID) {
+		t.Error("an acked event is not published in its own database")
+	}
+}
+
+// TestSubscriptionsNameOneSource: a subscription that spans sources, or
+// names a source the server does not serve, is refused with
+// INVALID_ARGUMENT naming the field; "orders/*" takes every stream of
+// orders and nothing of default.
+func TestSubscriptionsNameOneSource(t *testing.T) {
+	t.Parallel()
+	r, _, _ := twoSources(t, servertest.Options{})
+	for _, tc := range []struct {
+		streams, exclude []string
+		want             string
+	}{
+		{[]string{"*/payments"}, nil, "streams[0]"},
+		{[]string{"orders/a", "b"}, nil, "streams[1]"},
+		{[]string{"orders/a"}, []string{"b"}, "exclude_streams[0]"},
+		{[]string{"orders/*", "orders/a"}, nil, "streams[0]"},
+		{[]string{"shipping/a"}, nil, "no source named"},
+	} {
+		st, err := r.Relay.Subscribe(t.Context(), &outboxv1.SubscribeRequest{RelayId: "t", Streams: tc.streams,
+			ExcludeStreams: tc.exclude, MaxInFlight: 1})
+		if err == nil {
+			_, err = st.Recv()
+		}
+		if status.Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("Subscribe(%v, exclude %v): %v; want INVALID_ARGUMENT naming %s", tc.streams, tc.exclude, err, tc.want)
+		}
+	}
+
+	emit(t, r.Pool, "billing", "1")
+	id := emit(t, r.Pools["orders"], "billing", "1")
+	d := recv(t, subscribe(t, r.Relay, "orders/*"))
+	if d.GetEvent().GetEventId() != id || d.GetEvent().GetSource() != "orders" {
+		t.Errorf("orders/* delivered %s of %q; want %s of orders", d.GetEvent().GetEventId(), d.GetEvent().GetSource(), id)
+	}
+}
+
+// TestTokenOfAnUnknownSource: a lease token bound to a source this replica
+// does not serve is refused clearly, and nothing changes.
+func TestTokenOfAnUnknownSource(t *testing.T) {
+	t.Parallel()
+	r, _, _ := twoSources(t, servertest.Options{})
+	id := emit(t, r.Pools["orders"], "sales_order", "1")
+	d := recv(t, subscribe(t, r.Relay, "orders/sales_order"))
+	foreign := "shipping." + strings.TrimPrefix(d.GetLeaseToken(), "orders.")
+
+	res, err := r.Relay.Ack(t.Context(), &outboxv1.AckRequest{Acks: []*outboxv1.AckItem{{EventId: id, LeaseToken: foreign}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := res.GetResults()[0]; got.GetStatus() != outboxv1.AckStatus_ACK_STATUS_INVALID || !strings.Contains(got.GetMessage(), `source "shipping"`) {
+		t.Errorf("Ack with a token of source shipping: %v %q; want INVALID naming the source", got.GetStatus(), got.GetMessage())
+	}
+	_, err = r.Relay.Nack(t.Context(), &outboxv1.NackRequest{EventId: id, LeaseToken: foreign, Error: "x"})
+	if status.Code(err) != codes.FailedPrecondition || !strings.Contains(err.Error(), `source "shipping"`) {
+		t.Errorf("Nack with a token of source shipping: %v; want FAILED_PRECONDITION naming the source", err)
+	}
+	_, err = r.Relay.ExtendLease(t.Context(), &outboxv1.ExtendLeaseRequest{EventId: id, LeaseToken: foreign, Ttl: durationpb.New(time.Minute)})
+	if status.Code(err) != codes.FailedPrecondition {
+		t.Errorf("ExtendLease with a token of source shipping: %v; want FAILED_PRECONDITION", err)
+	}
+	if published(t, r.Pools["orders"], id) {
+		t.Error("an ack with a token of an unknown source published the event")
+	}
+	// The genuine token still works, for Nack and ExtendLease too.
+	if _, err := r.Relay.ExtendLease(t.Context(), &outboxv1.ExtendLeaseRequest{EventId: id, LeaseToken: d.GetLeaseToken(), Ttl: durationpb.New(time.Minute)}); err != nil {
+		t.Errorf("ExtendLease with orders' token: %v", err)
+	}
+	if _, err := r.Relay.Nack(t.Context(), &outboxv1.NackRequest{EventId: id, LeaseToken: d.GetLeaseToken(), Error: "broker down"}); err != nil {
+		t.Errorf("Nack with orders' token: %v", err)
+	}
+}
+
+// setConnections turns connections to the database at url on or off; off
+// also ends the ones open, so that its source is down as if its server
+// were.
+func setConnections(t *testing.T, url string, on bool) {
+	t.Helper()
+	name := url[strings.LastIndex(url, "/")+1:]
+	if i := strings.IndexByte(name, '?'); i >= 0 {
+		name = name[:i]
+	}
+	admin := testdb.NewPoolURL(t, testdb.ServerURL())
+	var stmt string
+	if err := admin.QueryRow(context.WithoutCancel(t.Context()), `SELECT format('ALTER DATABASE %I ALLOW_CONNECTIONS '||$2, $1::text)`, name,
+		map[bool]string{true: "true", false: "false"}[on]).Scan(&stmt); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := admin.Exec(context.WithoutCancel(t.Context()), stmt); err != nil {
+		t.Fatal(err)
+	}
+	if !on {
+		if _, err := admin.Exec(t.Context(), `SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1 AND pid <> pg_backend_pid()`, name); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// waitFor polls cond until it holds (a hang guard, not a timed assertion).
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(60 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("still waiting for %s after 60s", what)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// TestSourceDownDeliversTheOthers: with the orders database refusing
+// connections, the replica stays ready (naming orders as not ready),
+// GetLag reports default's streams and says orders is down, and default's
+// events are delivered and acked; orders' event, committed before, waits
+// and is delivered once its database is back.
+func TestSourceDownDeliversTheOthers(t *testing.T) {
+	t.Parallel()
+	r, _, ordersURL := twoSources(t, servertest.Options{})
+	waiting := emit(t, r.Pools["orders"], "sales_order", "1")
+	setConnections(t, ordersURL, false)
+	back := false
+	t.Cleanup(func() {
+		if !back {
+			setConnections(t, ordersURL, true)
+		}
+	})
+	waitFor(t, "the replica to report orders not ready", func() bool {
+		rd := r.App.Readiness()
+		return strings.Contains(rd.Reason, "source orders")
+	})
+	if rd := r.App.Readiness(); !rd.Ready {
+		t.Errorf("one source down made the replica not ready: %q", rd.Reason)
+	}
+
+	lag, err := r.Admin.GetLag(t.Context(), &outboxv1.GetLagRequest{})
+	if err != nil {
+		t.Fatalf("GetLag with orders down: %v", err)
+	}
+	health := map[string]*outboxv1.SourceHealth{}
+	for _, s := range lag.GetSources() {
+		health[s.GetName()] = s
+	}
+	if h := health["orders"]; h == nil || h.GetReady() || h.GetReason() == "" {
+		t.Errorf("GetLag says orders is %v; want not ready, with a reason", h)
+	}
+	if h := health["default"]; h == nil || !h.GetReady() {
+		t.Errorf("GetLag says default is %v; want ready", h)
+	}
+
+	id := emit(t, r.Pool, "sales_order", "2")
+	d := recv(t, subscribe(t, r.Relay, "sales_order"))
+	if d.GetEvent().GetEventId() != id {
+		t.Fatalf("default delivered %s; want %s", d.GetEvent().GetEventId(), id)
+	}
+	res, err := r.Relay.Ack(t.Context(), &outboxv1.AckRequest{Acks: []*outboxv1.AckItem{{EventId: id, LeaseToken: d.GetLeaseToken()}}})
+	if err != nil || res.GetResults()[0].GetStatus() != outboxv1.AckStatus_ACK_STATUS_PUBLISHED {
+		t.Fatalf("acking default's event with orders down: %v, %v", res, err)
+	}
+
+	setConnections(t, ordersURL, true)
+	back = true
+	waitFor(t, "the replica to report orders ready", func() bool { return r.App.Readiness().Reason == "" })
+	var od *outboxv1.SubscribeResponse
+	waitFor(t, "a subscription to orders", func() bool {
+		ctx, cancel := context.WithCancel(t.Context())
+		st, err := r.Relay.Subscribe(ctx, &outboxv1.SubscribeRequest{RelayId: "t", Streams: []string{"orders/sales_order"}, MaxInFlight: 1})
+		if err == nil {
+			if od, err = st.Recv(); err == nil {
+				t.Cleanup(cancel)
+				return true
+			}
+		}
+		cancel()
+		return false
+	})
+	if od.GetEvent().GetEventId() != waiting {
+		t.Errorf("orders delivered %s once back; want %s, committed while it was up", od.GetEvent().GetEventId(), waiting)
+	}
+	res, err = r.Relay.Ack(t.Context(), &outboxv1.AckRequest{Acks: []*outboxv1.AckItem{{EventId: waiting, LeaseToken: od.GetLeaseToken()}}})
+	if err != nil || res.GetResults()[0].GetStatus() != outboxv1.AckStatus_ACK_STATUS_PUBLISHED {
+		t.Fatalf("acking orders' event once back: %v, %v", res, err)
+	}
+}
+
+// TestTokenScopedToOneSource: a token scoped "orders/*" relays orders'
+// streams and is refused on default's, for Subscribe and for an Ack of a
+// default delivery; a viewer scoped "orders/*" sees only orders' lag.
+func TestTokenScopedToOneSource(t *testing.T) {
+	t.Parallel()
+	const (
+		allToken    = "all-relay-token-0123456789"
+		ordersToken = "orders-relay-token-0123456789"
+		viewerToken = "orders-viewer-token-0123456789"
+	)
+	file := filepath.Join(t.TempDir(), "tokens")
+	if err := os.WriteFile(file, []byte(
+		"all relay "+allToken+"\n"+
+			"orders relay "+ordersToken+" streams=orders/*\n"+
+			"viewer viewer "+viewerToken+" streams=orders/*\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	a, err := auth.New(auth.Config{File: file, Logger: servertest.Logger(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, _, _ := twoSources(t, servertest.Options{Authenticator: a})
+	dial := func(token string) *grpc.ClientConn {
+		conn, err := grpc.NewClient(r.Addr, grpc.WithTransportCredentials(insecure.NewCredentials()), auth.WithBearerToken(token, true))
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { conn.Close() })
+		return conn
+	}
+	all := outboxv1.NewRelayServiceClient(dial(allToken))
+	scoped := outboxv1.NewRelayServiceClient(dial(ordersToken))
+
+	defID := emit(t, r.Pool, "sales_order", "1")
+	ordersID := emit(t, r.Pools["orders"], "sales_order", "1")
+	for _, streams := range [][]string{{"sales_order"}, {"default/sales_order"}, nil} {
+		st, err := scoped.Subscribe(t.Context(), &outboxv1.SubscribeRequest{RelayId: "t", Streams: streams, MaxInFlight: 1})
+		if err == nil {
+			_, err = st.Recv()
+		}
+		if status.Code(err) != codes.PermissionDenied {
+			t.Errorf("orders/* token subscribing to %v: %v; want PERMISSION_DENIED", streams, err)
+		}
+	}
+	od := recv(t, subscribe(t, scoped, "orders/sales_order"))
+	if od.GetEvent().GetEventId() != ordersID {
+		t.Errorf("orders/* token got %s; want %s", od.GetEvent().GetEventId(), ordersID)
+	}
+	dd := recv(t, subscribe(t, all, "sales_order"))
+	_, err = scoped.Ack(t.Context(), &outboxv1.AckRequest{Acks: []*outboxv1.AckItem{
+		{EventId: ordersID, LeaseToken: od.GetLeaseToken()}, {EventId: defID, LeaseToken: dd.GetLeaseToken()}}})
+	if status.Code(err) != codes.PermissionDenied {
+		t.Errorf("orders/* token acking a default delivery: %v; want PERMISSION_DENIED", err)
+	}
+	if published(t, r.Pool, defID) || published(t, r.Pools["orders"], ordersID) {
+		t.Error("a refused Ack changed something")
+	}
+	res, err := scoped.Ack(t.Context(), &outboxv1.AckRequest{Acks: []*outboxv1.AckItem{{EventId: ordersID, LeaseToken: od.GetLeaseToken()}}})
+	if err != nil || res.GetResults()[0].GetStatus() != outboxv1.AckStatus_ACK_STATUS_PUBLISHED {
+		t.Errorf("orders/* token acking its own delivery: %v, %v", res, err)
+	}
+	if res, err := all.Ack(t.Context(), &outboxv1.AckRequest{Acks: []*outboxv1.AckItem{{EventId: defID, LeaseToken: dd.GetLeaseToken()}}}); err != nil ||
+		res.GetResults()[0].GetStatus() != outboxv1.AckStatus_ACK_STATUS_PUBLISHED {
+		t.Errorf("unrestricted token acking default's delivery: %v, %v", res, err)
+	}
+
+	lag, err := outboxv1.NewAdminServiceClient(dial(viewerToken)).GetLag(t.Context(), &outboxv1.GetLagRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(lag.GetStreams()) != 1 || lag.GetStreams()[0].GetSource() != "orders" || len(lag.GetSources()) != 1 {
+		t.Errorf("orders/* viewer sees lag %v, sources %v; want orders' one stream only", lag.GetStreams(), lag.GetSources())
+	}
+}
