@@ -59,8 +59,10 @@ type Config struct {
 	// Default 25.
 	MaxDeliveries int
 
-	// PollInterval is the fallback poll of an idle session, which finds work
-	// even when a notification was lost. Default 1s.
+	// PollInterval is the longest pause of the fallback poll, which finds
+	// work even when a notification was lost: one poll (one claim) per
+	// stream filter of the replica's idle sessions, not one per session
+	// (see pollGroup). Default 1s.
 	PollInterval time.Duration
 	// DiscoveryInterval is the pause between discovery rounds while they
 	// find new events; DiscoveryIdleInterval the longest pause while they

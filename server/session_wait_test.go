@@ -91,3 +91,46 @@ func TestPollGroupLosesNoWakeUp(t *testing.T) {
 		t.Fatalf("%d groups left after every session left", len(srv.groups))
 	}
 }
+
+// The listener holds back exactly the wake-up a local round sent: one from
+// the round's backend while the round is open (which the round then
+// reports, in case it did not wake the sessions itself), or the first one
+// from it after a round that notified; not a later one, and none once the
+// LISTEN connection was lost in between.
+func TestWakerHoldsBackOnlyTheRoundsOwnNotify(t *testing.T) {
+	w := newWaker(&Server{})
+	w.listening(true)
+
+	w.openRound(7)
+	if !w.echo(7) {
+		t.Fatal("a wake-up from the round's backend while it is open was acted on")
+	}
+	if w.echo(8) {
+		t.Fatal("a wake-up from another backend was held back")
+	}
+	if seen := w.closeRound(7, false); !seen {
+		t.Fatal("the round was not told of the wake-up held back while it was open")
+	}
+	if w.echo(7) {
+		t.Fatal("a wake-up from the backend after its round ended was held back")
+	}
+
+	w.openRound(7)
+	if seen := w.closeRound(7, true); seen {
+		t.Fatal("closeRound reports a wake-up that did not arrive")
+	}
+	if !w.echo(7) {
+		t.Fatal("the echo of a round that notified, arriving after it ended, was acted on")
+	}
+	if w.echo(7) {
+		t.Fatal("a second wake-up from the backend was held back")
+	}
+
+	w.openRound(7)
+	w.closeRound(7, true)
+	w.listening(false) // the echo went with the connection
+	w.listening(true)
+	if w.echo(7) {
+		t.Fatal("a wake-up was held back as the echo of a round notified on a lost connection")
+	}
+}

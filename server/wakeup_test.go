@@ -68,8 +68,8 @@ func b2i(b bool) int32 {
 
 // Sessions that take the same streams share one idle poll: while nothing is
 // claimable, each poll of the group makes one claim, not one per session;
-// and the shared poll still finds what no wake-up announces (a lease that
-// expired).
+// and what no wake-up announces (a lease that expired) is still found (by
+// the group's poll, or by the holder's reconcile).
 func TestIdleSessionsOfOneFilterShareOnePoll(t *testing.T) {
 	t.Parallel()
 	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
@@ -105,7 +105,7 @@ func TestIdleSessionsOfOneFilterShareOnePoll(t *testing.T) {
 		t.Fatalf("first delivery %v", first.d)
 	}
 	// Not acked: the lease expires after a second, which nothing
-	// announces; the group's poll finds it again.
+	// announces; it is found again.
 	again := next(t, got)
 	if again.d.GetEvent().GetEventId() != ids[0].String() || again.d.GetAttempt() != 2 {
 		t.Fatalf("after the lease expired got %v, want the event again (attempt 2)", again.d)
