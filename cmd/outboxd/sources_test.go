@@ -114,3 +114,15 @@ func TestSourceFlagRejects(t *testing.T) {
 		}
 	}
 }
+
+// With --source and neither --database-url nor $DATABASE_URL there is no
+// default source: `outboxd migrate --source orders=URL` migrates orders
+// alone (and does not touch the local default database).
+func TestMigrateOneSource(t *testing.T) {
+	t.Parallel()
+	orders := testdb.NewEmpty(t)
+	code, out := runOutboxd(t, []string{"DATABASE_URL="}, "migrate", "--source", "orders="+orders)
+	if code != 0 || strings.Count(out, "schema is at version") != 1 || strings.Contains(out, "default") {
+		t.Fatalf("migrate --source orders alone: exit %d; want orders migrated, nothing else:\n%s", code, out)
+	}
+}

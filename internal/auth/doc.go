@@ -35,7 +35,11 @@
 //   - streams= (optional): comma-separated stream patterns the token is
 //     limited to. A pattern is a stream name in which '*' matches any run of
 //     characters: "billing.*", "sales_order", "*". Without it the token may
-//     access every stream.
+//     access every stream. On a server with several source databases a
+//     pattern may name a source, with '*' allowed there too:
+//     "orders/billing.*", "*/payments", "orders/*"; a pattern without one is
+//     of the source "default", and "*" alone is still every stream of every
+//     source (see Principal.ForSource).
 //
 // The same entries can come from an environment variable (conventionally
 // OUTBOXD_TOKENS, see Config.EnvVar), separated by newlines or ';' (a '#'

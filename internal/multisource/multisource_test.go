@@ -140,6 +140,15 @@ func TestStreamsOfTwoSources(t *testing.T) {
 	if !published(t, ordersPool, ordersID) || !published(t, ordersPool, ordersID2) || !published(t, defPool, defID) {
 		t.Error("an acked event is not published in its own database")
 	}
+
+	// Admin calls go to the source their stream names: aggregate 2 exists
+	// in orders only.
+	if _, err := b.Admin.GetAggregate(t.Context(), &outboxv1.GetAggregateRequest{Stream: "orders/sales_order", AggregateKey: "2"}); err != nil {
+		t.Errorf("GetAggregate orders/sales_order 2: %v", err)
+	}
+	if _, err := b.Admin.GetAggregate(t.Context(), &outboxv1.GetAggregateRequest{Stream: "sales_order", AggregateKey: "2"}); status.Code(err) != codes.NotFound {
+		t.Errorf("GetAggregate sales_order 2 (of default): %v; want NOT_FOUND", err)
+	}
 }
 
 // TestSubscriptionsNameOneSource: a subscription that spans sources, or
