@@ -407,3 +407,59 @@ func TestTokenScopedToOneSource(t *testing.T) {
 		t.Errorf("orders/* viewer sees lag %v, sources %v; want orders' one stream only", lag.GetStreams(), lag.GetSources())
 	}
 }
+
+// TestBatchedDeliveriesNameTheirSource: to a relay that accepts batches, a
+// source's deliveries go several to a message (SubscribeResponse.deliveries);
+// each of them says its source and carries a token bound to it, so their
+// acks mark the events in that source's database.
+func TestBatchedDeliveriesNameTheirSource(t *testing.T) {
+	t.Parallel()
+	r, _, _ := twoSources(t, servertest.Options{})
+	ordersPool := r.Pools["orders"]
+	ids := map[string]bool{}
+	for _, key := range []string{"1", "2", "3"} {
+		ids[emit(t, ordersPool, "sales_order", key)] = true
+	}
+	// Ready before anyone subscribes, so the first claim leases all three
+	// and the session sends them in one message.
+	waitFor(t, "discovery to make the three aggregates ready", func() bool {
+		var n int
+		if err := ordersPool.QueryRow(t.Context(), `SELECT count(*) FROM outbox.delivery WHERE state = 'ready'`).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return n == 3
+	})
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	st, err := r.Relay.Subscribe(ctx, &outboxv1.SubscribeRequest{
+		RelayId: "t", Streams: []string{"orders/sales_order"}, MaxInFlight: 10, AcceptBatches: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	msg := recv(t, st)
+	if len(msg.GetDeliveries()) != 3 {
+		t.Fatalf("first message carries %d batched deliveries (event %q); want all 3 in one", len(msg.GetDeliveries()), msg.GetEvent().GetEventId())
+	}
+	var acks []*outboxv1.AckItem
+	for _, d := range msg.GetDeliveries() {
+		if d.GetEvent().GetSource() != "orders" || !strings.HasPrefix(d.GetLeaseToken(), "orders.") {
+			t.Errorf("batched delivery %s: source %q, token %q; want source orders and a token bound to it",
+				d.GetEvent().GetEventId(), d.GetEvent().GetSource(), d.GetLeaseToken())
+		}
+		acks = append(acks, &outboxv1.AckItem{EventId: d.GetEvent().GetEventId(), LeaseToken: d.GetLeaseToken()})
+	}
+	res, err := r.Relay.Ack(t.Context(), &outboxv1.AckRequest{Acks: acks})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, x := range res.GetResults() {
+		if x.GetStatus() != outboxv1.AckStatus_ACK_STATUS_PUBLISHED {
+			t.Errorf("ack of %s: %v %s; want PUBLISHED", x.GetEventId(), x.GetStatus(), x.GetMessage())
+		}
+	}
+	for id := range ids {
+		if !published(t, ordersPool, id) {
+			t.Errorf("event %s of orders is not published after its ack", id)
+		}
+	}
+}

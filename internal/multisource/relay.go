@@ -119,14 +119,26 @@ type sourceStream struct {
 
 func (s *sourceStream) Context() context.Context { return s.ctx }
 
+// Send names the source in every delivery of d and binds its token to it,
+// whether d is one delivery or a batch of them (SubscribeResponse.deliveries,
+// for a relay that accepts batches).
 func (s *sourceStream) Send(d *outboxv1.SubscribeResponse) error {
 	if s.source != Default {
-		if d.Event != nil {
-			d.Event.Source = s.source
+		s.bind(d)
+		for _, b := range d.Deliveries {
+			s.bind(b)
 		}
-		d.LeaseToken = wrapToken(s.source, d.LeaseToken)
 	}
 	return s.RelayService_SubscribeServer.Send(d)
+}
+
+func (s *sourceStream) bind(d *outboxv1.SubscribeResponse) {
+	if d.Event != nil {
+		d.Event.Source = s.source
+	}
+	if d.LeaseToken != "" {
+		d.LeaseToken = wrapToken(s.source, d.LeaseToken)
+	}
 }
 
 // Ack splits the acks by their tokens' sources and gives each engine its
