@@ -9,7 +9,9 @@ package limits
 // cannot be received, so it can only be parked); the relay receives up to
 // this size. It equals gRPC's default receive limit, so that a relay written
 // in any language with its gRPC client's default settings can receive every
-// event the server delivers.
+// event the server delivers. A message of several deliveries (for a relay
+// that set SubscribeRequest.accept_batches) stays under 1 MiB, far below it;
+// a delivery too large to share one is sent alone.
 const MaxDeliveryBytes = 4 << 20
 
 // MaxAckItems is the most acks one Ack request may carry.
