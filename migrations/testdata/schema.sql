@@ -1075,7 +1075,7 @@ BEGIN
                 unanswered = CASE WHEN p.head_id IS NOT NULL THEN 0 ELSE d.unanswered END,
                 next_attempt_at = NULL, gap_revision = NULL
             FROM plan p
-            -- The row cand read (locked since step 1, so not moved since),
+            -- The row cand read (locked in step 2, so not moved since),
             -- found by its tuple id rather than a second probe of the key.
             WHERE d.ctid = p.row_tid AND p.state IN ('idle', 'gap')
             RETURNING d.stream, d.aggregate_key, d.state, d.holder, d.leased_event_id, d.epoch, d.attempt,
