@@ -77,6 +77,12 @@ func (s *Server) SetBeforeAckBatch(f func()) { s.beforeAckBatch = f }
 // first Ack.
 func (s *Server) SetAfterAckQueued(f func()) { s.afterAckQueued = f }
 
+// Sessions is how many Subscribe streams the server has open.
+func (s *Server) Sessions() (n int) {
+	s.forEachSession(func(*session) { n++ })
+	return n
+}
+
 // InFlight is how many events this replica's sessions count as in flight:
 // a session counts its leases before it sends them.
 func (s *Server) InFlight() (n int64) {
