@@ -65,7 +65,7 @@ func (f *serveFlags) register(cmd *cobra.Command) {
 	fl.IntVar(&f.maxDeliveries, "max-deliveries", 25, "deliveries of one event without an ack or nack (expired lease, ended stream) before its aggregate is parked")
 	fl.DurationVar(&f.backoffBase, "backoff-base", time.Second, "first retry delay after a nack (doubles per failure, with jitter)")
 	fl.DurationVar(&f.backoffCap, "backoff-cap", 5*time.Minute, "longest retry delay after a nack (the same on every replica: a next attempt further ahead than the longest lease or backoff counts as due, see docs/design.md)")
-	fl.DurationVar(&f.pollInterval, "poll-interval", time.Second, "fallback poll of idle relay streams")
+	fl.DurationVar(&f.pollInterval, "poll-interval", time.Second, "longest pause of the fallback poll that finds work when a notification was lost: one poll per stream filter of the idle relay streams, not one per stream")
 	fl.DurationVar(&f.shutdownTimeout, "shutdown-timeout", 15*time.Second, "how long SIGTERM waits for outstanding deliveries to be acked")
 	fl.Int32Var(&f.maxConns, "max-db-conns", 16, "database connection pool size, of each source")
 	fl.StringVar(&f.httpListen, "http-listen", "127.0.0.1:7071", "HTTP address for /metrics, /healthz and /readyz (empty: off)")
