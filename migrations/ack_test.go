@@ -398,10 +398,7 @@ func TestSkipWhileALoneAckWaitsWins(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer skip.Rollback(ctx)
-	var skipPID int
-	if err := skip.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&skipPID); err != nil {
-		t.Fatal(err)
-	}
+	skipPID := backendPID(t, skip)
 	// What SkipEvent does first: lock the event row.
 	exec := func(sql string, args ...any) {
 		t.Helper()
@@ -416,10 +413,7 @@ func TestSkipWhileALoneAckWaitsWins(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer ackConn.Release()
-	var ackPID int
-	if err := ackConn.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&ackPID); err != nil {
-		t.Fatal(err)
-	}
+	ackPID := backendPID(t, ackConn)
 	type answer struct {
 		status string
 		err    error

@@ -331,10 +331,7 @@ func TestClaimLeavesALeaseGrantedWhileItRan(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer func() { _ = other.Rollback(context.WithoutCancel(ctx)) }()
-	var otherPID int
-	if err := other.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&otherPID); err != nil {
-		t.Fatal(err)
-	}
+	otherPID := backendPID(t, other)
 	if _, err := other.Exec(ctx, `LOCK TABLE outbox.delivery IN EXCLUSIVE MODE`); err != nil {
 		t.Fatal(err)
 	}
@@ -344,10 +341,7 @@ func TestClaimLeavesALeaseGrantedWhileItRan(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer claimer.Release()
-	var claimerPID int
-	if err := claimer.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&claimerPID); err != nil {
-		t.Fatal(err)
-	}
+	claimerPID := backendPID(t, claimer)
 	type result struct {
 		keys []string
 		err  error
@@ -430,10 +424,7 @@ func handOverAfterWaiting(t *testing.T, batch bool) {
 		t.Fatal(err)
 	}
 	defer func() { _ = locker.Rollback(context.WithoutCancel(ctx)) }()
-	var lockerPID int
-	if err := locker.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&lockerPID); err != nil {
-		t.Fatal(err)
-	}
+	lockerPID := backendPID(t, locker)
 	if _, err := locker.Exec(ctx, `SELECT 1 FROM outbox.delivery WHERE aggregate_key = 'k' FOR UPDATE`); err != nil {
 		t.Fatal(err)
 	}
@@ -442,10 +433,7 @@ func handOverAfterWaiting(t *testing.T, batch bool) {
 		t.Fatal(err)
 	}
 	defer acker.Release()
-	var ackerPID int
-	if err := acker.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&ackerPID); err != nil {
-		t.Fatal(err)
-	}
+	ackerPID := backendPID(t, acker)
 	done := make(chan error, 1)
 	go func() {
 		ids := []uuid.UUID{first}

@@ -35,10 +35,7 @@ func openWindowedAck(t *testing.T, pool *pgxpool.Pool, ids []uuid.UUID, holder *
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = tx.Rollback(context.Background()) })
-	var pid int
-	if err := tx.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&pid); err != nil {
-		t.Fatal(err)
-	}
+	pid := backendPID(t, tx)
 	var holders []uuid.UUID
 	if holder != nil {
 		holders = []uuid.UUID{*holder}

@@ -298,10 +298,7 @@ func TestIdempotentRetryCreatesNoGap(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer tx.Rollback(ctx)
-	var pid int
-	if err := tx.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&pid); err != nil {
-		t.Fatal(err)
-	}
+	pid := backendPID(t, tx)
 	if _, err := tx.Exec(ctx, insert, racing); err != nil {
 		t.Fatal(err)
 	}
@@ -310,10 +307,7 @@ func TestIdempotentRetryCreatesNoGap(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer conn.Release()
-	var retryPID int
-	if err := conn.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&retryPID); err != nil {
-		t.Fatal(err)
-	}
+	retryPID := backendPID(t, conn)
 	retried := make(chan error, 1)
 	go func() {
 		tag, err := conn.Exec(ctx, insert, racing)
@@ -351,6 +345,19 @@ func TestIdempotentRetryCreatesNoGap(t *testing.T) {
 		}
 		ackEvents(t, pool, fmt.Sprintf(`aggregate_key = 'o-1' AND revision = %d`, rev))
 	}
+}
+
+// backendPID is the PostgreSQL backend process id of q's connection, as
+// pg_blocking_pids names it.
+func backendPID(t *testing.T, q interface {
+	QueryRow(context.Context, string, ...any) pgx.Row
+}) int {
+	t.Helper()
+	var pid int
+	if err := q.QueryRow(testContext(t), `SELECT pg_backend_pid()`).Scan(&pid); err != nil {
+		t.Fatal(err)
+	}
+	return pid
 }
 
 // waitUntilBlockedBy waits until backend pid waits for a lock that holder

@@ -215,10 +215,7 @@ func TestDispatchRunsItsTTLFromTheLocks(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer func() { _ = locker.Rollback(context.WithoutCancel(ctx)) }()
-	var lockerPID int
-	if err := locker.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&lockerPID); err != nil {
-		t.Fatal(err)
-	}
+	lockerPID := backendPID(t, locker)
 	if _, err := locker.Exec(ctx, `SELECT 1 FROM outbox.delivery WHERE aggregate_key = 'k' FOR UPDATE`); err != nil {
 		t.Fatal(err)
 	}
@@ -227,10 +224,7 @@ func TestDispatchRunsItsTTLFromTheLocks(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer rounder.Release()
-	var rounderPID int
-	if err := rounder.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&rounderPID); err != nil {
-		t.Fatal(err)
-	}
+	rounderPID := backendPID(t, rounder)
 	type result struct {
 		leased map[string]uuid.UUID
 		err    error

@@ -246,10 +246,7 @@ func TestDiscoveryStoppedLeavesARescanThatCommittedMeanwhile(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer func() { _ = rescan.Rollback(context.WithoutCancel(ctx)) }()
-	var rescanPID int
-	if err := rescan.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&rescanPID); err != nil {
-		t.Fatal(err)
-	}
+	rescanPID := backendPID(t, rescan)
 	if _, err := rescan.Exec(ctx, `LOCK TABLE outbox.discovery IN SHARE MODE`); err != nil {
 		t.Fatal(err)
 	}
@@ -258,10 +255,7 @@ func TestDiscoveryStoppedLeavesARescanThatCommittedMeanwhile(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer checker.Release()
-	var checkerPID int
-	if err := checker.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&checkerPID); err != nil {
-		t.Fatal(err)
-	}
+	checkerPID := backendPID(t, checker)
 	done := make(chan error, 1)
 	go func() {
 		var reason *string
