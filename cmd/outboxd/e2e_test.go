@@ -97,6 +97,16 @@ type process struct {
 	t    *testing.T
 	cmd  *exec.Cmd
 	done chan struct{}
+
+	mu     sync.Mutex
+	output strings.Builder // every line so far, for hasOutput
+}
+
+// hasOutput reports whether the process has printed a line containing s.
+func (p *process) hasOutput(s string) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return strings.Contains(p.output.String(), s)
 }
 
 func start(t *testing.T, args ...string) *process {
@@ -123,6 +133,9 @@ func startEnv(t *testing.T, env []string, args ...string) *process {
 		sc := bufio.NewScanner(pr)
 		for sc.Scan() {
 			t.Log(args[0], ": ", sc.Text())
+			p.mu.Lock()
+			p.output.WriteString(sc.Text() + "\n")
+			p.mu.Unlock()
 		}
 	}()
 	go func() { _ = cmd.Wait(); pw.Close(); <-logged; close(p.done) }()

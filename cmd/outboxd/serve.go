@@ -101,7 +101,7 @@ func (f *serveFlags) security(log *slog.Logger) (credentials.TransportCredential
 		if err != nil {
 			return nil, nil, err
 		}
-		creds = credentials.NewTLS(tc)
+		creds = tlsconfig.ServerCredentials(tc, log)
 	}
 	if f.tokenFile == "" && os.Getenv(auth.DefaultEnvVar) == "" {
 		if !auth.IsLoopback(f.listen) && !f.insecureNoAuth {

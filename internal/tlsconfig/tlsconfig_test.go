@@ -386,3 +386,50 @@ func TestConfigErrors(t *testing.T) {
 		}
 	}
 }
+
+// ServerCredentials logs each refused handshake with its reason, and a
+// peer that closes without a byte (a TCP probe) only at debug level.
+func TestServerCredentialsLogRefusedHandshakes(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	ca := tlstest.NewCA(t, "test CA")
+	sf := tlstest.WriteLeaf(t, dir, "server", ca.Issue(t, "outboxd", x509.ExtKeyUsageServerAuth))
+	cfg, err := NewServer(ServerConfig{CertFile: sf.Cert, KeyFile: sf.Key})
+	if err != nil {
+		t.Fatal(err)
+	}
+	logs := &logRecorder{}
+	creds := ServerCredentials(cfg, slog.New(logs))
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer lis.Close()
+	// handshake lets the client do its part, then runs one server
+	// handshake to its end, so the log is complete when it returns.
+	handshake := func(client func(net.Conn)) {
+		t.Helper()
+		c, err := net.Dial("tcp", lis.Addr().String())
+		if err != nil {
+			t.Fatal(err)
+		}
+		s, err := lis.Accept()
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer s.Close()
+		client(c)
+		c.Close()
+		if _, _, err := creds.ServerHandshake(s); err == nil {
+			t.Fatal("handshake succeeded")
+		}
+	}
+	handshake(func(net.Conn) {})
+	if n := logs.count("DEBUG tls: handshake refused"); n != 1 {
+		t.Fatalf("a peer that closed at once: %d debug records, want 1\n%s", n, logs)
+	}
+	handshake(func(c net.Conn) { _, _ = c.Write([]byte("PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")) })
+	if n := logs.count("WARN tls: handshake refused"); n != 1 || logs.count("first record does not look like a TLS handshake") != 1 {
+		t.Fatalf("a plaintext client: want one warning with the reason\n%s", logs)
+	}
+}
