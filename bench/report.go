@@ -736,6 +736,14 @@ func (r *Report) WriteTable(w io.Writer) {
 			fmt.Fprintf(w, "with the heavy source (P=%d, K=%d): %.0f ev/s in all = heavy %.0f + light %.0f; light commit→sink %s (worst source %s p99 %s), heavy %s\n",
 				f.HeavyProducers, f.HeavyRelays, res.Throughput, f.HeavyMixedPerS, f.LightMixedPerS, fmtPercentiles(f.LightMixed),
 				f.WorstLightSource, fmtLatency(f.WorstLightMixedP99Ms), fmtPercentiles(f.HeavyMixed))
+			for _, c := range []struct {
+				name string
+				cost SourcesWindowCost
+			}{{"alone", f.Solo}, {"with heavy", f.Mixed}} {
+				fmt.Fprintf(w, "  %s: server %s %% of a core, postgres %s %%; per light source %.1f commits/s, %.1f rollbacks/s (empty discovery rounds); heavy %.1f commits/s, %.1f rollbacks/s\n",
+					c.name, fmtOpt(c.cost.ServerCorePct, "%.1f"), fmtOpt(c.cost.PostgresCorePct, "%.1f"),
+					c.cost.LightCommitsPerS, c.cost.LightRollbacksPerS, c.cost.HeavyCommitsPerS, c.cost.HeavyRollbacksPerS)
+			}
 		}
 		if f := res.IdleSources; f != nil {
 			fmt.Fprintf(w, "\n== idle-sources: %d idle source databases on one server (--max-db-conns %d) ==\n", f.Sources, f.MaxDBConn)
@@ -743,9 +751,9 @@ func (r *Report) WriteTable(w io.Writer) {
 				if ph == nil {
 					continue
 				}
-				fmt.Fprintf(w, "%d relays, %s: server %s %% of a core, postgres %s %%, %.2f commits/s per source, connections per source %.2f mean, %d most (%d in all)\n",
+				fmt.Fprintf(w, "%d relays, %s: server %s %% of a core, postgres %s %%, per source %.2f commits/s and %.1f rollbacks/s (empty discovery rounds), connections per source %.2f mean, %d most (%d in all)\n",
 					ph.Relays, fmtSeconds(ph.WindowS), fmtOpt(ph.ServerCorePct, "%.1f"), fmtOpt(ph.PostgresCorePct, "%.1f"),
-					ph.CommitsPerSourcePerS, ph.ConnsPerSourceMean, ph.ConnsPerSourceMax, ph.ConnsTotal)
+					ph.CommitsPerSourcePerS, ph.RollbacksPerSourcePerS, ph.ConnsPerSourceMean, ph.ConnsPerSourceMax, ph.ConnsTotal)
 				for _, g := range ph.Sessions {
 					fmt.Fprintf(w, "    %4d  %-20s %s\n", g.Count, g.State, g.Query)
 				}

@@ -71,6 +71,79 @@ type SourcesFigures struct {
 	// in the mixed window, and WorstLightSource names it.
 	WorstLightMixedP99Ms float64 `json:"worst_light_mixed_p99_ms"`
 	WorstLightSource     string  `json:"worst_light_source"`
+	// Solo and Mixed are each window's CPU (% of a core) and transactions.
+	Solo  SourcesWindowCost `json:"solo"`
+	Mixed SourcesWindowCost `json:"mixed"`
+}
+
+// SourcesWindowCost is what one window of the sources workload cost: the
+// server's and PostgreSQL's CPU, and the transactions of one light source
+// and of the heavy one per second (pg_stat_database, which lags up to a
+// second). An empty discovery round ends in ROLLBACK, so rollbacks count
+// them.
+type SourcesWindowCost struct {
+	ServerCorePct      *float64 `json:"server_core_pct,omitempty"`
+	PostgresCorePct    *float64 `json:"postgres_core_pct,omitempty"`
+	LightCommitsPerS   float64  `json:"light_commits_per_source_per_s"`
+	LightRollbacksPerS float64  `json:"light_rollbacks_per_source_per_s"`
+	HeavyCommitsPerS   float64  `json:"heavy_commits_per_s"`
+	HeavyRollbacksPerS float64  `json:"heavy_rollbacks_per_s"`
+}
+
+// xactCounts sums xact_commit and xact_rollback over the named databases.
+func xactCounts(ctx context.Context, conn *pgx.Conn, names []string) (commits, rollbacks int64, err error) {
+	err = conn.QueryRow(ctx, `SELECT coalesce(sum(xact_commit), 0)::bigint, coalesce(sum(xact_rollback), 0)::bigint
+		FROM pg_stat_database WHERE datname = ANY($1)`, names).Scan(&commits, &rollbacks)
+	if err != nil {
+		err = fmt.Errorf("bench: read pg_stat_database: %w", err)
+	}
+	return commits, rollbacks, err
+}
+
+// costWindow measures one window of the sources workload: call it when
+// the window opens and call what it returns when it closes.
+func costWindow(ctx context.Context, adminURL string, srv serverHandle, heavy *sourceDB, lights []*sourceDB) (func() (SourcesWindowCost, measurement, error), error) {
+	conn, err := pgx.Connect(ctx, adminURL)
+	if err != nil {
+		return nil, fmt.Errorf("bench: connect for measurements: %w", err)
+	}
+	lightNames, heavyNames := sourceDBNames(lights), []string{heavy.env.dbName}
+	pr, err := openWindowOver(ctx, adminURL, append(sourceDBNames(lights), heavyNames...), srv)
+	if err != nil {
+		conn.Close(context.WithoutCancel(ctx))
+		return nil, err
+	}
+	lc, lr, err1 := xactCounts(ctx, conn, lightNames)
+	hc, hr, err2 := xactCounts(ctx, conn, heavyNames)
+	if err := errors.Join(err1, err2); err != nil {
+		conn.Close(context.WithoutCancel(ctx))
+		_, _ = pr.close(ctx)
+		return nil, err
+	}
+	return func() (SourcesWindowCost, measurement, error) {
+		defer conn.Close(context.WithoutCancel(ctx))
+		var c SourcesWindowCost
+		m, err := pr.close(ctx)
+		if err != nil {
+			return c, m, err
+		}
+		lc2, lr2, err1 := xactCounts(ctx, conn, lightNames)
+		hc2, hr2, err2 := xactCounts(ctx, conn, heavyNames)
+		if err := errors.Join(err1, err2); err != nil {
+			return c, m, err
+		}
+		secs := m.elapsed.Seconds()
+		if m.serverOK {
+			c.ServerCorePct = ptr(100 * m.serverCPU.Seconds() / secs)
+		}
+		if m.postgresOK {
+			c.PostgresCorePct = ptr(100 * m.postgresCPU.Seconds() / secs)
+		}
+		n := float64(max(len(lights), 1))
+		c.LightCommitsPerS, c.LightRollbacksPerS = float64(lc2-lc)/secs/n, float64(lr2-lr)/secs/n
+		c.HeavyCommitsPerS, c.HeavyRollbacksPerS = float64(hc2-hc)/secs, float64(hr2-hr)/secs
+		return c, m, nil
+	}, nil
 }
 
 // IdleSourcesFigures are the idle-sources workload's two windows.
@@ -90,6 +163,9 @@ type IdleSourcesPhase struct {
 	// CommitsPerSourcePerS counts the source databases' commits
 	// (pg_stat_database, which lags up to a second) per source and second.
 	CommitsPerSourcePerS float64 `json:"commits_per_source_per_s"`
+	// RollbacksPerSourcePerS counts their rollbacks the same way: an
+	// empty discovery round ends in ROLLBACK.
+	RollbacksPerSourcePerS float64 `json:"rollbacks_per_source_per_s"`
 	// Connections per source database (pg_stat_activity grouped by
 	// datname) at the window's end: the most and the mean, and all.
 	ConnsPerSourceMax  int     `json:"conns_per_source_max"`
@@ -405,11 +481,16 @@ func runSources(ctx context.Context, cfg *Config, sc *scratch, spec armSpec, _ *
 	if err := sleepAll(cfg.Warmup, lightProds...); err != nil {
 		return nil, err
 	}
-	fromSolo, soloLight := time.Now().UnixNano(), delivered(lights)
-	if err := sleepAll(cfg.Duration, lightProds...); err != nil {
+	closeSolo, err := costWindow(ctx, cfg.DatabaseURL, srv, heavy, lights)
+	if err != nil {
 		return nil, err
 	}
+	fromSolo, soloLight := time.Now().UnixNano(), delivered(lights)
+	sleepErr := sleepAll(cfg.Duration, lightProds...)
 	toSolo := time.Now().UnixNano()
+	if fig.Solo, _, err = closeSolo(); errors.Join(sleepErr, err) != nil {
+		return nil, errors.Join(sleepErr, err)
+	}
 	fig.SoloWindowS = time.Duration(toSolo - fromSolo).Seconds()
 	fig.LightSoloPerS = perSecond(delivered(lights)-soloLight, time.Duration(toSolo-fromSolo))
 
@@ -420,16 +501,17 @@ func runSources(ctx context.Context, cfg *Config, sc *scratch, spec armSpec, _ *
 	if err := sleepAll(cfg.Warmup, all...); err != nil {
 		return nil, err
 	}
-	pr, err := openWindowOver(ctx, cfg.DatabaseURL, sourceDBNames(srcs), srv)
+	closeMixed, err := costWindow(ctx, cfg.DatabaseURL, srv, heavy, lights)
 	if err != nil {
 		return nil, err
 	}
 	fromMixed := time.Now().UnixNano()
 	fromAll, fromLight, fromHeavy, fromCommitted := delivered(srcs), delivered(lights), delivered(srcs[:1]), committed(srcs)
-	sleepErr := sleepAll(cfg.Duration, all...)
+	sleepErr = sleepAll(cfg.Duration, all...)
 	toMixed := time.Now().UnixNano()
 	toAll, toLight, toHeavy, toCommitted := delivered(srcs), delivered(lights), delivered(srcs[:1]), committed(srcs)
-	m, err := pr.close(ctx)
+	var m measurement
+	fig.Mixed, m, err = closeMixed()
 	if err = errors.Join(sleepErr, err, heavyProds.stop(), stopLight()); err != nil {
 		return nil, err
 	}
@@ -547,16 +629,27 @@ func runIdleSources(ctx context.Context, cfg *Config, sc *scratch, spec armSpec,
 		if err := sleepCtx(ctx, cfg.Warmup); err != nil {
 			return nil, err
 		}
+		conn, err := pgx.Connect(ctx, cfg.DatabaseURL)
+		if err != nil {
+			return nil, fmt.Errorf("bench: connect for measurements: %w", err)
+		}
+		defer conn.Close(context.WithoutCancel(ctx))
+		_, rollbacks, err := xactCounts(ctx, conn, dbNames)
+		if err != nil {
+			return nil, err
+		}
 		pr, err := openWindowOver(ctx, cfg.DatabaseURL, dbNames, srv)
 		if err != nil {
 			return nil, err
 		}
 		sleepErr := sleepCtx(ctx, cfg.Duration)
 		m, err := pr.close(ctx)
-		if err := errors.Join(sleepErr, err, srv.died()); err != nil {
+		_, rollbacks2, xerr := xactCounts(ctx, conn, dbNames)
+		if err := errors.Join(sleepErr, err, xerr, srv.died()); err != nil {
 			return nil, err
 		}
 		ph := &IdleSourcesPhase{Relays: relays, WindowS: m.elapsed.Seconds()}
+		ph.RollbacksPerSourcePerS = float64(rollbacks2-rollbacks) / m.elapsed.Seconds() / float64(len(srcs))
 		if m.serverOK {
 			ph.ServerCorePct = ptr(100 * m.serverCPU.Seconds() / m.elapsed.Seconds())
 		}
