@@ -155,6 +155,11 @@ type Config struct {
 	// SourcesLightRate is each light source's open-loop producer rate in
 	// events/s. Default 20.
 	SourcesLightRate float64
+	// SourcesNamedStream makes the sources workloads' relays subscribe to
+	// "source/bench" rather than "source/*": a Subscribe that names its
+	// stream, as relays with --route do, against one that takes every
+	// stream of its source, as the steady arm's relays take every stream.
+	SourcesNamedStream bool
 	// IdleSources is how many idle source databases the idle-sources
 	// workload puts behind one server. Default 50.
 	IdleSources int

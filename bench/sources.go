@@ -329,6 +329,16 @@ func waitSeeded(ctx context.Context, srcs []*sourceDB, timeout time.Duration) er
 	return nil
 }
 
+// sourceStreams is what a relay of source subscribes to: every stream of
+// the source ("source/*"), as the steady arm's relays take every stream,
+// or with Config.SourcesNamedStream the benchmark's stream by name.
+func sourceStreams(cfg *Config, source string) []string {
+	if cfg.SourcesNamedStream {
+		return []string{source + "/" + benchStream}
+	}
+	return []string{source + "/*"}
+}
+
 // sourceFlags are the serve flags naming every source.
 func sourceFlags(cfg *Config, srcs []*sourceDB) []string {
 	flags := append([]string(nil), cfg.ServeFlags...)
@@ -414,11 +424,11 @@ func runSources(ctx context.Context, cfg *Config, sc *scratch, spec armSpec, _ *
 	// As real relays would run: one Subscribe per source, K for the heavy
 	// one as in steady, one for each light one.
 	fleet = newRelayFleet(ctx)
-	if err := fleet.add(srv.addr(), cfg.Relays, cfg.MaxInFlight, 0, []string{heavySource + "/" + benchStream}, "bench-"+heavySource, sink, heavy.env.log); err != nil {
+	if err := fleet.add(srv.addr(), cfg.Relays, cfg.MaxInFlight, 0, sourceStreams(cfg, heavySource), "bench-"+heavySource, sink, heavy.env.log); err != nil {
 		return nil, err
 	}
 	for _, l := range lights {
-		if err := fleet.add(srv.addr(), 1, cfg.MaxInFlight, 0, []string{l.name + "/" + benchStream}, "bench-"+l.name, sink, l.env.log); err != nil {
+		if err := fleet.add(srv.addr(), 1, cfg.MaxInFlight, 0, sourceStreams(cfg, l.name), "bench-"+l.name, sink, l.env.log); err != nil {
 			return nil, err
 		}
 	}
@@ -667,7 +677,7 @@ func runIdleSources(ctx context.Context, cfg *Config, sc *scratch, spec armSpec,
 	// nothing is pending. One relay each first, then none.
 	fleet = newRelayFleet(ctx)
 	for _, s := range srcs {
-		if err := fleet.add(srv.addr(), 1, cfg.MaxInFlight, 0, []string{s.name + "/" + benchStream}, "bench-"+s.name, sink, s.env.log); err != nil {
+		if err := fleet.add(srv.addr(), 1, cfg.MaxInFlight, 0, sourceStreams(cfg, s.name), "bench-"+s.name, sink, s.env.log); err != nil {
 			return nil, err
 		}
 	}

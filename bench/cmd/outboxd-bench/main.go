@@ -175,6 +175,7 @@ compare arms of the same run.`,
 	fl.Float64Var(&cfg.ManyRelaysRate, "many-relays-rate", 0, "the many-relays workload's producer rate in events/s after its idle window (default 500)")
 	fl.IntVar(&cfg.Sources, "sources", 0, "source databases the sources workload serves from one server: one heavy, the rest light (default 20)")
 	fl.Float64Var(&cfg.SourcesLightRate, "sources-light-rate", 0, "each light source's producer rate in events/s in the sources workload (default 20)")
+	fl.BoolVar(&cfg.SourcesNamedStream, "sources-named-stream", false, "in the sources workloads, relays subscribe to SOURCE/bench by name instead of SOURCE/* (every stream of the source, as steady's relays take every stream)")
 	fl.IntVar(&cfg.IdleSources, "idle-sources", 0, "idle source databases the idle-sources workload serves from one server (default 50)")
 	fl.StringVar(&cfg.SinkURL, "sink", "", "publish to a real broker (a relay sink URL such as nats://127.0.0.1:4222) before counting, instead of only the in-process sink")
 	fl.BoolVar(&cfg.Quick, "quick", false, "run the reduced set (about two minutes)")
