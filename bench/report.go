@@ -671,7 +671,8 @@ func (r *Report) WriteTable(w io.Writer) {
 	for _, workload := range AllWorkloads {
 		var rows []*Result
 		for _, res := range r.Results {
-			if res.Workload == workload {
+			// idle-sources delivers nothing: its own lines below say what it measured.
+			if res.Workload == workload && res.IdleSources == nil {
 				rows = append(rows, res)
 			}
 		}
