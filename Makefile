@@ -5,7 +5,7 @@
 # service's own dependencies.
 BUF := go tool -modfile=tools/go.mod buf
 
-.PHONY: dev test fuzz generate check-generated lint bench bench-quick build schema \
+.PHONY: dev test fuzz generate check-generated lint bench bench-quick bench-sources build schema \
 	release release-check image breaking update-contract helm-lint
 
 # Run outboxd against a PostgreSQL found or started by internal/devdb. The
@@ -84,6 +84,15 @@ bench: build
 
 bench-quick: build
 	cd bench && go run ./cmd/outboxd-bench --server-binary ../bin/outboxd --quick
+
+# The many-sources workloads of docs/benchmark.md (issue #26): 20 source
+# databases behind one serve (one heavy, 19 light; with the single-source
+# steady arm they compare with), then 50 idle ones. About two minutes on 2
+# cores. They stay out of bench and bench-quick: they create 70 databases
+# and the server holds about 5 connections per source (about 250 at once
+# with 50 sources: PostgreSQL's max_connections must leave room for that).
+bench-sources: build
+	cd bench && go run ./cmd/outboxd-bench --server-binary ../bin/outboxd --workload sources,idle-sources
 
 build:
 	go build -o bin/outboxd ./cmd/outboxd

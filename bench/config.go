@@ -8,6 +8,8 @@ import (
 	"math"
 	"slices"
 	"time"
+
+	"github.com/outboxd/outboxd/relay"
 )
 
 // Workloads, as docs/benchmark.md defines them.
@@ -84,8 +86,12 @@ const (
 // order they run. The producer workload always runs its three paths
 // (ceiling-insert, emit, insert-trigger), whatever Arms says.
 var (
-	AllWorkloads = []string{WorkloadSteady, WorkloadLatency, WorkloadDrain, WorkloadHot, WorkloadHotDrain, WorkloadProducer, WorkloadHeldXmin, WorkloadManyRelays}
-	AllArms      = []string{ArmCeilingInsert, ArmCeilingInsertMark, ArmNaivePoller, ArmOutboxd, ArmWatermill, ArmWatermill10ms, ArmRiver}
+	AllWorkloads = append(DefaultWorkloads[:len(DefaultWorkloads):len(DefaultWorkloads)], WorkloadSources, WorkloadIdleSources)
+	// DefaultWorkloads run when none is named: all but the sources
+	// workloads, which make bench-sources runs on their own (they create
+	// dozens of databases and would lengthen make bench past its budget).
+	DefaultWorkloads = []string{WorkloadSteady, WorkloadLatency, WorkloadDrain, WorkloadHot, WorkloadHotDrain, WorkloadProducer, WorkloadHeldXmin, WorkloadManyRelays}
+	AllArms          = []string{ArmCeilingInsert, ArmCeilingInsertMark, ArmNaivePoller, ArmOutboxd, ArmWatermill, ArmWatermill10ms, ArmRiver}
 	// PeerArms are the libraries users would pick instead of outboxd. None
 	// promises per-aggregate order, so their reorders are reported and do
 	// not fail a run.
@@ -103,7 +109,8 @@ type Config struct {
 	// database the run uses is created there and dropped at the end.
 	// Required.
 	DatabaseURL string
-	// Workloads and Arms select what runs; empty means all of them.
+	// Workloads and Arms select what runs; empty means DefaultWorkloads and
+	// all arms.
 	Workloads []string
 	Arms      []string
 	// Duration is each arm's measured window. Default 10s (quick: 3s).
@@ -142,6 +149,20 @@ type Config struct {
 	// ManyRelaysRate is the many-relays workload's open-loop producer rate
 	// in events/s. Default 500.
 	ManyRelaysRate float64
+	// Sources is how many source databases the sources workload puts
+	// behind one server: one heavy, the rest light. Default 20.
+	Sources int
+	// SourcesLightRate is each light source's open-loop producer rate in
+	// events/s. Default 20.
+	SourcesLightRate float64
+	// SourcesNamedStream makes the sources workloads' relays subscribe to
+	// "source/bench" rather than "source/*": a Subscribe that names its
+	// stream, as relays with --route do, against one that takes every
+	// stream of its source, as the steady arm's relays take every stream.
+	SourcesNamedStream bool
+	// IdleSources is how many idle source databases the idle-sources
+	// workload puts behind one server. Default 50.
+	IdleSources int
 	// Quick selects the reduced set's defaults (about a minute in all).
 	Quick bool
 	// ServerBinary is the outboxd binary whose `serve` command runs the
@@ -161,6 +182,11 @@ type Config struct {
 	Progress io.Writer
 	// Command is the command line to record in the report.
 	Command string
+
+	// sinkFault, when set, breaks the sources workloads' sink for some
+	// deliveries: the tests' proof that their account catches a lost or
+	// duplicated event.
+	sinkFault func(relay.Event) sinkFault
 }
 
 func (c *Config) setDefaults() error {
@@ -168,7 +194,7 @@ func (c *Config) setDefaults() error {
 		return errors.New("bench: Config.DatabaseURL is required (--database-url)")
 	}
 	if len(c.Workloads) == 0 {
-		c.Workloads = AllWorkloads
+		c.Workloads = DefaultWorkloads
 	}
 	if len(c.Arms) == 0 {
 		c.Arms = AllArms
@@ -213,6 +239,15 @@ func (c *Config) setDefaults() error {
 			c.ManyRelays = 100
 		}
 	}
+	if c.Sources == 0 {
+		c.Sources = 20
+	}
+	if c.SourcesLightRate == 0 {
+		c.SourcesLightRate = 20
+	}
+	if c.IdleSources == 0 {
+		c.IdleSources = 50
+	}
 	if c.ManyRelaysRate == 0 {
 		c.ManyRelaysRate = 500
 	}
@@ -250,6 +285,12 @@ func (c *Config) setDefaults() error {
 		return fmt.Errorf("bench: Config.ManyRelays %d (--many-relays) must be positive", c.ManyRelays)
 	case c.ManyRelaysRate < 0 || math.IsNaN(c.ManyRelaysRate) || math.IsInf(c.ManyRelaysRate, 0):
 		return fmt.Errorf("bench: Config.ManyRelaysRate %v (--many-relays-rate) must be a positive rate", c.ManyRelaysRate)
+	case c.Sources < 2:
+		return fmt.Errorf("bench: Config.Sources %d (--sources) must be at least 2 (one heavy source, the rest light)", c.Sources)
+	case c.SourcesLightRate < 0 || math.IsNaN(c.SourcesLightRate) || math.IsInf(c.SourcesLightRate, 0):
+		return fmt.Errorf("bench: Config.SourcesLightRate %v (--sources-light-rate) must be a positive rate", c.SourcesLightRate)
+	case c.IdleSources < 1:
+		return fmt.Errorf("bench: Config.IdleSources %d (--idle-sources) must be positive", c.IdleSources)
 	case c.Aggregates < 1:
 		return fmt.Errorf("bench: Config.Aggregates %d (--aggregates) must be positive", c.Aggregates)
 	case c.LatencyRate < 0 || math.IsNaN(c.LatencyRate) || math.IsInf(c.LatencyRate, 0):

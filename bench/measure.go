@@ -57,9 +57,12 @@ type processStats interface {
 // closes. Its connection is to the maintenance database, so it never counts
 // itself among the scratch database's backends.
 type probe struct {
-	conn   *pgx.Conn
-	dbName string
-	server processStats
+	conn *pgx.Conn
+	// dbNames are the databases whose backends and commits count: the
+	// arm's scratch database, or every source database of the sources
+	// workloads.
+	dbNames []string
+	server  processStats
 
 	start struct {
 		at       time.Time
@@ -91,11 +94,17 @@ type cpuSpan struct{ first, last time.Duration }
 
 // openWindow connects to adminURL and takes the opening snapshot.
 func openWindow(ctx context.Context, adminURL, dbName string, server processStats) (*probe, error) {
+	return openWindowOver(ctx, adminURL, []string{dbName}, server)
+}
+
+// openWindowOver is openWindow over several databases at once: their
+// backends, CPU and commits all count.
+func openWindowOver(ctx context.Context, adminURL string, dbNames []string, server processStats) (*probe, error) {
 	conn, err := pgx.Connect(ctx, adminURL)
 	if err != nil {
 		return nil, fmt.Errorf("bench: connect for measurements: %w", err)
 	}
-	p := &probe{conn: conn, dbName: dbName, server: server, waits: map[string]int{}, pgCPU: map[int]*cpuSpan{}}
+	p := &probe{conn: conn, dbNames: dbNames, server: server, waits: map[string]int{}, pgCPU: map[int]*cpuSpan{}}
 	// The opening CPU reading of PostgreSQL's processes is the baseline;
 	// processes that appear later started inside the window and count in
 	// full.
@@ -106,7 +115,7 @@ func openWindow(ctx context.Context, adminURL, dbName string, server processStat
 	s := &p.start
 	if err := conn.QueryRow(ctx, `SELECT (pg_current_wal_insert_lsn() - '0/0'::pg_lsn)::bigint,
 		(SELECT wal_sync FROM pg_stat_wal),
-		coalesce((SELECT xact_commit FROM pg_stat_database WHERE datname = $1), 0)`, dbName).
+		coalesce((SELECT sum(xact_commit)::bigint FROM pg_stat_database WHERE datname = ANY($1)), 0)`, dbNames).
 		Scan(&s.wal, &s.walSyncs, &s.commits); err != nil {
 		conn.Close(context.WithoutCancel(ctx))
 		return nil, fmt.Errorf("bench: read WAL position: %w", err)
@@ -145,7 +154,7 @@ func (p *probe) sample(ctx context.Context, readCPU, countWaits bool) error {
 	rows, err := p.conn.Query(ctx, `
 		SELECT pid, backend_type, coalesce(state, ''), coalesce(wait_event_type, ''), coalesce(wait_event, '')
 		FROM pg_stat_activity
-		WHERE (datname = $1 OR datname IS NULL) AND pid <> pg_backend_pid()`, p.dbName)
+		WHERE (datname = ANY($1) OR datname IS NULL) AND pid <> pg_backend_pid()`, p.dbNames)
 	if err != nil {
 		return err
 	}
@@ -247,7 +256,7 @@ func (p *probe) close(ctx context.Context) (measurement, error) {
 	var wal, walSyncs, commits int64
 	if err := p.conn.QueryRow(ctx, `SELECT (pg_current_wal_insert_lsn() - '0/0'::pg_lsn)::bigint,
 		(SELECT wal_sync FROM pg_stat_wal),
-		coalesce((SELECT xact_commit FROM pg_stat_database WHERE datname = $1), 0)`, p.dbName).
+		coalesce((SELECT sum(xact_commit)::bigint FROM pg_stat_database WHERE datname = ANY($1)), 0)`, p.dbNames).
 		Scan(&wal, &walSyncs, &commits); err != nil {
 		return m, fmt.Errorf("bench: read WAL position: %w", err)
 	}

@@ -12,6 +12,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"syscall"
@@ -21,6 +22,7 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
+	"github.com/outboxd/outboxd/internal/devdb"
 	"github.com/outboxd/outboxd/relay"
 )
 
@@ -82,6 +84,11 @@ func startChildServer(ctx context.Context, binary string, flags []string, dbURL 
 func launchChildServer(ctx context.Context, binary string, flags []string, addr, dbURL string, logw io.Writer) (*childServer, error) {
 	s := &childServer{address: addr, stderr: newTailWriter(logw, "outboxd serve: "), done: make(chan struct{})}
 	s.cmd = exec.Command(binary, append(serveArgs(binary, addr, dbURL), flags...)...)
+	if dbURL == "" {
+		// Only the --source flags name databases: no default source, not
+		// even one $DATABASE_URL would name.
+		s.cmd.Env = slices.DeleteFunc(os.Environ(), func(kv string) bool { return strings.HasPrefix(kv, devdb.EnvVar+"=") })
+	}
 	s.cmd.Stdout = io.Discard
 	s.cmd.Stderr = s.stderr
 	setDeathSignal(s.cmd)
@@ -106,6 +113,8 @@ var (
 
 // serveArgs are the arguments of the child's serve command. Flags that not
 // every version of serve has are passed only when its --help lists them.
+// Without dbURL the server has no default source: its databases are the
+// --source flags among the extra flags.
 func serveArgs(binary, addr, dbURL string) []string {
 	serveHelpMu.Lock()
 	help, ok := serveHelp[binary]
@@ -114,7 +123,10 @@ func serveArgs(binary, addr, dbURL string) []string {
 		serveHelp[binary] = help
 	}
 	serveHelpMu.Unlock()
-	args := []string{"serve", "--listen", addr, "--database-url", dbURL, "--log-level", "warn"}
+	args := []string{"serve", "--listen", addr, "--log-level", "warn"}
+	if dbURL != "" {
+		args = append(args, "--database-url", dbURL)
+	}
 	if bytes.Contains(help, []byte("--http-listen")) {
 		// The benchmark reads no metrics, and the endpoint's fixed default
 		// port may belong to a dev server.
@@ -227,6 +239,7 @@ func freeLoopbackAddr() (string, error) {
 // TCP connection over loopback), publishing to the same sink.
 type relayFleet struct {
 	conns  []*grpc.ClientConn
+	runCtx context.Context
 	cancel context.CancelFunc
 	wg     sync.WaitGroup
 	mu     sync.Mutex
@@ -234,34 +247,46 @@ type relayFleet struct {
 }
 
 func startRelays(ctx context.Context, addr string, k, maxInFlight, window int, pub relay.Publisher, log *slog.Logger) (*relayFleet, error) {
+	f := newRelayFleet(ctx)
+	if err := f.add(addr, k, maxInFlight, window, nil, "bench-relay", pub, log); err != nil {
+		_ = f.stop()
+		return nil, err
+	}
+	return f, nil
+}
+
+func newRelayFleet(ctx context.Context) *relayFleet {
 	runCtx, cancel := context.WithCancel(context.WithoutCancel(ctx))
-	f := &relayFleet{cancel: cancel}
+	return &relayFleet{runCtx: runCtx, cancel: cancel}
+}
+
+// add starts k more runners subscribed to streams (nil: every stream of
+// the default source), named idPrefix-0, idPrefix-1, ...
+func (f *relayFleet) add(addr string, k, maxInFlight, window int, streams []string, idPrefix string, pub relay.Publisher, log *slog.Logger) error {
 	for i := range k {
 		conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
 		if err != nil {
-			_ = f.stop()
-			return nil, fmt.Errorf("bench: relay %d: %w", i, err)
+			return fmt.Errorf("bench: relay %s-%d: %w", idPrefix, i, err)
 		}
 		f.conns = append(f.conns, conn)
 		r, err := relay.NewRunner(relay.Config{
-			Conn: conn, Publisher: pub, RelayID: fmt.Sprintf("bench-relay-%d", i),
+			Conn: conn, Publisher: pub, RelayID: fmt.Sprintf("%s-%d", idPrefix, i), Streams: streams,
 			MaxInFlight: maxInFlight, MaxInFlightPerAggregate: window, Logger: log,
 		})
 		if err != nil {
-			_ = f.stop()
-			return nil, err
+			return err
 		}
 		f.wg.Add(1)
 		go func() {
 			defer f.wg.Done()
-			if err := r.Run(runCtx); err != nil {
+			if err := r.Run(f.runCtx); err != nil {
 				f.mu.Lock()
 				f.errs = append(f.errs, err)
 				f.mu.Unlock()
 			}
 		}()
 	}
-	return f, nil
+	return nil
 }
 
 // stop ends every runner (each finishes and acks the publishes it has under

@@ -106,9 +106,12 @@ type Result struct {
 	CPU              CPUFigures `json:"cpu"`
 	ServerPeakRSSMiB *float64   `json:"server_peak_rss_mib,omitempty"`
 	// Idle is the many-relays workload's window before producers start.
-	Idle             *IdleFigures `json:"idle,omitempty"`
-	WALBytesPerEvent float64      `json:"wal_bytes_per_event"`
-	WALSyncsPerEvent float64      `json:"wal_syncs_per_event"`
+	Idle *IdleFigures `json:"idle,omitempty"`
+	// Sources and IdleSources are the sources workloads' own figures.
+	Sources          *SourcesFigures     `json:"sources,omitempty"`
+	IdleSources      *IdleSourcesFigures `json:"idle_sources,omitempty"`
+	WALBytesPerEvent float64             `json:"wal_bytes_per_event"`
+	WALSyncsPerEvent float64             `json:"wal_syncs_per_event"`
 	// CommitsPerEvent counts the scratch database's committed transactions
 	// (pg_stat_database, which lags up to a second) per event.
 	CommitsPerEvent float64 `json:"commits_per_event"`
@@ -516,6 +519,28 @@ func (r *Report) ratios() []Ratio {
 		}
 		atLeast(name, hot.Throughput, goal, "ev/s", "")
 	}
+	if src := r.find(WorkloadSources, ArmOutboxd, durationMs(firstOr(sinks, 0)), 0); src != nil && src.Sources != nil {
+		f := src.Sources
+		note := fmt.Sprintf("%d sources: 1 heavy (P=%d, K=%d), %d light at %.0f ev/s each", f.Sources, f.HeavyProducers, f.HeavyRelays, f.Sources-1, f.LightRate)
+		atLeast("outboxd sources: every source's ev/s / single-source steady", ratio(src.Throughput, rate(r.find(WorkloadSteady, ArmOutboxd, durationMs(firstOr(sinks, 0)), 0))), 0.9, "×", note)
+		if f.LightSolo != nil && f.LightMixed != nil {
+			atMost("outboxd sources: light p99 commit→sink with the heavy source / alone", ratio(f.LightMixed.P99Ms, f.LightSolo.P99Ms), 2, "×", note)
+		}
+	}
+	if idle := r.find(WorkloadIdleSources, ArmOutboxd, durationMs(firstOr(sinks, 0)), 0); idle != nil && idle.IdleSources != nil {
+		for _, ph := range []*IdleSourcesPhase{idle.IdleSources.NoRelays, idle.IdleSources.OneRelay} {
+			if ph == nil {
+				continue
+			}
+			what := fmt.Sprintf("outboxd %d idle sources, %d relays:", idle.IdleSources.Sources, ph.Relays)
+			atMost(what+" connections per source (most)", float64(ph.ConnsPerSourceMax), 2, "", "")
+			cpu := math.NaN()
+			if ph.ServerCorePct != nil && ph.PostgresCorePct != nil {
+				cpu = *ph.ServerCorePct + *ph.PostgresCorePct
+			}
+			atMost(what+" server + postgres CPU", cpu, 5, "% of a core", "")
+		}
+	}
 	// Context, no goals: how each arm compares with the database's floor and
 	// with the naive poller at every sink latency.
 	if ceiling != nil {
@@ -646,7 +671,8 @@ func (r *Report) WriteTable(w io.Writer) {
 	for _, workload := range AllWorkloads {
 		var rows []*Result
 		for _, res := range r.Results {
-			if res.Workload == workload {
+			// idle-sources delivers nothing: its own lines below say what it measured.
+			if res.Workload == workload && res.IdleSources == nil {
 				rows = append(rows, res)
 			}
 		}
@@ -699,6 +725,39 @@ func (r *Report) WriteTable(w io.Writer) {
 			if i := res.Idle; i != nil {
 				fmt.Fprintf(w, "%s, %d relays idle for %s before producers: server %s %% of a core, postgres %s %%, %.0f commits/s\n",
 					res.armName(), res.Relays, fmtSeconds(i.WindowS), fmtOpt(i.ServerCorePct, "%.1f"), fmtOpt(i.PostgresCorePct, "%.1f"), i.CommitsPerS)
+			}
+		}
+	}
+
+	for _, res := range r.Results {
+		if f := res.Sources; f != nil {
+			fmt.Fprintf(w, "\n== sources: %d source databases on one server ==\n", f.Sources)
+			fmt.Fprintf(w, "light sources alone (%d at %.0f ev/s each): %.0f ev/s delivered, commit→sink %s\n",
+				f.Sources-1, f.LightRate, f.LightSoloPerS, fmtPercentiles(f.LightSolo))
+			fmt.Fprintf(w, "with the heavy source (P=%d, K=%d): %.0f ev/s in all = heavy %.0f + light %.0f; light commit→sink %s (worst source %s p99 %s), heavy %s\n",
+				f.HeavyProducers, f.HeavyRelays, res.Throughput, f.HeavyMixedPerS, f.LightMixedPerS, fmtPercentiles(f.LightMixed),
+				f.WorstLightSource, fmtLatency(f.WorstLightMixedP99Ms), fmtPercentiles(f.HeavyMixed))
+			for _, c := range []struct {
+				name string
+				cost SourcesWindowCost
+			}{{"alone", f.Solo}, {"with heavy", f.Mixed}} {
+				fmt.Fprintf(w, "  %s: server %s %% of a core, postgres %s %%; per light source %.1f commits/s, %.1f rollbacks/s (empty discovery rounds); heavy %.1f commits/s, %.1f rollbacks/s\n",
+					c.name, fmtOpt(c.cost.ServerCorePct, "%.1f"), fmtOpt(c.cost.PostgresCorePct, "%.1f"),
+					c.cost.LightCommitsPerS, c.cost.LightRollbacksPerS, c.cost.HeavyCommitsPerS, c.cost.HeavyRollbacksPerS)
+			}
+		}
+		if f := res.IdleSources; f != nil {
+			fmt.Fprintf(w, "\n== idle-sources: %d idle source databases on one server (--max-db-conns %d) ==\n", f.Sources, f.MaxDBConn)
+			for _, ph := range []*IdleSourcesPhase{f.NoRelays, f.OneRelay} {
+				if ph == nil {
+					continue
+				}
+				fmt.Fprintf(w, "%d relays, %s: server %s %% of a core, postgres %s %%, per source %.2f commits/s and %.1f rollbacks/s (empty discovery rounds), connections per source %.2f mean, %d most (%d in all)\n",
+					ph.Relays, fmtSeconds(ph.WindowS), fmtOpt(ph.ServerCorePct, "%.1f"), fmtOpt(ph.PostgresCorePct, "%.1f"),
+					ph.CommitsPerSourcePerS, ph.RollbacksPerSourcePerS, ph.ConnsPerSourceMean, ph.ConnsPerSourceMax, ph.ConnsTotal)
+				for _, g := range ph.Sessions {
+					fmt.Fprintf(w, "    %4d  %-20s %s\n", g.Count, g.State, g.Query)
+				}
 			}
 		}
 	}

@@ -73,7 +73,7 @@ func plan(cfg *Config) []armSpec {
 				}
 			}
 		}
-	case cfg.runs(WorkloadLatency) || cfg.runs(WorkloadHeldXmin):
+	case cfg.runs(WorkloadLatency) || cfg.runs(WorkloadHeldXmin) || cfg.runs(WorkloadSources):
 		out = append(out, armSpec{workload: WorkloadSteady, arm: ArmOutboxd, sink: first})
 	}
 	if cfg.runs(WorkloadLatency) {
@@ -131,6 +131,13 @@ func plan(cfg *Config) []armSpec {
 			}
 		}
 	}
+	// The sources workloads are outboxd's alone; sources compares with
+	// the steady run above.
+	for _, w := range []string{WorkloadSources, WorkloadIdleSources} {
+		if cfg.runs(w) && cfg.uses(ArmOutboxd) {
+			out = append(out, armSpec{workload: w, arm: ArmOutboxd, sink: first})
+		}
+	}
 	return out
 }
 
@@ -174,7 +181,14 @@ func Run(ctx context.Context, cfg Config) (rep *Report, err error) {
 		if err := ctx.Err(); err != nil {
 			return rep, err
 		}
-		res, err := runArm(ctx, &cfg, sc, spec, rep, broker)
+		run := runArm
+		switch spec.workload {
+		case WorkloadSources:
+			run = runSources
+		case WorkloadIdleSources:
+			run = runIdleSources
+		}
+		res, err := run(ctx, &cfg, sc, spec, rep, broker)
 		if err != nil && ctx.Err() != nil {
 			// Every goroutine of the arm reports the cancellation; one line
 			// says it.

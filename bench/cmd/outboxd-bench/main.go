@@ -61,7 +61,12 @@ peers as their users would build an outbox: watermill and watermill-10ms
 10ms) and river (one River job per producer transaction). Workloads: steady,
 latency, drain, hot, producer (the producer's cost alone), held-xmin
 (steady while a transaction id stays open) and many-relays (outboxd alone:
---many-relays relays idle on one server, then --many-relays-rate events/s). Every delivering arm publishes to
+--many-relays relays idle on one server, then --many-relays-rate events/s).
+Two more run only when named: sources (--sources source databases behind one
+outboxd serve, one heavy at full speed and the rest light at
+--sources-light-rate each, the light ones alone first) and idle-sources
+(--idle-sources idle source databases, with no relay and then one each:
+connections held and CPU). Every delivering arm publishes to
 a sink that checks order and counts lost and duplicated events; a run in
 which outboxd or the naive poller loses or reorders an event fails. Peers
 promise no per-key order: they report reorders, and losses as defects of
@@ -155,7 +160,7 @@ compare arms of the same run.`,
 	fl := cmd.Flags()
 	fl.StringVar(&databaseURL, "database-url", "", "PostgreSQL URL of a database on the server to benchmark (default: $DATABASE_URL, else "+devdb.LocalURL+")")
 	fl.StringVar(&logLevel, "log-level", "warn", "log level of the server's and relays' messages: debug, info, warn, error")
-	fl.StringSliceVar(&cfg.Workloads, "workload", nil, "workloads to run: "+strings.Join(bench.AllWorkloads, ", ")+" (default all)")
+	fl.StringSliceVar(&cfg.Workloads, "workload", nil, "workloads to run: "+strings.Join(bench.AllWorkloads, ", ")+" (default all but "+bench.WorkloadSources+" and "+bench.WorkloadIdleSources+", which make bench-sources runs)")
 	fl.StringSliceVar(&cfg.Arms, "arms", nil, "arms to run: "+strings.Join(bench.AllArms, ", ")+" (default all)")
 	fl.DurationVar(&cfg.Duration, "duration", 0, "measured window per arm (default 10s; 3s with --quick)")
 	fl.DurationVar(&cfg.Warmup, "warmup", 0, "warm-up before each window (default 2s; 1s with --quick)")
@@ -168,6 +173,10 @@ compare arms of the same run.`,
 	fl.Float64Var(&cfg.LatencyRate, "latency-rate", 0, "the latency workload's producer rate in events/s (default: half of outboxd's steady rate in the same run), to compare builds at the same load")
 	fl.IntVar(&cfg.ManyRelays, "many-relays", 0, "relays the many-relays workload subscribes, each on its own connection (default 300; 100 with --quick)")
 	fl.Float64Var(&cfg.ManyRelaysRate, "many-relays-rate", 0, "the many-relays workload's producer rate in events/s after its idle window (default 500)")
+	fl.IntVar(&cfg.Sources, "sources", 0, "source databases the sources workload serves from one server: one heavy, the rest light (default 20)")
+	fl.Float64Var(&cfg.SourcesLightRate, "sources-light-rate", 0, "each light source's producer rate in events/s in the sources workload (default 20)")
+	fl.BoolVar(&cfg.SourcesNamedStream, "sources-named-stream", false, "in the sources workloads, relays subscribe to SOURCE/bench by name instead of SOURCE/* (every stream of the source, as steady's relays take every stream)")
+	fl.IntVar(&cfg.IdleSources, "idle-sources", 0, "idle source databases the idle-sources workload serves from one server (default 50)")
 	fl.StringVar(&cfg.SinkURL, "sink", "", "publish to a real broker (a relay sink URL such as nats://127.0.0.1:4222) before counting, instead of only the in-process sink")
 	fl.BoolVar(&cfg.Quick, "quick", false, "run the reduced set (about two minutes)")
 	fl.StringVar(&jsonPath, "json", "", "write every figure to this JSON file")
