@@ -199,7 +199,9 @@ func (b *bulkForm) check() error {
 func (c *Console) bulkForm(q *request) {
 	b := bulkForm{Action: "retry"}
 	b.F = readFilter(q.r)
-	c.render(q.w, q.r, http.StatusOK, "bulk", q, map[string]any{"B": b, "States": stateNames, "Sources": c.sourceNames(q)})
+	names := c.sourceNames(q)
+	b.F.Source = chosenSource(names, b.F.Source)
+	c.render(q.w, q.r, http.StatusOK, "bulk", q, map[string]any{"B": b, "States": stateNames, "Sources": names})
 }
 
 // bulkRun runs the bulk action, as a dry run or for real.
@@ -273,8 +275,9 @@ func (c *Console) bulkApply(q *request) {
 }
 
 func (c *Console) purgeForm(q *request) {
+	names := c.sourceNames(q)
 	c.render(q.w, q.r, http.StatusOK, "purge", q, map[string]any{"OlderThan": "168h", "CanPurge": q.can(c, outboxv1.AdminService_Purge_FullMethodName),
-		"Sources": c.sourceNames(q)})
+		"Sources": names, "Source": chosenSource(names, "")})
 }
 
 // purgeDryRun counts what a purge would delete; the console never deletes

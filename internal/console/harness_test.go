@@ -32,6 +32,8 @@ const (
 	adminSecret  = "console-admin-secret-0123456789"
 	viewerSecret = "console-viewer-secret-0123456789"
 	relaySecret  = "console-relay-secret-0123456789"
+	// ordersSecret is a viewer's of source orders' streams only.
+	ordersSecret = "console-orders-secret-012345678"
 )
 
 // tokenFile is what every test's server reads.
@@ -39,6 +41,7 @@ var tokenFile = strings.Join([]string{
 	"ops admin " + auth.HashToken(adminSecret),
 	"watcher viewer " + viewerSecret,
 	"relayer relay " + relaySecret,
+	"orders-watcher viewer " + ordersSecret + " streams=orders/*",
 }, "\n")
 
 // syncBuffer collects log lines from several goroutines.

@@ -33,6 +33,7 @@ func (c *Console) actions(q *request) {
 	f := map[string]string{"Source": strings.TrimSpace(r.FormValue("source")), "Stream": strings.TrimSpace(r.FormValue("stream")),
 		"Key": strings.TrimSpace(r.FormValue("key")), "Action": r.FormValue("action"), "Since": r.FormValue("since")}
 	sources := c.sourceNames(q)
+	f["Source"] = chosenSource(sources, f["Source"])
 	addr := address(f["Source"], f["Stream"])
 	// Each source keeps its own record: the page shows one source's,
 	// named on every row.

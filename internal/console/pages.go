@@ -105,7 +105,9 @@ func (f filterForm) proto() (*outboxv1.AggregateFilter, error) {
 
 func (c *Console) aggregates(q *request) {
 	f := readFilter(q.r)
-	data := map[string]any{"F": f, "States": stateNames, "Sources": c.sourceNames(q)}
+	names := c.sourceNames(q)
+	f.Source = chosenSource(names, f.Source)
+	data := map[string]any{"F": f, "States": stateNames, "Sources": names}
 	code := http.StatusOK
 	filter, err := f.proto()
 	if err != nil {
@@ -214,7 +216,9 @@ func (c *Console) events(q *request) {
 	r := q.r
 	f := map[string]string{"Source": r.FormValue("source"), "Stream": r.FormValue("stream"), "Key": r.FormValue("key"),
 		"State": r.FormValue("state"), "After": r.FormValue("after"), "Before": r.FormValue("before")}
-	data := map[string]any{"F": f, "Sources": c.sourceNames(q)}
+	names := c.sourceNames(q)
+	f["Source"] = chosenSource(names, f["Source"])
+	data := map[string]any{"F": f, "Sources": names}
 	addr := address(f["Source"], f["Stream"])
 	req := &outboxv1.ListEventsRequest{Stream: addr, AggregateKey: f["Key"], PageSize: eventsPageSize,
 		PageToken: r.FormValue("page")}

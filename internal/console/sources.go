@@ -8,6 +8,7 @@ package console
 // database. With default alone nothing here shows.
 
 import (
+	"slices"
 	"strings"
 	"time"
 
@@ -37,6 +38,16 @@ func sourceNamesOf(lag *outboxv1.GetLagResponse) []string {
 		return nil
 	}
 	return names
+}
+
+// chosenSource is the source a page asks when its form names none:
+// default, or, for a token that may see no stream of default, the first
+// source it may see.
+func chosenSource(names []string, chosen string) string {
+	if chosen != "" || names == nil || slices.Contains(names, multisource.Default) {
+		return chosen
+	}
+	return names[0]
 }
 
 // address is the stream address a form asks for: its stream as typed when

@@ -38,6 +38,11 @@ func TestConsoleWithTwoSources(t *testing.T) {
 		}
 	}
 
+	if _, body := b.get(t, "/api/lag"); !strings.Contains(body, `"sources":[{"name":"default","ready":true,`) ||
+		!strings.Contains(body, `{"name":"orders","ready":true,"total":{"stream":"orders","pending":3,`) {
+		t.Errorf("/api/lag: want both sources, orders with its 3 pending events:\n%s", body)
+	}
+
 	// The aggregates of orders: links to orders/billing only.
 	_, body = b.get(t, "/aggregates?source=orders")
 	if !strings.Contains(body, `href="/aggregate?key=1&amp;stream=orders%2Fbilling"`) ||
@@ -119,6 +124,21 @@ func TestConsoleWithTwoSources(t *testing.T) {
 	_, body = b.post(t, "/purge", url.Values{"csrf": {csrf}, "older_than": {"0s"}, "source": {"orders"}})
 	if !strings.Contains(body, "event(s) on source orders.") {
 		t.Errorf("purge dry run on orders does not name it:\n%s", body)
+	}
+
+	// A viewer of orders alone sees orders, not default, and its pages
+	// start there rather than at default (which it may not see).
+	ob := h.browser(t)
+	ob.login(t, ordersSecret)
+	_, body = ob.get(t, "/")
+	if !strings.Contains(body, `id="source-orders"`) || strings.Contains(body, `id="source-default"`) {
+		t.Errorf("streams page of a viewer of orders: want orders' row alone:\n%s", body)
+	}
+	for _, page := range []string{"/aggregates?state=any", "/events", "/actions"} {
+		code, body := ob.get(t, page)
+		if code != http.StatusOK || !strings.Contains(body, `<option value="orders" selected>`) || !strings.Contains(body, "orders/billing") {
+			t.Errorf("%s for a viewer of orders: %d; want orders' rows:\n%s", page, code, body)
+		}
 	}
 
 	// orders' database refuses connections: the streams page says orders
