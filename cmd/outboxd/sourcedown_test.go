@@ -22,7 +22,7 @@ import (
 // other test), with a relay for each. Cluster b is stopped in immediate
 // mode with events of b pending (its relay was killed before they were
 // written, so none was delivered); while it is down, events written into a
-// afterwards are delivered, /readyz stays 200 and says "degraded: source
+// afterwards are delivered (to a relay of a restarted meanwhile), /readyz stays 200 and says "degraded: source
 // b", and `outboxd lag` names b not ready. Once cluster b runs again, b's
 // relay (restarted during the outage) delivers its pending events: each
 // sink holds every event of its source, first copies in revision order,
@@ -74,7 +74,7 @@ func TestSourceDownAndBack(t *testing.T) {
 		}
 		return start(t, args...)
 	}
-	relay("ra", streamA, prefixA)
+	relayA := relay("ra", streamA, prefixA)
 	relayB := relay("rb", streamB, prefixB, "b/orders")
 
 	// Both sources deliver.
@@ -96,9 +96,12 @@ func TestSourceDownAndBack(t *testing.T) {
 	if err := b.CrashServer(ctx); err != nil {
 		t.Fatal(err)
 	}
-	relayB = relay("rb", streamB, prefixB, "b/orders")
+	relay("rb", streamB, prefixB, "b/orders")
 
-	// a delivers what is written after the stop.
+	// a delivers what is written after the stop, to a relay that
+	// subscribes after it too.
+	relayA.signal(os.Kill)
+	relay("ra", streamA, prefixA)
 	emit(poolA, 6, 10)
 	waitPublished(t, poolA, 10*aggregates)
 	eventually(t, "/readyz 200 naming b degraded", func() bool {
