@@ -12,6 +12,7 @@ import (
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+	"github.com/outboxd/outboxd/internal/multisource"
 )
 
 // maxReason is the longest reason the AdminService accepts.
@@ -76,9 +77,9 @@ func (c *Console) retry(q *request) {
 	why := strings.TrimSpace(q.r.PostFormValue("reason"))
 	resp, err := c.admin.RetryAggregate(q.ctx, &outboxv1.RetryAggregateRequest{Stream: stream, AggregateKey: key, Actor: q.actor(),
 		Reason: why})
-	c.logAction(q, "retry", err, "stream", stream, "aggregate_key", key, "reason", why)
+	c.logAction(q, "retry", err, "stream", stream, "aggregate_key", key, "reason", why, "source", sourceOf(stream))
 	c.done(q, aggregateURL(stream, key), err,
-		fmt.Sprintf("Retried %s/%s: now %s.", stream, key, aggState(resp.GetAggregate().GetState())))
+		fmt.Sprintf("Retried %s: now %s.", aggregateName(stream, key), aggState(resp.GetAggregate().GetState())))
 }
 
 func (c *Console) acceptGap(q *request) {
@@ -94,9 +95,9 @@ func (c *Console) acceptGap(q *request) {
 	}
 	resp, err := c.admin.RetryAggregate(q.ctx, &outboxv1.RetryAggregateRequest{Stream: stream, AggregateKey: key,
 		AcceptGap: true, Reason: why, Actor: q.actor()})
-	c.logAction(q, "accept-gap", err, "stream", stream, "aggregate_key", key, "reason", why)
+	c.logAction(q, "accept-gap", err, "stream", stream, "aggregate_key", key, "reason", why, "source", sourceOf(stream))
 	c.done(q, aggregateURL(stream, key), err,
-		fmt.Sprintf("Gap accepted for %s/%s: now %s.", stream, key, aggState(resp.GetAggregate().GetState())))
+		fmt.Sprintf("Gap accepted for %s: now %s.", aggregateName(stream, key), aggState(resp.GetAggregate().GetState())))
 }
 
 func (c *Console) skip(q *request) {
@@ -109,6 +110,12 @@ func (c *Console) skip(q *request) {
 		back = string(queryOf("/events", "state", "pending"))
 	}
 	why, err := reason(q.r)
+	if src := sourceOf(stream); err == nil && src != multisource.Default {
+		// SkipEvent names the event by id alone, and the router sends such
+		// a call to default: it would look for the event in the wrong
+		// database.
+		err = fmt.Errorf("event %s is in source %s, and this server's SkipEvent reaches only source default; skip it with a bulk skip of its aggregate (Bulk actions, stream %s)", id, src, stream)
+	}
 	if err != nil {
 		c.sessions.addFlash(q.sess, "error", "Skip: "+err.Error())
 		http.Redirect(q.w, q.r, back, http.StatusSeeOther)
@@ -192,7 +199,9 @@ func (b *bulkForm) check() error {
 func (c *Console) bulkForm(q *request) {
 	b := bulkForm{Action: "retry"}
 	b.F = readFilter(q.r)
-	c.render(q.w, q.r, http.StatusOK, "bulk", q, map[string]any{"B": b, "States": stateNames})
+	names := c.sourceNames(q)
+	b.F.Source = chosenSource(names, b.F.Source)
+	c.render(q.w, q.r, http.StatusOK, "bulk", q, map[string]any{"B": b, "States": stateNames, "Sources": names})
 }
 
 // bulkRun runs the bulk action, as a dry run or for real.
@@ -220,7 +229,7 @@ func bulkMethod(action string) string {
 // bulkPreview runs the dry run and shows its count with a confirmation.
 func (c *Console) bulkPreview(q *request) {
 	b := readBulk(q.r)
-	data := map[string]any{"B": &b, "States": stateNames}
+	data := map[string]any{"B": &b, "States": stateNames, "Sources": c.sourceNames(q), "On": onSource(b.F.InSource())}
 	if err := b.check(); err != nil {
 		data["Error"] = err.Error()
 		c.render(q.w, q.r, http.StatusBadRequest, "bulk", q, data)
@@ -237,6 +246,7 @@ func (c *Console) bulkPreview(q *request) {
 	case err != nil:
 		data["Error"], code = describe(err), httpCode(err)
 	default:
+		relabelAggregates(b.F.InSource(), sample)
 		data["Preview"], data["Matched"], data["Sample"] = true, matched, sample
 	}
 	c.render(q.w, q.r, code, "bulk", q, data)
@@ -257,15 +267,17 @@ func (c *Console) bulkApply(q *request) {
 		return
 	}
 	matched, changed, _, err := c.bulkRun(q, &b, false)
-	c.logAction(q, "bulk-"+b.Action, err, "stream", b.F.Stream, "state", b.F.State, "error_contains", b.F.Error,
+	c.logAction(q, "bulk-"+b.Action, err, "source", b.F.InSource(), "stream", b.F.Address(), "state", b.F.State, "error_contains", b.F.Error,
 		"matched", matched, "changed", changed, "reason", b.Reason)
 	verb := map[string]string{"retry": "retried", "skip": "skipped"}[b.Action]
-	c.done(q, string(queryOf("/aggregates", "stream", b.F.Stream)), err,
-		fmt.Sprintf("Bulk %s: %d matched, %d %s (the dry run counted %s).", b.Action, matched, changed, verb, q.r.PostFormValue("expected")))
+	c.done(q, string(queryOf("/aggregates", "source", b.F.Source, "stream", b.F.Stream)), err,
+		fmt.Sprintf("Bulk %s%s: %d matched, %d %s (the dry run counted %s).", b.Action, onSource(b.F.InSource()), matched, changed, verb, q.r.PostFormValue("expected")))
 }
 
 func (c *Console) purgeForm(q *request) {
-	c.render(q.w, q.r, http.StatusOK, "purge", q, map[string]any{"OlderThan": "168h", "CanPurge": q.can(c, outboxv1.AdminService_Purge_FullMethodName)})
+	names := c.sourceNames(q)
+	c.render(q.w, q.r, http.StatusOK, "purge", q, map[string]any{"OlderThan": "168h", "CanPurge": q.can(c, outboxv1.AdminService_Purge_FullMethodName),
+		"Sources": names, "Source": chosenSource(names, "")})
 }
 
 // purgeDryRun counts what a purge would delete; the console never deletes
@@ -275,7 +287,9 @@ func (c *Console) purgeDryRun(q *request) {
 		return
 	}
 	older, stream := strings.TrimSpace(q.r.PostFormValue("older_than")), strings.TrimSpace(q.r.PostFormValue("stream"))
-	data := map[string]any{"OlderThan": older, "Stream": stream, "CanPurge": true}
+	source := strings.TrimSpace(q.r.PostFormValue("source"))
+	addr := address(source, stream)
+	data := map[string]any{"OlderThan": older, "Stream": stream, "Source": source, "CanPurge": true, "Sources": c.sourceNames(q)}
 	d, err := time.ParseDuration(older)
 	if err != nil || d < 0 {
 		data["Error"] = fmt.Sprintf("older than: %q is not a duration like 168h", older)
@@ -283,7 +297,7 @@ func (c *Console) purgeDryRun(q *request) {
 		return
 	}
 	cut := time.Now().Add(-d)
-	st, err := c.admin.Purge(q.ctx, &outboxv1.PurgeRequest{PublishedBefore: timestamppb.New(cut), DryRun: true, Stream: stream})
+	st, err := c.admin.Purge(q.ctx, &outboxv1.PurgeRequest{PublishedBefore: timestamppb.New(cut), DryRun: true, Stream: addr})
 	var last *outboxv1.PurgeResponse
 	for err == nil {
 		var m *outboxv1.PurgeResponse
@@ -296,6 +310,7 @@ func (c *Console) purgeDryRun(q *request) {
 		c.render(q.w, q.r, httpCode(err), "purge", q, data)
 		return
 	}
-	data["Result"] = map[string]string{"Deleted": strconv.FormatInt(last.GetDeleted(), 10), "Cut": cut.UTC().Format(time.RFC3339)}
+	data["Result"] = map[string]string{"Deleted": strconv.FormatInt(last.GetDeleted(), 10), "Cut": cut.UTC().Format(time.RFC3339),
+		"On": onSource(sourceOf(addr))}
 	c.render(q.w, q.r, http.StatusOK, "purge", q, data)
 }

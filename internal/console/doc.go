@@ -15,6 +15,16 @@
 // every SampleInterval into a bounded ring for the chart; its samples are
 // filtered by the viewer's streams before they are shown.
 //
+// # Sources
+//
+// With several source databases (serve --source) the AdminService is
+// internal/multisource's router, which sends each call to the source its
+// stream's "source/" prefix names and answers with bare stream names. The
+// console learns the sources from GetLag.sources, asks with addresses
+// ("orders/" for every stream of orders) and relabels the answers'
+// streams as addresses, so every link stays in its source; see sources.go.
+// With default alone none of this shows.
+//
 // # Sessions
 //
 // The login form posts the token once; the console keeps it server-side in

@@ -32,6 +32,8 @@ const (
 	adminSecret  = "console-admin-secret-0123456789"
 	viewerSecret = "console-viewer-secret-0123456789"
 	relaySecret  = "console-relay-secret-0123456789"
+	// ordersSecret is a viewer's of source orders' streams only.
+	ordersSecret = "console-orders-secret-012345678"
 )
 
 // tokenFile is what every test's server reads.
@@ -39,6 +41,7 @@ var tokenFile = strings.Join([]string{
 	"ops admin " + auth.HashToken(adminSecret),
 	"watcher viewer " + viewerSecret,
 	"relayer relay " + relaySecret,
+	"orders-watcher viewer " + ordersSecret + " streams=orders/*",
 }, "\n")
 
 // syncBuffer collects log lines from several goroutines.
@@ -70,6 +73,8 @@ type harness struct {
 	logs   *syncBuffer // everything the replica and the console logged
 	tokens string      // the token file's path
 	url    string      // the database's
+	// pools of harnessOptions.sources, by name
+	sourcePools map[string]*pgxpool.Pool
 }
 
 type harnessOptions struct {
@@ -77,7 +82,10 @@ type harnessOptions struct {
 	open     bool
 	tls      bool // serve the console over HTTPS
 	config   func(*console.Config)
-	server   func(*server.Config) // after the harness's own settings
+	// sources are further source databases, by name, each a fresh
+	// database served by an engine of its own (serve --source).
+	sources []string
+	server  func(*server.Config) // after the harness's own settings
 }
 
 func newHarness(t *testing.T, o harnessOptions) *harness {
@@ -95,7 +103,19 @@ func newHarness(t *testing.T, o harnessOptions) *harness {
 			t.Fatal(err)
 		}
 	}
+	sources := map[string]string{}
+	for _, name := range o.sources {
+		surl := testdb.New(t)
+		// The test databases are clones of one template: give each its own
+		// lease key, as `outboxd migrate` does.
+		if _, err := testdb.NewPoolURL(t, surl).Exec(t.Context(), `UPDATE outbox.lease_key
+			SET key = decode(replace(gen_random_uuid()::text || gen_random_uuid()::text, '-', ''), 'hex')`); err != nil {
+			t.Fatal(err)
+		}
+		sources[name] = surl
+	}
 	h.rep = servertest.Start(t, url, servertest.Options{
+		Sources:       sources,
 		Authenticator: h.authn,
 		Configure: func(c *server.Config) {
 			c.Logger = log
@@ -105,13 +125,14 @@ func newHarness(t *testing.T, o harnessOptions) *harness {
 			}
 		},
 	})
+	h.sourcePools = h.rep.Pools
 	conn, err := h.rep.App.DialInProcess()
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { conn.Close() })
 	cfg := console.Config{
-		Conn: conn, Authenticator: h.authn, Open: o.open, Lag: h.rep.Server.AdminServer().GetLag, Logger: log,
+		Conn: conn, Authenticator: h.authn, Open: o.open, Lag: h.rep.App.AdminServer().GetLag, Logger: log,
 		SampleInterval: 250 * time.Millisecond, History: 2 * time.Minute, PollInterval: 500 * time.Millisecond,
 	}
 	if o.config != nil {
@@ -153,10 +174,16 @@ func (h *harness) as(token string) (outboxv1.AdminServiceClient, func(context.Co
 // emit commits n events to one aggregate and returns their ids in order.
 func (h *harness) emit(t *testing.T, stream, key string, n int) []string {
 	t.Helper()
+	return h.emitIn(t, h.pool, stream, key, n)
+}
+
+// emitIn is emit into the database of pool.
+func (h *harness) emitIn(t *testing.T, pool *pgxpool.Pool, stream, key string, n int) []string {
+	t.Helper()
 	var ids []string
 	for i := range n {
 		var id string
-		err := h.pool.QueryRow(t.Context(), `SELECT event_id::text FROM outbox.emit($1, $2, 'OrderPaid', $3::jsonb,
+		err := pool.QueryRow(t.Context(), `SELECT event_id::text FROM outbox.emit($1, $2, 'OrderPaid', $3::jsonb,
 			'{"content-type": "application/json", "traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"}')`,
 			stream, key, `{"order_id": "`+key+`", "line": `+string(rune('0'+i))+`}`).Scan(&id)
 		if err != nil {
@@ -172,7 +199,19 @@ func (h *harness) emit(t *testing.T, stream, key string, n int) []string {
 // returns.
 func (h *harness) park(t *testing.T, stream, key string, n int) *outboxv1.Event {
 	t.Helper()
-	h.emit(t, stream, key, n)
+	return h.parkIn(t, "", stream, key, n)
+}
+
+// parkIn is park in source ("" for default): the events go into its
+// database, the relay subscribes to "source/stream".
+func (h *harness) parkIn(t *testing.T, source, stream, key string, n int) *outboxv1.Event {
+	t.Helper()
+	pool := h.pool
+	if source != "" {
+		pool = h.sourcePools[source]
+		stream = source + "/" + stream
+	}
+	h.emitIn(t, pool, strings.TrimPrefix(stream, source+"/"), key, n)
 	ctx, cancel := context.WithCancel(metadata.AppendToOutgoingContext(t.Context(), "authorization", "Bearer "+relaySecret))
 	defer cancel()
 	if h.authn == nil {

@@ -70,11 +70,13 @@ func (g *lagRing) samples() []sample {
 // session's token, and the sampled history, narrowed to the streams the
 // token may see.
 type lagJSON struct {
-	Now       time.Time   `json:"now"`
-	Error     string      `json:"error,omitempty"`
-	Streams   []streamRow `json:"streams"`
-	Total     streamRow   `json:"total"`
-	Relays    uint32      `json:"connected_relays"`
+	Now     time.Time   `json:"now"`
+	Error   string      `json:"error,omitempty"`
+	Streams []streamRow `json:"streams"`
+	Total   streamRow   `json:"total"`
+	Relays  uint32      `json:"connected_relays"`
+	// Sources is set when the replica serves more than default.
+	Sources   []sourceLag `json:"sources,omitempty"`
 	History   []histPoint `json:"history"`
 	IntervalS float64     `json:"interval_s"`
 	WindowS   float64     `json:"window_s"`
@@ -125,7 +127,7 @@ func (c *Console) lagJSON(q *request) {
 		for _, l := range lag.GetStreams() {
 			out.Streams = append(out.Streams, rowOf(l))
 		}
-		out.Total, out.Relays = rowOf(lag.GetTotal()), lag.GetConnectedRelays()
+		out.Total, out.Relays, out.Sources = rowOf(lag.GetTotal()), lag.GetConnectedRelays(), sourcesOf(lag)
 	}
 	for _, s := range c.ring.samples() {
 		h := histPoint{At: s.at, Streams: map[string]point{}}

@@ -14,6 +14,7 @@ import (
 
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
 	"github.com/outboxd/outboxd/internal/actiondetail"
+	"github.com/outboxd/outboxd/internal/multisource"
 )
 
 const (
@@ -29,16 +30,21 @@ var actionKinds = []string{"retry", "skip", "bulk_retry", "bulk_skip", "republis
 // actions lists operator actions: who did what, when, why.
 func (c *Console) actions(q *request) {
 	r := q.r
-	f := map[string]string{"Stream": strings.TrimSpace(r.FormValue("stream")), "Key": strings.TrimSpace(r.FormValue("key")),
-		"Action": r.FormValue("action"), "Since": r.FormValue("since")}
-	data := map[string]any{"F": f, "Kinds": actionKinds}
-	req := &outboxv1.ListOperatorActionsRequest{Stream: f["Stream"], AggregateKey: f["Key"], Action: f["Action"],
+	f := map[string]string{"Source": strings.TrimSpace(r.FormValue("source")), "Stream": strings.TrimSpace(r.FormValue("stream")),
+		"Key": strings.TrimSpace(r.FormValue("key")), "Action": r.FormValue("action"), "Since": r.FormValue("since")}
+	sources := c.sourceNames(q)
+	f["Source"] = chosenSource(sources, f["Source"])
+	addr := address(f["Source"], f["Stream"])
+	// Each source keeps its own record: the page shows one source's,
+	// named on every row.
+	data := map[string]any{"F": f, "Kinds": actionKinds, "Sources": sources, "Source": sourceOf(addr)}
+	req := &outboxv1.ListOperatorActionsRequest{Stream: addr, AggregateKey: f["Key"], Action: f["Action"],
 		PageSize: actionsPageSize, PageToken: r.FormValue("page")}
 	bad := func(msg string) {
 		data["Error"] = msg
 		c.render(q.w, r, http.StatusBadRequest, "actions", q, data)
 	}
-	if req.AggregateKey != "" && req.Stream == "" {
+	if req.AggregateKey != "" && f["Stream"] == "" {
 		bad("An aggregate key needs its stream.")
 		return
 	}
@@ -59,6 +65,7 @@ func (c *Console) actions(q *request) {
 	if err != nil {
 		data["Error"], code = describe(err), httpCode(err)
 	} else {
+		relabelActions(sourceOf(addr), resp.GetActions())
 		data["Actions"], data["Next"], data["PerAggregate"] = resp.GetActions(), resp.GetNextPageToken(), req.AggregateKey != ""
 	}
 	c.render(q.w, r, code, "actions", q, data)
@@ -72,6 +79,7 @@ func (c *Console) aggregateActions(q *request, stream, key string, data map[stri
 		data["ActionsError"] = describe(err)
 		return
 	}
+	relabelActions(sourceOf(stream), resp.GetActions())
 	data["Actions"], data["MoreActions"] = resp.GetActions(), resp.GetNextPageToken() != ""
 }
 
@@ -89,6 +97,22 @@ func (c *Console) event(q *request) {
 		return
 	}
 	resp, err := c.admin.ListEvents(q.ctx, &outboxv1.ListEventsRequest{EventId: id})
+	source := multisource.Default
+	if err == nil && len(resp.GetEvents()) == 0 {
+		// Not in default: an event id names one event in whichever source
+		// holds it, so look in the others.
+		for _, src := range c.sourceNames(q) {
+			if src == multisource.Default {
+				continue
+			}
+			more, err := c.admin.ListEvents(q.ctx, &outboxv1.ListEventsRequest{EventId: id, Stream: address(src, "")})
+			if err == nil && len(more.GetEvents()) > 0 {
+				resp, source = more, src
+				break
+			}
+		}
+	}
+	relabelEvents(source, resp.GetEvents())
 	switch {
 	case err != nil:
 		data["Error"] = describe(err)

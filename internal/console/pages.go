@@ -31,6 +31,7 @@ func (c *Console) overview(q *request) {
 			rows = append(rows, rowOf(l))
 		}
 		data["Streams"], data["Total"], data["Relays"] = rows, rowOf(lag.GetTotal()), lag.GetConnectedRelays()
+		data["Sources"] = sourcesOf(lag)
 	}
 	c.render(q.w, q.r, code, "overview", q, data)
 }
@@ -44,9 +45,18 @@ var troubleStates = []outboxv1.AggregateState{
 
 // filterForm is the aggregate filter as the pages' forms carry it.
 type filterForm struct {
+	// Source is the source chosen when the replica serves several ("" or
+	// default: the stream as typed).
+	Source                          string
 	Stream, State, Error, OlderThan string
 	Stalled                         bool
 }
+
+// Address is the stream address the form asks for (see address).
+func (f filterForm) Address() string { return address(f.Source, f.Stream) }
+
+// InSource is the source the form asks: default unless it names another.
+func (f filterForm) InSource() string { return sourceOf(f.Address()) }
 
 // trouble reports whether the form asks for the default view: the trouble
 // states, not only stalled aggregates.
@@ -62,14 +72,14 @@ func (f filterForm) StalledParam() string {
 
 func readFilter(r *http.Request) filterForm {
 	v := func(k string) string { return strings.TrimSpace(r.FormValue(k)) }
-	return filterForm{Stream: v("stream"), State: v("state"), Error: v("error"), OlderThan: v("older_than"),
+	return filterForm{Source: v("source"), Stream: v("stream"), State: v("state"), Error: v("error"), OlderThan: v("older_than"),
 		Stalled: r.FormValue("stalled") != ""}
 }
 
 // proto converts the form; state "" or "trouble" means parked, backing off
 // or held at a gap.
 func (f filterForm) proto() (*outboxv1.AggregateFilter, error) {
-	out := &outboxv1.AggregateFilter{Stream: f.Stream, ErrorContains: f.Error, StalledOnly: f.Stalled}
+	out := &outboxv1.AggregateFilter{Stream: f.Address(), ErrorContains: f.Error, StalledOnly: f.Stalled}
 	switch f.State {
 	case "", "trouble":
 		if !f.Stalled {
@@ -95,7 +105,9 @@ func (f filterForm) proto() (*outboxv1.AggregateFilter, error) {
 
 func (c *Console) aggregates(q *request) {
 	f := readFilter(q.r)
-	data := map[string]any{"F": f, "States": stateNames}
+	names := c.sourceNames(q)
+	f.Source = chosenSource(names, f.Source)
+	data := map[string]any{"F": f, "States": stateNames, "Sources": names}
 	code := http.StatusOK
 	filter, err := f.proto()
 	if err != nil {
@@ -120,6 +132,7 @@ func (c *Console) aggregates(q *request) {
 	case err != nil:
 		data["Error"], code = describe(err), httpCode(err)
 	default:
+		relabelAggregates(f.InSource(), resp.GetAggregates())
 		data["Aggregates"], data["Next"] = resp.GetAggregates(), resp.GetNextPageToken()
 		if f.trouble() && q.r.FormValue("page") == "" {
 			// Stalled aggregates that are ready or leased are in trouble
@@ -130,6 +143,7 @@ func (c *Console) aggregates(q *request) {
 			if more, err := c.admin.ListAggregates(q.ctx, &outboxv1.ListAggregatesRequest{Filter: stalled, PageSize: stalledPageSize}); err != nil {
 				data["StalledError"] = describe(err)
 			} else {
+				relabelAggregates(f.InSource(), more.GetAggregates())
 				data["Stalled"], data["MoreStalled"] = more.GetAggregates(), more.GetNextPageToken() != ""
 			}
 		}
@@ -166,7 +180,11 @@ func (c *Console) aggregate(q *request) {
 		c.render(q.w, q.r, httpCode(err), "aggregate", q, data)
 		return
 	}
-	data["A"] = agg.GetAggregate()
+	// Its stream as the address asked (the answer's is bare), for the
+	// action forms.
+	source := sourceOf(stream)
+	agg.GetAggregate().Stream = inSource(source, agg.GetAggregate().GetStream())
+	data["A"], data["Source"] = agg.GetAggregate(), onSource(source)
 	pending, err := c.admin.ListEvents(q.ctx, &outboxv1.ListEventsRequest{Stream: stream, AggregateKey: key,
 		State: outboxv1.EventState_EVENT_STATE_PENDING, PageSize: eventsPageSize})
 	if err != nil {
@@ -174,11 +192,13 @@ func (c *Console) aggregate(q *request) {
 	} else {
 		// Newest first from the server; the next to deliver goes on top.
 		ev := pending.GetEvents()
+		relabelEvents(source, ev)
 		slices.Reverse(ev)
 		data["Pending"], data["MorePending"] = ev, pending.GetNextPageToken() != ""
 	}
 	recent, err := c.admin.ListEvents(q.ctx, &outboxv1.ListEventsRequest{Stream: stream, AggregateKey: key, PageSize: 10})
 	if err == nil {
+		relabelEvents(source, recent.GetEvents())
 		data["Recent"] = recent.GetEvents()
 	}
 	c.aggregateActions(q, stream, key, data)
@@ -194,10 +214,13 @@ func (c *Console) aggregate(q *request) {
 
 func (c *Console) events(q *request) {
 	r := q.r
-	f := map[string]string{"Stream": r.FormValue("stream"), "Key": r.FormValue("key"), "State": r.FormValue("state"),
-		"After": r.FormValue("after"), "Before": r.FormValue("before")}
-	data := map[string]any{"F": f}
-	req := &outboxv1.ListEventsRequest{Stream: f["Stream"], AggregateKey: f["Key"], PageSize: eventsPageSize,
+	f := map[string]string{"Source": r.FormValue("source"), "Stream": r.FormValue("stream"), "Key": r.FormValue("key"),
+		"State": r.FormValue("state"), "After": r.FormValue("after"), "Before": r.FormValue("before")}
+	names := c.sourceNames(q)
+	f["Source"] = chosenSource(names, f["Source"])
+	data := map[string]any{"F": f, "Sources": names}
+	addr := address(f["Source"], f["Stream"])
+	req := &outboxv1.ListEventsRequest{Stream: addr, AggregateKey: f["Key"], PageSize: eventsPageSize,
 		PageToken: r.FormValue("page")}
 	if f["State"] != "" {
 		st, ok := outboxv1.EventState_value["EVENT_STATE_"+strings.ToUpper(f["State"])]
@@ -228,6 +251,7 @@ func (c *Console) events(q *request) {
 	if err != nil {
 		data["Error"], code = describe(err), httpCode(err)
 	} else {
+		relabelEvents(sourceOf(addr), resp.GetEvents())
 		data["Events"], data["Next"] = resp.GetEvents(), resp.GetNextPageToken()
 	}
 	c.render(q.w, r, code, "events", q, data)
@@ -260,17 +284,27 @@ func (c *Console) relays(q *request) {
 		}
 		data["Replicas"] = len(replicas)
 	}
-	leased, err := c.admin.ListAggregates(q.ctx, &outboxv1.ListAggregatesRequest{PageSize: aggregatesPageSize,
-		Filter: &outboxv1.AggregateFilter{States: []outboxv1.AggregateState{outboxv1.AggregateState_AGGREGATE_STATE_LEASED}}})
-	if err != nil {
-		data["InFlightError"] = describe(err)
-	} else {
-		rows := make([]inFlight, 0, len(leased.GetAggregates()))
+	// In flight in every source (ListAggregates reaches one at a time).
+	sources := c.sourceNames(q)
+	if sources == nil {
+		sources = []string{""}
+	}
+	rows, more := []inFlight{}, false
+	for _, src := range sources {
+		leased, err := c.admin.ListAggregates(q.ctx, &outboxv1.ListAggregatesRequest{PageSize: aggregatesPageSize,
+			Filter: &outboxv1.AggregateFilter{Stream: address(src, ""),
+				States: []outboxv1.AggregateState{outboxv1.AggregateState_AGGREGATE_STATE_LEASED}}})
+		if err != nil {
+			data["InFlightError"] = strings.TrimPrefix(onSource(src)+": ", ": ") + describe(err)
+			continue
+		}
+		relabelAggregates(cmpSource(src), leased.GetAggregates())
 		for _, a := range leased.GetAggregates() {
 			rows = append(rows, inFlight{Aggregate: a, Replica: replicaOf[a.GetLeaseHolder()]})
 		}
-		data["InFlight"], data["MoreInFlight"] = rows, leased.GetNextPageToken() != ""
+		more = more || leased.GetNextPageToken() != ""
 	}
+	data["InFlight"], data["MoreInFlight"] = rows, more
 	c.render(q.w, q.r, code, "relays", q, data)
 }
 

@@ -1,0 +1,129 @@
+package main_test
+
+import (
+	"context"
+	"fmt"
+	"net/http"
+	"os"
+	"os/exec"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/outboxd/outboxd/internal/devdb"
+	"github.com/outboxd/outboxd/internal/testdb"
+)
+
+// One source's PostgreSQL goes down and comes back while the other keeps
+// delivering. `outboxd serve` serves source a (default, on the main
+// cluster) and b (a throwaway cluster of its own, so stopping it touches no
+// other test), with a relay for each. Cluster b is stopped in immediate
+// mode with events of b pending (its relay was killed before they were
+// written, so none was delivered); while it is down, events written into a
+// afterwards are delivered (to a relay of a restarted meanwhile), /readyz stays 200 and says "degraded: source
+// b", and `outboxd lag` names b not ready. Once cluster b runs again, b's
+// relay (restarted during the outage) delivers its pending events: each
+// sink holds every event of its source, first copies in revision order,
+// duplicates identical to the first (at least once, never lost), and every
+// event is marked published.
+func TestSourceDownAndBack(t *testing.T) {
+	if testing.Short() {
+		t.Skip("runs a PostgreSQL cluster of its own and processes")
+	}
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	defer cancel()
+	urlA := testdb.New(t)
+	poolA := testdb.NewPoolURL(t, urlA)
+	b, err := devdb.StartThrowaway(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = b.Close(context.Background()) })
+	if out, err := exec.Command(binary, "migrate", "--database-url", b.URL).CombinedOutput(); err != nil {
+		t.Fatalf("migrate b: %v\n%s", err, out)
+	}
+	poolB, err := pgxpool.New(ctx, b.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer poolB.Close()
+	// A throwaway cluster commits asynchronously (it is for dev loops):
+	// the immediate stop would undo b's last commits. Producers wait for
+	// their commit here, as in production (see TestPostgresCrashesLoseNothing).
+	if _, err := poolB.Exec(ctx, `ALTER SYSTEM SET synchronous_commit = on`); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := poolB.Exec(ctx, `SELECT pg_reload_conf()`); err != nil {
+		t.Fatal(err)
+	}
+
+	grpcAddr, httpAddr := freeAddr(t), freeAddr(t)
+	start(t, "serve", "--database-url", urlA, "--source", "b="+b.URL, "--listen", grpcAddr, "--http-listen", httpAddr,
+		"--health-interval", "200ms", "--lease-ttl", "2s", "--log-level", "warn")
+	eventually(t, "/readyz 200", func() bool { code, _ := httpGet("http://" + httpAddr + "/readyz"); return code == http.StatusOK })
+	jsA, streamA, prefixA := jetStreamSink(t, "DOWNA")
+	jsB, streamB, prefixB := jetStreamSink(t, "DOWNB")
+	relay := func(name, stream, prefix string, streams ...string) *process {
+		sink := fmt.Sprintf("%s?stream=%s&subject=%s.{stream}.{aggregate_key}&duplicates=100ms", natsURL(), stream, prefix)
+		args := []string{"relay", "--server", grpcAddr, "--sink", sink, "--max-in-flight", "16", "--relay-id", name, "--log-level", "warn"}
+		for _, s := range streams {
+			args = append(args, "--streams", s)
+		}
+		return start(t, args...)
+	}
+	relayA := relay("ra", streamA, prefixA)
+	relayB := relay("rb", streamB, prefixB, "b/orders")
+
+	// Both sources deliver.
+	const aggregates = 20
+	emit := func(pool *pgxpool.Pool, from, to int) {
+		t.Helper()
+		if err := emitRounds(pool, from, to, aggregates); err != nil {
+			t.Fatal(err)
+		}
+	}
+	emit(poolA, 1, 5)
+	emit(poolB, 1, 5)
+	waitPublished(t, poolA, 5*aggregates)
+	waitPublished(t, poolB, 5*aggregates)
+
+	// b's relay dies; b gets events nobody delivers; cluster b stops.
+	relayB.signal(os.Kill)
+	emit(poolB, 6, 10)
+	if err := b.CrashServer(ctx); err != nil {
+		t.Fatal(err)
+	}
+	relay("rb", streamB, prefixB, "b/orders")
+
+	// a delivers what is written after the stop, to a relay that
+	// subscribes after it too.
+	relayA.signal(os.Kill)
+	relay("ra", streamA, prefixA)
+	emit(poolA, 6, 10)
+	waitPublished(t, poolA, 10*aggregates)
+	eventually(t, "/readyz 200 naming b degraded", func() bool {
+		code, body := httpGet("http://" + httpAddr + "/readyz")
+		return code == http.StatusOK && strings.Contains(body, "degraded: source b")
+	})
+	if code, out := runOutboxd(t, nil, "lag", "--server", grpcAddr); code != 0 || !strings.Contains(out, "source b NOT READY") ||
+		!strings.Contains(out, "orders") {
+		t.Errorf("outboxd lag with b down: exit %d; want a's streams and b not ready:\n%s", code, out)
+	}
+
+	// b comes back: its pending events are delivered, a's keep flowing.
+	if err := b.StartServer(ctx); err != nil {
+		t.Fatal(err)
+	}
+	emit(poolA, 11, 12)
+	waitPublished(t, poolB, 10*aggregates)
+	waitPublished(t, poolA, 12*aggregates)
+	eventually(t, "/readyz without b degraded", func() bool {
+		code, body := httpGet("http://" + httpAddr + "/readyz")
+		return code == http.StatusOK && !strings.Contains(body, "degraded")
+	})
+	verifySink(t, jsA, streamA, 12*aggregates)
+	verifySink(t, jsB, streamB, 10*aggregates)
+}

@@ -1,0 +1,169 @@
+package console
+
+// Sources: a replica serving several source databases (serve --source)
+// answers the AdminService through internal/multisource, which routes each
+// call by the "source/" prefix of its stream and answers with bare stream
+// names. The console asks with addresses and relabels what comes back, so
+// every link it shows carries "source/stream" and leads back to the same
+// database. With default alone nothing here shows.
+
+import (
+	"slices"
+	"strings"
+	"time"
+
+	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+	"github.com/outboxd/outboxd/internal/multisource"
+)
+
+// sourceNames returns the sources the viewer may see, from GetLag, when the
+// replica serves any but default; nil (show no source anywhere) otherwise
+// or when GetLag fails (the page's own call will say why).
+func (c *Console) sourceNames(q *request) []string {
+	lag, err := c.admin.GetLag(q.ctx, &outboxv1.GetLagRequest{})
+	if err != nil {
+		return nil
+	}
+	return sourceNamesOf(lag)
+}
+
+func sourceNamesOf(lag *outboxv1.GetLagResponse) []string {
+	var names []string
+	multi := false
+	for _, s := range lag.GetSources() {
+		names = append(names, s.GetName())
+		multi = multi || s.GetName() != multisource.Default
+	}
+	if !multi {
+		return nil
+	}
+	return names
+}
+
+// chosenSource is the source a page asks when its form names none:
+// default, or, for a token that may see no stream of default, the first
+// source it may see.
+func chosenSource(names []string, chosen string) string {
+	if chosen != "" || names == nil || slices.Contains(names, multisource.Default) {
+		return chosen
+	}
+	return names[0]
+}
+
+// address is the stream address a form asks for: its stream as typed when
+// that names a source ("orders/billing"), else the stream in the chosen
+// source ("orders/" for all of its streams).
+func address(source, stream string) string {
+	if strings.Contains(stream, "/") || source == "" || source == multisource.Default {
+		return stream
+	}
+	return source + "/" + stream
+}
+
+// sourceOf is the source a stream address names (default for a bare name).
+func sourceOf(addr string) string {
+	src, _ := multisource.SplitStream(addr)
+	return src
+}
+
+// inSource relabels a bare stream name of an answer from source as its
+// address; an empty name (an action on every stream) stays empty.
+func inSource(source, stream string) string {
+	if stream == "" {
+		return ""
+	}
+	return multisource.JoinStream(source, stream)
+}
+
+// aggregateName names an aggregate in a confirmation: "billing/42", and
+// "billing/42 of source orders" outside default.
+func aggregateName(addr, key string) string {
+	src, stream := multisource.SplitStream(addr)
+	if src == multisource.Default {
+		return addr + "/" + key
+	}
+	return stream + "/" + key + " of source " + src
+}
+
+// onSource is " on source orders" outside default, "" in it.
+func onSource(source string) string {
+	if source == "" || source == multisource.Default {
+		return ""
+	}
+	return " on source " + source
+}
+
+// relabelAggregates and the others below write each answer's streams as
+// addresses of source.
+func relabelAggregates(source string, aggs []*outboxv1.Aggregate) {
+	for _, a := range aggs {
+		a.Stream = inSource(source, a.GetStream())
+	}
+}
+
+func relabelEvents(source string, evs []*outboxv1.EventInfo) {
+	for _, e := range evs {
+		if e.GetEvent() != nil {
+			e.Event.Stream = inSource(source, e.GetEvent().GetStream())
+		}
+	}
+}
+
+func relabelActions(source string, acts []*outboxv1.OperatorAction) {
+	for _, a := range acts {
+		a.Stream = inSource(source, a.GetStream())
+	}
+}
+
+// sourceLag is one source's row on the streams page: its health, as GetLag
+// reports it, and its streams' figures summed.
+type sourceLag struct {
+	Name    string      `json:"name"`
+	Ready   bool        `json:"ready"`
+	Reason  string      `json:"reason,omitempty"`
+	Total   streamRow   `json:"total"`
+	Streams []streamRow `json:"streams"`
+}
+
+// sourcesOf groups a lag answer by source; nil with default alone.
+func sourcesOf(lag *outboxv1.GetLagResponse) []sourceLag {
+	if sourceNamesOf(lag) == nil {
+		return nil
+	}
+	out := make([]sourceLag, 0, len(lag.GetSources()))
+	at := map[string]int{}
+	for _, s := range lag.GetSources() {
+		at[s.GetName()] = len(out)
+		out = append(out, sourceLag{Name: s.GetName(), Ready: s.GetReady(), Reason: s.GetReason(),
+			Total: streamRow{Stream: s.GetName()}, Streams: []streamRow{}})
+	}
+	for _, l := range lag.GetStreams() {
+		i, ok := at[cmpSource(l.GetSource())]
+		if !ok {
+			continue
+		}
+		row, t := rowOf(l), &out[i].Total
+		out[i].Streams = append(out[i].Streams, row)
+		t.Pending += row.Pending
+		t.Aggregates += row.Aggregates
+		t.Rate += row.Rate
+		t.Parked += row.Parked
+		t.Gap += row.Gap
+		t.Stalled += row.Stalled
+		t.Backoff += row.Backoff
+		t.OldestAgeS = max(t.OldestAgeS, row.OldestAgeS)
+	}
+	for i := range out {
+		t := &out[i].Total
+		t.Oldest = humanDuration(time.Duration(t.OldestAgeS*float64(time.Second)), t.Pending > 0)
+	}
+	return out
+}
+
+// cmpSource is StreamLag.source's source: empty is default.
+func cmpSource(s string) string {
+	if s == "" {
+		return multisource.Default
+	}
+	return s
+}

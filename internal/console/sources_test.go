@@ -1,0 +1,206 @@
+package console_test
+
+import (
+	"context"
+	"net/http"
+	"net/url"
+	"strings"
+	"testing"
+	"time"
+
+	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+)
+
+// TestConsoleWithTwoSources: a replica serving default and orders, each
+// with a parked aggregate billing/1 under the same names. The streams page
+// shows each source's lag, streams and health (orders unhealthy once its
+// database refuses connections, default still reported); the aggregates,
+// events, event and actions pages of orders list orders' rows with links
+// that carry "orders/billing", and following them reaches orders' database,
+// not default's; every action names its source in its confirmation and in
+// the operator log; a single-event skip outside default is refused rather
+// than sent to default.
+func TestConsoleWithTwoSources(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t, harnessOptions{sources: []string{"orders"}})
+	orders := h.sourcePools["orders"]
+	h.park(t, "billing", "1", 2)
+	ordersEvent := h.parkIn(t, "orders", "billing", "1", 2)
+	h.parkIn(t, "orders", "billing", "2", 1)
+	b := h.browser(t)
+	b.login(t, adminSecret)
+
+	_, body := b.get(t, "/")
+	for _, want := range []string{`id="sources"`, `id="source-default"`, `id="source-orders"`,
+		`href="/events?state=pending&amp;stream=orders%2Fbilling"`, `href="/aggregates?source=orders"`, `href="/actions?source=orders"`} {
+		if !strings.Contains(body, want) {
+			t.Errorf("streams page lacks %s:\n%s", want, body)
+		}
+	}
+
+	if _, body := b.get(t, "/api/lag"); !strings.Contains(body, `"sources":[{"name":"default","ready":true,`) ||
+		!strings.Contains(body, `{"name":"orders","ready":true,"total":{"stream":"orders","pending":3,`) {
+		t.Errorf("/api/lag: want both sources, orders with its 3 pending events:\n%s", body)
+	}
+
+	// The aggregates of orders: links to orders/billing only.
+	_, body = b.get(t, "/aggregates?source=orders")
+	if !strings.Contains(body, `href="/aggregate?key=1&amp;stream=orders%2Fbilling"`) ||
+		!strings.Contains(body, `href="/aggregate?key=2&amp;stream=orders%2Fbilling"`) || strings.Contains(body, "stream=billing") {
+		t.Errorf("aggregates of orders: want links to orders/billing 1 and 2 only:\n%s", body)
+	}
+	if !strings.Contains(body, `<option value="orders" selected>`) {
+		t.Errorf("aggregates of orders: the source picker does not show orders:\n%s", body)
+	}
+	_, body = b.get(t, "/aggregates")
+	if !strings.Contains(body, `href="/aggregate?key=1&amp;stream=billing"`) || strings.Contains(body, "orders%2Fbilling") {
+		t.Errorf("aggregates of default: want default's billing/1 only:\n%s", body)
+	}
+	_, body = b.get(t, "/events?source=orders&state=pending")
+	if !strings.Contains(body, `href="/aggregate?key=1&amp;stream=orders%2Fbilling"`) || strings.Contains(body, "stream=billing&") {
+		t.Errorf("pending events of orders: want links to orders/billing:\n%s", body)
+	}
+	_, body = b.get(t, "/event?id="+ordersEvent.GetEventId())
+	if !strings.Contains(body, `href="/aggregate?key=1&amp;stream=orders%2Fbilling"`) {
+		t.Errorf("event %s of orders, found by id: want its aggregate's link in orders:\n%s", ordersEvent.GetEventId(), body)
+	}
+
+	// The aggregate page of orders' billing/1, and its retry: orders'
+	// aggregate leaves parked, default's stays.
+	_, body = b.get(t, "/aggregate?stream=orders/billing&key=1")
+	if !strings.Contains(body, `id="agg-state">parked<`) || !strings.Contains(body, `name="stream" value="orders/billing"`) {
+		t.Fatalf("aggregate orders/billing/1: want parked, with forms for orders/billing:\n%s", body)
+	}
+	csrf := b.csrf(t, "/aggregate?stream=orders/billing&key=1")
+	_, body = b.post(t, "/act/retry", url.Values{"csrf": {csrf}, "stream": {"orders/billing"}, "key": {"1"}, "reason": {"sink fixed"}})
+	if !strings.Contains(body, "Retried billing/1 of source orders: now ready.") {
+		t.Errorf("retry confirmation does not name source orders:\n%s", body)
+	}
+	if got := parkedIn(t, h, "orders", "1"); got {
+		t.Error("orders' billing/1 still parked after the retry")
+	}
+	if got := parkedIn(t, h, "", "1"); !got {
+		t.Error("default's billing/1 left parked state: the retry reached the wrong source")
+	}
+
+	// A single skip in orders is refused: SkipEvent would look in default.
+	_, body = b.post(t, "/act/skip", url.Values{"csrf": {csrf}, "stream": {"orders/billing"}, "key": {"2"},
+		"event_id": {ordersEvent.GetEventId()}, "reason": {"poison"}})
+	if !strings.Contains(body, "is in source orders") {
+		t.Errorf("skip of an orders event: want it refused naming source orders:\n%s", body)
+	}
+
+	// Bulk skip on orders: the dry run and the confirmation name it.
+	form := url.Values{"csrf": {csrf}, "action": {"skip"}, "source": {"orders"}, "stream": {"billing"}, "state": {"parked"}, "reason": {"replayed elsewhere"}}
+	_, body = b.post(t, "/bulk", form)
+	if !strings.Contains(body, "Dry run on source orders: 1 aggregate(s) match") || !strings.Contains(body, `name="source" value="orders"`) {
+		t.Fatalf("bulk dry run on orders:\n%s", body)
+	}
+	form.Set("confirm", "yes")
+	form.Set("expected", "1")
+	_, body = b.post(t, "/bulk/confirm", form)
+	if !strings.Contains(body, "Bulk skip on source orders: 1 matched, 1 skipped") {
+		t.Errorf("bulk skip confirmation does not name source orders:\n%s", body)
+	}
+	var skipped int
+	if err := orders.QueryRow(t.Context(), `SELECT count(*) FROM outbox.skipped_event JOIN outbox.event USING (event_id) WHERE aggregate_key = '2'`).Scan(&skipped); err != nil {
+		t.Fatal(err)
+	}
+	if skipped != 1 {
+		t.Errorf("orders' billing/2: %d skipped events; want 1", skipped)
+	}
+
+	// The operator log of orders names the source on every row; default's
+	// has none of orders' actions.
+	_, body = b.get(t, "/actions?source=orders")
+	if !strings.Contains(body, `of source <span id="actions-source">orders</span>`) ||
+		strings.Count(body, `<td class="source">orders</td>`) != 2 || !strings.Contains(body, "<td>orders/billing</td>") {
+		t.Errorf("operator log of orders: want its retry and bulk skip, each naming orders:\n%s", body)
+	}
+	_, body = b.get(t, "/actions")
+	if !strings.Contains(body, "No operator action matches.") {
+		t.Errorf("operator log of default lists actions of orders:\n%s", body)
+	}
+	_, body = b.post(t, "/purge", url.Values{"csrf": {csrf}, "older_than": {"0s"}, "source": {"orders"}})
+	if !strings.Contains(body, "event(s) on source orders.") {
+		t.Errorf("purge dry run on orders does not name it:\n%s", body)
+	}
+
+	// A viewer of orders alone sees orders, not default, and its pages
+	// start there rather than at default (which it may not see).
+	ob := h.browser(t)
+	ob.login(t, ordersSecret)
+	_, body = ob.get(t, "/")
+	if !strings.Contains(body, `id="source-orders"`) || strings.Contains(body, `id="source-default"`) {
+		t.Errorf("streams page of a viewer of orders: want orders' row alone:\n%s", body)
+	}
+	for _, page := range []string{"/aggregates?state=any", "/events", "/actions"} {
+		code, body := ob.get(t, page)
+		if code != http.StatusOK || !strings.Contains(body, `<option value="orders" selected>`) || !strings.Contains(body, "orders/billing") {
+			t.Errorf("%s for a viewer of orders: %d; want orders' rows:\n%s", page, code, body)
+		}
+	}
+
+	// orders' database refuses connections: the streams page says orders
+	// is unhealthy and still shows default.
+	var dbname string
+	if err := orders.QueryRow(t.Context(), `SELECT current_database()`).Scan(&dbname); err != nil {
+		t.Fatal(err)
+	}
+	admin := h.pool
+	if _, err := admin.Exec(t.Context(), `ALTER DATABASE "`+dbname+`" ALLOW_CONNECTIONS false`); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		// When the test ends early: the harness's clean-up needs the
+		// database.
+		_, _ = admin.Exec(context.Background(), `ALTER DATABASE "`+dbname+`" ALLOW_CONNECTIONS true`)
+	})
+	if _, err := admin.Exec(t.Context(), `SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1`, dbname); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 30*time.Second, "the streams page to show orders unhealthy", func() bool {
+		code, body := b.get(t, "/")
+		row, _, _ := strings.Cut(body[strings.Index(body, `id="source-orders"`)+1:], "</tr>")
+		return code == http.StatusOK && strings.Contains(row, "unhealthy") && strings.Contains(body, `id="source-default"`) &&
+			strings.Contains(body, `href="/events?state=pending&amp;stream=billing"`)
+	})
+	// And back: orders is reported ready again once it takes connections
+	// (which the harness's clean-up needs too).
+	if _, err := admin.Exec(t.Context(), `ALTER DATABASE "`+dbname+`" ALLOW_CONNECTIONS true`); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 30*time.Second, "the streams page to show orders ready again", func() bool {
+		_, body := b.get(t, "/")
+		row, _, _ := strings.Cut(body[strings.Index(body, `id="source-orders"`)+1:], "</tr>")
+		return strings.Contains(row, `badge ready`)
+	})
+}
+
+// parkedIn reports whether billing/key of source ("" default) is parked,
+// as the AdminService says.
+func parkedIn(t *testing.T, h *harness, source, key string) bool {
+	t.Helper()
+	address := "billing"
+	if source != "" {
+		address = source + "/billing"
+	}
+	admin, with := h.as(adminSecret)
+	resp, err := admin.GetAggregate(with(t.Context()), &outboxv1.GetAggregateRequest{Stream: address, AggregateKey: key})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return resp.GetAggregate().GetState() == outboxv1.AggregateState_AGGREGATE_STATE_PARKED
+}
+
+// eventually polls cond until it holds or the deadline passes.
+func eventually(t *testing.T, within time.Duration, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(within)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("%s: not within %v", what, within)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
