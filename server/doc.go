@@ -307,7 +307,13 @@
 // same way, one session at a time, backing off from 2 ms after work was
 // found to Config.PollInterval: an idle replica makes one claim per stream
 // filter per poll interval, whatever the number of relays, and a lost
-// notification only delays an event.
+// notification only delays an event. The poll is armed when the group
+// gets an idle member and stays where it is until it fires (or a claim
+// finds work, which brings it forward to the shortest delay): a member
+// that waits again (after a hand-over, an ack, a reconcile tick) does not
+// move it, so members that keep waking cannot starve it.
+// A reconcile tick makes a session check its leases, never claim by
+// itself: only a lease found gone frees credit to claim with.
 //
 // A round's own NOTIFY comes back on the replica's LISTEN connection. The
 // round tells the listener the process id of its database backend before it
