@@ -123,6 +123,11 @@ func (s *Server) IdleSessions() (n int) {
 	return n
 }
 
+// SetAfterRoundDue makes the discovery loop call f after each check it
+// makes, while idle, of whether a round has anything to do, with the
+// answer, before it acts on it; a blocking f holds the loop there.
+func (s *Server) SetAfterRoundDue(f func(due bool, err error)) { s.afterRoundDue.Store(&f) }
+
 // SetReconcileTick makes every session take its reconcile ticks from c
 // instead of a ticker every ReconcileInterval (a session selects on it only
 // while it has leases to check). Set it before the first Subscribe.
