@@ -5,6 +5,7 @@ import (
 	"errors"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -16,12 +17,14 @@ import (
 )
 
 // An idle discovery loop asks whether a round has anything to do before
-// running one (store.RoundDue). The answer is stale as soon as it is
-// given: an event that commits after the check's snapshot (here: between
-// the check and the loop acting on it) must still be found by the next
-// check and round. The event's transaction was running when the stored
-// snapshot was taken, so only its list of running transactions (not its
-// xmax) says the event is new.
+// running one (store.RoundDue). An event committed while it is idle is
+// found by the next check (its transaction began after the stored
+// snapshot: at or above its xmax). And the answer is stale as soon as it
+// is given: an event that commits after the check's snapshot (here:
+// between the check and the loop acting on it) must still be found by the
+// next check and round. That event's transaction was running when the
+// stored snapshot was taken, so only the snapshot's list of running
+// transactions (not its xmax) says the event is new.
 func TestAnEventCommittedAfterAnEmptyCheckIsDiscovered(t *testing.T) {
 	t.Parallel()
 	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
@@ -29,6 +32,28 @@ func TestAnEventCommittedAfterAnEmptyCheckIsDiscovered(t *testing.T) {
 	url := testdb.New(t)
 	pool := testdb.NewPoolURL(t, url)
 	r := startReplica(t, url, nil)
+	// After an empty check: signal idle, or (hold set) hold the loop until
+	// release.
+	idle := make(chan struct{}, 1)
+	var hold atomic.Bool
+	held, release := make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	r.Server.SetAfterRoundDue(func(due bool, err error) {
+		if err != nil || due {
+			return
+		}
+		if hold.Load() {
+			once.Do(func() {
+				close(held)
+				<-release
+			})
+			return
+		}
+		select {
+		case idle <- struct{}{}:
+		default:
+		}
+	})
 	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 4})
 
 	tx, err := pool.Begin(ctx)
@@ -44,7 +69,17 @@ func TestAnEventCommittedAfterAnEmptyCheckIsDiscovered(t *testing.T) {
 	if err := tx.QueryRow(ctx, `SELECT pg_current_xact_id()::text`).Scan(&lateXid); err != nil {
 		t.Fatal(err)
 	}
-	// A round stores a snapshot taken while the producer's transaction runs.
+	// The loop is idle; then an event commits, and a round (after a check
+	// that found it) stores a snapshot taken while the producer's
+	// transaction runs.
+	for len(idle) > 0 {
+		<-idle
+	}
+	select {
+	case <-idle:
+	case <-ctx.Done():
+		t.Fatal("the idle discovery loop made no check that found nothing")
+	}
 	first := emit(t, pool, "orders", "first", 1)
 	if d := recv(t, st); d.GetEvent().GetEventId() != first[0].String() {
 		t.Fatalf("got %v, want the first event", d)
@@ -60,16 +95,7 @@ func TestAnEventCommittedAfterAnEmptyCheckIsDiscovered(t *testing.T) {
 		t.Fatal("the stored snapshot does not list the producer's transaction as running")
 	}
 
-	held, release := make(chan struct{}), make(chan struct{})
-	var once sync.Once
-	r.Server.SetAfterRoundDue(func(due bool, err error) {
-		if err == nil && !due {
-			once.Do(func() {
-				close(held)
-				<-release
-			})
-		}
-	})
+	hold.Store(true)
 	select {
 	case <-held:
 	case <-ctx.Done():
