@@ -14,6 +14,7 @@ import (
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
 	"github.com/outboxd/outboxd/internal/store"
 	"github.com/outboxd/outboxd/internal/testdb"
+	"github.com/outboxd/outboxd/server"
 )
 
 // An idle discovery loop asks whether a round has anything to do before
@@ -242,5 +243,44 @@ func TestAnIdleReplicaReportsARecordedStop(t *testing.T) {
 		}
 	case <-ctx.Done():
 		t.Fatal("the idle replica did not report the recorded stop")
+	}
+}
+
+// The check is for an idle loop only: until the loop has backed off to
+// DiscoveryIdleInterval (here an hour, never reached), it runs rounds
+// directly, so that no event found soon after another pays the check's
+// round trip on top of the round's.
+func TestABusyDiscoveryLoopMakesNoCheck(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	r := startReplica(t, url, func(c *server.Config) {
+		c.DiscoveryInterval = time.Millisecond
+		c.DiscoveryIdleInterval = time.Hour
+	})
+	var checks atomic.Int64
+	r.Server.SetAfterRoundDue(func(bool, error) { checks.Add(1) })
+	var rounds atomic.Int64
+	r.Server.SetAfterDiscover(func(d store.Discovery, err error) (store.Discovery, error) {
+		rounds.Add(1)
+		return d, err
+	})
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 4})
+	for i := range 3 {
+		ids := emit(t, pool, "orders", "a", 1)
+		d := recv(t, st)
+		if d.GetEvent().GetEventId() != ids[0].String() {
+			t.Fatalf("event %d: got %v", i, d)
+		}
+		ack(t, r, d)
+		// Some turns of the loop (empty rounds, or checks) between the
+		// events.
+		n := rounds.Load() + checks.Load()
+		waitFor(t, func() int32 { return b2i(rounds.Load()+checks.Load() >= n+5) })
+	}
+	if n := checks.Load(); n != 0 {
+		t.Fatalf("a loop short of its idle interval made %d checks before its rounds", n)
 	}
 }
