@@ -40,6 +40,25 @@
 // a round is two round trips to the database (once its statements are
 // prepared on the connection).
 //
+// An idle replica does not run empty rounds: once its rounds have backed
+// off to the idle interval (see Wake-ups), the loop first asks
+// (store.RoundDue) whether the next has anything to do, in one statement outside any transaction, one round
+// trip, with no lock: is an event visible in the statement's snapshot C
+// and not in S (the same two index probes as the scan, xid >= xmax(S) or
+// in S's running list), or is discovery stopped (recorded, or the counter
+// behind xmax(S), the scan's own conditions)? Only a yes runs the round.
+// Skipping on a no changes nothing, since an empty round stores nothing
+// either: S stays, and every later round still reads from S. And an
+// answer that is stale by the time the loop acts on it misses nothing: an
+// event not visible in C (its transaction still running at C, or not yet
+// begun) is not visible in S, which was stored before C, so it is
+// "visible now, not in S" to the next check and the next round, which
+// find it, its transaction in S's running list or at or above its xmax.
+// Until the loop is back at the idle interval it skips the check (the
+// scan answers the same question), so no round of a busy or trickling
+// replica costs an extra round trip; the first round after an idle spell
+// costs one, next to the idle interval it waited.
+//
 // Dispatch: a new or idle aggregate has nothing in hand, so instead of
 // making it ready for a claim (a second write of its row, a second
 // statement, a wake-up), the round leases its next event to a local session
@@ -253,6 +272,10 @@
 //     claim holds the aggregate in state gap (gap_revision says which one) and
 //     never skips it; discovery wakes it when any event of it commits, and the
 //     claim checks again.
+//   - Nothing missed by an idle replica's check (6): it only reads, and
+//     rounds depend on nothing but S; an event committed after the check's
+//     snapshot was not visible in S either, so the next check sees it as
+//     new (see Discovery).
 //   - Nothing missed between discovery and delivery (6): an ack or claim that
 //     finds no next event sets the aggregate idle (or gap) in a statement
 //     whose snapshot is newer than its lock on the delivery row. A discovery
@@ -289,7 +312,11 @@
 // (rather than dispatching them) wakes this replica's idle sessions directly
 // and the others' through one NOTIFY outbox_wakeup. Rounds run every
 // Config.DiscoveryInterval while they find events and back off to
-// Config.DiscoveryIdleInterval while they do not.
+// Config.DiscoveryIdleInterval while they do not. Nothing notifies
+// discovery itself (that would be a producer's NOTIFY), so the idle
+// interval is the longest a first event after an idle spell waits to be
+// found, whether or not the replica listens; an idle replica pays one
+// statement per idle interval for it (the check above).
 //
 // A replica's sessions that take the same streams (the same stream filter)
 // would all find the same work, so they wait as one poll group
@@ -307,7 +334,13 @@
 // same way, one session at a time, backing off from 2 ms after work was
 // found to Config.PollInterval: an idle replica makes one claim per stream
 // filter per poll interval, whatever the number of relays, and a lost
-// notification only delays an event.
+// notification only delays an event. The poll is armed when the group
+// gets an idle member and stays where it is until it fires (or a claim
+// finds work, which brings it forward to the shortest delay): a member
+// that waits again (after a hand-over, an ack, a reconcile tick) does not
+// move it, so members that keep waking cannot starve it.
+// A reconcile tick makes a session check its leases, never claim by
+// itself: only a lease found gone frees credit to claim with.
 //
 // A round's own NOTIFY comes back on the replica's LISTEN connection. The
 // round tells the listener the process id of its database backend before it

@@ -122,3 +122,30 @@ func (s *Server) IdleSessions() (n int) {
 	}
 	return n
 }
+
+// SetAfterRoundDue makes the discovery loop call f after each check it
+// makes, while idle, of whether a round has anything to do, with the
+// answer, before it acts on it; a blocking f holds the loop there.
+func (s *Server) SetAfterRoundDue(f func(due bool, err error)) { s.afterRoundDue.Store(&f) }
+
+// SetReconcileTick makes every session take its reconcile ticks from c
+// instead of a ticker every ReconcileInterval (a session selects on it only
+// while it has leases to check). Set it before the first Subscribe.
+func (s *Server) SetReconcileTick(c <-chan time.Time) { s.reconcileTick = c }
+
+// PollTimer describes the poll of the only poll group: whether its timer
+// is armed and when it fires, and how many polls have fired. ok is false
+// unless there is exactly one group.
+func (s *Server) PollTimer() (fireAt time.Time, armed bool, polls uint64, ok bool) {
+	s.groupsMu.Lock()
+	defer s.groupsMu.Unlock()
+	if len(s.groups) != 1 {
+		return time.Time{}, false, 0, false
+	}
+	for _, g := range s.groups {
+		g.mu.Lock()
+		fireAt, armed, polls = g.fireAt, g.armed, g.polls
+		g.mu.Unlock()
+	}
+	return fireAt, armed, polls, true
+}

@@ -248,6 +248,14 @@ type Server struct {
 	// of every discovery round. Atomic: tests set it while the discovery
 	// loop runs.
 	afterDiscover atomic.Pointer[func(store.Discovery, error) (store.Discovery, error)]
+	// afterRoundDue, when set (by tests), runs after every check an idle
+	// discovery loop makes before a round (see discover), with its
+	// answer, before the loop acts on it.
+	afterRoundDue atomic.Pointer[func(due bool, err error)]
+	// reconcileTick, when set (by tests), replaces every session's
+	// reconcile ticker: a session with leases to check takes a tick from
+	// it when the test sends one.
+	reconcileTick <-chan time.Time
 	// beforeHandOver, when set (by tests), runs after an ack batch that
 	// handed leases over has committed, before they reach their sessions.
 	beforeHandOver func([]store.AckResult)

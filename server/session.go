@@ -523,7 +523,10 @@ type sessionWait struct {
 	ss        *session
 	group     *pollGroup
 	reconcile *time.Ticker
-	idle      *time.Timer
+	// reconcileC is reconcile's channel (or the ticks a test sends, see
+	// Server.reconcileTick).
+	reconcileC <-chan time.Time
+	idle       *time.Timer
 	// stopWake fires once when the server starts stopping, to wake the
 	// loop; whether the server is stopping is always read from
 	// srv.stopping itself, so no later turn can miss it.
@@ -556,12 +559,17 @@ func earlierDeadline(a, b time.Time) time.Time {
 }
 
 func newSessionWait(ss *session) *sessionWait {
-	return &sessionWait{
+	w := &sessionWait{
 		ss: ss, group: ss.srv.joinPollGroup(ss),
 		reconcile: time.NewTicker(ss.srv.cfg.ReconcileInterval),
 		idle:      time.NewTimer(time.Hour),
 		stopWake:  ss.srv.stopping,
 	}
+	w.reconcileC = w.reconcile.C
+	if ss.srv.reconcileTick != nil {
+		w.reconcileC = ss.srv.reconcileTick
+	}
+	return w
 }
 
 func (w *sessionWait) stop() {
@@ -624,7 +632,7 @@ func (w *sessionWait) wait(ctx context.Context, polling bool) (kicked bool, err 
 	// sweep: an idle session's goroutine is not woken for nothing.
 	var reconcileC <-chan time.Time
 	if len(ss.inflight) > 0 || w.sweepOrphans {
-		reconcileC = w.reconcile.C
+		reconcileC = w.reconcileC
 	}
 	select {
 	case <-ctx.Done():

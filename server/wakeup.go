@@ -12,8 +12,9 @@ import (
 // idle poll and one wake-up.
 //
 // A session that waits with credit free is idle in its group. The group's
-// poll timer, armed while it has idle members, wakes one of them (the one
-// idle longest) to claim, and a wake-up (a discovery round that made work
+// poll timer, armed while it has idle members (armed once: a member that
+// waits again does not move it), wakes one of them (the one idle longest)
+// to claim, and a wake-up (a discovery round that made work
 // of these streams ready, a NOTIFY from another replica, an operator's
 // action) does the same. A claim that came back with all it asked for
 // (there may be more) wakes the next idle member, so the work decides how
@@ -47,6 +48,8 @@ type pollGroup struct {
 	timer  *time.Timer
 	armed  bool
 	fireAt time.Time
+	// polls counts the polls that fired (read by tests).
+	polls uint64
 }
 
 // filterKey names a stream filter: sessions with equal keys take the same
@@ -197,6 +200,7 @@ func (g *pollGroup) fire() {
 		return
 	}
 	g.armed = false
+	g.polls++
 	g.wakeLocked(true, true)
 	g.mu.Unlock()
 	if h := g.srv.afterPoll; h != nil {

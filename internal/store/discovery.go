@@ -25,6 +25,41 @@ func discoverError(err error) error {
 	return fmt.Errorf("store: discover: %w", err)
 }
 
+// RoundDue says whether a discovery round has anything to do: an event
+// committed since the stored snapshot (one that a round would find), or a
+// stopped discovery (which the round reports as ErrDiscoveryStopped). It is
+// one statement outside any transaction, one round trip, and writes
+// nothing, where an empty round is two (BEGIN and the scan, then the
+// ROLLBACK) and holds the discovery lock; so an idle replica checks before
+// each round.
+//
+// false holds only as of the statement's snapshot: an event that commits
+// later is not visible in it and so not in the stored snapshot either (a
+// snapshot stored before is older), and the next check or round finds it.
+// Nothing is stored or remembered, so a false answer changes nothing a
+// round would do later.
+//
+// The reads mirror outbox.events_since, written as "the first such xid"
+// so that the plan is an index probe whatever the statistics say (an
+// EXISTS over "xid >= x" is planned as a sequential scan, which on a large
+// table reads it all to find nothing); outbox.discover_scan's stop
+// conditions (a recorded stop, a counter behind the stored xmax) are
+// repeated so that an idle replica still notices and reports a stop.
+func (s *Store) RoundDue(ctx context.Context) (bool, error) {
+	var due bool
+	err := s.pool.QueryRow(ctx, `SELECT d.stopped_reason IS NOT NULL
+		    OR pg_snapshot_xmax(d.snapshot) > pg_snapshot_xmax(pg_current_snapshot())
+		    OR EXISTS (SELECT FROM (SELECT e.xid FROM outbox.event e
+		               WHERE e.xid >= pg_snapshot_xmax(d.snapshot) ORDER BY e.xid LIMIT 1) n)
+		    OR EXISTS (SELECT FROM (SELECT e.xid FROM outbox.event e
+		               WHERE e.xid = ANY (ARRAY(SELECT pg_snapshot_xip(d.snapshot))) ORDER BY e.xid LIMIT 1) r)
+		FROM outbox.discovery d`).Scan(&due)
+	if err != nil {
+		return false, fmt.Errorf("store: discovery round due: %w", err)
+	}
+	return due, nil
+}
+
 // DiscoveryStopped returns why discovery is stopped and what to do, or ""
 // while it runs (outbox.discovery_stopped). The first caller to notice a
 // reason records it, so that discovery stays stopped until a re-scan even

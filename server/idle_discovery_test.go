@@ -1,0 +1,286 @@
+package server_test
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+
+	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+	"github.com/outboxd/outboxd/internal/store"
+	"github.com/outboxd/outboxd/internal/testdb"
+	"github.com/outboxd/outboxd/server"
+)
+
+// An idle discovery loop asks whether a round has anything to do before
+// running one (store.RoundDue). An event committed while it is idle is
+// found by the next check (its transaction began after the stored
+// snapshot: at or above its xmax). And the answer is stale as soon as it
+// is given: an event that commits after the check's snapshot (here:
+// between the check and the loop acting on it) must still be found by the
+// next check and round. That event's transaction was running when the
+// stored snapshot was taken, so only the snapshot's list of running
+// transactions (not its xmax) says the event is new.
+func TestAnEventCommittedAfterAnEmptyCheckIsDiscovered(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	r := startReplica(t, url, nil)
+	// After an empty check: signal idle, or (hold set) hold the loop until
+	// release.
+	idle := make(chan struct{}, 1)
+	var hold atomic.Bool
+	held, release := make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	r.Server.SetAfterRoundDue(func(due bool, err error) {
+		if err != nil || due {
+			return
+		}
+		if hold.Load() {
+			once.Do(func() {
+				close(held)
+				<-release
+			})
+			return
+		}
+		select {
+		case idle <- struct{}{}:
+		default:
+		}
+	})
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 4})
+
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback(context.Background()) }()
+	var lateID uuid.UUID
+	var lateXid string
+	if err := tx.QueryRow(ctx, `SELECT event_id FROM outbox.emit('orders', 'late', 'T', '{}')`).Scan(&lateID); err != nil {
+		t.Fatal(err)
+	}
+	if err := tx.QueryRow(ctx, `SELECT pg_current_xact_id()::text`).Scan(&lateXid); err != nil {
+		t.Fatal(err)
+	}
+	// The loop is idle; then an event commits, and a round (after a check
+	// that found it) stores a snapshot taken while the producer's
+	// transaction runs.
+	for len(idle) > 0 {
+		<-idle
+	}
+	select {
+	case <-idle:
+	case <-ctx.Done():
+		t.Fatal("the idle discovery loop made no check that found nothing")
+	}
+	first := emit(t, pool, "orders", "first", 1)
+	if d := recv(t, st); d.GetEvent().GetEventId() != first[0].String() {
+		t.Fatalf("got %v, want the first event", d)
+	} else {
+		ack(t, r, d)
+	}
+	var inXip bool
+	if err := pool.QueryRow(ctx, `SELECT $1::xid8 = ANY (ARRAY(SELECT pg_snapshot_xip(snapshot)))
+		AND $1::xid8 < pg_snapshot_xmax(snapshot) FROM outbox.discovery`, lateXid).Scan(&inXip); err != nil {
+		t.Fatal(err)
+	}
+	if !inXip {
+		t.Fatal("the stored snapshot does not list the producer's transaction as running")
+	}
+
+	hold.Store(true)
+	select {
+	case <-held:
+	case <-ctx.Done():
+		t.Fatal("the idle discovery loop made no check that found nothing")
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	close(release)
+	if d := recv(t, st); d.GetEvent().GetEventId() != lateID.String() {
+		t.Fatalf("got %v, want the event committed after the check", d)
+	}
+}
+
+// An idle replica still notices that discovery must stop (here: the
+// cluster's transaction counter is behind the stored snapshot, as after a
+// counter set back) although no event is new: its check says a round is
+// due, and the round reports the stop. The readiness watcher would notice
+// too, and record the stop, which makes any check say a round is due; so
+// the test holds the discovery row's lock from the moment the stored
+// snapshot changes (queued behind that change, as pg_blocking_pids shows),
+// and the stop can be recorded only after the loop noticed it itself.
+func TestAnIdleReplicaNoticesDiscoveryStopped(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	r := startReplica(t, url, nil)
+	idle := make(chan struct{}, 1)
+	r.Server.SetAfterRoundDue(func(due bool, err error) {
+		if err == nil && !due {
+			select {
+			case idle <- struct{}{}:
+			default:
+			}
+		}
+	})
+	stopped := make(chan struct{}, 1)
+	r.Server.SetAfterDiscover(func(d store.Discovery, err error) (store.Discovery, error) {
+		if errors.Is(err, store.ErrDiscoveryStopped) {
+			select {
+			case stopped <- struct{}{}:
+			default:
+			}
+		}
+		return d, err
+	})
+	select {
+	case <-idle:
+	case <-ctx.Done():
+		t.Fatal("the discovery loop never went idle")
+	}
+
+	change, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = change.Rollback(context.Background()) }()
+	if _, err := change.Exec(ctx, `UPDATE outbox.discovery SET snapshot = '4000000000:4000000000:'`); err != nil {
+		t.Fatal(err)
+	}
+	var changer int32
+	if err := change.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&changer); err != nil {
+		t.Fatal(err)
+	}
+	hold, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = hold.Rollback(context.Background()) }()
+	locked := make(chan error, 1)
+	go func() {
+		_, err := hold.Exec(ctx, `SELECT 1 FROM outbox.discovery FOR UPDATE`)
+		locked <- err
+	}()
+	waitFor(t, func() int32 {
+		var queued bool
+		_ = pool.QueryRow(ctx, `SELECT EXISTS (SELECT FROM pg_stat_activity
+			WHERE $1 = ANY (pg_blocking_pids(pid)) AND query LIKE '%FROM outbox.discovery FOR UPDATE%')`, changer).Scan(&queued)
+		return b2i(queued)
+	})
+	if err := change.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-locked; err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-stopped:
+	case <-ctx.Done():
+		t.Fatal("the idle replica did not notice that discovery is stopped")
+	}
+	var recorded bool
+	if err := pool.QueryRow(ctx, `SELECT stopped_reason IS NOT NULL FROM outbox.discovery`).Scan(&recorded); err != nil {
+		t.Fatal(err)
+	}
+	if recorded {
+		t.Fatal("the stop was recorded before the loop noticed it: the test did not hold the row")
+	}
+}
+
+// A stop another replica (or a readiness check) recorded is reported by
+// an idle replica's discovery loop too, with no new event to find: its
+// check says a round is due, and the round fails with the stop.
+func TestAnIdleReplicaReportsARecordedStop(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	r := startReplica(t, url, nil)
+	idle := make(chan struct{}, 1)
+	r.Server.SetAfterRoundDue(func(due bool, err error) {
+		if err == nil && !due {
+			select {
+			case idle <- struct{}{}:
+			default:
+			}
+		}
+	})
+	stopped := make(chan error, 1)
+	r.Server.SetAfterDiscover(func(d store.Discovery, err error) (store.Discovery, error) {
+		if errors.Is(err, store.ErrDiscoveryStopped) {
+			select {
+			case stopped <- err:
+			default:
+			}
+		}
+		return d, err
+	})
+	select {
+	case <-idle:
+	case <-ctx.Done():
+		t.Fatal("the discovery loop never went idle")
+	}
+	if _, err := pool.Exec(ctx, `UPDATE outbox.discovery SET stopped_reason = 'recorded by the test', stopped_at = now()`); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-stopped:
+		if !strings.Contains(err.Error(), "recorded by the test") {
+			t.Fatalf("the round stopped with %v, want the recorded reason", err)
+		}
+	case <-ctx.Done():
+		t.Fatal("the idle replica did not report the recorded stop")
+	}
+}
+
+// The check is for an idle loop only: until the loop has backed off to
+// DiscoveryIdleInterval (here an hour, never reached), it runs rounds
+// directly, so that no event found soon after another pays the check's
+// round trip on top of the round's.
+func TestABusyDiscoveryLoopMakesNoCheck(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	r := startReplica(t, url, func(c *server.Config) {
+		c.DiscoveryInterval = time.Millisecond
+		c.DiscoveryIdleInterval = time.Hour
+	})
+	var checks atomic.Int64
+	r.Server.SetAfterRoundDue(func(bool, error) { checks.Add(1) })
+	var rounds atomic.Int64
+	r.Server.SetAfterDiscover(func(d store.Discovery, err error) (store.Discovery, error) {
+		rounds.Add(1)
+		return d, err
+	})
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 4})
+	for i := range 3 {
+		ids := emit(t, pool, "orders", "a", 1)
+		d := recv(t, st)
+		if d.GetEvent().GetEventId() != ids[0].String() {
+			t.Fatalf("event %d: got %v", i, d)
+		}
+		ack(t, r, d)
+		// Some turns of the loop (empty rounds, or checks) between the
+		// events.
+		n := rounds.Load() + checks.Load()
+		waitFor(t, func() int32 { return b2i(rounds.Load()+checks.Load() >= n+5) })
+	}
+	if n := checks.Load(); n != 0 {
+		t.Fatalf("a loop short of its idle interval made %d checks before its rounds", n)
+	}
+}
