@@ -24,6 +24,7 @@ const (
 // Fields of each Redis stream entry the sink adds.
 const (
 	RedisFieldEventID   = "event_id"
+	RedisFieldSource    = "source"
 	RedisFieldStream    = "stream"
 	RedisFieldKey       = "key"
 	RedisFieldRevision  = "revision"
@@ -140,7 +141,7 @@ func (s *redisSink) Publish(ctx context.Context, ev relay.Event) error {
 	args := &redis.XAddArgs{
 		Stream: key,
 		Values: []any{
-			RedisFieldEventID, ev.ID,
+			RedisFieldEventID, ev.MessageID(),
 			RedisFieldStream, ev.Stream,
 			RedisFieldKey, ev.AggregateKey,
 			RedisFieldRevision, strconv.FormatInt(ev.Revision, 10),
@@ -149,6 +150,9 @@ func (s *redisSink) Publish(ctx context.Context, ev relay.Event) error {
 			RedisFieldPayload, ev.Payload,
 			RedisFieldHeaders, h,
 		},
+	}
+	if ev.Source != "" {
+		args.Values = append(args.Values.([]any), RedisFieldSource, ev.Source)
 	}
 	if s.cfg.maxLen > 0 {
 		args.MaxLen, args.Approx = s.cfg.maxLen, true
