@@ -33,9 +33,22 @@
 //     (GetLagResponse.sources): one source down leaves out its figures and
 //     says why, and the others' are reported.
 //
+//   - The other admin RPCs reach one source, chosen by the "source/" prefix
+//     of their stream, their filter's stream, or their event_id
+//     ("orders/<uuid>", the message id the relay's sinks give an event of
+//     a source other than default); a bare name or id is default's. Their
+//     answers name the source as requests do: Event.source, and every
+//     other stream field as "source/stream" (Aggregate, Attempt,
+//     OperatorAction), so an answer can be sent back as it is; default's
+//     are byte for byte a single source's.
+//   - Purge without a stream purges every source the caller may purge
+//     entirely, one after another, each source's progress naming it
+//     (PurgeResponse.source) and a final message summing them
+//     (PurgeResponse.sources). A token that may access only some streams
+//     of a source is refused before anything is deleted; sources it may
+//     access nothing of are left out.
+//
 // Milestone limits: sources are fixed at start (every source must be
-// reachable then), the admin RPCs other than GetLag and ListRelays reach
-// one source, chosen by the "source/" prefix of their stream or filter
-// stream (default without one), and their answers name streams without
-// their source.
+// reachable then), and the listings without a stream (ListEvents,
+// ListAggregates, ListOperatorActions) read default's.
 package multisource
