@@ -136,3 +136,26 @@ func TestWebhookIDNamesTheSource(t *testing.T) {
 		}
 	}
 }
+
+// The CloudEvents id is the message id too: (source, id) must be unique,
+// and ce_source names the stream, not the source database.
+func TestCloudEventsIDNamesTheSource(t *testing.T) {
+	t.Parallel()
+	e := newJSEnv(t)
+	s := e.open(t, map[string]string{"cloudevents": "binary"})
+	def := testEvent(sharedID)
+	orders := testEvent(sharedID)
+	orders.Source = "orders"
+	if err := s.Publish(t.Context(), def); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Publish(t.Context(), orders); err != nil {
+		t.Fatal(err)
+	}
+	msgs := e.fetch(t, 2)
+	for i, want := range []string{sharedID, "orders/" + sharedID} {
+		if got := msgs[i].Headers().Get("ce-id"); got != want {
+			t.Errorf("message %d: ce-id %q, want %q", i, got, want)
+		}
+	}
+}
