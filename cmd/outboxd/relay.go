@@ -53,7 +53,9 @@ SOURCE/* is every stream of that source that no other route names (* alone
 is default's). A Subscribe stream serves one source, so a route, or
 --streams, naming streams of several sources opens one stream per source
 (each with its own --max-in-flight credit), sharing the route's sink; its
-relay id gets the streams of each (relay-id/orders/sales_order).
+relay id gets the streams of each (relay-id/orders/sales_order). A bad
+route or stream name (a source name that is not 1 to 32 lower-case letters,
+digits and _, or a pattern such as */payments) exits 2 at start.
 
 It reconnects while the server is unavailable, and exits with an error when the
 server refuses its token (UNAUTHENTICATED, PERMISSION_DENIED) on any call. On
@@ -76,16 +78,16 @@ failure against their events.`,
 			var rs []route
 			switch {
 			case len(routes) > 0 && (sinkURL != "" || len(streams) > 0 || len(exclude) > 0):
-				return fmt.Errorf("--route replaces --sink, --streams and --exclude-streams; give the streams in each route")
+				return usageError("--route replaces --sink, --streams and --exclude-streams; give the streams in each route")
 			case len(routes) > 0:
 				if rs, err = parseRoutes(routes); err != nil {
-					return err
+					return withExitCode(exitUsage, err)
 				}
 			case sinkURL == "":
 				return fmt.Errorf("--sink (or --route) is required (stdout://, nats://host:port, amqp://user:pass@host:port/?exchange=..., redis://host:port/0, https://host/path?secret_file=..., kafka://host:port)")
 			default:
 				if rs, err = streamsRoutes(streams, exclude, sinkURL); err != nil {
-					return err
+					return withExitCode(exitUsage, err)
 				}
 			}
 			if relayID == "" {

@@ -206,3 +206,23 @@ func TestRelayRoutesOverTwoSources(t *testing.T) {
 		}
 	}
 }
+
+// Bad source names in --route and --streams stop outboxd relay at start
+// with exit code 2 (usage), naming the name at fault, before any dial.
+func TestRelayRejectsBadSourceNames(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"--route", "Orders/sales_order=stdout://"}, `"Orders/sales_order": source name "Orders": want 1 to 32 lower-case letters`},
+		{[]string{"--route", "*/payments=stdout://"}, `"*/payments" spans sources`},
+		{[]string{"--streams", "or-ders/x", "--sink", "stdout://"}, `--streams: "or-ders/x": source name "or-ders"`},
+		{[]string{"--streams", "a,orders/b", "--exclude-streams", "c", "--sink", "stdout://"}, "--exclude-streams cannot go with them"},
+	} {
+		code, out := runOutboxd(t, nil, append([]string{"relay", "--server", "127.0.0.1:1"}, c.args...)...)
+		if code != 2 || !strings.Contains(out, c.want) {
+			t.Errorf("outboxd relay %q: exit %d\n%s\nwant exit 2 saying %q", c.args, code, out, c.want)
+		}
+	}
+}
