@@ -285,8 +285,8 @@ func ensureStream(ctx context.Context, js jetstream.JetStream, cfg *natsConfig, 
 
 // Publish sends ev and returns nil only once JetStream has acknowledged
 // storing it. The event's message id (relay.Event.MessageID: the event ID,
-// qualified by its source outside default) is the Nats-Msg-Id, so a redelivery inside the
-// stream's duplicate window is acknowledged as a duplicate without being
+// qualified by its source outside default) is the Nats-Msg-Id, so a
+// redelivery inside the stream's duplicate window is acknowledged as a duplicate without being
 // stored twice; that counts as success, since the first copy is stored.
 func (s *natsSink) Publish(ctx context.Context, ev relay.Event) error {
 	if ev.ID == "" {

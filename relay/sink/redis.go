@@ -138,22 +138,20 @@ func (s *redisSink) Publish(ctx context.Context, ev relay.Event) error {
 	if err != nil {
 		return fmt.Errorf("redis sink: headers: %w", err)
 	}
-	args := &redis.XAddArgs{
-		Stream: key,
-		Values: []any{
-			RedisFieldEventID, ev.MessageID(),
-			RedisFieldStream, ev.Stream,
-			RedisFieldKey, ev.AggregateKey,
-			RedisFieldRevision, strconv.FormatInt(ev.Revision, 10),
-			RedisFieldType, ev.Type,
-			RedisFieldCreatedAt, ev.CreatedAt.UTC().Format(time.RFC3339Nano),
-			RedisFieldPayload, ev.Payload,
-			RedisFieldHeaders, h,
-		},
+	values := []any{
+		RedisFieldEventID, ev.MessageID(),
+		RedisFieldStream, ev.Stream,
+		RedisFieldKey, ev.AggregateKey,
+		RedisFieldRevision, strconv.FormatInt(ev.Revision, 10),
+		RedisFieldType, ev.Type,
+		RedisFieldCreatedAt, ev.CreatedAt.UTC().Format(time.RFC3339Nano),
+		RedisFieldPayload, ev.Payload,
+		RedisFieldHeaders, h,
 	}
 	if ev.Source != "" {
-		args.Values = append(args.Values.([]any), RedisFieldSource, ev.Source)
+		values = append(values, RedisFieldSource, ev.Source)
 	}
+	args := &redis.XAddArgs{Stream: key, Values: values}
 	if s.cfg.maxLen > 0 {
 		args.MaxLen, args.Approx = s.cfg.maxLen, true
 	}
