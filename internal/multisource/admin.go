@@ -3,6 +3,7 @@ package multisource
 import (
 	"context"
 	"fmt"
+	"slices"
 	"strings"
 	"sync"
 
@@ -305,6 +306,11 @@ func routed[Req, Resp proto.Message](a *adminRouter, ctx context.Context, req Re
 	resp, err := call(e.Admin, sctx, req)
 	if err == nil {
 		nameSource(source, resp.ProtoReflect())
+	}
+	if status.Code(err) == codes.NotFound && source == Default && eventIDField(req.ProtoReflect()) != nil && len(a.r.names) > 1 {
+		// A bare id is default's: say how to name another source's.
+		err = status.Errorf(codes.NotFound, "%s in source default; an event of another source (%s) is named SOURCE/EVENT_ID",
+			status.Convert(err).Message(), strings.Join(slices.DeleteFunc(slices.Clone(a.r.names), func(n string) bool { return n == Default }), ", "))
 	}
 	return resp, err
 }

@@ -67,6 +67,8 @@ func TestAdminByEventIDOfASource(t *testing.T) {
 	def, orders := r.Pool, r.Pools["orders"]
 	emitID(t, def, "sales_order", "1", sharedID)
 	emitID(t, orders, "sales_order", "1", sharedID)
+	const ordersOnly = "7c9e6679-7425-40de-944b-e07fc1f90ae7"
+	emitID(t, orders, "sales_order", "2", ordersOnly)
 
 	list := func(id string) *outboxv1.EventInfo {
 		t.Helper()
@@ -122,6 +124,10 @@ func TestAdminByEventIDOfASource(t *testing.T) {
 			_, err := r.Admin.ListEvents(t.Context(), &outboxv1.ListEventsRequest{EventId: "orders/" + sharedID, Stream: "sales_order"})
 			return err
 		}, `is of source "orders", but stream names source "default"`},
+		{"skip of a bare id only orders has", func() error {
+			_, err := r.Admin.SkipEvent(t.Context(), &outboxv1.SkipEventRequest{EventId: ordersOnly, Reason: "x"})
+			return err
+		}, "in source default; an event of another source (orders) is named SOURCE/EVENT_ID"},
 		{"skip of orders' again", func() error {
 			_, err := r.Admin.SkipEvent(t.Context(), &outboxv1.SkipEventRequest{EventId: "orders/" + sharedID, Reason: "x"})
 			return err
