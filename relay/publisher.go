@@ -8,7 +8,8 @@ import (
 
 // Event is one delivery as a Publisher sees it. Every attempt at the same
 // event carries the same ID, Payload bytes and Headers; brokers that can
-// deduplicate should key on ID.
+// deduplicate should key on MessageID (ID, qualified by a source other than
+// default).
 type Event struct {
 	// ID is the event's stable id (a UUID in canonical text form).
 	ID string
@@ -31,9 +32,25 @@ type Event struct {
 	Attempt int
 	// Source names the source database of the event on a server that
 	// fronts several; empty for the source named "default". ID is unique
-	// within a source only.
+	// within a source only: see MessageID.
 	Source string
 }
+
+// MessageID is the id a broker or consumer deduplicates ev on: ev.ID for
+// the source named "default" (and single-source servers), else
+// "source/ID", since event ids are unique within a source only and two
+// sources may well publish to one broker. Every sink sets it where its
+// broker looks for a message id (Nats-Msg-Id, AMQP message-id, webhook-id,
+// the CloudEvents id) and in Outbox-Event-Id (Redis: the event_id field).
+func (e Event) MessageID() string {
+	if e.Source == "" || e.Source == defaultSource {
+		return e.ID
+	}
+	return e.Source + "/" + e.ID
+}
+
+// defaultSource is the source whose events' ids need no qualifying.
+const defaultSource = "default"
 
 // Publisher hands events to a broker.
 type Publisher interface {

@@ -68,7 +68,12 @@ type Config struct {
 	Publisher Publisher
 	// RelayID names this relay to operators. Default "relay".
 	RelayID string
-	// Streams limits delivery to these streams; empty means all.
+	// Streams limits delivery to these streams; empty means all. On a
+	// server with several source databases a Subscribe stream serves one
+	// source: a stream of a source other than default is "source/stream"
+	// ("source/*" for all of it), and the names of one Runner must all be
+	// of one source (run one Runner per source; outboxd relay --route
+	// does).
 	Streams []string
 	// ExcludeStreams are never delivered to this runner: with Streams
 	// empty, a catch-all beside runners that take those streams. Needs a

@@ -19,6 +19,7 @@ import (
 	"unicode"
 	"unicode/utf8"
 
+	"github.com/google/uuid"
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
 	"golang.org/x/term"
@@ -35,6 +36,7 @@ import (
 
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
 	"github.com/outboxd/outboxd/internal/auth"
+	"github.com/outboxd/outboxd/internal/multisource"
 	"github.com/outboxd/outboxd/internal/tlsconfig"
 )
 
@@ -471,4 +473,38 @@ func cell(s string, max int) string {
 		s = string(r[:max-1]) + "…"
 	}
 	return s
+}
+
+// parseEventID checks an EVENT_ID argument: an event id (a UUID), or
+// "source/event_id" for an event of a source other than default on a
+// server that fronts several (the message id the relay's sinks give it).
+func parseEventID(arg string) error {
+	src, id, qualified := strings.Cut(arg, "/")
+	if !qualified {
+		id = arg
+	} else if err := multisource.ValidName(src); err != nil {
+		return usageError("EVENT_ID %q: %v", arg, err)
+	}
+	if _, err := uuid.Parse(id); err != nil {
+		return usageError("EVENT_ID %q is not an event id (a UUID, or SOURCE/UUID for a source other than default)", arg)
+	}
+	return nil
+}
+
+// sourceOf is the source a stream address names ("orders/billing":
+// orders), or "" for default's bare names.
+func sourceOf(stream string) string {
+	if src, _, ok := strings.Cut(stream, "/"); ok {
+		return src
+	}
+	return ""
+}
+
+// eventAddress is how the CLI prints an event id: "source/event_id" for a
+// source other than default, as SkipEvent and the other commands take it.
+func eventAddress(source, id string) string {
+	if source == "" {
+		return id
+	}
+	return multisource.JoinStream(source, id)
 }

@@ -6,7 +6,6 @@ import (
 	"strings"
 	"time"
 
-	"github.com/google/uuid"
 	"github.com/spf13/cobra"
 
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
@@ -75,6 +74,9 @@ it and when, and later revisions of its aggregate may proceed. Use it for an
 event no broker will ever accept. The skip is recorded as an operator action
 ('outboxd actions'). To deliver a skipped event after all, once delivery has
 passed it: 'outboxd republish STREAM KEY --from-revision N --include-skipped'.
+On a server with several source databases, an event of a source other than
+default is SOURCE/EVENT_ID (orders/0190a8c2-...), the message id its sinks
+gave it and the id 'outboxd events' prints.
 
 Exits 2 without --reason, 4 if the event is already published or skipped.`,
 		cobra.ExactArgs(1))
@@ -86,8 +88,8 @@ Exits 2 without --reason, 4 if the event is already published or skipped.`,
 		if strings.TrimSpace(reason) == "" {
 			return usageError("skip needs a --reason; it is recorded with the skipped event")
 		}
-		if _, err := uuid.Parse(args[0]); err != nil {
-			return usageError("EVENT_ID %q is not an event id (a UUID)", args[0])
+		if err := parseEventID(args[0]); err != nil {
+			return err
 		}
 		return f.run(cmd, func(ctx context.Context, c *adminClient) error {
 			resp, err := call(ctx, c, "SkipEvent", c.rpc.SkipEvent, &outboxv1.SkipEventRequest{

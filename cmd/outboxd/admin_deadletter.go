@@ -12,7 +12,6 @@ import (
 	"time"
 	"unicode/utf8"
 
-	"github.com/google/uuid"
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
 	"google.golang.org/protobuf/proto"
@@ -178,15 +177,16 @@ attempt, how it ended (nacked, expired, released, parked), the relay and
 replica, and the error. The server keeps the newest attempts of each
 aggregate only (outbox.settings.attempt_history_per_aggregate, 50 by
 default). Errors are cut at 160 characters; --wide and --json show them
-whole. Exits 3 if the event does not exist.`, cobra.RangeArgs(1, 2))
+whole. Exits 3 if the event does not exist. An event of a source other than
+default is SOURCE/EVENT_ID, its stream SOURCE/STREAM.`, cobra.RangeArgs(1, 2))
 	f.register(cmd)
 	cmd.Flags().IntVar(&limit, "limit", 100, fmt.Sprintf("list at most this many attempts (1 to %d)", maxPageSize))
 	wide := cmd.Flags().Bool("wide", false, fmt.Sprintf("print errors whole (the table cuts them at %d characters)", errorCellWidth))
 	cmd.RunE = func(cmd *cobra.Command, args []string) error {
 		req := &outboxv1.ListAttemptsRequest{PageSize: uint32(limit)}
 		if len(args) == 1 {
-			if _, err := uuid.Parse(args[0]); err != nil {
-				return usageError("EVENT_ID %q is not an event id (a UUID); to name an aggregate give STREAM KEY", args[0])
+			if err := parseEventID(args[0]); err != nil {
+				return fmt.Errorf("%w; to name an aggregate give STREAM KEY", err)
 			}
 			req.EventId = args[0]
 		} else {
@@ -216,7 +216,7 @@ whole. Exits 3 if the event does not exist.`, cobra.RangeArgs(1, 2))
 			fmt.Fprintln(tw, "AT\tEVENT ID\tREV\tATTEMPT\tOUTCOME\tRELAY\tREPLICA\tERROR")
 			for _, a := range resp.GetAttempts() {
 				fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%s\t%s\t%s\t%s\n",
-					fmtTime(a.GetAt()), cell(a.GetEventId(), 0), a.GetRevision(), a.GetAttempt(),
+					fmtTime(a.GetAt()), cell(eventAddress(sourceOf(a.GetStream()), a.GetEventId()), 0), a.GetRevision(), a.GetAttempt(),
 					enumShortName(a.GetOutcome().String(), "ATTEMPT_OUTCOME_"), cell(a.GetRelayId(), 40),
 					cell(a.GetReplicaId(), 40), cell(a.GetError(), width))
 			}

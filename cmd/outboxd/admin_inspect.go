@@ -14,6 +14,7 @@ import (
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+	"github.com/outboxd/outboxd/internal/multisource"
 )
 
 func relaysCommand() *cobra.Command {
@@ -175,8 +176,14 @@ events lists events newest first, with their delivery state, when they were
 published, and why they were skipped. It follows pages until --limit events
 are listed (0: all) and then prints the token that continues the listing
 with --page-token. --since and --until take an RFC 3339 time or a duration
-meaning that long ago (--since 1h). With --json, the pages are printed as one
-ListEventsResponse whose next_page_token continues the listing.`, cobra.NoArgs)
+meaning that long ago (--since 1h). --event-id finds one event, and takes no
+other filter. With --json, the pages are printed as one ListEventsResponse
+whose next_page_token continues the listing.
+
+On a server with several source databases, a stream of a source other than
+default is SOURCE/STREAM (--stream orders/sales_order) and an event id
+SOURCE/EVENT_ID; the table prints them so (and --json sets event.source).
+Without --stream or --event-id it lists default's events.`, cobra.NoArgs)
 	f.register(cmd)
 	fl := cmd.Flags()
 	fl.StringVar(&req.Stream, "stream", "", "only this stream")
@@ -188,9 +195,18 @@ ListEventsResponse whose next_page_token continues the listing.`, cobra.NoArgs)
 	fl.IntVar(&pageSize, "page-size", 100, fmt.Sprintf("events per call to the server (at most %d)", maxPageSize))
 	fl.StringVar(&req.PageToken, "page-token", "", "continue a previous listing")
 	fl.BoolVar(&payload, "payload", false, "show each event's payload")
+	fl.StringVar(&req.EventId, "event-id", "", "find this one event (SOURCE/EVENT_ID for a source other than default)")
 	cmd.RunE = func(cmd *cobra.Command, _ []string) error {
 		if req.AggregateKey != "" && req.Stream == "" {
 			return usageError("--key needs --stream")
+		}
+		if req.EventId != "" {
+			if err := parseEventID(req.EventId); err != nil {
+				return err
+			}
+			if req.Stream != "" || state != "" || cmd.Flags().Changed("since") || cmd.Flags().Changed("until") || req.PageToken != "" {
+				return usageError("--event-id finds one event: give no other filter with it")
+			}
 		}
 		switch strings.ToLower(state) {
 		case "", "any":
@@ -242,7 +258,7 @@ func listEvents(ctx context.Context, c *adminClient, first *outboxv1.ListEventsR
 		req := &outboxv1.ListEventsRequest{
 			Stream: first.GetStream(), AggregateKey: first.GetAggregateKey(), State: first.GetState(),
 			CreatedAfter: first.GetCreatedAfter(), CreatedBefore: first.GetCreatedBefore(),
-			PageSize: uint32(n), PageToken: token,
+			PageSize: uint32(n), PageToken: token, EventId: first.GetEventId(),
 		}
 		resp, err := call(ctx, c, "ListEvents", c.rpc.ListEvents, req)
 		if err != nil {
@@ -271,7 +287,7 @@ func printEvents(w io.Writer, resp *outboxv1.ListEventsResponse, payload bool) e
 	for _, info := range resp.GetEvents() {
 		e := info.GetEvent()
 		fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%s\t%s\t%s\t%s\t%s",
-			cell(e.GetEventId(), 0), cell(e.GetStream(), 0), cell(e.GetAggregateKey(), 40),
+			cell(eventAddress(e.GetSource(), e.GetEventId()), 0), cell(multisource.JoinStream(e.GetSource(), e.GetStream()), 0), cell(e.GetAggregateKey(), 40),
 			e.GetRevision(), cell(e.GetEventType(), 40), eventStateName(info.GetState()),
 			fmtTime(e.GetCreatedAt()), fmtTime(info.GetPublishedAt()),
 			cell(info.GetSkip().GetReason(), 60))

@@ -35,12 +35,17 @@ It first counts what would be deleted (that is all --dry-run does), then asks
 for confirmation on the terminal unless --yes is given; when stdin is not a
 terminal and --yes is not given, it refuses (exit 6). Progress is shown on
 stderr when it is a terminal; a summary line ends the output. --timeout bounds
-the wait for each batch's progress report, not the whole purge.`, cobra.NoArgs)
+the wait for each batch's progress report, not the whole purge.
+
+On a server with several source databases, --stream SOURCE/STREAM purges a
+stream of a source other than default; without --stream every source the
+token may purge is purged, one after another, and the summary has a line per
+source. A token limited to some streams of a source must name a stream.`, cobra.NoArgs)
 	f.register(cmd)
 	fl := cmd.Flags()
 	fl.Var(&ageValue{d: &olderThan}, "older-than", "delete events published longer ago than this (e.g. 30d, 12h)")
 	fl.Var(&timeValue{t: &before}, "before", "delete events published before this time (RFC 3339, or a duration ago)")
-	fl.StringVar(&stream, "stream", "", "purge only this stream (default all)")
+	fl.StringVar(&stream, "stream", "", "purge only this stream, SOURCE/STREAM for a source other than default (default all, of every source)")
 	fl.IntVar(&batchSize, "batch-size", 0, "rows deleted per transaction (default: the server's, 1000; at most 10000)")
 	fl.BoolVar(&dryRun, "dry-run", false, "count what would be deleted; delete nothing")
 	fl.BoolVarP(&yes, "yes", "y", false, "do not ask for confirmation")
@@ -92,7 +97,7 @@ func purge(ctx context.Context, c *adminClient, req *outboxv1.PurgeRequest, dryR
 	n := counted.GetDeleted()
 	if dryRun {
 		if !c.flags.json {
-			fmt.Fprintf(c.out, "dry run: would delete %d %s\n", n, what)
+			fmt.Fprintf(c.out, "dry run: would delete %d %s%s\n", n, what, perSource(counted, false))
 		}
 		return nil
 	}
@@ -121,14 +126,24 @@ func purge(ctx context.Context, c *adminClient, req *outboxv1.PurgeRequest, dryR
 		)
 	}
 	var last *outboxv1.PurgeResponse
+	// A purge over several sources reports each source's figures in turn,
+	// then their sum: done holds the sources finished before the current.
+	var done, doneBatches int64
 	start := time.Now()
 	err = purgeStream(ctx, c, req, func(r *outboxv1.PurgeResponse) error {
+		if last != nil && !r.GetDone() && r.GetSource() != last.GetSource() {
+			done += last.GetDeleted()
+			doneBatches += last.GetBatches()
+		}
+		if r.GetDone() && len(r.GetSources()) > 0 {
+			done, doneBatches = 0, 0 // the sum
+		}
 		last = r
 		if bar != nil {
-			if total := r.GetDeleted() + r.GetRemaining(); total > bar.GetMax64() {
+			if total := done + r.GetDeleted() + r.GetRemaining(); total > bar.GetMax64() {
 				bar.ChangeMax64(total)
 			}
-			_ = bar.Set64(r.GetDeleted())
+			_ = bar.Set64(done + r.GetDeleted())
 		}
 		if c.flags.json {
 			return writeJSON(c.out, r)
@@ -149,16 +164,33 @@ func purge(ctx context.Context, c *adminClient, req *outboxv1.PurgeRequest, dryR
 	}
 	if err != nil {
 		if last != nil {
-			err = fmt.Errorf("%w (after deleting %d events in %s)", err, last.GetDeleted(),
-				plural(last.GetBatches(), "batch", "batches"))
+			err = fmt.Errorf("%w (after deleting %d events in %s)", err, done+last.GetDeleted(),
+				plural(doneBatches+last.GetBatches(), "batch", "batches"))
 		}
 		return err
 	}
 	if !c.flags.json {
-		fmt.Fprintf(c.out, "deleted %d %s in %s in %s\n",
-			last.GetDeleted(), what, plural(last.GetBatches(), "batch", "batches"), fmtAge(elapsed))
+		fmt.Fprintf(c.out, "deleted %d %s in %s in %s%s\n",
+			last.GetDeleted(), what, plural(last.GetBatches(), "batch", "batches"), fmtAge(elapsed), perSource(last, true))
 	}
 	return nil
+}
+
+// perSource is the lines a purge's summary adds for each source of a purge
+// over several (PurgeResponse.sources), or "" for one source.
+func perSource(r *outboxv1.PurgeResponse, batches bool) string {
+	var b strings.Builder
+	for _, s := range r.GetSources() {
+		name := s.GetSource()
+		if name == "" {
+			name = "default"
+		}
+		fmt.Fprintf(&b, "\n  source %s: %d", name, s.GetDeleted())
+		if batches {
+			fmt.Fprintf(&b, " in %s", plural(s.GetBatches(), "batch", "batches"))
+		}
+	}
+	return b.String()
 }
 
 // purgeStream runs one Purge call, handing each progress report to fn, and

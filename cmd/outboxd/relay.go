@@ -46,6 +46,17 @@ Subscribe stream with its own --max-in-flight credit, so a slow broker holds
 back only its own streams. Routes must not overlap, and names are exact: the
 server selects streams by name, not by pattern.
 
+Against a server with several source databases (serve --source NAME=URL),
+a stream of a source other than default is written SOURCE/STREAM
+(--route orders/sales_order=nats://..., --streams orders/sales_order), and
+SOURCE/* is every stream of that source that no other route names (* alone
+is default's). A Subscribe stream serves one source, so a route, or
+--streams, naming streams of several sources opens one stream per source
+(each with its own --max-in-flight credit), sharing the route's sink; its
+relay id gets the streams of each (relay-id/orders/sales_order). A bad
+route or stream name (a source name that is not 1 to 32 lower-case letters,
+digits and _, or a pattern such as */payments) exits 2 at start.
+
 It reconnects while the server is unavailable, and exits with an error when the
 server refuses its token (UNAUTHENTICATED, PERMISSION_DENIED) on any call. On
 SIGTERM or SIGINT it stops taking deliveries, lets publishes under way finish for
@@ -67,15 +78,17 @@ failure against their events.`,
 			var rs []route
 			switch {
 			case len(routes) > 0 && (sinkURL != "" || len(streams) > 0 || len(exclude) > 0):
-				return fmt.Errorf("--route replaces --sink, --streams and --exclude-streams; give the streams in each route")
+				return usageError("--route replaces --sink, --streams and --exclude-streams; give the streams in each route")
 			case len(routes) > 0:
 				if rs, err = parseRoutes(routes); err != nil {
-					return err
+					return withExitCode(exitUsage, err)
 				}
 			case sinkURL == "":
 				return fmt.Errorf("--sink (or --route) is required (stdout://, nats://host:port, amqp://user:pass@host:port/?exchange=..., redis://host:port/0, https://host/path?secret_file=..., kafka://host:port)")
 			default:
-				rs = []route{{streams: streams, exclude: exclude, sinkURL: sinkURL}}
+				if rs, err = streamsRoutes(streams, exclude, sinkURL); err != nil {
+					return withExitCode(exitUsage, err)
+				}
 			}
 			if relayID == "" {
 				host, _ := os.Hostname()
@@ -89,14 +102,18 @@ failure against their events.`,
 				return err
 			}
 			defer conn.Close()
+			sinks := map[int]relay.Sink{} // by --route: its sources share it
 			for i, rt := range rs {
-				s, err := sink.Open(ctx, rt.sinkURL, sink.Options{Logger: log})
-				if err != nil {
-					return err
+				s := sinks[rt.index]
+				if s == nil {
+					if s, err = sink.Open(ctx, rt.sinkURL, sink.Options{Logger: log}); err != nil {
+						return err
+					}
+					defer s.Close()
+					sinks[rt.index] = s
 				}
-				defer s.Close()
 				id := relayID
-				if len(routes) > 0 {
+				if len(routes) > 0 || len(rs) > 1 {
 					// relay_id is at most 128 characters.
 					id = relayID + "/" + rt.label()
 					id = id[:min(len(id), 128)]
@@ -113,7 +130,8 @@ failure against their events.`,
 					"streams", rt.label(), "exclude_streams", rt.exclude)
 			}
 			// One route failing (refused credentials) stops them all: a
-			// relay that serves only some of its routes would look alive.
+			// relay that serves only some of its routes (or sources)
+			// would look alive.
 			eg, egCtx := errgroup.WithContext(ctx)
 			for _, r := range runners {
 				eg.Go(func() error { return r.Run(egCtx) })
@@ -129,9 +147,9 @@ failure against their events.`,
 	client.register(fl)
 	fl.StringVar(&sinkURL, "sink", "", "where to publish: stdout://, nats://host:port, amqp://user:pass@host:port/vhost?exchange=..., redis://host:port/db, https://host/path?secret_file=..., kafka://host:port")
 	fl.StringVar(&relayID, "relay-id", "", "name shown to operators (default hostname-pid)")
-	fl.StringSliceVar(&streams, "streams", nil, "streams to relay (default all)")
+	fl.StringSliceVar(&streams, "streams", nil, "streams to relay (default all of source default); source/name for another source's, source/* for all of it; one subscription per source")
 	fl.StringSliceVar(&exclude, "exclude-streams", nil, "streams never to relay (for a catch-all beside relays that take them)")
-	fl.StringArrayVar(&routes, "route", nil, "STREAMS=SINK_URL, repeatable: serve several sinks, each for its streams (comma-separated names, or * for the rest); replaces --sink and --streams")
+	fl.StringArrayVar(&routes, "route", nil, "STREAMS=SINK_URL, repeatable: serve several sinks, each for its streams (comma-separated names, source/name for a source other than default, or * / source/* for the rest of a source); replaces --sink and --streams")
 	fl.IntVar(&maxInFlight, "max-in-flight", 64, "deliveries outstanding at once (the relay's credit)")
 	fl.IntVar(&perAggregate, "max-in-flight-per-aggregate", 1, "events of one aggregate outstanding at once (its window); each aggregate's events are still published one at a time, in order, but the next needs no server round trip")
 	fl.DurationVar(&leaseTTL, "lease-ttl", 0, "lease TTL to ask for (default: the server's)")

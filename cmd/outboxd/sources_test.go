@@ -2,11 +2,16 @@ package main_test
 
 import (
 	"context"
+	"fmt"
 	"net/http"
 	"os"
+	"reflect"
 	"strings"
 	"testing"
+	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/nats-io/nats.go/jetstream"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 
@@ -124,5 +129,100 @@ func TestMigrateOneSource(t *testing.T) {
 	code, out := runOutboxd(t, []string{"DATABASE_URL="}, "migrate", "--source", "orders="+orders)
 	if code != 0 || strings.Count(out, "schema is at version") != 1 || strings.Contains(out, "default") {
 		t.Fatalf("migrate --source orders alone: exit %d; want orders migrated, nothing else:\n%s", code, out)
+	}
+}
+
+// `outboxd relay --route` over two sources: one --route naming a stream of
+// default and one of orders opens a subscription per source sharing its
+// sink, and orders/* takes the rest of orders. The same event id in both
+// sources reaches JetStream twice, as default's bare id and as
+// orders/<id>, not as one message and a dropped duplicate.
+func TestRelayRoutesOverTwoSources(t *testing.T) {
+	t.Parallel()
+	def, orders := testdb.New(t), testdb.New(t)
+	defPool, ordersPool := testdb.NewPoolURL(t, def), testdb.NewPoolURL(t, orders)
+	const shared = "0f8fad5b-d9cb-469f-a165-70867728950e"
+	for _, emit := range []struct {
+		pool   *pgxpool.Pool
+		stream string
+		id     string
+	}{{defPool, "sales_order", shared}, {ordersPool, "sales_order", shared}, {ordersPool, "audit", "7c9e6679-7425-40de-944b-e07fc1f90ae7"}} {
+		if _, err := emit.pool.Exec(t.Context(), `SELECT outbox.emit($1, 'k', 'T', '{}', event_id => $2)`, emit.stream, emit.id); err != nil {
+			t.Fatal(err)
+		}
+	}
+	js, streamName, prefix := jetStreamSink(t, "SRC")
+	addr := freeAddr(t)
+	start(t, "serve", "--database-url", def, "--source", "orders="+orders, "--listen", addr, "--http-listen", "")
+	sinkURL := func(sub string) string {
+		return fmt.Sprintf("%s?stream=%s&subject=%s.%s.{stream}", natsURL(), streamName, prefix, sub)
+	}
+	relay := start(t, "relay", "--server", addr, "--relay-id", "r",
+		"--route", "sales_order,orders/sales_order="+sinkURL("sales"),
+		"--route", "orders/*="+sinkURL("rest"))
+	defer relay.signal(os.Interrupt)
+	// A relay whose subscription is refused exits: fail then, not after
+	// waitPublished's two minutes.
+	eventually(t, "all three events published", func() bool {
+		select {
+		case <-relay.done:
+			t.Fatalf("relay exited with %d before publishing everything", relay.cmd.ProcessState.ExitCode())
+		default:
+		}
+		var d, o int
+		_ = defPool.QueryRow(t.Context(), `SELECT count(*) FROM outbox.event WHERE published_at IS NOT NULL`).Scan(&d)
+		_ = ordersPool.QueryRow(t.Context(), `SELECT count(*) FROM outbox.event WHERE published_at IS NOT NULL`).Scan(&o)
+		return d == 1 && o == 2
+	})
+
+	s, err := js.Stream(t.Context(), streamName)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cons, err := s.OrderedConsumer(t.Context(), jetstream.OrderedConsumerConfig{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	batch, err := cons.Fetch(3, jetstream.FetchMaxWait(10*time.Second))
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := map[string]string{} // Nats-Msg-Id -> subject
+	for msg := range batch.Messages() {
+		got[msg.Headers().Get("Nats-Msg-Id")] = msg.Subject()
+	}
+	want := map[string]string{
+		shared:             prefix + ".sales.sales_order",
+		"orders/" + shared: prefix + ".sales.sales_order",
+		"orders/7c9e6679-7425-40de-944b-e07fc1f90ae7": prefix + ".rest.audit",
+	}
+	if !reflect.DeepEqual(got, want) {
+		t.Errorf("JetStream holds (Nats-Msg-Id -> subject) %v; want %v", got, want)
+	}
+	code, out := runOutboxd(t, nil, "relays", "--server", addr, "--json")
+	for _, id := range []string{`"r/sales_order"`, `"r/orders/sales_order"`, `"r/orders/*"`} {
+		if code != 0 || !strings.Contains(out, id) {
+			t.Errorf("outboxd relays: exit %d; want relay %s among:\n%s", code, id, out)
+		}
+	}
+}
+
+// Bad source names in --route and --streams stop outboxd relay at start
+// with exit code 2 (usage), naming the name at fault, before any dial.
+func TestRelayRejectsBadSourceNames(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"--route", "Orders/sales_order=stdout://"}, `"Orders/sales_order": source name "Orders": want 1 to 32 lower-case letters`},
+		{[]string{"--route", "*/payments=stdout://"}, `"*/payments" spans sources`},
+		{[]string{"--streams", "or-ders/x", "--sink", "stdout://"}, `--streams: "or-ders/x": source name "or-ders"`},
+		{[]string{"--streams", "a,orders/b", "--exclude-streams", "c", "--sink", "stdout://"}, "--exclude-streams cannot go with them"},
+	} {
+		code, out := runOutboxd(t, nil, append([]string{"relay", "--server", "127.0.0.1:1"}, c.args...)...)
+		if code != 2 || !strings.Contains(out, c.want) {
+			t.Errorf("outboxd relay %q: exit %d\n%s\nwant exit 2 saying %q", c.args, code, out, c.want)
+		}
 	}
 }

@@ -3,6 +3,7 @@ package multisource
 import (
 	"context"
 	"fmt"
+	"slices"
 	"strings"
 	"sync"
 
@@ -13,6 +14,7 @@ import (
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+	"github.com/outboxd/outboxd/internal/auth"
 )
 
 // adminRouter implements outbox.v1.AdminService in front of the engines.
@@ -188,40 +190,67 @@ func (a *adminRouter) ListRelays(ctx context.Context, req *outboxv1.ListRelaysRe
 }
 
 // route finds the engine an admin request is for: the source of its
-// "stream" field, or of its "filter" message's (a bare name, or none, is
-// default's), and returns the request with the source stripped and the
-// context for that engine.
-func route[Req proto.Message](a *adminRouter, ctx context.Context, req Req) (*Engine, context.Context, Req, error) {
-	source, strip, changed := Default, func(Req) {}, false
+// "stream" field, or of its "filter" message's, or of its "event_id"
+// ("source/event_id", as the sinks' message ids name events of a source
+// other than default); a bare name or id, or none, is default's. It
+// returns the source, the request with the source stripped, and the
+// context for that engine. A stream and an event id of different sources
+// are refused.
+func route[Req proto.Message](a *adminRouter, ctx context.Context, req Req) (string, *Engine, context.Context, Req, error) {
+	source, named, what := Default, "", "stream"
+	var strips []func(protoreflect.Message)
 	msg, field := streamField(req.ProtoReflect())
 	if field != nil {
 		addr := msg.Get(field).String()
 		src, stream := SplitStream(addr)
 		if containsStar(src) {
-			return nil, nil, req, invalid(string(field.Name()), "%.140q spans sources: name one source", addr)
+			return "", nil, nil, req, invalid(string(field.Name()), "%.140q spans sources: name one source", addr)
 		}
+		named = string(field.Name()) // a bare name is default's
 		if src != Default || addr != stream {
-			source, changed = src, true
-			strip = func(clone Req) {
-				m, f := streamField(clone.ProtoReflect())
+			source, what = src, string(field.Name())
+			strips = append(strips, func(clone protoreflect.Message) {
+				m, f := streamField(clone)
 				m.Set(f, protoreflect.ValueOfString(stream))
-			}
+			})
 		}
 	}
-	e, err := a.r.engine(source, "stream")
+	if f := eventIDField(req.ProtoReflect()); f != nil {
+		addr := req.ProtoReflect().Get(f).String()
+		if src, id, ok := strings.Cut(addr, "/"); ok {
+			if named != "" && src != source {
+				return "", nil, nil, req, invalid("event_id", "%.80q is of source %q, but %s names source %q", addr, src, named, source)
+			}
+			source, what = src, "event_id"
+			strips = append(strips, func(clone protoreflect.Message) {
+				clone.Set(f, protoreflect.ValueOfString(id))
+			})
+		}
+	}
+	e, err := a.r.engine(source, what)
 	if err != nil {
-		return nil, nil, req, err
+		return "", nil, nil, req, err
 	}
 	sctx, err := forSource(ctx, source)
 	if err != nil {
-		return nil, nil, req, err
+		return "", nil, nil, req, err
 	}
-	if changed {
+	if len(strips) > 0 {
 		clone := proto.Clone(req).(Req)
-		strip(clone)
+		for _, strip := range strips {
+			strip(clone.ProtoReflect())
+		}
 		req = clone
 	}
-	return e, sctx, req, nil
+	return source, e, sctx, req, nil
+}
+
+// eventIDField is the request's set "event_id" field, or nil.
+func eventIDField(m protoreflect.Message) protoreflect.FieldDescriptor {
+	if f := m.Descriptor().Fields().ByName("event_id"); f != nil && f.Kind() == protoreflect.StringKind && m.Has(f) {
+		return f
+	}
+	return nil
 }
 
 // streamField returns the message holding the request's stream (itself or
@@ -237,14 +266,53 @@ func streamField(m protoreflect.Message) (protoreflect.Message, protoreflect.Fie
 	return nil, nil
 }
 
-func routed[Req proto.Message, Resp any](a *adminRouter, ctx context.Context, req Req,
+// nameSource makes an engine's answer name source, when it is not
+// default: every Event in it gets Event.source, and every other message's
+// "stream" field becomes the address "source/stream", as requests name it
+// (so an Aggregate, Attempt or OperatorAction read from an answer can be
+// sent back as it is). Default's answers are left as a single-source
+// server gives them.
+func nameSource(source string, m protoreflect.Message) {
+	if source == Default || !m.IsValid() {
+		return
+	}
+	if ev, ok := m.Interface().(*outboxv1.Event); ok {
+		ev.Source = source
+		return
+	}
+	m.Range(func(f protoreflect.FieldDescriptor, v protoreflect.Value) bool {
+		switch {
+		case f.Name() == "stream" && f.Kind() == protoreflect.StringKind && !f.IsList():
+			m.Set(f, protoreflect.ValueOfString(JoinStream(source, v.String())))
+		case f.Kind() != protoreflect.MessageKind || f.IsMap():
+		case f.IsList():
+			for i := 0; i < v.List().Len(); i++ {
+				nameSource(source, v.List().Get(i).Message())
+			}
+		default:
+			nameSource(source, v.Message())
+		}
+		return true
+	})
+}
+
+func routed[Req, Resp proto.Message](a *adminRouter, ctx context.Context, req Req,
 	call func(outboxv1.AdminServiceServer, context.Context, Req) (Resp, error)) (Resp, error) {
-	e, sctx, req, err := route(a, ctx, req)
+	source, e, sctx, req, err := route(a, ctx, req)
 	if err != nil {
 		var zero Resp
 		return zero, err
 	}
-	return call(e.Admin, sctx, req)
+	resp, err := call(e.Admin, sctx, req)
+	if err == nil {
+		nameSource(source, resp.ProtoReflect())
+	}
+	if status.Code(err) == codes.NotFound && source == Default && eventIDField(req.ProtoReflect()) != nil && len(a.r.names) > 1 {
+		// A bare id is default's: say how to name another source's.
+		err = status.Errorf(codes.NotFound, "%s in source default; an event of another source (%s) is named SOURCE/EVENT_ID",
+			status.Convert(err).Message(), strings.Join(slices.DeleteFunc(slices.Clone(a.r.names), func(n string) bool { return n == Default }), ", "))
+	}
+	return resp, err
 }
 
 func (a *adminRouter) GetAggregate(ctx context.Context, req *outboxv1.GetAggregateRequest) (*outboxv1.GetAggregateResponse, error) {
@@ -287,18 +355,95 @@ func (a *adminRouter) ListOperatorActions(ctx context.Context, req *outboxv1.Lis
 	return routed(a, ctx, req, outboxv1.AdminServiceServer.ListOperatorActions)
 }
 
+// Purge with a stream purges its source ("orders/billing"; bare: default).
+// Without one, on a server of several sources, it purges every source the
+// caller may purge entirely, one after another in name order: each
+// source's progress goes out with PurgeResponse.source set and done unset,
+// and a final message sums them and lists each source's final figures.
+// Sources the token may access no stream of are left out; one it may
+// access only some streams of refuses the whole purge before any source
+// starts, as a single source refuses a stream-limited token a purge of
+// every stream. A source failing ends the purge with its error, naming
+// it; the sources before it stay purged.
 func (a *adminRouter) Purge(req *outboxv1.PurgeRequest, stream outboxv1.AdminService_PurgeServer) error {
-	e, ctx, req, err := route(a, stream.Context(), req)
-	if err != nil {
-		return err
+	if req.GetStream() != "" || len(a.r.names) == 1 {
+		source, e, ctx, req, err := route(a, stream.Context(), req)
+		if err != nil {
+			return err
+		}
+		return e.Admin.Purge(req, &purgeStream{AdminService_PurgeServer: stream, ctx: ctx, source: source})
 	}
-	return e.Admin.Purge(req, &purgeStream{AdminService_PurgeServer: stream, ctx: ctx})
+	type part struct {
+		source string
+		e      *Engine
+		ctx    context.Context
+	}
+	var parts []part
+	for _, name := range a.r.names {
+		sctx, err := forSource(stream.Context(), name)
+		if err != nil {
+			continue // the caller may see nothing of this source
+		}
+		if err := auth.AuthorizeAllStreams(sctx); err != nil {
+			return status.Errorf(codes.PermissionDenied, "source %s: %s; name a stream (--stream %s) to purge it", name,
+				status.Convert(err).Message(), JoinStream(name, "STREAM"))
+		}
+		e, err := a.r.engine(name, "stream")
+		if err != nil {
+			continue // gone since names was read
+		}
+		parts = append(parts, part{name, e, sctx})
+	}
+	if len(parts) == 0 {
+		return status.Error(codes.PermissionDenied, "the token may access no stream of any source")
+	}
+	total := &outboxv1.PurgeResponse{Done: true}
+	for _, p := range parts {
+		ps := &purgeStream{AdminService_PurgeServer: stream, ctx: p.ctx, source: p.source, partial: true}
+		if err := p.e.Admin.Purge(req, ps); err != nil {
+			st := status.Convert(err)
+			return status.Errorf(st.Code(), "source %s: %s", p.source, st.Message())
+		}
+		last := ps.last
+		if last == nil {
+			return status.Errorf(codes.Internal, "source %s: the purge ended without reporting it done", p.source)
+		}
+		total.Deleted += last.GetDeleted()
+		total.Batches += last.GetBatches()
+		total.Remaining += last.GetRemaining()
+		if el := last.GetElapsed(); el != nil {
+			sum := total.GetElapsed().AsDuration() + el.AsDuration()
+			total.Elapsed = durationpb.New(sum)
+		}
+		last.Done = true
+		total.Sources = append(total.Sources, last)
+	}
+	return stream.Send(total)
 }
 
-// purgeStream is a Purge stream with the context its engine must see.
+// purgeStream is a Purge stream with the context its engine must see,
+// whose messages name their source. A part of a purge over several sources
+// is never done itself: it keeps its last message for the final one.
 type purgeStream struct {
 	outboxv1.AdminService_PurgeServer
-	ctx context.Context
+	ctx     context.Context
+	source  string
+	partial bool
+	last    *outboxv1.PurgeResponse
 }
 
 func (s *purgeStream) Context() context.Context { return s.ctx }
+
+func (s *purgeStream) Send(r *outboxv1.PurgeResponse) error {
+	if s.source != Default {
+		r.Source = s.source
+	}
+	if s.partial {
+		s.last = proto.CloneOf(r)
+		if r.Done {
+			r = proto.CloneOf(r)
+			r.Done = false
+		}
+	}
+	return s.AdminService_PurgeServer.Send(r)
+}

@@ -12,12 +12,14 @@
 //   - Streams are addressed "source/stream"; a bare stream name means the
 //     source named "default" (the --database-url), so relays and operators
 //     that predate sources keep working unchanged.
+//
 //   - A Subscribe stream serves one source: its streams and
 //     exclude_streams all name that source ("orders/billing",
 //     "orders/*" for every stream of it). A subscription that spans sources
 //     ("*/payments", or names of two sources) is refused with
 //     INVALID_ARGUMENT: open one stream per source (each with its own
 //     credit). The engine sees the bare names.
+//
 //   - A lease token of a source other than default is the engine's token
 //     prefixed with "source." (engine tokens are base64url, which has no
 //     '.'), so an Ack, Nack or ExtendLease reaches the engine that issued
@@ -26,16 +28,32 @@
 //     prefix does not verify. Default's tokens carry no prefix: they are
 //     byte for byte what a single-source server issues. Deliveries of a
 //     source other than default name it in Event.source.
+//
 //   - Tokens scoped with "streams=source/pattern" reach an engine only as
 //     auth.Principal.ForSource projects them, so a token scoped to one
 //     source is refused on every other.
+//
 //   - GetLag asks every engine at once and reports per source
 //     (GetLagResponse.sources): one source down leaves out its figures and
 //     says why, and the others' are reported.
 //
+//   - The other admin RPCs reach one source, chosen by the "source/" prefix
+//     of their stream, their filter's stream, or their event_id
+//     ("orders/<uuid>", the message id the relay's sinks give an event of
+//     a source other than default); a bare name or id is default's. Their
+//     answers name the source as requests do: Event.source, and every
+//     other stream field as "source/stream" (Aggregate, Attempt,
+//     OperatorAction), so an answer can be sent back as it is; default's
+//     are byte for byte a single source's.
+//
+//   - Purge without a stream purges every source the caller may purge
+//     entirely, one after another, each source's progress naming it
+//     (PurgeResponse.source) and a final message summing them
+//     (PurgeResponse.sources). A token that may access only some streams
+//     of a source is refused before anything is deleted; sources it may
+//     access nothing of are left out.
+//
 // Milestone limits: sources are fixed at start (every source must be
-// reachable then), the admin RPCs other than GetLag and ListRelays reach
-// one source, chosen by the "source/" prefix of their stream or filter
-// stream (default without one), and their answers name streams without
-// their source.
+// reachable then), and the listings without a stream (ListEvents,
+// ListAggregates, ListOperatorActions) read default's.
 package multisource

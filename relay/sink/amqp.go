@@ -368,7 +368,10 @@ func (s *amqpSink) Publish(ctx context.Context, ev relay.Event) error {
 	for k, v := range m.headers {
 		headers[k] = v
 	}
-	headers[HeaderEventID] = ev.ID
+	headers[HeaderEventID] = ev.MessageID()
+	if ev.Source != "" {
+		headers[HeaderSource] = ev.Source
+	}
 	headers[HeaderStream] = ev.Stream
 	headers[HeaderAggregateKey] = ev.AggregateKey
 	headers[HeaderRevision] = strconv.FormatInt(ev.Revision, 10)
@@ -379,7 +382,7 @@ func (s *amqpSink) Publish(ctx context.Context, ev relay.Event) error {
 		Headers:      headers,
 		ContentType:  m.contentType,
 		DeliveryMode: amqp.Persistent,
-		MessageId:    ev.ID,
+		MessageId:    ev.MessageID(),
 		Timestamp:    ev.CreatedAt,
 		Type:         ev.Type,
 		AppId:        "outboxd",

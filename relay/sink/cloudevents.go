@@ -114,7 +114,7 @@ func (c ceConfig) on() bool { return c.mode != ceOff }
 // never maps differently.
 func (c ceConfig) event(ev relay.Event) (*event.Event, error) {
 	e := event.New(event.CloudEventsVersionV1)
-	e.SetID(ev.ID)
+	e.SetID(ev.MessageID())
 	e.SetSource(strings.ReplaceAll(c.source, "{stream}", ev.Stream))
 	e.SetType(ev.Type)
 	e.SetSubject(ev.AggregateKey)

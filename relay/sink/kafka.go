@@ -208,7 +208,7 @@ func (s *kafkaSink) Publish(ctx context.Context, ev relay.Event) error {
 		rec.Headers = append(rec.Headers, kgo.RecordHeader{Key: k, Value: []byte(v)})
 	}
 	rec.Headers = append(rec.Headers,
-		kgo.RecordHeader{Key: HeaderEventID, Value: []byte(ev.ID)},
+		kgo.RecordHeader{Key: HeaderEventID, Value: []byte(ev.MessageID())},
 		kgo.RecordHeader{Key: HeaderEventType, Value: []byte(ev.Type)},
 		kgo.RecordHeader{Key: HeaderStream, Value: []byte(ev.Stream)},
 		kgo.RecordHeader{Key: HeaderAggregateKey, Value: []byte(ev.AggregateKey)},
@@ -216,6 +216,9 @@ func (s *kafkaSink) Publish(ctx context.Context, ev relay.Event) error {
 		kgo.RecordHeader{Key: HeaderCreatedAt, Value: []byte(ev.CreatedAt.UTC().Format(time.RFC3339Nano))},
 		kgo.RecordHeader{Key: HeaderAttempt, Value: []byte(strconv.Itoa(ev.Attempt))},
 	)
+	if ev.Source != "" {
+		rec.Headers = append(rec.Headers, kgo.RecordHeader{Key: HeaderSource, Value: []byte(ev.Source)})
+	}
 	if s.cfg.ce.on() {
 		// The Kafka binding: content-type header, attributes as ce_*.
 		rec.Headers = append(rec.Headers, kgo.RecordHeader{Key: "content-type", Value: []byte(m.contentType)})

@@ -30,6 +30,7 @@ const (
 // event's fields without parsing the subject or the payload.
 const (
 	HeaderEventID      = "Outbox-Event-Id"
+	HeaderSource       = "Outbox-Source"
 	HeaderStream       = "Outbox-Stream"
 	HeaderAggregateKey = "Outbox-Aggregate-Key"
 	HeaderRevision     = "Outbox-Revision"
@@ -283,8 +284,9 @@ func ensureStream(ctx context.Context, js jetstream.JetStream, cfg *natsConfig, 
 }
 
 // Publish sends ev and returns nil only once JetStream has acknowledged
-// storing it. The event ID is the Nats-Msg-Id, so a redelivery inside the
-// stream's duplicate window is acknowledged as a duplicate without being
+// storing it. The event's message id (relay.Event.MessageID: the event ID,
+// qualified by its source outside default) is the Nats-Msg-Id, so a
+// redelivery inside the stream's duplicate window is acknowledged as a duplicate without being
 // stored twice; that counts as success, since the first copy is stored.
 func (s *natsSink) Publish(ctx context.Context, ev relay.Event) error {
 	if ev.ID == "" {
@@ -315,7 +317,10 @@ func (s *natsSink) Publish(ctx context.Context, ev relay.Event) error {
 			msg.Header.Set(k, v)
 		}
 	}
-	msg.Header.Set(HeaderEventID, ev.ID)
+	msg.Header.Set(HeaderEventID, ev.MessageID())
+	if ev.Source != "" {
+		msg.Header.Set(HeaderSource, ev.Source)
+	}
 	msg.Header.Set(HeaderStream, ev.Stream)
 	msg.Header.Set(HeaderAggregateKey, ev.AggregateKey)
 	msg.Header.Set(HeaderRevision, strconv.FormatInt(ev.Revision, 10))
@@ -326,7 +331,7 @@ func (s *natsSink) Publish(ctx context.Context, ev relay.Event) error {
 	ctx, cancel := context.WithTimeout(ctx, s.timeout)
 	defer cancel()
 	ack, err := s.js.PublishMsg(ctx, msg,
-		jetstream.WithMsgID(ev.ID),
+		jetstream.WithMsgID(ev.MessageID()),
 		// Fail rather than report success if the subject is captured by
 		// a stream other than the configured one.
 		jetstream.WithExpectStream(s.stream),
@@ -346,7 +351,7 @@ func (s *natsSink) Publish(ctx context.Context, ev relay.Event) error {
 		return fmt.Errorf("nats sink: publish to %q: %w", subj, err)
 	}
 	if ack.Duplicate {
-		s.log.Debug("duplicate publish dropped by JetStream", "event_id", ev.ID, "seq", ack.Sequence)
+		s.log.Debug("duplicate publish dropped by JetStream", "message_id", ev.MessageID(), "seq", ack.Sequence)
 	}
 	return nil
 }

@@ -24,6 +24,7 @@ const (
 // Fields of each Redis stream entry the sink adds.
 const (
 	RedisFieldEventID   = "event_id"
+	RedisFieldSource    = "source"
 	RedisFieldStream    = "stream"
 	RedisFieldKey       = "key"
 	RedisFieldRevision  = "revision"
@@ -137,19 +138,20 @@ func (s *redisSink) Publish(ctx context.Context, ev relay.Event) error {
 	if err != nil {
 		return fmt.Errorf("redis sink: headers: %w", err)
 	}
-	args := &redis.XAddArgs{
-		Stream: key,
-		Values: []any{
-			RedisFieldEventID, ev.ID,
-			RedisFieldStream, ev.Stream,
-			RedisFieldKey, ev.AggregateKey,
-			RedisFieldRevision, strconv.FormatInt(ev.Revision, 10),
-			RedisFieldType, ev.Type,
-			RedisFieldCreatedAt, ev.CreatedAt.UTC().Format(time.RFC3339Nano),
-			RedisFieldPayload, ev.Payload,
-			RedisFieldHeaders, h,
-		},
+	values := []any{
+		RedisFieldEventID, ev.MessageID(),
+		RedisFieldStream, ev.Stream,
+		RedisFieldKey, ev.AggregateKey,
+		RedisFieldRevision, strconv.FormatInt(ev.Revision, 10),
+		RedisFieldType, ev.Type,
+		RedisFieldCreatedAt, ev.CreatedAt.UTC().Format(time.RFC3339Nano),
+		RedisFieldPayload, ev.Payload,
+		RedisFieldHeaders, h,
 	}
+	if ev.Source != "" {
+		values = append(values, RedisFieldSource, ev.Source)
+	}
+	args := &redis.XAddArgs{Stream: key, Values: values}
 	if s.cfg.maxLen > 0 {
 		args.MaxLen, args.Approx = s.cfg.maxLen, true
 	}

@@ -2,6 +2,14 @@
 // `outboxd relay --sink URL` and tests pick a broker and its settings with
 // one string instead of per-broker flags.
 //
+// Message IDs: event IDs are unique within one source database only, so
+// what a broker or consumer deduplicates on is relay.Event.MessageID: the
+// event ID for the source named default, "source/event ID" for any other.
+// It is the Nats-Msg-Id, the AMQP message-id, the webhook-id, the
+// CloudEvents id, the Outbox-Event-Id header and the Redis event_id field;
+// an event of another source also carries an Outbox-Source header (Redis:
+// a source field).
+//
 // Supported schemes:
 //
 //	stdout://                      one JSON line per event, for development
@@ -53,7 +61,7 @@
 //	             max_message_size); a larger event fails permanently
 //
 // Each message is published mandatory and persistent, with message-id =
-// event ID, type = event type, timestamp = created_at, content type
+// the message ID, type = event type, timestamp = created_at, content type
 // application/json, the event's headers and the Outbox-* headers the NATS
 // sink sets. Publish returns nil only on the broker's publisher confirm
 // without a basic.return: an event no queue is bound for is an error
@@ -71,7 +79,8 @@
 //	         default no trimming
 //	timeout  bound on each XADD and on Open's connect, default 10s
 //
-// Each entry has the fields event_id, stream, key (the aggregate key),
+// Each entry has the fields event_id (the message ID), source (only for a
+// source other than default), stream, key (the aggregate key),
 // revision, type, created_at, payload and headers (the event's headers as
 // a JSON object). Publish returns nil once Redis answered the XADD; the
 // entry is then as durable as the server's appendonly/appendfsync and
@@ -91,7 +100,7 @@
 //	             the receiver, instead of the system's roots. Read at Open
 //
 // Each event is POSTed as the JSON object the stdout sink prints, with the
-// Standard Webhooks headers webhook-id (the event ID), webhook-timestamp
+// Standard Webhooks headers webhook-id (the message ID), webhook-timestamp
 // (Unix seconds at sending) and webhook-signature ("v1," + base64
 // HMAC-SHA256 of "id.timestamp.body"). A 2xx answer acks. 408, 429 and 5xx
 // are errors marked with the response's Retry-After (relay.RetryAfter), so
@@ -135,7 +144,7 @@
 //	ce_source    the source attribute, {stream} replaced by the event's
 //	             stream; default "/outboxd/{stream}"
 //
-// id = event ID, type = event type, subject = aggregate key, time =
+// id = the message ID, type = event type, subject = aggregate key, time =
 // created_at, data = payload (application/json), extensions outboxstream
 // and outboxrevision, and traceparent/tracestate from the event's headers.
 // The sink's own headers (Outbox-*, the event's) are kept in both modes,

@@ -244,9 +244,10 @@ func (s *webhookSink) Publish(ctx context.Context, ev relay.Event) error {
 		}
 	}
 	req.Header.Set("User-Agent", "outboxd-relay")
-	req.Header.Set(HeaderWebhookID, ev.ID)
+	id := ev.MessageID()
+	req.Header.Set(HeaderWebhookID, id)
 	req.Header.Set(HeaderWebhookTimestamp, ts)
-	req.Header.Set(HeaderWebhookSignature, signWebhook(s.cfg.keys, ev.ID, ts, body))
+	req.Header.Set(HeaderWebhookSignature, signWebhook(s.cfg.keys, id, ts, body))
 	resp, err := s.client.Do(req)
 	if err != nil {
 		return fmt.Errorf("webhook sink: %w", err)

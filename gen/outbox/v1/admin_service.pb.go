@@ -943,7 +943,9 @@ func (x *GetAggregateResponse) GetAggregate() *Aggregate {
 // Aggregate is the delivery state of one (stream, aggregate_key).
 type Aggregate struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// stream is the aggregate's stream.
+	// stream is the aggregate's stream; on a server that fronts several
+	// source databases, "source/stream" for a source other than "default"
+	// (as requests address it).
 	Stream string `protobuf:"bytes,1,opt,name=stream,proto3" json:"stream,omitempty"`
 	// aggregate_key is the aggregate's key.
 	AggregateKey string `protobuf:"bytes,2,opt,name=aggregate_key,json=aggregateKey,proto3" json:"aggregate_key,omitempty"`
@@ -1391,7 +1393,8 @@ type Attempt struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// event_id is the event delivered.
 	EventId string `protobuf:"bytes,1,opt,name=event_id,json=eventId,proto3" json:"event_id,omitempty"`
-	// stream is the event's stream.
+	// stream is the event's stream ("source/stream" for a source other than
+	// "default", as in Aggregate).
 	Stream string `protobuf:"bytes,2,opt,name=stream,proto3" json:"stream,omitempty"`
 	// aggregate_key is the event's aggregate.
 	AggregateKey string `protobuf:"bytes,3,opt,name=aggregate_key,json=aggregateKey,proto3" json:"aggregate_key,omitempty"`
@@ -1516,7 +1519,9 @@ func (x *Attempt) GetAt() *timestamppb.Timestamp {
 // ListAttemptsRequest names an event, or an aggregate, whose attempts to list.
 type ListAttemptsRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// event_id lists this event's attempts; or leave empty and name an aggregate.
+	// event_id lists this event's attempts; or leave empty and name an
+	// aggregate. "source/event_id" names an event of a source other than
+	// "default", as in SkipEventRequest.
 	EventId string `protobuf:"bytes,1,opt,name=event_id,json=eventId,proto3" json:"event_id,omitempty"`
 	// stream and aggregate_key name the aggregate.
 	Stream string `protobuf:"bytes,2,opt,name=stream,proto3" json:"stream,omitempty"`
@@ -2303,7 +2308,8 @@ type OperatorAction struct {
 	// reason is the operator's stated reason; empty for a retry given none.
 	Reason string `protobuf:"bytes,4,opt,name=reason,proto3" json:"reason,omitempty"`
 	// stream is the stream the action named, or a bulk filter's stream
-	// pattern ("billing.*", or "*" for every stream).
+	// pattern ("billing.*", or "*" for every stream); "source/..." for a
+	// source other than "default", as in Aggregate.
 	Stream string `protobuf:"bytes,5,opt,name=stream,proto3" json:"stream,omitempty"`
 	// request_json is the request as the server understood it, as JSON.
 	RequestJson string `protobuf:"bytes,6,opt,name=request_json,json=requestJson,proto3" json:"request_json,omitempty"`
@@ -2451,7 +2457,8 @@ type ListEventsRequest struct {
 	// page_token continues a previous listing; empty starts at the newest.
 	PageToken string `protobuf:"bytes,7,opt,name=page_token,json=pageToken,proto3" json:"page_token,omitempty"`
 	// event_id finds one event by its id (the page then holds it or nothing);
-	// the other filters must be empty with it.
+	// the other filters must be empty with it. "source/event_id" names an
+	// event of a source other than "default", as in SkipEventRequest.
 	EventId       string `protobuf:"bytes,8,opt,name=event_id,json=eventId,proto3" json:"event_id,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -2869,7 +2876,10 @@ func (x *RetryAggregateResponse) GetAggregate() *Aggregate {
 // SkipEventRequest abandons one pending event.
 type SkipEventRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// event_id is the pending event to abandon.
+	// event_id is the pending event to abandon. On a server that fronts
+	// several source databases, "source/event_id" names an event of a source
+	// other than "default" (the message id the relay's sinks give it); a bare
+	// id is default's.
 	EventId string `protobuf:"bytes,1,opt,name=event_id,json=eventId,proto3" json:"event_id,omitempty"`
 	// reason is mandatory: 1 to 1024 characters, stored with the skip.
 	Reason string `protobuf:"bytes,2,opt,name=reason,proto3" json:"reason,omitempty"`
@@ -3062,7 +3072,19 @@ type PurgeResponse struct {
 	// done is set on the final message.
 	Done bool `protobuf:"varint,4,opt,name=done,proto3" json:"done,omitempty"`
 	// elapsed is the time spent so far.
-	Elapsed       *durationpb.Duration `protobuf:"bytes,5,opt,name=elapsed,proto3" json:"elapsed,omitempty"`
+	Elapsed *durationpb.Duration `protobuf:"bytes,5,opt,name=elapsed,proto3" json:"elapsed,omitempty"`
+	// source names the source database whose figures this message reports,
+	// on a server that fronts several (outboxd serve --source NAME=URL);
+	// empty means "default". A Purge without a stream there purges every
+	// source the caller may purge entirely, one after another: each source's
+	// messages carry its name and are never done, and the final message
+	// (done) has no source, sums the figures of every source, and lists each
+	// source's final figures in sources.
+	Source string `protobuf:"bytes,6,opt,name=source,proto3" json:"source,omitempty"`
+	// sources, on the final message of a Purge over several sources, has one
+	// entry per source purged, in name order: its final figures, with source
+	// set (empty for "default") and done.
+	Sources       []*PurgeResponse `protobuf:"bytes,7,rep,name=sources,proto3" json:"sources,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -3128,6 +3150,20 @@ func (x *PurgeResponse) GetDone() bool {
 func (x *PurgeResponse) GetElapsed() *durationpb.Duration {
 	if x != nil {
 		return x.Elapsed
+	}
+	return nil
+}
+
+func (x *PurgeResponse) GetSource() string {
+	if x != nil {
+		return x.Source
+	}
+	return ""
+}
+
+func (x *PurgeResponse) GetSources() []*PurgeResponse {
+	if x != nil {
+		return x.Sources
 	}
 	return nil
 }
@@ -3366,13 +3402,15 @@ const file_outbox_v1_admin_service_proto_rawDesc = "" +
 	"\n" +
 	"batch_size\x18\x02 \x01(\rR\tbatchSize\x12\x17\n" +
 	"\adry_run\x18\x03 \x01(\bR\x06dryRun\x12\x16\n" +
-	"\x06stream\x18\x04 \x01(\tR\x06stream\"\xaa\x01\n" +
+	"\x06stream\x18\x04 \x01(\tR\x06stream\"\xf6\x01\n" +
 	"\rPurgeResponse\x12\x18\n" +
 	"\adeleted\x18\x01 \x01(\x03R\adeleted\x12\x18\n" +
 	"\abatches\x18\x02 \x01(\x03R\abatches\x12\x1c\n" +
 	"\tremaining\x18\x03 \x01(\x03R\tremaining\x12\x12\n" +
 	"\x04done\x18\x04 \x01(\bR\x04done\x123\n" +
-	"\aelapsed\x18\x05 \x01(\v2\x19.google.protobuf.DurationR\aelapsed*\xd4\x01\n" +
+	"\aelapsed\x18\x05 \x01(\v2\x19.google.protobuf.DurationR\aelapsed\x12\x16\n" +
+	"\x06source\x18\x06 \x01(\tR\x06source\x122\n" +
+	"\asources\x18\a \x03(\v2\x18.outbox.v1.PurgeResponseR\asources*\xd4\x01\n" +
 	"\x0eAggregateState\x12\x1f\n" +
 	"\x1bAGGREGATE_STATE_UNSPECIFIED\x10\x00\x12\x18\n" +
 	"\x14AGGREGATE_STATE_IDLE\x10\x01\x12\x19\n" +
@@ -3512,37 +3550,38 @@ var file_outbox_v1_admin_service_proto_depIdxs = []int32{
 	31, // 41: outbox.v1.SkipEventResponse.skip:type_name -> outbox.v1.Skip
 	39, // 42: outbox.v1.PurgeRequest.published_before:type_name -> google.protobuf.Timestamp
 	38, // 43: outbox.v1.PurgeResponse.elapsed:type_name -> google.protobuf.Duration
-	3,  // 44: outbox.v1.AdminService.GetLag:input_type -> outbox.v1.GetLagRequest
-	7,  // 45: outbox.v1.AdminService.ListRelays:input_type -> outbox.v1.ListRelaysRequest
-	10, // 46: outbox.v1.AdminService.GetAggregate:input_type -> outbox.v1.GetAggregateRequest
-	28, // 47: outbox.v1.AdminService.ListEvents:input_type -> outbox.v1.ListEventsRequest
-	32, // 48: outbox.v1.AdminService.RetryAggregate:input_type -> outbox.v1.RetryAggregateRequest
-	34, // 49: outbox.v1.AdminService.SkipEvent:input_type -> outbox.v1.SkipEventRequest
-	36, // 50: outbox.v1.AdminService.Purge:input_type -> outbox.v1.PurgeRequest
-	14, // 51: outbox.v1.AdminService.ListAggregates:input_type -> outbox.v1.ListAggregatesRequest
-	17, // 52: outbox.v1.AdminService.ListAttempts:input_type -> outbox.v1.ListAttemptsRequest
-	19, // 53: outbox.v1.AdminService.BulkRetry:input_type -> outbox.v1.BulkRetryRequest
-	21, // 54: outbox.v1.AdminService.BulkSkip:input_type -> outbox.v1.BulkSkipRequest
-	23, // 55: outbox.v1.AdminService.Republish:input_type -> outbox.v1.RepublishRequest
-	25, // 56: outbox.v1.AdminService.ListOperatorActions:input_type -> outbox.v1.ListOperatorActionsRequest
-	4,  // 57: outbox.v1.AdminService.GetLag:output_type -> outbox.v1.GetLagResponse
-	8,  // 58: outbox.v1.AdminService.ListRelays:output_type -> outbox.v1.ListRelaysResponse
-	11, // 59: outbox.v1.AdminService.GetAggregate:output_type -> outbox.v1.GetAggregateResponse
-	29, // 60: outbox.v1.AdminService.ListEvents:output_type -> outbox.v1.ListEventsResponse
-	33, // 61: outbox.v1.AdminService.RetryAggregate:output_type -> outbox.v1.RetryAggregateResponse
-	35, // 62: outbox.v1.AdminService.SkipEvent:output_type -> outbox.v1.SkipEventResponse
-	37, // 63: outbox.v1.AdminService.Purge:output_type -> outbox.v1.PurgeResponse
-	15, // 64: outbox.v1.AdminService.ListAggregates:output_type -> outbox.v1.ListAggregatesResponse
-	18, // 65: outbox.v1.AdminService.ListAttempts:output_type -> outbox.v1.ListAttemptsResponse
-	20, // 66: outbox.v1.AdminService.BulkRetry:output_type -> outbox.v1.BulkRetryResponse
-	22, // 67: outbox.v1.AdminService.BulkSkip:output_type -> outbox.v1.BulkSkipResponse
-	24, // 68: outbox.v1.AdminService.Republish:output_type -> outbox.v1.RepublishResponse
-	26, // 69: outbox.v1.AdminService.ListOperatorActions:output_type -> outbox.v1.ListOperatorActionsResponse
-	57, // [57:70] is the sub-list for method output_type
-	44, // [44:57] is the sub-list for method input_type
-	44, // [44:44] is the sub-list for extension type_name
-	44, // [44:44] is the sub-list for extension extendee
-	0,  // [0:44] is the sub-list for field type_name
+	37, // 44: outbox.v1.PurgeResponse.sources:type_name -> outbox.v1.PurgeResponse
+	3,  // 45: outbox.v1.AdminService.GetLag:input_type -> outbox.v1.GetLagRequest
+	7,  // 46: outbox.v1.AdminService.ListRelays:input_type -> outbox.v1.ListRelaysRequest
+	10, // 47: outbox.v1.AdminService.GetAggregate:input_type -> outbox.v1.GetAggregateRequest
+	28, // 48: outbox.v1.AdminService.ListEvents:input_type -> outbox.v1.ListEventsRequest
+	32, // 49: outbox.v1.AdminService.RetryAggregate:input_type -> outbox.v1.RetryAggregateRequest
+	34, // 50: outbox.v1.AdminService.SkipEvent:input_type -> outbox.v1.SkipEventRequest
+	36, // 51: outbox.v1.AdminService.Purge:input_type -> outbox.v1.PurgeRequest
+	14, // 52: outbox.v1.AdminService.ListAggregates:input_type -> outbox.v1.ListAggregatesRequest
+	17, // 53: outbox.v1.AdminService.ListAttempts:input_type -> outbox.v1.ListAttemptsRequest
+	19, // 54: outbox.v1.AdminService.BulkRetry:input_type -> outbox.v1.BulkRetryRequest
+	21, // 55: outbox.v1.AdminService.BulkSkip:input_type -> outbox.v1.BulkSkipRequest
+	23, // 56: outbox.v1.AdminService.Republish:input_type -> outbox.v1.RepublishRequest
+	25, // 57: outbox.v1.AdminService.ListOperatorActions:input_type -> outbox.v1.ListOperatorActionsRequest
+	4,  // 58: outbox.v1.AdminService.GetLag:output_type -> outbox.v1.GetLagResponse
+	8,  // 59: outbox.v1.AdminService.ListRelays:output_type -> outbox.v1.ListRelaysResponse
+	11, // 60: outbox.v1.AdminService.GetAggregate:output_type -> outbox.v1.GetAggregateResponse
+	29, // 61: outbox.v1.AdminService.ListEvents:output_type -> outbox.v1.ListEventsResponse
+	33, // 62: outbox.v1.AdminService.RetryAggregate:output_type -> outbox.v1.RetryAggregateResponse
+	35, // 63: outbox.v1.AdminService.SkipEvent:output_type -> outbox.v1.SkipEventResponse
+	37, // 64: outbox.v1.AdminService.Purge:output_type -> outbox.v1.PurgeResponse
+	15, // 65: outbox.v1.AdminService.ListAggregates:output_type -> outbox.v1.ListAggregatesResponse
+	18, // 66: outbox.v1.AdminService.ListAttempts:output_type -> outbox.v1.ListAttemptsResponse
+	20, // 67: outbox.v1.AdminService.BulkRetry:output_type -> outbox.v1.BulkRetryResponse
+	22, // 68: outbox.v1.AdminService.BulkSkip:output_type -> outbox.v1.BulkSkipResponse
+	24, // 69: outbox.v1.AdminService.Republish:output_type -> outbox.v1.RepublishResponse
+	26, // 70: outbox.v1.AdminService.ListOperatorActions:output_type -> outbox.v1.ListOperatorActionsResponse
+	58, // [58:71] is the sub-list for method output_type
+	45, // [45:58] is the sub-list for method input_type
+	45, // [45:45] is the sub-list for extension type_name
+	45, // [45:45] is the sub-list for extension extendee
+	0,  // [0:45] is the sub-list for field type_name
 }
 
 func init() { file_outbox_v1_admin_service_proto_init() }

@@ -1,0 +1,111 @@
+package main
+
+import (
+	"context"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+	"github.com/outboxd/outboxd/internal/servertest"
+	"github.com/outboxd/outboxd/internal/testdb"
+	"github.com/outboxd/outboxd/server"
+)
+
+// The operator commands against a server of two sources (default and
+// orders, each a database of its own): an event id of orders is
+// orders/<id> on input and output, the same id in default is untouched,
+// answers print orders' streams as orders/..., and purge without --stream
+// purges both, a line per source. Checked against SQL.
+func TestCLIOfTwoSources(t *testing.T) {
+	t.Parallel()
+	r := servertest.Start(t, testdb.New(t), servertest.Options{
+		Sources: map[string]string{"orders": testdb.New(t)},
+		Configure: func(c *server.Config) {
+			c.PollInterval, c.ReconcileInterval = 50*time.Millisecond, 100*time.Millisecond
+		},
+	})
+	ts := &testServer{addr: r.Addr, pool: r.Pool, relay: r.Relay}
+	def, orders := r.Pool, r.Pools["orders"]
+	const shared = "0f8fad5b-d9cb-469f-a165-70867728950e"
+	for _, p := range []*pgxpool.Pool{def, orders} {
+		if _, err := p.Exec(t.Context(), `SELECT outbox.emit('sales_order', '1', 'T', '{}', event_id => $1)`, shared); err != nil {
+			t.Fatal(err)
+		}
+	}
+	skipped := func(p *pgxpool.Pool) int64 {
+		var n int64
+		if err := p.QueryRow(t.Context(), `SELECT count(*) FROM outbox.skipped_event`).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+
+	out := ts.cli(t, nil, "events", "--event-id", "orders/"+shared).want(t, exitOK).stdout
+	if row := tableRow(t, out, "orders/"+shared); len(row) < 2 || row[1] != "orders/sales_order" {
+		t.Errorf("events --event-id orders/...: row %q; want the id and stream with their source", row)
+	}
+	if ev := parseOne(t, ts.cli(t, nil, "events", "--event-id", "orders/"+shared, "--json").want(t, exitOK),
+		func() *outboxv1.ListEventsResponse { return &outboxv1.ListEventsResponse{} }); len(ev.GetEvents()) != 1 || ev.GetEvents()[0].GetEvent().GetSource() != "orders" {
+		t.Errorf("events --json: %v; want orders' event with event.source", ev)
+	}
+	if row := tableRow(t, ts.cli(t, nil, "events", "--event-id", shared).want(t, exitOK).stdout, shared); len(row) < 2 || row[1] != "sales_order" {
+		t.Errorf("events --event-id of default's: row %q; want the bare id and stream", row)
+	}
+	ts.cli(t, nil, "events", "--event-id", "Orders/"+shared).want(t, exitUsage)
+	ts.cli(t, nil, "events", "--event-id", "orders/"+shared, "--stream", "sales_order").want(t, exitUsage)
+
+	ts.cli(t, nil, "skip", "Orders/"+shared, "--reason", "x").want(t, exitUsage)
+	ts.cli(t, nil, "skip", "shipping/"+shared, "--reason", "x").want(t, exitUsage)
+	if out := ts.cli(t, nil, "skip", "orders/"+shared, "--reason", "poison").want(t, exitOK).stdout; !strings.Contains(out, "skipped event orders/"+shared) {
+		t.Errorf("skip: %q", out)
+	}
+	if d, o := skipped(def), skipped(orders); d != 0 || o != 1 {
+		t.Errorf("after skip orders/...: %d skipped in default, %d in orders; want 0, 1", d, o)
+	}
+	if out := ts.cli(t, nil, "actions", "--stream", "orders/sales_order").want(t, exitOK).stdout; !strings.Contains(out, "orders/sales_order") {
+		t.Errorf("actions --stream orders/sales_order does not name the stream with its source:\n%s", out)
+	}
+	ts.cli(t, nil, "attempts", "orders/"+shared).want(t, exitOK)
+
+	// Publish one more event in each source, and purge both.
+	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
+	defer cancel()
+	for _, c := range []struct {
+		pool   *pgxpool.Pool
+		stream string
+	}{{def, "audit"}, {orders, "orders/audit"}} {
+		if _, err := c.pool.Exec(ctx, `SELECT outbox.emit('audit', '1', 'T', '{}')`); err != nil {
+			t.Fatal(err)
+		}
+		sub, err := r.Relay.Subscribe(ctx, &outboxv1.SubscribeRequest{RelayId: "t", Streams: []string{c.stream}, MaxInFlight: 1})
+		if err != nil {
+			t.Fatal(err)
+		}
+		d, err := sub.Recv()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if res, err := r.Relay.Ack(ctx, &outboxv1.AckRequest{Acks: []*outboxv1.AckItem{{EventId: d.GetEvent().GetEventId(), LeaseToken: d.GetLeaseToken()}}}); err != nil ||
+			res.GetResults()[0].GetStatus() != outboxv1.AckStatus_ACK_STATUS_PUBLISHED {
+			t.Fatalf("ack: %v, %v", res, err)
+		}
+	}
+	before := time.Now().Add(time.Hour).Format(time.RFC3339)
+	out = ts.cli(t, nil, "purge", "--before", before, "--dry-run").want(t, exitOK).stdout
+	if !strings.Contains(out, "would delete 2 events") || !strings.Contains(out, "source default: 1") || !strings.Contains(out, "source orders: 1") {
+		t.Errorf("purge --dry-run of two sources:\n%s\nwant 2 in all, 1 per source", out)
+	}
+	out = ts.cli(t, nil, "purge", "--before", before, "--yes").want(t, exitOK).stdout
+	if !strings.Contains(out, "deleted 2 events") || !strings.Contains(out, "source default: 1 in 1 batch") || !strings.Contains(out, "source orders: 1 in 1 batch") {
+		t.Errorf("purge of two sources:\n%s\nwant 2 deleted, a line per source", out)
+	}
+	for name, p := range map[string]*pgxpool.Pool{"default": def, "orders": orders} {
+		var n int64
+		if err := p.QueryRow(t.Context(), `SELECT count(*) FROM outbox.event WHERE published_at IS NOT NULL`).Scan(&n); err != nil || n != 0 {
+			t.Errorf("%s: %d published events left after the purge (%v)", name, n, err)
+		}
+	}
+}

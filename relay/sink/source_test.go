@@ -1,0 +1,161 @@
+package sink_test
+
+import (
+	"testing"
+
+	"github.com/outboxd/outboxd/relay/sink"
+)
+
+// Event ids are unique within a source only: every sink qualifies the id a
+// broker or consumer deduplicates on with the source when it is not
+// default, and leaves default's as the bare event id.
+
+const sharedID = "0f8fad5b-d9cb-469f-a165-70867728950e"
+
+// JetStream deduplicates on Nats-Msg-Id: the same event id from two
+// sources is two messages, and each names its source.
+func TestNATSMessageIDNamesTheSource(t *testing.T) {
+	t.Parallel()
+	e := newJSEnv(t)
+	s := e.open(t, nil)
+	def := testEvent(sharedID)
+	orders := testEvent(sharedID)
+	orders.Source = "orders"
+	if err := s.Publish(t.Context(), def); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Publish(t.Context(), orders); err != nil {
+		t.Fatal(err)
+	}
+	msgs := e.fetch(t, 2)
+	for i, want := range []struct{ msgID, source string }{{sharedID, ""}, {"orders/" + sharedID, "orders"}} {
+		h := msgs[i].Headers()
+		if h.Get("Nats-Msg-Id") != want.msgID || h.Get(sink.HeaderEventID) != want.msgID || h.Get(sink.HeaderSource) != want.source {
+			t.Errorf("message %d: Nats-Msg-Id %q, %s %q, %s %q; want %q, %q", i, h.Get("Nats-Msg-Id"),
+				sink.HeaderEventID, h.Get(sink.HeaderEventID), sink.HeaderSource, h.Get(sink.HeaderSource), want.msgID, want.source)
+		}
+	}
+}
+
+func TestAMQPMessageIDNamesTheSource(t *testing.T) {
+	t.Parallel()
+	e := newRabbitEnv(t, "outbox.#")
+	s := openSink(t, e.url(nil))
+	def := testEvent(sharedID)
+	orders := testEvent(sharedID)
+	orders.Source = "orders"
+	if err := s.Publish(t.Context(), def); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Publish(t.Context(), orders); err != nil {
+		t.Fatal(err)
+	}
+	ds := e.get(t, 2)
+	for i, want := range []struct{ msgID, source string }{{sharedID, ""}, {"orders/" + sharedID, "orders"}} {
+		d := ds[i]
+		src, _ := d.Headers[sink.HeaderSource].(string)
+		if d.MessageId != want.msgID || d.Headers[sink.HeaderEventID] != want.msgID || src != want.source {
+			t.Errorf("message %d: message-id %q, %s %#v, %s %q; want %q, %q", i, d.MessageId,
+				sink.HeaderEventID, d.Headers[sink.HeaderEventID], sink.HeaderSource, src, want.msgID, want.source)
+		}
+	}
+}
+
+func TestKafkaEventIDHeaderNamesTheSource(t *testing.T) {
+	t.Parallel()
+	c := newKafka(t, "outbox.orders.eu")
+	s := openSink(t, kafkaSinkURL(c, nil))
+	def := testEvent(sharedID)
+	orders := testEvent(sharedID)
+	orders.Source = "orders"
+	if err := s.Publish(t.Context(), def); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Publish(t.Context(), orders); err != nil {
+		t.Fatal(err)
+	}
+	rs := consume(t, c, 2, "outbox.orders.eu")
+	for i, want := range []struct{ msgID, source string }{{sharedID, ""}, {"orders/" + sharedID, "orders"}} {
+		if got, src := header(rs[i], sink.HeaderEventID), header(rs[i], sink.HeaderSource); got != want.msgID || src != want.source {
+			t.Errorf("record %d: %s %q, %s %q; want %q, %q", i, sink.HeaderEventID, got, sink.HeaderSource, src, want.msgID, want.source)
+		}
+	}
+}
+
+func TestRedisEventIDFieldNamesTheSource(t *testing.T) {
+	t.Parallel()
+	e := newRedisEnv(t)
+	s := openSink(t, e.url(nil))
+	def := testEvent(sharedID)
+	orders := testEvent(sharedID)
+	orders.Source = "orders"
+	if err := s.Publish(t.Context(), def); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Publish(t.Context(), orders); err != nil {
+		t.Fatal(err)
+	}
+	msgs := e.entries(t, e.prefix+".orders%2Eeu")
+	if len(msgs) != 2 {
+		t.Fatalf("stream holds %d entries, want 2", len(msgs))
+	}
+	for i, want := range []struct{ msgID, source string }{{sharedID, ""}, {"orders/" + sharedID, "orders"}} {
+		v := msgs[i].Values
+		src, _ := v[sink.RedisFieldSource].(string)
+		if v[sink.RedisFieldEventID] != want.msgID || src != want.source {
+			t.Errorf("entry %d: %s %#v, %s %q; want %q, %q", i, sink.RedisFieldEventID, v[sink.RedisFieldEventID], sink.RedisFieldSource, src, want.msgID, want.source)
+		}
+	}
+}
+
+// webhook-id is what Standard Webhooks receivers deduplicate on, and what
+// the signature covers.
+func TestWebhookIDNamesTheSource(t *testing.T) {
+	t.Parallel()
+	h := newHook(t)
+	s := openSink(t, h.url(t, nil))
+	def := testEvent(sharedID)
+	orders := testEvent(sharedID)
+	orders.Source = "orders"
+	if err := s.Publish(t.Context(), def); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Publish(t.Context(), orders); err != nil {
+		t.Fatal(err)
+	}
+	got := h.requests()
+	if len(got) != 2 {
+		t.Fatalf("%d requests, want 2", len(got))
+	}
+	for i, want := range []string{sharedID, "orders/" + sharedID} {
+		if got[i].err != nil {
+			t.Errorf("request %d: signature check: %v", i, got[i].err)
+		}
+		if id := got[i].header.Get(sink.HeaderWebhookID); id != want {
+			t.Errorf("request %d: webhook-id %q, want %q", i, id, want)
+		}
+	}
+}
+
+// The CloudEvents id is the message id too: (source, id) must be unique,
+// and ce_source names the stream, not the source database.
+func TestCloudEventsIDNamesTheSource(t *testing.T) {
+	t.Parallel()
+	e := newJSEnv(t)
+	s := e.open(t, map[string]string{"cloudevents": "binary"})
+	def := testEvent(sharedID)
+	orders := testEvent(sharedID)
+	orders.Source = "orders"
+	if err := s.Publish(t.Context(), def); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Publish(t.Context(), orders); err != nil {
+		t.Fatal(err)
+	}
+	msgs := e.fetch(t, 2)
+	for i, want := range []string{sharedID, "orders/" + sharedID} {
+		if got := msgs[i].Headers().Get("ce-id"); got != want {
+			t.Errorf("message %d: ce-id %q, want %q", i, got, want)
+		}
+	}
+}
