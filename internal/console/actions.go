@@ -110,17 +110,14 @@ func (c *Console) skip(q *request) {
 		back = string(queryOf("/events", "state", "pending"))
 	}
 	why, err := reason(q.r)
-	if src := sourceOf(stream); err == nil && src != multisource.Default {
-		// SkipEvent names the event by id alone, and the router sends such
-		// a call to default: it would look for the event in the wrong
-		// database.
-		err = fmt.Errorf("event %s is in source %s, and this server's SkipEvent reaches only source default; skip it with a bulk skip of its aggregate (Bulk actions, stream %s)", id, src, stream)
-	}
 	if err != nil {
 		c.sessions.addFlash(q.sess, "error", "Skip: "+err.Error())
 		http.Redirect(q.w, q.r, back, http.StatusSeeOther)
 		return
 	}
+	// An event outside default is named SOURCE/EVENT_ID, as the router
+	// routes it.
+	id = multisource.JoinStream(sourceOf(stream), id)
 	resp, err := c.admin.SkipEvent(q.ctx, &outboxv1.SkipEventRequest{EventId: id, Reason: why, Actor: q.actor()})
 	c.logAction(q, "skip", err, "event_id", id, "reason", why)
 	c.done(q, back, err, fmt.Sprintf("Event %s skipped by %s.", id, resp.GetSkip().GetActor()))
@@ -246,7 +243,6 @@ func (c *Console) bulkPreview(q *request) {
 	case err != nil:
 		data["Error"], code = describe(err), httpCode(err)
 	default:
-		relabelAggregates(b.F.InSource(), sample)
 		data["Preview"], data["Matched"], data["Sample"] = true, matched, sample
 	}
 	c.render(q.w, q.r, code, "bulk", q, data)

@@ -19,10 +19,10 @@
 //
 // With several source databases (serve --source) the AdminService is
 // internal/multisource's router, which sends each call to the source its
-// stream's "source/" prefix names and answers with bare stream names. The
-// console learns the sources from GetLag.sources, asks with addresses
-// ("orders/" for every stream of orders) and relabels the answers'
-// streams as addresses, so every link stays in its source; see sources.go.
+// stream's (or event id's) "source/" prefix names, and whose answers name
+// their streams the same way. The console learns the sources from
+// GetLag.sources and asks with addresses ("orders/" for every stream of
+// orders), so every link stays in its source; see sources.go.
 // With default alone none of this shows.
 //
 // # Sessions

@@ -65,7 +65,6 @@ func (c *Console) actions(q *request) {
 	if err != nil {
 		data["Error"], code = describe(err), httpCode(err)
 	} else {
-		relabelActions(sourceOf(addr), resp.GetActions())
 		data["Actions"], data["Next"], data["PerAggregate"] = resp.GetActions(), resp.GetNextPageToken(), req.AggregateKey != ""
 	}
 	c.render(q.w, r, code, "actions", q, data)
@@ -79,7 +78,6 @@ func (c *Console) aggregateActions(q *request, stream, key string, data map[stri
 		data["ActionsError"] = describe(err)
 		return
 	}
-	relabelActions(sourceOf(stream), resp.GetActions())
 	data["Actions"], data["MoreActions"] = resp.GetActions(), resp.GetNextPageToken() != ""
 }
 
@@ -88,8 +86,11 @@ func (c *Console) aggregateActions(q *request, stream, key string, data map[stri
 func (c *Console) event(q *request) {
 	id := strings.TrimSpace(q.r.FormValue("id"))
 	data := map[string]any{"ID": id}
-	if _, err := uuid.Parse(id); err != nil {
-		data["Error"] = fmt.Sprintf("%q is not an event id: an event id is a UUID such as 0190a8c2-5d1e-7c3a-9f00-2b4c6d8e0f12.", id)
+	// An id may come as its sinks' message id, SOURCE/EVENT_ID outside
+	// default.
+	source, bare := multisource.SplitStream(id)
+	if _, err := uuid.Parse(bare); err != nil {
+		data["Error"] = fmt.Sprintf("%q is not an event id: an event id is a UUID such as 0190a8c2-5d1e-7c3a-9f00-2b4c6d8e0f12 (orders/0190a8c2-… for source orders).", id)
 		if id == "" {
 			data["Error"] = "Enter an event id (a UUID) to find the event."
 		}
@@ -97,22 +98,21 @@ func (c *Console) event(q *request) {
 		return
 	}
 	resp, err := c.admin.ListEvents(q.ctx, &outboxv1.ListEventsRequest{EventId: id})
-	source := multisource.Default
-	if err == nil && len(resp.GetEvents()) == 0 {
-		// Not in default: an event id names one event in whichever source
-		// holds it, so look in the others.
+	if err == nil && len(resp.GetEvents()) == 0 && source == multisource.Default && bare == id {
+		// A bare id is default's, but its owner may have pasted one of
+		// another source without the prefix: look in the others.
 		for _, src := range c.sourceNames(q) {
 			if src == multisource.Default {
 				continue
 			}
-			more, err := c.admin.ListEvents(q.ctx, &outboxv1.ListEventsRequest{EventId: id, Stream: address(src, "")})
+			more, err := c.admin.ListEvents(q.ctx, &outboxv1.ListEventsRequest{EventId: multisource.JoinStream(src, id)})
 			if err == nil && len(more.GetEvents()) > 0 {
-				resp, source = more, src
+				resp = more
 				break
 			}
 		}
 	}
-	relabelEvents(source, resp.GetEvents())
+	addressEvents(resp.GetEvents())
 	switch {
 	case err != nil:
 		data["Error"] = describe(err)

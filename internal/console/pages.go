@@ -132,7 +132,6 @@ func (c *Console) aggregates(q *request) {
 	case err != nil:
 		data["Error"], code = describe(err), httpCode(err)
 	default:
-		relabelAggregates(f.InSource(), resp.GetAggregates())
 		data["Aggregates"], data["Next"] = resp.GetAggregates(), resp.GetNextPageToken()
 		if f.trouble() && q.r.FormValue("page") == "" {
 			// Stalled aggregates that are ready or leased are in trouble
@@ -143,7 +142,6 @@ func (c *Console) aggregates(q *request) {
 			if more, err := c.admin.ListAggregates(q.ctx, &outboxv1.ListAggregatesRequest{Filter: stalled, PageSize: stalledPageSize}); err != nil {
 				data["StalledError"] = describe(err)
 			} else {
-				relabelAggregates(f.InSource(), more.GetAggregates())
 				data["Stalled"], data["MoreStalled"] = more.GetAggregates(), more.GetNextPageToken() != ""
 			}
 		}
@@ -183,7 +181,6 @@ func (c *Console) aggregate(q *request) {
 	// Its stream as the address asked (the answer's is bare), for the
 	// action forms.
 	source := sourceOf(stream)
-	agg.GetAggregate().Stream = inSource(source, agg.GetAggregate().GetStream())
 	data["A"], data["Source"] = agg.GetAggregate(), onSource(source)
 	pending, err := c.admin.ListEvents(q.ctx, &outboxv1.ListEventsRequest{Stream: stream, AggregateKey: key,
 		State: outboxv1.EventState_EVENT_STATE_PENDING, PageSize: eventsPageSize})
@@ -192,13 +189,13 @@ func (c *Console) aggregate(q *request) {
 	} else {
 		// Newest first from the server; the next to deliver goes on top.
 		ev := pending.GetEvents()
-		relabelEvents(source, ev)
+		addressEvents(ev)
 		slices.Reverse(ev)
 		data["Pending"], data["MorePending"] = ev, pending.GetNextPageToken() != ""
 	}
 	recent, err := c.admin.ListEvents(q.ctx, &outboxv1.ListEventsRequest{Stream: stream, AggregateKey: key, PageSize: 10})
 	if err == nil {
-		relabelEvents(source, recent.GetEvents())
+		addressEvents(recent.GetEvents())
 		data["Recent"] = recent.GetEvents()
 	}
 	c.aggregateActions(q, stream, key, data)
@@ -251,7 +248,7 @@ func (c *Console) events(q *request) {
 	if err != nil {
 		data["Error"], code = describe(err), httpCode(err)
 	} else {
-		relabelEvents(sourceOf(addr), resp.GetEvents())
+		addressEvents(resp.GetEvents())
 		data["Events"], data["Next"] = resp.GetEvents(), resp.GetNextPageToken()
 	}
 	c.render(q.w, r, code, "events", q, data)
@@ -298,7 +295,6 @@ func (c *Console) relays(q *request) {
 			data["InFlightError"] = strings.TrimPrefix(onSource(src)+": ", ": ") + describe(err)
 			continue
 		}
-		relabelAggregates(cmpSource(src), leased.GetAggregates())
 		for _, a := range leased.GetAggregates() {
 			rows = append(rows, inFlight{Aggregate: a, Replica: replicaOf[a.GetLeaseHolder()]})
 		}

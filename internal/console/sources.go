@@ -2,10 +2,11 @@ package console
 
 // Sources: a replica serving several source databases (serve --source)
 // answers the AdminService through internal/multisource, which routes each
-// call by the "source/" prefix of its stream and answers with bare stream
-// names. The console asks with addresses and relabels what comes back, so
-// every link it shows carries "source/stream" and leads back to the same
-// database. With default alone nothing here shows.
+// call by the "source/" prefix of its stream and names streams the same way
+// in its answers (an Event by Event.source beside its bare stream). The
+// console asks with addresses, so every link it shows carries
+// "source/stream" and leads back to the same database. With default alone
+// nothing here shows.
 
 import (
 	"slices"
@@ -66,8 +67,8 @@ func sourceOf(addr string) string {
 	return src
 }
 
-// inSource relabels a bare stream name of an answer from source as its
-// address; an empty name (an action on every stream) stays empty.
+// inSource writes a bare stream name of source as its address; an empty
+// name (an action on every stream) stays empty.
 func inSource(source, stream string) string {
 	if stream == "" {
 		return ""
@@ -93,25 +94,14 @@ func onSource(source string) string {
 	return " on source " + source
 }
 
-// relabelAggregates and the others below write each answer's streams as
-// addresses of source.
-func relabelAggregates(source string, aggs []*outboxv1.Aggregate) {
-	for _, a := range aggs {
-		a.Stream = inSource(source, a.GetStream())
-	}
-}
-
-func relabelEvents(source string, evs []*outboxv1.EventInfo) {
+// addressEvents writes each event's stream as its address, "source/stream"
+// outside default. Answers name every other stream that way already (the
+// router's nameSource); an Event keeps its bare stream beside Event.source.
+func addressEvents(evs []*outboxv1.EventInfo) {
 	for _, e := range evs {
-		if e.GetEvent() != nil {
-			e.Event.Stream = inSource(source, e.GetEvent().GetStream())
+		if ev := e.GetEvent(); ev != nil && ev.GetSource() != "" {
+			ev.Stream = inSource(ev.GetSource(), ev.GetStream())
 		}
-	}
-}
-
-func relabelActions(source string, acts []*outboxv1.OperatorAction) {
-	for _, a := range acts {
-		a.Stream = inSource(source, a.GetStream())
 	}
 }
 

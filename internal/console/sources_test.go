@@ -18,8 +18,7 @@ import (
 // events, event and actions pages of orders list orders' rows with links
 // that carry "orders/billing", and following them reaches orders' database,
 // not default's; every action names its source in its confirmation and in
-// the operator log; a single-event skip outside default is refused rather
-// than sent to default.
+// the operator log; a single-event skip outside default reaches its source.
 func TestConsoleWithTwoSources(t *testing.T) {
 	t.Parallel()
 	h := newHarness(t, harnessOptions{sources: []string{"orders"}})
@@ -64,6 +63,11 @@ func TestConsoleWithTwoSources(t *testing.T) {
 	if !strings.Contains(body, `href="/aggregate?key=1&amp;stream=orders%2Fbilling"`) {
 		t.Errorf("event %s of orders, found by id: want its aggregate's link in orders:\n%s", ordersEvent.GetEventId(), body)
 	}
+	// As its sinks name it (the broker's message id): orders/EVENT_ID.
+	_, body = b.get(t, "/event?id=orders/"+ordersEvent.GetEventId())
+	if !strings.Contains(body, `href="/aggregate?key=1&amp;stream=orders%2Fbilling"`) {
+		t.Errorf("event orders/%s, found by its message id: want its aggregate's link in orders:\n%s", ordersEvent.GetEventId(), body)
+	}
 
 	// The aggregate page of orders' billing/1, and its retry: orders'
 	// aggregate leaves parked, default's stays.
@@ -83,11 +87,19 @@ func TestConsoleWithTwoSources(t *testing.T) {
 		t.Error("default's billing/1 left parked state: the retry reached the wrong source")
 	}
 
-	// A single skip in orders is refused: SkipEvent would look in default.
-	_, body = b.post(t, "/act/skip", url.Values{"csrf": {csrf}, "stream": {"orders/billing"}, "key": {"2"},
+	// A single skip in orders reaches orders: the console names the event
+	// orders/EVENT_ID, as the router routes it.
+	_, body = b.post(t, "/act/skip", url.Values{"csrf": {csrf}, "stream": {"orders/billing"}, "key": {"1"},
 		"event_id": {ordersEvent.GetEventId()}, "reason": {"poison"}})
-	if !strings.Contains(body, "is in source orders") {
-		t.Errorf("skip of an orders event: want it refused naming source orders:\n%s", body)
+	if !strings.Contains(body, "Event orders/"+ordersEvent.GetEventId()+" skipped by") {
+		t.Errorf("skip of an orders event: want it skipped in orders:\n%s", body)
+	}
+	var skippedHere int
+	if err := orders.QueryRow(t.Context(), `SELECT count(*) FROM outbox.skipped_event WHERE event_id = $1`, ordersEvent.GetEventId()).Scan(&skippedHere); err != nil {
+		t.Fatal(err)
+	}
+	if skippedHere != 1 {
+		t.Errorf("orders' skipped_event holds %d rows of the skipped event; want 1", skippedHere)
 	}
 
 	// Bulk skip on orders: the dry run and the confirmation name it.
@@ -114,8 +126,8 @@ func TestConsoleWithTwoSources(t *testing.T) {
 	// has none of orders' actions.
 	_, body = b.get(t, "/actions?source=orders")
 	if !strings.Contains(body, `of source <span id="actions-source">orders</span>`) ||
-		strings.Count(body, `<td class="source">orders</td>`) != 2 || !strings.Contains(body, "<td>orders/billing</td>") {
-		t.Errorf("operator log of orders: want its retry and bulk skip, each naming orders:\n%s", body)
+		strings.Count(body, `<td class="source">orders</td>`) != 3 || !strings.Contains(body, "<td>orders/billing</td>") {
+		t.Errorf("operator log of orders: want its retry, skip and bulk skip, each naming orders:\n%s", body)
 	}
 	_, body = b.get(t, "/actions")
 	if !strings.Contains(body, "No operator action matches.") {
