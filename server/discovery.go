@@ -33,6 +33,11 @@ import (
 // trips. Before that, while events came a moment ago, it goes straight to
 // the round, whose scan tells the same: the check would add a round trip
 // to the latency of the next event, where it is felt, and saves little.
+// Once its rounds have found nothing for DiscoveryQuietAfter, the checks
+// come every DiscoveryQuietInterval instead (by default the same): a
+// replica serving many sources spreads a budget of checks over them rather
+// than paying 40 a second for each quiet database, and the first event
+// after a quiet spell waits up to that long to be found.
 //
 // A database whose discovery state is not this cluster's (restored from a
 // dump into another cluster, or a transaction counter set back) stops
@@ -50,6 +55,18 @@ func (s *Server) discover(ctx context.Context) {
 	// The loop is idle (backed off to DiscoveryIdleInterval, its last
 	// round found nothing): check before the next round.
 	idle := false
+	// When a round last found events (or the loop started): the loop is
+	// quiet DiscoveryQuietAfter later.
+	lastFound := time.Now()
+	reset := func() {
+		if idle && s.cfg.DiscoveryQuietInterval > wait && time.Since(lastFound) >= s.cfg.DiscoveryQuietAfter {
+			wait = s.cfg.DiscoveryQuietInterval
+		}
+		if h := s.afterDiscoveryWait.Load(); h != nil {
+			(*h)(wait)
+		}
+		t.Reset(wait)
+	}
 	for {
 		select {
 		case <-ctx.Done():
@@ -63,7 +80,7 @@ func (s *Server) discover(ctx context.Context) {
 			}
 			// A failed check runs the round, which reports the failure.
 			if err == nil && !due {
-				t.Reset(wait) // the idle interval still
+				reset() // the idle (or quiet) interval still
 				continue
 			}
 		}
@@ -98,6 +115,7 @@ func (s *Server) discover(ctx context.Context) {
 		case found.Events > 0:
 			s.metrics.discovered.Add(float64(found.Events))
 			wait = s.cfg.DiscoveryInterval
+			lastFound = time.Now()
 		default:
 			// Linear, not doubling: under a steady trickle of events the
 			// pauses stay short, and an idle replica still settles at
@@ -118,7 +136,7 @@ func (s *Server) discover(ctx context.Context) {
 			s.wakeGroups(nil)
 		}
 		idle = err == nil && found.Events == 0 && wait >= s.cfg.DiscoveryIdleInterval
-		t.Reset(wait)
+		reset()
 	}
 }
 

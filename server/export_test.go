@@ -128,6 +128,10 @@ func (s *Server) IdleSessions() (n int) {
 // answer, before it acts on it; a blocking f holds the loop there.
 func (s *Server) SetAfterRoundDue(f func(due bool, err error)) { s.afterRoundDue.Store(&f) }
 
+// SetAfterDiscoveryWait makes the discovery loop call f with every pause
+// it chooses before its next turn.
+func (s *Server) SetAfterDiscoveryWait(f func(wait time.Duration)) { s.afterDiscoveryWait.Store(&f) }
+
 // SetReconcileTick makes every session take its reconcile ticks from c
 // instead of a ticker every ReconcileInterval (a session selects on it only
 // while it has leases to check). Set it before the first Subscribe.

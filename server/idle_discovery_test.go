@@ -284,3 +284,64 @@ func TestABusyDiscoveryLoopMakesNoCheck(t *testing.T) {
 		t.Fatalf("a loop short of its idle interval made %d checks before its rounds", n)
 	}
 }
+
+// A discovery loop whose rounds have found nothing for DiscoveryQuietAfter
+// checks every DiscoveryQuietInterval (the budget a replica of many sources
+// spreads over them), never before; an event it then finds makes it fast
+// again.
+func TestAQuietDiscoveryLoopChecksAtTheQuietInterval(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	const quietAfter, quietInterval = time.Second, 100 * time.Millisecond
+	r := startReplica(t, url, func(c *server.Config) {
+		c.DiscoveryIdleInterval = 5 * time.Millisecond
+		c.DiscoveryQuietAfter = quietAfter
+		c.DiscoveryQuietInterval = quietInterval
+	})
+	// chosen returns a channel closed once the loop chooses a pause for
+	// which want is true (from now on).
+	chosen := func(want func(time.Duration) bool) <-chan struct{} {
+		seen := make(chan struct{})
+		var once sync.Once
+		r.Server.SetAfterDiscoveryWait(func(w time.Duration) {
+			if want(w) {
+				once.Do(func() { close(seen) })
+			}
+		})
+		return seen
+	}
+	wait := func(what string, seen <-chan struct{}) {
+		t.Helper()
+		select {
+		case <-seen:
+		case <-ctx.Done():
+			t.Fatalf("the discovery loop never chose %s", what)
+		}
+	}
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 4})
+	for i := range 2 {
+		// Before the event commits: the round that finds it is later, and
+		// the loop is quiet no sooner than quietAfter after that round.
+		before := time.Now()
+		ids := emit(t, pool, "orders", "a", 1)
+		d := recv(t, st)
+		if d.GetEvent().GetEventId() != ids[0].String() {
+			t.Fatalf("event %d: got %v", i, d)
+		}
+		ack(t, r, d)
+		wait("the quiet interval", chosen(func(w time.Duration) bool { return w == quietInterval }))
+		if took := time.Since(before); took < quietAfter {
+			t.Fatalf("event %d: the loop went quiet %v after the event committed, before DiscoveryQuietAfter (%v)", i, took, quietAfter)
+		}
+	}
+	// Quiet, it still finds the next event, and is fast again after it.
+	fast := chosen(func(w time.Duration) bool { return w == time.Millisecond })
+	ids := emit(t, pool, "orders", "b", 1)
+	if d := recv(t, st); d.GetEvent().GetEventId() != ids[0].String() {
+		t.Fatalf("after the quiet spell: got %v", d)
+	}
+	wait("DiscoveryInterval after an event", fast)
+}

@@ -69,6 +69,14 @@ type Config struct {
 	// find none, and so the longest a newly committed event waits to be
 	// found. Defaults 1ms and 25ms.
 	DiscoveryInterval, DiscoveryIdleInterval time.Duration
+	// DiscoveryQuietInterval is the pause between an idle loop's checks
+	// once its rounds have found nothing for DiscoveryQuietAfter: a quiet
+	// source costs one statement per DiscoveryQuietInterval, and its first
+	// event after the quiet spell waits up to that long to be found (the
+	// loop is fast again from that event on). Defaults: DiscoveryIdleInterval
+	// (no quiet mode) and 10s. A replica serving many sources sets it so that
+	// its sources' idle checks together stay within a budget (internal/app).
+	DiscoveryQuietInterval, DiscoveryQuietAfter time.Duration
 	// ReconcileInterval is how often a session with deliveries outstanding
 	// checks which of its leases still exist (acks on other replicas, expired
 	// leases claimed elsewhere). Default 2s.
@@ -157,6 +165,8 @@ func (c *Config) setDefaults() error {
 	def(&c.PollInterval, time.Second)
 	def(&c.DiscoveryInterval, time.Millisecond)
 	def(&c.DiscoveryIdleInterval, 25*time.Millisecond)
+	def(&c.DiscoveryQuietInterval, c.DiscoveryIdleInterval)
+	def(&c.DiscoveryQuietAfter, 10*time.Second)
 	def(&c.ReconcileInterval, 2*time.Second)
 	defInt(&c.MaxInFlight, 10000)
 	defInt(&c.MaxInFlightPerAggregate, 1000)
@@ -191,6 +201,9 @@ func (c *Config) setDefaults() error {
 	case c.DiscoveryInterval <= 0 || c.DiscoveryIdleInterval < c.DiscoveryInterval:
 		return fmt.Errorf("server: Config.DiscoveryInterval %v / DiscoveryIdleInterval %v: want 0 < interval <= idle interval",
 			c.DiscoveryInterval, c.DiscoveryIdleInterval)
+	case c.DiscoveryQuietInterval < c.DiscoveryIdleInterval:
+		return fmt.Errorf("server: Config.DiscoveryQuietInterval %v: want at least DiscoveryIdleInterval %v",
+			c.DiscoveryQuietInterval, c.DiscoveryIdleInterval)
 	case c.AckBatch < 1:
 		return fmt.Errorf("server: Config.AckBatch %d must be positive", c.AckBatch)
 	case c.AckCommitters < 1:
@@ -252,6 +265,9 @@ type Server struct {
 	// discovery loop makes before a round (see discover), with its
 	// answer, before the loop acts on it.
 	afterRoundDue atomic.Pointer[func(due bool, err error)]
+	// afterDiscoveryWait, when set (by tests), sees every pause the
+	// discovery loop chooses before its next turn.
+	afterDiscoveryWait atomic.Pointer[func(wait time.Duration)]
 	// reconcileTick, when set (by tests), replaces every session's
 	// reconcile ticker: a session with leases to check takes a tick from
 	// it when the test sends one.
