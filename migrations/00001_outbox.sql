@@ -504,22 +504,23 @@ BEGIN
        AND NEW.event_type <> '' AND octet_length(NEW.event_type) <= 256
        AND NEW.headers = '{}' AND NEW.published_at IS NULL AND NEW.created_at = now()
        AND NEW.xid = pg_current_xact_id() AND octet_length(NEW.payload::text) <= 1024 THEN
-        NEW.event_id := gen_random_uuid();
         -- An UPDATE first, the upsert only for an aggregate without a
         -- counter yet: INSERT ... ON CONFLICT DO UPDATE locks the row it
         -- found before updating it, a WAL record of its own (about 50 of
         -- the 900 bytes of WAL an event costs). Both wait for a concurrent
         -- producer's lock the same way and fail alike (40001) at
         -- REPEATABLE READ or SERIALIZABLE when one committed meanwhile.
+        -- The id comes with the revision: an assignment of its own would
+        -- be one more PL/pgSQL expression to set up.
         UPDATE outbox.aggregate a SET last_revision = a.last_revision + 1
         WHERE a.stream = NEW.stream AND a.aggregate_key = NEW.aggregate_key
-        RETURNING a.last_revision INTO NEW.revision;
+        RETURNING a.last_revision, gen_random_uuid() INTO NEW.revision, NEW.event_id;
         IF NOT FOUND THEN
             INSERT INTO outbox.aggregate AS a (stream, aggregate_key, last_revision)
             VALUES (NEW.stream, NEW.aggregate_key, 1)
             ON CONFLICT (stream, aggregate_key)
                 DO UPDATE SET last_revision = a.last_revision + 1
-            RETURNING a.last_revision INTO NEW.revision;
+            RETURNING a.last_revision, gen_random_uuid() INTO NEW.revision, NEW.event_id;
         END IF;
         RETURN NEW;
     END IF;

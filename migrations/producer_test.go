@@ -1,6 +1,7 @@
 package migrations_test
 
 import (
+	"context"
 	"fmt"
 	"strings"
 	"testing"
@@ -74,6 +75,9 @@ func produceBehind(t *testing.T, pool *pgxpool.Pool, holder int, iso pgx.TxIsoLe
 	if err != nil {
 		t.Fatal(err)
 	}
+	// A failure before end is called must not leave the connection held:
+	// the pool's clean-up waits for it.
+	t.Cleanup(func() { _ = tx.Rollback(context.Background()) })
 	pid := backendPID(t, tx)
 	done := make(chan produced, 1)
 	go func() {
@@ -137,6 +141,7 @@ func TestProducersQueueOnTheCounterAlikeOnEveryPath(t *testing.T) {
 					if err != nil {
 						t.Fatal(err)
 					}
+					defer first.Rollback(ctx) //nolint:errcheck // ended below; a second end is a no-op
 					var firstRev int64
 					if err := first.QueryRow(ctx, ahead.sql, "orders", k).Scan(&firstRev); err != nil {
 						t.Fatal(err)
