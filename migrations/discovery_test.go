@@ -521,6 +521,57 @@ func TestStrandedCountsWhatNoRuleDelivers(t *testing.T) {
 	}
 }
 
+// An event exactly at its aggregate's delivery cursor is late, as one below
+// it is: delivery hands out cursor+1 next, so nothing will ever deliver the
+// cursor's own revision. A READ COMMITTED producer is refused it (23505);
+// a REPEATABLE READ producer whose snapshot predates the cursor gets it in,
+// and then discovery, a re-scan and outbox.stranded must each count it.
+func TestEventAtTheCursorIsLate(t *testing.T) {
+	t.Parallel()
+	ctx := testContext(t)
+	pool := testdb.NewPool(t)
+	exec(t, pool, `SELECT outbox.emit('orders', 'o-1', 'T', '{}', revision => 5)`)
+	late, err := pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer late.Rollback(ctx)
+	if _, err := late.Exec(ctx, `SELECT 1`); err != nil {
+		t.Fatal(err)
+	}
+	discover(t, pool)
+	if n := count(t, pool, `SELECT delivered_revision FROM outbox.delivery WHERE aggregate_key = 'o-1'`); n != 4 {
+		t.Fatalf("cursor at %d, want 4 (before the first revision, 5)", n)
+	}
+	_, err = pool.Exec(ctx, `SELECT outbox.emit('orders', 'o-1', 'T', '{}', revision => 4)`)
+	wantSQLState(t, err, "23505")
+
+	if _, err := late.Exec(ctx, `SELECT outbox.emit('orders', 'o-1', 'T', '{}', revision => 4)`); err != nil {
+		t.Fatal(err)
+	}
+	if err := late.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	discover(t, pool)
+	lateRevisions := `SELECT count(*) FROM outbox.late_event l JOIN outbox.event e USING (event_id) WHERE e.revision = 4`
+	if n := count(t, pool, lateRevisions); n != 1 {
+		t.Fatalf("discovery recorded %d late events at the cursor, want 1", n)
+	}
+	if n := strandedEvents(t, pool); n != 1 {
+		t.Fatalf("%d stranded events, want 1 (revision 4, at the cursor)", n)
+	}
+
+	// The re-scan judges the same event the same way.
+	exec(t, pool, `DELETE FROM outbox.late_event`)
+	exec(t, pool, `SELECT * FROM outbox.rescan_discovery()`)
+	if n := count(t, pool, lateRevisions); n != 1 {
+		t.Fatalf("the re-scan recorded %d late events at the cursor, want 1", n)
+	}
+	if got := claimRevisions(t, pool); got["o-1"] != 5 {
+		t.Fatalf("claim = %v, want revision 5 (the cursor's next)", got)
+	}
+}
+
 // An event delivered p_max_attempts times without an ack or a nack (every
 // lease expired, or every stream holding it ended) parks its aggregate with
 // the reason, instead of being offered forever; other aggregates go on.

@@ -140,6 +140,9 @@ func TestRolledBackTransactionLeavesNothing(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	// A failure must not leave a transaction open: the pool's clean-up
+	// waits for its connection.
+	defer func() { _ = tx.Rollback(ctx) }()
 	if _, err := tx.Exec(ctx, `UPDATE sales_order SET state = 'paid' WHERE order_id = 7`); err != nil {
 		t.Fatal(err)
 	}

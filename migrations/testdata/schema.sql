@@ -1341,19 +1341,36 @@ BEGIN
     -- fresh event with an automatic revision, empty headers and a payload of
     -- at most 1 KiB that passes every check below takes this path; anything
     -- else (a NULL makes the condition NULL, so false) takes the checks
-    -- below, which say what is wrong. Keep the two in step.
+    -- below, which say what is wrong. Keep the two in step. The stream is
+    -- tested without the regular expression, which took about 3 % of the
+    -- backend's time in a perf profile of this path: at most 128 bytes, a
+    -- first character a-z, nothing left once a-z0-9_.- are trimmed off is
+    -- what ^[a-z][a-z0-9_.-]{0,127}$ accepts.
     IF NEW.event_id IS NULL AND NEW.revision IS NULL
-       AND NEW.stream ~ '^[a-z][a-z0-9_.-]{0,127}$'
+       AND octet_length(NEW.stream) <= 128 AND ascii(NEW.stream) BETWEEN 97 AND 122
+       AND ltrim(NEW.stream, 'abcdefghijklmnopqrstuvwxyz0123456789_.-') = ''
        AND NEW.aggregate_key <> '' AND octet_length(NEW.aggregate_key) <= 1024
        AND NEW.event_type <> '' AND octet_length(NEW.event_type) <= 256
        AND NEW.headers = '{}' AND NEW.published_at IS NULL AND NEW.created_at = now()
        AND NEW.xid = pg_current_xact_id() AND octet_length(NEW.payload::text) <= 1024 THEN
-        NEW.event_id := gen_random_uuid();
-        INSERT INTO outbox.aggregate AS a (stream, aggregate_key, last_revision)
-        VALUES (NEW.stream, NEW.aggregate_key, 1)
-        ON CONFLICT (stream, aggregate_key)
-            DO UPDATE SET last_revision = a.last_revision + 1
-        RETURNING a.last_revision INTO NEW.revision;
+        -- An UPDATE first, the upsert only for an aggregate without a
+        -- counter yet: INSERT ... ON CONFLICT DO UPDATE locks the row it
+        -- found before updating it, a WAL record of its own (about 50 of
+        -- the 900 bytes of WAL an event costs). Both wait for a concurrent
+        -- producer's lock the same way and fail alike (40001) at
+        -- REPEATABLE READ or SERIALIZABLE when one committed meanwhile.
+        -- The id comes with the revision: an assignment of its own would
+        -- be one more PL/pgSQL expression to set up.
+        UPDATE outbox.aggregate a SET last_revision = a.last_revision + 1
+        WHERE a.stream = NEW.stream AND a.aggregate_key = NEW.aggregate_key
+        RETURNING a.last_revision, gen_random_uuid() INTO NEW.revision, NEW.event_id;
+        IF NOT FOUND THEN
+            INSERT INTO outbox.aggregate AS a (stream, aggregate_key, last_revision)
+            VALUES (NEW.stream, NEW.aggregate_key, 1)
+            ON CONFLICT (stream, aggregate_key)
+                DO UPDATE SET last_revision = a.last_revision + 1
+            RETURNING a.last_revision, gen_random_uuid() INTO NEW.revision, NEW.event_id;
+        END IF;
         RETURN NEW;
     END IF;
 
