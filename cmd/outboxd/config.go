@@ -87,12 +87,29 @@ func applyConfig(cmd *cobra.Command, _ []string) error {
 			if err := setFlag(f, fileValues(v)); err != nil {
 				errs = append(errs, fmt.Errorf("%s: %s: %w", path, f.Name, err))
 			}
+			if f.Annotations == nil {
+				f.Annotations = map[string][]string{}
+			}
+			f.Annotations[fromConfigFile] = []string{path}
 		}
 	})
 	if err := errors.Join(errs...); err != nil {
 		return withExitCode(exitUsage, err)
 	}
 	return nil
+}
+
+// fromConfigFile annotates a flag whose value came from the --config file
+// (the file's path): serve rereads its source list from there on reload.
+const fromConfigFile = "outboxd-from-config-file"
+
+// configFileOf returns the --config file flag name's value came from, or ""
+// when it came from the command line, the environment or its default.
+func configFileOf(fs *pflag.FlagSet, name string) string {
+	if f := fs.Lookup(name); f != nil && len(f.Annotations[fromConfigFile]) == 1 {
+		return f.Annotations[fromConfigFile][0]
+	}
+	return ""
 }
 
 // configurable says whether a flag may come from the file or environment:

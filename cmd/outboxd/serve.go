@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"cmp"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -12,6 +13,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/spf13/cobra"
 	"golang.org/x/sync/errgroup"
 	"google.golang.org/grpc/credentials"
@@ -54,6 +56,15 @@ type serveFlags struct {
 	pprof                bool
 	console              bool
 	sources              []string
+
+	// sourcesFile is the --config file the sources came from, when they
+	// did (its `source:` list is then reread on SIGHUP and file change),
+	// and rereadSources reads that list again.
+	sourcesFile   string
+	rereadSources func() ([]string, error)
+	// sourcesWatched, when set (tests), is called once serve watches the
+	// sources file and SIGHUP.
+	sourcesWatched func()
 }
 
 func (f *serveFlags) register(cmd *cobra.Command) {
@@ -173,6 +184,19 @@ func serveCommand(g *globalFlags) *cobra.Command {
 			if err != nil {
 				return err
 			}
+			if path := configFileOf(cmd.Flags(), "source"); path != "" {
+				f.sourcesFile = path
+				f.rereadSources = func() ([]string, error) {
+					file, err := readConfigFile(path, cmd)
+					if err != nil {
+						return nil, err
+					}
+					if v, ok := file["source"]; ok {
+						return fileValues(v), nil
+					}
+					return nil, nil
+				}
+			}
 			return runServer(cmd.Context(), all, &f, log, nil)
 		},
 	}
@@ -252,21 +276,61 @@ func runServer(ctx context.Context, sources []source, f *serveFlags, log *slog.L
 		MaxSubscriptionsPerRelay: f.maxSubscriptions, AckCommitters: f.ackCommitters,
 	}
 	// One engine per source, each with its own pool of --max-db-conns.
+	// Sources of the --config file's list are reloadable: one that does
+	// not answer now is added when it does (see sourceSet).
 	defaultCfg := base
 	var named []app.Source
+	var fileSources []source
+	opened := map[string]*pgxpool.Pool{}
+	var firstErr error
 	for _, src := range sources {
-		pool, err := openSource(ctx, src, sources, f.maxConns)
+		reloadable := f.rereadSources != nil && src.name != multisource.Default
+		if reloadable {
+			fileSources = append(fileSources, src)
+		}
+		openCtx, cancel := ctx, context.CancelFunc(func() {})
+		if reloadable {
+			openCtx, cancel = context.WithTimeout(ctx, sourceConnectTimeout)
+		}
+		pool, err := openSource(openCtx, src, sources, f.maxConns)
+		cancel()
+		if err != nil && reloadable {
+			log.Warn("source not reachable at startup; serving the others and retrying it", "source", src.name, "err", err)
+			firstErr = cmp.Or(firstErr, err)
+			continue
+		}
 		if err != nil {
 			return err
 		}
-		defer pool.Close()
+		if reloadable {
+			opened[src.name] = pool // closed by the sourceSet
+		} else {
+			defer pool.Close()
+		}
 		if src.name == multisource.Default {
 			defaultCfg.Store, defaultCfg.DatabaseURL = store.New(pool), src.url
 			continue
 		}
-		sc := base
-		sc.Store, sc.DatabaseURL, sc.Logger, sc.Registerer = store.New(pool), src.url, nil, nil
-		named = append(named, app.Source{Name: src.name, Server: sc})
+		named = append(named, app.Source{Name: src.name, Server: namedSourceConfig(base, src, pool)})
+	}
+	if defaultCfg.Store == nil && len(named) == 0 {
+		return firstErr // every source is of the file, and none answers
+	}
+	var reloads *sourceSet
+	if f.rereadSources != nil {
+		reloads = &sourceSet{
+			log: log, base: base, maxConns: f.maxConns, interval: f.healthInterval, drain: f.shutdownTimeout,
+			path: f.sourcesFile, reread: f.rereadSources, fixed: map[string]bool{},
+			reloads: newSourceReloadMetric(reg),
+		}
+		if defaultCfg.Store != nil {
+			reloads.fixed[multisource.Default] = true
+		}
+		defer func() {
+			for _, pool := range opened {
+				pool.Close() // unless the sourceSet took them over and closed them
+			}
+		}()
 	}
 
 	creds, authn, err := f.security(log)
@@ -281,9 +345,15 @@ func runServer(ctx context.Context, sources []source, f *serveFlags, log *slog.L
 		Reflection:      f.reflection,
 		HealthInterval:  f.healthInterval,
 		ShutdownTimeout: f.shutdownTimeout,
+		LabelSources:    reloads != nil,
 	})
 	if err != nil {
 		return err
+	}
+	if reloads != nil {
+		reloads.rep = rep
+		reloads.start(ctx, opened, fileSources)
+		defer reloads.close()
 	}
 	lis, err := net.Listen("tcp", f.listen)
 	if err != nil {
@@ -301,6 +371,14 @@ func runServer(ctx context.Context, sources []source, f *serveFlags, log *slog.L
 	// The replica shuts down when ctx is done: see app.Replica.Shutdown.
 	served := make(chan struct{})
 	eg.Go(func() error { defer close(served); return rep.Serve(ctx, lis) })
+	if reloads != nil {
+		eg.Go(func() error {
+			watchCtx, cancel := context.WithCancel(ctx)
+			defer cancel()
+			go func() { <-served; cancel() }()
+			return reloads.Watch(watchCtx, f.sourcesWatched)
+		})
+	}
 	var httpSrv *http.Server
 	if httpLis != nil {
 		var consoleHandler http.Handler

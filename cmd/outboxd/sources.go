@@ -50,6 +50,14 @@ func (g *globalFlags) sources(specs []string) ([]source, error) {
 	if len(out) > 0 {
 		seen[multisource.Default] = true
 	}
+	named, err := parseSourceSpecs(specs, seen)
+	return append(out, named...), err
+}
+
+// parseSourceSpecs parses --source NAME=URL entries, none of whose names
+// may be in seen (the sources there are already); it adds theirs.
+func parseSourceSpecs(specs []string, seen map[string]bool) ([]source, error) {
+	var out []source
 	for _, spec := range specs {
 		name, url, ok := strings.Cut(spec, "=")
 		if !ok || url == "" {

@@ -37,7 +37,8 @@ func (a *adminRouter) GetLag(ctx context.Context, req *outboxv1.GetLagRequest) (
 		err error
 	}
 	var parts []*part
-	for _, name := range a.r.names {
+	rt := a.r.routes()
+	for _, name := range rt.names {
 		sctx, err := forSource(ctx, name)
 		if err != nil {
 			continue // the caller may see nothing of this source
@@ -52,11 +53,11 @@ func (a *adminRouter) GetLag(ctx context.Context, req *outboxv1.GetLagRequest) (
 		if len(req.GetStreams()) > 0 && len(sub.Streams) == 0 {
 			continue
 		}
-		parts = append(parts, &part{e: a.r.engines[name], ctx: sctx, req: sub})
+		parts = append(parts, &part{e: rt.engines[name], ctx: sctx, req: sub})
 	}
 	if len(parts) == 0 {
 		if len(req.GetStreams()) > 0 {
-			return nil, invalid("streams", "name no source this server serves (%s) that the caller may see", strings.Join(a.r.names, ", "))
+			return nil, invalid("streams", "name no source this server serves (%s) that the caller may see", strings.Join(rt.names, ", "))
 		}
 		return nil, status.Error(codes.PermissionDenied, "the token may access no stream of any source")
 	}
@@ -154,12 +155,13 @@ func (a *adminRouter) ListRelays(ctx context.Context, req *outboxv1.ListRelaysRe
 	out := &outboxv1.ListRelaysResponse{}
 	var firstErr error
 	answered := 0
-	for _, name := range a.r.names {
+	rt := a.r.routes()
+	for _, name := range rt.names {
 		sctx, err := forSource(ctx, name)
 		if err != nil {
 			continue
 		}
-		res, err := a.r.engines[name].Admin.ListRelays(sctx, req)
+		res, err := rt.engines[name].Admin.ListRelays(sctx, req)
 		if err != nil {
 			if c := status.Code(err); c == codes.PermissionDenied || ctx.Err() != nil {
 				return nil, err

@@ -1,0 +1,238 @@
+package main_test
+
+import (
+	"context"
+	"net/http"
+	"net/url"
+	"os"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
+
+	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+	"github.com/outboxd/outboxd/internal/testdb"
+)
+
+// withoutPassword is url without its password: the config file refuses
+// one, and the test server trusts loopback.
+func withoutPassword(t *testing.T, raw string) string {
+	t.Helper()
+	u, err := url.Parse(raw)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if u.User != nil {
+		u.User = url.User(u.User.Username())
+	}
+	return u.String()
+}
+
+// replaceFile writes text to a new file in dir and renames it over path,
+// so that a reader sees the old content or the new, never half of it.
+func replaceFile(t *testing.T, dir, path, text string) {
+	t.Helper()
+	tmp := filepath.Join(dir, "next.yaml")
+	if err := os.WriteFile(tmp, []byte(text), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Rename(tmp, path); err != nil {
+		t.Fatal(err)
+	}
+}
+
+var reloadsMetric = regexp.MustCompile(`(?m)^outboxd_source_reloads_total\{result="(ok|error)"\} (\d+)$`)
+
+// sourceReloads reads serve's reload counters from /metrics.
+func sourceReloads(t *testing.T, httpAddr string) (ok, failed int) {
+	t.Helper()
+	code, body := httpGet("http://" + httpAddr + "/metrics")
+	if code != http.StatusOK {
+		return -1, -1
+	}
+	for _, m := range reloadsMetric.FindAllStringSubmatch(body, -1) {
+		n, _ := strconv.Atoi(m[2])
+		if m[1] == "ok" {
+			ok = n
+		} else {
+			failed = n
+		}
+	}
+	return ok, failed
+}
+
+// backends counts the sessions connected to the database of url.
+func backends(t *testing.T, admin *pgxpool.Pool, url string) int {
+	t.Helper()
+	var n int
+	if err := admin.QueryRow(t.Context(), `SELECT count(*) FROM pg_stat_activity WHERE datname = $1`, dbName(url)).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+// Sources of the --config file's list come and go while serve runs, and
+// the engines of the others are not disturbed: source b is added by SIGHUP
+// (the file behind a symlink whose directory serve does not watch, so only
+// the signal can have done it) and delivers; it is removed by a change of
+// the file alone: its open stream ends UNAVAILABLE, a new one is refused
+// NOT_FOUND naming b as removed, its pool is closed (no session left on its
+// database). Meanwhile a relay of source a holds a lease taken before b
+// came: that lease still acks, the stream never broke, and a's next events
+// come exactly once, in order. A reload with an invalid entry changes
+// nothing and is counted as an error.
+func TestServeReloadsSources(t *testing.T) {
+	t.Parallel()
+	def, a, b := testdb.New(t), testdb.New(t), testdb.New(t)
+	realDir, cfgDir := t.TempDir(), t.TempDir()
+	aEntry := "  - a=" + withoutPassword(t, a) + "\n"
+	bEntry := "  - b=" + withoutPassword(t, b) + "\n"
+	real := filepath.Join(realDir, "outboxd.yaml")
+	if err := os.WriteFile(real, []byte("source:\n"+aEntry), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	cfg := filepath.Join(cfgDir, "outboxd.yaml")
+	if err := os.Symlink(real, cfg); err != nil {
+		t.Fatal(err)
+	}
+	grpcAddr, httpAddr := freeAddr(t), freeAddr(t)
+	p := start(t, "serve", "--config", cfg, "--database-url", def, "--listen", grpcAddr, "--http-listen", httpAddr,
+		"--health-interval", "200ms", "--shutdown-timeout", "5s")
+	defer p.signal(os.Interrupt)
+	// The first reload happens once SIGHUP and the file are watched.
+	eventually(t, "the first reload", func() bool { ok, _ := sourceReloads(t, httpAddr); return ok >= 1 })
+	eventually(t, "/readyz 200", func() bool { code, _ := httpGet("http://" + httpAddr + "/readyz"); return code == http.StatusOK })
+
+	conn, err := grpc.NewClient(grpcAddr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	client := outboxv1.NewRelayServiceClient(conn)
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	poolA, poolB := testdb.NewPoolURL(t, a), testdb.NewPoolURL(t, b)
+	emit := func(pool *pgxpool.Pool, agg string) string {
+		t.Helper()
+		var id string
+		if err := pool.QueryRow(ctx, `SELECT event_id::text FROM outbox.emit('orders', $1, 'T', '{}')`, agg).Scan(&id); err != nil {
+			t.Fatal(err)
+		}
+		return id
+	}
+	emitA := func(agg string) string { return emit(poolA, agg) }
+	emitB := func(agg string) string { return emit(poolB, agg) }
+
+	// A relay of source a takes a lease and holds it.
+	a1 := emitA("1")
+	streamA, err := client.Subscribe(ctx, &outboxv1.SubscribeRequest{RelayId: "relay-a", Streams: []string{"a/orders"}, MaxInFlight: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	d1, err := streamA.Recv()
+	if err != nil || d1.GetEvent().GetEventId() != a1 {
+		t.Fatalf("source a: got %v, %v; want event %s", d1.GetEvent().GetEventId(), err, a1)
+	}
+
+	// b is added by SIGHUP: the file changes where serve does not watch.
+	if _, err := client.Subscribe(ctx, &outboxv1.SubscribeRequest{RelayId: "relay-b", Streams: []string{"b/orders"}}); err != nil {
+		t.Fatal(err)
+	}
+	okBefore, _ := sourceReloads(t, httpAddr)
+	replaceFile(t, realDir, real, "source:\n"+aEntry+bEntry)
+	if ok, _ := sourceReloads(t, httpAddr); ok != okBefore {
+		t.Fatalf("reloads went from %d to %d without a signal: serve watches the symlink's target directory", okBefore, ok)
+	}
+	if err := p.cmd.Process.Signal(syscall.SIGHUP); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "the reload on SIGHUP", func() bool { ok, _ := sourceReloads(t, httpAddr); return ok > okBefore })
+	b1 := emitB("1")
+	streamB, err := client.Subscribe(ctx, &outboxv1.SubscribeRequest{RelayId: "relay-b", Streams: []string{"b/orders"}, MaxInFlight: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	db1, err := streamB.Recv()
+	if err != nil || db1.GetEvent().GetEventId() != b1 || db1.GetEvent().GetSource() != "b" {
+		t.Fatalf("source b after SIGHUP: got %v of %q, %v; want event %s of b", db1.GetEvent().GetEventId(), db1.GetEvent().GetSource(), err, b1)
+	}
+	ack(t, client, db1, outboxv1.AckStatus_ACK_STATUS_PUBLISHED)
+
+	// b is removed by a change of the file alone.
+	admin := testdb.NewPoolURL(t, testdb.ServerURL())
+	okBefore, _ = sourceReloads(t, httpAddr)
+	replaceFile(t, realDir, cfg, "source:\n"+aEntry)
+	_, err = streamB.Recv()
+	if status.Code(err) != codes.Unavailable || !strings.Contains(status.Convert(err).Message(), `source "b" is being removed`) {
+		t.Errorf("b's open stream ended with %v; want UNAVAILABLE saying b is being removed", err)
+	}
+	eventually(t, "the reload on file change", func() bool { ok, _ := sourceReloads(t, httpAddr); return ok > okBefore })
+	refused, err := client.Subscribe(ctx, &outboxv1.SubscribeRequest{RelayId: "relay-b", Streams: []string{"b/orders"}})
+	if err == nil {
+		_, err = refused.Recv()
+	}
+	if status.Code(err) != codes.NotFound || !strings.Contains(status.Convert(err).Message(), `source "b" was removed`) {
+		t.Errorf("Subscribe to removed b: %v; want NOT_FOUND saying b was removed", err)
+	}
+	if res, err := client.Ack(ctx, &outboxv1.AckRequest{Acks: []*outboxv1.AckItem{{EventId: b1, LeaseToken: db1.GetLeaseToken()}}}); err != nil ||
+		res.GetResults()[0].GetStatus() != outboxv1.AckStatus_ACK_STATUS_INVALID || !strings.Contains(res.GetResults()[0].GetMessage(), `source "b", which was removed`) {
+		t.Errorf("Ack of a lease of removed b: %v, %v; want ACK_STATUS_INVALID saying b was removed", res, err)
+	}
+	// A backend leaves pg_stat_activity a moment after its client hangs up.
+	poolB.Close()
+	eventually(t, "no session left on b's database after its removal (pool and LISTEN connection closed)",
+		func() bool { return backends(t, admin, b) == 0 })
+
+	// An invalid entry changes nothing.
+	_, failedBefore := sourceReloads(t, httpAddr)
+	okBefore, _ = sourceReloads(t, httpAddr)
+	replaceFile(t, realDir, cfg, "source:\n"+aEntry+bEntry+"  - Not-A-Name=postgres://x/y\n")
+	eventually(t, "the failed reload", func() bool { _, failed := sourceReloads(t, httpAddr); return failed > failedBefore })
+	if ok, _ := sourceReloads(t, httpAddr); ok != okBefore {
+		t.Errorf("an invalid reload counted as ok (%d -> %d)", okBefore, ok)
+	}
+	refused, err = client.Subscribe(ctx, &outboxv1.SubscribeRequest{RelayId: "relay-b", Streams: []string{"b/orders"}})
+	if err == nil {
+		_, err = refused.Recv()
+	}
+	if status.Code(err) != codes.NotFound {
+		t.Errorf("after an invalid reload that also names b, Subscribe to b: %v; want NOT_FOUND (nothing applied)", err)
+	}
+
+	// a's lease survived all of it, and a's stream goes on: its next
+	// events come once each, in order, none redelivered.
+	ack(t, client, d1, outboxv1.AckStatus_ACK_STATUS_PUBLISHED)
+	a2, a3 := emitA("1"), emitA("1")
+	for _, want := range []string{a2, a3} {
+		d, err := streamA.Recv()
+		if err != nil || d.GetEvent().GetEventId() != want {
+			t.Fatalf("source a after the reloads: got %v, %v; want %s (a1 %s must not come again)", d.GetEvent().GetEventId(), err, want, a1)
+		}
+		ack(t, client, d, outboxv1.AckStatus_ACK_STATUS_PUBLISHED)
+	}
+	var unpublished int
+	if err := poolA.QueryRow(ctx, `SELECT count(*) FROM outbox.event WHERE published_at IS NULL`).Scan(&unpublished); err != nil {
+		t.Logf("counting unpublished events of a: %v", err)
+	} else if unpublished != 0 {
+		t.Errorf("%d events of a unpublished after their acks", unpublished)
+	}
+}
+
+func ack(t *testing.T, client outboxv1.RelayServiceClient, d *outboxv1.SubscribeResponse, want outboxv1.AckStatus) {
+	t.Helper()
+	res, err := client.Ack(t.Context(), &outboxv1.AckRequest{Acks: []*outboxv1.AckItem{{EventId: d.GetEvent().GetEventId(), LeaseToken: d.GetLeaseToken()}}})
+	if err != nil {
+		t.Fatalf("ack %s: %v", d.GetEvent().GetEventId(), err)
+	}
+	if got := res.GetResults()[0]; got.GetStatus() != want {
+		t.Fatalf("ack %s: %v %s; want %v", d.GetEvent().GetEventId(), got.GetStatus(), got.GetMessage(), want)
+	}
+}
