@@ -15,7 +15,6 @@ import (
 	"time"
 
 	"github.com/fsnotify/fsnotify"
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/outboxd/outboxd/internal/app"
@@ -48,7 +47,7 @@ type reloadableSource struct {
 	// returned, with pool set when the source was added.
 	cancel context.CancelFunc
 	done   chan struct{}
-	pool   *pgxpool.Pool
+	pool   *sourcePool
 }
 
 // sourceSet keeps the replica's reloadable sources in line with the
@@ -85,7 +84,7 @@ func newSourceReloadMetric(reg prometheus.Registerer) *prometheus.CounterVec {
 
 // start begins connecting the sources of the list serve started with that
 // it could not open at once (the others it was given with their pools).
-func (s *sourceSet) start(ctx context.Context, opened map[string]*pgxpool.Pool, all []source) {
+func (s *sourceSet) start(ctx context.Context, opened map[string]*sourcePool, all []source) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.live = map[string]*reloadableSource{}
@@ -141,7 +140,7 @@ func (s *sourceSet) connect(ctx context.Context, src source, wait bool) {
 }
 
 // add opens src's pool and adds its engine to the replica.
-func (s *sourceSet) add(ctx context.Context, src source) (*pgxpool.Pool, error) {
+func (s *sourceSet) add(ctx context.Context, src source) (*sourcePool, error) {
 	octx, cancel := context.WithTimeout(ctx, sourceConnectTimeout)
 	defer cancel()
 	pool, err := openSource(octx, src, nil, s.maxConns)
@@ -304,8 +303,8 @@ func (s *sourceSet) Watch(ctx context.Context, ready func()) error {
 // namedSourceConfig is the engine configuration of a source other than
 // default: base, with the source's store, and the replica's logger and
 // metrics registry (labelled with the source by app).
-func namedSourceConfig(base server.Config, src source, pool *pgxpool.Pool) server.Config {
+func namedSourceConfig(base server.Config, src source, pool *sourcePool) server.Config {
 	sc := base
-	sc.Store, sc.DatabaseURL, sc.Logger, sc.Registerer = store.New(pool), src.url, nil, nil
+	sc.Store, sc.DatabaseURL, sc.Logger, sc.Registerer = store.New(pool.Pool), withoutPoolParams(src.url), nil, nil
 	return sc
 }

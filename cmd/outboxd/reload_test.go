@@ -11,6 +11,7 @@ import (
 	"strings"
 	"syscall"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 	"google.golang.org/grpc"
@@ -224,6 +225,119 @@ func TestServeReloadsSources(t *testing.T) {
 	} else if unpublished != 0 {
 		t.Errorf("%d events of a unpublished after their acks", unpublished)
 	}
+}
+
+// A source of the --config file's list whose database refuses connections
+// at startup does not keep serve from serving the others: /readyz is 200
+// and names it as not added yet, the other source delivers; once its
+// database lets connections in it is added by itself and delivers too.
+func TestServeStartsWithoutAnUnreachableSource(t *testing.T) {
+	t.Parallel()
+	def, down, up := testdb.New(t), testdb.New(t), testdb.New(t)
+	admin := testdb.NewPoolURL(t, testdb.ServerURL())
+	if _, err := admin.Exec(t.Context(), `ALTER DATABASE "`+dbName(down)+`" ALLOW_CONNECTIONS false`); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_, _ = admin.Exec(context.Background(), `ALTER DATABASE "`+dbName(down)+`" ALLOW_CONNECTIONS true`)
+	})
+	cfg := writeConfig(t, "source:\n  - down="+withoutPassword(t, down)+"\n  - up="+withoutPassword(t, up)+"\n")
+	grpcAddr, httpAddr := freeAddr(t), freeAddr(t)
+	p := start(t, "serve", "--config", cfg, "--database-url", def, "--listen", grpcAddr, "--http-listen", httpAddr,
+		"--health-interval", "200ms")
+	defer p.signal(os.Interrupt)
+	eventually(t, "/readyz 200 naming source down", func() bool {
+		code, body := httpGet("http://" + httpAddr + "/readyz")
+		return code == http.StatusOK && strings.Contains(body, "degraded: source down: not added yet:")
+	})
+
+	conn, err := grpc.NewClient(grpcAddr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	client := outboxv1.NewRelayServiceClient(conn)
+	deliverOne := func(url, source string) {
+		t.Helper()
+		pool := testdb.NewPoolURL(t, url)
+		defer pool.Close()
+		var id string
+		if err := pool.QueryRow(t.Context(), `SELECT event_id::text FROM outbox.emit('orders', '1', 'T', '{}')`).Scan(&id); err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithCancel(t.Context())
+		defer cancel()
+		st, err := client.Subscribe(ctx, &outboxv1.SubscribeRequest{RelayId: "r", Streams: []string{source + "/orders"}, MaxInFlight: 1})
+		if err != nil {
+			t.Fatal(err)
+		}
+		d, err := st.Recv()
+		if err != nil || d.GetEvent().GetEventId() != id {
+			t.Fatalf("source %s: got %v, %v; want %s", source, d.GetEvent().GetEventId(), err, id)
+		}
+		ack(t, client, d, outboxv1.AckStatus_ACK_STATUS_PUBLISHED)
+	}
+	deliverOne(up, "up")
+
+	if _, err := admin.Exec(t.Context(), `ALTER DATABASE "`+dbName(down)+`" ALLOW_CONNECTIONS true`); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "/readyz plain ready once down answers", func() bool {
+		code, body := httpGet("http://" + httpAddr + "/readyz")
+		return code == http.StatusOK && strings.TrimSpace(body) == "ready"
+	})
+	deliverOne(down, "down")
+}
+
+// An idle source holds 2 database connections (its LISTEN connection and
+// one pool connection) between the moments its engine's periodic work
+// overlaps, with no relay and with one idle relay: the samples are logged
+// (the figures of docs/operations), and the count must come down to 2,
+// which a pool that kept what a burst opened never does.
+func TestIdleSourceConnections(t *testing.T) {
+	t.Parallel()
+	def, idle := testdb.New(t), testdb.New(t)
+	admin := testdb.NewPoolURL(t, testdb.ServerURL())
+	grpcAddr, httpAddr := freeAddr(t), freeAddr(t)
+	p := start(t, "serve", "--database-url", def, "--source", "idle="+idle, "--listen", grpcAddr, "--http-listen", httpAddr)
+	defer p.signal(os.Interrupt)
+	eventually(t, "/readyz 200", func() bool { code, _ := httpGet("http://" + httpAddr + "/readyz"); return code == http.StatusOK })
+	sample := func(what string) {
+		t.Helper()
+		eventually(t, what+": 2 sessions on the idle source's database", func() bool { return backends(t, admin, idle) <= 2 })
+		// A measurement over 3 seconds, not a wait.
+		counts, n := map[int]int{}, 0
+		for begin := time.Now(); time.Since(begin) < 3*time.Second; n++ {
+			counts[backends(t, admin, idle)]++
+		}
+		t.Logf("idle source, %s: sessions on its database over %d samples in 3 s (sessions: samples): %v", what, n, counts)
+	}
+	sample("no relay")
+
+	conn, err := grpc.NewClient(grpcAddr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	// The relay takes one event and acks it, then idles.
+	producer := testdb.NewPoolURL(t, idle)
+	if _, err := producer.Exec(ctx, `SELECT outbox.emit('orders', '1', 'T', '{}')`); err != nil {
+		t.Fatal(err)
+	}
+	producer.Close() // its session would be counted
+	client := outboxv1.NewRelayServiceClient(conn)
+	st, err := client.Subscribe(ctx, &outboxv1.SubscribeRequest{RelayId: "idle", Streams: []string{"idle/orders"}, MaxInFlight: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	d, err := st.Recv()
+	if err != nil {
+		t.Fatal(err)
+	}
+	ack(t, client, d, outboxv1.AckStatus_ACK_STATUS_PUBLISHED)
+	sample("one idle relay")
 }
 
 func ack(t *testing.T, client outboxv1.RelayServiceClient, d *outboxv1.SubscribeResponse, want outboxv1.AckStatus) {

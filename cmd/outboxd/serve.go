@@ -1,8 +1,8 @@
 package main
 
 import (
-	"context"
 	"cmp"
+	"context"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -13,7 +13,6 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/spf13/cobra"
 	"golang.org/x/sync/errgroup"
 	"google.golang.org/grpc/credentials"
@@ -281,7 +280,7 @@ func runServer(ctx context.Context, sources []source, f *serveFlags, log *slog.L
 	defaultCfg := base
 	var named []app.Source
 	var fileSources []source
-	opened := map[string]*pgxpool.Pool{}
+	opened := map[string]*sourcePool{}
 	var firstErr error
 	for _, src := range sources {
 		reloadable := f.rereadSources != nil && src.name != multisource.Default
@@ -308,7 +307,7 @@ func runServer(ctx context.Context, sources []source, f *serveFlags, log *slog.L
 			defer pool.Close()
 		}
 		if src.name == multisource.Default {
-			defaultCfg.Store, defaultCfg.DatabaseURL = store.New(pool), src.url
+			defaultCfg.Store, defaultCfg.DatabaseURL = store.New(pool.Pool), withoutPoolParams(src.url)
 			continue
 		}
 		named = append(named, app.Source{Name: src.name, Server: namedSourceConfig(base, src, pool)})

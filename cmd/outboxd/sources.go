@@ -6,8 +6,12 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
+	"slices"
 	"strings"
+	"sync/atomic"
+	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/spf13/pflag"
 
@@ -88,7 +92,7 @@ func (s source) label(all []source) string {
 
 // openSource opens a source's pool of at most maxConns connections, and
 // checks that it answers and that its schema is current.
-func openSource(ctx context.Context, s source, all []source, maxConns int32) (*pgxpool.Pool, error) {
+func openSource(ctx context.Context, s source, all []source, maxConns int32) (*sourcePool, error) {
 	fail := func(err error) error { return fmt.Errorf("%s%w", s.label(all), err) }
 	poolCfg, err := pgxpool.ParseConfig(s.url)
 	if err != nil {
@@ -97,9 +101,9 @@ func openSource(ctx context.Context, s source, all []source, maxConns int32) (*p
 		}
 		return nil, fail(fmt.Errorf("--source %s: %w", s.name, err))
 	}
-	poolCfg.MaxConns = maxConns
+	configureSourcePool(poolCfg, s.url, maxConns)
 	store.ConfigurePool(poolCfg)
-	pool, err := pgxpool.NewWithConfig(ctx, poolCfg)
+	pool, err := newSourcePool(ctx, poolCfg)
 	if err != nil {
 		return nil, fail(fmt.Errorf("database: %w", err))
 	}
@@ -142,4 +146,139 @@ func migrateSources(ctx context.Context, all []source, log *slog.Logger, out fun
 		}
 	}
 	return nil
+}
+
+// Connection budget of a source. Each source has its own pool, of
+// --max-db-conns connections unless its URL says otherwise with pgx's
+// pool_max_conns=N (any pool_* parameter of pgxpool is taken from the URL),
+// plus its engine's LISTEN connection.
+//
+// An idle engine still works its pool: about 40 discovery rounds a second,
+// readiness checks, housekeeping. The pool reuses its idle connections in
+// turn, so none sits idle long enough for an idle timeout, and the ones a
+// chance overlap of that work opened would stay for good (measured: 4 pool
+// connections for an idle source). So a quiet source, one that made fewer
+// than quietAcquiresPerSecond database calls over the last quietWindow,
+// keeps one idle connection: a connection released while another is idle
+// is closed, and the surplus is closed at each window's end. It holds 2
+// (LISTEN and that one) but for the moment an overlap lasts, at the cost of
+// a connection opened per overlap (one every few seconds). A busy source
+// keeps what it opened, up to its budget.
+const (
+	quietWindow            = time.Second
+	quietAcquiresPerSecond = 100
+)
+
+// sourcePool is a source's pool with what keeps a quiet one small.
+type sourcePool struct {
+	*pgxpool.Pool
+	quiet    atomic.Bool
+	stopTrim context.CancelFunc
+	trimmed  chan struct{}
+}
+
+// Close stops the trimmer and closes the pool (idempotent).
+func (p *sourcePool) Close() {
+	p.stopTrim()
+	<-p.trimmed
+	p.Pool.Close()
+}
+
+// newSourcePool opens the pool of cfg, which it gives its AfterRelease.
+func newSourcePool(ctx context.Context, cfg *pgxpool.Config) (*sourcePool, error) {
+	p := &sourcePool{trimmed: make(chan struct{})}
+	cfg.AfterRelease = func(*pgx.Conn) bool {
+		return !p.quiet.Load() || p.Stat().IdleConns() == 0
+	}
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		return nil, err
+	}
+	p.Pool = pool
+	trimCtx, cancel := context.WithCancel(context.Background())
+	p.stopTrim = cancel
+	go func() {
+		defer close(p.trimmed)
+		t := time.NewTicker(quietWindow)
+		defer t.Stop()
+		last := pool.Stat().AcquireCount()
+		for {
+			select {
+			case <-trimCtx.Done():
+				return
+			case <-t.C:
+			}
+			n := pool.Stat().AcquireCount()
+			quiet := n-last < int64(quietAcquiresPerSecond*quietWindow/time.Second)
+			last = n
+			p.quiet.Store(quiet)
+			if quiet {
+				trimIdle(trimCtx, pool)
+			}
+		}
+	}()
+	return p, nil
+}
+
+// trimIdle closes every idle connection of pool but one.
+func trimIdle(ctx context.Context, pool *pgxpool.Pool) {
+	for i, c := range pool.AcquireAllIdle(ctx) {
+		if i > 0 {
+			_ = c.Conn().Close(ctx) // the pool drops a closed connection on Release
+		}
+		c.Release()
+	}
+}
+
+// configureSourcePool applies the source budget to a pool configuration
+// parsed from url: a pool_max_conns in url wins over --max-db-conns.
+func configureSourcePool(cfg *pgxpool.Config, url string, maxConns int32) {
+	if !poolParams(url)["pool_max_conns"] {
+		cfg.MaxConns = maxConns
+	}
+}
+
+// poolParams are the pool_* parameters url sets, of a URL
+// (postgres://...?pool_max_conns=4) or of a key=value connection string.
+func poolParams(url string) map[string]bool {
+	set := map[string]bool{}
+	for _, kv := range connParams(url) {
+		if k, _, _ := strings.Cut(kv, "="); strings.HasPrefix(k, "pool_") {
+			set[k] = true
+		}
+	}
+	return set
+}
+
+// connParams splits the parameters of url: a URL's query, or a key=value
+// connection string's words.
+func connParams(url string) []string {
+	if i := strings.Index(url, "://"); i >= 0 {
+		_, query, _ := strings.Cut(url[i:], "?")
+		if query == "" {
+			return nil
+		}
+		return strings.Split(query, "&")
+	}
+	return strings.Fields(url)
+}
+
+// withoutPoolParams is url without its pool_* parameters, for connections
+// that are not of a pool (the LISTEN connection, migrations, schema
+// checks): pgx.ParseConfig would send them to the server as settings,
+// which refuses them (FATAL: unrecognized configuration parameter).
+func withoutPoolParams(url string) string {
+	if len(poolParams(url)) == 0 {
+		return url
+	}
+	keep := func(kv string) bool { return !strings.HasPrefix(kv, "pool_") }
+	if i := strings.Index(url, "://"); i >= 0 {
+		base, query, _ := strings.Cut(url, "?")
+		params := slices.DeleteFunc(strings.Split(query, "&"), func(kv string) bool { return !keep(kv) })
+		if len(params) == 0 {
+			return base
+		}
+		return base + "?" + strings.Join(params, "&")
+	}
+	return strings.Join(slices.DeleteFunc(strings.Fields(url), func(kv string) bool { return !keep(kv) }), " ")
 }
