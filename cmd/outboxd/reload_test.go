@@ -120,7 +120,7 @@ func TestServeReloadsSources(t *testing.T) {
 	client := outboxv1.NewRelayServiceClient(conn)
 	ctx, cancel := context.WithCancel(t.Context())
 	defer cancel()
-	poolA, poolB := testdb.NewPoolURL(t, a), testdb.NewPoolURL(t, b)
+	poolA := testdb.NewPoolURL(t, a)
 	emit := func(pool *pgxpool.Pool, agg string) string {
 		t.Helper()
 		var id string
@@ -130,7 +130,11 @@ func TestServeReloadsSources(t *testing.T) {
 		return id
 	}
 	emitA := func(agg string) string { return emit(poolA, agg) }
-	emitB := func(agg string) string { return emit(poolB, agg) }
+	emitB := func(agg string) string {
+		pool := testdb.NewPoolURL(t, b)
+		defer pool.Close()
+		return emit(pool, agg)
+	}
 
 	// A relay of source a takes a lease and holds it.
 	a1 := emitA("1")
@@ -188,7 +192,6 @@ func TestServeReloadsSources(t *testing.T) {
 		t.Errorf("Ack of a lease of removed b: %v, %v; want ACK_STATUS_INVALID saying b was removed", res, err)
 	}
 	// A backend leaves pg_stat_activity a moment after its client hangs up.
-	poolB.Close()
 	eventually(t, "no session left on b's database after its removal (pool and LISTEN connection closed)",
 		func() bool { return backends(t, admin, b) == 0 })
 
@@ -219,6 +222,20 @@ func TestServeReloadsSources(t *testing.T) {
 		}
 		ack(t, client, d, outboxv1.AckStatus_ACK_STATUS_PUBLISHED)
 	}
+	// b comes back (its metrics went with it, so they register again)
+	// and delivers.
+	okBefore, _ = sourceReloads(t, httpAddr)
+	replaceFile(t, realDir, cfg, "source:\n"+aEntry+bEntry)
+	eventually(t, "the reload that adds b back", func() bool { ok, _ := sourceReloads(t, httpAddr); return ok > okBefore })
+	b2 := emitB("2")
+	streamB, err = client.Subscribe(ctx, &outboxv1.SubscribeRequest{RelayId: "relay-b", Streams: []string{"b/orders"}, MaxInFlight: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if d, err := streamB.Recv(); err != nil || d.GetEvent().GetEventId() != b2 {
+		t.Fatalf("source b added back: got %v, %v; want %s", d.GetEvent().GetEventId(), err, b2)
+	}
+
 	var unpublished int
 	if err := poolA.QueryRow(ctx, `SELECT count(*) FROM outbox.event WHERE published_at IS NULL`).Scan(&unpublished); err != nil {
 		t.Logf("counting unpublished events of a: %v", err)
@@ -299,18 +316,32 @@ func TestIdleSourceConnections(t *testing.T) {
 	def, idle := testdb.New(t), testdb.New(t)
 	admin := testdb.NewPoolURL(t, testdb.ServerURL())
 	grpcAddr, httpAddr := freeAddr(t), freeAddr(t)
-	p := start(t, "serve", "--database-url", def, "--source", "idle="+idle, "--listen", grpcAddr, "--http-listen", httpAddr)
+	// pool_max_conns overrides --max-db-conns for this source; no other
+	// connection (schema check, LISTEN) passes it on to the server.
+	p := start(t, "serve", "--database-url", def, "--source", "idle="+idle+"&pool_max_conns=4", "--listen", grpcAddr, "--http-listen", httpAddr)
 	defer p.signal(os.Interrupt)
 	eventually(t, "/readyz 200", func() bool { code, _ := httpGet("http://" + httpAddr + "/readyz"); return code == http.StatusOK })
 	sample := func(what string) {
 		t.Helper()
 		eventually(t, what+": 2 sessions on the idle source's database", func() bool { return backends(t, admin, idle) <= 2 })
 		// A measurement over 3 seconds, not a wait.
-		counts, n := map[int]int{}, 0
+		opened := func() (n int) {
+			t.Helper()
+			if err := admin.QueryRow(t.Context(), `SELECT sessions FROM pg_stat_database WHERE datname = $1`, dbName(idle)).Scan(&n); err != nil {
+				t.Fatal(err)
+			}
+			return n
+		}
+		counts, n, before := map[int]int{}, 0, opened()
 		for begin := time.Now(); time.Since(begin) < 3*time.Second; n++ {
 			counts[backends(t, admin, idle)]++
 		}
-		t.Logf("idle source, %s: sessions on its database over %d samples in 3 s (sessions: samples): %v", what, n, counts)
+		t.Logf("idle source, %s: sessions on its database over %d samples in 3 s (sessions: samples): %v; %d sessions opened",
+			what, n, counts, opened()-before)
+		// Measured 97% at 2; a pool trimmed only now and then, 37%.
+		if at2 := counts[2] + counts[1]; at2*5 < n*4 {
+			t.Errorf("%s: 2 sessions or fewer in %d of %d samples; want most (80%%): a quiet pool must close what overlaps opened as they end", what, at2, n)
+		}
 	}
 	sample("no relay")
 
