@@ -30,7 +30,8 @@ flag names (e.g. listen: 0.0.0.0:7070), lists for repeatable flags. Each flag
 can also come from OUTBOXD_<FLAG> (OUTBOXD_HTTP_LISTEN; lists separated by
 spaces). Precedence: flag > environment > file > default. Unknown keys in the
 file are an error, and so is a password in it: secrets come from files
-(--token-file, --tls-key, a PostgreSQL passfile, secret_file=)`
+(--token-file, --tls-key, a PostgreSQL passfile, secret_file=). serve rereads the
+file's source: list on SIGHUP and file change; other keys need a restart`
 
 func addConfigFlag(root *cobra.Command) {
 	root.PersistentFlags().String("config", "", configHelp)

@@ -77,7 +77,7 @@ func (f *serveFlags) register(cmd *cobra.Command) {
 	fl.DurationVar(&f.backoffCap, "backoff-cap", 5*time.Minute, "longest retry delay after a nack (the same on every replica: a next attempt further ahead than the longest lease or backoff counts as due, see docs/design.md)")
 	fl.DurationVar(&f.pollInterval, "poll-interval", time.Second, "longest pause of the fallback poll that finds work when a notification was lost: one poll per stream filter of the idle relay streams, not one per stream")
 	fl.DurationVar(&f.shutdownTimeout, "shutdown-timeout", 15*time.Second, "how long SIGTERM waits for outstanding deliveries to be acked")
-	fl.Int32Var(&f.maxConns, "max-db-conns", 16, "database connection pool size, of each source")
+	fl.Int32Var(&f.maxConns, "max-db-conns", 16, "database connection pool size, of each source (pool_max_conns=N in a source's URL overrides it for that source); each source also has a LISTEN connection, and an idle one holds 2 in all")
 	fl.StringVar(&f.httpListen, "http-listen", "127.0.0.1:7071", "HTTP address for /metrics, /healthz and /readyz (empty: off)")
 	fl.DurationVar(&f.healthInterval, "health-interval", 2*time.Second, "how often readiness (database reachable, schema current) is checked")
 	fl.Var(&ageValue{d: &f.retention}, "retention", "delete events published longer ago than this, e.g. 7d or 36h (default: keep everything)")
@@ -173,7 +173,20 @@ func serveCommand(g *globalFlags) *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "serve",
 		Short: "Run an outboxd server replica",
-		Args:  cobra.NoArgs,
+		Long: `serve runs a server replica: one engine per source database (--database-url is the
+source "default", --source NAME=URL adds one), behind one gRPC listener.
+
+Reloading: the source: list of the --config file is reread on SIGHUP and whenever
+the file changes. New entries are added, entries gone are removed (their streams
+get --shutdown-timeout to ack what they hold, then end UNAVAILABLE, and the source
+is refused with NOT_FOUND), an entry whose URL changed is removed and added again;
+the other sources' relays and leases are not touched. A list that does not parse
+changes nothing (logged, counted in outboxd_source_reloads_total{result="error"});
+a listed source that does not answer is retried and named by /readyz meanwhile.
+Sources given by --source or $OUTBOXD_SOURCE (which win over the file) and
+--database-url are fixed until a restart, as is every other setting. SIGHUP also
+rereads the token file (--token-file).`,
+		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			log, err := g.logger(os.Stderr)
 			if err != nil {

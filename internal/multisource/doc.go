@@ -33,8 +33,14 @@
 //     (GetLagResponse.sources): one source down leaves out its figures and
 //     says why, and the others' are reported.
 //
-// Milestone limits: sources are fixed at start (every source must be
-// reachable then), the admin RPCs other than GetLag and ListRelays reach
+//   - Sources can be added and removed while serving (Router.Add, Retire,
+//     Remove; app.Replica.AddSource and RemoveSource drive them): the
+//     engines are a copy-on-write snapshot, so a change touches no other
+//     source's engine, and a removed source is named as removed: NOT_FOUND
+//     for a new Subscribe, ACK_STATUS_INVALID for an Ack of its lease,
+//     FAILED_PRECONDITION for Nack and ExtendLease.
+//
+// Milestone limits: the admin RPCs other than GetLag and ListRelays reach
 // one source, chosen by the "source/" prefix of their stream or filter
 // stream (default without one), and their answers name streams without
 // their source.
