@@ -11,8 +11,11 @@ import (
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+	"github.com/outboxd/outboxd/internal/app"
 	"github.com/outboxd/outboxd/internal/multisource"
 	"github.com/outboxd/outboxd/internal/servertest"
+	"github.com/outboxd/outboxd/internal/store"
+	"github.com/outboxd/outboxd/server"
 )
 
 func ackOne(t *testing.T, relay outboxv1.RelayServiceClient, d *outboxv1.SubscribeResponse) *outboxv1.AckResult {
@@ -35,7 +38,7 @@ func ackOne(t *testing.T, relay outboxv1.RelayServiceClient, d *outboxv1.Subscri
 // on delivering, its held event not again.
 func TestRemoveSourceDrainsAndSparesTheOthers(t *testing.T) {
 	t.Parallel()
-	r, _, _ := twoSources(t, servertest.Options{})
+	r, _, ordersURL := twoSources(t, servertest.Options{})
 	emit(t, r.Pools["orders"], "sales_order", "1")
 	emit(t, r.Pool, "billing", "1")
 	ordersStream := subscribe(t, r.Relay, "orders/sales_order")
@@ -87,6 +90,19 @@ func TestRemoveSourceDrainsAndSparesTheOthers(t *testing.T) {
 	}
 	if err := r.App.RemoveSource(t.Context(), multisource.Default, time.Second); err == nil {
 		t.Error("RemoveSource(default) succeeded; want it refused")
+	}
+
+	// Added back, orders delivers again (its engine a new one, started
+	// before it is published).
+	if err := r.App.AddSource(t.Context(), app.Source{Name: "orders", Server: server.Config{
+		Store: store.New(r.Pools["orders"]), DatabaseURL: ordersURL, Logger: servertest.Logger(t),
+		PollInterval: 200 * time.Millisecond, ReconcileInterval: 200 * time.Millisecond,
+	}}); err != nil {
+		t.Fatal(err)
+	}
+	again := emit(t, r.Pools["orders"], "sales_order", "2")
+	if d := recv(t, subscribe(t, r.Relay, "orders/sales_order")); d.GetEvent().GetEventId() != again {
+		t.Errorf("orders added back delivered %s; want %s", d.GetEvent().GetEventId(), again)
 	}
 }
 
