@@ -247,9 +247,13 @@ func (s *sourceSet) close() {
 // (auth.Authenticator.Watch) both see each SIGHUP. It reloads once as soon
 // as it watches; ready, when not nil, is called then.
 func (s *sourceSet) Watch(ctx context.Context, ready func()) error {
+	// Never signal.Stop'ed: with no channel left, SIGHUP would get its
+	// default action again and end the process, which serve ignores
+	// without tokens (see serveFlags.security) and a shutdown still
+	// running must survive. Signals sent to it after Watch returns are
+	// dropped (the send never blocks).
 	hup := make(chan os.Signal, 1)
 	signal.Notify(hup, syscall.SIGHUP)
-	defer signal.Stop(hup)
 	w, err := fsnotify.NewWatcher()
 	if err != nil {
 		return fmt.Errorf("sources: watch %s: %w", s.path, err)
