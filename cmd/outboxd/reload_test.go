@@ -228,12 +228,40 @@ func TestServeReloadsSources(t *testing.T) {
 	replaceFile(t, realDir, cfg, "source:\n"+aEntry+bEntry)
 	eventually(t, "the reload that adds b back", func() bool { ok, _ := sourceReloads(t, httpAddr); return ok > okBefore })
 	b2 := emitB("2")
+	// A hang guard: the stream must end when b's URL changes below.
+	guardCtx, guardCancel := context.WithTimeout(ctx, time.Minute)
+	defer guardCancel()
+	streamB, err = client.Subscribe(guardCtx, &outboxv1.SubscribeRequest{RelayId: "relay-b", Streams: []string{"b/orders"}, MaxInFlight: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	db2, err := streamB.Recv()
+	if err != nil || db2.GetEvent().GetEventId() != b2 {
+		t.Fatalf("source b added back: got %v, %v; want %s", db2.GetEvent().GetEventId(), err, b2)
+	}
+	ack(t, client, db2, outboxv1.AckStatus_ACK_STATUS_PUBLISHED)
+
+	// b's URL changes (a pool size of its own): b is removed, its stream
+	// ends, and added again with the new URL; a is not touched.
+	okBefore, _ = sourceReloads(t, httpAddr)
+	replaceFile(t, realDir, cfg, "source:\n"+aEntry+strings.TrimSuffix(bEntry, "\n")+"&pool_max_conns=2\n")
+	if _, err := streamB.Recv(); status.Code(err) != codes.Unavailable {
+		t.Errorf("b's stream when b's URL changed: %v; want UNAVAILABLE (b removed, to be added again)", err)
+	}
+	eventually(t, "the reload that changes b's URL", func() bool { ok, _ := sourceReloads(t, httpAddr); return ok > okBefore })
+	b3 := emitB("3")
 	streamB, err = client.Subscribe(ctx, &outboxv1.SubscribeRequest{RelayId: "relay-b", Streams: []string{"b/orders"}, MaxInFlight: 1})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if d, err := streamB.Recv(); err != nil || d.GetEvent().GetEventId() != b2 {
-		t.Fatalf("source b added back: got %v, %v; want %s", d.GetEvent().GetEventId(), err, b2)
+	if d, err := streamB.Recv(); err != nil || d.GetEvent().GetEventId() != b3 {
+		t.Fatalf("source b with its new URL: got %v, %v; want %s", d.GetEvent().GetEventId(), err, b3)
+	}
+	a4 := emitA("1")
+	if d, err := streamA.Recv(); err != nil || d.GetEvent().GetEventId() != a4 {
+		t.Fatalf("source a after b's URL changed: got %v, %v; want %s", d.GetEvent().GetEventId(), err, a4)
+	} else {
+		ack(t, client, d, outboxv1.AckStatus_ACK_STATUS_PUBLISHED)
 	}
 
 	var unpublished int
