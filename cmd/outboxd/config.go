@@ -30,7 +30,8 @@ flag names (e.g. listen: 0.0.0.0:7070), lists for repeatable flags. Each flag
 can also come from OUTBOXD_<FLAG> (OUTBOXD_HTTP_LISTEN; lists separated by
 spaces). Precedence: flag > environment > file > default. Unknown keys in the
 file are an error, and so is a password in it: secrets come from files
-(--token-file, --tls-key, a PostgreSQL passfile, secret_file=)`
+(--token-file, --tls-key, a PostgreSQL passfile, secret_file=). serve rereads the
+file's source: list on SIGHUP and file change; other keys need a restart`
 
 func addConfigFlag(root *cobra.Command) {
 	root.PersistentFlags().String("config", "", configHelp)
@@ -87,12 +88,29 @@ func applyConfig(cmd *cobra.Command, _ []string) error {
 			if err := setFlag(f, fileValues(v)); err != nil {
 				errs = append(errs, fmt.Errorf("%s: %s: %w", path, f.Name, err))
 			}
+			if f.Annotations == nil {
+				f.Annotations = map[string][]string{}
+			}
+			f.Annotations[fromConfigFile] = []string{path}
 		}
 	})
 	if err := errors.Join(errs...); err != nil {
 		return withExitCode(exitUsage, err)
 	}
 	return nil
+}
+
+// fromConfigFile annotates a flag whose value came from the --config file
+// (the file's path): serve rereads its source list from there on reload.
+const fromConfigFile = "outboxd-from-config-file"
+
+// configFileOf returns the --config file flag name's value came from, or ""
+// when it came from the command line, the environment or its default.
+func configFileOf(fs *pflag.FlagSet, name string) string {
+	if f := fs.Lookup(name); f != nil && len(f.Annotations[fromConfigFile]) == 1 {
+		return f.Annotations[fromConfigFile][0]
+	}
+	return ""
 }
 
 // configurable says whether a flag may come from the file or environment:

@@ -140,7 +140,7 @@ and to each --source NAME=URL, in turn; to migrate one source, give only it.`,
 }
 
 func withSQL(ctx context.Context, url string, fn func(*sql.DB) error) error {
-	db, err := sql.Open("pgx", url)
+	db, err := sql.Open("pgx", withoutPoolParams(url))
 	if err != nil {
 		return fmt.Errorf("database: %w", err)
 	}

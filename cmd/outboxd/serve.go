@@ -1,6 +1,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -54,6 +55,15 @@ type serveFlags struct {
 	pprof                bool
 	console              bool
 	sources              []string
+
+	// sourcesFile is the --config file the sources came from, when they
+	// did (its `source:` list is then reread on SIGHUP and file change),
+	// and rereadSources reads that list again.
+	sourcesFile   string
+	rereadSources func() ([]string, error)
+	// sourcesWatched, when set (tests), is called once serve watches the
+	// sources file and SIGHUP.
+	sourcesWatched func()
 }
 
 func (f *serveFlags) register(cmd *cobra.Command) {
@@ -67,7 +77,7 @@ func (f *serveFlags) register(cmd *cobra.Command) {
 	fl.DurationVar(&f.backoffCap, "backoff-cap", 5*time.Minute, "longest retry delay after a nack (the same on every replica: a next attempt further ahead than the longest lease or backoff counts as due, see docs/design.md)")
 	fl.DurationVar(&f.pollInterval, "poll-interval", time.Second, "longest pause of the fallback poll that finds work when a notification was lost: one poll per stream filter of the idle relay streams, not one per stream")
 	fl.DurationVar(&f.shutdownTimeout, "shutdown-timeout", 15*time.Second, "how long SIGTERM waits for outstanding deliveries to be acked")
-	fl.Int32Var(&f.maxConns, "max-db-conns", 16, "database connection pool size, of each source")
+	fl.Int32Var(&f.maxConns, "max-db-conns", 16, "database connection pool size, of each source (pool_max_conns=N in a source's URL overrides it for that source); each source also has a LISTEN connection, and an idle one holds 2 in all")
 	fl.StringVar(&f.httpListen, "http-listen", "127.0.0.1:7071", "HTTP address for /metrics, /healthz and /readyz (empty: off)")
 	fl.DurationVar(&f.healthInterval, "health-interval", 2*time.Second, "how often readiness (database reachable, schema current) is checked")
 	fl.Var(&ageValue{d: &f.retention}, "retention", "delete events published longer ago than this, e.g. 7d or 36h (default: keep everything)")
@@ -163,7 +173,20 @@ func serveCommand(g *globalFlags) *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "serve",
 		Short: "Run an outboxd server replica",
-		Args:  cobra.NoArgs,
+		Long: `serve runs a server replica: one engine per source database (--database-url is the
+source "default", --source NAME=URL adds one), behind one gRPC listener.
+
+Reloading: the source: list of the --config file is reread on SIGHUP and whenever
+the file changes. New entries are added, entries gone are removed (their streams
+get --shutdown-timeout to ack what they hold, then end UNAVAILABLE, and the source
+is refused with NOT_FOUND), an entry whose URL changed is removed and added again;
+the other sources' relays and leases are not touched. A list that does not parse
+changes nothing (logged, counted in outboxd_source_reloads_total{result="error"});
+a listed source that does not answer is retried and named by /readyz meanwhile.
+Sources given by --source or $OUTBOXD_SOURCE (which win over the file) and
+--database-url are fixed until a restart, as is every other setting. SIGHUP also
+rereads the token file (--token-file).`,
+		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			log, err := g.logger(os.Stderr)
 			if err != nil {
@@ -172,6 +195,19 @@ func serveCommand(g *globalFlags) *cobra.Command {
 			all, err := g.sources(f.sources)
 			if err != nil {
 				return err
+			}
+			if path := configFileOf(cmd.Flags(), "source"); path != "" {
+				f.sourcesFile = path
+				f.rereadSources = func() ([]string, error) {
+					file, err := readConfigFile(path, cmd)
+					if err != nil {
+						return nil, err
+					}
+					if v, ok := file["source"]; ok {
+						return fileValues(v), nil
+					}
+					return nil, nil
+				}
 			}
 			return runServer(cmd.Context(), all, &f, log, nil)
 		},
@@ -252,21 +288,61 @@ func runServer(ctx context.Context, sources []source, f *serveFlags, log *slog.L
 		MaxSubscriptionsPerRelay: f.maxSubscriptions, AckCommitters: f.ackCommitters,
 	}
 	// One engine per source, each with its own pool of --max-db-conns.
+	// Sources of the --config file's list are reloadable: one that does
+	// not answer now is added when it does (see sourceSet).
 	defaultCfg := base
 	var named []app.Source
+	var fileSources []source
+	opened := map[string]*sourcePool{}
+	var firstErr error
 	for _, src := range sources {
-		pool, err := openSource(ctx, src, sources, f.maxConns)
+		reloadable := f.rereadSources != nil && src.name != multisource.Default
+		if reloadable {
+			fileSources = append(fileSources, src)
+		}
+		openCtx, cancel := ctx, context.CancelFunc(func() {})
+		if reloadable {
+			openCtx, cancel = context.WithTimeout(ctx, sourceConnectTimeout)
+		}
+		pool, err := openSource(openCtx, src, sources, f.maxConns)
+		cancel()
+		if err != nil && reloadable {
+			log.Warn("source not reachable at startup; serving the others and retrying it", "source", src.name, "err", err)
+			firstErr = cmp.Or(firstErr, err)
+			continue
+		}
 		if err != nil {
 			return err
 		}
-		defer pool.Close()
+		if reloadable {
+			opened[src.name] = pool // closed by the sourceSet
+		} else {
+			defer pool.Close()
+		}
 		if src.name == multisource.Default {
-			defaultCfg.Store, defaultCfg.DatabaseURL = store.New(pool), src.url
+			defaultCfg.Store, defaultCfg.DatabaseURL = store.New(pool.Pool), withoutPoolParams(src.url)
 			continue
 		}
-		sc := base
-		sc.Store, sc.DatabaseURL, sc.Logger, sc.Registerer = store.New(pool), src.url, nil, nil
-		named = append(named, app.Source{Name: src.name, Server: sc})
+		named = append(named, app.Source{Name: src.name, Server: namedSourceConfig(base, src, pool)})
+	}
+	if defaultCfg.Store == nil && len(named) == 0 {
+		return firstErr // every source is of the file, and none answers
+	}
+	var reloads *sourceSet
+	if f.rereadSources != nil {
+		reloads = &sourceSet{
+			log: log, base: base, maxConns: f.maxConns, interval: f.healthInterval, drain: f.shutdownTimeout,
+			path: f.sourcesFile, reread: f.rereadSources, fixed: map[string]bool{},
+			reloads: newSourceReloadMetric(reg),
+		}
+		if defaultCfg.Store != nil {
+			reloads.fixed[multisource.Default] = true
+		}
+		defer func() {
+			for _, pool := range opened {
+				pool.Close() // unless the sourceSet took them over and closed them
+			}
+		}()
 	}
 
 	creds, authn, err := f.security(log)
@@ -281,9 +357,15 @@ func runServer(ctx context.Context, sources []source, f *serveFlags, log *slog.L
 		Reflection:      f.reflection,
 		HealthInterval:  f.healthInterval,
 		ShutdownTimeout: f.shutdownTimeout,
+		LabelSources:    reloads != nil,
 	})
 	if err != nil {
 		return err
+	}
+	if reloads != nil {
+		reloads.rep = rep
+		reloads.start(ctx, opened, fileSources)
+		defer reloads.close()
 	}
 	lis, err := net.Listen("tcp", f.listen)
 	if err != nil {
@@ -301,6 +383,14 @@ func runServer(ctx context.Context, sources []source, f *serveFlags, log *slog.L
 	// The replica shuts down when ctx is done: see app.Replica.Shutdown.
 	served := make(chan struct{})
 	eg.Go(func() error { defer close(served); return rep.Serve(ctx, lis) })
+	if reloads != nil {
+		eg.Go(func() error {
+			watchCtx, cancel := context.WithCancel(ctx)
+			defer cancel()
+			go func() { <-served; cancel() }()
+			return reloads.Watch(watchCtx, f.sourcesWatched)
+		})
+	}
 	var httpSrv *http.Server
 	if httpLis != nil {
 		var consoleHandler http.Handler

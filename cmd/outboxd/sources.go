@@ -6,8 +6,12 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
+	"slices"
 	"strings"
+	"sync/atomic"
+	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/spf13/pflag"
 
@@ -50,6 +54,14 @@ func (g *globalFlags) sources(specs []string) ([]source, error) {
 	if len(out) > 0 {
 		seen[multisource.Default] = true
 	}
+	named, err := parseSourceSpecs(specs, seen)
+	return append(out, named...), err
+}
+
+// parseSourceSpecs parses --source NAME=URL entries, none of whose names
+// may be in seen (the sources there are already); it adds theirs.
+func parseSourceSpecs(specs []string, seen map[string]bool) ([]source, error) {
+	var out []source
 	for _, spec := range specs {
 		name, url, ok := strings.Cut(spec, "=")
 		if !ok || url == "" {
@@ -80,7 +92,7 @@ func (s source) label(all []source) string {
 
 // openSource opens a source's pool of at most maxConns connections, and
 // checks that it answers and that its schema is current.
-func openSource(ctx context.Context, s source, all []source, maxConns int32) (*pgxpool.Pool, error) {
+func openSource(ctx context.Context, s source, all []source, maxConns int32) (*sourcePool, error) {
 	fail := func(err error) error { return fmt.Errorf("%s%w", s.label(all), err) }
 	poolCfg, err := pgxpool.ParseConfig(s.url)
 	if err != nil {
@@ -89,9 +101,9 @@ func openSource(ctx context.Context, s source, all []source, maxConns int32) (*p
 		}
 		return nil, fail(fmt.Errorf("--source %s: %w", s.name, err))
 	}
-	poolCfg.MaxConns = maxConns
+	configureSourcePool(poolCfg, s.url, maxConns)
 	store.ConfigurePool(poolCfg)
-	pool, err := pgxpool.NewWithConfig(ctx, poolCfg)
+	pool, err := newSourcePool(ctx, poolCfg)
 	if err != nil {
 		return nil, fail(fmt.Errorf("database: %w", err))
 	}
@@ -134,4 +146,127 @@ func migrateSources(ctx context.Context, all []source, log *slog.Logger, out fun
 		}
 	}
 	return nil
+}
+
+// Connection budget of a source. Each source has its own pool, of
+// --max-db-conns connections unless its URL says otherwise with pgx's
+// pool_max_conns=N (any pool_* parameter of pgxpool is taken from the URL),
+// plus its engine's LISTEN connection.
+//
+// An idle engine still works its pool: about 40 discovery rounds a second,
+// readiness checks, housekeeping. The pool reuses its idle connections in
+// turn, so none sits idle long enough for an idle timeout, and the ones a
+// chance overlap of that work opened would stay for good (measured: 4 pool
+// connections for an idle source). So a quiet source, one that made fewer
+// than quietAcquiresPerSecond database calls over the last quietWindow,
+// keeps one idle connection: a connection released while another is idle
+// is closed (the pool's turns release each soon). It holds 2
+// (LISTEN and that one) but for the moment an overlap lasts, at the cost of
+// a connection opened per overlap (measured by TestIdleSourceConnections:
+// under 1 a second with no relay, about 2 with one idle relay). A busy source keeps what it opened, up to its
+// budget.
+const (
+	quietWindow            = time.Second
+	quietAcquiresPerSecond = 100
+)
+
+// sourcePool is a source's pool, with what tells whether it is quiet.
+type sourcePool struct {
+	*pgxpool.Pool
+	quiet     atomic.Bool
+	stopWatch context.CancelFunc
+	watched   chan struct{}
+}
+
+// Close stops watching the pool and closes it (idempotent).
+func (p *sourcePool) Close() {
+	p.stopWatch()
+	<-p.watched
+	p.Pool.Close()
+}
+
+// newSourcePool opens the pool of cfg, which it gives its AfterRelease.
+func newSourcePool(ctx context.Context, cfg *pgxpool.Config) (*sourcePool, error) {
+	p := &sourcePool{watched: make(chan struct{})}
+	cfg.AfterRelease = func(*pgx.Conn) bool {
+		return !p.quiet.Load() || p.Stat().IdleConns() == 0
+	}
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		return nil, err
+	}
+	p.Pool = pool
+	watchCtx, cancel := context.WithCancel(context.Background())
+	p.stopWatch = cancel
+	go func() {
+		defer close(p.watched)
+		t := time.NewTicker(quietWindow)
+		defer t.Stop()
+		last := pool.Stat().AcquireCount()
+		for {
+			select {
+			case <-watchCtx.Done():
+				return
+			case <-t.C:
+			}
+			n := pool.Stat().AcquireCount()
+			quiet := n-last < int64(quietAcquiresPerSecond*quietWindow/time.Second)
+			last = n
+			p.quiet.Store(quiet)
+		}
+	}()
+	return p, nil
+}
+
+// configureSourcePool applies the source budget to a pool configuration
+// parsed from url: a pool_max_conns in url wins over --max-db-conns.
+func configureSourcePool(cfg *pgxpool.Config, url string, maxConns int32) {
+	if !poolParams(url)["pool_max_conns"] {
+		cfg.MaxConns = maxConns
+	}
+}
+
+// poolParams are the pool_* parameters url sets, of a URL
+// (postgres://...?pool_max_conns=4) or of a key=value connection string.
+func poolParams(url string) map[string]bool {
+	set := map[string]bool{}
+	for _, kv := range connParams(url) {
+		if k, _, _ := strings.Cut(kv, "="); strings.HasPrefix(k, "pool_") {
+			set[k] = true
+		}
+	}
+	return set
+}
+
+// connParams splits the parameters of url: a URL's query, or a key=value
+// connection string's words.
+func connParams(url string) []string {
+	if i := strings.Index(url, "://"); i >= 0 {
+		_, query, _ := strings.Cut(url[i:], "?")
+		if query == "" {
+			return nil
+		}
+		return strings.Split(query, "&")
+	}
+	return strings.Fields(url)
+}
+
+// withoutPoolParams is url without its pool_* parameters, for connections
+// that are not of a pool (the LISTEN connection, migrations, schema
+// checks): pgx.ParseConfig would send them to the server as settings,
+// which refuses them (FATAL: unrecognized configuration parameter).
+func withoutPoolParams(url string) string {
+	if len(poolParams(url)) == 0 {
+		return url
+	}
+	keep := func(kv string) bool { return !strings.HasPrefix(kv, "pool_") }
+	if i := strings.Index(url, "://"); i >= 0 {
+		base, query, _ := strings.Cut(url, "?")
+		params := slices.DeleteFunc(strings.Split(query, "&"), func(kv string) bool { return !keep(kv) })
+		if len(params) == 0 {
+			return base
+		}
+		return base + "?" + strings.Join(params, "&")
+	}
+	return strings.Join(slices.DeleteFunc(strings.Fields(url), func(kv string) bool { return !keep(kv) }), " ")
 }

@@ -14,6 +14,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
 	"net"
 	"slices"
 	"strings"
@@ -79,8 +80,15 @@ type Config struct {
 	// Sources are further source databases, each served by an engine of
 	// its own (its own pool, discovery, acks and health; see
 	// internal/multisource), behind one gRPC server. With any, every
-	// engine's metrics carry a "source" label. Default: none.
+	// engine's metrics carry a "source" label. Default: none. Sources can
+	// also be added and removed while the replica serves (AddSource,
+	// RemoveSource).
 	Sources []Source
+	// LabelSources gives every engine's metrics a "source" label (and its
+	// logs a source attribute) even when there is one source, as there are
+	// with several: set it when sources may be added at run time, since a
+	// metric cannot be registered both with and without the label.
+	LabelSources bool
 	// Authenticator, when not nil, authenticates and authorises every call
 	// but health (and reflection, unless it protects it).
 	Authenticator *auth.Authenticator
@@ -122,10 +130,17 @@ type Replica struct {
 	// GRPC is the gRPC server it is registered on.
 	GRPC *grpc.Server
 
-	cfg       Config
-	log       *slog.Logger
-	engines   []*engine // in name order
-	router    *multisource.Router
+	cfg    Config
+	log    *slog.Logger
+	router *multisource.Router
+	// mu guards engines (in name order), runCtx (set by Serve: engines
+	// added from then on start at once) and closing (set by Shutdown: no
+	// engine is added from then on).
+	mu        sync.Mutex
+	engines   []*engine
+	runCtx    context.Context
+	closing   bool
+	pending   map[string]string // under readyMu: sources not added yet, and why (SetSourcePending)
 	health    *health.Server
 	readiness atomic.Pointer[server.Readiness]
 	ready     chan struct{} // closed when first ready
@@ -178,6 +193,51 @@ type engine struct {
 	name      string
 	srv       *server.Server
 	readiness atomic.Pointer[server.Readiness]
+	metrics   *trackedRegisterer // nil without metrics
+	// cancel ends its background work (server.Server.Run and its readiness
+	// checks), done is closed when that has returned with runErr; both nil
+	// until Serve starts it.
+	cancel context.CancelFunc
+	done   chan struct{}
+	runErr error
+}
+
+// trackedRegisterer remembers what it registered, so that a source removed
+// at run time takes its metrics along and can be added again later.
+type trackedRegisterer struct {
+	prometheus.Registerer
+	mu         sync.Mutex
+	collectors []prometheus.Collector
+}
+
+func (t *trackedRegisterer) Register(c prometheus.Collector) error {
+	if err := t.Registerer.Register(c); err != nil {
+		return err
+	}
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.collectors = append(t.collectors, c)
+	return nil
+}
+
+func (t *trackedRegisterer) MustRegister(cs ...prometheus.Collector) {
+	for _, c := range cs {
+		if err := t.Register(c); err != nil {
+			panic(err)
+		}
+	}
+}
+
+func (t *trackedRegisterer) unregisterAll() {
+	if t == nil {
+		return
+	}
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	for _, c := range t.collectors {
+		t.Registerer.Unregister(c)
+	}
+	t.collectors = nil
 }
 
 // newEngines builds one engine per source and the router in front of them.
@@ -187,36 +247,21 @@ func (r *Replica) newEngines(ctx context.Context) error {
 	if cfg.Server.Store != nil || len(sources) == 0 {
 		sources = append([]Source{{Name: multisource.Default, Server: cfg.Server}}, sources...)
 	}
-	multi := len(sources) > 1
+	multi := len(sources) > 1 || cfg.LabelSources
 	var routes []multisource.Engine
 	for _, src := range sources {
-		if err := multisource.ValidName(src.Name); err != nil {
-			return fmt.Errorf("app: Config.Sources: %w", err)
-		}
-		sc := src.Server
-		sc.Logger = cmp.Or(sc.Logger, r.log)
-		sc.Registerer = cmp.Or(sc.Registerer, cfg.Server.Registerer)
-		if multi {
-			sc.Logger = sc.Logger.With("source", src.Name)
-			if sc.Registerer != nil {
-				sc.Registerer = prometheus.WrapRegistererWith(prometheus.Labels{"source": src.Name}, sc.Registerer)
-			}
-		}
-		srv, err := server.New(ctx, sc)
+		e, route, err := r.newEngine(ctx, src, multi)
 		if err != nil {
-			if multi {
-				return fmt.Errorf("source %s: %w", src.Name, err)
+			for _, e := range r.engines {
+				e.metrics.unregisterAll()
 			}
 			return err
 		}
-		e := &engine{name: src.Name, srv: srv}
-		e.readiness.Store(&server.Readiness{Reason: "starting"})
 		r.engines = append(r.engines, e)
 		if src.Name == multisource.Default {
-			r.Server = srv
+			r.Server = e.srv
 		}
-		routes = append(routes, multisource.Engine{Name: src.Name, Relay: srv.RelayServer(), Admin: srv.AdminServer(),
-			Readiness: func() (bool, string) { rd := e.readiness.Load(); return rd.Ready, rd.Reason }})
+		routes = append(routes, route)
 	}
 	slices.SortFunc(r.engines, func(a, b *engine) int { return cmp.Compare(a.name, b.name) })
 	router, err := multisource.New(routes)
@@ -227,9 +272,192 @@ func (r *Replica) newEngines(ctx context.Context) error {
 	return nil
 }
 
+// newEngine builds the engine of one source (server.New: it loads the
+// source's lease key) and its route, labelling its metrics and logs with
+// the source when labelled.
+func (r *Replica) newEngine(ctx context.Context, src Source, labelled bool) (*engine, multisource.Engine, error) {
+	if err := multisource.ValidName(src.Name); err != nil {
+		return nil, multisource.Engine{}, fmt.Errorf("app: Config.Sources: %w", err)
+	}
+	sc := src.Server
+	sc.Logger = cmp.Or(sc.Logger, r.log)
+	sc.Registerer = cmp.Or(sc.Registerer, r.cfg.Server.Registerer)
+	if labelled {
+		sc.Logger = sc.Logger.With("source", src.Name)
+		if sc.Registerer != nil {
+			sc.Registerer = prometheus.WrapRegistererWith(prometheus.Labels{"source": src.Name}, sc.Registerer)
+		}
+	}
+	var tracked *trackedRegisterer
+	if sc.Registerer != nil {
+		tracked = &trackedRegisterer{Registerer: sc.Registerer}
+		sc.Registerer = tracked
+	}
+	srv, err := server.New(ctx, sc)
+	if err != nil {
+		tracked.unregisterAll()
+		if labelled {
+			return nil, multisource.Engine{}, fmt.Errorf("source %s: %w", src.Name, err)
+		}
+		return nil, multisource.Engine{}, err
+	}
+	e := &engine{name: src.Name, srv: srv, metrics: tracked}
+	e.readiness.Store(&server.Readiness{Reason: "starting"})
+	route := multisource.Engine{Name: src.Name, Relay: srv.RelayServer(), Admin: srv.AdminServer(),
+		Readiness: func() (bool, string) { rd := e.readiness.Load(); return rd.Ready, rd.Reason }}
+	return e, route, nil
+}
+
+// AddSource adds a source while the replica runs: it builds the source's
+// engine (loading its lease key, so its database must answer), starts it
+// when the replica is serving, and then publishes it to the router. The
+// other sources' engines are not touched. It clears the source's
+// SetSourcePending. Config.LabelSources should be set: an engine added to a
+// replica whose metrics carry no source label cannot register its own.
+func (r *Replica) AddSource(ctx context.Context, src Source) error {
+	r.mu.Lock()
+	exists := slices.ContainsFunc(r.engines, func(e *engine) bool { return e.name == src.Name })
+	closing := r.closing
+	r.mu.Unlock()
+	switch {
+	case closing:
+		return fmt.Errorf("source %s: the replica is shutting down", src.Name)
+	case exists:
+		return fmt.Errorf("source %s: already served", src.Name)
+	}
+	e, route, err := r.newEngine(ctx, src, true)
+	if err != nil {
+		return err
+	}
+	r.mu.Lock()
+	if r.closing {
+		r.mu.Unlock()
+		e.metrics.unregisterAll()
+		return fmt.Errorf("source %s: the replica is shutting down", src.Name)
+	}
+	r.engines = append(r.engines, e)
+	slices.SortFunc(r.engines, func(a, b *engine) int { return cmp.Compare(a.name, b.name) })
+	if r.runCtx != nil {
+		r.startLocked(e)
+	}
+	r.mu.Unlock()
+	if err := r.router.Add(route); err != nil {
+		// Only a concurrent AddSource of the same name gets here.
+		_ = r.removeEngine(ctx, e, 0)
+		return err
+	}
+	r.readyMu.Lock()
+	delete(r.pending, src.Name)
+	r.publishReadinessLocked()
+	r.readyMu.Unlock()
+	r.log.Info("source added", "source", src.Name)
+	return nil
+}
+
+// RemoveSource removes a source while the replica runs, without touching
+// the other sources' engines: new Subscribe streams for it are refused at
+// once (NOT_FOUND, naming it as removed; see multisource.Router.Retire);
+// its open streams stop claiming and end with UNAVAILABLE as soon as what
+// they hold is acked, or when drain has passed (their leases released);
+// then every call naming it is refused and its engine's background work
+// ends. The caller closes the source's pool afterwards. The default
+// source cannot be removed.
+func (r *Replica) RemoveSource(ctx context.Context, name string, drain time.Duration) error {
+	if name == multisource.Default {
+		return errors.New("source default (--database-url) cannot be removed while serving")
+	}
+	var e *engine
+	for _, x := range r.snapshot() {
+		if x.name == name {
+			e = x
+		}
+	}
+	if e == nil {
+		return fmt.Errorf("source %s: not served", name)
+	}
+	if err := r.router.Retire(name); err != nil {
+		return err
+	}
+	err := r.removeEngine(ctx, e, drain)
+	r.log.Info("source removed", "source", name)
+	return err
+}
+
+// removeEngine stops a retired engine (see RemoveSource) and forgets it.
+func (r *Replica) removeEngine(ctx context.Context, e *engine, drain time.Duration) error {
+	stopCtx, cancel := context.WithTimeout(ctx, drain)
+	stuck := e.srv.Stop(stopCtx)
+	cancel()
+	_ = r.router.Remove(e.name)
+	if stuck != nil {
+		waitCtx, cancel := context.WithTimeout(ctx, drainTimeout)
+		if err := e.srv.Wait(waitCtx); err != nil {
+			r.log.Warn("source removed with relay streams still blocked sending to relays that do not read; their leases expire by TTL",
+				"source", e.name, "err", err)
+		}
+		cancel()
+	}
+	r.mu.Lock()
+	r.engines = slices.DeleteFunc(r.engines, func(x *engine) bool { return x == e })
+	r.mu.Unlock()
+	if e.cancel != nil {
+		e.cancel()
+		<-e.done
+	}
+	e.metrics.unregisterAll()
+	r.readyMu.Lock()
+	r.publishReadinessLocked()
+	r.readyMu.Unlock()
+	return e.runErr
+}
+
+// SetSourcePending names a source that is configured but not served yet
+// (its database does not answer, say) in the replica's readiness, with why,
+// until AddSource adds it or ClearSourcePending forgets it.
+func (r *Replica) SetSourcePending(name, reason string) {
+	r.readyMu.Lock()
+	defer r.readyMu.Unlock()
+	if r.pending == nil {
+		r.pending = map[string]string{}
+	}
+	r.pending[name] = reason
+	r.publishReadinessLocked()
+}
+
+// ClearSourcePending forgets a pending source (removed from the
+// configuration before it could be added).
+func (r *Replica) ClearSourcePending(name string) {
+	r.readyMu.Lock()
+	defer r.readyMu.Unlock()
+	delete(r.pending, name)
+	r.publishReadinessLocked()
+}
+
+// startLocked starts e's background work under r.runCtx; r.mu is held.
+func (r *Replica) startLocked(e *engine) {
+	ctx, cancel := context.WithCancel(r.runCtx)
+	e.cancel, e.done = cancel, make(chan struct{})
+	go func() {
+		defer close(e.done)
+		var wg sync.WaitGroup
+		wg.Go(func() {
+			e.srv.WatchReadiness(ctx, r.cfg.HealthInterval, func(rd server.Readiness) { r.sourceReadiness(e, rd) })
+		})
+		e.runErr = e.srv.Run(ctx)
+		wg.Wait()
+	}()
+}
+
+// snapshot returns the engines served now.
+func (r *Replica) snapshot() []*engine {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return slices.Clone(r.engines)
+}
+
 // Source returns the engine of the named source, or nil.
 func (r *Replica) Source(name string) *server.Server {
-	for _, e := range r.engines {
+	for _, e := range r.snapshot() {
 		if e.name == name {
 			return e.srv
 		}
@@ -253,18 +481,28 @@ func (r *Replica) sourceReadiness(e *engine, rd server.Readiness) {
 	r.readyMu.Lock()
 	defer r.readyMu.Unlock()
 	e.readiness.Store(&rd)
-	if len(r.engines) == 1 {
-		r.setReadinessLocked(rd)
+	r.publishReadinessLocked()
+}
+
+// publishReadinessLocked combines the sources' readiness into the
+// replica's; readyMu is held.
+func (r *Replica) publishReadinessLocked() {
+	engines := r.snapshot()
+	if len(engines) == 1 && len(r.pending) == 0 {
+		r.setReadinessLocked(*engines[0].readiness.Load())
 		return
 	}
 	var all server.Readiness
 	var down []string
-	for _, e := range r.engines {
+	for _, e := range engines {
 		rd := e.readiness.Load()
 		all.Ready = all.Ready || rd.Ready
 		if !rd.Ready {
 			down = append(down, fmt.Sprintf("source %s: %s", e.name, rd.Reason))
 		}
+	}
+	for _, name := range slices.Sorted(maps.Keys(r.pending)) {
+		down = append(down, fmt.Sprintf("source %s: not added yet: %s", name, r.pending[name]))
 	}
 	all.Reason = strings.Join(down, "; ")
 	r.setReadinessLocked(all)
@@ -303,18 +541,16 @@ func (r *Replica) Serve(ctx context.Context, lis net.Listener) error {
 	runCtx, cancelRun := context.WithCancel(context.WithoutCancel(ctx))
 	defer cancelRun()
 	var wg sync.WaitGroup
-	runErrs := make([]error, 1+len(r.engines))
-	for i, e := range r.engines {
-		wg.Add(2)
-		go func() { defer wg.Done(); runErrs[1+i] = e.srv.Run(runCtx) }()
-		go func() {
-			defer wg.Done()
-			e.srv.WatchReadiness(runCtx, r.cfg.HealthInterval, func(rd server.Readiness) { r.sourceReadiness(e, rd) })
-		}()
+	r.mu.Lock()
+	r.runCtx = runCtx
+	for _, e := range r.engines {
+		r.startLocked(e)
 	}
+	r.mu.Unlock()
+	var authErr error
 	if a := r.cfg.Authenticator; a != nil {
 		wg.Add(1)
-		go func() { defer wg.Done(); runErrs[0] = a.Watch(runCtx) }()
+		go func() { defer wg.Done(); authErr = a.Watch(runCtx) }()
 	}
 	served := make(chan error, 1)
 	go func() { served <- r.GRPC.Serve(lis) }()
@@ -335,7 +571,12 @@ func (r *Replica) Serve(ctx context.Context, lis net.Listener) error {
 	}
 	cancelRun()
 	wg.Wait()
-	return errors.Join(append([]error{serveErr}, runErrs...)...)
+	errs := []error{serveErr, authErr}
+	for _, e := range r.snapshot() {
+		<-e.done
+		errs = append(errs, e.runErr)
+	}
+	return errors.Join(errs...)
 }
 
 // Shutdown ends serving, bounded by Config.ShutdownTimeout plus a few
@@ -351,6 +592,9 @@ func (r *Replica) Shutdown() {
 	r.readyMu.Lock()
 	r.stopping = true
 	r.readyMu.Unlock()
+	r.mu.Lock()
+	r.closing = true
+	r.mu.Unlock()
 	r.health.Shutdown()
 	stopCtx, cancel := context.WithTimeout(context.Background(), r.cfg.ShutdownTimeout)
 	stuck := r.eachEngine(func(s *server.Server) error { return s.Stop(stopCtx) })
@@ -378,9 +622,10 @@ func (r *Replica) Shutdown() {
 
 // eachEngine runs fn on every engine at once and joins their errors.
 func (r *Replica) eachEngine(fn func(*server.Server) error) error {
-	errs := make([]error, len(r.engines))
+	engines := r.snapshot()
+	errs := make([]error, len(engines))
 	var wg sync.WaitGroup
-	for i, e := range r.engines {
+	for i, e := range engines {
 		wg.Go(func() { errs[i] = fn(e.srv) })
 	}
 	wg.Wait()

@@ -39,7 +39,8 @@ func (a *adminRouter) GetLag(ctx context.Context, req *outboxv1.GetLagRequest) (
 		err error
 	}
 	var parts []*part
-	for _, name := range a.r.names {
+	rt := a.r.routes()
+	for _, name := range rt.names {
 		sctx, err := forSource(ctx, name)
 		if err != nil {
 			continue // the caller may see nothing of this source
@@ -54,11 +55,11 @@ func (a *adminRouter) GetLag(ctx context.Context, req *outboxv1.GetLagRequest) (
 		if len(req.GetStreams()) > 0 && len(sub.Streams) == 0 {
 			continue
 		}
-		parts = append(parts, &part{e: a.r.engines[name], ctx: sctx, req: sub})
+		parts = append(parts, &part{e: rt.engines[name], ctx: sctx, req: sub})
 	}
 	if len(parts) == 0 {
 		if len(req.GetStreams()) > 0 {
-			return nil, invalid("streams", "name no source this server serves (%s) that the caller may see", strings.Join(a.r.names, ", "))
+			return nil, invalid("streams", "name no source this server serves (%s) that the caller may see", strings.Join(rt.names, ", "))
 		}
 		return nil, status.Error(codes.PermissionDenied, "the token may access no stream of any source")
 	}
@@ -156,12 +157,13 @@ func (a *adminRouter) ListRelays(ctx context.Context, req *outboxv1.ListRelaysRe
 	out := &outboxv1.ListRelaysResponse{}
 	var firstErr error
 	answered := 0
-	for _, name := range a.r.names {
+	rt := a.r.routes()
+	for _, name := range rt.names {
 		sctx, err := forSource(ctx, name)
 		if err != nil {
 			continue
 		}
-		res, err := a.r.engines[name].Admin.ListRelays(sctx, req)
+		res, err := rt.engines[name].Admin.ListRelays(sctx, req)
 		if err != nil {
 			if c := status.Code(err); c == codes.PermissionDenied || ctx.Err() != nil {
 				return nil, err
@@ -307,10 +309,10 @@ func routed[Req, Resp proto.Message](a *adminRouter, ctx context.Context, req Re
 	if err == nil {
 		nameSource(source, resp.ProtoReflect())
 	}
-	if status.Code(err) == codes.NotFound && source == Default && eventIDField(req.ProtoReflect()) != nil && len(a.r.names) > 1 {
+	if names := a.r.Names(); status.Code(err) == codes.NotFound && source == Default && eventIDField(req.ProtoReflect()) != nil && len(names) > 1 {
 		// A bare id is default's: say how to name another source's.
 		err = status.Errorf(codes.NotFound, "%s in source default; an event of another source (%s) is named SOURCE/EVENT_ID",
-			status.Convert(err).Message(), strings.Join(slices.DeleteFunc(slices.Clone(a.r.names), func(n string) bool { return n == Default }), ", "))
+			status.Convert(err).Message(), strings.Join(slices.DeleteFunc(names, func(n string) bool { return n == Default }), ", "))
 	}
 	return resp, err
 }
@@ -366,7 +368,10 @@ func (a *adminRouter) ListOperatorActions(ctx context.Context, req *outboxv1.Lis
 // every stream. A source failing ends the purge with its error, naming
 // it; the sources before it stay purged.
 func (a *adminRouter) Purge(req *outboxv1.PurgeRequest, stream outboxv1.AdminService_PurgeServer) error {
-	if req.GetStream() != "" || len(a.r.names) == 1 {
+	// One snapshot of the sources for the whole walk (sources may be added
+	// and removed meanwhile).
+	rt := a.r.routes()
+	if req.GetStream() != "" || len(rt.names) == 1 {
 		source, e, ctx, req, err := route(a, stream.Context(), req)
 		if err != nil {
 			return err
@@ -379,7 +384,7 @@ func (a *adminRouter) Purge(req *outboxv1.PurgeRequest, stream outboxv1.AdminSer
 		ctx    context.Context
 	}
 	var parts []part
-	for _, name := range a.r.names {
+	for _, name := range rt.names {
 		sctx, err := forSource(stream.Context(), name)
 		if err != nil {
 			continue // the caller may see nothing of this source
@@ -388,9 +393,9 @@ func (a *adminRouter) Purge(req *outboxv1.PurgeRequest, stream outboxv1.AdminSer
 			return status.Errorf(codes.PermissionDenied, "source %s: %s; name a stream (--stream %s) to purge it", name,
 				status.Convert(err).Message(), JoinStream(name, "STREAM"))
 		}
-		e, err := a.r.engine(name, "stream")
+		e, err := rt.engine(name, "stream")
 		if err != nil {
-			continue // gone since names was read
+			continue // not served (removed)
 		}
 		parts = append(parts, part{name, e, sctx})
 	}

@@ -36,6 +36,12 @@
 //   - GetLag asks every engine at once and reports per source
 //     (GetLagResponse.sources): one source down leaves out its figures and
 //     says why, and the others' are reported.
+//   - Sources can be added and removed while serving (Router.Add, Retire,
+//     Remove; app.Replica.AddSource and RemoveSource drive them): the
+//     engines are a copy-on-write snapshot, so a change touches no other
+//     source's engine, and a removed source is named as removed: NOT_FOUND
+//     for a new Subscribe, ACK_STATUS_INVALID for an Ack of its lease,
+//     FAILED_PRECONDITION for Nack and ExtendLease.
 //
 //   - The other admin RPCs reach one source, chosen by the "source/" prefix
 //     of their stream, their filter's stream, or their event_id
@@ -53,7 +59,6 @@
 //     of a source is refused before anything is deleted; sources it may
 //     access nothing of are left out.
 //
-// Milestone limits: sources are fixed at start (every source must be
-// reachable then), and the listings without a stream (ListEvents,
+// Milestone limits: the listings without a stream (ListEvents,
 // ListAggregates, ListOperatorActions) read default's.
 package multisource

@@ -90,7 +90,7 @@ func (rr *relayRouter) Subscribe(req *outboxv1.SubscribeRequest, stream outboxv1
 	if err != nil {
 		return err
 	}
-	e, err := rr.r.engine(sub.source, "streams")
+	e, err := rr.r.routes().subscribable(sub.source)
 	if err != nil {
 		return err
 	}
@@ -100,7 +100,15 @@ func (rr *relayRouter) Subscribe(req *outboxv1.SubscribeRequest, stream outboxv1
 	}
 	inner := proto.CloneOf(req)
 	inner.Streams, inner.ExcludeStreams = sub.streams, sub.except
-	return e.Relay.Subscribe(inner, &sourceStream{RelayService_SubscribeServer: stream, ctx: ctx, source: sub.source})
+	err = e.Relay.Subscribe(inner, &sourceStream{RelayService_SubscribeServer: stream, ctx: ctx, source: sub.source})
+	if status.Code(err) == codes.Unavailable {
+		if rt := rr.r.routes(); rt.retiring[sub.source] || rt.removed[sub.source] {
+			// Its engine stopped because the source is being removed, not
+			// because the server is: the relay reconnects and is told so.
+			return status.Errorf(codes.Unavailable, "source %q is being removed from this server's configuration; its stream ended", sub.source)
+		}
+	}
+	return err
 }
 
 // sourceStream is a Subscribe stream as an engine sees it: the caller's
@@ -153,9 +161,10 @@ func (s *sourceStream) bind(d *outboxv1.SubscribeResponse) {
 // acks may have landed (acks are idempotent: sent again, they answer
 // ALREADY_PUBLISHED).
 func (rr *relayRouter) Ack(ctx context.Context, req *outboxv1.AckRequest) (*outboxv1.AckResponse, error) {
+	rt := rr.r.routes()
 	items := req.GetAcks()
 	if len(items) == 0 || len(items) > maxAckItems {
-		return rr.r.engines[rr.r.names[0]].Relay.Ack(ctx, req)
+		return rt.engines[rt.names[0]].Relay.Ack(ctx, req)
 	}
 	results := make([]*outboxv1.AckResult, len(items))
 	type part struct {
@@ -173,10 +182,10 @@ func (rr *relayRouter) Ack(ctx context.Context, req *outboxv1.AckRequest) (*outb
 		src, token := unwrapToken(it.GetLeaseToken())
 		p := parts[src]
 		if p == nil {
-			e := rr.r.engines[src]
+			e := rt.engines[src]
 			if e == nil {
 				results[i] = &outboxv1.AckResult{EventId: it.GetEventId(), Status: outboxv1.AckStatus_ACK_STATUS_INVALID,
-					Message: unknownTokenSource(src, rr.r.names)}
+					Message: rt.unknownTokenSource(src)}
 				continue
 			}
 			sctx, err := forSource(ctx, src)
@@ -228,7 +237,11 @@ func (rr *relayRouter) Ack(ctx context.Context, req *outboxv1.AckRequest) (*outb
 	return &outboxv1.AckResponse{Results: results}, nil
 }
 
-func unknownTokenSource(src string, names []string) string {
+func (rt *routes) unknownTokenSource(src string) string {
+	if rt.removed[src] {
+		return removedMessage(src)
+	}
+	names := rt.names
 	return fmt.Sprintf("lease_token is bound to source %.40q, which this replica does not serve (it serves %v): are all replicas given the same --source list?; nothing changed",
 		src, names)
 }
@@ -237,9 +250,10 @@ func unknownTokenSource(src string, names []string) string {
 // the context that engine must see and the engine's own token.
 func (rr *relayRouter) leaseCall(ctx context.Context, token string) (*Engine, context.Context, string, error) {
 	src, inner := unwrapToken(token)
-	e := rr.r.engines[src]
+	rt := rr.r.routes()
+	e := rt.engines[src]
 	if e == nil {
-		return nil, nil, "", status.Error(codes.FailedPrecondition, unknownTokenSource(src, rr.r.names))
+		return nil, nil, "", status.Error(codes.FailedPrecondition, rt.unknownTokenSource(src))
 	}
 	sctx, err := forSource(ctx, src)
 	if err != nil {

@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"slices"
 	"strings"
+	"sync"
+	"sync/atomic"
 
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc"
@@ -38,9 +40,42 @@ func (e *Engine) ready() (bool, string) {
 
 // Router sends each RelayService and AdminService call to the engine of the
 // source it names. See the package documentation.
+//
+// Its set of engines can change while it serves (Add, Retire, Remove): each
+// call reads one immutable snapshot of the set (copy on write behind an
+// atomic pointer), so calls in flight keep the engine they started with,
+// and changing one source never touches another's engine.
 type Router struct {
+	cur atomic.Pointer[routes]
+	mu  sync.Mutex // serialises changes: each copies cur and stores the copy
+}
+
+// routes is one snapshot of a Router's engines.
+type routes struct {
 	engines map[string]*Engine
 	names   []string // sorted
+	// retiring are sources being removed (Retire): they take no new
+	// Subscribe stream, but their leases can still be acked.
+	retiring map[string]bool
+	// removed are sources removed at run time (Remove), so that a call
+	// naming one is told the source is gone rather than that it never
+	// existed.
+	removed map[string]bool
+}
+
+func (rt *routes) clone() *routes {
+	out := &routes{engines: make(map[string]*Engine, len(rt.engines)), names: slices.Clone(rt.names),
+		retiring: make(map[string]bool), removed: make(map[string]bool)}
+	for k, v := range rt.engines {
+		out.engines[k] = v
+	}
+	for k, v := range rt.retiring {
+		out.retiring[k] = v
+	}
+	for k, v := range rt.removed {
+		out.removed[k] = v
+	}
+	return out
 }
 
 // New returns a Router in front of engines, which must have valid, distinct
@@ -49,23 +84,79 @@ func New(engines []Engine) (*Router, error) {
 	if len(engines) == 0 {
 		return nil, errors.New("multisource: no source")
 	}
-	r := &Router{engines: make(map[string]*Engine, len(engines))}
+	r := &Router{}
+	r.cur.Store(&routes{engines: map[string]*Engine{}})
 	for i := range engines {
-		e := &engines[i]
-		if err := ValidName(e.Name); err != nil {
-			return nil, fmt.Errorf("multisource: %w", err)
+		if err := r.Add(engines[i]); err != nil {
+			return nil, err
 		}
-		if r.engines[e.Name] != nil {
-			return nil, fmt.Errorf("multisource: source %q given twice", e.Name)
-		}
-		if e.Relay == nil || e.Admin == nil {
-			return nil, fmt.Errorf("multisource: source %q: Relay and Admin are required", e.Name)
-		}
-		r.engines[e.Name] = e
-		r.names = append(r.names, e.Name)
 	}
-	slices.Sort(r.names)
 	return r, nil
+}
+
+// Add publishes the engine of a source: calls naming it reach it from now
+// on. Its engine must already run (Subscribe streams are served at once).
+func (r *Router) Add(e Engine) error {
+	if err := ValidName(e.Name); err != nil {
+		return fmt.Errorf("multisource: %w", err)
+	}
+	if e.Relay == nil || e.Admin == nil {
+		return fmt.Errorf("multisource: source %q: Relay and Admin are required", e.Name)
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	rt := r.cur.Load()
+	if rt.engines[e.Name] != nil {
+		return fmt.Errorf("multisource: source %q given twice", e.Name)
+	}
+	next := rt.clone()
+	next.engines[e.Name] = &e
+	next.names = append(next.names, e.Name)
+	slices.Sort(next.names)
+	delete(next.removed, e.Name)
+	r.cur.Store(next)
+	return nil
+}
+
+// Retire is the first step of removing a source: from now on a Subscribe
+// stream for it is refused with NOT_FOUND naming the source as removed,
+// while Acks, Nacks, ExtendLease and the admin calls still reach its engine,
+// so that the relays can ack what they hold while its engine drains (see
+// server.Server.Stop). Remove then unpublishes it.
+func (r *Router) Retire(name string) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	rt := r.cur.Load()
+	if rt.engines[name] == nil {
+		return fmt.Errorf("multisource: no source %q to remove", name)
+	}
+	if len(rt.engines)-len(rt.retiring) == 1 && !rt.retiring[name] {
+		return fmt.Errorf("multisource: source %q is the last one; a server serves at least one source", name)
+	}
+	next := rt.clone()
+	next.retiring[name] = true
+	r.cur.Store(next)
+	return nil
+}
+
+// Remove unpublishes a retired source: every call naming it is refused,
+// saying the source was removed (Subscribe NOT_FOUND, an Ack of its lease
+// ACK_STATUS_INVALID, Nack and ExtendLease FAILED_PRECONDITION). Its engine
+// can then be stopped: no new call reaches it.
+func (r *Router) Remove(name string) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	rt := r.cur.Load()
+	if !rt.retiring[name] {
+		return fmt.Errorf("multisource: source %q is not retired; Retire it first", name)
+	}
+	next := rt.clone()
+	delete(next.engines, name)
+	delete(next.retiring, name)
+	next.names = slices.DeleteFunc(next.names, func(n string) bool { return n == name })
+	next.removed[name] = true
+	r.cur.Store(next)
+	return nil
 }
 
 // Register adds the routing RelayService and AdminService to g.
@@ -78,17 +169,54 @@ func (r *Router) Register(g grpc.ServiceRegistrar) {
 // callers that apply access rules themselves (see server.AdminServer).
 func (r *Router) AdminServer() outboxv1.AdminServiceServer { return &adminRouter{r: r} }
 
-// Names returns the sources' names, sorted.
-func (r *Router) Names() []string { return slices.Clone(r.names) }
+// Names returns the sources' names, sorted (retiring ones included).
+func (r *Router) Names() []string { return slices.Clone(r.cur.Load().names) }
+
+// routes returns the current snapshot of the engines.
+func (r *Router) routes() *routes { return r.cur.Load() }
 
 // engine returns the engine of source, or an error for the client that
 // names the sources there are.
 func (r *Router) engine(source, what string) (*Engine, error) {
-	if e := r.engines[source]; e != nil {
+	return r.routes().engine(source, what)
+}
+
+func (rt *routes) engine(source, what string) (*Engine, error) {
+	if e := rt.engines[source]; e != nil {
 		return e, nil
 	}
+	if rt.removed[source] {
+		return nil, removedError(source, what, rt.names)
+	}
 	return nil, status.Errorf(codes.InvalidArgument, "%s: no source named %.40q; this server serves %s",
-		what, source, strings.Join(r.names, ", "))
+		what, source, strings.Join(rt.names, ", "))
+}
+
+// subscribable is engine for a new Subscribe stream: a retiring source
+// takes none.
+func (rt *routes) subscribable(source string) (*Engine, error) {
+	if rt.retiring[source] {
+		return nil, removedError(source, "streams", rt.live())
+	}
+	return rt.engine(source, "streams")
+}
+
+// live is names without the retiring sources.
+func (rt *routes) live() []string {
+	return slices.DeleteFunc(slices.Clone(rt.names), func(n string) bool { return rt.retiring[n] })
+}
+
+// removedError is NOT_FOUND for a source removed from this server at run
+// time (its configuration reloaded without it). Relays retry NOT_FOUND
+// quietly, so one left running picks the source up again if it comes back.
+func removedError(source, what string, names []string) error {
+	return status.Errorf(codes.NotFound, "%s: source %.40q was removed from this server's configuration; it serves %s",
+		what, source, strings.Join(names, ", "))
+}
+
+// removedMessage says why a lease token of a removed source is refused.
+func removedMessage(source string) string {
+	return fmt.Sprintf("lease_token is bound to source %.40q, which was removed from this server's configuration; its lease is gone and nothing changed", source)
 }
 
 // forSource returns ctx as the engine of source must see it: with the

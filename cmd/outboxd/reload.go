@@ -1,0 +1,314 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"maps"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"slices"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/fsnotify/fsnotify"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/outboxd/outboxd/internal/app"
+	"github.com/outboxd/outboxd/internal/store"
+	"github.com/outboxd/outboxd/server"
+)
+
+// Reloading sources. The sources serve can add and remove while it runs are
+// those of the `source:` list of its --config file: --source flags and
+// $OUTBOXD_SOURCE cannot change under a running process, and the default
+// source (--database-url) is fixed. On SIGHUP and whenever the file changes,
+// serve rereads that list and, source by source, adds the new ones, removes
+// the ones gone, and removes then adds again one whose URL changed; the
+// engines of the others are not touched. A list that does not parse (or a
+// file that no longer does: unknown key, password) changes nothing.
+
+// sourceConnectTimeout bounds one attempt at opening a source (dial, ping,
+// schema check), so that an unreachable host holds up no reload for long.
+const sourceConnectTimeout = 10 * time.Second
+
+// sourceReloadDebounce is how long a burst of file events settles before
+// the file is reread (an editor's truncate-then-write).
+const sourceReloadDebounce = 100 * time.Millisecond
+
+// reloadableSource is a source of the --config file's list, served or
+// still being connected.
+type reloadableSource struct {
+	src source
+	// cancel ends its connect loop; done is closed when the loop has
+	// returned, with pool set when the source was added.
+	cancel context.CancelFunc
+	done   chan struct{}
+	pool   *sourcePool
+}
+
+// sourceSet keeps the replica's reloadable sources in line with the
+// --config file.
+type sourceSet struct {
+	rep      *app.Replica
+	log      *slog.Logger
+	base     server.Config // of every added source; Store and DatabaseURL are its own
+	maxConns int32
+	interval time.Duration // between attempts at a source that does not answer
+	drain    time.Duration // a removed source's streams have this long to ack what they hold
+	path     string        // the --config file
+	// reread returns the file's `source:` list, or an error when the file
+	// does not parse or check.
+	reread func() ([]string, error)
+	fixed  map[string]bool // sources given otherwise, never reloaded
+	// reloads counts reloads by result; OnReload (tests) sees each.
+	reloads *prometheus.CounterVec
+
+	mu   sync.Mutex // serialises reloads
+	live map[string]*reloadableSource
+}
+
+func newSourceReloadMetric(reg prometheus.Registerer) *prometheus.CounterVec {
+	c := prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "outboxd_source_reloads_total",
+		Help: "Rereads of the --config file's source list (SIGHUP, file change), by result: ok (applied) or error (nothing changed).",
+	}, []string{"result"})
+	c.WithLabelValues("ok")
+	c.WithLabelValues("error")
+	reg.MustRegister(c)
+	return c
+}
+
+// start begins connecting the sources of the list serve started with that
+// it could not open at once (the others it was given with their pools).
+func (s *sourceSet) start(ctx context.Context, opened map[string]*sourcePool, all []source) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.live = map[string]*reloadableSource{}
+	for _, src := range all {
+		if pool := opened[src.name]; pool != nil {
+			done := make(chan struct{})
+			close(done)
+			s.live[src.name] = &reloadableSource{src: src, pool: pool, cancel: func() {}, done: done}
+			continue
+		}
+		s.connect(ctx, src, false)
+	}
+}
+
+// connect adds src, retrying every interval while its database does not
+// answer (the replica's readiness names it meanwhile). With wait, it
+// returns after the first attempt.
+func (s *sourceSet) connect(ctx context.Context, src source, wait bool) {
+	ctx, cancel := context.WithCancel(ctx)
+	rs := &reloadableSource{src: src, cancel: cancel, done: make(chan struct{})}
+	s.live[src.name] = rs
+	tried := make(chan struct{})
+	go func() {
+		defer close(rs.done)
+		first := true
+		for {
+			pool, err := s.add(ctx, src)
+			if first {
+				close(tried)
+				first = false
+			}
+			if err == nil {
+				rs.pool = pool
+				return
+			}
+			if ctx.Err() != nil {
+				return
+			}
+			s.log.Warn("source not added yet; retrying", "source", src.name, "err", err, "in", s.interval)
+			s.rep.SetSourcePending(src.name, err.Error())
+			t := time.NewTimer(s.interval)
+			select {
+			case <-ctx.Done():
+				t.Stop()
+				return
+			case <-t.C:
+			}
+		}
+	}()
+	if wait {
+		<-tried
+	}
+}
+
+// add opens src's pool and adds its engine to the replica.
+func (s *sourceSet) add(ctx context.Context, src source) (*sourcePool, error) {
+	octx, cancel := context.WithTimeout(ctx, sourceConnectTimeout)
+	defer cancel()
+	pool, err := openSource(octx, src, nil, s.maxConns)
+	if err != nil {
+		return nil, err
+	}
+	if err := s.rep.AddSource(octx, app.Source{Name: src.name, Server: namedSourceConfig(s.base, src, pool)}); err != nil {
+		pool.Close()
+		return nil, err
+	}
+	return pool, nil
+}
+
+// drop removes a source: it ends its connect loop, removes its engine from
+// the replica (see app.Replica.RemoveSource) and closes its pool.
+func (s *sourceSet) drop(ctx context.Context, rs *reloadableSource) error {
+	rs.cancel()
+	<-rs.done
+	delete(s.live, rs.src.name)
+	if rs.pool == nil {
+		s.rep.ClearSourcePending(rs.src.name)
+		return nil
+	}
+	err := s.rep.RemoveSource(ctx, rs.src.name, s.drain)
+	rs.pool.Close()
+	return err
+}
+
+// Reload rereads the file's source list and applies it. On error nothing
+// has changed; the error is logged and counted.
+func (s *sourceSet) Reload(ctx context.Context) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	err := s.reload(ctx)
+	if err != nil {
+		s.reloads.WithLabelValues("error").Inc()
+		s.log.Error("sources: reload failed; keeping the sources served", "config", s.path, "err", err)
+		return err
+	}
+	s.reloads.WithLabelValues("ok").Inc()
+	return nil
+}
+
+func (s *sourceSet) reload(ctx context.Context) error {
+	specs, err := s.reread()
+	if err != nil {
+		return err
+	}
+	want, err := parseSourceSpecs(specs, maps.Clone(s.fixed))
+	if err != nil {
+		return fmt.Errorf("%s: source: %w", s.path, err)
+	}
+	if len(s.fixed)+len(want) == 0 {
+		return fmt.Errorf("%s: source: the list is empty and no other source is given: a server serves at least one source", s.path)
+	}
+	wanted := map[string]source{}
+	for _, w := range want {
+		wanted[w.name] = w
+	}
+	var removed, added []string
+	var errs []error
+	for _, name := range slices.Sorted(maps.Keys(s.live)) {
+		rs := s.live[name]
+		if w, ok := wanted[name]; ok && w.url == rs.src.url {
+			continue
+		}
+		if err := s.drop(ctx, rs); err != nil {
+			errs = append(errs, fmt.Errorf("source %s: %w", name, err))
+		}
+		removed = append(removed, name)
+	}
+	for _, w := range want {
+		if s.live[w.name] == nil {
+			s.connect(ctx, w, true)
+			added = append(added, w.name)
+		}
+	}
+	if len(added)+len(removed) == 0 {
+		s.log.Debug("sources: source list unchanged", "config", s.path)
+		return nil
+	}
+	s.log.Info("sources reloaded", "config", s.path, "added", added, "removed", removed,
+		"sources", slices.Sorted(maps.Keys(s.live)))
+	return errors.Join(errs...)
+}
+
+// close removes nothing from the replica (it is stopping): it ends the
+// connect loops and closes the pools once the replica has stopped.
+func (s *sourceSet) close() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, rs := range s.live {
+		rs.cancel()
+		<-rs.done
+		if rs.pool != nil {
+			rs.pool.Close()
+		}
+	}
+}
+
+// Watch reloads on SIGHUP and whenever the --config file's directory
+// changes, until ctx is done. signal.Notify gives every channel registered
+// for SIGHUP its own copy, so this and the token file's watch
+// (auth.Authenticator.Watch) both see each SIGHUP. It reloads once as soon
+// as it watches; ready, when not nil, is called then.
+func (s *sourceSet) Watch(ctx context.Context, ready func()) error {
+	// Never signal.Stop'ed: with no channel left, SIGHUP would get its
+	// default action again and end the process, which serve ignores
+	// without tokens (see serveFlags.security) and a shutdown still
+	// running must survive. Signals sent to it after Watch returns are
+	// dropped (the send never blocks).
+	hup := make(chan os.Signal, 1)
+	signal.Notify(hup, syscall.SIGHUP)
+	w, err := fsnotify.NewWatcher()
+	if err != nil {
+		return fmt.Errorf("sources: watch %s: %w", s.path, err)
+	}
+	defer w.Close()
+	if err := w.Add(filepath.Dir(s.path)); err != nil {
+		return fmt.Errorf("sources: watch the directory of %s: %w", s.path, err)
+	}
+	// Once now, so that a change made between startup and the watch is
+	// not missed (and tests can wait for this first reload to know SIGHUP
+	// is handled).
+	_ = s.Reload(ctx)
+	if ready != nil {
+		ready()
+	}
+	debounce := time.NewTimer(time.Hour)
+	debounce.Stop()
+	defer debounce.Stop()
+	armed := false
+	for {
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-hup:
+			s.log.Info("sources: SIGHUP: rereading the source list", "config", s.path)
+			_ = s.Reload(ctx)
+		case ev, ok := <-w.Events:
+			if !ok {
+				return nil
+			}
+			// Any file of the directory: a Kubernetes ConfigMap swaps a
+			// symlinked directory, never writing the file itself. A reread
+			// that finds the list unchanged changes nothing.
+			if ev.Op != fsnotify.Chmod && !armed {
+				debounce.Reset(sourceReloadDebounce)
+				armed = true
+			}
+		case err, ok := <-w.Errors:
+			if !ok {
+				return nil
+			}
+			s.log.Warn("sources: watching the config file", "err", err)
+		case <-debounce.C:
+			armed = false
+			s.log.Info("sources: config file changed: rereading the source list", "config", s.path)
+			_ = s.Reload(ctx)
+		}
+	}
+}
+
+// namedSourceConfig is the engine configuration of a source other than
+// default: base, with the source's store, and the replica's logger and
+// metrics registry (labelled with the source by app).
+func namedSourceConfig(base server.Config, src source, pool *sourcePool) server.Config {
+	sc := base
+	sc.Store, sc.DatabaseURL, sc.Logger, sc.Registerer = store.New(pool.Pool), withoutPoolParams(src.url), nil, nil
+	return sc
+}
