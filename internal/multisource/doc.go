@@ -36,6 +36,7 @@
 //   - GetLag asks every engine at once and reports per source
 //     (GetLagResponse.sources): one source down leaves out its figures and
 //     says why, and the others' are reported.
+//
 //   - Sources can be added and removed while serving (Router.Add, Retire,
 //     Remove; app.Replica.AddSource and RemoveSource drive them): the
 //     engines are a copy-on-write snapshot, so a change touches no other
