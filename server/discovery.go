@@ -59,8 +59,13 @@ func (s *Server) discover(ctx context.Context) {
 	// quiet DiscoveryQuietAfter later.
 	lastFound := time.Now()
 	reset := func() {
-		if idle && s.cfg.DiscoveryQuietInterval > wait && time.Since(lastFound) >= s.cfg.DiscoveryQuietAfter {
-			wait = s.cfg.DiscoveryQuietInterval
+		if idle {
+			// The idle interval, or the quiet one (as last set) once the
+			// rounds have found nothing for long enough.
+			wait = s.cfg.DiscoveryIdleInterval
+			if time.Since(lastFound) >= s.cfg.DiscoveryQuietAfter {
+				wait = max(wait, time.Duration(s.quietInterval.Load()))
+			}
 		}
 		if h := s.afterDiscoveryWait.Load(); h != nil {
 			(*h)(wait)

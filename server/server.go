@@ -268,6 +268,9 @@ type Server struct {
 	// afterDiscoveryWait, when set (by tests), sees every pause the
 	// discovery loop chooses before its next turn.
 	afterDiscoveryWait atomic.Pointer[func(wait time.Duration)]
+	// quietInterval is Config.DiscoveryQuietInterval as last set (see
+	// SetDiscoveryQuietInterval), in nanoseconds.
+	quietInterval atomic.Int64
 	// reconcileTick, when set (by tests), replaces every session's
 	// reconcile ticker: a session with leases to check takes a tick from
 	// it when the test sends one.
@@ -320,6 +323,20 @@ type Server struct {
 }
 
 // New validates cfg and loads the lease-signing key.
+// SetDiscoveryQuietInterval lengthens Config.DiscoveryQuietInterval to d
+// while the server runs (never below the configured value): a replica whose
+// sources come and go spreads its budget of idle checks over the ones it
+// has. The discovery loop takes it at its next pause.
+func (s *Server) SetDiscoveryQuietInterval(d time.Duration) {
+	s.quietInterval.Store(int64(max(d, s.cfg.DiscoveryQuietInterval)))
+}
+
+// DiscoveryQuietInterval returns the pause between a quiet discovery
+// loop's checks, as last set.
+func (s *Server) DiscoveryQuietInterval() time.Duration {
+	return time.Duration(s.quietInterval.Load())
+}
+
 func New(ctx context.Context, cfg Config) (*Server, error) {
 	if err := cfg.setDefaults(); err != nil {
 		return nil, err
@@ -341,6 +358,7 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 		stopping: make(chan struct{}),
 		metrics:  newMetrics(),
 	}
+	s.quietInterval.Store(int64(cfg.DiscoveryQuietInterval))
 	s.acks = newAckCommitter(s)
 	s.wake = newWaker(s)
 	if cfg.Registerer != nil {

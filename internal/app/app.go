@@ -264,12 +264,31 @@ func (r *Replica) newEngines(ctx context.Context) error {
 		routes = append(routes, route)
 	}
 	slices.SortFunc(r.engines, func(a, b *engine) int { return cmp.Compare(a.name, b.name) })
+	spreadIdleChecks(r.engines)
 	router, err := multisource.New(routes)
 	if err != nil {
 		return fmt.Errorf("app: Config.Sources: %w", err)
 	}
 	r.router = router
 	return nil
+}
+
+// IdleChecksPerSecond is the budget of idle discovery checks a replica
+// spreads over its quiet sources (see server.Config.DiscoveryQuietInterval):
+// each source whose rounds have found nothing for a while checks every
+// len(sources)/IdleChecksPerSecond, never more often than its idle interval
+// (25ms: so up to 5 sources nothing changes). A check is one statement of
+// about 0.1ms, so the budget costs a few per cent of a core whatever the
+// number of sources; the price is that a quiet source's first event waits
+// up to that interval (250ms with 50 sources) to be found.
+const IdleChecksPerSecond = 200
+
+// spreadIdleChecks gives every engine its share of IdleChecksPerSecond.
+func spreadIdleChecks(engines []*engine) {
+	quiet := time.Duration(len(engines)) * time.Second / IdleChecksPerSecond
+	for _, e := range engines {
+		e.srv.SetDiscoveryQuietInterval(quiet)
+	}
 }
 
 // newEngine builds the engine of one source (server.New: it loads the
@@ -337,6 +356,7 @@ func (r *Replica) AddSource(ctx context.Context, src Source) error {
 	}
 	r.engines = append(r.engines, e)
 	slices.SortFunc(r.engines, func(a, b *engine) int { return cmp.Compare(a.name, b.name) })
+	spreadIdleChecks(r.engines)
 	if r.runCtx != nil {
 		r.startLocked(e)
 	}
@@ -399,6 +419,7 @@ func (r *Replica) removeEngine(ctx context.Context, e *engine, drain time.Durati
 	}
 	r.mu.Lock()
 	r.engines = slices.DeleteFunc(r.engines, func(x *engine) bool { return x == e })
+	spreadIdleChecks(r.engines)
 	r.mu.Unlock()
 	if e.cancel != nil {
 		e.cancel()
