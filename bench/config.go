@@ -163,6 +163,11 @@ type Config struct {
 	// IdleSources is how many idle source databases the idle-sources
 	// workload puts behind one server. Default 50.
 	IdleSources int
+	// IdleSourcesSettle is the least warm-up before each idle-sources
+	// window: the sources' discovery loops go quiet after 10s without
+	// events (server.Config.DiscoveryQuietAfter), and the window measures
+	// them quiet. Default 12s.
+	IdleSourcesSettle time.Duration
 	// Quick selects the reduced set's defaults (about a minute in all).
 	Quick bool
 	// ServerBinary is the outboxd binary whose `serve` command runs the
@@ -244,6 +249,9 @@ func (c *Config) setDefaults() error {
 	}
 	if c.SourcesLightRate == 0 {
 		c.SourcesLightRate = 20
+	}
+	if c.IdleSourcesSettle == 0 {
+		c.IdleSourcesSettle = 12 * time.Second
 	}
 	if c.IdleSources == 0 {
 		c.IdleSources = 50

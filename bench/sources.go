@@ -636,7 +636,7 @@ func runIdleSources(ctx context.Context, cfg *Config, sc *scratch, spec armSpec,
 
 	dbNames := sourceDBNames(srcs)
 	window := func(relays int) (*IdleSourcesPhase, error) {
-		if err := sleepCtx(ctx, cfg.Warmup); err != nil {
+		if err := sleepCtx(ctx, max(cfg.Warmup, cfg.IdleSourcesSettle)); err != nil {
 			return nil, err
 		}
 		conn, err := pgx.Connect(ctx, cfg.DatabaseURL)

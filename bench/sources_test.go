@@ -17,21 +17,22 @@ import (
 // still has a heavy source, two light ones and two idle ones.
 func tinySourcesConfig(t *testing.T, workloads []string, logs *strings.Builder) Config {
 	return Config{
-		DatabaseURL:      testdb.ServerURL(),
-		ServerBinary:     serverBinary,
-		Arms:             []string{ArmOutboxd},
-		Workloads:        workloads,
-		Duration:         300 * time.Millisecond,
-		Warmup:           200 * time.Millisecond,
-		Producers:        2,
-		Relays:           2,
-		Aggregates:       50,
-		Sources:          3,
-		SourcesLightRate: 50,
-		IdleSources:      2,
-		SinkLatencies:    []time.Duration{0},
-		Logger:           slog.New(slog.NewTextHandler(logs, &slog.HandlerOptions{Level: slog.LevelWarn})),
-		Progress:         tWriter{t},
+		DatabaseURL:       testdb.ServerURL(),
+		ServerBinary:      serverBinary,
+		Arms:              []string{ArmOutboxd},
+		Workloads:         workloads,
+		Duration:          300 * time.Millisecond,
+		Warmup:            200 * time.Millisecond,
+		Producers:         2,
+		Relays:            2,
+		Aggregates:        50,
+		Sources:           3,
+		SourcesLightRate:  50,
+		IdleSources:       2,
+		IdleSourcesSettle: 200 * time.Millisecond,
+		SinkLatencies:     []time.Duration{0},
+		Logger:            slog.New(slog.NewTextHandler(logs, &slog.HandlerOptions{Level: slog.LevelWarn})),
+		Progress:          tWriter{t},
 	}
 }
 
