@@ -157,9 +157,10 @@ func migrateSources(ctx context.Context, all []source, log *slog.Logger, out fun
 // chance overlap of that work opened would stay for good (measured: 4 pool
 // connections for an idle source). So a quiet source, one that made fewer
 // than quietAcquiresPerSecond database calls over the last quietWindow,
-// keeps one idle connection: every quietWindow, the idle connections beyond
-// one are closed. It holds 2 (LISTEN and that one) but for up to a second
-// after an overlap, and opens a connection only per overlap.
+// keeps one idle connection: every quarter of quietWindow, the idle
+// connections beyond one are closed. It holds 2 (LISTEN and that one) but
+// for up to a quarter of a second after an overlap, and opens a connection
+// only per overlap.
 //
 // The trimming is not done in pgxpool's AfterRelease hook: with the hook,
 // pgxpool returns a released connection to the pool in a goroutine, so two
@@ -198,18 +199,23 @@ func newSourcePool(ctx context.Context, cfg *pgxpool.Config) (*sourcePool, error
 	p.stopWatch = cancel
 	go func() {
 		defer close(p.watched)
-		t := time.NewTicker(quietWindow)
+		// Trim every quarter of the window, judging quietness over the
+		// whole window: the acquire counts of its last four quarters.
+		t := time.NewTicker(quietWindow / 4)
 		defer t.Stop()
-		last := pool.Stat().AcquireCount()
-		for {
+		var counts [4]int64
+		for i := range counts {
+			counts[i] = pool.Stat().AcquireCount()
+		}
+		for tick := 0; ; tick++ {
 			select {
 			case <-watchCtx.Done():
 				return
 			case <-t.C:
 			}
 			n := pool.Stat().AcquireCount()
-			quiet := n-last < int64(quietAcquiresPerSecond*quietWindow/time.Second)
-			last = n
+			quiet := n-counts[tick%4] < int64(quietAcquiresPerSecond*quietWindow/time.Second)
+			counts[tick%4] = n
 			if quiet {
 				trimIdle(watchCtx, pool)
 			}
