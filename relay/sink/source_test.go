@@ -3,6 +3,7 @@ package sink_test
 import (
 	"testing"
 
+	"github.com/outboxd/outboxd/relay"
 	"github.com/outboxd/outboxd/relay/sink"
 )
 
@@ -18,15 +19,7 @@ func TestNATSMessageIDNamesTheSource(t *testing.T) {
 	t.Parallel()
 	e := newJSEnv(t)
 	s := e.open(t, nil)
-	def := testEvent(sharedID)
-	orders := testEvent(sharedID)
-	orders.Source = "orders"
-	if err := s.Publish(t.Context(), def); err != nil {
-		t.Fatal(err)
-	}
-	if err := s.Publish(t.Context(), orders); err != nil {
-		t.Fatal(err)
-	}
+	publishInTwoSources(t, s)
 	msgs := e.fetch(t, 2)
 	for i, want := range []struct{ msgID, source string }{{sharedID, ""}, {"orders/" + sharedID, "orders"}} {
 		h := msgs[i].Headers()
@@ -41,15 +34,7 @@ func TestAMQPMessageIDNamesTheSource(t *testing.T) {
 	t.Parallel()
 	e := newRabbitEnv(t, "outbox.#")
 	s := openSink(t, e.url(nil))
-	def := testEvent(sharedID)
-	orders := testEvent(sharedID)
-	orders.Source = "orders"
-	if err := s.Publish(t.Context(), def); err != nil {
-		t.Fatal(err)
-	}
-	if err := s.Publish(t.Context(), orders); err != nil {
-		t.Fatal(err)
-	}
+	publishInTwoSources(t, s)
 	ds := e.get(t, 2)
 	for i, want := range []struct{ msgID, source string }{{sharedID, ""}, {"orders/" + sharedID, "orders"}} {
 		d := ds[i]
@@ -65,15 +50,7 @@ func TestKafkaEventIDHeaderNamesTheSource(t *testing.T) {
 	t.Parallel()
 	c := newKafka(t, "outbox.orders.eu")
 	s := openSink(t, kafkaSinkURL(c, nil))
-	def := testEvent(sharedID)
-	orders := testEvent(sharedID)
-	orders.Source = "orders"
-	if err := s.Publish(t.Context(), def); err != nil {
-		t.Fatal(err)
-	}
-	if err := s.Publish(t.Context(), orders); err != nil {
-		t.Fatal(err)
-	}
+	publishInTwoSources(t, s)
 	rs := consume(t, c, 2, "outbox.orders.eu")
 	for i, want := range []struct{ msgID, source string }{{sharedID, ""}, {"orders/" + sharedID, "orders"}} {
 		if got, src := header(rs[i], sink.HeaderEventID), header(rs[i], sink.HeaderSource); got != want.msgID || src != want.source {
@@ -86,15 +63,7 @@ func TestRedisEventIDFieldNamesTheSource(t *testing.T) {
 	t.Parallel()
 	e := newRedisEnv(t)
 	s := openSink(t, e.url(nil))
-	def := testEvent(sharedID)
-	orders := testEvent(sharedID)
-	orders.Source = "orders"
-	if err := s.Publish(t.Context(), def); err != nil {
-		t.Fatal(err)
-	}
-	if err := s.Publish(t.Context(), orders); err != nil {
-		t.Fatal(err)
-	}
+	publishInTwoSources(t, s)
 	msgs := e.entries(t, e.prefix+".orders%2Eeu")
 	if len(msgs) != 2 {
 		t.Fatalf("stream holds %d entries, want 2", len(msgs))
@@ -114,15 +83,7 @@ func TestWebhookIDNamesTheSource(t *testing.T) {
 	t.Parallel()
 	h := newHook(t)
 	s := openSink(t, h.url(t, nil))
-	def := testEvent(sharedID)
-	orders := testEvent(sharedID)
-	orders.Source = "orders"
-	if err := s.Publish(t.Context(), def); err != nil {
-		t.Fatal(err)
-	}
-	if err := s.Publish(t.Context(), orders); err != nil {
-		t.Fatal(err)
-	}
+	publishInTwoSources(t, s)
 	got := h.requests()
 	if len(got) != 2 {
 		t.Fatalf("%d requests, want 2", len(got))
@@ -143,19 +104,24 @@ func TestCloudEventsIDNamesTheSource(t *testing.T) {
 	t.Parallel()
 	e := newJSEnv(t)
 	s := e.open(t, map[string]string{"cloudevents": "binary"})
-	def := testEvent(sharedID)
-	orders := testEvent(sharedID)
-	orders.Source = "orders"
-	if err := s.Publish(t.Context(), def); err != nil {
-		t.Fatal(err)
-	}
-	if err := s.Publish(t.Context(), orders); err != nil {
-		t.Fatal(err)
-	}
+	publishInTwoSources(t, s)
 	msgs := e.fetch(t, 2)
 	for i, want := range []string{sharedID, "orders/" + sharedID} {
 		if got := msgs[i].Headers().Get("ce-id"); got != want {
 			t.Errorf("message %d: ce-id %q, want %q", i, got, want)
+		}
+	}
+}
+
+// publishInTwoSources publishes one event id twice through s: as source
+// default's, then as source orders'.
+func publishInTwoSources(t *testing.T, s relay.Sink) {
+	t.Helper()
+	orders := testEvent(sharedID)
+	orders.Source = "orders"
+	for _, ev := range []relay.Event{testEvent(sharedID), orders} {
+		if err := s.Publish(t.Context(), ev); err != nil {
+			t.Fatal(err)
 		}
 	}
 }
