@@ -124,20 +124,13 @@ func Status(ctx context.Context, db *sql.DB) ([]MigrationStatus, error) {
 // It only reads: a readiness probe must not create anything in the database
 // it probes, so a missing version table means every migration is pending.
 func Pending(ctx context.Context, db *sql.DB) (int, error) {
-	names, err := fs.Glob(files, "*.sql")
-	if err != nil {
-		return 0, err
-	}
 	var exists bool
 	if err := db.QueryRowContext(ctx, `SELECT to_regclass($1) IS NOT NULL`, versionTable).Scan(&exists); err != nil {
 		return 0, fmt.Errorf("migrations: %w", err)
 	}
 	applied := map[int64]bool{}
 	if exists {
-		// goose appends a row per apply and per rollback; a version's latest
-		// row says where it stands.
-		rows, err := db.QueryContext(ctx, `SELECT DISTINCT ON (version_id) version_id, is_applied
-			FROM `+versionTable+` ORDER BY version_id, id DESC`)
+		rows, err := db.QueryContext(ctx, AppliedVersionsSQL)
 		if err != nil {
 			return 0, fmt.Errorf("migrations: %w", err)
 		}
@@ -153,6 +146,23 @@ func Pending(ctx context.Context, db *sql.DB) (int, error) {
 		if err := rows.Err(); err != nil {
 			return 0, fmt.Errorf("migrations: %w", err)
 		}
+	}
+	return PendingOf(applied)
+}
+
+// AppliedVersionsSQL reads where each version stands, as rows of
+// (version_id bigint, is_applied boolean): goose appends a row per apply and
+// per rollback, and a version's latest row says. Without the version table
+// (no migration ever applied) it fails with SQLSTATE 42P01.
+const AppliedVersionsSQL = `SELECT DISTINCT ON (version_id) version_id, is_applied
+	FROM ` + versionTable + ` ORDER BY version_id, id DESC`
+
+// PendingOf counts the embedded migrations that applied (version ->
+// applied, as AppliedVersionsSQL reads it) does not mark applied.
+func PendingOf(applied map[int64]bool) (int, error) {
+	names, err := fs.Glob(files, "*.sql")
+	if err != nil {
+		return 0, err
 	}
 	n := 0
 	for _, name := range names {

@@ -107,3 +107,36 @@ func TestClaimHint(t *testing.T) {
 		}
 	}
 }
+
+// PendingMigrations, in its one statement: every migration is pending in a
+// database never migrated (no version table, which it must not create),
+// none once migrated, and a version whose latest row is a rollback is
+// pending again.
+func TestPendingMigrations(t *testing.T) {
+	t.Parallel()
+	ctx := t.Context()
+	empty := testdb.NewPoolURL(t, testdb.NewEmpty(t))
+	if n, err := store.New(empty).PendingMigrations(ctx); err != nil || n != 1 {
+		t.Fatalf("never migrated: %d pending, %v; want 1 (the one embedded migration)", n, err)
+	}
+	var created bool
+	if err := empty.QueryRow(ctx, `SELECT to_regclass('outbox.goose_db_version') IS NOT NULL`).Scan(&created); err != nil || created {
+		t.Fatalf("the check created the version table (%v, %v)", created, err)
+	}
+	pool := testdb.NewPoolURL(t, testdb.New(t))
+	s := store.New(pool)
+	if n, err := s.PendingMigrations(ctx); err != nil || n != 0 {
+		t.Fatalf("migrated: %d pending, %v; want 0", n, err)
+	}
+	if _, err := pool.Exec(ctx, `INSERT INTO outbox.goose_db_version (version_id, is_applied)
+		SELECT max(version_id), false FROM outbox.goose_db_version`); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := s.PendingMigrations(ctx); err != nil || n != 1 {
+		t.Fatalf("latest migration rolled back: %d pending, %v; want 1", n, err)
+	}
+	pool.Close()
+	if _, err := s.PendingMigrations(ctx); err == nil || !strings.HasPrefix(err.Error(), "database unreachable: ") {
+		t.Fatalf("closed pool: %v, want database unreachable", err)
+	}
+}
