@@ -3,21 +3,16 @@ package multisource_test
 import (
 	"errors"
 	"io"
-	"os"
-	"path/filepath"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
-	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
-	"github.com/outboxd/outboxd/internal/auth"
 	"github.com/outboxd/outboxd/internal/servertest"
 )
 
@@ -185,25 +180,9 @@ func TestPurgeAndSkipAcrossSources(t *testing.T) {
 		adminToken  = "all-admin-token-0123456789"
 		ordersAdmin = "orders-admin-token-0123456789"
 	)
-	file := filepath.Join(t.TempDir(), "tokens")
-	if err := os.WriteFile(file, []byte("relay relay "+relayToken+"\nops admin "+adminToken+"\n"+
-		"orders-ops admin "+ordersAdmin+" streams=orders/*\n"), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	a, err := auth.New(auth.Config{File: file, Logger: servertest.Logger(t)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	r, _, _ := twoSources(t, servertest.Options{Authenticator: a})
+	r, dial := twoSourcesWithTokens(t, "relay relay "+relayToken+"\nops admin "+adminToken+"\n"+
+		"orders-ops admin "+ordersAdmin+" streams=orders/*\n")
 	def, orders := r.Pool, r.Pools["orders"]
-	dial := func(token string) *grpc.ClientConn {
-		conn, err := grpc.NewClient(r.Addr, grpc.WithTransportCredentials(insecure.NewCredentials()), auth.WithBearerToken(token, true))
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { conn.Close() })
-		return conn
-	}
 	relay := outboxv1.NewRelayServiceClient(dial(relayToken))
 	for _, k := range []string{"1", "2"} {
 		emit(t, def, "sales_order", k)

@@ -343,26 +343,9 @@ func TestTokenScopedToOneSource(t *testing.T) {
 		ordersToken = "orders-relay-token-0123456789"
 		viewerToken = "orders-viewer-token-0123456789"
 	)
-	file := filepath.Join(t.TempDir(), "tokens")
-	if err := os.WriteFile(file, []byte(
-		"all relay "+allToken+"\n"+
-			"orders relay "+ordersToken+" streams=orders/*\n"+
-			"viewer viewer "+viewerToken+" streams=orders/*\n"), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	a, err := auth.New(auth.Config{File: file, Logger: servertest.Logger(t)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	r, _, _ := twoSources(t, servertest.Options{Authenticator: a})
-	dial := func(token string) *grpc.ClientConn {
-		conn, err := grpc.NewClient(r.Addr, grpc.WithTransportCredentials(insecure.NewCredentials()), auth.WithBearerToken(token, true))
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { conn.Close() })
-		return conn
-	}
+	r, dial := twoSourcesWithTokens(t, "all relay "+allToken+"\n"+
+		"orders relay "+ordersToken+" streams=orders/*\n"+
+		"viewer viewer "+viewerToken+" streams=orders/*\n")
 	all := outboxv1.NewRelayServiceClient(dial(allToken))
 	scoped := outboxv1.NewRelayServiceClient(dial(ordersToken))
 
@@ -382,7 +365,7 @@ func TestTokenScopedToOneSource(t *testing.T) {
 		t.Errorf("orders/* token got %s; want %s", od.GetEvent().GetEventId(), ordersID)
 	}
 	dd := recv(t, subscribe(t, all, "sales_order"))
-	_, err = scoped.Ack(t.Context(), &outboxv1.AckRequest{Acks: []*outboxv1.AckItem{
+	_, err := scoped.Ack(t.Context(), &outboxv1.AckRequest{Acks: []*outboxv1.AckItem{
 		{EventId: ordersID, LeaseToken: od.GetLeaseToken()}, {EventId: defID, LeaseToken: dd.GetLeaseToken()}}})
 	if status.Code(err) != codes.PermissionDenied {
 		t.Errorf("orders/* token acking a default delivery: %v; want PERMISSION_DENIED", err)
@@ -462,4 +445,28 @@ func TestBatchedDeliveriesNameTheirSource(t *testing.T) {
 			t.Errorf("event %s of orders is not published after its ack", id)
 		}
 	}
+}
+
+// twoSourcesWithTokens is twoSources behind the tokens of a token file
+// (auth's format), and dial connects to it with one of them.
+func twoSourcesWithTokens(t *testing.T, tokens string) (*servertest.Replica, func(token string) *grpc.ClientConn) {
+	t.Helper()
+	file := filepath.Join(t.TempDir(), "tokens")
+	if err := os.WriteFile(file, []byte(tokens), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	a, err := auth.New(auth.Config{File: file, Logger: servertest.Logger(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, _, _ := twoSources(t, servertest.Options{Authenticator: a})
+	dial := func(token string) *grpc.ClientConn {
+		conn, err := grpc.NewClient(r.Addr, grpc.WithTransportCredentials(insecure.NewCredentials()), auth.WithBearerToken(token, true))
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { conn.Close() })
+		return conn
+	}
+	return r, dial
 }
