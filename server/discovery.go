@@ -58,19 +58,18 @@ func (s *Server) discover(ctx context.Context) {
 	// When a round last found events (or the loop started): the loop is
 	// quiet DiscoveryQuietAfter later.
 	lastFound := time.Now()
+	// reset arms the timer for the next turn: wait, or the quiet interval
+	// (as last set) once an idle loop's rounds have found nothing for long
+	// enough.
 	reset := func() {
-		if idle {
-			// The idle interval, or the quiet one (as last set) once the
-			// rounds have found nothing for long enough.
-			wait = s.cfg.DiscoveryIdleInterval
-			if time.Since(lastFound) >= s.cfg.DiscoveryQuietAfter {
-				wait = max(wait, time.Duration(s.quietInterval.Load()))
-			}
+		pause := wait
+		if idle && time.Since(lastFound) >= s.cfg.DiscoveryQuietAfter {
+			pause = max(pause, time.Duration(s.quietInterval.Load()))
 		}
 		if h := s.afterDiscoveryWait.Load(); h != nil {
-			(*h)(wait)
+			(*h)(pause)
 		}
-		t.Reset(wait)
+		t.Reset(pause)
 	}
 	for {
 		select {
@@ -85,7 +84,7 @@ func (s *Server) discover(ctx context.Context) {
 			}
 			// A failed check runs the round, which reports the failure.
 			if err == nil && !due {
-				reset() // the idle (or quiet) interval still
+				reset() // idle still
 				continue
 			}
 		}
