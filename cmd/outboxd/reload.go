@@ -6,18 +6,14 @@ import (
 	"fmt"
 	"log/slog"
 	"maps"
-	"os"
-	"os/signal"
-	"path/filepath"
 	"slices"
 	"sync"
-	"syscall"
 	"time"
 
-	"github.com/fsnotify/fsnotify"
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/outboxd/outboxd/internal/app"
+	"github.com/outboxd/outboxd/internal/filewatch"
 	"github.com/outboxd/outboxd/internal/store"
 	"github.com/outboxd/outboxd/server"
 )
@@ -34,10 +30,6 @@ import (
 // sourceConnectTimeout bounds one attempt at opening a source (dial, ping,
 // schema check), so that an unreachable host holds up no reload for long.
 const sourceConnectTimeout = 10 * time.Second
-
-// sourceReloadDebounce is how long a burst of file events settles before
-// the file is reread (an editor's truncate-then-write).
-const sourceReloadDebounce = 100 * time.Millisecond
 
 // reloadableSource is a source of the --config file's list, served or
 // still being connected.
@@ -242,66 +234,18 @@ func (s *sourceSet) close() {
 }
 
 // Watch reloads on SIGHUP and whenever the --config file's directory
-// changes, until ctx is done. signal.Notify gives every channel registered
-// for SIGHUP its own copy, so this and the token file's watch
-// (auth.Authenticator.Watch) both see each SIGHUP. It reloads once as soon
-// as it watches; ready, when not nil, is called then.
+// changes (see filewatch), until ctx is done. It reloads once as soon as it
+// watches; ready, when not nil, is called then.
 func (s *sourceSet) Watch(ctx context.Context, ready func()) error {
-	// Never signal.Stop'ed: with no channel left, SIGHUP would get its
-	// default action again and end the process, which serve ignores
-	// without tokens (see serveFlags.security) and a shutdown still
-	// running must survive. Signals sent to it after Watch returns are
-	// dropped (the send never blocks).
-	hup := make(chan os.Signal, 1)
-	signal.Notify(hup, syscall.SIGHUP)
-	w, err := fsnotify.NewWatcher()
-	if err != nil {
-		return fmt.Errorf("sources: watch %s: %w", s.path, err)
-	}
-	defer w.Close()
-	if err := w.Add(filepath.Dir(s.path)); err != nil {
-		return fmt.Errorf("sources: watch the directory of %s: %w", s.path, err)
-	}
-	// Once now, so that a change made between startup and the watch is
-	// not missed (and tests can wait for this first reload to know SIGHUP
-	// is handled).
-	_ = s.Reload(ctx)
-	if ready != nil {
-		ready()
-	}
-	debounce := time.NewTimer(time.Hour)
-	debounce.Stop()
-	defer debounce.Stop()
-	armed := false
-	for {
-		select {
-		case <-ctx.Done():
-			return nil
-		case <-hup:
-			s.log.Info("sources: SIGHUP: rereading the source list", "config", s.path)
+	first := true
+	return filewatch.Watch(ctx, filewatch.Config{Path: s.path, What: "sources", Logger: s.log},
+		func() {
 			_ = s.Reload(ctx)
-		case ev, ok := <-w.Events:
-			if !ok {
-				return nil
+			if first && ready != nil {
+				ready()
 			}
-			// Any file of the directory: a Kubernetes ConfigMap swaps a
-			// symlinked directory, never writing the file itself. A reread
-			// that finds the list unchanged changes nothing.
-			if ev.Op != fsnotify.Chmod && !armed {
-				debounce.Reset(sourceReloadDebounce)
-				armed = true
-			}
-		case err, ok := <-w.Errors:
-			if !ok {
-				return nil
-			}
-			s.log.Warn("sources: watching the config file", "err", err)
-		case <-debounce.C:
-			armed = false
-			s.log.Info("sources: config file changed: rereading the source list", "config", s.path)
-			_ = s.Reload(ctx)
-		}
-	}
+			first = false
+		})
 }
 
 // namedSourceConfig is the engine configuration of a source other than

@@ -9,21 +9,18 @@ import (
 	"io"
 	"log/slog"
 	"os"
-	"os/signal"
-	"path/filepath"
 	"sync"
 	"sync/atomic"
-	"syscall"
 	"time"
 
-	"github.com/fsnotify/fsnotify"
+	"github.com/outboxd/outboxd/internal/filewatch"
 )
 
 // DefaultEnvVar is the environment variable conventionally holding tokens.
 const DefaultEnvVar = "OUTBOXD_TOKENS"
 
 // DefaultDebounce is how long Watch lets a burst of file events settle.
-const DefaultDebounce = 100 * time.Millisecond
+const DefaultDebounce = filewatch.DefaultDebounce
 
 // Config configures an Authenticator.
 type Config struct {
@@ -203,73 +200,12 @@ func (a *Authenticator) Reload() error {
 	return err
 }
 
-// Watch reloads on SIGHUP and whenever the token file's directory changes,
-// until ctx is done; it returns nil then, or an error if the file cannot be
-// watched. It watches the directory, not the file, because editors and
-// Kubernetes replace a file by renaming another over it, which would end a
-// watch on the file itself. Events for other files there cost a reread that
-// finds the content unchanged and does nothing.
-//
-// Watch reloads once right after the watch is in place, so a change made
-// between New and Watch is not missed (and tests can wait for that first
-// OnReload to know the watch is active).
+// Watch reloads on SIGHUP and whenever the token file's directory changes
+// (see filewatch: one reload right away, then on each), until ctx is done;
+// it returns nil then, or an error if the file cannot be watched.
 func (a *Authenticator) Watch(ctx context.Context) error {
-	hup := make(chan os.Signal, 1)
-	signal.Notify(hup, syscall.SIGHUP)
-	defer signal.Stop(hup)
-
-	var events <-chan fsnotify.Event
-	var watchErrs <-chan error
-	if a.cfg.File != "" {
-		w, err := fsnotify.NewWatcher()
-		if err != nil {
-			return fmt.Errorf("auth: watch %s: %w", a.cfg.File, err)
-		}
-		defer w.Close()
-		dir := filepath.Dir(a.cfg.File)
-		if err := w.Add(dir); err != nil {
-			return fmt.Errorf("auth: watch directory %s: %w", dir, err)
-		}
-		events, watchErrs = w.Events, w.Errors
-	}
-	_ = a.Reload()
-
-	// The first event of a burst arms the timer and later ones ride along;
-	// re-arming on every event would let a busy directory (a log file next
-	// to the tokens) postpone the reload forever.
-	debounce := time.NewTimer(time.Hour)
-	debounce.Stop()
-	defer debounce.Stop()
-	armed := false
-	for {
-		select {
-		case <-ctx.Done():
-			return nil
-		case <-hup:
-			a.log.Info("auth: SIGHUP: reloading tokens")
-			_ = a.Reload()
-		case ev, ok := <-events:
-			if !ok {
-				events = nil
-				continue
-			}
-			// Chmod alone never changes content, and backup and indexing
-			// tools touch modes often.
-			if ev.Op != fsnotify.Chmod && !armed {
-				debounce.Reset(a.cfg.Debounce)
-				armed = true
-			}
-		case err, ok := <-watchErrs:
-			if !ok {
-				watchErrs = nil
-				continue
-			}
-			a.log.Warn("auth: watching the token file", "err", err)
-		case <-debounce.C:
-			armed = false
-			_ = a.Reload()
-		}
-	}
+	return filewatch.Watch(ctx, filewatch.Config{Path: a.cfg.File, What: "auth", Debounce: a.cfg.Debounce, Logger: a.log},
+		func() { _ = a.Reload() })
 }
 
 // grants reports whether the set still holds the token with hash under the
