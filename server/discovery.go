@@ -22,17 +22,17 @@ import (
 // owns. Every replica runs the loop; replicas take turns in the database, so
 // concurrent rounds cost one advisory-lock attempt each.
 //
-// While rounds find events the loop runs every DiscoveryInterval; while they
-// find nothing it lengthens the wait by as much up to DiscoveryIdleInterval, which is then
-// the longest an event waits for its first round. An empty round takes no
-// transaction id and writes nothing. Once the loop has backed off to
-// DiscoveryIdleInterval, it first asks whether the next round has anything
-// to do (store.RoundDue: one statement, one round trip, no transaction)
-// and runs the round only then: an idle replica costs the database one
-// statement per DiscoveryIdleInterval, not an empty round's two round
-// trips. Before that, while events came a moment ago, it goes straight to
-// the round, whose scan tells the same: the check would add a round trip
-// to the latency of the next event, where it is felt, and saves little.
+// While rounds find events the loop runs every DiscoveryInterval; once a
+// round finds nothing it doubles the wait, up to DiscoveryIdleInterval,
+// which is then the longest an event waits for its first round. After a
+// turn that found nothing the loop first asks whether the next round has
+// anything to do (store.RoundDue: one statement, one round trip, no
+// transaction, no discovery lock) and runs the round only then, where an
+// empty round is two round trips and the lock. A source with a trickle of
+// events (one every 50 ms, say) is therefore found by one round per event
+// and a handful of checks in between, not a dozen empty rounds; a busy loop
+// never checks (a round that found events is followed by a round), so the
+// check's round trip lands only on the first event after a pause.
 // Once its rounds have found nothing for DiscoveryQuietAfter, the checks
 // come every DiscoveryQuietInterval instead (by default the same): a
 // replica serving many sources spreads a budget of checks over them rather
@@ -52,9 +52,9 @@ func (s *Server) discover(ctx context.Context) {
 	t := time.NewTimer(0)
 	defer t.Stop()
 	stopped := ""
-	// The loop is idle (backed off to DiscoveryIdleInterval, its last
-	// round found nothing): check before the next round.
-	idle := false
+	// The last turn (a round or a check) found nothing: check before the
+	// next round.
+	empty := false
 	// When a round last found events (or the loop started): the loop is
 	// quiet DiscoveryQuietAfter later.
 	lastFound := time.Now()
@@ -63,7 +63,7 @@ func (s *Server) discover(ctx context.Context) {
 	// enough.
 	reset := func() {
 		pause := wait
-		if idle && time.Since(lastFound) >= s.cfg.DiscoveryQuietAfter {
+		if empty && wait >= s.cfg.DiscoveryIdleInterval && time.Since(lastFound) >= s.cfg.DiscoveryQuietAfter {
 			pause = max(pause, time.Duration(s.quietInterval.Load()))
 		}
 		if h := s.afterDiscoveryWait.Load(); h != nil {
@@ -71,20 +71,23 @@ func (s *Server) discover(ctx context.Context) {
 		}
 		t.Reset(pause)
 	}
+	// backOff doubles the wait after a turn that found nothing.
+	backOff := func() { wait = min(2*wait, s.cfg.DiscoveryIdleInterval) }
 	for {
 		select {
 		case <-ctx.Done():
 			return
 		case <-t.C:
 		}
-		if idle {
+		if empty {
 			due, err := s.store.RoundDue(ctx)
 			if h := s.afterRoundDue.Load(); h != nil {
 				(*h)(due, err)
 			}
 			// A failed check runs the round, which reports the failure.
 			if err == nil && !due {
-				reset() // idle still
+				backOff()
+				reset()
 				continue
 			}
 		}
@@ -121,10 +124,7 @@ func (s *Server) discover(ctx context.Context) {
 			wait = s.cfg.DiscoveryInterval
 			lastFound = time.Now()
 		default:
-			// Linear, not doubling: under a steady trickle of events the
-			// pauses stay short, and an idle replica still settles at
-			// DiscoveryIdleInterval within a fraction of a second.
-			wait = min(wait+s.cfg.DiscoveryInterval, s.cfg.DiscoveryIdleInterval)
+			backOff()
 		}
 		switch {
 		case err == nil && found.Aggregates > 0:
@@ -139,7 +139,7 @@ func (s *Server) discover(ctx context.Context) {
 			// account for (its answer was lost, say): act on it now.
 			s.wakeGroups(nil)
 		}
-		idle = err == nil && found.Events == 0 && wait >= s.cfg.DiscoveryIdleInterval
+		empty = err == nil && found.Events == 0
 		reset()
 	}
 }

@@ -40,9 +40,10 @@
 // a round is two round trips to the database (once its statements are
 // prepared on the connection).
 //
-// An idle replica does not run empty rounds: once its rounds have backed
-// off to the idle interval (see Wake-ups), the loop first asks
-// (store.RoundDue) whether the next has anything to do, in one statement outside any transaction, one round
+// A replica does not run empty rounds back to back: after a turn that
+// found nothing (see Wake-ups for the pauses, which double up to the idle
+// interval), the loop first asks (store.RoundDue) whether the next round
+// has anything to do, in one statement outside any transaction, one round
 // trip, with no lock: is an event visible in the statement's snapshot C
 // and not in S (the same two index probes as the scan, xid >= xmax(S) or
 // in S's running list), or is discovery stopped (recorded, or the counter
@@ -54,10 +55,12 @@
 // begun) is not visible in S, which was stored before C, so it is
 // "visible now, not in S" to the next check and the next round, which
 // find it, its transaction in S's running list or at or above its xmax.
-// Until the loop is back at the idle interval it skips the check (the
-// scan answers the same question), so no round of a busy or trickling
-// replica costs an extra round trip; the first round after an idle spell
-// costs one, next to the idle interval it waited.
+// A round that found events is followed by a round, without a check (the
+// scan answers the same question), so a busy replica never pays the extra
+// round trip; the first round after a pause pays it, next to the pause it
+// waited. A source with one event every 50 ms pays one round and about
+// five checks per event, where a round after every pause cost a dozen
+// empty rounds, each two round trips and the discovery lock.
 //
 // Dispatch: a new or idle aggregate has nothing in hand, so instead of
 // making it ready for a claim (a second write of its row, a second
@@ -311,8 +314,8 @@
 // serialise every producer. A discovery round that made aggregates ready
 // (rather than dispatching them) wakes this replica's idle sessions directly
 // and the others' through one NOTIFY outbox_wakeup. Rounds run every
-// Config.DiscoveryInterval while they find events and back off to
-// Config.DiscoveryIdleInterval while they do not. Nothing notifies
+// Config.DiscoveryInterval while they find events; each turn that finds
+// nothing doubles the pause, up to Config.DiscoveryIdleInterval. Nothing notifies
 // discovery itself (that would be a producer's NOTIFY), so the idle
 // interval is the longest a first event after an idle spell waits to be
 // found, whether or not the replica listens; an idle replica pays one

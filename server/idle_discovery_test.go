@@ -246,42 +246,135 @@ func TestAnIdleReplicaReportsARecordedStop(t *testing.T) {
 	}
 }
 
-// The check is for an idle loop only: until the loop has backed off to
-// DiscoveryIdleInterval (here an hour, never reached), it runs rounds
-// directly, so that no event found soon after another pays the check's
-// round trip on top of the round's.
-func TestABusyDiscoveryLoopMakesNoCheck(t *testing.T) {
+// A discovery loop runs a round right after a round that found events (a
+// busy loop never checks first), checks (store.RoundDue) before the next
+// round after any turn that found nothing, and doubles its pause after each
+// such turn from DiscoveryInterval up to DiscoveryIdleInterval. So a source
+// with a trickle of events pays one round per event and a few one-statement
+// checks between them, and the check's round trip lands only on the first
+// event after a pause.
+func TestDiscoveryTurnsAfterAnEventAndAfterNothing(t *testing.T) {
 	t.Parallel()
 	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
 	defer cancel()
 	url := testdb.New(t)
 	pool := testdb.NewPoolURL(t, url)
+	const idle = 64 * time.Millisecond
 	r := startReplica(t, url, func(c *server.Config) {
 		c.DiscoveryInterval = time.Millisecond
-		c.DiscoveryIdleInterval = time.Hour
+		c.DiscoveryIdleInterval = idle
 	})
-	var checks atomic.Int64
-	r.Server.SetAfterRoundDue(func(bool, error) { checks.Add(1) })
-	var rounds atomic.Int64
+	// The loop's turns in order, as its hooks see them (all run on the
+	// loop's goroutine): a round and what it found, a check and its answer,
+	// the pause chosen after either.
+	type turn struct {
+		kind  string // "round", "check", "pause"
+		found int64  // a round's events
+		due   bool   // a check's answer
+		pause time.Duration
+	}
+	var mu sync.Mutex
+	var turns []turn
+	settled := make(chan struct{}, 16) // a pause of idle after a round that found events
+	seenEvent := false
+	record := func(tn turn) {
+		mu.Lock()
+		defer mu.Unlock()
+		turns = append(turns, tn)
+		switch {
+		case tn.kind == "round" && tn.found > 0:
+			seenEvent = true
+		case tn.kind == "pause" && tn.pause == idle && seenEvent:
+			seenEvent = false
+			settled <- struct{}{}
+		}
+	}
 	r.Server.SetAfterDiscover(func(d store.Discovery, err error) (store.Discovery, error) {
-		rounds.Add(1)
+		if err == nil {
+			record(turn{kind: "round", found: d.Events})
+		}
 		return d, err
 	})
+	r.Server.SetAfterRoundDue(func(due bool, err error) {
+		if err == nil {
+			record(turn{kind: "check", due: due})
+		}
+	})
+	r.Server.SetAfterDiscoveryWait(func(w time.Duration) { record(turn{kind: "pause", pause: w}) })
+
 	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 4})
-	for i := range 3 {
+	const events = 3
+	for i := range events {
 		ids := emit(t, pool, "orders", "a", 1)
 		d := recv(t, st)
 		if d.GetEvent().GetEventId() != ids[0].String() {
 			t.Fatalf("event %d: got %v", i, d)
 		}
 		ack(t, r, d)
-		// Some turns of the loop (empty rounds, or checks) between the
-		// events.
-		n := rounds.Load() + checks.Load()
-		waitFor(t, func() int32 { return b2i(rounds.Load()+checks.Load() >= n+5) })
+		select {
+		case <-settled:
+		case <-ctx.Done():
+			t.Fatalf("event %d: the loop never backed off to its idle interval", i)
+		}
 	}
-	if n := checks.Load(); n != 0 {
-		t.Fatalf("a loop short of its idle interval made %d checks before its rounds", n)
+
+	mu.Lock()
+	defer mu.Unlock()
+	found, checks := 0, 0
+	for i, tn := range turns {
+		if tn.kind == "pause" {
+			continue
+		}
+		// The next turn that is not a pause, and the pause between.
+		var pause time.Duration
+		j := i + 1
+		for ; j < len(turns) && turns[j].kind == "pause"; j++ {
+			pause = turns[j].pause
+		}
+		if tn.kind == "check" && !tn.due {
+			checks++
+		}
+		if j == len(turns) {
+			break
+		}
+		next := turns[j]
+		switch {
+		case tn.kind == "round" && tn.found > 0:
+			found++
+			if next.kind != "round" {
+				t.Fatalf("turn %d: a round found %d events and the next turn was a %s, want a round (turns %v)", i, tn.found, next.kind, turns)
+			}
+			if pause != time.Millisecond {
+				t.Fatalf("turn %d: after a round that found events the loop paused %v, want DiscoveryInterval (1ms)", i, pause)
+			}
+		case tn.kind == "check" && tn.due:
+			if next.kind != "round" {
+				t.Fatalf("turn %d: a check said a round is due and the next turn was a %s (turns %v)", i, next.kind, turns)
+			}
+		default: // a round or a check that found nothing
+			if next.kind != "check" {
+				t.Fatalf("turn %d: a %s found nothing and the next turn was a %s, want a check (turns %v)", i, tn.kind, next.kind, turns)
+			}
+			// The pause doubles from the one before, up to the idle interval.
+			prev := time.Duration(0)
+			for k := i - 1; k >= 0; k-- {
+				if turns[k].kind == "pause" {
+					prev = turns[k].pause
+					break
+				}
+			}
+			if want := min(2*prev, idle); prev > 0 && pause != want {
+				t.Fatalf("turn %d: after a %s that found nothing the loop paused %v after %v, want %v (doubling up to %v)", i, tn.kind, pause, prev, want, idle)
+			}
+		}
+	}
+	if found < events {
+		t.Fatalf("%d rounds found events, want %d at least", found, events)
+	}
+	if checks < events*5 {
+		// After the empty round that follows an event: checks 2, 4, 8, 16
+		// and 32 ms apart before the loop settles at 64 ms.
+		t.Fatalf("%d checks found nothing, want %d at least", checks, events*5)
 	}
 }
 
