@@ -86,12 +86,18 @@ func (s *Server) discover(ctx context.Context) {
 			}
 			// A failed check runs the round, which reports the failure.
 			if err == nil && !due {
+				// The check's conditions include the scan's stop
+				// conditions: discovery runs.
+				s.lastTurn.Store(&discoveryTurn{at: time.Now()})
 				backOff()
 				reset()
 				continue
 			}
 		}
 		found, ready, echoed, err := s.discoverRound(ctx)
+		if err == nil {
+			s.lastTurn.Store(&discoveryTurn{at: time.Now()})
+		}
 		if stopped != "" && err == nil {
 			s.log.Info("discovery resumed")
 			s.metrics.discoveryStop.Set(0)
@@ -105,6 +111,9 @@ func (s *Server) discover(ctx context.Context) {
 				reason = err.Error()
 			}
 			s.metrics.discoveryStop.Set(1)
+			if rerr == nil {
+				s.lastTurn.Store(&discoveryTurn{at: time.Now(), stopped: reason})
+			}
 			if reason != stopped {
 				s.log.Error("discovery stopped: new events are not delivered until an operator re-scans", "reason", reason)
 				stopped = reason
@@ -142,6 +151,27 @@ func (s *Server) discover(ctx context.Context) {
 		empty = err == nil && found.Events == 0
 		reset()
 	}
+}
+
+// discoveryTurn is what one turn of the discovery loop (a check or a
+// round) said of discovery: stopped and why, or "" while it runs.
+type discoveryTurn struct {
+	at      time.Time
+	stopped string
+}
+
+// discoveryStopped is why discovery is stopped, or "" while it runs: ""
+// when the discovery loop's last turn found it running and that is fresh
+// (the loop turns at least every quiet interval), else as the database
+// says now (store.DiscoveryStopped, which records a stop it notices
+// first). A stop is always asked about, so that readiness follows an
+// operator's re-scan at once rather than at the stopped loop's next try.
+func (s *Server) discoveryStopped(ctx context.Context) (string, error) {
+	fresh := max(2*time.Duration(s.quietInterval.Load()), 2*s.cfg.DiscoveryIdleInterval, time.Second)
+	if t := s.lastTurn.Load(); t != nil && t.stopped == "" && time.Since(t.at) < fresh {
+		return "", nil
+	}
+	return s.store.DiscoveryStopped(ctx)
 }
 
 // discoverRound runs one discovery round, dispatching what it can. ready

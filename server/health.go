@@ -13,10 +13,13 @@ type Readiness struct {
 	Reason string // why not, for logs and /readyz
 }
 
-// CheckReadiness pings the database, compares its applied migrations with
-// the embedded ones, and asks whether discovery is stopped (a database
-// restored into another cluster: new events would not be delivered until
-// an operator re-scans; the check records the stop, see
+// CheckReadiness compares the database's applied migrations with the
+// embedded ones (one statement, which also says the database answers), and
+// whether discovery is stopped (a database restored into another cluster:
+// new events would not be delivered until an operator re-scans). The
+// discovery loop's own turns say that (see discoveryStopped), so a
+// readiness check costs one statement while the loop runs; without a
+// recent turn it asks, and records a stop it notices (see
 // store.DiscoveryStopped).
 func (s *Server) CheckReadiness(ctx context.Context) Readiness {
 	ctx, cancel := context.WithTimeout(ctx, 3*time.Second)
@@ -28,7 +31,7 @@ func (s *Server) CheckReadiness(ctx context.Context) Readiness {
 	case n > 0:
 		return Readiness{Reason: fmt.Sprintf("%d schema migration(s) pending; run `outboxd migrate`", n)}
 	}
-	stopped, err := s.store.DiscoveryStopped(ctx)
+	stopped, err := s.discoveryStopped(ctx)
 	switch {
 	case err != nil:
 		return Readiness{Reason: err.Error()}

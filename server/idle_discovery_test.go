@@ -438,3 +438,66 @@ func TestAQuietDiscoveryLoopChecksAtTheQuietInterval(t *testing.T) {
 	}
 	wait("DiscoveryInterval after an event", fast)
 }
+
+// Readiness takes whether discovery is stopped from the discovery loop's
+// last turn while that is fresh, so a readiness check of a running
+// replica costs the database one statement (the schema's), not a call of
+// outbox.discovery_stopped() every health interval for every source. The
+// database counts the function's calls (track_functions), flushed when the
+// replica's connections end.
+func TestReadinessTakesTheStopFromTheDiscoveryLoop(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	var dbname string
+	if err := pool.QueryRow(ctx, `SELECT current_database()`).Scan(&dbname); err != nil {
+		t.Fatal(err)
+	}
+	admin := testdb.NewPoolURL(t, testdb.ServerURL())
+	if _, err := admin.Exec(ctx, `ALTER DATABASE "`+dbname+`" SET track_functions = 'all'`); err != nil {
+		t.Fatal(err)
+	}
+	// calls reads the count from a new connection once the others have
+	// ended (the view shows the current database's functions).
+	calls := func() int64 {
+		t.Helper()
+		var n int64
+		if err := testdb.NewPoolURL(t, url).QueryRow(ctx, `SELECT coalesce(sum(calls), 0)::bigint FROM pg_stat_user_functions
+			WHERE schemaname = 'outbox' AND funcname = 'discovery_stopped'`).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+	r := startReplica(t, url, func(c *server.Config) { c.DiscoveryIdleInterval = 5 * time.Millisecond })
+	// A few turns of the loop first (checks, once it has backed off).
+	var turns atomic.Int64
+	r.Server.SetAfterRoundDue(func(bool, error) { turns.Add(1) })
+	waitFor(t, func() int32 { return b2i(turns.Load() >= 3) })
+	const checks = 20
+	for range checks {
+		if rd := r.Server.CheckReadiness(ctx); !rd.Ready {
+			t.Fatalf("not ready: %s", rd.Reason)
+		}
+	}
+	// Backends flush their function counts as they end: end them all.
+	r.Close()
+	pool.Close()
+	if _, err := admin.Exec(ctx, `SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1`, dbname); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, func() int32 {
+		var n int
+		if err := admin.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE datname = $1`, dbname).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return b2i(n == 0)
+	})
+	r.Pool.Reset() // its connections were terminated; the clean-up uses it
+	// The replica's own readiness watch may have asked once before the
+	// loop's first turn.
+	if n := calls(); n > 1 {
+		t.Fatalf("outbox.discovery_stopped() was called %d times for %d readiness checks of a replica whose discovery loop turns; want at most 1 (the watch's first, before the loop's first turn)", n, checks)
+	}
+}

@@ -271,6 +271,10 @@ type Server struct {
 	// quietInterval is Config.DiscoveryQuietInterval as last set (see
 	// SetDiscoveryQuietInterval), in nanoseconds.
 	quietInterval atomic.Int64
+	// lastTurn is what the discovery loop's last turn that reached the
+	// database said of discovery, and when (nil before the first): readiness
+	// takes it instead of asking again while it is fresh.
+	lastTurn atomic.Pointer[discoveryTurn]
 	// reconcileTick, when set (by tests), replaces every session's
 	// reconcile ticker: a session with leases to check takes a tick from
 	// it when the test sends one.
