@@ -19,8 +19,8 @@
 //     (the actor); the secret never appears anywhere but the file. A name may
 //     appear on several lines only with the same roles and streams, to hold
 //     an old and a new secret during rotation.
-//   - roles: relay (RelayService: Subscribe, Ack, Nack, ExtendLease), admin
-//     (AdminService), viewer (the read-only AdminService methods, see
+//   - roles: relay (RelayService: Subscribe, Ack, Nack, ExtendLease,
+//     ListSources), admin (AdminService), viewer (the read-only AdminService methods, see
 //     ReadOnlyAdminMethods: GetLag, ListRelays, GetAggregate, ListEvents,
 //     ListAggregates, ListAttempts, ListOperatorActions; what the console's
 //     pages need), or several separated by commas. Admin does not imply
