@@ -59,7 +59,22 @@ is default's). A Subscribe stream serves one source, so a route, or
 (each with its own --max-in-flight credit), sharing the route's sink; its
 relay id gets the streams of each (relay-id/orders/sales_order). A bad
 route or stream name (a source name that is not 1 to 32 lower-case letters,
-digits and _, or a pattern such as */payments) exits 2 at start.
+digits and _, or a stream pattern such as orders/pay*) exits 2 at start.
+
+A source of * means every source the server serves to the relay's token:
+--route '*/payments=URL' (or --streams '*/payments') is payments of each,
+--route '*/*=URL' every stream of each that no other route names. The relay
+asks the server which sources it serves (ListSources; a server that
+predates it serves default alone) at start and every --sources-interval,
+opens one Subscribe stream per source (each with its own --max-in-flight
+credit, sharing the route's sink; relay-id/SOURCE/payments), starts one for
+a source added while it runs, and stops, as at shutdown, the one of a
+source removed. A route naming the source itself takes precedence over a
+* route for that source: orders/payments=URL2 beside */payments=URL sends
+orders' payments to URL2, and orders/*=URL3 takes every stream of orders,
+payments included. */payments beats */*, as a named stream beats a
+catch-all. Naming */payments twice, two */* routes, or --exclude-streams
+with a * source exits 2 at start.
 
 It reconnects while the server is unavailable, and exits with an error when the
 server refuses its token (UNAUTHENTICATED, PERMISSION_DENIED) on any call. On
@@ -181,9 +196,9 @@ failure against their events.`,
 	client.register(fl)
 	fl.StringVar(&sinkURL, "sink", "", "where to publish: stdout://, nats://host:port, amqp://user:pass@host:port/vhost?exchange=..., redis://host:port/db, https://host/path?secret_file=..., kafka://host:port")
 	fl.StringVar(&relayID, "relay-id", "", "name shown to operators (default hostname-pid)")
-	fl.StringSliceVar(&streams, "streams", nil, "streams to relay (default all of source default); source/name for another source's, source/* for all of it; one subscription per source")
+	fl.StringSliceVar(&streams, "streams", nil, "streams to relay (default all of source default); source/name for another source's, source/* for all of it, */name or */* for every source the server serves; one subscription per source")
 	fl.StringSliceVar(&exclude, "exclude-streams", nil, "streams never to relay (for a catch-all beside relays that take them)")
-	fl.StringArrayVar(&routes, "route", nil, "STREAMS=SINK_URL, repeatable: serve several sinks, each for its streams (comma-separated names, source/name for a source other than default, or * / source/* for the rest of a source); replaces --sink and --streams")
+	fl.StringArrayVar(&routes, "route", nil, "STREAMS=SINK_URL, repeatable: serve several sinks, each for its streams (comma-separated names, source/name for a source other than default, */name for every source, or * / source/* / */* for the rest of a source); replaces --sink and --streams")
 	fl.IntVar(&maxInFlight, "max-in-flight", 64, "deliveries outstanding at once (the relay's credit)")
 	fl.IntVar(&perAggregate, "max-in-flight-per-aggregate", 1, "events of one aggregate outstanding at once (its window); each aggregate's events are still published one at a time, in order, but the next needs no server round trip")
 	fl.DurationVar(&leaseTTL, "lease-ttl", 0, "lease TTL to ask for (default: the server's)")

@@ -83,7 +83,7 @@ func (sf *sourceFollower) Run(ctx context.Context) error {
 			}
 		})
 	}
-	unimplemented := false
+	unimplemented, failing := false, false
 	timer := time.NewTimer(0)
 	defer timer.Stop()
 	for {
@@ -113,13 +113,19 @@ func (sf *sourceFollower) Run(ctx context.Context) error {
 		case err != nil:
 			// The server is away: keep what runs (its runners reconnect
 			// on their own) and ask again soon.
-			sf.log.Warn("listing the server's sources failed; asking again", "err", err)
+			if !failing {
+				sf.log.Warn("listing the server's sources failed; asking again every second until it answers", "err", err)
+			} else {
+				sf.log.Debug("listing the server's sources failed again", "err", err)
+			}
+			failing = true
 			// A subscription that ended with an error is started again by
 			// the next listing that still names its source (and then fails
 			// the relay if it ends so again).
 			timer.Reset(min(sf.every, time.Second))
 			continue
 		}
+		failing = false
 		if failed != nil {
 			if slices.Contains(sources, failed.key.source) {
 				stopAll()
