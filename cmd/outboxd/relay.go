@@ -171,7 +171,7 @@ failure against their events.`,
 					return err // a bad flag (--max-in-flight): say so at start
 				}
 				sf := &sourceFollower{
-					client: outboxv1.NewRelayServiceClient(conn), fixed: fixed, wild: wild, every: sourcesEvery,
+					client: outboxv1.NewRelayServiceClient(conn), conn: conn, fixed: fixed, wild: wild, every: sourcesEvery,
 					log: log.With("component", "relay"),
 					run: func(ctx context.Context, rt route) error {
 						r, id, err := newRunner(rt)

@@ -8,7 +8,9 @@ import (
 	"sync"
 	"time"
 
+	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/connectivity"
 	"google.golang.org/grpc/status"
 
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
@@ -31,8 +33,10 @@ type sourceFollower struct {
 	log    *slog.Logger
 	// run runs one expanded route until ctx is done (relay.Runner.Run).
 	run func(ctx context.Context, rt route) error
-	// listed is called after each listing applied (tests).
-	listed func(sources []string)
+	// conn, when set, is watched: each time it becomes ready again (the
+	// server restarted, perhaps with other sources) the sources are listed
+	// at once instead of at the next interval.
+	conn *grpc.ClientConn
 }
 
 // followKey names one expanded route: a --route (its index) of a source.
@@ -86,12 +90,17 @@ func (sf *sourceFollower) Run(ctx context.Context) error {
 	unimplemented, failing := false, false
 	timer := time.NewTimer(0)
 	defer timer.Stop()
+	watchCtx, stopWatch := context.WithCancel(ctx)
+	defer stopWatch()
+	reconnected := whenReady(watchCtx, sf.conn)
 	for {
 		var failed *followEnded
 		select {
 		case <-ctx.Done():
 			stopAll()
 			return nil
+		case <-reconnected:
+			sf.log.Debug("connected to the server: listing its sources")
 		case e := <-ended:
 			if running[e.key] == e.f {
 				delete(running, e.key)
@@ -149,13 +158,33 @@ func (sf *sourceFollower) Run(ctx context.Context) error {
 				start(k, rt)
 			}
 		}
-		if sf.listed != nil {
-			sf.listed(sources)
-		}
 		if failed == nil {
 			timer.Reset(sf.every)
 		}
 	}
+}
+
+// whenReady signals each time conn becomes ready (connected) after it was
+// not, until ctx is done; never when conn is nil.
+func whenReady(ctx context.Context, conn *grpc.ClientConn) <-chan struct{} {
+	ch := make(chan struct{}, 1)
+	if conn == nil {
+		return ch
+	}
+	go func() {
+		state := conn.GetState()
+		for conn.WaitForStateChange(ctx, state) {
+			prev := state
+			state = conn.GetState()
+			if state == connectivity.Ready && prev != connectivity.Ready {
+				select {
+				case ch <- struct{}{}:
+				default: // a listing is due already
+				}
+			}
+		}
+	}()
+	return ch
 }
 
 // list asks the server for its sources. A server that predates

@@ -98,3 +98,59 @@ func TestRelayFollowsSourcesByPattern(t *testing.T) {
 		t.Errorf("relay exited %d on SIGINT; want 0", code)
 	}
 }
+
+// A relay of */payments lists the server's sources again as soon as its
+// connection comes back, not only every --sources-interval (an hour here):
+// serve restarted on the same address with source b added to its --config
+// list gets b's payments delivered by the relay that never stopped.
+func TestRelayListsSourcesOnReconnect(t *testing.T) {
+	t.Parallel()
+	def, a, b := testdb.New(t), testdb.New(t), testdb.New(t)
+	dir := t.TempDir()
+	cfg := filepath.Join(dir, "outboxd.yaml")
+	aEntry := "  - a=" + withoutPassword(t, a) + "\n"
+	bEntry := "  - b=" + withoutPassword(t, b) + "\n"
+	if err := os.WriteFile(cfg, []byte("source:\n"+aEntry), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	grpcAddr := freeAddr(t)
+	serveArgs := []string{"serve", "--config", cfg, "--database-url", def, "--listen", grpcAddr, "--http-listen", "", "--shutdown-timeout", "5s"}
+	serve := start(t, serveArgs...)
+
+	emit := func(url string) (func() bool, string) {
+		t.Helper()
+		pool := testdb.NewPoolURL(t, url)
+		var id string
+		if err := pool.QueryRow(t.Context(), `SELECT event_id::text FROM outbox.emit('payments', 'k', 'T', '{}')`).Scan(&id); err != nil {
+			t.Fatal(err)
+		}
+		return func() bool {
+			var ok bool
+			_ = pool.QueryRow(t.Context(), `SELECT published_at IS NOT NULL FROM outbox.event WHERE event_id = $1`, id).Scan(&ok)
+			return ok
+		}, id
+	}
+	aDone, _ := emit(a)
+	relay := start(t, "relay", "--server", grpcAddr, "--relay-id", "r", "--route", "*/payments=stdout://", "--sources-interval", "1h")
+	defer relay.signal(os.Interrupt)
+	running := func() {
+		t.Helper()
+		select {
+		case <-relay.done:
+			t.Fatalf("relay exited with %d", relay.cmd.ProcessState.ExitCode())
+		default:
+		}
+	}
+	eventually(t, "a's payment published", func() bool { running(); return aDone() })
+
+	if code := serve.signal(os.Interrupt); code != 0 {
+		t.Fatalf("serve exited %d on SIGINT", code)
+	}
+	if err := os.WriteFile(cfg, []byte("source:\n"+aEntry+bEntry), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	bDone, _ := emit(b)
+	serve = start(t, serveArgs...)
+	defer serve.signal(os.Interrupt)
+	eventually(t, "b's payment published by the relay once it reconnected", func() bool { running(); return bDone() })
+}
