@@ -65,8 +65,8 @@ A source of * means every source the server serves to the relay's token:
 --route '*/payments=URL' (or --streams '*/payments') is payments of each,
 --route '*/*=URL' every stream of each that no other route names. The relay
 asks the server which sources it serves (ListSources; a server that
-predates it serves default alone) at start and every --sources-interval,
-opens one Subscribe stream per source (each with its own --max-in-flight
+predates it serves default alone) at start, every --sources-interval and
+whenever its connection comes back, opens one Subscribe stream per source (each with its own --max-in-flight
 credit, sharing the route's sink; relay-id/SOURCE/payments), starts one for
 a source added while it runs, and stops, as at shutdown, the one of a
 source removed. A route naming the source itself takes precedence over a
