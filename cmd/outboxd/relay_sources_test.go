@@ -154,3 +154,50 @@ func TestRelayListsSourcesOnReconnect(t *testing.T) {
 	defer serve.signal(os.Interrupt)
 	eventually(t, "b's payment published by the relay once it reconnected", func() bool { running(); return bDone() })
 }
+
+// A relay whose token is scoped to source a ("streams=a/*") and routes
+// */payments is told of a alone (ListSources), so it subscribes to a's
+// payments and never to default's, which its token would be refused (and
+// the relay stop on the refusal).
+func TestRelayByPatternWithATokenOfOneSource(t *testing.T) {
+	t.Parallel()
+	def, a := testdb.New(t), testdb.New(t)
+	const secret = "a-relay-token-0123456789abcdef"
+	tokens := filepath.Join(t.TempDir(), "tokens")
+	if err := os.WriteFile(tokens, []byte("a-relay relay "+secret+" streams=a/*\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	grpcAddr := freeAddr(t)
+	serve := start(t, "serve", "--database-url", def, "--source", "a="+a, "--listen", grpcAddr, "--http-listen", "", "--token-file", tokens)
+	defer serve.signal(os.Interrupt)
+	pools := map[string]*pgxpool.Pool{"default": testdb.NewPoolURL(t, def), "a": testdb.NewPoolURL(t, a)}
+	ids := map[string]string{}
+	for src, pool := range pools {
+		var id string
+		if err := pool.QueryRow(t.Context(), `SELECT event_id::text FROM outbox.emit('payments', 'k', 'T', '{}')`).Scan(&id); err != nil {
+			t.Fatal(err)
+		}
+		ids[src] = id
+	}
+	published := func(src string) bool {
+		var ok bool
+		_ = pools[src].QueryRow(t.Context(), `SELECT published_at IS NOT NULL FROM outbox.event WHERE event_id = $1`, ids[src]).Scan(&ok)
+		return ok
+	}
+	relay := startEnv(t, []string{"OUTBOXD_TOKEN=" + secret}, "relay", "--server", grpcAddr, "--relay-id", "r",
+		"--route", "*/payments=stdout://", "--sources-interval", "100ms")
+	eventually(t, "a's payment published", func() bool {
+		select {
+		case <-relay.done:
+			t.Fatalf("relay exited with %d", relay.cmd.ProcessState.ExitCode())
+		default:
+		}
+		return published("a")
+	})
+	if code := relay.signal(os.Interrupt); code != 0 {
+		t.Errorf("relay exited %d on SIGINT; want 0 (it must not have met a refusal)", code)
+	}
+	if relay.hasOutput("source=default") || published("default") {
+		t.Error("the relay subscribed to default's payments, which its token scoped to a/* may not access")
+	}
+}
