@@ -440,3 +440,15 @@ func nackErrorText(s string) string {
 	}
 	return s[:cut] + ellipsis
 }
+
+// ListSources answers the one source a single-source server serves,
+// "default", to a caller whose token may access any stream of it; to one
+// scoped to other sources only ("orders/*") it answers none.
+func (r *relayService) ListSources(ctx context.Context, _ *outboxv1.ListSourcesRequest) (*outboxv1.ListSourcesResponse, error) {
+	if p, ok := auth.PrincipalFrom(ctx); ok {
+		if _, ok := p.ForSource(auth.DefaultSource); !ok {
+			return &outboxv1.ListSourcesResponse{}, nil
+		}
+	}
+	return &outboxv1.ListSourcesResponse{Sources: []string{auth.DefaultSource}}, nil
+}

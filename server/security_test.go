@@ -95,6 +95,10 @@ func TestEveryRPCNeedsItsRole(t *testing.T) {
 			_, err := outboxv1.NewRelayServiceClient(c).ExtendLease(ctx, &outboxv1.ExtendLeaseRequest{})
 			return err
 		},
+		"ListSources": func(c *grpc.ClientConn) error {
+			_, err := outboxv1.NewRelayServiceClient(c).ListSources(ctx, &outboxv1.ListSourcesRequest{})
+			return err
+		},
 	}
 	adminRPCs := map[string]func(*grpc.ClientConn) error{
 		"GetLag": func(c *grpc.ClientConn) error {

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"context"
 	"fmt"
 	"os"
 	"time"
@@ -10,7 +11,9 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
 	"github.com/outboxd/outboxd/internal/auth"
+	"github.com/outboxd/outboxd/internal/multisource"
 	"github.com/outboxd/outboxd/relay"
 	"github.com/outboxd/outboxd/relay/sink"
 )
@@ -27,6 +30,7 @@ func relayCommand(g *globalFlags) *cobra.Command {
 		perAggregate int
 		leaseTTL     time.Duration
 		drain        time.Duration
+		sourcesEvery time.Duration
 	)
 	cmd := &cobra.Command{
 		Use:   "relay",
@@ -55,7 +59,22 @@ is default's). A Subscribe stream serves one source, so a route, or
 (each with its own --max-in-flight credit), sharing the route's sink; its
 relay id gets the streams of each (relay-id/orders/sales_order). A bad
 route or stream name (a source name that is not 1 to 32 lower-case letters,
-digits and _, or a pattern such as */payments) exits 2 at start.
+digits and _, or a stream pattern such as orders/pay*) exits 2 at start.
+
+A source of * means every source the server serves to the relay's token:
+--route '*/payments=URL' (or --streams '*/payments') is payments of each,
+--route '*/*=URL' every stream of each that no other route names. The relay
+asks the server which sources it serves (ListSources; a server that
+predates it serves default alone) at start, every --sources-interval and
+whenever its connection comes back, opens one Subscribe stream per source (each with its own --max-in-flight
+credit, sharing the route's sink; relay-id/SOURCE/payments), starts one for
+a source added while it runs, and stops, as at shutdown, the one of a
+source removed. A route naming the source itself takes precedence over a
+* route for that source: orders/payments=URL2 beside */payments=URL sends
+orders' payments to URL2, and orders/*=URL3 takes every stream of orders,
+payments included. */payments beats */*, as a named stream beats a
+catch-all. Naming */payments twice, two */* routes, or --exclude-streams
+with a * source exits 2 at start.
 
 It reconnects while the server is unavailable, and exits with an error when the
 server refuses its token (UNAUTHENTICATED, PERMISSION_DENIED) on any call. On
@@ -90,40 +109,51 @@ failure against their events.`,
 					return withExitCode(exitUsage, err)
 				}
 			}
+			if sourcesEvery <= 0 {
+				return usageError("--sources-interval must be positive")
+			}
 			if relayID == "" {
 				host, _ := os.Hostname()
 				relayID = fmt.Sprintf("%s-%d", host, os.Getpid())
 			}
 			// Open every sink before serving any, so a bad URL or an
 			// unreachable broker stops the relay at start.
-			runners := make([]*relay.Runner, len(rs))
 			conn, err := dialServer(cmd, &client)
 			if err != nil {
 				return err
 			}
 			defer conn.Close()
 			sinks := map[int]relay.Sink{} // by --route: its sources share it
-			for i, rt := range rs {
-				s := sinks[rt.index]
-				if s == nil {
-					if s, err = sink.Open(ctx, rt.sinkURL, sink.Options{Logger: log}); err != nil {
+			for _, rt := range rs {
+				if sinks[rt.index] == nil {
+					s, err := sink.Open(ctx, rt.sinkURL, sink.Options{Logger: log})
+					if err != nil {
 						return err
 					}
 					defer s.Close()
 					sinks[rt.index] = s
 				}
+			}
+			fixed, wild := spansSources(rs)
+			newRunner := func(rt route) (*relay.Runner, string, error) {
 				id := relayID
-				if len(routes) > 0 || len(rs) > 1 {
+				if len(routes) > 0 || len(rs) > 1 || len(wild) > 0 {
 					// relay_id is at most 128 characters.
 					id = relayID + "/" + rt.label()
 					id = id[:min(len(id), 128)]
 				}
-				if runners[i], err = relay.NewRunner(relay.Config{
-					Conn: conn, Publisher: s, RelayID: id, Streams: rt.streams, ExcludeStreams: rt.exclude,
+				r, err := relay.NewRunner(relay.Config{
+					Conn: conn, Publisher: sinks[rt.index], RelayID: id, Streams: rt.streams, ExcludeStreams: rt.exclude,
 					MaxInFlight: maxInFlight, MaxInFlightPerAggregate: perAggregate,
 					LeaseTTL: leaseTTL, DrainTimeout: drain, Logger: log.With("route", rt.label()),
 					MessagingSystem: sink.MessagingSystem(rt.sinkURL),
-				}); err != nil {
+				})
+				return r, id, err
+			}
+			runners := make([]*relay.Runner, len(fixed))
+			for i, rt := range fixed {
+				var id string
+				if runners[i], id, err = newRunner(rt); err != nil {
 					return err
 				}
 				log.Info("relay running", "server", client.server, "sink", sink.Redact(rt.sinkURL), "relay_id", id,
@@ -136,6 +166,25 @@ failure against their events.`,
 			for _, r := range runners {
 				eg.Go(func() error { return r.Run(egCtx) })
 			}
+			if len(wild) > 0 {
+				if _, _, err := newRunner(route{index: wild[0].index, source: multisource.Default, sinkURL: wild[0].sinkURL}); err != nil {
+					return err // a bad flag (--max-in-flight): say so at start
+				}
+				sf := &sourceFollower{
+					client: outboxv1.NewRelayServiceClient(conn), conn: conn, fixed: fixed, wild: wild, every: sourcesEvery,
+					log: log.With("component", "relay"),
+					run: func(ctx context.Context, rt route) error {
+						r, id, err := newRunner(rt)
+						if err != nil {
+							return err
+						}
+						log.Info("relay running", "server", client.server, "sink", sink.Redact(rt.sinkURL), "relay_id", id,
+							"source", rt.source, "streams", rt.label(), "exclude_streams", rt.exclude)
+						return r.Run(ctx)
+					},
+				}
+				eg.Go(func() error { return sf.Run(egCtx) })
+			}
 			err = eg.Wait()
 			if status.Code(err) == codes.Unauthenticated && client.tokenSource == "" {
 				err = fmt.Errorf("%w; outboxd sent no token: give it with --token-file FILE or in $%s", err, auth.DefaultClientEnvVar)
@@ -147,12 +196,13 @@ failure against their events.`,
 	client.register(fl)
 	fl.StringVar(&sinkURL, "sink", "", "where to publish: stdout://, nats://host:port, amqp://user:pass@host:port/vhost?exchange=..., redis://host:port/db, https://host/path?secret_file=..., kafka://host:port")
 	fl.StringVar(&relayID, "relay-id", "", "name shown to operators (default hostname-pid)")
-	fl.StringSliceVar(&streams, "streams", nil, "streams to relay (default all of source default); source/name for another source's, source/* for all of it; one subscription per source")
+	fl.StringSliceVar(&streams, "streams", nil, "streams to relay (default all of source default); source/name for another source's, source/* for all of it, */name or */* for every source the server serves; one subscription per source")
 	fl.StringSliceVar(&exclude, "exclude-streams", nil, "streams never to relay (for a catch-all beside relays that take them)")
-	fl.StringArrayVar(&routes, "route", nil, "STREAMS=SINK_URL, repeatable: serve several sinks, each for its streams (comma-separated names, source/name for a source other than default, or * / source/* for the rest of a source); replaces --sink and --streams")
+	fl.StringArrayVar(&routes, "route", nil, "STREAMS=SINK_URL, repeatable: serve several sinks, each for its streams (comma-separated names, source/name for a source other than default, */name for every source, or * / source/* / */* for the rest of a source); replaces --sink and --streams")
 	fl.IntVar(&maxInFlight, "max-in-flight", 64, "deliveries outstanding at once (the relay's credit)")
 	fl.IntVar(&perAggregate, "max-in-flight-per-aggregate", 1, "events of one aggregate outstanding at once (its window); each aggregate's events are still published one at a time, in order, but the next needs no server round trip")
 	fl.DurationVar(&leaseTTL, "lease-ttl", 0, "lease TTL to ask for (default: the server's)")
+	fl.DurationVar(&sourcesEvery, "sources-interval", DefaultSourcesInterval, "with routes or --streams of every source (*/payments), how often to ask the server which sources it serves")
 	fl.DurationVar(&drain, "drain-timeout", relay.DefaultDrainTimeout, "on shutdown, how long publishes under way may take to finish")
 	return cmd
 }

@@ -1,9 +1,18 @@
 package main
 
 import (
+	"context"
+	"log/slog"
+	"net"
 	"reflect"
 	"strings"
 	"testing"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+
+	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
 )
 
 func TestParseRoutes(t *testing.T) {
@@ -92,7 +101,12 @@ func TestParseRoutesOfSources(t *testing.T) {
 		{[]string{"Orders/x=stdout://"}, `source name "Orders"`},
 		{[]string{"or-ders/x=stdout://"}, `source name "or-ders"`},
 		{[]string{"/x=stdout://"}, `source name ""`},
-		{[]string{"*/payments=stdout://"}, `"*/payments" spans sources`},
+		{[]string{"or*/payments=stdout://"}, `"or*/payments": a source pattern is * alone`},
+		{[]string{"*/pay.*=stdout://"}, `"*/pay.*" is a pattern`},
+		{[]string{"*/Pay=stdout://"}, `"*/Pay" is not a stream name`},
+		{[]string{"*/payments=stdout://", "*/payments=nats://u:pw@h:4222"}, `stream "*/payments" is already routed`},
+		{[]string{"*/*=stdout://", "*/*=nats://u:pw@h:4222"}, `a second catch-all (*/*) of source "*"`},
+		{[]string{"*/a,*/*=stdout://"}, `"*/*" takes every stream of source "*"`},
 		{[]string{"orders/Bad=stdout://"}, `"orders/Bad" is not a stream name`},
 		{[]string{"orders/=stdout://"}, `"orders/" is not a stream name`},
 		{[]string{"orders/a/b=stdout://"}, `"orders/a/b" is not a stream name`},
@@ -132,12 +146,148 @@ func TestStreamsRoutesOfSources(t *testing.T) {
 	}{
 		{[]string{"a", "orders/b"}, []string{"c"}, "--exclude-streams cannot go with them"},
 		{[]string{"Orders/b"}, nil, `--streams: "Orders/b": source name "Orders"`},
-		{[]string{"*/b"}, nil, `"*/b" spans sources`},
+		{[]string{"x*/b"}, nil, `"x*/b": a source pattern is * alone`},
+		{[]string{"*/B"}, nil, `"*/B" is not a stream name`},
+		{[]string{"*/*", "*/b"}, nil, "*/* takes every stream of every source"},
+		{[]string{"*/b"}, []string{"c"}, "--exclude-streams cannot go with it"},
 		{nil, []string{"x-y/b"}, `--exclude-streams: "x-y/b": source name`},
 	} {
 		_, err := streamsRoutes(c.streams, c.exclude, "stdout://")
 		if err == nil || !strings.Contains(err.Error(), c.want) {
 			t.Errorf("streamsRoutes(%q, %q) = %v, want an error mentioning %q", c.streams, c.exclude, err, c.want)
 		}
+	}
+}
+
+// Routes of every source ("*/payments", "*/*") parse to routes of source
+// "*", and expand per listed source: a route naming the source itself
+// takes precedence (its streams are left out of the wildcard's, and a
+// source with a catch-all of its own gets nothing from wildcards), "*/*"
+// is each source's catch-all without what any route names, and a wildcard
+// left with nothing for a source yields no subscription for it.
+func TestExpandRoutesOfEverySource(t *testing.T) {
+	t.Parallel()
+	rs, err := parseRoutes([]string{
+		"*/payments,*/refunds,orders/audit=nats://h:4222", // 0
+		"billing/payments=stdout://",                      // 1
+		"*/*=kafka://k:9092",                              // 2
+		"legacy/*=stdout://",                              // 3
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	fixed, wild := spansSources(rs)
+	if len(wild) != 2 || !reflect.DeepEqual(wild[0].streams, []string{"*/payments", "*/refunds"}) || wild[0].source != anySource ||
+		!reflect.DeepEqual(wild[1].streams, []string{"*/*"}) || !reflect.DeepEqual(wild[1].exclude, []string{"*/payments", "*/refunds"}) {
+		t.Fatalf("wildcard routes = %+v", wild)
+	}
+	if len(fixed) != 3 {
+		t.Fatalf("fixed routes = %+v; want orders/audit, billing/payments and legacy/*", fixed)
+	}
+	type want struct {
+		index            int
+		source           string
+		streams, exclude []string
+	}
+	wants := []want{
+		{0, "billing", []string{"billing/refunds"}, nil}, // billing/payments is route 1's
+		{2, "billing", []string{"billing/*"}, []string{"billing/payments", "billing/refunds"}},
+		{0, "default", []string{"payments", "refunds"}, nil},
+		{2, "default", nil, []string{"payments", "refunds"}},
+		// legacy has a catch-all of its own: no wildcard applies.
+		{0, "orders", []string{"orders/payments", "orders/refunds"}, nil},
+		{2, "orders", []string{"orders/*"}, []string{"orders/audit", "orders/payments", "orders/refunds"}},
+	}
+	got := expandRoutes(fixed, wild, []string{"billing", "default", "legacy", "orders"})
+	if len(got) != len(wants) {
+		t.Fatalf("expandRoutes = %+v; want %d routes", got, len(wants))
+	}
+	for i, w := range wants {
+		r := got[i]
+		if r.index != w.index || r.source != w.source || !reflect.DeepEqual(r.streams, w.streams) || !reflect.DeepEqual(r.exclude, w.exclude) {
+			t.Errorf("expanded route %d = %+v; want %+v", i, r, w)
+		}
+	}
+	if r := got[0]; r.sinkURL != "nats://h:4222" || r.label() != "billing/refunds" {
+		t.Errorf("expanded route 0: sink %q, label %q; want route 0's sink, label billing/refunds", r.sinkURL, r.label())
+	}
+
+	// */payments alone: a source whose payments another route takes gets
+	// no subscription, and default's catch-all (*) shuts out */* for it.
+	rs, err = parseRoutes([]string{"*/payments=stdout://", "orders/payments=nats://h:4222"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	fixed, wild = spansSources(rs)
+	if got := expandRoutes(fixed, wild, []string{"default", "orders"}); len(got) != 1 || got[0].source != "default" || !reflect.DeepEqual(got[0].streams, []string{"payments"}) {
+		t.Errorf("*/payments beside orders/payments expands to %+v; want default's payments alone", got)
+	}
+	rs, err = streamsRoutes([]string{"*/*", "a"}, nil, "stdout://")
+	if err != nil {
+		t.Fatal(err)
+	}
+	fixed, wild = spansSources(rs)
+	if got := expandRoutes(fixed, wild, []string{"default", "orders"}); len(got) != 2 ||
+		!reflect.DeepEqual(got[0].exclude, []string{"a"}) || got[0].streams != nil || !reflect.DeepEqual(got[1].streams, []string{"orders/*"}) {
+		t.Errorf("--streams */*,a expands to %+v; want default's catch-all without a, and orders/*", got)
+	}
+	rs, err = parseRoutes([]string{"*=stdout://", "*/*=nats://h:4222"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	fixed, wild = spansSources(rs)
+	if got := expandRoutes(fixed, wild, []string{"default", "orders"}); len(got) != 1 || got[0].source != "orders" {
+		t.Errorf("* beside */* expands to %+v; want orders' alone (default has its own catch-all)", got)
+	}
+}
+
+// oldRelayService is the RelayService of a server that predates
+// ListSources.
+type oldRelayService struct {
+	outboxv1.UnimplementedRelayServiceServer
+}
+
+// A server that predates ListSources answers UNIMPLEMENTED: the follower of
+// */payments takes it to serve default alone, and expands the route for
+// default (over real gRPC on loopback).
+func TestListSourcesOfAnOldServer(t *testing.T) {
+	t.Parallel()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	g := grpc.NewServer()
+	outboxv1.RegisterRelayServiceServer(g, oldRelayService{})
+	go func() { _ = g.Serve(l) }()
+	defer g.Stop()
+	conn, err := grpc.NewClient(l.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+
+	rs, err := parseRoutes([]string{"*/payments=stdout://"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	fixed, wild := spansSources(rs)
+	started := make(chan route, 1)
+	ctx, cancel := context.WithCancel(t.Context())
+	sf := &sourceFollower{client: outboxv1.NewRelayServiceClient(conn), fixed: fixed, wild: wild, every: time.Hour,
+		log: slog.New(slog.DiscardHandler),
+		run: func(ctx context.Context, rt route) error { started <- rt; <-ctx.Done(); return nil }}
+	done := make(chan error, 1)
+	go func() { done <- sf.Run(ctx) }()
+	select {
+	case rt := <-started:
+		if rt.source != "default" || !reflect.DeepEqual(rt.streams, []string{"payments"}) {
+			t.Errorf("against a server without ListSources, */payments started %+v; want default's payments", rt)
+		}
+	case <-time.After(time.Minute): // a hang guard
+		t.Fatal("against a server without ListSources, */payments started nothing within a minute")
+	}
+	cancel()
+	if err := <-done; err != nil {
+		t.Errorf("follower stopped with %v; want nil", err)
 	}
 }

@@ -216,7 +216,8 @@ func TestRelayRejectsBadSourceNames(t *testing.T) {
 		want string
 	}{
 		{[]string{"--route", "Orders/sales_order=stdout://"}, `"Orders/sales_order": source name "Orders": want 1 to 32 lower-case letters`},
-		{[]string{"--route", "*/payments=stdout://"}, `"*/payments" spans sources`},
+		{[]string{"--route", "or*/payments=stdout://"}, `"or*/payments": a source pattern is * alone`},
+		{[]string{"--route", "*/payments=stdout://", "--sources-interval", "0s"}, "--sources-interval must be positive"},
 		{[]string{"--streams", "or-ders/x", "--sink", "stdout://"}, `--streams: "or-ders/x": source name "or-ders"`},
 		{[]string{"--streams", "a,orders/b", "--exclude-streams", "c", "--sink", "stdout://"}, "--exclude-streams cannot go with them"},
 	} {

@@ -19,11 +19,12 @@
 //     (the actor); the secret never appears anywhere but the file. A name may
 //     appear on several lines only with the same roles and streams, to hold
 //     an old and a new secret during rotation.
-//   - roles: relay (RelayService: Subscribe, Ack, Nack, ExtendLease), admin
-//     (AdminService), viewer (the read-only AdminService methods, see
-//     ReadOnlyAdminMethods: GetLag, ListRelays, GetAggregate, ListEvents,
-//     ListAggregates, ListAttempts, ListOperatorActions; what the console's
-//     pages need), or several separated by commas. Admin does not imply
+//   - roles: relay (RelayService: Subscribe, Ack, Nack, ExtendLease,
+//     ListSources), admin (AdminService), viewer (the read-only
+//     AdminService methods, see ReadOnlyAdminMethods: GetLag, ListRelays,
+//     GetAggregate, ListEvents, ListAggregates, ListAttempts,
+//     ListOperatorActions; what the console's pages need), or several
+//     separated by commas. Admin does not imply
 //     relay; it implies everything viewer grants.
 //   - secret: the token itself, 16 to 1024 of A-Z a-z 0-9 - . _ ~ + / with
 //     optional trailing '=' (RFC 6750; e.g. openssl rand -base64 32), or

@@ -460,6 +460,7 @@ func TestRequirement(t *testing.T) {
 	}{
 		{outboxv1.RelayService_Ack_FullMethodName, access{role: RoleRelay}, access{role: RoleRelay}},
 		{outboxv1.RelayService_Subscribe_FullMethodName, access{role: RoleRelay}, access{role: RoleRelay}},
+		{outboxv1.RelayService_ListSources_FullMethodName, access{role: RoleRelay}, access{role: RoleRelay}},
 		{outboxv1.AdminService_Purge_FullMethodName, access{role: RoleAdmin}, access{role: RoleAdmin}},
 		{outboxv1.AdminService_GetLag_FullMethodName, access{role: RoleAdmin, viewer: true}, access{role: RoleAdmin, viewer: true}},
 		{outboxv1.AdminService_ListAttempts_FullMethodName, access{role: RoleAdmin, viewer: true}, access{role: RoleAdmin, viewer: true}},

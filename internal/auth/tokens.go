@@ -13,7 +13,8 @@ import (
 type Role string
 
 const (
-	// RoleRelay may call RelayService: Subscribe, Ack, Nack, ExtendLease.
+	// RoleRelay may call RelayService: Subscribe, Ack, Nack, ExtendLease,
+	// ListSources.
 	RoleRelay Role = "relay"
 	// RoleAdmin may call AdminService. It does not imply RoleRelay; grant
 	// both ("admin,relay") to a token that needs both.

@@ -18,7 +18,11 @@
 //     "orders/*" for every stream of it). A subscription that spans sources
 //     ("*/payments", or names of two sources) is refused with
 //     INVALID_ARGUMENT: open one stream per source (each with its own
-//     credit). The engine sees the bare names.
+//     credit). The engine sees the bare names. A relay expands a source
+//     pattern itself: ListSources names the live sources (not those being
+//     removed) that the caller's token reaches, and outboxd relay opens
+//     one stream per listed source for "*/payments" or "*/*", re-listing
+//     to follow sources added and removed.
 //
 //   - A lease token of a source other than default is the engine's token
 //     prefixed with "source." (engine tokens are base64url, which has no

@@ -10,6 +10,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+	"github.com/outboxd/outboxd/internal/auth"
 )
 
 // maxAckItems is the engines' limit on one Ack; the Router leaves refusing
@@ -287,4 +288,23 @@ func (rr *relayRouter) ExtendLease(ctx context.Context, req *outboxv1.ExtendLeas
 		req.LeaseToken = token
 	}
 	return e.Relay.ExtendLease(sctx, req)
+}
+
+// ListSources names the live sources (not those being removed) the
+// caller's token may subscribe to: those auth.Principal.ForSource grants
+// any stream of. The engines are not asked: which sources a replica serves
+// is the Router's to say, and a source whose database is down is still
+// served (its Subscribe streams wait for it).
+func (rr *relayRouter) ListSources(ctx context.Context, _ *outboxv1.ListSourcesRequest) (*outboxv1.ListSourcesResponse, error) {
+	p, restricted := auth.PrincipalFrom(ctx)
+	out := &outboxv1.ListSourcesResponse{Sources: []string{}}
+	for _, name := range rr.r.routes().live() {
+		if restricted {
+			if _, ok := p.ForSource(name); !ok {
+				continue
+			}
+		}
+		out.Sources = append(out.Sources, name)
+	}
+	return out, nil
 }

@@ -842,6 +842,91 @@ func (x *ExtendLeaseResponse) GetLeaseTtlRemaining() *durationpb.Duration {
 	return nil
 }
 
+// ListSourcesRequest asks which sources the caller may subscribe to.
+type ListSourcesRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListSourcesRequest) Reset() {
+	*x = ListSourcesRequest{}
+	mi := &file_outbox_v1_relay_service_proto_msgTypes[10]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListSourcesRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListSourcesRequest) ProtoMessage() {}
+
+func (x *ListSourcesRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_outbox_v1_relay_service_proto_msgTypes[10]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListSourcesRequest.ProtoReflect.Descriptor instead.
+func (*ListSourcesRequest) Descriptor() ([]byte, []int) {
+	return file_outbox_v1_relay_service_proto_rawDescGZIP(), []int{10}
+}
+
+// ListSourcesResponse names the sources.
+type ListSourcesResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// sources are the names of the sources the caller may subscribe to,
+	// sorted; "default" is the source whose streams are named bare. Streams
+	// of another source are addressed "source/stream".
+	Sources       []string `protobuf:"bytes,1,rep,name=sources,proto3" json:"sources,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListSourcesResponse) Reset() {
+	*x = ListSourcesResponse{}
+	mi := &file_outbox_v1_relay_service_proto_msgTypes[11]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListSourcesResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListSourcesResponse) ProtoMessage() {}
+
+func (x *ListSourcesResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_outbox_v1_relay_service_proto_msgTypes[11]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListSourcesResponse.ProtoReflect.Descriptor instead.
+func (*ListSourcesResponse) Descriptor() ([]byte, []int) {
+	return file_outbox_v1_relay_service_proto_rawDescGZIP(), []int{11}
+}
+
+func (x *ListSourcesResponse) GetSources() []string {
+	if x != nil {
+		return x.Sources
+	}
+	return nil
+}
+
 var File_outbox_v1_relay_service_proto protoreflect.FileDescriptor
 
 const file_outbox_v1_relay_service_proto_rawDesc = "" +
@@ -899,7 +984,10 @@ const file_outbox_v1_relay_service_proto_rawDesc = "" +
 	"\x03ttl\x18\x03 \x01(\v2\x19.google.protobuf.DurationR\x03ttl\"\xa6\x01\n" +
 	"\x13ExtendLeaseResponse\x12D\n" +
 	"\x10lease_expires_at\x18\x01 \x01(\v2\x1a.google.protobuf.TimestampR\x0eleaseExpiresAt\x12I\n" +
-	"\x13lease_ttl_remaining\x18\x02 \x01(\v2\x19.google.protobuf.DurationR\x11leaseTtlRemaining*\xc6\x01\n" +
+	"\x13lease_ttl_remaining\x18\x02 \x01(\v2\x19.google.protobuf.DurationR\x11leaseTtlRemaining\"\x14\n" +
+	"\x12ListSourcesRequest\"/\n" +
+	"\x13ListSourcesResponse\x12\x18\n" +
+	"\asources\x18\x01 \x03(\tR\asources*\xc6\x01\n" +
 	"\tAckStatus\x12\x1a\n" +
 	"\x16ACK_STATUS_UNSPECIFIED\x10\x00\x12\x18\n" +
 	"\x14ACK_STATUS_PUBLISHED\x10\x01\x12 \n" +
@@ -907,12 +995,13 @@ const file_outbox_v1_relay_service_proto_rawDesc = "" +
 	"\x15ACK_STATUS_LEASE_LOST\x10\x03\x12\x18\n" +
 	"\x14ACK_STATUS_NOT_FOUND\x10\x04\x12\x16\n" +
 	"\x12ACK_STATUS_INVALID\x10\x05\x12\x14\n" +
-	"\x10ACK_STATUS_RETRY\x10\x062\x95\x02\n" +
+	"\x10ACK_STATUS_RETRY\x10\x062\xe3\x02\n" +
 	"\fRelayService\x12H\n" +
 	"\tSubscribe\x12\x1b.outbox.v1.SubscribeRequest\x1a\x1c.outbox.v1.SubscribeResponse0\x01\x124\n" +
 	"\x03Ack\x12\x15.outbox.v1.AckRequest\x1a\x16.outbox.v1.AckResponse\x127\n" +
 	"\x04Nack\x12\x16.outbox.v1.NackRequest\x1a\x17.outbox.v1.NackResponse\x12L\n" +
-	"\vExtendLease\x12\x1d.outbox.v1.ExtendLeaseRequest\x1a\x1e.outbox.v1.ExtendLeaseResponseB3Z1github.com/outboxd/outboxd/gen/outbox/v1;outboxv1b\x06proto3"
+	"\vExtendLease\x12\x1d.outbox.v1.ExtendLeaseRequest\x1a\x1e.outbox.v1.ExtendLeaseResponse\x12L\n" +
+	"\vListSources\x12\x1d.outbox.v1.ListSourcesRequest\x1a\x1e.outbox.v1.ListSourcesResponseB3Z1github.com/outboxd/outboxd/gen/outbox/v1;outboxv1b\x06proto3"
 
 var (
 	file_outbox_v1_relay_service_proto_rawDescOnce sync.Once
@@ -927,7 +1016,7 @@ func file_outbox_v1_relay_service_proto_rawDescGZIP() []byte {
 }
 
 var file_outbox_v1_relay_service_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_outbox_v1_relay_service_proto_msgTypes = make([]protoimpl.MessageInfo, 10)
+var file_outbox_v1_relay_service_proto_msgTypes = make([]protoimpl.MessageInfo, 12)
 var file_outbox_v1_relay_service_proto_goTypes = []any{
 	(AckStatus)(0),                // 0: outbox.v1.AckStatus
 	(*SubscribeRequest)(nil),      // 1: outbox.v1.SubscribeRequest
@@ -940,34 +1029,38 @@ var file_outbox_v1_relay_service_proto_goTypes = []any{
 	(*NackResponse)(nil),          // 8: outbox.v1.NackResponse
 	(*ExtendLeaseRequest)(nil),    // 9: outbox.v1.ExtendLeaseRequest
 	(*ExtendLeaseResponse)(nil),   // 10: outbox.v1.ExtendLeaseResponse
-	(*durationpb.Duration)(nil),   // 11: google.protobuf.Duration
-	(*Event)(nil),                 // 12: outbox.v1.Event
-	(*timestamppb.Timestamp)(nil), // 13: google.protobuf.Timestamp
+	(*ListSourcesRequest)(nil),    // 11: outbox.v1.ListSourcesRequest
+	(*ListSourcesResponse)(nil),   // 12: outbox.v1.ListSourcesResponse
+	(*durationpb.Duration)(nil),   // 13: google.protobuf.Duration
+	(*Event)(nil),                 // 14: outbox.v1.Event
+	(*timestamppb.Timestamp)(nil), // 15: google.protobuf.Timestamp
 }
 var file_outbox_v1_relay_service_proto_depIdxs = []int32{
-	11, // 0: outbox.v1.SubscribeRequest.lease_ttl:type_name -> google.protobuf.Duration
-	12, // 1: outbox.v1.SubscribeResponse.event:type_name -> outbox.v1.Event
-	13, // 2: outbox.v1.SubscribeResponse.lease_expires_at:type_name -> google.protobuf.Timestamp
-	11, // 3: outbox.v1.SubscribeResponse.lease_ttl_remaining:type_name -> google.protobuf.Duration
+	13, // 0: outbox.v1.SubscribeRequest.lease_ttl:type_name -> google.protobuf.Duration
+	14, // 1: outbox.v1.SubscribeResponse.event:type_name -> outbox.v1.Event
+	15, // 2: outbox.v1.SubscribeResponse.lease_expires_at:type_name -> google.protobuf.Timestamp
+	13, // 3: outbox.v1.SubscribeResponse.lease_ttl_remaining:type_name -> google.protobuf.Duration
 	2,  // 4: outbox.v1.SubscribeResponse.deliveries:type_name -> outbox.v1.SubscribeResponse
 	4,  // 5: outbox.v1.AckRequest.acks:type_name -> outbox.v1.AckItem
 	6,  // 6: outbox.v1.AckResponse.results:type_name -> outbox.v1.AckResult
 	0,  // 7: outbox.v1.AckResult.status:type_name -> outbox.v1.AckStatus
-	11, // 8: outbox.v1.NackRequest.retry_after:type_name -> google.protobuf.Duration
-	13, // 9: outbox.v1.NackResponse.next_attempt_at:type_name -> google.protobuf.Timestamp
-	11, // 10: outbox.v1.ExtendLeaseRequest.ttl:type_name -> google.protobuf.Duration
-	13, // 11: outbox.v1.ExtendLeaseResponse.lease_expires_at:type_name -> google.protobuf.Timestamp
-	11, // 12: outbox.v1.ExtendLeaseResponse.lease_ttl_remaining:type_name -> google.protobuf.Duration
+	13, // 8: outbox.v1.NackRequest.retry_after:type_name -> google.protobuf.Duration
+	15, // 9: outbox.v1.NackResponse.next_attempt_at:type_name -> google.protobuf.Timestamp
+	13, // 10: outbox.v1.ExtendLeaseRequest.ttl:type_name -> google.protobuf.Duration
+	15, // 11: outbox.v1.ExtendLeaseResponse.lease_expires_at:type_name -> google.protobuf.Timestamp
+	13, // 12: outbox.v1.ExtendLeaseResponse.lease_ttl_remaining:type_name -> google.protobuf.Duration
 	1,  // 13: outbox.v1.RelayService.Subscribe:input_type -> outbox.v1.SubscribeRequest
 	3,  // 14: outbox.v1.RelayService.Ack:input_type -> outbox.v1.AckRequest
 	7,  // 15: outbox.v1.RelayService.Nack:input_type -> outbox.v1.NackRequest
 	9,  // 16: outbox.v1.RelayService.ExtendLease:input_type -> outbox.v1.ExtendLeaseRequest
-	2,  // 17: outbox.v1.RelayService.Subscribe:output_type -> outbox.v1.SubscribeResponse
-	5,  // 18: outbox.v1.RelayService.Ack:output_type -> outbox.v1.AckResponse
-	8,  // 19: outbox.v1.RelayService.Nack:output_type -> outbox.v1.NackResponse
-	10, // 20: outbox.v1.RelayService.ExtendLease:output_type -> outbox.v1.ExtendLeaseResponse
-	17, // [17:21] is the sub-list for method output_type
-	13, // [13:17] is the sub-list for method input_type
+	11, // 17: outbox.v1.RelayService.ListSources:input_type -> outbox.v1.ListSourcesRequest
+	2,  // 18: outbox.v1.RelayService.Subscribe:output_type -> outbox.v1.SubscribeResponse
+	5,  // 19: outbox.v1.RelayService.Ack:output_type -> outbox.v1.AckResponse
+	8,  // 20: outbox.v1.RelayService.Nack:output_type -> outbox.v1.NackResponse
+	10, // 21: outbox.v1.RelayService.ExtendLease:output_type -> outbox.v1.ExtendLeaseResponse
+	12, // 22: outbox.v1.RelayService.ListSources:output_type -> outbox.v1.ListSourcesResponse
+	18, // [18:23] is the sub-list for method output_type
+	13, // [13:18] is the sub-list for method input_type
 	13, // [13:13] is the sub-list for extension type_name
 	13, // [13:13] is the sub-list for extension extendee
 	0,  // [0:13] is the sub-list for field type_name
@@ -985,7 +1078,7 @@ func file_outbox_v1_relay_service_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_outbox_v1_relay_service_proto_rawDesc), len(file_outbox_v1_relay_service_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   10,
+			NumMessages:   12,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -23,6 +23,7 @@ const (
 	RelayService_Ack_FullMethodName         = "/outbox.v1.RelayService/Ack"
 	RelayService_Nack_FullMethodName        = "/outbox.v1.RelayService/Nack"
 	RelayService_ExtendLease_FullMethodName = "/outbox.v1.RelayService/ExtendLease"
+	RelayService_ListSources_FullMethodName = "/outbox.v1.RelayService/ListSources"
 )
 
 // RelayServiceClient is the client API for RelayService service.
@@ -64,6 +65,14 @@ type RelayServiceClient interface {
 	// ExtendLease pushes the lease's expiry to now + ttl, for publishes slower
 	// than the lease TTL. Errors as for Nack.
 	ExtendLease(ctx context.Context, in *ExtendLeaseRequest, opts ...grpc.CallOption) (*ExtendLeaseResponse, error)
+	// ListSources names the source databases this server serves that the
+	// caller's token may subscribe to (a token scoped to "orders/*" sees only
+	// orders), so that a relay subscribed by source pattern ("*/payments")
+	// can open one Subscribe stream per source and follow sources added and
+	// removed while it runs. A single-source server answers "default"; a
+	// source being removed is no longer listed. Servers that predate it
+	// answer UNIMPLEMENTED: they serve only "default".
+	ListSources(ctx context.Context, in *ListSourcesRequest, opts ...grpc.CallOption) (*ListSourcesResponse, error)
 }
 
 type relayServiceClient struct {
@@ -123,6 +132,16 @@ func (c *relayServiceClient) ExtendLease(ctx context.Context, in *ExtendLeaseReq
 	return out, nil
 }
 
+func (c *relayServiceClient) ListSources(ctx context.Context, in *ListSourcesRequest, opts ...grpc.CallOption) (*ListSourcesResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(ListSourcesResponse)
+	err := c.cc.Invoke(ctx, RelayService_ListSources_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // RelayServiceServer is the server API for RelayService service.
 // All implementations must embed UnimplementedRelayServiceServer
 // for forward compatibility.
@@ -162,6 +181,14 @@ type RelayServiceServer interface {
 	// ExtendLease pushes the lease's expiry to now + ttl, for publishes slower
 	// than the lease TTL. Errors as for Nack.
 	ExtendLease(context.Context, *ExtendLeaseRequest) (*ExtendLeaseResponse, error)
+	// ListSources names the source databases this server serves that the
+	// caller's token may subscribe to (a token scoped to "orders/*" sees only
+	// orders), so that a relay subscribed by source pattern ("*/payments")
+	// can open one Subscribe stream per source and follow sources added and
+	// removed while it runs. A single-source server answers "default"; a
+	// source being removed is no longer listed. Servers that predate it
+	// answer UNIMPLEMENTED: they serve only "default".
+	ListSources(context.Context, *ListSourcesRequest) (*ListSourcesResponse, error)
 	mustEmbedUnimplementedRelayServiceServer()
 }
 
@@ -183,6 +210,9 @@ func (UnimplementedRelayServiceServer) Nack(context.Context, *NackRequest) (*Nac
 }
 func (UnimplementedRelayServiceServer) ExtendLease(context.Context, *ExtendLeaseRequest) (*ExtendLeaseResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method ExtendLease not implemented")
+}
+func (UnimplementedRelayServiceServer) ListSources(context.Context, *ListSourcesRequest) (*ListSourcesResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method ListSources not implemented")
 }
 func (UnimplementedRelayServiceServer) mustEmbedUnimplementedRelayServiceServer() {}
 func (UnimplementedRelayServiceServer) testEmbeddedByValue()                      {}
@@ -270,6 +300,24 @@ func _RelayService_ExtendLease_Handler(srv interface{}, ctx context.Context, dec
 	return interceptor(ctx, in, info, handler)
 }
 
+func _RelayService_ListSources_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(ListSourcesRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(RelayServiceServer).ListSources(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: RelayService_ListSources_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(RelayServiceServer).ListSources(ctx, req.(*ListSourcesRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // RelayService_ServiceDesc is the grpc.ServiceDesc for RelayService service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -288,6 +336,10 @@ var RelayService_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "ExtendLease",
 			Handler:    _RelayService_ExtendLease_Handler,
+		},
+		{
+			MethodName: "ListSources",
+			Handler:    _RelayService_ListSources_Handler,
 		},
 	},
 	Streams: []grpc.StreamDesc{
