@@ -8,6 +8,7 @@ import (
 	"os"
 	"slices"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -173,55 +174,101 @@ const (
 	quietAcquiresPerSecond = 100
 )
 
-// sourcePool is a source's pool, with the watch that trims it while quiet.
+// sourcePool is a source's pool, trimmed while quiet by the process's
+// poolTrimmer.
 type sourcePool struct {
 	*pgxpool.Pool
-	stopWatch context.CancelFunc
-	watched   chan struct{}
+	// counts are the pool's acquire counts at the trimmer's last four
+	// ticks, tick the trimmer's ticks since the pool joined (both the
+	// trimmer's, under its mutex).
+	counts [4]int64
+	tick   int
+	closed sync.Once
 }
 
-// Close stops watching the pool and closes it (idempotent).
+// Close stops trimming the pool and closes it (idempotent).
 func (p *sourcePool) Close() {
-	p.stopWatch()
-	<-p.watched
-	p.Pool.Close()
+	p.closed.Do(func() {
+		trimmer.remove(p)
+		p.Pool.Close()
+	})
 }
 
-// newSourcePool opens the pool of cfg and watches it (see trimIdle).
+// newSourcePool opens the pool of cfg and has it trimmed (see trimIdle).
 func newSourcePool(ctx context.Context, cfg *pgxpool.Config) (*sourcePool, error) {
-	p := &sourcePool{watched: make(chan struct{})}
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
 		return nil, err
 	}
-	p.Pool = pool
-	watchCtx, cancel := context.WithCancel(context.Background())
-	p.stopWatch = cancel
-	go func() {
-		defer close(p.watched)
-		// Trim every quarter of the window, judging quietness over the
-		// whole window: the acquire counts of its last four quarters.
-		t := time.NewTicker(quietWindow / 4)
-		defer t.Stop()
-		var counts [4]int64
-		for i := range counts {
-			counts[i] = pool.Stat().AcquireCount()
-		}
-		for tick := 0; ; tick++ {
-			select {
-			case <-watchCtx.Done():
-				return
-			case <-t.C:
-			}
-			n := pool.Stat().AcquireCount()
-			quiet := n-counts[tick%4] < int64(quietAcquiresPerSecond*quietWindow/time.Second)
-			counts[tick%4] = n
-			if quiet {
-				trimIdle(watchCtx, pool)
-			}
-		}
-	}()
+	p := &sourcePool{Pool: pool}
+	trimmer.add(p)
 	return p, nil
+}
+
+// trimmer trims every source pool of the process.
+var trimmer = &poolTrimmer{pools: map[*sourcePool]struct{}{}}
+
+// poolTrimmer trims the quiet source pools from one goroutine, every
+// quarter of quietWindow, judging quietness over the whole window (the
+// acquire counts of its last four quarters). One goroutine for all the
+// sources: a replica of 50 idle sources wakes 4 times a second for this,
+// not 200 (a wake-up of an idle Go process costs the scheduler more than
+// the trim). It runs while it has pools.
+type poolTrimmer struct {
+	mu      sync.Mutex
+	pools   map[*sourcePool]struct{}
+	running bool
+}
+
+func (t *poolTrimmer) add(p *sourcePool) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	for i := range p.counts {
+		p.counts[i] = p.Stat().AcquireCount()
+	}
+	t.pools[p] = struct{}{}
+	if !t.running {
+		t.running = true
+		go t.run()
+	}
+}
+
+// remove stops trimming p; once it returns, the trimmer does not touch p.
+func (t *poolTrimmer) remove(p *sourcePool) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	delete(t.pools, p)
+}
+
+func (t *poolTrimmer) run() {
+	tk := time.NewTicker(quietWindow / 4)
+	defer tk.Stop()
+	for range tk.C {
+		if !t.trim() {
+			return
+		}
+	}
+}
+
+// trim trims the quiet pools, and says whether any pool is left (false:
+// the trimmer has stopped; the next add starts it again).
+func (t *poolTrimmer) trim() bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if len(t.pools) == 0 {
+		t.running = false
+		return false
+	}
+	for p := range t.pools {
+		n := p.Stat().AcquireCount()
+		quiet := n-p.counts[p.tick%4] < int64(quietAcquiresPerSecond*quietWindow/time.Second)
+		p.counts[p.tick%4] = n
+		p.tick++
+		if quiet {
+			trimIdle(context.Background(), p.Pool)
+		}
+	}
+	return true
 }
 
 // trimIdle closes the pool's idle connections but one.
