@@ -41,6 +41,7 @@ type serveFlags struct {
 	maxConns        int32
 	httpListen      string
 	healthInterval  time.Duration
+	idleChecks      int
 	retention       time.Duration
 	janitorInterval time.Duration
 	reflection      bool
@@ -80,6 +81,7 @@ func (f *serveFlags) register(cmd *cobra.Command) {
 	fl.Int32Var(&f.maxConns, "max-db-conns", 16, "database connection pool size, of each source (pool_max_conns=N in a source's URL overrides it for that source); each source also has a LISTEN connection, and an idle one holds 2 in all")
 	fl.StringVar(&f.httpListen, "http-listen", "127.0.0.1:7071", "HTTP address for /metrics, /healthz and /readyz (empty: off)")
 	fl.DurationVar(&f.healthInterval, "health-interval", 2*time.Second, "how often readiness (database reachable, schema current) is checked")
+	fl.IntVar(&f.idleChecks, "idle-checks-per-second", app.DefaultIdleChecksPerSecond, "discovery checks a second spread over the sources that have had no event for 10s: each checks every SOURCES/N seconds (25ms at most often), so a quiet source's first event waits up to that long; lower it to spend less CPU on many idle sources")
 	fl.Var(&ageValue{d: &f.retention}, "retention", "delete events published longer ago than this, e.g. 7d or 36h (default: keep everything)")
 	fl.DurationVar(&f.janitorInterval, "janitor-interval", time.Minute, "how often the retention janitor runs when --retention is set")
 	fl.BoolVar(&f.reflection, "reflection", true, "serve gRPC server reflection (for grpcurl)")
@@ -188,6 +190,9 @@ Sources given by --source or $OUTBOXD_SOURCE (which win over the file) and
 rereads the token file (--token-file).`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
+			if f.idleChecks < 1 {
+				return usageError("--idle-checks-per-second %d: want 1 or more", f.idleChecks)
+			}
 			log, err := g.logger(os.Stderr)
 			if err != nil {
 				return err
@@ -350,14 +355,15 @@ func runServer(ctx context.Context, sources []source, f *serveFlags, log *slog.L
 		return err
 	}
 	rep, err := app.New(ctx, app.Config{
-		Server:          defaultCfg,
-		Sources:         named,
-		Authenticator:   authn,
-		Creds:           creds,
-		Reflection:      f.reflection,
-		HealthInterval:  f.healthInterval,
-		ShutdownTimeout: f.shutdownTimeout,
-		LabelSources:    reloads != nil,
+		Server:              defaultCfg,
+		Sources:             named,
+		Authenticator:       authn,
+		Creds:               creds,
+		Reflection:          f.reflection,
+		HealthInterval:      f.healthInterval,
+		IdleChecksPerSecond: f.idleChecks,
+		ShutdownTimeout:     f.shutdownTimeout,
+		LabelSources:        reloads != nil,
 	})
 	if err != nil {
 		return err

@@ -120,6 +120,17 @@ func TestSourceFlagRejects(t *testing.T) {
 	}
 }
 
+// A budget of idle checks below one a second is refused at start.
+func TestIdleChecksFlagRejects(t *testing.T) {
+	t.Parallel()
+	for _, v := range []string{"0", "-5"} {
+		code, out := runOutboxd(t, nil, "serve", "--idle-checks-per-second", v, "--database-url", "postgres://127.0.0.1:1/x")
+		if code != 2 || !strings.Contains(out, "--idle-checks-per-second "+v+": want 1 or more") {
+			t.Errorf("serve --idle-checks-per-second %s: exit %d, %q; want 2 naming the flag", v, code, out)
+		}
+	}
+}
+
 // With --source and neither --database-url nor $DATABASE_URL there is no
 // default source: `outboxd migrate --source orders=URL` migrates orders
 // alone (and does not touch the local default database).

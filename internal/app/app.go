@@ -99,6 +99,10 @@ type Config struct {
 	// HealthInterval is how often readiness (database reachable, schema
 	// current) is checked and published to the health service. Default 2s.
 	HealthInterval time.Duration
+	// IdleChecksPerSecond is the budget of discovery checks a second the
+	// replica spreads over its quiet sources (see spreadIdleChecks).
+	// Default DefaultIdleChecksPerSecond.
+	IdleChecksPerSecond int
 	// ShutdownTimeout is how long shutting down waits for outstanding
 	// deliveries to be acked before ending the streams. Default 15s.
 	ShutdownTimeout time.Duration
@@ -159,11 +163,16 @@ func New(ctx context.Context, cfg Config) (*Replica, error) {
 	if cfg.HealthInterval == 0 {
 		cfg.HealthInterval = DefaultHealthInterval
 	}
+	if cfg.IdleChecksPerSecond == 0 {
+		cfg.IdleChecksPerSecond = DefaultIdleChecksPerSecond
+	}
 	switch {
 	case cfg.ShutdownTimeout < 0:
 		return nil, fmt.Errorf("app: Config.ShutdownTimeout %v must not be negative", cfg.ShutdownTimeout)
 	case cfg.HealthInterval < 0:
 		return nil, fmt.Errorf("app: Config.HealthInterval %v must be positive", cfg.HealthInterval)
+	case cfg.IdleChecksPerSecond < 0:
+		return nil, fmt.Errorf("app: Config.IdleChecksPerSecond %d must be positive", cfg.IdleChecksPerSecond)
 	}
 	log := cfg.Server.Logger
 	if log == nil {
@@ -264,7 +273,7 @@ func (r *Replica) newEngines(ctx context.Context) error {
 		routes = append(routes, route)
 	}
 	slices.SortFunc(r.engines, func(a, b *engine) int { return cmp.Compare(a.name, b.name) })
-	spreadIdleChecks(r.engines)
+	r.spreadIdleChecks()
 	router, err := multisource.New(routes)
 	if err != nil {
 		return fmt.Errorf("app: Config.Sources: %w", err)
@@ -273,20 +282,22 @@ func (r *Replica) newEngines(ctx context.Context) error {
 	return nil
 }
 
-// IdleChecksPerSecond is the budget of idle discovery checks a replica
-// spreads over its quiet sources (see server.Config.DiscoveryQuietInterval):
-// each source whose rounds have found nothing for a while checks every
-// len(sources)/IdleChecksPerSecond, never more often than its idle interval
-// (25ms: so up to 5 sources nothing changes). A check is one statement of
-// about 0.1ms, so the budget costs a few per cent of a core whatever the
-// number of sources; the price is that a quiet source's first event waits
-// up to that interval (250ms with 50 sources) to be found.
-const IdleChecksPerSecond = 200
+// DefaultIdleChecksPerSecond is the default budget of discovery checks a
+// second a replica spreads over its quiet sources (see
+// server.Config.DiscoveryQuietInterval): each source whose rounds have
+// found nothing for a while checks every len(sources)/IdleChecksPerSecond,
+// never more often than its idle interval (25ms: so up to 2 sources
+// nothing changes). A check is one statement, so the budget bounds what
+// quiet sources cost the replica and the database whatever their number;
+// the price is that a quiet source's first event waits up to that interval
+// (500ms with 50 sources) to be found. serve --idle-checks-per-second sets
+// it.
+const DefaultIdleChecksPerSecond = 100
 
-// spreadIdleChecks gives every engine its share of IdleChecksPerSecond.
-func spreadIdleChecks(engines []*engine) {
-	quiet := time.Duration(len(engines)) * time.Second / IdleChecksPerSecond
-	for _, e := range engines {
+// spreadIdleChecks gives every engine its share of the idle-check budget.
+func (r *Replica) spreadIdleChecks() {
+	quiet := time.Duration(len(r.engines)) * time.Second / time.Duration(r.cfg.IdleChecksPerSecond)
+	for _, e := range r.engines {
 		e.srv.SetDiscoveryQuietInterval(quiet)
 	}
 }
@@ -356,7 +367,7 @@ func (r *Replica) AddSource(ctx context.Context, src Source) error {
 	}
 	r.engines = append(r.engines, e)
 	slices.SortFunc(r.engines, func(a, b *engine) int { return cmp.Compare(a.name, b.name) })
-	spreadIdleChecks(r.engines)
+	r.spreadIdleChecks()
 	if r.runCtx != nil {
 		r.startLocked(e)
 	}
@@ -419,7 +430,7 @@ func (r *Replica) removeEngine(ctx context.Context, e *engine, drain time.Durati
 	}
 	r.mu.Lock()
 	r.engines = slices.DeleteFunc(r.engines, func(x *engine) bool { return x == e })
-	spreadIdleChecks(r.engines)
+	r.spreadIdleChecks()
 	r.mu.Unlock()
 	if e.cancel != nil {
 		e.cancel()

@@ -12,9 +12,10 @@ import (
 	"github.com/outboxd/outboxd/server"
 )
 
-// A replica spreads IdleChecksPerSecond over its sources: up to 5 sources
-// keep the idle interval (25ms), and each source added lengthens every
-// source's quiet interval by its share, the ones already running too.
+// A replica spreads its idle-check budget over its sources: with the
+// default (100 a second) up to 2 sources keep the idle interval (25ms), and
+// each source added lengthens every source's quiet interval by its share,
+// the ones already running too. Config.IdleChecksPerSecond sets the budget.
 func TestIdleChecksAreSpreadOverTheSources(t *testing.T) {
 	t.Parallel()
 	source := func(i int) app.Source {
@@ -22,16 +23,14 @@ func TestIdleChecksAreSpreadOverTheSources(t *testing.T) {
 		return app.Source{Name: fmt.Sprintf("s%d", i),
 			Server: server.Config{Store: store.New(testdb.NewPoolURL(t, url)), DatabaseURL: url, Logger: servertest.Logger(t)}}
 	}
-	var sources []app.Source
-	for i := range 5 {
-		sources = append(sources, source(i))
+	sources := func(n int) []app.Source {
+		var srcs []app.Source
+		for i := range n {
+			srcs = append(srcs, source(i))
+		}
+		return srcs
 	}
-	rep, err := app.New(t.Context(), app.Config{Sources: sources, LabelSources: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer rep.Shutdown()
-	check := func(n int, want time.Duration) {
+	check := func(rep *app.Replica, n int, want time.Duration) {
 		t.Helper()
 		for i := range n {
 			if got := rep.Source(fmt.Sprintf("s%d", i)).DiscoveryQuietInterval(); got != want {
@@ -39,9 +38,24 @@ func TestIdleChecksAreSpreadOverTheSources(t *testing.T) {
 			}
 		}
 	}
-	check(5, 25*time.Millisecond)
+	rep, err := app.New(t.Context(), app.Config{Sources: sources(5), LabelSources: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rep.Shutdown()
+	check(rep, 5, 50*time.Millisecond)
 	if err := rep.AddSource(t.Context(), source(5)); err != nil {
 		t.Fatal(err)
 	}
-	check(6, 6*time.Second/app.IdleChecksPerSecond)
+	check(rep, 6, 60*time.Millisecond)
+
+	// A budget of 200 a second: 2 sources at 25ms still, 7 at 35ms.
+	for n, want := range map[int]time.Duration{2: 25 * time.Millisecond, 7: 35 * time.Millisecond} {
+		rep, err := app.New(t.Context(), app.Config{Sources: sources(n), LabelSources: true, IdleChecksPerSecond: 200})
+		if err != nil {
+			t.Fatal(err)
+		}
+		check(rep, n, want)
+		rep.Shutdown()
+	}
 }
