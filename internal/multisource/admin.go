@@ -332,8 +332,9 @@ func (a *adminRouter) GetAggregate(ctx context.Context, req *outboxv1.GetAggrega
 }
 
 func (a *adminRouter) ListEvents(ctx context.Context, req *outboxv1.ListEventsRequest) (*outboxv1.ListEventsResponse, error) {
-	if rt := a.r.routes(); spans(rt, req) {
-		return listSources(a, ctx, rt, req, outboxv1.AdminServiceServer.ListEvents)
+	rt := a.r.routes()
+	if sub, ok := spans(rt, req); ok {
+		return listSources(a, ctx, rt, sub, outboxv1.AdminServiceServer.ListEvents)
 	}
 	return routed(a, ctx, req, outboxv1.AdminServiceServer.ListEvents)
 }
@@ -347,8 +348,9 @@ func (a *adminRouter) SkipEvent(ctx context.Context, req *outboxv1.SkipEventRequ
 }
 
 func (a *adminRouter) ListAggregates(ctx context.Context, req *outboxv1.ListAggregatesRequest) (*outboxv1.ListAggregatesResponse, error) {
-	if rt := a.r.routes(); spans(rt, req) {
-		return listSources(a, ctx, rt, req, outboxv1.AdminServiceServer.ListAggregates)
+	rt := a.r.routes()
+	if sub, ok := spans(rt, req); ok {
+		return listSources(a, ctx, rt, sub, outboxv1.AdminServiceServer.ListAggregates)
 	}
 	return routed(a, ctx, req, outboxv1.AdminServiceServer.ListAggregates)
 }
@@ -358,15 +360,17 @@ func (a *adminRouter) ListAttempts(ctx context.Context, req *outboxv1.ListAttemp
 }
 
 func (a *adminRouter) BulkRetry(ctx context.Context, req *outboxv1.BulkRetryRequest) (*outboxv1.BulkRetryResponse, error) {
-	if rt := a.r.routes(); spans(rt, req) {
-		return bulkSources(ctx, rt, req, outboxv1.AdminServiceServer.BulkRetry, addRetry)
+	rt := a.r.routes()
+	if sub, ok := spans(rt, req); ok {
+		return bulkSources(ctx, rt, sub, outboxv1.AdminServiceServer.BulkRetry, addRetry)
 	}
 	return routed(a, ctx, req, outboxv1.AdminServiceServer.BulkRetry)
 }
 
 func (a *adminRouter) BulkSkip(ctx context.Context, req *outboxv1.BulkSkipRequest) (*outboxv1.BulkSkipResponse, error) {
-	if rt := a.r.routes(); spans(rt, req) {
-		return bulkSources(ctx, rt, req, outboxv1.AdminServiceServer.BulkSkip, addSkip)
+	rt := a.r.routes()
+	if sub, ok := spans(rt, req); ok {
+		return bulkSources(ctx, rt, sub, outboxv1.AdminServiceServer.BulkSkip, addSkip)
 	}
 	return routed(a, ctx, req, outboxv1.AdminServiceServer.BulkSkip)
 }
@@ -376,8 +380,9 @@ func (a *adminRouter) Republish(ctx context.Context, req *outboxv1.RepublishRequ
 }
 
 func (a *adminRouter) ListOperatorActions(ctx context.Context, req *outboxv1.ListOperatorActionsRequest) (*outboxv1.ListOperatorActionsResponse, error) {
-	if rt := a.r.routes(); spans(rt, req) {
-		return listSources(a, ctx, rt, req, outboxv1.AdminServiceServer.ListOperatorActions)
+	rt := a.r.routes()
+	if sub, ok := spans(rt, req); ok {
+		return listSources(a, ctx, rt, sub, outboxv1.AdminServiceServer.ListOperatorActions)
 	}
 	return routed(a, ctx, req, outboxv1.AdminServiceServer.ListOperatorActions)
 }

@@ -1,10 +1,11 @@
 package multisource
 
-// Admin calls that name no source, on a server of several: the listings
-// (ListEvents, ListAggregates, ListOperatorActions) page through every
-// source the caller may see, and the bulk actions (BulkRetry, BulkSkip) act
-// on each of them once. A server of one source answers them as before,
-// through route.
+// Admin calls for every source (no stream on a server of several, or a
+// stream "*/pattern"): the listings (ListEvents, ListAggregates,
+// ListOperatorActions) page through every source the caller may see, and
+// the bulk actions (BulkRetry, BulkSkip) act on each of them once. A server
+// of one source answers a request without a stream as before, through
+// route.
 
 import (
 	"context"
@@ -34,15 +35,25 @@ const (
 	maxBulkSample = 20
 )
 
-// spans reports whether an admin request names no source, on a server of
-// several: no stream (its own or its filter's) and no event id.
-func spans(rt *routes, req proto.Message) bool {
-	if len(rt.names) < 2 {
-		return false
-	}
+// spans reports whether an admin request is for every source: it names
+// no source, on a server of several (no stream, its own or its filter's,
+// and no event id), or its stream names every source ("*/billing.*", on
+// any server). It returns the request each engine is to see: the stream
+// without its "*/".
+func spans[Req proto.Message](rt *routes, req Req) (Req, bool) {
 	m := req.ProtoReflect()
-	msg, _ := streamField(m)
-	return msg == nil && eventIDField(m) == nil
+	msg, f := streamField(m)
+	if msg == nil {
+		return req, len(rt.names) > 1 && eventIDField(m) == nil
+	}
+	src, stream := SplitStream(msg.Get(f).String())
+	if src != "*" {
+		return req, false
+	}
+	clone := proto.Clone(req).(Req)
+	cm, cf := streamField(clone.ProtoReflect())
+	cm.Set(cf, protoreflect.ValueOfString(stream))
+	return clone, true
 }
 
 // listSources answers a listing that names no source, on a server of

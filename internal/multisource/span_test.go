@@ -75,7 +75,8 @@ func aggregateNames(res *outboxv1.ListAggregatesResponse) []string {
 // TestListingsSpanSources: on a server of two sources, ListEvents and
 // ListAggregates without a stream page through both sources (page size 2,
 // several pages, every item once, orders' named as its), "orders/" limits
-// a listing to orders without naming a stream, and a malformed token or
+// a listing to orders without naming a stream, "*/pattern" applies a
+// pattern in every source, and a malformed token or
 // one that goes on in a source not served is INVALID_ARGUMENT.
 func TestListingsSpanSources(t *testing.T) {
 	t.Parallel()
@@ -118,6 +119,15 @@ func TestListingsSpanSources(t *testing.T) {
 	}
 	res, err := r.Admin.ListAggregates(t.Context(), &outboxv1.ListAggregatesRequest{Filter: &outboxv1.AggregateFilter{Stream: "orders/*"}})
 	onceEach(t, `ListAggregates of "orders/*"`, aggregateNames(res), wantAggs[4:])
+	if err != nil {
+		t.Error(err)
+	}
+
+	// "*/pattern" applies the pattern in every source.
+	got, _ = pageAll(t, events("*/sales_order"))
+	onceEach(t, `ListEvents of "*/sales_order"`, got, wantEvents[:4])
+	res, err = r.Admin.ListAggregates(t.Context(), &outboxv1.ListAggregatesRequest{Filter: &outboxv1.AggregateFilter{Stream: "*/billing"}})
+	onceEach(t, `ListAggregates of "*/billing"`, aggregateNames(res), []string{"orders/billing|0", "orders/billing|2", "orders/billing|4"})
 	if err != nil {
 		t.Error(err)
 	}
@@ -258,7 +268,7 @@ func TestOperatorLogNamesTheSource(t *testing.T) {
 // second event of each aggregate stays pending), and each source records
 // its own action naming it; a dry run counts both and changes nothing. A
 // token that may run it on default but only on some streams of orders is
-// refused before default changes.
+// refused before default changes. A filter stream "*/*" matches in both.
 func TestBulkAcrossSources(t *testing.T) {
 	t.Parallel()
 	const (
@@ -335,6 +345,15 @@ func TestBulkAcrossSources(t *testing.T) {
 		}
 	}
 	onceEach(t, "bulk_skip actions' streams", streams, []string{"*", "orders/*"})
+
+	// "*/*" is every stream of every source; "*" alone, every stream of
+	// default (a bare name is default's).
+	for stream, want := range map[string]int64{"*/*": 4, "*": 2, "orders/*": 2} {
+		dry, err := admin.BulkSkip(t.Context(), &outboxv1.BulkSkipRequest{Filter: &outboxv1.AggregateFilter{Stream: stream}, Reason: "dry", DryRun: true})
+		if err != nil || dry.GetMatched() != want {
+			t.Errorf("dry run of %q: %v, %v; want %d matched", stream, dry, err, want)
+		}
+	}
 }
 
 // TestListingWithASourceDown: with orders' database refusing connections,
