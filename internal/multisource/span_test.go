@@ -109,6 +109,11 @@ func TestListingsSpanSources(t *testing.T) {
 	got, _ = pageAll(t, events("orders/"))
 	onceEach(t, `ListEvents of "orders/"`, got, ordersEvents)
 
+	// An aggregate is listed once its source's discovery has seen it.
+	waitFor(t, "both sources' discovery", func() bool {
+		res, err := r.Admin.ListAggregates(t.Context(), &outboxv1.ListAggregatesRequest{PageSize: 9})
+		return err == nil && len(res.GetAggregates()) == 9
+	})
 	got, tokens = pageAll(t, func(token string) ([]string, string, error) {
 		res, err := r.Admin.ListAggregates(t.Context(), &outboxv1.ListAggregatesRequest{PageSize: 2, PageToken: token})
 		return aggregateNames(res), res.GetNextPageToken(), err
