@@ -44,7 +44,12 @@ func spans[Req proto.Message](rt *routes, req Req) (Req, bool) {
 	m := req.ProtoReflect()
 	msg, f := streamField(m)
 	if msg == nil {
-		return req, len(rt.names) > 1 && eventIDField(m) == nil
+		// A page token of a listing over sources goes on as one even on a
+		// server left with one source (engine tokens have no ':'), so that
+		// one naming a removed source says so.
+		tok := m.Descriptor().Fields().ByName("page_token")
+		overSources := tok != nil && strings.Contains(m.Get(tok).String(), spanTokenSep)
+		return req, (len(rt.names) > 1 || overSources) && eventIDField(m) == nil
 	}
 	src, stream := SplitStream(msg.Get(f).String())
 	if src != "*" {
@@ -162,8 +167,12 @@ func parseSpanToken(rt *routes, tok string) (source, inner string, err error) {
 			"a token of one source's listing goes with the stream it was issued for", tok, spanTokenSep)
 	}
 	if rt.engines[source] == nil {
-		return "", "", invalid("page_token", "goes on in source %q, which this server no longer serves (it serves %s): start the listing again without page_token",
-			source, strings.Join(rt.names, ", "))
+		why := "is not a source this server serves"
+		if rt.removed[source] {
+			why = "was removed from this server's configuration"
+		}
+		return "", "", invalid("page_token", "goes on in source %q, which %s (it serves %s): start the listing again without page_token",
+			source, why, strings.Join(rt.names, ", "))
 	}
 	return source, inner, nil
 }
