@@ -334,7 +334,7 @@ func (a *adminRouter) GetAggregate(ctx context.Context, req *outboxv1.GetAggrega
 func (a *adminRouter) ListEvents(ctx context.Context, req *outboxv1.ListEventsRequest) (*outboxv1.ListEventsResponse, error) {
 	rt := a.r.routes()
 	if sub, ok := spans(rt, req); ok {
-		return listSources(a, ctx, rt, sub, outboxv1.AdminServiceServer.ListEvents)
+		return listSources(ctx, rt, sub, outboxv1.AdminServiceServer.ListEvents)
 	}
 	return routed(a, ctx, req, outboxv1.AdminServiceServer.ListEvents)
 }
@@ -350,7 +350,7 @@ func (a *adminRouter) SkipEvent(ctx context.Context, req *outboxv1.SkipEventRequ
 func (a *adminRouter) ListAggregates(ctx context.Context, req *outboxv1.ListAggregatesRequest) (*outboxv1.ListAggregatesResponse, error) {
 	rt := a.r.routes()
 	if sub, ok := spans(rt, req); ok {
-		return listSources(a, ctx, rt, sub, outboxv1.AdminServiceServer.ListAggregates)
+		return listSources(ctx, rt, sub, outboxv1.AdminServiceServer.ListAggregates)
 	}
 	return routed(a, ctx, req, outboxv1.AdminServiceServer.ListAggregates)
 }
@@ -382,7 +382,7 @@ func (a *adminRouter) Republish(ctx context.Context, req *outboxv1.RepublishRequ
 func (a *adminRouter) ListOperatorActions(ctx context.Context, req *outboxv1.ListOperatorActionsRequest) (*outboxv1.ListOperatorActionsResponse, error) {
 	rt := a.r.routes()
 	if sub, ok := spans(rt, req); ok {
-		return listSources(a, ctx, rt, sub, outboxv1.AdminServiceServer.ListOperatorActions)
+		return listSources(ctx, rt, sub, outboxv1.AdminServiceServer.ListOperatorActions)
 	}
 	return routed(a, ctx, req, outboxv1.AdminServiceServer.ListOperatorActions)
 }

@@ -61,8 +61,7 @@ func spans[Req proto.Message](rt *routes, req Req) (Req, bool) {
 	return clone, true
 }
 
-// listSources answers a listing that names no source, on a server of
-// several: it reads the sources the caller may see in name order, filling
+// listSources answers a listing for every source (see spans): it reads the sources the caller may see in name order, filling
 // the page from one and going on into the next, each source's items named
 // as route's answers name them. Its next_page_token is "SOURCE:TOKEN", the
 // source to go on in and that engine's own token (empty to start it).
@@ -72,7 +71,7 @@ func spans[Req proto.Message](rt *routes, req Req) (Req, bool) {
 // its figures; when no source read answers, the call fails with the first
 // source's error. Refusals (INVALID_ARGUMENT, PERMISSION_DENIED) fail the
 // call: they say something about the request, not the source.
-func listSources[Req, Resp proto.Message](a *adminRouter, ctx context.Context, rt *routes, req Req,
+func listSources[Req, Resp proto.Message](ctx context.Context, rt *routes, req Req,
 	call func(outboxv1.AdminServiceServer, context.Context, Req) (Resp, error)) (Resp, error) {
 	var zero Resp
 	rm := req.ProtoReflect()
