@@ -366,12 +366,17 @@ func TestBulkAcrossSources(t *testing.T) {
 
 // TestListingWithASourceDown: with orders' database refusing connections,
 // a listing without a stream lists default's events and names orders in
-// skipped_sources, with the reason.
+// skipped_sources, with the reason; a bulk action over every source fails
+// naming orders, and default's event stays pending.
 func TestListingWithASourceDown(t *testing.T) {
 	t.Parallel()
 	r, _, ordersURL := twoSources(t, servertest.Options{})
 	id := emit(t, r.Pool, "sales_order", "1")
 	emit(t, r.Pools["orders"], "sales_order", "1")
+	waitFor(t, "default's discovery", func() bool {
+		res, err := r.Admin.ListAggregates(t.Context(), &outboxv1.ListAggregatesRequest{Filter: &outboxv1.AggregateFilter{Stream: "default/*"}})
+		return err == nil && len(res.GetAggregates()) == 1
+	})
 	setConnections(t, ordersURL, false)
 	t.Cleanup(func() { setConnections(t, ordersURL, true) })
 	res, err := r.Admin.ListEvents(t.Context(), &outboxv1.ListEventsRequest{})
@@ -384,5 +389,14 @@ func TestListingWithASourceDown(t *testing.T) {
 	}
 	if _, err := r.Admin.ListEvents(t.Context(), &outboxv1.ListEventsRequest{PageToken: "orders:"}); status.Code(err) == codes.OK {
 		t.Error("a page of orders alone, down, answered; want its error")
+	}
+	// A bulk action over every source fails, naming orders, before it
+	// changes default.
+	_, err = r.Admin.BulkSkip(t.Context(), &outboxv1.BulkSkipRequest{Filter: &outboxv1.AggregateFilter{Stream: "*/*"}, Reason: "x"})
+	if err == nil || !strings.Contains(err.Error(), "source orders") || !strings.Contains(err.Error(), "no source was changed") {
+		t.Errorf("BulkSkip of every source with orders down: %v; want an error naming orders, nothing changed", err)
+	}
+	if s := eventState(t, r.Pool, id); s != "pending" {
+		t.Errorf("default's event is %s after a bulk skip that failed on orders", s)
 	}
 }
