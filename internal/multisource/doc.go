@@ -75,10 +75,11 @@
 //     none answers the call fails. A server of one source answers a listing
 //     without a stream exactly as a single-source server does (its tokens
 //     are the engine's), but still takes a "SOURCE:TOKEN" token issued
-//     before its other sources were removed (engine tokens have no ':'). The items are ordered within a source (newest or
-//     oldest first, as the RPC says), not across sources. ListRelays
-//     always lists every source's relays (it has no paging); ListAttempts
-//     names an event or an aggregate, so one source.
+//     before its other sources were removed (engine tokens have no ':').
+//     The items are ordered within a source (newest or oldest first, as
+//     the RPC says), not across sources. ListRelays always lists every
+//     source's relays (it has no paging); ListAttempts names an event or
+//     an aggregate, so one source.
 //
 //   - BulkRetry and BulkSkip whose filter names no stream, on a server of
 //     several sources, or names "*/PATTERN", act on every source the
