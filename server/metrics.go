@@ -22,7 +22,6 @@ type metrics struct {
 	nacks           *prometheus.CounterVec
 	leasesExpired   prometheus.Counter
 	purged          prometheus.Counter
-	panics          prometheus.Counter
 	ackDuration     prometheus.Histogram
 	publishLag      prometheus.Histogram
 	sessions        prometheus.Gauge
@@ -68,10 +67,6 @@ func newMetrics() *metrics {
 			Name: "outboxd_purged_events_total",
 			Help: "Published events deleted by the retention janitor.",
 		}),
-		panics: prometheus.NewCounter(prometheus.CounterOpts{
-			Name: "outboxd_panics_recovered_total",
-			Help: "Panics in RPC handlers, recovered and answered with INTERNAL.",
-		}),
 		ackDuration: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name:    "outboxd_ack_duration_seconds",
 			Help:    "Time to serve an Ack RPC, including its group commit.",
@@ -99,12 +94,8 @@ func newMetrics() *metrics {
 
 func (m *metrics) collectors() []prometheus.Collector {
 	return []prometheus.Collector{m.deliveries, m.redeliveries, m.discovered, m.discoveryErrors, m.discoveryStop, m.acks, m.nacks, m.leasesExpired,
-		m.purged, m.panics, m.ackDuration, m.publishLag, m.sessions, m.handOvers, m.dispatched}
+		m.purged, m.ackDuration, m.publishLag, m.sessions, m.handOvers, m.dispatched}
 }
-
-// RecoveredPanic counts a panic recovered in an RPC handler; the gRPC
-// recovery interceptor calls it.
-func (s *Server) RecoveredPanic() { s.metrics.panics.Inc() }
 
 // lagCollector exports the database's backlog as gauges at scrape time. The
 // figures are database-wide, so every replica reports the same values:

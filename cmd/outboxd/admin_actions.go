@@ -45,7 +45,14 @@ A token limited to some streams sees only the actions on its streams (a bulk
 action over "*" needs an unlimited token). --since takes an RFC 3339 time or
 a duration meaning that long ago (--since 24h). It follows pages until
 --limit actions are listed (0: all); with --json, the pages are printed as
-one ListOperatorActionsResponse.`, cobra.NoArgs)
+one ListOperatorActionsResponse.
+
+Each source database keeps its own record. On a server with several,
+actions of a source other than default name it (stream "orders/billing",
+and the request as written); without --stream the actions of every source
+are listed, source after source in name order, each newest first
+(--stream orders/ for one source's). A source that cannot be read is named
+on stderr and left out.`, cobra.NoArgs)
 	f.register(cmd)
 	fl := cmd.Flags()
 	fl.StringVar(&req.Stream, "stream", "", "only actions on this stream")
@@ -77,6 +84,7 @@ one ListOperatorActionsResponse.`, cobra.NoArgs)
 			if f.json {
 				return writeJSON(c.out, all)
 			}
+			noteSkippedSources(c.errOut, "actions", all.GetSkippedSources())
 			return printActions(c.out, all, req.GetAggregateKey() != "")
 		})
 	}
@@ -99,6 +107,7 @@ func listActions(ctx context.Context, c *adminClient, first *outboxv1.ListOperat
 			return nil, err
 		}
 		all.Actions = append(all.Actions, resp.GetActions()...)
+		all.SkippedSources = append(all.SkippedSources, resp.GetSkippedSources()...)
 		token = resp.GetNextPageToken()
 		all.NextPageToken = token
 		// A page may be short, even empty, for a stream-limited token while

@@ -30,7 +30,8 @@ type filterFlags struct {
 }
 
 func (f *filterFlags) register(fl *pflag.FlagSet) {
-	fl.StringVar(&f.stream, "stream", "", `only this stream, or streams with a prefix ("billing.*"), or "*" for every stream`)
+	fl.StringVar(&f.stream, "stream", "", `only this stream, or streams with a prefix ("billing.*"), or "*" for every stream; `+
+		`SOURCE/... in a source other than default ("orders/*"), "*/..." in every source ("*/*")`)
 	fl.StringSliceVar(&f.states, "state", nil, "only aggregates in these states: ready, leased, backoff, parked, gap (repeatable)")
 	fl.StringVar(&f.errorContains, "error", "", "only aggregates whose last error contains this text (ignoring case)")
 	fl.Var(&timeValue{t: &f.pendingBefore}, "pending-before",
@@ -71,7 +72,12 @@ are stalled, and the last error. Filter by stream (exact, "billing.*" for a
 prefix), state, error text, age and stalled; the same filter flags select
 what bulk-retry and bulk-skip act on. It follows pages until --limit
 aggregates are listed (0: all) and then prints the token that continues the
-listing with --page-token. Errors are cut at 160 characters; --wide, --json
+listing with --page-token.
+
+On a server with several source databases, without --stream (or with
+--stream '*/...') it lists every source's aggregates, source after source
+in name order, each stream as SOURCE/STREAM outside default; a source that
+cannot be read is named on stderr and left out. Errors are cut at 160 characters; --wide, --json
 and 'outboxd aggregate STREAM KEY' show them whole.`, cobra.NoArgs)
 	f.register(cmd)
 	ff.register(cmd.Flags())
@@ -99,6 +105,7 @@ and 'outboxd aggregate STREAM KEY' show them whole.`, cobra.NoArgs)
 					return err
 				}
 				all.Aggregates = append(all.Aggregates, resp.GetAggregates()...)
+				all.SkippedSources = append(all.SkippedSources, resp.GetSkippedSources()...)
 				token = resp.GetNextPageToken()
 				all.NextPageToken = token
 				if token == "" || len(resp.GetAggregates()) == 0 || (limit > 0 && len(all.Aggregates) >= limit) {
@@ -116,6 +123,7 @@ and 'outboxd aggregate STREAM KEY' show them whole.`, cobra.NoArgs)
 				return err
 			}
 			noteCutErrors(c.errOut, width, all.GetAggregates(), (*outboxv1.Aggregate).GetLastError)
+			noteSkippedSources(c.errOut, "aggregates", all.GetSkippedSources())
 			if all.NextPageToken != "" {
 				fmt.Fprintf(c.out, "\nmore aggregates remain; continue with --page-token %s\n", all.NextPageToken)
 			}
@@ -280,6 +288,12 @@ confirmation unless --yes (without a terminal on stdin it needs --yes);
 aggregates'; at least one is required ("--stream '*'" for every stream). The
 action is recorded with --actor and --reason.
 
+On a server with several source databases, a filter without --stream (or
+with --stream '*/...', "*/*" for every stream of every source) acts on every
+source, once each: every source is counted first, and if any refuses or
+cannot be read nothing is changed; each source records its own action.
+--stream '*' alone is every stream of source default.
+
 Exits 6 if not confirmed.`, cobra.NoArgs)
 	f.register(cmd)
 	ff.register(cmd.Flags())
@@ -363,6 +377,8 @@ first shows how many aggregates match and a sample, then asks for
 confirmation unless --yes (without a terminal on stdin it needs --yes);
 --dry-run stops after the count. The filter flags are those of 'outboxd
 aggregates'; at least one is required ("--stream '*'" for every stream).
+Across several source databases it acts as bulk-retry does: every source
+without --stream or with --stream '*/...', after counting them all.
 
 Exits 2 without --reason, 6 if not confirmed.`, cobra.NoArgs)
 	f.register(cmd)

@@ -183,7 +183,10 @@ whose next_page_token continues the listing.
 On a server with several source databases, a stream of a source other than
 default is SOURCE/STREAM (--stream orders/sales_order) and an event id
 SOURCE/EVENT_ID; the table prints them so (and --json sets event.source).
-Without --stream or --event-id it lists default's events.`, cobra.NoArgs)
+Without --stream or --event-id it lists every source's events (those the
+token may see), source after source in name order, each newest first;
+--stream orders/ lists one source's, --stream '*/sales_order' a stream in
+every source. A source that cannot be read is named on stderr and left out.`, cobra.NoArgs)
 	f.register(cmd)
 	fl := cmd.Flags()
 	fl.StringVar(&req.Stream, "stream", "", "only this stream")
@@ -239,6 +242,7 @@ Without --stream or --event-id it lists default's events.`, cobra.NoArgs)
 			if f.json {
 				return writeJSON(c.out, all)
 			}
+			noteSkippedSources(c.errOut, "events", all.GetSkippedSources())
 			return printEvents(c.out, all, payload)
 		})
 	}
@@ -265,6 +269,7 @@ func listEvents(ctx context.Context, c *adminClient, first *outboxv1.ListEventsR
 			return nil, err
 		}
 		all.Events = append(all.Events, resp.GetEvents()...)
+		all.SkippedSources = append(all.SkippedSources, resp.GetSkippedSources()...)
 		token = resp.GetNextPageToken()
 		all.NextPageToken = token
 		if token == "" || (limit > 0 && len(all.Events) >= limit) {

@@ -17,7 +17,8 @@ import (
 // The operator commands against a server of two sources (default and
 // orders, each a database of its own): an event id of orders is
 // orders/<id> on input and output, the same id in default is untouched,
-// answers print orders' streams as orders/..., and purge without --stream
+// answers print orders' streams as orders/..., events, aggregates and
+// actions without --stream list both sources, and purge without --stream
 // purges both, a line per source. Checked against SQL.
 func TestCLIOfTwoSources(t *testing.T) {
 	t.Parallel()
@@ -69,6 +70,34 @@ func TestCLIOfTwoSources(t *testing.T) {
 		t.Errorf("actions --stream orders/sales_order does not name the stream with its source:\n%s", out)
 	}
 	ts.cli(t, nil, "attempts", "orders/"+shared).want(t, exitOK)
+
+	// Without --stream the listings cover both sources, page after page.
+	out = ts.cli(t, nil, "events", "--page-size", "1").want(t, exitOK).stdout
+	if row := tableRow(t, out, "orders/"+shared); row[1] != "orders/sales_order" {
+		t.Errorf("events without --stream: orders' row %q", row)
+	}
+	if row := tableRow(t, out, shared); row[1] != "sales_order" {
+		t.Errorf("events without --stream: default's row %q", row)
+	}
+	if _, err := orders.Exec(t.Context(), `SELECT outbox.emit('sales_order', '2', 'T', '{}')`); err != nil {
+		t.Fatal(err)
+	}
+	// Listed once orders' discovery has seen it (a hang guard, not a timing).
+	for deadline := time.Now().Add(time.Minute); ; time.Sleep(20 * time.Millisecond) {
+		res, err := r.Admin.ListAggregates(t.Context(), &outboxv1.ListAggregatesRequest{Filter: &outboxv1.AggregateFilter{Stream: "orders/*"}})
+		if err == nil && len(res.GetAggregates()) == 1 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("orders' new aggregate not listed within a minute: %v, %v", res, err)
+		}
+	}
+	if out := ts.cli(t, nil, "aggregates").want(t, exitOK).stdout; !strings.Contains(out, "orders/sales_order") || tableRow(t, out, "sales_order") == nil {
+		t.Errorf("aggregates without --stream does not list both sources:\n%s", out)
+	}
+	if out := ts.cli(t, nil, "actions").want(t, exitOK).stdout; !strings.Contains(out, "orders/sales_order") {
+		t.Errorf("actions without --stream does not list orders' skip:\n%s", out)
+	}
 
 	// Publish one more event in each source, and purge both.
 	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)

@@ -23,7 +23,8 @@ import (
 // mode with events of b pending (its relay was killed before they were
 // written, so none was delivered); while it is down, events written into a
 // afterwards are delivered (to a relay of a restarted meanwhile), /readyz stays 200 and says "degraded: source
-// b", and `outboxd lag` names b not ready. Once cluster b runs again, b's
+// b", `outboxd lag` names b not ready, and `outboxd events` lists a's
+// events with a warning that b could not be read. Once cluster b runs again, b's
 // relay (restarted during the outage) delivers its pending events: each
 // sink holds every event of its source, first copies in revision order,
 // duplicates identical to the first (at least once, never lost), and every
@@ -111,6 +112,10 @@ func TestSourceDownAndBack(t *testing.T) {
 	if code, out := runOutboxd(t, nil, "lag", "--server", grpcAddr); code != 0 || !strings.Contains(out, "source b NOT READY") ||
 		!strings.Contains(out, "orders") {
 		t.Errorf("outboxd lag with b down: exit %d; want a's streams and b not ready:\n%s", code, out)
+	}
+	if code, out := runOutboxd(t, nil, "events", "--limit", "3", "--server", grpcAddr); code != 0 ||
+		!strings.Contains(out, "warning: source b could not be read, its events are not listed") || !strings.Contains(out, "orders") {
+		t.Errorf("outboxd events with b down: exit %d; want a's events and a warning naming b:\n%s", code, out)
 	}
 
 	// b comes back: its pending events are delivered, a's keep flowing.

@@ -187,7 +187,7 @@ func New(ctx context.Context, cfg Config) (*Replica, error) {
 	if reg == nil {
 		reg = prometheus.NewRegistry() // metrics nobody reads
 	}
-	r.GRPC = newGRPCServer(log, reg, r.engines[0].srv, cfg)
+	r.GRPC = newGRPCServer(log, reg, cfg)
 	r.router.Register(r.GRPC)
 	healthpb.RegisterHealthServer(r.GRPC, r.health)
 	if cfg.Reflection {
@@ -668,11 +668,18 @@ func (r *Replica) eachEngine(fn func(*server.Server) error) error {
 // first: metrics see every call's final code and duration; the log line is
 // written when a call finishes; authentication (when configured) refuses
 // callers before any handler or validation runs; recovery turns a handler's
-// panic into INTERNAL (counted) before the others see it.
-func newGRPCServer(log *slog.Logger, reg prometheus.Registerer, srv *server.Server, cfg Config) *grpc.Server {
+// panic into INTERNAL (counted) before the others see it. The panic counter
+// is the process's, as the gRPC metrics are: a handler may panic before it
+// knows its source, and the count must outlive any source removed at run
+// time.
+func newGRPCServer(log *slog.Logger, reg prometheus.Registerer, cfg Config) *grpc.Server {
 	metrics := grpcprom.NewServerMetrics(grpcprom.WithServerHandlingTimeHistogram(
 		grpcprom.WithHistogramBuckets([]float64{.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10})))
-	reg.MustRegister(metrics)
+	panicCount := prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "outboxd_panics_recovered_total",
+		Help: "Panics in RPC handlers (of every source: the count is the process's), recovered and answered with INTERNAL.",
+	})
+	reg.MustRegister(metrics, panicCount)
 	rpcLog := logging.LoggerFunc(func(ctx context.Context, level logging.Level, msg string, fields ...any) {
 		log.Log(ctx, slog.Level(level), msg, fields...)
 	})
@@ -681,7 +688,7 @@ func newGRPCServer(log *slog.Logger, reg prometheus.Registerer, srv *server.Serv
 		logging.WithLevels(rpcLogLevel),
 	}
 	panics := recovery.WithRecoveryHandlerContext(func(ctx context.Context, p any) error {
-		srv.RecoveredPanic()
+		panicCount.Inc()
 		log.ErrorContext(ctx, "panic in RPC handler", "panic", fmt.Sprint(p))
 		return status.Error(codes.Internal, "internal error")
 	})

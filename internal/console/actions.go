@@ -285,6 +285,9 @@ func (c *Console) purgeDryRun(q *request) {
 	older, stream := strings.TrimSpace(q.r.PostFormValue("older_than")), strings.TrimSpace(q.r.PostFormValue("stream"))
 	source := strings.TrimSpace(q.r.PostFormValue("source"))
 	addr := address(source, stream)
+	if source == allSources && stream == "" {
+		addr = "" // Purge without a stream covers every source
+	}
 	data := map[string]any{"OlderThan": older, "Stream": stream, "Source": source, "CanPurge": true, "Sources": c.sourceNames(q)}
 	d, err := time.ParseDuration(older)
 	if err != nil || d < 0 {

@@ -22,7 +22,8 @@
 // stream's (or event id's) "source/" prefix names, and whose answers name
 // their streams the same way. The console learns the sources from
 // GetLag.sources and asks with addresses ("orders/" for every stream of
-// orders), so every link stays in its source; see sources.go.
+// orders), so every link stays in its source; a page that picks no source
+// asks all of them (the source picker's "all sources"); see sources.go.
 // With default alone none of this shows.
 //
 // # Sessions

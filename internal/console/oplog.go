@@ -35,8 +35,8 @@ func (c *Console) actions(q *request) {
 	sources := c.sourceNames(q)
 	f["Source"] = chosenSource(sources, f["Source"])
 	addr := address(f["Source"], f["Stream"])
-	// Each source keeps its own record: the page shows one source's,
-	// named on every row.
+	// Each source keeps its own record: the page shows one source's, or
+	// every source's (source "*"), each row naming its source.
 	data := map[string]any{"F": f, "Kinds": actionKinds, "Sources": sources, "Source": sourceOf(addr)}
 	req := &outboxv1.ListOperatorActionsRequest{Stream: addr, AggregateKey: f["Key"], Action: f["Action"],
 		PageSize: actionsPageSize, PageToken: r.FormValue("page")}
@@ -66,6 +66,7 @@ func (c *Console) actions(q *request) {
 		data["Error"], code = describe(err), httpCode(err)
 	} else {
 		data["Actions"], data["Next"], data["PerAggregate"] = resp.GetActions(), resp.GetNextPageToken(), req.AggregateKey != ""
+		data["Skipped"] = resp.GetSkippedSources()
 	}
 	c.render(q.w, r, code, "actions", q, data)
 }

@@ -132,7 +132,7 @@ func (c *Console) aggregates(q *request) {
 	case err != nil:
 		data["Error"], code = describe(err), httpCode(err)
 	default:
-		data["Aggregates"], data["Next"] = resp.GetAggregates(), resp.GetNextPageToken()
+		data["Aggregates"], data["Next"], data["Skipped"] = resp.GetAggregates(), resp.GetNextPageToken(), resp.GetSkippedSources()
 		if f.trouble() && q.r.FormValue("page") == "" {
 			// Stalled aggregates that are ready or leased are in trouble
 			// too, though in none of the trouble states: the first of them
@@ -249,7 +249,7 @@ func (c *Console) events(q *request) {
 		data["Error"], code = describe(err), httpCode(err)
 	} else {
 		addressEvents(resp.GetEvents())
-		data["Events"], data["Next"] = resp.GetEvents(), resp.GetNextPageToken()
+		data["Events"], data["Next"], data["Skipped"] = resp.GetEvents(), resp.GetNextPageToken(), resp.GetSkippedSources()
 	}
 	c.render(q.w, r, code, "events", q, data)
 }

@@ -47,6 +47,7 @@ var funcs = template.FuncMap{
 	"query":    queryOf,
 	"troubled": troubled,
 	"detail":   actionDetail,
+	"sourceOf": sourceOf,
 }
 
 func parseTemplates() (map[string]*template.Template, error) {

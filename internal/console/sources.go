@@ -5,11 +5,12 @@ package console
 // call by the "source/" prefix of its stream and names streams the same way
 // in its answers (an Event by Event.source beside its bare stream). The
 // console asks with addresses, so every link it shows carries
-// "source/stream" and leads back to the same database. With default alone
-// nothing here shows.
+// "source/stream" and leads back to the same database. Unless a page picks
+// a source it asks every source ("*/stream", or no stream: the router
+// lists them one after another and a bulk action acts on each once). With
+// default alone nothing here shows.
 
 import (
-	"slices"
 	"strings"
 	"time"
 
@@ -41,21 +42,32 @@ func sourceNamesOf(lag *outboxv1.GetLagResponse) []string {
 	return names
 }
 
-// chosenSource is the source a page asks when its form names none:
-// default, or, for a token that may see no stream of default, the first
-// source it may see.
+// allSources is the source picker's choice "all sources": its address
+// "*/stream" asks every source (internal/multisource lists them one after
+// another, and a bulk action acts on each once).
+const allSources = "*"
+
+// chosenSource is the source a page asks when its form names none: every
+// source the viewer may see (allSources) when the replica serves several,
+// as a listing or bulk action without a stream covers them all; nothing to
+// choose with default alone.
 func chosenSource(names []string, chosen string) string {
-	if chosen != "" || names == nil || slices.Contains(names, multisource.Default) {
+	if chosen != "" || names == nil {
 		return chosen
 	}
-	return names[0]
+	return allSources
 }
 
 // address is the stream address a form asks for: its stream as typed when
 // that names a source ("orders/billing"), else the stream in the chosen
-// source ("orders/" for all of its streams).
+// source ("orders/" for all of its streams, "*/billing" for billing in
+// every source). Default's streams are bare, but all of default is
+// "default/": no stream at all asks every source.
 func address(source, stream string) string {
-	if strings.Contains(stream, "/") || source == "" || source == multisource.Default {
+	switch {
+	case strings.Contains(stream, "/") || source == "":
+		return stream
+	case source == multisource.Default && stream != "":
 		return stream
 	}
 	return source + "/" + stream
@@ -86,10 +98,14 @@ func aggregateName(addr, key string) string {
 	return stream + "/" + key + " of source " + src
 }
 
-// onSource is " on source orders" outside default, "" in it.
+// onSource is " on source orders" outside default, "" in it, and " on
+// every source" for all of them.
 func onSource(source string) string {
-	if source == "" || source == multisource.Default {
+	switch source {
+	case "", multisource.Default:
 		return ""
+	case allSources:
+		return " on every source"
 	}
 	return " on source " + source
 }

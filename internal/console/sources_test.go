@@ -51,7 +51,7 @@ func TestConsoleWithTwoSources(t *testing.T) {
 	if !strings.Contains(body, `<option value="orders" selected>`) {
 		t.Errorf("aggregates of orders: the source picker does not show orders:\n%s", body)
 	}
-	_, body = b.get(t, "/aggregates")
+	_, body = b.get(t, "/aggregates?source=default")
 	if !strings.Contains(body, `href="/aggregate?key=1&amp;stream=billing"`) || strings.Contains(body, "orders%2Fbilling") {
 		t.Errorf("aggregates of default: want default's billing/1 only:\n%s", body)
 	}
@@ -129,7 +129,7 @@ func TestConsoleWithTwoSources(t *testing.T) {
 		strings.Count(body, `<td class="source">orders</td>`) != 3 || !strings.Contains(body, "<td>orders/billing</td>") {
 		t.Errorf("operator log of orders: want its retry, skip and bulk skip, each naming orders:\n%s", body)
 	}
-	_, body = b.get(t, "/actions")
+	_, body = b.get(t, "/actions?source=default")
 	if !strings.Contains(body, "No operator action matches.") {
 		t.Errorf("operator log of default lists actions of orders:\n%s", body)
 	}
@@ -139,7 +139,7 @@ func TestConsoleWithTwoSources(t *testing.T) {
 	}
 
 	// A viewer of orders alone sees orders, not default, and its pages
-	// start there rather than at default (which it may not see).
+	// start at every source it may see: orders.
 	ob := h.browser(t)
 	ob.login(t, ordersSecret)
 	_, body = ob.get(t, "/")
@@ -148,7 +148,7 @@ func TestConsoleWithTwoSources(t *testing.T) {
 	}
 	for _, page := range []string{"/aggregates?state=any", "/events", "/actions"} {
 		code, body := ob.get(t, page)
-		if code != http.StatusOK || !strings.Contains(body, `<option value="orders" selected>`) || !strings.Contains(body, "orders/billing") {
+		if code != http.StatusOK || !strings.Contains(body, `<option value="*" selected>all sources</option>`) || !strings.Contains(body, "orders/billing") {
 			t.Errorf("%s for a viewer of orders: %d; want orders' rows:\n%s", page, code, body)
 		}
 	}
@@ -214,5 +214,46 @@ func eventually(t *testing.T, within time.Duration, what string, cond func() boo
 			t.Fatalf("%s: not within %v", what, within)
 		}
 		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// TestConsoleAllSources: the source picker's "all sources", chosen unless
+// a page names a source, lists the events, aggregates and operator actions
+// of both sources, each row naming its source, and a bulk action on it
+// acts on both, each recording it.
+func TestConsoleAllSources(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t, harnessOptions{sources: []string{"orders"}})
+	h.park(t, "billing", "1", 2)
+	h.parkIn(t, "orders", "billing", "1", 2)
+	b := h.browser(t)
+	b.login(t, adminSecret)
+
+	_, body := b.get(t, "/aggregates") // every source unless one is picked
+	for _, want := range []string{`href="/aggregate?key=1&amp;stream=billing"`, `href="/aggregate?key=1&amp;stream=orders%2Fbilling"`,
+		`<option value="*" selected>all sources</option>`} {
+		if !strings.Contains(body, want) {
+			t.Errorf("aggregates of all sources lack %s:\n%s", want, body)
+		}
+	}
+	_, body = b.get(t, "/events?source=*")
+	if !strings.Contains(body, `stream=orders%2Fbilling`) || !strings.Contains(body, `stream=billing`) {
+		t.Errorf("events of all sources: want both sources' billing:\n%s", body)
+	}
+	csrf := b.csrf(t, "/bulk?source=*&state=parked")
+	form := url.Values{"csrf": {csrf}, "action": {"retry"}, "source": {"*"}, "state": {"parked"}}
+	_, body = b.post(t, "/bulk", form)
+	if !strings.Contains(body, "Dry run on every source: 2 aggregate(s) match") {
+		t.Fatalf("bulk dry run on all sources: want 2 matched, on every source:\n%s", body)
+	}
+	form.Set("confirm", "yes")
+	form.Set("expected", "2")
+	if _, body = b.post(t, "/bulk/confirm", form); !strings.Contains(body, "Bulk retry on every source: 2 matched, 2 retried") {
+		t.Errorf("bulk retry on all sources:\n%s", body)
+	}
+	_, body = b.get(t, "/actions?source=*")
+	if !strings.Contains(body, "Operator actions of every source") || !strings.Contains(body, `<td class="source">orders</td>`) ||
+		!strings.Contains(body, `<td class="source">default</td>`) || !strings.Contains(body, "<td>orders/*</td>") {
+		t.Errorf("operator log of every source: want each source's bulk retry, naming its source:\n%s", body)
 	}
 }

@@ -1,7 +1,9 @@
 package multisource
 
 import (
+	"bytes"
 	"context"
+	"encoding/json"
 	"fmt"
 	"slices"
 	"strings"
@@ -272,14 +274,22 @@ func streamField(m protoreflect.Message) (protoreflect.Message, protoreflect.Fie
 // default: every Event in it gets Event.source, and every other message's
 // "stream" field becomes the address "source/stream", as requests name it
 // (so an Aggregate, Attempt or OperatorAction read from an answer can be
-// sent back as it is). Default's answers are left as a single-source
-// server gives them.
+// sent back as it is); an OperatorAction's request_json names it as the
+// caller wrote it (nameRequest). Default's answers are left as a
+// single-source server gives them.
 func nameSource(source string, m protoreflect.Message) {
 	if source == Default || !m.IsValid() {
 		return
 	}
-	if ev, ok := m.Interface().(*outboxv1.Event); ok {
-		ev.Source = source
+	switch x := m.Interface().(type) {
+	case *outboxv1.Event:
+		x.Source = source
+		return
+	case *outboxv1.OperatorAction:
+		// An action on every stream (a bulk filter without a stream) names
+		// its source too: "orders/", as a filter asks for all of orders.
+		x.Stream = JoinStream(source, x.Stream)
+		x.RequestJson = nameRequest(source, x.RequestJson)
 		return
 	}
 	m.Range(func(f protoreflect.FieldDescriptor, v protoreflect.Value) bool {
@@ -322,6 +332,10 @@ func (a *adminRouter) GetAggregate(ctx context.Context, req *outboxv1.GetAggrega
 }
 
 func (a *adminRouter) ListEvents(ctx context.Context, req *outboxv1.ListEventsRequest) (*outboxv1.ListEventsResponse, error) {
+	rt := a.r.routes()
+	if sub, ok := spans(rt, req); ok {
+		return listSources(ctx, rt, sub, outboxv1.AdminServiceServer.ListEvents)
+	}
 	return routed(a, ctx, req, outboxv1.AdminServiceServer.ListEvents)
 }
 
@@ -334,6 +348,10 @@ func (a *adminRouter) SkipEvent(ctx context.Context, req *outboxv1.SkipEventRequ
 }
 
 func (a *adminRouter) ListAggregates(ctx context.Context, req *outboxv1.ListAggregatesRequest) (*outboxv1.ListAggregatesResponse, error) {
+	rt := a.r.routes()
+	if sub, ok := spans(rt, req); ok {
+		return listSources(ctx, rt, sub, outboxv1.AdminServiceServer.ListAggregates)
+	}
 	return routed(a, ctx, req, outboxv1.AdminServiceServer.ListAggregates)
 }
 
@@ -342,10 +360,18 @@ func (a *adminRouter) ListAttempts(ctx context.Context, req *outboxv1.ListAttemp
 }
 
 func (a *adminRouter) BulkRetry(ctx context.Context, req *outboxv1.BulkRetryRequest) (*outboxv1.BulkRetryResponse, error) {
+	rt := a.r.routes()
+	if sub, ok := spans(rt, req); ok {
+		return bulkSources(ctx, rt, sub, outboxv1.AdminServiceServer.BulkRetry, addRetry)
+	}
 	return routed(a, ctx, req, outboxv1.AdminServiceServer.BulkRetry)
 }
 
 func (a *adminRouter) BulkSkip(ctx context.Context, req *outboxv1.BulkSkipRequest) (*outboxv1.BulkSkipResponse, error) {
+	rt := a.r.routes()
+	if sub, ok := spans(rt, req); ok {
+		return bulkSources(ctx, rt, sub, outboxv1.AdminServiceServer.BulkSkip, addSkip)
+	}
 	return routed(a, ctx, req, outboxv1.AdminServiceServer.BulkSkip)
 }
 
@@ -354,6 +380,10 @@ func (a *adminRouter) Republish(ctx context.Context, req *outboxv1.RepublishRequ
 }
 
 func (a *adminRouter) ListOperatorActions(ctx context.Context, req *outboxv1.ListOperatorActionsRequest) (*outboxv1.ListOperatorActionsResponse, error) {
+	rt := a.r.routes()
+	if sub, ok := spans(rt, req); ok {
+		return listSources(ctx, rt, sub, outboxv1.AdminServiceServer.ListOperatorActions)
+	}
 	return routed(a, ctx, req, outboxv1.AdminServiceServer.ListOperatorActions)
 }
 
@@ -451,4 +481,46 @@ func (s *purgeStream) Send(r *outboxv1.PurgeResponse) error {
 		}
 	}
 	return s.AdminService_PurgeServer.Send(r)
+}
+
+// nameRequest rewrites an operator action's request_json, which the engine
+// recorded from the request it saw (source stripped), to name source as the
+// caller did: its "stream" and its filter's as "source/stream" ("source/"
+// for a filter on every stream), its "event_id" as "source/event_id". The
+// other values are kept byte for byte. A record that is not a JSON object
+// is left as it is.
+func nameRequest(source, request string) string {
+	var rec map[string]json.RawMessage
+	if json.Unmarshal([]byte(request), &rec) != nil || rec == nil {
+		return request
+	}
+	address := func(m map[string]json.RawMessage, key string) {
+		var v string
+		if raw, ok := m[key]; ok && json.Unmarshal(raw, &v) == nil {
+			m[key], _ = json.Marshal(JoinStream(source, v))
+		}
+	}
+	address(rec, "stream")
+	address(rec, "event_id")
+	var filter map[string]json.RawMessage
+	if raw, ok := rec["filter"]; ok && json.Unmarshal(raw, &filter) == nil && filter != nil {
+		address(filter, "stream")
+		rec["filter"] = json.RawMessage(marshal(filter))
+	}
+	if out := marshal(rec); out != "" {
+		return out
+	}
+	return request
+}
+
+// marshal is m as compact JSON, HTML characters unescaped (an
+// error_contains of "<" stays "<"); "" if it cannot be.
+func marshal(m map[string]json.RawMessage) string {
+	var out bytes.Buffer
+	enc := json.NewEncoder(&out)
+	enc.SetEscapeHTML(false)
+	if enc.Encode(m) != nil {
+		return ""
+	}
+	return strings.TrimSuffix(out.String(), "\n")
 }

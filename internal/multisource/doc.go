@@ -51,11 +51,47 @@
 //   - The other admin RPCs reach one source, chosen by the "source/" prefix
 //     of their stream, their filter's stream, or their event_id
 //     ("orders/<uuid>", the message id the relay's sinks give an event of
-//     a source other than default); a bare name or id is default's. Their
+//     a source other than default); a bare name or id is default's, and
+//     "orders/" (an empty stream) is every stream of orders. Their
 //     answers name the source as requests do: Event.source, and every
 //     other stream field as "source/stream" (Aggregate, Attempt,
 //     OperatorAction), so an answer can be sent back as it is; default's
-//     are byte for byte a single source's.
+//     are byte for byte a single source's. An OperatorAction's
+//     request_json is rewritten the same way on the way out (its stream,
+//     filter stream and event_id), so every action in the operator log
+//     names its source as the caller wrote it; the record in the
+//     database stays the engine's (bare names), as a single source keeps it.
+//
+//   - The listings ListEvents, ListAggregates and ListOperatorActions with
+//     no stream and no event id, on a server of several sources, or with a
+//     stream "*/PATTERN" on any, read every source the caller's token may
+//     see (auth.Principal.ForSource), in name order: a page is filled from
+//     one source and goes on into the next. Their next_page_token is
+//     "SOURCE:TOKEN", the source to go on in and that engine's own token
+//     (empty to start it); a token not of that form, or one that goes on in
+//     a source no longer served, is INVALID_ARGUMENT (start again without
+//     it). A source that cannot answer is left out and named, with the
+//     reason, in the page's skipped_sources, as GetLag leaves it out; when
+//     none answers the call fails. A server of one source answers a listing
+//     without a stream exactly as a single-source server does (its tokens
+//     are the engine's), but still takes a "SOURCE:TOKEN" token issued
+//     before its other sources were removed (engine tokens have no ':').
+//     The items are ordered within a source (newest or oldest first, as
+//     the RPC says), not across sources. ListRelays always lists every
+//     source's relays (it has no paging); ListAttempts names an event or
+//     an aggregate, so one source.
+//
+//   - BulkRetry and BulkSkip whose filter names no stream, on a server of
+//     several sources, or names "*/PATTERN", act on every source the
+//     caller may see, once each: a dry run of every source first, so that
+//     a filter or token a source refuses, or a source that cannot answer,
+//     fails the action (naming the source) before anything changes; then
+//     each source acts in name order and records its own operator action
+//     ("orders/*" for orders' in the log). The answer sums the counts, its
+//     sample names each aggregate's source. A source failing midway ends
+//     the action with its error, naming it and the sources that acted. A
+//     bare "*" stays every stream of default, as every bare name is
+//     default's: "*/*" is every stream of every source.
 //
 //   - Purge without a stream purges every source the caller may purge
 //     entirely, one after another, each source's progress naming it
@@ -64,6 +100,7 @@
 //     of a source is refused before anything is deleted; sources it may
 //     access nothing of are left out.
 //
-// Milestone limits: the listings without a stream (ListEvents,
-// ListAggregates, ListOperatorActions) read default's.
+// The gRPC server's own metrics (per-method counts, recovered panics) are
+// the process's, not any source's: they outlive a source removed at run
+// time.
 package multisource

@@ -73,6 +73,11 @@ func TestRemoveSourceDrainsAndSparesTheOthers(t *testing.T) {
 		t.Errorf("RemoveSource: %v", err)
 	}
 
+	// A listing over sources that was to go on in orders says it is gone.
+	if _, err := r.Admin.ListEvents(t.Context(), &outboxv1.ListEventsRequest{PageToken: "orders:"}); status.Code(err) != codes.InvalidArgument ||
+		!strings.Contains(err.Error(), `source "orders", which was removed`) {
+		t.Errorf("ListEvents going on in removed orders: %v; want INVALID_ARGUMENT saying orders was removed", err)
+	}
 	if got := ackOne(t, r.Relay, held); got.GetStatus() != outboxv1.AckStatus_ACK_STATUS_INVALID || !strings.Contains(got.GetMessage(), "was removed") {
 		t.Errorf("ack of orders' token after the removal: %v %q; want INVALID saying orders was removed", got.GetStatus(), got.GetMessage())
 	}

@@ -1340,8 +1340,15 @@ type ListAggregatesResponse struct {
 	Aggregates []*Aggregate `protobuf:"bytes,1,rep,name=aggregates,proto3" json:"aggregates,omitempty"`
 	// next_page_token continues the listing; empty on the last page.
 	NextPageToken string `protobuf:"bytes,2,opt,name=next_page_token,json=nextPageToken,proto3" json:"next_page_token,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	// skipped_sources, on a page of a listing over every source (a server
+	// that fronts several source databases, asked without a stream), names
+	// each source this page should have read but could not (its database
+	// down), with the reason: its items are missing from the listing, which
+	// goes on with the next source, as GetLag leaves out a source that cannot
+	// answer. Empty otherwise.
+	SkippedSources []*SourceHealth `protobuf:"bytes,3,rep,name=skipped_sources,json=skippedSources,proto3" json:"skipped_sources,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *ListAggregatesResponse) Reset() {
@@ -1386,6 +1393,13 @@ func (x *ListAggregatesResponse) GetNextPageToken() string {
 		return x.NextPageToken
 	}
 	return ""
+}
+
+func (x *ListAggregatesResponse) GetSkippedSources() []*SourceHealth {
+	if x != nil {
+		return x.SkippedSources
+	}
+	return nil
 }
 
 // Attempt is one recorded delivery attempt that did not publish.
@@ -2247,8 +2261,15 @@ type ListOperatorActionsResponse struct {
 	Actions []*OperatorAction `protobuf:"bytes,1,rep,name=actions,proto3" json:"actions,omitempty"`
 	// next_page_token continues the listing; empty on the last page.
 	NextPageToken string `protobuf:"bytes,2,opt,name=next_page_token,json=nextPageToken,proto3" json:"next_page_token,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	// skipped_sources, on a page of a listing over every source (a server
+	// that fronts several source databases, asked without a stream), names
+	// each source this page should have read but could not (its database
+	// down), with the reason: its items are missing from the listing, which
+	// goes on with the next source, as GetLag leaves out a source that cannot
+	// answer. Empty otherwise.
+	SkippedSources []*SourceHealth `protobuf:"bytes,3,rep,name=skipped_sources,json=skippedSources,proto3" json:"skipped_sources,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *ListOperatorActionsResponse) Reset() {
@@ -2293,6 +2314,13 @@ func (x *ListOperatorActionsResponse) GetNextPageToken() string {
 		return x.NextPageToken
 	}
 	return ""
+}
+
+func (x *ListOperatorActionsResponse) GetSkippedSources() []*SourceHealth {
+	if x != nil {
+		return x.SkippedSources
+	}
+	return nil
 }
 
 // OperatorAction is the record of one operator action.
@@ -2557,8 +2585,15 @@ type ListEventsResponse struct {
 	Events []*EventInfo `protobuf:"bytes,1,rep,name=events,proto3" json:"events,omitempty"`
 	// next_page_token continues the listing; empty on the last page.
 	NextPageToken string `protobuf:"bytes,2,opt,name=next_page_token,json=nextPageToken,proto3" json:"next_page_token,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	// skipped_sources, on a page of a listing over every source (a server
+	// that fronts several source databases, asked without a stream), names
+	// each source this page should have read but could not (its database
+	// down), with the reason: its items are missing from the listing, which
+	// goes on with the next source, as GetLag leaves out a source that cannot
+	// answer. Empty otherwise.
+	SkippedSources []*SourceHealth `protobuf:"bytes,3,rep,name=skipped_sources,json=skippedSources,proto3" json:"skipped_sources,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *ListEventsResponse) Reset() {
@@ -2603,6 +2638,13 @@ func (x *ListEventsResponse) GetNextPageToken() string {
 		return x.NextPageToken
 	}
 	return ""
+}
+
+func (x *ListEventsResponse) GetSkippedSources() []*SourceHealth {
+	if x != nil {
+		return x.SkippedSources
+	}
+	return nil
 }
 
 // EventInfo is an event with its delivery facts.
@@ -3263,12 +3305,13 @@ const file_outbox_v1_admin_service_proto_rawDesc = "" +
 	"\x06filter\x18\x01 \x01(\v2\x1a.outbox.v1.AggregateFilterR\x06filter\x12\x1b\n" +
 	"\tpage_size\x18\x02 \x01(\rR\bpageSize\x12\x1d\n" +
 	"\n" +
-	"page_token\x18\x03 \x01(\tR\tpageToken\"v\n" +
+	"page_token\x18\x03 \x01(\tR\tpageToken\"\xb8\x01\n" +
 	"\x16ListAggregatesResponse\x124\n" +
 	"\n" +
 	"aggregates\x18\x01 \x03(\v2\x14.outbox.v1.AggregateR\n" +
 	"aggregates\x12&\n" +
-	"\x0fnext_page_token\x18\x02 \x01(\tR\rnextPageToken\"\xc8\x02\n" +
+	"\x0fnext_page_token\x18\x02 \x01(\tR\rnextPageToken\x12@\n" +
+	"\x0fskipped_sources\x18\x03 \x03(\v2\x17.outbox.v1.SourceHealthR\x0eskippedSources\"\xc8\x02\n" +
 	"\aAttempt\x12\x19\n" +
 	"\bevent_id\x18\x01 \x01(\tR\aeventId\x12\x16\n" +
 	"\x06stream\x18\x02 \x01(\tR\x06stream\x12#\n" +
@@ -3337,10 +3380,11 @@ const file_outbox_v1_admin_service_proto_rawDesc = "" +
 	"\x05since\x18\x04 \x01(\v2\x1a.google.protobuf.TimestampR\x05since\x12\x1b\n" +
 	"\tpage_size\x18\x05 \x01(\rR\bpageSize\x12\x1d\n" +
 	"\n" +
-	"page_token\x18\x06 \x01(\tR\tpageToken\"z\n" +
+	"page_token\x18\x06 \x01(\tR\tpageToken\"\xbc\x01\n" +
 	"\x1bListOperatorActionsResponse\x123\n" +
 	"\aactions\x18\x01 \x03(\v2\x19.outbox.v1.OperatorActionR\aactions\x12&\n" +
-	"\x0fnext_page_token\x18\x02 \x01(\tR\rnextPageToken\"\xff\x02\n" +
+	"\x0fnext_page_token\x18\x02 \x01(\tR\rnextPageToken\x12@\n" +
+	"\x0fskipped_sources\x18\x03 \x03(\v2\x17.outbox.v1.SourceHealthR\x0eskippedSources\"\xff\x02\n" +
 	"\x0eOperatorAction\x12\x1b\n" +
 	"\taction_id\x18\x01 \x01(\x03R\bactionId\x12\x16\n" +
 	"\x06action\x18\x02 \x01(\tR\x06action\x12\x14\n" +
@@ -3368,10 +3412,11 @@ const file_outbox_v1_admin_service_proto_rawDesc = "" +
 	"\tpage_size\x18\x06 \x01(\rR\bpageSize\x12\x1d\n" +
 	"\n" +
 	"page_token\x18\a \x01(\tR\tpageToken\x12\x19\n" +
-	"\bevent_id\x18\b \x01(\tR\aeventId\"j\n" +
+	"\bevent_id\x18\b \x01(\tR\aeventId\"\xac\x01\n" +
 	"\x12ListEventsResponse\x12,\n" +
 	"\x06events\x18\x01 \x03(\v2\x14.outbox.v1.EventInfoR\x06events\x12&\n" +
-	"\x0fnext_page_token\x18\x02 \x01(\tR\rnextPageToken\"\xc4\x01\n" +
+	"\x0fnext_page_token\x18\x02 \x01(\tR\rnextPageToken\x12@\n" +
+	"\x0fskipped_sources\x18\x03 \x03(\v2\x17.outbox.v1.SourceHealthR\x0eskippedSources\"\xc4\x01\n" +
 	"\tEventInfo\x12&\n" +
 	"\x05event\x18\x01 \x01(\v2\x10.outbox.v1.EventR\x05event\x12+\n" +
 	"\x05state\x18\x02 \x01(\x0e2\x15.outbox.v1.EventStateR\x05state\x12=\n" +
@@ -3524,64 +3569,67 @@ var file_outbox_v1_admin_service_proto_depIdxs = []int32{
 	39, // 15: outbox.v1.AggregateFilter.pending_before:type_name -> google.protobuf.Timestamp
 	13, // 16: outbox.v1.ListAggregatesRequest.filter:type_name -> outbox.v1.AggregateFilter
 	12, // 17: outbox.v1.ListAggregatesResponse.aggregates:type_name -> outbox.v1.Aggregate
-	1,  // 18: outbox.v1.Attempt.outcome:type_name -> outbox.v1.AttemptOutcome
-	39, // 19: outbox.v1.Attempt.at:type_name -> google.protobuf.Timestamp
-	16, // 20: outbox.v1.ListAttemptsResponse.attempts:type_name -> outbox.v1.Attempt
-	13, // 21: outbox.v1.BulkRetryRequest.filter:type_name -> outbox.v1.AggregateFilter
-	12, // 22: outbox.v1.BulkRetryResponse.sample:type_name -> outbox.v1.Aggregate
-	13, // 23: outbox.v1.BulkSkipRequest.filter:type_name -> outbox.v1.AggregateFilter
-	12, // 24: outbox.v1.BulkSkipResponse.sample:type_name -> outbox.v1.Aggregate
-	39, // 25: outbox.v1.RepublishRequest.published_after:type_name -> google.protobuf.Timestamp
-	39, // 26: outbox.v1.RepublishRequest.published_before:type_name -> google.protobuf.Timestamp
-	39, // 27: outbox.v1.ListOperatorActionsRequest.since:type_name -> google.protobuf.Timestamp
-	27, // 28: outbox.v1.ListOperatorActionsResponse.actions:type_name -> outbox.v1.OperatorAction
-	39, // 29: outbox.v1.OperatorAction.started_at:type_name -> google.protobuf.Timestamp
-	39, // 30: outbox.v1.OperatorAction.finished_at:type_name -> google.protobuf.Timestamp
-	2,  // 31: outbox.v1.ListEventsRequest.state:type_name -> outbox.v1.EventState
-	39, // 32: outbox.v1.ListEventsRequest.created_after:type_name -> google.protobuf.Timestamp
-	39, // 33: outbox.v1.ListEventsRequest.created_before:type_name -> google.protobuf.Timestamp
-	30, // 34: outbox.v1.ListEventsResponse.events:type_name -> outbox.v1.EventInfo
-	40, // 35: outbox.v1.EventInfo.event:type_name -> outbox.v1.Event
-	2,  // 36: outbox.v1.EventInfo.state:type_name -> outbox.v1.EventState
-	39, // 37: outbox.v1.EventInfo.published_at:type_name -> google.protobuf.Timestamp
-	31, // 38: outbox.v1.EventInfo.skip:type_name -> outbox.v1.Skip
-	39, // 39: outbox.v1.Skip.skipped_at:type_name -> google.protobuf.Timestamp
-	12, // 40: outbox.v1.RetryAggregateResponse.aggregate:type_name -> outbox.v1.Aggregate
-	31, // 41: outbox.v1.SkipEventResponse.skip:type_name -> outbox.v1.Skip
-	39, // 42: outbox.v1.PurgeRequest.published_before:type_name -> google.protobuf.Timestamp
-	38, // 43: outbox.v1.PurgeResponse.elapsed:type_name -> google.protobuf.Duration
-	37, // 44: outbox.v1.PurgeResponse.sources:type_name -> outbox.v1.PurgeResponse
-	3,  // 45: outbox.v1.AdminService.GetLag:input_type -> outbox.v1.GetLagRequest
-	7,  // 46: outbox.v1.AdminService.ListRelays:input_type -> outbox.v1.ListRelaysRequest
-	10, // 47: outbox.v1.AdminService.GetAggregate:input_type -> outbox.v1.GetAggregateRequest
-	28, // 48: outbox.v1.AdminService.ListEvents:input_type -> outbox.v1.ListEventsRequest
-	32, // 49: outbox.v1.AdminService.RetryAggregate:input_type -> outbox.v1.RetryAggregateRequest
-	34, // 50: outbox.v1.AdminService.SkipEvent:input_type -> outbox.v1.SkipEventRequest
-	36, // 51: outbox.v1.AdminService.Purge:input_type -> outbox.v1.PurgeRequest
-	14, // 52: outbox.v1.AdminService.ListAggregates:input_type -> outbox.v1.ListAggregatesRequest
-	17, // 53: outbox.v1.AdminService.ListAttempts:input_type -> outbox.v1.ListAttemptsRequest
-	19, // 54: outbox.v1.AdminService.BulkRetry:input_type -> outbox.v1.BulkRetryRequest
-	21, // 55: outbox.v1.AdminService.BulkSkip:input_type -> outbox.v1.BulkSkipRequest
-	23, // 56: outbox.v1.AdminService.Republish:input_type -> outbox.v1.RepublishRequest
-	25, // 57: outbox.v1.AdminService.ListOperatorActions:input_type -> outbox.v1.ListOperatorActionsRequest
-	4,  // 58: outbox.v1.AdminService.GetLag:output_type -> outbox.v1.GetLagResponse
-	8,  // 59: outbox.v1.AdminService.ListRelays:output_type -> outbox.v1.ListRelaysResponse
-	11, // 60: outbox.v1.AdminService.GetAggregate:output_type -> outbox.v1.GetAggregateResponse
-	29, // 61: outbox.v1.AdminService.ListEvents:output_type -> outbox.v1.ListEventsResponse
-	33, // 62: outbox.v1.AdminService.RetryAggregate:output_type -> outbox.v1.RetryAggregateResponse
-	35, // 63: outbox.v1.AdminService.SkipEvent:output_type -> outbox.v1.SkipEventResponse
-	37, // 64: outbox.v1.AdminService.Purge:output_type -> outbox.v1.PurgeResponse
-	15, // 65: outbox.v1.AdminService.ListAggregates:output_type -> outbox.v1.ListAggregatesResponse
-	18, // 66: outbox.v1.AdminService.ListAttempts:output_type -> outbox.v1.ListAttemptsResponse
-	20, // 67: outbox.v1.AdminService.BulkRetry:output_type -> outbox.v1.BulkRetryResponse
-	22, // 68: outbox.v1.AdminService.BulkSkip:output_type -> outbox.v1.BulkSkipResponse
-	24, // 69: outbox.v1.AdminService.Republish:output_type -> outbox.v1.RepublishResponse
-	26, // 70: outbox.v1.AdminService.ListOperatorActions:output_type -> outbox.v1.ListOperatorActionsResponse
-	58, // [58:71] is the sub-list for method output_type
-	45, // [45:58] is the sub-list for method input_type
-	45, // [45:45] is the sub-list for extension type_name
-	45, // [45:45] is the sub-list for extension extendee
-	0,  // [0:45] is the sub-list for field type_name
+	5,  // 18: outbox.v1.ListAggregatesResponse.skipped_sources:type_name -> outbox.v1.SourceHealth
+	1,  // 19: outbox.v1.Attempt.outcome:type_name -> outbox.v1.AttemptOutcome
+	39, // 20: outbox.v1.Attempt.at:type_name -> google.protobuf.Timestamp
+	16, // 21: outbox.v1.ListAttemptsResponse.attempts:type_name -> outbox.v1.Attempt
+	13, // 22: outbox.v1.BulkRetryRequest.filter:type_name -> outbox.v1.AggregateFilter
+	12, // 23: outbox.v1.BulkRetryResponse.sample:type_name -> outbox.v1.Aggregate
+	13, // 24: outbox.v1.BulkSkipRequest.filter:type_name -> outbox.v1.AggregateFilter
+	12, // 25: outbox.v1.BulkSkipResponse.sample:type_name -> outbox.v1.Aggregate
+	39, // 26: outbox.v1.RepublishRequest.published_after:type_name -> google.protobuf.Timestamp
+	39, // 27: outbox.v1.RepublishRequest.published_before:type_name -> google.protobuf.Timestamp
+	39, // 28: outbox.v1.ListOperatorActionsRequest.since:type_name -> google.protobuf.Timestamp
+	27, // 29: outbox.v1.ListOperatorActionsResponse.actions:type_name -> outbox.v1.OperatorAction
+	5,  // 30: outbox.v1.ListOperatorActionsResponse.skipped_sources:type_name -> outbox.v1.SourceHealth
+	39, // 31: outbox.v1.OperatorAction.started_at:type_name -> google.protobuf.Timestamp
+	39, // 32: outbox.v1.OperatorAction.finished_at:type_name -> google.protobuf.Timestamp
+	2,  // 33: outbox.v1.ListEventsRequest.state:type_name -> outbox.v1.EventState
+	39, // 34: outbox.v1.ListEventsRequest.created_after:type_name -> google.protobuf.Timestamp
+	39, // 35: outbox.v1.ListEventsRequest.created_before:type_name -> google.protobuf.Timestamp
+	30, // 36: outbox.v1.ListEventsResponse.events:type_name -> outbox.v1.EventInfo
+	5,  // 37: outbox.v1.ListEventsResponse.skipped_sources:type_name -> outbox.v1.SourceHealth
+	40, // 38: outbox.v1.EventInfo.event:type_name -> outbox.v1.Event
+	2,  // 39: outbox.v1.EventInfo.state:type_name -> outbox.v1.EventState
+	39, // 40: outbox.v1.EventInfo.published_at:type_name -> google.protobuf.Timestamp
+	31, // 41: outbox.v1.EventInfo.skip:type_name -> outbox.v1.Skip
+	39, // 42: outbox.v1.Skip.skipped_at:type_name -> google.protobuf.Timestamp
+	12, // 43: outbox.v1.RetryAggregateResponse.aggregate:type_name -> outbox.v1.Aggregate
+	31, // 44: outbox.v1.SkipEventResponse.skip:type_name -> outbox.v1.Skip
+	39, // 45: outbox.v1.PurgeRequest.published_before:type_name -> google.protobuf.Timestamp
+	38, // 46: outbox.v1.PurgeResponse.elapsed:type_name -> google.protobuf.Duration
+	37, // 47: outbox.v1.PurgeResponse.sources:type_name -> outbox.v1.PurgeResponse
+	3,  // 48: outbox.v1.AdminService.GetLag:input_type -> outbox.v1.GetLagRequest
+	7,  // 49: outbox.v1.AdminService.ListRelays:input_type -> outbox.v1.ListRelaysRequest
+	10, // 50: outbox.v1.AdminService.GetAggregate:input_type -> outbox.v1.GetAggregateRequest
+	28, // 51: outbox.v1.AdminService.ListEvents:input_type -> outbox.v1.ListEventsRequest
+	32, // 52: outbox.v1.AdminService.RetryAggregate:input_type -> outbox.v1.RetryAggregateRequest
+	34, // 53: outbox.v1.AdminService.SkipEvent:input_type -> outbox.v1.SkipEventRequest
+	36, // 54: outbox.v1.AdminService.Purge:input_type -> outbox.v1.PurgeRequest
+	14, // 55: outbox.v1.AdminService.ListAggregates:input_type -> outbox.v1.ListAggregatesRequest
+	17, // 56: outbox.v1.AdminService.ListAttempts:input_type -> outbox.v1.ListAttemptsRequest
+	19, // 57: outbox.v1.AdminService.BulkRetry:input_type -> outbox.v1.BulkRetryRequest
+	21, // 58: outbox.v1.AdminService.BulkSkip:input_type -> outbox.v1.BulkSkipRequest
+	23, // 59: outbox.v1.AdminService.Republish:input_type -> outbox.v1.RepublishRequest
+	25, // 60: outbox.v1.AdminService.ListOperatorActions:input_type -> outbox.v1.ListOperatorActionsRequest
+	4,  // 61: outbox.v1.AdminService.GetLag:output_type -> outbox.v1.GetLagResponse
+	8,  // 62: outbox.v1.AdminService.ListRelays:output_type -> outbox.v1.ListRelaysResponse
+	11, // 63: outbox.v1.AdminService.GetAggregate:output_type -> outbox.v1.GetAggregateResponse
+	29, // 64: outbox.v1.AdminService.ListEvents:output_type -> outbox.v1.ListEventsResponse
+	33, // 65: outbox.v1.AdminService.RetryAggregate:output_type -> outbox.v1.RetryAggregateResponse
+	35, // 66: outbox.v1.AdminService.SkipEvent:output_type -> outbox.v1.SkipEventResponse
+	37, // 67: outbox.v1.AdminService.Purge:output_type -> outbox.v1.PurgeResponse
+	15, // 68: outbox.v1.AdminService.ListAggregates:output_type -> outbox.v1.ListAggregatesResponse
+	18, // 69: outbox.v1.AdminService.ListAttempts:output_type -> outbox.v1.ListAttemptsResponse
+	20, // 70: outbox.v1.AdminService.BulkRetry:output_type -> outbox.v1.BulkRetryResponse
+	22, // 71: outbox.v1.AdminService.BulkSkip:output_type -> outbox.v1.BulkSkipResponse
+	24, // 72: outbox.v1.AdminService.Republish:output_type -> outbox.v1.RepublishResponse
+	26, // 73: outbox.v1.AdminService.ListOperatorActions:output_type -> outbox.v1.ListOperatorActionsResponse
+	61, // [61:74] is the sub-list for method output_type
+	48, // [48:61] is the sub-list for method input_type
+	48, // [48:48] is the sub-list for extension type_name
+	48, // [48:48] is the sub-list for extension extendee
+	0,  // [0:48] is the sub-list for field type_name
 }
 
 func init() { file_outbox_v1_admin_service_proto_init() }

@@ -42,6 +42,18 @@ const (
 // touching SQL. Callers need the admin role, which is granted separately from
 // the relay role. Nothing here deletes a pending event: SkipEvent abandons one
 // explicitly and records who, when and why; Purge deletes only published rows.
+//
+// On a server that fronts several source databases (outboxd serve --source
+// NAME=URL), a stream "source/stream" names a source ("orders/" is every
+// stream of it; a bare name is the source "default"), and answers name
+// their source the same way. ListEvents, ListAggregates and
+// ListOperatorActions without a stream (or with "*/pattern") list every
+// source the caller may see, source after source in name order, with a
+// next_page_token of their own ("SOURCE:TOKEN") and skipped_sources for a
+// source that could not answer. BulkRetry and BulkSkip without a stream (or
+// with "*/pattern"; "*/*" is every stream of every source) act on every
+// such source once, after counting each: a source that refuses or cannot
+// answer fails the action before anything changes.
 type AdminServiceClient interface {
 	// GetLag reports delivery lag per stream and in total.
 	GetLag(ctx context.Context, in *GetLagRequest, opts ...grpc.CallOption) (*GetLagResponse, error)
@@ -280,6 +292,18 @@ func (c *adminServiceClient) ListOperatorActions(ctx context.Context, in *ListOp
 // touching SQL. Callers need the admin role, which is granted separately from
 // the relay role. Nothing here deletes a pending event: SkipEvent abandons one
 // explicitly and records who, when and why; Purge deletes only published rows.
+//
+// On a server that fronts several source databases (outboxd serve --source
+// NAME=URL), a stream "source/stream" names a source ("orders/" is every
+// stream of it; a bare name is the source "default"), and answers name
+// their source the same way. ListEvents, ListAggregates and
+// ListOperatorActions without a stream (or with "*/pattern") list every
+// source the caller may see, source after source in name order, with a
+// next_page_token of their own ("SOURCE:TOKEN") and skipped_sources for a
+// source that could not answer. BulkRetry and BulkSkip without a stream (or
+// with "*/pattern"; "*/*" is every stream of every source) act on every
+// such source once, after counting each: a source that refuses or cannot
+// answer fails the action before anything changes.
 type AdminServiceServer interface {
 	// GetLag reports delivery lag per stream and in total.
 	GetLag(context.Context, *GetLagRequest) (*GetLagResponse, error)

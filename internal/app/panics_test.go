@@ -1,0 +1,95 @@
+package app_test
+
+import (
+	"context"
+	"net"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
+
+	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+	"github.com/outboxd/outboxd/internal/app"
+	"github.com/outboxd/outboxd/internal/servertest"
+	"github.com/outboxd/outboxd/internal/store"
+	"github.com/outboxd/outboxd/internal/testdb"
+	"github.com/outboxd/outboxd/server"
+)
+
+// The panic counter is the process's: a panic counted while source a (the
+// first engine) serves is still counted once a is removed, and a panic
+// after that is counted too, with no source label.
+func TestPanicCounterOutlivesTheFirstSource(t *testing.T) {
+	t.Parallel()
+	source := func(name string) app.Source {
+		url := testdb.New(t)
+		return app.Source{Name: name,
+			Server: server.Config{Store: store.New(testdb.NewPoolURL(t, url)), DatabaseURL: url, Logger: servertest.Logger(t)}}
+	}
+	panicking := grpc.ChainUnaryInterceptor(func(ctx context.Context, req any, info *grpc.UnaryServerInfo, h grpc.UnaryHandler) (any, error) {
+		if info.FullMethod == outboxv1.AdminService_ListRelays_FullMethodName {
+			panic("test panic")
+		}
+		return h(ctx, req)
+	})
+	reg := prometheus.NewRegistry()
+	rep, err := app.New(t.Context(), app.Config{Server: server.Config{Registerer: reg, Logger: servertest.Logger(t)},
+		Sources: []app.Source{source("a"), source("b")}, ServerOptions: []grpc.ServerOption{panicking}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(t.Context())
+	served := make(chan error, 1)
+	go func() { served <- rep.Serve(ctx, lis) }()
+	defer func() { cancel(); <-served }()
+	conn, err := grpc.NewClient(lis.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	admin := outboxv1.NewAdminServiceClient(conn)
+	count := func() float64 {
+		t.Helper()
+		mfs, err := reg.Gather()
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, mf := range mfs {
+			if mf.GetName() == "outboxd_panics_recovered_total" {
+				if m := mf.GetMetric(); len(m) == 1 && len(m[0].GetLabel()) == 0 {
+					return m[0].GetCounter().GetValue()
+				}
+				t.Fatalf("outboxd_panics_recovered_total is %v; want one series without labels", mf)
+			}
+		}
+		return -1
+	}
+	panicOnce := func() {
+		t.Helper()
+		if _, err := admin.ListRelays(t.Context(), &outboxv1.ListRelaysRequest{}, grpc.WaitForReady(true)); status.Code(err) != codes.Internal {
+			t.Fatalf("a panicking handler answered %v; want INTERNAL", err)
+		}
+	}
+	panicOnce()
+	if n := count(); n != 1 {
+		t.Fatalf("after one panic the counter is %v; want 1", n)
+	}
+	if err := rep.RemoveSource(t.Context(), "a", time.Second); err != nil {
+		t.Fatal(err)
+	}
+	if n := count(); n != 1 {
+		t.Errorf("after source a (the first) was removed the counter is %v; want 1", n)
+	}
+	panicOnce()
+	if n := count(); n != 2 {
+		t.Errorf("after a second panic, with a removed, the counter is %v; want 2", n)
+	}
+}
