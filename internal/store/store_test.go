@@ -140,3 +140,19 @@ func TestPendingMigrations(t *testing.T) {
 		t.Fatalf("closed pool: %v, want database unreachable", err)
 	}
 }
+
+// A pool configured for outboxd pings an acquired connection only after
+// PingAfterIdle, not after pgxpool's one second: a quiet source's checks
+// come further apart than a second, and each would pay a round trip more.
+func TestPoolPingsOnlyLongIdleConnections(t *testing.T) {
+	cfg, err := pgxpool.ParseConfig("postgres://127.0.0.1:1/x")
+	if err != nil {
+		t.Fatal(err)
+	}
+	store.ConfigurePool(cfg)
+	for idle, want := range map[time.Duration]bool{2 * time.Second: false, 10 * time.Second: false, store.PingAfterIdle + time.Second: true} {
+		if got := cfg.ShouldPing(t.Context(), pgxpool.ShouldPingParams{IdleDuration: idle}); got != want {
+			t.Errorf("idle %v: ping %v, want %v", idle, got, want)
+		}
+	}
+}
