@@ -29,8 +29,9 @@ import (
 // anything to do (store.RoundDue: one statement, one round trip, no
 // transaction, no discovery lock) and runs the round only then, where an
 // empty round is two round trips and the lock. A source with a trickle of
-// events (one every 50 ms, say) is therefore found by one round per event
-// and a handful of checks in between, not a dozen empty rounds; a busy loop
+// events (one every 50 ms, say) therefore pays two rounds per event (the
+// one that finds it, an empty one after) and a handful of checks in
+// between, not a dozen empty rounds; a busy loop
 // never checks (a round that found events is followed by a round), so the
 // check's round trip lands only on the first event after a pause.
 // Once its rounds have found nothing for DiscoveryQuietAfter, the checks
@@ -86,8 +87,8 @@ func (s *Server) discover(ctx context.Context) {
 			}
 			// A failed check runs the round, which reports the failure.
 			if err == nil && !due {
-				// The check's conditions include the scan's stop
-				// conditions: discovery runs.
+				// The check's conditions include every stop condition
+				// (see store.RoundDue): discovery runs.
 				s.lastTurn.Store(&discoveryTurn{at: time.Now()})
 				backOff()
 				reset()
@@ -111,9 +112,7 @@ func (s *Server) discover(ctx context.Context) {
 				reason = err.Error()
 			}
 			s.metrics.discoveryStop.Set(1)
-			if rerr == nil {
-				s.lastTurn.Store(&discoveryTurn{at: time.Now(), stopped: reason})
-			}
+			s.lastTurn.Store(&discoveryTurn{at: time.Now(), stopped: reason})
 			if reason != stopped {
 				s.log.Error("discovery stopped: new events are not delivered until an operator re-scans", "reason", reason)
 				stopped = reason

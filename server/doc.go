@@ -58,9 +58,10 @@
 // A round that found events is followed by a round, without a check (the
 // scan answers the same question), so a busy replica never pays the extra
 // round trip; the first round after a pause pays it, next to the pause it
-// waited. A source with one event every 50 ms pays one round and about
-// five checks per event, where a round after every pause cost a dozen
-// empty rounds, each two round trips and the discovery lock.
+// waited. A source with one event every 50 ms pays two rounds per event
+// (the one that finds it and an empty one after) and about five checks,
+// where a round after every pause cost a dozen empty rounds, each two
+// round trips and the discovery lock.
 //
 // Dispatch: a new or idle aggregate has nothing in hand, so instead of
 // making it ready for a claim (a second write of its row, a second

@@ -501,3 +501,44 @@ func TestReadinessTakesTheStopFromTheDiscoveryLoop(t *testing.T) {
 		t.Fatalf("outbox.discovery_stopped() was called %d times for %d readiness checks of a replica whose discovery loop turns; want at most 1 (the watch's first, before the loop's first turn)", n, checks)
 	}
 }
+
+// A database moved to another cluster (restored from a dump, pg_upgrade)
+// stops discovery. An empty round does not look at the cluster (it writes
+// nothing), so an idle replica's check does: it records the stop, the round
+// it asks for fails with it, and readiness says so, with no new event.
+func TestAnIdleReplicaNoticesAnotherCluster(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	r := startReplica(t, url, func(c *server.Config) { c.DiscoveryIdleInterval = 5 * time.Millisecond })
+	idle := make(chan struct{}, 1)
+	r.Server.SetAfterRoundDue(func(due bool, err error) {
+		if err == nil && !due {
+			select {
+			case idle <- struct{}{}:
+			default:
+			}
+		}
+	})
+	select {
+	case <-idle:
+	case <-ctx.Done():
+		t.Fatal("the discovery loop never went idle")
+	}
+	if rd := r.Server.CheckReadiness(ctx); !rd.Ready {
+		t.Fatalf("not ready before the move: %s", rd.Reason)
+	}
+	if _, err := pool.Exec(ctx, `UPDATE outbox.discovery SET system_identifier = 42`); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, func() int32 { return b2i(!r.Server.CheckReadiness(ctx).Ready) })
+	if rd := r.Server.CheckReadiness(ctx); !strings.Contains(rd.Reason, "another PostgreSQL cluster") {
+		t.Fatalf("readiness reason %q, want it to name another cluster", rd.Reason)
+	}
+	var recorded bool
+	if err := pool.QueryRow(ctx, `SELECT stopped_reason IS NOT NULL FROM outbox.discovery`).Scan(&recorded); err != nil || !recorded {
+		t.Fatalf("the stop is not recorded (%v)", err)
+	}
+}

@@ -44,11 +44,19 @@ func discoverError(err error) error {
 // EXISTS over "xid >= x" is planned as a sequential scan, which on a large
 // table reads it all to find nothing); outbox.discover_scan's stop
 // conditions (a recorded stop, a counter behind the stored xmax) are
-// repeated so that an idle replica still notices and reports a stop.
+// repeated so that an idle replica still notices and reports a stop. The
+// scan checks the cluster only when it found events (an empty round writes
+// nothing); the check compares it always (with the identifier a round kept
+// for the connection, else pg_control's), and on a difference records the
+// stop (outbox.discovery_stopped()), so the round it asks for fails with
+// it: a database moved to another cluster is reported while idle too.
 func (s *Store) RoundDue(ctx context.Context) (bool, error) {
 	var due bool
 	err := s.pool.QueryRow(ctx, `SELECT d.stopped_reason IS NOT NULL
 		    OR pg_snapshot_xmax(d.snapshot) > pg_snapshot_xmax(pg_current_snapshot())
+		    OR (d.system_identifier IS DISTINCT FROM coalesce(nullif(current_setting('outbox.system_identifier', true), '')::bigint,
+		                                                      outbox.cluster_system_identifier())
+		        AND outbox.discovery_stopped() IS NOT NULL)
 		    OR EXISTS (SELECT FROM (SELECT e.xid FROM outbox.event e
 		               WHERE e.xid >= pg_snapshot_xmax(d.snapshot) ORDER BY e.xid LIMIT 1) n)
 		    OR EXISTS (SELECT FROM (SELECT e.xid FROM outbox.event e
