@@ -178,20 +178,26 @@ const (
 // poolTrimmer.
 type sourcePool struct {
 	*pgxpool.Pool
+	// mu is held while the pool is trimmed and when it closes, so that
+	// nothing trims a closed pool.
+	mu     sync.Mutex
+	closed bool
 	// counts are the pool's acquire counts at the trimmer's last four
-	// ticks, tick the trimmer's ticks since the pool joined (both the
-	// trimmer's, under its mutex).
+	// ticks, tick the trimmer's ticks since the pool joined (the
+	// trimmer's alone).
 	counts [4]int64
 	tick   int
-	closed sync.Once
 }
 
 // Close stops trimming the pool and closes it (idempotent).
 func (p *sourcePool) Close() {
-	p.closed.Do(func() {
-		trimmer.remove(p)
+	trimmer.remove(p)
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if !p.closed {
+		p.closed = true
 		p.Pool.Close()
-	})
+	}
 }
 
 // newSourcePool opens the pool of cfg and has it trimmed (see trimIdle).
@@ -233,7 +239,7 @@ func (t *poolTrimmer) add(p *sourcePool) {
 	}
 }
 
-// remove stops trimming p; once it returns, the trimmer does not touch p.
+// remove stops trimming p (a trim under way finishes first, see Close).
 func (t *poolTrimmer) remove(p *sourcePool) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
@@ -244,31 +250,51 @@ func (t *poolTrimmer) run() {
 	tk := time.NewTicker(quietWindow / 4)
 	defer tk.Stop()
 	for range tk.C {
-		if !t.trim() {
+		pools := t.snapshot()
+		if pools == nil {
 			return
+		}
+		for _, p := range pools {
+			p.trimIfQuiet()
 		}
 	}
 }
 
-// trim trims the quiet pools, and says whether any pool is left (false:
-// the trimmer has stopped; the next add starts it again).
-func (t *poolTrimmer) trim() bool {
+// snapshot returns the pools to look at, or nil when none is left (the
+// trimmer has stopped; the next add starts it again). The pools are trimmed
+// outside the trimmer's lock: closing a connection is network I/O, which
+// must not hold up adding or removing another source.
+func (t *poolTrimmer) snapshot() []*sourcePool {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	if len(t.pools) == 0 {
 		t.running = false
-		return false
+		return nil
 	}
+	pools := make([]*sourcePool, 0, len(t.pools))
 	for p := range t.pools {
-		n := p.Stat().AcquireCount()
-		quiet := n-p.counts[p.tick%4] < int64(quietAcquiresPerSecond*quietWindow/time.Second)
-		p.counts[p.tick%4] = n
-		p.tick++
-		if quiet {
-			trimIdle(context.Background(), p.Pool)
-		}
+		pools = append(pools, p)
 	}
-	return true
+	return pools
+}
+
+// trimIfQuiet trims p when it made fewer than quietAcquiresPerSecond calls
+// over the last quietWindow.
+func (p *sourcePool) trimIfQuiet() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.closed {
+		return
+	}
+	n := p.Stat().AcquireCount()
+	quiet := n-p.counts[p.tick%4] < int64(quietAcquiresPerSecond*quietWindow/time.Second)
+	p.counts[p.tick%4] = n
+	p.tick++
+	if quiet {
+		ctx, cancel := context.WithTimeout(context.Background(), quietWindow/4)
+		defer cancel()
+		trimIdle(ctx, p.Pool)
+	}
 }
 
 // trimIdle closes the pool's idle connections but one.
