@@ -59,6 +59,7 @@ func (s *Server) discover(ctx context.Context) {
 	// When a round last found events (or the loop started): the loop is
 	// quiet DiscoveryQuietAfter later.
 	lastFound := time.Now()
+	s.lastFound.Store(lastFound.UnixNano())
 	// reset arms the timer for the next turn: wait, or the quiet interval
 	// (as last set) once an idle loop's rounds have found nothing for long
 	// enough.
@@ -131,6 +132,7 @@ func (s *Server) discover(ctx context.Context) {
 			s.metrics.discovered.Add(float64(found.Events))
 			wait = s.cfg.DiscoveryInterval
 			lastFound = time.Now()
+			s.lastFound.Store(lastFound.UnixNano())
 		default:
 			backOff()
 		}

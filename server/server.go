@@ -275,6 +275,9 @@ type Server struct {
 	// database said of discovery, and when (nil before the first): readiness
 	// takes it instead of asking again while it is fresh.
 	lastTurn atomic.Pointer[discoveryTurn]
+	// lastFound is when a discovery round last found events (or the loop
+	// started), in Unix nanoseconds.
+	lastFound atomic.Int64
 	// reconcileTick, when set (by tests), replaces every session's
 	// reconcile ticker: a session with leases to check takes a tick from
 	// it when the test sends one.
@@ -339,6 +342,13 @@ func (s *Server) SetDiscoveryQuietInterval(d time.Duration) {
 // loop's checks, as last set.
 func (s *Server) DiscoveryQuietInterval() time.Duration {
 	return time.Duration(s.quietInterval.Load())
+}
+
+// FoundEventsLately says whether discovery found events within the last
+// DiscoveryQuietAfter (or the server started that recently): whether the
+// source is in use, however few its events.
+func (s *Server) FoundEventsLately() bool {
+	return time.Since(time.Unix(0, s.lastFound.Load())) < s.cfg.DiscoveryQuietAfter
 }
 
 func New(ctx context.Context, cfg Config) (*Server, error) {

@@ -143,6 +143,9 @@ func (s *sourceSet) add(ctx context.Context, src source) (*sourcePool, error) {
 		pool.Close()
 		return nil, err
 	}
+	if e := s.rep.Source(src.name); e != nil {
+		pool.setInUse(e.FoundEventsLately)
+	}
 	return pool, nil
 }
 

@@ -299,6 +299,7 @@ func runServer(ctx context.Context, sources []source, f *serveFlags, log *slog.L
 	var named []app.Source
 	var fileSources []source
 	opened := map[string]*sourcePool{}
+	pools := map[string]*sourcePool{} // every pool opened here, for setInUse
 	var firstErr error
 	for _, src := range sources {
 		reloadable := f.rereadSources != nil && src.name != multisource.Default
@@ -319,6 +320,7 @@ func runServer(ctx context.Context, sources []source, f *serveFlags, log *slog.L
 		if err != nil {
 			return err
 		}
+		pools[src.name] = pool
 		if reloadable {
 			opened[src.name] = pool // closed by the sourceSet
 		} else {
@@ -367,6 +369,11 @@ func runServer(ctx context.Context, sources []source, f *serveFlags, log *slog.L
 	})
 	if err != nil {
 		return err
+	}
+	for name, pool := range pools {
+		if e := rep.Source(name); e != nil {
+			pool.setInUse(e.FoundEventsLately)
+		}
 	}
 	if reloads != nil {
 		reloads.rep = rep
