@@ -510,10 +510,11 @@ func eventAddress(source, id string) string {
 }
 
 // noteSkippedSources warns, on stderr, of each source a listing over every
-// source left out because it could not be read (skipped_sources), so that
-// a table missing a source's rows says so.
+// source left out (skipped_sources: it could not be read, or the token may
+// see only some of its streams), so that a table missing a source's rows
+// says so.
 func noteSkippedSources(w io.Writer, what string, skipped []*outboxv1.SourceHealth) {
 	for _, s := range skipped {
-		fmt.Fprintf(w, "warning: source %s could not be read, its %s are not listed: %s\n", s.GetName(), what, s.GetReason())
+		fmt.Fprintf(w, "warning: source %s left out, its %s are not listed: %s\n", s.GetName(), what, s.GetReason())
 	}
 }

@@ -77,7 +77,8 @@ listing with --page-token.
 On a server with several source databases, without --stream (or with
 --stream '*/...') it lists every source's aggregates, source after source
 in name order, each stream as SOURCE/STREAM outside default; a source that
-cannot be read is named on stderr and left out. Errors are cut at 160 characters; --wide, --json
+cannot be read, or of which the token may see only some streams, is named
+on stderr with the reason and left out. Errors are cut at 160 characters; --wide, --json
 and 'outboxd aggregate STREAM KEY' show them whole.`, cobra.NoArgs)
 	f.register(cmd)
 	ff.register(cmd.Flags())

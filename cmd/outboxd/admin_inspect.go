@@ -186,7 +186,9 @@ SOURCE/EVENT_ID; the table prints them so (and --json sets event.source).
 Without --stream or --event-id it lists every source's events (those the
 token may see), source after source in name order, each newest first;
 --stream orders/ lists one source's, --stream '*/sales_order' a stream in
-every source. A source that cannot be read is named on stderr and left out.`, cobra.NoArgs)
+every source. A source that cannot be read, or of which the token may see
+only some streams (name one: --stream orders/STREAM), is named on stderr
+with the reason and left out.`, cobra.NoArgs)
 	f.register(cmd)
 	fl := cmd.Flags()
 	fl.StringVar(&req.Stream, "stream", "", "only this stream")
