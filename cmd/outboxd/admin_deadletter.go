@@ -94,25 +94,16 @@ and 'outboxd aggregate STREAM KEY' show them whole.`, cobra.NoArgs)
 			return usageError("--limit must not be negative")
 		}
 		return f.run(cmd, func(ctx context.Context, c *adminClient) error {
-			all := &outboxv1.ListAggregatesResponse{}
-			for {
-				n := maxPageSize
-				if limit > 0 {
-					n = min(n, limit-len(all.Aggregates))
-				}
-				resp, err := call(ctx, c, "ListAggregates", c.rpc.ListAggregates,
-					&outboxv1.ListAggregatesRequest{Filter: filter, PageSize: uint32(n), PageToken: token})
-				if err != nil {
-					return err
-				}
-				all.Aggregates = append(all.Aggregates, resp.GetAggregates()...)
-				all.SkippedSources = append(all.SkippedSources, resp.GetSkippedSources()...)
-				token = resp.GetNextPageToken()
-				all.NextPageToken = token
-				if token == "" || len(resp.GetAggregates()) == 0 || (limit > 0 && len(all.Aggregates) >= limit) {
-					break
-				}
+			aggs, skipped, next, err := pageThrough(token, limit, maxPageSize, true,
+				func(token string, n int) (*outboxv1.ListAggregatesResponse, []*outboxv1.Aggregate, error) {
+					resp, err := call(ctx, c, "ListAggregates", c.rpc.ListAggregates,
+						&outboxv1.ListAggregatesRequest{Filter: filter, PageSize: uint32(n), PageToken: token})
+					return resp, resp.GetAggregates(), err
+				})
+			if err != nil {
+				return err
 			}
+			all := &outboxv1.ListAggregatesResponse{Aggregates: aggs, SkippedSources: skipped, NextPageToken: next}
 			if f.json {
 				return writeJSON(c.out, all)
 			}

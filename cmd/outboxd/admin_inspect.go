@@ -254,34 +254,20 @@ with the reason and left out.`, cobra.NoArgs)
 // listEvents follows pages until limit events (0: all) or the last page, and
 // returns them as one response carrying the token of what remains.
 func listEvents(ctx context.Context, c *adminClient, first *outboxv1.ListEventsRequest, limit, pageSize int) (*outboxv1.ListEventsResponse, error) {
-	all := &outboxv1.ListEventsResponse{}
-	token := first.GetPageToken()
-	for {
-		n := pageSize
-		if limit > 0 {
-			n = min(n, limit-len(all.Events))
-		}
-		req := &outboxv1.ListEventsRequest{
-			Stream: first.GetStream(), AggregateKey: first.GetAggregateKey(), State: first.GetState(),
-			CreatedAfter: first.GetCreatedAfter(), CreatedBefore: first.GetCreatedBefore(),
-			PageSize: uint32(n), PageToken: token, EventId: first.GetEventId(),
-		}
-		resp, err := call(ctx, c, "ListEvents", c.rpc.ListEvents, req)
-		if err != nil {
-			return nil, err
-		}
-		all.Events = append(all.Events, resp.GetEvents()...)
-		all.SkippedSources = append(all.SkippedSources, resp.GetSkippedSources()...)
-		token = resp.GetNextPageToken()
-		all.NextPageToken = token
-		if token == "" || (limit > 0 && len(all.Events) >= limit) {
-			return all, nil
-		}
-		if len(resp.GetEvents()) == 0 {
-			// A server returning an empty page with a token would loop forever.
-			return all, nil
-		}
+	events, skipped, next, err := pageThrough(first.GetPageToken(), limit, pageSize, true,
+		func(token string, n int) (*outboxv1.ListEventsResponse, []*outboxv1.EventInfo, error) {
+			req := &outboxv1.ListEventsRequest{
+				Stream: first.GetStream(), AggregateKey: first.GetAggregateKey(), State: first.GetState(),
+				CreatedAfter: first.GetCreatedAfter(), CreatedBefore: first.GetCreatedBefore(),
+				PageSize: uint32(n), PageToken: token, EventId: first.GetEventId(),
+			}
+			resp, err := call(ctx, c, "ListEvents", c.rpc.ListEvents, req)
+			return resp, resp.GetEvents(), err
+		})
+	if err != nil {
+		return nil, err
 	}
+	return &outboxv1.ListEventsResponse{Events: events, SkippedSources: skipped, NextPageToken: next}, nil
 }
 
 func printEvents(w io.Writer, resp *outboxv1.ListEventsResponse, payload bool) error {
