@@ -57,10 +57,10 @@ func (a *adminRouter) GetLag(ctx context.Context, req *outboxv1.GetLagRequest) (
 		parts = append(parts, &part{e: v.e, ctx: v.ctx, req: sub})
 	}
 	if len(parts) == 0 {
-		if err != nil {
-			return nil, err
+		if len(req.GetStreams()) > 0 {
+			return nil, invalid("streams", "name no source the caller may see (this server serves %s)", servedTo(ctx, rt.names))
 		}
-		return nil, invalid("streams", "name no source the caller may see (%s)", strings.Join(sourceNames(vis), ", "))
+		return nil, err
 	}
 	var wg sync.WaitGroup
 	for _, p := range parts {

@@ -161,11 +161,12 @@ func listSources[Req, Resp proto.Message](ctx context.Context, rt *routes, req R
 	}
 	var firstErr error
 	var scoped []string
-	answered := 0
+	seen, answered := 0, 0
 	for _, v := range vis {
 		if v.name < start {
 			continue
 		}
+		seen++
 		if items.Len() >= size || (items.Len() > 0 && proto.Size(out.Interface()) >= spanPageBytes) {
 			out.Set(fNext, protoreflect.ValueOfString(v.name+spanTokenSep))
 			break
@@ -207,6 +208,8 @@ func listSources[Req, Resp proto.Message](ctx context.Context, rt *routes, req R
 		}
 	}
 	switch {
+	case seen == 0:
+		return zero, errNoSource // the token goes on in a source it may not see
 	case answered == 0 && firstErr != nil:
 		return zero, firstErr
 	case answered == 0 && len(scoped) > 0 && start == "" && out.Get(fNext).String() == "":
