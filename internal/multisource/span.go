@@ -183,7 +183,8 @@ func listSources[Req, Resp proto.Message](ctx context.Context, rt *routes, req R
 			if status.Code(err) == codes.PermissionDenied && ctx.Err() == nil {
 				// The token may see only some streams of this source, not
 				// the streams the request spans.
-				why := fmt.Sprintf("%s; name a stream of source %s to list it (%s/STREAM)", status.Convert(err).Message(), v.name, v.name)
+				msg, _ := strings.CutSuffix(status.Convert(err).Message(), "; name the streams to access")
+				why := fmt.Sprintf("%s; name a stream of source %s to list it (%s/STREAM)", msg, v.name, v.name)
 				skip(v.name, why)
 				scoped = append(scoped, "source "+v.name+": "+why)
 				continue
