@@ -509,11 +509,46 @@ func eventAddress(source, id string) string {
 	return multisource.JoinStream(source, id)
 }
 
+// listPage is one page of a listing that may span sources.
+type listPage interface {
+	GetNextPageToken() string
+	GetSkippedSources() []*outboxv1.SourceHealth
+}
+
+// pageThrough follows a listing's pages from token until limit items (0:
+// all) or the last page. fetch asks for the page after token, of at most n
+// items, and returns it with its items. pageThrough returns every item,
+// every page's skipped_sources and the token that continues the listing
+// ("" after the last page). An empty page with a token ends it only with
+// stopOnEmpty (a server returning one for every page would loop forever);
+// a listing whose pages may be short, even empty, while the server passes
+// over items the token may not see, goes on.
+func pageThrough[T any, P listPage](token string, limit, pageSize int, stopOnEmpty bool,
+	fetch func(token string, n int) (P, []T, error)) (items []T, skipped []*outboxv1.SourceHealth, next string, err error) {
+	for {
+		n := pageSize
+		if limit > 0 {
+			n = min(n, limit-len(items))
+		}
+		page, got, err := fetch(token, n)
+		if err != nil {
+			return nil, nil, "", err
+		}
+		items = append(items, got...)
+		skipped = append(skipped, page.GetSkippedSources()...)
+		token = page.GetNextPageToken()
+		if token == "" || (stopOnEmpty && len(got) == 0) || (limit > 0 && len(items) >= limit) {
+			return items, skipped, token, nil
+		}
+	}
+}
+
 // noteSkippedSources warns, on stderr, of each source a listing over every
-// source left out because it could not be read (skipped_sources), so that
-// a table missing a source's rows says so.
+// source left out (skipped_sources: it could not be read, or the token may
+// see only some of its streams), so that a table missing a source's rows
+// says so.
 func noteSkippedSources(w io.Writer, what string, skipped []*outboxv1.SourceHealth) {
 	for _, s := range skipped {
-		fmt.Fprintf(w, "warning: source %s could not be read, its %s are not listed: %s\n", s.GetName(), what, s.GetReason())
+		fmt.Fprintf(w, "warning: source %s left out, its %s are not listed: %s\n", s.GetName(), what, s.GetReason())
 	}
 }

@@ -93,30 +93,19 @@ on stderr and left out.`, cobra.NoArgs)
 
 // listActions follows pages until limit actions (0: all) or the last page.
 func listActions(ctx context.Context, c *adminClient, first *outboxv1.ListOperatorActionsRequest, limit, pageSize int) (*outboxv1.ListOperatorActionsResponse, error) {
-	all := &outboxv1.ListOperatorActionsResponse{}
-	token := first.GetPageToken()
-	for {
-		n := pageSize
-		if limit > 0 {
-			n = min(n, limit-len(all.Actions))
-		}
-		req := &outboxv1.ListOperatorActionsRequest{Stream: first.GetStream(), AggregateKey: first.GetAggregateKey(),
-			Action: first.GetAction(), Since: first.GetSince(), PageSize: uint32(n), PageToken: token}
-		resp, err := call(ctx, c, "ListOperatorActions", c.rpc.ListOperatorActions, req)
-		if err != nil {
-			return nil, err
-		}
-		all.Actions = append(all.Actions, resp.GetActions()...)
-		all.SkippedSources = append(all.SkippedSources, resp.GetSkippedSources()...)
-		token = resp.GetNextPageToken()
-		all.NextPageToken = token
-		// A page may be short, even empty, for a stream-limited token while
-		// the server passes over actions it may not see: the token still
-		// continues.
-		if token == "" || (limit > 0 && len(all.Actions) >= limit) {
-			return all, nil
-		}
+	// A page may be short, even empty, for a stream-limited token while the
+	// server passes over actions it may not see: the token still continues.
+	actions, skipped, next, err := pageThrough(first.GetPageToken(), limit, pageSize, false,
+		func(token string, n int) (*outboxv1.ListOperatorActionsResponse, []*outboxv1.OperatorAction, error) {
+			req := &outboxv1.ListOperatorActionsRequest{Stream: first.GetStream(), AggregateKey: first.GetAggregateKey(),
+				Action: first.GetAction(), Since: first.GetSince(), PageSize: uint32(n), PageToken: token}
+			resp, err := call(ctx, c, "ListOperatorActions", c.rpc.ListOperatorActions, req)
+			return resp, resp.GetActions(), err
+		})
+	if err != nil {
+		return nil, err
 	}
+	return &outboxv1.ListOperatorActionsResponse{Actions: actions, SkippedSources: skipped, NextPageToken: next}, nil
 }
 
 // printActions prints actions as a table; with perAggregate, what each did

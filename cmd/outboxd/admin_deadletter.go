@@ -77,7 +77,8 @@ listing with --page-token.
 On a server with several source databases, without --stream (or with
 --stream '*/...') it lists every source's aggregates, source after source
 in name order, each stream as SOURCE/STREAM outside default; a source that
-cannot be read is named on stderr and left out. Errors are cut at 160 characters; --wide, --json
+cannot be read, or of which the token may see only some streams, is named
+on stderr with the reason and left out. Errors are cut at 160 characters; --wide, --json
 and 'outboxd aggregate STREAM KEY' show them whole.`, cobra.NoArgs)
 	f.register(cmd)
 	ff.register(cmd.Flags())
@@ -93,25 +94,16 @@ and 'outboxd aggregate STREAM KEY' show them whole.`, cobra.NoArgs)
 			return usageError("--limit must not be negative")
 		}
 		return f.run(cmd, func(ctx context.Context, c *adminClient) error {
-			all := &outboxv1.ListAggregatesResponse{}
-			for {
-				n := maxPageSize
-				if limit > 0 {
-					n = min(n, limit-len(all.Aggregates))
-				}
-				resp, err := call(ctx, c, "ListAggregates", c.rpc.ListAggregates,
-					&outboxv1.ListAggregatesRequest{Filter: filter, PageSize: uint32(n), PageToken: token})
-				if err != nil {
-					return err
-				}
-				all.Aggregates = append(all.Aggregates, resp.GetAggregates()...)
-				all.SkippedSources = append(all.SkippedSources, resp.GetSkippedSources()...)
-				token = resp.GetNextPageToken()
-				all.NextPageToken = token
-				if token == "" || len(resp.GetAggregates()) == 0 || (limit > 0 && len(all.Aggregates) >= limit) {
-					break
-				}
+			aggs, skipped, next, err := pageThrough(token, limit, maxPageSize, true,
+				func(token string, n int) (*outboxv1.ListAggregatesResponse, []*outboxv1.Aggregate, error) {
+					resp, err := call(ctx, c, "ListAggregates", c.rpc.ListAggregates,
+						&outboxv1.ListAggregatesRequest{Filter: filter, PageSize: uint32(n), PageToken: token})
+					return resp, resp.GetAggregates(), err
+				})
+			if err != nil {
+				return err
 			}
+			all := &outboxv1.ListAggregatesResponse{Aggregates: aggs, SkippedSources: skipped, NextPageToken: next}
 			if f.json {
 				return writeJSON(c.out, all)
 			}

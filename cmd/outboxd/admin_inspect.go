@@ -186,7 +186,9 @@ SOURCE/EVENT_ID; the table prints them so (and --json sets event.source).
 Without --stream or --event-id it lists every source's events (those the
 token may see), source after source in name order, each newest first;
 --stream orders/ lists one source's, --stream '*/sales_order' a stream in
-every source. A source that cannot be read is named on stderr and left out.`, cobra.NoArgs)
+every source. A source that cannot be read, or of which the token may see
+only some streams (name one: --stream orders/STREAM), is named on stderr
+with the reason and left out.`, cobra.NoArgs)
 	f.register(cmd)
 	fl := cmd.Flags()
 	fl.StringVar(&req.Stream, "stream", "", "only this stream")
@@ -252,34 +254,20 @@ every source. A source that cannot be read is named on stderr and left out.`, co
 // listEvents follows pages until limit events (0: all) or the last page, and
 // returns them as one response carrying the token of what remains.
 func listEvents(ctx context.Context, c *adminClient, first *outboxv1.ListEventsRequest, limit, pageSize int) (*outboxv1.ListEventsResponse, error) {
-	all := &outboxv1.ListEventsResponse{}
-	token := first.GetPageToken()
-	for {
-		n := pageSize
-		if limit > 0 {
-			n = min(n, limit-len(all.Events))
-		}
-		req := &outboxv1.ListEventsRequest{
-			Stream: first.GetStream(), AggregateKey: first.GetAggregateKey(), State: first.GetState(),
-			CreatedAfter: first.GetCreatedAfter(), CreatedBefore: first.GetCreatedBefore(),
-			PageSize: uint32(n), PageToken: token, EventId: first.GetEventId(),
-		}
-		resp, err := call(ctx, c, "ListEvents", c.rpc.ListEvents, req)
-		if err != nil {
-			return nil, err
-		}
-		all.Events = append(all.Events, resp.GetEvents()...)
-		all.SkippedSources = append(all.SkippedSources, resp.GetSkippedSources()...)
-		token = resp.GetNextPageToken()
-		all.NextPageToken = token
-		if token == "" || (limit > 0 && len(all.Events) >= limit) {
-			return all, nil
-		}
-		if len(resp.GetEvents()) == 0 {
-			// A server returning an empty page with a token would loop forever.
-			return all, nil
-		}
+	events, skipped, next, err := pageThrough(first.GetPageToken(), limit, pageSize, true,
+		func(token string, n int) (*outboxv1.ListEventsResponse, []*outboxv1.EventInfo, error) {
+			req := &outboxv1.ListEventsRequest{
+				Stream: first.GetStream(), AggregateKey: first.GetAggregateKey(), State: first.GetState(),
+				CreatedAfter: first.GetCreatedAfter(), CreatedBefore: first.GetCreatedBefore(),
+				PageSize: uint32(n), PageToken: token, EventId: first.GetEventId(),
+			}
+			resp, err := call(ctx, c, "ListEvents", c.rpc.ListEvents, req)
+			return resp, resp.GetEvents(), err
+		})
+	if err != nil {
+		return nil, err
 	}
+	return &outboxv1.ListEventsResponse{Events: events, SkippedSources: skipped, NextPageToken: next}, nil
 }
 
 func printEvents(w io.Writer, resp *outboxv1.ListEventsResponse, payload bool) error {

@@ -295,6 +295,13 @@ func (c *Console) purgeDryRun(q *request) {
 		c.render(q.w, q.r, http.StatusBadRequest, "purge", q, data)
 		return
 	}
+	if src, _ := multisource.SplitStream(addr); strings.Contains(src, "*") {
+		// Purge spans sources only without a stream: one stream is of one
+		// source.
+		data["Error"] = fmt.Sprintf("a purge of stream %q is of one source: pick its source, or leave the stream empty to purge every source", stream)
+		c.render(q.w, q.r, http.StatusBadRequest, "purge", q, data)
+		return
+	}
 	cut := time.Now().Add(-d)
 	st, err := c.admin.Purge(q.ctx, &outboxv1.PurgeRequest{PublishedBefore: timestamppb.New(cut), DryRun: true, Stream: addr})
 	var last *outboxv1.PurgeResponse

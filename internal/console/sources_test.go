@@ -220,7 +220,8 @@ func eventually(t *testing.T, within time.Duration, what string, cond func() boo
 // TestConsoleAllSources: the source picker's "all sources", chosen unless
 // a page names a source, lists the events, aggregates and operator actions
 // of both sources, each row naming its source, and a bulk action on it
-// acts on both, each recording it.
+// acts on both, each recording it. A purge dry run of one stream on "all
+// sources" is refused by the form, saying to pick the stream's source.
 func TestConsoleAllSources(t *testing.T) {
 	t.Parallel()
 	h := newHarness(t, harnessOptions{sources: []string{"orders"}})
@@ -250,6 +251,15 @@ func TestConsoleAllSources(t *testing.T) {
 	form.Set("expected", "2")
 	if _, body = b.post(t, "/bulk/confirm", form); !strings.Contains(body, "Bulk retry on every source: 2 matched, 2 retried") {
 		t.Errorf("bulk retry on all sources:\n%s", body)
+	}
+	csrf = b.csrf(t, "/purge")
+	code, body := b.post(t, "/purge", url.Values{"csrf": {csrf}, "older_than": {"0s"}, "source": {"*"}, "stream": {"billing"}})
+	if code != http.StatusBadRequest || !strings.Contains(body, "is of one source: pick its source") {
+		t.Errorf("purge dry run of one stream on all sources: %d, want 400 saying to pick its source:\n%s", code, body)
+	}
+	if code, body = b.post(t, "/purge", url.Values{"csrf": {csrf}, "older_than": {"0s"}, "source": {"*"}}); code != http.StatusOK ||
+		!strings.Contains(body, "would delete") {
+		t.Errorf("purge dry run of every source: %d\n%s", code, body)
 	}
 	_, body = b.get(t, "/actions?source=*")
 	if !strings.Contains(body, "Operator actions of every source") || !strings.Contains(body, `<td class="source">orders</td>`) ||

@@ -42,28 +42,25 @@ func (a *adminRouter) GetLag(ctx context.Context, req *outboxv1.GetLagRequest) (
 	}
 	var parts []*part
 	rt := a.r.routes()
-	for _, name := range rt.names {
-		sctx, err := forSource(ctx, name)
-		if err != nil {
-			continue // the caller may see nothing of this source
-		}
+	vis, err := visibleSources(ctx, rt)
+	for _, v := range vis {
 		sub := &outboxv1.GetLagRequest{}
 		for _, pat := range req.GetStreams() {
 			src, stream := SplitStream(pat)
-			if src == "*" || src == name {
+			if src == "*" || src == v.name {
 				sub.Streams = append(sub.Streams, stream)
 			}
 		}
 		if len(req.GetStreams()) > 0 && len(sub.Streams) == 0 {
 			continue
 		}
-		parts = append(parts, &part{e: rt.engines[name], ctx: sctx, req: sub})
+		parts = append(parts, &part{e: v.e, ctx: v.ctx, req: sub})
 	}
 	if len(parts) == 0 {
 		if len(req.GetStreams()) > 0 {
-			return nil, invalid("streams", "name no source this server serves (%s) that the caller may see", strings.Join(rt.names, ", "))
+			return nil, invalid("streams", "name no source the caller may see (this server serves %s)", servedTo(ctx, rt.names))
 		}
-		return nil, status.Error(codes.PermissionDenied, "the token may access no stream of any source")
+		return nil, err
 	}
 	var wg sync.WaitGroup
 	for _, p := range parts {
@@ -77,7 +74,7 @@ func (a *adminRouter) GetLag(ctx context.Context, req *outboxv1.GetLagRequest) (
 	for _, p := range parts {
 		ready, reason := p.e.ready()
 		if p.err != nil {
-			if c := status.Code(p.err); c == codes.InvalidArgument || c == codes.PermissionDenied || ctx.Err() != nil {
+			if refusal(ctx, p.err) {
 				return nil, p.err
 			}
 			if ready {
@@ -156,18 +153,17 @@ func older(a, b *durationpb.Duration) bool {
 // streams written as addresses ("orders/billing"). A source that cannot
 // answer is left out; when none can, the call fails.
 func (a *adminRouter) ListRelays(ctx context.Context, req *outboxv1.ListRelaysRequest) (*outboxv1.ListRelaysResponse, error) {
+	vis, err := visibleSources(ctx, a.r.routes())
+	if err != nil {
+		return nil, err
+	}
 	out := &outboxv1.ListRelaysResponse{}
 	var firstErr error
 	answered := 0
-	rt := a.r.routes()
-	for _, name := range rt.names {
-		sctx, err := forSource(ctx, name)
+	for _, v := range vis {
+		res, err := v.e.Admin.ListRelays(v.ctx, req)
 		if err != nil {
-			continue
-		}
-		res, err := rt.engines[name].Admin.ListRelays(sctx, req)
-		if err != nil {
-			if c := status.Code(err); c == codes.PermissionDenied || ctx.Err() != nil {
+			if status.Code(err) == codes.PermissionDenied || ctx.Err() != nil {
 				return nil, err
 			}
 			firstErr = cmpErr(firstErr, err)
@@ -176,18 +172,15 @@ func (a *adminRouter) ListRelays(ctx context.Context, req *outboxv1.ListRelaysRe
 		answered++
 		for _, rl := range res.GetRelays() {
 			for i, s := range rl.Streams {
-				rl.Streams[i] = JoinStream(name, s)
+				rl.Streams[i] = JoinStream(v.name, s)
 			}
 			for i, s := range rl.ExcludeStreams {
-				rl.ExcludeStreams[i] = JoinStream(name, s)
+				rl.ExcludeStreams[i] = JoinStream(v.name, s)
 			}
 			out.Relays = append(out.Relays, rl)
 		}
 	}
 	if answered == 0 {
-		if firstErr == nil {
-			return nil, status.Error(codes.PermissionDenied, "the token may access no stream of any source")
-		}
 		return nil, firstErr
 	}
 	return out, nil
@@ -231,7 +224,7 @@ func route[Req proto.Message](a *adminRouter, ctx context.Context, req Req) (str
 			})
 		}
 	}
-	e, err := a.r.engine(source, what)
+	e, err := a.r.routes().engineFor(ctx, source, what)
 	if err != nil {
 		return "", nil, nil, req, err
 	}
@@ -286,8 +279,8 @@ func nameSource(source string, m protoreflect.Message) {
 		x.Source = source
 		return
 	case *outboxv1.OperatorAction:
-		// An action on every stream (a bulk filter without a stream) names
-		// its source too: "orders/", as a filter asks for all of orders.
+		// An action on every stream (a bulk filter without a stream, which
+		// the engine records as "*") names its source too: "orders/*".
 		x.Stream = JoinStream(source, x.Stream)
 		x.RequestJson = nameRequest(source, x.RequestJson)
 		return
@@ -319,10 +312,14 @@ func routed[Req, Resp proto.Message](a *adminRouter, ctx context.Context, req Re
 	if err == nil {
 		nameSource(source, resp.ProtoReflect())
 	}
-	if names := a.r.Names(); status.Code(err) == codes.NotFound && source == Default && eventIDField(req.ProtoReflect()) != nil && len(names) > 1 {
-		// A bare id is default's: say how to name another source's.
-		err = status.Errorf(codes.NotFound, "%s in source default; an event of another source (%s) is named SOURCE/EVENT_ID",
-			status.Convert(err).Message(), strings.Join(slices.DeleteFunc(names, func(n string) bool { return n == Default }), ", "))
+	if status.Code(err) == codes.NotFound && source == Default && eventIDField(req.ProtoReflect()) != nil {
+		// A bare id is default's: say how to name another source's (one
+		// the caller may see).
+		vis, _ := visibleSources(ctx, a.r.routes())
+		if others := slices.DeleteFunc(sourceNames(vis), func(n string) bool { return n == Default }); len(others) > 0 {
+			err = status.Errorf(codes.NotFound, "%s in source default; an event of another source (%s) is named SOURCE/EVENT_ID",
+				status.Convert(err).Message(), strings.Join(others, ", "))
+		}
 	}
 	return resp, err
 }
@@ -332,11 +329,7 @@ func (a *adminRouter) GetAggregate(ctx context.Context, req *outboxv1.GetAggrega
 }
 
 func (a *adminRouter) ListEvents(ctx context.Context, req *outboxv1.ListEventsRequest) (*outboxv1.ListEventsResponse, error) {
-	rt := a.r.routes()
-	if sub, ok := spans(rt, req); ok {
-		return listSources(ctx, rt, sub, outboxv1.AdminServiceServer.ListEvents)
-	}
-	return routed(a, ctx, req, outboxv1.AdminServiceServer.ListEvents)
+	return spanned(a, ctx, req, outboxv1.AdminServiceServer.ListEvents, listSources)
 }
 
 func (a *adminRouter) RetryAggregate(ctx context.Context, req *outboxv1.RetryAggregateRequest) (*outboxv1.RetryAggregateResponse, error) {
@@ -348,11 +341,7 @@ func (a *adminRouter) SkipEvent(ctx context.Context, req *outboxv1.SkipEventRequ
 }
 
 func (a *adminRouter) ListAggregates(ctx context.Context, req *outboxv1.ListAggregatesRequest) (*outboxv1.ListAggregatesResponse, error) {
-	rt := a.r.routes()
-	if sub, ok := spans(rt, req); ok {
-		return listSources(ctx, rt, sub, outboxv1.AdminServiceServer.ListAggregates)
-	}
-	return routed(a, ctx, req, outboxv1.AdminServiceServer.ListAggregates)
+	return spanned(a, ctx, req, outboxv1.AdminServiceServer.ListAggregates, listSources)
 }
 
 func (a *adminRouter) ListAttempts(ctx context.Context, req *outboxv1.ListAttemptsRequest) (*outboxv1.ListAttemptsResponse, error) {
@@ -360,19 +349,11 @@ func (a *adminRouter) ListAttempts(ctx context.Context, req *outboxv1.ListAttemp
 }
 
 func (a *adminRouter) BulkRetry(ctx context.Context, req *outboxv1.BulkRetryRequest) (*outboxv1.BulkRetryResponse, error) {
-	rt := a.r.routes()
-	if sub, ok := spans(rt, req); ok {
-		return bulkSources(ctx, rt, sub, outboxv1.AdminServiceServer.BulkRetry, addRetry)
-	}
-	return routed(a, ctx, req, outboxv1.AdminServiceServer.BulkRetry)
+	return spanned(a, ctx, req, outboxv1.AdminServiceServer.BulkRetry, bulkSources[*outboxv1.BulkRetryRequest](addRetry))
 }
 
 func (a *adminRouter) BulkSkip(ctx context.Context, req *outboxv1.BulkSkipRequest) (*outboxv1.BulkSkipResponse, error) {
-	rt := a.r.routes()
-	if sub, ok := spans(rt, req); ok {
-		return bulkSources(ctx, rt, sub, outboxv1.AdminServiceServer.BulkSkip, addSkip)
-	}
-	return routed(a, ctx, req, outboxv1.AdminServiceServer.BulkSkip)
+	return spanned(a, ctx, req, outboxv1.AdminServiceServer.BulkSkip, bulkSources[*outboxv1.BulkSkipRequest](addSkip))
 }
 
 func (a *adminRouter) Republish(ctx context.Context, req *outboxv1.RepublishRequest) (*outboxv1.RepublishResponse, error) {
@@ -380,11 +361,7 @@ func (a *adminRouter) Republish(ctx context.Context, req *outboxv1.RepublishRequ
 }
 
 func (a *adminRouter) ListOperatorActions(ctx context.Context, req *outboxv1.ListOperatorActionsRequest) (*outboxv1.ListOperatorActionsResponse, error) {
-	rt := a.r.routes()
-	if sub, ok := spans(rt, req); ok {
-		return listSources(ctx, rt, sub, outboxv1.AdminServiceServer.ListOperatorActions)
-	}
-	return routed(a, ctx, req, outboxv1.AdminServiceServer.ListOperatorActions)
+	return spanned(a, ctx, req, outboxv1.AdminServiceServer.ListOperatorActions, listSources)
 }
 
 // Purge with a stream purges its source ("orders/billing"; bare: default).
@@ -408,40 +385,26 @@ func (a *adminRouter) Purge(req *outboxv1.PurgeRequest, stream outboxv1.AdminSer
 		}
 		return e.Admin.Purge(req, &purgeStream{AdminService_PurgeServer: stream, ctx: ctx, source: source})
 	}
-	type part struct {
-		source string
-		e      *Engine
-		ctx    context.Context
+	parts, err := visibleSources(stream.Context(), rt)
+	if err != nil {
+		return err
 	}
-	var parts []part
-	for _, name := range rt.names {
-		sctx, err := forSource(stream.Context(), name)
-		if err != nil {
-			continue // the caller may see nothing of this source
+	for _, p := range parts {
+		if err := auth.AuthorizeAllStreams(p.ctx); err != nil {
+			return status.Errorf(codes.PermissionDenied, "source %s: %s; name a stream (--stream %s) to purge it", p.name,
+				status.Convert(err).Message(), JoinStream(p.name, "STREAM"))
 		}
-		if err := auth.AuthorizeAllStreams(sctx); err != nil {
-			return status.Errorf(codes.PermissionDenied, "source %s: %s; name a stream (--stream %s) to purge it", name,
-				status.Convert(err).Message(), JoinStream(name, "STREAM"))
-		}
-		e, err := rt.engine(name, "stream")
-		if err != nil {
-			continue // not served (removed)
-		}
-		parts = append(parts, part{name, e, sctx})
-	}
-	if len(parts) == 0 {
-		return status.Error(codes.PermissionDenied, "the token may access no stream of any source")
 	}
 	total := &outboxv1.PurgeResponse{Done: true}
 	for _, p := range parts {
-		ps := &purgeStream{AdminService_PurgeServer: stream, ctx: p.ctx, source: p.source, partial: true}
+		ps := &purgeStream{AdminService_PurgeServer: stream, ctx: p.ctx, source: p.name, partial: true}
 		if err := p.e.Admin.Purge(req, ps); err != nil {
 			st := status.Convert(err)
-			return status.Errorf(st.Code(), "source %s: %s", p.source, st.Message())
+			return status.Errorf(st.Code(), "source %s: %s", p.name, st.Message())
 		}
 		last := ps.last
 		if last == nil {
-			return status.Errorf(codes.Internal, "source %s: the purge ended without reporting it done", p.source)
+			return status.Errorf(codes.Internal, "source %s: the purge ended without reporting it done", p.name)
 		}
 		total.Deleted += last.GetDeleted()
 		total.Batches += last.GetBatches()
@@ -485,10 +448,10 @@ func (s *purgeStream) Send(r *outboxv1.PurgeResponse) error {
 
 // nameRequest rewrites an operator action's request_json, which the engine
 // recorded from the request it saw (source stripped), to name source as the
-// caller did: its "stream" and its filter's as "source/stream" ("source/"
-// for a filter on every stream), its "event_id" as "source/event_id". The
-// other values are kept byte for byte. A record that is not a JSON object
-// is left as it is.
+// caller did: its "stream" and its filter's as "source/stream" ("source/*"
+// for a filter without a stream, as the action's stream names it), its
+// "event_id" as "source/event_id". The other values are kept byte for
+// byte. A record that is not a JSON object is left as it is.
 func nameRequest(source, request string) string {
 	var rec map[string]json.RawMessage
 	if json.Unmarshal([]byte(request), &rec) != nil || rec == nil {
@@ -504,6 +467,10 @@ func nameRequest(source, request string) string {
 	address(rec, "event_id")
 	var filter map[string]json.RawMessage
 	if raw, ok := rec["filter"]; ok && json.Unmarshal(raw, &filter) == nil && filter != nil {
+		var v string
+		if raw, ok := filter["stream"]; ok && json.Unmarshal(raw, &v) == nil && v == "" {
+			filter["stream"] = json.RawMessage(`"*"`) // every stream, as the engine records it
+		}
 		address(filter, "stream")
 		rec["filter"] = json.RawMessage(marshal(filter))
 	}

@@ -72,7 +72,11 @@
 //     a source no longer served, is INVALID_ARGUMENT (start again without
 //     it). A source that cannot answer is left out and named, with the
 //     reason, in the page's skipped_sources, as GetLag leaves it out; when
-//     none answers the call fails. A server of one source answers a listing
+//     none answers the call fails. So is a source that refuses the token
+//     (PERMISSION_DENIED: it may see only some streams of that source and
+//     the request spans them all, naming no stream or "*/*"), the reason
+//     saying to name a stream of it; when no source on the first page lets
+//     the token list, the call fails with PERMISSION_DENIED naming each. A server of one source answers a listing
 //     without a stream exactly as a single-source server does (its tokens
 //     are the engine's), but still takes a "SOURCE:TOKEN" token issued
 //     before its other sources were removed (engine tokens have no ':').
@@ -87,7 +91,8 @@
 //     a filter or token a source refuses, or a source that cannot answer,
 //     fails the action (naming the source) before anything changes; then
 //     each source acts in name order and records its own operator action
-//     ("orders/*" for orders' in the log). The answer sums the counts, its
+//     ("orders/*" for orders', as OperatorAction.stream and as its
+//     request_json's filter stream). The answer sums the counts, its
 //     sample names each aggregate's source. A source failing midway ends
 //     the action with its error, naming it and the sources that acted. A
 //     bare "*" stays every stream of default, as every bare name is

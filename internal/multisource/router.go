@@ -182,21 +182,54 @@ func (r *Router) engine(source, what string) (*Engine, error) {
 }
 
 func (rt *routes) engine(source, what string) (*Engine, error) {
+	return rt.lookup(source, what, strings.Join(rt.names, ", "))
+}
+
+// engineFor is engine for a caller: its errors name only the sources the
+// caller's token may see (servedTo).
+func (rt *routes) engineFor(ctx context.Context, source, what string) (*Engine, error) {
+	if e := rt.engines[source]; e != nil {
+		return e, nil
+	}
+	return rt.lookup(source, what, servedTo(ctx, rt.names))
+}
+
+// lookup is engine, its errors saying the server serves served.
+func (rt *routes) lookup(source, what, served string) (*Engine, error) {
 	if e := rt.engines[source]; e != nil {
 		return e, nil
 	}
 	if rt.removed[source] {
-		return nil, removedError(source, what, rt.names)
+		return nil, removedError(source, what, served)
 	}
 	return nil, status.Errorf(codes.InvalidArgument, "%s: no source named %.40q; this server serves %s",
-		what, source, strings.Join(rt.names, ", "))
+		what, source, served)
+}
+
+// servedTo names, for an error message, the sources of names the caller's
+// token may see (all of them without auth), so that a token limited to
+// some sources learns nothing of the others.
+func servedTo(ctx context.Context, names []string) string {
+	vis := make([]string, 0, len(names))
+	for _, n := range names {
+		if _, err := forSource(ctx, n); err == nil {
+			vis = append(vis, n)
+		}
+	}
+	switch {
+	case len(vis) == len(names):
+		return strings.Join(names, ", ")
+	case len(vis) == 0:
+		return "no source this token may access"
+	}
+	return strings.Join(vis, ", ") + " to this token"
 }
 
 // subscribable is engine for a new Subscribe stream: a retiring source
 // takes none.
 func (rt *routes) subscribable(source string) (*Engine, error) {
 	if rt.retiring[source] {
-		return nil, removedError(source, "streams", rt.live())
+		return nil, removedError(source, "streams", strings.Join(rt.live(), ", "))
 	}
 	return rt.engine(source, "streams")
 }
@@ -209,9 +242,9 @@ func (rt *routes) live() []string {
 // removedError is NOT_FOUND for a source removed from this server at run
 // time (its configuration reloaded without it). Relays retry NOT_FOUND
 // quietly, so one left running picks the source up again if it comes back.
-func removedError(source, what string, names []string) error {
+func removedError(source, what, served string) error {
 	return status.Errorf(codes.NotFound, "%s: source %.40q was removed from this server's configuration; it serves %s",
-		what, source, strings.Join(names, ", "))
+		what, source, served)
 }
 
 // removedMessage says why a lease token of a removed source is refused.

@@ -9,6 +9,7 @@ package multisource
 
 import (
 	"context"
+	"fmt"
 	"strings"
 
 	"google.golang.org/grpc/codes"
@@ -61,6 +62,62 @@ func spans[Req proto.Message](rt *routes, req Req) (Req, bool) {
 	return clone, true
 }
 
+// source is a source the caller may see: its engine, and the context that
+// engine must see (forSource).
+type source struct {
+	name string
+	e    *Engine
+	ctx  context.Context
+}
+
+// errNoSource refuses a call over every source from a token that may access
+// no stream of any.
+var errNoSource = status.Error(codes.PermissionDenied, "the token may access no stream of any source")
+
+// visibleSources returns the sources of rt the caller's token may see, in
+// name order, or errNoSource when there is none.
+func visibleSources(ctx context.Context, rt *routes) ([]source, error) {
+	var out []source
+	for _, name := range rt.names {
+		if sctx, err := forSource(ctx, name); err == nil {
+			out = append(out, source{name, rt.engines[name], sctx})
+		}
+	}
+	if len(out) == 0 {
+		return nil, errNoSource
+	}
+	return out, nil
+}
+
+func sourceNames(vis []source) []string {
+	names := make([]string, len(vis))
+	for i, v := range vis {
+		names[i] = v.name
+	}
+	return names
+}
+
+// refusal reports whether a source's error says something about the
+// request or the caller (INVALID_ARGUMENT, PERMISSION_DENIED) or the call
+// was cancelled, rather than about that source: it fails a call over
+// sources instead of leaving the source out.
+func refusal(ctx context.Context, err error) bool {
+	c := status.Code(err)
+	return c == codes.InvalidArgument || c == codes.PermissionDenied || ctx.Err() != nil
+}
+
+// spanned answers req with over when it is for every source (spans), with
+// the engine of its source (routed) otherwise.
+func spanned[Req, Resp proto.Message](a *adminRouter, ctx context.Context, req Req,
+	call func(outboxv1.AdminServiceServer, context.Context, Req) (Resp, error),
+	over func(context.Context, *routes, Req, func(outboxv1.AdminServiceServer, context.Context, Req) (Resp, error)) (Resp, error)) (Resp, error) {
+	rt := a.r.routes()
+	if sub, ok := spans(rt, req); ok {
+		return over(ctx, rt, sub, call)
+	}
+	return routed(a, ctx, req, call)
+}
+
 // listSources answers a listing for every source (see spans): it reads the sources the caller may see in name order, filling
 // the page from one and going on into the next, each source's items named
 // as route's answers name them. Its next_page_token is "SOURCE:TOKEN", the
@@ -70,7 +127,13 @@ func spans[Req proto.Message](rt *routes, req Req) (Req, bool) {
 // the page's skipped_sources with the reason, as GetLag leaves it out of
 // its figures; when no source read answers, the call fails with the first
 // source's error. Refusals (INVALID_ARGUMENT, PERMISSION_DENIED) fail the
-// call: they say something about the request, not the source.
+// call: they say something about the request, not the source. A source
+// that refuses the token (PERMISSION_DENIED: it may see only some streams
+// of that source, and the request spans them all, naming no stream or
+// "*/*") is left out and named in skipped_sources too, its reason saying
+// to name a stream of it; the engine still decides what the token may
+// see. When the first page finds no source that lets the token list, the
+// call fails with PERMISSION_DENIED giving each source's reason.
 func listSources[Req, Resp proto.Message](ctx context.Context, rt *routes, req Req,
 	call func(outboxv1.AdminServiceServer, context.Context, Req) (Resp, error)) (Resp, error) {
 	var zero Resp
@@ -80,7 +143,11 @@ func listSources[Req, Resp proto.Message](ctx context.Context, rt *routes, req R
 	if size == 0 {
 		size = defaultPageSize
 	}
-	start, inner, err := parseSpanToken(rt, rm.Get(fToken).String())
+	start, inner, err := parseSpanToken(ctx, rt, rm.Get(fToken).String())
+	if err != nil {
+		return zero, err
+	}
+	vis, err := visibleSources(ctx, rt)
 	if err != nil {
 		return zero, err
 	}
@@ -88,56 +155,67 @@ func listSources[Req, Resp proto.Message](ctx context.Context, rt *routes, req R
 	fItems := itemsField(out.Descriptor())
 	fNext, fSkipped := out.Descriptor().Fields().ByName("next_page_token"), out.Descriptor().Fields().ByName("skipped_sources")
 	items := out.Mutable(fItems).List()
+	skip := func(name, reason string) {
+		out.Mutable(fSkipped).List().Append(protoreflect.ValueOfMessage((&outboxv1.SourceHealth{Name: name,
+			Reason: reason}).ProtoReflect()))
+	}
 	var firstErr error
-	visible, answered := 0, 0
-	for _, name := range rt.names {
-		if name < start {
+	var scoped []string
+	seen, answered := 0, 0
+	for _, v := range vis {
+		if v.name < start {
 			continue
 		}
-		sctx, err := forSource(ctx, name)
-		if err != nil {
-			continue // the caller may see nothing of this source
-		}
-		visible++
+		seen++
 		if items.Len() >= size || (items.Len() > 0 && proto.Size(out.Interface()) >= spanPageBytes) {
-			out.Set(fNext, protoreflect.ValueOfString(name+spanTokenSep))
+			out.Set(fNext, protoreflect.ValueOfString(v.name+spanTokenSep))
 			break
 		}
 		sub := proto.Clone(req).(Req)
 		sm := sub.ProtoReflect()
 		sm.Set(fSize, protoreflect.ValueOfUint32(uint32(size-items.Len())))
 		sm.Clear(fToken)
-		if name == start && inner != "" {
+		if v.name == start && inner != "" {
 			sm.Set(fToken, protoreflect.ValueOfString(inner))
 		}
-		res, err := call(rt.engines[name].Admin, sctx, sub)
+		res, err := call(v.e.Admin, v.ctx, sub)
 		if err != nil {
-			if c := status.Code(err); c == codes.InvalidArgument || c == codes.PermissionDenied || ctx.Err() != nil {
+			if status.Code(err) == codes.PermissionDenied && ctx.Err() == nil {
+				// The token may see only some streams of this source, not
+				// the streams the request spans.
+				msg, _ := strings.CutSuffix(status.Convert(err).Message(), "; name the streams to access")
+				why := fmt.Sprintf("%s; name a stream of source %s to list it (%s/STREAM)", msg, v.name, v.name)
+				skip(v.name, why)
+				scoped = append(scoped, "source "+v.name+": "+why)
+				continue
+			}
+			if refusal(ctx, err) {
 				return zero, err
 			}
 			firstErr = cmpErr(firstErr, err)
-			skipped := out.Mutable(fSkipped).List()
-			skipped.Append(protoreflect.ValueOfMessage((&outboxv1.SourceHealth{Name: name,
-				Reason: status.Convert(err).Message()}).ProtoReflect()))
+			skip(v.name, status.Convert(err).Message())
 			continue
 		}
 		answered++
-		nameSource(name, res.ProtoReflect())
+		nameSource(v.name, res.ProtoReflect())
 		got := res.ProtoReflect().Get(fItems).List()
 		for i := range got.Len() {
 			items.Append(got.Get(i))
 		}
 		if next := res.ProtoReflect().Get(fNext).String(); next != "" {
 			// The engine has more (or ended its page early): go on there.
-			out.Set(fNext, protoreflect.ValueOfString(name+spanTokenSep+next))
+			out.Set(fNext, protoreflect.ValueOfString(v.name+spanTokenSep+next))
 			break
 		}
 	}
 	switch {
-	case visible == 0:
-		return zero, status.Error(codes.PermissionDenied, "the token may access no stream of any source")
+	case seen == 0:
+		return zero, errNoSource // the token goes on in a source it may not see
 	case answered == 0 && firstErr != nil:
 		return zero, firstErr
+	case answered == 0 && len(scoped) > 0 && start == "" && out.Get(fNext).String() == "":
+		// No source the token may see lets it list what it asked.
+		return zero, status.Error(codes.PermissionDenied, strings.Join(scoped, "; "))
 	}
 	return out.Interface().(Resp), nil
 }
@@ -156,7 +234,7 @@ func itemsField(d protoreflect.MessageDescriptor) protoreflect.FieldDescriptor {
 
 // parseSpanToken reads a listing over sources' page token: the source to go
 // on in and its engine's token. An empty token starts at the first source.
-func parseSpanToken(rt *routes, tok string) (source, inner string, err error) {
+func parseSpanToken(ctx context.Context, rt *routes, tok string) (source, inner string, err error) {
 	if tok == "" {
 		return "", "", nil
 	}
@@ -171,41 +249,43 @@ func parseSpanToken(rt *routes, tok string) (source, inner string, err error) {
 			why = "was removed from this server's configuration"
 		}
 		return "", "", invalid("page_token", "goes on in source %q, which %s (it serves %s): start the listing again without page_token",
-			source, why, strings.Join(rt.names, ", "))
+			source, why, servedTo(ctx, rt.names))
 	}
 	return source, inner, nil
 }
 
-// bulkSources applies a bulk action whose filter names no stream, on a
-// server of several sources, to every source the caller may see, once
-// each, in name order. A dry run of every source comes first: a request or
-// token a source refuses, or a source that cannot answer, fails the action
-// before any source changes (naming that source), so it never silently
-// acts on some sources only. Then each source acts and records its own
-// operator action; a source failing then ends the action with its error,
-// naming it, the sources before it having acted. The answer sums the
-// sources' counts, its sample takes each source's aggregates (named) up to
-// 20 in all.
+// bulkSources returns the action over every source (bulkEach) of a bulk
+// action whose sources' answers add up with add.
 func bulkSources[Req interface {
+	proto.Message
+	GetDryRun() bool
+}, Resp proto.Message](add func(sum, part Resp)) func(context.Context, *routes, Req, func(outboxv1.AdminServiceServer, context.Context, Req) (Resp, error)) (Resp, error) {
+	return func(ctx context.Context, rt *routes, req Req, call func(outboxv1.AdminServiceServer, context.Context, Req) (Resp, error)) (Resp, error) {
+		return bulkEach(ctx, rt, req, call, add)
+	}
+}
+
+// bulkEach applies a bulk action whose filter names no stream, on a server
+// of several sources, to every source the caller may see, once each, in
+// name order. A dry run of every source comes first: a request or token a
+// source refuses, or a source that cannot answer, fails the action before
+// any source changes (naming that source; a request refused as
+// INVALID_ARGUMENT is the engine's error as it is, every source refusing
+// it alike), so it never silently acts on some sources only. Then each
+// source acts and records its own operator action; a source failing then,
+// with any code, ends the action with its error, naming it and the sources
+// before it, which acted. The answer sums the sources' counts, its sample
+// takes each source's aggregates (named) up to 20 in all.
+func bulkEach[Req interface {
 	proto.Message
 	GetDryRun() bool
 }, Resp proto.Message](ctx context.Context, rt *routes, req Req,
 	call func(outboxv1.AdminServiceServer, context.Context, Req) (Resp, error),
 	add func(sum, part Resp)) (Resp, error) {
-	type part struct {
-		name string
-		e    *Engine
-		ctx  context.Context
-	}
-	var parts []part
-	for _, name := range rt.names {
-		if sctx, err := forSource(ctx, name); err == nil {
-			parts = append(parts, part{name, rt.engines[name], sctx})
-		}
-	}
 	var zero Resp
-	if len(parts) == 0 {
-		return zero, status.Error(codes.PermissionDenied, "the token may access no stream of any source")
+	parts, err := visibleSources(ctx, rt)
+	if err != nil {
+		return zero, err
 	}
 	sum := zero.ProtoReflect().New().Interface().(Resp)
 	run := func(dry bool) error {
@@ -220,7 +300,7 @@ func bulkSources[Req interface {
 			res, err := call(p.e.Admin, p.ctx, sub)
 			if err != nil {
 				st := status.Convert(err)
-				if st.Code() == codes.InvalidArgument {
+				if dry && st.Code() == codes.InvalidArgument {
 					return err // the request, refused alike by every source
 				}
 				msg := "source " + p.name + ": " + st.Message()

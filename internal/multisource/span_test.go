@@ -345,14 +345,22 @@ func TestBulkAcrossSources(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	var streams []string
+	var streams, filters []string
 	for _, a := range acts.GetActions() {
 		streams = append(streams, a.GetStream())
+		var rec struct{ Filter struct{ Stream string } }
+		if err := json.Unmarshal([]byte(a.GetRequestJson()), &rec); err != nil {
+			t.Fatalf("request_json %q: %v", a.GetRequestJson(), err)
+		}
+		filters = append(filters, rec.Filter.Stream)
 		if a.GetAggregates() != 2 {
 			t.Errorf("action %v changed %d aggregates; want 2", a, a.GetAggregates())
 		}
 	}
 	onceEach(t, "bulk_skip actions' streams", streams, []string{"*", "orders/*"})
+	// The request as the caller wrote it (no stream): default's record is
+	// the engine's, orders' names the source as its stream does.
+	onceEach(t, "bulk_skip actions' request_json filter streams", filters, []string{"", "orders/*"})
 
 	// "*/*" is every stream of every source; "*" alone, every stream of
 	// default (a bare name is default's).
@@ -398,5 +406,70 @@ func TestListingWithASourceDown(t *testing.T) {
 	}
 	if s := eventState(t, r.Pool, id); s != "pending" {
 		t.Errorf("default's event is %s after a bulk skip that failed on orders", s)
+	}
+}
+
+// TestListingsOfATokenLimitedOnASource: a token limited to billing.* on
+// default and to every stream of orders lists, without a stream, orders'
+// events, and names default in skipped_sources saying to name a stream of
+// it (never listing default's events the token may not see); naming
+// default's stream lists it. A token that sees only some streams of its
+// one source is refused, naming that source. An error naming the sources
+// served names only those the token may see.
+func TestListingsOfATokenLimitedOnASource(t *testing.T) {
+	t.Parallel()
+	const (
+		mixedToken   = "mixed-viewer-token-0123456789"
+		billingToken = "billing-viewer-token-0123456789"
+	)
+	r, dial := twoSourcesWithTokens(t, "mixed viewer "+mixedToken+" streams=billing.*,orders/*\n"+
+		"billing viewer "+billingToken+" streams=billing.*\n")
+	billing := emit(t, r.Pool, "billing.x", "1")
+	emit(t, r.Pool, "sales_order", "1")
+	orders := emit(t, r.Pools["orders"], "sales_order", "1")
+
+	mixed := outboxv1.NewAdminServiceClient(dial(mixedToken))
+	res, err := mixed.ListEvents(t.Context(), &outboxv1.ListEventsRequest{})
+	if err != nil {
+		t.Fatalf("ListEvents without a stream, token billing.*,orders/*: %v", err)
+	}
+	onceEach(t, "the mixed token's ListEvents", eventNames(res), []string{"orders|" + orders})
+	if s := res.GetSkippedSources(); len(s) != 1 || s[0].GetName() != "default" ||
+		!strings.Contains(s[0].GetReason(), "billing.*") || !strings.Contains(s[0].GetReason(), "name a stream of source default") {
+		t.Errorf("skipped_sources %v; want default, saying the token is limited to billing.* and to name a stream", s)
+	}
+	aggs, err := mixed.ListAggregates(t.Context(), &outboxv1.ListAggregatesRequest{Filter: &outboxv1.AggregateFilter{Stream: "*/*"}})
+	if err != nil || len(aggs.GetSkippedSources()) != 1 || aggs.GetSkippedSources()[0].GetName() != "default" {
+		t.Errorf("ListAggregates of \"*/*\", token billing.*,orders/*: %v, %v; want default skipped", aggs, err)
+	}
+	one, err := mixed.ListEvents(t.Context(), &outboxv1.ListEventsRequest{Stream: "default/billing.x"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	onceEach(t, "the mixed token's ListEvents of default/billing.x", eventNames(one), []string{"|" + billing})
+
+	only := outboxv1.NewAdminServiceClient(dial(billingToken))
+	_, err = only.ListEvents(t.Context(), &outboxv1.ListEventsRequest{})
+	if status.Code(err) != codes.PermissionDenied || !strings.Contains(err.Error(), "source default") {
+		t.Errorf("ListEvents without a stream, token billing.*: %v; want PERMISSION_DENIED naming source default", err)
+	}
+	for what, call := range map[string]func() error{
+		"a page token of an unknown source": func() error {
+			_, err := only.ListEvents(t.Context(), &outboxv1.ListEventsRequest{PageToken: "nosuch:"})
+			return err
+		},
+		"an unknown source": func() error {
+			_, err := only.ListEvents(t.Context(), &outboxv1.ListEventsRequest{Stream: "nosuch/billing.x"})
+			return err
+		},
+		"GetLag of an unknown source": func() error {
+			_, err := only.GetLag(t.Context(), &outboxv1.GetLagRequest{Streams: []string{"nosuch/billing.x"}})
+			return err
+		},
+	} {
+		err := call()
+		if status.Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), "default") || strings.Contains(err.Error(), "orders") {
+			t.Errorf("%s, token billing.*: %v; want INVALID_ARGUMENT naming default, not orders", what, err)
+		}
 	}
 }

@@ -1340,12 +1340,14 @@ type ListAggregatesResponse struct {
 	Aggregates []*Aggregate `protobuf:"bytes,1,rep,name=aggregates,proto3" json:"aggregates,omitempty"`
 	// next_page_token continues the listing; empty on the last page.
 	NextPageToken string `protobuf:"bytes,2,opt,name=next_page_token,json=nextPageToken,proto3" json:"next_page_token,omitempty"`
-	// skipped_sources, on a page of a listing over every source (a server
-	// that fronts several source databases, asked without a stream), names
-	// each source this page should have read but could not (its database
-	// down), with the reason: its items are missing from the listing, which
-	// goes on with the next source, as GetLag leaves out a source that cannot
-	// answer. Empty otherwise.
+	// skipped_sources, on a page of a listing over every source (asked
+	// without a stream on a server that fronts several source databases, or
+	// with a stream "*/pattern" on any), names each source this page should
+	// have read but could not, with the reason: its database is down, or
+	// the caller's token may see only some streams of it and the request
+	// spans them all (name a stream of that source to list it). Its items
+	// are missing from the listing, which goes on with the next source, as
+	// GetLag leaves out a source that cannot answer. Empty otherwise.
 	SkippedSources []*SourceHealth `protobuf:"bytes,3,rep,name=skipped_sources,json=skippedSources,proto3" json:"skipped_sources,omitempty"`
 	unknownFields  protoimpl.UnknownFields
 	sizeCache      protoimpl.SizeCache
@@ -2261,12 +2263,14 @@ type ListOperatorActionsResponse struct {
 	Actions []*OperatorAction `protobuf:"bytes,1,rep,name=actions,proto3" json:"actions,omitempty"`
 	// next_page_token continues the listing; empty on the last page.
 	NextPageToken string `protobuf:"bytes,2,opt,name=next_page_token,json=nextPageToken,proto3" json:"next_page_token,omitempty"`
-	// skipped_sources, on a page of a listing over every source (a server
-	// that fronts several source databases, asked without a stream), names
-	// each source this page should have read but could not (its database
-	// down), with the reason: its items are missing from the listing, which
-	// goes on with the next source, as GetLag leaves out a source that cannot
-	// answer. Empty otherwise.
+	// skipped_sources, on a page of a listing over every source (asked
+	// without a stream on a server that fronts several source databases, or
+	// with a stream "*/pattern" on any), names each source this page should
+	// have read but could not, with the reason: its database is down, or
+	// the caller's token may see only some streams of it and the request
+	// spans them all (name a stream of that source to list it). Its items
+	// are missing from the listing, which goes on with the next source, as
+	// GetLag leaves out a source that cannot answer. Empty otherwise.
 	SkippedSources []*SourceHealth `protobuf:"bytes,3,rep,name=skipped_sources,json=skippedSources,proto3" json:"skipped_sources,omitempty"`
 	unknownFields  protoimpl.UnknownFields
 	sizeCache      protoimpl.SizeCache
@@ -2585,12 +2589,14 @@ type ListEventsResponse struct {
 	Events []*EventInfo `protobuf:"bytes,1,rep,name=events,proto3" json:"events,omitempty"`
 	// next_page_token continues the listing; empty on the last page.
 	NextPageToken string `protobuf:"bytes,2,opt,name=next_page_token,json=nextPageToken,proto3" json:"next_page_token,omitempty"`
-	// skipped_sources, on a page of a listing over every source (a server
-	// that fronts several source databases, asked without a stream), names
-	// each source this page should have read but could not (its database
-	// down), with the reason: its items are missing from the listing, which
-	// goes on with the next source, as GetLag leaves out a source that cannot
-	// answer. Empty otherwise.
+	// skipped_sources, on a page of a listing over every source (asked
+	// without a stream on a server that fronts several source databases, or
+	// with a stream "*/pattern" on any), names each source this page should
+	// have read but could not, with the reason: its database is down, or
+	// the caller's token may see only some streams of it and the request
+	// spans them all (name a stream of that source to list it). Its items
+	// are missing from the listing, which goes on with the next source, as
+	// GetLag leaves out a source that cannot answer. Empty otherwise.
 	SkippedSources []*SourceHealth `protobuf:"bytes,3,rep,name=skipped_sources,json=skippedSources,proto3" json:"skipped_sources,omitempty"`
 	unknownFields  protoimpl.UnknownFields
 	sizeCache      protoimpl.SizeCache

@@ -50,7 +50,8 @@ const (
 // ListOperatorActions without a stream (or with "*/pattern") list every
 // source the caller may see, source after source in name order, with a
 // next_page_token of their own ("SOURCE:TOKEN") and skipped_sources for a
-// source that could not answer. BulkRetry and BulkSkip without a stream (or
+// source that could not answer or of which the token may see only some
+// streams. BulkRetry and BulkSkip without a stream (or
 // with "*/pattern"; "*/*" is every stream of every source) act on every
 // such source once, after counting each: a source that refuses or cannot
 // answer fails the action before anything changes.
@@ -300,7 +301,8 @@ func (c *adminServiceClient) ListOperatorActions(ctx context.Context, in *ListOp
 // ListOperatorActions without a stream (or with "*/pattern") list every
 // source the caller may see, source after source in name order, with a
 // next_page_token of their own ("SOURCE:TOKEN") and skipped_sources for a
-// source that could not answer. BulkRetry and BulkSkip without a stream (or
+// source that could not answer or of which the token may see only some
+// streams. BulkRetry and BulkSkip without a stream (or
 // with "*/pattern"; "*/*" is every stream of every source) act on every
 // such source once, after counting each: a source that refuses or cannot
 // answer fails the action before anything changes.
