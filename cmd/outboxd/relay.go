@@ -64,8 +64,8 @@ digits and _, or a stream pattern such as orders/pay*) exits 2 at start.
 A source of * means every source the server serves to the relay's token:
 --route '*/payments=URL' (or --streams '*/payments') is payments of each,
 --route '*/*=URL' every stream of each that no other route names. The relay
-asks the server which sources it serves (ListSources; a server that
-predates it serves default alone) at start, every --sources-interval and
+asks the server which sources it serves where the token allows the route's
+streams (ListSources; a server that predates it serves default alone) at start, every --sources-interval and
 whenever its connection comes back, opens one Subscribe stream per source (each with its own --max-in-flight
 credit, sharing the route's sink; relay-id/SOURCE/payments), starts one for
 a source added while it runs, and stops, as at shutdown, the one of a
@@ -73,11 +73,15 @@ source removed. A route naming the source itself takes precedence over a
 * route for that source: orders/payments=URL2 beside */payments=URL sends
 orders' payments to URL2, and orders/*=URL3 takes every stream of orders,
 payments included. */payments beats */*, as a named stream beats a
-catch-all. Naming */payments twice, two */* routes, or --exclude-streams
-with a * source exits 2 at start.
+catch-all. Naming */payments twice, two */* routes, a stream twice in
+--streams or --exclude-streams, or --exclude-streams with a * source exits 2
+at start. A pattern that matches no source is logged as a warning.
 
 It reconnects while the server is unavailable, and exits with an error when the
-server refuses its token (UNAUTHENTICATED, PERMISSION_DENIED) on any call. On
+server refuses its token (UNAUTHENTICATED, PERMISSION_DENIED) on any call, but
+for a subscription of a * source refused PERMISSION_DENIED (an older server
+lists sources where the token has other streams only): that one is logged as
+a warning and left stopped until the server's list of sources changes. On
 SIGTERM or SIGINT it stops taking deliveries, lets publishes under way finish for
 up to --drain-timeout while keeping their leases, acks them, and then closes its
 stream: the leases of publishes still running are released without counting a

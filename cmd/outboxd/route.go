@@ -197,14 +197,15 @@ func spansSources(routes []route) (fixed, wild []route) {
 }
 
 // expandRoutes is the routes of source "*" (wild) as they apply to the
-// sources the server lists: one route per source and wild route, sharing
-// its sink (index), in the order of sources. A route naming the source
+// sources the server lists for each (sources[i] for wild[i]): one route per
+// source and wild route, sharing its sink (index), in the order of wild,
+// then of sources. A route naming the source
 // itself (fixed) takes precedence: a stream fixed names is left out of
 // "*/stream" for that source, and a source with a catch-all of its own
 // (orders/*, or * for default) gets nothing from wild routes. "*/*" of a
 // source is that source's catch-all, without the streams any route names
 // for it. A wild route left with no stream for a source yields none.
-func expandRoutes(fixed, wild []route, sources []string) []route {
+func expandRoutes(fixed, wild []route, sources [][]string) []route {
 	named := map[string]bool{}    // addresses fixed routes name
 	catchAll := map[string]bool{} // sources fixed routes take the rest of
 	var wildNamed []string        // streams of "*/stream" entries
@@ -225,11 +226,11 @@ func expandRoutes(fixed, wild []route, sources []string) []route {
 		}
 	}
 	var out []route
-	for _, src := range sources {
-		if catchAll[src] {
-			continue
-		}
-		for _, w := range wild {
+	for i, w := range wild {
+		for _, src := range sources[i] {
+			if catchAll[src] {
+				continue
+			}
 			r := route{spec: w.spec, index: w.index, source: src, sinkURL: w.sinkURL}
 			if len(w.streams) == 1 && w.streams[0] == "*/*" {
 				for a := range named {
