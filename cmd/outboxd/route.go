@@ -143,14 +143,18 @@ func parseRoutes(specs []string) ([]route, error) {
 // source (a Subscribe stream serves one source); streams of source "*"
 // (*/payments, */*) are one route expanded per source at run time, as
 // parseRoutes' are. Exclusions belong to a catch-all, so they cannot go
-// with streams of several sources or of "*".
+// with streams of several sources or of "*", and are never of source "*"
+// themselves; a name given twice in either list is refused.
 func streamsRoutes(streams, exclude []string, sinkURL string) ([]route, error) {
 	var routes []route
 	bySource := map[string]int{}
-	for _, n := range streams {
+	for i, n := range streams {
 		src, stream, err := splitAddress(n)
 		if err != nil {
 			return nil, fmt.Errorf("--streams: %w", err)
+		}
+		if slices.Contains(streams[:i], n) {
+			return nil, fmt.Errorf("--streams: %q is given twice", n)
 		}
 		if src == anySource && !routeStreamName.MatchString(stream) && stream != "*" {
 			return nil, fmt.Errorf("--streams: %q is not a stream name (want */name, or */* for every stream of every source)", n)
@@ -166,9 +170,15 @@ func streamsRoutes(streams, exclude []string, sinkURL string) ([]route, error) {
 	if j, ok := bySource[anySource]; ok && slices.Contains(routes[j].streams, "*/*") && len(routes[j].streams) > 1 {
 		return nil, fmt.Errorf("--streams: */* takes every stream of every source, so it must be the only */ entry")
 	}
-	for _, n := range exclude {
-		if _, _, err := splitAddress(n); err != nil {
+	for i, n := range exclude {
+		src, _, err := splitAddress(n)
+		switch {
+		case err != nil:
 			return nil, fmt.Errorf("--exclude-streams: %w", err)
+		case src == anySource:
+			return nil, fmt.Errorf("--exclude-streams: %q spans sources, but exclusions belong to the catch-all of one source: name the source (orders/x), or give the rest of each source a --route (*/*=URL beside */x=URL2)", n)
+		case slices.Contains(exclude[:i], n):
+			return nil, fmt.Errorf("--exclude-streams: %q is given twice", n)
 		}
 	}
 	switch {

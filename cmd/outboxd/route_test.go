@@ -151,6 +151,10 @@ func TestStreamsRoutesOfSources(t *testing.T) {
 		{[]string{"*/*", "*/b"}, nil, "*/* takes every stream of every source"},
 		{[]string{"*/b"}, []string{"c"}, "--exclude-streams cannot go with it"},
 		{nil, []string{"x-y/b"}, `--exclude-streams: "x-y/b": source name`},
+		{nil, []string{"*/x"}, `--exclude-streams: "*/x" spans sources`},
+		{[]string{"*/payments", "*/payments"}, nil, `--streams: "*/payments" is given twice`},
+		{[]string{"a", "b", "a"}, nil, `--streams: "a" is given twice`},
+		{nil, []string{"x", "x"}, `--exclude-streams: "x" is given twice`},
 	} {
 		_, err := streamsRoutes(c.streams, c.exclude, "stdout://")
 		if err == nil || !strings.Contains(err.Error(), c.want) {
@@ -297,5 +301,28 @@ func TestListSourcesOfAnOldServer(t *testing.T) {
 	cancel()
 	if err := <-done; err != nil {
 		t.Errorf("follower stopped with %v; want nil", err)
+	}
+}
+
+// `outboxd relay` refuses at start, exit 2 and before dialing the server,
+// an --exclude-streams of source * (which the server would refuse only
+// later, exit 1) and a stream given twice in --streams.
+func TestRelayRefusesBadStreamsAtStart(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"--exclude-streams", "*/x"}, `"*/x" spans sources`},
+		{[]string{"--streams", "*/payments,*/payments"}, `"*/payments" is given twice`},
+	} {
+		args := append([]string{"relay", "--server", "127.0.0.1:1", "--sink", "stdout://"}, c.args...)
+		// A relay that got past its checks would run until this deadline.
+		ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+		r := runCLI(t, ctx, nil, nil, args...)
+		cancel()
+		if r.code != exitUsage || !strings.Contains(r.stderr, c.want) {
+			t.Errorf("outboxd %s: exit %d, %q; want exit %d mentioning %q", strings.Join(args, " "), r.code, r.stderr, exitUsage, c.want)
+		}
 	}
 }
