@@ -139,7 +139,9 @@ failure against their events.`,
 				}
 			}
 			fixed, wild := spansSources(rs)
-			newRunner := func(rt route) (*relay.Runner, string, error) {
+			// newRunner builds the runner of one route (fixed or expanded
+			// from a * route) and returns what runs it, saying so first.
+			newRunner := func(rt route) (func(context.Context) error, error) {
 				id := relayID
 				if len(routes) > 0 || len(rs) > 1 || len(wild) > 0 {
 					// relay_id is at most 128 characters.
@@ -152,39 +154,41 @@ failure against their events.`,
 					LeaseTTL: leaseTTL, DrainTimeout: drain, Logger: log.With("route", rt.label()),
 					MessagingSystem: sink.MessagingSystem(rt.sinkURL),
 				})
-				return r, id, err
+				if err != nil {
+					return nil, err
+				}
+				return func(ctx context.Context) error {
+					log.Info("relay running", "server", client.server, "sink", sink.Redact(rt.sinkURL), "relay_id", id,
+						"source", rt.source, "streams", rt.label(), "exclude_streams", rt.exclude)
+					return r.Run(ctx)
+				}, nil
 			}
-			runners := make([]*relay.Runner, len(fixed))
+			runs := make([]func(context.Context) error, len(fixed))
 			for i, rt := range fixed {
-				var id string
-				if runners[i], id, err = newRunner(rt); err != nil {
+				if runs[i], err = newRunner(rt); err != nil {
 					return err
 				}
-				log.Info("relay running", "server", client.server, "sink", sink.Redact(rt.sinkURL), "relay_id", id,
-					"streams", rt.label(), "exclude_streams", rt.exclude)
 			}
 			// One route failing (refused credentials) stops them all: a
 			// relay that serves only some of its routes (or sources)
 			// would look alive.
 			eg, egCtx := errgroup.WithContext(ctx)
-			for _, r := range runners {
-				eg.Go(func() error { return r.Run(egCtx) })
+			for _, run := range runs {
+				eg.Go(func() error { return run(egCtx) })
 			}
 			if len(wild) > 0 {
-				if _, _, err := newRunner(route{index: wild[0].index, source: multisource.Default, sinkURL: wild[0].sinkURL}); err != nil {
+				if _, err := newRunner(route{index: wild[0].index, source: multisource.Default, sinkURL: wild[0].sinkURL}); err != nil {
 					return err // a bad flag (--max-in-flight): say so at start
 				}
 				sf := &sourceFollower{
 					client: outboxv1.NewRelayServiceClient(conn), conn: conn, fixed: fixed, wild: wild, every: sourcesEvery,
 					log: log.With("component", "relay"),
 					run: func(ctx context.Context, rt route) error {
-						r, id, err := newRunner(rt)
+						run, err := newRunner(rt)
 						if err != nil {
 							return err
 						}
-						log.Info("relay running", "server", client.server, "sink", sink.Redact(rt.sinkURL), "relay_id", id,
-							"source", rt.source, "streams", rt.label(), "exclude_streams", rt.exclude)
-						return r.Run(ctx)
+						return run(ctx)
 					},
 				}
 				eg.Go(func() error { return sf.Run(egCtx) })
