@@ -177,7 +177,7 @@ func (sf *sourceFollower) Run(ctx context.Context) error {
 		}
 		if i := sf.unmatched(want); i != idle {
 			if i != "" {
-				sf.log.Warn("no source matched these patterns, so nothing of theirs is relayed: the server lists no source whose streams the relay's token allows them all, or routes naming the source take them",
+				sf.log.Warn("no source matched these patterns, so nothing of theirs is relayed: the server lists no source where the relay's token allows their streams, or routes naming a source take them",
 					"patterns", i)
 			}
 			idle = i
