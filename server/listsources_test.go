@@ -38,4 +38,23 @@ func TestListSourcesOfOneSource(t *testing.T) {
 			t.Errorf("engine ListSources for %v: %v, %v; want %v", p, res.GetSources(), err, c.want)
 		}
 	}
+	// With streams, default is listed only to a token allowing each of them
+	// ("*": every stream): billing.* may not have payments nor every stream.
+	billing := auth.ContextWithPrincipal(t.Context(), &auth.Principal{Name: "p", Roles: []auth.Role{auth.RoleRelay}, Streams: []string{"billing.*"}})
+	for _, c := range []struct {
+		ctx     context.Context
+		streams []string
+		want    []string
+	}{
+		{billing, []string{"billing.eu"}, []string{"default"}},
+		{billing, []string{"billing.eu", "payments"}, nil},
+		{billing, []string{"*"}, nil},
+		{t.Context(), []string{"*"}, []string{"default"}},
+	} {
+		res, err := engine.ListSources(c.ctx, &outboxv1.ListSourcesRequest{Streams: c.streams})
+		if err != nil || !slices.Equal(res.GetSources(), c.want) {
+			p, _ := auth.PrincipalFrom(c.ctx)
+			t.Errorf("engine ListSources for %v: %v, %v; want %v", p, res.GetSources(), err, c.want)
+		}
+	}
 }

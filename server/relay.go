@@ -442,13 +442,47 @@ func nackErrorText(s string) string {
 }
 
 // ListSources answers the one source a single-source server serves,
-// "default", to a caller whose token may access any stream of it; to one
-// scoped to other sources only ("orders/*") it answers none.
-func (r *relayService) ListSources(ctx context.Context, _ *outboxv1.ListSourcesRequest) (*outboxv1.ListSourcesResponse, error) {
-	if p, ok := auth.PrincipalFrom(ctx); ok {
-		if _, ok := p.ForSource(auth.DefaultSource); !ok {
-			return &outboxv1.ListSourcesResponse{}, nil
-		}
+// "default", to a caller whose token may access any stream of it (with
+// streams set: every one of them, "*" meaning every stream of it); to one
+// scoped otherwise ("orders/*") it answers none.
+func (r *relayService) ListSources(ctx context.Context, req *outboxv1.ListSourcesRequest) (*outboxv1.ListSourcesResponse, error) {
+	if err := CheckListSources(req); err != nil {
+		return nil, err
+	}
+	if p, ok := auth.PrincipalFrom(ctx); ok && !SourceListed(p, auth.DefaultSource, req.GetStreams()) {
+		return &outboxv1.ListSourcesResponse{}, nil
 	}
 	return &outboxv1.ListSourcesResponse{Sources: []string{auth.DefaultSource}}, nil
+}
+
+// CheckListSources validates a ListSourcesRequest: each of streams is "*"
+// or a stream name, at most 64 of them.
+func CheckListSources(req *outboxv1.ListSourcesRequest) error {
+	var f fieldErrors
+	if n := len(req.GetStreams()); n > maxSubscribeStreams {
+		f.add("streams", "at most %d names, got %d", maxSubscribeStreams, n)
+	}
+	for i, name := range req.GetStreams() {
+		if name != "*" {
+			checkStream(&f, fmt.Sprintf("streams[%d]", i), name)
+		}
+	}
+	return f.err()
+}
+
+// SourceListed reports whether ListSources names source to p: p may access
+// some stream of it and, for each of streams, that stream ("*": every
+// stream of the source), so that a relay subscribing to those streams of
+// it is not refused.
+func SourceListed(p *auth.Principal, source string, streams []string) bool {
+	q, ok := p.ForSource(source)
+	if !ok {
+		return false
+	}
+	for _, s := range streams {
+		if s == "*" && !q.AllStreams() || s != "*" && !q.AllowsStream(s) {
+			return false
+		}
+	}
+	return true
 }

@@ -64,8 +64,8 @@ digits and _, or a stream pattern such as orders/pay*) exits 2 at start.
 A source of * means every source the server serves to the relay's token:
 --route '*/payments=URL' (or --streams '*/payments') is payments of each,
 --route '*/*=URL' every stream of each that no other route names. The relay
-asks the server which sources it serves (ListSources; a server that
-predates it serves default alone) at start, every --sources-interval and
+asks the server which sources it serves where the token allows the route's
+streams (ListSources; a server that predates it serves default alone) at start, every --sources-interval and
 whenever its connection comes back, opens one Subscribe stream per source (each with its own --max-in-flight
 credit, sharing the route's sink; relay-id/SOURCE/payments), starts one for
 a source added while it runs, and stops, as at shutdown, the one of a
@@ -73,11 +73,15 @@ source removed. A route naming the source itself takes precedence over a
 * route for that source: orders/payments=URL2 beside */payments=URL sends
 orders' payments to URL2, and orders/*=URL3 takes every stream of orders,
 payments included. */payments beats */*, as a named stream beats a
-catch-all. Naming */payments twice, two */* routes, or --exclude-streams
-with a * source exits 2 at start.
+catch-all. Naming */payments twice, two */* routes, a stream twice in
+--streams or --exclude-streams, or --exclude-streams with a * source exits 2
+at start. A pattern that matches no source is logged as a warning.
 
 It reconnects while the server is unavailable, and exits with an error when the
-server refuses its token (UNAUTHENTICATED, PERMISSION_DENIED) on any call. On
+server refuses its token (UNAUTHENTICATED, PERMISSION_DENIED) on any call, but
+for a subscription of a * source refused PERMISSION_DENIED (an older server
+lists sources where the token has other streams only): that one is logged as
+a warning and left stopped until the server's list of sources changes. On
 SIGTERM or SIGINT it stops taking deliveries, lets publishes under way finish for
 up to --drain-timeout while keeping their leases, acks them, and then closes its
 stream: the leases of publishes still running are released without counting a
@@ -135,7 +139,9 @@ failure against their events.`,
 				}
 			}
 			fixed, wild := spansSources(rs)
-			newRunner := func(rt route) (*relay.Runner, string, error) {
+			// newRunner builds the runner of one route (fixed or expanded
+			// from a * route) and returns what runs it, saying so first.
+			newRunner := func(rt route) (func(context.Context) error, error) {
 				id := relayID
 				if len(routes) > 0 || len(rs) > 1 || len(wild) > 0 {
 					// relay_id is at most 128 characters.
@@ -148,39 +154,41 @@ failure against their events.`,
 					LeaseTTL: leaseTTL, DrainTimeout: drain, Logger: log.With("route", rt.label()),
 					MessagingSystem: sink.MessagingSystem(rt.sinkURL),
 				})
-				return r, id, err
+				if err != nil {
+					return nil, err
+				}
+				return func(ctx context.Context) error {
+					log.Info("relay running", "server", client.server, "sink", sink.Redact(rt.sinkURL), "relay_id", id,
+						"source", rt.source, "streams", rt.label(), "exclude_streams", rt.exclude)
+					return r.Run(ctx)
+				}, nil
 			}
-			runners := make([]*relay.Runner, len(fixed))
+			runs := make([]func(context.Context) error, len(fixed))
 			for i, rt := range fixed {
-				var id string
-				if runners[i], id, err = newRunner(rt); err != nil {
+				if runs[i], err = newRunner(rt); err != nil {
 					return err
 				}
-				log.Info("relay running", "server", client.server, "sink", sink.Redact(rt.sinkURL), "relay_id", id,
-					"streams", rt.label(), "exclude_streams", rt.exclude)
 			}
 			// One route failing (refused credentials) stops them all: a
 			// relay that serves only some of its routes (or sources)
 			// would look alive.
 			eg, egCtx := errgroup.WithContext(ctx)
-			for _, r := range runners {
-				eg.Go(func() error { return r.Run(egCtx) })
+			for _, run := range runs {
+				eg.Go(func() error { return run(egCtx) })
 			}
 			if len(wild) > 0 {
-				if _, _, err := newRunner(route{index: wild[0].index, source: multisource.Default, sinkURL: wild[0].sinkURL}); err != nil {
+				if _, err := newRunner(route{index: wild[0].index, source: multisource.Default, sinkURL: wild[0].sinkURL}); err != nil {
 					return err // a bad flag (--max-in-flight): say so at start
 				}
 				sf := &sourceFollower{
 					client: outboxv1.NewRelayServiceClient(conn), conn: conn, fixed: fixed, wild: wild, every: sourcesEvery,
 					log: log.With("component", "relay"),
 					run: func(ctx context.Context, rt route) error {
-						r, id, err := newRunner(rt)
+						run, err := newRunner(rt)
 						if err != nil {
 							return err
 						}
-						log.Info("relay running", "server", client.server, "sink", sink.Redact(rt.sinkURL), "relay_id", id,
-							"source", rt.source, "streams", rt.label(), "exclude_streams", rt.exclude)
-						return r.Run(ctx)
+						return run(ctx)
 					},
 				}
 				eg.Go(func() error { return sf.Run(egCtx) })

@@ -155,16 +155,19 @@ func TestRelayListsSourcesOnReconnect(t *testing.T) {
 	eventually(t, "b's payment published by the relay once it reconnected", func() bool { running(); return bDone() })
 }
 
-// A relay whose token is scoped to source a ("streams=a/*") and routes
-// */payments is told of a alone (ListSources), so it subscribes to a's
-// payments and never to default's, which its token would be refused (and
-// the relay stop on the refusal).
+// A relay whose token is scoped to source a and to default's other
+// stream ("streams=a/*,other") and routes */payments is told of a alone
+// (ListSources with streams [payments]), so it subscribes to a's payments
+// and never to default's, which its token would be refused. A relay of
+// */* whose token has payments only ("*/payments") is told of no source:
+// it warns that */* matched none and keeps running.
 func TestRelayByPatternWithATokenOfOneSource(t *testing.T) {
 	t.Parallel()
 	def, a := testdb.New(t), testdb.New(t)
-	const secret = "a-relay-token-0123456789abcdef"
+	const secret, paySecret = "a-relay-token-0123456789abcdef", "pay-relay-token-0123456789abcdef"
 	tokens := filepath.Join(t.TempDir(), "tokens")
-	if err := os.WriteFile(tokens, []byte("a-relay relay "+secret+" streams=a/*\n"), 0o600); err != nil {
+	if err := os.WriteFile(tokens, []byte("a-relay relay "+secret+" streams=a/*,other\n"+
+		"pay-relay relay "+paySecret+" streams=*/payments\n"), 0o600); err != nil {
 		t.Fatal(err)
 	}
 	grpcAddr := freeAddr(t)
@@ -198,6 +201,23 @@ func TestRelayByPatternWithATokenOfOneSource(t *testing.T) {
 		t.Errorf("relay exited %d on SIGINT; want 0 (it must not have met a refusal)", code)
 	}
 	if relay.hasOutput("source=default") || published("default") {
-		t.Error("the relay subscribed to default's payments, which its token scoped to a/* may not access")
+		t.Error("the relay subscribed to default's payments, which its token scoped to a/*,other may not access")
+	}
+
+	every := startEnv(t, []string{"OUTBOXD_TOKEN=" + paySecret}, "relay", "--server", grpcAddr, "--relay-id", "e",
+		"--streams", "*/*", "--sink", "stdout://", "--sources-interval", "100ms")
+	eventually(t, "the */* relay to warn that its pattern matched no source", func() bool {
+		select {
+		case <-every.done:
+			t.Fatalf("the */* relay exited with %d", every.cmd.ProcessState.ExitCode())
+		default:
+		}
+		return every.hasOutput(`no source matched these patterns`) && every.hasOutput(`patterns=*/*`)
+	})
+	if code := every.signal(os.Interrupt); code != 0 {
+		t.Errorf("the */* relay exited %d on SIGINT; want 0", code)
+	}
+	if every.hasOutput("relay running") {
+		t.Error("the */* relay subscribed to a source although its token has payments only")
 	}
 }

@@ -143,14 +143,18 @@ func parseRoutes(specs []string) ([]route, error) {
 // source (a Subscribe stream serves one source); streams of source "*"
 // (*/payments, */*) are one route expanded per source at run time, as
 // parseRoutes' are. Exclusions belong to a catch-all, so they cannot go
-// with streams of several sources or of "*".
+// with streams of several sources or of "*", and are never of source "*"
+// themselves; a name given twice in either list is refused.
 func streamsRoutes(streams, exclude []string, sinkURL string) ([]route, error) {
 	var routes []route
 	bySource := map[string]int{}
-	for _, n := range streams {
+	for i, n := range streams {
 		src, stream, err := splitAddress(n)
 		if err != nil {
 			return nil, fmt.Errorf("--streams: %w", err)
+		}
+		if slices.Contains(streams[:i], n) {
+			return nil, fmt.Errorf("--streams: %q is given twice", n)
 		}
 		if src == anySource && !routeStreamName.MatchString(stream) && stream != "*" {
 			return nil, fmt.Errorf("--streams: %q is not a stream name (want */name, or */* for every stream of every source)", n)
@@ -166,9 +170,15 @@ func streamsRoutes(streams, exclude []string, sinkURL string) ([]route, error) {
 	if j, ok := bySource[anySource]; ok && slices.Contains(routes[j].streams, "*/*") && len(routes[j].streams) > 1 {
 		return nil, fmt.Errorf("--streams: */* takes every stream of every source, so it must be the only */ entry")
 	}
-	for _, n := range exclude {
-		if _, _, err := splitAddress(n); err != nil {
+	for i, n := range exclude {
+		src, _, err := splitAddress(n)
+		switch {
+		case err != nil:
 			return nil, fmt.Errorf("--exclude-streams: %w", err)
+		case src == anySource:
+			return nil, fmt.Errorf("--exclude-streams: %q spans sources, but exclusions belong to the catch-all of one source: name the source (orders/x), or give the rest of each source a --route (*/*=URL beside */x=URL2)", n)
+		case slices.Contains(exclude[:i], n):
+			return nil, fmt.Errorf("--exclude-streams: %q is given twice", n)
 		}
 	}
 	switch {
@@ -197,14 +207,15 @@ func spansSources(routes []route) (fixed, wild []route) {
 }
 
 // expandRoutes is the routes of source "*" (wild) as they apply to the
-// sources the server lists: one route per source and wild route, sharing
-// its sink (index), in the order of sources. A route naming the source
+// sources the server lists for each (sources[i] for wild[i]): one route per
+// source and wild route, sharing its sink (index), in the order of wild,
+// then of sources. A route naming the source
 // itself (fixed) takes precedence: a stream fixed names is left out of
 // "*/stream" for that source, and a source with a catch-all of its own
 // (orders/*, or * for default) gets nothing from wild routes. "*/*" of a
 // source is that source's catch-all, without the streams any route names
 // for it. A wild route left with no stream for a source yields none.
-func expandRoutes(fixed, wild []route, sources []string) []route {
+func expandRoutes(fixed, wild []route, sources [][]string) []route {
 	named := map[string]bool{}    // addresses fixed routes name
 	catchAll := map[string]bool{} // sources fixed routes take the rest of
 	var wildNamed []string        // streams of "*/stream" entries
@@ -225,11 +236,11 @@ func expandRoutes(fixed, wild []route, sources []string) []route {
 		}
 	}
 	var out []route
-	for _, src := range sources {
-		if catchAll[src] {
-			continue
-		}
-		for _, w := range wild {
+	for i, w := range wild {
+		for _, src := range sources[i] {
+			if catchAll[src] {
+				continue
+			}
 			r := route{spec: w.spec, index: w.index, source: src, sinkURL: w.sinkURL}
 			if len(w.streams) == 1 && w.streams[0] == "*/*" {
 				for a := range named {

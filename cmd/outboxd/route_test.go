@@ -151,6 +151,10 @@ func TestStreamsRoutesOfSources(t *testing.T) {
 		{[]string{"*/*", "*/b"}, nil, "*/* takes every stream of every source"},
 		{[]string{"*/b"}, []string{"c"}, "--exclude-streams cannot go with it"},
 		{nil, []string{"x-y/b"}, `--exclude-streams: "x-y/b": source name`},
+		{nil, []string{"*/x"}, `--exclude-streams: "*/x" spans sources`},
+		{[]string{"*/payments", "*/payments"}, nil, `--streams: "*/payments" is given twice`},
+		{[]string{"a", "b", "a"}, nil, `--streams: "a" is given twice`},
+		{nil, []string{"x", "x"}, `--exclude-streams: "x" is given twice`},
 	} {
 		_, err := streamsRoutes(c.streams, c.exclude, "stdout://")
 		if err == nil || !strings.Contains(err.Error(), c.want) {
@@ -191,14 +195,15 @@ func TestExpandRoutesOfEverySource(t *testing.T) {
 	}
 	wants := []want{
 		{0, "billing", []string{"billing/refunds"}, nil}, // billing/payments is route 1's
-		{2, "billing", []string{"billing/*"}, []string{"billing/payments", "billing/refunds"}},
 		{0, "default", []string{"payments", "refunds"}, nil},
-		{2, "default", nil, []string{"payments", "refunds"}},
 		// legacy has a catch-all of its own: no wildcard applies.
 		{0, "orders", []string{"orders/payments", "orders/refunds"}, nil},
+		{2, "billing", []string{"billing/*"}, []string{"billing/payments", "billing/refunds"}},
+		{2, "default", nil, []string{"payments", "refunds"}},
 		{2, "orders", []string{"orders/*"}, []string{"orders/audit", "orders/payments", "orders/refunds"}},
 	}
-	got := expandRoutes(fixed, wild, []string{"billing", "default", "legacy", "orders"})
+	all := []string{"billing", "default", "legacy", "orders"}
+	got := expandRoutes(fixed, wild, [][]string{all, all})
 	if len(got) != len(wants) {
 		t.Fatalf("expandRoutes = %+v; want %d routes", got, len(wants))
 	}
@@ -212,6 +217,13 @@ func TestExpandRoutesOfEverySource(t *testing.T) {
 		t.Errorf("expanded route 0: sink %q, label %q; want route 0's sink, label billing/refunds", r.sinkURL, r.label())
 	}
 
+	// Each wildcard gets the sources listed for it (those where the token
+	// allows its streams): */* of orders alone, */payments of default.
+	if got := expandRoutes(fixed, wild, [][]string{{"default"}, {"orders"}}); len(got) != 2 ||
+		got[0].index != 0 || got[0].source != "default" || got[1].index != 2 || got[1].source != "orders" {
+		t.Errorf("expandRoutes with sources per wildcard = %+v; want route 0 of default, route 2 of orders", got)
+	}
+
 	// */payments alone: a source whose payments another route takes gets
 	// no subscription, and default's catch-all (*) shuts out */* for it.
 	rs, err = parseRoutes([]string{"*/payments=stdout://", "orders/payments=nats://h:4222"})
@@ -219,7 +231,7 @@ func TestExpandRoutesOfEverySource(t *testing.T) {
 		t.Fatal(err)
 	}
 	fixed, wild = spansSources(rs)
-	if got := expandRoutes(fixed, wild, []string{"default", "orders"}); len(got) != 1 || got[0].source != "default" || !reflect.DeepEqual(got[0].streams, []string{"payments"}) {
+	if got := expandRoutes(fixed, wild, [][]string{{"default", "orders"}}); len(got) != 1 || got[0].source != "default" || !reflect.DeepEqual(got[0].streams, []string{"payments"}) {
 		t.Errorf("*/payments beside orders/payments expands to %+v; want default's payments alone", got)
 	}
 	rs, err = streamsRoutes([]string{"*/*", "a"}, nil, "stdout://")
@@ -227,7 +239,7 @@ func TestExpandRoutesOfEverySource(t *testing.T) {
 		t.Fatal(err)
 	}
 	fixed, wild = spansSources(rs)
-	if got := expandRoutes(fixed, wild, []string{"default", "orders"}); len(got) != 2 ||
+	if got := expandRoutes(fixed, wild, [][]string{{"default", "orders"}}); len(got) != 2 ||
 		!reflect.DeepEqual(got[0].exclude, []string{"a"}) || got[0].streams != nil || !reflect.DeepEqual(got[1].streams, []string{"orders/*"}) {
 		t.Errorf("--streams */*,a expands to %+v; want default's catch-all without a, and orders/*", got)
 	}
@@ -236,7 +248,7 @@ func TestExpandRoutesOfEverySource(t *testing.T) {
 		t.Fatal(err)
 	}
 	fixed, wild = spansSources(rs)
-	if got := expandRoutes(fixed, wild, []string{"default", "orders"}); len(got) != 1 || got[0].source != "orders" {
+	if got := expandRoutes(fixed, wild, [][]string{{"default", "orders"}}); len(got) != 1 || got[0].source != "orders" {
 		t.Errorf("* beside */* expands to %+v; want orders' alone (default has its own catch-all)", got)
 	}
 }
@@ -289,5 +301,28 @@ func TestListSourcesOfAnOldServer(t *testing.T) {
 	cancel()
 	if err := <-done; err != nil {
 		t.Errorf("follower stopped with %v; want nil", err)
+	}
+}
+
+// `outboxd relay` refuses at start, exit 2 and before dialing the server,
+// an --exclude-streams of source * (which the server would refuse only
+// later, exit 1) and a stream given twice in --streams.
+func TestRelayRefusesBadStreamsAtStart(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"--exclude-streams", "*/x"}, `"*/x" spans sources`},
+		{[]string{"--streams", "*/payments,*/payments"}, `"*/payments" is given twice`},
+	} {
+		args := append([]string{"relay", "--server", "127.0.0.1:1", "--sink", "stdout://"}, c.args...)
+		// A relay that got past its checks would run until this deadline.
+		ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+		r := runCLI(t, ctx, nil, nil, args...)
+		cancel()
+		if r.code != exitUsage || !strings.Contains(r.stderr, c.want) {
+			t.Errorf("outboxd %s: exit %d, %q; want exit %d mentioning %q", strings.Join(args, " "), r.code, r.stderr, exitUsage, c.want)
+		}
 	}
 }

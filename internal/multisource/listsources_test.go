@@ -3,8 +3,12 @@ package multisource_test
 import (
 	"context"
 	"slices"
+	"strings"
 	"testing"
 	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
 )
@@ -19,13 +23,15 @@ func TestListSources(t *testing.T) {
 		allToken    = "all-relay-token-0123456789"
 		ordersToken = "orders-relay-token-0123456789"
 		salesToken  = "sales-relay-token-0123456789"
+		mixedToken  = "mixed-relay-token-0123456789"
 	)
 	r, dial := twoSourcesWithTokens(t, "all relay "+allToken+"\n"+
 		"orders relay "+ordersToken+" streams=orders/*\n"+
-		"sales relay "+salesToken+" streams=*/sales_order\n")
-	list := func(token string) []string {
+		"sales relay "+salesToken+" streams=*/sales_order\n"+
+		"mixed relay "+mixedToken+" streams=orders/*,payments\n")
+	list := func(token string, streams ...string) []string {
 		t.Helper()
-		res, err := outboxv1.NewRelayServiceClient(dial(token)).ListSources(t.Context(), &outboxv1.ListSourcesRequest{})
+		res, err := outboxv1.NewRelayServiceClient(dial(token)).ListSources(t.Context(), &outboxv1.ListSourcesRequest{Streams: streams})
 		if err != nil {
 			t.Fatalf("ListSources: %v", err)
 		}
@@ -42,6 +48,31 @@ func TestListSources(t *testing.T) {
 		if got := list(c.token); !slices.Equal(got, c.want) {
 			t.Errorf("ListSources with the %s token: %v; want %v", c.name, got, c.want)
 		}
+	}
+	// With streams, a source is listed only where the token allows each of
+	// them ("*": every stream), not merely some stream of it: a relay of
+	// */audit with the orders/*,payments token is told of orders alone, one
+	// of */* of orders alone, and one of */payments of both.
+	for _, c := range []struct {
+		name, token string
+		streams     []string
+		want        []string
+	}{
+		{"orders/*,payments for audit", mixedToken, []string{"audit"}, []string{"orders"}},
+		{"orders/*,payments for *", mixedToken, []string{"*"}, []string{"orders"}},
+		{"orders/*,payments for payments", mixedToken, []string{"payments"}, []string{"default", "orders"}},
+		{"orders/*,payments for payments,audit", mixedToken, []string{"payments", "audit"}, []string{"orders"}},
+		{"*/sales_order for *", salesToken, []string{"*"}, []string{}},
+		{"*/sales_order for sales_order", salesToken, []string{"sales_order"}, []string{"default", "orders"}},
+		{"unrestricted for *", allToken, []string{"*"}, []string{"default", "orders"}},
+	} {
+		if got := list(c.token, c.streams...); !slices.Equal(got, c.want) {
+			t.Errorf("ListSources with the %s token: %v; want %v", c.name, got, c.want)
+		}
+	}
+	_, err := outboxv1.NewRelayServiceClient(dial(allToken)).ListSources(t.Context(), &outboxv1.ListSourcesRequest{Streams: []string{"orders/x"}})
+	if status.Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), "streams[0]") {
+		t.Errorf("ListSources with streams [orders/x]: %v; want INVALID_ARGUMENT naming streams[0]", err)
 	}
 
 	// A stream of orders holding a delivery keeps orders draining (retired,

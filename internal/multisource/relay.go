@@ -11,6 +11,7 @@ import (
 
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
 	"github.com/outboxd/outboxd/internal/auth"
+	"github.com/outboxd/outboxd/server"
 )
 
 // maxAckItems is the engines' limit on one Ack; the Router leaves refusing
@@ -292,17 +293,20 @@ func (rr *relayRouter) ExtendLease(ctx context.Context, req *outboxv1.ExtendLeas
 
 // ListSources names the live sources (not those being removed) the
 // caller's token may subscribe to: those auth.Principal.ForSource grants
-// any stream of. The engines are not asked: which sources a replica serves
-// is the Router's to say, and a source whose database is down is still
-// served (its Subscribe streams wait for it).
-func (rr *relayRouter) ListSources(ctx context.Context, _ *outboxv1.ListSourcesRequest) (*outboxv1.ListSourcesResponse, error) {
+// any stream of, and with streams set those where it grants each of them
+// ("*": every stream of the source), as server.SourceListed decides. The
+// engines are not asked: which sources a replica serves is the Router's to
+// say, and a source whose database is down is still served (its Subscribe
+// streams wait for it).
+func (rr *relayRouter) ListSources(ctx context.Context, req *outboxv1.ListSourcesRequest) (*outboxv1.ListSourcesResponse, error) {
+	if err := server.CheckListSources(req); err != nil {
+		return nil, err
+	}
 	p, restricted := auth.PrincipalFrom(ctx)
 	out := &outboxv1.ListSourcesResponse{Sources: []string{}}
 	for _, name := range rr.r.routes().live() {
-		if restricted {
-			if _, ok := p.ForSource(name); !ok {
-				continue
-			}
+		if restricted && !server.SourceListed(p, name, req.GetStreams()) {
+			continue
 		}
 		out.Sources = append(out.Sources, name)
 	}

@@ -844,7 +844,16 @@ func (x *ExtendLeaseResponse) GetLeaseTtlRemaining() *durationpb.Duration {
 
 // ListSourcesRequest asks which sources the caller may subscribe to.
 type ListSourcesRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// streams, when set, lists only the sources where the caller's token may
+	// access every one of these streams, named without a source ("payments"),
+	// so that a relay of "*/payments" is told of the sources it may
+	// subscribe to payments of, not of every source it may read some stream
+	// of. "*" stands for every stream of the source (a relay of "*/*"). Each
+	// entry is "*" or a name matching ^[a-z][a-z0-9_.-]{0,127}$; at most 64.
+	// Empty: the sources where the token may access any stream. Optional;
+	// servers that predate it ignore it and answer as for empty.
+	Streams       []string `protobuf:"bytes,1,rep,name=streams,proto3" json:"streams,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -877,6 +886,13 @@ func (x *ListSourcesRequest) ProtoReflect() protoreflect.Message {
 // Deprecated: Use ListSourcesRequest.ProtoReflect.Descriptor instead.
 func (*ListSourcesRequest) Descriptor() ([]byte, []int) {
 	return file_outbox_v1_relay_service_proto_rawDescGZIP(), []int{10}
+}
+
+func (x *ListSourcesRequest) GetStreams() []string {
+	if x != nil {
+		return x.Streams
+	}
+	return nil
 }
 
 // ListSourcesResponse names the sources.
@@ -984,8 +1000,9 @@ const file_outbox_v1_relay_service_proto_rawDesc = "" +
 	"\x03ttl\x18\x03 \x01(\v2\x19.google.protobuf.DurationR\x03ttl\"\xa6\x01\n" +
 	"\x13ExtendLeaseResponse\x12D\n" +
 	"\x10lease_expires_at\x18\x01 \x01(\v2\x1a.google.protobuf.TimestampR\x0eleaseExpiresAt\x12I\n" +
-	"\x13lease_ttl_remaining\x18\x02 \x01(\v2\x19.google.protobuf.DurationR\x11leaseTtlRemaining\"\x14\n" +
-	"\x12ListSourcesRequest\"/\n" +
+	"\x13lease_ttl_remaining\x18\x02 \x01(\v2\x19.google.protobuf.DurationR\x11leaseTtlRemaining\".\n" +
+	"\x12ListSourcesRequest\x12\x18\n" +
+	"\astreams\x18\x01 \x03(\tR\astreams\"/\n" +
 	"\x13ListSourcesResponse\x12\x18\n" +
 	"\asources\x18\x01 \x03(\tR\asources*\xc6\x01\n" +
 	"\tAckStatus\x12\x1a\n" +

@@ -67,7 +67,8 @@ type RelayServiceClient interface {
 	ExtendLease(ctx context.Context, in *ExtendLeaseRequest, opts ...grpc.CallOption) (*ExtendLeaseResponse, error)
 	// ListSources names the source databases this server serves that the
 	// caller's token may subscribe to (a token scoped to "orders/*" sees only
-	// orders), so that a relay subscribed by source pattern ("*/payments")
+	// orders; with streams set, only those where it may access all of them),
+	// so that a relay subscribed by source pattern ("*/payments")
 	// can open one Subscribe stream per source and follow sources added and
 	// removed while it runs. A single-source server answers "default"; a
 	// source being removed is no longer listed. Servers that predate it
@@ -183,7 +184,8 @@ type RelayServiceServer interface {
 	ExtendLease(context.Context, *ExtendLeaseRequest) (*ExtendLeaseResponse, error)
 	// ListSources names the source databases this server serves that the
 	// caller's token may subscribe to (a token scoped to "orders/*" sees only
-	// orders), so that a relay subscribed by source pattern ("*/payments")
+	// orders; with streams set, only those where it may access all of them),
+	// so that a relay subscribed by source pattern ("*/payments")
 	// can open one Subscribe stream per source and follow sources added and
 	// removed while it runs. A single-source server answers "default"; a
 	// source being removed is no longer listed. Servers that predate it
