@@ -126,15 +126,7 @@ func TestAnIdleReplicaNoticesDiscoveryStopped(t *testing.T) {
 	url := testdb.New(t)
 	pool := testdb.NewPoolURL(t, url)
 	r := startReplica(t, url, nil)
-	idle := make(chan struct{}, 1)
-	r.Server.SetAfterRoundDue(func(due bool, err error) {
-		if err == nil && !due {
-			select {
-			case idle <- struct{}{}:
-			default:
-			}
-		}
-	})
+	awaitAnEmptyCheck(t, ctx, r)
 	stopped := make(chan struct{}, 1)
 	r.Server.SetAfterDiscover(func(d store.Discovery, err error) (store.Discovery, error) {
 		if errors.Is(err, store.ErrDiscoveryStopped) {
@@ -145,11 +137,6 @@ func TestAnIdleReplicaNoticesDiscoveryStopped(t *testing.T) {
 		}
 		return d, err
 	})
-	select {
-	case <-idle:
-	case <-ctx.Done():
-		t.Fatal("the discovery loop never went idle")
-	}
 
 	change, err := pool.Begin(ctx)
 	if err != nil {
@@ -209,15 +196,7 @@ func TestAnIdleReplicaReportsARecordedStop(t *testing.T) {
 	url := testdb.New(t)
 	pool := testdb.NewPoolURL(t, url)
 	r := startReplica(t, url, nil)
-	idle := make(chan struct{}, 1)
-	r.Server.SetAfterRoundDue(func(due bool, err error) {
-		if err == nil && !due {
-			select {
-			case idle <- struct{}{}:
-			default:
-			}
-		}
-	})
+	awaitAnEmptyCheck(t, ctx, r)
 	stopped := make(chan error, 1)
 	r.Server.SetAfterDiscover(func(d store.Discovery, err error) (store.Discovery, error) {
 		if errors.Is(err, store.ErrDiscoveryStopped) {
@@ -228,11 +207,6 @@ func TestAnIdleReplicaReportsARecordedStop(t *testing.T) {
 		}
 		return d, err
 	})
-	select {
-	case <-idle:
-	case <-ctx.Done():
-		t.Fatal("the discovery loop never went idle")
-	}
 	if _, err := pool.Exec(ctx, `UPDATE outbox.discovery SET stopped_reason = 'recorded by the test', stopped_at = now()`); err != nil {
 		t.Fatal(err)
 	}
@@ -513,20 +487,7 @@ func TestAnIdleReplicaNoticesAnotherCluster(t *testing.T) {
 	url := testdb.New(t)
 	pool := testdb.NewPoolURL(t, url)
 	r := startReplica(t, url, func(c *server.Config) { c.DiscoveryIdleInterval = 5 * time.Millisecond })
-	idle := make(chan struct{}, 1)
-	r.Server.SetAfterRoundDue(func(due bool, err error) {
-		if err == nil && !due {
-			select {
-			case idle <- struct{}{}:
-			default:
-			}
-		}
-	})
-	select {
-	case <-idle:
-	case <-ctx.Done():
-		t.Fatal("the discovery loop never went idle")
-	}
+	awaitAnEmptyCheck(t, ctx, r)
 	if rd := r.Server.CheckReadiness(ctx); !rd.Ready {
 		t.Fatalf("not ready before the move: %s", rd.Reason)
 	}
@@ -540,5 +501,25 @@ func TestAnIdleReplicaNoticesAnotherCluster(t *testing.T) {
 	var recorded bool
 	if err := pool.QueryRow(ctx, `SELECT stopped_reason IS NOT NULL FROM outbox.discovery`).Scan(&recorded); err != nil || !recorded {
 		t.Fatalf("the stop is not recorded (%v)", err)
+	}
+}
+
+// awaitAnEmptyCheck waits until r's discovery loop has made a check that
+// found nothing: it has backed off from its last round.
+func awaitAnEmptyCheck(t *testing.T, ctx context.Context, r *replica) {
+	t.Helper()
+	idle := make(chan struct{}, 1)
+	r.Server.SetAfterRoundDue(func(due bool, err error) {
+		if err == nil && !due {
+			select {
+			case idle <- struct{}{}:
+			default:
+			}
+		}
+	})
+	select {
+	case <-idle:
+	case <-ctx.Done():
+		t.Fatal("the discovery loop never went idle")
 	}
 }
