@@ -57,15 +57,14 @@ func (s *Server) discover(ctx context.Context) {
 	// next round.
 	empty := false
 	// When a round last found events (or the loop started): the loop is
-	// quiet DiscoveryQuietAfter later.
-	lastFound := time.Now()
-	s.lastFound.Store(lastFound.UnixNano())
+	// quiet DiscoveryQuietAfter later (see FoundEventsLately).
+	s.lastFound.Store(time.Now().UnixNano())
 	// reset arms the timer for the next turn: wait, or the quiet interval
 	// (as last set) once an idle loop's rounds have found nothing for long
 	// enough.
 	reset := func() {
 		pause := wait
-		if empty && wait >= s.cfg.DiscoveryIdleInterval && time.Since(lastFound) >= s.cfg.DiscoveryQuietAfter {
+		if empty && wait >= s.cfg.DiscoveryIdleInterval && !s.FoundEventsLately() {
 			pause = max(pause, time.Duration(s.quietInterval.Load()))
 		}
 		if h := s.afterDiscoveryWait.Load(); h != nil {
@@ -131,8 +130,7 @@ func (s *Server) discover(ctx context.Context) {
 		case found.Events > 0:
 			s.metrics.discovered.Add(float64(found.Events))
 			wait = s.cfg.DiscoveryInterval
-			lastFound = time.Now()
-			s.lastFound.Store(lastFound.UnixNano())
+			s.lastFound.Store(time.Now().UnixNano())
 		default:
 			backOff()
 		}

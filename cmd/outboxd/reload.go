@@ -143,9 +143,7 @@ func (s *sourceSet) add(ctx context.Context, src source) (*sourcePool, error) {
 		pool.Close()
 		return nil, err
 	}
-	if e := s.rep.Source(src.name); e != nil {
-		pool.setInUse(e.FoundEventsLately)
-	}
+	pool.followEngine(s.rep, src.name)
 	return pool, nil
 }
 

@@ -299,7 +299,7 @@ func runServer(ctx context.Context, sources []source, f *serveFlags, log *slog.L
 	var named []app.Source
 	var fileSources []source
 	opened := map[string]*sourcePool{}
-	pools := map[string]*sourcePool{} // every pool opened here, for setInUse
+	pools := map[string]*sourcePool{} // every pool opened here, for followEngine
 	var firstErr error
 	for _, src := range sources {
 		reloadable := f.rereadSources != nil && src.name != multisource.Default
@@ -371,9 +371,7 @@ func runServer(ctx context.Context, sources []source, f *serveFlags, log *slog.L
 		return err
 	}
 	for name, pool := range pools {
-		if e := rep.Source(name); e != nil {
-			pool.setInUse(e.FoundEventsLately)
-		}
+		pool.followEngine(rep, name)
 	}
 	if reloads != nil {
 		reloads.rep = rep

@@ -15,6 +15,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/spf13/pflag"
 
+	"github.com/outboxd/outboxd/internal/app"
 	"github.com/outboxd/outboxd/internal/devdb"
 	"github.com/outboxd/outboxd/internal/multisource"
 	"github.com/outboxd/outboxd/internal/store"
@@ -202,6 +203,14 @@ type sourcePool struct {
 // setInUse tells the trimmer whether the source had events lately (see
 // server.Server.FoundEventsLately).
 func (p *sourcePool) setInUse(f func() bool) { p.inUse.Store(&f) }
+
+// followEngine has the trimmer ask the replica's engine of source name
+// whether the source had events lately, once that engine exists.
+func (p *sourcePool) followEngine(rep *app.Replica, name string) {
+	if e := rep.Source(name); e != nil {
+		p.setInUse(e.FoundEventsLately)
+	}
+}
 
 // Close stops trimming the pool and closes it (idempotent).
 func (p *sourcePool) Close() {
