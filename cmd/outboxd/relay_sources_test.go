@@ -19,14 +19,7 @@ import (
 // goes on.
 func TestRelayFollowsSourcesByPattern(t *testing.T) {
 	t.Parallel()
-	def, a, b := testdb.New(t), testdb.New(t), testdb.New(t)
-	dir := t.TempDir()
-	cfg := filepath.Join(dir, "outboxd.yaml")
-	aEntry := "  - a=" + withoutPassword(t, a) + "\n"
-	bEntry := "  - b=" + withoutPassword(t, b) + "\n"
-	if err := os.WriteFile(cfg, []byte("source:\n"+aEntry), 0o600); err != nil {
-		t.Fatal(err)
-	}
+	def, a, b, cfg, aEntry, bEntry := sourcesAAndB(t)
 	grpcAddr, httpAddr := freeAddr(t), freeAddr(t)
 	serve := start(t, "serve", "--config", cfg, "--database-url", def, "--listen", grpcAddr, "--http-listen", httpAddr,
 		"--health-interval", "200ms", "--shutdown-timeout", "5s")
@@ -71,7 +64,7 @@ func TestRelayFollowsSourcesByPattern(t *testing.T) {
 	// b joins the list while the relay runs.
 	bPay := emit("b", "payments")
 	okBefore, _ := sourceReloads(t, httpAddr)
-	replaceFile(t, dir, cfg, "source:\n"+aEntry+bEntry)
+	replaceFile(t, filepath.Dir(cfg), cfg, "source:\n"+aEntry+bEntry)
 	eventually(t, "the reload that adds b", func() bool { ok, _ := sourceReloads(t, httpAddr); return ok > okBefore })
 	eventually(t, "payments of b, added while the relay runs, published", func() bool {
 		running()
@@ -80,7 +73,7 @@ func TestRelayFollowsSourcesByPattern(t *testing.T) {
 
 	// a leaves the list: its subscription is stopped; the others go on.
 	okBefore, _ = sourceReloads(t, httpAddr)
-	replaceFile(t, dir, cfg, "source:\n"+bEntry)
+	replaceFile(t, filepath.Dir(cfg), cfg, "source:\n"+bEntry)
 	eventually(t, "the reload that removes a", func() bool { ok, _ := sourceReloads(t, httpAddr); return ok > okBefore })
 	eventually(t, "the relay to stop a's subscription", func() bool {
 		running()
@@ -105,14 +98,7 @@ func TestRelayFollowsSourcesByPattern(t *testing.T) {
 // list gets b's payments delivered by the relay that never stopped.
 func TestRelayListsSourcesOnReconnect(t *testing.T) {
 	t.Parallel()
-	def, a, b := testdb.New(t), testdb.New(t), testdb.New(t)
-	dir := t.TempDir()
-	cfg := filepath.Join(dir, "outboxd.yaml")
-	aEntry := "  - a=" + withoutPassword(t, a) + "\n"
-	bEntry := "  - b=" + withoutPassword(t, b) + "\n"
-	if err := os.WriteFile(cfg, []byte("source:\n"+aEntry), 0o600); err != nil {
-		t.Fatal(err)
-	}
+	def, a, b, cfg, aEntry, bEntry := sourcesAAndB(t)
 	grpcAddr := freeAddr(t)
 	serveArgs := []string{"serve", "--config", cfg, "--database-url", def, "--listen", grpcAddr, "--http-listen", "", "--shutdown-timeout", "5s"}
 	serve := start(t, serveArgs...)
@@ -220,4 +206,19 @@ func TestRelayByPatternWithATokenOfOneSource(t *testing.T) {
 	if every.hasOutput("relay running") {
 		t.Error("the */* relay subscribed to a source although its token has payments only")
 	}
+}
+
+// sourcesAAndB creates databases for default and sources a and b, and a
+// --config file whose source list names a alone; aEntry and bEntry are the
+// list entries to write when a test changes it.
+func sourcesAAndB(t *testing.T) (def, a, b, cfg, aEntry, bEntry string) {
+	t.Helper()
+	def, a, b = testdb.New(t), testdb.New(t), testdb.New(t)
+	cfg = filepath.Join(t.TempDir(), "outboxd.yaml")
+	aEntry = "  - a=" + withoutPassword(t, a) + "\n"
+	bEntry = "  - b=" + withoutPassword(t, b) + "\n"
+	if err := os.WriteFile(cfg, []byte("source:\n"+aEntry), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return def, a, b, cfg, aEntry, bEntry
 }
