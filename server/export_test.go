@@ -153,3 +153,6 @@ func (s *Server) PollTimer() (fireAt time.Time, armed bool, polls uint64, ok boo
 	}
 	return fireAt, armed, polls, true
 }
+
+// Jitter is the interval of a periodic loop's next tick (see jitter).
+var Jitter = jitter

@@ -45,7 +45,7 @@ func (s *Server) CheckReadiness(ctx context.Context) Readiness {
 // changes (and once at the start), until ctx is done.
 func (s *Server) WatchReadiness(ctx context.Context, interval time.Duration, report func(Readiness)) {
 	var last *Readiness
-	t := time.NewTicker(interval)
+	t := time.NewTimer(jitter(interval))
 	defer t.Stop()
 	for {
 		r := s.CheckReadiness(ctx)
@@ -65,6 +65,7 @@ func (s *Server) WatchReadiness(ctx context.Context, interval time.Duration, rep
 		case <-ctx.Done():
 			return
 		case <-t.C:
+			t.Reset(jitter(interval))
 		}
 	}
 }

@@ -2,6 +2,7 @@ package server
 
 import (
 	"context"
+	"math/rand/v2"
 	"time"
 
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
@@ -36,19 +37,34 @@ func (s *Server) saveSessions(ctx context.Context) {
 // loop of its own: a long retention purge must not let this replica's
 // sessions go stale and vanish from ListRelays.
 func (s *Server) refreshSessions(ctx context.Context) {
-	refresh := time.NewTicker(s.cfg.SessionRefreshInterval)
+	refresh := time.NewTimer(jitter(s.cfg.SessionRefreshInterval))
 	defer refresh.Stop()
 	for {
 		select {
 		case <-ctx.Done():
 			return
 		case <-refresh.C:
+			refresh.Reset(jitter(s.cfg.SessionRefreshInterval))
 			s.saveSessions(ctx)
 			if err := s.store.DeleteStaleStats(ctx, s.sessionTTL(), s.cfg.ReplicaID); err != nil && ctx.Err() == nil {
 				s.log.Warn("removing stale relay sessions failed", "err", err)
 			}
 		}
 	}
+}
+
+// jitter returns d give or take a tenth, at random: the interval of a
+// periodic loop's next tick. An engine's loops (readiness every 2 s, the
+// session refresh every 5 s) started together on plain tickers met every
+// 10 s, and two statements at once on a quiet source's pool open a second
+// connection, a backend start, that the pool trimmer closes again: 50 idle
+// sources opened about 4 PostgreSQL sessions a second that way. Jittered,
+// they meet only by chance, for the millisecond a statement takes.
+func jitter(d time.Duration) time.Duration {
+	if d < 10 {
+		return d
+	}
+	return d - d/10 + rand.N(d/5)
 }
 
 // janitor runs the retention janitor every JanitorInterval when Retention

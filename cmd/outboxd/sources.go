@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"fmt"
 	"log/slog"
+	"math"
 	"os"
 	"slices"
 	"strings"
@@ -12,6 +13,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/spf13/pflag"
 
@@ -198,6 +200,10 @@ type sourcePool struct {
 	// inUse, once its engine is built (setInUse), says whether the source
 	// had events lately: such a pool is not trimmed however few its calls.
 	inUse atomic.Pointer[func() bool]
+	// opened numbers the pool's connections in the order they were opened
+	// (by *pgx.Conn), so that a trim keeps the oldest (see trimIdle).
+	opened  sync.Map
+	openSeq atomic.Int64
 }
 
 // setInUse tells the trimmer whether the source had events lately (see
@@ -225,11 +231,28 @@ func (p *sourcePool) Close() {
 
 // newSourcePool opens the pool of cfg and has it trimmed (see trimIdle).
 func newSourcePool(ctx context.Context, cfg *pgxpool.Config) (*sourcePool, error) {
+	p := &sourcePool{}
+	afterConnect, beforeClose := cfg.AfterConnect, cfg.BeforeClose
+	cfg.AfterConnect = func(ctx context.Context, conn *pgx.Conn) error {
+		if afterConnect != nil {
+			if err := afterConnect(ctx, conn); err != nil {
+				return err
+			}
+		}
+		p.opened.Store(conn, p.openSeq.Add(1))
+		return nil
+	}
+	cfg.BeforeClose = func(conn *pgx.Conn) {
+		p.opened.Delete(conn)
+		if beforeClose != nil {
+			beforeClose(conn)
+		}
+	}
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
 		return nil, err
 	}
-	p := &sourcePool{Pool: pool}
+	p.Pool = pool
 	trimmer.add(p)
 	return p, nil
 }
@@ -319,22 +342,43 @@ func (p *sourcePool) trimIfQuiet() {
 	if quiet {
 		ctx, cancel := context.WithTimeout(context.Background(), quietWindow/4)
 		defer cancel()
-		trimIdle(ctx, p.Pool)
+		p.trimIdle(ctx)
 	}
 }
 
-// trimIdle closes the pool's idle connections but one.
-func trimIdle(ctx context.Context, pool *pgxpool.Pool) {
-	if pool.Stat().IdleConns() < 2 {
+// trimIdle closes the pool's idle connections but the oldest. The oldest
+// is the one to keep: its backend has loaded the catalog, compiled and
+// planned outbox's functions, and pgx has prepared the server's statements
+// on it; a connection an overlap just opened has done none of that, and
+// keeping it instead (pgxpool hands out the most recently used first)
+// made every overlap cost a quiet source all of that again, and more than
+// the backend start itself.
+func (p *sourcePool) trimIdle(ctx context.Context) {
+	if p.Stat().IdleConns() < 2 {
 		return
 	}
-	for i, c := range pool.AcquireAllIdle(ctx) {
-		if i > 0 {
+	idle := p.AcquireAllIdle(ctx)
+	keep := 0
+	for i, c := range idle {
+		if p.openOrder(c) < p.openOrder(idle[keep]) {
+			keep = i
+		}
+	}
+	for i, c := range idle {
+		if i != keep {
 			// Released closed, the connection leaves the pool.
 			_ = c.Conn().Close(ctx)
 		}
 		c.Release()
 	}
+}
+
+// openOrder is c's place in the order the pool's connections were opened.
+func (p *sourcePool) openOrder(c *pgxpool.Conn) int64 {
+	if n, ok := p.opened.Load(c.Conn()); ok {
+		return n.(int64)
+	}
+	return math.MaxInt64
 }
 
 // configureSourcePool applies the source budget to a pool configuration

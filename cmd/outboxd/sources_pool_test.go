@@ -2,6 +2,7 @@ package main
 
 import (
 	"runtime"
+	"slices"
 	"testing"
 	"time"
 
@@ -58,5 +59,69 @@ func TestPoolOfASourceInUseIsNotTrimmed(t *testing.T) {
 	pool.trimIfQuiet()
 	if n := pool.Stat().IdleConns(); n != 1 {
 		t.Fatalf("a quiet source: %d idle connections after a trim, want 1", n)
+	}
+}
+
+// A trim keeps the pool's oldest connection, whose backend has its
+// catalog, compiled functions and prepared statements, and closes the ones
+// an overlap opened, whichever order the pool holds them in.
+func TestTrimKeepsTheOldestConnection(t *testing.T) {
+	t.Parallel()
+	cfg, err := pgxpool.ParseConfig(testdb.New(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	pool, err := newSourcePool(t.Context(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
+	trimmer.remove(pool) // this test trims it itself
+	acquire := func() *pgxpool.Conn {
+		t.Helper()
+		c, err := pool.Acquire(t.Context())
+		if err != nil {
+			t.Fatal(err)
+		}
+		return c
+	}
+	first := acquire()
+	oldest := first.Conn().PgConn().PID()
+	first.Release()
+	for _, oldestReleasedLast := range []bool{false, true} {
+		conns := []*pgxpool.Conn{acquire(), acquire(), acquire()} // the oldest and two new ones
+		slices.SortFunc(conns, func(a, b *pgxpool.Conn) int {
+			isOldest := func(c *pgxpool.Conn) bool { return c.Conn().PgConn().PID() == oldest }
+			switch {
+			case isOldest(a) == isOldest(b):
+				return 0
+			case isOldest(a) == oldestReleasedLast:
+				return 1
+			default:
+				return -1
+			}
+		})
+		for _, c := range conns {
+			c.Release()
+		}
+		deadline := time.Now().Add(10 * time.Second)
+		for pool.Stat().IdleConns() != 3 {
+			if time.Now().After(deadline) {
+				t.Fatalf("%d idle connections, want 3", pool.Stat().IdleConns())
+			}
+			runtime.Gosched()
+		}
+		pool.trimIdle(t.Context())
+		for pool.Stat().TotalConns() != 1 { // closed connections leave the pool in the background
+			if time.Now().After(deadline) {
+				t.Fatalf("oldest released last %v: %d connections after the trim, want 1", oldestReleasedLast, pool.Stat().TotalConns())
+			}
+			runtime.Gosched()
+		}
+		kept := acquire()
+		if pid := kept.Conn().PgConn().PID(); pid != oldest {
+			t.Errorf("oldest released last %v: the trim kept backend %d, want the oldest, %d", oldestReleasedLast, pid, oldest)
+		}
+		kept.Release()
 	}
 }
