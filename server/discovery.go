@@ -166,11 +166,20 @@ type discoveryTurn struct {
 // first). A stop is always asked about, so that readiness follows an
 // operator's re-scan at once rather than at the stopped loop's next try.
 func (s *Server) discoveryStopped(ctx context.Context) (string, error) {
-	fresh := max(2*time.Duration(s.quietInterval.Load()), 2*s.cfg.DiscoveryIdleInterval, time.Second)
-	if t := s.lastTurn.Load(); t != nil && t.stopped == "" && time.Since(t.at) < fresh {
+	if t := s.freshTurn(); t != nil && t.stopped == "" {
 		return "", nil
 	}
 	return s.store.DiscoveryStopped(ctx)
+}
+
+// freshTurn is the discovery loop's last turn that reached the database if
+// it is fresh (the loop turns at least every quiet interval), else nil.
+func (s *Server) freshTurn() *discoveryTurn {
+	fresh := max(2*time.Duration(s.quietInterval.Load()), 2*s.cfg.DiscoveryIdleInterval, time.Second)
+	if t := s.lastTurn.Load(); t != nil && time.Since(t.at) < fresh {
+		return t
+	}
+	return nil
 }
 
 // discoverRound runs one discovery round, dispatching what it can. ready

@@ -89,8 +89,21 @@ func TestStaleSessionCleanupSparesOwnSessions(t *testing.T) {
 	exec(`INSERT INTO outbox.relay_session (session_id, relay_id, peer, replica_id, streams, max_in_flight, connected_at, seen_at)
 		VALUES (gen_random_uuid(), 'r', 'p', 'me', '{}', 1, now(), now() - interval '1 hour'),
 		       (gen_random_uuid(), 'r', 'p', 'crashed', '{}', 1, now(), now() - interval '1 hour')`)
+	exec(`INSERT INTO outbox.delivered_count (stream, bucket, backend_pid, events)
+		VALUES ('old', now() - interval '1 hour', 1, 5), ('recent', now(), 1, 5)`)
 	if err := store.New(pool).DeleteStaleStats(ctx, time.Second, "me"); err != nil {
 		t.Fatal(err)
+	}
+	var counts []string
+	crows, err := pool.Query(ctx, `SELECT stream FROM outbox.delivered_count ORDER BY stream`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if counts, err = pgx.CollectRows(crows, pgx.RowTo[string]); err != nil {
+		t.Fatal(err)
+	}
+	if len(counts) != 1 || counts[0] != "recent" {
+		t.Fatalf("delivery counts left: %v, want only the recent bucket's", counts)
 	}
 	var left []string
 	rows, err := pool.Query(ctx, `SELECT replica_id FROM outbox.relay_session`)

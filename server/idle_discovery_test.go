@@ -474,6 +474,48 @@ func TestReadinessTakesTheStopFromTheDiscoveryLoop(t *testing.T) {
 	if n := calls(); n > 1 {
 		t.Fatalf("outbox.discovery_stopped() was called %d times for %d readiness checks of a replica whose discovery loop turns; want at most 1 (the watch's first, before the loop's first turn)", n, checks)
 	}
+	// Nor do they read the applied migrations again within
+	// Config.SchemaCheckInterval (30 s): once for the watch's first check,
+	// once for the first of the test's if the loop had not turned by then.
+	var reads int64
+	if err := testdb.NewPoolURL(t, url).QueryRow(ctx, `SELECT coalesce(seq_scan, 0) + coalesce(idx_scan, 0)
+		FROM pg_stat_user_tables WHERE schemaname = 'outbox' AND relname = 'goose_db_version'`).Scan(&reads); err != nil {
+		t.Fatal(err)
+	}
+	if reads > 2 {
+		t.Fatalf("the applied migrations were read %d times for %d readiness checks of a replica whose discovery loop turns; want at most 2", reads, checks)
+	}
+}
+
+// Readiness trusts a schema it found current for SchemaCheckInterval, no
+// longer: a migration that becomes pending (here: recorded as rolled
+// back) makes the replica not ready at the next check after that.
+func TestReadinessRereadsTheSchema(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	url := testdb.New(t)
+	r := startReplica(t, url, func(c *server.Config) {
+		c.DiscoveryIdleInterval = 5 * time.Millisecond
+		c.SchemaCheckInterval = 50 * time.Millisecond
+	})
+	var turns atomic.Int64
+	r.Server.SetAfterRoundDue(func(bool, error) { turns.Add(1) })
+	waitFor(t, func() int32 { return b2i(turns.Load() >= 3) })
+	if rd := r.Server.CheckReadiness(ctx); !rd.Ready {
+		t.Fatalf("not ready: %s", rd.Reason)
+	}
+	if _, err := testdb.NewPoolURL(t, url).Exec(ctx, `INSERT INTO outbox.goose_db_version (version_id, is_applied)
+		SELECT max(version_id), false FROM outbox.goose_db_version`); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, func() int32 {
+		rd := r.Server.CheckReadiness(ctx)
+		if !rd.Ready && !strings.Contains(rd.Reason, "migration(s) pending") {
+			t.Fatalf("not ready for another reason: %s", rd.Reason)
+		}
+		return b2i(!rd.Ready)
+	})
 }
 
 // A database moved to another cluster (restored from a dump, pg_upgrade)

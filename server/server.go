@@ -104,6 +104,12 @@ type Config struct {
 	// JanitorInterval defaults to 1m; JanitorBatch to 1000.
 	JanitorInterval time.Duration
 	JanitorBatch    int
+	// SchemaCheckInterval is how long readiness trusts a schema it found
+	// current while the discovery loop's turns show the database answering:
+	// readiness reads the applied migrations again only after it (or at
+	// once when the loop has not reached the database lately), so a quiet
+	// source's readiness check costs no statement. Default 30s.
+	SchemaCheckInterval time.Duration
 
 	// MaxSubscriptionsPerRelay bounds the Subscribe streams one caller (a
 	// token's name, or a relay_id when auth is off) holds open on this
@@ -177,6 +183,7 @@ func (c *Config) setDefaults() error {
 	defInt(&c.AckCommitters, 1)
 	def(&c.SessionRefreshInterval, 5*time.Second)
 	def(&c.JanitorInterval, time.Minute)
+	def(&c.SchemaCheckInterval, 30*time.Second)
 	defInt(&c.JanitorBatch, 1000)
 	defInt(&c.MaxSubscriptionsPerRelay, 64)
 	switch {
@@ -275,6 +282,9 @@ type Server struct {
 	// database said of discovery, and when (nil before the first): readiness
 	// takes it instead of asking again while it is fresh.
 	lastTurn atomic.Pointer[discoveryTurn]
+	// schemaCurrentAt is when readiness last found no migration pending, in
+	// Unix nanoseconds; 0 when it has not or found one since.
+	schemaCurrentAt atomic.Int64
 	// lastFound is when a discovery round last found events (or the loop
 	// started), in Unix nanoseconds.
 	lastFound atomic.Int64

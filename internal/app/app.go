@@ -286,13 +286,15 @@ func (r *Replica) newEngines(ctx context.Context) error {
 // second a replica spreads over its quiet sources (see
 // server.Config.DiscoveryQuietInterval): each source whose rounds have
 // found nothing for a while checks every len(sources)/IdleChecksPerSecond,
-// never more often than its idle interval (25ms: so up to 2 sources
+// never more often than its idle interval (25ms: so with one source
 // nothing changes). A check is one statement, so the budget bounds what
 // quiet sources cost the replica and the database whatever their number;
 // the price is that a quiet source's first event waits up to that interval
-// (500ms with 50 sources) to be found. serve --idle-checks-per-second sets
-// it.
-const DefaultIdleChecksPerSecond = 100
+// (1s with 50 sources) to be found. serve --idle-checks-per-second sets
+// it. 50: a check costs this project's 2-core benchmark machine about
+// 0.9 ms of CPU (server and PostgreSQL, most of it two TCP writes and the
+// wake-ups they cause), so 50 a second are about 4.5 % of a core.
+const DefaultIdleChecksPerSecond = 50
 
 // spreadIdleChecks gives every engine its share of the idle-check budget.
 func (r *Replica) spreadIdleChecks() {

@@ -13,7 +13,7 @@ import (
 )
 
 // A replica spreads its idle-check budget over its sources: with the
-// default (100 a second) up to 2 sources keep the idle interval (25ms), and
+// default (50 a second) one source keeps the idle interval (25ms), and
 // each source added lengthens every source's quiet interval by its share,
 // the ones already running too. Config.IdleChecksPerSecond sets the budget.
 func TestIdleChecksAreSpreadOverTheSources(t *testing.T) {
@@ -43,11 +43,11 @@ func TestIdleChecksAreSpreadOverTheSources(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer rep.Shutdown()
-	check(rep, 5, 50*time.Millisecond)
+	check(rep, 5, 100*time.Millisecond)
 	if err := rep.AddSource(t.Context(), source(5)); err != nil {
 		t.Fatal(err)
 	}
-	check(rep, 6, 60*time.Millisecond)
+	check(rep, 6, 120*time.Millisecond)
 
 	// A budget of 200 a second: 2 sources at 25ms still, 7 at 35ms.
 	for n, want := range map[int]time.Duration{2: 25 * time.Millisecond, 7: 35 * time.Millisecond} {

@@ -271,20 +271,19 @@ func (s *Store) DeleteRelaySession(ctx context.Context, id uuid.UUID) error {
 	return nil
 }
 
-// DeleteStaleStats removes what crashed replicas left behind: relay sessions
+// DeleteStaleStats removes, in one statement, what crashed replicas left behind: relay sessions
 // of other replicas not refreshed within sessionTTL, and delivery-rate
 // buckets older than the minute the rate covers. The calling replica's own
 // sessions are never stale to it (it deletes each when its stream ends), so
 // a refresh delayed on a busy machine cannot make them vanish.
 func (s *Store) DeleteStaleStats(ctx context.Context, sessionTTL time.Duration, replicaID string) error {
-	if _, err := s.pool.Exec(ctx,
-		`DELETE FROM outbox.relay_session WHERE seen_at < clock_timestamp() - $1::interval AND replica_id <> $2`,
+	if _, err := s.pool.Exec(ctx, `
+		WITH stale_sessions AS (
+		    DELETE FROM outbox.relay_session WHERE seen_at < clock_timestamp() - $1::interval AND replica_id <> $2
+		)
+		DELETE FROM outbox.delivered_count WHERE bucket < clock_timestamp() - interval '2 minutes'`,
 		sessionTTL, replicaID); err != nil {
-		return fmt.Errorf("store: delete stale relay sessions: %w", err)
-	}
-	if _, err := s.pool.Exec(ctx,
-		`DELETE FROM outbox.delivered_count WHERE bucket < clock_timestamp() - interval '2 minutes'`); err != nil {
-		return fmt.Errorf("store: delete old delivery counts: %w", err)
+		return fmt.Errorf("store: delete stale relay sessions and delivery counts: %w", err)
 	}
 	return nil
 }
