@@ -46,16 +46,18 @@ func discoverError(err error) error {
 // conditions (a recorded stop, a counter behind the stored xmax) are
 // repeated so that an idle replica still notices and reports a stop. The
 // scan checks the cluster only when it found events (an empty round writes
-// nothing); the check compares it always (with the identifier a round kept
-// for the connection, else pg_control's), and on a difference records the
+// nothing); the check compares it always (with the identifier a round or
+// an earlier check kept for the connection, else pg_control's, which it
+// then keeps as a round does: reading pg_control through the definer
+// function was a third of a check's backend CPU), and on a difference records the
 // stop (outbox.discovery_stopped()), so the round it asks for fails with
 // it: a database moved to another cluster is reported while idle too.
 func (s *Store) RoundDue(ctx context.Context) (bool, error) {
 	var due bool
 	err := s.pool.QueryRow(ctx, `SELECT d.stopped_reason IS NOT NULL
 		    OR pg_snapshot_xmax(d.snapshot) > pg_snapshot_xmax(pg_current_snapshot())
-		    OR (d.system_identifier IS DISTINCT FROM coalesce(nullif(current_setting('outbox.system_identifier', true), '')::bigint,
-		                                                      outbox.cluster_system_identifier())
+		    OR (d.system_identifier IS DISTINCT FROM coalesce(nullif(current_setting('outbox.system_identifier', true), ''),
+		                                                      set_config('outbox.system_identifier', outbox.cluster_system_identifier()::text, false))::bigint
 		        AND outbox.discovery_stopped() IS NOT NULL)
 		    OR EXISTS (SELECT FROM (SELECT e.xid FROM outbox.event e
 		               WHERE e.xid >= pg_snapshot_xmax(d.snapshot) ORDER BY e.xid LIMIT 1) n)
