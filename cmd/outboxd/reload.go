@@ -58,6 +58,8 @@ type sourceSet struct {
 	fixed  map[string]bool // sources given otherwise, never reloaded
 	// reloads counts reloads by result; OnReload (tests) sees each.
 	reloads *prometheus.CounterVec
+	// poolMetrics exports the pools of the sources served.
+	poolMetrics *sourcePoolCollector
 
 	mu   sync.Mutex // serialises reloads
 	live map[string]*reloadableSource
@@ -144,6 +146,7 @@ func (s *sourceSet) add(ctx context.Context, src source) (*sourcePool, error) {
 		return nil, err
 	}
 	pool.followEngine(s.rep, src.name)
+	s.poolMetrics.add(src.name, pool)
 	return pool, nil
 }
 
@@ -158,6 +161,7 @@ func (s *sourceSet) drop(ctx context.Context, rs *reloadableSource) error {
 		return nil
 	}
 	err := s.rep.RemoveSource(ctx, rs.src.name, s.drain)
+	s.poolMetrics.remove(rs.src.name)
 	rs.pool.Close()
 	return err
 }

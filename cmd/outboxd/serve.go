@@ -285,6 +285,7 @@ func runServer(ctx context.Context, sources []source, f *serveFlags, log *slog.L
 	}
 	defer stopTracing()
 	reg := newRegistry()
+	poolMetrics := newSourcePoolCollector(reg)
 	base := server.Config{
 		Logger: log, ReplicaID: f.replicaID,
 		DefaultLeaseTTL: f.defaultLeaseTTL, MaxFailures: f.maxFailures, MaxDeliveries: f.maxDeliveries,
@@ -321,6 +322,7 @@ func runServer(ctx context.Context, sources []source, f *serveFlags, log *slog.L
 			return err
 		}
 		pools[src.name] = pool
+		poolMetrics.add(src.name, pool)
 		if reloadable {
 			opened[src.name] = pool // closed by the sourceSet
 		} else {
@@ -340,7 +342,7 @@ func runServer(ctx context.Context, sources []source, f *serveFlags, log *slog.L
 		reloads = &sourceSet{
 			log: log, base: base, maxConns: f.maxConns, interval: f.healthInterval, drain: f.shutdownTimeout,
 			path: f.sourcesFile, reread: f.rereadSources, fixed: map[string]bool{},
-			reloads: newSourceReloadMetric(reg),
+			reloads: newSourceReloadMetric(reg), poolMetrics: poolMetrics,
 		}
 		if defaultCfg.Store != nil {
 			reloads.fixed[multisource.Default] = true
@@ -373,6 +375,7 @@ func runServer(ctx context.Context, sources []source, f *serveFlags, log *slog.L
 	for name, pool := range pools {
 		pool.followEngine(rep, name)
 	}
+	poolMetrics.setReplica(rep)
 	if reloads != nil {
 		reloads.rep = rep
 		reloads.start(ctx, opened, fileSources)

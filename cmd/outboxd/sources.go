@@ -204,6 +204,28 @@ type sourcePool struct {
 	// (by *pgx.Conn), so that a trim keeps the oldest (see trimIdle).
 	opened  sync.Map
 	openSeq atomic.Int64
+	// checks counts the trimmer's looks at the pool by what it found, for
+	// the metrics (see sourcePoolCollector).
+	checks [trimOutcomes]atomic.Int64
+}
+
+// What the trimmer found when it looked at a pool (trimIfQuiet).
+type trimOutcome int
+
+const (
+	// trimmedQuiet: few calls and no event lately, so its idle connections
+	// but the oldest were closed (none when it had fewer than 2).
+	trimmedQuiet trimOutcome = iota
+	// keptBusy: enough calls over the last quietWindow.
+	keptBusy
+	// keptInUse: few calls, but the source had events lately.
+	keptInUse
+	trimOutcomes
+)
+
+// String is the outcome's label value in outboxd_source_pool_trim_checks_total.
+func (o trimOutcome) String() string {
+	return [trimOutcomes]string{"trimmed", "busy", "in_use"}[o]
 }
 
 // setInUse tells the trimmer whether the source had events lately (see
@@ -333,13 +355,16 @@ func (p *sourcePool) trimIfQuiet() {
 		return
 	}
 	n := p.Stat().AcquireCount()
-	quiet := n-p.counts[p.tick%4] < int64(quietAcquiresPerSecond*quietWindow/time.Second)
-	if f := p.inUse.Load(); f != nil && (*f)() {
-		quiet = false
+	outcome := trimmedQuiet
+	if n-p.counts[p.tick%4] >= int64(quietAcquiresPerSecond*quietWindow/time.Second) {
+		outcome = keptBusy
+	} else if f := p.inUse.Load(); f != nil && (*f)() {
+		outcome = keptInUse
 	}
 	p.counts[p.tick%4] = n
 	p.tick++
-	if quiet {
+	p.checks[outcome].Add(1)
+	if outcome == trimmedQuiet {
 		ctx, cancel := context.WithTimeout(context.Background(), quietWindow/4)
 		defer cancel()
 		p.trimIdle(ctx)

@@ -60,6 +60,12 @@ func TestPoolOfASourceInUseIsNotTrimmed(t *testing.T) {
 	if n := pool.Stat().IdleConns(); n != 1 {
 		t.Fatalf("a quiet source: %d idle connections after a trim, want 1", n)
 	}
+	// The checks are counted by outcome for the metrics.
+	for o, want := range [trimOutcomes]int64{trimmedQuiet: 1, keptBusy: 0, keptInUse: 1} {
+		if got := pool.checks[o].Load(); got != want {
+			t.Errorf("checks %s: %d, want %d", trimOutcome(o), got, want)
+		}
+	}
 }
 
 // A trim keeps the pool's oldest connection, whose backend has its
