@@ -81,7 +81,12 @@ func (s *Server) discover(ctx context.Context) {
 		case <-t.C:
 		}
 		if empty {
-			due, err := s.store.RoundDue(ctx)
+			probe, asked := s.claimProbeWanted(), time.Now()
+			due, claims, err := s.store.RoundDue(ctx, probe, s.cfg.maxDue())
+			if err == nil && claims.Probed {
+				// Asked, not answered: the probe's times then err early.
+				s.claimProbe.Store(&probedClaims{at: asked, ClaimProbe: claims})
+			}
 			if h := s.afterRoundDue.Load(); h != nil {
 				(*h)(due, err)
 			}
@@ -150,6 +155,57 @@ func (s *Server) discover(ctx context.Context) {
 		empty = err == nil && found.Events == 0
 		reset()
 	}
+}
+
+// probedClaims is what a discovery check's probe of the claims found
+// (store.RoundDue), and when.
+type probedClaims struct {
+	at time.Time
+	store.ClaimProbe
+}
+
+// claimProbeWanted says whether the loop's next check should also probe
+// the claims: while a poll group has a member waiting, at most every half
+// PollInterval, so that each poll finds a probe younger than PollInterval
+// (see pollCovered).
+func (s *Server) claimProbeWanted() bool {
+	if p := s.claimProbe.Load(); p != nil && time.Since(p.at) < s.cfg.PollInterval/2 {
+		return false
+	}
+	s.groupsMu.Lock()
+	defer s.groupsMu.Unlock()
+	for _, g := range s.groups {
+		g.mu.Lock()
+		idle := len(g.idle) > 0
+		g.mu.Unlock()
+		if idle {
+			return true
+		}
+	}
+	return false
+}
+
+// pollCovered says whether a poll group's poll at now may skip its claim:
+// the discovery loop's check probed the claims of every stream less than
+// PollInterval ago and found none claimable, and none due by now. A claim
+// would then find only what became claimable since the probe, and each way
+// that happens is covered without it: an event (the loop's next round
+// dispatches it or wakes the groups), an ack, nack or release on this
+// replica (the session is told, or the groups woken), one on another
+// replica or an operator's action (their NOTIFY; a NOTIFY lost with the
+// LISTEN connection is what the poll is for, and a poll skips only on a
+// probe younger than PollInterval, so the first poll after the next probe
+// or after PollInterval claims),
+// a lease expiry or the end of a backoff (the probe's NextIn: a poll after
+// it claims). So a lost notification delays work by at most about twice
+// PollInterval, and an idle replica's checks, which it makes anyway, take
+// the place of its groups' claims: one statement a check for a quiet
+// source with relays, not one more per stream filter and PollInterval. A
+// busy loop does not check, so its groups poll as before.
+func (s *Server) pollCovered(now time.Time) bool {
+	p := s.claimProbe.Load()
+	return p != nil && now.Sub(p.at) < s.cfg.PollInterval && !p.Claimable &&
+		(p.NextIn < 0 || now.Sub(p.at) < p.NextIn)
 }
 
 // discoveryTurn is what one turn of the discovery loop (a check or a

@@ -271,7 +271,8 @@
 //     session waiting with credit polls (one of them claims), and a session
 //     takes the same streams as the others of its group, so a lost NOTIFY
 //     or a dropped LISTEN connection delays an event by at most the poll
-//     interval.
+//     interval, or about twice that where an idle replica's probe let a
+//     poll skip its claim (see Wake-ups).
 //   - Gaps (8): when the next revision is missing but a later one exists, the
 //     claim holds the aggregate in state gap (gap_revision says which one) and
 //     never skips it; discovery wakes it when any event of it commits, and the
@@ -345,6 +346,23 @@
 // move it, so members that keep waking cannot starve it.
 // A reconcile tick makes a session check its leases, never claim by
 // itself: only a lease found gone frees credit to claim with.
+//
+// An idle replica's discovery checks (see Discovery), while a group has a
+// member waiting, also probe the claims in the same statement (at most
+// every half PollInterval: outbox.claim_probe over every stream, whether an
+// aggregate is claimable and when the first will be). A poll that finds
+// such a probe younger than PollInterval, with nothing claimable and
+// nothing due since, skips its claim and backs off as after an empty one
+// (pollCovered): what became claimable after the probe is announced (a
+// round dispatches or wakes, an ack or release here tells its session, one
+// elsewhere or an operator's action NOTIFYs), or due at a time the probe
+// gave, or, for a NOTIFY lost with the LISTEN connection, seen by the next
+// probe, after which the polls claim again; a poll skips only on a probe
+// younger than PollInterval. So a lost notification delays work by at most
+// about twice PollInterval, and a quiet source with idle relays pays one
+// statement per check instead of one more per stream filter and
+// PollInterval. A busy loop does not check, and its groups claim on every
+// poll.
 //
 // A round's own NOTIFY comes back on the replica's LISTEN connection. The
 // round tells the listener the process id of its database backend before it

@@ -156,3 +156,15 @@ func (s *Server) PollTimer() (fireAt time.Time, armed bool, polls uint64, ok boo
 
 // Jitter is the interval of a periodic loop's next tick (see jitter).
 var Jitter = jitter
+
+// SetClaimProbe records p as the discovery loop's latest probe of the
+// claims, taken at.
+func (s *Server) SetClaimProbe(at time.Time, p store.ClaimProbe) {
+	s.claimProbe.Store(&probedClaims{at: at, ClaimProbe: p})
+}
+
+// PollCovered says whether a poll at now may skip its claim (pollCovered).
+func (s *Server) PollCovered(now time.Time) bool { return s.pollCovered(now) }
+
+// SkippedPolls is how many polls skipped their claim.
+func (s *Server) SkippedPolls() uint64 { return s.skippedPolls.Load() }

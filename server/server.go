@@ -328,8 +328,14 @@ type Server struct {
 	// read by tests.
 	groupWakeups atomic.Uint64
 	// afterPoll, when set (by tests), runs each time a poll group's poll
-	// fires, after it woke a member (or kept the wake-up for the next).
+	// fires, after it woke a member (or kept the wake-up for the next) or
+	// skipped its claim (see pollGroup.fire).
 	afterPoll func()
+	// claimProbe is what the discovery loop's last check that probed the
+	// claims found, and when (nil before the first; see pollCovered).
+	claimProbe atomic.Pointer[probedClaims]
+	// skippedPolls counts the polls whose claim a probe made pointless.
+	skippedPolls atomic.Uint64
 	// dispatchNext rotates the session a discovery round offers its first
 	// aggregate to, so that dispatch spreads over the relays.
 	dispatchNext int

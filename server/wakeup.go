@@ -201,7 +201,15 @@ func (g *pollGroup) fire() {
 	}
 	g.armed = false
 	g.polls++
-	g.wakeLocked(true, true)
+	if now := time.Now(); len(g.idle) > 0 && g.srv.pollCovered(now) {
+		// Nothing to claim as of the discovery loop's probe: back off as
+		// after an empty claim and poll again later.
+		g.srv.skippedPolls.Add(1)
+		g.delay = min(g.delay*2, g.srv.cfg.PollInterval)
+		g.armLocked()
+	} else {
+		g.wakeLocked(true, true)
+	}
 	g.mu.Unlock()
 	if h := g.srv.afterPoll; h != nil {
 		h()

@@ -166,3 +166,64 @@ func TestAWakeUpWakesOneSessionOnce(t *testing.T) {
 	}
 	ack(t, r, d.d)
 }
+
+// A poll skips its claim only on a probe younger than PollInterval that
+// found nothing claimable and nothing due by then.
+func TestPollSkipsItsClaimOnlyOnAFreshEmptyProbe(t *testing.T) {
+	t.Parallel()
+	const poll = time.Second
+	r := startReplica(t, testdb.New(t), func(c *server.Config) {
+		c.PollInterval = poll
+		c.DiscoveryIdleInterval = time.Hour // the loop probes nothing during the test
+	})
+	at := time.Now()
+	for _, c := range []struct {
+		what  string
+		probe store.ClaimProbe
+		after time.Duration
+		skip  bool
+	}{
+		{"nothing claimable, nothing due", store.ClaimProbe{Probed: true, NextIn: -1}, poll / 2, true},
+		{"a probe as old as PollInterval", store.ClaimProbe{Probed: true, NextIn: -1}, poll, false},
+		{"something claimable (whatever NextIn says)", store.ClaimProbe{Probed: true, Claimable: true, NextIn: -1}, 0, false},
+		{"a lease expiring later", store.ClaimProbe{Probed: true, NextIn: 300 * time.Millisecond}, 200 * time.Millisecond, true},
+		{"a lease expired since", store.ClaimProbe{Probed: true, NextIn: 300 * time.Millisecond}, 400 * time.Millisecond, false},
+	} {
+		r.Server.SetClaimProbe(at, c.probe)
+		if got := r.Server.PollCovered(at.Add(c.after)); got != c.skip {
+			t.Errorf("%s, %v after the probe: skip %v, want %v", c.what, c.after, got, c.skip)
+		}
+	}
+}
+
+// An idle replica's discovery checks probe the claims, so its poll groups'
+// polls skip their claims while nothing is claimable: an idle source with
+// an idle relay costs one statement per check, not one more per poll. The
+// first event still reaches the relay (the round dispatches it).
+func TestAnIdleReplicasChecksTakeThePlaceOfItsClaims(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	r := startReplica(t, url, func(c *server.Config) {
+		c.PollInterval = 40 * time.Millisecond
+		c.DiscoveryIdleInterval = 5 * time.Millisecond
+	})
+	claims := countClaims(r)
+	var polls atomic.Int64
+	r.Server.SetAfterPoll(func() { polls.Add(1) })
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{RelayId: "relay", MaxInFlight: 4})
+	waitFor(t, func() int32 { return b2i(polls.Load() >= 5) })
+	c0, p0, s0 := claims.Load(), polls.Load(), r.Server.SkippedPolls()
+	waitFor(t, func() int32 { return b2i(polls.Load() >= p0+20) })
+	c1, p1, s1 := claims.Load(), polls.Load(), r.Server.SkippedPolls()
+	if c1-c0 > 2 || s1-s0 < uint64(p1-p0)-2 {
+		t.Fatalf("an idle relay's group made %d claims over %d polls, %d skipped; want its polls to skip their claims", c1-c0, p1-p0, s1-s0)
+	}
+	ids := emit(t, pool, "orders", "a", 1)
+	got := recvAll([]outboxv1.RelayService_SubscribeClient{st})
+	if d := next(t, got); d.d.GetEvent().GetEventId() != ids[0].String() {
+		t.Fatalf("got %v, want the event", d.d)
+	}
+}

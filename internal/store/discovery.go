@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/jackc/pgx/v5/pgconn"
 )
@@ -52,9 +53,19 @@ func discoverError(err error) error {
 // function was a third of a check's backend CPU), and on a difference records the
 // stop (outbox.discovery_stopped()), so the round it asks for fails with
 // it: a database moved to another cluster is reported while idle too.
-func (s *Store) RoundDue(ctx context.Context) (bool, error) {
+//
+// With probeClaims it also answers, in the same statement, what a claim of
+// every stream would find now (outbox.claim_probe): whether an aggregate is
+// claimable, and when the first one will be. An idle replica's poll groups
+// then skip the claims this answer makes pointless (see
+// server.pollGroup.fire); maxDue is the claim's (Config.maxDue).
+func (s *Store) RoundDue(ctx context.Context, probeClaims bool, maxDue time.Duration) (bool, ClaimProbe, error) {
 	var due bool
-	err := s.pool.QueryRow(ctx, `SELECT d.stopped_reason IS NOT NULL
+	var probe ClaimProbe
+	var claimable *bool
+	var nextIn *float64
+	err := s.pool.QueryRow(ctx, `SELECT x.due, p.oldest IS NOT NULL, extract(epoch FROM p.next_at - now())::float8
+		FROM (SELECT d.stopped_reason IS NOT NULL
 		    OR pg_snapshot_xmax(d.snapshot) > pg_snapshot_xmax(pg_current_snapshot())
 		    OR (d.system_identifier IS DISTINCT FROM coalesce(nullif(current_setting('outbox.system_identifier', true), ''),
 		                                                      set_config('outbox.system_identifier', outbox.cluster_system_identifier()::text, false))::bigint
@@ -62,12 +73,34 @@ func (s *Store) RoundDue(ctx context.Context) (bool, error) {
 		    OR EXISTS (SELECT FROM (SELECT e.xid FROM outbox.event e
 		               WHERE e.xid >= pg_snapshot_xmax(d.snapshot) ORDER BY e.xid LIMIT 1) n)
 		    OR EXISTS (SELECT FROM (SELECT e.xid FROM outbox.event e
-		               WHERE e.xid = ANY (ARRAY(SELECT pg_snapshot_xip(d.snapshot))) ORDER BY e.xid LIMIT 1) r)
-		FROM outbox.discovery d`).Scan(&due)
+		               WHERE e.xid = ANY (ARRAY(SELECT pg_snapshot_xip(d.snapshot))) ORDER BY e.xid LIMIT 1) r) AS due
+		      FROM outbox.discovery d) x
+		LEFT JOIN LATERAL (SELECT * FROM outbox.claim_probe(NULL, NULL, now(), $2::interval) WHERE $1::boolean) p ON true`,
+		probeClaims, maxDue).Scan(&due, &claimable, &nextIn)
 	if err != nil {
-		return false, fmt.Errorf("store: discovery round due: %w", err)
+		return false, probe, fmt.Errorf("store: discovery round due: %w", err)
 	}
-	return due, nil
+	if probeClaims {
+		probe = ClaimProbe{Probed: true, Claimable: claimable != nil && *claimable, NextIn: -1}
+		if nextIn != nil {
+			probe.NextIn = time.Duration(*nextIn * float64(time.Second))
+		}
+	}
+	return due, probe, nil
+}
+
+// ClaimProbe is what a claim of every stream would have found when a
+// discovery check probed (Store.RoundDue).
+type ClaimProbe struct {
+	// Probed says the check probed; the rest is zero otherwise.
+	Probed bool
+	// Claimable says an aggregate was claimable; NextIn is how long after
+	// the probe (by the database's clock, so that no clock skew between the
+	// hosts counts) the first one is or becomes claimable: negative when
+	// none will be without a change (an event, a release, an operator's
+	// action).
+	Claimable bool
+	NextIn    time.Duration
 }
 
 // DiscoveryStopped returns why discovery is stopped and what to do, or ""

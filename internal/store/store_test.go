@@ -156,3 +156,42 @@ func TestPoolPingsOnlyLongIdleConnections(t *testing.T) {
 		}
 	}
 }
+
+// A discovery check that probes the claims says whether a claim of every
+// stream would find an aggregate, and when the first one would be
+// claimable; one that does not probe says nothing of them.
+func TestRoundDueProbesTheClaims(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := testdb.NewPool(t)
+	st := store.New(pool)
+	const maxDue = 2 * time.Hour
+	probe := func(want store.ClaimProbe, what string) {
+		t.Helper()
+		_, got, err := st.RoundDue(ctx, true, maxDue)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got.Probed != want.Probed || got.Claimable != want.Claimable || (got.NextIn < 0) != (want.NextIn < 0) ||
+			want.NextIn >= 0 && (got.NextIn < want.NextIn-time.Minute || got.NextIn > want.NextIn) {
+			t.Fatalf("%s: probe %+v, want %+v", what, got, want)
+		}
+	}
+	exec := func(sql string) {
+		t.Helper()
+		if _, err := pool.Exec(ctx, sql); err != nil {
+			t.Fatal(err)
+		}
+	}
+	probe(store.ClaimProbe{Probed: true, NextIn: -1}, "nothing pending")
+	exec(`SELECT outbox.emit('orders', 'a', 'created', '{}')`)
+	exec(`SELECT outbox.discover()`)
+	probe(store.ClaimProbe{Probed: true, Claimable: true, NextIn: 0}, "a ready aggregate")
+	if _, got, err := st.RoundDue(ctx, false, maxDue); err != nil || got.Probed || got.Claimable {
+		t.Fatalf("a check that does not probe: %+v, %v; want no probe", got, err)
+	}
+	exec(`SELECT count(*) FROM outbox.claim(gen_random_uuid(), 'r', 'replica', NULL, 10, interval '1 hour')`)
+	probe(store.ClaimProbe{Probed: true, NextIn: time.Hour}, "an aggregate leased for an hour")
+	exec(`UPDATE outbox.delivery SET lease_expires_at = now() - interval '1 second', claimable_at = now() - interval '1 second'`)
+	probe(store.ClaimProbe{Probed: true, Claimable: true, NextIn: 0}, "a lease that expired")
+}
