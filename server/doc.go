@@ -55,13 +55,14 @@
 // begun) is not visible in S, which was stored before C, so it is
 // "visible now, not in S" to the next check and the next round, which
 // find it, its transaction in S's running list or at or above its xmax.
-// A round that found events is followed by a round, without a check (the
-// scan answers the same question), so a busy replica never pays the extra
-// round trip; the first round after a pause pays it, next to the pause it
-// waited. A source with one event every 50 ms pays two rounds per event
-// (the one that finds it and an empty one after) and about five checks,
-// where a round after every pause cost a dozen empty rounds, each two
-// round trips and the discovery lock.
+// A round that found several events is followed by a round, without a
+// check (the scan answers the same question), so a busy replica never pays
+// the extra round trip; the first round after a pause pays it, next to the
+// pause it waited, and so does the round after one that found a single
+// event. A source with one event every 50 ms pays one round per event and
+// about five checks, where a round after every pause cost a dozen empty
+// rounds, each two round trips and the discovery lock, and a round after
+// every round that found events one empty round per event.
 //
 // Dispatch: a new or idle aggregate has nothing in hand, so instead of
 // making it ready for a claim (a second write of its row, a second

@@ -220,13 +220,14 @@ func TestAnIdleReplicaReportsARecordedStop(t *testing.T) {
 	}
 }
 
-// A discovery loop runs a round right after a round that found events (a
-// busy loop never checks first), checks (store.RoundDue) before the next
-// round after any turn that found nothing, and doubles its pause after each
-// such turn from DiscoveryInterval up to DiscoveryIdleInterval. So a source
+// A discovery loop runs a round right after a round that found several
+// events (a busy loop never checks first), checks (store.RoundDue) before
+// the next round after a round that found one event and after any turn
+// that found nothing, and doubles its pause after each turn that found
+// nothing from DiscoveryInterval up to DiscoveryIdleInterval. So a source
 // with a trickle of events pays one round per event and a few one-statement
-// checks between them, and the check's round trip lands only on the first
-// event after a pause.
+// checks between them, and the check's round trip lands only on an event
+// after a pause or a lone one.
 func TestDiscoveryTurnsAfterAnEventAndAfterNothing(t *testing.T) {
 	t.Parallel()
 	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
@@ -277,14 +278,17 @@ func TestDiscoveryTurnsAfterAnEventAndAfterNothing(t *testing.T) {
 	r.Server.SetAfterDiscoveryWait(func(w time.Duration) { record(turn{kind: "pause", pause: w}) })
 
 	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 4})
-	const events = 3
-	for i := range events {
-		ids := emit(t, pool, "orders", "a", 1)
-		d := recv(t, st)
-		if d.GetEvent().GetEventId() != ids[0].String() {
-			t.Fatalf("event %d: got %v", i, d)
+	// One event alone, then two in one transaction (one round finds
+	// them all), then one alone again.
+	for i, n := range []int{1, 2, 1} {
+		ids := emit(t, pool, "orders", "a", n)
+		for _, id := range ids {
+			d := recv(t, st)
+			if d.GetEvent().GetEventId() != id.String() {
+				t.Fatalf("batch %d: got %v, want %v", i, d, id)
+			}
+			ack(t, r, d)
 		}
-		ack(t, r, d)
 		select {
 		case <-settled:
 		case <-ctx.Done():
@@ -315,8 +319,8 @@ func TestDiscoveryTurnsAfterAnEventAndAfterNothing(t *testing.T) {
 		switch {
 		case tn.kind == "round" && tn.found > 0:
 			found++
-			if next.kind != "round" {
-				t.Fatalf("turn %d: a round found %d events and the next turn was a %s, want a round (turns %v)", i, tn.found, next.kind, turns)
+			if want := map[bool]string{true: "check", false: "round"}[tn.found == 1]; next.kind != want {
+				t.Fatalf("turn %d: a round found %d events and the next turn was a %s, want a %s (turns %v)", i, tn.found, next.kind, want, turns)
 			}
 			if pause != time.Millisecond {
 				t.Fatalf("turn %d: after a round that found events the loop paused %v, want DiscoveryInterval (1ms)", i, pause)
@@ -342,13 +346,13 @@ func TestDiscoveryTurnsAfterAnEventAndAfterNothing(t *testing.T) {
 			}
 		}
 	}
-	if found < events {
-		t.Fatalf("%d rounds found events, want %d at least", found, events)
+	if found < 3 {
+		t.Fatalf("%d rounds found events, want 3 at least", found)
 	}
-	if checks < events*5 {
-		// After the empty round that follows an event: checks 2, 4, 8, 16
-		// and 32 ms apart before the loop settles at 64 ms.
-		t.Fatalf("%d checks found nothing, want %d at least", checks, events*5)
+	if checks < 3*5 {
+		// After each batch: checks 2, 4, 8, 16 and 32 ms apart before the
+		// loop settles at 64 ms.
+		t.Fatalf("%d checks found nothing, want %d at least", checks, 3*5)
 	}
 }
 
