@@ -174,11 +174,13 @@ func migrateSources(ctx context.Context, all []source, log *slog.Logger, out fun
 // PostgreSQL sessions a second for 50 idle sources, each a backend start.
 // A busy source keeps what it opened, up to its budget, and so does one
 // whose discovery found events lately (within DiscoveryQuietAfter, 10 s),
-// however few: a source with an event every 50 ms makes well under
-// quietAcquiresPerSecond calls, but its round, ack and claims overlap, so
-// trimming it opened a connection about once a second (measured: 1.2 new
-// sessions a second per such source), each a backend start that loads the
-// catalog and compiles and plans outbox's functions anew.
+// however few: a source with an event every 200 ms makes about 60 calls
+// a second with no relay (one every 20 ms, about 120: the call count is
+// no measure of use), but its round, ack and claims overlap, so trimming
+// it opened a connection about once a second (measured at 20 events a
+// second: 1.2 new sessions a second per such source), each a backend
+// start that loads the catalog and compiles and plans outbox's functions
+// anew.
 const (
 	quietWindow            = time.Second
 	quietAcquiresPerSecond = 100
