@@ -145,8 +145,7 @@ func (s *sourceSet) add(ctx context.Context, src source) (*sourcePool, error) {
 		pool.Close()
 		return nil, err
 	}
-	pool.followEngine(s.rep, src.name)
-	s.poolMetrics.add(src.name, pool)
+	s.poolMetrics.add(src.name, pool) // and the pool follows its engine
 	return pool, nil
 }
 

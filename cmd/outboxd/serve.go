@@ -300,7 +300,6 @@ func runServer(ctx context.Context, sources []source, f *serveFlags, log *slog.L
 	var named []app.Source
 	var fileSources []source
 	opened := map[string]*sourcePool{}
-	pools := map[string]*sourcePool{} // every pool opened here, for followEngine
 	var firstErr error
 	for _, src := range sources {
 		reloadable := f.rereadSources != nil && src.name != multisource.Default
@@ -321,7 +320,6 @@ func runServer(ctx context.Context, sources []source, f *serveFlags, log *slog.L
 		if err != nil {
 			return err
 		}
-		pools[src.name] = pool
 		poolMetrics.add(src.name, pool)
 		if reloadable {
 			opened[src.name] = pool // closed by the sourceSet
@@ -372,10 +370,7 @@ func runServer(ctx context.Context, sources []source, f *serveFlags, log *slog.L
 	if err != nil {
 		return err
 	}
-	for name, pool := range pools {
-		pool.followEngine(rep, name)
-	}
-	poolMetrics.setReplica(rep)
+	poolMetrics.setReplica(rep) // and each pool follows its engine
 	if reloads != nil {
 		reloads.rep = rep
 		reloads.start(ctx, opened, fileSources)

@@ -30,7 +30,9 @@ type sourcePoolCollector struct {
 }
 
 // newSourcePoolCollector registers the collector on reg; serve adds each
-// source's pool as it opens it (add) and sets the replica once built.
+// source's pool as it opens it (add) and sets the replica once built. The
+// collector is also where a pool gets its engine (sourcePool.followEngine):
+// it is the one list of the pools served, at startup and after reloads.
 func newSourcePoolCollector(reg prometheus.Registerer) *sourcePoolCollector {
 	c := &sourcePoolCollector{
 		pools: map[string]*sourcePool{},
@@ -54,11 +56,15 @@ func newSourcePoolCollector(reg prometheus.Registerer) *sourcePoolCollector {
 	return c
 }
 
-// add exports the pool of source name.
+// add exports the pool of source name and, once the replica is set, has
+// the trimmer follow its engine.
 func (c *sourcePoolCollector) add(name string, p *sourcePool) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	c.pools[name] = p
+	if rep := c.rep.Load(); rep != nil {
+		p.followEngine(rep, name)
+	}
 }
 
 // remove stops exporting source name (removed by a reload).
@@ -68,8 +74,16 @@ func (c *sourcePoolCollector) remove(name string) {
 	delete(c.pools, name)
 }
 
-// setReplica gives the collector the engines once serve has built them.
-func (c *sourcePoolCollector) setReplica(rep *app.Replica) { c.rep.Store(rep) }
+// setReplica gives the collector the engines once serve has built them,
+// and has the trimmer follow each pool's engine.
+func (c *sourcePoolCollector) setReplica(rep *app.Replica) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.rep.Store(rep)
+	for name, p := range c.pools {
+		p.followEngine(rep, name)
+	}
+}
 
 func (c *sourcePoolCollector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{c.conns, c.opened, c.acquires, c.checks, c.quietInterval} {

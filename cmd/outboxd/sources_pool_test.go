@@ -17,16 +17,7 @@ import (
 // connection (a backend start) about once a second.
 func TestPoolOfASourceInUseIsNotTrimmed(t *testing.T) {
 	t.Parallel()
-	cfg, err := pgxpool.ParseConfig(testdb.New(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	pool, err := newSourcePool(t.Context(), cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer pool.Close()
-	trimmer.remove(pool) // this test trims it itself
+	pool := untrimmedSourcePool(t)
 	idle := func(n int) {
 		t.Helper()
 		var conns []*pgxpool.Conn
@@ -73,16 +64,7 @@ func TestPoolOfASourceInUseIsNotTrimmed(t *testing.T) {
 // an overlap opened, whichever order the pool holds them in.
 func TestTrimKeepsTheOldestConnection(t *testing.T) {
 	t.Parallel()
-	cfg, err := pgxpool.ParseConfig(testdb.New(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	pool, err := newSourcePool(t.Context(), cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer pool.Close()
-	trimmer.remove(pool) // this test trims it itself
+	pool := untrimmedSourcePool(t)
 	acquire := func() *pgxpool.Conn {
 		t.Helper()
 		c, err := pool.Acquire(t.Context())
@@ -130,4 +112,21 @@ func TestTrimKeepsTheOldestConnection(t *testing.T) {
 		}
 		kept.Release()
 	}
+}
+
+// untrimmedSourcePool is a source pool on a new database that the
+// process's trimmer leaves alone: the test trims it itself.
+func untrimmedSourcePool(t *testing.T) *sourcePool {
+	t.Helper()
+	cfg, err := pgxpool.ParseConfig(testdb.New(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	pool, err := newSourcePool(t.Context(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	trimmer.remove(pool)
+	return pool
 }
