@@ -224,7 +224,7 @@ func route[Req proto.Message](a *adminRouter, ctx context.Context, req Req) (str
 			})
 		}
 	}
-	e, err := a.r.routes().engineFor(ctx, source, what)
+	e, err := a.r.routes().engine(ctx, source, what)
 	if err != nil {
 		return "", nil, nil, req, err
 	}

@@ -360,12 +360,21 @@ func TestTokenScopedToOneSource(t *testing.T) {
 			t.Errorf("orders/* token subscribing to %v: %v; want PERMISSION_DENIED", streams, err)
 		}
 	}
+	// A source that does not exist: the error names the sources the token
+	// may see, not the others.
+	st, err := scoped.Subscribe(t.Context(), &outboxv1.SubscribeRequest{RelayId: "t", Streams: []string{"nosuch/x"}, MaxInFlight: 1})
+	if err == nil {
+		_, err = st.Recv()
+	}
+	if status.Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), "serves orders to this token") || strings.Contains(err.Error(), "default") {
+		t.Errorf("orders/* token subscribing to nosuch/x: %v; want INVALID_ARGUMENT naming orders only", err)
+	}
 	od := recv(t, subscribe(t, scoped, "orders/sales_order"))
 	if od.GetEvent().GetEventId() != ordersID {
 		t.Errorf("orders/* token got %s; want %s", od.GetEvent().GetEventId(), ordersID)
 	}
 	dd := recv(t, subscribe(t, all, "sales_order"))
-	_, err := scoped.Ack(t.Context(), &outboxv1.AckRequest{Acks: []*outboxv1.AckItem{
+	_, err = scoped.Ack(t.Context(), &outboxv1.AckRequest{Acks: []*outboxv1.AckItem{
 		{EventId: ordersID, LeaseToken: od.GetLeaseToken()}, {EventId: defID, LeaseToken: dd.GetLeaseToken()}}})
 	if status.Code(err) != codes.PermissionDenied {
 		t.Errorf("orders/* token acking a default delivery: %v; want PERMISSION_DENIED", err)

@@ -92,7 +92,7 @@ func (rr *relayRouter) Subscribe(req *outboxv1.SubscribeRequest, stream outboxv1
 	if err != nil {
 		return err
 	}
-	e, err := rr.r.routes().subscribable(sub.source)
+	e, err := rr.r.routes().subscribable(stream.Context(), sub.source)
 	if err != nil {
 		return err
 	}

@@ -175,35 +175,18 @@ func (r *Router) Names() []string { return slices.Clone(r.cur.Load().names) }
 // routes returns the current snapshot of the engines.
 func (r *Router) routes() *routes { return r.cur.Load() }
 
-// engine returns the engine of source, or an error for the client that
-// names the sources there are.
-func (r *Router) engine(source, what string) (*Engine, error) {
-	return r.routes().engine(source, what)
-}
-
-func (rt *routes) engine(source, what string) (*Engine, error) {
-	return rt.lookup(source, what, strings.Join(rt.names, ", "))
-}
-
-// engineFor is engine for a caller: its errors name only the sources the
-// caller's token may see (servedTo).
-func (rt *routes) engineFor(ctx context.Context, source, what string) (*Engine, error) {
-	if e := rt.engines[source]; e != nil {
-		return e, nil
-	}
-	return rt.lookup(source, what, servedTo(ctx, rt.names))
-}
-
-// lookup is engine, its errors saying the server serves served.
-func (rt *routes) lookup(source, what, served string) (*Engine, error) {
+// engine returns the engine of source for a caller, or an error that
+// names the sources the server serves, only those the caller's token may
+// see (servedTo), and is built only on the way out.
+func (rt *routes) engine(ctx context.Context, source, what string) (*Engine, error) {
 	if e := rt.engines[source]; e != nil {
 		return e, nil
 	}
 	if rt.removed[source] {
-		return nil, removedError(source, what, served)
+		return nil, removedError(source, what, servedTo(ctx, rt.names))
 	}
 	return nil, status.Errorf(codes.InvalidArgument, "%s: no source named %.40q; this server serves %s",
-		what, source, served)
+		what, source, servedTo(ctx, rt.names))
 }
 
 // servedTo names, for an error message, the sources of names the caller's
@@ -227,11 +210,11 @@ func servedTo(ctx context.Context, names []string) string {
 
 // subscribable is engine for a new Subscribe stream: a retiring source
 // takes none.
-func (rt *routes) subscribable(source string) (*Engine, error) {
+func (rt *routes) subscribable(ctx context.Context, source string) (*Engine, error) {
 	if rt.retiring[source] {
-		return nil, removedError(source, "streams", strings.Join(rt.live(), ", "))
+		return nil, removedError(source, "streams", servedTo(ctx, rt.live()))
 	}
-	return rt.engine(source, "streams")
+	return rt.engine(ctx, source, "streams")
 }
 
 // live is names without the retiring sources.
