@@ -64,10 +64,7 @@ func chosenSource(names []string, chosen string) string {
 // every source). Default's streams are bare, but all of default is
 // "default/": no stream at all asks every source.
 func address(source, stream string) string {
-	switch {
-	case strings.Contains(stream, "/") || source == "":
-		return stream
-	case source == multisource.Default && stream != "":
+	if strings.Contains(stream, "/") || source == "" || source == multisource.Default && stream != "" {
 		return stream
 	}
 	return source + "/" + stream

@@ -320,10 +320,10 @@ func bulkEach[Req interface {
 		}
 		return nil
 	}
-	if err := run(true); err != nil || req.GetDryRun() {
-		if err != nil {
-			return zero, err
-		}
+	if err := run(true); err != nil {
+		return zero, err
+	}
+	if req.GetDryRun() {
 		return sum, nil
 	}
 	return sum, run(false)
