@@ -86,6 +86,7 @@ func FuzzSubscribeRequest(f *testing.F) {
 	f.Add("", "", uint32(0), int64(-1))
 	f.Add("r", "Orders,orders", uint32(1<<31), int64(1<<40))
 	f.Add("r\n", "a..b,c", uint32(5), int64(0))
+	f.Add("r", "0/x", uint32(1), int64(30)) // a source this server does not serve
 	f.Fuzz(func(t *testing.T, relayID, streams string, maxInFlight uint32, ttlSeconds int64) {
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		defer cancel()

@@ -153,7 +153,7 @@ func TestStreamsOfTwoSources(t *testing.T) {
 
 // TestSubscriptionsNameOneSource: a subscription that spans sources, or
 // names a source the server does not serve, is refused with
-// INVALID_ARGUMENT naming the field; "orders/*" takes every stream of
+// INVALID_ARGUMENT naming the field, in the message and in its details; "orders/*" takes every stream of
 // orders and nothing of default.
 func TestSubscriptionsNameOneSource(t *testing.T) {
 	t.Parallel()
@@ -175,6 +175,9 @@ func TestSubscriptionsNameOneSource(t *testing.T) {
 		}
 		if status.Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("Subscribe(%v, exclude %v): %v; want INVALID_ARGUMENT naming %s", tc.streams, tc.exclude, err, tc.want)
+		}
+		if len(status.Convert(err).Details()) == 0 {
+			t.Errorf("Subscribe(%v, exclude %v): %v; want the field in BadRequest details", tc.streams, tc.exclude, err)
 		}
 	}
 

@@ -175,9 +175,10 @@ func (r *Router) Names() []string { return slices.Clone(r.cur.Load().names) }
 // routes returns the current snapshot of the engines.
 func (r *Router) routes() *routes { return r.cur.Load() }
 
-// engine returns the engine of source for a caller, or an error that
-// names the sources the server serves, only those the caller's token may
-// see (servedTo), and is built only on the way out.
+// engine returns the engine of source for a caller, or an error naming the
+// field what (in the message and in BadRequest details, as the engines'
+// own validation does) and the sources the server serves, only those the
+// caller's token may see (servedTo); it is built only on the way out.
 func (rt *routes) engine(ctx context.Context, source, what string) (*Engine, error) {
 	if e := rt.engines[source]; e != nil {
 		return e, nil
@@ -185,8 +186,7 @@ func (rt *routes) engine(ctx context.Context, source, what string) (*Engine, err
 	if rt.removed[source] {
 		return nil, removedError(source, what, servedTo(ctx, rt.names))
 	}
-	return nil, status.Errorf(codes.InvalidArgument, "%s: no source named %.40q; this server serves %s",
-		what, source, servedTo(ctx, rt.names))
+	return nil, invalid(what, "no source named %.40q; this server serves %s", source, servedTo(ctx, rt.names))
 }
 
 // servedTo names, for an error message, the sources of names the caller's
