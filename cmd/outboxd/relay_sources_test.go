@@ -3,6 +3,7 @@ package main_test
 import (
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -221,4 +222,43 @@ func sourcesAAndB(t *testing.T) (def, a, b, cfg, aEntry, bEntry string) {
 		t.Fatal(err)
 	}
 	return def, a, b, cfg, aEntry, bEntry
+}
+
+// A relay of */payments whose subscriptions the server refuses as invalid
+// (--max-in-flight above the server's limit, 10000) while it still lists
+// their sources stops with that refusal, exit 1, rather than look alive
+// serving none of them: the follower returns the subscription's error
+// instead of starting it again at the next listing.
+func TestRelayByPatternStopsOnARefusedSubscription(t *testing.T) {
+	t.Parallel()
+	def, a := testdb.New(t), testdb.New(t)
+	grpcAddr := freeAddr(t)
+	serve := start(t, "serve", "--database-url", def, "--source", "a="+a, "--listen", grpcAddr, "--http-listen", "")
+	defer serve.signal(os.Interrupt)
+	relay := start(t, "relay", "--server", grpcAddr, "--relay-id", "r", "--route", "*/payments=stdout://",
+		"--max-in-flight", "20000", "--sources-interval", "100ms")
+	// Each subscription the follower starts says "relay running": one of
+	// each source, then the relay stops. A third means a refused one was
+	// started again; "leaving it stopped", that the refusal was taken for
+	// one of the token (PERMISSION_DENIED), which leaves the relay running.
+	eventually(t, "the relay to stop, or to go on after the refusal", func() bool {
+		select {
+		case <-relay.done:
+			return true
+		default:
+		}
+		relay.mu.Lock()
+		out := relay.output.String()
+		relay.mu.Unlock()
+		if starts := strings.Count(out, "relay running"); starts > 2 {
+			t.Fatalf("the relay started %d subscriptions of two sources: it went on after the server refused them, instead of stopping", starts)
+		}
+		if strings.Contains(out, "leaving it stopped") {
+			t.Fatal("the relay left a refused subscription stopped and went on, instead of stopping")
+		}
+		return false
+	})
+	if code := relay.cmd.ProcessState.ExitCode(); code != 1 || !relay.hasOutput("Subscribe refused (InvalidArgument)") || !relay.hasOutput("max_in_flight") {
+		t.Errorf("relay exited %d; want 1, saying Subscribe was refused for max_in_flight", code)
+	}
 }
