@@ -710,7 +710,9 @@ func TestStatusExitCodes(t *testing.T) {
 	}
 
 	if exitCode(nil) != exitOK || exitCode(errors.New("x")) != exitFailure ||
-		exitCode(fmt.Errorf("wrapped: %w", usageError("bad"))) != exitUsage {
+		exitCode(fmt.Errorf("wrapped: %w", usageError("bad"))) != exitUsage ||
+		exitCode(fmt.Errorf("relay: %w", status.Error(codes.InvalidArgument, "max_in_flight"))) != exitUsage ||
+		exitCode(fmt.Errorf("relay: %w", status.Error(codes.Unauthenticated, "token"))) != exitUnauthenticated {
 		t.Errorf("exitCode does not see through wrapping")
 	}
 }

@@ -84,9 +84,14 @@ func exitCode(err error) int {
 	if e, ok := errors.AsType[*exitError](err); ok {
 		return e.code
 	}
-	// A relay refused at its first Subscribe ends with the server's status.
-	if status.Code(err) == codes.Unauthenticated {
+	// A relay the server refused (its token, or its subscription as
+	// invalid: streams, max_in_flight) ends with the server's status, and
+	// exits as an admin command refused the same way would.
+	switch status.Code(err) {
+	case codes.Unauthenticated:
 		return exitUnauthenticated
+	case codes.InvalidArgument:
+		return exitUsage
 	}
 	return exitFailure
 }

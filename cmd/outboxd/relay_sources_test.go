@@ -226,7 +226,7 @@ func sourcesAAndB(t *testing.T) (def, a, b, cfg, aEntry, bEntry string) {
 
 // A relay of */payments whose subscriptions the server refuses as invalid
 // (--max-in-flight above the server's limit, 10000) while it still lists
-// their sources stops with that refusal, exit 1, rather than look alive
+// their sources stops with that refusal, exit 2 (usage or invalid request), rather than look alive
 // serving none of them: the follower returns the subscription's error
 // instead of starting it again at the next listing.
 func TestRelayByPatternStopsOnARefusedSubscription(t *testing.T) {
@@ -258,7 +258,7 @@ func TestRelayByPatternStopsOnARefusedSubscription(t *testing.T) {
 		}
 		return false
 	})
-	if code := relay.cmd.ProcessState.ExitCode(); code != 1 || !relay.hasOutput("Subscribe refused (InvalidArgument)") || !relay.hasOutput("max_in_flight") {
-		t.Errorf("relay exited %d; want 1, saying Subscribe was refused for max_in_flight", code)
+	if code := relay.cmd.ProcessState.ExitCode(); code != 2 || !relay.hasOutput("Subscribe refused (InvalidArgument)") || !relay.hasOutput("max_in_flight") {
+		t.Errorf("relay exited %d; want 2, saying Subscribe was refused for max_in_flight", code)
 	}
 }

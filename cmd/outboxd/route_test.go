@@ -306,7 +306,7 @@ func TestListSourcesOfAnOldServer(t *testing.T) {
 
 // `outboxd relay` refuses at start, exit 2 and before dialing the server,
 // an --exclude-streams of source * (which the server would refuse only
-// later, exit 1) and a stream given twice in --streams.
+// later, as INVALID_ARGUMENT: exit 2 too) and a stream given twice in --streams.
 func TestRelayRefusesBadStreamsAtStart(t *testing.T) {
 	t.Parallel()
 	for _, c := range []struct {
