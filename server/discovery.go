@@ -189,25 +189,39 @@ func (s *Server) claimProbeWanted() bool {
 
 // pollCovered says whether a poll group's poll at now may skip its claim:
 // the discovery loop's check probed the claims of every stream less than
-// PollInterval ago and found none claimable, and none due by now. A claim
+// probeCovers ago and found none claimable, and none due by now. A claim
 // would then find only what became claimable since the probe, and each way
 // that happens is covered without it: an event (the loop's next round
 // dispatches it or wakes the groups), an ack, nack or release on this
 // replica (the session is told, or the groups woken), one on another
 // replica or an operator's action (their NOTIFY; a NOTIFY lost with the
 // LISTEN connection is what the poll is for, and a poll skips only on a
-// probe younger than PollInterval, so the first poll after the next probe
-// or after PollInterval claims),
+// probe younger than probeCovers, so the first poll after the next probe
+// or after probeCovers claims),
 // a lease expiry or the end of a backoff (the probe's NextIn: a poll after
-// it claims). So a lost notification delays work by at most about twice
-// PollInterval, and an idle replica's checks, which it makes anyway, take
-// the place of its groups' claims: one statement a check for a quiet
+// it claims). So a lost notification delays work by at most probeCovers
+// and a PollInterval (about twice PollInterval while checks come at least
+// every half PollInterval), and an idle replica's checks, which it makes
+// anyway, take the place of its groups' claims: one statement a check for a quiet
 // source with relays, not one more per stream filter and PollInterval. A
 // busy loop does not check, so its groups poll as before.
 func (s *Server) pollCovered(now time.Time) bool {
 	p := s.claimProbe.Load()
-	return p != nil && now.Sub(p.at) < s.cfg.PollInterval && !p.Claimable &&
+	return p != nil && now.Sub(p.at) < s.probeCovers() && !p.Claimable &&
 		(p.NextIn < 0 || now.Sub(p.at) < p.NextIn)
+}
+
+// probeCovers is how long a probe that found nothing claimable lets polls
+// skip their claims: PollInterval, or, when the quiet loop checks less often
+// than every half PollInterval (a replica of many sources spreads its
+// budget of checks over them: --idle-checks-per-second), the check
+// interval and half a PollInterval more, so that every poll between two
+// checks finds the last one's probe. Without that margin a replica of 50
+// idle sources checked each every second and half its polls, finding the
+// probe just older than PollInterval, claimed anyway: one statement more
+// per source every two seconds.
+func (s *Server) probeCovers() time.Duration {
+	return max(s.cfg.PollInterval, time.Duration(s.quietInterval.Load())+s.cfg.PollInterval/2)
 }
 
 // discoveryTurn is what one turn of the discovery loop (a check or a

@@ -273,7 +273,9 @@
 //     takes the same streams as the others of its group, so a lost NOTIFY
 //     or a dropped LISTEN connection delays an event by at most the poll
 //     interval, or about twice that where an idle replica's probe let a
-//     poll skip its claim (see Wake-ups).
+//     poll skip its claim (the check interval and one and a half poll
+//     intervals where quiet checks come less often than every half poll
+//     interval: see Wake-ups).
 //   - Gaps (8): when the next revision is missing but a later one exists, the
 //     claim holds the aggregate in state gap (gap_revision says which one) and
 //     never skips it; discovery wakes it when any event of it commits, and the
@@ -352,15 +354,19 @@
 // member waiting, also probe the claims in the same statement (at most
 // every half PollInterval: outbox.claim_probe over every stream, whether an
 // aggregate is claimable and when the first will be). A poll that finds
-// such a probe younger than PollInterval, with nothing claimable and
+// such a probe younger than PollInterval (than the check interval and half
+// a PollInterval, where a replica's budget of quiet checks spread over many
+// sources makes them rarer than every half PollInterval: every poll
+// between two checks then still finds a probe), with nothing claimable and
 // nothing due since, skips its claim and backs off as after an empty one
 // (pollCovered): what became claimable after the probe is announced (a
 // round dispatches or wakes, an ack or release here tells its session, one
 // elsewhere or an operator's action NOTIFYs), or due at a time the probe
 // gave, or, for a NOTIFY lost with the LISTEN connection, seen by the next
 // probe, after which the polls claim again; a poll skips only on a probe
-// younger than PollInterval. So a lost notification delays work by at most
-// about twice PollInterval, and a quiet source with idle relays pays one
+// younger than that bound. So a lost notification delays work by at most
+// about twice PollInterval (the check interval and one and a half
+// PollIntervals for a rarely checked source), and a quiet source with idle relays pays one
 // statement per check instead of one more per stream filter and
 // PollInterval. A busy loop does not check, and its groups claim on every
 // poll.

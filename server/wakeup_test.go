@@ -167,28 +167,37 @@ func TestAWakeUpWakesOneSessionOnce(t *testing.T) {
 	ack(t, r, d.d)
 }
 
-// A poll skips its claim only on a probe younger than PollInterval that
-// found nothing claimable and nothing due by then.
+// A poll skips its claim only on a probe younger than PollInterval (or,
+// when the quiet loop checks less often, than the check interval and half
+// a PollInterval) that found nothing claimable and nothing due by then.
 func TestPollSkipsItsClaimOnlyOnAFreshEmptyProbe(t *testing.T) {
 	t.Parallel()
 	const poll = time.Second
-	r := startReplica(t, testdb.New(t), func(c *server.Config) {
-		c.PollInterval = poll
-		c.DiscoveryIdleInterval = time.Hour // the loop probes nothing during the test
-	})
+	// No session waits, so the discovery loop's checks probe nothing
+	// (claimProbeWanted): the probe is the test's.
+	r := startReplica(t, testdb.New(t), func(c *server.Config) { c.PollInterval = poll })
 	at := time.Now()
 	for _, c := range []struct {
 		what  string
+		quiet time.Duration // the quiet loop's check interval, if set
 		probe store.ClaimProbe
 		after time.Duration
 		skip  bool
 	}{
-		{"nothing claimable, nothing due", store.ClaimProbe{Probed: true, NextIn: -1}, poll / 2, true},
-		{"a probe as old as PollInterval", store.ClaimProbe{Probed: true, NextIn: -1}, poll, false},
-		{"something claimable (whatever NextIn says)", store.ClaimProbe{Probed: true, Claimable: true, NextIn: -1}, 0, false},
-		{"a lease expiring later", store.ClaimProbe{Probed: true, NextIn: 300 * time.Millisecond}, 200 * time.Millisecond, true},
-		{"a lease expired since", store.ClaimProbe{Probed: true, NextIn: 300 * time.Millisecond}, 400 * time.Millisecond, false},
+		{"nothing claimable, nothing due", 0, store.ClaimProbe{Probed: true, NextIn: -1}, poll / 2, true},
+		{"a probe as old as PollInterval", 0, store.ClaimProbe{Probed: true, NextIn: -1}, poll, false},
+		{"something claimable (whatever NextIn says)", 0, store.ClaimProbe{Probed: true, Claimable: true, NextIn: -1}, 0, false},
+		{"a lease expiring later", 0, store.ClaimProbe{Probed: true, NextIn: 300 * time.Millisecond}, 200 * time.Millisecond, true},
+		{"a lease expired since", 0, store.ClaimProbe{Probed: true, NextIn: 300 * time.Millisecond}, 400 * time.Millisecond, false},
+		// A loop that checks every 2 s (a replica of many sources): a poll
+		// just before the next check still finds the last probe, which
+		// covers the check interval and half a PollInterval.
+		{"a probe just older than the check interval", 2 * time.Second, store.ClaimProbe{Probed: true, NextIn: -1}, 2*time.Second + poll/4, true},
+		{"a probe older than the check interval and half a PollInterval", 2 * time.Second, store.ClaimProbe{Probed: true, NextIn: -1}, 2*time.Second + poll/2, false},
 	} {
+		if c.quiet > 0 {
+			r.Server.SetDiscoveryQuietInterval(c.quiet) // never set back: these cases come last
+		}
 		r.Server.SetClaimProbe(at, c.probe)
 		if got := r.Server.PollCovered(at.Add(c.after)); got != c.skip {
 			t.Errorf("%s, %v after the probe: skip %v, want %v", c.what, c.after, got, c.skip)
