@@ -62,32 +62,40 @@ func discoverError(err error) error {
 func (s *Store) RoundDue(ctx context.Context, probeClaims bool, maxDue time.Duration) (bool, ClaimProbe, error) {
 	var due bool
 	var probe ClaimProbe
-	var claimable *bool
-	var nextIn *float64
-	err := s.pool.QueryRow(ctx, `SELECT x.due, p.oldest IS NOT NULL, extract(epoch FROM p.next_at - now())::float8
-		FROM (SELECT d.stopped_reason IS NOT NULL
-		    OR pg_snapshot_xmax(d.snapshot) > pg_snapshot_xmax(pg_current_snapshot())
-		    OR (d.system_identifier IS DISTINCT FROM coalesce(nullif(current_setting('outbox.system_identifier', true), ''),
-		                                                      set_config('outbox.system_identifier', outbox.cluster_system_identifier()::text, false))::bigint
-		        AND outbox.discovery_stopped() IS NOT NULL)
-		    OR EXISTS (SELECT FROM (SELECT e.xid FROM outbox.event e
-		               WHERE e.xid >= pg_snapshot_xmax(d.snapshot) ORDER BY e.xid LIMIT 1) n)
-		    OR EXISTS (SELECT FROM (SELECT e.xid FROM outbox.event e
-		               WHERE e.xid = ANY (ARRAY(SELECT pg_snapshot_xip(d.snapshot))) ORDER BY e.xid LIMIT 1) r) AS due
-		      FROM outbox.discovery d) x
-		LEFT JOIN LATERAL (SELECT * FROM outbox.claim_probe(NULL, NULL, now(), $2::interval) WHERE $1::boolean) p ON true`,
-		probeClaims, maxDue).Scan(&due, &claimable, &nextIn)
-	if err != nil {
-		return false, probe, fmt.Errorf("store: discovery round due: %w", err)
-	}
-	if probeClaims {
-		probe = ClaimProbe{Probed: true, Claimable: claimable != nil && *claimable, NextIn: -1}
+	var err error
+	if !probeClaims {
+		err = s.pool.QueryRow(ctx, `SELECT `+roundDueSQL).Scan(&due)
+	} else {
+		var claimable bool
+		var nextIn *float64
+		err = s.pool.QueryRow(ctx, `SELECT (`+roundDueSQL+`), p.oldest IS NOT NULL, extract(epoch FROM p.next_at - now())::float8
+			FROM outbox.claim_probe(NULL, NULL, now(), $1::interval) p`, maxDue).Scan(&due, &claimable, &nextIn)
+		probe = ClaimProbe{Probed: true, Claimable: claimable, NextIn: -1}
 		if nextIn != nil {
 			probe.NextIn = time.Duration(*nextIn * float64(time.Second))
 		}
 	}
+	if err != nil {
+		return false, ClaimProbe{}, fmt.Errorf("store: discovery round due: %w", err)
+	}
 	return due, probe, nil
 }
+
+// roundDueSQL is RoundDue's question, an expression. The check without the
+// probe is its own statement, not the probe's statement with the probe
+// switched off by a parameter: PostgreSQL planned that one afresh on every
+// call (its custom plan, with the probe cut away, looked far cheaper than
+// the generic plan), 550 against 170 µs of backend CPU per check.
+const roundDueSQL = `(SELECT d.stopped_reason IS NOT NULL
+	    OR pg_snapshot_xmax(d.snapshot) > pg_snapshot_xmax(pg_current_snapshot())
+	    OR (d.system_identifier IS DISTINCT FROM coalesce(nullif(current_setting('outbox.system_identifier', true), ''),
+	                                                      set_config('outbox.system_identifier', outbox.cluster_system_identifier()::text, false))::bigint
+	        AND outbox.discovery_stopped() IS NOT NULL)
+	    OR EXISTS (SELECT FROM (SELECT e.xid FROM outbox.event e
+	               WHERE e.xid >= pg_snapshot_xmax(d.snapshot) ORDER BY e.xid LIMIT 1) n)
+	    OR EXISTS (SELECT FROM (SELECT e.xid FROM outbox.event e
+	               WHERE e.xid = ANY (ARRAY(SELECT pg_snapshot_xip(d.snapshot))) ORDER BY e.xid LIMIT 1) r)
+	  FROM outbox.discovery d)`
 
 // ClaimProbe is what a claim of every stream would have found when a
 // discovery check probed (Store.RoundDue).

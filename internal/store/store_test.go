@@ -157,6 +157,51 @@ func TestPoolPingsOnlyLongIdleConnections(t *testing.T) {
 	}
 }
 
+// An idle replica's check runs up to 40 times a second per source, so
+// PostgreSQL must plan it once, not on every call: the check with the probe
+// and the check without must each settle on the connection's cached
+// (generic) plan. One statement with the probe switched off by a parameter
+// was planned afresh on every call without it (its custom plan looked far
+// cheaper than the generic one): 550 against 170 µs of backend CPU.
+func TestRoundDueIsNotReplannedOnEveryCall(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	// One connection, so pg_prepared_statements shows the check's own.
+	pool := testdb.NewPoolConfig(t, func(c *pgxpool.Config) { c.MaxConns = 1 })
+	st := store.New(pool)
+	const calls = 20
+	for range calls {
+		for _, probe := range []bool{false, true} {
+			if _, _, err := st.RoundDue(ctx, probe, time.Hour); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	rows, err := pool.Query(ctx, `SELECT left(statement, 60), generic_plans, custom_plans FROM pg_prepared_statements
+		WHERE statement LIKE '%pg_snapshot_xmax(d.snapshot)%' AND statement NOT LIKE '%pg_prepared_statements%'`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	type plans struct {
+		Statement       string
+		Generic, Custom int64
+	}
+	got, err := pgx.CollectRows(rows, pgx.RowToStructByPos[plans])
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(got) == 0 {
+		t.Fatal("no prepared check statement on the connection")
+	}
+	for _, p := range got {
+		// PostgreSQL tries 5 custom plans before it may settle on the generic one.
+		if p.Custom > 5 || p.Generic+p.Custom < calls {
+			t.Errorf("%q: %d generic and %d custom plans over %d calls; want it planned once it settles (at most 5 custom)",
+				p.Statement, p.Generic, p.Custom, p.Generic+p.Custom)
+		}
+	}
+}
+
 // A discovery check that probes the claims says whether a claim of every
 // stream would find an aggregate, and when the first one would be
 // claimable; one that does not probe says nothing of them.
