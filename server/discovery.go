@@ -136,8 +136,19 @@ func (s *Server) discover(ctx context.Context) {
 			s.log.Warn("discovery round failed; retrying", "err", err, "in", wait)
 		case found.Events > 0:
 			s.metrics.discovered.Add(float64(found.Events))
+			now := time.Now()
 			wait = s.cfg.DiscoveryInterval
-			s.lastFound.Store(time.Now().UnixNano())
+			if found.Events == 1 && now.Sub(time.Unix(0, s.lastFound.Load())) > s.cfg.DiscoveryIdleInterval {
+				// A trickle: one event, and the round before that found any
+				// was more than the idle interval ago. A check 1, 2, 4 ms
+				// later would almost never find the next one (a source with
+				// an event every 50 ms made 4-6 empty checks per event), so
+				// the first waits half the idle interval. Events closer
+				// together (a busier source, a burst under way) keep the
+				// short pause.
+				wait = max(s.cfg.DiscoveryInterval, s.cfg.DiscoveryIdleInterval/2)
+			}
+			s.lastFound.Store(now.UnixNano())
 		default:
 			backOff()
 		}

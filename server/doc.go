@@ -59,10 +59,15 @@
 // check (the scan answers the same question), so a busy replica never pays
 // the extra round trip; the first round after a pause pays it, next to the
 // pause it waited, and so does the round after one that found a single
-// event. A source with one event every 50 ms pays one round per event and
-// about five checks, where a round after every pause cost a dozen empty
-// rounds, each two round trips and the discovery lock, and a round after
-// every round that found events one empty round per event.
+// event. That check follows after DiscoveryInterval, but after half the
+// idle interval in a trickle (a lone event, the round before that found
+// any more than the idle interval earlier), where checks 1, 2, 4 ms later
+// would almost never find the next event; events closer together keep the
+// short pause, so a burst or a busy source is not slowed. A source with one
+// event every 50 ms pays one round per event and about two checks, where
+// the doubling from DiscoveryInterval cost five, a round after every pause
+// a dozen empty rounds, each two round trips and the discovery lock, and a
+// round after every round that found events one empty round per event.
 //
 // Dispatch: a new or idle aggregate has nothing in hand, so instead of
 // making it ready for a claim (a second write of its row, a second

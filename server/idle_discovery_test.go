@@ -11,6 +11,7 @@ import (
 
 	"github.com/google/uuid"
 
+	"github.com/outboxd/outboxd/client"
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
 	"github.com/outboxd/outboxd/internal/store"
 	"github.com/outboxd/outboxd/internal/testdb"
@@ -224,17 +225,20 @@ func TestAnIdleReplicaReportsARecordedStop(t *testing.T) {
 // events (a busy loop never checks first), checks (store.RoundDue) before
 // the next round after a round that found one event and after any turn
 // that found nothing, and doubles its pause after each turn that found
-// nothing from DiscoveryInterval up to DiscoveryIdleInterval. So a source
-// with a trickle of events pays one round per event and a few one-statement
-// checks between them, and the check's round trip lands only on an event
-// after a pause or a lone one.
+// nothing up to DiscoveryIdleInterval. The pause after a round that found
+// events is DiscoveryInterval, but half the idle interval after a lone
+// event in a trickle (the round before that found any was more than the
+// idle interval earlier), where checks 1, 2, 4 ms later would almost never
+// find the next one. So a source with a trickle of events pays one round
+// per event and one or two one-statement checks between them, and the
+// check's round trip lands only on an event after a pause or a lone one.
 func TestDiscoveryTurnsAfterAnEventAndAfterNothing(t *testing.T) {
 	t.Parallel()
 	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
 	defer cancel()
 	url := testdb.New(t)
 	pool := testdb.NewPoolURL(t, url)
-	const idle = 64 * time.Millisecond
+	const idle = 400 * time.Millisecond
 	r := startReplica(t, url, func(c *server.Config) {
 		c.DiscoveryInterval = time.Millisecond
 		c.DiscoveryIdleInterval = idle
@@ -250,8 +254,9 @@ func TestDiscoveryTurnsAfterAnEventAndAfterNothing(t *testing.T) {
 	}
 	var mu sync.Mutex
 	var turns []turn
-	settled := make(chan struct{}, 16) // a pause of idle after a round that found events
-	seenEvent := false
+	settled := make(chan struct{}, 16) // a pause of idle after a round that found events (or after the start)
+	foundOne := make(chan struct{}, 16)
+	seenEvent := true // the start counts: the first batch waits for a quiet loop
 	record := func(tn turn) {
 		mu.Lock()
 		defer mu.Unlock()
@@ -259,12 +264,26 @@ func TestDiscoveryTurnsAfterAnEventAndAfterNothing(t *testing.T) {
 		switch {
 		case tn.kind == "round" && tn.found > 0:
 			seenEvent = true
+			foundOne <- struct{}{}
 		case tn.kind == "pause" && tn.pause == idle && seenEvent:
 			seenEvent = false
 			settled <- struct{}{}
 		}
 	}
+	// The second event is emitted by the hook of the round that found the
+	// first, on the loop's goroutine, so it is committed before that round's
+	// pause begins: the next round, half an idle interval later, finds it.
+	var second uuid.UUID
+	var secondErr error
+	rounds := 0
 	r.Server.SetAfterDiscover(func(d store.Discovery, err error) (store.Discovery, error) {
+		if err == nil && d.Events > 0 {
+			if rounds++; rounds == 1 {
+				var e client.Emitted
+				e, secondErr = client.Emit(ctx, pool, client.Event{Stream: "orders", AggregateKey: "a", Type: "Changed", Payload: []byte(`{}`)})
+				second = e.ID
+			}
+		}
 		if err == nil {
 			record(turn{kind: "round", found: d.Events})
 		}
@@ -276,24 +295,44 @@ func TestDiscoveryTurnsAfterAnEventAndAfterNothing(t *testing.T) {
 		}
 	})
 	r.Server.SetAfterDiscoveryWait(func(w time.Duration) { record(turn{kind: "pause", pause: w}) })
-
+	wait := func(c chan struct{}, what string) {
+		t.Helper()
+		select {
+		case <-c:
+		case <-ctx.Done():
+			t.Fatalf("%s never came", what)
+		}
+	}
 	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 4})
-	// One event alone, then two in one transaction (one round finds
-	// them all), then one alone again.
-	for i, n := range []int{1, 2, 1} {
-		ids := emit(t, pool, "orders", "a", n)
+	deliver := func(ids []uuid.UUID) {
+		t.Helper()
 		for _, id := range ids {
 			d := recv(t, st)
 			if d.GetEvent().GetEventId() != id.String() {
-				t.Fatalf("batch %d: got %v, want %v", i, d, id)
+				t.Fatalf("got %v, want %v", d, id)
 			}
 			ack(t, r, d)
 		}
-		select {
-		case <-settled:
-		case <-ctx.Done():
-			t.Fatalf("event %d: the loop never backed off to its idle interval", i)
-		}
+	}
+	wait(settled, "a quiet loop")
+	// A lone event after a quiet spell (a trickle), and another emitted as
+	// soon as its round ran, so found half an idle interval later: close
+	// together (the rounds' gap is the pause and a check, well under the
+	// idle interval). Then, once the loop is quiet again, two events in one
+	// transaction (one round finds them both), and a lone one again.
+	want := []time.Duration{idle / 2, time.Millisecond, time.Millisecond, idle / 2}
+	first := emit(t, pool, "orders", "a", 1)
+	wait(foundOne, "the round that found the first event")
+	if secondErr != nil {
+		t.Fatal(secondErr)
+	}
+	deliver(append(first, second))
+	wait(foundOne, "the round that found the second event")
+	wait(settled, "a quiet loop after the second event")
+	for _, n := range []int{2, 1} {
+		deliver(emit(t, pool, "orders", "a", n))
+		wait(foundOne, "a round that found events")
+		wait(settled, "a quiet loop")
 	}
 
 	mu.Lock()
@@ -318,13 +357,13 @@ func TestDiscoveryTurnsAfterAnEventAndAfterNothing(t *testing.T) {
 		next := turns[j]
 		switch {
 		case tn.kind == "round" && tn.found > 0:
-			found++
 			if want := map[bool]string{true: "check", false: "round"}[tn.found == 1]; next.kind != want {
 				t.Fatalf("turn %d: a round found %d events and the next turn was a %s, want a %s (turns %v)", i, tn.found, next.kind, want, turns)
 			}
-			if pause != time.Millisecond {
-				t.Fatalf("turn %d: after a round that found events the loop paused %v, want DiscoveryInterval (1ms)", i, pause)
+			if found < len(want) && pause != want[found] {
+				t.Fatalf("turn %d: after round %d that found events (%d) the loop paused %v, want %v (turns %v)", i, found+1, tn.found, pause, want[found], turns)
 			}
+			found++
 		case tn.kind == "check" && tn.due:
 			if next.kind != "round" {
 				t.Fatalf("turn %d: a check said a round is due and the next turn was a %s (turns %v)", i, next.kind, turns)
@@ -346,13 +385,13 @@ func TestDiscoveryTurnsAfterAnEventAndAfterNothing(t *testing.T) {
 			}
 		}
 	}
-	if found < 3 {
-		t.Fatalf("%d rounds found events, want 3 at least", found)
+	if found != len(want) {
+		t.Fatalf("%d rounds found events, want %d (turns %v)", found, len(want), turns)
 	}
-	if checks < 3*5 {
-		// After each batch: checks 2, 4, 8, 16 and 32 ms apart before the
-		// loop settles at 64 ms.
-		t.Fatalf("%d checks found nothing, want %d at least", checks, 3*5)
+	if checks < 2*5 {
+		// After the close pair and the burst: checks 2, 4, 8, 16 and 32 ms
+		// apart (and more) before the loop settles at the idle interval.
+		t.Fatalf("%d checks found nothing, want %d at least", checks, 2*5)
 	}
 }
 
