@@ -22,9 +22,11 @@ import (
 // owns. Every replica runs the loop; replicas take turns in the database, so
 // concurrent rounds cost one advisory-lock attempt each.
 //
-// While rounds find events the loop runs every DiscoveryInterval; once a
-// round finds nothing it doubles the wait, up to DiscoveryIdleInterval,
-// which is then the longest an event waits for its first round. After a
+// While rounds find events the loop runs every DiscoveryInterval (after a
+// lone event in a trickle, half DiscoveryIdleInterval: see doc.go,
+// Discovery); once a round finds nothing it doubles the wait, up to
+// DiscoveryIdleInterval, which is then the longest an event waits for its
+// first round. After a
 // turn that found nothing the loop first asks whether the next round has
 // anything to do (store.RoundDue: one statement, one round trip, no
 // transaction, no discovery lock) and runs the round only then, where an
@@ -64,11 +66,14 @@ func (s *Server) discover(ctx context.Context) {
 	// reset arms the timer for the next turn: wait, or the quiet interval
 	// (as last set) once an idle loop's rounds have found nothing for long
 	// enough.
-	reset := func() {
-		pause := wait
+	nextPause := func() time.Duration {
 		if empty && wait >= s.cfg.DiscoveryIdleInterval && !s.FoundEventsLately() {
-			pause = max(pause, time.Duration(s.quietInterval.Load()))
+			return max(wait, time.Duration(s.quietInterval.Load()))
 		}
+		return wait
+	}
+	reset := func() {
+		pause := nextPause()
 		if h := s.afterDiscoveryWait.Load(); h != nil {
 			(*h)(pause)
 		}
@@ -85,19 +90,28 @@ func (s *Server) discover(ctx context.Context) {
 		if empty {
 			probe, asked := s.claimProbeWanted(), time.Now()
 			due, claims, err := s.store.RoundDue(ctx, probe, s.cfg.maxDue())
+			nothing := err == nil && !due
+			if nothing {
+				backOff()
+			}
 			if err == nil && claims.Probed {
 				// Asked, not answered: the probe's times then err early.
-				s.claimProbe.Store(&probedClaims{at: asked, ClaimProbe: claims})
+				// It covers the polls until the next check, whose pause is
+				// known now (a round due next covers them sooner).
+				covers := s.cfg.PollInterval
+				if nothing {
+					covers = probeCovers(s.cfg.PollInterval, nextPause())
+				}
+				s.claimProbe.Store(&probedClaims{at: asked, covers: covers, ClaimProbe: claims})
 			}
 			if h := s.afterRoundDue.Load(); h != nil {
 				(*h)(due, err)
 			}
 			// A failed check runs the round, which reports the failure.
-			if err == nil && !due {
+			if nothing {
 				// The check's conditions include every stop condition
 				// (see store.RoundDue): discovery runs.
 				s.lastTurn.Store(&discoveryTurn{at: time.Now()})
-				backOff()
 				reset()
 				continue
 			}
@@ -171,9 +185,11 @@ func (s *Server) discover(ctx context.Context) {
 }
 
 // probedClaims is what a discovery check's probe of the claims found
-// (store.RoundDue), and when.
+// (store.RoundDue), when, and how long it lets polls skip their claims
+// (probeCovers).
 type probedClaims struct {
-	at time.Time
+	at     time.Time
+	covers time.Duration
 	store.ClaimProbe
 }
 
@@ -218,21 +234,22 @@ func (s *Server) claimProbeWanted() bool {
 // busy loop does not check, so its groups poll as before.
 func (s *Server) pollCovered(now time.Time) bool {
 	p := s.claimProbe.Load()
-	return p != nil && now.Sub(p.at) < s.probeCovers() && !p.Claimable &&
+	return p != nil && now.Sub(p.at) < p.covers && !p.Claimable &&
 		(p.NextIn < 0 || now.Sub(p.at) < p.NextIn)
 }
 
 // probeCovers is how long a probe that found nothing claimable lets polls
-// skip their claims: PollInterval, or, when the quiet loop checks less often
-// than every half PollInterval (a replica of many sources spreads its
-// budget of checks over them: --idle-checks-per-second), the check
-// interval and half a PollInterval more, so that every poll between two
-// checks finds the last one's probe. Without that margin a replica of 50
-// idle sources checked each every second and half its polls, finding the
-// probe just older than PollInterval, claimed anyway: one statement more
-// per source every two seconds.
-func (s *Server) probeCovers() time.Duration {
-	return max(s.cfg.PollInterval, time.Duration(s.quietInterval.Load())+s.cfg.PollInterval/2)
+// skip their claims, given the pause before the loop's next check:
+// PollInterval, or, when that pause is longer than half a PollInterval (a
+// quiet loop of a replica that spreads its budget of checks over many
+// sources: --idle-checks-per-second), the pause and half a PollInterval
+// more, so that every poll until the next check finds this probe. Without
+// that margin a replica of 50 idle sources checked each every second, and
+// polls that found the probe just older than PollInterval claimed anyway.
+// The pause is the one the check arms, so a probe taken while the loop
+// checks often does not cover longer because the loop turns quiet later.
+func probeCovers(poll, pause time.Duration) time.Duration {
+	return max(poll, pause+poll/2)
 }
 
 // discoveryTurn is what one turn of the discovery loop (a check or a

@@ -63,11 +63,13 @@
 // idle interval in a trickle (a lone event, the round before that found
 // any more than the idle interval earlier), where checks 1, 2, 4 ms later
 // would almost never find the next event; events closer together keep the
-// short pause, so a burst or a busy source is not slowed. A source with one
-// event every 50 ms pays one round per event and about two checks, where
-// the doubling from DiscoveryInterval cost five, a round after every pause
-// a dozen empty rounds, each two round trips and the discovery lock, and a
-// round after every round that found events one empty round per event.
+// short pause, so a busy source is not slowed, nor a burst after its first
+// round (which, finding one event, delays the rest by up to half the idle
+// interval once). A source with one event every 50 ms pays one round per
+// event and about one or two checks, where the doubling from
+// DiscoveryInterval cost five, a round after every pause a dozen empty
+// rounds, each two round trips and the discovery lock, and a round after
+// every round that found events one empty round per event.
 //
 // Dispatch: a new or idle aggregate has nothing in hand, so instead of
 // making it ready for a claim (a second write of its row, a second

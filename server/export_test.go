@@ -158,9 +158,9 @@ func (s *Server) PollTimer() (fireAt time.Time, armed bool, polls uint64, ok boo
 var Jitter = jitter
 
 // SetClaimProbe records p as the discovery loop's latest probe of the
-// claims, taken at.
-func (s *Server) SetClaimProbe(at time.Time, p store.ClaimProbe) {
-	s.claimProbe.Store(&probedClaims{at: at, ClaimProbe: p})
+// claims, taken at by a check that armed pause before the next one.
+func (s *Server) SetClaimProbe(at time.Time, pause time.Duration, p store.ClaimProbe) {
+	s.claimProbe.Store(&probedClaims{at: at, covers: probeCovers(s.cfg.PollInterval, pause), ClaimProbe: p})
 }
 
 // PollCovered says whether a poll at now may skip its claim (pollCovered).

@@ -179,7 +179,7 @@ func TestPollSkipsItsClaimOnlyOnAFreshEmptyProbe(t *testing.T) {
 	at := time.Now()
 	for _, c := range []struct {
 		what  string
-		quiet time.Duration // the quiet loop's check interval, if set
+		quiet time.Duration // the pause before the loop's next check, if longer than the idle interval
 		probe store.ClaimProbe
 		after time.Duration
 		skip  bool
@@ -195,10 +195,7 @@ func TestPollSkipsItsClaimOnlyOnAFreshEmptyProbe(t *testing.T) {
 		{"a probe just older than the check interval", 2 * time.Second, store.ClaimProbe{Probed: true, NextIn: -1}, 2*time.Second + poll/4, true},
 		{"a probe older than the check interval and half a PollInterval", 2 * time.Second, store.ClaimProbe{Probed: true, NextIn: -1}, 2*time.Second + poll/2, false},
 	} {
-		if c.quiet > 0 {
-			r.Server.SetDiscoveryQuietInterval(c.quiet) // never set back: these cases come last
-		}
-		r.Server.SetClaimProbe(at, c.probe)
+		r.Server.SetClaimProbe(at, max(c.quiet, 25*time.Millisecond), c.probe)
 		if got := r.Server.PollCovered(at.Add(c.after)); got != c.skip {
 			t.Errorf("%s, %v after the probe: skip %v, want %v", c.what, c.after, got, c.skip)
 		}
@@ -234,5 +231,35 @@ func TestAnIdleReplicasChecksTakeThePlaceOfItsClaims(t *testing.T) {
 	got := recvAll([]outboxv1.RelayService_SubscribeClient{st})
 	if d := next(t, got); d.d.GetEvent().GetEventId() != ids[0].String() {
 		t.Fatalf("got %v, want the event", d.d)
+	}
+}
+
+// A quiet loop that checks less often than every half poll interval (a
+// replica of many sources spreading its budget of checks) arms each
+// check's probe to cover the polls until the next check: its idle relay's
+// polls still skip their claims, though most find a probe older than
+// PollInterval.
+func TestAQuietLoopsProbesCoverThePollsUntilTheNextCheck(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	r := startReplica(t, testdb.New(t), func(c *server.Config) {
+		c.PollInterval = 200 * time.Millisecond
+		c.DiscoveryIdleInterval = 5 * time.Millisecond
+		c.DiscoveryQuietAfter = 100 * time.Millisecond
+		c.DiscoveryQuietInterval = 300 * time.Millisecond
+	})
+	claims := countClaims(r)
+	var polls atomic.Int64
+	r.Server.SetAfterPoll(func() { polls.Add(1) })
+	subscribe(t, ctx, r, &outboxv1.SubscribeRequest{RelayId: "relay", MaxInFlight: 4})
+	waitFor(t, func() int32 { return b2i(polls.Load() >= 3) }) // quiet by then
+	c0, p0, s0 := claims.Load(), polls.Load(), r.Server.SkippedPolls()
+	waitFor(t, func() int32 { return b2i(polls.Load() >= p0+20) })
+	c1, p1, s1 := claims.Load(), polls.Load(), r.Server.SkippedPolls()
+	// A probe covering PollInterval alone would leave about a third of
+	// these polls to claim.
+	if c1-c0 > 2 || s1-s0 < uint64(p1-p0)-2 {
+		t.Fatalf("an idle relay's group made %d claims over %d polls, %d skipped; want its polls to skip their claims", c1-c0, p1-p0, s1-s0)
 	}
 }
