@@ -195,8 +195,8 @@ type probedClaims struct {
 
 // claimProbeWanted says whether the loop's next check should also probe
 // the claims: while a poll group has a member waiting, at most every half
-// PollInterval, so that each poll finds a probe younger than PollInterval
-// (see pollCovered).
+// PollInterval, so that each poll finds a probe that still covers it (see
+// pollCovered, probeCovers).
 func (s *Server) claimProbeWanted() bool {
 	if p := s.claimProbe.Load(); p != nil && time.Since(p.at) < s.cfg.PollInterval/2 {
 		return false
@@ -226,12 +226,12 @@ func (s *Server) claimProbeWanted() bool {
 // probe younger than probeCovers, so the first poll after the next probe
 // or after probeCovers claims),
 // a lease expiry or the end of a backoff (the probe's NextIn: a poll after
-// it claims). So a lost notification delays work by at most probeCovers
-// and a PollInterval (about twice PollInterval while checks come at least
-// every half PollInterval), and an idle replica's checks, which it makes
-// anyway, take the place of its groups' claims: one statement a check for a quiet
-// source with relays, not one more per stream filter and PollInterval. A
-// busy loop does not check, so its groups poll as before.
+// it claims). So a lost notification delays work by at most the probe's
+// cover and a PollInterval (about twice PollInterval while checks come at
+// least every half PollInterval), and an idle replica's checks, which it
+// makes anyway, take the place of its groups' claims: one statement a check
+// for a quiet source with relays, not one more per stream filter and
+// PollInterval. A busy loop does not check, so its groups poll as before.
 func (s *Server) pollCovered(now time.Time) bool {
 	p := s.claimProbe.Load()
 	return p != nil && now.Sub(p.at) < p.covers && !p.Claimable &&

@@ -216,17 +216,8 @@ func TestAnIdleReplicasChecksTakeThePlaceOfItsClaims(t *testing.T) {
 		c.PollInterval = 40 * time.Millisecond
 		c.DiscoveryIdleInterval = 5 * time.Millisecond
 	})
-	claims := countClaims(r)
-	var polls atomic.Int64
-	r.Server.SetAfterPoll(func() { polls.Add(1) })
 	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{RelayId: "relay", MaxInFlight: 4})
-	waitFor(t, func() int32 { return b2i(polls.Load() >= 5) })
-	c0, p0, s0 := claims.Load(), polls.Load(), r.Server.SkippedPolls()
-	waitFor(t, func() int32 { return b2i(polls.Load() >= p0+20) })
-	c1, p1, s1 := claims.Load(), polls.Load(), r.Server.SkippedPolls()
-	if c1-c0 > 2 || s1-s0 < uint64(p1-p0)-2 {
-		t.Fatalf("an idle relay's group made %d claims over %d polls, %d skipped; want its polls to skip their claims", c1-c0, p1-p0, s1-s0)
-	}
+	requirePollsSkipClaims(t, r, 5)
 	ids := emit(t, pool, "orders", "a", 1)
 	got := recvAll([]outboxv1.RelayService_SubscribeClient{st})
 	if d := next(t, got); d.d.GetEvent().GetEventId() != ids[0].String() {
@@ -249,16 +240,24 @@ func TestAQuietLoopsProbesCoverThePollsUntilTheNextCheck(t *testing.T) {
 		c.DiscoveryQuietAfter = 100 * time.Millisecond
 		c.DiscoveryQuietInterval = 300 * time.Millisecond
 	})
+	subscribe(t, ctx, r, &outboxv1.SubscribeRequest{RelayId: "relay", MaxInFlight: 4})
+	// Quiet after 3 polls. A probe covering PollInterval alone would leave
+	// about a third of the next 20 polls to claim.
+	requirePollsSkipClaims(t, r, 3)
+}
+
+// requirePollsSkipClaims watches r's polls: once settle polls have fired
+// (the session waits and the loop has settled), the next 20 must skip
+// their claims, two claims allowed.
+func requirePollsSkipClaims(t *testing.T, r *replica, settle int64) {
+	t.Helper()
 	claims := countClaims(r)
 	var polls atomic.Int64
 	r.Server.SetAfterPoll(func() { polls.Add(1) })
-	subscribe(t, ctx, r, &outboxv1.SubscribeRequest{RelayId: "relay", MaxInFlight: 4})
-	waitFor(t, func() int32 { return b2i(polls.Load() >= 3) }) // quiet by then
+	waitFor(t, func() int32 { return b2i(polls.Load() >= settle) })
 	c0, p0, s0 := claims.Load(), polls.Load(), r.Server.SkippedPolls()
 	waitFor(t, func() int32 { return b2i(polls.Load() >= p0+20) })
 	c1, p1, s1 := claims.Load(), polls.Load(), r.Server.SkippedPolls()
-	// A probe covering PollInterval alone would leave about a third of
-	// these polls to claim.
 	if c1-c0 > 2 || s1-s0 < uint64(p1-p0)-2 {
 		t.Fatalf("an idle relay's group made %d claims over %d polls, %d skipped; want its polls to skip their claims", c1-c0, p1-p0, s1-s0)
 	}
