@@ -179,29 +179,170 @@ func TestAckProbesOnlyTheHoldersStreams(t *testing.T) {
 	discover(t, pool)
 	holder := uuid.New()
 
-	var first uuid.UUID
-	if err := pool.QueryRow(t.Context(), `SELECT event_id FROM outbox.claim($1, 'r', 'x', '{live}', 1, interval '30 seconds')`,
-		holder).Scan(&first); err != nil {
-		t.Fatalf("claiming live/hot's first event: %v", err)
-	}
 	// The session takes live alone: revision 2 is handed over although
-	// cold's ready aggregates are older, and nothing in live is claimable
-	// before the lease handed over expires (in 30 seconds).
-	status, in, handed, reads := ackAsSession(t, pool, first, holder, []string{"live"})
-	if status != "published" || !handed || in == nil || *in <= 20*time.Second || *in > 30*time.Second {
-		t.Fatalf("ack of live/hot 1 by a session of live: %s, handed over %v, claimable in %v; want published, handed over, 20-30s",
-			status, handed, in)
+	// cold's ready aggregates are older.
+	status, _, handed, reads := ackAsSession(t, pool, claimIn(t, pool, holder, "live"), holder, []string{"live"})
+	if status != "published" || !handed {
+		t.Fatalf("ack of live/hot 1 by a session of live: %s, handed over %v; want published, handed over", status, handed)
 	}
 	if reads > 20 {
 		t.Errorf("the ack read %d index entries of outbox.delivery with %d ready aggregates in cold; want at most 20", reads, coldBacklog)
 	}
 
 	// A session that takes every stream must not jump cold's older work.
-	status, in, handed, _ = ackAsSession(t, pool, eventIDIn(t, pool, "live", "hot", 2), holder, nil)
+	status, in, handed, _ := ackAsSession(t, pool, eventIDIn(t, pool, "live", "hot", 2), holder, nil)
 	if status != "published" || handed || in == nil || *in != 0 {
 		t.Fatalf("ack of live/hot 2 by a session of every stream: %s, handed over %v, claimable in %v; want published, no hand-over, 0",
 			status, handed, in)
 	}
+
+	// The last revision, acked by a session of live: nothing follows, so
+	// the credit it frees waits, whatever cold holds: nothing in live is
+	// claimable, nor becomes so without a change.
+	status, in, handed, reads = ackAsSession(t, pool, claimIn(t, pool, holder, "live"), holder, []string{"live"})
+	if status != "published" || handed || in != nil {
+		t.Fatalf("ack of live/hot 3 by a session of live: %s, handed over %v, claimable in %v; want published, no hand-over, nothing claimable",
+			status, handed, in)
+	}
+	if reads > 20 {
+		t.Errorf("the last ack read %d index entries of outbox.delivery with %d ready aggregates in cold; want at most 20", reads, coldBacklog)
+	}
+}
+
+// An ack that hands its holder as many events as it acked takes the credit
+// it frees with the hand-over, so the session does not claim on it and the
+// ack skips the claim hint's probe: its hint says "claim" (zero), which
+// misses nothing were it read. An ack that frees more credit than it hands
+// over is probed as before. Both paths: one ack, and a batch.
+func TestAHandOverSkipsTheClaimHint(t *testing.T) {
+	t.Parallel()
+	pool := testdb.NewPool(t)
+	emitIn(t, pool, "live", "a", 3)
+	emitIn(t, pool, "live", "b", 2)
+	discover(t, pool)
+	holder := uuid.New()
+	// Both aggregates leased: nothing in live is claimable before a lease
+	// expires, which a probe would say (20-30 seconds).
+	a1, b1 := claimKeyIn(t, pool, holder, "live", "a"), claimKeyIn(t, pool, holder, "live", "b")
+
+	// One ack (the one-row path): live/a 1 hands 2 over.
+	status, in, handed, _ := ackAsSession(t, pool, a1, holder, []string{"live"})
+	if status != "published" || !handed || in == nil || *in != 0 {
+		t.Fatalf("one ack handing over: %s, handed over %v, claimable in %v; want published, handed over, 0 (not probed)",
+			status, handed, in)
+	}
+
+	// A batch whose acks all hand over: live/a 2 (3 follows), live/b 1 (2
+	// follows).
+	hints, handedN := ackBatchAsSession(t, pool, []uuid.UUID{eventIDIn(t, pool, "live", "a", 2), b1}, holder)
+	if handedN != 2 || len(hints) != 2 {
+		t.Fatalf("batch of two acks handing over: %d handed, hints %v; want 2 handed, 2 hints", handedN, hints)
+	}
+	for id, in := range hints {
+		if in == nil || *in != 0 {
+			t.Errorf("batch handing over every ack: ack %s claimable in %v; want 0 (not probed)", id, in)
+		}
+	}
+
+	// A batch that hands nothing over (live/a 3 and live/b 2 are the last
+	// revisions) is probed: nothing in live is claimable any more.
+	hints, handedN = ackBatchAsSession(t, pool,
+		[]uuid.UUID{eventIDIn(t, pool, "live", "a", 3), eventIDIn(t, pool, "live", "b", 2)}, holder)
+	if handedN != 0 || len(hints) != 2 {
+		t.Fatalf("batch of two last acks: %d handed, hints %v; want none handed, 2 hints", handedN, hints)
+	}
+	for id, in := range hints {
+		if in != nil {
+			t.Errorf("batch handing nothing over: ack %s claimable in %v; want nothing claimable (probed)", id, in)
+		}
+	}
+}
+
+// TestAMixedBatchIsProbed: a holder handed fewer events than it acked
+// frees credit, and its hint is probed.
+func TestAMixedBatchIsProbed(t *testing.T) {
+	t.Parallel()
+	pool := testdb.NewPool(t)
+	emitIn(t, pool, "live", "a", 2)
+	emitIn(t, pool, "live", "b", 1)
+	discover(t, pool)
+	holder := uuid.New()
+	a1, b1 := claimKeyIn(t, pool, holder, "live", "a"), claimKeyIn(t, pool, holder, "live", "b")
+	// live/a 1 hands 2 over (leased for 30 seconds), live/b 1 frees its
+	// credit: the probe finds the hand-over's lease, due in 20-30 seconds.
+	hints, handedN := ackBatchAsSession(t, pool, []uuid.UUID{a1, b1}, holder)
+	if handedN != 1 || len(hints) != 2 {
+		t.Fatalf("mixed batch: %d handed, hints %v; want 1 handed, 2 hints", handedN, hints)
+	}
+	for id, in := range hints {
+		if in == nil || *in <= 20*time.Second || *in > 30*time.Second {
+			t.Errorf("mixed batch: ack %s claimable in %v; want 20-30s (probed)", id, in)
+		}
+	}
+}
+
+// claimIn claims the next event of stream for holder, and returns its id.
+func claimIn(t *testing.T, pool *pgxpool.Pool, holder uuid.UUID, stream string) uuid.UUID {
+	t.Helper()
+	var id uuid.UUID
+	if err := pool.QueryRow(t.Context(), `SELECT event_id FROM outbox.claim($1, 'r', 'x', ARRAY[$2], 1, interval '30 seconds')`,
+		holder, stream).Scan(&id); err != nil {
+		t.Fatalf("claiming in %s: %v", stream, err)
+	}
+	return id
+}
+
+// claimKeyIn claims the next event of stream for holder, which must be
+// key's (claims go oldest first, and the tests emit in the order they
+// claim), and returns its id.
+func claimKeyIn(t *testing.T, pool *pgxpool.Pool, holder uuid.UUID, stream, key string) uuid.UUID {
+	t.Helper()
+	var id uuid.UUID
+	var got string
+	if err := pool.QueryRow(t.Context(), `SELECT event_id, aggregate_key FROM outbox.claim($1, 'r', 'x', ARRAY[$2], 1, interval '30 seconds')`,
+		holder, stream).Scan(&id, &got); err != nil {
+		t.Fatalf("claiming %s/%s: %v", stream, key, err)
+	}
+	if got != key {
+		t.Fatalf("claimed %s/%s, want %s/%s", stream, got, stream, key)
+	}
+	return id
+}
+
+// ackBatchAsSession acks ids in one call of outbox.ack, as the batch path
+// runs it (hand-over windows given), by the session holder that takes
+// stream live, and returns each published ack's claimable_in and how many
+// leases were handed over.
+func ackBatchAsSession(t *testing.T, pool *pgxpool.Pool, ids []uuid.UUID, holder uuid.UUID) (map[uuid.UUID]*time.Duration, int) {
+	t.Helper()
+	rows, err := pool.Query(t.Context(),
+		`SELECT a.event_id, a.status, a.claimable_in FROM outbox.ack($1, 'x', ARRAY[$2::uuid], ARRAY[interval '30 seconds'],
+		     ARRAY[1], ARRAY[0], ARRAY[$2::uuid], ARRAY['live'], ARRAY[false], interval '1 hour') a`, ids, holder)
+	if err != nil {
+		t.Fatal(err)
+	}
+	hints := map[uuid.UUID]*time.Duration{}
+	handed := 0
+	for rows.Next() {
+		var id uuid.UUID
+		var st string
+		var in *time.Duration
+		if err := rows.Scan(&id, &st, &in); err != nil {
+			t.Fatal(err)
+		}
+		switch st {
+		case "published":
+			hints[id] = in
+		case "handed_over":
+			handed++
+		default:
+			t.Fatalf("ack of %s: %s", id, st)
+		}
+	}
+	if err := rows.Err(); err != nil {
+		t.Fatal(err)
+	}
+	return hints, handed
 }
 
 func eventIDIn(t *testing.T, pool *pgxpool.Pool, stream, key string, rev int64) uuid.UUID {
