@@ -234,28 +234,13 @@ func TestAHandOverSkipsTheClaimHint(t *testing.T) {
 
 	// A batch whose acks all hand over: live/a 2 (3 follows), live/b 1 (2
 	// follows).
-	hints, handedN := ackBatchAsSession(t, pool, []uuid.UUID{eventIDIn(t, pool, "live", "a", 2), b1}, holder)
-	if handedN != 2 || len(hints) != 2 {
-		t.Fatalf("batch of two acks handing over: %d handed, hints %v; want 2 handed, 2 hints", handedN, hints)
-	}
-	for id, in := range hints {
-		if in == nil || *in != 0 {
-			t.Errorf("batch handing over every ack: ack %s claimable in %v; want 0 (not probed)", id, in)
-		}
-	}
+	requireBatchHints(t, pool, []uuid.UUID{eventIDIn(t, pool, "live", "a", 2), b1}, holder, 2,
+		"batch handing over every ack", "0 (not probed)", func(in *time.Duration) bool { return in != nil && *in == 0 })
 
 	// A batch that hands nothing over (live/a 3 and live/b 2 are the last
 	// revisions) is probed: nothing in live is claimable any more.
-	hints, handedN = ackBatchAsSession(t, pool,
-		[]uuid.UUID{eventIDIn(t, pool, "live", "a", 3), eventIDIn(t, pool, "live", "b", 2)}, holder)
-	if handedN != 0 || len(hints) != 2 {
-		t.Fatalf("batch of two last acks: %d handed, hints %v; want none handed, 2 hints", handedN, hints)
-	}
-	for id, in := range hints {
-		if in != nil {
-			t.Errorf("batch handing nothing over: ack %s claimable in %v; want nothing claimable (probed)", id, in)
-		}
-	}
+	requireBatchHints(t, pool, []uuid.UUID{eventIDIn(t, pool, "live", "a", 3), eventIDIn(t, pool, "live", "b", 2)}, holder, 0,
+		"batch handing nothing over", "nothing claimable (probed)", func(in *time.Duration) bool { return in == nil })
 }
 
 // TestAMixedBatchIsProbed: a holder handed fewer events than it acked
@@ -270,15 +255,8 @@ func TestAMixedBatchIsProbed(t *testing.T) {
 	a1, b1 := claimKeyIn(t, pool, holder, "live", "a"), claimKeyIn(t, pool, holder, "live", "b")
 	// live/a 1 hands 2 over (leased for 30 seconds), live/b 1 frees its
 	// credit: the probe finds the hand-over's lease, due in 20-30 seconds.
-	hints, handedN := ackBatchAsSession(t, pool, []uuid.UUID{a1, b1}, holder)
-	if handedN != 1 || len(hints) != 2 {
-		t.Fatalf("mixed batch: %d handed, hints %v; want 1 handed, 2 hints", handedN, hints)
-	}
-	for id, in := range hints {
-		if in == nil || *in <= 20*time.Second || *in > 30*time.Second {
-			t.Errorf("mixed batch: ack %s claimable in %v; want 20-30s (probed)", id, in)
-		}
-	}
+	requireBatchHints(t, pool, []uuid.UUID{a1, b1}, holder, 1, "mixed batch", "20-30s (probed)",
+		func(in *time.Duration) bool { return in != nil && *in > 20*time.Second && *in <= 30*time.Second })
 }
 
 // claimIn claims the next event of stream for holder, and returns its id.
@@ -307,6 +285,23 @@ func claimKeyIn(t *testing.T, pool *pgxpool.Pool, holder uuid.UUID, stream, key 
 		t.Fatalf("claimed %s/%s, want %s/%s", stream, got, stream, key)
 	}
 	return id
+}
+
+// requireBatchHints acks ids in one batch (ackBatchAsSession) and fails
+// unless it handed wantHanded leases over and every ack was published with
+// a hint that ok accepts (want says which, for the message).
+func requireBatchHints(t *testing.T, pool *pgxpool.Pool, ids []uuid.UUID, holder uuid.UUID, wantHanded int,
+	what, want string, ok func(*time.Duration) bool) {
+	t.Helper()
+	hints, handed := ackBatchAsSession(t, pool, ids, holder)
+	if handed != wantHanded || len(hints) != len(ids) {
+		t.Fatalf("%s: %d handed over, hints %v; want %d handed over, %d published", what, handed, hints, wantHanded, len(ids))
+	}
+	for id, in := range hints {
+		if !ok(in) {
+			t.Errorf("%s: ack %s claimable in %v; want %s", what, id, in, want)
+		}
+	}
 }
 
 // ackBatchAsSession acks ids in one call of outbox.ack, as the batch path
