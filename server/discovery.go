@@ -61,13 +61,14 @@ func (s *Server) discover(ctx context.Context) {
 	// one event: check before the next round.
 	empty := false
 	// When a round last found events (or the loop started): the loop is
-	// quiet DiscoveryQuietAfter later (see FoundEventsLately).
+	// quiet DiscoveryQuietAfter later.
 	s.lastFound.Store(time.Now().UnixNano())
+	quiet := func() bool { return time.Since(time.Unix(0, s.lastFound.Load())) >= s.cfg.DiscoveryQuietAfter }
 	// reset arms the timer for the next turn: wait, or the quiet interval
 	// (as last set) once an idle loop's rounds have found nothing for long
 	// enough.
 	nextPause := func() time.Duration {
-		if empty && wait >= s.cfg.DiscoveryIdleInterval && !s.FoundEventsLately() {
+		if empty && wait >= s.cfg.DiscoveryIdleInterval && quiet() {
 			return max(wait, time.Duration(s.quietInterval.Load()))
 		}
 		return wait
@@ -163,6 +164,7 @@ func (s *Server) discover(ctx context.Context) {
 				wait = max(s.cfg.DiscoveryInterval, s.cfg.DiscoveryIdleInterval/2)
 			}
 			s.lastFound.Store(now.UnixNano())
+			s.lastEvents.Store(now.UnixNano())
 		default:
 			backOff()
 		}

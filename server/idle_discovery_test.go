@@ -612,3 +612,55 @@ func awaitAnEmptyCheck(t *testing.T, ctx context.Context, r *replica) {
 		t.Fatal("the discovery loop never went idle")
 	}
 }
+
+// A replica says its source is in use (FoundEventsLately, which keeps serve
+// from trimming the source's pool) once a discovery round has found events,
+// for DiscoveryQuietAfter, and not because it has just started: an idle
+// source's pool was kept whole for the first DiscoveryQuietAfter, so the
+// connections an overlap of its periodic work opened stayed open.
+func TestFoundEventsLatelyOnlyAfterARoundFoundEvents(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	r := startReplica(t, url, func(c *server.Config) { c.DiscoveryQuietAfter = time.Hour })
+	// turned is closed when the loop next arms its timer, after a turn
+	// (and after a round that found events once found is set: the loop
+	// records the events before it arms the timer).
+	var found atomic.Bool
+	turned := func(needFound bool) <-chan struct{} {
+		ch := make(chan struct{})
+		var once sync.Once
+		r.Server.SetAfterDiscoveryWait(func(time.Duration) {
+			if !needFound || found.Load() {
+				once.Do(func() { close(ch) })
+			}
+		})
+		return ch
+	}
+	wait := func(what string, ch <-chan struct{}) {
+		t.Helper()
+		select {
+		case <-ch:
+		case <-ctx.Done():
+			t.Fatalf("the discovery loop never armed its timer %s", what)
+		}
+	}
+	wait("after its first turn", turned(false))
+	if r.Server.FoundEventsLately() {
+		t.Fatal("FoundEventsLately right after the replica started, with no event in the database: want false")
+	}
+	r.Server.SetAfterDiscover(func(d store.Discovery, err error) (store.Discovery, error) {
+		if err == nil && d.Events > 0 {
+			found.Store(true)
+		}
+		return d, err
+	})
+	armed := turned(true)
+	emit(t, pool, "orders", "a", 1)
+	wait("after the round that found the event", armed)
+	if !r.Server.FoundEventsLately() {
+		t.Fatal("FoundEventsLately after a round found an event (DiscoveryQuietAfter an hour): want true")
+	}
+}

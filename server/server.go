@@ -286,8 +286,11 @@ type Server struct {
 	// Unix nanoseconds; 0 when it has not or found one since.
 	schemaCurrentAt atomic.Int64
 	// lastFound is when a discovery round last found events (or the loop
-	// started), in Unix nanoseconds.
+	// started), in Unix nanoseconds: the loop's pace (see discover).
 	lastFound atomic.Int64
+	// lastEvents is when a discovery round last found events, in Unix
+	// nanoseconds; 0 until one has (see FoundEventsLately).
+	lastEvents atomic.Int64
 	// reconcileTick, when set (by tests), replaces every session's
 	// reconcile ticker: a session with leases to check takes a tick from
 	// it when the test sends one.
@@ -361,10 +364,14 @@ func (s *Server) DiscoveryQuietInterval() time.Duration {
 }
 
 // FoundEventsLately says whether discovery found events within the last
-// DiscoveryQuietAfter (or the server started that recently): whether the
-// source is in use, however few its events.
+// DiscoveryQuietAfter: whether the source is in use, however few its
+// events (serve keeps such a source's pool whole). Starting is no use: a
+// replica that found none since it started says no, so that an idle
+// source's pool is trimmed from the start (its discovery loop still runs
+// fast for DiscoveryQuietAfter after starting: see discover).
 func (s *Server) FoundEventsLately() bool {
-	return time.Since(time.Unix(0, s.lastFound.Load())) < s.cfg.DiscoveryQuietAfter
+	at := s.lastEvents.Load()
+	return at != 0 && time.Since(time.Unix(0, at)) < s.cfg.DiscoveryQuietAfter
 }
 
 func New(ctx context.Context, cfg Config) (*Server, error) {
