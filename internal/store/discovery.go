@@ -68,8 +68,15 @@ func (s *Store) RoundDue(ctx context.Context, probeClaims bool, maxDue time.Dura
 	} else {
 		var claimable bool
 		var nextIn *float64
-		err = s.pool.QueryRow(ctx, `SELECT (`+roundDueSQL+`), p.oldest IS NOT NULL, extract(epoch FROM p.next_at - now())::float8
-			FROM outbox.claim_probe(NULL, NULL, now(), $1::interval) p`, maxDue).Scan(&due, &claimable, &nextIn)
+		// maxDue is written into the statement, not passed as a parameter:
+		// a statement without parameters is planned once per connection,
+		// where PostgreSQL kept choosing custom plans for this one in some
+		// databases (by their statistics): 109 plans in 506 checks of 50
+		// idle sources, 1.2 ms each, more than twice the checks' own time.
+		// The text is the same on every call (maxDue is the server's), so
+		// pgx prepares it once per connection.
+		err = s.pool.QueryRow(ctx, fmt.Sprintf(`SELECT (`+roundDueSQL+`), p.oldest IS NOT NULL, extract(epoch FROM p.next_at - now())::float8
+			FROM outbox.claim_probe(NULL, NULL, now(), interval '%d microseconds') p`, maxDue.Microseconds())).Scan(&due, &claimable, &nextIn)
 		probe = ClaimProbe{Probed: true, Claimable: claimable, NextIn: -1}
 		if nextIn != nil {
 			probe.NextIn = time.Duration(*nextIn * float64(time.Second))

@@ -159,10 +159,15 @@ func TestPoolPingsOnlyLongIdleConnections(t *testing.T) {
 
 // An idle replica's check runs up to 40 times a second per source, so
 // PostgreSQL must plan it once, not on every call: the check with the probe
-// and the check without must each settle on the connection's cached
-// (generic) plan. One statement with the probe switched off by a parameter
-// was planned afresh on every call without it (its custom plan looked far
-// cheaper than the generic one): 550 against 170 µs of backend CPU.
+// and the check without each have no parameter, so that the connection's
+// one cached plan serves every call and no custom plan is ever made. One
+// statement with the probe switched off by a parameter was planned afresh
+// on every call without it (its custom plan looked far cheaper than the
+// generic one): 550 against 170 µs of backend CPU. The probe's statement
+// took the longest due time as a parameter, and in some of 50 idle source
+// databases (by their statistics) PostgreSQL kept choosing custom plans
+// for it, 1.2 ms each: whether it does depends on statistics a test does
+// not reproduce, so the test asks for none at all.
 func TestRoundDueIsNotReplannedOnEveryCall(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -193,11 +198,13 @@ func TestRoundDueIsNotReplannedOnEveryCall(t *testing.T) {
 	if len(got) == 0 {
 		t.Fatal("no prepared check statement on the connection")
 	}
+	if len(got) != 2 {
+		t.Errorf("%d prepared check statements on the connection: %v; want 2 (with the probe and without)", len(got), got)
+	}
 	for _, p := range got {
-		// PostgreSQL tries 5 custom plans before it may settle on the generic one.
-		if p.Custom > 5 || p.Generic+p.Custom < calls {
-			t.Errorf("%q: %d generic and %d custom plans over %d calls; want it planned once it settles (at most 5 custom)",
-				p.Statement, p.Generic, p.Custom, p.Generic+p.Custom)
+		if p.Custom > 0 || p.Generic < calls {
+			t.Errorf("%q: %d generic and %d custom plans over %d calls; want the one cached plan for every call (no custom plan)",
+				p.Statement, p.Generic, p.Custom, calls)
 		}
 	}
 }
