@@ -60,10 +60,16 @@ func (s *Server) discover(ctx context.Context) {
 	// The last turn (a round or a check) found nothing, or a round found
 	// one event: check before the next round.
 	empty := false
-	// When a round last found events (or the loop started): the loop is
-	// quiet DiscoveryQuietAfter later.
-	s.lastFound.Store(time.Now().UnixNano())
-	quiet := func() bool { return time.Since(time.Unix(0, s.lastFound.Load())) >= s.cfg.DiscoveryQuietAfter }
+	// active is when a round last found events, or the loop started if
+	// later: the loop is quiet DiscoveryQuietAfter after it.
+	started := time.Now()
+	active := func() time.Time {
+		if at := time.Unix(0, s.lastEvents.Load()); at.After(started) {
+			return at
+		}
+		return started
+	}
+	quiet := func() bool { return time.Since(active()) >= s.cfg.DiscoveryQuietAfter }
 	// reset arms the timer for the next turn: wait, or the quiet interval
 	// (as last set) once an idle loop's rounds have found nothing for long
 	// enough.
@@ -153,7 +159,7 @@ func (s *Server) discover(ctx context.Context) {
 			s.metrics.discovered.Add(float64(found.Events))
 			now := time.Now()
 			wait = s.cfg.DiscoveryInterval
-			if found.Events == 1 && now.Sub(time.Unix(0, s.lastFound.Load())) > s.cfg.DiscoveryIdleInterval {
+			if found.Events == 1 && now.Sub(active()) > s.cfg.DiscoveryIdleInterval {
 				// A trickle: one event, and the round before that found any
 				// was more than the idle interval ago. A check 1, 2, 4 ms
 				// later would almost never find the next one (a source with
@@ -163,7 +169,6 @@ func (s *Server) discover(ctx context.Context) {
 				// short pause.
 				wait = max(s.cfg.DiscoveryInterval, s.cfg.DiscoveryIdleInterval/2)
 			}
-			s.lastFound.Store(now.UnixNano())
 			s.lastEvents.Store(now.UnixNano())
 		default:
 			backOff()

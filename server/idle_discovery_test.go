@@ -413,25 +413,9 @@ func TestAQuietDiscoveryLoopChecksAtTheQuietInterval(t *testing.T) {
 		c.DiscoveryQuietAfter = quietAfter
 		c.DiscoveryQuietInterval = quietInterval
 	})
-	// chosen returns a channel closed once the loop chooses a pause for
-	// which want is true (from now on).
-	chosen := func(want func(time.Duration) bool) <-chan struct{} {
-		seen := make(chan struct{})
-		var once sync.Once
-		r.Server.SetAfterDiscoveryWait(func(w time.Duration) {
-			if want(w) {
-				once.Do(func() { close(seen) })
-			}
-		})
-		return seen
-	}
 	wait := func(what string, seen <-chan struct{}) {
 		t.Helper()
-		select {
-		case <-seen:
-		case <-ctx.Done():
-			t.Fatalf("the discovery loop never chose %s", what)
-		}
+		awaitClosed(t, ctx, seen, "the discovery loop never chose "+what)
 	}
 	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 4})
 	for i := range 2 {
@@ -444,7 +428,7 @@ func TestAQuietDiscoveryLoopChecksAtTheQuietInterval(t *testing.T) {
 			t.Fatalf("event %d: got %v", i, d)
 		}
 		ack(t, r, d)
-		wait("the quiet interval", chosen(func(w time.Duration) bool { return w == quietInterval }))
+		wait("the quiet interval", pauseChosen(r, func(w time.Duration) bool { return w == quietInterval }))
 		if took := time.Since(before); took < quietAfter {
 			t.Fatalf("event %d: the loop went quiet %v after the event committed, before DiscoveryQuietAfter (%v)", i, took, quietAfter)
 		}
@@ -452,7 +436,7 @@ func TestAQuietDiscoveryLoopChecksAtTheQuietInterval(t *testing.T) {
 	// Quiet, it still finds the next event, and is fast again after it: no
 	// pause longer than the idle interval (half of it after a lone event
 	// in a trickle, as this one is).
-	fast := chosen(func(w time.Duration) bool { return w <= idle })
+	fast := pauseChosen(r, func(w time.Duration) bool { return w <= idle })
 	ids := emit(t, pool, "orders", "b", 1)
 	if d := recv(t, st); d.GetEvent().GetEventId() != ids[0].String() {
 		t.Fatalf("after the quiet spell: got %v", d)
@@ -625,42 +609,48 @@ func TestFoundEventsLatelyOnlyAfterARoundFoundEvents(t *testing.T) {
 	url := testdb.New(t)
 	pool := testdb.NewPoolURL(t, url)
 	r := startReplica(t, url, func(c *server.Config) { c.DiscoveryQuietAfter = time.Hour })
-	// turned is closed when the loop next arms its timer, after a turn
-	// (and after a round that found events once found is set: the loop
-	// records the events before it arms the timer).
-	var found atomic.Bool
-	turned := func(needFound bool) <-chan struct{} {
-		ch := make(chan struct{})
-		var once sync.Once
-		r.Server.SetAfterDiscoveryWait(func(time.Duration) {
-			if !needFound || found.Load() {
-				once.Do(func() { close(ch) })
-			}
-		})
-		return ch
-	}
-	wait := func(what string, ch <-chan struct{}) {
-		t.Helper()
-		select {
-		case <-ch:
-		case <-ctx.Done():
-			t.Fatalf("the discovery loop never armed its timer %s", what)
-		}
-	}
-	wait("after its first turn", turned(false))
+	// The loop arms its timer after every turn, and after a round that
+	// found events only once it has recorded them.
+	awaitClosed(t, ctx, pauseChosen(r, func(time.Duration) bool { return true }),
+		"the discovery loop never armed its timer after its first turn")
 	if r.Server.FoundEventsLately() {
 		t.Fatal("FoundEventsLately right after the replica started, with no event in the database: want false")
 	}
+	var found atomic.Bool
 	r.Server.SetAfterDiscover(func(d store.Discovery, err error) (store.Discovery, error) {
 		if err == nil && d.Events > 0 {
 			found.Store(true)
 		}
 		return d, err
 	})
-	armed := turned(true)
+	armed := pauseChosen(r, func(time.Duration) bool { return found.Load() })
 	emit(t, pool, "orders", "a", 1)
-	wait("after the round that found the event", armed)
+	awaitClosed(t, ctx, armed, "the discovery loop never armed its timer after the round that found the event")
 	if !r.Server.FoundEventsLately() {
 		t.Fatal("FoundEventsLately after a round found an event (DiscoveryQuietAfter an hour): want true")
+	}
+}
+
+// pauseChosen returns a channel closed once r's discovery loop arms its
+// timer with a pause for which want is true (from now on: it replaces the
+// loop's AfterDiscoveryWait hook).
+func pauseChosen(r *replica, want func(time.Duration) bool) <-chan struct{} {
+	seen := make(chan struct{})
+	var once sync.Once
+	r.Server.SetAfterDiscoveryWait(func(w time.Duration) {
+		if want(w) {
+			once.Do(func() { close(seen) })
+		}
+	})
+	return seen
+}
+
+// awaitClosed waits for ch, and fails the test with msg if ctx ends first.
+func awaitClosed(t *testing.T, ctx context.Context, ch <-chan struct{}, msg string) {
+	t.Helper()
+	select {
+	case <-ch:
+	case <-ctx.Done():
+		t.Fatal(msg)
 	}
 }

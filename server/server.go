@@ -285,9 +285,6 @@ type Server struct {
 	// schemaCurrentAt is when readiness last found no migration pending, in
 	// Unix nanoseconds; 0 when it has not or found one since.
 	schemaCurrentAt atomic.Int64
-	// lastFound is when a discovery round last found events (or the loop
-	// started), in Unix nanoseconds: the loop's pace (see discover).
-	lastFound atomic.Int64
 	// lastEvents is when a discovery round last found events, in Unix
 	// nanoseconds; 0 until one has (see FoundEventsLately).
 	lastEvents atomic.Int64
