@@ -1,23 +1,31 @@
 #!/usr/bin/env bash
 # The delivery statements of steady load, without gRPC or Go: one pgbench
 # client runs, per transaction, what a replica's steady delivery asks of
-# PostgreSQL for 16 events: the producers' inserts (16 events over 10,000
-# aggregates), one discovery round that dispatches every idle aggregate it
-# found to one session (discover_scan, then discover_apply, in one
-# transaction), and one batch ack of the leases it got (outbox.ack with the
-# session as hand-over holder and its stream filter). It prints the CPU
-# time of that client's backend per event delivered over a WINDOW-second
-# window (read from /proc, so PostgreSQL must run on this machine), and,
-# when the server has pg_stat_statements loaded, the statements' time per
-# event.
+# PostgreSQL for BATCH events (default 16): the producers' inserts (BATCH
+# events over 10,000 aggregates), one discovery round that dispatches every
+# idle aggregate it found to one session (discover_scan, then
+# discover_apply, in one transaction), and one batch ack of the leases the
+# round returned (outbox.ack with the session as hand-over holder and its
+# stream filter). It prints the CPU time of that client's backend per event
+# delivered over a WINDOW-second window (read from /proc, so PostgreSQL must
+# run on this machine), and, when the server has pg_stat_statements loaded,
+# the statements' time per event.
 #
-# Usage: bench/pgbench/delivery-cycle.sh [OUTBOXD_BINARY]
-# Compare builds back to back, alternating, on one server; BENCHMARKS.md
-# quotes its figures.
+# FACTS=1 measures instead what an engine that leases in memory would still
+# write (#25's direction 2, not built): the same inserts, the new events read
+# since the stored snapshot and the snapshot advanced, then one statement
+# marking the batch published and moving each aggregate's cursor (a HOT
+# update: no indexed column changes). A lower bound for such a design: it
+# leaves out skip checks, the delivery-rate counter and ownership rows.
+#
+# Usage: [BATCH=N] [FACTS=1] bench/pgbench/delivery-cycle.sh [OUTBOXD_BINARY]
+# Compare builds (or the two modes) back to back, alternating, on one
+# server; BENCHMARKS.md quotes its figures.
 set -euo pipefail
 bin=${1:-bin/outboxd}
 admin=${ADMIN_URL:-postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable}
 window=${WINDOW:-30}
+batch=${BATCH:-16}
 db=outboxd_cycle_$$
 url=${admin%%/postgres\?*}/$db?sslmode=disable
 work=$(mktemp -d)
@@ -27,17 +35,30 @@ psql -q "$admin" -c "CREATE DATABASE $db"
 "$bin" migrate --database-url "$url" >/dev/null
 h=00000000-0000-0000-0000-0000000000aa
 cat >"$work/cycle.sql" <<SQL
-INSERT INTO outbox.event (stream, aggregate_key, event_type, payload) SELECT 's', (floor(random() * 10000))::int::text, 't', '{"a":1}' FROM generate_series(1, 16);
+INSERT INTO outbox.event (stream, aggregate_key, event_type, payload) SELECT 's', (floor(random() * 10000))::int::text, 't', '{"a":1}' FROM generate_series(1, $batch);
 BEGIN;
 SELECT quote_literal(min(prev_snapshot)) AS prev, quote_literal(min(snapshot)) AS snap, quote_literal(array_agg(stream) FILTER (WHERE idle)) AS ss, quote_literal(array_agg(aggregate_key) FILTER (WHERE idle)) AS ks, count(*) FILTER (WHERE idle) AS n FROM outbox.discover_scan() \gset
-SELECT count(*) AS dispatched FROM outbox.discover_apply(:prev, :snap, :ss::text[], :ks::text[], array_fill('$h'::uuid, ARRAY[:n]), array_fill('r'::text, ARRAY[:n]), array_fill('30s'::interval, ARRAY[:n]), 'rep') \gset
+SELECT quote_literal(array_agg((a.lease).event_id) FILTER (WHERE a.holder IS NOT NULL)) AS ids FROM outbox.discover_apply(:prev, :snap, :ss::text[], :ks::text[], array_fill('$h'::uuid, ARRAY[:n]), array_fill('r'::text, ARRAY[:n]), array_fill('30s'::interval, ARRAY[:n]), 'rep') a \gset
 COMMIT;
-SELECT quote_literal(array_agg(leased_event_id)) AS ids FROM outbox.delivery WHERE holder = '$h' \gset
 SELECT count(*) AS acked FROM outbox.ack(:ids::uuid[], 'rep', ARRAY['$h'::uuid], ARRAY['30s'::interval], ARRAY[1], ARRAY[0], ARRAY['$h'::uuid], ARRAY[NULL::text], ARRAY[false], '60s') \gset
 SQL
 q() { psql -X -q -At "$1" -c "$2"; }
 # Warm up: most aggregates have a delivery row (idle) from here on.
 pgbench -n -c 1 -t 700 -f "$work/cycle.sql" "$url" >/dev/null
+if [[ -n ${FACTS:-} ]]; then
+	cat >"$work/cycle.sql" <<SQL
+INSERT INTO outbox.event (stream, aggregate_key, event_type, payload) SELECT 's', (floor(random() * 10000))::int::text, 't', '{"a":1}' FROM generate_series(1, $batch);
+BEGIN;
+SELECT quote_literal(array_agg(e.event_id)) AS ids FROM outbox.events_since((SELECT d.snapshot FROM outbox.discovery d)) e WHERE e.published_at IS NULL \\gset
+UPDATE outbox.discovery SET snapshot = pg_current_snapshot(), advanced_at = now();
+COMMIT;
+BEGIN;
+SELECT set_config('outbox.acking', 'on', true) AS acking \\gset
+WITH marked AS (UPDATE outbox.event e SET published_at = clock_timestamp() WHERE e.event_id = ANY (:ids::uuid[]) AND e.published_at IS NULL RETURNING e.stream, e.aggregate_key, e.revision)
+UPDATE outbox.delivery d SET delivered_revision = m.revision FROM marked m WHERE d.stream = m.stream AND d.aggregate_key = m.aggregate_key;
+COMMIT;
+SQL
+fi
 stats=$(q "$url" "SELECT count(*) FROM pg_extension WHERE extname = 'pg_stat_statements'" 2>/dev/null || echo 0)
 if [[ $stats == 0 ]] && q "$url" "CREATE EXTENSION pg_stat_statements" >/dev/null 2>&1; then stats=1; fi
 pgbench -n -c 1 -T $((window + 10)) -f "$work/cycle.sql" "$url" >/dev/null &
@@ -46,10 +67,10 @@ pid=$(q "$url" "SELECT pid FROM pg_stat_activity WHERE datname = current_databas
 tick=$(getconf CLK_TCK)
 [[ $stats == 1 ]] && q "$url" "SELECT pg_stat_statements_reset(0, (SELECT oid FROM pg_database WHERE datname = current_database()), 0)" >/dev/null
 c0=$(awk '{print $14 + $15}' /proc/"$pid"/stat)
-e0=$(q "$url" "SELECT coalesce(sum(events), 0) FROM outbox.delivered_count")
+e0=$(q "$url" "SELECT count(*) FROM outbox.event WHERE published_at IS NOT NULL")
 sleep "$window"
 c1=$(awk '{print $14 + $15}' /proc/"$pid"/stat)
-e1=$(q "$url" "SELECT coalesce(sum(events), 0) FROM outbox.delivered_count")
+e1=$(q "$url" "SELECT count(*) FROM outbox.event WHERE published_at IS NOT NULL")
 echo "events $((e1 - e0)), backend CPU per event $(((c1 - c0) * 1000000 / tick / (e1 - e0))) us"
 if [[ $stats == 1 ]]; then
 	echo "statement time per event (us; nested statements' time leaves out their executor start-up):"
