@@ -129,8 +129,14 @@ func (s *Server) IdleSessions() (n int) {
 func (s *Server) SetAfterRoundDue(f func(due bool, err error)) { s.afterRoundDue.Store(&f) }
 
 // SetAfterDiscoveryWait makes the discovery loop call f with every pause
-// it chooses before its next turn.
-func (s *Server) SetAfterDiscoveryWait(f func(wait time.Duration)) { s.afterDiscoveryWait.Store(&f) }
+// it chooses before its next turn, the pause it then arms (a quiet one
+// aligned to the quiet interval's grid) and the time it arms it from.
+func (s *Server) SetAfterDiscoveryWait(f func(chosen, armed time.Duration, at time.Time)) {
+	s.afterDiscoveryWait.Store(&f)
+}
+
+// AlignedPause is alignedPause, for tests.
+var AlignedPause = alignedPause
 
 // SetReconcileTick makes every session take its reconcile ticks from c
 // instead of a ticker every ReconcileInterval (a session selects on it only

@@ -296,7 +296,7 @@ func TestDiscoveryTurnsAfterAnEventAndAfterNothing(t *testing.T) {
 			record(turn{kind: "check", due: due})
 		}
 	})
-	r.Server.SetAfterDiscoveryWait(func(w time.Duration) { record(turn{kind: "pause", pause: w}) })
+	r.Server.SetAfterDiscoveryWait(func(w, _ time.Duration, _ time.Time) { record(turn{kind: "pause", pause: w}) })
 	wait := func(c chan struct{}, what string) {
 		t.Helper()
 		select {
@@ -442,6 +442,80 @@ func TestAQuietDiscoveryLoopChecksAtTheQuietInterval(t *testing.T) {
 		t.Fatalf("after the quiet spell: got %v", d)
 	}
 	wait("a pause of at most the idle interval after an event", fast)
+}
+
+// alignedPause ends a pause on the next point of the grid of its length
+// (shifted by the offset): timers that share the length and offset fire
+// together, and none waits longer than the length.
+func TestAlignedPause(t *testing.T) {
+	t.Parallel()
+	const d = time.Second
+	base := time.Date(2026, 12, 3, 14, 0, 0, 0, time.UTC)
+	for _, tc := range []struct {
+		after, offset, want time.Duration
+	}{
+		{0, 0, d}, // on the grid: the next point
+		{10 * time.Millisecond, 0, 990 * time.Millisecond}, // just past one (a timer that fired on the grid)
+		{500 * time.Millisecond, 0, 500 * time.Millisecond},
+		{999 * time.Millisecond, 0, time.Millisecond},
+		{0, 250 * time.Millisecond, 250 * time.Millisecond},
+		{260 * time.Millisecond, 250 * time.Millisecond, 990 * time.Millisecond},
+		{999 * time.Millisecond, 250 * time.Millisecond, 251 * time.Millisecond},
+	} {
+		if got := server.AlignedPause(base.Add(tc.after), d, tc.offset); got != tc.want {
+			t.Errorf("AlignedPause(grid+%v, %v, %v) = %v, want %v", tc.after, d, tc.offset, got, tc.want)
+		}
+	}
+}
+
+// The quiet loops of a replica's sources share the quiet interval, and
+// each arms its quiet pauses to end on that interval's grid, so that their
+// checks fall due together (one wake-up of the process for all of them);
+// pauses that are not quiet are armed as chosen.
+func TestQuietPausesEndOnTheGrid(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	url := testdb.New(t)
+	const quietAfter, quietInterval, idle = 300 * time.Millisecond, 200 * time.Millisecond, 5 * time.Millisecond
+	r := startReplica(t, url, func(c *server.Config) {
+		c.DiscoveryIdleInterval = idle
+		c.DiscoveryQuietAfter = quietAfter
+		c.DiscoveryQuietInterval = quietInterval
+	})
+	type pause struct {
+		at            time.Time
+		chosen, armed time.Duration
+	}
+	pauses := make(chan pause, 1024)
+	r.Server.SetAfterDiscoveryWait(func(chosen, armed time.Duration, at time.Time) {
+		select {
+		case pauses <- pause{at, chosen, armed}:
+		default:
+		}
+	})
+	quiet := 0
+	for quiet < 3 {
+		var p pause
+		select {
+		case p = <-pauses:
+		case <-ctx.Done():
+			t.Fatal("the loop never made three quiet pauses")
+		}
+		if p.chosen != quietInterval {
+			if p.armed != p.chosen {
+				t.Fatalf("a pause of %v that is not quiet was armed as %v", p.chosen, p.armed)
+			}
+			continue
+		}
+		quiet++
+		if end := p.at.Add(p.armed); !end.Truncate(quietInterval).Equal(end) {
+			t.Fatalf("a quiet pause of %v armed at %v as %v ends off the grid (at %v)", p.chosen, p.at, p.armed, end)
+		}
+		if p.armed <= 0 || p.armed > quietInterval {
+			t.Fatalf("a quiet pause of %v armed as %v", p.chosen, p.armed)
+		}
+	}
 }
 
 // Readiness takes whether discovery is stopped from the discovery loop's
@@ -637,7 +711,7 @@ func TestFoundEventsLatelyOnlyAfterARoundFoundEvents(t *testing.T) {
 func pauseChosen(r *replica, want func(time.Duration) bool) <-chan struct{} {
 	seen := make(chan struct{})
 	var once sync.Once
-	r.Server.SetAfterDiscoveryWait(func(w time.Duration) {
+	r.Server.SetAfterDiscoveryWait(func(w, _ time.Duration, _ time.Time) {
 		if want(w) {
 			once.Do(func() { close(seen) })
 		}

@@ -273,8 +273,9 @@ type Server struct {
 	// answer, before the loop acts on it.
 	afterRoundDue atomic.Pointer[func(due bool, err error)]
 	// afterDiscoveryWait, when set (by tests), sees every pause the
-	// discovery loop chooses before its next turn.
-	afterDiscoveryWait atomic.Pointer[func(wait time.Duration)]
+	// discovery loop chooses before its next turn, the pause it arms (a
+	// quiet one aligned: see alignedPause) and when.
+	afterDiscoveryWait atomic.Pointer[func(chosen, armed time.Duration, at time.Time)]
 	// quietInterval is Config.DiscoveryQuietInterval as last set (see
 	// SetDiscoveryQuietInterval), in nanoseconds.
 	quietInterval atomic.Int64
