@@ -135,6 +135,13 @@ func (s *Server) SetAfterDiscoveryWait(f func(chosen, armed time.Duration, at ti
 	s.afterDiscoveryWait.Store(&f)
 }
 
+// SetAfterReadinessWait makes every readiness watch call f with its
+// interval, every pause it arms between checks and the time it arms it
+// from.
+func (s *Server) SetAfterReadinessWait(f func(interval, armed time.Duration, at time.Time)) {
+	s.afterReadinessWait.Store(&f)
+}
+
 // AlignedPause is alignedPause, for tests.
 var AlignedPause = alignedPause
 

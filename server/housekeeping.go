@@ -75,7 +75,9 @@ const staleStatsInterval = time.Minute
 // 10 s, and two statements at once on a quiet source's pool open a second
 // connection, a backend start, that the pool trimmer closes again: 50 idle
 // sources opened about 4 PostgreSQL sessions a second that way. Jittered,
-// they meet only by chance, for the millisecond a statement takes.
+// they meet only by chance, for the millisecond a statement takes. (The
+// readiness watch has since moved onto a grid half a quiet interval off the
+// quiet discovery checks, readinessPause; it meets the refresh by chance.)
 func jitter(d time.Duration) time.Duration {
 	if d < 10 {
 		return d

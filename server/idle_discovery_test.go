@@ -509,12 +509,65 @@ func TestQuietPausesEndOnTheGrid(t *testing.T) {
 			continue
 		}
 		quiet++
-		if end := p.at.Add(p.armed); !end.Truncate(quietInterval).Equal(end) {
+		if end := p.at.Round(0).Add(p.armed); !end.Truncate(quietInterval).Equal(end) {
 			t.Fatalf("a quiet pause of %v armed at %v as %v ends off the grid (at %v)", p.chosen, p.at, p.armed, end)
 		}
 		if p.armed <= 0 || p.armed > quietInterval {
 			t.Fatalf("a quiet pause of %v armed as %v", p.chosen, p.armed)
 		}
+	}
+}
+
+// The readiness watch arms its pauses to end on a grid that every source of
+// a replica shares (one wake-up for all their readiness checks), a whole
+// number of quiet intervals apart, at least the health interval, and half a
+// quiet interval off the quiet discovery checks' grid, so that a readiness
+// check that needs a statement never meets its source's check on the pool.
+func TestReadinessChecksFallBetweenQuietChecks(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	const quietInterval, health = 100 * time.Millisecond, 250 * time.Millisecond
+	r := startReplica(t, testdb.New(t), func(c *server.Config) { c.DiscoveryQuietInterval = quietInterval })
+	type pause struct {
+		armed time.Duration
+		at    time.Time
+	}
+	pauses := make(chan pause, 16)
+	// The replica's own watch (of its health interval) reports too.
+	r.Server.SetAfterReadinessWait(func(interval, armed time.Duration, at time.Time) {
+		if interval != health {
+			return
+		}
+		select {
+		case pauses <- pause{armed, at}:
+		default:
+		}
+	})
+	go r.Server.WatchReadiness(ctx, health, func(server.Readiness) {})
+	const spacing = 3 * quietInterval // the least whole number of quiet intervals at or above health
+	var last time.Time
+	for i := range 3 {
+		var p pause
+		select {
+		case p = <-pauses:
+		case <-ctx.Done():
+			t.Fatal("the readiness watch never paused three times")
+		}
+		end := p.at.Round(0).Add(p.armed) // the wall clock, as the grid is
+		if mid := end.Add(-quietInterval / 2); !mid.Truncate(quietInterval).Equal(mid) {
+			t.Fatalf("pause %d: armed at %v for %v, it ends at %v, not half a quiet interval (%v) off the checks' grid", i, p.at, p.armed, end, quietInterval)
+		}
+		if !end.Add(-quietInterval / 2).Truncate(spacing).Equal(end.Add(-quietInterval / 2)) {
+			t.Fatalf("pause %d ends at %v, off the grid of %v", i, end, spacing)
+		}
+		if p.armed <= 0 || p.armed > spacing {
+			t.Fatalf("pause %d armed for %v, want (0, %v]", i, p.armed, spacing)
+		}
+		if !last.IsZero() && end.Sub(last) != spacing {
+			t.Fatalf("pause %d ends %v after the one before, want %v", i, end.Sub(last), spacing)
+		}
+		last = end
 	}
 }
 
