@@ -135,11 +135,11 @@ func (s *Server) SetAfterDiscoveryWait(f func(chosen, armed time.Duration, at ti
 	s.afterDiscoveryWait.Store(&f)
 }
 
-// SetAfterReadinessWait makes every readiness watch call f with its
-// interval, every pause it arms between checks and the time it arms it
-// from.
-func (s *Server) SetAfterReadinessWait(f func(interval, armed time.Duration, at time.Time)) {
-	s.afterReadinessWait.Store(&f)
+// SetAfterLoopWait makes the periodic loops ("readiness" watches, the
+// session "refresh") call f with their interval, every pause they arm
+// between turns and the time they arm it from.
+func (s *Server) SetAfterLoopWait(f func(loop string, interval, armed time.Duration, at time.Time)) {
+	s.afterLoopWait.Store(&f)
 }
 
 // AlignedPause is alignedPause, for tests.
@@ -166,9 +166,6 @@ func (s *Server) PollTimer() (fireAt time.Time, armed bool, polls uint64, ok boo
 	}
 	return fireAt, armed, polls, true
 }
-
-// Jitter is the interval of a periodic loop's next tick (see jitter).
-var Jitter = jitter
 
 // SetClaimProbe records p as the discovery loop's latest probe of the
 // claims, taken at by a check that armed pause before the next one.

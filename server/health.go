@@ -75,8 +75,8 @@ func (s *Server) WatchReadiness(ctx context.Context, interval time.Duration, rep
 		case <-t.C:
 			now := time.Now()
 			pause := s.readinessPause(now, interval)
-			if h := s.afterReadinessWait.Load(); h != nil {
-				(*h)(interval, pause, now)
+			if h := s.afterLoopWait.Load(); h != nil {
+				(*h)("readiness", interval, pause, now)
 			}
 			t.Reset(pause)
 		}
@@ -84,21 +84,8 @@ func (s *Server) WatchReadiness(ctx context.Context, interval time.Duration, rep
 }
 
 // readinessPause is how long the readiness watch waits from now for its
-// next check: about interval, on a grid that every source of the replica
-// shares, so that their checks fall due together and the process wakes
-// once for all of them (a wake-up of an idle Go process costs about 0.4 ms
-// of CPU on the benchmark VM; 50 sources checked every 2 s apart were 25
-// wake-ups a second). The grid's points are a whole number of quiet
-// discovery intervals apart (the least at or above interval) and half an
-// interval off the quiet loops' own grid (see alignedPause), so a
-// readiness check that needs a statement never meets its source's quiet
-// discovery check on the pool: two statements at once on a quiet pool open
-// a second connection.
+// next check: about interval, on a grid shared by all sources, half a quiet
+// interval off the quiet discovery checks (see loopPause).
 func (s *Server) readinessPause(now time.Time, interval time.Duration) time.Duration {
-	quiet := time.Duration(s.quietInterval.Load())
-	if quiet <= 0 {
-		return interval
-	}
-	spacing := max(quiet, (interval+quiet-1)/quiet*quiet)
-	return alignedPause(now, spacing, quiet/2)
+	return s.loopPause(now, interval, 2)
 }

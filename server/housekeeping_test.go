@@ -117,23 +117,3 @@ func TestStaleSessionCleanupSparesOwnSessions(t *testing.T) {
 		t.Fatalf("sessions left: %v, want only this replica's", left)
 	}
 }
-
-// The periodic loops tick at jittered intervals, within a tenth of the
-// configured one, so that loops of different periods do not fall into step
-// (each meeting is two statements at once on a quiet source's pool: a
-// backend start).
-func TestPeriodicLoopsJitter(t *testing.T) {
-	t.Parallel()
-	const d = 2 * time.Second
-	seen := map[time.Duration]bool{}
-	for range 100 {
-		j := server.Jitter(d)
-		if j < d-d/10 || j >= d+d/10 {
-			t.Fatalf("jitter(%v) = %v, want within a tenth", d, j)
-		}
-		seen[j] = true
-	}
-	if len(seen) < 50 {
-		t.Fatalf("100 jittered intervals took %d values: not jittered", len(seen))
-	}
-}

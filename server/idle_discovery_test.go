@@ -518,56 +518,67 @@ func TestQuietPausesEndOnTheGrid(t *testing.T) {
 	}
 }
 
-// The readiness watch arms its pauses to end on a grid that every source of
-// a replica shares (one wake-up for all their readiness checks), a whole
-// number of quiet intervals apart, at least the health interval, and half a
-// quiet interval off the quiet discovery checks' grid, so that a readiness
-// check that needs a statement never meets its source's check on the pool.
-func TestReadinessChecksFallBetweenQuietChecks(t *testing.T) {
+// The periodic loops of an engine (the readiness watch, the session
+// refresh) arm their pauses to end on a grid that the same loop of every
+// source of a replica shares (one wake-up for all their turns), a whole
+// number of quiet intervals apart, at least the loop's interval, and
+// shifted off the quiet discovery checks' grid by quarters of a quiet
+// interval, a different number for each loop, so that no two of a
+// source's loops, nor a loop and the quiet check, meet on its pool.
+func TestPeriodicLoopsShareAGridOffTheQuietChecks(t *testing.T) {
 	t.Parallel()
 	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
 	defer cancel()
-	const quietInterval, health = 100 * time.Millisecond, 250 * time.Millisecond
-	r := startReplica(t, testdb.New(t), func(c *server.Config) { c.DiscoveryQuietInterval = quietInterval })
+	const quietInterval, health, refresh = 100 * time.Millisecond, 250 * time.Millisecond, 330 * time.Millisecond
+	r := startReplica(t, testdb.New(t), func(c *server.Config) {
+		c.DiscoveryQuietInterval = quietInterval
+		c.SessionRefreshInterval = refresh
+	})
 	type pause struct {
-		armed time.Duration
-		at    time.Time
+		loop            string
+		interval, armed time.Duration
+		at              time.Time
 	}
-	pauses := make(chan pause, 16)
-	// The replica's own watch (of its health interval) reports too.
-	r.Server.SetAfterReadinessWait(func(interval, armed time.Duration, at time.Time) {
-		if interval != health {
-			return
-		}
+	pauses := make(chan pause, 64)
+	r.Server.SetAfterLoopWait(func(loop string, interval, armed time.Duration, at time.Time) {
 		select {
-		case pauses <- pause{armed, at}:
+		case pauses <- pause{loop, interval, armed, at}:
 		default:
 		}
 	})
 	go r.Server.WatchReadiness(ctx, health, func(server.Readiness) {})
-	const spacing = 3 * quietInterval // the least whole number of quiet intervals at or above health
-	var last time.Time
-	for i := range 3 {
+	loops := map[string]struct {
+		interval, spacing, offset time.Duration
+	}{
+		// spacing: the least whole number of quiet intervals at or above the interval.
+		"readiness": {health, 3 * quietInterval, quietInterval / 2},
+		"refresh":   {refresh, 4 * quietInterval, quietInterval / 4},
+	}
+	last := map[string]time.Time{}
+	seen := map[string]int{}
+	for seen["readiness"] < 3 || seen["refresh"] < 3 {
 		var p pause
 		select {
 		case p = <-pauses:
 		case <-ctx.Done():
-			t.Fatal("the readiness watch never paused three times")
+			t.Fatalf("the loops paused %v times, want three each", seen)
 		}
+		want, ok := loops[p.loop]
+		if !ok || p.interval != want.interval {
+			continue // the replica's own readiness watch, of its health interval
+		}
+		seen[p.loop]++
 		end := p.at.Round(0).Add(p.armed) // the wall clock, as the grid is
-		if mid := end.Add(-quietInterval / 2); !mid.Truncate(quietInterval).Equal(mid) {
-			t.Fatalf("pause %d: armed at %v for %v, it ends at %v, not half a quiet interval (%v) off the checks' grid", i, p.at, p.armed, end, quietInterval)
+		if on := end.Add(-want.offset); !on.Truncate(want.spacing).Equal(on) {
+			t.Fatalf("%s: armed at %v for %v, it ends at %v, not %v off the grid of %v", p.loop, p.at, p.armed, end, want.offset, want.spacing)
 		}
-		if !end.Add(-quietInterval / 2).Truncate(spacing).Equal(end.Add(-quietInterval / 2)) {
-			t.Fatalf("pause %d ends at %v, off the grid of %v", i, end, spacing)
+		if p.armed <= 0 || p.armed > want.spacing {
+			t.Fatalf("%s: armed for %v, want (0, %v]", p.loop, p.armed, want.spacing)
 		}
-		if p.armed <= 0 || p.armed > spacing {
-			t.Fatalf("pause %d armed for %v, want (0, %v]", i, p.armed, spacing)
+		if l := last[p.loop]; !l.IsZero() && end.Sub(l) != want.spacing {
+			t.Fatalf("%s: a turn %v after the one before, want %v", p.loop, end.Sub(l), want.spacing)
 		}
-		if !last.IsZero() && end.Sub(last) != spacing {
-			t.Fatalf("pause %d ends %v after the one before, want %v", i, end.Sub(last), spacing)
-		}
-		last = end
+		last[p.loop] = end
 	}
 }
 

@@ -272,9 +272,9 @@ type Server struct {
 	// discovery loop makes before a round (see discover), with its
 	// answer, before the loop acts on it.
 	afterRoundDue atomic.Pointer[func(due bool, err error)]
-	// afterReadinessWait, when set (by tests), sees every pause a
-	// readiness watch of the given interval arms between checks, and when.
-	afterReadinessWait atomic.Pointer[func(interval, armed time.Duration, at time.Time)]
+	// afterLoopWait, when set (by tests), sees every pause a periodic loop
+	// ("readiness", "refresh") of the given interval arms, and when.
+	afterLoopWait atomic.Pointer[func(loop string, interval, armed time.Duration, at time.Time)]
 	// afterDiscoveryWait, when set (by tests), sees every pause the
 	// discovery loop chooses before its next turn, the pause it arms (a
 	// quiet one aligned: see alignedPause) and when.
