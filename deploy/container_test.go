@@ -14,7 +14,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -27,6 +26,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/outboxd/outboxd/internal/freeport"
 	"github.com/outboxd/outboxd/internal/testdb"
 )
 
@@ -237,12 +237,11 @@ func hexSum(b []byte) string { s := sha256.Sum256(b); return hex.EncodeToString(
 // freePort is a loopback port nothing listens on right now.
 func freePort(t *testing.T) string {
 	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
+	addr, err := freeport.Addr()
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer l.Close()
-	return l.Addr().String()
+	return addr
 }
 
 // runContainers runs the server and a relay in containers on the host's

@@ -18,6 +18,7 @@ import (
 
 	"go.yaml.in/yaml/v3"
 
+	"github.com/outboxd/outboxd/internal/freeport"
 	"github.com/outboxd/outboxd/internal/testdb"
 )
 
@@ -346,12 +347,10 @@ func checkGrace(t *testing.T, where string, graceSeconds int, drain string) {
 // (anything but 404).
 func servedPaths(t *testing.T, bin string) map[string]bool {
 	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
+	httpAddr, err := freeport.Addr()
 	if err != nil {
 		t.Fatal(err)
 	}
-	httpAddr := l.Addr().String()
-	l.Close()
 	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
 	defer cancel()
 	cmd := exec.CommandContext(ctx, bin, "serve", "--listen=127.0.0.1:0", "--http-listen="+httpAddr,

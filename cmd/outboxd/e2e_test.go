@@ -5,7 +5,6 @@ import (
 	"context"
 	"fmt"
 	"io"
-	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -18,6 +17,7 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/outboxd/outboxd/internal/freeport"
 	"github.com/outboxd/outboxd/internal/testdb"
 )
 
@@ -171,12 +171,11 @@ func (p *process) signalWithin(sig os.Signal, bound time.Duration) (code int, to
 
 func freeAddr(t *testing.T) string {
 	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
+	addr, err := freeport.Addr()
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer l.Close()
-	return l.Addr().String()
+	return addr
 }
 
 // The README's production shape end to end: `outboxd serve` and `outboxd relay

@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"io/fs"
 	"log/slog"
-	"net"
 	"os"
 	"os/exec"
 	"os/user"
@@ -17,6 +16,8 @@ import (
 	"strconv"
 	"strings"
 	"time"
+
+	"github.com/outboxd/outboxd/internal/freeport"
 )
 
 // binDirPatterns are where distributions put versioned server binaries that
@@ -300,16 +301,16 @@ func runServerCmd(ctx context.Context, su *serverUser, dir, name string, args ..
 	return out.Bytes(), nil
 }
 
-// freePort asks the kernel for an unused loopback port. Another process could
-// take it before postgres binds it; pg_ctl start then fails with the reason
-// in the server log, which the error includes.
+// freePort finds an unused loopback port (freeport: below the range of
+// outgoing connections' ports). Another process could still take it before
+// postgres binds it; pg_ctl start then fails with the reason in the server
+// log, which the error includes.
 func freePort() (int, error) {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
+	p, err := freeport.Port()
 	if err != nil {
 		return 0, fmt.Errorf("finding a free port on 127.0.0.1: %w", err)
 	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port, nil
+	return p, nil
 }
 
 // waitReady pings connURL until it answers or readyTimeout passes. pg_ctl -w
