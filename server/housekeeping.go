@@ -80,19 +80,25 @@ const staleStatsInterval = time.Minute
 // them. A wake-up of an idle Go process costs about 0.4 ms of CPU on the
 // benchmark VM; 50 sources' readiness checks every 2 s, spread at random,
 // were 25 wake-ups a second. The grid's points are a whole number of quiet
-// discovery intervals apart (the least at or above interval) and shifted
-// from the quiet discovery checks' grid (alignedPause) by quarters of a
-// quiet interval: the refresh by one, readiness by two. So none of a
-// source's loops falls due with another or with its quiet check: two
-// statements at once on a quiet pool open a second connection, a backend
-// start (plain tickers that met every 10 s opened about 4 a second for 50
-// sources).
+// discovery intervals apart (the most that is at most interval, so a loop
+// never turns less often than asked) and shifted from the quiet discovery
+// checks' grid (alignedPause) by quarters of a quiet interval: the refresh
+// by one, readiness by two. So none of a source's loops falls due with
+// another or with its quiet check: two statements at once on a quiet pool
+// open a second connection, a backend start (plain tickers that met every
+// 10 s opened about 4 a second for 50 sources). Where the quiet interval
+// is longer than interval (over 100 sources at the default budget, for
+// readiness) the points are interval apart and may meet a check by chance;
+// readiness then costs a statement only every SchemaCheckInterval.
 func (s *Server) loopPause(now time.Time, interval time.Duration, quarters int) time.Duration {
 	quiet := time.Duration(s.quietInterval.Load())
-	if quiet <= 0 {
+	if quiet <= 0 || interval <= 0 {
 		return interval
 	}
-	spacing := max(quiet, (interval+quiet-1)/quiet*quiet)
+	spacing := interval
+	if quiet <= interval {
+		spacing = interval / quiet * quiet
+	}
 	return alignedPause(now, spacing, quiet*time.Duration(quarters)/4)
 }
 

@@ -521,64 +521,78 @@ func TestQuietPausesEndOnTheGrid(t *testing.T) {
 // The periodic loops of an engine (the readiness watch, the session
 // refresh) arm their pauses to end on a grid that the same loop of every
 // source of a replica shares (one wake-up for all their turns), a whole
-// number of quiet intervals apart, at least the loop's interval, and
+// number of quiet intervals apart, at most the loop's interval, and
 // shifted off the quiet discovery checks' grid by quarters of a quiet
 // interval, a different number for each loop, so that no two of a
 // source's loops, nor a loop and the quiet check, meet on its pool.
 func TestPeriodicLoopsShareAGridOffTheQuietChecks(t *testing.T) {
 	t.Parallel()
-	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
-	defer cancel()
-	const quietInterval, health, refresh = 100 * time.Millisecond, 250 * time.Millisecond, 330 * time.Millisecond
-	r := startReplica(t, testdb.New(t), func(c *server.Config) {
-		c.DiscoveryQuietInterval = quietInterval
-		c.SessionRefreshInterval = refresh
-	})
-	type pause struct {
-		loop            string
-		interval, armed time.Duration
-		at              time.Time
-	}
-	pauses := make(chan pause, 64)
-	r.Server.SetAfterLoopWait(func(loop string, interval, armed time.Duration, at time.Time) {
-		select {
-		case pauses <- pause{loop, interval, armed, at}:
-		default:
-		}
-	})
-	go r.Server.WatchReadiness(ctx, health, func(server.Readiness) {})
-	loops := map[string]struct {
-		interval, spacing, offset time.Duration
+	const health, refresh = 250 * time.Millisecond, 330 * time.Millisecond
+	type grid struct{ spacing, offset time.Duration }
+	for _, tc := range []struct {
+		name             string
+		quiet            time.Duration
+		readiness, renew grid
 	}{
-		// spacing: the least whole number of quiet intervals at or above the interval.
-		"readiness": {health, 3 * quietInterval, quietInterval / 2},
-		"refresh":   {refresh, 4 * quietInterval, quietInterval / 4},
-	}
-	last := map[string]time.Time{}
-	seen := map[string]int{}
-	for seen["readiness"] < 3 || seen["refresh"] < 3 {
-		var p pause
-		select {
-		case p = <-pauses:
-		case <-ctx.Done():
-			t.Fatalf("the loops paused %v times, want three each", seen)
-		}
-		want, ok := loops[p.loop]
-		if !ok || p.interval != want.interval {
-			continue // the replica's own readiness watch, of its health interval
-		}
-		seen[p.loop]++
-		end := p.at.Round(0).Add(p.armed) // the wall clock, as the grid is
-		if on := end.Add(-want.offset); !on.Truncate(want.spacing).Equal(on) {
-			t.Fatalf("%s: armed at %v for %v, it ends at %v, not %v off the grid of %v", p.loop, p.at, p.armed, end, want.offset, want.spacing)
-		}
-		if p.armed <= 0 || p.armed > want.spacing {
-			t.Fatalf("%s: armed for %v, want (0, %v]", p.loop, p.armed, want.spacing)
-		}
-		if l := last[p.loop]; !l.IsZero() && end.Sub(l) != want.spacing {
-			t.Fatalf("%s: a turn %v after the one before, want %v", p.loop, end.Sub(l), want.spacing)
-		}
-		last[p.loop] = end
+		// The most whole number of quiet intervals that is at most the
+		// loop's interval; readiness half a quiet interval off the checks,
+		// the refresh a quarter.
+		{"quiet shorter than the loops", 100 * time.Millisecond, grid{200 * time.Millisecond, 50 * time.Millisecond}, grid{300 * time.Millisecond, 25 * time.Millisecond}},
+		// A quiet interval longer than a loop's: that loop keeps its own.
+		{"quiet longer than readiness", 300 * time.Millisecond, grid{health, 150 * time.Millisecond}, grid{300 * time.Millisecond, 75 * time.Millisecond}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+			defer cancel()
+			r := startReplica(t, testdb.New(t), func(c *server.Config) {
+				c.DiscoveryQuietInterval = tc.quiet
+				c.SessionRefreshInterval = refresh
+			})
+			type pause struct {
+				loop            string
+				interval, armed time.Duration
+				at              time.Time
+			}
+			pauses := make(chan pause, 64)
+			r.Server.SetAfterLoopWait(func(loop string, interval, armed time.Duration, at time.Time) {
+				select {
+				case pauses <- pause{loop, interval, armed, at}:
+				default:
+				}
+			})
+			go r.Server.WatchReadiness(ctx, health, func(server.Readiness) {})
+			loops := map[string]struct {
+				interval time.Duration
+				grid
+			}{"readiness": {health, tc.readiness}, "refresh": {refresh, tc.renew}}
+			last := map[string]time.Time{}
+			seen := map[string]int{}
+			for seen["readiness"] < 3 || seen["refresh"] < 3 {
+				var p pause
+				select {
+				case p = <-pauses:
+				case <-ctx.Done():
+					t.Fatalf("the loops paused %v times, want three each", seen)
+				}
+				want, ok := loops[p.loop]
+				if !ok || p.interval != want.interval {
+					continue // the replica's own readiness watch, of its health interval
+				}
+				seen[p.loop]++
+				end := p.at.Round(0).Add(p.armed) // the wall clock, as the grid is
+				if on := end.Add(-want.offset); !on.Truncate(want.spacing).Equal(on) {
+					t.Fatalf("%s: armed at %v for %v, it ends at %v, not %v off the grid of %v", p.loop, p.at, p.armed, end, want.offset, want.spacing)
+				}
+				if p.armed <= 0 || p.armed > want.spacing {
+					t.Fatalf("%s: armed for %v, want (0, %v]", p.loop, p.armed, want.spacing)
+				}
+				if l := last[p.loop]; !l.IsZero() && end.Sub(l) != want.spacing {
+					t.Fatalf("%s: a turn %v after the one before, want %v", p.loop, end.Sub(l), want.spacing)
+				}
+				last[p.loop] = end
+			}
+		})
 	}
 }
 
