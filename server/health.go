@@ -49,11 +49,12 @@ func (s *Server) CheckReadiness(ctx context.Context) Readiness {
 	return Readiness{Ready: true}
 }
 
-// WatchReadiness checks readiness every interval (see readinessPause) and
-// calls report when it changes (and once at the start), until ctx is done.
+// WatchReadiness checks readiness every interval (on the grid of
+// loopPause) and calls report when it changes (and once at the start),
+// until ctx is done.
 func (s *Server) WatchReadiness(ctx context.Context, interval time.Duration, report func(Readiness)) {
 	var last *Readiness
-	t := time.NewTimer(s.readinessPause(time.Now(), interval))
+	t := time.NewTimer(s.loopPause(time.Now(), interval, readinessLoop))
 	defer t.Stop()
 	for {
 		r := s.CheckReadiness(ctx)
@@ -73,19 +74,7 @@ func (s *Server) WatchReadiness(ctx context.Context, interval time.Duration, rep
 		case <-ctx.Done():
 			return
 		case <-t.C:
-			now := time.Now()
-			pause := s.readinessPause(now, interval)
-			if h := s.afterLoopWait.Load(); h != nil {
-				(*h)("readiness", interval, pause, now)
-			}
-			t.Reset(pause)
+			s.rearmLoop(t, interval, readinessLoop)
 		}
 	}
-}
-
-// readinessPause is how long the readiness watch waits from now for its
-// next check: about interval, on a grid shared by all sources, half a quiet
-// interval off the quiet discovery checks (see loopPause).
-func (s *Server) readinessPause(now time.Time, interval time.Duration) time.Duration {
-	return s.loopPause(now, interval, 2)
 }

@@ -36,7 +36,7 @@ func (s *Server) saveSessions(ctx context.Context) {
 // loop of its own: a long retention purge must not let this replica's
 // sessions go stale and vanish from ListRelays.
 func (s *Server) refreshSessions(ctx context.Context) {
-	refresh := time.NewTimer(s.loopPause(time.Now(), s.cfg.SessionRefreshInterval, 1))
+	refresh := time.NewTimer(s.loopPause(time.Now(), s.cfg.SessionRefreshInterval, refreshLoop))
 	defer refresh.Stop()
 	var cleaned time.Time
 	for {
@@ -44,12 +44,7 @@ func (s *Server) refreshSessions(ctx context.Context) {
 		case <-ctx.Done():
 			return
 		case <-refresh.C:
-			now := time.Now()
-			pause := s.loopPause(now, s.cfg.SessionRefreshInterval, 1)
-			if h := s.afterLoopWait.Load(); h != nil {
-				(*h)("refresh", s.cfg.SessionRefreshInterval, pause, now)
-			}
-			refresh.Reset(pause)
+			s.rearmLoop(refresh, s.cfg.SessionRefreshInterval, refreshLoop)
 			s.saveSessions(ctx)
 			if time.Since(cleaned) < staleStatsInterval {
 				continue
@@ -90,7 +85,7 @@ const staleStatsInterval = time.Minute
 // is longer than interval (over 100 sources at the default budget, for
 // readiness) the points are interval apart and may meet a check by chance;
 // readiness then costs a statement only every SchemaCheckInterval.
-func (s *Server) loopPause(now time.Time, interval time.Duration, quarters int) time.Duration {
+func (s *Server) loopPause(now time.Time, interval time.Duration, loop periodicLoop) time.Duration {
 	quiet := time.Duration(s.quietInterval.Load())
 	if quiet <= 0 || interval <= 0 {
 		return interval
@@ -99,7 +94,30 @@ func (s *Server) loopPause(now time.Time, interval time.Duration, quarters int) 
 	if quiet <= interval {
 		spacing = interval / quiet * quiet
 	}
-	return alignedPause(now, spacing, quiet*time.Duration(quarters)/4)
+	return alignedPause(now, spacing, quiet*time.Duration(loop.quarters)/4)
+}
+
+// periodicLoop names a periodic loop of the engine and its place on the
+// grid (loopPause): quarters of a quiet interval off the quiet checks.
+type periodicLoop struct {
+	name     string
+	quarters int
+}
+
+var (
+	refreshLoop   = periodicLoop{"refresh", 1}
+	readinessLoop = periodicLoop{"readiness", 2}
+)
+
+// rearmLoop arms t, a fired timer of loop, for its next turn (loopPause),
+// telling the test hook.
+func (s *Server) rearmLoop(t *time.Timer, interval time.Duration, loop periodicLoop) {
+	now := time.Now()
+	pause := s.loopPause(now, interval, loop)
+	if h := s.afterLoopWait.Load(); h != nil {
+		(*h)(loop.name, interval, pause, now)
+	}
+	t.Reset(pause)
 }
 
 // janitor runs the retention janitor every JanitorInterval when Retention
