@@ -78,9 +78,11 @@ func (s *Server) discover(ctx context.Context) {
 	// quiet loop of the replica shares the quiet interval, so the checks of
 	// its quiet sources fall due together and the process wakes once for
 	// all of them instead of once for each. On this project's 2-core VM a
-	// wake-up of an idle Go process costs about 0.4 ms of CPU before any
-	// work (a C program's costs about 0.07), which made the wake-ups, not
-	// the checks, most of what 50 quiet sources cost the server.
+	// wake-up of an idle Go process costs 0.1-0.4 ms of CPU before any
+	// work, a query after an idle pause 0.4-1.8 ms against 0.03-0.06 back
+	// to back (bench/cmd/wakeup-cost; it varies with the host's load),
+	// which made the wake-ups, not the checks, most of what 50 quiet
+	// sources cost the server.
 	type pause struct {
 		chosen, armed time.Duration
 		at            time.Time // when armed

@@ -72,8 +72,8 @@ const staleStatsInterval = time.Minute
 // session refresh) waits from now for its next turn: about interval, on a
 // grid that the same loop of every source of the replica shares, so that
 // their turns fall due together and the process wakes once for all of
-// them. A wake-up of an idle Go process costs about 0.4 ms of CPU on the
-// benchmark VM; 50 sources' readiness checks every 2 s, spread at random,
+// them. A wake-up of an idle Go process costs 0.1-0.4 ms of CPU on the
+// benchmark VM (bench/cmd/wakeup-cost); 50 sources' readiness checks every 2 s, spread at random,
 // were 25 wake-ups a second. The grid's points are a whole number of quiet
 // discovery intervals apart (the most that is at most interval, so a loop
 // never turns less often than asked) and shifted from the quiet discovery
