@@ -78,7 +78,7 @@ func (a *adminService) GetLag(ctx context.Context, req *outboxv1.GetLagRequest) 
 	if err != nil {
 		return nil, a.s.dbError(ctx, "get lag", err)
 	}
-	lag, err := a.s.store.Lag(ctx, filter, a.s.sessionTTL())
+	lag, err := a.s.lag(ctx, filter)
 	if err != nil {
 		return nil, a.s.dbError(ctx, "get lag", err)
 	}
@@ -167,6 +167,9 @@ func lagProto(lag store.Lag, named []string) *outboxv1.GetLagResponse {
 		}
 	}
 	resp := &outboxv1.GetLagResponse{ConnectedRelays: uint32(lag.ConnectedRelays)}
+	if !lag.StrandedAt.IsZero() {
+		resp.StrandedAuditedAt = timestamppb.New(lag.StrandedAt)
+	}
 	var total store.StreamLag
 	for _, l := range lag.Streams {
 		resp.Streams = append(resp.Streams, streamLagProto(l, lag.Now))

@@ -323,6 +323,10 @@
 //   - outbox.stranded counts pending events no rule will deliver, from the
 //     producers' counters and the events rather than from delivery's states,
 //     so a bug in the above shows in GetLag and metrics instead of hiding.
+//     Trusting no state, it reads every aggregate, so it is an audit that
+//     every lag reader shares: it runs again only when the last one is older
+//     than Config.StrandedAuditInterval (1 min; 20 times its own length when
+//     that is longer), and GetLag says when it began (strandedAudit).
 //
 // # Wake-ups
 //

@@ -134,7 +134,7 @@ func newLagCollector(s *Server) *lagCollector {
 		delivered: prometheus.NewDesc("outboxd_delivered_last_minute",
 			"Events marked published in the last minute, per stream (database-wide).", []string{"stream"}, nil),
 		stranded: prometheus.NewDesc("outboxd_stranded_events",
-			"Pending events no rule will deliver, per stream (database-wide); anything but 0 needs an operator.", []string{"stream"}, nil),
+			"Pending events no rule will deliver, per stream (database-wide), as of the last audit (about a minute old at most; none before the first); anything but 0 needs an operator.", []string{"stream"}, nil),
 		stalled: prometheus.NewDesc("outboxd_stalled_aggregates",
 			"Aggregates whose deliveries keep ending without progress (leases expiring or publishes failing repeatedly), per stream (database-wide).",
 			[]string{"stream"}, nil),
@@ -173,7 +173,9 @@ func (c *lagCollector) Collect(ch chan<- prometheus.Metric) {
 			ch <- prometheus.MustNewConstMetric(c.aggregates, prometheus.GaugeValue, float64(n), l.Stream, state)
 		}
 		ch <- prometheus.MustNewConstMetric(c.delivered, prometheus.GaugeValue, float64(l.DeliveredLastMinute), l.Stream)
-		ch <- prometheus.MustNewConstMetric(c.stranded, prometheus.GaugeValue, float64(l.Stranded), l.Stream)
+		if !lag.StrandedAt.IsZero() { // else unknown until the first audit ends: no sample, not a 0
+			ch <- prometheus.MustNewConstMetric(c.stranded, prometheus.GaugeValue, float64(l.Stranded), l.Stream)
+		}
 		ch <- prometheus.MustNewConstMetric(c.stalled, prometheus.GaugeValue, float64(l.Stalled), l.Stream)
 		ch <- prometheus.MustNewConstMetric(c.idleRelays, prometheus.GaugeValue, float64(len(l.IdleRelays)), l.Stream)
 	}
@@ -187,7 +189,7 @@ func (c *lagCollector) read() (store.Lag, error) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	c.lag, c.lastErr = c.s.store.Lag(ctx, nil, c.s.sessionTTL())
+	c.lag, c.lastErr = c.s.lag(ctx, nil)
 	c.at = time.Now()
 	if c.lastErr != nil {
 		c.s.log.Warn("reading backlog for metrics failed", "err", c.lastErr)

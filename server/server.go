@@ -110,6 +110,12 @@ type Config struct {
 	// once when the loop has not reached the database lately), so a quiet
 	// source's readiness check costs no statement. Default 30s.
 	SchemaCheckInterval time.Duration
+	// StrandedAuditInterval is how long the stranded-events audit's counts
+	// serve every lag reader (GetLag, the metrics, the console) before a
+	// reader starts the next audit; longer where the audit itself is slow
+	// (strandedAuditPause). The audit reads every aggregate, so it is not
+	// run for each read. Default 1m.
+	StrandedAuditInterval time.Duration
 
 	// MaxSubscriptionsPerRelay bounds the Subscribe streams one caller (a
 	// token's name, or a relay_id when auth is off) holds open on this
@@ -184,6 +190,7 @@ func (c *Config) setDefaults() error {
 	def(&c.SessionRefreshInterval, 5*time.Second)
 	def(&c.JanitorInterval, time.Minute)
 	def(&c.SchemaCheckInterval, 30*time.Second)
+	def(&c.StrandedAuditInterval, time.Minute)
 	defInt(&c.JanitorBatch, 1000)
 	defInt(&c.MaxSubscriptionsPerRelay, 64)
 	switch {
@@ -219,6 +226,8 @@ func (c *Config) setDefaults() error {
 		return fmt.Errorf("server: Config.MaxSubscriptionsPerRelay %d must be positive", c.MaxSubscriptionsPerRelay)
 	case c.SessionRefreshInterval <= 0:
 		return fmt.Errorf("server: Config.SessionRefreshInterval %v must be positive", c.SessionRefreshInterval)
+	case c.StrandedAuditInterval < 0:
+		return fmt.Errorf("server: Config.StrandedAuditInterval %v must not be negative", c.StrandedAuditInterval)
 	case c.Retention < 0 || c.JanitorInterval <= 0 || c.JanitorBatch < 1 || c.JanitorBatch > maxPurgeBatch:
 		return fmt.Errorf("server: Config.Retention %v, JanitorInterval %v, JanitorBatch %d: want retention >= 0, interval > 0, 1 <= batch <= %d",
 			c.Retention, c.JanitorInterval, c.JanitorBatch, maxPurgeBatch)
@@ -237,6 +246,8 @@ type Server struct {
 	acks    *ackCommitter
 	wake    *waker
 	metrics *metrics
+
+	stranded strandedAudit
 
 	mu       sync.Mutex
 	sessions map[uuid.UUID]*session

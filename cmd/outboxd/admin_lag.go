@@ -31,7 +31,8 @@ the oldest pending event has waited (OLDEST) and the oldest of those no relay
 is offered because their aggregate is backing off, parked or held at a gap
 (HELD), aggregates by delivery state, STALLED aggregates (deliveries of their
 next event keep expiring or failing with no progress), STRANDED events (no
-rule will deliver them), IDLE RELAYS (connected, holding nothing, while the
+rule will deliver them; a server counts them about once a minute, and says
+when it last did), IDLE RELAYS (connected, holding nothing, while the
 stream's ready work waits), and events delivered per second over the last
 minute; then the number of connected relays, and DISCOVERY STOPPED with the
 reason and the fix if new events are not being found (a database restored
@@ -161,6 +162,14 @@ func printLag(w io.Writer, resp *outboxv1.GetLagResponse) error {
 		return err
 	}
 	if _, err := fmt.Fprintf(w, "\nconnected relays: %d\n", resp.GetConnectedRelays()); err != nil {
+		return err
+	}
+	// STRANDED comes from an audit a server runs about once a minute.
+	stranded := "stranded events: not counted yet"
+	if at := resp.GetStrandedAuditedAt(); at != nil {
+		stranded = "stranded events counted at " + fmtTime(at)
+	}
+	if _, err := fmt.Fprintln(w, stranded); err != nil {
 		return err
 	}
 	if srcs := resp.GetSources(); len(srcs) > 1 {

@@ -29,22 +29,23 @@ import (
 
 // serveFlags configure the server.
 type serveFlags struct {
-	listen          string
-	replicaID       string
-	defaultLeaseTTL time.Duration
-	maxFailures     int
-	maxDeliveries   int
-	backoffBase     time.Duration
-	backoffCap      time.Duration
-	pollInterval    time.Duration
-	shutdownTimeout time.Duration
-	maxConns        int32
-	httpListen      string
-	healthInterval  time.Duration
-	idleChecks      int
-	retention       time.Duration
-	janitorInterval time.Duration
-	reflection      bool
+	listen                string
+	replicaID             string
+	defaultLeaseTTL       time.Duration
+	maxFailures           int
+	maxDeliveries         int
+	backoffBase           time.Duration
+	backoffCap            time.Duration
+	pollInterval          time.Duration
+	shutdownTimeout       time.Duration
+	maxConns              int32
+	httpListen            string
+	healthInterval        time.Duration
+	idleChecks            int
+	retention             time.Duration
+	strandedAuditInterval time.Duration
+	janitorInterval       time.Duration
+	reflection            bool
 
 	tokenFile            string
 	insecureNoAuth       bool
@@ -84,6 +85,7 @@ func (f *serveFlags) register(cmd *cobra.Command) {
 	fl.IntVar(&f.idleChecks, "idle-checks-per-second", app.DefaultIdleChecksPerSecond, "discovery checks a second spread over the sources that have had no event for 10s: each checks every SOURCES/N seconds (25ms at most often), so a quiet source's first event waits up to that long; lower it to spend less CPU on many idle sources")
 	fl.Var(&ageValue{d: &f.retention}, "retention", "delete events published longer ago than this, e.g. 7d or 36h (default: keep everything)")
 	fl.DurationVar(&f.janitorInterval, "janitor-interval", time.Minute, "how often the retention janitor runs when --retention is set")
+	fl.DurationVar(&f.strandedAuditInterval, "stranded-audit-interval", time.Minute, "how long one count of stranded events (pending events no rule will deliver: outboxd lag, the metrics, the console) serves before a reader starts the next; the count reads every aggregate of a source (about 0.25 s of PostgreSQL per 100,000), and waits at least 20 times as long as it took")
 	fl.BoolVar(&f.reflection, "reflection", true, "serve gRPC server reflection (for grpcurl)")
 	fl.StringVar(&f.tokenFile, "token-file", "", "bearer tokens with roles and stream limits, reloaded on change and SIGHUP (also read: $"+auth.DefaultEnvVar+")")
 	fl.BoolVar(&f.insecureNoAuth, "insecure-no-auth", false, "allow serving without tokens on a non-loopback address")
@@ -291,6 +293,7 @@ func runServer(ctx context.Context, sources []source, f *serveFlags, log *slog.L
 		DefaultLeaseTTL: f.defaultLeaseTTL, MaxFailures: f.maxFailures, MaxDeliveries: f.maxDeliveries,
 		BackoffBase: f.backoffBase, BackoffCap: f.backoffCap, PollInterval: f.pollInterval,
 		Registerer: reg, Retention: f.retention, JanitorInterval: f.janitorInterval,
+		StrandedAuditInterval:    f.strandedAuditInterval,
 		MaxSubscriptionsPerRelay: f.maxSubscriptions, AckCommitters: f.ackCommitters,
 	}
 	// One engine per source, each with its own pool of --max-db-conns.

@@ -234,7 +234,9 @@ func TestPurgeDryRun(t *testing.T) {
 // renders and in what the page polls.
 func TestStreamsPageShowsStrandedAndIdleRelays(t *testing.T) {
 	t.Parallel()
-	h := newHarness(t, harnessOptions{})
+	// The stranded audit runs again for the first reader after 1 ms; the
+	// counts a reader gets are the last finished audit's.
+	h := newHarness(t, harnessOptions{server: func(c *server.Config) { c.StrandedAuditInterval = time.Millisecond }})
 	ctx := t.Context()
 	h.emit(t, "orders", "lost", 1)
 	h.emit(t, "billing.invoice", "waiting", 1)
@@ -266,6 +268,18 @@ func TestStreamsPageShowsStrandedAndIdleRelays(t *testing.T) {
 	}
 	// The replica's cleanup counts stranded events: put the row back.
 	defer exec(`UPDATE outbox.delivery SET state = 'ready', claimable_at = $1, pending_since = $2 WHERE aggregate_key = 'lost'`, claimable, since)
+	for deadline := time.Now().Add(30 * time.Second); ; { // a hang guard
+		lag, err := h.rep.App.AdminServer().GetLag(ctx, &outboxv1.GetLagRequest{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if lag.GetTotal().GetStrandedEvents() == 1 {
+			break // an audit has counted it: every later reader sees it
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("no audit counted the stranded event in 30s: %v", lag.GetTotal())
+		}
+	}
 	exec(`UPDATE outbox.settings SET idle_relay_after = '1 millisecond'`)
 	exec(`INSERT INTO outbox.relay_session (session_id, relay_id, peer, replica_id, streams, max_in_flight, in_flight, connected_at, seen_at)
 		VALUES (gen_random_uuid(), 'wedged', '10.0.0.1:1', 'other-replica', '{billing.invoice}', 8, 0, now() - interval '1 hour', clock_timestamp())`)

@@ -71,6 +71,7 @@ func (a *adminRouter) GetLag(ctx context.Context, req *outboxv1.GetLagRequest) (
 	var firstErr error
 	var stopped []string
 	answered := 0
+	unaudited := false
 	for _, p := range parts {
 		ready, reason := p.e.ready()
 		if p.err != nil {
@@ -96,12 +97,23 @@ func (a *adminRouter) GetLag(ctx context.Context, req *outboxv1.GetLagRequest) (
 		}
 		addLag(out.Total, p.res.GetTotal())
 		out.ConnectedRelays += p.res.GetConnectedRelays()
+		// The stranded counts are as old as the oldest source's audit, and
+		// unknown while any source has none.
+		switch at := p.res.GetStrandedAuditedAt(); {
+		case at == nil:
+			unaudited = true
+		case out.StrandedAuditedAt == nil || at.AsTime().Before(out.StrandedAuditedAt.AsTime()):
+			out.StrandedAuditedAt = at
+		}
 		if d := p.res.GetDiscoveryStopped(); d != "" {
 			stopped = append(stopped, fmt.Sprintf("source %s: %s", p.e.Name, d))
 		}
 	}
 	if answered == 0 {
 		return nil, firstErr
+	}
+	if unaudited {
+		out.StrandedAuditedAt = nil
 	}
 	if len(parts) == 1 {
 		out.DiscoveryStopped = parts[0].res.GetDiscoveryStopped()

@@ -47,7 +47,8 @@ type StreamLag struct {
 	// Stranded counts pending events that no rule will deliver (see
 	// outbox.stranded): 0 unless a producer inserted a revision delivery had
 	// already passed, or delivery has a bug. Such events are not in
-	// PendingEvents.
+	// PendingEvents. Lag leaves it 0: the audit that counts them reads every
+	// aggregate, so it runs on its own schedule (Stranded, Lag.SetStranded).
 	Stranded int64
 	// Stalled counts aggregates whose deliveries keep ending without
 	// progress (outbox.stall_reason).
@@ -67,6 +68,55 @@ type Lag struct {
 	Streams []StreamLag
 	// ConnectedRelays counts live Subscribe streams across replicas.
 	ConnectedRelays int64
+	// StrandedAt is when the audit whose counts the streams' Stranded hold
+	// began (SetStranded); zero when they hold none.
+	StrandedAt time.Time
+}
+
+// SetStranded fills in each stream's Stranded from the counts of an audit
+// that began at (Store.Stranded), adding a stream the audit names that the report lacks,
+// when filter (nil: every stream) lets it in, and keeping the report in
+// stream order.
+func (l *Lag) SetStranded(counts map[string]int64, at time.Time, filter []string) {
+	l.StrandedAt = at
+	listed := make(map[string]bool, len(l.Streams))
+	for i := range l.Streams {
+		l.Streams[i].Stranded = counts[l.Streams[i].Stream]
+		listed[l.Streams[i].Stream] = true
+	}
+	added := false
+	for stream, n := range counts {
+		if !listed[stream] && n != 0 && (filter == nil || slices.Contains(filter, stream)) {
+			l.Streams = append(l.Streams, StreamLag{Stream: stream, Stranded: n})
+			added = true
+		}
+	}
+	if added {
+		slices.SortFunc(l.Streams, func(a, b StreamLag) int { return strings.Compare(a.Stream, b.Stream) })
+	}
+}
+
+// Stranded counts, per stream, the pending events no rule will deliver
+// (outbox.stranded; streams with none are left out). It is an audit that
+// trusts nothing of delivery's states: it reads every aggregate's revision
+// counter against its delivery row, so its cost follows the number of
+// aggregates (about a quarter of a second of PostgreSQL per 100,000), not
+// the backlog. Callers ration it (server.Config.StrandedAuditInterval).
+func (s *Store) Stranded(ctx context.Context) (map[string]int64, error) {
+	rows, err := s.pool.Query(ctx, `SELECT stream, events FROM outbox.stranded(NULL)`)
+	if err != nil {
+		return nil, fmt.Errorf("store: stranded: %w", err)
+	}
+	counts := map[string]int64{}
+	var stream string
+	var events int64
+	if _, err := pgx.ForEachRow(rows, []any{&stream, &events}, func() error {
+		counts[stream] = events
+		return nil
+	}); err != nil {
+		return nil, fmt.Errorf("store: stranded: %w", err)
+	}
+	return counts, nil
 }
 
 // Lag reports the backlog per stream, limited to streams when not nil (an
@@ -77,7 +127,8 @@ type Lag struct {
 // discovered (outbox.undiscovered); the aggregate counts cover discovered
 // work. It reads the delivery rows of aggregates with pending work (an index scan)
 // and their pending events beyond each cursor (the event key index), so its
-// cost follows the backlog, never the table size. sessionTTL is how recently
+// cost follows the backlog, never the table size (the stranded audit, which
+// cannot, is apart: see Stranded). sessionTTL is how recently
 // a relay session must have been refreshed to count as connected.
 func (s *Store) Lag(ctx context.Context, streams []string, sessionTTL time.Duration) (Lag, error) {
 	filter := streams
@@ -106,20 +157,17 @@ func (s *Store) Lag(ctx context.Context, streams []string, sessionTTL time.Durat
 		    WHERE bucket > clock_timestamp() - interval '1 minute'
 		      AND ($1::text[] IS NULL OR stream = ANY ($1))
 		    GROUP BY stream
-		), stranded AS (
-		    SELECT stream, events FROM outbox.stranded($1::text[])
 		), undiscovered AS (
 		    SELECT stream, events, oldest_created_at FROM outbox.undiscovered($1::text[])
 		)
-		SELECT coalesce(b.stream, r.stream, x.stream, u.stream),
+		SELECT coalesce(b.stream, r.stream, u.stream),
 		       coalesce(b.events, 0) + coalesce(u.events, 0), coalesce(b.aggregates, 0),
 		       least(b.oldest, u.oldest_created_at), b.oldest_held, coalesce(b.ready, 0), coalesce(b.leased, 0),
 		       coalesce(b.backoff, 0), coalesce(b.parked, 0), coalesce(b.gap, 0),
-		       coalesce(r.delivered, 0), coalesce(x.events, 0), coalesce(b.stalled, 0)
+		       coalesce(r.delivered, 0), coalesce(b.stalled, 0)
 		FROM by_stream b
 		FULL JOIN rate r ON r.stream = b.stream
-		FULL JOIN stranded x ON x.stream = coalesce(b.stream, r.stream)
-		FULL JOIN undiscovered u ON u.stream = coalesce(b.stream, r.stream, x.stream)
+		FULL JOIN undiscovered u ON u.stream = coalesce(b.stream, r.stream)
 		ORDER BY 1`, filter)
 	if err != nil {
 		return lag, fmt.Errorf("store: lag: %w", err)
@@ -128,7 +176,7 @@ func (s *Store) Lag(ctx context.Context, streams []string, sessionTTL time.Durat
 		var l StreamLag
 		var oldest, held *time.Time
 		err := row.Scan(&l.Stream, &l.PendingEvents, &l.PendingAggregates, &oldest, &held,
-			&l.Ready, &l.Leased, &l.Backoff, &l.Parked, &l.Gap, &l.DeliveredLastMinute, &l.Stranded, &l.Stalled)
+			&l.Ready, &l.Leased, &l.Backoff, &l.Parked, &l.Gap, &l.DeliveredLastMinute, &l.Stalled)
 		l.OldestPending, l.OldestHeld = deref(oldest), deref(held)
 		return l, err
 	})

@@ -282,9 +282,17 @@ type GetLagResponse struct {
 	// The figures above leave out a source whose lag could not be read (its
 	// entry says why), so that one source down hides nothing of the others.
 	// Empty from servers that predate sources.
-	Sources       []*SourceHealth `protobuf:"bytes,5,rep,name=sources,proto3" json:"sources,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Sources []*SourceHealth `protobuf:"bytes,5,rep,name=sources,proto3" json:"sources,omitempty"`
+	// stranded_audited_at is when the audit that counted the stranded_events
+	// above began. The audit reads every aggregate, so a server runs it about
+	// once a minute at most (outboxd serve --stranded-audit-interval; longer
+	// where one audit takes more than a twentieth of that) and answers in
+	// between with its last counts. Unset while no audit has finished: the
+	// stranded counts are then 0 and unknown. Over several sources, the
+	// oldest of theirs, and unset if any is unset.
+	StrandedAuditedAt *timestamppb.Timestamp `protobuf:"bytes,6,opt,name=stranded_audited_at,json=strandedAuditedAt,proto3" json:"stranded_audited_at,omitempty"`
+	unknownFields     protoimpl.UnknownFields
+	sizeCache         protoimpl.SizeCache
 }
 
 func (x *GetLagResponse) Reset() {
@@ -348,6 +356,13 @@ func (x *GetLagResponse) GetDiscoveryStopped() string {
 func (x *GetLagResponse) GetSources() []*SourceHealth {
 	if x != nil {
 		return x.Sources
+	}
+	return nil
+}
+
+func (x *GetLagResponse) GetStrandedAuditedAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.StrandedAuditedAt
 	}
 	return nil
 }
@@ -3222,13 +3237,14 @@ const file_outbox_v1_admin_service_proto_rawDesc = "" +
 	"\n" +
 	"\x1doutbox/v1/admin_service.proto\x12\toutbox.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x15outbox/v1/event.proto\")\n" +
 	"\rGetLagRequest\x12\x18\n" +
-	"\astreams\x18\x01 \x03(\tR\astreams\"\xf7\x01\n" +
+	"\astreams\x18\x01 \x03(\tR\astreams\"\xc3\x02\n" +
 	"\x0eGetLagResponse\x12.\n" +
 	"\astreams\x18\x01 \x03(\v2\x14.outbox.v1.StreamLagR\astreams\x12*\n" +
 	"\x05total\x18\x02 \x01(\v2\x14.outbox.v1.StreamLagR\x05total\x12)\n" +
 	"\x10connected_relays\x18\x03 \x01(\rR\x0fconnectedRelays\x12+\n" +
 	"\x11discovery_stopped\x18\x04 \x01(\tR\x10discoveryStopped\x121\n" +
-	"\asources\x18\x05 \x03(\v2\x17.outbox.v1.SourceHealthR\asources\"P\n" +
+	"\asources\x18\x05 \x03(\v2\x17.outbox.v1.SourceHealthR\asources\x12J\n" +
+	"\x13stranded_audited_at\x18\x06 \x01(\v2\x1a.google.protobuf.TimestampR\x11strandedAuditedAt\"P\n" +
 	"\fSourceHealth\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x14\n" +
 	"\x05ready\x18\x02 \x01(\bR\x05ready\x12\x16\n" +
@@ -3552,90 +3568,91 @@ var file_outbox_v1_admin_service_proto_goTypes = []any{
 	(*SkipEventResponse)(nil),           // 35: outbox.v1.SkipEventResponse
 	(*PurgeRequest)(nil),                // 36: outbox.v1.PurgeRequest
 	(*PurgeResponse)(nil),               // 37: outbox.v1.PurgeResponse
-	(*durationpb.Duration)(nil),         // 38: google.protobuf.Duration
-	(*timestamppb.Timestamp)(nil),       // 39: google.protobuf.Timestamp
+	(*timestamppb.Timestamp)(nil),       // 38: google.protobuf.Timestamp
+	(*durationpb.Duration)(nil),         // 39: google.protobuf.Duration
 	(*Event)(nil),                       // 40: outbox.v1.Event
 }
 var file_outbox_v1_admin_service_proto_depIdxs = []int32{
 	6,  // 0: outbox.v1.GetLagResponse.streams:type_name -> outbox.v1.StreamLag
 	6,  // 1: outbox.v1.GetLagResponse.total:type_name -> outbox.v1.StreamLag
 	5,  // 2: outbox.v1.GetLagResponse.sources:type_name -> outbox.v1.SourceHealth
-	38, // 3: outbox.v1.StreamLag.oldest_pending_age:type_name -> google.protobuf.Duration
-	39, // 4: outbox.v1.StreamLag.oldest_pending_created_at:type_name -> google.protobuf.Timestamp
-	38, // 5: outbox.v1.StreamLag.oldest_held_age:type_name -> google.protobuf.Duration
-	9,  // 6: outbox.v1.ListRelaysResponse.relays:type_name -> outbox.v1.Relay
-	39, // 7: outbox.v1.Relay.connected_at:type_name -> google.protobuf.Timestamp
-	12, // 8: outbox.v1.GetAggregateResponse.aggregate:type_name -> outbox.v1.Aggregate
-	0,  // 9: outbox.v1.Aggregate.state:type_name -> outbox.v1.AggregateState
-	39, // 10: outbox.v1.Aggregate.lease_expires_at:type_name -> google.protobuf.Timestamp
-	39, // 11: outbox.v1.Aggregate.next_attempt_at:type_name -> google.protobuf.Timestamp
-	39, // 12: outbox.v1.Aggregate.parked_at:type_name -> google.protobuf.Timestamp
-	39, // 13: outbox.v1.Aggregate.oldest_pending_created_at:type_name -> google.protobuf.Timestamp
-	0,  // 14: outbox.v1.AggregateFilter.states:type_name -> outbox.v1.AggregateState
-	39, // 15: outbox.v1.AggregateFilter.pending_before:type_name -> google.protobuf.Timestamp
-	13, // 16: outbox.v1.ListAggregatesRequest.filter:type_name -> outbox.v1.AggregateFilter
-	12, // 17: outbox.v1.ListAggregatesResponse.aggregates:type_name -> outbox.v1.Aggregate
-	5,  // 18: outbox.v1.ListAggregatesResponse.skipped_sources:type_name -> outbox.v1.SourceHealth
-	1,  // 19: outbox.v1.Attempt.outcome:type_name -> outbox.v1.AttemptOutcome
-	39, // 20: outbox.v1.Attempt.at:type_name -> google.protobuf.Timestamp
-	16, // 21: outbox.v1.ListAttemptsResponse.attempts:type_name -> outbox.v1.Attempt
-	13, // 22: outbox.v1.BulkRetryRequest.filter:type_name -> outbox.v1.AggregateFilter
-	12, // 23: outbox.v1.BulkRetryResponse.sample:type_name -> outbox.v1.Aggregate
-	13, // 24: outbox.v1.BulkSkipRequest.filter:type_name -> outbox.v1.AggregateFilter
-	12, // 25: outbox.v1.BulkSkipResponse.sample:type_name -> outbox.v1.Aggregate
-	39, // 26: outbox.v1.RepublishRequest.published_after:type_name -> google.protobuf.Timestamp
-	39, // 27: outbox.v1.RepublishRequest.published_before:type_name -> google.protobuf.Timestamp
-	39, // 28: outbox.v1.ListOperatorActionsRequest.since:type_name -> google.protobuf.Timestamp
-	27, // 29: outbox.v1.ListOperatorActionsResponse.actions:type_name -> outbox.v1.OperatorAction
-	5,  // 30: outbox.v1.ListOperatorActionsResponse.skipped_sources:type_name -> outbox.v1.SourceHealth
-	39, // 31: outbox.v1.OperatorAction.started_at:type_name -> google.protobuf.Timestamp
-	39, // 32: outbox.v1.OperatorAction.finished_at:type_name -> google.protobuf.Timestamp
-	2,  // 33: outbox.v1.ListEventsRequest.state:type_name -> outbox.v1.EventState
-	39, // 34: outbox.v1.ListEventsRequest.created_after:type_name -> google.protobuf.Timestamp
-	39, // 35: outbox.v1.ListEventsRequest.created_before:type_name -> google.protobuf.Timestamp
-	30, // 36: outbox.v1.ListEventsResponse.events:type_name -> outbox.v1.EventInfo
-	5,  // 37: outbox.v1.ListEventsResponse.skipped_sources:type_name -> outbox.v1.SourceHealth
-	40, // 38: outbox.v1.EventInfo.event:type_name -> outbox.v1.Event
-	2,  // 39: outbox.v1.EventInfo.state:type_name -> outbox.v1.EventState
-	39, // 40: outbox.v1.EventInfo.published_at:type_name -> google.protobuf.Timestamp
-	31, // 41: outbox.v1.EventInfo.skip:type_name -> outbox.v1.Skip
-	39, // 42: outbox.v1.Skip.skipped_at:type_name -> google.protobuf.Timestamp
-	12, // 43: outbox.v1.RetryAggregateResponse.aggregate:type_name -> outbox.v1.Aggregate
-	31, // 44: outbox.v1.SkipEventResponse.skip:type_name -> outbox.v1.Skip
-	39, // 45: outbox.v1.PurgeRequest.published_before:type_name -> google.protobuf.Timestamp
-	38, // 46: outbox.v1.PurgeResponse.elapsed:type_name -> google.protobuf.Duration
-	37, // 47: outbox.v1.PurgeResponse.sources:type_name -> outbox.v1.PurgeResponse
-	3,  // 48: outbox.v1.AdminService.GetLag:input_type -> outbox.v1.GetLagRequest
-	7,  // 49: outbox.v1.AdminService.ListRelays:input_type -> outbox.v1.ListRelaysRequest
-	10, // 50: outbox.v1.AdminService.GetAggregate:input_type -> outbox.v1.GetAggregateRequest
-	28, // 51: outbox.v1.AdminService.ListEvents:input_type -> outbox.v1.ListEventsRequest
-	32, // 52: outbox.v1.AdminService.RetryAggregate:input_type -> outbox.v1.RetryAggregateRequest
-	34, // 53: outbox.v1.AdminService.SkipEvent:input_type -> outbox.v1.SkipEventRequest
-	36, // 54: outbox.v1.AdminService.Purge:input_type -> outbox.v1.PurgeRequest
-	14, // 55: outbox.v1.AdminService.ListAggregates:input_type -> outbox.v1.ListAggregatesRequest
-	17, // 56: outbox.v1.AdminService.ListAttempts:input_type -> outbox.v1.ListAttemptsRequest
-	19, // 57: outbox.v1.AdminService.BulkRetry:input_type -> outbox.v1.BulkRetryRequest
-	21, // 58: outbox.v1.AdminService.BulkSkip:input_type -> outbox.v1.BulkSkipRequest
-	23, // 59: outbox.v1.AdminService.Republish:input_type -> outbox.v1.RepublishRequest
-	25, // 60: outbox.v1.AdminService.ListOperatorActions:input_type -> outbox.v1.ListOperatorActionsRequest
-	4,  // 61: outbox.v1.AdminService.GetLag:output_type -> outbox.v1.GetLagResponse
-	8,  // 62: outbox.v1.AdminService.ListRelays:output_type -> outbox.v1.ListRelaysResponse
-	11, // 63: outbox.v1.AdminService.GetAggregate:output_type -> outbox.v1.GetAggregateResponse
-	29, // 64: outbox.v1.AdminService.ListEvents:output_type -> outbox.v1.ListEventsResponse
-	33, // 65: outbox.v1.AdminService.RetryAggregate:output_type -> outbox.v1.RetryAggregateResponse
-	35, // 66: outbox.v1.AdminService.SkipEvent:output_type -> outbox.v1.SkipEventResponse
-	37, // 67: outbox.v1.AdminService.Purge:output_type -> outbox.v1.PurgeResponse
-	15, // 68: outbox.v1.AdminService.ListAggregates:output_type -> outbox.v1.ListAggregatesResponse
-	18, // 69: outbox.v1.AdminService.ListAttempts:output_type -> outbox.v1.ListAttemptsResponse
-	20, // 70: outbox.v1.AdminService.BulkRetry:output_type -> outbox.v1.BulkRetryResponse
-	22, // 71: outbox.v1.AdminService.BulkSkip:output_type -> outbox.v1.BulkSkipResponse
-	24, // 72: outbox.v1.AdminService.Republish:output_type -> outbox.v1.RepublishResponse
-	26, // 73: outbox.v1.AdminService.ListOperatorActions:output_type -> outbox.v1.ListOperatorActionsResponse
-	61, // [61:74] is the sub-list for method output_type
-	48, // [48:61] is the sub-list for method input_type
-	48, // [48:48] is the sub-list for extension type_name
-	48, // [48:48] is the sub-list for extension extendee
-	0,  // [0:48] is the sub-list for field type_name
+	38, // 3: outbox.v1.GetLagResponse.stranded_audited_at:type_name -> google.protobuf.Timestamp
+	39, // 4: outbox.v1.StreamLag.oldest_pending_age:type_name -> google.protobuf.Duration
+	38, // 5: outbox.v1.StreamLag.oldest_pending_created_at:type_name -> google.protobuf.Timestamp
+	39, // 6: outbox.v1.StreamLag.oldest_held_age:type_name -> google.protobuf.Duration
+	9,  // 7: outbox.v1.ListRelaysResponse.relays:type_name -> outbox.v1.Relay
+	38, // 8: outbox.v1.Relay.connected_at:type_name -> google.protobuf.Timestamp
+	12, // 9: outbox.v1.GetAggregateResponse.aggregate:type_name -> outbox.v1.Aggregate
+	0,  // 10: outbox.v1.Aggregate.state:type_name -> outbox.v1.AggregateState
+	38, // 11: outbox.v1.Aggregate.lease_expires_at:type_name -> google.protobuf.Timestamp
+	38, // 12: outbox.v1.Aggregate.next_attempt_at:type_name -> google.protobuf.Timestamp
+	38, // 13: outbox.v1.Aggregate.parked_at:type_name -> google.protobuf.Timestamp
+	38, // 14: outbox.v1.Aggregate.oldest_pending_created_at:type_name -> google.protobuf.Timestamp
+	0,  // 15: outbox.v1.AggregateFilter.states:type_name -> outbox.v1.AggregateState
+	38, // 16: outbox.v1.AggregateFilter.pending_before:type_name -> google.protobuf.Timestamp
+	13, // 17: outbox.v1.ListAggregatesRequest.filter:type_name -> outbox.v1.AggregateFilter
+	12, // 18: outbox.v1.ListAggregatesResponse.aggregates:type_name -> outbox.v1.Aggregate
+	5,  // 19: outbox.v1.ListAggregatesResponse.skipped_sources:type_name -> outbox.v1.SourceHealth
+	1,  // 20: outbox.v1.Attempt.outcome:type_name -> outbox.v1.AttemptOutcome
+	38, // 21: outbox.v1.Attempt.at:type_name -> google.protobuf.Timestamp
+	16, // 22: outbox.v1.ListAttemptsResponse.attempts:type_name -> outbox.v1.Attempt
+	13, // 23: outbox.v1.BulkRetryRequest.filter:type_name -> outbox.v1.AggregateFilter
+	12, // 24: outbox.v1.BulkRetryResponse.sample:type_name -> outbox.v1.Aggregate
+	13, // 25: outbox.v1.BulkSkipRequest.filter:type_name -> outbox.v1.AggregateFilter
+	12, // 26: outbox.v1.BulkSkipResponse.sample:type_name -> outbox.v1.Aggregate
+	38, // 27: outbox.v1.RepublishRequest.published_after:type_name -> google.protobuf.Timestamp
+	38, // 28: outbox.v1.RepublishRequest.published_before:type_name -> google.protobuf.Timestamp
+	38, // 29: outbox.v1.ListOperatorActionsRequest.since:type_name -> google.protobuf.Timestamp
+	27, // 30: outbox.v1.ListOperatorActionsResponse.actions:type_name -> outbox.v1.OperatorAction
+	5,  // 31: outbox.v1.ListOperatorActionsResponse.skipped_sources:type_name -> outbox.v1.SourceHealth
+	38, // 32: outbox.v1.OperatorAction.started_at:type_name -> google.protobuf.Timestamp
+	38, // 33: outbox.v1.OperatorAction.finished_at:type_name -> google.protobuf.Timestamp
+	2,  // 34: outbox.v1.ListEventsRequest.state:type_name -> outbox.v1.EventState
+	38, // 35: outbox.v1.ListEventsRequest.created_after:type_name -> google.protobuf.Timestamp
+	38, // 36: outbox.v1.ListEventsRequest.created_before:type_name -> google.protobuf.Timestamp
+	30, // 37: outbox.v1.ListEventsResponse.events:type_name -> outbox.v1.EventInfo
+	5,  // 38: outbox.v1.ListEventsResponse.skipped_sources:type_name -> outbox.v1.SourceHealth
+	40, // 39: outbox.v1.EventInfo.event:type_name -> outbox.v1.Event
+	2,  // 40: outbox.v1.EventInfo.state:type_name -> outbox.v1.EventState
+	38, // 41: outbox.v1.EventInfo.published_at:type_name -> google.protobuf.Timestamp
+	31, // 42: outbox.v1.EventInfo.skip:type_name -> outbox.v1.Skip
+	38, // 43: outbox.v1.Skip.skipped_at:type_name -> google.protobuf.Timestamp
+	12, // 44: outbox.v1.RetryAggregateResponse.aggregate:type_name -> outbox.v1.Aggregate
+	31, // 45: outbox.v1.SkipEventResponse.skip:type_name -> outbox.v1.Skip
+	38, // 46: outbox.v1.PurgeRequest.published_before:type_name -> google.protobuf.Timestamp
+	39, // 47: outbox.v1.PurgeResponse.elapsed:type_name -> google.protobuf.Duration
+	37, // 48: outbox.v1.PurgeResponse.sources:type_name -> outbox.v1.PurgeResponse
+	3,  // 49: outbox.v1.AdminService.GetLag:input_type -> outbox.v1.GetLagRequest
+	7,  // 50: outbox.v1.AdminService.ListRelays:input_type -> outbox.v1.ListRelaysRequest
+	10, // 51: outbox.v1.AdminService.GetAggregate:input_type -> outbox.v1.GetAggregateRequest
+	28, // 52: outbox.v1.AdminService.ListEvents:input_type -> outbox.v1.ListEventsRequest
+	32, // 53: outbox.v1.AdminService.RetryAggregate:input_type -> outbox.v1.RetryAggregateRequest
+	34, // 54: outbox.v1.AdminService.SkipEvent:input_type -> outbox.v1.SkipEventRequest
+	36, // 55: outbox.v1.AdminService.Purge:input_type -> outbox.v1.PurgeRequest
+	14, // 56: outbox.v1.AdminService.ListAggregates:input_type -> outbox.v1.ListAggregatesRequest
+	17, // 57: outbox.v1.AdminService.ListAttempts:input_type -> outbox.v1.ListAttemptsRequest
+	19, // 58: outbox.v1.AdminService.BulkRetry:input_type -> outbox.v1.BulkRetryRequest
+	21, // 59: outbox.v1.AdminService.BulkSkip:input_type -> outbox.v1.BulkSkipRequest
+	23, // 60: outbox.v1.AdminService.Republish:input_type -> outbox.v1.RepublishRequest
+	25, // 61: outbox.v1.AdminService.ListOperatorActions:input_type -> outbox.v1.ListOperatorActionsRequest
+	4,  // 62: outbox.v1.AdminService.GetLag:output_type -> outbox.v1.GetLagResponse
+	8,  // 63: outbox.v1.AdminService.ListRelays:output_type -> outbox.v1.ListRelaysResponse
+	11, // 64: outbox.v1.AdminService.GetAggregate:output_type -> outbox.v1.GetAggregateResponse
+	29, // 65: outbox.v1.AdminService.ListEvents:output_type -> outbox.v1.ListEventsResponse
+	33, // 66: outbox.v1.AdminService.RetryAggregate:output_type -> outbox.v1.RetryAggregateResponse
+	35, // 67: outbox.v1.AdminService.SkipEvent:output_type -> outbox.v1.SkipEventResponse
+	37, // 68: outbox.v1.AdminService.Purge:output_type -> outbox.v1.PurgeResponse
+	15, // 69: outbox.v1.AdminService.ListAggregates:output_type -> outbox.v1.ListAggregatesResponse
+	18, // 70: outbox.v1.AdminService.ListAttempts:output_type -> outbox.v1.ListAttemptsResponse
+	20, // 71: outbox.v1.AdminService.BulkRetry:output_type -> outbox.v1.BulkRetryResponse
+	22, // 72: outbox.v1.AdminService.BulkSkip:output_type -> outbox.v1.BulkSkipResponse
+	24, // 73: outbox.v1.AdminService.Republish:output_type -> outbox.v1.RepublishResponse
+	26, // 74: outbox.v1.AdminService.ListOperatorActions:output_type -> outbox.v1.ListOperatorActionsResponse
+	62, // [62:75] is the sub-list for method output_type
+	49, // [49:62] is the sub-list for method input_type
+	49, // [49:49] is the sub-list for extension type_name
+	49, // [49:49] is the sub-list for extension extendee
+	0,  // [0:49] is the sub-list for field type_name
 }
 
 func init() { file_outbox_v1_admin_service_proto_init() }

@@ -1,0 +1,188 @@
+package server_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+	"github.com/outboxd/outboxd/internal/testdb"
+	"github.com/outboxd/outboxd/server"
+)
+
+func TestStrandedAuditPause(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct{ interval, took, want time.Duration }{
+		{time.Minute, 0, time.Minute},
+		{time.Minute, time.Second, time.Minute},           // 20 s < 1 min
+		{time.Minute, 5 * time.Second, 100 * time.Second}, // a slow audit waits 20 times its length
+		{0, 10 * time.Millisecond, 200 * time.Millisecond},
+	} {
+		if got := server.StrandedAuditPause(tc.interval, tc.took); got != tc.want {
+			t.Errorf("StrandedAuditPause(%v, %v) = %v, want %v", tc.interval, tc.took, got, tc.want)
+		}
+	}
+}
+
+// strandLost makes the delivery row of aggregate "lost" say idle while its
+// event is pending, as a delivery bug would leave it, and puts it back when
+// the test ends (the replica's cleanup counts stranded events).
+func strandLost(t *testing.T, pool *pgxpool.Pool) {
+	t.Helper()
+	ctx := context.Background()
+	var claimable, since time.Time
+	if err := pool.QueryRow(ctx, `UPDATE outbox.delivery d SET state = 'idle', claimable_at = NULL, pending_since = NULL
+		FROM outbox.delivery o WHERE o.stream = d.stream AND o.aggregate_key = d.aggregate_key AND d.aggregate_key = 'lost'
+		RETURNING o.claimable_at, o.pending_since`).Scan(&claimable, &since); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if _, err := pool.Exec(ctx, `UPDATE outbox.delivery SET state = 'ready', claimable_at = $1, pending_since = $2
+			WHERE aggregate_key = 'lost'`, claimable, since); err != nil {
+			t.Error(err)
+		}
+	})
+}
+
+// audited asks for lag until its stranded counts come from an audit
+// (GetLag answers without them while the first audit runs longer than a
+// reader waits for it).
+func audited(t *testing.T, r *replica) *outboxv1.GetLagResponse {
+	t.Helper()
+	deadline := time.Now().Add(30 * time.Second) // a hang guard
+	for {
+		lag, err := r.Admin.GetLag(context.Background(), &outboxv1.GetLagRequest{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if lag.GetStrandedAuditedAt() != nil {
+			return lag
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("no stranded audit finished in 30s")
+		}
+	}
+}
+
+// The stranded audit reads every aggregate, so its counts serve every lag
+// reader until StrandedAuditInterval has passed: a stranded event appears
+// only at the next audit, and each answer says when its audit began.
+func TestStrandedAuditServesReadersUntilItsInterval(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	r := startReplica(t, url, func(c *server.Config) { c.StrandedAuditInterval = time.Hour })
+	emit(t, pool, "orders", "lost", 1)
+	waitState(t, pool, "lost", "ready")
+	first := audited(t, r)
+	if n := first.GetTotal().GetStrandedEvents(); n != 0 {
+		t.Fatalf("stranded before the test stranded anything: %d", n)
+	}
+	strandLost(t, pool)
+	for range 3 {
+		lag, err := r.Admin.GetLag(ctx, &outboxv1.GetLagRequest{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if n, at := lag.GetTotal().GetStrandedEvents(), lag.GetStrandedAuditedAt(); n != 0 || !at.AsTime().Equal(first.GetStrandedAuditedAt().AsTime()) {
+			t.Fatalf("within the interval: %d stranded as of %v, want the first audit's 0 as of %v", n, at.AsTime(), first.GetStrandedAuditedAt().AsTime())
+		}
+	}
+	if n := r.Server.StrandedAudits(); n != 1 {
+		t.Fatalf("%d audits begun for 4 readers within the interval, want 1", n)
+	}
+}
+
+// Past the interval the next reader starts an audit and a later one gets
+// its counts: the stranded event shows, from an audit that began after it
+// was stranded.
+func TestStrandedAuditRunsAgainAfterItsInterval(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	r := startReplica(t, url, func(c *server.Config) { c.StrandedAuditInterval = time.Millisecond })
+	emit(t, pool, "orders", "lost", 1)
+	waitState(t, pool, "lost", "ready")
+	audited(t, r)
+	var stranded time.Time
+	if err := pool.QueryRow(ctx, `SELECT clock_timestamp()`).Scan(&stranded); err != nil {
+		t.Fatal(err)
+	}
+	strandLost(t, pool)
+	deadline := time.Now().Add(30 * time.Second) // a hang guard
+	for {
+		lag, err := r.Admin.GetLag(ctx, &outboxv1.GetLagRequest{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if lag.GetStrandedAuditedAt().AsTime().After(stranded) {
+			if n := lag.GetTotal().GetStrandedEvents(); n != 1 {
+				t.Fatalf("an audit begun after the event was stranded counts %d stranded, want 1", n)
+			}
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("no audit after the interval: the last began at %v", lag.GetStrandedAuditedAt().AsTime())
+		}
+	}
+}
+
+// A reader does not wait long for the first audit, nor does its end cut
+// the audit short: with the audit blocked (a lock on a table only it
+// reads), GetLag answers without stranded counts, the audit keeps waiting
+// for the lock, and once the lock goes its counts serve the next readers.
+func TestStrandedAuditOutlivesItsReader(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	r := startReplica(t, url, nil)
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(ctx)
+	var locker int
+	if err := tx.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&locker); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := tx.Exec(ctx, `LOCK TABLE outbox.late_event IN ACCESS EXCLUSIVE MODE`); err != nil {
+		t.Fatal(err)
+	}
+	asked := time.Now()
+	lag, err := r.Admin.GetLag(ctx, &outboxv1.GetLagRequest{})
+	if err != nil {
+		t.Fatalf("GetLag while the first audit is blocked: %v", err)
+	}
+	if at := lag.GetStrandedAuditedAt(); at != nil {
+		t.Fatalf("stranded counts as of %v while the only audit is blocked", at.AsTime())
+	}
+	answered := time.Now()
+	// The audit outlived the call: it waits for the lock (it may take a
+	// moment to reach it on a loaded machine).
+	deadline := time.Now().Add(30 * time.Second) // a hang guard
+	for {
+		var blocked int
+		if err := pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
+			WHERE $1 = ANY (pg_blocking_pids(pid)) AND query LIKE '%outbox.stranded(NULL)%'`, locker).Scan(&blocked); err != nil {
+			t.Fatal(err)
+		}
+		if blocked == 1 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d audits wait for the lock after the reader returned, want 1", blocked)
+		}
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	// With the default interval no second audit starts: the counts are
+	// the first reader's audit's, once it could read.
+	if at := audited(t, r).GetStrandedAuditedAt().AsTime(); at.Before(asked) || at.After(answered) {
+		t.Fatalf("counts as of %v: not from the audit the reader at %v..%v started", at, asked, answered)
+	}
+}
