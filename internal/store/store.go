@@ -859,14 +859,14 @@ func isRetryable(err error) bool {
 // outbox.aggregate's primary key, one index probe per stream, however many
 // aggregates each holds.
 func (s *Store) KnownStreams(ctx context.Context, limit int) ([]string, error) {
-	rows, err := s.pool.Query(ctx, `
-		WITH RECURSIVE known(stream) AS (
-			(SELECT stream FROM outbox.aggregate ORDER BY stream LIMIT 1)
-			UNION ALL
-			SELECT (SELECT a.stream FROM outbox.aggregate a WHERE a.stream > known.stream ORDER BY a.stream LIMIT 1)
-			FROM known WHERE known.stream IS NOT NULL
-		)
-		SELECT stream FROM known WHERE stream IS NOT NULL LIMIT $1`, noLimitIfZero(limit))
+	// Without a limit the statement has no parameter, so PostgreSQL plans
+	// it once per connection: every lag read lists the known streams, and
+	// with LIMIT $1 each call was planned afresh.
+	query, args := knownStreamsSQL+` LIMIT $1`, []any{limit}
+	if limit <= 0 {
+		query, args = knownStreamsSQL, nil
+	}
+	rows, err := s.pool.Query(ctx, query, args...)
 	if err != nil {
 		return nil, fmt.Errorf("store: known streams: %w", err)
 	}
@@ -877,13 +877,14 @@ func (s *Store) KnownStreams(ctx context.Context, limit int) ([]string, error) {
 	return names, nil
 }
 
-// noLimitIfZero is a LIMIT parameter: NULL (no limit) for 0.
-func noLimitIfZero(limit int) *int {
-	if limit <= 0 {
-		return nil
-	}
-	return &limit
-}
+const knownStreamsSQL = `
+		WITH RECURSIVE known(stream) AS (
+			(SELECT stream FROM outbox.aggregate ORDER BY stream LIMIT 1)
+			UNION ALL
+			SELECT (SELECT a.stream FROM outbox.aggregate a WHERE a.stream > known.stream ORDER BY a.stream LIMIT 1)
+			FROM known WHERE known.stream IS NOT NULL
+		)
+		SELECT stream FROM known WHERE stream IS NOT NULL`
 
 // UnknownStreams returns the names among streams that no event has used.
 func (s *Store) UnknownStreams(ctx context.Context, streams []string) ([]string, error) {
