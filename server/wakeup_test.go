@@ -217,7 +217,7 @@ func TestAnIdleReplicasChecksTakeThePlaceOfItsClaims(t *testing.T) {
 		c.DiscoveryIdleInterval = 5 * time.Millisecond
 	})
 	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{RelayId: "relay", MaxInFlight: 4})
-	requirePollsSkipClaims(t, r, 5)
+	requirePollsSkipClaims(t, r, 5, 0)
 	ids := emit(t, pool, "orders", "a", 1)
 	got := recvAll([]outboxv1.RelayService_SubscribeClient{st})
 	if d := next(t, got); d.d.GetEvent().GetEventId() != ids[0].String() {
@@ -241,20 +241,30 @@ func TestAQuietLoopsProbesCoverThePollsUntilTheNextCheck(t *testing.T) {
 		c.DiscoveryQuietInterval = 300 * time.Millisecond
 	})
 	subscribe(t, ctx, r, &outboxv1.SubscribeRequest{RelayId: "relay", MaxInFlight: 4})
-	// Quiet after 3 polls. A probe covering PollInterval alone would leave
-	// about a third of the next 20 polls to claim.
-	requirePollsSkipClaims(t, r, 3)
+	// Once quiet, a probe covering PollInterval alone would leave about a
+	// third of the next 20 polls to claim.
+	requirePollsSkipClaims(t, r, 3, 250*time.Millisecond) // a quiet check's probe covers 400 ms
 }
 
 // requirePollsSkipClaims watches r's polls: once settle polls have fired
-// (the session waits and the loop has settled), the next 20 must skip
-// their claims, two claims allowed.
-func requirePollsSkipClaims(t *testing.T, r *replica, settle int64) {
+// (the session waits) and the discovery loop has probed (a probe covers the
+// polls from now until ahead from now: 0 for a loop that checks often, more
+// than PollInterval once a quiet loop's checks probe), the next 20 must skip
+// their claims, two claims allowed. The loop's state is awaited, not
+// assumed from the polls: on a loaded machine its first check came 350 ms
+// after the relay subscribed, and every poll before it claimed (a test run
+// that counted polls alone failed that way: 4 claims in 20).
+func requirePollsSkipClaims(t *testing.T, r *replica, settle int64, ahead time.Duration) {
 	t.Helper()
 	claims := countClaims(r)
 	var polls atomic.Int64
 	r.Server.SetAfterPoll(func() { polls.Add(1) })
-	waitFor(t, func() int32 { return b2i(polls.Load() >= settle) })
+	for deadline := time.Now().Add(30 * time.Second); polls.Load() < settle || !r.Server.PollCovered(time.Now().Add(ahead)); {
+		if time.Now().After(deadline) {
+			t.Fatalf("after %d polls, no probe of the discovery loop's checks covers the polls %v ahead", polls.Load(), ahead)
+		}
+		time.Sleep(time.Millisecond)
+	}
 	c0, p0, s0 := claims.Load(), polls.Load(), r.Server.SkippedPolls()
 	waitFor(t, func() int32 { return b2i(polls.Load() >= p0+20) })
 	c1, p1, s1 := claims.Load(), polls.Load(), r.Server.SkippedPolls()
