@@ -24,7 +24,9 @@ func (s *Server) SetBeforeAddSession(f func()) { s.beforeAddSession = f }
 
 // SetAfterClaim makes every claim's outcome pass through f, which may
 // replace it. Set it before the first Subscribe.
-func (s *Server) SetAfterClaim(f func([]store.Lease, error) ([]store.Lease, error)) { s.afterClaim = f }
+func (s *Server) SetAfterClaim(f func([]store.Lease, error) ([]store.Lease, error)) {
+	s.afterClaim.Store(&f)
+}
 
 // SetAfterAck makes every ack statement's outcome pass through f, which may
 // replace it. Set it before the first Ack.
@@ -98,7 +100,7 @@ func (s *Server) SetBulkPage(n int, f func()) { s.bulkPage, s.afterBulkPage = n,
 // SetAfterPoll makes every poll of a poll group call f once it has woken a
 // session (or kept the wake-up for the next). Set it before the first
 // Subscribe.
-func (s *Server) SetAfterPoll(f func()) { s.afterPoll = f }
+func (s *Server) SetAfterPoll(f func()) { s.afterPoll.Store(&f) }
 
 // SetAfterNotify makes the listener call f after it acted on each
 // notification.

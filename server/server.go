@@ -260,7 +260,8 @@ type Server struct {
 	beforeAddSession func()
 	// afterClaim, when set (by tests), sees and may replace the outcome of
 	// every claim statement.
-	afterClaim func([]store.Lease, error) ([]store.Lease, error)
+	// Atomic: tests set it while sessions claim.
+	afterClaim atomic.Pointer[func([]store.Lease, error) ([]store.Lease, error)]
 	// afterAck, when set (by tests), sees and may replace the outcome of
 	// every ack statement (say, to lose the answer of one that committed).
 	afterAck func([]store.AckResult, error) ([]store.AckResult, error)
@@ -345,7 +346,8 @@ type Server struct {
 	// afterPoll, when set (by tests), runs each time a poll group's poll
 	// fires, after it woke a member (or kept the wake-up for the next) or
 	// skipped its claim (see pollGroup.fire).
-	afterPoll func()
+	// Atomic: tests set it while polls fire.
+	afterPoll atomic.Pointer[func()]
 	// claimProbe is what the discovery loop's last check that probed the
 	// claims found, and when (nil before the first; see pollCovered).
 	claimProbe atomic.Pointer[probedClaims]

@@ -397,8 +397,8 @@ func (ss *session) claimAndSend(ctx context.Context, credit int, send func(*outb
 		Limit: n, Window: ss.window, Credit: credit,
 		TTL: ss.ttl, MaxAttempts: ss.srv.cfg.MaxDeliveries, MaxDue: ss.srv.cfg.maxDue(),
 	})
-	if h := ss.srv.afterClaim; h != nil {
-		leases, err = h(leases, err)
+	if h := ss.srv.afterClaim.Load(); h != nil {
+		leases, err = (*h)(leases, err)
 	}
 	cancelClaim()
 	if err != nil {
