@@ -19,7 +19,7 @@ func (s *Server) lag(ctx context.Context, filter []string) (store.Lag, error) {
 	if err != nil {
 		return lag, err
 	}
-	lag.SetStranded(counts, at, filter)
+	lag.SetStranded(counts, at)
 	return lag, nil
 }
 
@@ -85,7 +85,9 @@ func (s *Server) strandedCounts(ctx context.Context) (map[string]int64, time.Tim
 	}
 	counts, at, running := a.counts, a.at, a.running
 	a.mu.Unlock()
-	if !at.IsZero() {
+	if !at.IsZero() || running == nil {
+		// Counts to answer with, or none and no audit to wait for (the
+		// first failed and its pause has not passed).
 		return counts, at, nil
 	}
 	wait := time.NewTimer(strandedFirstWait)

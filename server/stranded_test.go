@@ -9,6 +9,7 @@ import (
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
 	"github.com/outboxd/outboxd/internal/testdb"
 	"github.com/outboxd/outboxd/server"
+	"github.com/prometheus/client_golang/prometheus"
 )
 
 func TestStrandedAuditPause(t *testing.T) {
@@ -139,7 +140,12 @@ func TestStrandedAuditOutlivesItsReader(t *testing.T) {
 	ctx := context.Background()
 	url := testdb.New(t)
 	pool := testdb.NewPoolURL(t, url)
-	r := startReplica(t, url, nil)
+	reg := prometheus.NewPedanticRegistry()
+	r := startReplica(t, url, func(c *server.Config) { c.Registerer = reg })
+	// A stream, so that the metric would have a sample; its round is over
+	// before the lock (a round's statement names late_event).
+	emit(t, pool, "orders", "a", 1)
+	waitState(t, pool, "a", "ready")
 	tx, err := pool.Begin(ctx)
 	if err != nil {
 		t.Fatal(err)
@@ -159,6 +165,16 @@ func TestStrandedAuditOutlivesItsReader(t *testing.T) {
 	}
 	if at := lag.GetStrandedAuditedAt(); at != nil {
 		t.Fatalf("stranded counts as of %v while the only audit is blocked", at.AsTime())
+	}
+	// Unknown is no sample, not a 0 an alert would take for "none".
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() == "outboxd_stranded_events" {
+			t.Fatalf("outboxd_stranded_events has %d samples before any audit finished", len(mf.GetMetric()))
+		}
 	}
 	answered := time.Now()
 	// The audit outlived the call: it waits for the lock (it may take a

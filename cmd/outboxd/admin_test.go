@@ -252,6 +252,17 @@ func TestCLILag(t *testing.T) {
 	if lag.GetTotal().GetOldestPendingAge() == nil {
 		t.Errorf("total.oldest_pending_age unset with events pending")
 	}
+	// The table says when the stranded events were counted (a server
+	// counts them about once a minute; the first count may still run).
+	for deadline := time.Now().Add(30 * time.Second); lag.GetStrandedAuditedAt() == nil; {
+		if time.Now().After(deadline) {
+			t.Fatal("no stranded count in 30s")
+		}
+		lag = parseOne(t, ts.cli(t, nil, "lag", "--json").want(t, exitOK), func() *outboxv1.GetLagResponse { return new(outboxv1.GetLagResponse) })
+	}
+	if out := ts.cli(t, nil, "lag").want(t, exitOK).stdout; !strings.Contains(out, "stranded events counted at "+fmtTime(lag.GetStrandedAuditedAt())) {
+		t.Errorf("lag does not say when the stranded events were counted (%v):\n%s", lag.GetStrandedAuditedAt().AsTime(), out)
+	}
 
 	only := parseOne(t, ts.cli(t, nil, "lag", "--json", "--stream", "billing").want(t, exitOK), func() *outboxv1.GetLagResponse { return new(outboxv1.GetLagResponse) })
 	for _, s := range only.GetStreams() {

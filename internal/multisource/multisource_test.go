@@ -482,3 +482,53 @@ func twoSourcesWithTokens(t *testing.T, tokens string) (*servertest.Replica, fun
 	}
 	return r, dial
 }
+
+// TestStrandedAuditedAtOfSources: the stranded counts of several sources
+// are as old as the oldest source's audit, and unknown (unset) while one
+// source has none: here default's first audit is held by a lock on a table
+// only it reads.
+func TestStrandedAuditedAtOfSources(t *testing.T) {
+	t.Parallel()
+	ctx := t.Context()
+	r, def, _ := twoSources(t, servertest.Options{})
+	own := func(name string) *outboxv1.GetLagResponse {
+		t.Helper()
+		lag, err := r.App.Source(name).AdminServer().GetLag(ctx, &outboxv1.GetLagRequest{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return lag
+	}
+	waitFor(t, "orders' first stranded audit", func() bool { return own("orders").GetStrandedAuditedAt() != nil })
+	ordersAt := own("orders").GetStrandedAuditedAt().AsTime()
+
+	tx, err := testdb.NewPoolURL(t, def).Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(ctx)
+	if _, err := tx.Exec(ctx, `LOCK TABLE outbox.late_event IN ACCESS EXCLUSIVE MODE`); err != nil {
+		t.Fatal(err)
+	}
+	lag, err := r.Admin.GetLag(ctx, &outboxv1.GetLagRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if at := lag.GetStrandedAuditedAt(); at != nil {
+		t.Fatalf("stranded counts as of %v while default's only audit is blocked; want unset", at.AsTime())
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "default's first stranded audit", func() bool { return own("default").GetStrandedAuditedAt() != nil })
+	if defaultAt := own("default").GetStrandedAuditedAt().AsTime(); !defaultAt.After(ordersAt) {
+		t.Fatalf("default audited at %v, not after orders (%v): the test cannot tell the oldest", defaultAt, ordersAt)
+	}
+	lag, err = r.Admin.GetLag(ctx, &outboxv1.GetLagRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if at := lag.GetStrandedAuditedAt(); at == nil || !at.AsTime().Equal(ordersAt) {
+		t.Fatalf("stranded counts of both sources as of %v, want the oldest audit's %v", at.AsTime(), ordersAt)
+	}
+}

@@ -74,25 +74,13 @@ type Lag struct {
 }
 
 // SetStranded fills in each stream's Stranded from the counts of an audit
-// that began at (Store.Stranded), adding a stream the audit names that the report lacks,
-// when filter (nil: every stream) lets it in, and keeping the report in
-// stream order.
-func (l *Lag) SetStranded(counts map[string]int64, at time.Time, filter []string) {
+// that began at (Store.Stranded). Every stream the audit can name has
+// aggregates, so the report already lists it (KnownStreams) when its filter
+// lets it in.
+func (l *Lag) SetStranded(counts map[string]int64, at time.Time) {
 	l.StrandedAt = at
-	listed := make(map[string]bool, len(l.Streams))
 	for i := range l.Streams {
 		l.Streams[i].Stranded = counts[l.Streams[i].Stream]
-		listed[l.Streams[i].Stream] = true
-	}
-	added := false
-	for stream, n := range counts {
-		if !listed[stream] && n != 0 && (filter == nil || slices.Contains(filter, stream)) {
-			l.Streams = append(l.Streams, StreamLag{Stream: stream, Stranded: n})
-			added = true
-		}
-	}
-	if added {
-		slices.SortFunc(l.Streams, func(a, b StreamLag) int { return strings.Compare(a.Stream, b.Stream) })
 	}
 }
 
