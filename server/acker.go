@@ -75,7 +75,7 @@ func (a *ackCommitter) submit(ctx context.Context, tokens []leasetoken.Token) (m
 		req := &ackRequest{ids: ids, done: make(chan ackOutcome, 1)}
 		select {
 		case a.shards[i] <- req:
-			if h := a.s.afterAckQueued; h != nil {
+			if h := a.s.afterAckQueued.get(); h != nil {
 				h()
 			}
 		case <-ctx.Done():
@@ -179,7 +179,7 @@ func (a *ackCommitter) commit(ctx context.Context, batch []*ackRequest, n int) {
 			}
 		}
 	}
-	if h := a.s.beforeAckBatch; h != nil {
+	if h := a.s.beforeAckBatch.get(); h != nil {
 		h()
 	}
 	// Acks already taken must land even while the server shuts down.
@@ -190,7 +190,7 @@ func (a *ackCommitter) commit(ctx context.Context, batch []*ackRequest, n int) {
 	res, err := a.s.store.Ack(dbCtx, store.AckParams{IDs: ids, ReplicaID: a.s.cfg.ReplicaID, HandOver: holders,
 		Filters: a.s.streamFilters(), MaxDue: a.s.cfg.maxDue()})
 	cancel()
-	if h := a.s.afterAck; h != nil {
+	if h := a.s.afterAck.get(); h != nil {
 		res, err = h(res, err)
 	}
 	if err != nil && len(holders) > 0 {
@@ -200,7 +200,7 @@ func (a *ackCommitter) commit(ctx context.Context, batch []*ackRequest, n int) {
 		// have received one sweeps its orphans once this batch is done.
 		a.s.sweepSessions(holders)
 	}
-	if h := a.s.beforeHandOver; h != nil && err == nil {
+	if h := a.s.beforeHandOver.get(); h != nil && err == nil {
 		h(res)
 	}
 	byID := make(map[uuid.UUID]store.AckResult, len(res))

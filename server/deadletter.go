@@ -270,7 +270,7 @@ func (a *adminService) bulkMatch(ctx context.Context, filter store.AggregateFilt
 // from the start. The sessions are woken after each page, so what fn
 // released is delivered while the action goes on, not after it.
 func (a *adminService) eachMatch(ctx context.Context, filter store.AggregateFilter, fn func(store.ListedAggregate) error) (int64, error) {
-	page := cmp.Or(a.s.bulkPage, bulkBatch)
+	page := cmp.Or(int(a.s.bulkPage.Load()), bulkBatch)
 	var afterStream, afterKey string
 	var seen int64
 	for {
@@ -291,8 +291,8 @@ func (a *adminService) eachMatch(ctx context.Context, filter store.AggregateFilt
 			return seen, nil
 		}
 		a.s.wake.broadcast()
-		if a.s.afterBulkPage != nil {
-			a.s.afterBulkPage()
+		if h := a.s.afterBulkPage.get(); h != nil {
+			h()
 		}
 		afterStream, afterKey = list[len(list)-1].Stream, list[len(list)-1].AggregateKey
 	}

@@ -99,8 +99,8 @@ func (s *Server) discover(ctx context.Context) {
 		return p
 	}
 	reset := func(p pause) {
-		if h := s.afterDiscoveryWait.Load(); h != nil {
-			(*h)(p.chosen, p.armed, p.at)
+		if h := s.afterDiscoveryWait.get(); h != nil {
+			h(p.chosen, p.armed, p.at)
 		}
 		t.Reset(p.armed)
 	}
@@ -131,8 +131,8 @@ func (s *Server) discover(ctx context.Context) {
 				}
 				s.claimProbe.Store(&probedClaims{at: asked, covers: covers, ClaimProbe: claims})
 			}
-			if h := s.afterRoundDue.Load(); h != nil {
-				(*h)(due, err)
+			if h := s.afterRoundDue.get(); h != nil {
+				h(due, err)
 			}
 			// A failed check runs the round, which reports the failure.
 			if nothing {
@@ -383,8 +383,8 @@ func (s *Server) discoverRound(ctx context.Context) (_ store.Discovery, ready []
 				break
 			}
 		}
-		if h := s.beforeApply.Load(); h != nil && len(picks) > 0 {
-			(*h)()
+		if h := s.beforeApply.get(); h != nil && len(picks) > 0 {
+			h()
 		}
 		return picks
 	}
@@ -397,8 +397,8 @@ func (s *Server) discoverRound(ctx context.Context) (_ store.Discovery, ready []
 	if holdingHandOvers {
 		defer s.handOverMu.RUnlock()
 	}
-	if h := s.afterDiscover.Load(); h != nil {
-		found, err = (*h)(found, err)
+	if h := s.afterDiscover.get(); h != nil {
+		found, err = h(found, err)
 	}
 	if pid != 0 {
 		echoed = s.wake.closeRound(pid, err == nil && found.Aggregates > 0)

@@ -20,24 +20,24 @@ func (s *Server) Stopping() <-chan struct{} { return s.stopping }
 
 // SetBeforeAddSession makes every Subscribe call f once its checks passed,
 // just before its session is added. Set it before the first Subscribe.
-func (s *Server) SetBeforeAddSession(f func()) { s.beforeAddSession = f }
+func (s *Server) SetBeforeAddSession(f func()) { s.beforeAddSession.set(f) }
 
 // SetAfterClaim makes every claim's outcome pass through f, which may
 // replace it. Set it before the first Subscribe.
 func (s *Server) SetAfterClaim(f func([]store.Lease, error) ([]store.Lease, error)) {
-	s.afterClaim.Store(&f)
+	s.afterClaim.set(f)
 }
 
 // SetAfterAck makes every ack statement's outcome pass through f, which may
 // replace it. Set it before the first Ack.
 func (s *Server) SetAfterAck(f func([]store.AckResult, error) ([]store.AckResult, error)) {
-	s.afterAck = f
+	s.afterAck.set(f)
 }
 
 // SetBeforeHandOver makes every ack batch call f with its results once it
 // has committed, before the leases it handed over reach their sessions.
 // Set it before the first Ack.
-func (s *Server) SetBeforeHandOver(f func([]store.AckResult)) { s.beforeHandOver = f }
+func (s *Server) SetBeforeHandOver(f func([]store.AckResult)) { s.beforeHandOver.set(f) }
 
 // HandOvers is how many leases acks on this replica have handed over.
 func (s *Server) HandOvers() uint64 { return s.handOvers.Load() }
@@ -46,25 +46,25 @@ func (s *Server) HandOvers() uint64 { return s.handOvers.Load() }
 // the credit it offers) each time it has offered its free credit to
 // discovery, before it waits; a blocking f keeps the offer standing. Set it
 // before the first Subscribe.
-func (s *Server) SetAfterOffer(f func(session uuid.UUID, offered int)) { s.afterOffer = f }
+func (s *Server) SetAfterOffer(f func(session uuid.UUID, offered int)) { s.afterOffer.set(f) }
 
 // SetAfterFreed makes every session loop call f each time it found credit
 // freed, with whether it claims at once and, if not, the latest time it
 // will (zero: no bound but its poll). Set it before the first Subscribe.
 func (s *Server) SetAfterFreed(f func(session uuid.UUID, claim bool, claimBy time.Time)) {
-	s.afterFreed = f
+	s.afterFreed.set(f)
 }
 
 // SetAfterDiscover makes every discovery round's outcome pass through f,
 // which may replace it (say, to lose the answer of one that committed),
 // before the leases it dispatched reach their sessions.
 func (s *Server) SetAfterDiscover(f func(store.Discovery, error) (store.Discovery, error)) {
-	s.afterDiscover.Store(&f)
+	s.afterDiscover.set(f)
 }
 
 // SetBeforeApply makes every discovery round that dispatches call f after it
 // chose its sessions and before its leases are written.
-func (s *Server) SetBeforeApply(f func()) { s.beforeApply.Store(&f) }
+func (s *Server) SetBeforeApply(f func()) { s.beforeApply.set(f) }
 
 // Dispatched is how many leases discovery rounds on this replica have given
 // to sessions.
@@ -72,12 +72,12 @@ func (s *Server) Dispatched() uint64 { return s.dispatched.Load() }
 
 // SetBeforeAckBatch makes every ack batch call f before it goes to the
 // database; a blocking f holds that committer. Set it before the first Ack.
-func (s *Server) SetBeforeAckBatch(f func()) { s.beforeAckBatch = f }
+func (s *Server) SetBeforeAckBatch(f func()) { s.beforeAckBatch.set(f) }
 
 // SetAfterAckQueued makes every Ack call run f after it queued a request
 // for a committer (one per committer its acks go to). Set it before the
 // first Ack.
-func (s *Server) SetAfterAckQueued(f func()) { s.afterAckQueued = f }
+func (s *Server) SetAfterAckQueued(f func()) { s.afterAckQueued.set(f) }
 
 // Sessions is how many Subscribe streams the server has open.
 func (s *Server) Sessions() (n int) {
@@ -95,16 +95,19 @@ func (s *Server) InFlight() (n int64) {
 // SetBulkPage makes bulk actions read n aggregates per page and call f
 // (which may be nil) after acting on each page, before reading the next.
 // Set it before the first bulk action.
-func (s *Server) SetBulkPage(n int, f func()) { s.bulkPage, s.afterBulkPage = n, f }
+func (s *Server) SetBulkPage(n int, f func()) {
+	s.bulkPage.Store(int64(n))
+	s.afterBulkPage.set(f)
+}
 
 // SetAfterPoll makes every poll of a poll group call f once it has woken a
 // session (or kept the wake-up for the next). Set it before the first
 // Subscribe.
-func (s *Server) SetAfterPoll(f func()) { s.afterPoll.Store(&f) }
+func (s *Server) SetAfterPoll(f func()) { s.afterPoll.set(f) }
 
 // SetAfterNotify makes the listener call f after it acted on each
 // notification.
-func (s *Server) SetAfterNotify(f func(channel string)) { s.afterNotify.Store(&f) }
+func (s *Server) SetAfterNotify(f func(channel string)) { s.afterNotify.set(f) }
 
 // Wakeups is how many times poll groups asked a session to claim, other
 // than for their polls.
@@ -128,20 +131,20 @@ func (s *Server) IdleSessions() (n int) {
 // SetAfterRoundDue makes the discovery loop call f after each check it
 // makes, while idle, of whether a round has anything to do, with the
 // answer, before it acts on it; a blocking f holds the loop there.
-func (s *Server) SetAfterRoundDue(f func(due bool, err error)) { s.afterRoundDue.Store(&f) }
+func (s *Server) SetAfterRoundDue(f func(due bool, err error)) { s.afterRoundDue.set(f) }
 
 // SetAfterDiscoveryWait makes the discovery loop call f with every pause
 // it chooses before its next turn, the pause it then arms (a quiet one
 // aligned to the quiet interval's grid) and the time it arms it from.
 func (s *Server) SetAfterDiscoveryWait(f func(chosen, armed time.Duration, at time.Time)) {
-	s.afterDiscoveryWait.Store(&f)
+	s.afterDiscoveryWait.set(f)
 }
 
 // SetAfterLoopWait makes the periodic loops ("readiness" watches, the
 // session "refresh") call f with their interval, every pause they arm
 // between turns and the time they arm it from.
 func (s *Server) SetAfterLoopWait(f func(loop string, interval, armed time.Duration, at time.Time)) {
-	s.afterLoopWait.Store(&f)
+	s.afterLoopWait.set(f)
 }
 
 // AlignedPause is alignedPause, for tests.

@@ -114,8 +114,8 @@ var (
 func (s *Server) rearmLoop(t *time.Timer, interval time.Duration, loop periodicLoop) {
 	now := time.Now()
 	pause := s.loopPause(now, interval, loop)
-	if h := s.afterLoopWait.Load(); h != nil {
-		(*h)(loop.name, interval, pause, now)
+	if h := s.afterLoopWait.get(); h != nil {
+		h(loop.name, interval, pause, now)
 	}
 	t.Reset(pause)
 }

@@ -161,8 +161,8 @@ func (w *waker) listen(ctx context.Context) error {
 					w.s.reconcileSession(holder)
 				}
 			}
-			if h := w.s.afterNotify.Load(); h != nil {
-				(*h)(channel)
+			if h := w.s.afterNotify.get(); h != nil {
+				h(channel)
 			}
 		})
 }

@@ -98,7 +98,7 @@ func (r *relayService) Subscribe(req *outboxv1.SubscribeRequest, stream outboxv1
 	sess.window = window
 	sess.batches = req.GetAcceptBatches()
 	sess.subscriber = subscriberKey(ctx, req.GetRelayId())
-	if h := s.beforeAddSession; h != nil {
+	if h := s.beforeAddSession.get(); h != nil {
 		h()
 	}
 	if err := s.addSession(ctx, sess); err != nil {

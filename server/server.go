@@ -257,40 +257,38 @@ type Server struct {
 
 	// beforeAddSession, when set (by tests), runs in Subscribe just before
 	// its session is added.
-	beforeAddSession func()
+	beforeAddSession hook[func()]
 	// afterClaim, when set (by tests), sees and may replace the outcome of
 	// every claim statement.
-	// Atomic: tests set it while sessions claim.
-	afterClaim atomic.Pointer[func([]store.Lease, error) ([]store.Lease, error)]
+	afterClaim hook[func([]store.Lease, error) ([]store.Lease, error)]
 	// afterAck, when set (by tests), sees and may replace the outcome of
 	// every ack statement (say, to lose the answer of one that committed).
-	afterAck func([]store.AckResult, error) ([]store.AckResult, error)
+	afterAck hook[func([]store.AckResult, error) ([]store.AckResult, error)]
 	// afterOffer, when set (by tests), runs in a session's loop each time
 	// it has offered its free credit to discovery, before it waits.
-	afterOffer func(session uuid.UUID, offered int)
+	afterOffer hook[func(session uuid.UUID, offered int)]
 	// afterFreed, when set (by tests), runs in a session's loop each time
 	// it found credit freed, with its decision: claim at once, or not
 	// (then by claimBy at the latest, when set).
-	afterFreed func(session uuid.UUID, claim bool, claimBy time.Time)
+	afterFreed hook[func(session uuid.UUID, claim bool, claimBy time.Time)]
 	// beforeApply, when set (by tests), runs in a discovery round that
 	// dispatches, after it chose its sessions and before its leases are
 	// written (and so before they commit).
-	beforeApply atomic.Pointer[func()]
+	beforeApply hook[func()]
 	// afterDiscover, when set (by tests), sees and may replace the outcome
-	// of every discovery round. Atomic: tests set it while the discovery
-	// loop runs.
-	afterDiscover atomic.Pointer[func(store.Discovery, error) (store.Discovery, error)]
+	// of every discovery round.
+	afterDiscover hook[func(store.Discovery, error) (store.Discovery, error)]
 	// afterRoundDue, when set (by tests), runs after every check an idle
 	// discovery loop makes before a round (see discover), with its
 	// answer, before the loop acts on it.
-	afterRoundDue atomic.Pointer[func(due bool, err error)]
+	afterRoundDue hook[func(due bool, err error)]
 	// afterLoopWait, when set (by tests), sees every pause a periodic loop
 	// ("readiness", "refresh") of the given interval arms, and when.
-	afterLoopWait atomic.Pointer[func(loop string, interval, armed time.Duration, at time.Time)]
+	afterLoopWait hook[func(loop string, interval, armed time.Duration, at time.Time)]
 	// afterDiscoveryWait, when set (by tests), sees every pause the
 	// discovery loop chooses before its next turn, the pause it arms (a
 	// quiet one aligned: see alignedPause) and when.
-	afterDiscoveryWait atomic.Pointer[func(chosen, armed time.Duration, at time.Time)]
+	afterDiscoveryWait hook[func(chosen, armed time.Duration, at time.Time)]
 	// quietInterval is Config.DiscoveryQuietInterval as last set (see
 	// SetDiscoveryQuietInterval), in nanoseconds.
 	quietInterval atomic.Int64
@@ -310,17 +308,17 @@ type Server struct {
 	reconcileTick <-chan time.Time
 	// beforeHandOver, when set (by tests), runs after an ack batch that
 	// handed leases over has committed, before they reach their sessions.
-	beforeHandOver func([]store.AckResult)
+	beforeHandOver hook[func([]store.AckResult)]
 	// beforeAckBatch and afterAckQueued, when set (by tests), run as each
 	// ack batch begins, and after each ack request is queued for a
 	// committer.
-	beforeAckBatch, afterAckQueued func()
+	beforeAckBatch, afterAckQueued hook[func()]
 	// bulkPage, when set (by tests), is how many aggregates a bulk action
 	// reads per page instead of bulkBatch; afterBulkPage, when set (by
 	// tests), runs after a bulk action acted on a page and woke the
 	// sessions, before it reads the next page.
-	bulkPage      int
-	afterBulkPage func()
+	bulkPage      atomic.Int64
+	afterBulkPage hook[func()]
 	// handOverMu is held shared by the ack committer from an ack batch's
 	// statement until every lease it handed over is with its session (or
 	// released), and likewise by a discovery round that dispatches; and
@@ -338,7 +336,7 @@ type Server struct {
 	wakeups atomic.Uint64
 	// afterNotify, when set (by tests), runs after the listener acted on
 	// each notification.
-	afterNotify atomic.Pointer[func(channel string)]
+	afterNotify hook[func(channel string)]
 	// groupWakeups counts the wake-ups poll groups received (one per group
 	// per discovery round that made rows ready, NOTIFY, operator action);
 	// read by tests.
@@ -346,8 +344,7 @@ type Server struct {
 	// afterPoll, when set (by tests), runs each time a poll group's poll
 	// fires, after it woke a member (or kept the wake-up for the next) or
 	// skipped its claim (see pollGroup.fire).
-	// Atomic: tests set it while polls fire.
-	afterPoll atomic.Pointer[func()]
+	afterPoll hook[func()]
 	// claimProbe is what the discovery loop's last check that probed the
 	// claims found, and when (nil before the first; see pollCovered).
 	claimProbe atomic.Pointer[probedClaims]

@@ -355,7 +355,7 @@ func (ss *session) run(ctx context.Context, send func(*outboxv1.SubscribeRespons
 		}
 		if !stopping {
 			offered := ss.offerCredit(ss.maxInFlight - len(ss.inflight))
-			if h := ss.srv.afterOffer; h != nil {
+			if h := ss.srv.afterOffer.get(); h != nil {
 				h(ss.id, offered)
 			}
 		}
@@ -397,8 +397,8 @@ func (ss *session) claimAndSend(ctx context.Context, credit int, send func(*outb
 		Limit: n, Window: ss.window, Credit: credit,
 		TTL: ss.ttl, MaxAttempts: ss.srv.cfg.MaxDeliveries, MaxDue: ss.srv.cfg.maxDue(),
 	})
-	if h := ss.srv.afterClaim.Load(); h != nil {
-		leases, err = (*h)(leases, err)
+	if h := ss.srv.afterClaim.get(); h != nil {
+		leases, err = h(leases, err)
 	}
 	cancelClaim()
 	if err != nil {
@@ -753,7 +753,7 @@ func (ss *session) applyFreed(ctx context.Context) (handed []store.Lease, claim 
 		if !claim {
 			claimBy = freedBy
 		}
-		if h := ss.srv.afterFreed; h != nil {
+		if h := ss.srv.afterFreed.get(); h != nil {
 			h(ss.id, claim, claimBy)
 		}
 	}()

@@ -211,8 +211,8 @@ func (g *pollGroup) fire() {
 		g.wakeLocked(true, true)
 	}
 	g.mu.Unlock()
-	if h := g.srv.afterPoll.Load(); h != nil {
-		(*h)()
+	if h := g.srv.afterPoll.get(); h != nil {
+		h()
 	}
 }
 
