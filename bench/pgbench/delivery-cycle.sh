@@ -18,7 +18,20 @@
 # update: no indexed column changes). A lower bound for such a design: it
 # leaves out skip checks, the delivery-rate counter and ownership rows.
 #
-# Usage: [BATCH=N] [FACTS=1] bench/pgbench/delivery-cycle.sh [OUTBOXD_BINARY]
+# FENCE=advisory or FENCE=share (with FACTS=1) adds what fencing such an
+# engine's writes would cost: aggregates hashed to PARTITIONS (default 64)
+# partitions, each owned under an epoch in a table; the ack checks, in the
+# transaction that marks the batch, that the epochs it holds are current,
+# after locking its partitions against a takeover that bumps an epoch:
+# FENCE=share locks the partition rows FOR SHARE (Temporal's SQL shard
+# fence: a takeover's UPDATE waits for the acks in flight), FENCE=advisory
+# takes shared transaction-scoped advisory locks instead (a takeover takes
+# them exclusive), which write nothing to the table or WAL. The check runs
+# in a statement after the lock, so its snapshot sees a takeover that
+# committed while the ack waited. The server would know each lease's
+# partition; here the first transaction computes them from the new events.
+#
+# Usage: [BATCH=N] [FACTS=1 [FENCE=advisory|share] [PARTITIONS=N]] bench/pgbench/delivery-cycle.sh [OUTBOXD_BINARY]
 # Compare builds (or the two modes) back to back, alternating, on one
 # server; BENCHMARKS.md quotes its figures.
 set -euo pipefail
@@ -45,16 +58,31 @@ SQL
 q() { psql -X -q -At "$1" -c "$2"; }
 # Warm up: most aggregates have a delivery row (idle) from here on.
 pgbench -n -c 1 -t 700 -f "$work/cycle.sql" "$url" >/dev/null
+fence=${FENCE:-}
+parts=${PARTITIONS:-64}
+case $fence in
+'') lock= ; current=true ;;
+advisory) lock="SELECT count(pg_advisory_xact_lock_shared(4242, p)) AS locked FROM unnest(:parts::int[]) p \\gset" ;;
+share) lock="SELECT count(*) AS locked FROM (SELECT 1 FROM bench_partition WHERE partition = ANY (:parts::int[]) FOR SHARE) l \\gset" ;;
+*) echo "FENCE is advisory or share, not $fence" >&2; exit 2 ;;
+esac
+if [[ -n $fence ]]; then
+	[[ -n ${FACTS:-} ]] || { echo "FENCE needs FACTS=1" >&2; exit 2; }
+	q "$url" "CREATE TABLE bench_partition (partition int PRIMARY KEY, owner text NOT NULL, epoch bigint NOT NULL);
+	          INSERT INTO bench_partition SELECT p, 'rep', 1 FROM generate_series(0, $parts - 1) p" >/dev/null
+	current="(SELECT bool_and(epoch = 1) FROM bench_partition WHERE partition = ANY (:parts::int[]))"
+fi
 if [[ -n ${FACTS:-} ]]; then
 	cat >"$work/cycle.sql" <<SQL
 INSERT INTO outbox.event (stream, aggregate_key, event_type, payload) SELECT 's', (floor(random() * 10000))::int::text, 't', '{"a":1}' FROM generate_series(1, $batch);
 BEGIN;
-SELECT quote_literal(array_agg(e.event_id)) AS ids FROM outbox.events_since((SELECT d.snapshot FROM outbox.discovery d)) e WHERE e.published_at IS NULL \\gset
+SELECT quote_literal(array_agg(e.event_id)) AS ids, quote_literal(array_agg(DISTINCT abs(hashtext(e.aggregate_key)) % $parts)) AS parts FROM outbox.events_since((SELECT d.snapshot FROM outbox.discovery d)) e WHERE e.published_at IS NULL \\gset
 UPDATE outbox.discovery SET snapshot = pg_current_snapshot(), advanced_at = now();
 COMMIT;
 BEGIN;
 SELECT set_config('outbox.acking', 'on', true) AS acking \\gset
-WITH marked AS (UPDATE outbox.event e SET published_at = clock_timestamp() WHERE e.event_id = ANY (:ids::uuid[]) AND e.published_at IS NULL RETURNING e.stream, e.aggregate_key, e.revision)
+$lock
+WITH marked AS (UPDATE outbox.event e SET published_at = clock_timestamp() WHERE e.event_id = ANY (:ids::uuid[]) AND e.published_at IS NULL AND $current RETURNING e.stream, e.aggregate_key, e.revision)
 UPDATE outbox.delivery d SET delivered_revision = m.revision FROM marked m WHERE d.stream = m.stream AND d.aggregate_key = m.aggregate_key;
 COMMIT;
 SQL
