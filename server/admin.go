@@ -96,13 +96,9 @@ func (a *adminService) GetLag(ctx context.Context, req *outboxv1.GetLagRequest) 
 			}
 		}
 	}
-	resp := lagProto(lag, names)
-	// Whatever the caller's streams: a stopped discovery holds back every
-	// stream's new events.
-	if resp.DiscoveryStopped, err = a.s.store.DiscoveryStopped(ctx); err != nil {
-		return nil, a.s.dbError(ctx, "get lag", err)
-	}
-	return resp, nil
+	// Whatever the caller's streams, the report says whether discovery is
+	// stopped: a stopped discovery holds back every stream's new events.
+	return lagProto(lag, names), nil
 }
 
 // lagFilter is the streams a lag report covers: nil for every stream, else
@@ -166,7 +162,7 @@ func lagProto(lag store.Lag, named []string) *outboxv1.GetLagResponse {
 			byName[n] = store.StreamLag{Stream: n}
 		}
 	}
-	resp := &outboxv1.GetLagResponse{ConnectedRelays: uint32(lag.ConnectedRelays)}
+	resp := &outboxv1.GetLagResponse{ConnectedRelays: uint32(lag.ConnectedRelays), DiscoveryStopped: lag.DiscoveryStopped}
 	if !lag.StrandedAt.IsZero() {
 		resp.StrandedAuditedAt = timestamppb.New(lag.StrandedAt)
 	}

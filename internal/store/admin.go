@@ -71,6 +71,9 @@ type Lag struct {
 	// StrandedAt is when the audit whose counts the streams' Stranded hold
 	// began (SetStranded); zero when they hold none.
 	StrandedAt time.Time
+	// DiscoveryStopped is why discovery is stopped (DiscoveryStopped), or
+	// empty while it runs.
+	DiscoveryStopped string
 }
 
 // SetStranded fills in each stream's Stranded from the counts of an audit
@@ -118,11 +121,21 @@ func (s *Store) Stranded(ctx context.Context) (map[string]int64, error) {
 // cost follows the backlog, never the table size (the stranded audit, which
 // cannot, is apart: see Stranded). sessionTTL is how recently
 // a relay session must have been refreshed to count as connected.
+//
+// Its five statements go as one pipelined batch: one round trip, one
+// wake-up of the backend. A lag read is the console's sample of every
+// source every 10 s and each metrics scrape, and on a quiet source each
+// round trip wakes an idle backend, which costs more than these statements
+// run (five separate ones were about half of what the console cost
+// PostgreSQL for 50 idle sources).
 func (s *Store) Lag(ctx context.Context, streams []string, sessionTTL time.Duration) (Lag, error) {
 	filter := streams
-	lag := Lag{}
+	var lag Lag
+	var known []string
 	streamsSQL, args := streamsArg(filter)
-	rows, err := s.pool.Query(ctx, fmt.Sprintf(`
+	idle := make(map[string][]uuid.UUID)
+	b := &pgx.Batch{}
+	b.Queue(fmt.Sprintf(`
 		WITH pend AS (
 		    SELECT d.stream, d.state, p.events, p.oldest_created_at,
 		           outbox.stall_reason(d.state, d.unanswered, d.failures, d.last_error) IS NOT NULL AS stalled
@@ -157,24 +170,43 @@ func (s *Store) Lag(ctx context.Context, streams []string, sessionTTL time.Durat
 		FROM by_stream b
 		FULL JOIN rate r ON r.stream = b.stream
 		FULL JOIN undiscovered u ON u.stream = coalesce(b.stream, r.stream)
-		ORDER BY 1`, streamsSQL), args...)
-	if err != nil {
-		return lag, fmt.Errorf("store: lag: %w", err)
-	}
-	lag.Streams, err = pgx.CollectRows(rows, func(row pgx.CollectableRow) (StreamLag, error) {
-		var l StreamLag
-		var oldest, held *time.Time
-		err := row.Scan(&l.Stream, &l.PendingEvents, &l.PendingAggregates, &oldest, &held,
-			&l.Ready, &l.Leased, &l.Backoff, &l.Parked, &l.Gap, &l.DeliveredLastMinute, &l.Stalled)
-		l.OldestPending, l.OldestHeld = deref(oldest), deref(held)
-		return l, err
+		ORDER BY 1`, streamsSQL), args...).Query(func(rows pgx.Rows) (err error) {
+		lag.Streams, err = pgx.CollectRows(rows, func(row pgx.CollectableRow) (StreamLag, error) {
+			var l StreamLag
+			var oldest, held *time.Time
+			err := row.Scan(&l.Stream, &l.PendingEvents, &l.PendingAggregates, &oldest, &held,
+				&l.Ready, &l.Leased, &l.Backoff, &l.Parked, &l.Gap, &l.DeliveredLastMinute, &l.Stalled)
+			l.OldestPending, l.OldestHeld = deref(oldest), deref(held)
+			return l, err
+		})
+		return err
 	})
-	if err != nil {
-		return lag, fmt.Errorf("store: lag: %w", err)
-	}
-	known, err := s.KnownStreams(ctx, 0)
-	if err != nil {
-		return lag, err
+	b.Queue(knownStreamsSQL).Query(func(rows pgx.Rows) (err error) {
+		known, err = pgx.CollectRows(rows, pgx.RowTo[string])
+		return err
+	})
+	b.Queue(idleRelaysSQL(streamsSQL, sessionTTL), args...).Query(func(rows pgx.Rows) error {
+		var stream string
+		var id uuid.UUID
+		_, err := pgx.ForEachRow(rows, []any{&stream, &id}, func() error {
+			idle[stream] = append(idle[stream], id)
+			return nil
+		})
+		return err
+	})
+	b.Queue(`
+		SELECT clock_timestamp(), count(*) FROM outbox.relay_session
+		WHERE seen_at > clock_timestamp() - ` + intervalLiteral(sessionTTL)).QueryRow(func(row pgx.Row) error {
+		return row.Scan(&lag.Now, &lag.ConnectedRelays)
+	})
+	b.Queue(discoveryStoppedSQL).QueryRow(func(row pgx.Row) error {
+		var reason *string
+		err := row.Scan(&reason)
+		lag.DiscoveryStopped = deref(reason)
+		return err
+	})
+	if err := s.pool.SendBatch(ctx, b).Close(); err != nil {
+		return Lag{}, fmt.Errorf("store: lag: %w", err)
 	}
 	listed := make(map[string]bool, len(lag.Streams))
 	for _, l := range lag.Streams {
@@ -186,14 +218,8 @@ func (s *Store) Lag(ctx context.Context, streams []string, sessionTTL time.Durat
 		}
 	}
 	slices.SortFunc(lag.Streams, func(a, b StreamLag) int { return strings.Compare(a.Stream, b.Stream) })
-	if err := s.idleRelays(ctx, filter, sessionTTL, lag.Streams); err != nil {
-		return lag, err
-	}
-	err = s.pool.QueryRow(ctx, `
-		SELECT clock_timestamp(), count(*) FROM outbox.relay_session
-		WHERE seen_at > clock_timestamp() - `+intervalLiteral(sessionTTL)).Scan(&lag.Now, &lag.ConnectedRelays)
-	if err != nil {
-		return lag, fmt.Errorf("store: lag: %w", err)
+	for i := range lag.Streams {
+		lag.Streams[i].IdleRelays = idle[lag.Streams[i].Stream]
 	}
 	return lag, nil
 }
@@ -218,12 +244,13 @@ func intervalLiteral(d time.Duration) string {
 	return fmt.Sprintf("interval '%d microseconds'", d.Microseconds())
 }
 
-// idleRelays fills in each stream's IdleRelays. Ready aggregates are found
-// through the claim index, one probe per stream, so the cost follows the
-// streams with work, not the backlog.
-func (s *Store) idleRelays(ctx context.Context, filter []string, sessionTTL time.Duration, streams []StreamLag) error {
-	streamsSQL, args := streamsArg(filter)
-	rows, err := s.pool.Query(ctx, fmt.Sprintf(`
+// idleRelaysSQL finds, per stream of the filter (streamsArg), the relay
+// sessions that wait idle while it has ready aggregates (a stream's
+// IdleRelays). Ready aggregates are found through the claim index, one
+// probe per stream, so the cost follows the streams with work, not the
+// backlog.
+func idleRelaysSQL(streamsSQL string, sessionTTL time.Duration) string {
+	return fmt.Sprintf(`
 		WITH waiting AS (
 		    SELECT s.stream FROM outbox.claimable_streams(%[1]s, NULL) s, outbox.settings st
 		    WHERE EXISTS (
@@ -238,31 +265,14 @@ func (s *Store) idleRelays(ctx context.Context, filter []string, sessionTTL time
 		CROSS JOIN outbox.settings st
 		WHERE r.seen_at > clock_timestamp() - %[2]s AND r.in_flight = 0
 		  AND r.connected_at < clock_timestamp() - st.idle_relay_after
-		ORDER BY 1, 2`, streamsSQL, intervalLiteral(sessionTTL)), args...)
-	if err != nil {
-		return fmt.Errorf("store: idle relays: %w", err)
-	}
-	var stream string
-	var id uuid.UUID
-	byStream := make(map[string][]uuid.UUID)
-	_, err = pgx.ForEachRow(rows, []any{&stream, &id}, func() error {
-		byStream[stream] = append(byStream[stream], id)
-		return nil
-	})
-	if err != nil {
-		return fmt.Errorf("store: idle relays: %w", err)
-	}
-	for i := range streams {
-		streams[i].IdleRelays = byStream[streams[i].Stream]
-	}
-	return nil
+		ORDER BY 1, 2`, streamsSQL, intervalLiteral(sessionTTL))
 }
 
-func deref(t *time.Time) time.Time {
-	if t == nil {
-		return time.Time{}
+func deref[T any](p *T) (v T) {
+	if p != nil {
+		v = *p
 	}
-	return *t
+	return v
 }
 
 // RelaySession is one open Subscribe stream, as recorded for ListRelays.
@@ -467,15 +477,8 @@ func (c *aggregateCols) fill(a *Aggregate) {
 		a.GapRevision = *gap
 	}
 	a.OldestPending, a.LeaseExpiresAt, a.NextAttemptAt, a.ParkedAt = deref(c.oldest), deref(c.expires), deref(c.nextAt), deref(c.parkedAt)
-	a.HolderRelayID, a.LastError, a.ParkedReason = derefString(c.relayID), derefString(c.lastErr), derefString(c.parkedReason)
-	a.StalledReason = derefString(c.stallReason)
-}
-
-func derefString(s *string) string {
-	if s == nil {
-		return ""
-	}
-	return *s
+	a.HolderRelayID, a.LastError, a.ParkedReason = deref(c.relayID), deref(c.lastErr), deref(c.parkedReason)
+	a.StalledReason = deref(c.stallReason)
 }
 
 // RetryParams names the aggregate to retry and, for a gap, the operator's
@@ -548,7 +551,7 @@ func (s *Store) RetryAggregate(ctx context.Context, p RetryParams) (Aggregate, e
 			return &StateError{"aggregate has nothing pending; there is nothing to retry"}
 		case "leased":
 			return &StateError{fmt.Sprintf("aggregate is leased by relay %q until %s; wait for its ack, nack or lease expiry",
-				derefString(holderRelay), deref(expires).UTC().Format(time.RFC3339))}
+				deref(holderRelay), deref(expires).UTC().Format(time.RFC3339))}
 		case "ready":
 			// Already offered to relays; nothing to change.
 		case "backoff", "parked":

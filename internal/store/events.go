@@ -111,7 +111,7 @@ func (s *Store) ListEvents(ctx context.Context, p ListEventsParams) ([]EventReco
 		r.Payload = []byte(payload)
 		r.PublishedAt = deref(published)
 		if reason != nil {
-			r.Skip = &Skip{Reason: *reason, Actor: derefString(actor), SkippedAt: deref(skippedAt)}
+			r.Skip = &Skip{Reason: *reason, Actor: deref(actor), SkippedAt: deref(skippedAt)}
 		}
 		return r, err
 	})

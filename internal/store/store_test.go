@@ -247,3 +247,37 @@ func TestRoundDueProbesTheClaims(t *testing.T) {
 	exec(`UPDATE outbox.delivery SET lease_expires_at = now() - interval '1 second', claimable_at = now() - interval '1 second'`)
 	probe(store.ClaimProbe{Probed: true, Claimable: true, NextIn: 0}, "a lease that expired")
 }
+
+// A lag read is one round trip: the console samples every source's lag
+// every 10 s and each metrics scrape reads it, and on a quiet source every
+// round trip wakes an idle backend, which costs PostgreSQL more than the
+// statements do. Its statements go as one batch, from one acquire of the
+// pool, with or without a stream filter.
+func TestLagIsOneRoundTrip(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := testdb.NewPoolConfig(t, func(c *pgxpool.Config) { c.MaxConns = 1 })
+	if _, err := pool.Exec(ctx, `INSERT INTO outbox.event (stream, aggregate_key, event_type, payload)
+		VALUES ('orders', 'o1', 'created', '{}'), ('payments', 'p1', 'created', '{}')`); err != nil {
+		t.Fatal(err)
+	}
+	st := store.New(pool)
+	for _, filter := range [][]string{nil, {"orders"}} {
+		before := pool.Stat().AcquireCount()
+		lag, err := st.Lag(ctx, filter, time.Minute)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if n := pool.Stat().AcquireCount() - before; n != 1 {
+			t.Errorf("lag of %v took %d connections from the pool, want 1 (one batch)", filter, n)
+		}
+		want := 2
+		if filter != nil {
+			want = 1
+		}
+		if len(lag.Streams) != want || lag.Streams[0].Stream != "orders" || lag.Streams[0].PendingEvents != 1 ||
+			lag.Now.IsZero() || lag.DiscoveryStopped != "" {
+			t.Errorf("lag of %v: %+v, want %d streams from orders (1 pending), the database clock, discovery running", filter, lag, want)
+		}
+	}
+}
