@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -423,5 +424,79 @@ func TestAckFreedCreditIsClaimedOnlyWhenWorkIsClaimable(t *testing.T) {
 	e := emit(t, pool, "orders", "e", 1)[0]
 	if d := recv(t, st); d.GetEvent().GetEventId() != e.String() {
 		t.Fatalf("got %s, want orders/e %s", d.GetEvent().GetEventId(), e)
+	}
+}
+
+// Credit a discovery round borrowed and gives back unused reaches the
+// session's loop at once. The loop that is woken while its credit is lent
+// cannot claim, so it waits without credit, out of its poll group's idle
+// line: neither the group's wake-ups nor its polls reach it. Were the
+// credit's return silent, the wake-up it took (here an operator's retry)
+// would be lost and the retried aggregate never claimed. Forced: the round
+// is held after it lent the credit; the retry wakes the session, seen
+// offering nothing; the round's aggregate is skipped meanwhile, so its
+// apply leases nothing and gives all the credit back.
+func TestCreditARoundGivesBackWakesTheSession(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	r := startReplica(t, url, func(c *server.Config) { c.MaxFailures = 1 })
+	parked := emit(t, pool, "orders", "p", 1)[0]
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 1, LeaseTtl: durationpb.New(time.Hour)})
+	nack(t, r, recv(t, st)) // parks p
+	waitFor(t, func() int32 { return int32(r.Server.IdleSessions()) })
+
+	var holdOnce, zeroOnce sync.Once
+	lent, release := make(chan struct{}), make(chan struct{})
+	r.Server.SetBeforeApply(func() {
+		holdOnce.Do(func() {
+			close(lent)
+			<-release
+		})
+	})
+	var watching atomic.Bool
+	offeredNothing := make(chan struct{})
+	r.Server.SetAfterOffer(func(_ uuid.UUID, offered int) {
+		if watching.Load() && offered == 0 {
+			zeroOnce.Do(func() { close(offeredNothing) })
+		}
+	})
+	defer func() {
+		select {
+		case <-release:
+		default:
+			close(release)
+		}
+	}()
+	skipped := emit(t, pool, "orders", "x", 1)[0]
+	waitClosed(t, lent, "no discovery round lent the session's credit")
+
+	watching.Store(true)
+	if _, err := r.Admin.RetryAggregate(ctx, &outboxv1.RetryAggregateRequest{Stream: "orders", AggregateKey: "p",
+		Reason: "broker is back"}); err != nil {
+		t.Fatal(err)
+	}
+	waitClosed(t, offeredNothing, "the retry did not wake the session while its credit was lent")
+	if _, err := r.Admin.SkipEvent(ctx, &outboxv1.SkipEventRequest{EventId: skipped.String(), Reason: "not wanted"}); err != nil {
+		t.Fatal(err)
+	}
+	close(release)
+
+	d := recv(t, st)
+	if got := d.GetEvent().GetEventId(); got != parked.String() {
+		t.Fatalf("got %s, want the retried %s", got, parked)
+	}
+	ack(t, r, d)
+}
+
+// waitClosed waits until c is closed, failing with what after 30s.
+func waitClosed(t *testing.T, c <-chan struct{}, what string) {
+	t.Helper()
+	select {
+	case <-c:
+	case <-time.After(30 * time.Second):
+		t.Fatal(what + " within 30s")
 	}
 }

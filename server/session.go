@@ -233,7 +233,7 @@ func (ss *session) lend(stream string) bool {
 
 // give ends a discovery round's loan of n units of credit: leases (at most n)
 // are the ones it dispatched to this session, and the rest of the loan is
-// offered again if the loop is still waiting. It returns false, taking
+// offered again if the loop is still waiting; either way the loop is told. It returns false, taking
 // nothing, once the stream is over: the caller then releases the leases.
 func (ss *session) give(leases []store.Lease, n int) bool {
 	ss.mu.Lock()
@@ -243,11 +243,16 @@ func (ss *session) give(leases []store.Lease, n int) bool {
 		return false
 	}
 	ss.handed = append(ss.handed, leases...)
+	unused := n - len(leases)
 	if ss.waiting {
-		ss.offered += n - len(leases)
+		ss.offered += unused
 	}
 	ss.mu.Unlock()
-	if len(leases) > 0 {
+	// Credit given back unused is credit freed: a loop that turned while
+	// it was lent found none to claim with, and waits without credit, out
+	// of its poll group's idle line, where neither wake-ups nor polls reach
+	// it; a wake-up it took meanwhile would be lost with it.
+	if len(leases) > 0 || unused > 0 {
 		ss.poke()
 	}
 	return true
