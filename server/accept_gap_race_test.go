@@ -119,3 +119,51 @@ func TestAcceptGapWaitsForProducerOfMissingRevision(t *testing.T) {
 		t.Fatalf("then revision %d, want 3", d.GetEvent().GetRevision())
 	}
 }
+
+// An aggregate a discovery round woke out of its gap (it found a later
+// event, which might have been the missing revision) reads ready until its
+// next claim holds it at the gap again. An operator's accept_gap then still
+// gives the missing revisions up: it records them and moves the cursor,
+// and the next existing revision is delivered. (It answered "ready,
+// nothing to change" before, and the aggregate went back to its gap.)
+func TestAcceptGapOfAnAggregateWokenFromItsGap(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	r := startReplica(t, url, nil)
+	emitAt(t, pool, "orders", "g", 1)
+	emitAt(t, pool, "orders", "g", 4)
+	waitDiscovered(t, pool, 1)
+	first, endFirst := context.WithCancel(ctx)
+	ack(t, r, recv(t, subscribe(t, first, r, &outboxv1.SubscribeRequest{MaxInFlight: 1, LeaseTtl: durationpb.New(time.Hour)})))
+	waitState(t, pool, "g", "gap")
+	// No session: nothing claims g once the round below wakes it.
+	endFirst()
+	waitFor(t, func() int32 { return 1 - int32(min(r.Server.Sessions(), 1)) })
+	emitAt(t, pool, "orders", "g", 5)
+	waitState(t, pool, "g", "ready")
+
+	res, err := r.Admin.RetryAggregate(ctx, &outboxv1.RetryAggregateRequest{Stream: "orders", AggregateKey: "g",
+		AcceptGap: true, Reason: "revisions 2-3 rolled back", Actor: "ops"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if a := res.GetAggregate(); a.GetState() != outboxv1.AggregateState_AGGREGATE_STATE_READY || a.GetDeliveredRevision() != 3 {
+		t.Fatalf("after accepting the gap: %v, want ready past revision 3", a)
+	}
+	var from, to int64
+	if err := pool.QueryRow(ctx, `SELECT from_revision, to_revision FROM outbox.accepted_gap WHERE aggregate_key = 'g'`).
+		Scan(&from, &to); err != nil || from != 2 || to != 3 {
+		t.Fatalf("accepted gap %d-%d (%v), want 2-3 on record", from, to, err)
+	}
+	if n := countWhere(t, pool, "outbox.operator_action", "action = 'retry'"); n != 1 {
+		t.Errorf("%d retries on record, want 1", n)
+	}
+	d := recv(t, subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 1, LeaseTtl: durationpb.New(time.Hour)}))
+	if rev := d.GetEvent().GetRevision(); rev != 4 {
+		t.Fatalf("delivered revision %d, want 4", rev)
+	}
+	ack(t, r, d)
+}

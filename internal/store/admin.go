@@ -553,7 +553,17 @@ func (s *Store) RetryAggregate(ctx context.Context, p RetryParams) (Aggregate, e
 			return &StateError{fmt.Sprintf("aggregate is leased by relay %q until %s; wait for its ack, nack or lease expiry",
 				deref(holderRelay), deref(expires).UTC().Format(time.RFC3339))}
 		case "ready":
-			// Already offered to relays; nothing to change.
+			// Already offered to relays; nothing to change, unless a gap is
+			// accepted: a discovery round that finds a new event of a
+			// gap-held aggregate wakes it (the event might be the missing
+			// revision), and if the revision is still missing its next
+			// claim holds it at the gap again. The operator who saw the gap
+			// gives it up all the same.
+			if p.AcceptGap {
+				if accepted, err = acceptGap(ctx, tx, p, delivered, false); err != nil {
+					return err
+				}
+			}
 		case "backoff", "parked":
 			if _, err := tx.Exec(ctx, `
 				UPDATE outbox.delivery
@@ -568,13 +578,13 @@ func (s *Store) RetryAggregate(ctx context.Context, p RetryParams) (Aggregate, e
 					"aggregate is held at a gap: revision %d is missing; retry with accept_gap and a reason to deliver from the next revision that exists",
 					delivered+1)}
 			}
-			if accepted, err = acceptGap(ctx, tx, p, delivered); err != nil {
+			if accepted, err = acceptGap(ctx, tx, p, delivered, true); err != nil {
 				return err
 			}
 		default:
 			return fmt.Errorf("unknown delivery state %q", state)
 		}
-		if state != "ready" {
+		if state != "ready" || accepted != [2]int64{} {
 			// On record in the same transaction as the change itself.
 			if err := recordRetry(ctx, tx, p, state, accepted); err != nil {
 				return err
@@ -593,11 +603,13 @@ func (s *Store) RetryAggregate(ctx context.Context, p RetryParams) (Aggregate, e
 	return a, nil
 }
 
-// acceptGap moves the cursor of a gap-held aggregate to just before its next
+// acceptGap moves the cursor of an aggregate to just before its next
 // existing pending revision and records the revisions given up, which it
-// returns (zeros when there were none). The caller holds the producers'
-// order lock and the delivery row.
-func acceptGap(ctx context.Context, tx pgx.Tx, p RetryParams, delivered int64) ([2]int64, error) {
+// returns (zeros when there were none). A gap-held aggregate (held) is made
+// ready whether or not its gap was filled meanwhile; a ready one is left
+// as it is when nothing is missing. The caller holds the producers' order
+// lock and the delivery row.
+func acceptGap(ctx context.Context, tx pgx.Tx, p RetryParams, delivered int64, held bool) ([2]int64, error) {
 	var accepted [2]int64
 	var next *int64
 	if err := tx.QueryRow(ctx, `
@@ -615,6 +627,8 @@ func acceptGap(ctx context.Context, tx pgx.Tx, p RetryParams, delivered int64) (
 		}
 		accepted = [2]int64{delivered + 1, *next - 1}
 		delivered = *next - 1
+	} else if !held {
+		return accepted, nil
 	}
 	// With nothing left after the gap (or the gap filled meanwhile), the
 	// claim settles the aggregate as usual.

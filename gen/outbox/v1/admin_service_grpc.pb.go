@@ -71,7 +71,10 @@ type AdminServiceClient interface {
 	// accept_gap and a reason. NOT_FOUND if the aggregate has never had an
 	// event; FAILED_PRECONDITION if it is idle, leased (wait for the lease to
 	// end) or held at a gap without accept_gap. A ready aggregate is returned
-	// unchanged. A retry that changes the aggregate is recorded as an operator
+	// unchanged, unless accept_gap is set and its next revision is missing (a
+	// gap-held aggregate reads ready for a moment after a later event is
+	// found): the gap is then accepted all the same. A retry that changes the
+	// aggregate is recorded as an operator
 	// action (ListOperatorActions), with the revisions an accepted gap gave up.
 	RetryAggregate(ctx context.Context, in *RetryAggregateRequest, opts ...grpc.CallOption) (*RetryAggregateResponse, error)
 	// SkipEvent abandons one pending event: it will never be delivered nor
@@ -322,7 +325,10 @@ type AdminServiceServer interface {
 	// accept_gap and a reason. NOT_FOUND if the aggregate has never had an
 	// event; FAILED_PRECONDITION if it is idle, leased (wait for the lease to
 	// end) or held at a gap without accept_gap. A ready aggregate is returned
-	// unchanged. A retry that changes the aggregate is recorded as an operator
+	// unchanged, unless accept_gap is set and its next revision is missing (a
+	// gap-held aggregate reads ready for a moment after a later event is
+	// found): the gap is then accepted all the same. A retry that changes the
+	// aggregate is recorded as an operator
 	// action (ListOperatorActions), with the revisions an accepted gap gave up.
 	RetryAggregate(context.Context, *RetryAggregateRequest) (*RetryAggregateResponse, error)
 	// SkipEvent abandons one pending event: it will never be delivered nor
