@@ -78,7 +78,9 @@
 // the row is still idle once locked. A session offers the credit it has
 // free while it waits after a claim that came back short; the round takes
 // one unit per aggregate from the next session in turn whose stream filter
-// admits it, and gives back what it did not use together with the leases.
+// admits it, and gives back what it did not use together with the leases;
+// either wakes the session's loop, which may have turned while its credit
+// was lent and then waits without credit, out of its poll group's reach.
 // Credit an ack frees is claimed with before any is offered again, so
 // dispatch never starves older claimable work. A session whose stream
 // ended before its leases reached it refuses them and the round releases
@@ -403,9 +405,11 @@
 // notified. RetryAggregate with accept_gap takes the producers' order lock
 // before the delivery row (the producers' order), so no producer can be
 // between inserting a missing revision and committing it while the cursor
-// moves past it; the revisions given up are recorded in outbox.accepted_gap
-// and are refused afterwards as "at or below the delivery cursor" (or, if a
-// REPEATABLE READ producer's stale read let one in, reported as stranded).
+// moves past it (also when a round woke the aggregate out of its gap and
+// the revision is still missing); the revisions given up are recorded in
+// outbox.accepted_gap and are refused afterwards as "at or below the
+// delivery cursor" (or, if a REPEATABLE READ producer's stale read let one
+// in, reported as stranded).
 //
 // Bulk retry and skip (server/deadletter.go) run the RetryAggregate and
 // SkipEvent transactions one aggregate at a time, so they take the same
