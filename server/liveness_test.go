@@ -142,19 +142,32 @@ func TestListenerReconnects(t *testing.T) {
 	}
 }
 
-// waitFor polls f until it returns non-zero (bounded).
-func waitFor(t *testing.T, f func() int32) int32 {
+// eventually calls f every 10ms until it says done, and fails the test with
+// f's account of where things stand when 30s pass first: a guard against
+// a hang, never a timing assertion.
+func eventually(t *testing.T, f func() (done bool, last string)) {
 	t.Helper()
 	deadline := time.Now().Add(30 * time.Second)
 	for {
-		if v := f(); v != 0 {
-			return v
+		done, last := f()
+		if done {
+			return
 		}
 		if time.Now().After(deadline) {
-			t.Fatal("condition not reached within 30s")
+			t.Fatal(last + " (within 30s)")
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
+}
+
+// waitFor polls f until it returns non-zero (bounded).
+func waitFor(t *testing.T, f func() int32) (v int32) {
+	t.Helper()
+	eventually(t, func() (bool, string) {
+		v = f()
+		return v != 0, "condition not reached"
+	})
+	return v
 }
 
 func waitState(t *testing.T, pool *pgxpool.Pool, key, want string) {

@@ -2,6 +2,7 @@ package server_test
 
 import (
 	"context"
+	"fmt"
 	"testing"
 	"time"
 
@@ -49,21 +50,16 @@ func strandLost(t *testing.T, pool *pgxpool.Pool) {
 // audited asks for lag until its stranded counts come from an audit
 // (GetLag answers without them while the first audit runs longer than a
 // reader waits for it).
-func audited(t *testing.T, r *replica) *outboxv1.GetLagResponse {
+func audited(t *testing.T, r *replica) (lag *outboxv1.GetLagResponse) {
 	t.Helper()
-	deadline := time.Now().Add(30 * time.Second) // a hang guard
-	for {
-		lag, err := r.Admin.GetLag(context.Background(), &outboxv1.GetLagRequest{})
-		if err != nil {
+	eventually(t, func() (bool, string) {
+		var err error
+		if lag, err = r.Admin.GetLag(context.Background(), &outboxv1.GetLagRequest{}); err != nil {
 			t.Fatal(err)
 		}
-		if lag.GetStrandedAuditedAt() != nil {
-			return lag
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("no stranded audit finished in 30s")
-		}
-	}
+		return lag.GetStrandedAuditedAt() != nil, "no stranded audit finished"
+	})
+	return lag
 }
 
 // The stranded audit reads every aggregate, so its counts serve every lag
@@ -113,21 +109,17 @@ func TestStrandedAuditRunsAgainAfterItsInterval(t *testing.T) {
 		t.Fatal(err)
 	}
 	strandLost(t, pool)
-	deadline := time.Now().Add(30 * time.Second) // a hang guard
-	for {
-		lag, err := r.Admin.GetLag(ctx, &outboxv1.GetLagRequest{})
-		if err != nil {
+	var lag *outboxv1.GetLagResponse
+	eventually(t, func() (bool, string) {
+		var err error
+		if lag, err = r.Admin.GetLag(ctx, &outboxv1.GetLagRequest{}); err != nil {
 			t.Fatal(err)
 		}
-		if lag.GetStrandedAuditedAt().AsTime().After(stranded) {
-			if n := lag.GetTotal().GetStrandedEvents(); n != 1 {
-				t.Fatalf("an audit begun after the event was stranded counts %d stranded, want 1", n)
-			}
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("no audit after the interval: the last began at %v", lag.GetStrandedAuditedAt().AsTime())
-		}
+		return lag.GetStrandedAuditedAt().AsTime().After(stranded),
+			fmt.Sprintf("no audit after the interval: the last began at %v", lag.GetStrandedAuditedAt().AsTime())
+	})
+	if n := lag.GetTotal().GetStrandedEvents(); n != 1 {
+		t.Fatalf("an audit begun after the event was stranded counts %d stranded, want 1", n)
 	}
 }
 
@@ -179,20 +171,14 @@ func TestStrandedAuditOutlivesItsReader(t *testing.T) {
 	answered := time.Now()
 	// The audit outlived the call: it waits for the lock (it may take a
 	// moment to reach it on a loaded machine).
-	deadline := time.Now().Add(30 * time.Second) // a hang guard
-	for {
+	eventually(t, func() (bool, string) {
 		var blocked int
 		if err := pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
 			WHERE $1 = ANY (pg_blocking_pids(pid)) AND query LIKE '%outbox.stranded(NULL)%'`, locker).Scan(&blocked); err != nil {
 			t.Fatal(err)
 		}
-		if blocked == 1 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("%d audits wait for the lock after the reader returned, want 1", blocked)
-		}
-	}
+		return blocked == 1, fmt.Sprintf("%d audits wait for the lock after the reader returned, want 1", blocked)
+	})
 	if err := tx.Commit(ctx); err != nil {
 		t.Fatal(err)
 	}

@@ -169,8 +169,7 @@ func TestWindowedSession(t *testing.T) {
 // every event has been discovered.
 func waitDiscovered(t *testing.T, pool *pgxpool.Pool, n int) {
 	t.Helper()
-	deadline := time.Now().Add(30 * time.Second)
-	for {
+	eventually(t, func() (bool, string) {
 		// Every event, not only every aggregate: a round that finds an
 		// aggregate's later events locks its row, and a claim meanwhile
 		// skips it (this made TestWindowedSession's first claim lease one
@@ -181,14 +180,8 @@ func waitDiscovered(t *testing.T, pool *pgxpool.Pool, n int) {
 			EXISTS (SELECT 1 FROM outbox.events_since((SELECT snapshot FROM outbox.discovery)))`).Scan(&got, &pending); err != nil {
 			t.Fatal(err)
 		}
-		if got == n && !pending {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("%d of %d aggregates discovered within 30s", got, n)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
+		return got == n && !pending, fmt.Sprintf("%d of %d aggregates discovered", got, n)
+	})
 }
 
 // One claim leases at most four times ClaimBatch events, however large
