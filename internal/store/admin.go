@@ -126,8 +126,8 @@ func (s *Store) Stranded(ctx context.Context) (map[string]int64, error) {
 // wake-up of the backend. A lag read is the console's sample of every
 // source every 10 s and each metrics scrape, and on a quiet source each
 // round trip wakes an idle backend, which costs more than these statements
-// run (five separate ones were about half of what the console cost
-// PostgreSQL for 50 idle sources).
+// run (50 idle sources with the console: 1.65 transactions per source per
+// second with five round trips a read, 1.22 with one).
 func (s *Store) Lag(ctx context.Context, streams []string, sessionTTL time.Duration) (Lag, error) {
 	filter := streams
 	var lag Lag
