@@ -96,9 +96,14 @@ func (a *adminService) GetLag(ctx context.Context, req *outboxv1.GetLagRequest) 
 			}
 		}
 	}
-	// Whatever the caller's streams, the report says whether discovery is
-	// stopped: a stopped discovery holds back every stream's new events.
-	return lagProto(lag, names), nil
+	resp := lagProto(lag, names)
+	// Whatever the caller's streams: a stopped discovery holds back every
+	// stream's new events. While the discovery loop's last turn found it
+	// running, that answers without a statement.
+	if resp.DiscoveryStopped, err = a.s.discoveryStopped(ctx); err != nil {
+		return nil, a.s.dbError(ctx, "get lag", err)
+	}
+	return resp, nil
 }
 
 // lagFilter is the streams a lag report covers: nil for every stream, else
@@ -162,7 +167,7 @@ func lagProto(lag store.Lag, named []string) *outboxv1.GetLagResponse {
 			byName[n] = store.StreamLag{Stream: n}
 		}
 	}
-	resp := &outboxv1.GetLagResponse{ConnectedRelays: uint32(lag.ConnectedRelays), DiscoveryStopped: lag.DiscoveryStopped}
+	resp := &outboxv1.GetLagResponse{ConnectedRelays: uint32(lag.ConnectedRelays)}
 	if !lag.StrandedAt.IsZero() {
 		resp.StrandedAuditedAt = timestamppb.New(lag.StrandedAt)
 	}

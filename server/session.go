@@ -233,8 +233,9 @@ func (ss *session) lend(stream string) bool {
 
 // give ends a discovery round's loan of n units of credit: leases (at most n)
 // are the ones it dispatched to this session, and the rest of the loan is
-// offered again if the loop is still waiting; either way the loop is told. It returns false, taking
-// nothing, once the stream is over: the caller then releases the leases.
+// offered again if the loop is still waiting; either way the loop is told.
+// It returns false, taking nothing, once the stream is over: the caller
+// then releases the leases.
 func (ss *session) give(leases []store.Lease, n int) bool {
 	ss.mu.Lock()
 	ss.lent -= n

@@ -254,7 +254,7 @@ func TestCLILag(t *testing.T) {
 	}
 	// The table says when the stranded events were counted (a server
 	// counts them about once a minute; the first count may still run).
-	for deadline := time.Now().Add(30 * time.Second); lag.GetStrandedAuditedAt() == nil; {
+	for deadline := time.Now().Add(30 * time.Second); lag.GetStrandedAuditedAt() == nil; time.Sleep(20 * time.Millisecond) {
 		if time.Now().After(deadline) {
 			t.Fatal("no stranded count in 30s")
 		}

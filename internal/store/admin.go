@@ -71,9 +71,6 @@ type Lag struct {
 	// StrandedAt is when the audit whose counts the streams' Stranded hold
 	// began (SetStranded); zero when they hold none.
 	StrandedAt time.Time
-	// DiscoveryStopped is why discovery is stopped (DiscoveryStopped), or
-	// empty while it runs.
-	DiscoveryStopped string
 }
 
 // SetStranded fills in each stream's Stranded from the counts of an audit
@@ -122,7 +119,7 @@ func (s *Store) Stranded(ctx context.Context) (map[string]int64, error) {
 // cannot, is apart: see Stranded). sessionTTL is how recently
 // a relay session must have been refreshed to count as connected.
 //
-// Its five statements go as one pipelined batch: one round trip, one
+// Its four statements go as one pipelined batch: one round trip, one
 // wake-up of the backend. A lag read is the console's sample of every
 // source every 10 s and each metrics scrape, and on a quiet source each
 // round trip wakes an idle backend, which costs more than these statements
@@ -198,12 +195,6 @@ func (s *Store) Lag(ctx context.Context, streams []string, sessionTTL time.Durat
 		SELECT clock_timestamp(), count(*) FROM outbox.relay_session
 		WHERE seen_at > clock_timestamp() - ` + intervalLiteral(sessionTTL)).QueryRow(func(row pgx.Row) error {
 		return row.Scan(&lag.Now, &lag.ConnectedRelays)
-	})
-	b.Queue(discoveryStoppedSQL).QueryRow(func(row pgx.Row) error {
-		var reason *string
-		err := row.Scan(&reason)
-		lag.DiscoveryStopped = deref(reason)
-		return err
 	})
 	if err := s.pool.SendBatch(ctx, b).Close(); err != nil {
 		return Lag{}, fmt.Errorf("store: lag: %w", err)

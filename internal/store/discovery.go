@@ -124,13 +124,11 @@ type ClaimProbe struct {
 // once the cluster's transaction counter passes the stored snapshot.
 func (s *Store) DiscoveryStopped(ctx context.Context) (string, error) {
 	var reason *string
-	if err := s.pool.QueryRow(ctx, discoveryStoppedSQL).Scan(&reason); err != nil {
+	if err := s.pool.QueryRow(ctx, `SELECT outbox.discovery_stopped()`).Scan(&reason); err != nil {
 		return "", fmt.Errorf("store: discovery stopped: %w", err)
 	}
 	return deref(reason), nil
 }
-
-const discoveryStoppedSQL = `SELECT outbox.discovery_stopped()`
 
 // Rescan is what a re-scan of discovery state found and did.
 type Rescan struct {
