@@ -627,7 +627,13 @@ func TestReadinessTakesTheStopFromTheDiscoveryLoop(t *testing.T) {
 		}
 		return n
 	}
-	r := startReplica(t, url, func(c *server.Config) { c.DiscoveryIdleInterval = 5 * time.Millisecond })
+	// A turn stays fresh for twice the quiet interval (at least a second):
+	// with the quiet interval a minute, no stall of a loaded machine between
+	// the loop's turns makes a check ask (CI once saw two calls with the
+	// second's freshness).
+	r := startReplica(t, url, func(c *server.Config) {
+		c.DiscoveryIdleInterval, c.DiscoveryQuietInterval = 5*time.Millisecond, time.Minute
+	})
 	// A few turns of the loop first (checks, once it has backed off).
 	var turns atomic.Int64
 	r.Server.SetAfterRoundDue(func(bool, error) { turns.Add(1) })
