@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"google.golang.org/grpc/peer"
 
 	"github.com/outboxd/outboxd/internal/leasetoken"
 	"github.com/outboxd/outboxd/internal/store"
@@ -38,7 +39,12 @@ type ackCommitter struct {
 }
 
 type ackRequest struct {
-	ids  []uuid.UUID
+	ids []uuid.UUID
+	// from names the connection of the Ack call (its peer's address), and
+	// at is when the call queued this request: whether acks of several
+	// callers interleave says whether a batch may wait for company.
+	from string
+	at   time.Time
 	done chan ackOutcome
 }
 
@@ -70,9 +76,14 @@ func (a *ackCommitter) submit(ctx context.Context, tokens []leasetoken.Token) (m
 		i := a.shard(t)
 		parts[i] = append(parts[i], t.EventID)
 	}
+	var from string
+	if p, ok := peer.FromContext(ctx); ok && p.Addr != nil {
+		from = p.Addr.String()
+	}
+	now := time.Now()
 	reqs := make([]*ackRequest, 0, len(parts))
 	for i, ids := range parts {
-		req := &ackRequest{ids: ids, done: make(chan ackOutcome, 1)}
+		req := &ackRequest{ids: ids, from: from, at: now, done: make(chan ackOutcome, 1)}
 		select {
 		case a.shards[i] <- req:
 			if h := a.s.afterAckQueued.get(); h != nil {
@@ -144,6 +155,8 @@ func (a *ackCommitter) run(ctx context.Context) {
 }
 
 func (a *ackCommitter) runShard(ctx context.Context, reqs chan *ackRequest) {
+	// last is the request the last batch took last.
+	var last *ackRequest
 	for {
 		var first *ackRequest
 		select {
@@ -164,8 +177,49 @@ func (a *ackCommitter) runShard(ctx context.Context, reqs chan *ackRequest) {
 				break drain
 			}
 		}
+		batch, n = a.linger(ctx, reqs, batch, n, last)
+		last = batch[len(batch)-1]
 		a.commit(ctx, batch, n)
 	}
+}
+
+// linger lets a batch of n acks wait up to Config.AckLinger for more, when
+// the replica is under load: acks of several callers interleave (another
+// connection's came in the batch, or was the one before it, at most four
+// lingers earlier), and deliveries besides these n are outstanding on this
+// replica's sessions. Acks that come from one caller at a time (one relay
+// process, whose next call waits for this answer; a hot aggregate's
+// revisions handed over one ack at a time; a trickle) commit at once, as do
+// those of a replica whose other deliveries sit with a stalled relay. The
+// wait ends when the acks of every delivery outstanding as it began are in
+// the batch, when the batch is full, or when the server stops (the acks
+// taken are committed then, as any batch is).
+func (a *ackCommitter) linger(ctx context.Context, reqs chan *ackRequest, batch []*ackRequest, n int, prev *ackRequest) ([]*ackRequest, int) {
+	d := a.s.cfg.AckLinger
+	if d <= 0 || n >= a.s.cfg.AckBatch || !interleaved(prev, batch, 4*d) {
+		return batch, n
+	}
+	outstanding := a.s.outstandingDeliveries()
+	if outstanding <= int64(n) {
+		return batch, n
+	}
+	if h := a.s.ackLingering.get(); h != nil {
+		h(n)
+	}
+	t := time.NewTimer(d)
+	defer t.Stop()
+	for n < a.s.cfg.AckBatch && int64(n) < outstanding {
+		select {
+		case r := <-reqs:
+			batch = append(batch, r)
+			n += len(r.ids)
+		case <-t.C:
+			return batch, n
+		case <-ctx.Done():
+			return batch, n
+		}
+	}
+	return batch, n
 }
 
 func (a *ackCommitter) commit(ctx context.Context, batch []*ackRequest, n int) {
@@ -253,6 +307,19 @@ func (a *ackCommitter) commit(ctx context.Context, batch []*ackRequest, n int) {
 	for _, r := range batch {
 		r.done <- ackOutcome{results: byID, err: err}
 	}
+}
+
+// interleaved reports whether the batch holds acks of more than one caller,
+// or its first came within window of an ack of another caller (prev, the
+// last one taken before it).
+func interleaved(prev *ackRequest, batch []*ackRequest, window time.Duration) bool {
+	first := batch[0]
+	for _, r := range batch[1:] {
+		if r.from != first.from {
+			return true
+		}
+	}
+	return prev != nil && prev.from != first.from && first.at.Sub(prev.at) < window
 }
 
 func failQueued(reqs chan *ackRequest, err error) {

@@ -191,7 +191,14 @@
 //
 // Ack verifies each token's HMAC (any replica can: the key is in the
 // database) and hands the ids to a group committer, which applies every ack
-// queued for it in one call of outbox.ack. Config.AckCommitters committers
+// queued for it in one call of outbox.ack. Under load (acks of several relay
+// connections interleave, and the replica's sessions hold deliveries besides
+// this batch's) a batch may wait up to Config.AckLinger (off by default;
+// serve --ack-linger) for more, and no longer than until every delivery
+// outstanding as it began is acked: a statement costs about as much to start
+// as a dozen acks to apply. The acks of one relay process (whose next call
+// waits for this answer), a hot aggregate's acks handed over one by one, and
+// a trickle commit at once. Config.AckCommitters committers
 // (one by default; serve --ack-committers) apply batches at once, each on
 // its own connection; a lease (its epoch and aggregate) picks its committer,
 // so the acks of one window queue in one committer in the order they came

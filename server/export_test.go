@@ -87,10 +87,11 @@ func (s *Server) Sessions() (n int) {
 
 // InFlight is how many events this replica's sessions count as in flight:
 // a session counts its leases before it sends them.
-func (s *Server) InFlight() (n int64) {
-	s.forEachSession(func(ss *session) { n += ss.inflightN.Load() })
-	return n
-}
+func (s *Server) InFlight() int64 { return s.outstandingDeliveries() }
+
+// SetAckLingering makes f run as an ack batch begins to wait for company
+// (Config.AckLinger), with the acks it holds so far.
+func (s *Server) SetAckLingering(f func(acks int)) { s.ackLingering.set(f) }
 
 // SetBulkPage makes bulk actions read n aggregates per page and call f
 // (which may be nil) after acting on each page, before reading the next.

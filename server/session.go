@@ -159,6 +159,15 @@ func (ss *session) settle(acked []uuid.UUID, leases []store.Lease, lent int, cla
 	return true
 }
 
+// outstanding is how many of this session's deliveries are still out: the
+// leases it holds, less those an ack or nack has ended, plus those handed
+// over to it, before its loop has applied either.
+func (ss *session) outstanding() int64 {
+	ss.mu.Lock()
+	defer ss.mu.Unlock()
+	return max(0, ss.inflightN.Load()+int64(len(ss.handed)-len(ss.freed)))
+}
+
 // lendOffered takes all the credit the loop offers for an ack batch, which
 // may lease a windowed session more events than its acks free (a window
 // growing). settle ends the loan.
@@ -721,7 +730,6 @@ func (ss *session) applyFreed(ctx context.Context) (handed []store.Lease, claim 
 	ss.freed, ss.handed, ss.reconcile, ss.sweep = nil, nil, false, false
 	claimFreed, freedBy := ss.claimFreed, ss.claimBy
 	ss.claimFreed, ss.claimBy = false, time.Time{}
-	ss.mu.Unlock()
 	before := len(ss.inflight)
 	var nacked map[uuid.UUID]bool
 	for _, f := range ended {
@@ -746,6 +754,11 @@ func (ss *session) applyFreed(ctx context.Context) (handed []store.Lease, claim 
 	for _, l := range handed {
 		ss.inflight[l.Event.ID] = l.Epoch
 	}
+	// Counted before the lock is let go: outstanding, which reads the
+	// count with the freed and handed leases not yet applied, never sees
+	// these both applied and still pending.
+	ss.inflightN.Store(int64(len(ss.inflight)))
+	ss.mu.Unlock()
 	if sweep {
 		ss.releaseUndelivered(ctx)
 	}

@@ -54,6 +54,7 @@ type serveFlags struct {
 	tlsClientCA          string
 	maxSubscriptions     int
 	ackCommitters        int
+	ackLinger            time.Duration
 	pprof                bool
 	console              bool
 	sources              []string
@@ -96,6 +97,7 @@ func (f *serveFlags) register(cmd *cobra.Command) {
 	fl.BoolVar(&f.pprof, "pprof", false, "serve Go profiles on the HTTP port under /debug/pprof/")
 	fl.BoolVar(&f.console, "console", true, "serve the operator console at / on the HTTP port (login with a viewer or admin token)")
 	fl.IntVar(&f.ackCommitters, "ack-committers", 1, "ack batches applied at once, each on its own database connection: more drains a backlog faster on several cores, but makes each batch smaller (more database work per ack) when load is light")
+	fl.DurationVar(&f.ackLinger, "ack-linger", 0, "under load (acks of several relay connections interleaving), how long an ack batch may wait for more before it commits: fewer, larger batches cost less CPU per event, at up to this much more commit→published_at; a lone ack never waits (0: off, the default)")
 	fl.IntVar(&f.maxSubscriptions, "max-subscriptions-per-relay", 64, "Subscribe streams one token (or relay id, without auth) may hold open on this replica")
 	addSourceFlag(fl, &f.sources)
 }
@@ -294,7 +296,7 @@ func runServer(ctx context.Context, sources []source, f *serveFlags, log *slog.L
 		BackoffBase: f.backoffBase, BackoffCap: f.backoffCap, PollInterval: f.pollInterval,
 		Registerer: reg, Retention: f.retention, JanitorInterval: f.janitorInterval,
 		StrandedAuditInterval:    f.strandedAuditInterval,
-		MaxSubscriptionsPerRelay: f.maxSubscriptions, AckCommitters: f.ackCommitters,
+		MaxSubscriptionsPerRelay: f.maxSubscriptions, AckCommitters: f.ackCommitters, AckLinger: f.ackLinger,
 	}
 	// One engine per source, each with its own pool of --max-db-conns.
 	// Sources of the --config file's list are reloadable: one that does

@@ -1,0 +1,226 @@
+package server_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+	"github.com/outboxd/outboxd/internal/testdb"
+	"github.com/outboxd/outboxd/server"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+)
+
+// lingerRig is a replica whose ack batches may linger a minute (far longer
+// than any test waits: a batch that ends its linger early is seen as
+// answered acks, one that does not as a failed test), with one session
+// holding one delivery of each of n aggregates, and two relay connections
+// to ack them through.
+type lingerRig struct {
+	r        *replica
+	relays   [2]outboxv1.RelayServiceClient
+	ds       []*outboxv1.SubscribeResponse
+	entered  chan struct{} // an ack batch began (beforeAckBatch)
+	queued   chan struct{} // an ack request was queued
+	lingered chan int      // an ack batch began to linger, with its acks
+	hold     chan struct{} // closed: batches no longer wait in beforeAckBatch
+	held     bool
+	answers  chan ackAnswer
+}
+
+type ackAnswer struct {
+	id  string
+	res *outboxv1.AckResponse
+	err error
+}
+
+func newLingerRig(t *testing.T, n int) *lingerRig {
+	t.Helper()
+	return newLingerRigOf(t, n, time.Minute)
+}
+
+func newLingerRigOf(t *testing.T, n int, linger time.Duration) *lingerRig {
+	t.Helper()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	g := &lingerRig{
+		r:        startReplica(t, url, func(c *server.Config) { c.AckLinger = linger }),
+		entered:  make(chan struct{}, 16),
+		queued:   make(chan struct{}, 16),
+		lingered: make(chan int, 16),
+		hold:     make(chan struct{}),
+		answers:  make(chan ackAnswer, 16),
+	}
+	t.Cleanup(g.release) // before the replica stops, should the test fail while holding it
+	conn, err := grpc.NewClient(g.r.Addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	g.relays = [2]outboxv1.RelayServiceClient{g.r.Relay, outboxv1.NewRelayServiceClient(conn)}
+	g.r.Server.SetBeforeAckBatch(func() {
+		g.entered <- struct{}{}
+		<-g.hold
+	})
+	g.r.Server.SetAfterAckQueued(func() { g.queued <- struct{}{} })
+	g.r.Server.SetAckLingering(func(acks int) { g.lingered <- acks })
+	for i := range n {
+		emit(t, pool, "orders", string(rune('a'+i)), 1)
+	}
+	waitDiscovered(t, pool, n)
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(cancel)
+	st := subscribe(t, ctx, g.r, &outboxv1.SubscribeRequest{MaxInFlight: uint32(n)})
+	g.ds, _ = receiveN(t, st, n)
+	return g
+}
+
+func (g *lingerRig) release() {
+	if !g.held {
+		g.held = true
+		close(g.hold)
+	}
+}
+
+// ack acks delivery i in an Ack call of its own through relay connection
+// conn, and waits until the ack is queued for the committer.
+func (g *lingerRig) ack(t *testing.T, conn, i int) {
+	t.Helper()
+	d := g.ds[i]
+	go func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+		defer cancel()
+		res, err := g.relays[conn].Ack(ctx, &outboxv1.AckRequest{Acks: []*outboxv1.AckItem{
+			{EventId: d.GetEvent().GetEventId(), LeaseToken: d.GetLeaseToken()}}})
+		g.answers <- ackAnswer{d.GetEvent().GetEventId(), res, err}
+	}()
+	select {
+	case <-g.queued:
+	case a := <-g.answers:
+		t.Fatalf("the ack of %s was answered before it was queued: %v", a.id, a.err)
+	case <-time.After(20 * time.Second):
+		t.Fatal("an ack was not queued within 20s")
+	}
+}
+
+// answered waits for n Ack calls to be answered, each with its ack
+// published (an ack that lingers its whole minute fails here instead).
+func (g *lingerRig) answered(t *testing.T, n int) {
+	t.Helper()
+	for range n {
+		a := <-g.answers
+		if a.err != nil {
+			t.Fatalf("ack of %s: %v", a.id, a.err)
+		}
+		for _, r := range a.res.GetResults() {
+			if r.GetStatus() != outboxv1.AckStatus_ACK_STATUS_PUBLISHED {
+				t.Fatalf("ack of %s: %v %s", r.GetEventId(), r.GetStatus(), r.GetMessage())
+			}
+		}
+	}
+}
+
+// lingersThenCommitsWith expects the batch of the acks just queued (held,
+// acks of them) to linger, then acks delivery i through conn, and expects it
+// to be committed in that one batch.
+func (g *lingerRig) lingersThenCommitsWith(t *testing.T, held, conn, i int) {
+	t.Helper()
+	select {
+	case acks := <-g.lingered:
+		if acks != held {
+			t.Fatalf("the batch lingered with %d acks, want %d", acks, held)
+		}
+	case a := <-g.answers:
+		t.Fatalf("the ack of %s was committed alone, without waiting for the ack of the delivery still outstanding", a.id)
+	case <-time.After(20 * time.Second):
+		t.Fatal("the batch neither lingered nor committed within 20s")
+	}
+	batches := len(g.entered)
+	g.ack(t, conn, i)
+	g.answered(t, held+1)
+	if got := len(g.entered) - batches; got != 1 {
+		t.Fatalf("%d ack batches began for the last %d acks, want 1", got, held+1)
+	}
+}
+
+func (g *lingerRig) lingeredNone(t *testing.T, what string) {
+	t.Helper()
+	select {
+	case acks := <-g.lingered:
+		t.Fatalf("a batch of %d acks lingered %s", acks, what)
+	default:
+	}
+}
+
+// Issue 25, direction 1: under load (acks of two relay connections
+// interleave, and deliveries besides this batch's are outstanding) an ack
+// batch waits for company, and commits as soon as every delivery outstanding
+// when it began is acked, long before the linger's minute is over.
+func TestAckBatchLingersForCompanyUnderLoad(t *testing.T) {
+	t.Parallel()
+	g := newLingerRig(t, 3)
+	g.release()
+	g.ack(t, 1, 0) // the first batch has no ack before it: no linger
+	g.answered(t, 1)
+	g.lingeredNone(t, "with no ack before it")
+	g.ack(t, 0, 1) // another connection's ack came just before; delivery 2 is out
+	g.lingersThenCommitsWith(t, 1, 1, 2)
+}
+
+// The same when the acks of two connections queue together while a batch
+// commits: the next batch holds both, and waits for the third.
+func TestAckBatchLingersWhenCallersQueueTogether(t *testing.T) {
+	t.Parallel()
+	g := newLingerRig(t, 4)
+	g.ack(t, 0, 0)
+	<-g.entered // held until both acks below are queued
+	g.ack(t, 0, 1)
+	g.ack(t, 1, 2)
+	g.release()
+	g.answered(t, 1) // the first batch: one ack, none before it
+	g.lingersThenCommitsWith(t, 2, 1, 3)
+}
+
+// A batch whose acks are all this replica has outstanding commits at once:
+// there is nothing to wait for, even under load.
+func TestAckBatchDoesNotLingerWithNothingOutstanding(t *testing.T) {
+	t.Parallel()
+	g := newLingerRig(t, 2)
+	g.release()
+	g.ack(t, 1, 0)
+	g.answered(t, 1)
+	g.ack(t, 0, 1) // interleaved, but nothing else is out
+	g.answered(t, 1)
+	g.lingeredNone(t, "with nothing else outstanding")
+}
+
+// Acks that come from one connection (one relay process, whose next call
+// waits for this answer; a hot aggregate handed over ack by ack; a relay
+// acking while another that holds deliveries has stalled) commit at once.
+func TestAckBatchDoesNotLingerForOneCaller(t *testing.T) {
+	t.Parallel()
+	g := newLingerRig(t, 3)
+	g.release()
+	g.ack(t, 0, 0)
+	g.answered(t, 1)
+	g.ack(t, 0, 1) // delivery 2 is still out, but no other caller acks
+	g.answered(t, 1)
+	g.lingeredNone(t, "for acks of one connection")
+}
+
+// Acks of two connections far apart (a trickle through two relays) are not
+// load: a batch lingers only when the other caller's ack came within four
+// lingers of its own.
+func TestAckBatchDoesNotLingerAfterAQuietSpell(t *testing.T) {
+	t.Parallel()
+	const linger = 50 * time.Millisecond
+	g := newLingerRigOf(t, 3, linger)
+	g.release()
+	g.ack(t, 1, 0)
+	g.answered(t, 1)
+	time.Sleep(5 * linger) // the rule's own window: longer than four lingers
+	g.ack(t, 0, 1)         // delivery 2 is still out
+	g.answered(t, 1)
+	g.lingeredNone(t, "after the other connection's ack was five lingers old")
+}
