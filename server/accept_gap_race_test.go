@@ -167,3 +167,62 @@ func TestAcceptGapOfAnAggregateWokenFromItsGap(t *testing.T) {
 	}
 	ack(t, r, d)
 }
+
+// The same through BulkRetry: with accept_gap, a bulk retry of the gap-held
+// aggregates takes the ones a discovery round woke (ready, their next
+// revision still missing) as well, and leaves a ready aggregate with nothing
+// missing alone.
+func TestBulkAcceptGapTakesAggregatesWokenFromTheirGap(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	r := startReplica(t, url, nil)
+	emitAt(t, pool, "orders", "g", 1)
+	emitAt(t, pool, "orders", "g", 4)
+	emitAt(t, pool, "orders", "h", 1)
+	emitAt(t, pool, "orders", "h", 2)
+	waitDiscovered(t, pool, 2)
+	first, endFirst := context.WithCancel(ctx)
+	st := subscribe(t, first, r, &outboxv1.SubscribeRequest{MaxInFlight: 2, LeaseTtl: durationpb.New(time.Hour)})
+	for range 2 {
+		if d := recv(t, st); d.GetEvent().GetRevision() == 1 {
+			ack(t, r, d)
+		}
+	}
+	waitState(t, pool, "g", "gap")
+	// No session: nothing claims g once the round below wakes it, nor h.
+	endFirst()
+	waitFor(t, func() int32 { return 1 - int32(min(r.Server.Sessions(), 1)) })
+	waitState(t, pool, "h", "ready")
+	emitAt(t, pool, "orders", "g", 5)
+	waitState(t, pool, "g", "ready")
+
+	filter := &outboxv1.AggregateFilter{Stream: "orders", States: []outboxv1.AggregateState{outboxv1.AggregateState_AGGREGATE_STATE_GAP}}
+	res, err := r.Admin.BulkRetry(ctx, &outboxv1.BulkRetryRequest{Filter: filter, AcceptGap: true, Reason: "revisions 2-3 rolled back", Actor: "ops"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.GetMatched() != 1 || res.GetRetried() != 1 {
+		t.Fatalf("bulk retry matched %d and retried %d, want g alone (1 and 1)", res.GetMatched(), res.GetRetried())
+	}
+	var from, to int64
+	if err := pool.QueryRow(ctx, `SELECT from_revision, to_revision FROM outbox.accepted_gap WHERE aggregate_key = 'g'`).
+		Scan(&from, &to); err != nil || from != 2 || to != 3 {
+		t.Fatalf("accepted gap %d-%d (%v), want 2-3 on record", from, to, err)
+	}
+	if n := countWhere(t, pool, "outbox.accepted_gap", "aggregate_key = 'h'"); n != 0 {
+		t.Fatalf("%d gaps accepted for h, which has none", n)
+	}
+	st = subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 2, LeaseTtl: durationpb.New(time.Hour)})
+	got := map[string]int64{}
+	for range 2 {
+		d := recv(t, st)
+		got[d.GetEvent().GetAggregateKey()] = d.GetEvent().GetRevision()
+		ack(t, r, d)
+	}
+	if got["g"] != 4 || got["h"] != 2 {
+		t.Fatalf("delivered %v, want g at revision 4 and h at 2", got)
+	}
+}

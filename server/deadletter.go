@@ -338,6 +338,9 @@ func (a *adminService) BulkRetry(ctx context.Context, req *outboxv1.BulkRetryReq
 	if err := authorizeFilter(ctx, filter); err != nil {
 		return nil, err
 	}
+	// An aggregate a discovery round woke from its gap reads ready until its
+	// next claim holds it there again: accepting gaps takes it too.
+	filter.WokenGaps = req.GetAcceptGap()
 	matched, sample, err := a.bulkMatch(ctx, filter)
 	if err != nil {
 		return nil, a.s.dbError(ctx, "bulk retry", err)
@@ -352,14 +355,17 @@ func (a *adminService) BulkRetry(ctx context.Context, req *outboxv1.BulkRetryReq
 		return nil, a.s.dbError(ctx, "bulk retry", err)
 	}
 	seen, err := a.eachMatch(ctx, filter, func(l store.ListedAggregate) error {
-		_, err := a.s.store.RetryAggregate(ctx, store.RetryParams{Stream: l.Stream, AggregateKey: l.AggregateKey,
-			AcceptGap: req.GetAcceptGap() && l.State == "gap", Reason: req.GetReason(), Actor: who, ActionID: actionID})
+		woken := l.State == "ready" // matched as woken from its gap (WokenGaps)
+		agg, err := a.s.store.RetryAggregate(ctx, store.RetryParams{Stream: l.Stream, AggregateKey: l.AggregateKey,
+			AcceptGap: req.GetAcceptGap() && (l.State == "gap" || woken), Reason: req.GetReason(), Actor: who, ActionID: actionID})
 		var se *store.StateError
 		switch {
 		case errors.Is(err, store.ErrNotFound) || errors.As(err, &se):
 			return nil // its state changed since it matched (a lease, a relay's ack): not ours to retry
 		case err != nil:
 			return err
+		case woken && agg.DeliveredRevision == l.DeliveredRevision:
+			return nil // its missing revision was committed meanwhile: no gap to accept
 		}
 		resp.Retried++
 		return nil

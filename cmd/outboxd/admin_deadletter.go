@@ -290,7 +290,7 @@ Exits 6 if not confirmed.`, cobra.NoArgs)
 	f.register(cmd)
 	ff.register(cmd.Flags())
 	b.register(cmd.Flags(), "why; recorded with the action (required with --accept-gap)")
-	cmd.Flags().BoolVar(&acceptGap, "accept-gap", false, "also release gap-held aggregates, giving up their missing revisions (needs --reason)")
+	cmd.Flags().BoolVar(&acceptGap, "accept-gap", false, "also release gap-held aggregates (and ready ones whose next revision is missing), giving up their missing revisions (needs --reason)")
 	cmd.RunE = func(cmd *cobra.Command, _ []string) error {
 		filter, err := ff.filter()
 		switch {

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"time"
 
@@ -29,6 +30,12 @@ type AggregateFilter struct {
 	PendingBefore time.Time
 	// StalledOnly keeps only stalled aggregates (outbox.stall_reason).
 	StalledOnly bool
+	// WokenGaps, with "gap" among States, keeps as well the ready
+	// aggregates whose next revision is missing: a discovery round that
+	// finds a later event of a gap-held aggregate wakes it (the event might
+	// be the missing one), and it reads ready until its next claim holds it
+	// at the gap again.
+	WokenGaps bool
 }
 
 // AggregatePosition is a place in ListAggregates' order: oldest pending
@@ -65,7 +72,12 @@ func (f AggregateFilter) where(arg func(any) string) []string {
 	case !f.StreamPrefix:
 		w = append(w, "d.stream = "+arg(f.Stream))
 	}
-	if len(f.States) > 0 {
+	switch {
+	case len(f.States) > 0 && f.WokenGaps && slices.Contains(f.States, "gap"):
+		w = append(w, "(d.state = ANY ("+arg(f.States)+`::text[]) OR (d.state = 'ready' AND NOT EXISTS (
+			SELECT 1 FROM outbox.event e
+			WHERE e.stream = d.stream AND e.aggregate_key = d.aggregate_key AND e.revision = d.delivered_revision + 1)))`)
+	case len(f.States) > 0:
 		w = append(w, "d.state = ANY ("+arg(f.States)+"::text[])")
 	}
 	if f.ErrorContains != "" {

@@ -1691,7 +1691,10 @@ type BulkRetryRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// filter selects the aggregates; it must set at least one field.
 	Filter *AggregateFilter `protobuf:"bytes,1,opt,name=filter,proto3" json:"filter,omitempty"`
-	// accept_gap also releases gap-held aggregates (reason required then).
+	// accept_gap also releases gap-held aggregates (reason required then),
+	// and ready ones whose next revision is missing (a discovery round that
+	// found a later event woke them from their gap; their next claim would
+	// hold them there again).
 	AcceptGap bool `protobuf:"varint,2,opt,name=accept_gap,json=acceptGap,proto3" json:"accept_gap,omitempty"`
 	// reason is recorded with the action (required with accept_gap).
 	Reason string `protobuf:"bytes,3,opt,name=reason,proto3" json:"reason,omitempty"`
