@@ -76,11 +76,15 @@ func (a *ackCommitter) submit(ctx context.Context, tokens []leasetoken.Token) (m
 		i := a.shard(t)
 		parts[i] = append(parts[i], t.EventID)
 	}
+	// Who acks and when matter only to a linger (see linger).
 	var from string
-	if p, ok := peer.FromContext(ctx); ok && p.Addr != nil {
-		from = p.Addr.String()
+	var now time.Time
+	if a.s.cfg.AckLinger > 0 {
+		if p, ok := peer.FromContext(ctx); ok && p.Addr != nil {
+			from = p.Addr.String()
+		}
+		now = time.Now()
 	}
-	now := time.Now()
 	reqs := make([]*ackRequest, 0, len(parts))
 	for i, ids := range parts {
 		req := &ackRequest{ids: ids, from: from, at: now, done: make(chan ackOutcome, 1)}

@@ -87,7 +87,10 @@ func (s *Server) Sessions() (n int) {
 
 // InFlight is how many events this replica's sessions count as in flight:
 // a session counts its leases before it sends them.
-func (s *Server) InFlight() int64 { return s.outstandingDeliveries() }
+func (s *Server) InFlight() (n int64) {
+	s.forEachSession(func(ss *session) { n += ss.inflightN.Load() })
+	return n
+}
 
 // SetAckLingering makes f run as an ack batch begins to wait for company
 // (Config.AckLinger), with the acks it holds so far.

@@ -144,6 +144,17 @@ func (g *lingerRig) lingersThenCommitsWith(t *testing.T, held, conn, i int) {
 	}
 }
 
+// acksInTurn acks deliveries 0, 1, ... one call after another, each through
+// the relay connection conns names and answered before the next is sent.
+func (g *lingerRig) acksInTurn(t *testing.T, conns ...int) {
+	t.Helper()
+	g.release()
+	for i, conn := range conns {
+		g.ack(t, conn, i)
+		g.answered(t, 1)
+	}
+}
+
 func (g *lingerRig) lingeredNone(t *testing.T, what string) {
 	t.Helper()
 	select {
@@ -187,11 +198,7 @@ func TestAckBatchLingersWhenCallersQueueTogether(t *testing.T) {
 func TestAckBatchDoesNotLingerWithNothingOutstanding(t *testing.T) {
 	t.Parallel()
 	g := newLingerRig(t, 2)
-	g.release()
-	g.ack(t, 1, 0)
-	g.answered(t, 1)
-	g.ack(t, 0, 1) // interleaved, but nothing else is out
-	g.answered(t, 1)
+	g.acksInTurn(t, 1, 0) // interleaved, but nothing else is out for the second
 	g.lingeredNone(t, "with nothing else outstanding")
 }
 
@@ -201,11 +208,7 @@ func TestAckBatchDoesNotLingerWithNothingOutstanding(t *testing.T) {
 func TestAckBatchDoesNotLingerForOneCaller(t *testing.T) {
 	t.Parallel()
 	g := newLingerRig(t, 3)
-	g.release()
-	g.ack(t, 0, 0)
-	g.answered(t, 1)
-	g.ack(t, 0, 1) // delivery 2 is still out, but no other caller acks
-	g.answered(t, 1)
+	g.acksInTurn(t, 0, 0) // delivery 2 is still out, but no other caller acks
 	g.lingeredNone(t, "for acks of one connection")
 }
 
@@ -216,9 +219,7 @@ func TestAckBatchDoesNotLingerAfterAQuietSpell(t *testing.T) {
 	t.Parallel()
 	const linger = 50 * time.Millisecond
 	g := newLingerRigOf(t, 3, linger)
-	g.release()
-	g.ack(t, 1, 0)
-	g.answered(t, 1)
+	g.acksInTurn(t, 1)
 	time.Sleep(5 * linger) // the rule's own window: longer than four lingers
 	g.ack(t, 0, 1)         // delivery 2 is still out
 	g.answered(t, 1)
