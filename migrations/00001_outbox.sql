@@ -1571,6 +1571,15 @@ $$;
 -- stream, however many rows each holds), so a claim or a probe costs what
 -- the streams it takes cost, never what the others hold. A simple SQL
 -- function, so the planner inlines it.
+--
+-- The steps go from the last stream to the first, each landing on the end
+-- of a stream's range: its ready rows with the newest claim order, or its
+-- leases that expire last. Those are the row versions written last, so the
+-- ones least likely to be dead: while a transaction holds the xmin horizon
+-- back, every version since is kept with its index entry, and a step from
+-- the start of a stream's range (its earliest lease expiries, all of them
+-- long acked) would walk every lease taken since before it found a live
+-- row.
 -- +goose StatementBegin
 CREATE FUNCTION outbox.claimable_streams(p_streams text[], p_exclude text[])
 RETURNS TABLE (stream text)
@@ -1579,10 +1588,10 @@ LANGUAGE sql STABLE AS $$
     UNION ALL
     SELECT r.stream FROM (
         WITH RECURSIVE r(stream) AS (
-            SELECT (SELECT min(d.stream) FROM outbox.delivery d WHERE d.claimable_at IS NOT NULL)
+            SELECT (SELECT max(d.stream) FROM outbox.delivery d WHERE d.claimable_at IS NOT NULL)
             UNION ALL
-            SELECT (SELECT min(d.stream) FROM outbox.delivery d
-                    WHERE d.claimable_at IS NOT NULL AND d.stream > r.stream)
+            SELECT (SELECT max(d.stream) FROM outbox.delivery d
+                    WHERE d.claimable_at IS NOT NULL AND d.stream < r.stream)
             FROM r WHERE r.stream IS NOT NULL
         )
         SELECT r.stream FROM r
@@ -1630,21 +1639,43 @@ $$;
 -- oldest claimable aggregate (NULL: none is), next_at when the first one
 -- is or becomes claimable (p_now when one is; NULL when none will be
 -- without a change: an event, a release, an operator's action).
+--
+-- The ranges not yet claimable are probed only when nothing is claimable
+-- (the CASE runs its subquery only then), and not at all by a caller that
+-- reads oldest alone. The leases' range from p_now on is the costliest to
+-- probe while the xmin horizon is held back: it starts at the expiries of
+-- the leases taken longest ago, whose versions are dead but kept.
 -- +goose StatementBegin
 CREATE FUNCTION outbox.claim_probe(p_streams text[], p_exclude text[], p_now timestamptz, p_max_due interval)
 RETURNS TABLE (oldest timestamptz, next_at timestamptz)
 LANGUAGE sql STABLE AS $$
-    SELECT min(least(x.claimable_at, p_now)) FILTER (WHERE r.claimable),
-           min(CASE WHEN r.claimable THEN p_now ELSE x.claimable_at END)
-    FROM outbox.claimable_streams(p_streams, p_exclude) s
-    CROSS JOIN outbox.claim_ranges(p_now, p_max_due) r
-    CROSS JOIN LATERAL (
-        SELECT d.claimable_at FROM outbox.delivery d
-        WHERE d.stream = s.stream AND d.state = r.state
-          AND d.claimable_at > r.after AND d.claimable_at <= r.through
-        ORDER BY d.claimable_at
-        LIMIT 1
-    ) x
+    SELECT c.oldest,
+           CASE WHEN c.oldest IS NOT NULL THEN p_now ELSE (
+               SELECT min(x.claimable_at)
+               FROM outbox.claimable_streams(p_streams, p_exclude) s
+               CROSS JOIN outbox.claim_ranges(p_now, p_max_due) r
+               CROSS JOIN LATERAL (
+                   SELECT d.claimable_at FROM outbox.delivery d
+                   WHERE d.stream = s.stream AND d.state = r.state
+                     AND d.claimable_at > r.after AND d.claimable_at <= r.through
+                   ORDER BY d.claimable_at
+                   LIMIT 1
+               ) x
+               WHERE NOT r.claimable
+           ) END
+    FROM (
+        SELECT min(least(x.claimable_at, p_now)) AS oldest
+        FROM outbox.claimable_streams(p_streams, p_exclude) s
+        CROSS JOIN outbox.claim_ranges(p_now, p_max_due) r
+        CROSS JOIN LATERAL (
+            SELECT d.claimable_at FROM outbox.delivery d
+            WHERE d.stream = s.stream AND d.state = r.state
+              AND d.claimable_at > r.after AND d.claimable_at <= r.through
+            ORDER BY d.claimable_at
+            LIMIT 1
+        ) x
+        WHERE r.claimable
+    ) c
 $$;
 -- +goose StatementEnd
 
@@ -1653,7 +1684,9 @@ $$;
 -- list, row by row, the streams each session takes (excluded false; a NULL
 -- stream: every stream) and excludes (true). A session with no row there
 -- is taken to take every stream, which makes it claim and yield more often
--- than it needs, never less. Sessions that share a filter share one probe.
+-- than it needs, never less. Sessions that share a filter share one probe:
+-- the probes are planned apart from the sessions (OFFSET 0), or the planner
+-- may join the sessions to their filters first and probe once per session.
 -- +goose StatementBegin
 CREATE FUNCTION outbox.claim_probe_for(
     p_holders uuid[],
@@ -1672,13 +1705,15 @@ LANGUAGE sql STABLE AS $$
         LEFT JOIN unnest(p_filter_holders, p_filter_streams, p_filter_excluded) AS f(holder, stream, excluded)
                ON f.holder = u.holder
         GROUP BY u.holder
-    ), filters AS (
-        SELECT DISTINCT h.streams, h.exclude FROM h
     )
-    SELECT h.holder, p.oldest, p.next_at
-    FROM filters f
-    CROSS JOIN LATERAL outbox.claim_probe(f.streams, f.exclude, p_now, p_max_due) p
-    JOIN h ON h.streams IS NOT DISTINCT FROM f.streams AND h.exclude IS NOT DISTINCT FROM f.exclude
+    SELECT u.holder, p.oldest, p.next_at
+    FROM (
+        SELECT f.holders, x.oldest, x.next_at
+        FROM (SELECT array_agg(h.holder) AS holders, h.streams, h.exclude FROM h GROUP BY h.streams, h.exclude) f
+        CROSS JOIN LATERAL outbox.claim_probe(f.streams, f.exclude, p_now, p_max_due) x
+        OFFSET 0
+    ) p
+    CROSS JOIN LATERAL unnest(p.holders) AS u(holder)
 $$;
 -- +goose StatementEnd
 

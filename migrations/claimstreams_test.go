@@ -613,3 +613,68 @@ func handOverAfterWaiting(t *testing.T, batch bool) {
 			rev, expires, want)
 	}
 }
+
+// While a transaction holds the xmin horizon back, every row version
+// written since is kept with its index entry: a lease handed over a hundred
+// times leaves a hundred dead entries in the claim index, ordered by their
+// expiries before the live one. A claim, and the claim hints of several
+// sessions, must step over them: streams are found from the end of their
+// ranges (the versions written last), the leases' range ahead of now is
+// probed only when nothing is claimable, and sessions that share a stream
+// filter share one probe. (A probe that walked them cost an ack 20 ms in
+// the benchmark's held-xmin arms, and halved their throughput.)
+func TestProbesStepOverTheLeasesAHeldXminKeeps(t *testing.T) {
+	t.Parallel()
+	pool := testdb.NewPool(t)
+	ctx := t.Context()
+	const handOvers = 100
+	emitIn(t, pool, "live", "a", handOvers+1)
+	discover(t, pool)
+	holder := uuid.New()
+	claimKeyIn(t, pool, holder, "live", "a")
+
+	// A REPEATABLE READ snapshot holds the horizon of this database alone,
+	// so no other test's tables keep their versions.
+	snapshot, err := pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = snapshot.Rollback(context.WithoutCancel(ctx)) }()
+	if _, err := snapshot.Exec(ctx, `SELECT 1`); err != nil {
+		t.Fatal(err)
+	}
+	for rev := int64(1); rev <= handOvers; rev++ {
+		status, _, handed, _ := ackAsSession(t, pool, eventIDIn(t, pool, "live", "a", rev), holder, []string{"live"})
+		if status != "published" || !handed {
+			t.Fatalf("ack of live/a %d: %s, handed over %v; want published, handed over", rev, status, handed)
+		}
+	}
+	var dead int64
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM outbox.delivery WHERE state = 'leased'`).Scan(&dead); err != nil || dead != 1 {
+		t.Fatalf("leased rows: %d, %v; want 1", dead, err)
+	}
+	// Claimable work, newer than every lease of live/a.
+	emitIn(t, pool, "live", "b", 1)
+	discover(t, pool)
+
+	const bound = 40 // a few entries per stream and range, well below handOvers
+	hint := `SELECT (p.next_at = now())::text FROM outbox.claim_probe_for($1, NULL, NULL, NULL, now(), interval '1 hour') p`
+	hints, one := claimIndexReads(t, pool, hint, []uuid.UUID{uuid.New()})
+	if fmt.Sprint(hints) != "[true]" || one > bound {
+		t.Errorf("the claim hint of a session of every stream: next at now %v, read %d index entries of outbox.delivery with %d dead leases kept; want [true] (live/b is claimable), at most %d",
+			hints, one, handOvers, bound)
+	}
+	hints, three := claimIndexReads(t, pool, hint, []uuid.UUID{uuid.New(), uuid.New(), uuid.New()})
+	if fmt.Sprint(hints) != "[true true true]" || three != one {
+		t.Errorf("the claim hints of three sessions of every stream: next at now %v, read %d index entries; want [true true true], one probe's %d",
+			hints, three, one)
+	}
+	claimed, reads := claimIndexReads(t, pool,
+		`SELECT aggregate_key FROM outbox.claim($1, 'r', 'x', NULL, 1, interval '30 seconds', NULL, NULL, 1, 1, interval '1 hour')`, uuid.New())
+	if fmt.Sprint(claimed) != "[b]" {
+		t.Errorf("a claim of every stream took %v; want [b]", claimed)
+	}
+	if reads > bound {
+		t.Errorf("the claim read %d index entries of outbox.delivery with %d dead leases kept; want at most %d", reads, handOvers, bound)
+	}
+}

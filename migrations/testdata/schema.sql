@@ -801,17 +801,33 @@ $$;
 CREATE FUNCTION outbox.claim_probe(p_streams text[], p_exclude text[], p_now timestamp with time zone, p_max_due interval) RETURNS TABLE(oldest timestamp with time zone, next_at timestamp with time zone)
     LANGUAGE sql STABLE
     AS $$
-    SELECT min(least(x.claimable_at, p_now)) FILTER (WHERE r.claimable),
-           min(CASE WHEN r.claimable THEN p_now ELSE x.claimable_at END)
-    FROM outbox.claimable_streams(p_streams, p_exclude) s
-    CROSS JOIN outbox.claim_ranges(p_now, p_max_due) r
-    CROSS JOIN LATERAL (
-        SELECT d.claimable_at FROM outbox.delivery d
-        WHERE d.stream = s.stream AND d.state = r.state
-          AND d.claimable_at > r.after AND d.claimable_at <= r.through
-        ORDER BY d.claimable_at
-        LIMIT 1
-    ) x
+    SELECT c.oldest,
+           CASE WHEN c.oldest IS NOT NULL THEN p_now ELSE (
+               SELECT min(x.claimable_at)
+               FROM outbox.claimable_streams(p_streams, p_exclude) s
+               CROSS JOIN outbox.claim_ranges(p_now, p_max_due) r
+               CROSS JOIN LATERAL (
+                   SELECT d.claimable_at FROM outbox.delivery d
+                   WHERE d.stream = s.stream AND d.state = r.state
+                     AND d.claimable_at > r.after AND d.claimable_at <= r.through
+                   ORDER BY d.claimable_at
+                   LIMIT 1
+               ) x
+               WHERE NOT r.claimable
+           ) END
+    FROM (
+        SELECT min(least(x.claimable_at, p_now)) AS oldest
+        FROM outbox.claimable_streams(p_streams, p_exclude) s
+        CROSS JOIN outbox.claim_ranges(p_now, p_max_due) r
+        CROSS JOIN LATERAL (
+            SELECT d.claimable_at FROM outbox.delivery d
+            WHERE d.stream = s.stream AND d.state = r.state
+              AND d.claimable_at > r.after AND d.claimable_at <= r.through
+            ORDER BY d.claimable_at
+            LIMIT 1
+        ) x
+        WHERE r.claimable
+    ) c
 $$;
 
 --
@@ -829,13 +845,15 @@ CREATE FUNCTION outbox.claim_probe_for(p_holders uuid[], p_filter_holders uuid[]
         LEFT JOIN unnest(p_filter_holders, p_filter_streams, p_filter_excluded) AS f(holder, stream, excluded)
                ON f.holder = u.holder
         GROUP BY u.holder
-    ), filters AS (
-        SELECT DISTINCT h.streams, h.exclude FROM h
     )
-    SELECT h.holder, p.oldest, p.next_at
-    FROM filters f
-    CROSS JOIN LATERAL outbox.claim_probe(f.streams, f.exclude, p_now, p_max_due) p
-    JOIN h ON h.streams IS NOT DISTINCT FROM f.streams AND h.exclude IS NOT DISTINCT FROM f.exclude
+    SELECT u.holder, p.oldest, p.next_at
+    FROM (
+        SELECT f.holders, x.oldest, x.next_at
+        FROM (SELECT array_agg(h.holder) AS holders, h.streams, h.exclude FROM h GROUP BY h.streams, h.exclude) f
+        CROSS JOIN LATERAL outbox.claim_probe(f.streams, f.exclude, p_now, p_max_due) x
+        OFFSET 0
+    ) p
+    CROSS JOIN LATERAL unnest(p.holders) AS u(holder)
 $$;
 
 --
@@ -865,10 +883,10 @@ CREATE FUNCTION outbox.claimable_streams(p_streams text[], p_exclude text[]) RET
     UNION ALL
     SELECT r.stream FROM (
         WITH RECURSIVE r(stream) AS (
-            SELECT (SELECT min(d.stream) FROM outbox.delivery d WHERE d.claimable_at IS NOT NULL)
+            SELECT (SELECT max(d.stream) FROM outbox.delivery d WHERE d.claimable_at IS NOT NULL)
             UNION ALL
-            SELECT (SELECT min(d.stream) FROM outbox.delivery d
-                    WHERE d.claimable_at IS NOT NULL AND d.stream > r.stream)
+            SELECT (SELECT max(d.stream) FROM outbox.delivery d
+                    WHERE d.claimable_at IS NOT NULL AND d.stream < r.stream)
             FROM r WHERE r.stream IS NOT NULL
         )
         SELECT r.stream FROM r
