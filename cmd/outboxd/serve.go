@@ -279,6 +279,19 @@ applies migrations and serves on --listen.`,
 	return cmd
 }
 
+// engineConfig is what the flags say of every source's engine (the
+// logger and the metrics registry are the caller's).
+func (f *serveFlags) engineConfig() server.Config {
+	return server.Config{
+		ReplicaID:       f.replicaID,
+		DefaultLeaseTTL: f.defaultLeaseTTL, MaxFailures: f.maxFailures, MaxDeliveries: f.maxDeliveries,
+		BackoffBase: f.backoffBase, BackoffCap: f.backoffCap, PollInterval: f.pollInterval,
+		Retention: f.retention, JanitorInterval: f.janitorInterval,
+		StrandedAuditInterval:    f.strandedAuditInterval,
+		MaxSubscriptionsPerRelay: f.maxSubscriptions, AckCommitters: f.ackCommitters, AckLinger: f.ackLinger,
+	}
+}
+
 // runServer serves until ctx is done, then shuts down gracefully: stop
 // claiming, let outstanding deliveries be acked (up to --shutdown-timeout),
 // release leases, close streams.
@@ -290,14 +303,8 @@ func runServer(ctx context.Context, sources []source, f *serveFlags, log *slog.L
 	defer stopTracing()
 	reg := newRegistry()
 	poolMetrics := newSourcePoolCollector(reg)
-	base := server.Config{
-		Logger: log, ReplicaID: f.replicaID,
-		DefaultLeaseTTL: f.defaultLeaseTTL, MaxFailures: f.maxFailures, MaxDeliveries: f.maxDeliveries,
-		BackoffBase: f.backoffBase, BackoffCap: f.backoffCap, PollInterval: f.pollInterval,
-		Registerer: reg, Retention: f.retention, JanitorInterval: f.janitorInterval,
-		StrandedAuditInterval:    f.strandedAuditInterval,
-		MaxSubscriptionsPerRelay: f.maxSubscriptions, AckCommitters: f.ackCommitters, AckLinger: f.ackLinger,
-	}
+	base := f.engineConfig()
+	base.Logger, base.Registerer = log, reg
 	// One engine per source, each with its own pool of --max-db-conns.
 	// Sources of the --config file's list are reloadable: one that does
 	// not answer now is added when it does (see sourceSet).

@@ -1,0 +1,38 @@
+package main
+
+import (
+	"reflect"
+	"testing"
+	"time"
+
+	"github.com/spf13/cobra"
+
+	"github.com/outboxd/outboxd/server"
+)
+
+// Every serve flag that configures the engine reaches server.Config: a flag
+// parsed and then dropped on the way (--ack-linger was, in a mutation, with
+// no test failing) leaves the engine at its default while --help promises
+// otherwise. Each value differs from the flag's default.
+func TestServeFlagsReachTheEngine(t *testing.T) {
+	var f serveFlags
+	cmd := &cobra.Command{Use: "serve"}
+	f.register(cmd)
+	if err := cmd.ParseFlags([]string{
+		"--replica-id=r9", "--lease-ttl=41s", "--max-failures=7", "--max-deliveries=9",
+		"--backoff-base=3s", "--backoff-cap=9m", "--poll-interval=4s", "--retention=36h",
+		"--janitor-interval=2m", "--stranded-audit-interval=3m", "--max-subscriptions-per-relay=5",
+		"--ack-committers=3", "--ack-linger=7ms",
+	}); err != nil {
+		t.Fatal(err)
+	}
+	want := server.Config{
+		ReplicaID: "r9", DefaultLeaseTTL: 41 * time.Second, MaxFailures: 7, MaxDeliveries: 9,
+		BackoffBase: 3 * time.Second, BackoffCap: 9 * time.Minute, PollInterval: 4 * time.Second,
+		Retention: 36 * time.Hour, JanitorInterval: 2 * time.Minute, StrandedAuditInterval: 3 * time.Minute,
+		MaxSubscriptionsPerRelay: 5, AckCommitters: 3, AckLinger: 7 * time.Millisecond,
+	}
+	if got := f.engineConfig(); !reflect.DeepEqual(got, want) {
+		t.Errorf("server.Config from the serve flags:\n got %+v\nwant %+v", got, want)
+	}
+}
