@@ -220,3 +220,40 @@ func TestBulkAcceptGapTakesAggregatesWokenFromTheirGap(t *testing.T) {
 		t.Fatalf("delivered %v, want g at revision 4 and h at 1", got)
 	}
 }
+
+// A bulk accept_gap that matched an aggregate woken from its gap, whose
+// missing revisions a producer then commits before the retry reaches it,
+// accepts no gap (the retry checks under the producers' lock) and does not
+// count the aggregate as retried: the response says what was done.
+func TestBulkAcceptGapCountsNoneWhoseGapFilledAfterTheMatch(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	r := startReplica(t, url, nil)
+	wokenFromGap(t, ctx, r, pool)
+	r.Server.SetBeforeBulkAct(func(stream, key string) {
+		if key == "g" {
+			emitAt(t, pool, "orders", "g", 2)
+			emitAt(t, pool, "orders", "g", 3)
+		}
+	})
+
+	filter := &outboxv1.AggregateFilter{Stream: "orders", States: []outboxv1.AggregateState{outboxv1.AggregateState_AGGREGATE_STATE_GAP}}
+	res, err := r.Admin.BulkRetry(ctx, &outboxv1.BulkRetryRequest{Filter: filter, AcceptGap: true, Reason: "revisions 2-3 rolled back", Actor: "ops"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.GetMatched() != 1 || res.GetRetried() != 0 {
+		t.Fatalf("bulk retry matched %d and retried %d, want g matched (1) and none retried (its gap filled)", res.GetMatched(), res.GetRetried())
+	}
+	if n := countWhere(t, pool, "outbox.accepted_gap", "aggregate_key = 'g'"); n != 0 {
+		t.Fatalf("%d gaps accepted for g, whose revisions 2-3 were committed before the retry", n)
+	}
+	d := recv(t, subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 1, LeaseTtl: durationpb.New(time.Hour)}))
+	if rev := d.GetEvent().GetRevision(); rev != 2 {
+		t.Fatalf("delivered revision %d, want 2", rev)
+	}
+	ack(t, r, d)
+}

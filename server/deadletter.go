@@ -283,6 +283,9 @@ func (a *adminService) eachMatch(ctx context.Context, filter store.AggregateFilt
 				return seen, err
 			}
 			seen++
+			if h := a.s.beforeBulkAct.get(); h != nil {
+				h(l.Stream, l.AggregateKey)
+			}
 			if err := fn(l); err != nil {
 				return seen, err
 			}

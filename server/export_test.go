@@ -96,6 +96,10 @@ func (s *Server) InFlight() (n int64) {
 // (Config.AckLinger), with the acks it holds so far.
 func (s *Server) SetAckLingering(f func(acks int)) { s.ackLingering.set(f) }
 
+// SetBeforeBulkAct makes f run as a bulk action is about to act on an
+// aggregate it matched (after its page was read), with its stream and key.
+func (s *Server) SetBeforeBulkAct(f func(stream, key string)) { s.beforeBulkAct.set(f) }
+
 // SetBulkPage makes bulk actions read n aggregates per page and call f
 // (which may be nil) after acting on each page, before reading the next.
 // Set it before the first bulk action.
