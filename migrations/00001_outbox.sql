@@ -1628,17 +1628,39 @@ LANGUAGE sql IMMUTABLE AS $$
 $$;
 -- +goose StatementEnd
 
--- (claimable_streams, claim_ranges, claim_probe and claim_probe_for are
--- inlined into their callers' plans, which PL/pgSQL keeps for the
--- connection's life, only when called with arguments that hold no volatile
--- function and no subquery: pass variables.)
+-- (claimable_streams, claim_ranges, claim_range_heads, claim_probe and
+-- claim_probe_for are inlined into their callers' plans, which PL/pgSQL
+-- keeps for the connection's life, only when called with arguments that
+-- hold no volatile function and no subquery: pass variables.)
 --
+-- claim_range_heads is, per stream the filter takes (p_streams, NULL:
+-- every stream, less p_exclude) and claim range that is claimable at p_now
+-- or not (p_claimable), the first claimable_at in the range: one probe of
+-- the claim index each.
+-- +goose StatementBegin
+CREATE FUNCTION outbox.claim_range_heads(p_streams text[], p_exclude text[], p_now timestamptz, p_max_due interval,
+                                         p_claimable boolean)
+RETURNS TABLE (claimable_at timestamptz)
+LANGUAGE sql STABLE AS $$
+    SELECT x.claimable_at
+    FROM outbox.claimable_streams(p_streams, p_exclude) s
+    CROSS JOIN outbox.claim_ranges(p_now, p_max_due) r
+    CROSS JOIN LATERAL (
+        SELECT d.claimable_at FROM outbox.delivery d
+        WHERE d.stream = s.stream AND d.state = r.state
+          AND d.claimable_at > r.after AND d.claimable_at <= r.through
+        ORDER BY d.claimable_at
+        LIMIT 1
+    ) x
+    WHERE r.claimable = p_claimable
+$$;
+-- +goose StatementEnd
+
 -- claim_probe says what a claim with the stream filter p_streams (NULL:
--- every stream) less p_exclude would find at p_now, with one probe of the
--- claim index per range and stream: oldest is the claim order of the
--- oldest claimable aggregate (NULL: none is), next_at when the first one
--- is or becomes claimable (p_now when one is; NULL when none will be
--- without a change: an event, a release, an operator's action).
+-- every stream) less p_exclude would find at p_now: oldest is the claim
+-- order of the oldest claimable aggregate (NULL: none is), next_at when the
+-- first one is or becomes claimable (p_now when one is; NULL when none will
+-- be without a change: an event, a release, an operator's action).
 --
 -- The ranges not yet claimable are probed only when nothing is claimable
 -- (the CASE runs its subquery only then), and not at all by a caller that
@@ -1650,31 +1672,12 @@ CREATE FUNCTION outbox.claim_probe(p_streams text[], p_exclude text[], p_now tim
 RETURNS TABLE (oldest timestamptz, next_at timestamptz)
 LANGUAGE sql STABLE AS $$
     SELECT c.oldest,
-           CASE WHEN c.oldest IS NOT NULL THEN p_now ELSE (
-               SELECT min(x.claimable_at)
-               FROM outbox.claimable_streams(p_streams, p_exclude) s
-               CROSS JOIN outbox.claim_ranges(p_now, p_max_due) r
-               CROSS JOIN LATERAL (
-                   SELECT d.claimable_at FROM outbox.delivery d
-                   WHERE d.stream = s.stream AND d.state = r.state
-                     AND d.claimable_at > r.after AND d.claimable_at <= r.through
-                   ORDER BY d.claimable_at
-                   LIMIT 1
-               ) x
-               WHERE NOT r.claimable
-           ) END
+           CASE WHEN c.oldest IS NOT NULL THEN p_now
+                ELSE (SELECT min(h.claimable_at) FROM outbox.claim_range_heads(p_streams, p_exclude, p_now, p_max_due, false) h)
+           END
     FROM (
-        SELECT min(least(x.claimable_at, p_now)) AS oldest
-        FROM outbox.claimable_streams(p_streams, p_exclude) s
-        CROSS JOIN outbox.claim_ranges(p_now, p_max_due) r
-        CROSS JOIN LATERAL (
-            SELECT d.claimable_at FROM outbox.delivery d
-            WHERE d.stream = s.stream AND d.state = r.state
-              AND d.claimable_at > r.after AND d.claimable_at <= r.through
-            ORDER BY d.claimable_at
-            LIMIT 1
-        ) x
-        WHERE r.claimable
+        SELECT min(least(h.claimable_at, p_now)) AS oldest
+        FROM outbox.claim_range_heads(p_streams, p_exclude, p_now, p_max_due, true) h
     ) c
 $$;
 -- +goose StatementEnd

@@ -802,31 +802,12 @@ CREATE FUNCTION outbox.claim_probe(p_streams text[], p_exclude text[], p_now tim
     LANGUAGE sql STABLE
     AS $$
     SELECT c.oldest,
-           CASE WHEN c.oldest IS NOT NULL THEN p_now ELSE (
-               SELECT min(x.claimable_at)
-               FROM outbox.claimable_streams(p_streams, p_exclude) s
-               CROSS JOIN outbox.claim_ranges(p_now, p_max_due) r
-               CROSS JOIN LATERAL (
-                   SELECT d.claimable_at FROM outbox.delivery d
-                   WHERE d.stream = s.stream AND d.state = r.state
-                     AND d.claimable_at > r.after AND d.claimable_at <= r.through
-                   ORDER BY d.claimable_at
-                   LIMIT 1
-               ) x
-               WHERE NOT r.claimable
-           ) END
+           CASE WHEN c.oldest IS NOT NULL THEN p_now
+                ELSE (SELECT min(h.claimable_at) FROM outbox.claim_range_heads(p_streams, p_exclude, p_now, p_max_due, false) h)
+           END
     FROM (
-        SELECT min(least(x.claimable_at, p_now)) AS oldest
-        FROM outbox.claimable_streams(p_streams, p_exclude) s
-        CROSS JOIN outbox.claim_ranges(p_now, p_max_due) r
-        CROSS JOIN LATERAL (
-            SELECT d.claimable_at FROM outbox.delivery d
-            WHERE d.stream = s.stream AND d.state = r.state
-              AND d.claimable_at > r.after AND d.claimable_at <= r.through
-            ORDER BY d.claimable_at
-            LIMIT 1
-        ) x
-        WHERE r.claimable
+        SELECT min(least(h.claimable_at, p_now)) AS oldest
+        FROM outbox.claim_range_heads(p_streams, p_exclude, p_now, p_max_due, true) h
     ) c
 $$;
 
@@ -854,6 +835,26 @@ CREATE FUNCTION outbox.claim_probe_for(p_holders uuid[], p_filter_holders uuid[]
         OFFSET 0
     ) p
     CROSS JOIN LATERAL unnest(p.holders) AS u(holder)
+$$;
+
+--
+-- Name: claim_range_heads(text[], text[], timestamp with time zone, interval, boolean); Type: FUNCTION; Schema: outbox; Owner: -
+--
+
+CREATE FUNCTION outbox.claim_range_heads(p_streams text[], p_exclude text[], p_now timestamp with time zone, p_max_due interval, p_claimable boolean) RETURNS TABLE(claimable_at timestamp with time zone)
+    LANGUAGE sql STABLE
+    AS $$
+    SELECT x.claimable_at
+    FROM outbox.claimable_streams(p_streams, p_exclude) s
+    CROSS JOIN outbox.claim_ranges(p_now, p_max_due) r
+    CROSS JOIN LATERAL (
+        SELECT d.claimable_at FROM outbox.delivery d
+        WHERE d.stream = s.stream AND d.state = r.state
+          AND d.claimable_at > r.after AND d.claimable_at <= r.through
+        ORDER BY d.claimable_at
+        LIMIT 1
+    ) x
+    WHERE r.claimable = p_claimable
 $$;
 
 --
