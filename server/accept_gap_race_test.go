@@ -233,17 +233,32 @@ func TestBulkAcceptGapCountsNoneWhoseGapFilledAfterTheMatch(t *testing.T) {
 	pool := testdb.NewPoolURL(t, url)
 	r := startReplica(t, url, nil)
 	wokenFromGap(t, ctx, r, pool)
+	// The hook runs on the admin call's goroutine, where t.Fatal may not:
+	// it sends its outcome, checked after the call.
+	filled := make(chan error, 1)
 	r.Server.SetBeforeBulkAct(func(stream, key string) {
-		if key == "g" {
-			emitAt(t, pool, "orders", "g", 2)
-			emitAt(t, pool, "orders", "g", 3)
+		if key != "g" {
+			return
 		}
+		var err error
+		for rev := int64(2); rev <= 3 && err == nil; rev++ {
+			_, err = client.Emit(ctx, pool, client.Event{Stream: "orders", AggregateKey: "g", Type: "T", Payload: []byte(`{}`), Revision: rev})
+		}
+		filled <- err
 	})
 
 	filter := &outboxv1.AggregateFilter{Stream: "orders", States: []outboxv1.AggregateState{outboxv1.AggregateState_AGGREGATE_STATE_GAP}}
 	res, err := r.Admin.BulkRetry(ctx, &outboxv1.BulkRetryRequest{Filter: filter, AcceptGap: true, Reason: "revisions 2-3 rolled back", Actor: "ops"})
 	if err != nil {
 		t.Fatal(err)
+	}
+	select {
+	case err := <-filled:
+		if err != nil {
+			t.Fatalf("committing revisions 2-3 of g before its retry: %v", err)
+		}
+	default:
+		t.Fatal("the bulk retry never came to act on g")
 	}
 	if res.GetMatched() != 1 || res.GetRetried() != 0 {
 		t.Fatalf("bulk retry matched %d and retried %d, want g matched (1) and none retried (its gap filled)", res.GetMatched(), res.GetRetried())
