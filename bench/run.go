@@ -492,6 +492,9 @@ func measureDrain(ctx context.Context, env *armEnv, a arm, srv serverHandle, res
 	// the first claim, which would weigh on small backlogs only.
 	if first, last, n, ok := env.ledger.DeliverySpan(); ok && n > 1 && last > first {
 		res.Throughput = perSecond(n-1, time.Duration(last-first))
+		if wait := time.Duration(first - fromNs); wait > time.Second {
+			res.Notes = append(res.Notes, fmt.Sprintf("first event delivered %.1fs after the window opened", wait.Seconds()))
+		}
 	}
 	if !complete {
 		res.Notes = append(res.Notes, fmt.Sprintf("window closed after %v with events still pending", timeout))
@@ -511,10 +514,19 @@ func settle(ctx context.Context, l *Ledger, timeout time.Duration) {
 // waitDelivered waits until the sink has every committed event, timeout
 // passes, progress stalls, or (giveUpEarly) the rate over the last second
 // says the rest cannot arrive in time. It reports whether everything
-// arrived.
+// arrived. Progress counts as stalled only once some event has arrived: a
+// replica's first discovery round over a large backlog is one transaction
+// (over 10 s for a cold 1M-event backlog once), and a window closed before
+// it ended measured nothing (a drain of 0 events/s).
 func waitDelivered(ctx context.Context, l *Ledger, timeout time.Duration, giveUpEarly bool) bool {
+	return waitDeliveredStall(ctx, l, timeout, stallTimeout, giveUpEarly)
+}
+
+// waitDeliveredStall is waitDelivered with the stall timeout given.
+func waitDeliveredStall(ctx context.Context, l *Ledger, timeout, stall time.Duration, giveUpEarly bool) bool {
 	deadline := time.Now().Add(timeout)
-	lastN, lastAt, progressAt := l.Delivered(), time.Now(), time.Now()
+	lastN, lastAt := l.Delivered(), time.Now()
+	seenN, progressAt := lastN, lastAt
 	t := time.NewTicker(20 * time.Millisecond)
 	defer t.Stop()
 	for {
@@ -530,16 +542,16 @@ func waitDelivered(ctx context.Context, l *Ledger, timeout time.Duration, giveUp
 		if now.After(deadline) {
 			return false
 		}
-		if n := l.Delivered(); n > lastN {
-			progressAt = now
-			if giveUpEarly && now.Sub(lastAt) >= time.Second {
+		if n := l.Delivered(); n > seenN {
+			seenN, progressAt = n, now
+			if giveUpEarly && n > lastN && now.Sub(lastAt) >= time.Second {
 				rate := float64(n-lastN) / now.Sub(lastAt).Seconds()
 				if float64(l.Committed()-n)/rate > deadline.Sub(now).Seconds() {
 					return false
 				}
 				lastN, lastAt = n, now
 			}
-		} else if now.Sub(progressAt) > stallTimeout {
+		} else if n > 0 && now.Sub(progressAt) > stall {
 			return false
 		}
 	}
