@@ -1579,7 +1579,8 @@ $$;
 -- back, every version since is kept with its index entry, and a step from
 -- the start of a stream's range (its earliest lease expiries, all of them
 -- long acked) would walk every lease taken since before it found a live
--- row.
+-- row. A stream with no live ready row is still reached past the dead
+-- ready versions of the hold (ready sorts after leased).
 -- +goose StatementBegin
 CREATE FUNCTION outbox.claimable_streams(p_streams text[], p_exclude text[])
 RETURNS TABLE (stream text)

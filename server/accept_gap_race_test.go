@@ -121,11 +121,17 @@ func TestAcceptGapWaitsForProducerOfMissingRevision(t *testing.T) {
 	}
 }
 
-// wokenFromGap leaves aggregate g of stream orders woken from its gap with
-// no session connected: revisions 1, 4 and 5 committed, 1 delivered, g held
-// at the gap of 2-3 until a round that found 5 woke it (ready).
-func wokenFromGap(t *testing.T, ctx context.Context, r *replica, pool *pgxpool.Pool) {
+// wokenFromGap starts a replica on a new database and leaves aggregate g
+// of stream orders woken from its gap with no session connected:
+// revisions 1, 4 and 5 committed, 1 delivered, g held at the gap of 2-3
+// until a round that found 5 woke it (ready).
+func wokenFromGap(t *testing.T) (context.Context, *replica, *pgxpool.Pool) {
 	t.Helper()
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	t.Cleanup(cancel)
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	r := startReplica(t, url, nil)
 	emitAt(t, pool, "orders", "g", 1)
 	emitAt(t, pool, "orders", "g", 4)
 	waitDiscovered(t, pool, 1)
@@ -137,6 +143,41 @@ func wokenFromGap(t *testing.T, ctx context.Context, r *replica, pool *pgxpool.P
 	waitFor(t, func() int32 { return 1 - int32(min(r.Server.Sessions(), 1)) })
 	emitAt(t, pool, "orders", "g", 5)
 	waitState(t, pool, "g", "ready")
+	return ctx, r, pool
+}
+
+// bulkAcceptGap bulk-retries the gap-held aggregates of stream orders with
+// accept_gap.
+func bulkAcceptGap(t *testing.T, ctx context.Context, r *replica) *outboxv1.BulkRetryResponse {
+	t.Helper()
+	filter := &outboxv1.AggregateFilter{Stream: "orders", States: []outboxv1.AggregateState{outboxv1.AggregateState_AGGREGATE_STATE_GAP}}
+	res, err := r.Admin.BulkRetry(ctx, &outboxv1.BulkRetryRequest{Filter: filter, AcceptGap: true, Reason: "revisions 2-3 rolled back", Actor: "ops"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return res
+}
+
+// requireGapOfGAccepted fails unless revisions 2-3 of g are on record as
+// an accepted gap.
+func requireGapOfGAccepted(t *testing.T, ctx context.Context, pool *pgxpool.Pool) {
+	t.Helper()
+	var from, to int64
+	if err := pool.QueryRow(ctx, `SELECT from_revision, to_revision FROM outbox.accepted_gap WHERE aggregate_key = 'g'`).
+		Scan(&from, &to); err != nil || from != 2 || to != 3 {
+		t.Fatalf("accepted gap %d-%d (%v), want 2-3 on record", from, to, err)
+	}
+}
+
+// requireNextOfG subscribes one event at a time, and fails unless the
+// event delivered is revision rev of g; it acks it.
+func requireNextOfG(t *testing.T, ctx context.Context, r *replica, rev int64) {
+	t.Helper()
+	d := recv(t, subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 1, LeaseTtl: durationpb.New(time.Hour)}))
+	if e := d.GetEvent(); e.GetAggregateKey() != "g" || e.GetRevision() != rev {
+		t.Fatalf("delivered %s revision %d, want g revision %d", e.GetAggregateKey(), e.GetRevision(), rev)
+	}
+	ack(t, r, d)
 }
 
 // An aggregate a discovery round woke out of its gap (it found a later
@@ -147,12 +188,7 @@ func wokenFromGap(t *testing.T, ctx context.Context, r *replica, pool *pgxpool.P
 // nothing to change" before, and the aggregate went back to its gap.)
 func TestAcceptGapOfAnAggregateWokenFromItsGap(t *testing.T) {
 	t.Parallel()
-	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
-	defer cancel()
-	url := testdb.New(t)
-	pool := testdb.NewPoolURL(t, url)
-	r := startReplica(t, url, nil)
-	wokenFromGap(t, ctx, r, pool)
+	ctx, r, pool := wokenFromGap(t)
 
 	res, err := r.Admin.RetryAggregate(ctx, &outboxv1.RetryAggregateRequest{Stream: "orders", AggregateKey: "g",
 		AcceptGap: true, Reason: "revisions 2-3 rolled back", Actor: "ops"})
@@ -162,19 +198,11 @@ func TestAcceptGapOfAnAggregateWokenFromItsGap(t *testing.T) {
 	if a := res.GetAggregate(); a.GetState() != outboxv1.AggregateState_AGGREGATE_STATE_READY || a.GetDeliveredRevision() != 3 {
 		t.Fatalf("after accepting the gap: %v, want ready past revision 3", a)
 	}
-	var from, to int64
-	if err := pool.QueryRow(ctx, `SELECT from_revision, to_revision FROM outbox.accepted_gap WHERE aggregate_key = 'g'`).
-		Scan(&from, &to); err != nil || from != 2 || to != 3 {
-		t.Fatalf("accepted gap %d-%d (%v), want 2-3 on record", from, to, err)
-	}
+	requireGapOfGAccepted(t, ctx, pool)
 	if n := countWhere(t, pool, "outbox.operator_action", "action = 'retry'"); n != 1 {
 		t.Errorf("%d retries on record, want 1", n)
 	}
-	d := recv(t, subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 1, LeaseTtl: durationpb.New(time.Hour)}))
-	if rev := d.GetEvent().GetRevision(); rev != 4 {
-		t.Fatalf("delivered revision %d, want 4", rev)
-	}
-	ack(t, r, d)
+	requireNextOfG(t, ctx, r, 4)
 }
 
 // The same through BulkRetry: with accept_gap, a bulk retry of the gap-held
@@ -183,29 +211,15 @@ func TestAcceptGapOfAnAggregateWokenFromItsGap(t *testing.T) {
 // missing alone.
 func TestBulkAcceptGapTakesAggregatesWokenFromTheirGap(t *testing.T) {
 	t.Parallel()
-	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
-	defer cancel()
-	url := testdb.New(t)
-	pool := testdb.NewPoolURL(t, url)
-	r := startReplica(t, url, nil)
-	wokenFromGap(t, ctx, r, pool)
+	ctx, r, pool := wokenFromGap(t)
 	emitAt(t, pool, "orders", "h", 1)
 	emitAt(t, pool, "orders", "h", 2)
 	waitState(t, pool, "h", "ready")
 
-	filter := &outboxv1.AggregateFilter{Stream: "orders", States: []outboxv1.AggregateState{outboxv1.AggregateState_AGGREGATE_STATE_GAP}}
-	res, err := r.Admin.BulkRetry(ctx, &outboxv1.BulkRetryRequest{Filter: filter, AcceptGap: true, Reason: "revisions 2-3 rolled back", Actor: "ops"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if res.GetMatched() != 1 || res.GetRetried() != 1 {
+	if res := bulkAcceptGap(t, ctx, r); res.GetMatched() != 1 || res.GetRetried() != 1 {
 		t.Fatalf("bulk retry matched %d and retried %d, want g alone (1 and 1)", res.GetMatched(), res.GetRetried())
 	}
-	var from, to int64
-	if err := pool.QueryRow(ctx, `SELECT from_revision, to_revision FROM outbox.accepted_gap WHERE aggregate_key = 'g'`).
-		Scan(&from, &to); err != nil || from != 2 || to != 3 {
-		t.Fatalf("accepted gap %d-%d (%v), want 2-3 on record", from, to, err)
-	}
+	requireGapOfGAccepted(t, ctx, pool)
 	if n := countWhere(t, pool, "outbox.accepted_gap", "aggregate_key = 'h'"); n != 0 {
 		t.Fatalf("%d gaps accepted for h, which has none", n)
 	}
@@ -227,12 +241,7 @@ func TestBulkAcceptGapTakesAggregatesWokenFromTheirGap(t *testing.T) {
 // count the aggregate as retried: the response says what was done.
 func TestBulkAcceptGapCountsNoneWhoseGapFilledAfterTheMatch(t *testing.T) {
 	t.Parallel()
-	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
-	defer cancel()
-	url := testdb.New(t)
-	pool := testdb.NewPoolURL(t, url)
-	r := startReplica(t, url, nil)
-	wokenFromGap(t, ctx, r, pool)
+	ctx, r, pool := wokenFromGap(t)
 	// The hook runs on the admin call's goroutine, where t.Fatal may not:
 	// it sends its outcome, checked after the call.
 	filled := make(chan error, 1)
@@ -247,11 +256,7 @@ func TestBulkAcceptGapCountsNoneWhoseGapFilledAfterTheMatch(t *testing.T) {
 		filled <- err
 	})
 
-	filter := &outboxv1.AggregateFilter{Stream: "orders", States: []outboxv1.AggregateState{outboxv1.AggregateState_AGGREGATE_STATE_GAP}}
-	res, err := r.Admin.BulkRetry(ctx, &outboxv1.BulkRetryRequest{Filter: filter, AcceptGap: true, Reason: "revisions 2-3 rolled back", Actor: "ops"})
-	if err != nil {
-		t.Fatal(err)
-	}
+	res := bulkAcceptGap(t, ctx, r)
 	select {
 	case err := <-filled:
 		if err != nil {
@@ -266,9 +271,5 @@ func TestBulkAcceptGapCountsNoneWhoseGapFilledAfterTheMatch(t *testing.T) {
 	if n := countWhere(t, pool, "outbox.accepted_gap", "aggregate_key = 'g'"); n != 0 {
 		t.Fatalf("%d gaps accepted for g, whose revisions 2-3 were committed before the retry", n)
 	}
-	d := recv(t, subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 1, LeaseTtl: durationpb.New(time.Hour)}))
-	if rev := d.GetEvent().GetRevision(); rev != 2 {
-		t.Fatalf("delivered revision %d, want 2", rev)
-	}
-	ack(t, r, d)
+	requireNextOfG(t, ctx, r, 2)
 }
