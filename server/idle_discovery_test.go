@@ -10,11 +10,15 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outboxd/outboxd/client"
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+	"github.com/outboxd/outboxd/internal/servertest"
 	"github.com/outboxd/outboxd/internal/store"
 	"github.com/outboxd/outboxd/internal/testdb"
+	"github.com/outboxd/outboxd/migrations"
 	"github.com/outboxd/outboxd/server"
 )
 
@@ -598,10 +602,18 @@ func TestPeriodicLoopsShareAGridOffTheQuietChecks(t *testing.T) {
 
 // Readiness takes whether discovery is stopped from the discovery loop's
 // last turn while that is fresh, so a readiness check of a running
-// replica costs the database one statement (the schema's), not a call of
-// outbox.discovery_stopped() every health interval for every source. The
-// database counts the function's calls (track_functions), flushed when the
-// replica's connections end.
+// replica costs the database no statement: not a call of
+// outbox.discovery_stopped() every health interval for every source, nor
+// a read of the applied migrations within Config.SchemaCheckInterval.
+//
+// The replica's statements are counted as it sends them (a pgx tracer on
+// its pool): its own readiness watch asks both before the loop's first
+// turn, once or (when its grid's first tick comes before that turn) twice,
+// so only the checks made after the loop has turned are counted against
+// it. The database counts the function's calls too (track_functions,
+// flushed when the replica's connections end): no more than the replica
+// sent, so no statement calls it on the replica's behalf either (the
+// round's check does only for a database that moved cluster).
 func TestReadinessTakesTheStopFromTheDiscoveryLoop(t *testing.T) {
 	t.Parallel()
 	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
@@ -616,33 +628,32 @@ func TestReadinessTakesTheStopFromTheDiscoveryLoop(t *testing.T) {
 	if _, err := admin.Exec(ctx, `ALTER DATABASE "`+dbname+`" SET track_functions = 'all'`); err != nil {
 		t.Fatal(err)
 	}
-	// calls reads the count from a new connection once the others have
-	// ended (the view shows the current database's functions).
-	calls := func() int64 {
-		t.Helper()
-		var n int64
-		if err := testdb.NewPoolURL(t, url).QueryRow(ctx, `SELECT coalesce(sum(calls), 0)::bigint FROM pg_stat_user_functions
-			WHERE schemaname = 'outbox' AND funcname = 'discovery_stopped'`).Scan(&n); err != nil {
-			t.Fatal(err)
-		}
-		return n
-	}
-	// A turn stays fresh for twice the quiet interval (at least a second):
-	// with the quiet interval a minute, no stall of a loaded machine between
-	// the loop's turns makes a check ask (CI once saw two calls with the
-	// second's freshness).
-	r := startReplica(t, url, func(c *server.Config) {
-		c.DiscoveryIdleInterval, c.DiscoveryQuietInterval = 5*time.Millisecond, time.Minute
+	const askStopped = `SELECT outbox.discovery_stopped()`
+	sent := &statementCounter{}
+	// With the quiet interval a minute a turn stays fresh for two (twice
+	// the quiet interval), beyond any stall of a loaded machine.
+	r := servertest.Start(t, url, servertest.Options{
+		Configure: func(c *server.Config) {
+			c.DiscoveryIdleInterval, c.DiscoveryQuietInterval = 5*time.Millisecond, time.Minute
+		},
+		ConfigurePool: func(c *pgxpool.Config) { c.ConnConfig.Tracer = sent },
 	})
 	// A few turns of the loop first (checks, once it has backed off).
 	var turns atomic.Int64
 	r.Server.SetAfterRoundDue(func(bool, error) { turns.Add(1) })
 	waitFor(t, func() int32 { return b2i(turns.Load() >= 3) })
+	stoppedBefore, migrationsBefore := sent.count(askStopped), sent.count(migrations.AppliedVersionsSQL)
 	const checks = 20
 	for range checks {
 		if rd := r.Server.CheckReadiness(ctx); !rd.Ready {
 			t.Fatalf("not ready: %s", rd.Reason)
 		}
+	}
+	if n := sent.count(askStopped) - stoppedBefore; n != 0 {
+		t.Fatalf("%d readiness checks of a replica whose discovery loop turns called outbox.discovery_stopped() %d times; want none", checks, n)
+	}
+	if n := sent.count(migrations.AppliedVersionsSQL) - migrationsBefore; n != 0 {
+		t.Fatalf("%d readiness checks within the schema check interval read the applied migrations %d times; want none", checks, n)
 	}
 	// Backends flush their function counts as they end: end them all.
 	r.Close()
@@ -658,22 +669,39 @@ func TestReadinessTakesTheStopFromTheDiscoveryLoop(t *testing.T) {
 		return b2i(n == 0)
 	})
 	r.Pool.Reset() // its connections were terminated; the clean-up uses it
-	// The replica's own readiness watch may have asked once before the
-	// loop's first turn.
-	if n := calls(); n > 1 {
-		t.Fatalf("outbox.discovery_stopped() was called %d times for %d readiness checks of a replica whose discovery loop turns; want at most 1 (the watch's first, before the loop's first turn)", n, checks)
-	}
-	// Nor do they read the applied migrations again within
-	// Config.SchemaCheckInterval (30 s): once for the watch's first check,
-	// once for the first of the test's if the loop had not turned by then.
-	var reads int64
-	if err := testdb.NewPoolURL(t, url).QueryRow(ctx, `SELECT coalesce(seq_scan, 0) + coalesce(idx_scan, 0)
-		FROM pg_stat_user_tables WHERE schemaname = 'outbox' AND relname = 'goose_db_version'`).Scan(&reads); err != nil {
+	var calls int64
+	if err := testdb.NewPoolURL(t, url).QueryRow(ctx, `SELECT coalesce(sum(calls), 0)::bigint FROM pg_stat_user_functions
+		WHERE schemaname = 'outbox' AND funcname = 'discovery_stopped'`).Scan(&calls); err != nil {
 		t.Fatal(err)
 	}
-	if reads > 2 {
-		t.Fatalf("the applied migrations were read %d times for %d readiness checks of a replica whose discovery loop turns; want at most 2", reads, checks)
+	if asked := int64(sent.count(askStopped)); calls > asked {
+		t.Fatalf("the database ran outbox.discovery_stopped() %d times, the replica asked for it %d times; want no call it did not ask for", calls, asked)
 	}
+}
+
+// statementCounter is a pgx tracer that counts the statements a pool
+// sends, by their text.
+type statementCounter struct {
+	mu   sync.Mutex
+	sent map[string]int
+}
+
+func (c *statementCounter) TraceQueryStart(ctx context.Context, _ *pgx.Conn, data pgx.TraceQueryStartData) context.Context {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.sent == nil {
+		c.sent = map[string]int{}
+	}
+	c.sent[data.SQL]++
+	return ctx
+}
+
+func (*statementCounter) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+
+func (c *statementCounter) count(sql string) int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.sent[sql]
 }
 
 // Readiness trusts a schema it found current for SchemaCheckInterval, no

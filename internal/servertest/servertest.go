@@ -65,6 +65,9 @@ type Options struct {
 	// engine of its own (app.Config.Sources) configured as the default one
 	// (Configure applies to each).
 	Sources map[string]string
+	// ConfigurePool edits the default source's pool configuration after
+	// store.ConfigurePool (a test may trace the replica's statements).
+	ConfigurePool func(*pgxpool.Config)
 }
 
 // Start runs a replica against the database at url until t ends, built by
@@ -74,7 +77,7 @@ type Options struct {
 func Start(t testing.TB, url string, opts Options) *Replica {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
-	pool := newPool(t, ctx, url)
+	pool := newPool(t, ctx, url, opts.ConfigurePool)
 	cfg := server.Config{
 		Store:             store.New(pool),
 		DatabaseURL:       url,
@@ -88,7 +91,7 @@ func Start(t testing.TB, url string, opts Options) *Replica {
 	pools := map[string]*pgxpool.Pool{}
 	var sources []app.Source
 	for name, surl := range opts.Sources {
-		sp := newPool(t, ctx, surl)
+		sp := newPool(t, ctx, surl, nil)
 		pools[name] = sp
 		sc := server.Config{Store: store.New(sp), DatabaseURL: surl, Logger: cfg.Logger,
 			PollInterval: cfg.PollInterval, ReconcileInterval: cfg.ReconcileInterval}
@@ -142,13 +145,16 @@ func Start(t testing.TB, url string, opts Options) *Replica {
 	return r
 }
 
-func newPool(t testing.TB, ctx context.Context, url string) *pgxpool.Pool {
+func newPool(t testing.TB, ctx context.Context, url string, configure func(*pgxpool.Config)) *pgxpool.Pool {
 	t.Helper()
 	poolCfg, err := pgxpool.ParseConfig(url)
 	if err != nil {
 		t.Fatal(err)
 	}
 	store.ConfigurePool(poolCfg)
+	if configure != nil {
+		configure(poolCfg)
+	}
 	pool, err := pgxpool.NewWithConfig(ctx, poolCfg)
 	if err != nil {
 		t.Fatal(err)
