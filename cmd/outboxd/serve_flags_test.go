@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/spf13/cobra"
+	"github.com/spf13/pflag"
 
 	"github.com/outboxd/outboxd/server"
 )
@@ -35,4 +36,24 @@ func TestServeFlagsReachTheEngine(t *testing.T) {
 	if got := f.engineConfig(); !reflect.DeepEqual(got, want) {
 		t.Errorf("server.Config from the serve flags:\n got %+v\nwant %+v", got, want)
 	}
+	// A flag added later is either given above (and so compared) or named
+	// here as one that configures something other than the engine.
+	notEngine := map[string]bool{}
+	for _, name := range serveFlagsBesideTheEngine {
+		notEngine[name] = true
+	}
+	cmd.Flags().VisitAll(func(fl *pflag.Flag) {
+		if !fl.Changed && !notEngine[fl.Name] {
+			t.Errorf("serve flag --%s is neither given in this test nor listed in serveFlagsBesideTheEngine: "+
+				"if it configures the engine, pass it to engineConfig and give it here", fl.Name)
+		}
+	})
+}
+
+// serveFlagsBesideTheEngine configure the sources, listeners, authentication, the
+// pools, health and shutdown (internal/app), not server.Config.
+var serveFlagsBesideTheEngine = []string{
+	"listen", "source", "http-listen", "health-interval", "shutdown-timeout", "max-db-conns", "idle-checks-per-second",
+	"reflection", "reflection-needs-token", "token-file", "insecure-no-auth", "tls-cert", "tls-key",
+	"tls-client-ca", "pprof", "console",
 }
