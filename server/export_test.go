@@ -55,6 +55,14 @@ func (s *Server) SetAfterFreed(f func(session uuid.UUID, claim bool, claimBy tim
 	s.afterFreed.set(f)
 }
 
+// SetFreedApplied makes every session loop call f as soon as it has
+// applied its freed list (acks, nacks and hand-overs) and let the
+// session's lock go, with how many it applied and the session's
+// outstanding deliveries then. Set it before the first Subscribe.
+func (s *Server) SetFreedApplied(f func(applied int, outstanding int64)) {
+	s.freedApplied.set(f)
+}
+
 // SetAfterDiscover makes every discovery round's outcome pass through f,
 // which may replace it (say, to lose the answer of one that committed),
 // before the leases it dispatched reach their sessions.

@@ -225,3 +225,37 @@ func TestAckBatchDoesNotLingerAfterAQuietSpell(t *testing.T) {
 	g.answered(t, 1)
 	g.lingeredNone(t, "after the other connection's ack was five lingers old")
 }
+
+// What an ack batch lingers on (the replica's outstanding deliveries)
+// never counts a lease both applied, gone from the session's in-flight
+// set, and still pending in the session's freed list: the session counts
+// its in-flight set before it lets its lock go. Were the count stored after
+// the unlock, a batch between the two would count an acked delivery twice
+// and wait for an ack that never comes, up to the whole linger.
+func TestOutstandingCountsAnAppliedAckOnce(t *testing.T) {
+	t.Parallel()
+	g := newLingerRigOf(t, 2, 0)
+	g.release()
+	type applied struct {
+		n           int
+		outstanding int64
+	}
+	seen := make(chan applied, 16)
+	g.r.Server.SetFreedApplied(func(n int, outstanding int64) { seen <- applied{n, outstanding} })
+	g.ack(t, 0, 0)
+	g.answered(t, 1)
+	for {
+		select {
+		case a := <-seen:
+			if a.n == 0 {
+				continue // a reconcile's turn, before the ack was in
+			}
+			if a.n != 1 || a.outstanding != 1 {
+				t.Fatalf("after applying %d freed leases of 2 deliveries with one acked, outstanding says %d; want 1 applied, 1 outstanding", a.n, a.outstanding)
+			}
+			return
+		case <-time.After(20 * time.Second):
+			t.Fatal("the session did not apply the ack within 20s")
+		}
+	}
+}

@@ -286,6 +286,11 @@ type Server struct {
 	// it found credit freed, with its decision: claim at once, or not
 	// (then by claimBy at the latest, when set).
 	afterFreed hook[func(session uuid.UUID, claim bool, claimBy time.Time)]
+	// freedApplied, when set (by tests), runs in a session's loop as soon
+	// as it has applied the acks and hand-overs of its freed list and let
+	// the session's lock go, with how many it applied and what
+	// session.outstanding then says.
+	freedApplied hook[func(applied int, outstanding int64)]
 	// beforeApply, when set (by tests), runs in a discovery round that
 	// dispatches, after it chose its sessions and before its leases are
 	// written (and so before they commit).

@@ -759,6 +759,9 @@ func (ss *session) applyFreed(ctx context.Context) (handed []store.Lease, claim 
 	// these both applied and still pending.
 	ss.inflightN.Store(int64(len(ss.inflight)))
 	ss.mu.Unlock()
+	if h := ss.srv.freedApplied.get(); h != nil {
+		h(len(ended)+len(handed), ss.outstanding())
+	}
 	if sweep {
 		ss.releaseUndelivered(ctx)
 	}
