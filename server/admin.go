@@ -97,6 +97,11 @@ func (a *adminService) GetLag(ctx context.Context, req *outboxv1.GetLagRequest) 
 		}
 	}
 	resp := lagProto(lag, names)
+	if visibleStreams(ctx) != nil && resp.XminHorizon != nil {
+		// Who holds it (sessions of any database of the cluster) is not a
+		// stream-limited caller's to see; how far back it is held is.
+		resp.XminHorizon.Holder = ""
+	}
 	// Whatever the caller's streams: a stopped discovery holds back every
 	// stream's new events. While the discovery loop's last turn found it
 	// running, that answers without a statement.
@@ -193,6 +198,12 @@ func lagProto(lag store.Lag, named []string) *outboxv1.GetLagResponse {
 		}
 	}
 	resp.Total = streamLagProto(total, lag.Now)
+	if h := lag.XminHorizon; h.Age > 0 {
+		resp.XminHorizon = &outboxv1.XminHorizon{AgeTransactions: h.Age, Holder: h.Holder}
+		if !h.Since.IsZero() {
+			resp.XminHorizon.HeldSince = timestamppb.New(h.Since)
+		}
+	}
 	return resp
 }
 

@@ -113,6 +113,7 @@ type lagCollector struct {
 	stalled       *prometheus.Desc
 	idleRelays    *prometheus.Desc
 	relays        *prometheus.Desc
+	xminHorizon   *prometheus.Desc
 	scrapeSuccess *prometheus.Desc
 
 	mu      sync.Mutex
@@ -143,13 +144,15 @@ func newLagCollector(s *Server) *lagCollector {
 			[]string{"stream"}, nil),
 		relays: prometheus.NewDesc("outboxd_connected_relays",
 			"Relay Subscribe streams open on all replicas (database-wide).", nil, nil),
+		xminHorizon: prometheus.NewDesc("outboxd_xmin_horizon_age_transactions",
+			"Transactions since the PostgreSQL cluster's xmin horizon, as held furthest back by a transaction, snapshot, prepared transaction, replication slot or standby (0: none held). PostgreSQL keeps every row version written since, and delivery slows as they pile up: GetLag (outboxd lag) names the holder.", nil, nil),
 		scrapeSuccess: prometheus.NewDesc("outboxd_lag_scrape_success",
 			"1 if the backlog figures above could be read from the database, else 0.", nil, nil),
 	}
 }
 
 func (c *lagCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{c.pending, c.oldest, c.aggregates, c.delivered, c.stranded, c.stalled, c.idleRelays, c.relays, c.scrapeSuccess} {
+	for _, d := range []*prometheus.Desc{c.pending, c.oldest, c.aggregates, c.delivered, c.stranded, c.stalled, c.idleRelays, c.relays, c.xminHorizon, c.scrapeSuccess} {
 		ch <- d
 	}
 }
@@ -162,6 +165,7 @@ func (c *lagCollector) Collect(ch chan<- prometheus.Metric) {
 	}
 	ch <- prometheus.MustNewConstMetric(c.scrapeSuccess, prometheus.GaugeValue, 1)
 	ch <- prometheus.MustNewConstMetric(c.relays, prometheus.GaugeValue, float64(lag.ConnectedRelays))
+	ch <- prometheus.MustNewConstMetric(c.xminHorizon, prometheus.GaugeValue, float64(lag.XminHorizon.Age))
 	for _, l := range lag.Streams {
 		ch <- prometheus.MustNewConstMetric(c.pending, prometheus.GaugeValue, float64(l.PendingEvents), l.Stream)
 		age := 0.0

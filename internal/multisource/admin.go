@@ -105,6 +105,13 @@ func (a *adminRouter) GetLag(ctx context.Context, req *outboxv1.GetLagRequest) (
 		case out.StrandedAuditedAt == nil || at.AsTime().Before(out.StrandedAuditedAt.AsTime()):
 			out.StrandedAuditedAt = at
 		}
+		// One horizon per cluster: the oldest hold among the sources'.
+		if h := p.res.GetXminHorizon(); h != nil && h.GetAgeTransactions() > out.GetXminHorizon().GetAgeTransactions() {
+			out.XminHorizon = proto.CloneOf(h)
+			if len(parts) > 1 {
+				out.XminHorizon.Source = p.e.Name
+			}
+		}
 		if d := p.res.GetDiscoveryStopped(); d != "" {
 			stopped = append(stopped, fmt.Sprintf("source %s: %s", p.e.Name, d))
 		}

@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"go.uber.org/goleak"
 	"google.golang.org/grpc"
@@ -530,5 +531,24 @@ func TestStrandedAuditedAtOfSources(t *testing.T) {
 	}
 	if at := lag.GetStrandedAuditedAt(); at == nil || !at.AsTime().Equal(ordersAt) {
 		t.Fatalf("stranded counts of both sources as of %v, want the oldest audit's %v", at.AsTime(), ordersAt)
+	}
+}
+
+// TestXminHorizonOfSources: GetLag over several sources names the oldest
+// xmin horizon hold among theirs, and whose cluster it is.
+func TestXminHorizonOfSources(t *testing.T) {
+	t.Parallel()
+	ctx := t.Context()
+	r, _, orders := twoSources(t, servertest.Options{})
+	const n = 300
+	testdb.HoldXminHorizon(t, ctx, orders, "report-"+uuid.NewString()[:8], false, n)
+	lag, err := r.Admin.GetLag(ctx, &outboxv1.GetLagRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Both sources are databases of one cluster: either may name it.
+	if h := lag.GetXminHorizon(); h.GetAgeTransactions() < n || h.GetHolder() == "" ||
+		(h.GetSource() != "default" && h.GetSource() != "orders") {
+		t.Fatalf("xmin_horizon %v while a snapshot is held %d transactions back; want it with its source", h, n)
 	}
 }

@@ -71,6 +71,23 @@ type Lag struct {
 	// StrandedAt is when the audit whose counts the streams' Stranded hold
 	// began (SetStranded); zero when they hold none.
 	StrandedAt time.Time
+	// XminHorizon is what holds the cluster's xmin horizon furthest back
+	// (outbox.xmin_horizon_holders); zero when nothing does.
+	XminHorizon XminHorizon
+}
+
+// XminHorizon is the oldest holder of a PostgreSQL cluster's xmin horizon:
+// while it holds it, every row version written since is kept, and
+// delivery slows as they pile up.
+type XminHorizon struct {
+	// Age is how many transactions ago the held horizon was; 0: none held.
+	Age int64
+	// Holder names it: a session's pid, database, user, application and
+	// state, a prepared transaction, a replication slot or a standby.
+	Holder string
+	// Since is when its transaction began (or it was prepared); zero where
+	// PostgreSQL does not show it to the server's role.
+	Since time.Time
 }
 
 // SetStranded fills in each stream's Stranded from the counts of an audit
@@ -189,6 +206,12 @@ func (s *Store) Lag(ctx context.Context, streams []string, sessionTTL time.Durat
 			idle[stream] = append(idle[stream], id)
 			return nil
 		})
+		return err
+	})
+	b.Queue(`SELECT age, holder, since FROM outbox.xmin_horizon_holders() LIMIT 1`).Query(func(rows pgx.Rows) error {
+		var since *time.Time
+		_, err := pgx.ForEachRow(rows, []any{&lag.XminHorizon.Age, &lag.XminHorizon.Holder, &since},
+			func() error { lag.XminHorizon.Since = deref(since); return nil })
 		return err
 	})
 	b.Queue(`

@@ -9,6 +9,7 @@ package testdb
 import (
 	"context"
 	"database/sql"
+	"fmt"
 	"net/url"
 	"os"
 	"testing"
@@ -144,5 +145,47 @@ func RewriteEvents(t testing.TB, pool *pgxpool.Pool, sql string, args ...any) {
 	})
 	if err != nil {
 		t.Fatalf("testdb: rewrite events: %v", err)
+	}
+}
+
+// HoldXminHorizon opens a session named app (its application_name) that
+// holds the cluster's xmin horizon: withID, a transaction id left idle
+// in transaction, else a REPEATABLE READ snapshot alone (no id: what
+// pg_dump holds). It then commits n transactions elsewhere, so that the
+// hold is at least n transactions back. The session ends with the test.
+func HoldXminHorizon(t testing.TB, ctx context.Context, url, app string, withID bool, n int) {
+	t.Helper()
+	cfg, err := pgx.ParseConfig(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.RuntimeParams["application_name"] = app
+	holder, err := pgx.ConnectConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { holder.Close(context.Background()) })
+	begin, take := `BEGIN ISOLATION LEVEL REPEATABLE READ`, `SELECT 1`
+	if withID {
+		begin, take = `BEGIN`, `SELECT txid_current()`
+	}
+	if _, err := holder.Exec(ctx, begin); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := holder.Exec(ctx, take); err != nil {
+		t.Fatal(err)
+	}
+	burner, err := pgx.Connect(ctx, url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer burner.Close(ctx)
+	if _, err := burner.Exec(ctx, `SET synchronous_commit = off`); err != nil {
+		t.Fatal(err)
+	}
+	// One statement, a commit per id (a DO block may commit when it is
+	// the statement's only one).
+	if _, err := burner.Exec(ctx, fmt.Sprintf(`DO $$ BEGIN FOR i IN 1..%d LOOP PERFORM txid_current(); COMMIT; END LOOP; END $$`, n)); err != nil {
+		t.Fatal(err)
 	}
 }

@@ -2195,6 +2195,39 @@ END
 $$;
 
 --
+-- Name: xmin_horizon_holders(); Type: FUNCTION; Schema: outbox; Owner: -
+--
+
+CREATE FUNCTION outbox.xmin_horizon_holders() RETURNS TABLE(age integer, holder text, since timestamp with time zone)
+    LANGUAGE sql STABLE
+    AS $$
+    SELECT h.age, h.holder, h.since FROM (
+        SELECT greatest(age(a.backend_xid), age(a.backend_xmin)) AS age,
+               format('pid %s (%s)', a.pid,
+                      concat_ws(', ', 'database ' || a.datname, 'user ' || a.usename,
+                                'application ' || nullif(a.application_name, ''), a.state)) AS holder,
+               a.xact_start AS since
+        FROM pg_stat_activity a
+        WHERE (a.backend_xid IS NOT NULL OR a.backend_xmin IS NOT NULL) AND a.pid <> pg_backend_pid()
+          AND a.backend_type <> 'walsender'
+        UNION ALL
+        SELECT age(p.transaction), format('prepared transaction %s (database %s, owner %s)', p.gid, p.database, p.owner),
+               p.prepared
+        FROM pg_prepared_xacts p
+        UNION ALL
+        SELECT age(s.xmin), format('replication slot %s', s.slot_name), NULL
+        FROM pg_replication_slots s
+        WHERE s.xmin IS NOT NULL
+        UNION ALL
+        SELECT age(r.backend_xmin), format('standby %s (feedback of pid %s)', coalesce(nullif(r.application_name, ''), r.client_addr::text), r.pid),
+               NULL
+        FROM pg_stat_replication r
+        WHERE r.backend_xmin IS NOT NULL
+    ) h
+    ORDER BY h.age DESC, h.holder
+$$;
+
+--
 -- Name: accepted_gap; Type: TABLE; Schema: outbox; Owner: -
 --
 

@@ -291,8 +291,18 @@ type GetLagResponse struct {
 	// stranded counts are then 0 and unknown. Over several sources, the
 	// oldest of theirs, and unset if any is unset.
 	StrandedAuditedAt *timestamppb.Timestamp `protobuf:"bytes,6,opt,name=stranded_audited_at,json=strandedAuditedAt,proto3" json:"stranded_audited_at,omitempty"`
-	unknownFields     protoimpl.UnknownFields
-	sizeCache         protoimpl.SizeCache
+	// xmin_horizon names what holds the PostgreSQL cluster's xmin horizon
+	// furthest back: a long transaction or snapshot in any database of the
+	// cluster (pg_dump, a report, a session left idle in transaction), a
+	// prepared transaction, a replication slot or a standby's feedback.
+	// While it is held, PostgreSQL keeps every row version written since,
+	// and delivery reads past more of them with every event it delivers: a
+	// hold of a minute or more under load slows delivery to a fraction.
+	// Unset when nothing holds the horizon. Over several sources, the
+	// oldest of theirs.
+	XminHorizon   *XminHorizon `protobuf:"bytes,7,opt,name=xmin_horizon,json=xminHorizon,proto3" json:"xmin_horizon,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *GetLagResponse) Reset() {
@@ -367,6 +377,93 @@ func (x *GetLagResponse) GetStrandedAuditedAt() *timestamppb.Timestamp {
 	return nil
 }
 
+func (x *GetLagResponse) GetXminHorizon() *XminHorizon {
+	if x != nil {
+		return x.XminHorizon
+	}
+	return nil
+}
+
+// XminHorizon is the oldest holder of a PostgreSQL cluster's xmin horizon.
+type XminHorizon struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// age_transactions is how many transactions ago the held horizon was:
+	// the row versions kept grow with it.
+	AgeTransactions int64 `protobuf:"varint,1,opt,name=age_transactions,json=ageTransactions,proto3" json:"age_transactions,omitempty"`
+	// holder names it: "pid 4242 (database shop, user report, application
+	// psql, idle in transaction)", "prepared transaction ...", "replication
+	// slot ..." or "standby ...". Empty for a caller whose token is limited
+	// to some streams: the holder may be any database's session.
+	Holder string `protobuf:"bytes,2,opt,name=holder,proto3" json:"holder,omitempty"`
+	// held_since is when the holder's transaction began (or it was
+	// prepared); unset where PostgreSQL does not show it to the server's
+	// role (another role's session shows it to pg_read_all_stats only).
+	HeldSince *timestamppb.Timestamp `protobuf:"bytes,3,opt,name=held_since,json=heldSince,proto3" json:"held_since,omitempty"`
+	// source is the source database whose cluster it is, when the server
+	// fronts several (outboxd serve --source); empty otherwise.
+	Source        string `protobuf:"bytes,4,opt,name=source,proto3" json:"source,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *XminHorizon) Reset() {
+	*x = XminHorizon{}
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[2]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *XminHorizon) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*XminHorizon) ProtoMessage() {}
+
+func (x *XminHorizon) ProtoReflect() protoreflect.Message {
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[2]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use XminHorizon.ProtoReflect.Descriptor instead.
+func (*XminHorizon) Descriptor() ([]byte, []int) {
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{2}
+}
+
+func (x *XminHorizon) GetAgeTransactions() int64 {
+	if x != nil {
+		return x.AgeTransactions
+	}
+	return 0
+}
+
+func (x *XminHorizon) GetHolder() string {
+	if x != nil {
+		return x.Holder
+	}
+	return ""
+}
+
+func (x *XminHorizon) GetHeldSince() *timestamppb.Timestamp {
+	if x != nil {
+		return x.HeldSince
+	}
+	return nil
+}
+
+func (x *XminHorizon) GetSource() string {
+	if x != nil {
+		return x.Source
+	}
+	return ""
+}
+
 // SourceHealth says whether one source database is healthy.
 type SourceHealth struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -383,7 +480,7 @@ type SourceHealth struct {
 
 func (x *SourceHealth) Reset() {
 	*x = SourceHealth{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[2]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -395,7 +492,7 @@ func (x *SourceHealth) String() string {
 func (*SourceHealth) ProtoMessage() {}
 
 func (x *SourceHealth) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[2]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -408,7 +505,7 @@ func (x *SourceHealth) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SourceHealth.ProtoReflect.Descriptor instead.
 func (*SourceHealth) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{2}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *SourceHealth) GetName() string {
@@ -494,7 +591,7 @@ type StreamLag struct {
 
 func (x *StreamLag) Reset() {
 	*x = StreamLag{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[3]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -506,7 +603,7 @@ func (x *StreamLag) String() string {
 func (*StreamLag) ProtoMessage() {}
 
 func (x *StreamLag) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[3]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -519,7 +616,7 @@ func (x *StreamLag) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StreamLag.ProtoReflect.Descriptor instead.
 func (*StreamLag) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{3}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *StreamLag) GetStream() string {
@@ -650,7 +747,7 @@ type ListRelaysRequest struct {
 
 func (x *ListRelaysRequest) Reset() {
 	*x = ListRelaysRequest{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[4]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -662,7 +759,7 @@ func (x *ListRelaysRequest) String() string {
 func (*ListRelaysRequest) ProtoMessage() {}
 
 func (x *ListRelaysRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[4]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -675,7 +772,7 @@ func (x *ListRelaysRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListRelaysRequest.ProtoReflect.Descriptor instead.
 func (*ListRelaysRequest) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{4}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{5}
 }
 
 // ListRelaysResponse lists connected relays.
@@ -689,7 +786,7 @@ type ListRelaysResponse struct {
 
 func (x *ListRelaysResponse) Reset() {
 	*x = ListRelaysResponse{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[5]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -701,7 +798,7 @@ func (x *ListRelaysResponse) String() string {
 func (*ListRelaysResponse) ProtoMessage() {}
 
 func (x *ListRelaysResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[5]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -714,7 +811,7 @@ func (x *ListRelaysResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListRelaysResponse.ProtoReflect.Descriptor instead.
 func (*ListRelaysResponse) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{5}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *ListRelaysResponse) GetRelays() []*Relay {
@@ -756,7 +853,7 @@ type Relay struct {
 
 func (x *Relay) Reset() {
 	*x = Relay{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[6]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -768,7 +865,7 @@ func (x *Relay) String() string {
 func (*Relay) ProtoMessage() {}
 
 func (x *Relay) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[6]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -781,7 +878,7 @@ func (x *Relay) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Relay.ProtoReflect.Descriptor instead.
 func (*Relay) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{6}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *Relay) GetRelayId() string {
@@ -867,7 +964,7 @@ type GetAggregateRequest struct {
 
 func (x *GetAggregateRequest) Reset() {
 	*x = GetAggregateRequest{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[7]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -879,7 +976,7 @@ func (x *GetAggregateRequest) String() string {
 func (*GetAggregateRequest) ProtoMessage() {}
 
 func (x *GetAggregateRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[7]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -892,7 +989,7 @@ func (x *GetAggregateRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetAggregateRequest.ProtoReflect.Descriptor instead.
 func (*GetAggregateRequest) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{7}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *GetAggregateRequest) GetStream() string {
@@ -920,7 +1017,7 @@ type GetAggregateResponse struct {
 
 func (x *GetAggregateResponse) Reset() {
 	*x = GetAggregateResponse{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[8]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -932,7 +1029,7 @@ func (x *GetAggregateResponse) String() string {
 func (*GetAggregateResponse) ProtoMessage() {}
 
 func (x *GetAggregateResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[8]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -945,7 +1042,7 @@ func (x *GetAggregateResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetAggregateResponse.ProtoReflect.Descriptor instead.
 func (*GetAggregateResponse) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{8}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *GetAggregateResponse) GetAggregate() *Aggregate {
@@ -1015,7 +1112,7 @@ type Aggregate struct {
 
 func (x *Aggregate) Reset() {
 	*x = Aggregate{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[9]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1027,7 +1124,7 @@ func (x *Aggregate) String() string {
 func (*Aggregate) ProtoMessage() {}
 
 func (x *Aggregate) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[9]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1040,7 +1137,7 @@ func (x *Aggregate) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Aggregate.ProtoReflect.Descriptor instead.
 func (*Aggregate) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{9}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *Aggregate) GetStream() string {
@@ -1221,7 +1318,7 @@ type AggregateFilter struct {
 
 func (x *AggregateFilter) Reset() {
 	*x = AggregateFilter{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[10]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1233,7 +1330,7 @@ func (x *AggregateFilter) String() string {
 func (*AggregateFilter) ProtoMessage() {}
 
 func (x *AggregateFilter) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[10]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1246,7 +1343,7 @@ func (x *AggregateFilter) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AggregateFilter.ProtoReflect.Descriptor instead.
 func (*AggregateFilter) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{10}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *AggregateFilter) GetStream() string {
@@ -1299,7 +1396,7 @@ type ListAggregatesRequest struct {
 
 func (x *ListAggregatesRequest) Reset() {
 	*x = ListAggregatesRequest{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[11]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1311,7 +1408,7 @@ func (x *ListAggregatesRequest) String() string {
 func (*ListAggregatesRequest) ProtoMessage() {}
 
 func (x *ListAggregatesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[11]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1324,7 +1421,7 @@ func (x *ListAggregatesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListAggregatesRequest.ProtoReflect.Descriptor instead.
 func (*ListAggregatesRequest) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{11}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *ListAggregatesRequest) GetFilter() *AggregateFilter {
@@ -1370,7 +1467,7 @@ type ListAggregatesResponse struct {
 
 func (x *ListAggregatesResponse) Reset() {
 	*x = ListAggregatesResponse{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[12]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1382,7 +1479,7 @@ func (x *ListAggregatesResponse) String() string {
 func (*ListAggregatesResponse) ProtoMessage() {}
 
 func (x *ListAggregatesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[12]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1395,7 +1492,7 @@ func (x *ListAggregatesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListAggregatesResponse.ProtoReflect.Descriptor instead.
 func (*ListAggregatesResponse) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{12}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *ListAggregatesResponse) GetAggregates() []*Aggregate {
@@ -1449,7 +1546,7 @@ type Attempt struct {
 
 func (x *Attempt) Reset() {
 	*x = Attempt{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[13]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1461,7 +1558,7 @@ func (x *Attempt) String() string {
 func (*Attempt) ProtoMessage() {}
 
 func (x *Attempt) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[13]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1474,7 +1571,7 @@ func (x *Attempt) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Attempt.ProtoReflect.Descriptor instead.
 func (*Attempt) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{13}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *Attempt) GetEventId() string {
@@ -1568,7 +1665,7 @@ type ListAttemptsRequest struct {
 
 func (x *ListAttemptsRequest) Reset() {
 	*x = ListAttemptsRequest{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[14]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1580,7 +1677,7 @@ func (x *ListAttemptsRequest) String() string {
 func (*ListAttemptsRequest) ProtoMessage() {}
 
 func (x *ListAttemptsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[14]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1593,7 +1690,7 @@ func (x *ListAttemptsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListAttemptsRequest.ProtoReflect.Descriptor instead.
 func (*ListAttemptsRequest) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{14}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *ListAttemptsRequest) GetEventId() string {
@@ -1644,7 +1741,7 @@ type ListAttemptsResponse struct {
 
 func (x *ListAttemptsResponse) Reset() {
 	*x = ListAttemptsResponse{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[15]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1656,7 +1753,7 @@ func (x *ListAttemptsResponse) String() string {
 func (*ListAttemptsResponse) ProtoMessage() {}
 
 func (x *ListAttemptsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[15]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1669,7 +1766,7 @@ func (x *ListAttemptsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListAttemptsResponse.ProtoReflect.Descriptor instead.
 func (*ListAttemptsResponse) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{15}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *ListAttemptsResponse) GetAttempts() []*Attempt {
@@ -1708,7 +1805,7 @@ type BulkRetryRequest struct {
 
 func (x *BulkRetryRequest) Reset() {
 	*x = BulkRetryRequest{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[16]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1720,7 +1817,7 @@ func (x *BulkRetryRequest) String() string {
 func (*BulkRetryRequest) ProtoMessage() {}
 
 func (x *BulkRetryRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[16]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1733,7 +1830,7 @@ func (x *BulkRetryRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BulkRetryRequest.ProtoReflect.Descriptor instead.
 func (*BulkRetryRequest) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{16}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *BulkRetryRequest) GetFilter() *AggregateFilter {
@@ -1786,7 +1883,7 @@ type BulkRetryResponse struct {
 
 func (x *BulkRetryResponse) Reset() {
 	*x = BulkRetryResponse{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[17]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1798,7 +1895,7 @@ func (x *BulkRetryResponse) String() string {
 func (*BulkRetryResponse) ProtoMessage() {}
 
 func (x *BulkRetryResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[17]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1811,7 +1908,7 @@ func (x *BulkRetryResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BulkRetryResponse.ProtoReflect.Descriptor instead.
 func (*BulkRetryResponse) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{17}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *BulkRetryResponse) GetMatched() int64 {
@@ -1852,7 +1949,7 @@ type BulkSkipRequest struct {
 
 func (x *BulkSkipRequest) Reset() {
 	*x = BulkSkipRequest{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[18]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1864,7 +1961,7 @@ func (x *BulkSkipRequest) String() string {
 func (*BulkSkipRequest) ProtoMessage() {}
 
 func (x *BulkSkipRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[18]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1877,7 +1974,7 @@ func (x *BulkSkipRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BulkSkipRequest.ProtoReflect.Descriptor instead.
 func (*BulkSkipRequest) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{18}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *BulkSkipRequest) GetFilter() *AggregateFilter {
@@ -1923,7 +2020,7 @@ type BulkSkipResponse struct {
 
 func (x *BulkSkipResponse) Reset() {
 	*x = BulkSkipResponse{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[19]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1935,7 +2032,7 @@ func (x *BulkSkipResponse) String() string {
 func (*BulkSkipResponse) ProtoMessage() {}
 
 func (x *BulkSkipResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[19]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1948,7 +2045,7 @@ func (x *BulkSkipResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BulkSkipResponse.ProtoReflect.Descriptor instead.
 func (*BulkSkipResponse) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{19}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *BulkSkipResponse) GetMatched() int64 {
@@ -2003,7 +2100,7 @@ type RepublishRequest struct {
 
 func (x *RepublishRequest) Reset() {
 	*x = RepublishRequest{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[20]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2015,7 +2112,7 @@ func (x *RepublishRequest) String() string {
 func (*RepublishRequest) ProtoMessage() {}
 
 func (x *RepublishRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[20]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2028,7 +2125,7 @@ func (x *RepublishRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RepublishRequest.ProtoReflect.Descriptor instead.
 func (*RepublishRequest) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{20}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *RepublishRequest) GetStream() string {
@@ -2117,7 +2214,7 @@ type RepublishResponse struct {
 
 func (x *RepublishResponse) Reset() {
 	*x = RepublishResponse{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[21]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2129,7 +2226,7 @@ func (x *RepublishResponse) String() string {
 func (*RepublishResponse) ProtoMessage() {}
 
 func (x *RepublishResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[21]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2142,7 +2239,7 @@ func (x *RepublishResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RepublishResponse.ProtoReflect.Descriptor instead.
 func (*RepublishResponse) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{21}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *RepublishResponse) GetAggregates() int64 {
@@ -2204,7 +2301,7 @@ type ListOperatorActionsRequest struct {
 
 func (x *ListOperatorActionsRequest) Reset() {
 	*x = ListOperatorActionsRequest{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[22]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2216,7 +2313,7 @@ func (x *ListOperatorActionsRequest) String() string {
 func (*ListOperatorActionsRequest) ProtoMessage() {}
 
 func (x *ListOperatorActionsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[22]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2229,7 +2326,7 @@ func (x *ListOperatorActionsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListOperatorActionsRequest.ProtoReflect.Descriptor instead.
 func (*ListOperatorActionsRequest) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{22}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *ListOperatorActionsRequest) GetStream() string {
@@ -2296,7 +2393,7 @@ type ListOperatorActionsResponse struct {
 
 func (x *ListOperatorActionsResponse) Reset() {
 	*x = ListOperatorActionsResponse{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[23]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2308,7 +2405,7 @@ func (x *ListOperatorActionsResponse) String() string {
 func (*ListOperatorActionsResponse) ProtoMessage() {}
 
 func (x *ListOperatorActionsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[23]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2321,7 +2418,7 @@ func (x *ListOperatorActionsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListOperatorActionsResponse.ProtoReflect.Descriptor instead.
 func (*ListOperatorActionsResponse) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{23}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *ListOperatorActionsResponse) GetActions() []*OperatorAction {
@@ -2384,7 +2481,7 @@ type OperatorAction struct {
 
 func (x *OperatorAction) Reset() {
 	*x = OperatorAction{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[24]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2396,7 +2493,7 @@ func (x *OperatorAction) String() string {
 func (*OperatorAction) ProtoMessage() {}
 
 func (x *OperatorAction) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[24]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2409,7 +2506,7 @@ func (x *OperatorAction) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use OperatorAction.ProtoReflect.Descriptor instead.
 func (*OperatorAction) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{24}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *OperatorAction) GetActionId() int64 {
@@ -2516,7 +2613,7 @@ type ListEventsRequest struct {
 
 func (x *ListEventsRequest) Reset() {
 	*x = ListEventsRequest{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[25]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2528,7 +2625,7 @@ func (x *ListEventsRequest) String() string {
 func (*ListEventsRequest) ProtoMessage() {}
 
 func (x *ListEventsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[25]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2541,7 +2638,7 @@ func (x *ListEventsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListEventsRequest.ProtoReflect.Descriptor instead.
 func (*ListEventsRequest) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{25}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *ListEventsRequest) GetStream() string {
@@ -2622,7 +2719,7 @@ type ListEventsResponse struct {
 
 func (x *ListEventsResponse) Reset() {
 	*x = ListEventsResponse{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[26]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2634,7 +2731,7 @@ func (x *ListEventsResponse) String() string {
 func (*ListEventsResponse) ProtoMessage() {}
 
 func (x *ListEventsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[26]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2647,7 +2744,7 @@ func (x *ListEventsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListEventsResponse.ProtoReflect.Descriptor instead.
 func (*ListEventsResponse) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{26}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *ListEventsResponse) GetEvents() []*EventInfo {
@@ -2688,7 +2785,7 @@ type EventInfo struct {
 
 func (x *EventInfo) Reset() {
 	*x = EventInfo{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[27]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2700,7 +2797,7 @@ func (x *EventInfo) String() string {
 func (*EventInfo) ProtoMessage() {}
 
 func (x *EventInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[27]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2713,7 +2810,7 @@ func (x *EventInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EventInfo.ProtoReflect.Descriptor instead.
 func (*EventInfo) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{27}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *EventInfo) GetEvent() *Event {
@@ -2759,7 +2856,7 @@ type Skip struct {
 
 func (x *Skip) Reset() {
 	*x = Skip{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[28]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2771,7 +2868,7 @@ func (x *Skip) String() string {
 func (*Skip) ProtoMessage() {}
 
 func (x *Skip) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[28]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2784,7 +2881,7 @@ func (x *Skip) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Skip.ProtoReflect.Descriptor instead.
 func (*Skip) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{28}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *Skip) GetReason() string {
@@ -2830,7 +2927,7 @@ type RetryAggregateRequest struct {
 
 func (x *RetryAggregateRequest) Reset() {
 	*x = RetryAggregateRequest{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[29]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2842,7 +2939,7 @@ func (x *RetryAggregateRequest) String() string {
 func (*RetryAggregateRequest) ProtoMessage() {}
 
 func (x *RetryAggregateRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[29]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2855,7 +2952,7 @@ func (x *RetryAggregateRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RetryAggregateRequest.ProtoReflect.Descriptor instead.
 func (*RetryAggregateRequest) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{29}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{30}
 }
 
 func (x *RetryAggregateRequest) GetStream() string {
@@ -2904,7 +3001,7 @@ type RetryAggregateResponse struct {
 
 func (x *RetryAggregateResponse) Reset() {
 	*x = RetryAggregateResponse{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[30]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2916,7 +3013,7 @@ func (x *RetryAggregateResponse) String() string {
 func (*RetryAggregateResponse) ProtoMessage() {}
 
 func (x *RetryAggregateResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[30]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2929,7 +3026,7 @@ func (x *RetryAggregateResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RetryAggregateResponse.ProtoReflect.Descriptor instead.
 func (*RetryAggregateResponse) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{30}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{31}
 }
 
 func (x *RetryAggregateResponse) GetAggregate() *Aggregate {
@@ -2957,7 +3054,7 @@ type SkipEventRequest struct {
 
 func (x *SkipEventRequest) Reset() {
 	*x = SkipEventRequest{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[31]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[32]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2969,7 +3066,7 @@ func (x *SkipEventRequest) String() string {
 func (*SkipEventRequest) ProtoMessage() {}
 
 func (x *SkipEventRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[31]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[32]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2982,7 +3079,7 @@ func (x *SkipEventRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SkipEventRequest.ProtoReflect.Descriptor instead.
 func (*SkipEventRequest) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{31}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{32}
 }
 
 func (x *SkipEventRequest) GetEventId() string {
@@ -3017,7 +3114,7 @@ type SkipEventResponse struct {
 
 func (x *SkipEventResponse) Reset() {
 	*x = SkipEventResponse{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[32]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[33]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3029,7 +3126,7 @@ func (x *SkipEventResponse) String() string {
 func (*SkipEventResponse) ProtoMessage() {}
 
 func (x *SkipEventResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[32]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[33]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3042,7 +3139,7 @@ func (x *SkipEventResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SkipEventResponse.ProtoReflect.Descriptor instead.
 func (*SkipEventResponse) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{32}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{33}
 }
 
 func (x *SkipEventResponse) GetSkip() *Skip {
@@ -3070,7 +3167,7 @@ type PurgeRequest struct {
 
 func (x *PurgeRequest) Reset() {
 	*x = PurgeRequest{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[33]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[34]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3082,7 +3179,7 @@ func (x *PurgeRequest) String() string {
 func (*PurgeRequest) ProtoMessage() {}
 
 func (x *PurgeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[33]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[34]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3095,7 +3192,7 @@ func (x *PurgeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PurgeRequest.ProtoReflect.Descriptor instead.
 func (*PurgeRequest) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{33}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{34}
 }
 
 func (x *PurgeRequest) GetPublishedBefore() *timestamppb.Timestamp {
@@ -3157,7 +3254,7 @@ type PurgeResponse struct {
 
 func (x *PurgeResponse) Reset() {
 	*x = PurgeResponse{}
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[34]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[35]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3169,7 +3266,7 @@ func (x *PurgeResponse) String() string {
 func (*PurgeResponse) ProtoMessage() {}
 
 func (x *PurgeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_admin_service_proto_msgTypes[34]
+	mi := &file_outbox_v1_admin_service_proto_msgTypes[35]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3182,7 +3279,7 @@ func (x *PurgeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PurgeResponse.ProtoReflect.Descriptor instead.
 func (*PurgeResponse) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{34}
+	return file_outbox_v1_admin_service_proto_rawDescGZIP(), []int{35}
 }
 
 func (x *PurgeResponse) GetDeleted() int64 {
@@ -3240,14 +3337,21 @@ const file_outbox_v1_admin_service_proto_rawDesc = "" +
 	"\n" +
 	"\x1doutbox/v1/admin_service.proto\x12\toutbox.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x15outbox/v1/event.proto\")\n" +
 	"\rGetLagRequest\x12\x18\n" +
-	"\astreams\x18\x01 \x03(\tR\astreams\"\xc3\x02\n" +
+	"\astreams\x18\x01 \x03(\tR\astreams\"\xfe\x02\n" +
 	"\x0eGetLagResponse\x12.\n" +
 	"\astreams\x18\x01 \x03(\v2\x14.outbox.v1.StreamLagR\astreams\x12*\n" +
 	"\x05total\x18\x02 \x01(\v2\x14.outbox.v1.StreamLagR\x05total\x12)\n" +
 	"\x10connected_relays\x18\x03 \x01(\rR\x0fconnectedRelays\x12+\n" +
 	"\x11discovery_stopped\x18\x04 \x01(\tR\x10discoveryStopped\x121\n" +
 	"\asources\x18\x05 \x03(\v2\x17.outbox.v1.SourceHealthR\asources\x12J\n" +
-	"\x13stranded_audited_at\x18\x06 \x01(\v2\x1a.google.protobuf.TimestampR\x11strandedAuditedAt\"P\n" +
+	"\x13stranded_audited_at\x18\x06 \x01(\v2\x1a.google.protobuf.TimestampR\x11strandedAuditedAt\x129\n" +
+	"\fxmin_horizon\x18\a \x01(\v2\x16.outbox.v1.XminHorizonR\vxminHorizon\"\xa3\x01\n" +
+	"\vXminHorizon\x12)\n" +
+	"\x10age_transactions\x18\x01 \x01(\x03R\x0fageTransactions\x12\x16\n" +
+	"\x06holder\x18\x02 \x01(\tR\x06holder\x129\n" +
+	"\n" +
+	"held_since\x18\x03 \x01(\v2\x1a.google.protobuf.TimestampR\theldSince\x12\x16\n" +
+	"\x06source\x18\x04 \x01(\tR\x06source\"P\n" +
 	"\fSourceHealth\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x14\n" +
 	"\x05ready\x18\x02 \x01(\bR\x05ready\x12\x16\n" +
@@ -3531,131 +3635,134 @@ func file_outbox_v1_admin_service_proto_rawDescGZIP() []byte {
 }
 
 var file_outbox_v1_admin_service_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
-var file_outbox_v1_admin_service_proto_msgTypes = make([]protoimpl.MessageInfo, 35)
+var file_outbox_v1_admin_service_proto_msgTypes = make([]protoimpl.MessageInfo, 36)
 var file_outbox_v1_admin_service_proto_goTypes = []any{
 	(AggregateState)(0),                 // 0: outbox.v1.AggregateState
 	(AttemptOutcome)(0),                 // 1: outbox.v1.AttemptOutcome
 	(EventState)(0),                     // 2: outbox.v1.EventState
 	(*GetLagRequest)(nil),               // 3: outbox.v1.GetLagRequest
 	(*GetLagResponse)(nil),              // 4: outbox.v1.GetLagResponse
-	(*SourceHealth)(nil),                // 5: outbox.v1.SourceHealth
-	(*StreamLag)(nil),                   // 6: outbox.v1.StreamLag
-	(*ListRelaysRequest)(nil),           // 7: outbox.v1.ListRelaysRequest
-	(*ListRelaysResponse)(nil),          // 8: outbox.v1.ListRelaysResponse
-	(*Relay)(nil),                       // 9: outbox.v1.Relay
-	(*GetAggregateRequest)(nil),         // 10: outbox.v1.GetAggregateRequest
-	(*GetAggregateResponse)(nil),        // 11: outbox.v1.GetAggregateResponse
-	(*Aggregate)(nil),                   // 12: outbox.v1.Aggregate
-	(*AggregateFilter)(nil),             // 13: outbox.v1.AggregateFilter
-	(*ListAggregatesRequest)(nil),       // 14: outbox.v1.ListAggregatesRequest
-	(*ListAggregatesResponse)(nil),      // 15: outbox.v1.ListAggregatesResponse
-	(*Attempt)(nil),                     // 16: outbox.v1.Attempt
-	(*ListAttemptsRequest)(nil),         // 17: outbox.v1.ListAttemptsRequest
-	(*ListAttemptsResponse)(nil),        // 18: outbox.v1.ListAttemptsResponse
-	(*BulkRetryRequest)(nil),            // 19: outbox.v1.BulkRetryRequest
-	(*BulkRetryResponse)(nil),           // 20: outbox.v1.BulkRetryResponse
-	(*BulkSkipRequest)(nil),             // 21: outbox.v1.BulkSkipRequest
-	(*BulkSkipResponse)(nil),            // 22: outbox.v1.BulkSkipResponse
-	(*RepublishRequest)(nil),            // 23: outbox.v1.RepublishRequest
-	(*RepublishResponse)(nil),           // 24: outbox.v1.RepublishResponse
-	(*ListOperatorActionsRequest)(nil),  // 25: outbox.v1.ListOperatorActionsRequest
-	(*ListOperatorActionsResponse)(nil), // 26: outbox.v1.ListOperatorActionsResponse
-	(*OperatorAction)(nil),              // 27: outbox.v1.OperatorAction
-	(*ListEventsRequest)(nil),           // 28: outbox.v1.ListEventsRequest
-	(*ListEventsResponse)(nil),          // 29: outbox.v1.ListEventsResponse
-	(*EventInfo)(nil),                   // 30: outbox.v1.EventInfo
-	(*Skip)(nil),                        // 31: outbox.v1.Skip
-	(*RetryAggregateRequest)(nil),       // 32: outbox.v1.RetryAggregateRequest
-	(*RetryAggregateResponse)(nil),      // 33: outbox.v1.RetryAggregateResponse
-	(*SkipEventRequest)(nil),            // 34: outbox.v1.SkipEventRequest
-	(*SkipEventResponse)(nil),           // 35: outbox.v1.SkipEventResponse
-	(*PurgeRequest)(nil),                // 36: outbox.v1.PurgeRequest
-	(*PurgeResponse)(nil),               // 37: outbox.v1.PurgeResponse
-	(*timestamppb.Timestamp)(nil),       // 38: google.protobuf.Timestamp
-	(*durationpb.Duration)(nil),         // 39: google.protobuf.Duration
-	(*Event)(nil),                       // 40: outbox.v1.Event
+	(*XminHorizon)(nil),                 // 5: outbox.v1.XminHorizon
+	(*SourceHealth)(nil),                // 6: outbox.v1.SourceHealth
+	(*StreamLag)(nil),                   // 7: outbox.v1.StreamLag
+	(*ListRelaysRequest)(nil),           // 8: outbox.v1.ListRelaysRequest
+	(*ListRelaysResponse)(nil),          // 9: outbox.v1.ListRelaysResponse
+	(*Relay)(nil),                       // 10: outbox.v1.Relay
+	(*GetAggregateRequest)(nil),         // 11: outbox.v1.GetAggregateRequest
+	(*GetAggregateResponse)(nil),        // 12: outbox.v1.GetAggregateResponse
+	(*Aggregate)(nil),                   // 13: outbox.v1.Aggregate
+	(*AggregateFilter)(nil),             // 14: outbox.v1.AggregateFilter
+	(*ListAggregatesRequest)(nil),       // 15: outbox.v1.ListAggregatesRequest
+	(*ListAggregatesResponse)(nil),      // 16: outbox.v1.ListAggregatesResponse
+	(*Attempt)(nil),                     // 17: outbox.v1.Attempt
+	(*ListAttemptsRequest)(nil),         // 18: outbox.v1.ListAttemptsRequest
+	(*ListAttemptsResponse)(nil),        // 19: outbox.v1.ListAttemptsResponse
+	(*BulkRetryRequest)(nil),            // 20: outbox.v1.BulkRetryRequest
+	(*BulkRetryResponse)(nil),           // 21: outbox.v1.BulkRetryResponse
+	(*BulkSkipRequest)(nil),             // 22: outbox.v1.BulkSkipRequest
+	(*BulkSkipResponse)(nil),            // 23: outbox.v1.BulkSkipResponse
+	(*RepublishRequest)(nil),            // 24: outbox.v1.RepublishRequest
+	(*RepublishResponse)(nil),           // 25: outbox.v1.RepublishResponse
+	(*ListOperatorActionsRequest)(nil),  // 26: outbox.v1.ListOperatorActionsRequest
+	(*ListOperatorActionsResponse)(nil), // 27: outbox.v1.ListOperatorActionsResponse
+	(*OperatorAction)(nil),              // 28: outbox.v1.OperatorAction
+	(*ListEventsRequest)(nil),           // 29: outbox.v1.ListEventsRequest
+	(*ListEventsResponse)(nil),          // 30: outbox.v1.ListEventsResponse
+	(*EventInfo)(nil),                   // 31: outbox.v1.EventInfo
+	(*Skip)(nil),                        // 32: outbox.v1.Skip
+	(*RetryAggregateRequest)(nil),       // 33: outbox.v1.RetryAggregateRequest
+	(*RetryAggregateResponse)(nil),      // 34: outbox.v1.RetryAggregateResponse
+	(*SkipEventRequest)(nil),            // 35: outbox.v1.SkipEventRequest
+	(*SkipEventResponse)(nil),           // 36: outbox.v1.SkipEventResponse
+	(*PurgeRequest)(nil),                // 37: outbox.v1.PurgeRequest
+	(*PurgeResponse)(nil),               // 38: outbox.v1.PurgeResponse
+	(*timestamppb.Timestamp)(nil),       // 39: google.protobuf.Timestamp
+	(*durationpb.Duration)(nil),         // 40: google.protobuf.Duration
+	(*Event)(nil),                       // 41: outbox.v1.Event
 }
 var file_outbox_v1_admin_service_proto_depIdxs = []int32{
-	6,  // 0: outbox.v1.GetLagResponse.streams:type_name -> outbox.v1.StreamLag
-	6,  // 1: outbox.v1.GetLagResponse.total:type_name -> outbox.v1.StreamLag
-	5,  // 2: outbox.v1.GetLagResponse.sources:type_name -> outbox.v1.SourceHealth
-	38, // 3: outbox.v1.GetLagResponse.stranded_audited_at:type_name -> google.protobuf.Timestamp
-	39, // 4: outbox.v1.StreamLag.oldest_pending_age:type_name -> google.protobuf.Duration
-	38, // 5: outbox.v1.StreamLag.oldest_pending_created_at:type_name -> google.protobuf.Timestamp
-	39, // 6: outbox.v1.StreamLag.oldest_held_age:type_name -> google.protobuf.Duration
-	9,  // 7: outbox.v1.ListRelaysResponse.relays:type_name -> outbox.v1.Relay
-	38, // 8: outbox.v1.Relay.connected_at:type_name -> google.protobuf.Timestamp
-	12, // 9: outbox.v1.GetAggregateResponse.aggregate:type_name -> outbox.v1.Aggregate
-	0,  // 10: outbox.v1.Aggregate.state:type_name -> outbox.v1.AggregateState
-	38, // 11: outbox.v1.Aggregate.lease_expires_at:type_name -> google.protobuf.Timestamp
-	38, // 12: outbox.v1.Aggregate.next_attempt_at:type_name -> google.protobuf.Timestamp
-	38, // 13: outbox.v1.Aggregate.parked_at:type_name -> google.protobuf.Timestamp
-	38, // 14: outbox.v1.Aggregate.oldest_pending_created_at:type_name -> google.protobuf.Timestamp
-	0,  // 15: outbox.v1.AggregateFilter.states:type_name -> outbox.v1.AggregateState
-	38, // 16: outbox.v1.AggregateFilter.pending_before:type_name -> google.protobuf.Timestamp
-	13, // 17: outbox.v1.ListAggregatesRequest.filter:type_name -> outbox.v1.AggregateFilter
-	12, // 18: outbox.v1.ListAggregatesResponse.aggregates:type_name -> outbox.v1.Aggregate
-	5,  // 19: outbox.v1.ListAggregatesResponse.skipped_sources:type_name -> outbox.v1.SourceHealth
-	1,  // 20: outbox.v1.Attempt.outcome:type_name -> outbox.v1.AttemptOutcome
-	38, // 21: outbox.v1.Attempt.at:type_name -> google.protobuf.Timestamp
-	16, // 22: outbox.v1.ListAttemptsResponse.attempts:type_name -> outbox.v1.Attempt
-	13, // 23: outbox.v1.BulkRetryRequest.filter:type_name -> outbox.v1.AggregateFilter
-	12, // 24: outbox.v1.BulkRetryResponse.sample:type_name -> outbox.v1.Aggregate
-	13, // 25: outbox.v1.BulkSkipRequest.filter:type_name -> outbox.v1.AggregateFilter
-	12, // 26: outbox.v1.BulkSkipResponse.sample:type_name -> outbox.v1.Aggregate
-	38, // 27: outbox.v1.RepublishRequest.published_after:type_name -> google.protobuf.Timestamp
-	38, // 28: outbox.v1.RepublishRequest.published_before:type_name -> google.protobuf.Timestamp
-	38, // 29: outbox.v1.ListOperatorActionsRequest.since:type_name -> google.protobuf.Timestamp
-	27, // 30: outbox.v1.ListOperatorActionsResponse.actions:type_name -> outbox.v1.OperatorAction
-	5,  // 31: outbox.v1.ListOperatorActionsResponse.skipped_sources:type_name -> outbox.v1.SourceHealth
-	38, // 32: outbox.v1.OperatorAction.started_at:type_name -> google.protobuf.Timestamp
-	38, // 33: outbox.v1.OperatorAction.finished_at:type_name -> google.protobuf.Timestamp
-	2,  // 34: outbox.v1.ListEventsRequest.state:type_name -> outbox.v1.EventState
-	38, // 35: outbox.v1.ListEventsRequest.created_after:type_name -> google.protobuf.Timestamp
-	38, // 36: outbox.v1.ListEventsRequest.created_before:type_name -> google.protobuf.Timestamp
-	30, // 37: outbox.v1.ListEventsResponse.events:type_name -> outbox.v1.EventInfo
-	5,  // 38: outbox.v1.ListEventsResponse.skipped_sources:type_name -> outbox.v1.SourceHealth
-	40, // 39: outbox.v1.EventInfo.event:type_name -> outbox.v1.Event
-	2,  // 40: outbox.v1.EventInfo.state:type_name -> outbox.v1.EventState
-	38, // 41: outbox.v1.EventInfo.published_at:type_name -> google.protobuf.Timestamp
-	31, // 42: outbox.v1.EventInfo.skip:type_name -> outbox.v1.Skip
-	38, // 43: outbox.v1.Skip.skipped_at:type_name -> google.protobuf.Timestamp
-	12, // 44: outbox.v1.RetryAggregateResponse.aggregate:type_name -> outbox.v1.Aggregate
-	31, // 45: outbox.v1.SkipEventResponse.skip:type_name -> outbox.v1.Skip
-	38, // 46: outbox.v1.PurgeRequest.published_before:type_name -> google.protobuf.Timestamp
-	39, // 47: outbox.v1.PurgeResponse.elapsed:type_name -> google.protobuf.Duration
-	37, // 48: outbox.v1.PurgeResponse.sources:type_name -> outbox.v1.PurgeResponse
-	3,  // 49: outbox.v1.AdminService.GetLag:input_type -> outbox.v1.GetLagRequest
-	7,  // 50: outbox.v1.AdminService.ListRelays:input_type -> outbox.v1.ListRelaysRequest
-	10, // 51: outbox.v1.AdminService.GetAggregate:input_type -> outbox.v1.GetAggregateRequest
-	28, // 52: outbox.v1.AdminService.ListEvents:input_type -> outbox.v1.ListEventsRequest
-	32, // 53: outbox.v1.AdminService.RetryAggregate:input_type -> outbox.v1.RetryAggregateRequest
-	34, // 54: outbox.v1.AdminService.SkipEvent:input_type -> outbox.v1.SkipEventRequest
-	36, // 55: outbox.v1.AdminService.Purge:input_type -> outbox.v1.PurgeRequest
-	14, // 56: outbox.v1.AdminService.ListAggregates:input_type -> outbox.v1.ListAggregatesRequest
-	17, // 57: outbox.v1.AdminService.ListAttempts:input_type -> outbox.v1.ListAttemptsRequest
-	19, // 58: outbox.v1.AdminService.BulkRetry:input_type -> outbox.v1.BulkRetryRequest
-	21, // 59: outbox.v1.AdminService.BulkSkip:input_type -> outbox.v1.BulkSkipRequest
-	23, // 60: outbox.v1.AdminService.Republish:input_type -> outbox.v1.RepublishRequest
-	25, // 61: outbox.v1.AdminService.ListOperatorActions:input_type -> outbox.v1.ListOperatorActionsRequest
-	4,  // 62: outbox.v1.AdminService.GetLag:output_type -> outbox.v1.GetLagResponse
-	8,  // 63: outbox.v1.AdminService.ListRelays:output_type -> outbox.v1.ListRelaysResponse
-	11, // 64: outbox.v1.AdminService.GetAggregate:output_type -> outbox.v1.GetAggregateResponse
-	29, // 65: outbox.v1.AdminService.ListEvents:output_type -> outbox.v1.ListEventsResponse
-	33, // 66: outbox.v1.AdminService.RetryAggregate:output_type -> outbox.v1.RetryAggregateResponse
-	35, // 67: outbox.v1.AdminService.SkipEvent:output_type -> outbox.v1.SkipEventResponse
-	37, // 68: outbox.v1.AdminService.Purge:output_type -> outbox.v1.PurgeResponse
-	15, // 69: outbox.v1.AdminService.ListAggregates:output_type -> outbox.v1.ListAggregatesResponse
-	18, // 70: outbox.v1.AdminService.ListAttempts:output_type -> outbox.v1.ListAttemptsResponse
-	20, // 71: outbox.v1.AdminService.BulkRetry:output_type -> outbox.v1.BulkRetryResponse
-	22, // 72: outbox.v1.AdminService.BulkSkip:output_type -> outbox.v1.BulkSkipResponse
-	24, // 73: outbox.v1.AdminService.Republish:output_type -> outbox.v1.RepublishResponse
-	26, // 74: outbox.v1.AdminService.ListOperatorActions:output_type -> outbox.v1.ListOperatorActionsResponse
-	62, // [62:75] is the sub-list for method output_type
-	49, // [49:62] is the sub-list for method input_type
-	49, // [49:49] is the sub-list for extension type_name
-	49, // [49:49] is the sub-list for extension extendee
-	0,  // [0:49] is the sub-list for field type_name
+	7,  // 0: outbox.v1.GetLagResponse.streams:type_name -> outbox.v1.StreamLag
+	7,  // 1: outbox.v1.GetLagResponse.total:type_name -> outbox.v1.StreamLag
+	6,  // 2: outbox.v1.GetLagResponse.sources:type_name -> outbox.v1.SourceHealth
+	39, // 3: outbox.v1.GetLagResponse.stranded_audited_at:type_name -> google.protobuf.Timestamp
+	5,  // 4: outbox.v1.GetLagResponse.xmin_horizon:type_name -> outbox.v1.XminHorizon
+	39, // 5: outbox.v1.XminHorizon.held_since:type_name -> google.protobuf.Timestamp
+	40, // 6: outbox.v1.StreamLag.oldest_pending_age:type_name -> google.protobuf.Duration
+	39, // 7: outbox.v1.StreamLag.oldest_pending_created_at:type_name -> google.protobuf.Timestamp
+	40, // 8: outbox.v1.StreamLag.oldest_held_age:type_name -> google.protobuf.Duration
+	10, // 9: outbox.v1.ListRelaysResponse.relays:type_name -> outbox.v1.Relay
+	39, // 10: outbox.v1.Relay.connected_at:type_name -> google.protobuf.Timestamp
+	13, // 11: outbox.v1.GetAggregateResponse.aggregate:type_name -> outbox.v1.Aggregate
+	0,  // 12: outbox.v1.Aggregate.state:type_name -> outbox.v1.AggregateState
+	39, // 13: outbox.v1.Aggregate.lease_expires_at:type_name -> google.protobuf.Timestamp
+	39, // 14: outbox.v1.Aggregate.next_attempt_at:type_name -> google.protobuf.Timestamp
+	39, // 15: outbox.v1.Aggregate.parked_at:type_name -> google.protobuf.Timestamp
+	39, // 16: outbox.v1.Aggregate.oldest_pending_created_at:type_name -> google.protobuf.Timestamp
+	0,  // 17: outbox.v1.AggregateFilter.states:type_name -> outbox.v1.AggregateState
+	39, // 18: outbox.v1.AggregateFilter.pending_before:type_name -> google.protobuf.Timestamp
+	14, // 19: outbox.v1.ListAggregatesRequest.filter:type_name -> outbox.v1.AggregateFilter
+	13, // 20: outbox.v1.ListAggregatesResponse.aggregates:type_name -> outbox.v1.Aggregate
+	6,  // 21: outbox.v1.ListAggregatesResponse.skipped_sources:type_name -> outbox.v1.SourceHealth
+	1,  // 22: outbox.v1.Attempt.outcome:type_name -> outbox.v1.AttemptOutcome
+	39, // 23: outbox.v1.Attempt.at:type_name -> google.protobuf.Timestamp
+	17, // 24: outbox.v1.ListAttemptsResponse.attempts:type_name -> outbox.v1.Attempt
+	14, // 25: outbox.v1.BulkRetryRequest.filter:type_name -> outbox.v1.AggregateFilter
+	13, // 26: outbox.v1.BulkRetryResponse.sample:type_name -> outbox.v1.Aggregate
+	14, // 27: outbox.v1.BulkSkipRequest.filter:type_name -> outbox.v1.AggregateFilter
+	13, // 28: outbox.v1.BulkSkipResponse.sample:type_name -> outbox.v1.Aggregate
+	39, // 29: outbox.v1.RepublishRequest.published_after:type_name -> google.protobuf.Timestamp
+	39, // 30: outbox.v1.RepublishRequest.published_before:type_name -> google.protobuf.Timestamp
+	39, // 31: outbox.v1.ListOperatorActionsRequest.since:type_name -> google.protobuf.Timestamp
+	28, // 32: outbox.v1.ListOperatorActionsResponse.actions:type_name -> outbox.v1.OperatorAction
+	6,  // 33: outbox.v1.ListOperatorActionsResponse.skipped_sources:type_name -> outbox.v1.SourceHealth
+	39, // 34: outbox.v1.OperatorAction.started_at:type_name -> google.protobuf.Timestamp
+	39, // 35: outbox.v1.OperatorAction.finished_at:type_name -> google.protobuf.Timestamp
+	2,  // 36: outbox.v1.ListEventsRequest.state:type_name -> outbox.v1.EventState
+	39, // 37: outbox.v1.ListEventsRequest.created_after:type_name -> google.protobuf.Timestamp
+	39, // 38: outbox.v1.ListEventsRequest.created_before:type_name -> google.protobuf.Timestamp
+	31, // 39: outbox.v1.ListEventsResponse.events:type_name -> outbox.v1.EventInfo
+	6,  // 40: outbox.v1.ListEventsResponse.skipped_sources:type_name -> outbox.v1.SourceHealth
+	41, // 41: outbox.v1.EventInfo.event:type_name -> outbox.v1.Event
+	2,  // 42: outbox.v1.EventInfo.state:type_name -> outbox.v1.EventState
+	39, // 43: outbox.v1.EventInfo.published_at:type_name -> google.protobuf.Timestamp
+	32, // 44: outbox.v1.EventInfo.skip:type_name -> outbox.v1.Skip
+	39, // 45: outbox.v1.Skip.skipped_at:type_name -> google.protobuf.Timestamp
+	13, // 46: outbox.v1.RetryAggregateResponse.aggregate:type_name -> outbox.v1.Aggregate
+	32, // 47: outbox.v1.SkipEventResponse.skip:type_name -> outbox.v1.Skip
+	39, // 48: outbox.v1.PurgeRequest.published_before:type_name -> google.protobuf.Timestamp
+	40, // 49: outbox.v1.PurgeResponse.elapsed:type_name -> google.protobuf.Duration
+	38, // 50: outbox.v1.PurgeResponse.sources:type_name -> outbox.v1.PurgeResponse
+	3,  // 51: outbox.v1.AdminService.GetLag:input_type -> outbox.v1.GetLagRequest
+	8,  // 52: outbox.v1.AdminService.ListRelays:input_type -> outbox.v1.ListRelaysRequest
+	11, // 53: outbox.v1.AdminService.GetAggregate:input_type -> outbox.v1.GetAggregateRequest
+	29, // 54: outbox.v1.AdminService.ListEvents:input_type -> outbox.v1.ListEventsRequest
+	33, // 55: outbox.v1.AdminService.RetryAggregate:input_type -> outbox.v1.RetryAggregateRequest
+	35, // 56: outbox.v1.AdminService.SkipEvent:input_type -> outbox.v1.SkipEventRequest
+	37, // 57: outbox.v1.AdminService.Purge:input_type -> outbox.v1.PurgeRequest
+	15, // 58: outbox.v1.AdminService.ListAggregates:input_type -> outbox.v1.ListAggregatesRequest
+	18, // 59: outbox.v1.AdminService.ListAttempts:input_type -> outbox.v1.ListAttemptsRequest
+	20, // 60: outbox.v1.AdminService.BulkRetry:input_type -> outbox.v1.BulkRetryRequest
+	22, // 61: outbox.v1.AdminService.BulkSkip:input_type -> outbox.v1.BulkSkipRequest
+	24, // 62: outbox.v1.AdminService.Republish:input_type -> outbox.v1.RepublishRequest
+	26, // 63: outbox.v1.AdminService.ListOperatorActions:input_type -> outbox.v1.ListOperatorActionsRequest
+	4,  // 64: outbox.v1.AdminService.GetLag:output_type -> outbox.v1.GetLagResponse
+	9,  // 65: outbox.v1.AdminService.ListRelays:output_type -> outbox.v1.ListRelaysResponse
+	12, // 66: outbox.v1.AdminService.GetAggregate:output_type -> outbox.v1.GetAggregateResponse
+	30, // 67: outbox.v1.AdminService.ListEvents:output_type -> outbox.v1.ListEventsResponse
+	34, // 68: outbox.v1.AdminService.RetryAggregate:output_type -> outbox.v1.RetryAggregateResponse
+	36, // 69: outbox.v1.AdminService.SkipEvent:output_type -> outbox.v1.SkipEventResponse
+	38, // 70: outbox.v1.AdminService.Purge:output_type -> outbox.v1.PurgeResponse
+	16, // 71: outbox.v1.AdminService.ListAggregates:output_type -> outbox.v1.ListAggregatesResponse
+	19, // 72: outbox.v1.AdminService.ListAttempts:output_type -> outbox.v1.ListAttemptsResponse
+	21, // 73: outbox.v1.AdminService.BulkRetry:output_type -> outbox.v1.BulkRetryResponse
+	23, // 74: outbox.v1.AdminService.BulkSkip:output_type -> outbox.v1.BulkSkipResponse
+	25, // 75: outbox.v1.AdminService.Republish:output_type -> outbox.v1.RepublishResponse
+	27, // 76: outbox.v1.AdminService.ListOperatorActions:output_type -> outbox.v1.ListOperatorActionsResponse
+	64, // [64:77] is the sub-list for method output_type
+	51, // [51:64] is the sub-list for method input_type
+	51, // [51:51] is the sub-list for extension type_name
+	51, // [51:51] is the sub-list for extension extendee
+	0,  // [0:51] is the sub-list for field type_name
 }
 
 func init() { file_outbox_v1_admin_service_proto_init() }
@@ -3670,7 +3777,7 @@ func file_outbox_v1_admin_service_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_outbox_v1_admin_service_proto_rawDesc), len(file_outbox_v1_admin_service_proto_rawDesc)),
 			NumEnums:      3,
-			NumMessages:   35,
+			NumMessages:   36,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

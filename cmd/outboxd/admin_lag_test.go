@@ -1,0 +1,34 @@
+package main
+
+import (
+	"bytes"
+	"strings"
+	"testing"
+
+	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+)
+
+// `outboxd lag` reports a held xmin horizon once it is old enough to slow
+// delivery (xminHorizonWarnAge transactions), with its holder and source
+// and what to do, and says nothing of a younger one.
+func TestLagReportsAHeldXminHorizon(t *testing.T) {
+	lag := func(age int64) string {
+		t.Helper()
+		var out bytes.Buffer
+		if err := printLag(&out, &outboxv1.GetLagResponse{Total: &outboxv1.StreamLag{}, XminHorizon: &outboxv1.XminHorizon{
+			AgeTransactions: age, Holder: "pid 4242 (database shop, user report, idle in transaction)", Source: "orders"}}); err != nil {
+			t.Fatal(err)
+		}
+		return out.String()
+	}
+	out := lag(xminHorizonWarnAge)
+	for _, want := range []string{"XMIN HORIZON HELD: 50000 transactions back by pid 4242 (database shop, user report, idle in transaction)",
+		"(the cluster of source orders)", "end that transaction"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("lag with a horizon held %d transactions back does not say %q:\n%s", xminHorizonWarnAge, want, out)
+		}
+	}
+	if out := lag(xminHorizonWarnAge - 1); strings.Contains(out, "XMIN") {
+		t.Errorf("lag reports a horizon held %d transactions back:\n%s", xminHorizonWarnAge-1, out)
+	}
+}
