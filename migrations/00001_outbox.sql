@@ -2764,40 +2764,47 @@ END
 $$;
 -- +goose StatementEnd
 
--- xmin_horizon_holders lists what holds the cluster's xmin horizon back,
--- the oldest first: sessions with a transaction id or a snapshot (another
--- database's too: the horizon is the cluster's), prepared transactions,
--- replication slots and standbys' feedback. age is how many transactions
--- ago the horizon it holds was; since is when its transaction began or it
+-- xmin_horizon_holders lists what holds this database's xmin horizon
+-- back, the oldest first: sessions with a transaction id in any database
+-- of the cluster (every snapshot taken while one runs keeps it) or with a
+-- snapshot in this one (pg_dump, a report: a snapshot in another database
+-- holds only that database's), prepared transactions, replication slots
+-- and standbys' feedback. age is how many transactions ago the horizon it
+-- holds was (never negative); since is when its transaction began or it
 -- was prepared, where PostgreSQL shows that to the caller (another role's
--- session shows it only to members of pg_read_all_stats). While one is
--- held, PostgreSQL keeps every row version written since, and delivery,
--- which writes a few versions of a delivery row per event, reads past
--- more of them with every event delivered: a hold of minutes slows it to
--- a fraction (see the lag report's xmin_horizon).
+-- session shows it, and its state, to members of pg_read_all_stats only;
+-- its pid, database, user, application and horizon to everyone). While
+-- one is held, PostgreSQL keeps every row version written since, and
+-- delivery, which writes a few versions of a delivery row per event,
+-- reads past more of them with every event delivered: a hold of minutes
+-- slows it to a fraction (see the lag report's xmin_horizon). The
+-- replicas' own short transactions are listed too, with small ages.
 -- +goose StatementBegin
 CREATE FUNCTION outbox.xmin_horizon_holders()
 RETURNS TABLE (age integer, holder text, since timestamptz)
 LANGUAGE sql STABLE AS $$
     SELECT h.age, h.holder, h.since FROM (
-        SELECT greatest(age(a.backend_xid), age(a.backend_xmin)) AS age,
+        SELECT greatest(age(a.backend_xid), CASE WHEN a.datname = current_database() THEN age(a.backend_xmin) END, 0) AS age,
                format('pid %s (%s)', a.pid,
                       concat_ws(', ', 'database ' || a.datname, 'user ' || a.usename,
                                 'application ' || nullif(a.application_name, ''), a.state)) AS holder,
                a.xact_start AS since
         FROM pg_stat_activity a
-        WHERE (a.backend_xid IS NOT NULL OR a.backend_xmin IS NOT NULL) AND a.pid <> pg_backend_pid()
-          AND a.backend_type <> 'walsender'
+        WHERE (a.backend_xid IS NOT NULL OR (a.backend_xmin IS NOT NULL AND a.datname = current_database()))
+          AND a.pid <> pg_backend_pid()
+          -- (A WAL sender's horizon is its standby's, listed below.)
+          AND NOT EXISTS (SELECT FROM pg_stat_replication r WHERE r.pid = a.pid)
         UNION ALL
-        SELECT age(p.transaction), format('prepared transaction %s (database %s, owner %s)', p.gid, p.database, p.owner),
-               p.prepared
+        SELECT greatest(age(p.transaction), 0),
+               format('prepared transaction %s (database %s, owner %s)', p.gid, p.database, p.owner), p.prepared
         FROM pg_prepared_xacts p
         UNION ALL
-        SELECT age(s.xmin), format('replication slot %s', s.slot_name), NULL
+        SELECT greatest(age(s.xmin), 0), format('replication slot %s', s.slot_name), NULL
         FROM pg_replication_slots s
         WHERE s.xmin IS NOT NULL
         UNION ALL
-        SELECT age(r.backend_xmin), format('standby %s (feedback of pid %s)', coalesce(nullif(r.application_name, ''), r.client_addr::text), r.pid),
+        SELECT greatest(age(r.backend_xmin), 0),
+               format('standby %s (feedback of pid %s)', coalesce(nullif(r.application_name, ''), r.client_addr::text), r.pid),
                NULL
         FROM pg_stat_replication r
         WHERE r.backend_xmin IS NOT NULL

@@ -145,7 +145,7 @@ func newLagCollector(s *Server) *lagCollector {
 		relays: prometheus.NewDesc("outboxd_connected_relays",
 			"Relay Subscribe streams open on all replicas (database-wide).", nil, nil),
 		xminHorizon: prometheus.NewDesc("outboxd_xmin_horizon_age_transactions",
-			"Transactions since the PostgreSQL cluster's xmin horizon, as held furthest back by a transaction, snapshot, prepared transaction, replication slot or standby (0: none held). PostgreSQL keeps every row version written since, and delivery slows as they pile up: GetLag (outboxd lag) names the holder.", nil, nil),
+			"Transactions since the database's xmin horizon as held furthest back by a transaction, snapshot, prepared transaction, replication slot or standby (small while none is held long). PostgreSQL keeps every row version written since, and delivery slows as they pile up: GetLag (outboxd lag) names the holder.", nil, nil),
 		scrapeSuccess: prometheus.NewDesc("outboxd_lag_scrape_success",
 			"1 if the backlog figures above could be read from the database, else 0.", nil, nil),
 	}

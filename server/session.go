@@ -719,6 +719,17 @@ func (ss *session) sendHanded(ctx context.Context, handed []store.Lease, send fu
 	return ss.sendLeases(ctx, handed, send)
 }
 
+// unlockApplied lets the session's lock go once applyFreed has applied
+// its freed list (applied leases), and then, as the first thing after,
+// runs the freedApplied test hook: what outstanding says to a reader that
+// was waiting for the lock.
+func (ss *session) unlockApplied(applied int) {
+	ss.mu.Unlock()
+	if h := ss.srv.freedApplied.get(); h != nil {
+		h(applied, ss.outstanding())
+	}
+}
+
 // applyFreed drops ended leases from inflight, adds the leases acks handed
 // over (returned, to be sent), and reconciles with the database when asked
 // to. claim says that credit was freed and should be claimed with at once;
@@ -758,10 +769,7 @@ func (ss *session) applyFreed(ctx context.Context) (handed []store.Lease, claim 
 	// count with the freed and handed leases not yet applied, never sees
 	// these both applied and still pending.
 	ss.inflightN.Store(int64(len(ss.inflight)))
-	ss.mu.Unlock()
-	if h := ss.srv.freedApplied.get(); h != nil {
-		h(len(ended)+len(handed), ss.outstanding())
-	}
+	ss.unlockApplied(len(ended) + len(handed))
 	if sweep {
 		ss.releaseUndelivered(ctx)
 	}

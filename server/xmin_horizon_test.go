@@ -2,6 +2,7 @@ package server_test
 
 import (
 	"context"
+	neturl "net/url"
 	"strings"
 	"testing"
 	"time"
@@ -15,61 +16,95 @@ import (
 	"github.com/outboxd/outboxd/server"
 )
 
-// outbox.xmin_horizon_holders names each session that holds the horizon,
-// with a transaction id or with a snapshot alone, how far back and since
-// when (the server's own role sees that of its sessions), and no longer
-// once its transaction ends.
+// outbox.xmin_horizon_holders names each session that holds this
+// database's horizon: with a transaction id in any database, or with a
+// snapshot alone in this one (one in another database holds only that
+// database's, and is not listed), of the server's role or another (whose
+// start the server's role, not a member of pg_read_all_stats, is not
+// shown), with how far back; and no longer once its transaction ends.
 func TestXminHorizonHoldersNameEachHold(t *testing.T) {
 	t.Parallel()
 	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
 	defer cancel()
-	url := testdb.New(t)
+	url, elsewhere := testdb.New(t), testdb.New(t)
 	pool := testdb.NewPoolURL(t, url)
-	tag := uuid.NewString()[:8]
-	snapshotApp, idApp := "snapshot-"+tag, "xid-"+tag
-	testdb.HoldXminHorizon(t, ctx, url, snapshotApp, false, 100)
-	testdb.HoldXminHorizon(t, ctx, url, idApp, true, 100)
+	admin := testdb.NewPoolURL(t, testdb.ServerURL())
+	tag := strings.ReplaceAll(uuid.NewString(), "-", "")[:12]
+	role := "xmin_holder_" + tag
+	if _, err := admin.Exec(ctx, `CREATE ROLE `+role+` LOGIN`); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _, _ = admin.Exec(context.Background(), `DROP ROLE `+role) })
+	asRole, err := neturl.Parse(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	asRole.User = neturl.User(role)
 	type hold struct {
+		app, url  string
+		withID    bool
+		listed    bool
+		since     bool
+		atLeast   int64
+		holderHas string
+	}
+	holds := []hold{
+		{app: "snapshot-" + tag, url: url, listed: true, since: true},
+		{app: "xid-" + tag, url: url, withID: true, listed: true, since: true},
+		{app: "other-role-" + tag, url: asRole.String(), listed: true, holderHas: "user " + role},
+		{app: "elsewhere-snapshot-" + tag, url: elsewhere},
+		{app: "elsewhere-xid-" + tag, url: elsewhere, withID: true, listed: true, since: true},
+	}
+	const n = 100
+	for i := range holds {
+		testdb.HoldXminHorizon(t, ctx, holds[i].url, holds[i].app, holds[i].withID, n)
+	}
+	type found struct {
 		age    int64
 		holder string
 		since  *time.Time
 	}
-	holds := func() map[string]hold {
+	read := func() map[string]found {
 		rows, _ := pool.Query(ctx, `SELECT age, holder, since FROM outbox.xmin_horizon_holders()`)
-		found := map[string]hold{}
-		var h hold
-		if _, err := pgx.ForEachRow(rows, []any{&h.age, &h.holder, &h.since}, func() error {
-			for _, app := range []string{snapshotApp, idApp} {
-				if strings.Contains(h.holder, "application "+app) {
-					found[app] = h
+		byApp := map[string]found{}
+		var f found
+		if _, err := pgx.ForEachRow(rows, []any{&f.age, &f.holder, &f.since}, func() error {
+			for _, h := range holds {
+				if strings.Contains(f.holder, "application "+h.app+",") || strings.HasSuffix(f.holder, "application "+h.app+")") {
+					byApp[h.app] = f
 				}
 			}
 			return nil
 		}); err != nil {
 			t.Fatal(err)
 		}
-		return found
+		return byApp
 	}
-	found := holds()
-	// The snapshot was taken before the id, with 100 commits between.
-	for app, least := range map[string]int64{snapshotApp: 200, idApp: 100} {
-		h, ok := found[app]
+	byApp := read()
+	for _, h := range holds {
+		f, ok := byApp[h.app]
 		switch {
+		case ok != h.listed:
+			t.Errorf("%s: listed %v, want %v (%v)", h.app, ok, h.listed, f)
 		case !ok:
-			t.Fatalf("no hold of %s listed: %v", app, found)
-		case h.age < least:
-			t.Errorf("%s: age %d, want at least %d", app, h.age, least)
-		case !strings.Contains(h.holder, "idle in transaction") || !strings.HasPrefix(h.holder, "pid "):
-			t.Errorf("%s: holder %q does not say its pid and state", app, h.holder)
-		case h.since == nil:
-			t.Errorf("%s: no start time for a session of the server's own role", app)
+		case f.age < n:
+			t.Errorf("%s: age %d, want at least %d", h.app, f.age, n)
+		case !strings.HasPrefix(f.holder, "pid ") || !strings.Contains(f.holder, h.holderHas):
+			t.Errorf("%s: holder %q does not say its pid and %q", h.app, f.holder, h.holderHas)
+		case (f.since != nil) != h.since:
+			t.Errorf("%s: start time %v, want one shown: %v", h.app, f.since, h.since)
+		case h.since && !strings.Contains(f.holder, "idle in transaction"):
+			t.Errorf("%s: holder %q does not say its state", h.app, f.holder)
 		}
 	}
-	if _, err := pool.Exec(ctx, `SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name IN ($1, $2)`,
-		snapshotApp, idApp); err != nil {
+	var apps []string
+	for _, h := range holds {
+		apps = append(apps, h.app)
+	}
+	if _, err := admin.Exec(ctx, `SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = ANY ($1)`, apps); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, func() int32 { return b2i(len(holds()) == 0) })
+	waitFor(t, func() int32 { return b2i(len(read()) == 0) })
 }
 
 // GetLag and the metrics say how far back the cluster's xmin horizon is

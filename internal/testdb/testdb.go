@@ -152,8 +152,9 @@ func RewriteEvents(t testing.TB, pool *pgxpool.Pool, sql string, args ...any) {
 // holds the cluster's xmin horizon: withID, a transaction id left idle
 // in transaction, else a REPEATABLE READ snapshot alone (no id: what
 // pg_dump holds). It then commits n transactions elsewhere, so that the
-// hold is at least n transactions back. The session ends with the test.
-func HoldXminHorizon(t testing.TB, ctx context.Context, url, app string, withID bool, n int) {
+// hold is at least n transactions back. release ends the session (and
+// the hold); the test's end does too.
+func HoldXminHorizon(t testing.TB, ctx context.Context, url, app string, withID bool, n int) (release func()) {
 	t.Helper()
 	cfg, err := pgx.ParseConfig(url)
 	if err != nil {
@@ -164,7 +165,8 @@ func HoldXminHorizon(t testing.TB, ctx context.Context, url, app string, withID 
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { holder.Close(context.Background()) })
+	release = func() { holder.Close(context.Background()) }
+	t.Cleanup(release)
 	begin, take := `BEGIN ISOLATION LEVEL REPEATABLE READ`, `SELECT 1`
 	if withID {
 		begin, take = `BEGIN`, `SELECT txid_current()`
@@ -188,4 +190,5 @@ func HoldXminHorizon(t testing.TB, ctx context.Context, url, app string, withID 
 	if _, err := burner.Exec(ctx, fmt.Sprintf(`DO $$ BEGIN FOR i IN 1..%d LOOP PERFORM txid_current(); COMMIT; END LOOP; END $$`, n)); err != nil {
 		t.Fatal(err)
 	}
+	return release
 }

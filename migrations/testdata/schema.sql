@@ -2202,24 +2202,27 @@ CREATE FUNCTION outbox.xmin_horizon_holders() RETURNS TABLE(age integer, holder 
     LANGUAGE sql STABLE
     AS $$
     SELECT h.age, h.holder, h.since FROM (
-        SELECT greatest(age(a.backend_xid), age(a.backend_xmin)) AS age,
+        SELECT greatest(age(a.backend_xid), CASE WHEN a.datname = current_database() THEN age(a.backend_xmin) END, 0) AS age,
                format('pid %s (%s)', a.pid,
                       concat_ws(', ', 'database ' || a.datname, 'user ' || a.usename,
                                 'application ' || nullif(a.application_name, ''), a.state)) AS holder,
                a.xact_start AS since
         FROM pg_stat_activity a
-        WHERE (a.backend_xid IS NOT NULL OR a.backend_xmin IS NOT NULL) AND a.pid <> pg_backend_pid()
-          AND a.backend_type <> 'walsender'
+        WHERE (a.backend_xid IS NOT NULL OR (a.backend_xmin IS NOT NULL AND a.datname = current_database()))
+          AND a.pid <> pg_backend_pid()
+          -- (A WAL sender's horizon is its standby's, listed below.)
+          AND NOT EXISTS (SELECT FROM pg_stat_replication r WHERE r.pid = a.pid)
         UNION ALL
-        SELECT age(p.transaction), format('prepared transaction %s (database %s, owner %s)', p.gid, p.database, p.owner),
-               p.prepared
+        SELECT greatest(age(p.transaction), 0),
+               format('prepared transaction %s (database %s, owner %s)', p.gid, p.database, p.owner), p.prepared
         FROM pg_prepared_xacts p
         UNION ALL
-        SELECT age(s.xmin), format('replication slot %s', s.slot_name), NULL
+        SELECT greatest(age(s.xmin), 0), format('replication slot %s', s.slot_name), NULL
         FROM pg_replication_slots s
         WHERE s.xmin IS NOT NULL
         UNION ALL
-        SELECT age(r.backend_xmin), format('standby %s (feedback of pid %s)', coalesce(nullif(r.application_name, ''), r.client_addr::text), r.pid),
+        SELECT greatest(age(r.backend_xmin), 0),
+               format('standby %s (feedback of pid %s)', coalesce(nullif(r.application_name, ''), r.client_addr::text), r.pid),
                NULL
         FROM pg_stat_replication r
         WHERE r.backend_xmin IS NOT NULL

@@ -291,14 +291,16 @@ type GetLagResponse struct {
 	// stranded counts are then 0 and unknown. Over several sources, the
 	// oldest of theirs, and unset if any is unset.
 	StrandedAuditedAt *timestamppb.Timestamp `protobuf:"bytes,6,opt,name=stranded_audited_at,json=strandedAuditedAt,proto3" json:"stranded_audited_at,omitempty"`
-	// xmin_horizon names what holds the PostgreSQL cluster's xmin horizon
-	// furthest back: a long transaction or snapshot in any database of the
-	// cluster (pg_dump, a report, a session left idle in transaction), a
-	// prepared transaction, a replication slot or a standby's feedback.
-	// While it is held, PostgreSQL keeps every row version written since,
-	// and delivery reads past more of them with every event it delivers: a
-	// hold of a minute or more under load slows delivery to a fraction.
-	// Unset when nothing holds the horizon. Over several sources, the
+	// xmin_horizon names what holds the database's xmin horizon furthest
+	// back: a transaction with an id in any database of the cluster (every
+	// snapshot taken while it runs keeps it), a snapshot in this database
+	// (pg_dump, a report, a session left idle in transaction), a prepared
+	// transaction, a replication slot or a standby's feedback. While it is
+	// held, PostgreSQL keeps every row version written since, and delivery
+	// reads past more of them with every event it delivers: a hold of a
+	// minute or more under load slows delivery to a fraction. A small age
+	// is normal (transactions in flight, the replicas' own among them); unset
+	// when no hold is older than the read itself. Over several sources, the
 	// oldest of theirs.
 	XminHorizon   *XminHorizon `protobuf:"bytes,7,opt,name=xmin_horizon,json=xminHorizon,proto3" json:"xmin_horizon,omitempty"`
 	unknownFields protoimpl.UnknownFields
@@ -387,8 +389,9 @@ func (x *GetLagResponse) GetXminHorizon() *XminHorizon {
 // XminHorizon is the oldest holder of a PostgreSQL cluster's xmin horizon.
 type XminHorizon struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// age_transactions is how many transactions ago the held horizon was:
-	// the row versions kept grow with it.
+	// age_transactions is how many transactions of the cluster ago the held
+	// horizon was: the row versions kept grow with the updates made since,
+	// which delivery's own transactions (about one per event) count here.
 	AgeTransactions int64 `protobuf:"varint,1,opt,name=age_transactions,json=ageTransactions,proto3" json:"age_transactions,omitempty"`
 	// holder names it: "pid 4242 (database shop, user report, application
 	// psql, idle in transaction)", "prepared transaction ...", "replication
@@ -397,7 +400,8 @@ type XminHorizon struct {
 	Holder string `protobuf:"bytes,2,opt,name=holder,proto3" json:"holder,omitempty"`
 	// held_since is when the holder's transaction began (or it was
 	// prepared); unset where PostgreSQL does not show it to the server's
-	// role (another role's session shows it to pg_read_all_stats only).
+	// role: another role's session shows it, and its state, to members of
+	// pg_read_all_stats only.
 	HeldSince *timestamppb.Timestamp `protobuf:"bytes,3,opt,name=held_since,json=heldSince,proto3" json:"held_since,omitempty"`
 	// source is the source database whose cluster it is, when the server
 	// fronts several (outboxd serve --source); empty otherwise.
