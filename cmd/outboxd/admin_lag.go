@@ -6,13 +6,13 @@ import (
 	"fmt"
 	"io"
 	"strconv"
-	"strings"
 	"text/tabwriter"
 	"time"
 
 	"github.com/spf13/cobra"
 
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+	"github.com/outboxd/outboxd/internal/advice"
 )
 
 // ANSI: cursor to the top left, clear the screen.
@@ -184,8 +184,8 @@ func printLag(w io.Writer, resp *outboxv1.GetLagResponse) error {
 			}
 		}
 	}
-	if h := resp.GetXminHorizon(); h.GetAgeTransactions() >= xminHorizonWarnAge {
-		if _, err := fmt.Fprintf(w, "\nXMIN HORIZON HELD: %s\n", describeXminHorizon(h)); err != nil {
+	if held := advice.XminHorizon(resp.GetXminHorizon()); held != "" {
+		if _, err := fmt.Fprintf(w, "\nXMIN HORIZON HELD: %s\n", held); err != nil {
 			return err
 		}
 	}
@@ -194,32 +194,6 @@ func printLag(w io.Writer, resp *outboxv1.GetLagResponse) error {
 		return err
 	}
 	return nil
-}
-
-// xminHorizonWarnAge is the age, in transactions, from which `outboxd lag`
-// reports a held xmin horizon. Delivery writes a few row versions per
-// event and one transaction or two, so a hold this old has kept tens of
-// thousands of versions that every claim reads past; at 2,500 events a
-// second the benchmark's delivery was unharmed by a 10 s hold (about
-// 25,000 transactions) and at 0.6 × after 30 s.
-const xminHorizonWarnAge = 50_000
-
-// describeXminHorizon says who holds the horizon, since when, and what to do.
-func describeXminHorizon(h *outboxv1.XminHorizon) string {
-	var b strings.Builder
-	fmt.Fprintf(&b, "%d transactions back", h.GetAgeTransactions())
-	if holder := h.GetHolder(); holder != "" {
-		fmt.Fprintf(&b, " by %s", holder)
-	}
-	if src := h.GetSource(); src != "" {
-		fmt.Fprintf(&b, " (the cluster of source %s)", src)
-	}
-	if since := h.GetHeldSince(); since != nil {
-		fmt.Fprintf(&b, ", since %s", fmtTime(since))
-	}
-	b.WriteString("; PostgreSQL keeps every row version written since and delivery slows as they pile up:" +
-		" end that transaction, or run long reads and dumps on a standby without hot_standby_feedback")
-	return b.String()
 }
 
 func fmtRate(r float64) string {

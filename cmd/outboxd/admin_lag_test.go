@@ -6,10 +6,11 @@ import (
 	"testing"
 
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+	"github.com/outboxd/outboxd/internal/advice"
 )
 
 // `outboxd lag` reports a held xmin horizon once it is old enough to slow
-// delivery (xminHorizonWarnAge transactions), with its holder and source
+// delivery (advice.XminHorizonWarnAge transactions), with its holder and source
 // and what to do, and says nothing of a younger one.
 func TestLagReportsAHeldXminHorizon(t *testing.T) {
 	lag := func(age int64) string {
@@ -21,14 +22,14 @@ func TestLagReportsAHeldXminHorizon(t *testing.T) {
 		}
 		return out.String()
 	}
-	out := lag(xminHorizonWarnAge)
+	out := lag(advice.XminHorizonWarnAge)
 	for _, want := range []string{"XMIN HORIZON HELD: 50000 transactions back by pid 4242 (database shop, user report, idle in transaction)",
 		"(the cluster of source orders)", "end that transaction"} {
 		if !strings.Contains(out, want) {
-			t.Errorf("lag with a horizon held %d transactions back does not say %q:\n%s", xminHorizonWarnAge, want, out)
+			t.Errorf("lag with a horizon held %d transactions back does not say %q:\n%s", advice.XminHorizonWarnAge, want, out)
 		}
 	}
-	if out := lag(xminHorizonWarnAge - 1); strings.Contains(out, "XMIN") {
-		t.Errorf("lag reports a horizon held %d transactions back:\n%s", xminHorizonWarnAge-1, out)
+	if out := lag(advice.XminHorizonWarnAge - 1); strings.Contains(out, "XMIN") {
+		t.Errorf("lag reports a horizon held %d transactions back:\n%s", advice.XminHorizonWarnAge-1, out)
 	}
 }

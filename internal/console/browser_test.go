@@ -16,6 +16,8 @@ import (
 	"google.golang.org/grpc/metadata"
 
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+	"github.com/outboxd/outboxd/internal/advice"
+	"github.com/outboxd/outboxd/internal/testdb"
 )
 
 // chromium finds the browser: $OUTBOXD_CHROMIUM, else chromium on PATH
@@ -173,6 +175,16 @@ func TestBrowser(t *testing.T) {
 	if got := text("header .who"); !strings.Contains(got, "ops") {
 		t.Errorf("header shows %q, want the token's name ops", got)
 	}
+
+	// A held xmin horizon is warned of once the page polls (the hold
+	// begins after the page was drawn), and the warning goes with it.
+	release := testdb.HoldXminHorizon(t, t.Context(), h.url, "report-browser", false, advice.XminHorizonWarnAge)
+	run("a held xmin horizon is warned of", chromedp.WaitVisible(css("#warnings p")), shot("xmin-horizon"))
+	if got := text("#warnings"); !strings.Contains(got, "PostgreSQL's xmin horizon is held") {
+		t.Errorf("the warning reads %q", got)
+	}
+	release()
+	run("the warning goes when the hold ends", chromedp.WaitNotPresent(css("#warnings p")))
 
 	// Lag grows in three steps while the page polls: each step waits until
 	// the page shows the new total, so the chart has a history to draw.

@@ -7,6 +7,7 @@ import (
 	"time"
 
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+	"github.com/outboxd/outboxd/internal/advice"
 )
 
 // maxSampledStreams bounds the streams one sample keeps (the ones with the
@@ -76,7 +77,10 @@ type lagJSON struct {
 	Total   streamRow   `json:"total"`
 	Relays  uint32      `json:"connected_relays"`
 	// Sources is set when the replica serves more than default.
-	Sources   []sourceLag `json:"sources,omitempty"`
+	Sources []sourceLag `json:"sources,omitempty"`
+	// Warnings are the conditions of the report that need an operator,
+	// worded as `outboxd lag` words them (warningsOf).
+	Warnings  []string    `json:"warnings"`
 	History   []histPoint `json:"history"`
 	IntervalS float64     `json:"interval_s"`
 	WindowS   float64     `json:"window_s"`
@@ -119,7 +123,7 @@ func rowOf(l *outboxv1.StreamLag) streamRow {
 
 func (c *Console) lagJSON(q *request) {
 	out := lagJSON{Now: time.Now(), IntervalS: c.cfg.SampleInterval.Seconds(), WindowS: c.cfg.History.Seconds(),
-		Streams: []streamRow{}, History: []histPoint{}}
+		Streams: []streamRow{}, History: []histPoint{}, Warnings: []string{}}
 	lag, err := c.admin.GetLag(q.ctx, &outboxv1.GetLagRequest{})
 	if err != nil {
 		out.Error = describe(err)
@@ -128,6 +132,7 @@ func (c *Console) lagJSON(q *request) {
 			out.Streams = append(out.Streams, rowOf(l))
 		}
 		out.Total, out.Relays, out.Sources = rowOf(lag.GetTotal()), lag.GetConnectedRelays(), sourcesOf(lag)
+		out.Warnings = warningsOf(lag)
 	}
 	for _, s := range c.ring.samples() {
 		h := histPoint{At: s.at, Streams: map[string]point{}}
@@ -144,6 +149,20 @@ func (c *Console) lagJSON(q *request) {
 	}
 	q.w.Header().Set("Content-Type", "application/json")
 	_ = json.NewEncoder(q.w).Encode(out)
+}
+
+// warningsOf lists what a lag report says needs an operator beyond its
+// figures: a stopped discovery (new events are not found) and a held xmin
+// horizon (delivery slows while it lasts).
+func warningsOf(lag *outboxv1.GetLagResponse) []string {
+	warnings := []string{}
+	if stopped := lag.GetDiscoveryStopped(); stopped != "" {
+		warnings = append(warnings, "Discovery stopped: "+stopped)
+	}
+	if held := advice.XminHorizon(lag.GetXminHorizon()); held != "" {
+		warnings = append(warnings, "PostgreSQL's xmin horizon is held "+held)
+	}
+	return warnings
 }
 
 // streamAddress names a stream as operators and token scopes do: the bare

@@ -31,7 +31,7 @@ func (c *Console) overview(q *request) {
 			rows = append(rows, rowOf(l))
 		}
 		data["Streams"], data["Total"], data["Relays"] = rows, rowOf(lag.GetTotal()), lag.GetConnectedRelays()
-		data["Sources"] = sourcesOf(lag)
+		data["Sources"], data["Warnings"] = sourcesOf(lag), warningsOf(lag)
 	}
 	c.render(q.w, q.r, code, "overview", q, data)
 }

@@ -48,6 +48,9 @@
     set("total-rate", rate(d.total.rate));
     set("relays", d.connected_relays);
     set("updated", "updated " + new Date(d.now).toLocaleTimeString());
+    var warnings = document.getElementById("warnings");
+    warnings.textContent = "";
+    (d.warnings || []).forEach(function (w) { warnings.appendChild(el("p", { "class": "flash error" }, w)); });
   }
 
   // niceStep is the gridline step for values up to v over four steps: 1, 2
