@@ -73,7 +73,7 @@ type Options struct {
 // Start runs a replica against the database at url until t ends, built by
 // internal/app as `outboxd serve` builds it: the same interceptors, limits,
 // keepalive, health service and shutdown. It returns once the replica
-// reports ready (health SERVING).
+// reports ready (health SERVING) and every source of opts is ready.
 func Start(t testing.TB, url string, opts Options) *Replica {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
@@ -141,6 +141,15 @@ func Start(t testing.TB, url string, opts Options) *Replica {
 	case <-rep.Ready():
 	case <-time.After(30 * time.Second): // a hang guard
 		t.Fatalf("replica not ready after 30s: %s", rep.Readiness().Reason)
+	}
+	// The replica is ready once one source is; a test of several expects
+	// each one's discovery to run (CI once saw default's engine become
+	// ready after a test had written its first events). The readiness
+	// names every source that is not.
+	for deadline := time.Now().Add(30 * time.Second); rep.Readiness().Reason != ""; time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) { // a hang guard
+			t.Fatalf("not every source ready after 30s: %s", rep.Readiness().Reason)
+		}
 	}
 	return r
 }
