@@ -4,6 +4,9 @@ import (
 	"bytes"
 	"strings"
 	"testing"
+	"time"
+
+	"google.golang.org/protobuf/types/known/timestamppb"
 
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
 	"github.com/outboxd/outboxd/internal/advice"
@@ -17,14 +20,15 @@ func TestLagReportsAHeldXminHorizon(t *testing.T) {
 		t.Helper()
 		var out bytes.Buffer
 		if err := printLag(&out, &outboxv1.GetLagResponse{Total: &outboxv1.StreamLag{}, XminHorizon: &outboxv1.XminHorizon{
-			AgeTransactions: age, Holder: "pid 4242 (database shop, user report, idle in transaction)", Source: "orders"}}); err != nil {
+			AgeTransactions: age, Holder: "pid 4242 (database shop, user report, idle in transaction)", Source: "orders",
+			HeldSince: timestamppb.New(time.Date(2026, 12, 4, 3, 0, 0, 0, time.UTC))}}); err != nil {
 			t.Fatal(err)
 		}
 		return out.String()
 	}
 	out := lag(advice.XminHorizonWarnAge)
 	for _, want := range []string{"XMIN HORIZON HELD: 50000 transactions back by pid 4242 (database shop, user report, idle in transaction)",
-		"(the cluster of source orders)", "end that transaction"} {
+		"(the cluster of source orders)", ", since 2026-12-04T03:00:00Z", "end that transaction"} {
 		if !strings.Contains(out, want) {
 			t.Errorf("lag with a horizon held %d transactions back does not say %q:\n%s", advice.XminHorizonWarnAge, want, out)
 		}

@@ -71,16 +71,17 @@ type Lag struct {
 	// StrandedAt is when the audit whose counts the streams' Stranded hold
 	// began (SetStranded); zero when they hold none.
 	StrandedAt time.Time
-	// XminHorizon is what holds the cluster's xmin horizon furthest back
-	// (outbox.xmin_horizon_holders); zero when nothing does.
+	// XminHorizon is what holds the database's xmin horizon furthest back
+	// (outbox.xmin_horizon_holders); zero when nothing holds it.
 	XminHorizon XminHorizon
 }
 
-// XminHorizon is the oldest holder of a PostgreSQL cluster's xmin horizon:
+// XminHorizon is the oldest holder of a database's xmin horizon:
 // while it holds it, every row version written since is kept, and
 // delivery slows as they pile up.
 type XminHorizon struct {
-	// Age is how many transactions ago the held horizon was; 0: none held.
+	// Age is how many transactions ago the held horizon was; 0: none is
+	// older than the read itself.
 	Age int64
 	// Holder names it: a session's pid, database, user, application and
 	// state, a prepared transaction, a replication slot or a standby.
