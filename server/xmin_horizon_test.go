@@ -129,6 +129,15 @@ func TestLagSaysWhatHoldsTheXminHorizon(t *testing.T) {
 		!strings.HasPrefix(h.GetHolder(), "standby ") {
 		t.Fatalf("xmin_horizon %v while a snapshot is held %d transactions back", h, n)
 	}
+	// Every hold this package's tests make is a session of the tests' own
+	// role, whose transaction start PostgreSQL shows: the response says
+	// since when.
+	if h := lag.GetXminHorizon(); strings.HasPrefix(h.GetHolder(), "pid ") {
+		since := h.GetHeldSince()
+		if since == nil || since.AsTime().After(time.Now().Add(time.Second)) || time.Since(since.AsTime()) > time.Hour {
+			t.Fatalf("xmin_horizon %v: held_since %v, want the holder's transaction start", h, since)
+		}
+	}
 	if got := gatherSum(t, reg, "outboxd_xmin_horizon_age_transactions"); got < n {
 		t.Fatalf("outboxd_xmin_horizon_age_transactions = %v while a snapshot is held %d transactions back", got, n)
 	}
