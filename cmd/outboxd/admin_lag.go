@@ -184,7 +184,7 @@ func printLag(w io.Writer, resp *outboxv1.GetLagResponse) error {
 			}
 		}
 	}
-	if held := advice.XminHorizon(resp.GetXminHorizon()); held != "" {
+	if held := advice.XminHorizon(resp.GetXminHorizon(), time.Local); held != "" {
 		if _, err := fmt.Fprintf(w, "\nXMIN HORIZON HELD: %s\n", held); err != nil {
 			return err
 		}

@@ -19,9 +19,10 @@ import (
 // (about 25,000 transactions) and at 0.6 × after 30 s (about 75,000).
 const XminHorizonWarnAge = 50_000
 
-// XminHorizon says who holds the cluster's xmin horizon, since when, and
-// what to do; "" when h is younger than XminHorizonWarnAge.
-func XminHorizon(h *outboxv1.XminHorizon) string {
+// XminHorizon says who holds the cluster's xmin horizon, since when (in
+// loc, as the view's other times are), and what to do; "" when h is
+// younger than XminHorizonWarnAge.
+func XminHorizon(h *outboxv1.XminHorizon, loc *time.Location) string {
 	if h.GetAgeTransactions() < XminHorizonWarnAge {
 		return ""
 	}
@@ -34,7 +35,7 @@ func XminHorizon(h *outboxv1.XminHorizon) string {
 		fmt.Fprintf(&b, " (the cluster of source %s)", src)
 	}
 	if since := h.GetHeldSince(); since != nil {
-		fmt.Fprintf(&b, ", since %s", since.AsTime().UTC().Format(time.RFC3339))
+		fmt.Fprintf(&b, ", since %s", since.AsTime().In(loc).Format(time.RFC3339))
 	}
 	b.WriteString("; PostgreSQL keeps every row version written since and delivery slows as they pile up:" +
 		" end that transaction, or run long reads and dumps on a standby without hot_standby_feedback")

@@ -159,7 +159,7 @@ func warningsOf(lag *outboxv1.GetLagResponse) []string {
 	if stopped := lag.GetDiscoveryStopped(); stopped != "" {
 		warnings = append(warnings, "Discovery stopped: "+stopped)
 	}
-	if held := advice.XminHorizon(lag.GetXminHorizon()); held != "" {
+	if held := advice.XminHorizon(lag.GetXminHorizon(), time.UTC); held != "" {
 		warnings = append(warnings, "PostgreSQL's xmin horizon is held "+held)
 	}
 	return warnings
