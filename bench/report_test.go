@@ -167,7 +167,7 @@ func TestReportPeerProducerHeldXminRatios(t *testing.T) {
 		{"outboxd / river steady (sink 0s)", 0.5, nil},
 		{"watermill steady / ceiling-insert", 0.8, nil},
 		{"producer: outbox.emit / plain INSERT", 0.7, ptr(false)},
-		{"producer: client.Emit (INSERT, trigger)", 0.9, nil},
+		{"producer: client.Emit (INSERT, trigger)", 0.9, ptr(true)},
 		{"outboxd held-xmin (same-db-rr) / steady", 0.75, ptr(false)},
 	} {
 		r := findRatio(t, rep.Ratios, c.name)
@@ -357,5 +357,57 @@ func TestWithDatabase(t *testing.T) {
 	kv, err := withDatabase("host=h user=u dbname=postgres", "x_1")
 	if err != nil || !strings.HasSuffix(kv, " dbname=x_1") {
 		t.Fatalf("key=value: %q %v", kv, err)
+	}
+}
+
+// The steady-cost goals: steady delivery against the insert-then-mark
+// ceiling and against Watermill at its 10 ms poll, its CPU per event
+// against producing plus draining the same events, the producer paths, a
+// hot aggregate from a backlog, and many relays on one server.
+func TestReportSteadyCostGoals(t *testing.T) {
+	zero, one := ptr(0.0), ptr(1.0)
+	cpu := func(r *Result, total float64) *Result {
+		r.CPU.TotalMsPer1k = ptr(total)
+		return r
+	}
+	many := result(WorkloadManyRelays, ArmOutboxd, zero, 0, 500)
+	many.Relays, many.TargetRate = 300, 500
+	many.Idle = &IdleFigures{ServerCorePct: ptr(2.5)}
+	many.CommitToSink = &Percentiles{N: 10, P50Ms: 3, P99Ms: 300}
+	hotDrain := result(WorkloadHotDrain, ArmOutboxd, zero, 5_000, 1_200)
+	rep := &Report{Settings: Settings{SinkLatencyMs: []float64{0, 1}}, Results: []*Result{
+		result(WorkloadSteady, ArmCeilingInsertMark, nil, 0, 4_000),
+		cpu(result(WorkloadSteady, ArmOutboxd, zero, 0, 3_800), 480),
+		result(WorkloadSteady, ArmWatermill10ms, zero, 0, 7_600),
+		result(WorkloadSteady, ArmOutboxd, one, 0, 3_600),
+		result(WorkloadSteady, ArmWatermill10ms, one, 0, 600),
+		result(WorkloadProducer, ArmCeilingInsert, nil, 0, 10_000),
+		cpu(result(WorkloadProducer, ArmEmit, nil, 0, 7_000), 200),
+		result(WorkloadProducer, ArmInsertTrigger, nil, 0, 8_000),
+		cpu(result(WorkloadDrain, ArmOutboxd, zero, 100_000, 20_000), 999),
+		cpu(result(WorkloadDrain, ArmOutboxd, zero, 10_000, 20_000), 100),
+		hotDrain,
+		many,
+	}}
+	rep.finish()
+	for _, c := range []struct {
+		name string
+		want float64
+		met  bool
+	}{
+		{"outboxd steady / ceiling-insert-mark", 0.95, true},
+		// The smallest backlog's drain: 480 / (200 + 100).
+		{"outboxd steady CPU per event / (emit + drain 10k)", 1.6, false},
+		{"outboxd / watermill-10ms steady (sink 0s)", 0.5, false},
+		{"outboxd / watermill-10ms steady (sink 1ms)", 6, true},
+		{"producer: client.Emit (INSERT, trigger) / plain INSERT", 0.8, false},
+		{"outboxd hot aggregate, backlog of 5k", 1_200, false},
+		{"outboxd many relays: server CPU while they idle", 2.5, true},
+		{"outboxd many relays: p99 commit→sink at 500 ev/s", 300, false},
+	} {
+		r := findRatio(t, rep.Ratios, c.name)
+		if r.Value == nil || math.Abs(*r.Value-c.want) > 1e-9 || r.Met == nil || *r.Met != c.met {
+			t.Errorf("%s: value %v met %v, want %v met %v", r.Name, deref(r.Value), deref(r.Met), c.want, c.met)
+		}
 	}
 }

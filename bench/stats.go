@@ -98,3 +98,11 @@ func ratio(a, b float64) float64 {
 	}
 	return a / b
 }
+
+// orNaN is *v, or NaN for a figure that was not measured.
+func orNaN(v *float64) float64 {
+	if v == nil {
+		return math.NaN()
+	}
+	return *v
+}
