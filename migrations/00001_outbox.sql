@@ -882,6 +882,13 @@ $$;
 -- the snapshot advances only when something was found. outbox.discover() is
 -- both halves in one call, with no dispatch.
 --
+-- discover_scan returns at most p_max_aggregates aggregates (NULL: all), the
+-- oldest first: the ones its caller may dispatch. Only that choice needs
+-- them; discover_apply re-reads every event found and wakes every aggregate
+-- not dispatched. So a round over a backlog of a million aggregates (a
+-- database restored or migrated in with its outbox full, a replica back
+-- from an outage) hands its caller a bounded list, not a million rows.
+--
 -- Locking the delivery rows is what lets an ack or claim decide "nothing
 -- follows" safely: they read events in a statement after locking the row,
 -- so they see every event a round that locked it before them discovered
@@ -890,7 +897,7 @@ $$;
 -- discover_apply locks every found aggregate's row, whatever its state,
 -- before a later statement (a newer snapshot) reads and decides.
 -- +goose StatementBegin
-CREATE FUNCTION outbox.discover_scan()
+CREATE FUNCTION outbox.discover_scan(p_max_aggregates integer DEFAULT NULL)
 RETURNS TABLE (prev_snapshot text, snapshot text, events bigint, stream text, aggregate_key text,
                idle boolean, first_created_at timestamptz)
 LANGUAGE plpgsql
@@ -905,6 +912,12 @@ DECLARE
 BEGIN
     IF current_setting('transaction_isolation') <> 'read committed' THEN
         PERFORM outbox.require_read_committed('outbox.discover_scan');
+    END IF;
+    -- A limit of 0 would hide the round's header row too, and a caller
+    -- that reads "nothing found" from that would never advance.
+    IF p_max_aggregates < 1 THEN
+        RAISE EXCEPTION 'outbox: discover_scan(p_max_aggregates => %): want at least 1, or NULL for no limit', p_max_aggregates
+            USING ERRCODE = 'invalid_parameter_value';
     END IF;
     IF NOT pg_try_advisory_xact_lock(7954802400917419382) THEN -- 'outboxd.discover'
         RETURN;
@@ -949,10 +962,10 @@ BEGIN
             USING ERRCODE = 'data_corrupted',
                   HINT = 'Run `outboxd rescan` (SELECT * FROM outbox.rescan_discovery()) once; discovery resumes after it.';
     END IF;
-    -- One row per aggregate with a pending event found, oldest first; one
-    -- row with a NULL stream when every event found is already published
-    -- (an ack that saw it committed got there first); none when nothing was
-    -- found. pg_current_snapshot() is this statement's snapshot: the one the
+    -- One row per aggregate with a pending event found, oldest first, at
+    -- most p_max_aggregates of them; one row with a NULL stream when every
+    -- event found is already published (an ack that saw it committed got
+    -- there first); none when nothing was found. pg_current_snapshot() is this statement's snapshot: the one the
     -- events are read in.
     RETURN QUERY
     WITH found AS (
@@ -971,7 +984,8 @@ BEGIN
     LEFT JOIN agg a ON true
     LEFT JOIN outbox.delivery d ON d.stream = a.stream AND d.aggregate_key = a.aggregate_key
     WHERE h.events > 0
-    ORDER BY a.first_created_at;
+    ORDER BY a.first_created_at
+    LIMIT p_max_aggregates;
 END
 $$;
 -- +goose StatementEnd

@@ -336,3 +336,59 @@ func TestDispatchReturnsTheEventItLeases(t *testing.T) {
 		t.Fatalf("the round returned %d leases, want 2 (i and n)", leased)
 	}
 }
+
+// A scan hands back at most p_max_aggregates aggregates, the oldest first,
+// while the round's apply makes every aggregate found deliverable. A limit
+// below 1 is refused: 0 would hide the round's header row too, and a
+// caller reading "nothing found" from that would never advance.
+func TestScanReturnsTheOldestAggregatesUpToItsLimit(t *testing.T) {
+	t.Parallel()
+	ctx := testContext(t)
+	pool := testdb.NewPool(t)
+	keys := []string{"k1", "k2", "k3", "k4", "k5"}
+	for _, k := range keys {
+		// One transaction each: created_at, the scan's order, rises.
+		if _, err := pool.Exec(ctx, `INSERT INTO outbox.event (stream, aggregate_key, event_type, payload)
+			VALUES ('s', $1, 't', '{}')`, k); err != nil {
+			t.Fatal(err)
+		}
+	}
+	err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		rows, err := tx.Query(ctx, `SELECT prev_snapshot, snapshot, events, aggregate_key FROM outbox.discover_scan(2)`)
+		if err != nil {
+			return err
+		}
+		var prev, next string
+		var events int64
+		var got []string
+		for rows.Next() {
+			var key string
+			if err := rows.Scan(&prev, &next, &events, &key); err != nil {
+				return err
+			}
+			got = append(got, key)
+		}
+		if err := rows.Err(); err != nil {
+			return err
+		}
+		if events != 5 || len(got) != 2 || got[0] != "k1" || got[1] != "k2" {
+			t.Errorf("discover_scan(2): %d events, aggregates %v; want 5 events, [k1 k2]", events, got)
+		}
+		_, err = tx.Exec(ctx, `SELECT * FROM outbox.discover_apply($1, $2)`, prev, next)
+		return err
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var ready int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM outbox.delivery WHERE stream = 's' AND state = 'ready'`).Scan(&ready); err != nil {
+		t.Fatal(err)
+	}
+	if ready != len(keys) {
+		t.Fatalf("%d aggregates ready after the round, want all %d it found", ready, len(keys))
+	}
+	for _, bad := range []int{0, -1} {
+		_, err = pool.Exec(ctx, `SELECT * FROM outbox.discover_scan($1)`, bad)
+		wantSQLState(t, err, "22023")
+	}
+}

@@ -393,7 +393,7 @@ func (s *Server) discoverRound(ctx context.Context) (_ store.Discovery, ready []
 		pid = p
 		s.wake.openRound(p)
 	}
-	found, err := s.store.Discover(ctx, s.cfg.ReplicaID, choose, applying)
+	found, err := s.store.Discover(ctx, s.cfg.ReplicaID, s.cfg.DiscoveryMaxFound, choose, applying)
 	if holdingHandOvers {
 		defer s.handOverMu.RUnlock()
 	}
@@ -432,6 +432,11 @@ func (s *Server) discoverRound(ctx context.Context) (_ store.Discovery, ready []
 				"session", l.ss.id, "leases", len(l.leases), "err", err)
 		}
 		cancel()
+	}
+	if len(seen) >= s.cfg.DiscoveryMaxFound {
+		// The round may have made ready aggregates it did not return,
+		// of streams not among those seen: wake every poll group.
+		return found, nil, echoed, nil
 	}
 	return found, readyStreams(seen, found.Dispatched), echoed, nil
 }

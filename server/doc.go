@@ -29,7 +29,10 @@
 // snapshot N, the events with xid >= xmax(S) or xid in S's list of running
 // transactions: exactly those visible in N and not in S, whenever they
 // committed; it returns N and the aggregates found, saying which are idle
-// or new. The replica then picks which of those go straight to its waiting
+// or new (the oldest Config.DiscoveryMaxFound of them: a backlog of a
+// million aggregates must not cost the replica a million rows in memory;
+// the apply wakes those it did not return, whose sessions then claim
+// them). The replica then picks which of those go straight to its waiting
 // sessions (dispatch, below), and outbox.discover_apply re-reads exactly the
 // events visible in N, locks every found aggregate's delivery row, creates
 // the row of a new aggregate (cursor just below its first revision) or

@@ -77,6 +77,12 @@ type Config struct {
 	// (no quiet mode) and 10s. A replica serving many sources sets it so that
 	// its sources' idle checks together stay within a budget (internal/app).
 	DiscoveryQuietInterval, DiscoveryQuietAfter time.Duration
+	// DiscoveryMaxFound is the most aggregates one discovery round hands the
+	// replica to choose dispatches from, the oldest first. A round over a
+	// larger backlog still makes every aggregate it found deliverable (the
+	// rest wait for a claim instead of a dispatch), so this bounds the
+	// replica's memory, not what a round discovers. Default 10000.
+	DiscoveryMaxFound int
 	// ReconcileInterval is how often a session with deliveries outstanding
 	// checks which of its leases still exist (acks on other replicas, expired
 	// leases claimed elsewhere). Default 2s.
@@ -202,6 +208,7 @@ func (c *Config) setDefaults() error {
 	defInt(&c.MaxDeliveries, 25)
 	defInt(&c.AckBatch, 2000)
 	defInt(&c.AckCommitters, 1)
+	defInt(&c.DiscoveryMaxFound, 10000)
 	def(&c.SessionRefreshInterval, 5*time.Second)
 	def(&c.JanitorInterval, time.Minute)
 	def(&c.SchemaCheckInterval, 30*time.Second)
@@ -233,6 +240,8 @@ func (c *Config) setDefaults() error {
 	case c.DiscoveryQuietInterval < c.DiscoveryIdleInterval:
 		return fmt.Errorf("server: Config.DiscoveryQuietInterval %v: want at least DiscoveryIdleInterval %v",
 			c.DiscoveryQuietInterval, c.DiscoveryIdleInterval)
+	case c.DiscoveryMaxFound < 1:
+		return fmt.Errorf("server: Config.DiscoveryMaxFound %d must be positive", c.DiscoveryMaxFound)
 	case c.AckBatch < 1:
 		return fmt.Errorf("server: Config.AckBatch %d must be positive", c.AckBatch)
 	case c.AckCommitters < 1:

@@ -8,6 +8,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"strings"
 	"time"
 
@@ -116,7 +117,9 @@ type DispatchedLease struct {
 // previous round (outbox.discover_scan), asks choose which of the idle
 // aggregates found go to which sessions, and makes the rest claimable
 // (outbox.discover_apply), in one transaction. choose may return nil; it is
-// called only when the round found something. A round that another replica
+// called only when the round found something, with at most maxFound
+// aggregates, the oldest (the round makes the others claimable all the
+// same). A round that another replica
 // is running at the same moment finds nothing.
 //
 // applying, when not nil, is called with the process id of the round's
@@ -128,7 +131,7 @@ type DispatchedLease struct {
 // hear of them, and the caller must have those sessions sweep. It returns
 // ErrDiscoveryStopped when the database's discovery state is not this
 // cluster's (see DiscoveryStopped).
-func (s *Store) Discover(ctx context.Context, replicaID string, choose func([]FoundAggregate) []Dispatch, applying func(pid uint32)) (Discovery, error) {
+func (s *Store) Discover(ctx context.Context, replicaID string, maxFound int, choose func([]FoundAggregate) []Dispatch, applying func(pid uint32)) (Discovery, error) {
 	var d Discovery
 	conn, err := s.pool.Acquire(ctx)
 	if err != nil {
@@ -145,7 +148,7 @@ func (s *Store) Discover(ctx context.Context, replicaID string, choose func([]Fo
 	br := conn.SendBatch(ctx, &pgx.Batch{QueuedQueries: []*pgx.QueuedQuery{
 		{SQL: "BEGIN"},
 		{SQL: `SELECT prev_snapshot, snapshot, events, stream, aggregate_key, idle, first_created_at
-			FROM outbox.discover_scan()`},
+			FROM outbox.discover_scan($1)`, Arguments: []any{int32(min(maxFound, math.MaxInt32))}},
 	}})
 	var prev, next string
 	var found []FoundAggregate

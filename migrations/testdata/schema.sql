@@ -1161,10 +1161,10 @@ END
 $$;
 
 --
--- Name: discover_scan(); Type: FUNCTION; Schema: outbox; Owner: -
+-- Name: discover_scan(integer); Type: FUNCTION; Schema: outbox; Owner: -
 --
 
-CREATE FUNCTION outbox.discover_scan() RETURNS TABLE(prev_snapshot text, snapshot text, events bigint, stream text, aggregate_key text, idle boolean, first_created_at timestamp with time zone)
+CREATE FUNCTION outbox.discover_scan(p_max_aggregates integer DEFAULT NULL::integer) RETURNS TABLE(prev_snapshot text, snapshot text, events bigint, stream text, aggregate_key text, idle boolean, first_created_at timestamp with time zone)
     LANGUAGE plpgsql
     SET enable_seqscan TO 'off'
     SET jit TO 'off'
@@ -1179,6 +1179,12 @@ DECLARE
 BEGIN
     IF current_setting('transaction_isolation') <> 'read committed' THEN
         PERFORM outbox.require_read_committed('outbox.discover_scan');
+    END IF;
+    -- A limit of 0 would hide the round's header row too, and a caller
+    -- that reads "nothing found" from that would never advance.
+    IF p_max_aggregates < 1 THEN
+        RAISE EXCEPTION 'outbox: discover_scan(p_max_aggregates => %): want at least 1, or NULL for no limit', p_max_aggregates
+            USING ERRCODE = 'invalid_parameter_value';
     END IF;
     IF NOT pg_try_advisory_xact_lock(7954802400917419382) THEN -- 'outboxd.discover'
         RETURN;
@@ -1223,10 +1229,10 @@ BEGIN
             USING ERRCODE = 'data_corrupted',
                   HINT = 'Run `outboxd rescan` (SELECT * FROM outbox.rescan_discovery()) once; discovery resumes after it.';
     END IF;
-    -- One row per aggregate with a pending event found, oldest first; one
-    -- row with a NULL stream when every event found is already published
-    -- (an ack that saw it committed got there first); none when nothing was
-    -- found. pg_current_snapshot() is this statement's snapshot: the one the
+    -- One row per aggregate with a pending event found, oldest first, at
+    -- most p_max_aggregates of them; one row with a NULL stream when every
+    -- event found is already published (an ack that saw it committed got
+    -- there first); none when nothing was found. pg_current_snapshot() is this statement's snapshot: the one the
     -- events are read in.
     RETURN QUERY
     WITH found AS (
@@ -1245,7 +1251,8 @@ BEGIN
     LEFT JOIN agg a ON true
     LEFT JOIN outbox.delivery d ON d.stream = a.stream AND d.aggregate_key = a.aggregate_key
     WHERE h.events > 0
-    ORDER BY a.first_created_at;
+    ORDER BY a.first_created_at
+    LIMIT p_max_aggregates;
 END
 $$;
 

@@ -1,0 +1,119 @@
+package server_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"google.golang.org/protobuf/types/known/durationpb"
+
+	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+	"github.com/outboxd/outboxd/internal/store"
+	"github.com/outboxd/outboxd/internal/testdb"
+	"github.com/outboxd/outboxd/server"
+)
+
+// discoveryLockKey is the advisory lock discovery rounds take turns with
+// ('outboxd.discover' in outbox.discover_scan): a test that holds it keeps
+// rounds from running, so that events committed meanwhile are found by one
+// round.
+const discoveryLockKey = 7954802400917419382
+
+// A round that found more aggregates than Config.DiscoveryMaxFound hands the
+// replica only the oldest to choose dispatches from, yet makes every one
+// deliverable, and, since it cannot tell the streams of those it did not
+// return, wakes every waiting session: a session whose stream only the
+// unreturned aggregates hold gets them at once, not at its next poll.
+func TestRoundOverMoreThanMaxFoundWakesEverySession(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	type round struct{ events, dispatched int }
+	seen := make(chan round, 16)
+	r := startReplica(t, url, func(c *server.Config) {
+		c.DiscoveryMaxFound = 2
+		// No poll rescues a session the round did not wake.
+		c.PollInterval = time.Hour
+	})
+	r.Server.SetAfterDiscover(func(d store.Discovery, err error) (store.Discovery, error) {
+		if err == nil && d.Events > 0 {
+			seen <- round{int(d.Events), len(d.Dispatched)}
+		}
+		return d, err
+	})
+	ttl := durationpb.New(time.Hour)
+	// A stream with no event yet cannot be subscribed to: one each,
+	// delivered and acked before the round under test.
+	emit(t, pool, "a", "seed", 1)
+	emit(t, pool, "b", "seed", 1)
+	// One unit of credit: the round dispatches the oldest aggregate to it
+	// and leaves the second one it returned ready, so stream a is among
+	// the streams it could name.
+	stA := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{RelayId: "relay-a", MaxInFlight: 1, Streams: []string{"a"}, LeaseTtl: ttl})
+	stB := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{RelayId: "relay-b", MaxInFlight: 10, Streams: []string{"b"}, LeaseTtl: ttl})
+	ack(t, r, recv(t, stA))
+	ack(t, r, recv(t, stB))
+	for r.Server.IdleSessions() < 2 {
+		select {
+		case <-ctx.Done():
+			t.Fatal("the two sessions never waited for work")
+		case <-time.After(5 * time.Millisecond):
+		}
+	}
+	// The seeds' rounds are done with.
+	for len(seen) > 0 {
+		<-seen
+	}
+
+	lock, err := pool.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer lock.Release()
+	if _, err := lock.Exec(ctx, `SELECT pg_advisory_lock($1)`, int64(discoveryLockKey)); err != nil {
+		t.Fatal(err)
+	}
+	// Oldest first: a's two aggregates, then b's three, each in its own
+	// transaction, all found by the one round that runs once the lock is
+	// given back.
+	a1 := emit(t, pool, "a", "a1", 1)[0]
+	a2 := emit(t, pool, "a", "a2", 1)[0]
+	var b []string
+	for _, key := range []string{"b1", "b2", "b3"} {
+		b = append(b, emit(t, pool, "b", key, 1)[0].String())
+	}
+	if _, err := lock.Exec(ctx, `SELECT pg_advisory_unlock($1)`, int64(discoveryLockKey)); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case rd := <-seen:
+		// Only the two oldest were the replica's to choose from, and the
+		// session of stream a had credit for one: b's were not
+		// dispatched, whatever credit their session offered.
+		if rd.events != 5 || rd.dispatched != 1 {
+			t.Fatalf("the round found %d events and dispatched %d, want all 5 found and only a1 dispatched", rd.events, rd.dispatched)
+		}
+	case <-ctx.Done():
+		t.Fatal("no round found the events")
+	}
+
+	got := map[string]bool{}
+	for range b {
+		got[recv(t, stB).GetEvent().GetEventId()] = true
+	}
+	for _, id := range b {
+		if !got[id] {
+			t.Fatalf("session of stream b got %v, want %v", got, b)
+		}
+	}
+	d := recv(t, stA)
+	if d.GetEvent().GetEventId() != a1.String() {
+		t.Fatalf("session of stream a got %s first, want the oldest, %s", d.GetEvent().GetEventId(), a1)
+	}
+	ack(t, r, d)
+	if d := recv(t, stA); d.GetEvent().GetEventId() != a2.String() {
+		t.Fatalf("session of stream a got %s, want %s", d.GetEvent().GetEventId(), a2)
+	}
+}
