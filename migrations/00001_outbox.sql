@@ -889,21 +889,6 @@ $$;
 -- database restored or migrated in with its outbox full, a replica back
 -- from an outage) hands its caller a bounded list, not a million rows.
 --
--- With p_max_events a round takes a backlog in parts: when more than that
--- many events were committed with an xid from the stored snapshot's xmax on,
--- it takes the transactions of the first p_max_events of them in xid order,
--- whole (and, on top, those of transactions the stored snapshot saw
--- running), and returns, instead of N, N cut at the first xid it leaves
--- out: the same running transactions below that xid, nothing visible from
--- it on.
--- Everything visible in the cut snapshot is what the round applies, so
--- storing it keeps "every event visible in the stored snapshot was
--- discovered", and the next round goes on from there. Without it, a
--- replica back from an outage applied the whole backlog in one transaction
--- (18 s for a million events) before delivering any of it, and held the
--- cluster's xmin horizon back meanwhile. A round always takes the first
--- transaction whole, however many events it wrote, so it makes progress.
---
 -- Locking the delivery rows is what lets an ack or claim decide "nothing
 -- follows" safely: they read events in a statement after locking the row,
 -- so they see every event a round that locked it before them discovered
@@ -912,7 +897,7 @@ $$;
 -- discover_apply locks every found aggregate's row, whatever its state,
 -- before a later statement (a newer snapshot) reads and decides.
 -- +goose StatementBegin
-CREATE FUNCTION outbox.discover_scan(p_max_aggregates integer DEFAULT NULL, p_max_events integer DEFAULT NULL)
+CREATE FUNCTION outbox.discover_scan(p_max_aggregates integer DEFAULT NULL)
 RETURNS TABLE (prev_snapshot text, snapshot text, events bigint, stream text, aggregate_key text,
                idle boolean, first_created_at timestamptz)
 LANGUAGE plpgsql
@@ -924,17 +909,9 @@ DECLARE
     v_xmax xid8;
     v_system bigint;
     v_stopped text;
-    v_last xid8;
-    -- The round takes the events below this xid (all of them: the largest
-    -- xid8).
-    v_bound xid8 := '18446744073709551615';
 BEGIN
     IF current_setting('transaction_isolation') <> 'read committed' THEN
         PERFORM outbox.require_read_committed('outbox.discover_scan');
-    END IF;
-    IF p_max_events < 1 THEN
-        RAISE EXCEPTION 'outbox: discover_scan(p_max_events => %): want at least 1, or NULL for no limit', p_max_events
-            USING ERRCODE = 'invalid_parameter_value';
     END IF;
     -- A limit of 0 would hide the round's header row too, and a caller
     -- that reads "nothing found" from that would never advance.
@@ -985,19 +962,6 @@ BEGIN
             USING ERRCODE = 'data_corrupted',
                   HINT = 'Run `outboxd rescan` (SELECT * FROM outbox.rescan_discovery()) once; discovery resumes after it.';
     END IF;
-    -- A backlog larger than p_max_events: the first xid past its first
-    -- p_max_events events (each statement reads the xid index that far
-    -- and no further). An event of a transaction that commits between
-    -- these statements and the next one's snapshot is below the bound or
-    -- not: either way that snapshot, cut at the bound, says which.
-    IF p_max_events IS NOT NULL THEN
-        SELECT e.xid INTO v_last FROM outbox.event e
-        WHERE e.xid >= v_xmax ORDER BY e.xid OFFSET p_max_events - 1 LIMIT 1;
-        IF v_last IS NOT NULL THEN
-            SELECT min(e.xid) INTO v_bound FROM outbox.event e WHERE e.xid > v_last;
-            v_bound := coalesce(v_bound, '18446744073709551615');
-        END IF;
-    END IF;
     -- One row per aggregate with a pending event found, oldest first, at
     -- most p_max_aggregates of them; one row with a NULL stream when every
     -- event found is already published (an ack that saw it committed got
@@ -1006,23 +970,13 @@ BEGIN
     RETURN QUERY
     WITH found AS (
         SELECT e.stream, e.aggregate_key, e.created_at, e.published_at FROM outbox.events_since(v_prev) e
-        WHERE e.xid < v_bound
     ), agg AS (
         SELECT f.stream, f.aggregate_key, min(f.created_at) AS first_created_at
         FROM found f WHERE f.published_at IS NULL
         GROUP BY f.stream, f.aggregate_key
-    ), now_snapshot AS (
-        SELECT pg_current_snapshot() AS s
     ), header AS (
-        SELECT v_prev::text AS prev_snapshot,
-               CASE WHEN v_bound >= pg_snapshot_xmax(n.s) THEN n.s::text
-                    -- N cut at the bound: its running transactions below it.
-                    ELSE (SELECT least(pg_snapshot_xmin(n.s), v_bound)::text || ':' || v_bound::text || ':'
-                                 || coalesce(string_agg(x::text, ',' ORDER BY x), '')
-                          FROM pg_snapshot_xip(n.s) x WHERE x < v_bound)
-               END AS snapshot,
+        SELECT v_prev::text AS prev_snapshot, pg_current_snapshot()::text AS snapshot,
                (SELECT count(*) FROM found) AS events
-        FROM now_snapshot n
     )
     SELECT h.prev_snapshot, h.snapshot, h.events, a.stream, a.aggregate_key,
            a.stream IS NOT NULL AND coalesce(d.state = 'idle', true), a.first_created_at
@@ -1115,9 +1069,7 @@ BEGIN
            array_agg(f.revision), array_agg(f.created_at)
     INTO v_ids, v_streams, v_keys, v_revs, v_created
     FROM outbox.events_since(v_prev) f
-    -- (xid below the snapshot's xmax is implied; said, it bounds the index
-    -- scan to a round that took a backlog in parts.)
-    WHERE f.xid < pg_snapshot_xmax(v_snapshot) AND pg_visible_in_snapshot(f.xid, v_snapshot) AND f.published_at IS NULL;
+    WHERE pg_visible_in_snapshot(f.xid, v_snapshot) AND f.published_at IS NULL;
 
     IF v_ids IS NOT NULL THEN
         -- 2. Lock every found aggregate's row, in key order (as acks and

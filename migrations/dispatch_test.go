@@ -3,8 +3,6 @@ package migrations_test
 import (
 	"context"
 	"errors"
-	"slices"
-	"strings"
 	"testing"
 	"time"
 
@@ -391,121 +389,6 @@ func TestScanReturnsTheOldestAggregatesUpToItsLimit(t *testing.T) {
 	}
 	for _, bad := range []int{0, -1} {
 		_, err = pool.Exec(ctx, `SELECT * FROM outbox.discover_scan($1)`, bad)
-		wantSQLState(t, err, "22023")
-	}
-}
-
-// roundOf runs one discovery round with discover_scan's event limit (NULL
-// for none) and no dispatch, and returns how many events it found and the
-// snapshot it stored.
-func roundOf(ctx context.Context, t *testing.T, pool *pgxpool.Pool, maxEvents *int) (events int64, stored string) {
-	t.Helper()
-	err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-		var prev, next *string
-		var n *int64
-		if err := tx.QueryRow(ctx, `SELECT min(prev_snapshot), min(snapshot), min(events) FROM outbox.discover_scan(NULL, $1)`,
-			maxEvents).Scan(&prev, &next, &n); err != nil {
-			return err
-		}
-		if n == nil {
-			return nil // nothing found
-		}
-		events = *n
-		if _, err := tx.Exec(ctx, `SELECT * FROM outbox.discover_apply($1, $2)`, *prev, *next); err != nil {
-			return err
-		}
-		return tx.QueryRow(ctx, `SELECT snapshot::text FROM outbox.discovery`).Scan(&stored)
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	return events, stored
-}
-
-// With an event limit a round takes a backlog in parts: whole transactions
-// in xid order until the limit is reached, storing the snapshot cut at the
-// first transaction it left out, with the transactions still running below
-// that cut. The next rounds go on from there, so every event is found
-// exactly once, including one whose transaction was running below the cut
-// and committed later; a transaction larger than the limit is taken whole.
-func TestRoundsTakeABacklogInParts(t *testing.T) {
-	t.Parallel()
-	ctx := testContext(t)
-	pool := testdb.NewPool(t)
-	insert := func(q pgx.Tx, keys ...string) {
-		t.Helper()
-		for _, k := range keys {
-			if _, err := q.Exec(ctx, `INSERT INTO outbox.event (stream, aggregate_key, event_type, payload)
-				VALUES ('s', $1, 't', '{}')`, k); err != nil {
-				t.Fatal(err)
-			}
-		}
-	}
-	commitOf := func(keys ...string) {
-		t.Helper()
-		if err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error { insert(tx, keys...); return nil }); err != nil {
-			t.Fatal(err)
-		}
-	}
-	// Transactions in xid order: x1 and x2, then a running one, then x3 to
-	// x5, three events each (the running one one).
-	commitOf("a1", "a2", "a3")
-	commitOf("b1", "b2", "b3")
-	running, err := pool.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = running.Rollback(ctx) }()
-	insert(running, "r1")
-	var runningXid string
-	if err := running.QueryRow(ctx, `SELECT pg_current_xact_id()::text`).Scan(&runningXid); err != nil {
-		t.Fatal(err)
-	}
-	commitOf("c1", "c2", "c3")
-	commitOf("d1", "d2", "d3")
-	commitOf("e1", "e2", "e3")
-
-	limit := 4
-	// The fourth event in xid order is x2's first: x1 and x2 whole.
-	n, stored := roundOf(ctx, t, pool, &limit)
-	if n != 6 {
-		t.Fatalf("first round found %d events, want x1's and x2's 6", n)
-	}
-	if parts := strings.Split(stored, ":"); len(parts) != 3 || !slices.Contains(strings.Split(parts[2], ","), runningXid) {
-		t.Fatalf("stored snapshot %s does not keep the running transaction %s below its cut", stored, runningXid)
-	}
-	if err := running.Commit(ctx); err != nil {
-		t.Fatal(err)
-	}
-	// Now the one that was running (below the stored cut: on top of the
-	// limit, which counts from the cut on), x3 and x4 (the fourth event from
-	// the cut is x4's first); then x5, and nothing.
-	for i, want := range []int64{7, 3, 0} {
-		if n, _ := roundOf(ctx, t, pool, &limit); n != want {
-			t.Fatalf("round %d found %d events, want %d", i+2, n, want)
-		}
-	}
-	var rows int
-	if err := pool.QueryRow(ctx, `SELECT count(*) FROM outbox.delivery WHERE stream = 's' AND state = 'ready'`).Scan(&rows); err != nil {
-		t.Fatal(err)
-	}
-	if rows != 16 {
-		t.Fatalf("%d aggregates claimable, want all 16", rows)
-	}
-
-	// A transaction larger than the limit is taken whole: a round always
-	// makes progress.
-	commitOf("f1", "f2", "f3")
-	commitOf("g1")
-	one := 1
-	if n, _ := roundOf(ctx, t, pool, &one); n != 3 {
-		t.Fatalf("a round limited to 1 event found %d, want the first transaction's 3", n)
-	}
-	if n, _ := roundOf(ctx, t, pool, &one); n != 1 {
-		t.Fatalf("the next round found %d, want the last transaction's 1", n)
-	}
-	for _, bad := range []int{0, -1} {
-		_, err := pool.Exec(ctx, `SELECT * FROM outbox.discover_scan(NULL, $1)`, bad)
 		wantSQLState(t, err, "22023")
 	}
 }

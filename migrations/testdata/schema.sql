@@ -1013,9 +1013,7 @@ BEGIN
            array_agg(f.revision), array_agg(f.created_at)
     INTO v_ids, v_streams, v_keys, v_revs, v_created
     FROM outbox.events_since(v_prev) f
-    -- (xid below the snapshot's xmax is implied; said, it bounds the index
-    -- scan to a round that took a backlog in parts.)
-    WHERE f.xid < pg_snapshot_xmax(v_snapshot) AND pg_visible_in_snapshot(f.xid, v_snapshot) AND f.published_at IS NULL;
+    WHERE pg_visible_in_snapshot(f.xid, v_snapshot) AND f.published_at IS NULL;
 
     IF v_ids IS NOT NULL THEN
         -- 2. Lock every found aggregate's row, in key order (as acks and
@@ -1163,10 +1161,10 @@ END
 $$;
 
 --
--- Name: discover_scan(integer, integer); Type: FUNCTION; Schema: outbox; Owner: -
+-- Name: discover_scan(integer); Type: FUNCTION; Schema: outbox; Owner: -
 --
 
-CREATE FUNCTION outbox.discover_scan(p_max_aggregates integer DEFAULT NULL::integer, p_max_events integer DEFAULT NULL::integer) RETURNS TABLE(prev_snapshot text, snapshot text, events bigint, stream text, aggregate_key text, idle boolean, first_created_at timestamp with time zone)
+CREATE FUNCTION outbox.discover_scan(p_max_aggregates integer DEFAULT NULL::integer) RETURNS TABLE(prev_snapshot text, snapshot text, events bigint, stream text, aggregate_key text, idle boolean, first_created_at timestamp with time zone)
     LANGUAGE plpgsql
     SET enable_seqscan TO 'off'
     SET jit TO 'off'
@@ -1178,17 +1176,9 @@ DECLARE
     v_xmax xid8;
     v_system bigint;
     v_stopped text;
-    v_last xid8;
-    -- The round takes the events below this xid (all of them: the largest
-    -- xid8).
-    v_bound xid8 := '18446744073709551615';
 BEGIN
     IF current_setting('transaction_isolation') <> 'read committed' THEN
         PERFORM outbox.require_read_committed('outbox.discover_scan');
-    END IF;
-    IF p_max_events < 1 THEN
-        RAISE EXCEPTION 'outbox: discover_scan(p_max_events => %): want at least 1, or NULL for no limit', p_max_events
-            USING ERRCODE = 'invalid_parameter_value';
     END IF;
     -- A limit of 0 would hide the round's header row too, and a caller
     -- that reads "nothing found" from that would never advance.
@@ -1239,19 +1229,6 @@ BEGIN
             USING ERRCODE = 'data_corrupted',
                   HINT = 'Run `outboxd rescan` (SELECT * FROM outbox.rescan_discovery()) once; discovery resumes after it.';
     END IF;
-    -- A backlog larger than p_max_events: the first xid past its first
-    -- p_max_events events (each statement reads the xid index that far
-    -- and no further). An event of a transaction that commits between
-    -- these statements and the next one's snapshot is below the bound or
-    -- not: either way that snapshot, cut at the bound, says which.
-    IF p_max_events IS NOT NULL THEN
-        SELECT e.xid INTO v_last FROM outbox.event e
-        WHERE e.xid >= v_xmax ORDER BY e.xid OFFSET p_max_events - 1 LIMIT 1;
-        IF v_last IS NOT NULL THEN
-            SELECT min(e.xid) INTO v_bound FROM outbox.event e WHERE e.xid > v_last;
-            v_bound := coalesce(v_bound, '18446744073709551615');
-        END IF;
-    END IF;
     -- One row per aggregate with a pending event found, oldest first, at
     -- most p_max_aggregates of them; one row with a NULL stream when every
     -- event found is already published (an ack that saw it committed got
@@ -1260,23 +1237,13 @@ BEGIN
     RETURN QUERY
     WITH found AS (
         SELECT e.stream, e.aggregate_key, e.created_at, e.published_at FROM outbox.events_since(v_prev) e
-        WHERE e.xid < v_bound
     ), agg AS (
         SELECT f.stream, f.aggregate_key, min(f.created_at) AS first_created_at
         FROM found f WHERE f.published_at IS NULL
         GROUP BY f.stream, f.aggregate_key
-    ), now_snapshot AS (
-        SELECT pg_current_snapshot() AS s
     ), header AS (
-        SELECT v_prev::text AS prev_snapshot,
-               CASE WHEN v_bound >= pg_snapshot_xmax(n.s) THEN n.s::text
-                    -- N cut at the bound: its running transactions below it.
-                    ELSE (SELECT least(pg_snapshot_xmin(n.s), v_bound)::text || ':' || v_bound::text || ':'
-                                 || coalesce(string_agg(x::text, ',' ORDER BY x), '')
-                          FROM pg_snapshot_xip(n.s) x WHERE x < v_bound)
-               END AS snapshot,
+        SELECT v_prev::text AS prev_snapshot, pg_current_snapshot()::text AS snapshot,
                (SELECT count(*) FROM found) AS events
-        FROM now_snapshot n
     )
     SELECT h.prev_snapshot, h.snapshot, h.events, a.stream, a.aggregate_key,
            a.stream IS NOT NULL AND coalesce(d.state = 'idle', true), a.first_created_at
