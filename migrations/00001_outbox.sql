@@ -965,8 +965,8 @@ BEGIN
     -- One row per aggregate with a pending event found, oldest first, at
     -- most p_max_aggregates of them; one row with a NULL stream when every
     -- event found is already published (an ack that saw it committed got
-    -- there first); none when nothing was found. pg_current_snapshot() is this statement's snapshot: the one the
-    -- events are read in.
+    -- there first); none when nothing was found. pg_current_snapshot() is
+    -- this statement's snapshot: the one the events are read in.
     RETURN QUERY
     WITH found AS (
         SELECT e.stream, e.aggregate_key, e.created_at, e.published_at FROM outbox.events_since(v_prev) e

@@ -433,17 +433,18 @@ func (s *Server) discoverRound(ctx context.Context) (_ store.Discovery, ready []
 		}
 		cancel()
 	}
-	if len(seen) >= s.cfg.DiscoveryMaxFound {
-		// The round may have made ready aggregates it did not return,
-		// of streams not among those seen: wake every poll group.
-		return found, nil, echoed, nil
-	}
-	return found, readyStreams(seen, found.Dispatched), echoed, nil
+	return found, readyStreams(seen, found.Dispatched, s.cfg.DiscoveryMaxFound), echoed, nil
 }
 
 // readyStreams returns the distinct streams of the aggregates found and not
-// dispatched, or nil when there were none to tell (any stream).
-func readyStreams(found []store.FoundAggregate, dispatched []store.DispatchedLease) []string {
+// dispatched, or nil (any stream) when there were none to tell or the round
+// returned maxFound aggregates, which may be fewer than it made ready.
+func readyStreams(found []store.FoundAggregate, dispatched []store.DispatchedLease, maxFound int) []string {
+	if len(found) >= maxFound {
+		// The round returned as many as it may: it may have made ready
+		// aggregates it did not return, of other streams.
+		return nil
+	}
 	type key struct{ stream, aggregate string }
 	leased := make(map[key]bool, len(dispatched))
 	for _, d := range dispatched {
