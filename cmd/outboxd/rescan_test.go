@@ -13,10 +13,26 @@ import (
 func TestCLIRescanAfterRestore(t *testing.T) {
 	t.Parallel()
 	ts := startServer(t, nil)
-	if _, err := ts.pool.Exec(context.Background(), `UPDATE outbox.discovery SET system_identifier = 42`); err != nil {
+	// The "restore" and the events happen while this test holds the lock
+	// discovery rounds take turns with ('outboxd.discover', per database):
+	// a round under way when it changed the system identifier could
+	// otherwise have read the old one and found the first event.
+	ctx := context.Background()
+	lock, err := ts.pool.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer lock.Release()
+	if _, err := lock.Exec(ctx, `SELECT pg_advisory_lock(7954802400917419382)`); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := ts.pool.Exec(ctx, `UPDATE outbox.discovery SET system_identifier = 42`); err != nil {
 		t.Fatal(err)
 	}
 	ts.emit(t, "orders", keys("o", 2)...)
+	if _, err := lock.Exec(ctx, `SELECT pg_advisory_unlock(7954802400917419382)`); err != nil {
+		t.Fatal(err)
+	}
 
 	// The server reads the stop from its discovery loop's last turn, which
 	// may be one from before the restore for a moment: lag says so once the
