@@ -889,6 +889,21 @@ $$;
 -- database restored or migrated in with its outbox full, a replica back
 -- from an outage) hands its caller a bounded list, not a million rows.
 --
+-- With p_max_events a round takes a backlog in parts: when more than that
+-- many events were committed with an xid from the stored snapshot's xmax on,
+-- it takes the transactions of the first p_max_events of them in xid order,
+-- whole (and, on top, those of transactions the stored snapshot saw
+-- running), and returns, instead of N, N cut at the first xid it leaves
+-- out: the same running transactions below that xid, nothing visible from
+-- it on.
+-- Everything visible in the cut snapshot is what the round applies, so
+-- storing it keeps "every event visible in the stored snapshot was
+-- discovered", and the next round goes on from there. Without it, a
+-- replica back from an outage applied the whole backlog in one transaction
+-- (18 s for a million events) before delivering any of it, and held the
+-- cluster's xmin horizon back meanwhile. A round always takes the first
+-- transaction whole, however many events it wrote, so it makes progress.
+--
 -- Locking the delivery rows is what lets an ack or claim decide "nothing
 -- follows" safely: they read events in a statement after locking the row,
 -- so they see every event a round that locked it before them discovered
@@ -897,7 +912,7 @@ $$;
 -- discover_apply locks every found aggregate's row, whatever its state,
 -- before a later statement (a newer snapshot) reads and decides.
 -- +goose StatementBegin
-CREATE FUNCTION outbox.discover_scan(p_max_aggregates integer DEFAULT NULL)
+CREATE FUNCTION outbox.discover_scan(p_max_aggregates integer DEFAULT NULL, p_max_events integer DEFAULT NULL)
 RETURNS TABLE (prev_snapshot text, snapshot text, events bigint, stream text, aggregate_key text,
                idle boolean, first_created_at timestamptz)
 LANGUAGE plpgsql
@@ -909,9 +924,17 @@ DECLARE
     v_xmax xid8;
     v_system bigint;
     v_stopped text;
+    v_last xid8;
+    -- The round takes the events below this xid (all of them: the largest
+    -- xid8).
+    v_bound xid8 := '18446744073709551615';
 BEGIN
     IF current_setting('transaction_isolation') <> 'read committed' THEN
         PERFORM outbox.require_read_committed('outbox.discover_scan');
+    END IF;
+    IF p_max_events < 1 THEN
+        RAISE EXCEPTION 'outbox: discover_scan(p_max_events => %): want at least 1, or NULL for no limit', p_max_events
+            USING ERRCODE = 'invalid_parameter_value';
     END IF;
     -- A limit of 0 would hide the round's header row too, and a caller
     -- that reads "nothing found" from that would never advance.
@@ -962,6 +985,20 @@ BEGIN
             USING ERRCODE = 'data_corrupted',
                   HINT = 'Run `outboxd rescan` (SELECT * FROM outbox.rescan_discovery()) once; discovery resumes after it.';
     END IF;
+    -- A backlog larger than p_max_events: the first xid past its first
+    -- p_max_events events (each statement reads the xid index that far
+    -- and no further). An event of a transaction that commits between
+    -- these statements and the next one's snapshot is below the bound or
+    -- not: either way that snapshot, cut at the bound, says which.
+    IF p_max_events IS NOT NULL THEN
+        SELECT e.xid INTO v_last FROM outbox.event e
+        WHERE e.xid >= v_xmax ORDER BY e.xid OFFSET p_max_events - 1 LIMIT 1;
+        IF v_last IS NOT NULL THEN
+            -- (min(xid8) is PostgreSQL 15's; the index gives the same.)
+            SELECT e.xid INTO v_bound FROM outbox.event e WHERE e.xid > v_last ORDER BY e.xid LIMIT 1;
+            v_bound := coalesce(v_bound, '18446744073709551615');
+        END IF;
+    END IF;
     -- One row per aggregate with a pending event found, oldest first, at
     -- most p_max_aggregates of them; one row with a NULL stream when every
     -- event found is already published (an ack that saw it committed got
@@ -970,13 +1007,23 @@ BEGIN
     RETURN QUERY
     WITH found AS (
         SELECT e.stream, e.aggregate_key, e.created_at, e.published_at FROM outbox.events_since(v_prev) e
+        WHERE e.xid < v_bound
     ), agg AS (
         SELECT f.stream, f.aggregate_key, min(f.created_at) AS first_created_at
         FROM found f WHERE f.published_at IS NULL
         GROUP BY f.stream, f.aggregate_key
+    ), now_snapshot AS (
+        SELECT pg_current_snapshot() AS s
     ), header AS (
-        SELECT v_prev::text AS prev_snapshot, pg_current_snapshot()::text AS snapshot,
+        SELECT v_prev::text AS prev_snapshot,
+               CASE WHEN v_bound >= pg_snapshot_xmax(n.s) THEN n.s::text
+                    -- N cut at the bound: its running transactions below it.
+                    ELSE (SELECT least(pg_snapshot_xmin(n.s), v_bound)::text || ':' || v_bound::text || ':'
+                                 || coalesce(string_agg(x::text, ',' ORDER BY x), '')
+                          FROM pg_snapshot_xip(n.s) x WHERE x < v_bound)
+               END AS snapshot,
                (SELECT count(*) FROM found) AS events
+        FROM now_snapshot n
     )
     -- Each row's delivery state is a probe by key (a subquery, never a
     -- join): this plan is made once per connection, and one made while
@@ -1077,7 +1124,9 @@ BEGIN
            array_agg(f.revision), array_agg(f.created_at)
     INTO v_ids, v_streams, v_keys, v_revs, v_created
     FROM outbox.events_since(v_prev) f
-    WHERE pg_visible_in_snapshot(f.xid, v_snapshot) AND f.published_at IS NULL;
+    -- (xid below the snapshot's xmax is implied; said, it bounds the index
+    -- scan to a round that took a backlog in parts.)
+    WHERE f.xid < pg_snapshot_xmax(v_snapshot) AND pg_visible_in_snapshot(f.xid, v_snapshot) AND f.published_at IS NULL;
 
     IF v_ids IS NOT NULL THEN
         -- 2. Lock every found aggregate's row, in key order (as acks and
@@ -1110,9 +1159,21 @@ BEGIN
             FROM found f
             GROUP BY f.stream, f.aggregate_key
         ), cand AS (
-            SELECT a.stream, a.aggregate_key, a.first_revision, a.first_created_at,
-                   d.state, coalesce(d.delivered_revision, a.first_revision - 1) AS cursor, d.ctid AS row_tid,
-                   t.holder, t.relay_id, t.ttl
+            -- A new aggregate's cursor sits just below its lowest pending
+            -- revision as this statement sees it, not below the lowest one
+            -- found: a round that took a backlog in parts (discover_scan's
+            -- p_max_events) cut its snapshot at an xid, and transaction ids
+            -- follow first writes, not commits. A transaction that took its
+            -- id early and then waited for the aggregate's counter behind a
+            -- later-id one commits revision 6 after that one committed 5, so
+            -- the cut can show 6 without 5. This statement's snapshot is
+            -- newer than the scan's, which saw 6 committed, so it sees 5.
+            -- (An existing aggregate's cursor is its row's; its claim order
+            -- and pending_since come from that lowest pending revision too.)
+            SELECT a.stream, a.aggregate_key, a.first_revision,
+                   least(lo.created_at, a.first_created_at) AS first_created_at,
+                   d.state, coalesce(d.delivered_revision, lo.revision - 1, a.first_revision - 1) AS cursor,
+                   d.ctid AS row_tid, t.holder, t.relay_id, t.ttl
             FROM agg a
             -- A probe by key per aggregate (LIMIT keeps the planner from
             -- making it a join; see discover_scan's last statement).
@@ -1122,6 +1183,20 @@ BEGIN
                 WHERE d.stream = a.stream AND d.aggregate_key = a.aggregate_key
                 LIMIT 1
             ) d ON true
+            LEFT JOIN LATERAL (
+                SELECT e.revision, e.created_at
+                FROM outbox.event e
+                -- (Only where a lower revision can exist, and only for a
+                -- row this round writes: the lookup cost a round of a
+                -- million new aggregates a third more.)
+                WHERE coalesce(d.state IN ('idle', 'gap'), true)
+                  AND a.first_revision > coalesce(d.delivered_revision, 0) + 1
+                  AND e.stream = a.stream AND e.aggregate_key = a.aggregate_key
+                  AND e.revision > coalesce(d.delivered_revision, 0)
+                  AND e.published_at IS NULL
+                ORDER BY e.revision
+                LIMIT 1
+            ) lo ON true
             LEFT JOIN unnest(p_streams, p_keys, p_holders, p_relay_ids, p_ttls)
                  AS t(stream, aggregate_key, holder, relay_id, ttl)
                  ON t.stream = a.stream AND t.aggregate_key = a.aggregate_key

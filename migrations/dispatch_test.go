@@ -3,6 +3,8 @@ package migrations_test
 import (
 	"context"
 	"errors"
+	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -390,5 +392,240 @@ func TestScanReturnsTheOldestAggregatesUpToItsLimit(t *testing.T) {
 	for _, bad := range []int{0, -1} {
 		_, err = pool.Exec(ctx, `SELECT * FROM outbox.discover_scan($1)`, bad)
 		wantSQLState(t, err, "22023")
+	}
+}
+
+// roundOf runs one discovery round with discover_scan's event limit (NULL
+// for none) and no dispatch, and returns how many events it found and the
+// snapshot it stored.
+func roundOf(ctx context.Context, t *testing.T, pool *pgxpool.Pool, maxEvents *int) (events int64, stored string) {
+	t.Helper()
+	err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		var prev, next *string
+		var n *int64
+		if err := tx.QueryRow(ctx, `SELECT min(prev_snapshot), min(snapshot), min(events) FROM outbox.discover_scan(NULL, $1)`,
+			maxEvents).Scan(&prev, &next, &n); err != nil {
+			return err
+		}
+		if n == nil {
+			return nil // nothing found
+		}
+		events = *n
+		if _, err := tx.Exec(ctx, `SELECT * FROM outbox.discover_apply($1, $2)`, *prev, *next); err != nil {
+			return err
+		}
+		return tx.QueryRow(ctx, `SELECT snapshot::text FROM outbox.discovery`).Scan(&stored)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return events, stored
+}
+
+// With an event limit a round takes a backlog in parts: whole transactions
+// in xid order until the limit is reached, storing the snapshot cut at the
+// first transaction it left out, with the transactions still running below
+// that cut. The next rounds go on from there, so every event is found
+// exactly once, including one whose transaction was running below the cut
+// and committed later; a transaction larger than the limit is taken whole.
+func TestRoundsTakeABacklogInParts(t *testing.T) {
+	t.Parallel()
+	ctx := testContext(t)
+	pool := testdb.NewPool(t)
+	insert := func(q pgx.Tx, keys ...string) {
+		t.Helper()
+		for _, k := range keys {
+			if _, err := q.Exec(ctx, `INSERT INTO outbox.event (stream, aggregate_key, event_type, payload)
+				VALUES ('s', $1, 't', '{}')`, k); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	commitOf := func(keys ...string) {
+		t.Helper()
+		if err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error { insert(tx, keys...); return nil }); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// Transactions in xid order: x1 and x2, then a running one, then x3 to
+	// x5, three events each (the running one one).
+	commitOf("a1", "a2", "a3")
+	commitOf("b1", "b2", "b3")
+	running, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = running.Rollback(ctx) }()
+	insert(running, "r1")
+	var runningXid string
+	if err := running.QueryRow(ctx, `SELECT pg_current_xact_id()::text`).Scan(&runningXid); err != nil {
+		t.Fatal(err)
+	}
+	commitOf("c1", "c2", "c3")
+	commitOf("d1", "d2", "d3")
+	commitOf("e1", "e2", "e3")
+
+	limit := 4
+	// The fourth event in xid order is x2's first: x1 and x2 whole.
+	n, stored := roundOf(ctx, t, pool, &limit)
+	if n != 6 {
+		t.Fatalf("first round found %d events, want x1's and x2's 6", n)
+	}
+	if parts := strings.Split(stored, ":"); len(parts) != 3 || !slices.Contains(strings.Split(parts[2], ","), runningXid) {
+		t.Fatalf("stored snapshot %s does not keep the running transaction %s below its cut", stored, runningXid)
+	}
+	// And the apply wrote what the cut shows, no more: the rows of x1's and
+	// x2's aggregates.
+	if rows := count(t, pool, `SELECT count(*) FROM outbox.delivery WHERE stream = 's'`); rows != 6 {
+		t.Fatalf("after the first round %d aggregates have a delivery row, want x1's and x2's 6", rows)
+	}
+	if err := running.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	// Now the one that was running (below the stored cut: on top of the
+	// limit, which counts from the cut on), x3 and x4 (the fourth event from
+	// the cut is x4's first); then x5, and nothing.
+	for i, want := range []int64{7, 3, 0} {
+		if n, _ := roundOf(ctx, t, pool, &limit); n != want {
+			t.Fatalf("round %d found %d events, want %d", i+2, n, want)
+		}
+	}
+	var rows int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM outbox.delivery WHERE stream = 's' AND state = 'ready'`).Scan(&rows); err != nil {
+		t.Fatal(err)
+	}
+	if rows != 16 {
+		t.Fatalf("%d aggregates claimable, want all 16", rows)
+	}
+
+	// A transaction larger than the limit is taken whole: a round always
+	// makes progress.
+	commitOf("f1", "f2", "f3")
+	commitOf("g1")
+	one := 1
+	if n, _ := roundOf(ctx, t, pool, &one); n != 3 {
+		t.Fatalf("a round limited to 1 event found %d, want the first transaction's 3", n)
+	}
+	if n, _ := roundOf(ctx, t, pool, &one); n != 1 {
+		t.Fatalf("the next round found %d, want the last transaction's 1", n)
+	}
+	for _, bad := range []int{0, -1} {
+		_, err := pool.Exec(ctx, `SELECT * FROM outbox.discover_scan(NULL, $1)`, bad)
+		wantSQLState(t, err, "22023")
+	}
+}
+
+// Transaction ids follow first writes, not commits. A producer that took its
+// id early (a business write) and then waited for an aggregate's counter
+// behind a later-id producer commits its revision after the other's. A round
+// limited to one event cuts its snapshot between the two ids, so it sees the
+// later revisions alone: revision 2 of k (new) and 3 of j (delivered through
+// 1, idle). k's cursor must start below revision 1, the lowest pending one
+// (which the round's decision sees committed), not below 2, or revision 1
+// would be found next round behind the cursor, a late event never
+// delivered. And both aggregates are pending since their oldest pending
+// event, the later-id producer's, whose transaction began first.
+func TestACutThatShowsALaterRevisionAloneKeepsTheEarlierOne(t *testing.T) {
+	t.Parallel()
+	ctx := testContext(t)
+	pool := testdb.NewPool(t)
+	exec(t, pool, `INSERT INTO outbox.event (stream, aggregate_key, event_type, payload) VALUES ('s', 'j', 't', '{}')`)
+	discover(t, pool)
+	if got := claimRevisions(t, pool); got["j"] != 1 {
+		t.Fatalf("claimed %v, want j's revision 1", got)
+	}
+	ackEvents(t, pool, `aggregate_key = 'j'`)
+
+	// The later-id producer's transaction begins first (its events' created_at
+	// is the older), the early-id one takes its id first.
+	later, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = later.Rollback(ctx) }()
+	if _, err := later.Exec(ctx, `SELECT now()`); err != nil {
+		t.Fatal(err)
+	}
+	early, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = early.Rollback(ctx) }()
+	var earlyXid, laterXid int64
+	if err := early.QueryRow(ctx, `SELECT pg_current_xact_id()::text::bigint`).Scan(&earlyXid); err != nil {
+		t.Fatal(err)
+	}
+	if err := later.QueryRow(ctx, `SELECT pg_current_xact_id()::text::bigint`).Scan(&laterXid); err != nil {
+		t.Fatal(err)
+	}
+	if earlyXid >= laterXid {
+		t.Fatalf("transaction ids %d, %d: want the early one's lower", earlyXid, laterXid)
+	}
+	const emit = `INSERT INTO outbox.event (stream, aggregate_key, event_type, payload)
+		VALUES ('s', 'k', 't', '{}'), ('s', 'j', 't', '{}') RETURNING revision`
+	revisions := func(q pgx.Tx) ([]int64, error) {
+		rows, err := q.Query(ctx, emit)
+		if err != nil {
+			return nil, err
+		}
+		return pgx.CollectRows(rows, pgx.RowTo[int64])
+	}
+	if revs, err := revisions(later); err != nil || !slices.Equal(revs, []int64{1, 2}) {
+		t.Fatalf("the later-id producer's revisions %v (err %v), want k 1, j 2", revs, err)
+	}
+	earlyPid, laterPid := backendPID(t, early), backendPID(t, later)
+	earlyRevs := make(chan []int64, 1)
+	go func() {
+		revs, err := revisions(early)
+		if err != nil {
+			t.Error(err)
+		}
+		earlyRevs <- revs
+	}()
+	waitUntilBlockedBy(t, pool, earlyPid, laterPid)
+	if err := later.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if revs := <-earlyRevs; !slices.Equal(revs, []int64{2, 3}) {
+		t.Fatalf("the early-id producer's revisions %v, want k 2, j 3", revs)
+	}
+	if err := early.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+
+	one := 1
+	if n, _ := roundOf(ctx, t, pool, &one); n != 2 {
+		t.Fatalf("the first round found %d events, want the early-id transaction's 2 alone", n)
+	}
+	rows, err := pool.Query(ctx, `SELECT d.aggregate_key, d.delivered_revision, d.state,
+			d.pending_since = o.oldest AND d.claimable_at = o.oldest
+		FROM outbox.delivery d
+		CROSS JOIN LATERAL (SELECT min(e.created_at) AS oldest FROM outbox.event e
+		                    WHERE e.stream = d.stream AND e.aggregate_key = d.aggregate_key AND e.published_at IS NULL) o
+		WHERE d.stream = 's' ORDER BY d.aggregate_key`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	type row struct {
+		Key         string
+		Cursor      int64
+		State       string
+		SinceOldest bool
+	}
+	got, err := pgx.CollectRows(rows, pgx.RowToStructByPos[row])
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := []row{{"j", 1, "ready", true}, {"k", 0, "ready", true}}; !slices.Equal(got, want) {
+		t.Fatalf("after the cut round the aggregates are %+v, want %+v (ready at their cursors, pending and claimable since their oldest event)", got, want)
+	}
+	if n, _ := roundOf(ctx, t, pool, &one); n != 2 {
+		t.Fatalf("the second round found %d events, want the later-id transaction's 2", n)
+	}
+	if late := count(t, pool, `SELECT count(*) FROM outbox.late_event`); late != 0 {
+		t.Fatalf("%d late events: an earlier revision was left behind its cursor", late)
+	}
+	if got := claimRevisions(t, pool); got["k"] != 1 || got["j"] != 2 {
+		t.Fatalf("claimed %v, want k's revision 1 and j's 2", got)
 	}
 }

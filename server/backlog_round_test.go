@@ -2,6 +2,7 @@ package server_test
 
 import (
 	"context"
+	"fmt"
 	"testing"
 	"time"
 
@@ -115,5 +116,55 @@ func TestRoundOverMoreThanMaxFoundWakesEverySession(t *testing.T) {
 	ack(t, r, d)
 	if d := recv(t, stA); d.GetEvent().GetEventId() != a2.String() {
 		t.Fatalf("session of stream a got %s, want %s", d.GetEvent().GetEventId(), a2)
+	}
+}
+
+// A backlog larger than Config.DiscoveryMaxEvents is found in several
+// rounds of whole transactions, every event once.
+func TestBacklogIsFoundInRoundsOfMaxEvents(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	found := make(chan int64, 16)
+	r := startReplica(t, url, func(c *server.Config) { c.DiscoveryMaxEvents = 2 })
+	r.Server.SetAfterDiscover(func(d store.Discovery, err error) (store.Discovery, error) {
+		if err == nil && d.Events > 0 {
+			found <- d.Events
+		}
+		return d, err
+	})
+	lock, err := pool.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer lock.Release()
+	if _, err := lock.Exec(ctx, `SELECT pg_advisory_lock($1)`, int64(discoveryLockKey)); err != nil {
+		t.Fatal(err)
+	}
+	// Three transactions of two events each (emit commits one event per
+	// transaction: these insert two per transaction).
+	for i := range 3 {
+		if _, err := pool.Exec(ctx, `INSERT INTO outbox.event (stream, aggregate_key, event_type, payload)
+			VALUES ('s', $1, 't', '{}'), ('s', $2, 't', '{}')`, fmt.Sprint("k", i, "a"), fmt.Sprint("k", i, "b")); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := lock.Exec(ctx, `SELECT pg_advisory_unlock($1)`, int64(discoveryLockKey)); err != nil {
+		t.Fatal(err)
+	}
+	var rounds []int64
+	for total := int64(0); total < 6; {
+		select {
+		case n := <-found:
+			rounds = append(rounds, n)
+			total += n
+		case <-ctx.Done():
+			t.Fatalf("rounds found %v, want 6 events in all", rounds)
+		}
+	}
+	if len(rounds) != 3 || rounds[0] != 2 || rounds[1] != 2 || rounds[2] != 2 {
+		t.Fatalf("rounds found %v events, want [2 2 2]: one transaction each", rounds)
 	}
 }

@@ -393,7 +393,7 @@ func (s *Server) discoverRound(ctx context.Context) (_ store.Discovery, ready []
 		pid = p
 		s.wake.openRound(p)
 	}
-	found, err := s.store.Discover(ctx, s.cfg.ReplicaID, s.cfg.DiscoveryMaxFound, choose, applying)
+	found, err := s.store.Discover(ctx, s.cfg.ReplicaID, s.cfg.DiscoveryMaxFound, s.cfg.DiscoveryMaxEvents, choose, applying)
 	if holdingHandOvers {
 		defer s.handOverMu.RUnlock()
 	}

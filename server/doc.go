@@ -32,10 +32,21 @@
 // or new (the oldest Config.DiscoveryMaxFound of them: a backlog of a
 // million aggregates must not cost the replica a million rows in memory;
 // the apply wakes those it did not return, whose sessions then claim
-// them). The replica then picks which of those go straight to its waiting
+// them). With Config.DiscoveryMaxEvents the round may return, instead of
+// N, N cut at an xid X: xmax X, and N's running transactions below X. The
+// events visible in the cut snapshot are exactly those of N below X, which
+// the apply reads and stores the cut snapshot with, so "everything
+// visible in S was discovered" holds after the round; the next one reads
+// from X on and the transactions that were running below it. Transaction
+// ids follow first writes, not commits, so a cut can show an aggregate's
+// revision 6 without 5 (whose transaction, with the later id, committed
+// first); the apply's decision statement, whose snapshot is newer than N
+// and so sees 5, starts a new aggregate's cursor below its lowest pending
+// revision. The replica
+// then picks which of those go straight to its waiting
 // sessions (dispatch, below), and outbox.discover_apply re-reads exactly the
 // events visible in N, locks every found aggregate's delivery row, creates
-// the row of a new aggregate (cursor just below its first revision) or
+// the row of a new aggregate (cursor just below its lowest pending revision) or
 // wakes an idle or gap-held one, stores N, and sends one NOTIFY
 // outbox_wakeup when it made a row ready. A transaction left open costs one
 // index probe per round; it never delays other events. An empty round

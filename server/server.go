@@ -83,6 +83,15 @@ type Config struct {
 	// rest wait for a claim instead of a dispatch), so this bounds the
 	// replica's memory, not what a round discovers. Default 10000.
 	DiscoveryMaxFound int
+	// DiscoveryMaxEvents, when positive, is about the most events one
+	// discovery round takes: a larger backlog (replicas back from an
+	// outage) is then taken in rounds of whole transactions, each a
+	// transaction of its own, so the first events are delivered while the
+	// rest are still being found and no round holds the cluster's xmin
+	// horizon back for long. It costs more discovery work in all, spent
+	// while the first events are delivered (see BENCHMARKS.md). Default 0:
+	// one round takes everything found.
+	DiscoveryMaxEvents int
 	// ReconcileInterval is how often a session with deliveries outstanding
 	// checks which of its leases still exist (acks on other replicas, expired
 	// leases claimed elsewhere). Default 2s.
@@ -242,6 +251,8 @@ func (c *Config) setDefaults() error {
 			c.DiscoveryQuietInterval, c.DiscoveryIdleInterval)
 	case c.DiscoveryMaxFound < 1:
 		return fmt.Errorf("server: Config.DiscoveryMaxFound %d must be positive", c.DiscoveryMaxFound)
+	case c.DiscoveryMaxEvents < 0:
+		return fmt.Errorf("server: Config.DiscoveryMaxEvents %d must not be negative (0: no limit)", c.DiscoveryMaxEvents)
 	case c.AckBatch < 1:
 		return fmt.Errorf("server: Config.AckBatch %d must be positive", c.AckBatch)
 	case c.AckCommitters < 1:

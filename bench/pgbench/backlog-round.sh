@@ -8,7 +8,8 @@
 # every half second), and the replica's peak RSS meanwhile (/proc, so the
 # replica runs on this machine).
 #
-# Usage: [N=1000000] [TXNS=1] bench/pgbench/backlog-round.sh [OUTBOXD_BINARY]
+# Usage: [N=1000000] [TXNS=1] [SERVE_FLAGS=...] bench/pgbench/backlog-round.sh [OUTBOXD_BINARY]
+# (SERVE_FLAGS, say --discovery-max-events=100000, go to outboxd serve.)
 # Needs PostgreSQL on 127.0.0.1:5432 (psql, trust auth) and free ports 7445
 # and 7446. Compare builds back to back; BENCHMARKS.md quotes its figures.
 set -euo pipefail
@@ -32,7 +33,7 @@ psql "$url" -c "DO \$\$ BEGIN FOR t IN 0..$txns - 1 LOOP
 	INSERT INTO outbox.event (stream, aggregate_key, event_type, payload)
 	SELECT 'backlog', 'k' || g, 't', '{\"a\":1}' FROM generate_series(t * $n / $txns + 1, (t + 1) * $n / $txns) g;
 	COMMIT; END LOOP; END \$\$"
-"$bin" serve --listen 127.0.0.1:7445 --http-listen=127.0.0.1:7446 --log-level warn --database-url "$url" &
+"$bin" serve --listen 127.0.0.1:7445 --http-listen=127.0.0.1:7446 --log-level warn --database-url "$url" ${SERVE_FLAGS:-} &
 pid=$!
 start=$(date +%s.%N)
 peak=0

@@ -55,6 +55,7 @@ type serveFlags struct {
 	maxSubscriptions     int
 	ackCommitters        int
 	ackLinger            time.Duration
+	discoveryMaxEvents   int
 	pprof                bool
 	console              bool
 	sources              []string
@@ -97,6 +98,7 @@ func (f *serveFlags) register(cmd *cobra.Command) {
 	fl.BoolVar(&f.pprof, "pprof", false, "serve Go profiles on the HTTP port under /debug/pprof/")
 	fl.BoolVar(&f.console, "console", true, "serve the operator console at / on the HTTP port (login with a viewer or admin token)")
 	fl.IntVar(&f.ackCommitters, "ack-committers", 1, "ack batches applied at once, each on its own database connection: more drains a backlog faster on several cores, but makes each batch smaller (more database work per ack) when load is light")
+	fl.IntVar(&f.discoveryMaxEvents, "discovery-max-events", 0, "take a backlog larger than this many events in discovery rounds of whole transactions, each its own transaction: after an outage the first events are delivered within seconds instead of after one round over all of them, at more discovery work in all (0: no limit, the default)")
 	fl.DurationVar(&f.ackLinger, "ack-linger", 0, "under load (acks of several relay connections interleaving), how long an ack batch may wait for more before it commits: fewer, larger batches cost less CPU per event, at up to this much more commit→published_at; a lone ack never waits (0: off, the default)")
 	fl.IntVar(&f.maxSubscriptions, "max-subscriptions-per-relay", 64, "Subscribe streams one token (or relay id, without auth) may hold open on this replica")
 	addSourceFlag(fl, &f.sources)
@@ -289,6 +291,7 @@ func (f *serveFlags) engineConfig() server.Config {
 		Retention: f.retention, JanitorInterval: f.janitorInterval,
 		StrandedAuditInterval:    f.strandedAuditInterval,
 		MaxSubscriptionsPerRelay: f.maxSubscriptions, AckCommitters: f.ackCommitters, AckLinger: f.ackLinger,
+		DiscoveryMaxEvents: f.discoveryMaxEvents,
 	}
 }
 

@@ -119,7 +119,9 @@ type DispatchedLease struct {
 // (outbox.discover_apply), in one transaction. choose may return nil; it is
 // called only when the round found something, with at most maxFound
 // aggregates, the oldest (the round makes the others claimable all the
-// same). A round that another replica
+// same). A round takes at most about maxEvents events, whole transactions
+// in xid order, and leaves the rest of a larger backlog to the next rounds
+// (see outbox.discover_scan); 0: no bound. A round that another replica
 // is running at the same moment finds nothing.
 //
 // applying, when not nil, is called with the process id of the round's
@@ -131,7 +133,7 @@ type DispatchedLease struct {
 // hear of them, and the caller must have those sessions sweep. It returns
 // ErrDiscoveryStopped when the database's discovery state is not this
 // cluster's (see DiscoveryStopped).
-func (s *Store) Discover(ctx context.Context, replicaID string, maxFound int, choose func([]FoundAggregate) []Dispatch, applying func(pid uint32)) (Discovery, error) {
+func (s *Store) Discover(ctx context.Context, replicaID string, maxFound, maxEvents int, choose func([]FoundAggregate) []Dispatch, applying func(pid uint32)) (Discovery, error) {
 	var d Discovery
 	conn, err := s.pool.Acquire(ctx)
 	if err != nil {
@@ -148,7 +150,7 @@ func (s *Store) Discover(ctx context.Context, replicaID string, maxFound int, ch
 	br := conn.SendBatch(ctx, &pgx.Batch{QueuedQueries: []*pgx.QueuedQuery{
 		{SQL: "BEGIN"},
 		{SQL: `SELECT prev_snapshot, snapshot, events, stream, aggregate_key, idle, first_created_at
-			FROM outbox.discover_scan($1)`, Arguments: []any{int32(min(maxFound, math.MaxInt32))}},
+			FROM outbox.discover_scan($1, $2)`, Arguments: []any{sqlLimit(maxFound), sqlLimit(maxEvents)}},
 	}})
 	var prev, next string
 	var found []FoundAggregate
@@ -240,6 +242,16 @@ func (s *Store) Discover(ctx context.Context, replicaID string, maxFound int, ch
 		return d, fmt.Errorf("store: discover: commit: the round's transaction ended with %s", tag)
 	}
 	return d, nil
+}
+
+// sqlLimit is n as a limit argument of the delivery functions: NULL (no
+// limit) for 0, at most the largest integer.
+func sqlLimit(n int) *int32 {
+	if n <= 0 {
+		return nil
+	}
+	v := int32(min(n, math.MaxInt32))
+	return &v
 }
 
 // leaseColumns selects the fields of an outbox.lease value (as nullableLease
