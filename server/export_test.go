@@ -200,9 +200,6 @@ func (s *Server) PollCovered(now time.Time) bool { return s.pollCovered(now) }
 // SkippedPolls is how many polls skipped their claim.
 func (s *Server) SkippedPolls() uint64 { return s.skippedPolls.Load() }
 
-// StrandedAuditPause is strandedAuditPause, for tests.
-var StrandedAuditPause = strandedAuditPause
-
 // StrandedAudits counts the stranded audits begun.
 func (s *Server) StrandedAudits() int {
 	s.stranded.mu.Lock()

@@ -143,7 +143,7 @@ type Config struct {
 	// StrandedAuditInterval is how long the stranded-events audit's counts
 	// serve every lag reader (GetLag, the metrics, the console) before a
 	// reader starts the next audit; longer where the audit itself is slow
-	// (strandedAuditPause). The audit reads every aggregate, so it is not
+	// (ration.Pause). The audit reads every aggregate, so it is not
 	// run for each read. Default 1m.
 	StrandedAuditInterval time.Duration
 

@@ -5,6 +5,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/outboxd/outboxd/internal/ration"
 	"github.com/outboxd/outboxd/internal/store"
 )
 
@@ -43,11 +44,6 @@ type strandedAudit struct {
 	started int           // audits begun, for tests
 }
 
-// strandedAuditShare bounds the audit's cost where it is slow: the next one
-// starts no sooner than this many times the last one's duration after it,
-// so it keeps one database connection busy at most 1/20 of the time.
-const strandedAuditShare = 20
-
 // strandedAuditTimeout ends an audit that runs longer than this, whoever
 // asked for it: a reader's own deadline (a metrics scrape's few seconds)
 // does not cut it short, or on a large database no audit would ever finish.
@@ -58,12 +54,6 @@ const strandedAuditTimeout = 5 * time.Minute
 // operator's lag must not fail because a large database's first audit
 // takes longer than they do.
 const strandedFirstWait = 2 * time.Second
-
-// strandedAuditPause is how long an audit's counts stay fresh: interval,
-// or strandedAuditShare times as long as it took when that is longer.
-func strandedAuditPause(interval, took time.Duration) time.Duration {
-	return max(interval, strandedAuditShare*took)
-}
 
 // strandedCounts returns the stranded events per stream and when the audit
 // that counted them began. When the counts are older than their pause it
@@ -77,7 +67,7 @@ func (s *Server) strandedCounts(ctx context.Context) (map[string]int64, time.Tim
 	a.mu.Lock()
 	// A failed audit waits out its pause too: one that timed out on a huge
 	// table is not started again by the next reader.
-	fresh := !a.tried.IsZero() && time.Since(a.tried) < strandedAuditPause(s.cfg.StrandedAuditInterval, a.took)
+	fresh := !a.tried.IsZero() && time.Since(a.tried) < ration.Pause(s.cfg.StrandedAuditInterval, a.took)
 	if !fresh && a.running == nil {
 		a.running, a.tried = make(chan struct{}), time.Now()
 		a.started++

@@ -13,20 +13,6 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 )
 
-func TestStrandedAuditPause(t *testing.T) {
-	t.Parallel()
-	for _, tc := range []struct{ interval, took, want time.Duration }{
-		{time.Minute, 0, time.Minute},
-		{time.Minute, time.Second, time.Minute},           // 20 s < 1 min
-		{time.Minute, 5 * time.Second, 100 * time.Second}, // a slow audit waits 20 times its length
-		{0, 10 * time.Millisecond, 200 * time.Millisecond},
-	} {
-		if got := server.StrandedAuditPause(tc.interval, tc.took); got != tc.want {
-			t.Errorf("StrandedAuditPause(%v, %v) = %v, want %v", tc.interval, tc.took, got, tc.want)
-		}
-	}
-}
-
 // strandLost makes the delivery row of aggregate "lost" say idle while its
 // event is pending, as a delivery bug would leave it, and puts it back when
 // the test ends (the replica's cleanup counts stranded events).

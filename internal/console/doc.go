@@ -12,8 +12,9 @@
 // authorize it exactly as they would a call from `outboxd` on the command
 // line, stream limits and audit actor included. The only call that does not
 // go through them is the lag sampler's (Config.Lag), which records GetLag
-// every SampleInterval into a bounded ring for the chart; its samples are
-// filtered by the viewer's streams before they are shown.
+// every SampleInterval (or, when a sample is slow, ration.Share times its
+// duration after it began) into a bounded ring for the chart; its samples
+// are filtered by the viewer's streams before they are shown.
 //
 // # Sources
 //

@@ -1,6 +1,7 @@
 package console
 
 import (
+	"context"
 	"fmt"
 	"testing"
 	"time"
@@ -64,5 +65,55 @@ func TestLagRing(t *testing.T) {
 	}
 	if _, ok := last[fmt.Sprintf("s%03d", maxSampledStreams+9)]; !ok {
 		t.Error("the busiest stream was dropped")
+	}
+}
+
+// The sampler waits SampleInterval between samples, or ration.Share times a
+// slow sample's duration after it began: a lag read costs PostgreSQL in
+// proportion to the aggregates pending. The clock is the test's: each sample
+// "takes" what the test says, and the sampler's waits are recorded, not
+// slept.
+func TestSamplerRationsSlowSamples(t *testing.T) {
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	clock := time.Unix(1_700_000_000, 0)
+	takes := []time.Duration{time.Millisecond, 2 * time.Second, 100 * time.Millisecond}
+	var samples int
+	c, err := New(Config{Conn: (*grpc.ClientConn)(nil), SampleInterval: 10 * time.Second,
+		Lag: func(context.Context, *outboxv1.GetLagRequest) (*outboxv1.GetLagResponse, error) {
+			clock = clock.Add(takes[samples])
+			samples++
+			return &outboxv1.GetLagResponse{}, nil
+		}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	waits := make(chan time.Duration)
+	next := make(chan time.Time)
+	c.now = func() time.Time { return clock }
+	c.after = func(d time.Duration) <-chan time.Time {
+		waits <- d
+		return next
+	}
+	done := make(chan error, 1)
+	go func() { done <- c.Run(ctx) }()
+	for i, want := range []time.Duration{
+		10*time.Second - time.Millisecond,     // a fast sample: the interval from its start
+		40*time.Second - 2*time.Second,        // a slow one: 20 times its length from its start
+		10*time.Second - 100*time.Millisecond, // and back
+	} {
+		if got := <-waits; got != want {
+			t.Fatalf("after sample %d (%v) the sampler waited %v, want %v", i+1, takes[i], got, want)
+		}
+		if i < len(takes)-1 {
+			next <- clock
+		}
+	}
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	if samples != 3 || len(c.ring.samples()) != 3 {
+		t.Fatalf("%d samples taken, %d in the ring; want 3", samples, len(c.ring.samples()))
 	}
 }
