@@ -2,6 +2,7 @@ package server
 
 import (
 	"context"
+	"log/slog"
 	"time"
 
 	"github.com/google/uuid"
@@ -205,4 +206,12 @@ func (s *Server) StrandedAudits() int {
 	s.stranded.mu.Lock()
 	defer s.stranded.mu.Unlock()
 	return s.stranded.started
+}
+
+// LagScraper returns a scrape of a lag collector whose reads are read, on
+// the clock now.
+func LagScraper(read func(context.Context) (store.Lag, error), now func() time.Time) func() error {
+	c := newLagCollector(&Server{log: slog.New(slog.DiscardHandler)})
+	c.readLag, c.now = read, now
+	return func() error { _, err := c.read(); return err }
 }

@@ -7,6 +7,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/outboxd/outboxd/internal/ration"
 	"github.com/outboxd/outboxd/internal/store"
 )
 
@@ -100,10 +101,16 @@ func (m *metrics) collectors() []prometheus.Collector {
 // lagCollector exports the database's backlog as gauges at scrape time. The
 // figures are database-wide, so every replica reports the same values:
 // aggregate them with max(), not sum(). Results are cached for a few seconds
-// so that several scrapers cost one query.
+// so that several scrapers cost one query, and where a read is slow for
+// ration.Share times as long as it took: a lag read costs PostgreSQL in
+// proportion to the aggregates pending (seconds with a million), and
+// scraped every 15 s a database that far behind would spend a core on its
+// own metrics.
 type lagCollector struct {
 	s       *Server
 	cacheOK time.Duration
+	readLag func(context.Context) (store.Lag, error)
+	now     func() time.Time
 
 	pending       *prometheus.Desc
 	oldest        *prometheus.Desc
@@ -117,14 +124,24 @@ type lagCollector struct {
 	scrapeSuccess *prometheus.Desc
 
 	mu      sync.Mutex
-	at      time.Time
+	at      time.Time     // when the last read began
+	took    time.Duration // how long it ran
 	lag     store.Lag
 	lastErr error
 }
 
+// lagReadTimeout ends a lag read for the metrics that runs longer than
+// this. Not the scrape's few seconds: a read past them would fail every
+// scrape of a database far behind, when the figures matter most. A scrape
+// that gives up first leaves the read to finish, and the scrapes after it
+// are answered from it.
+const lagReadTimeout = time.Minute
+
 func newLagCollector(s *Server) *lagCollector {
 	return &lagCollector{
 		s: s, cacheOK: 2 * time.Second,
+		readLag: func(ctx context.Context) (store.Lag, error) { return s.lag(ctx, nil) },
+		now:     time.Now,
 		pending: prometheus.NewDesc("outboxd_pending_events",
 			"Events neither published nor skipped, per stream (database-wide).", []string{"stream"}, nil),
 		oldest: prometheus.NewDesc("outboxd_oldest_pending_age_seconds",
@@ -188,13 +205,14 @@ func (c *lagCollector) Collect(ch chan<- prometheus.Metric) {
 func (c *lagCollector) read() (store.Lag, error) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if time.Since(c.at) < c.cacheOK {
+	if !c.at.IsZero() && c.now().Sub(c.at) < ration.Pause(c.cacheOK, c.took) {
 		return c.lag, c.lastErr
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), lagReadTimeout)
 	defer cancel()
-	c.lag, c.lastErr = c.s.lag(ctx, nil)
-	c.at = time.Now()
+	began := c.now()
+	c.lag, c.lastErr = c.readLag(ctx)
+	c.at, c.took = began, c.now().Sub(began)
 	if c.lastErr != nil {
 		c.s.log.Warn("reading backlog for metrics failed", "err", c.lastErr)
 	}

@@ -8,6 +8,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+	"github.com/outboxd/outboxd/internal/store"
 	"github.com/outboxd/outboxd/internal/testdb"
 	"github.com/outboxd/outboxd/server"
 	"github.com/prometheus/client_golang/prometheus"
@@ -172,5 +173,39 @@ func TestStrandedAuditOutlivesItsReader(t *testing.T) {
 	// the first reader's audit's, once it could read.
 	if at := audited(t, r).GetStrandedAuditedAt().AsTime(); at.Before(asked) || at.After(answered) {
 		t.Fatalf("counts as of %v: not from the audit the reader at %v..%v started", at, asked, answered)
+	}
+}
+
+// The lag metrics read the backlog at most every 2 s, and after a slow read
+// no sooner than 20 times its length after it began: a lag read's cost
+// follows the aggregates pending. On the test's clock: each read "takes"
+// what the test says.
+func TestLagMetricsRationSlowReads(t *testing.T) {
+	t.Parallel()
+	clock := time.Unix(1_700_000_000, 0)
+	var reads int
+	var takes time.Duration
+	scrape := server.LagScraper(func(context.Context) (store.Lag, error) {
+		reads++
+		clock = clock.Add(takes)
+		return store.Lag{}, nil
+	}, func() time.Time { return clock })
+	for i, step := range []struct {
+		advance, takes time.Duration // before the scrape; how long a read it makes takes
+		reads          int           // reads made in all after it
+	}{
+		{0, 3 * time.Second, 1},
+		{10 * time.Second, 0, 1},                     // 13 s after the slow read began: within its 60 s
+		{48 * time.Second, 10 * time.Millisecond, 2}, // 61 s after
+		{1 * time.Second, 0, 2},                      // a fast read holds for 2 s
+		{1500 * time.Millisecond, 0, 3},
+	} {
+		clock, takes = clock.Add(step.advance), step.takes
+		if err := scrape(); err != nil {
+			t.Fatal(err)
+		}
+		if reads != step.reads {
+			t.Fatalf("scrape %d: %d reads in all, want %d", i+1, reads, step.reads)
+		}
 	}
 }
