@@ -8,6 +8,7 @@ import (
 
 	"google.golang.org/protobuf/types/known/durationpb"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
 	"github.com/outboxd/outboxd/internal/store"
 	"github.com/outboxd/outboxd/internal/testdb"
@@ -68,14 +69,7 @@ func TestRoundOverMoreThanMaxFoundWakesEverySession(t *testing.T) {
 		<-seen
 	}
 
-	lock, err := pool.Acquire(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer lock.Release()
-	if _, err := lock.Exec(ctx, `SELECT pg_advisory_lock($1)`, int64(discoveryLockKey)); err != nil {
-		t.Fatal(err)
-	}
+	release := holdDiscovery(ctx, t, pool)
 	// Oldest first: a's two aggregates, then b's three, each in its own
 	// transaction, all found by the one round that runs once the lock is
 	// given back.
@@ -85,9 +79,7 @@ func TestRoundOverMoreThanMaxFoundWakesEverySession(t *testing.T) {
 	for _, key := range []string{"b1", "b2", "b3"} {
 		b = append(b, emit(t, pool, "b", key, 1)[0].String())
 	}
-	if _, err := lock.Exec(ctx, `SELECT pg_advisory_unlock($1)`, int64(discoveryLockKey)); err != nil {
-		t.Fatal(err)
-	}
+	release()
 	select {
 	case rd := <-seen:
 		// Only the two oldest were the replica's to choose from, and the
@@ -135,14 +127,7 @@ func TestBacklogIsFoundInRoundsOfMaxEvents(t *testing.T) {
 		}
 		return d, err
 	})
-	lock, err := pool.Acquire(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer lock.Release()
-	if _, err := lock.Exec(ctx, `SELECT pg_advisory_lock($1)`, int64(discoveryLockKey)); err != nil {
-		t.Fatal(err)
-	}
+	release := holdDiscovery(ctx, t, pool)
 	// Three transactions of two events each (emit commits one event per
 	// transaction: these insert two per transaction).
 	for i := range 3 {
@@ -151,9 +136,7 @@ func TestBacklogIsFoundInRoundsOfMaxEvents(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	if _, err := lock.Exec(ctx, `SELECT pg_advisory_unlock($1)`, int64(discoveryLockKey)); err != nil {
-		t.Fatal(err)
-	}
+	release()
 	var rounds []int64
 	for total := int64(0); total < 6; {
 		select {
@@ -166,5 +149,26 @@ func TestBacklogIsFoundInRoundsOfMaxEvents(t *testing.T) {
 	}
 	if len(rounds) != 3 || rounds[0] != 2 || rounds[1] != 2 || rounds[2] != 2 {
 		t.Fatalf("rounds found %v events, want [2 2 2]: one transaction each", rounds)
+	}
+}
+
+// holdDiscovery takes the lock discovery rounds take turns with, on a
+// connection of its own, so that no round runs until release; the test's
+// events then wait for one round.
+func holdDiscovery(ctx context.Context, t *testing.T, pool *pgxpool.Pool) (release func()) {
+	t.Helper()
+	conn, err := pool.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(conn.Release)
+	if _, err := conn.Exec(ctx, `SELECT pg_advisory_lock($1)`, int64(discoveryLockKey)); err != nil {
+		t.Fatal(err)
+	}
+	return func() {
+		t.Helper()
+		if _, err := conn.Exec(ctx, `SELECT pg_advisory_unlock($1)`, int64(discoveryLockKey)); err != nil {
+			t.Fatal(err)
+		}
 	}
 }
