@@ -587,6 +587,7 @@ func TestCLIRetry(t *testing.T) {
 
 	// A relay fails once: with MaxFailures 1 the aggregate is parked.
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
 	sub, err := ts.relay.Subscribe(ctx, &outboxv1.SubscribeRequest{RelayId: "r", Streams: []string{"flaky"}, MaxInFlight: 1})
 	if err != nil {
 		t.Fatal(err)
@@ -601,9 +602,16 @@ func TestCLIRetry(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	cancel()
 	if !nack.GetParked() {
 		t.Fatalf("nack did not park: %v", nack)
+	}
+	// The session stays open, its one delivery of credit spent on another
+	// aggregate, so that it cannot claim f1 once the retry makes it ready.
+	// (Ending the stream instead raced the retry: the server can take a
+	// moment to see a stream end, and the session claimed f1 meanwhile.)
+	other := ts.emit(t, "flaky", "f0")[0]
+	if d, err := sub.Recv(); err != nil || d.GetEvent().GetEventId() != other {
+		t.Fatalf("the session got %v (err %v), want f0's event %s", d.GetEvent(), err, other)
 	}
 
 	r := ts.cli(t, nil, "aggregate", "flaky", "f1").want(t, exitOK)
