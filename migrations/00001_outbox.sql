@@ -470,10 +470,17 @@ $$;
 -- back): the counters, the settings, other producers' events and the
 -- server's rows stay out of its reach. A fixed search_path keeps a
 -- producer's own schemas from shadowing anything the function calls
--- (BENCHMARKS.md has what the switch of rights costs).
+-- (BENCHMARKS.md has what the switch of rights costs). Every statement in it
+-- reaches one row by key, and a producer's connection keeps their plans for
+-- its life: planned while outbox.aggregate was small (after autovacuum's
+-- first ANALYZE of a young database, say), a lookup by key would scan the
+-- whole table on every insert after, until the next ANALYZE, which a
+-- backfill in one transaction never sees. So sequential scans are off here
+-- as in the delivery functions (see below); the setting rides on the switch
+-- of rights the function makes anyway.
 -- +goose StatementBegin
 CREATE FUNCTION outbox.event_before_insert() RETURNS trigger
-LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET enable_seqscan = off AS $$
 DECLARE
     -- No initial values: PL/pgSQL would evaluate them on every call, before
     -- the common case below returns.
@@ -1045,6 +1052,33 @@ END
 $$;
 -- +goose StatementEnd
 
+-- lock_deliveries locks the delivery rows of the named aggregates (repeats
+-- allowed; those without a row are passed by), in key order, as acks and
+-- releases lock them, so that concurrent lockers cannot deadlock. Each row
+-- by a probe of its key (LATERAL with LIMIT, which the planner cannot make
+-- a join): a join of the keys with the table, planned while it was small,
+-- would pass over all of it.
+-- +goose StatementBegin
+CREATE FUNCTION outbox.lock_deliveries(p_streams text[], p_keys text[])
+RETURNS void
+LANGUAGE plpgsql
+SET enable_seqscan = off SET jit = off SET plan_cache_mode = force_generic_plan
+AS $$
+BEGIN
+    PERFORM 1
+    FROM (SELECT DISTINCT k.stream, k.aggregate_key
+          FROM unnest(p_streams, p_keys) AS k(stream, aggregate_key)
+          ORDER BY k.stream, k.aggregate_key) k
+    CROSS JOIN LATERAL (
+        SELECT 1 FROM outbox.delivery d
+        WHERE d.stream = k.stream AND d.aggregate_key = k.aggregate_key
+        LIMIT 1
+        FOR UPDATE
+    ) d;
+END
+$$;
+-- +goose StatementEnd
+
 -- discover_apply is the second half of the round discover_scan began in this
 -- transaction (p_prev and p_snapshot are what it returned). p_streams and
 -- p_keys name idle or new aggregates to lease at once to the sessions
@@ -1132,10 +1166,7 @@ BEGIN
         -- 2. Lock every found aggregate's row, in key order (as acks and
         --    releases lock them), whatever its state: a row an ack or claim
         --    holds is waited for, then seen below as they left it.
-        PERFORM 1 FROM outbox.delivery d
-        WHERE (d.stream, d.aggregate_key) IN (SELECT * FROM unnest(v_streams, v_keys))
-        ORDER BY d.stream, d.aggregate_key
-        FOR UPDATE OF d;
+        PERFORM outbox.lock_deliveries(v_streams, v_keys);
         -- The clock again, now that the rows are ours: the locks may have
         -- waited (for an ack, a claim, a re-scan), and a lease dispatched from
         -- the clock before the wait would be shorter than its TTL.
@@ -1151,8 +1182,8 @@ BEGIN
             SELECT f.event_id, f.stream, f.aggregate_key, f.revision, f.created_at
             FROM unnest(v_ids, v_streams, v_keys, v_revs, v_created)
                  AS f(event_id, stream, aggregate_key, revision, created_at)
-            JOIN outbox.event e ON e.event_id = f.event_id
-            WHERE e.published_at IS NULL
+            -- A probe by id, not a join (which could pass over the table).
+            WHERE (SELECT e.published_at IS NULL FROM outbox.event e WHERE e.event_id = f.event_id)
         ), agg AS (
             SELECT f.stream, f.aggregate_key, min(f.revision) AS first_revision,
                    min(f.created_at) AS first_created_at
@@ -1212,7 +1243,7 @@ BEGIN
                 WHERE c.holder IS NOT NULL AND coalesce(c.state = 'idle', true)
                   AND e.stream = c.stream AND e.aggregate_key = c.aggregate_key
                   AND e.revision = c.cursor + 1
-                  AND NOT EXISTS (SELECT 1 FROM outbox.skipped_event s WHERE s.event_id = e.event_id)
+                  AND (SELECT true FROM outbox.skipped_event s WHERE s.event_id = e.event_id) IS NULL
             ) h ON true
         ), created AS (
             INSERT INTO outbox.delivery AS d
@@ -1467,7 +1498,7 @@ BEGIN
         SELECT e.event_id, e.stream, e.aggregate_key, e.revision, e.created_at
         FROM outbox.event e
         WHERE e.published_at IS NULL
-          AND NOT EXISTS (SELECT 1 FROM outbox.skipped_event s WHERE s.event_id = e.event_id)
+          AND (SELECT true FROM outbox.skipped_event s WHERE s.event_id = e.event_id) IS NULL
     )
     SELECT (SELECT s FROM snap), (SELECT count(*) FROM restamp),
            array_agg(p.event_id), array_agg(p.stream), array_agg(p.aggregate_key),
@@ -1477,10 +1508,7 @@ BEGIN
 
     IF v_ids IS NOT NULL THEN
         -- 2. Lock the found aggregates' delivery rows, in key order.
-        PERFORM 1 FROM outbox.delivery d
-        WHERE (d.stream, d.aggregate_key) IN (SELECT * FROM unnest(v_streams, v_keys))
-        ORDER BY d.stream, d.aggregate_key
-        FOR UPDATE OF d;
+        PERFORM outbox.lock_deliveries(v_streams, v_keys);
 
         -- 3. Decide in a newer statement: events published meanwhile are
         --    left out; a new aggregate gets a ready delivery row from its
@@ -1491,9 +1519,8 @@ BEGIN
             SELECT f.event_id, f.stream, f.aggregate_key, f.revision, f.created_at
             FROM unnest(v_ids, v_streams, v_keys, v_revs, v_created)
                  AS f(event_id, stream, aggregate_key, revision, created_at)
-            JOIN outbox.event e ON e.event_id = f.event_id
-            WHERE e.published_at IS NULL
-              AND NOT EXISTS (SELECT 1 FROM outbox.skipped_event s WHERE s.event_id = f.event_id)
+            WHERE (SELECT e.published_at IS NULL FROM outbox.event e WHERE e.event_id = f.event_id)
+              AND (SELECT true FROM outbox.skipped_event s WHERE s.event_id = f.event_id) IS NULL
         ), fresh AS (
             SELECT f.stream, f.aggregate_key, min(f.revision) AS first_revision, min(f.created_at) AS first_created_at
             FROM found f
@@ -1591,13 +1618,27 @@ BEGIN
     -- Attempt history: earlier leases of these events that expired.
     PERFORM outbox.record_expired(p_streams, p_keys, p_now, p_max_attempts);
     RETURN QUERY
+    -- Every table row is reached by a probe of its key or id (LATERAL with
+    -- LIMIT, which the planner cannot turn into a join) or, for the rows
+    -- the caller locked, by the tuple id read here: a join, planned while
+    -- a table was small, would pass over all of it.
     WITH heads AS (
-        SELECT d.stream, d.aggregate_key, e.event_id, e.revision, l.ord, u.unanswered,
+        SELECT d.stream, d.aggregate_key, d.row_tid, e.event_id, e.revision, l.ord, u.unanswered,
                coalesce(u.unanswered >= p_max_attempts, false) AS exhausted
         FROM unnest(p_streams, p_keys) WITH ORDINALITY AS l(stream, aggregate_key, ord)
-        JOIN outbox.delivery d ON d.stream = l.stream AND d.aggregate_key = l.aggregate_key
-        JOIN outbox.event e ON e.stream = d.stream AND e.aggregate_key = d.aggregate_key
-                           AND e.revision = d.delivered_revision + 1
+        CROSS JOIN LATERAL (
+            SELECT d.stream, d.aggregate_key, d.delivered_revision, d.leased_event_id, d.state, d.unanswered,
+                   d.ctid AS row_tid
+            FROM outbox.delivery d
+            WHERE d.stream = l.stream AND d.aggregate_key = l.aggregate_key
+            LIMIT 1
+        ) d
+        CROSS JOIN LATERAL (
+            SELECT e.event_id, e.revision FROM outbox.event e
+            WHERE e.stream = d.stream AND e.aggregate_key = d.aggregate_key
+              AND e.revision = d.delivered_revision + 1
+            LIMIT 1
+        ) e
         -- The previous lease of this same event ended unanswered when it is
         -- still marked leased (expired) or was released (ready); a nack
         -- leaves it backing off.
@@ -1606,7 +1647,7 @@ BEGIN
                         WHEN d.state IN ('leased', 'ready') THEN d.unanswered + 1
                         ELSE d.unanswered END AS unanswered
         ) u
-        WHERE NOT EXISTS (SELECT 1 FROM outbox.skipped_event s WHERE s.event_id = e.event_id)
+        WHERE (SELECT true FROM outbox.skipped_event s WHERE s.event_id = e.event_id) IS NULL
     ), extra AS (
         -- The rest of each window: revisions after the head, contiguous
         -- and not skipped, ranked by their place in the window and then by
@@ -1618,10 +1659,14 @@ BEGIN
                 SELECT h.stream, h.aggregate_key, h.ord, h.revision AS head_revision, e.event_id, e.revision,
                        row_number() OVER (PARTITION BY h.stream, h.aggregate_key ORDER BY e.revision) AS rn
                 FROM heads h
-                JOIN outbox.event e ON e.stream = h.stream AND e.aggregate_key = h.aggregate_key
-                                   AND e.revision > h.revision AND e.revision < h.revision + p_window
+                CROSS JOIN LATERAL (
+                    SELECT e.event_id, e.revision FROM outbox.event e
+                    WHERE e.stream = h.stream AND e.aggregate_key = h.aggregate_key
+                      AND e.revision > h.revision AND e.revision < h.revision + p_window
+                      AND (SELECT true FROM outbox.skipped_event s WHERE s.event_id = e.event_id) IS NULL
+                    LIMIT p_window
+                ) e
                 WHERE p_window > 1 AND NOT h.exhausted
-                  AND NOT EXISTS (SELECT 1 FROM outbox.skipped_event s WHERE s.event_id = e.event_id)
             ) c
             WHERE c.revision = c.head_revision + c.rn
         ) r
@@ -1654,7 +1699,7 @@ BEGIN
             next_attempt_at = NULL, gap_revision = NULL
         FROM heads h
         LEFT JOIN widths w ON w.stream = h.stream AND w.aggregate_key = h.aggregate_key
-        WHERE d.stream = h.stream AND d.aggregate_key = h.aggregate_key
+        WHERE d.ctid = h.row_tid
         RETURNING d.stream, d.aggregate_key, d.state, d.epoch, d.attempt, d.lease_expires_at
     )
     SELECT e.event_id, e.stream, e.aggregate_key, e.revision, e.event_type, e.payload::text,
@@ -1663,7 +1708,7 @@ BEGIN
     JOIN (SELECT h.stream, h.aggregate_key, h.event_id FROM heads h
           UNION ALL SELECT x.stream, x.aggregate_key, x.event_id FROM extra x) l
       ON l.stream = c.stream AND l.aggregate_key = c.aggregate_key
-    JOIN outbox.event e ON e.event_id = l.event_id
+    CROSS JOIN LATERAL (SELECT e.* FROM outbox.event e WHERE e.event_id = l.event_id LIMIT 1) e
     WHERE c.state = 'leased'
     ORDER BY e.stream, e.aggregate_key, e.revision;
 END
@@ -1918,13 +1963,19 @@ BEGIN
         FROM (
             SELECT d.stream, d.aggregate_key
             FROM unnest(v_cand_streams, v_cand_keys) WITH ORDINALITY AS k(stream, aggregate_key, ord)
-            JOIN outbox.delivery d ON d.stream = k.stream AND d.aggregate_key = k.aggregate_key
-            WHERE (d.state = 'ready' OR d.claimable_at <= v_now OR d.claimable_at > clock_timestamp() + p_max_due)
-              AND (v_streams IS NULL
-                   OR (d.stream, d.aggregate_key) NOT IN (SELECT * FROM unnest(v_streams, v_keys)))
+            -- (LATERAL with LIMIT keeps it a probe per key: a join, planned
+            -- while the table was small, would pass over all of it.)
+            CROSS JOIN LATERAL (
+                SELECT d.stream, d.aggregate_key FROM outbox.delivery d
+                WHERE d.stream = k.stream AND d.aggregate_key = k.aggregate_key
+                  AND (d.state = 'ready' OR d.claimable_at <= v_now
+                       OR d.claimable_at > clock_timestamp() + p_max_due)
+                LIMIT 1
+                FOR UPDATE SKIP LOCKED
+            ) d
+            WHERE v_streams IS NULL OR (k.stream, k.aggregate_key) NOT IN (SELECT * FROM unnest(v_streams, v_keys))
             ORDER BY k.ord
             LIMIT p_limit - coalesce(cardinality(v_streams), 0)
-            FOR UPDATE OF d SKIP LOCKED
         ) c;
         v_streams := v_streams || v_more_streams;
         v_keys := v_keys || v_more_keys;
@@ -1954,18 +2005,22 @@ BEGIN
     FOR r IN
         SELECT d.stream, d.aggregate_key, d.delivered_revision
         FROM unnest(v_streams, v_keys) AS l(stream, aggregate_key)
-        JOIN outbox.delivery d ON d.stream = l.stream AND d.aggregate_key = l.aggregate_key
-        WHERE NOT EXISTS (
-            SELECT 1 FROM outbox.event e
-            WHERE e.stream = d.stream AND e.aggregate_key = d.aggregate_key
-              AND e.revision = d.delivered_revision + 1
-              AND NOT EXISTS (SELECT 1 FROM outbox.skipped_event s WHERE s.event_id = e.event_id))
+        CROSS JOIN LATERAL (
+            SELECT d.stream, d.aggregate_key, d.delivered_revision FROM outbox.delivery d
+            WHERE d.stream = l.stream AND d.aggregate_key = l.aggregate_key
+            LIMIT 1
+        ) d
+        WHERE (SELECT true FROM outbox.event e
+               WHERE e.stream = d.stream AND e.aggregate_key = d.aggregate_key
+                 AND e.revision = d.delivered_revision + 1
+                 AND (SELECT true FROM outbox.skipped_event s WHERE s.event_id = e.event_id) IS NULL) IS NULL
     LOOP
         -- Step over revisions an operator skipped.
         v_cursor := r.delivered_revision;
         WHILE EXISTS (
-            SELECT 1 FROM outbox.event e JOIN outbox.skipped_event s ON s.event_id = e.event_id
-            WHERE e.stream = r.stream AND e.aggregate_key = r.aggregate_key AND e.revision = v_cursor + 1)
+            SELECT 1 FROM outbox.event e
+            WHERE e.stream = r.stream AND e.aggregate_key = r.aggregate_key AND e.revision = v_cursor + 1
+              AND (SELECT true FROM outbox.skipped_event s WHERE s.event_id = e.event_id) IS NOT NULL)
         LOOP
             v_cursor := v_cursor + 1;
         END LOOP;
@@ -2090,6 +2145,7 @@ DECLARE
     v_ok_keys text[];
     v_ok_revs bigint[];
     v_ok_created timestamptz[];
+    v_ok_tids tid[];
     v_holders uuid[];
     v_remote uuid[];
     v_oldest timestamptz;
@@ -2167,7 +2223,7 @@ BEGIN
             -- a statement that waited for that lock reads the skip table as
             -- it was before.
             SELECT d.delivered_revision, d.state, d.holder, d.holder_replica_id, d.leased_through, d.parked_revision,
-                   EXISTS (SELECT 1 FROM outbox.skipped_event s WHERE s.event_id = v_id)
+                   (SELECT true FROM outbox.skipped_event s WHERE s.event_id = v_id) IS NOT NULL
             INTO v_cursor, v_state, v_holder, v_holder_replica, v_through, v_parked_rev, v_skipped
             FROM outbox.delivery d
             WHERE d.stream = v_stream AND d.aggregate_key = v_key
@@ -2195,7 +2251,7 @@ BEGIN
             -- there is any says whether anything follows.
             SELECT CASE WHEN n.revision = v_rev + 1 THEN n.event_id END,
                    CASE WHEN n.revision = v_rev + 1 THEN n.created_at END,
-                   n.revision = v_rev + 1 AND EXISTS (SELECT 1 FROM outbox.skipped_event s WHERE s.event_id = n.event_id),
+                   n.revision = v_rev + 1 AND (SELECT true FROM outbox.skipped_event s WHERE s.event_id = n.event_id) IS NOT NULL,
                    true
             INTO v_next_id, v_next_at, v_next_skipped, v_has_next
             FROM outbox.event n
@@ -2311,6 +2367,7 @@ BEGIN
                array_agg(z.aggregate_key) FILTER (WHERE z.ok),
                array_agg(z.revision) FILTER (WHERE z.ok),
                array_agg(z.created_at) FILTER (WHERE z.ok),
+               array_agg(z.row_tid) FILTER (WHERE z.ok),
                array_agg(z.holder) FILTER (WHERE z.ok),
                array_agg(DISTINCT z.holder) FILTER (WHERE z.ok AND z.holder IS NOT NULL
                                                     AND z.holder_replica_id IS DISTINCT FROM p_replica_id),
@@ -2326,7 +2383,7 @@ BEGIN
                array_agg(DISTINCT z.holder) FILTER (WHERE z.ok AND z.holder = ANY (p_handover_holders)),
                array_agg(DISTINCT z.holder) FILTER (WHERE z.ok AND z.holder IS NOT NULL
                                                     AND (p_filter_holders IS NULL OR z.holder = ANY (p_filter_holders)))
-        INTO v_ok, v_ok_streams, v_ok_keys, v_ok_revs, v_ok_created, v_holders, v_remote, v_windowed, v_ok_parked,
+        INTO v_ok, v_ok_streams, v_ok_keys, v_ok_revs, v_ok_created, v_ok_tids, v_holders, v_remote, v_windowed, v_ok_parked,
              v_probe_handover, v_probe_for
         FROM (
             SELECT y.*, y.ahead AND y.revision = y.delivered_revision + y.rank AND y.clean AS ok
@@ -2335,13 +2392,24 @@ BEGIN
                 FROM (
                     SELECT l.event_id, l.stream, l.aggregate_key, l.revision, l.created_at,
                            d.holder, d.holder_replica_id, d.delivered_revision, d.state, d.leased_through, d.parked_revision,
-                           l.revision > d.delivered_revision AS ahead,
-                           EXISTS (SELECT 1 FROM outbox.skipped_event s WHERE s.event_id = l.event_id) AS skipped
-                    FROM unnest(v_ids, v_streams, v_keys, v_revs, v_created)
-                         AS l(event_id, stream, aggregate_key, revision, created_at)
-                    JOIN outbox.delivery d ON d.stream = l.stream AND d.aggregate_key = l.aggregate_key
-                    ORDER BY d.stream, d.aggregate_key
-                    FOR UPDATE OF d
+                           d.row_tid, l.revision > d.delivered_revision AS ahead,
+                           (SELECT true FROM outbox.skipped_event s WHERE s.event_id = l.event_id) IS NOT NULL AS skipped
+                    FROM (SELECT * FROM unnest(v_ids, v_streams, v_keys, v_revs, v_created)
+                                   AS l(event_id, stream, aggregate_key, revision, created_at)
+                          ORDER BY l.stream, l.aggregate_key) l
+                    -- Each row by a probe of its key, locked in key order
+                    -- (LATERAL with LIMIT: a join, planned while the table
+                    -- was small, would pass over all of it). Its tuple id
+                    -- stays valid while this transaction holds the lock, and
+                    -- the updates below reach the row by it.
+                    CROSS JOIN LATERAL (
+                        SELECT d.holder, d.holder_replica_id, d.delivered_revision, d.state, d.leased_through,
+                               d.parked_revision, d.ctid AS row_tid
+                        FROM outbox.delivery d
+                        WHERE d.stream = l.stream AND d.aggregate_key = l.aggregate_key
+                        LIMIT 1
+                        FOR UPDATE
+                    ) d
                 ) x
                 WINDOW w AS (PARTITION BY x.stream, x.aggregate_key, x.ahead ORDER BY x.revision)
             ) y
@@ -2397,8 +2465,8 @@ BEGIN
                 SELECT a.*, CASE WHEN f.revision = a.revision + 1 THEN f.event_id END AS next_id,
                        CASE WHEN f.revision = a.revision + 1 THEN f.created_at END AS next_created_at,
                        f.event_id IS NOT NULL AS has_next
-                FROM unnest(v_ok, v_ok_streams, v_ok_keys, v_ok_revs, v_holders, v_ok_parked)
-                     AS a(event_id, stream, aggregate_key, revision, holder, stays_parked)
+                FROM unnest(v_ok, v_ok_streams, v_ok_keys, v_ok_revs, v_holders, v_ok_parked, v_ok_tids)
+                     AS a(event_id, stream, aggregate_key, revision, holder, stays_parked, row_tid)
                 LEFT JOIN LATERAL (
                     SELECT e.event_id, e.revision, e.created_at FROM outbox.event e
                     WHERE e.stream = a.stream AND e.aggregate_key = a.aggregate_key AND e.revision > a.revision
@@ -2411,7 +2479,7 @@ BEGIN
                 LEFT JOIN LATERAL (
                     SELECT t.ttl FROM unnest(p_handover_holders, p_handover_ttls) AS t(holder, ttl)
                     WHERE t.holder = a.holder AND a.next_id IS NOT NULL
-                      AND NOT EXISTS (SELECT 1 FROM outbox.skipped_event s WHERE s.event_id = a.next_id)
+                      AND (SELECT true FROM outbox.skipped_event s WHERE s.event_id = a.next_id) IS NULL
                       AND NOT coalesce((SELECT o.oldest FROM probe o WHERE o.holder = a.holder)
                                        < least(v_now, a.next_created_at), false)
                     LIMIT 1
@@ -2442,14 +2510,15 @@ BEGIN
                     parked_reason = CASE WHEN x.stays_parked THEN d.parked_reason END,
                     next_attempt_at = NULL, gap_revision = NULL
                 FROM nxt x
-                WHERE d.stream = x.stream AND d.aggregate_key = x.aggregate_key
+                WHERE d.ctid = x.row_tid
                 RETURNING d.state, d.holder, d.leased_event_id, d.epoch, d.attempt, d.lease_expires_at, x.event_id AS acked
             )
             SELECT array_agg(ROW(e.event_id, e.stream, e.aggregate_key, e.revision, e.event_type, e.payload::text,
                                  e.headers, e.created_at, a.epoch, a.attempt, a.lease_expires_at)::outbox.lease),
                    array_agg(a.holder), array_agg(a.acked)
             INTO v_handed, v_handed_holders, v_handed_acks
-            FROM advanced a JOIN outbox.event e ON e.event_id = a.leased_event_id
+            FROM advanced a
+            CROSS JOIN LATERAL (SELECT e.* FROM outbox.event e WHERE e.event_id = a.leased_event_id LIMIT 1) e
             WHERE a.state = 'leased';
         ELSE
             -- The claim order hand-over must not jump, as above.
@@ -2470,9 +2539,9 @@ BEGIN
             WITH acked AS (
                 SELECT a.stream, a.aggregate_key, max(a.revision) AS cursor, count(*) AS acks,
                        (array_agg(a.event_id ORDER BY a.revision DESC))[1] AS last_ack,
-                       bool_and(a.stays_parked) AS stays_parked
-                FROM unnest(v_ok, v_ok_streams, v_ok_keys, v_ok_revs, v_ok_parked)
-                     AS a(event_id, stream, aggregate_key, revision, stays_parked)
+                       bool_and(a.stays_parked) AS stays_parked, (array_agg(a.row_tid))[1] AS row_tid
+                FROM unnest(v_ok, v_ok_streams, v_ok_keys, v_ok_revs, v_ok_parked, v_ok_tids)
+                     AS a(event_id, stream, aggregate_key, revision, stays_parked, row_tid)
                 GROUP BY a.stream, a.aggregate_key
             ), cur AS (
                 SELECT a.*, d.holder, h.ttl, coalesce(h.win, 1) AS win, coalesce(h.credit, 0) AS credit,
@@ -2487,10 +2556,14 @@ BEGIN
                             WHERE x.stream = a.stream AND x.aggregate_key = a.aggregate_key
                               AND x.revision > a.cursor + 1)) AS has_next
                 FROM acked a
-                JOIN outbox.delivery d ON d.stream = a.stream AND d.aggregate_key = a.aggregate_key
+                CROSS JOIN LATERAL (
+                    SELECT d.holder, d.state, d.leased_through FROM outbox.delivery d
+                    WHERE d.ctid = a.row_tid
+                    LIMIT 1
+                ) d
                 LEFT JOIN LATERAL (
                     SELECT e.event_id, e.created_at,
-                           EXISTS (SELECT 1 FROM outbox.skipped_event s WHERE s.event_id = e.event_id) AS skipped
+                           (SELECT true FROM outbox.skipped_event s WHERE s.event_id = e.event_id) IS NOT NULL AS skipped
                     FROM outbox.event e
                     WHERE e.stream = a.stream AND e.aggregate_key = a.aggregate_key AND e.revision = a.cursor + 1
                 ) n ON true
@@ -2524,7 +2597,7 @@ BEGIN
                         WHERE (w.room > 1 OR (w.room = 1 AND w.continues))
                           AND e.stream = w.stream AND e.aggregate_key = w.aggregate_key
                           AND e.revision >= w.start AND e.revision < w.start + w.room
-                          AND NOT EXISTS (SELECT 1 FROM outbox.skipped_event s WHERE s.event_id = e.event_id)
+                          AND (SELECT true FROM outbox.skipped_event s WHERE s.event_id = e.event_id) IS NULL
                     ) r
                     WHERE r.revision = w.start + r.rn - 1
                     HAVING count(*) > 0
@@ -2566,7 +2639,7 @@ BEGIN
                     parked_reason = CASE WHEN g.stays_parked THEN d.parked_reason END,
                     next_attempt_at = NULL, gap_revision = NULL
                 FROM granted g
-                WHERE d.stream = g.stream AND d.aggregate_key = g.aggregate_key
+                WHERE d.ctid = g.row_tid
                 RETURNING d.stream, d.aggregate_key, d.holder, d.epoch, d.attempt, d.lease_expires_at,
                           g.start, g.grant_n, g.last_ack
             )
@@ -2577,8 +2650,12 @@ BEGIN
                    array_agg(a.last_ack ORDER BY e.stream, e.aggregate_key, e.revision)
             INTO v_handed, v_handed_holders, v_handed_acks
             FROM advanced a
-            JOIN outbox.event e ON e.stream = a.stream AND e.aggregate_key = a.aggregate_key
-                               AND e.revision >= a.start AND e.revision < a.start + a.grant_n
+            CROSS JOIN LATERAL (
+                SELECT e.* FROM outbox.event e
+                WHERE e.stream = a.stream AND e.aggregate_key = a.aggregate_key
+                  AND e.revision >= a.start AND e.revision < a.start + a.grant_n
+                LIMIT a.grant_n
+            ) e
             WHERE a.grant_n > 0;
 
         END IF;
@@ -2636,12 +2713,20 @@ BEGIN
         LEFT JOIN unnest(v_ok) AS ok(id) ON ok.id = i.id
         LEFT JOIN LATERAL (
             SELECT u.id, u.stream, u.aggregate_key, u.revision,
-                   EXISTS (SELECT 1 FROM outbox.skipped_event s WHERE s.event_id = u.id) AS skipped
+                   (SELECT true FROM outbox.skipped_event s WHERE s.event_id = u.id) IS NOT NULL AS skipped
             FROM unnest(v_ids, v_streams, v_keys, v_revs) AS u(id, stream, aggregate_key, revision)
             WHERE u.id = i.id
         ) l ON true
-        LEFT JOIN outbox.delivery d ON d.stream = l.stream AND d.aggregate_key = l.aggregate_key
-        LEFT JOIN outbox.event e ON e.event_id = i.id AND l.id IS NULL
+        LEFT JOIN LATERAL (
+            SELECT d.delivered_revision FROM outbox.delivery d
+            WHERE d.stream = l.stream AND d.aggregate_key = l.aggregate_key
+            LIMIT 1
+        ) d ON true
+        LEFT JOIN LATERAL (
+            SELECT e.event_id, e.published_at FROM outbox.event e
+            WHERE e.event_id = i.id AND l.id IS NULL
+            LIMIT 1
+        ) e ON true
         WHERE ok.id IS NULL;
     END IF;
     IF v_handed IS NOT NULL THEN
@@ -2651,6 +2736,24 @@ BEGIN
         FROM generate_subscripts(v_handed, 1) AS i
         ORDER BY i;
     END IF;
+END
+$$;
+-- +goose StatementEnd
+
+-- held_events lists the events p_holder's leases cover (a session's
+-- reconciliation), through delivery_holder_idx however large the table is
+-- (sequential scans off, as in the delivery functions).
+-- +goose StatementBegin
+CREATE FUNCTION outbox.held_events(p_holder uuid)
+RETURNS SETOF uuid
+LANGUAGE plpgsql STABLE
+SET enable_seqscan = off SET jit = off SET plan_cache_mode = force_generic_plan
+AS $$
+BEGIN
+    RETURN QUERY
+    SELECT unnest(outbox.lease_window(d.stream, d.aggregate_key, d.delivered_revision, d.leased_through))
+    FROM outbox.delivery d
+    WHERE d.holder = p_holder AND d.state = 'leased';
 END
 $$;
 -- +goose StatementEnd
@@ -2837,7 +2940,47 @@ LANGUAGE sql STABLE AS $$
     FROM outbox.event e
     WHERE e.stream = p_stream AND e.aggregate_key = p_aggregate_key
       AND e.revision > p_after_revision AND e.published_at IS NULL
-      AND NOT EXISTS (SELECT 1 FROM outbox.skipped_event s WHERE s.event_id = e.event_id)
+      AND (SELECT true FROM outbox.skipped_event s WHERE s.event_id = e.event_id) IS NULL
+$$;
+-- +goose StatementEnd
+
+-- pending_by_stream sums, per stream (all when p_streams is NULL), the
+-- pending events of the aggregates delivery keeps pending, by state:
+-- GetLag's and the metrics' counts of discovered work. Its cost follows the
+-- pending aggregates, read through delivery_pending_idx, however many
+-- aggregates the table holds: PL/pgSQL with sequential scans off, so that a
+-- plan made while the table was small (or its statistics say so) keeps to
+-- the index.
+-- +goose StatementBegin
+CREATE FUNCTION outbox.pending_by_stream(p_streams text[])
+RETURNS TABLE (stream text, events bigint, aggregates bigint, oldest timestamptz, oldest_held timestamptz,
+               ready bigint, leased bigint, backoff bigint, parked bigint, gap bigint, stalled bigint)
+LANGUAGE plpgsql STABLE
+SET enable_seqscan = off SET jit = off SET plan_cache_mode = force_generic_plan
+AS $$
+#variable_conflict use_column
+BEGIN
+    RETURN QUERY
+    WITH pend AS (
+        SELECT d.stream, d.state, p.events, p.oldest_created_at,
+               outbox.stall_reason(d.state, d.unanswered, d.failures, d.last_error) IS NOT NULL AS stalled
+        FROM outbox.delivery d
+        CROSS JOIN LATERAL outbox.pending_of(d.stream, d.aggregate_key, d.delivered_revision) p
+        WHERE d.pending_since IS NOT NULL AND (p_streams IS NULL OR d.stream = ANY (p_streams))
+          AND p.events > 0
+    )
+    SELECT x.stream, sum(x.events)::bigint, count(*),
+           min(x.oldest_created_at),
+           min(x.oldest_created_at) FILTER (WHERE x.state IN ('parked', 'backoff', 'gap')),
+           count(*) FILTER (WHERE x.state = 'ready'),
+           count(*) FILTER (WHERE x.state = 'leased'),
+           count(*) FILTER (WHERE x.state = 'backoff'),
+           count(*) FILTER (WHERE x.state = 'parked'),
+           count(*) FILTER (WHERE x.state = 'gap'),
+           count(*) FILTER (WHERE x.stalled)
+    FROM pend x
+    GROUP BY x.stream;
+END
 $$;
 -- +goose StatementEnd
 
@@ -2861,10 +3004,13 @@ BEGIN
     SELECT e.stream, count(*), min(e.created_at)
     FROM outbox.events_since(v_prev) e
     WHERE e.published_at IS NULL AND (p_streams IS NULL OR e.stream = ANY (p_streams))
-      AND NOT EXISTS (
-          SELECT 1 FROM outbox.delivery d
-          WHERE d.stream = e.stream AND d.aggregate_key = e.aggregate_key
-            AND d.pending_since IS NOT NULL AND e.revision > d.delivered_revision)
+      -- Its aggregate's row by a probe of the primary key: a NOT EXISTS
+      -- could probe delivery_pending_idx by stream alone, every pending
+      -- aggregate of the stream for each event.
+      AND NOT coalesce((
+          SELECT d.pending_since IS NOT NULL AND e.revision > d.delivered_revision
+          FROM outbox.delivery d
+          WHERE d.stream = e.stream AND d.aggregate_key = e.aggregate_key), false)
     GROUP BY e.stream;
 END
 $$;
@@ -2941,7 +3087,7 @@ LANGUAGE sql STABLE AS $$
             WHERE e.stream = a.stream AND e.aggregate_key = a.aggregate_key
               AND e.revision > coalesce(d.delivered_revision, 0) AND e.published_at IS NULL
               AND pg_visible_in_snapshot(e.xid, disc.snapshot)
-              AND NOT EXISTS (SELECT 1 FROM outbox.skipped_event s WHERE s.event_id = e.event_id)
+              AND (SELECT true FROM outbox.skipped_event s WHERE s.event_id = e.event_id) IS NULL
         ) p
         WHERE (d.state IS NULL OR d.state = 'idle')
           AND a.last_revision > coalesce(d.delivered_revision, 0)
@@ -2953,7 +3099,7 @@ LANGUAGE sql STABLE AS $$
         JOIN outbox.event e ON e.event_id = l.event_id
         JOIN outbox.delivery d ON d.stream = e.stream AND d.aggregate_key = e.aggregate_key
         WHERE e.published_at IS NULL AND e.revision <= d.delivered_revision
-          AND NOT EXISTS (SELECT 1 FROM outbox.skipped_event s WHERE s.event_id = e.event_id)
+          AND (SELECT true FROM outbox.skipped_event s WHERE s.event_id = e.event_id) IS NULL
           AND (p_streams IS NULL OR e.stream = ANY (p_streams))
         GROUP BY e.stream
     )
@@ -2981,10 +3127,16 @@ BEGIN
     -- Usually nothing qualifies (claims take ready aggregates whose head
     -- was never leased): say so with index probes alone, so that the
     -- INSERT and its statement trigger (trim_attempts) do not run at all.
+    -- (Each row by a probe of its key, LATERAL with LIMIT: a join, planned
+    -- while the table was small, would pass over all of it.)
     IF NOT EXISTS (
         SELECT 1 FROM unnest(p_streams, p_keys) AS l(stream, aggregate_key)
-        JOIN outbox.delivery d ON d.stream = l.stream AND d.aggregate_key = l.aggregate_key
-        WHERE d.state = 'leased' OR (d.state = 'ready' AND d.unanswered + 1 >= p_max_attempts)) THEN
+        CROSS JOIN LATERAL (
+            SELECT 1 FROM outbox.delivery d
+            WHERE d.stream = l.stream AND d.aggregate_key = l.aggregate_key
+              AND (d.state = 'leased' OR (d.state = 'ready' AND d.unanswered + 1 >= p_max_attempts))
+            LIMIT 1
+        ) d) THEN
         RETURN;
     END IF;
     INSERT INTO outbox.attempt (stream, aggregate_key, event_id, revision, attempt, outcome, error,
@@ -2998,10 +3150,18 @@ BEGIN
            d.holder_relay_id, d.holder_replica_id,
            CASE WHEN d.state = 'leased' THEN least(coalesce(d.lease_expires_at, p_now), p_now) ELSE p_now END
     FROM unnest(p_streams, p_keys) AS l(stream, aggregate_key)
-    JOIN outbox.delivery d ON d.stream = l.stream AND d.aggregate_key = l.aggregate_key
-    JOIN outbox.event e ON e.event_id = d.leased_event_id AND e.revision = d.delivered_revision + 1
-    WHERE (d.state = 'leased' OR (d.state = 'ready' AND d.unanswered + 1 >= p_max_attempts))
-      AND NOT EXISTS (SELECT 1 FROM outbox.skipped_event s WHERE s.event_id = e.event_id);
+    CROSS JOIN LATERAL (
+        SELECT d.* FROM outbox.delivery d
+        WHERE d.stream = l.stream AND d.aggregate_key = l.aggregate_key
+          AND (d.state = 'leased' OR (d.state = 'ready' AND d.unanswered + 1 >= p_max_attempts))
+        LIMIT 1
+    ) d
+    CROSS JOIN LATERAL (
+        SELECT e.event_id, e.revision FROM outbox.event e
+        WHERE e.event_id = d.leased_event_id AND e.revision = d.delivered_revision + 1
+        LIMIT 1
+    ) e
+    WHERE (SELECT true FROM outbox.skipped_event s WHERE s.event_id = e.event_id) IS NULL;
 END
 $$;
 -- +goose StatementEnd
@@ -3011,18 +3171,25 @@ $$;
 -- that many rows per aggregate, on failure paths only.
 -- +goose StatementBegin
 CREATE FUNCTION outbox.trim_attempts() RETURNS trigger
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql
+-- Index plans whatever the statistics, as for the delivery functions: this
+-- plan is cached by whichever statement fires the trigger first.
+SET enable_seqscan = off SET jit = off AS $$
 BEGIN
+    -- The attempts past each aggregate's newest ones, found by a walk of
+    -- its own index range (the subquery's OFFSET keeps it one per
+    -- aggregate, never a join), then deleted by id.
     DELETE FROM outbox.attempt a
-    USING (SELECT DISTINCT n.stream, n.aggregate_key FROM added n) n
-    CROSS JOIN outbox.settings s
-    CROSS JOIN LATERAL (
-        SELECT x.attempt_id FROM outbox.attempt x
-        WHERE x.stream = n.stream AND x.aggregate_key = n.aggregate_key
-        ORDER BY x.attempt_id DESC
-        OFFSET s.attempt_history_per_aggregate LIMIT 1
-    ) cut
-    WHERE a.stream = n.stream AND a.aggregate_key = n.aggregate_key AND a.attempt_id <= cut.attempt_id;
+    WHERE a.attempt_id = ANY (ARRAY(
+        SELECT x.attempt_id
+        FROM (SELECT DISTINCT n.stream, n.aggregate_key FROM added n) n
+        CROSS JOIN outbox.settings s
+        CROSS JOIN LATERAL (
+            SELECT x.attempt_id FROM outbox.attempt x
+            WHERE x.stream = n.stream AND x.aggregate_key = n.aggregate_key
+            ORDER BY x.attempt_id DESC
+            OFFSET s.attempt_history_per_aggregate
+        ) x));
     RETURN NULL;
 END
 $$;

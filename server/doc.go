@@ -447,9 +447,12 @@
 // transaction stays open across batches to hold back vacuum; the table's
 // delete trigger refuses pending events whatever the caller.
 //
-// Lag is counted through outbox.pending_of() over the delivery rows of
-// aggregates with pending work, so its cost follows the backlog and not the
-// table. The delivery rate comes from outbox.delivered_count, which
+// Lag is counted through outbox.pending_by_stream(), outbox.pending_of()
+// over the delivery rows of aggregates with pending work, so its cost
+// follows the backlog and not the table. Every statement of the delivery
+// and operator paths reaches rows by key whatever the planner's statistics
+// say (docs/design.md, "Costs follow the work"): a plan cached while a table
+// was small never turns into a scan of it. The delivery rate comes from outbox.delivered_count, which
 // outbox.ack adds to as it marks events published, because an index on
 // published_at would make every ack a non-HOT update. Relay sessions are recorded in
 // outbox.relay_session by their replica and refreshed every

@@ -151,24 +151,8 @@ func (s *Store) Lag(ctx context.Context, streams []string, sessionTTL time.Durat
 	idle := make(map[string][]uuid.UUID)
 	b := &pgx.Batch{}
 	b.Queue(fmt.Sprintf(`
-		WITH pend AS (
-		    SELECT d.stream, d.state, p.events, p.oldest_created_at,
-		           outbox.stall_reason(d.state, d.unanswered, d.failures, d.last_error) IS NOT NULL AS stalled
-		    FROM outbox.delivery d
-		    CROSS JOIN LATERAL outbox.pending_of(d.stream, d.aggregate_key, d.delivered_revision) p
-		    WHERE d.pending_since IS NOT NULL AND (%[1]s IS NULL OR d.stream = ANY (%[1]s))
-		      AND p.events > 0
-		), by_stream AS (
-		    SELECT stream, sum(events)::bigint AS events, count(*) AS aggregates,
-		           min(oldest_created_at) AS oldest,
-		           min(oldest_created_at) FILTER (WHERE state IN ('parked', 'backoff', 'gap')) AS oldest_held,
-		           count(*) FILTER (WHERE state = 'ready') AS ready,
-		           count(*) FILTER (WHERE state = 'leased') AS leased,
-		           count(*) FILTER (WHERE state = 'backoff') AS backoff,
-		           count(*) FILTER (WHERE state = 'parked') AS parked,
-		           count(*) FILTER (WHERE state = 'gap') AS gap,
-		           count(*) FILTER (WHERE stalled) AS stalled
-		    FROM pend GROUP BY stream
+		WITH by_stream AS (
+		    SELECT * FROM outbox.pending_by_stream(%[1]s)
 		), rate AS (
 		    SELECT stream, sum(events)::bigint AS delivered FROM outbox.delivered_count
 		    WHERE bucket > clock_timestamp() - interval '1 minute'
@@ -424,7 +408,14 @@ type querier interface {
 
 // GetAggregate returns an aggregate's delivery state, or ErrNotFound.
 func (s *Store) GetAggregate(ctx context.Context, stream, key string) (Aggregate, error) {
-	return getAggregate(ctx, s.pool, stream, key)
+	// In a transaction of indexTx's, as RetryAggregate reads it: the two
+	// share the statement, and its plan is made for either.
+	var a Aggregate
+	err := s.indexTx(ctx, func(tx pgx.Tx) (err error) {
+		a, err = getAggregate(ctx, tx, stream, key)
+		return err
+	})
+	return a, err
 }
 
 func getAggregate(ctx context.Context, q querier, stream, key string) (Aggregate, error) {
@@ -516,7 +507,7 @@ type RetryParams struct {
 // ErrNotFound, or a *StateError when the state does not allow it.
 func (s *Store) RetryAggregate(ctx context.Context, p RetryParams) (Aggregate, error) {
 	var a Aggregate
-	err := pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
+	err := s.indexTx(ctx, func(tx pgx.Tx) error {
 		if p.AcceptGap {
 			// Producers lock this row until they commit. Holding it, no
 			// producer is between inserting a missing revision and
@@ -676,7 +667,7 @@ func (s *Store) SkipEvent(ctx context.Context, id uuid.UUID, reason, actor strin
 // of its own).
 func (s *Store) SkipEventOf(ctx context.Context, actionID int64, id uuid.UUID, reason, actor string) (Skip, error) {
 	sk := Skip{Reason: reason, Actor: actor}
-	err := pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
+	err := s.indexTx(ctx, func(tx pgx.Tx) error {
 		// Event row first, then the delivery row: the order outbox.ack
 		// locks them in, so a concurrent ack and skip cannot deadlock.
 		var stream, key string

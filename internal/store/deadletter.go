@@ -338,7 +338,7 @@ type RepublishResult struct {
 // delivery row.
 func (s *Store) Republish(ctx context.Context, p RepublishParams) (RepublishResult, error) {
 	var r RepublishResult
-	err := pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
+	err := s.indexTx(ctx, func(tx pgx.Tx) error {
 		var state string
 		var delivered int64
 		var holder *uuid.UUID

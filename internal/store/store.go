@@ -244,6 +244,23 @@ func (s *Store) Discover(ctx context.Context, replicaID string, maxFound, maxEve
 	return d, nil
 }
 
+// indexTx runs fn in a transaction whose statements plan without
+// sequential scans: an operator's action (a retry, a skip, a republish)
+// reaches its rows by key, and pgx keeps each statement prepared for the
+// connection's life. Planned while the tables were small (the generic plan
+// PostgreSQL settles on after a statement's fifth run, or statistics an
+// ANALYZE took early), a lookup by key would scan the whole table in every
+// action after, and a bulk action runs thousands. The same rule as the
+// delivery functions' SET enable_seqscan = off (migrations/00001_outbox.sql).
+func (s *Store) indexTx(ctx context.Context, fn func(pgx.Tx) error) error {
+	return pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, "SET LOCAL enable_seqscan = off"); err != nil {
+			return err
+		}
+		return fn(tx)
+	})
+}
+
 // sqlLimit is n as a limit argument of the delivery functions: NULL (no
 // limit) for 0, at most the largest integer.
 func sqlLimit(n int) *int32 {
@@ -815,8 +832,7 @@ func (s *Store) ReleaseAllBut(ctx context.Context, holder uuid.UUID, keep []uuid
 // each of its leases covers.
 func (s *Store) HeldEvents(ctx context.Context, holder uuid.UUID) (map[uuid.UUID]bool, error) {
 	rows, err := s.pool.Query(ctx,
-		`SELECT unnest(outbox.lease_window(stream, aggregate_key, delivered_revision, leased_through))
-		 FROM outbox.delivery WHERE holder = $1 AND state = 'leased'`, holder)
+		`SELECT outbox.held_events($1)`, holder)
 	if err != nil {
 		return nil, fmt.Errorf("store: held events: %w", err)
 	}
