@@ -2948,15 +2948,18 @@ $$;
 -- pending events of the aggregates delivery keeps pending, by state:
 -- GetLag's and the metrics' counts of discovered work. Its cost follows the
 -- pending aggregates, read through delivery_pending_idx, however many
--- aggregates the table holds: PL/pgSQL with sequential scans off, so that a
--- plan made while the table was small (or its statistics say so) keeps to
--- the index.
+-- aggregates the table holds, and those of the streams named: PL/pgSQL
+-- with sequential scans off, so that the plan keeps to the index whatever
+-- the statistics say, planned for each call's streams (a generic plan cannot
+-- make "p_streams IS NULL OR stream = ANY (p_streams)" an index condition,
+-- and would read every stream's backlog for a read of one; a lag read comes
+-- every few seconds at most, so the planning is cheap beside it).
 -- +goose StatementBegin
 CREATE FUNCTION outbox.pending_by_stream(p_streams text[])
 RETURNS TABLE (stream text, events bigint, aggregates bigint, oldest timestamptz, oldest_held timestamptz,
                ready bigint, leased bigint, backoff bigint, parked bigint, gap bigint, stalled bigint)
 LANGUAGE plpgsql STABLE
-SET enable_seqscan = off SET jit = off SET plan_cache_mode = force_generic_plan
+SET enable_seqscan = off SET jit = off SET plan_cache_mode = force_custom_plan
 AS $$
 #variable_conflict use_column
 BEGIN

@@ -2057,7 +2057,7 @@ CREATE FUNCTION outbox.pending_by_stream(p_streams text[]) RETURNS TABLE(stream 
     LANGUAGE plpgsql STABLE
     SET enable_seqscan TO 'off'
     SET jit TO 'off'
-    SET plan_cache_mode TO 'force_generic_plan'
+    SET plan_cache_mode TO 'force_custom_plan'
     AS $$
 #variable_conflict use_column
 BEGIN
