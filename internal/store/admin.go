@@ -408,14 +408,7 @@ type querier interface {
 
 // GetAggregate returns an aggregate's delivery state, or ErrNotFound.
 func (s *Store) GetAggregate(ctx context.Context, stream, key string) (Aggregate, error) {
-	// In a transaction of indexTx's, as RetryAggregate reads it: the two
-	// share the statement, and its plan is made for either.
-	var a Aggregate
-	err := s.indexTx(ctx, func(tx pgx.Tx) (err error) {
-		a, err = getAggregate(ctx, tx, stream, key)
-		return err
-	})
-	return a, err
+	return getAggregate(ctx, s.pool, stream, key)
 }
 
 func getAggregate(ctx context.Context, q querier, stream, key string) (Aggregate, error) {
@@ -507,7 +500,7 @@ type RetryParams struct {
 // ErrNotFound, or a *StateError when the state does not allow it.
 func (s *Store) RetryAggregate(ctx context.Context, p RetryParams) (Aggregate, error) {
 	var a Aggregate
-	err := s.indexTx(ctx, func(tx pgx.Tx) error {
+	err := pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
 		if p.AcceptGap {
 			// Producers lock this row until they commit. Holding it, no
 			// producer is between inserting a missing revision and
@@ -667,7 +660,7 @@ func (s *Store) SkipEvent(ctx context.Context, id uuid.UUID, reason, actor strin
 // of its own).
 func (s *Store) SkipEventOf(ctx context.Context, actionID int64, id uuid.UUID, reason, actor string) (Skip, error) {
 	sk := Skip{Reason: reason, Actor: actor}
-	err := s.indexTx(ctx, func(tx pgx.Tx) error {
+	err := pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
 		// Event row first, then the delivery row: the order outbox.ack
 		// locks them in, so a concurrent ack and skip cannot deadlock.
 		var stream, key string
@@ -676,7 +669,7 @@ func (s *Store) SkipEventOf(ctx context.Context, actionID int64, id uuid.UUID, r
 		var skipped bool
 		err := tx.QueryRow(ctx, `
 			SELECT e.stream, e.aggregate_key, e.revision, e.published_at,
-			       EXISTS (SELECT 1 FROM outbox.skipped_event s WHERE s.event_id = e.event_id)
+			       (SELECT true FROM outbox.skipped_event s WHERE s.event_id = e.event_id) IS NOT NULL
 			FROM outbox.event e WHERE e.event_id = $1 FOR UPDATE`, id).
 			Scan(&stream, &key, &revision, &published, &skipped)
 		switch {

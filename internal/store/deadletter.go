@@ -61,11 +61,14 @@ type ListedAggregate struct {
 func (f AggregateFilter) where(arg func(any) string) []string {
 	// pending_since can outlive the last pending event for a moment (a skip
 	// the next claim has not settled yet), so the events say.
-	w := []string{`d.pending_since IS NOT NULL AND EXISTS (
-		SELECT 1 FROM outbox.event e
+	// (Scalar subqueries, probes by key and id, which no plan turns into a
+	// scan of the events or the skips; see ConfigurePool.)
+	w := []string{`d.pending_since IS NOT NULL AND (
+		SELECT true FROM outbox.event e
 		WHERE e.stream = d.stream AND e.aggregate_key = d.aggregate_key AND e.revision > d.delivered_revision
 		  AND e.published_at IS NULL
-		  AND NOT EXISTS (SELECT 1 FROM outbox.skipped_event s WHERE s.event_id = e.event_id))`}
+		  AND (SELECT true FROM outbox.skipped_event s WHERE s.event_id = e.event_id) IS NULL
+		LIMIT 1) IS NOT NULL`}
 	switch {
 	case f.StreamPrefix && f.Stream != "":
 		w = append(w, "starts_with(d.stream, "+arg(f.Stream)+")")
@@ -338,7 +341,7 @@ type RepublishResult struct {
 // delivery row.
 func (s *Store) Republish(ctx context.Context, p RepublishParams) (RepublishResult, error) {
 	var r RepublishResult
-	err := s.indexTx(ctx, func(tx pgx.Tx) error {
+	err := pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
 		var state string
 		var delivered int64
 		var holder *uuid.UUID
@@ -365,7 +368,7 @@ func (s *Store) Republish(ctx context.Context, p RepublishParams) (RepublishResu
 		err = tx.QueryRow(ctx, `
 			WITH r AS (
 			    SELECT e.revision, e.published_at,
-			           EXISTS (SELECT 1 FROM outbox.skipped_event s WHERE s.event_id = e.event_id) AS skipped
+			           (SELECT true FROM outbox.skipped_event s WHERE s.event_id = e.event_id) IS NOT NULL AS skipped
 			    FROM outbox.event e
 			    WHERE e.stream = $1 AND e.aggregate_key = $2 AND e.revision >= $3 AND e.revision <= $4
 			)
@@ -439,9 +442,10 @@ func (s *Store) Republish(ctx context.Context, p RepublishParams) (RepublishResu
 			var n int64
 			err = tx.QueryRow(ctx, `
 				WITH unskipped AS (
-				    DELETE FROM outbox.skipped_event s USING outbox.event e
-				    WHERE s.event_id = e.event_id AND e.stream = $1 AND e.aggregate_key = $2
-				      AND e.revision >= $3 AND e.revision <= $4
+				    DELETE FROM outbox.skipped_event s
+				    WHERE s.event_id = ANY (ARRAY(
+				        SELECT e.event_id FROM outbox.event e
+				        WHERE e.stream = $1 AND e.aggregate_key = $2 AND e.revision >= $3 AND e.revision <= $4))
 				    RETURNING s.event_id, s.reason, s.actor, s.skipped_at
 				)
 				SELECT count(*), coalesce(jsonb_object_agg(event_id,
@@ -469,7 +473,7 @@ func (s *Store) Republish(ctx context.Context, p RepublishParams) (RepublishResu
 			            ORDER BY r.action_id DESC LIMIT 1), 0)), '{}')
 			FROM outbox.event e
 			WHERE e.stream = $1 AND e.aggregate_key = $2 AND e.revision >= $3 AND e.revision <= $4
-			  AND NOT EXISTS (SELECT 1 FROM outbox.skipped_event s WHERE s.event_id = e.event_id)`,
+			  AND (SELECT true FROM outbox.skipped_event s WHERE s.event_id = e.event_id) IS NULL`,
 			p.Stream, p.AggregateKey, r.FromRevision, delivered).Scan(&earlier)
 		if err != nil {
 			return err
@@ -529,8 +533,9 @@ func (s *Store) Republish(ctx context.Context, p RepublishParams) (RepublishResu
 func skippedAhead(ctx context.Context, tx pgx.Tx, p RepublishParams, delivered int64) error {
 	var rev *int64
 	err := tx.QueryRow(ctx, `
-		SELECT min(e.revision) FROM outbox.event e JOIN outbox.skipped_event s ON s.event_id = e.event_id
-		WHERE e.stream = $1 AND e.aggregate_key = $2 AND e.revision >= $3 AND e.revision > $4`,
+		SELECT min(e.revision) FROM outbox.event e
+		WHERE e.stream = $1 AND e.aggregate_key = $2 AND e.revision >= $3 AND e.revision > $4
+		  AND (SELECT true FROM outbox.skipped_event s WHERE s.event_id = e.event_id) IS NOT NULL`,
 		p.Stream, p.AggregateKey, p.FromRevision, delivered).Scan(&rev)
 	if err != nil || rev == nil {
 		return err

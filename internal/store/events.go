@@ -92,12 +92,22 @@ func (s *Store) ListEvents(ctx context.Context, p ListEventsParams) ([]EventReco
 	}
 	sql := `SELECT e.event_id, e.stream, e.aggregate_key, e.revision, e.event_type, e.payload::text,
 	               e.headers, e.created_at, e.published_at, sk.reason, sk.actor, sk.skipped_at
-	        FROM outbox.event e LEFT JOIN outbox.skipped_event sk ON sk.event_id = e.event_id`
+	        FROM outbox.event e
+	        LEFT JOIN LATERAL (
+	            SELECT s.event_id, s.reason, s.actor, s.skipped_at FROM outbox.skipped_event s
+	            WHERE s.event_id = e.event_id LIMIT 1
+	        ) sk ON true`
 	if len(where) > 0 {
 		sql += " WHERE " + strings.Join(where, " AND ")
 	}
 	sql += " ORDER BY e.created_at DESC, e.event_id DESC LIMIT " + arg(p.Limit)
-	rows, err := s.pool.Query(ctx, sql, args...)
+	// Planned for each listing's values (an unnamed statement, never a
+	// generic plan): whether to walk the (created_at, event_id) index and
+	// test the stream on each row, or read the stream's events by key and
+	// sort them, depends on how much of the table the stream is, which a
+	// plan made once for every stream (while the table was small, say)
+	// cannot know.
+	rows, err := s.pool.Query(ctx, sql, append([]any{pgx.QueryExecModeDescribeExec}, args...)...)
 	if err != nil {
 		return nil, fmt.Errorf("store: list events: %w", err)
 	}

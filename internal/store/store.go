@@ -48,6 +48,16 @@ const PingAfterIdle = 30 * time.Second
 func ConfigurePool(cfg *pgxpool.Config) {
 	cfg.ConnConfig.RuntimeParams["default_transaction_isolation"] = "read committed"
 	cfg.ConnConfig.RuntimeParams["jit"] = "off"
+	// Index plans, whatever the statistics, as in the delivery functions
+	// (migrations/00001_outbox.sql): pgx keeps each statement prepared for
+	// the connection's life, and PostgreSQL settles on a generic plan after
+	// a statement's fifth run. Made while the tables were small (or
+	// statistics an early ANALYZE took say so), a lookup by key or id would
+	// then scan the whole table on every run, an operator's skip, retry or
+	// listing, and a bulk action runs thousands. Every statement the server
+	// sends reaches rows through an index; the stranded audit, which reads
+	// every aggregate by design, reads them through the primary keys.
+	cfg.ConnConfig.RuntimeParams["enable_seqscan"] = "off"
 	// uuid.UUID is a driver.Valuer that returns a string, so without this
 	// pgx encodes every uuid parameter by failing a binary encode (an error
 	// built with fmt), scanning the string back and encoding again: 2.8 us
@@ -242,23 +252,6 @@ func (s *Store) Discover(ctx context.Context, replicaID string, maxFound, maxEve
 		return d, fmt.Errorf("store: discover: commit: the round's transaction ended with %s", tag)
 	}
 	return d, nil
-}
-
-// indexTx runs fn in a transaction whose statements plan without
-// sequential scans: an operator's action (a retry, a skip, a republish)
-// reaches its rows by key, and pgx keeps each statement prepared for the
-// connection's life. Planned while the tables were small (the generic plan
-// PostgreSQL settles on after a statement's fifth run, or statistics an
-// ANALYZE took early), a lookup by key would scan the whole table in every
-// action after, and a bulk action runs thousands. The same rule as the
-// delivery functions' SET enable_seqscan = off (migrations/00001_outbox.sql).
-func (s *Store) indexTx(ctx context.Context, fn func(pgx.Tx) error) error {
-	return pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
-		if _, err := tx.Exec(ctx, "SET LOCAL enable_seqscan = off"); err != nil {
-			return err
-		}
-		return fn(tx)
-	})
 }
 
 // sqlLimit is n as a limit argument of the delivery functions: NULL (no
