@@ -439,6 +439,21 @@ CREATE UNLOGGED TABLE outbox.delivered_count (
 -- PL/pgSQL would otherwise plan each statement again on every call, which
 -- cost more than running it (an ack of one event took 1.1 ms, 0.5 ms of
 -- it planning). Their plans are index probes per key either way.
+--
+-- Turning off sequential scans is not enough where a join can read a whole
+-- index instead, or where two indexes both serve a condition: so a batch's
+-- keys reach a table through LATERAL (... LIMIT 1), a probe per key that
+-- the planner cannot make a join; rows this transaction has locked are
+-- updated by the tuple id read when they were locked (nothing else can move
+-- them meanwhile, and no other path than that id or a disabled sequential
+-- scan reaches them); and "is it skipped" is a scalar subquery by id, which
+-- no plan turns into a scan of every skip. claim and ack also carry SET
+-- enable_sort = off: their probes of a stream's claimable rows ask for them
+-- in claim order, which the claim index gives and the primary key (which
+-- leads with the stream too, and looks as good when the statistics say most
+-- aggregates are claimable) gives only after reading and sorting every
+-- aggregate of the stream. internal/store's
+-- TestPlansCachedOnTinyTablesStayProbes holds all of this.
 
 -- require_read_committed refuses to run a delivery function in a transaction
 -- whose statements share one snapshot: each of them reads what it needs in a
@@ -787,9 +802,12 @@ BEGIN
             p_event_type, p_payload, coalesce(p_headers, '{}'::jsonb))
     RETURNING e.event_id, e.revision INTO emit_event.event_id, emit_event.revision;
     IF NOT FOUND THEN
-        -- The trigger inserted nothing: a retry of a recorded event.
-        SELECT e.event_id, e.revision INTO emit_event.event_id, emit_event.revision
-        FROM outbox.event e WHERE e.event_id = p_event_id;
+        -- The trigger inserted nothing: a retry of a recorded event. Planned
+        -- for this call (EXECUTE): a plan cached for the connection's life,
+        -- made while the table was small, would scan all of it; a retry is
+        -- rare, and the common path pays nothing for it.
+        EXECUTE 'SELECT e.event_id, e.revision FROM outbox.event e WHERE e.event_id = $1'
+        INTO emit_event.event_id, emit_event.revision USING p_event_id;
     END IF;
 END
 $$;
@@ -825,9 +843,10 @@ BEGIN
     VALUES ($7, $1, $2, $6, $3, $4, coalesce($5, '{}'::jsonb))
     RETURNING e.event_id, e.revision INTO v_out.event_id, v_out.revision;
     IF NOT FOUND THEN
-        -- The trigger inserted nothing: a retry of a recorded event.
-        SELECT e.event_id, e.revision INTO v_out.event_id, v_out.revision
-        FROM outbox.event e WHERE e.event_id = $7;
+        -- The trigger inserted nothing: a retry of a recorded event (planned
+        -- for this call, as in emit_event).
+        EXECUTE 'SELECT e.event_id, e.revision FROM outbox.event e WHERE e.event_id = $1'
+        INTO v_out.event_id, v_out.revision USING $7;
     END IF;
     RETURN v_out;
 END
@@ -1244,6 +1263,10 @@ BEGIN
                   AND e.stream = c.stream AND e.aggregate_key = c.aggregate_key
                   AND e.revision = c.cursor + 1
                   AND (SELECT true FROM outbox.skipped_event s WHERE s.event_id = e.event_id) IS NULL
+                -- (LIMIT keeps it a probe of the one revision: joined
+                -- instead, the revision's test could end up a filter over
+                -- all of the aggregate's events.)
+                LIMIT 1
             ) h ON true
         ), created AS (
             INSERT INTO outbox.delivery AS d
@@ -1894,7 +1917,7 @@ CREATE FUNCTION outbox.claim(
     p_max_due interval DEFAULT NULL
 ) RETURNS SETOF outbox.lease
 LANGUAGE plpgsql
-SET enable_seqscan = off SET jit = off SET plan_cache_mode = force_generic_plan
+SET enable_seqscan = off SET enable_sort = off SET jit = off SET plan_cache_mode = force_generic_plan
 AS $$
 #variable_conflict use_column
 DECLARE
@@ -2130,7 +2153,7 @@ CREATE FUNCTION outbox.ack(
 RETURNS TABLE (event_id uuid, status text, holder uuid, created_at timestamptz, handover outbox.lease,
                claimable_in interval)
 LANGUAGE plpgsql
-SET enable_seqscan = off SET jit = off SET plan_cache_mode = force_generic_plan
+SET enable_seqscan = off SET enable_sort = off SET jit = off SET plan_cache_mode = force_generic_plan
 AS $$
 #variable_conflict use_column
 DECLARE
@@ -2146,6 +2169,13 @@ DECLARE
     v_ok_revs bigint[];
     v_ok_created timestamptz[];
     v_ok_tids tid[];
+    -- The updates below reach the rows locked by their tuple ids, which
+    -- nothing can move before them (the rows are locked, and nothing in
+    -- between updates them); an update that met a moved row would skip it
+    -- silently, with the events already marked published, so a count that
+    -- disagrees fails the call instead.
+    v_advanced bigint;
+    v_acked_aggregates bigint;
     v_holders uuid[];
     v_remote uuid[];
     v_oldest timestamptz;
@@ -2400,8 +2430,9 @@ BEGIN
                     -- Each row by a probe of its key, locked in key order
                     -- (LATERAL with LIMIT: a join, planned while the table
                     -- was small, would pass over all of it). Its tuple id
-                    -- stays valid while this transaction holds the lock, and
-                    -- the updates below reach the row by it.
+                    -- stays valid while this transaction holds the lock and
+                    -- does not update the row, and the updates below reach
+                    -- the row by it (see v_advanced).
                     CROSS JOIN LATERAL (
                         SELECT d.holder, d.holder_replica_id, d.delivered_revision, d.state, d.leased_through,
                                d.parked_revision, d.ctid AS row_tid
@@ -2514,12 +2545,21 @@ BEGIN
                 RETURNING d.state, d.holder, d.leased_event_id, d.epoch, d.attempt, d.lease_expires_at, x.event_id AS acked
             )
             SELECT array_agg(ROW(e.event_id, e.stream, e.aggregate_key, e.revision, e.event_type, e.payload::text,
-                                 e.headers, e.created_at, a.epoch, a.attempt, a.lease_expires_at)::outbox.lease),
-                   array_agg(a.holder), array_agg(a.acked)
-            INTO v_handed, v_handed_holders, v_handed_acks
+                                 e.headers, e.created_at, a.epoch, a.attempt, a.lease_expires_at)::outbox.lease)
+                       FILTER (WHERE a.state = 'leased'),
+                   array_agg(a.holder) FILTER (WHERE a.state = 'leased'),
+                   array_agg(a.acked) FILTER (WHERE a.state = 'leased'),
+                   count(*)
+            INTO v_handed, v_handed_holders, v_handed_acks, v_advanced
             FROM advanced a
-            CROSS JOIN LATERAL (SELECT e.* FROM outbox.event e WHERE e.event_id = a.leased_event_id LIMIT 1) e
-            WHERE a.state = 'leased';
+            LEFT JOIN LATERAL (
+                SELECT e.* FROM outbox.event e WHERE e.event_id = a.leased_event_id AND a.state = 'leased' LIMIT 1
+            ) e ON true;
+            -- Every row locked above was advanced (see v_advanced).
+            IF v_advanced <> cardinality(v_ok) THEN
+                RAISE EXCEPTION 'outbox: ack advanced % of % delivery rows', v_advanced, cardinality(v_ok)
+                    USING ERRCODE = 'internal_error';
+            END IF;
         ELSE
             -- The claim order hand-over must not jump, as above.
             IF v_probe_handover IS NOT NULL THEN
@@ -2566,6 +2606,7 @@ BEGIN
                            (SELECT true FROM outbox.skipped_event s WHERE s.event_id = e.event_id) IS NOT NULL AS skipped
                     FROM outbox.event e
                     WHERE e.stream = a.stream AND e.aggregate_key = a.aggregate_key AND e.revision = a.cursor + 1
+                    LIMIT 1
                 ) n ON true
                 LEFT JOIN unnest(p_handover_holders, p_handover_ttls, p_handover_windows, p_handover_credits)
                      AS h(holder, ttl, win, credit) ON h.holder = d.holder
@@ -2647,8 +2688,9 @@ BEGIN
                                  e.headers, e.created_at, a.epoch, a.attempt, a.lease_expires_at)::outbox.lease
                              ORDER BY e.stream, e.aggregate_key, e.revision),
                    array_agg(a.holder ORDER BY e.stream, e.aggregate_key, e.revision),
-                   array_agg(a.last_ack ORDER BY e.stream, e.aggregate_key, e.revision)
-            INTO v_handed, v_handed_holders, v_handed_acks
+                   array_agg(a.last_ack ORDER BY e.stream, e.aggregate_key, e.revision),
+                   (SELECT count(*) FROM advanced), (SELECT count(*) FROM acked)
+            INTO v_handed, v_handed_holders, v_handed_acks, v_advanced, v_acked_aggregates
             FROM advanced a
             CROSS JOIN LATERAL (
                 SELECT e.* FROM outbox.event e
@@ -2657,7 +2699,11 @@ BEGIN
                 LIMIT a.grant_n
             ) e
             WHERE a.grant_n > 0;
-
+            -- Every row locked above was advanced (see v_advanced).
+            IF v_advanced <> v_acked_aggregates THEN
+                RAISE EXCEPTION 'outbox: ack advanced % of % delivery rows', v_advanced, v_acked_aggregates
+                    USING ERRCODE = 'internal_error';
+            END IF;
         END IF;
 
         -- Sessions on other replicas holding these leases free their credit

@@ -34,6 +34,14 @@ type Store struct {
 // with ConfigurePool.
 func New(pool *pgxpool.Pool) *Store { return &Store{pool: pool} }
 
+// MaxConnLifetime is how long a server connection lives (give or take a
+// fifth), and so the longest a plan it cached lasts; see ConfigurePool.
+const MaxConnLifetime = 10 * time.Minute
+
+// pgxpoolDefaultMaxConnLifetime is what pgxpool.ParseConfig sets when the URL
+// says nothing.
+const pgxpoolDefaultMaxConnLifetime = time.Hour
+
 // PingAfterIdle is how long a pool connection may sit idle before it is
 // pinged when acquired (pgxpool's default is a second; see ConfigurePool).
 const PingAfterIdle = 30 * time.Second
@@ -58,6 +66,20 @@ func ConfigurePool(cfg *pgxpool.Config) {
 	// sends reaches rows through an index; the stranded audit, which reads
 	// every aggregate by design, reads them through the primary keys.
 	cfg.ConnConfig.RuntimeParams["enable_seqscan"] = "off"
+	// A cached plan lasts as long as its connection, unless an ANALYZE
+	// plans it again; where autovacuum is off or behind, one made while a
+	// table was small could last for good. Some choices no setting fixes
+	// (a claim's walk to the next stream with claimable work can take the
+	// primary key for the claim index when the statistics say most
+	// aggregates are claimable), so connections are replaced every 10
+	// minutes or so (pgxpool's default is an hour), and their successors
+	// plan for the tables as they are then: the planner scales the row
+	// counts the statistics give by the table's size now. A lifetime set
+	// in the URL (pool_max_conn_lifetime) is kept.
+	if cfg.MaxConnLifetime == pgxpoolDefaultMaxConnLifetime {
+		cfg.MaxConnLifetime = MaxConnLifetime
+		cfg.MaxConnLifetimeJitter = MaxConnLifetime / 5
+	}
 	// uuid.UUID is a driver.Valuer that returns a string, so without this
 	// pgx encodes every uuid parameter by failing a binary encode (an error
 	// built with fmt), scanning the string back and encoding again: 2.8 us

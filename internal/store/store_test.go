@@ -77,6 +77,29 @@ func TestConfigurePoolEncodesUUIDsDirectly(t *testing.T) {
 // A hint that knows nothing claims at once; "none" claims only at a poll;
 // otherwise by the time given. Combined (the halves of a split ack batch),
 // the hint that claims sooner wins.
+// Server connections are replaced every MaxConnLifetime or so, so that no
+// plan cached while the tables were small outlives it, unless the URL sets
+// a lifetime of its own.
+func TestPoolReplacesConnectionsSoonerThanPgxpool(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		url          string
+		life, jitter time.Duration
+	}{
+		{"postgres://127.0.0.1/x", store.MaxConnLifetime, store.MaxConnLifetime / 5},
+		{"postgres://127.0.0.1/x?pool_max_conn_lifetime=30m", 30 * time.Minute, 0},
+	} {
+		cfg, err := pgxpool.ParseConfig(tc.url)
+		if err != nil {
+			t.Fatal(err)
+		}
+		store.ConfigurePool(cfg)
+		if cfg.MaxConnLifetime != tc.life || cfg.MaxConnLifetimeJitter != tc.jitter {
+			t.Errorf("%s: lifetime %v, jitter %v; want %v, %v", tc.url, cfg.MaxConnLifetime, cfg.MaxConnLifetimeJitter, tc.life, tc.jitter)
+		}
+	}
+}
+
 func TestClaimHint(t *testing.T) {
 	now := time.Unix(1000, 0)
 	unknown := store.ClaimHint{}

@@ -42,6 +42,7 @@ CREATE TYPE outbox.lease AS (
 CREATE FUNCTION outbox.ack(p_event_ids uuid[], p_replica_id text, p_handover_holders uuid[] DEFAULT NULL::uuid[], p_handover_ttls interval[] DEFAULT NULL::interval[], p_handover_windows integer[] DEFAULT NULL::integer[], p_handover_credits integer[] DEFAULT NULL::integer[], p_filter_holders uuid[] DEFAULT NULL::uuid[], p_filter_streams text[] DEFAULT NULL::text[], p_filter_excluded boolean[] DEFAULT NULL::boolean[], p_max_due interval DEFAULT NULL::interval) RETURNS TABLE(event_id uuid, status text, holder uuid, created_at timestamp with time zone, handover outbox.lease, claimable_in interval)
     LANGUAGE plpgsql
     SET enable_seqscan TO 'off'
+    SET enable_sort TO 'off'
     SET jit TO 'off'
     SET plan_cache_mode TO 'force_generic_plan'
     AS $$
@@ -59,6 +60,13 @@ DECLARE
     v_ok_revs bigint[];
     v_ok_created timestamptz[];
     v_ok_tids tid[];
+    -- The updates below reach the rows locked by their tuple ids, which
+    -- nothing can move before them (the rows are locked, and nothing in
+    -- between updates them); an update that met a moved row would skip it
+    -- silently, with the events already marked published, so a count that
+    -- disagrees fails the call instead.
+    v_advanced bigint;
+    v_acked_aggregates bigint;
     v_holders uuid[];
     v_remote uuid[];
     v_oldest timestamptz;
@@ -313,8 +321,9 @@ BEGIN
                     -- Each row by a probe of its key, locked in key order
                     -- (LATERAL with LIMIT: a join, planned while the table
                     -- was small, would pass over all of it). Its tuple id
-                    -- stays valid while this transaction holds the lock, and
-                    -- the updates below reach the row by it.
+                    -- stays valid while this transaction holds the lock and
+                    -- does not update the row, and the updates below reach
+                    -- the row by it (see v_advanced).
                     CROSS JOIN LATERAL (
                         SELECT d.holder, d.holder_replica_id, d.delivered_revision, d.state, d.leased_through,
                                d.parked_revision, d.ctid AS row_tid
@@ -427,12 +436,21 @@ BEGIN
                 RETURNING d.state, d.holder, d.leased_event_id, d.epoch, d.attempt, d.lease_expires_at, x.event_id AS acked
             )
             SELECT array_agg(ROW(e.event_id, e.stream, e.aggregate_key, e.revision, e.event_type, e.payload::text,
-                                 e.headers, e.created_at, a.epoch, a.attempt, a.lease_expires_at)::outbox.lease),
-                   array_agg(a.holder), array_agg(a.acked)
-            INTO v_handed, v_handed_holders, v_handed_acks
+                                 e.headers, e.created_at, a.epoch, a.attempt, a.lease_expires_at)::outbox.lease)
+                       FILTER (WHERE a.state = 'leased'),
+                   array_agg(a.holder) FILTER (WHERE a.state = 'leased'),
+                   array_agg(a.acked) FILTER (WHERE a.state = 'leased'),
+                   count(*)
+            INTO v_handed, v_handed_holders, v_handed_acks, v_advanced
             FROM advanced a
-            CROSS JOIN LATERAL (SELECT e.* FROM outbox.event e WHERE e.event_id = a.leased_event_id LIMIT 1) e
-            WHERE a.state = 'leased';
+            LEFT JOIN LATERAL (
+                SELECT e.* FROM outbox.event e WHERE e.event_id = a.leased_event_id AND a.state = 'leased' LIMIT 1
+            ) e ON true;
+            -- Every row locked above was advanced (see v_advanced).
+            IF v_advanced <> cardinality(v_ok) THEN
+                RAISE EXCEPTION 'outbox: ack advanced % of % delivery rows', v_advanced, cardinality(v_ok)
+                    USING ERRCODE = 'internal_error';
+            END IF;
         ELSE
             -- The claim order hand-over must not jump, as above.
             IF v_probe_handover IS NOT NULL THEN
@@ -479,6 +497,7 @@ BEGIN
                            (SELECT true FROM outbox.skipped_event s WHERE s.event_id = e.event_id) IS NOT NULL AS skipped
                     FROM outbox.event e
                     WHERE e.stream = a.stream AND e.aggregate_key = a.aggregate_key AND e.revision = a.cursor + 1
+                    LIMIT 1
                 ) n ON true
                 LEFT JOIN unnest(p_handover_holders, p_handover_ttls, p_handover_windows, p_handover_credits)
                      AS h(holder, ttl, win, credit) ON h.holder = d.holder
@@ -560,8 +579,9 @@ BEGIN
                                  e.headers, e.created_at, a.epoch, a.attempt, a.lease_expires_at)::outbox.lease
                              ORDER BY e.stream, e.aggregate_key, e.revision),
                    array_agg(a.holder ORDER BY e.stream, e.aggregate_key, e.revision),
-                   array_agg(a.last_ack ORDER BY e.stream, e.aggregate_key, e.revision)
-            INTO v_handed, v_handed_holders, v_handed_acks
+                   array_agg(a.last_ack ORDER BY e.stream, e.aggregate_key, e.revision),
+                   (SELECT count(*) FROM advanced), (SELECT count(*) FROM acked)
+            INTO v_handed, v_handed_holders, v_handed_acks, v_advanced, v_acked_aggregates
             FROM advanced a
             CROSS JOIN LATERAL (
                 SELECT e.* FROM outbox.event e
@@ -570,7 +590,11 @@ BEGIN
                 LIMIT a.grant_n
             ) e
             WHERE a.grant_n > 0;
-
+            -- Every row locked above was advanced (see v_advanced).
+            IF v_advanced <> v_acked_aggregates THEN
+                RAISE EXCEPTION 'outbox: ack advanced % of % delivery rows', v_advanced, v_acked_aggregates
+                    USING ERRCODE = 'internal_error';
+            END IF;
         END IF;
 
         -- Sessions on other replicas holding these leases free their credit
@@ -659,6 +683,7 @@ $$;
 CREATE FUNCTION outbox.claim(p_holder uuid, p_relay_id text, p_replica_id text, p_streams text[], p_limit integer, p_ttl interval, p_max_attempts integer DEFAULT NULL::integer, p_exclude_streams text[] DEFAULT NULL::text[], p_window integer DEFAULT 1, p_credit integer DEFAULT NULL::integer, p_max_due interval DEFAULT NULL::interval) RETURNS SETOF outbox.lease
     LANGUAGE plpgsql
     SET enable_seqscan TO 'off'
+    SET enable_sort TO 'off'
     SET jit TO 'off'
     SET plan_cache_mode TO 'force_generic_plan'
     AS $$
@@ -1139,6 +1164,10 @@ BEGIN
                   AND e.stream = c.stream AND e.aggregate_key = c.aggregate_key
                   AND e.revision = c.cursor + 1
                   AND (SELECT true FROM outbox.skipped_event s WHERE s.event_id = e.event_id) IS NULL
+                -- (LIMIT keeps it a probe of the one revision: joined
+                -- instead, the revision's test could end up a filter over
+                -- all of the aggregate's events.)
+                LIMIT 1
             ) h ON true
         ), created AS (
             INSERT INTO outbox.delivery AS d
@@ -1450,9 +1479,10 @@ BEGIN
     VALUES ($7, $1, $2, $6, $3, $4, coalesce($5, '{}'::jsonb))
     RETURNING e.event_id, e.revision INTO v_out.event_id, v_out.revision;
     IF NOT FOUND THEN
-        -- The trigger inserted nothing: a retry of a recorded event.
-        SELECT e.event_id, e.revision INTO v_out.event_id, v_out.revision
-        FROM outbox.event e WHERE e.event_id = $7;
+        -- The trigger inserted nothing: a retry of a recorded event (planned
+        -- for this call, as in emit_event).
+        EXECUTE 'SELECT e.event_id, e.revision FROM outbox.event e WHERE e.event_id = $1'
+        INTO v_out.event_id, v_out.revision USING $7;
     END IF;
     RETURN v_out;
 END
@@ -1464,7 +1494,7 @@ $_$;
 
 CREATE FUNCTION outbox.emit_event(p_stream text, p_aggregate_key text, p_event_type text, p_payload jsonb, p_headers jsonb DEFAULT '{}'::jsonb, p_revision bigint DEFAULT NULL::bigint, p_event_id uuid DEFAULT NULL::uuid, OUT event_id uuid, OUT revision bigint) RETURNS record
     LANGUAGE plpgsql
-    AS $$
+    AS $_$
 BEGIN
     -- A NULL id is generated by the insert trigger.
     INSERT INTO outbox.event AS e (event_id, stream, aggregate_key, revision, event_type, payload, headers)
@@ -1472,12 +1502,15 @@ BEGIN
             p_event_type, p_payload, coalesce(p_headers, '{}'::jsonb))
     RETURNING e.event_id, e.revision INTO emit_event.event_id, emit_event.revision;
     IF NOT FOUND THEN
-        -- The trigger inserted nothing: a retry of a recorded event.
-        SELECT e.event_id, e.revision INTO emit_event.event_id, emit_event.revision
-        FROM outbox.event e WHERE e.event_id = p_event_id;
+        -- The trigger inserted nothing: a retry of a recorded event. Planned
+        -- for this call (EXECUTE): a plan cached for the connection's life,
+        -- made while the table was small, would scan all of it; a retry is
+        -- rare, and the common path pays nothing for it.
+        EXECUTE 'SELECT e.event_id, e.revision FROM outbox.event e WHERE e.event_id = $1'
+        INTO emit_event.event_id, emit_event.revision USING p_event_id;
     END IF;
 END
-$$;
+$_$;
 
 --
 -- Name: event_before_insert(); Type: FUNCTION; Schema: outbox; Owner: -
