@@ -34,8 +34,9 @@ type Store struct {
 // with ConfigurePool.
 func New(pool *pgxpool.Pool) *Store { return &Store{pool: pool} }
 
-// MaxConnLifetime is how long a server connection lives (give or take a
-// fifth), and so the longest a plan it cached lasts; see ConfigurePool.
+// MaxConnLifetime is how long a server connection lives at least (at most
+// a fifth more), and so about the longest a plan it cached lasts; see
+// ConfigurePool.
 const MaxConnLifetime = 10 * time.Minute
 
 // pgxpoolDefaultMaxConnLifetime is what pgxpool.ParseConfig sets when the URL
@@ -75,7 +76,8 @@ func ConfigurePool(cfg *pgxpool.Config) {
 	// minutes or so (pgxpool's default is an hour), and their successors
 	// plan for the tables as they are then: the planner scales the row
 	// counts the statistics give by the table's size now. A lifetime set
-	// in the URL (pool_max_conn_lifetime) is kept.
+	// in the URL (pool_max_conn_lifetime) is kept, unless it is pgxpool's
+	// default of an hour, which cannot be told from none.
 	if cfg.MaxConnLifetime == pgxpoolDefaultMaxConnLifetime {
 		cfg.MaxConnLifetime = MaxConnLifetime
 		cfg.MaxConnLifetimeJitter = MaxConnLifetime / 5

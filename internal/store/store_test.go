@@ -74,9 +74,6 @@ func TestConfigurePoolEncodesUUIDsDirectly(t *testing.T) {
 	}
 }
 
-// A hint that knows nothing claims at once; "none" claims only at a poll;
-// otherwise by the time given. Combined (the halves of a split ack batch),
-// the hint that claims sooner wins.
 // Server connections are replaced every MaxConnLifetime or so, so that no
 // plan cached while the tables were small outlives it, unless the URL sets
 // a lifetime of its own.
@@ -100,6 +97,9 @@ func TestPoolReplacesConnectionsSoonerThanPgxpool(t *testing.T) {
 	}
 }
 
+// A hint that knows nothing claims at once; "none" claims only at a poll;
+// otherwise by the time given. Combined (the halves of a split ack batch),
+// the hint that claims sooner wins.
 func TestClaimHint(t *testing.T) {
 	now := time.Unix(1000, 0)
 	unknown := store.ClaimHint{}
