@@ -2786,24 +2786,6 @@ END
 $$;
 -- +goose StatementEnd
 
--- held_events lists the events p_holder's leases cover (a session's
--- reconciliation), through delivery_holder_idx however large the table is
--- (sequential scans off, as in the delivery functions).
--- +goose StatementBegin
-CREATE FUNCTION outbox.held_events(p_holder uuid)
-RETURNS SETOF uuid
-LANGUAGE plpgsql STABLE
-SET enable_seqscan = off SET jit = off SET plan_cache_mode = force_generic_plan
-AS $$
-BEGIN
-    RETURN QUERY
-    SELECT unnest(outbox.lease_window(d.stream, d.aggregate_key, d.delivered_revision, d.leased_through))
-    FROM outbox.delivery d
-    WHERE d.holder = p_holder AND d.state = 'leased';
-END
-$$;
--- +goose StatementEnd
-
 -- lease_window lists the events a lease covers, in revision order: those
 -- after the cursor through leased_through.
 -- +goose StatementBegin

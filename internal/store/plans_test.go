@@ -32,12 +32,13 @@ import (
 // off), such a plan turns every event's insert, round and ack into a pass
 // over the table: a round of 10,000 aggregates took over six minutes.
 //
-// The test caches every delivery path's plans on one connection while the
-// tables hold a few rows, loads a large history behind it (autovacuum off,
-// so nothing plans again), runs the same paths with small batches, and
-// reads each statement's executed plan through auto_explain. A statement
-// whose plan touched more rows than a few times its batch, which only a pass
-// over a large table does, fails the test with its plan.
+// The test caches every delivery path's plans on a server connection and a
+// producer's while the tables hold a few rows, loads a large history behind
+// them (autovacuum off, so nothing plans again), runs the same paths with
+// small batches, and reads each statement's executed plan through
+// auto_explain. A statement whose plan touched more than a tenth of the
+// history (a round's batches are a few dozen rows), which only a pass over
+// a large table does, fails the test with its plan.
 func TestPlansCachedOnTinyTablesStayProbes(t *testing.T) {
 	t.Parallel()
 	t.Run("never analyzed", func(t *testing.T) { t.Parallel(); testPlansCachedOnTinyTables(t, false) })

@@ -849,7 +849,8 @@ func (s *Store) ReleaseAllBut(ctx context.Context, holder uuid.UUID, keep []uuid
 // each of its leases covers.
 func (s *Store) HeldEvents(ctx context.Context, holder uuid.UUID) (map[uuid.UUID]bool, error) {
 	rows, err := s.pool.Query(ctx,
-		`SELECT outbox.held_events($1)`, holder)
+		`SELECT unnest(outbox.lease_window(stream, aggregate_key, delivered_revision, leased_through))
+		 FROM outbox.delivery WHERE holder = $1 AND state = 'leased'`, holder)
 	if err != nil {
 		return nil, fmt.Errorf("store: held events: %w", err)
 	}

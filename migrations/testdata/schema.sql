@@ -1835,24 +1835,6 @@ CREATE FUNCTION outbox.extend_lease(p_event_id uuid, p_epoch bigint, p_ttl inter
 $$;
 
 --
--- Name: held_events(uuid); Type: FUNCTION; Schema: outbox; Owner: -
---
-
-CREATE FUNCTION outbox.held_events(p_holder uuid) RETURNS SETOF uuid
-    LANGUAGE plpgsql STABLE
-    SET enable_seqscan TO 'off'
-    SET jit TO 'off'
-    SET plan_cache_mode TO 'force_generic_plan'
-    AS $$
-BEGIN
-    RETURN QUERY
-    SELECT unnest(outbox.lease_window(d.stream, d.aggregate_key, d.delivered_revision, d.leased_through))
-    FROM outbox.delivery d
-    WHERE d.holder = p_holder AND d.state = 'leased';
-END
-$$;
-
---
 -- Name: lease_heads(text[], text[], uuid, text, text, interval, timestamp with time zone, integer, integer, integer); Type: FUNCTION; Schema: outbox; Owner: -
 --
 
