@@ -447,8 +447,8 @@ CREATE UNLOGGED TABLE outbox.delivered_count (
 -- updated by the tuple id read when they were locked (nothing else can move
 -- them meanwhile, and no other path than that id or a disabled sequential
 -- scan reaches them); and "is it skipped" is a scalar subquery by id, which
--- no plan turns into a scan of every skip. claim and ack also carry SET
--- enable_sort = off: their probes of a stream's claimable rows ask for them
+-- no plan turns into a scan of every skip. claim, ack and probe_claims also
+-- carry SET enable_sort = off: their probes of a stream's claimable rows ask for them
 -- in claim order, which the claim index gives and the primary key (which
 -- leads with the stream too, and looks as good when the statistics say most
 -- aggregates are claimable) gives only after reading and sorting every
@@ -1755,6 +1755,13 @@ $$;
 -- long acked) would walk every lease taken since before it found a live
 -- row. A stream with no live ready row is still reached past the dead
 -- ready versions of the hold (ready sorts after leased).
+--
+-- Each step asks for the claim index's whole order, not just the greatest
+-- stream: the primary key leads with the stream too, and a plan cached
+-- while the statistics said most aggregates were claimable (a young
+-- database's first burst) took it for the steps, passing every aggregate
+-- not claimable on the way. In the claim index's order only the claim
+-- index gives the first row without reading and sorting a stream's rows.
 -- +goose StatementBegin
 CREATE FUNCTION outbox.claimable_streams(p_streams text[], p_exclude text[])
 RETURNS TABLE (stream text)
@@ -1763,10 +1770,12 @@ LANGUAGE sql STABLE AS $$
     UNION ALL
     SELECT r.stream FROM (
         WITH RECURSIVE r(stream) AS (
-            SELECT (SELECT max(d.stream) FROM outbox.delivery d WHERE d.claimable_at IS NOT NULL)
+            SELECT (SELECT d.stream FROM outbox.delivery d WHERE d.claimable_at IS NOT NULL
+                    ORDER BY d.stream DESC, d.state DESC, d.claimable_at DESC LIMIT 1)
             UNION ALL
-            SELECT (SELECT max(d.stream) FROM outbox.delivery d
-                    WHERE d.claimable_at IS NOT NULL AND d.stream < r.stream)
+            SELECT (SELECT d.stream FROM outbox.delivery d
+                    WHERE d.claimable_at IS NOT NULL AND d.stream < r.stream
+                    ORDER BY d.stream DESC, d.state DESC, d.claimable_at DESC LIMIT 1)
             FROM r WHERE r.stream IS NOT NULL
         )
         SELECT r.stream FROM r
@@ -1892,6 +1901,28 @@ LANGUAGE sql STABLE AS $$
         OFFSET 0
     ) p
     CROSS JOIN LATERAL unnest(p.holders) AS u(holder)
+$$;
+-- +goose StatementEnd
+
+-- probe_claims is claim_probe for a caller outside the delivery functions
+-- (the server's idle check, outboxd.store's RoundDue), planned with their
+-- settings (see "Index plans" above): a statement the server prepares keeps
+-- its plan for the connection's life too, and planned on tiny tables the
+-- probes of a stream's claimable rows in claim order could read and sort
+-- every aggregate of the stream on every check. The clock is the
+-- transaction's (now()).
+-- +goose StatementBegin
+CREATE FUNCTION outbox.probe_claims(p_streams text[], p_exclude text[], p_max_due interval)
+RETURNS TABLE (oldest timestamptz, next_at timestamptz)
+LANGUAGE plpgsql STABLE
+SET enable_seqscan = off SET enable_sort = off SET jit = off SET plan_cache_mode = force_generic_plan
+AS $$
+DECLARE
+    -- A variable, so that claim_probe is inlined (see above).
+    v_now timestamptz := now();
+BEGIN
+    RETURN QUERY SELECT p.oldest, p.next_at FROM outbox.claim_probe(p_streams, p_exclude, v_now, p_max_due) p;
+END
 $$;
 -- +goose StatementEnd
 

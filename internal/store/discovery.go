@@ -55,7 +55,7 @@ func discoverError(err error) error {
 // it: a database moved to another cluster is reported while idle too.
 //
 // With probeClaims it also answers, in the same statement, what a claim of
-// every stream would find now (outbox.claim_probe): whether an aggregate is
+// every stream would find now (outbox.probe_claims): whether an aggregate is
 // claimable, and when the first one will be. An idle replica's poll groups
 // then skip the claims this answer makes pointless (see
 // server.pollGroup.fire); maxDue is the claim's (Config.maxDue).
@@ -76,7 +76,7 @@ func (s *Store) RoundDue(ctx context.Context, probeClaims bool, maxDue time.Dura
 		// The text is the same on every call (maxDue is the server's), so
 		// pgx prepares it once per connection.
 		err = s.pool.QueryRow(ctx, fmt.Sprintf(`SELECT (`+roundDueSQL+`), p.oldest IS NOT NULL, extract(epoch FROM p.next_at - now())::float8
-			FROM outbox.claim_probe(NULL, NULL, now(), interval '%d microseconds') p`, maxDue.Microseconds())).Scan(&due, &claimable, &nextIn)
+			FROM outbox.probe_claims(NULL, NULL, interval '%d microseconds') p`, maxDue.Microseconds())).Scan(&due, &claimable, &nextIn)
 		probe = ClaimProbe{Probed: true, Claimable: claimable, NextIn: -1}
 		if nextIn != nil {
 			probe.NextIn = time.Duration(*nextIn * float64(time.Second))

@@ -69,11 +69,10 @@ func ConfigurePool(cfg *pgxpool.Config) {
 	cfg.ConnConfig.RuntimeParams["enable_seqscan"] = "off"
 	// A cached plan lasts as long as its connection, unless an ANALYZE
 	// plans it again; where autovacuum is off or behind, one made while a
-	// table was small could last for good. Some choices no setting fixes
-	// (a claim's walk to the next stream with claimable work can take the
-	// primary key for the claim index when the statistics say most
-	// aggregates are claimable), so connections are replaced every 10
-	// minutes or so (pgxpool's default is an hour), and their successors
+	// table was small could last for good. So connections are also
+	// replaced every 10 minutes or so (pgxpool's default is an hour), in
+	// case a plan the statements' forms and settings were not written
+	// against slips through, and their successors
 	// plan for the tables as they are then: the planner scales the row
 	// counts the statistics give by the table's size now. A lifetime set
 	// in the URL (pool_max_conn_lifetime) is kept, unless it is pgxpool's

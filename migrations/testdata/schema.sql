@@ -949,10 +949,12 @@ CREATE FUNCTION outbox.claimable_streams(p_streams text[], p_exclude text[]) RET
     UNION ALL
     SELECT r.stream FROM (
         WITH RECURSIVE r(stream) AS (
-            SELECT (SELECT max(d.stream) FROM outbox.delivery d WHERE d.claimable_at IS NOT NULL)
+            SELECT (SELECT d.stream FROM outbox.delivery d WHERE d.claimable_at IS NOT NULL
+                    ORDER BY d.stream DESC, d.state DESC, d.claimable_at DESC LIMIT 1)
             UNION ALL
-            SELECT (SELECT max(d.stream) FROM outbox.delivery d
-                    WHERE d.claimable_at IS NOT NULL AND d.stream < r.stream)
+            SELECT (SELECT d.stream FROM outbox.delivery d
+                    WHERE d.claimable_at IS NOT NULL AND d.stream < r.stream
+                    ORDER BY d.stream DESC, d.state DESC, d.claimable_at DESC LIMIT 1)
             FROM r WHERE r.stream IS NOT NULL
         )
         SELECT r.stream FROM r
@@ -2111,6 +2113,25 @@ CREATE FUNCTION outbox.pending_of(p_stream text, p_aggregate_key text, p_after_r
     WHERE e.stream = p_stream AND e.aggregate_key = p_aggregate_key
       AND e.revision > p_after_revision AND e.published_at IS NULL
       AND (SELECT true FROM outbox.skipped_event s WHERE s.event_id = e.event_id) IS NULL
+$$;
+
+--
+-- Name: probe_claims(text[], text[], interval); Type: FUNCTION; Schema: outbox; Owner: -
+--
+
+CREATE FUNCTION outbox.probe_claims(p_streams text[], p_exclude text[], p_max_due interval) RETURNS TABLE(oldest timestamp with time zone, next_at timestamp with time zone)
+    LANGUAGE plpgsql STABLE
+    SET enable_seqscan TO 'off'
+    SET enable_sort TO 'off'
+    SET jit TO 'off'
+    SET plan_cache_mode TO 'force_generic_plan'
+    AS $$
+DECLARE
+    -- A variable, so that claim_probe is inlined (see above).
+    v_now timestamptz := now();
+BEGIN
+    RETURN QUERY SELECT p.oldest, p.next_at FROM outbox.claim_probe(p_streams, p_exclude, v_now, p_max_due) p;
+END
 $$;
 
 --
