@@ -447,12 +447,13 @@ CREATE UNLOGGED TABLE outbox.delivered_count (
 -- updated by the tuple id read when they were locked (nothing else can move
 -- them meanwhile, and no other path than that id or a disabled sequential
 -- scan reaches them); and "is it skipped" is a scalar subquery by id, which
--- no plan turns into a scan of every skip. claim, ack and probe_claims also
--- carry SET enable_sort = off: their probes of a stream's claimable rows ask for them
--- in claim order, which the claim index gives and the primary key (which
--- leads with the stream too, and looks as good when the statistics say most
--- aggregates are claimable) gives only after reading and sorting every
--- aggregate of the stream. internal/store's
+-- no plan turns into a scan of every skip. claim, ack, probe_claims and
+-- waiting_streams also carry SET enable_sort = off: their probes of a
+-- stream's claimable rows ask for them in claim order, which the claim
+-- index gives and the primary key (which leads with the stream too, and
+-- looks as good when the statistics say most aggregates are claimable)
+-- gives only after reading and sorting every aggregate of the stream.
+-- internal/store's
 -- TestPlansCachedOnTinyTablesStayProbes holds all of this.
 
 -- require_read_committed refuses to run a delivery function in a transaction
@@ -1760,8 +1761,11 @@ $$;
 -- stream: the primary key leads with the stream too, and a plan cached
 -- while the statistics said most aggregates were claimable (a young
 -- database's first burst) took it for the steps, passing every aggregate
--- not claimable on the way. In the claim index's order only the claim
--- index gives the first row without reading and sorting a stream's rows.
+-- not claimable on the way. In the claim index's order the primary key
+-- gives the first row only after reading and sorting the rows of a stream
+-- (a sort, which the callers' enable_sort = off rules out, or an
+-- incremental sort a stream at a time, which it does not), and so costs
+-- more than the claim index's one entry whatever the statistics say.
 -- +goose StatementBegin
 CREATE FUNCTION outbox.claimable_streams(p_streams text[], p_exclude text[])
 RETURNS TABLE (stream text)
@@ -1918,10 +1922,39 @@ LANGUAGE plpgsql STABLE
 SET enable_seqscan = off SET enable_sort = off SET jit = off SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
-    -- A variable, so that claim_probe is inlined (see above).
+    -- The transaction's clock, as the check's own statement used before.
     v_now timestamptz := now();
 BEGIN
     RETURN QUERY SELECT p.oldest, p.next_at FROM outbox.claim_probe(p_streams, p_exclude, v_now, p_max_due) p;
+END
+$$;
+-- +goose StatementEnd
+
+-- waiting_streams are the streams of p_streams (NULL: every stream) whose
+-- oldest ready aggregate has waited for a claim longer than
+-- settings.idle_relay_after (GetLag's idle relays: relays connected and
+-- holding nothing while work in a stream they take waits). One probe of the
+-- claim index per stream with claimable work, in claim order, which the
+-- primary key gives only by reading and sorting the stream; planned with
+-- the delivery functions' settings (see "Index plans" above), since a lag
+-- read of every stream is the console's sample of every source every 10 s:
+-- the test of any ready row older than the limit, planned on tiny tables,
+-- read each stream's aggregates through the primary key.
+-- +goose StatementBegin
+CREATE FUNCTION outbox.waiting_streams(p_streams text[])
+RETURNS TABLE (stream text)
+LANGUAGE plpgsql STABLE
+SET enable_seqscan = off SET enable_sort = off SET jit = off SET plan_cache_mode = force_generic_plan
+AS $$
+BEGIN
+    RETURN QUERY
+    SELECT s.stream
+    FROM outbox.claimable_streams(p_streams, NULL) s
+    CROSS JOIN outbox.settings st
+    WHERE (SELECT d.claimable_at FROM outbox.delivery d
+           WHERE d.stream = s.stream AND d.state = 'ready' AND d.claimable_at IS NOT NULL
+           ORDER BY d.claimable_at
+           LIMIT 1) < clock_timestamp() - st.idle_relay_after;
 END
 $$;
 -- +goose StatementEnd

@@ -246,16 +246,12 @@ func intervalLiteral(d time.Duration) string {
 // idleRelaysSQL finds, per stream of the filter (streamsArg), the relay
 // sessions that wait idle while it has ready aggregates (a stream's
 // IdleRelays). Ready aggregates are found through the claim index, one
-// probe per stream, so the cost follows the streams with work, not the
-// backlog.
+// probe per stream (outbox.waiting_streams), so the cost follows the
+// streams with work, not the backlog.
 func idleRelaysSQL(streamsSQL string, sessionTTL time.Duration) string {
 	return fmt.Sprintf(`
 		WITH waiting AS (
-		    SELECT s.stream FROM outbox.claimable_streams(%[1]s, NULL) s, outbox.settings st
-		    WHERE EXISTS (
-		        SELECT 1 FROM outbox.delivery d
-		        WHERE d.stream = s.stream AND d.state = 'ready'
-		          AND d.claimable_at < clock_timestamp() - st.idle_relay_after)
+		    SELECT s.stream FROM outbox.waiting_streams(%[1]s) s
 		)
 		SELECT w.stream, r.session_id
 		FROM waiting w

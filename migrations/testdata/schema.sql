@@ -2127,7 +2127,7 @@ CREATE FUNCTION outbox.probe_claims(p_streams text[], p_exclude text[], p_max_du
     SET plan_cache_mode TO 'force_generic_plan'
     AS $$
 DECLARE
-    -- A variable, so that claim_probe is inlined (see above).
+    -- The transaction's clock, as the check's own statement used before.
     v_now timestamptz := now();
 BEGIN
     RETURN QUERY SELECT p.oldest, p.next_at FROM outbox.claim_probe(p_streams, p_exclude, v_now, p_max_due) p;
@@ -2463,6 +2463,29 @@ BEGIN
           FROM outbox.delivery d
           WHERE d.stream = e.stream AND d.aggregate_key = e.aggregate_key), false)
     GROUP BY e.stream;
+END
+$$;
+
+--
+-- Name: waiting_streams(text[]); Type: FUNCTION; Schema: outbox; Owner: -
+--
+
+CREATE FUNCTION outbox.waiting_streams(p_streams text[]) RETURNS TABLE(stream text)
+    LANGUAGE plpgsql STABLE
+    SET enable_seqscan TO 'off'
+    SET enable_sort TO 'off'
+    SET jit TO 'off'
+    SET plan_cache_mode TO 'force_generic_plan'
+    AS $$
+BEGIN
+    RETURN QUERY
+    SELECT s.stream
+    FROM outbox.claimable_streams(p_streams, NULL) s
+    CROSS JOIN outbox.settings st
+    WHERE (SELECT d.claimable_at FROM outbox.delivery d
+           WHERE d.stream = s.stream AND d.state = 'ready' AND d.claimable_at IS NOT NULL
+           ORDER BY d.claimable_at
+           LIMIT 1) < clock_timestamp() - st.idle_relay_after;
 END
 $$;
 
