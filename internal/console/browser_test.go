@@ -210,6 +210,13 @@ func TestBrowser(t *testing.T) {
 			t.Errorf("chart y labels %q: the top is below %d", ticks, min)
 		}
 	}
+	// The header shows each poll's own lag read, the chart the console's
+	// samples (every SampleInterval), so the chart can show a total a poll
+	// or two after the header does: wait for its legend to show it.
+	chartShows := func(total int) chromedp.Action[chromedp.Void] {
+		return chromedp.Poll[chromedp.Void](fmt.Sprintf(
+			`(document.querySelector("#legend span") || {}).textContent === "all streams (%d)"`, total))
+	}
 	total := 5
 	for i := range 3 {
 		h.emit(t, "billing.invoice", "i-"+strconv.Itoa(i), 2+2*i)
@@ -218,11 +225,11 @@ func TestBrowser(t *testing.T) {
 		if i == 0 {
 			// A small maximum (5 to 7), whose gridlines a step of a quarter
 			// of it would put between whole numbers.
-			run("see the chart", chromedp.WaitVisible(css("#chart svg path.series")))
+			run("see the chart", chromedp.WaitVisible(css("#chart svg path.series")), chartShows(total))
 			checkTicks(5)
 		}
 	}
-	run("see the chart", chromedp.WaitVisible(css("#chart svg path.series")))
+	run("see the chart", chromedp.WaitVisible(css("#chart svg path.series")), chartShows(total))
 	checkTicks(total)
 	rows := text("#streams tbody")
 	if !strings.Contains(rows, "sales_order") || !strings.Contains(rows, "billing.invoice") {
