@@ -448,11 +448,12 @@ CREATE UNLOGGED TABLE outbox.delivered_count (
 -- them meanwhile, and no other path than that id or a disabled sequential
 -- scan reaches them); and "is it skipped" is a scalar subquery by id, which
 -- no plan turns into a scan of every skip. claim, ack, probe_claims and
--- waiting_streams also carry SET enable_sort = off: their probes of a
--- stream's claimable rows ask for them in claim order, which the claim
--- index gives and the primary key (which leads with the stream too, and
--- looks as good when the statistics say most aggregates are claimable)
--- gives only after reading and sorting every aggregate of the stream.
+-- waiting_streams also carry SET enable_sort = off and SET
+-- enable_incremental_sort = off: their probes of a stream's claimable rows
+-- ask for them in claim order, which the claim index gives and the primary
+-- key (which leads with the stream too, and looks as good when the
+-- statistics say most aggregates are claimable) gives only after reading
+-- and sorting every aggregate of the stream, whole or a stream at a time.
 -- internal/store's
 -- TestPlansCachedOnTinyTablesStayProbes holds all of this.
 
@@ -1763,9 +1764,9 @@ $$;
 -- database's first burst) took it for the steps, passing every aggregate
 -- not claimable on the way. In the claim index's order the primary key
 -- gives the first row only after reading and sorting the rows of a stream
--- (a sort, which the callers' enable_sort = off rules out, or an
--- incremental sort a stream at a time, which it does not), and so costs
--- more than the claim index's one entry whatever the statistics say.
+-- (a sort, or an incremental sort a stream at a time: the callers carry
+-- enable_sort = off and enable_incremental_sort = off), and so costs more
+-- than the claim index's one entry whatever the statistics say.
 -- +goose StatementBegin
 CREATE FUNCTION outbox.claimable_streams(p_streams text[], p_exclude text[])
 RETURNS TABLE (stream text)
@@ -1919,7 +1920,7 @@ $$;
 CREATE FUNCTION outbox.probe_claims(p_streams text[], p_exclude text[], p_max_due interval)
 RETURNS TABLE (oldest timestamptz, next_at timestamptz)
 LANGUAGE plpgsql STABLE
-SET enable_seqscan = off SET enable_sort = off SET jit = off SET plan_cache_mode = force_generic_plan
+SET enable_seqscan = off SET enable_sort = off SET enable_incremental_sort = off SET jit = off SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
     -- The transaction's clock, as the check's own statement used before.
@@ -1944,7 +1945,7 @@ $$;
 CREATE FUNCTION outbox.waiting_streams(p_streams text[])
 RETURNS TABLE (stream text)
 LANGUAGE plpgsql STABLE
-SET enable_seqscan = off SET enable_sort = off SET jit = off SET plan_cache_mode = force_generic_plan
+SET enable_seqscan = off SET enable_sort = off SET enable_incremental_sort = off SET jit = off SET plan_cache_mode = force_generic_plan
 AS $$
 BEGIN
     RETURN QUERY
@@ -1981,7 +1982,7 @@ CREATE FUNCTION outbox.claim(
     p_max_due interval DEFAULT NULL
 ) RETURNS SETOF outbox.lease
 LANGUAGE plpgsql
-SET enable_seqscan = off SET enable_sort = off SET jit = off SET plan_cache_mode = force_generic_plan
+SET enable_seqscan = off SET enable_sort = off SET enable_incremental_sort = off SET jit = off SET plan_cache_mode = force_generic_plan
 AS $$
 #variable_conflict use_column
 DECLARE
@@ -2217,7 +2218,7 @@ CREATE FUNCTION outbox.ack(
 RETURNS TABLE (event_id uuid, status text, holder uuid, created_at timestamptz, handover outbox.lease,
                claimable_in interval)
 LANGUAGE plpgsql
-SET enable_seqscan = off SET enable_sort = off SET jit = off SET plan_cache_mode = force_generic_plan
+SET enable_seqscan = off SET enable_sort = off SET enable_incremental_sort = off SET jit = off SET plan_cache_mode = force_generic_plan
 AS $$
 #variable_conflict use_column
 DECLARE

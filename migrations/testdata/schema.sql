@@ -43,6 +43,7 @@ CREATE FUNCTION outbox.ack(p_event_ids uuid[], p_replica_id text, p_handover_hol
     LANGUAGE plpgsql
     SET enable_seqscan TO 'off'
     SET enable_sort TO 'off'
+    SET enable_incremental_sort TO 'off'
     SET jit TO 'off'
     SET plan_cache_mode TO 'force_generic_plan'
     AS $$
@@ -684,6 +685,7 @@ CREATE FUNCTION outbox.claim(p_holder uuid, p_relay_id text, p_replica_id text, 
     LANGUAGE plpgsql
     SET enable_seqscan TO 'off'
     SET enable_sort TO 'off'
+    SET enable_incremental_sort TO 'off'
     SET jit TO 'off'
     SET plan_cache_mode TO 'force_generic_plan'
     AS $$
@@ -2123,6 +2125,7 @@ CREATE FUNCTION outbox.probe_claims(p_streams text[], p_exclude text[], p_max_du
     LANGUAGE plpgsql STABLE
     SET enable_seqscan TO 'off'
     SET enable_sort TO 'off'
+    SET enable_incremental_sort TO 'off'
     SET jit TO 'off'
     SET plan_cache_mode TO 'force_generic_plan'
     AS $$
@@ -2474,6 +2477,7 @@ CREATE FUNCTION outbox.waiting_streams(p_streams text[]) RETURNS TABLE(stream te
     LANGUAGE plpgsql STABLE
     SET enable_seqscan TO 'off'
     SET enable_sort TO 'off'
+    SET enable_incremental_sort TO 'off'
     SET jit TO 'off'
     SET plan_cache_mode TO 'force_generic_plan'
     AS $$
