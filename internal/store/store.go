@@ -71,12 +71,12 @@ func ConfigurePool(cfg *pgxpool.Config) {
 	// plans it again; where autovacuum is off or behind, one made while a
 	// table was small could last for good. So connections are also
 	// replaced every 10 minutes or so (pgxpool's default is an hour), in
-	// case a plan the statements' forms and settings were not written
-	// against slips through, and their successors
-	// plan for the tables as they are then: the planner scales the row
-	// counts the statistics give by the table's size now. A lifetime set
-	// in the URL (pool_max_conn_lifetime) is kept, unless it is pgxpool's
-	// default of an hour, which cannot be told from none.
+	// case a plan slips through that the statements' forms and settings
+	// were not written against: their successors plan for the tables as
+	// they are then (the planner scales the row counts the statistics give
+	// by the table's size now). A lifetime set in the URL
+	// (pool_max_conn_lifetime) is kept, unless it is pgxpool's default of
+	// an hour, which cannot be told from none.
 	if cfg.MaxConnLifetime == pgxpoolDefaultMaxConnLifetime {
 		cfg.MaxConnLifetime = MaxConnLifetime
 		cfg.MaxConnLifetimeJitter = MaxConnLifetime / 5
