@@ -3,6 +3,7 @@ package migrations_test
 import (
 	"context"
 	"errors"
+	"maps"
 	"slices"
 	"strings"
 	"testing"
@@ -627,5 +628,155 @@ func TestACutThatShowsALaterRevisionAloneKeepsTheEarlierOne(t *testing.T) {
 	}
 	if got := claimRevisions(t, pool); got["k"] != 1 || got["j"] != 2 {
 		t.Fatalf("claimed %v, want k's revision 1 and j's 2", got)
+	}
+}
+
+// roundOutcome is what one outbox.discover_round call returned.
+type roundOutcome struct {
+	rows, events, woken int64
+	next                uuid.UUID
+	found               []string          // stream/key, in the order returned
+	leased              map[string]string // stream/key -> the holder's name
+}
+
+// discoverRoundAs runs outbox.discover_round with an offer from the sessions
+// named in names (their holders in order), with the credits and JSON
+// filters given.
+func discoverRoundAs(t *testing.T, pool *pgxpool.Pool, names []string, credits []int32, filters any) roundOutcome {
+	t.Helper()
+	holders := make([]uuid.UUID, len(names))
+	relays := make([]string, len(names))
+	ttls := make([]time.Duration, len(names))
+	byHolder := map[uuid.UUID]string{}
+	for i, n := range names {
+		holders[i], relays[i], ttls[i] = uuid.NewSHA1(uuid.Nil, []byte(n)), "relay-"+n, time.Minute
+		byHolder[holders[i]] = n
+	}
+	rows, err := pool.Query(testContext(t), `SELECT r.events, r.woken, r.next_holder, r.stream, r.aggregate_key,
+			r.holder, (r.lease).stream, (r.lease).aggregate_key
+		FROM outbox.discover_round(NULL, NULL, $1, $2, $3, $4, $5, 'replica') r`, holders, relays, ttls, credits, filters)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rows.Close()
+	out := roundOutcome{leased: map[string]string{}}
+	for rows.Next() {
+		var events, woken *int64
+		var next, holder *uuid.UUID
+		var stream, key, leaseStream, leaseKey *string
+		if err := rows.Scan(&events, &woken, &next, &stream, &key, &holder, &leaseStream, &leaseKey); err != nil {
+			t.Fatal(err)
+		}
+		out.rows++
+		switch {
+		case events != nil:
+			out.events, out.woken = *events, *woken
+			if next != nil {
+				out.next = *next
+			}
+		case stream != nil:
+			out.found = append(out.found, *stream+"/"+*key)
+		case holder != nil:
+			out.leased[*leaseStream+"/"+*leaseKey] = byHolder[*holder]
+		}
+	}
+	if err := rows.Err(); err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+// One statement runs a whole round with the offer made up front: each idle
+// aggregate found, oldest first, goes to the next session in turn that
+// takes its stream and has credit left; the rest are woken; the round says
+// which session's turn comes first next time and what it found.
+func TestDiscoverRoundDispatchesByTheOffer(t *testing.T) {
+	t.Parallel()
+	pool := testdb.NewPool(t)
+	names := []string{"s1", "s2", "s3"}
+	filters := []map[string][]string{{"streams": {"a"}}, {"exclude": {"a"}}, {}}
+
+	if got := discoverRoundAs(t, pool, names, []int32{1, 5, 0}, filters); got.rows != 0 {
+		t.Fatalf("a round that found nothing returned %d rows, want none", got.rows)
+	}
+	for _, e := range []string{"a/1", "b/1", "a/2", "c/1"} {
+		stream, key, _ := strings.Cut(e, "/")
+		emitIn(t, pool, stream, key, 1)
+	}
+	// s1 takes only a and has credit for one; s2 takes all but a; s3 has no
+	// credit. a/1 goes to s1 (first in turn), b/1 to s2 (next in turn),
+	// a/2 to nobody (s1 spent, s2 excludes a), c/1 to s2 (s1 spent, s3 has
+	// nothing); s3 is next after s2.
+	got := discoverRoundAs(t, pool, names, []int32{1, 5, 0}, filters)
+	want := map[string]string{"a/1": "s1", "b/1": "s2", "c/1": "s2"}
+	if !maps.Equal(got.leased, want) {
+		t.Errorf("leased %v, want %v", got.leased, want)
+	}
+	if !slices.Equal(got.found, []string{"a/1", "b/1", "a/2", "c/1"}) {
+		t.Errorf("found %v, want every aggregate, oldest first", got.found)
+	}
+	if got.events != 4 || got.woken != 1 {
+		t.Errorf("events %d, woken %d; want 4 and 1 (a/2)", got.events, got.woken)
+	}
+	if got.next != uuid.NewSHA1(uuid.Nil, []byte("s3")) {
+		t.Errorf("next turn is %v's, want s3's", got.next)
+	}
+	var states []string
+	if err := pool.QueryRow(testContext(t), `SELECT array_agg(stream || '/' || aggregate_key || ':' || state ORDER BY stream, aggregate_key)
+		FROM outbox.delivery`).Scan(&states); err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Equal(states, []string{"a/1:leased", "a/2:ready", "b/1:leased", "c/1:leased"}) {
+		t.Errorf("delivery rows %v", states)
+	}
+
+	// Turns begin with the first session offered: with s2 first and credit
+	// for each, the next round's two aggregates go to s2 and then s1.
+	emitIn(t, pool, "d", "1", 1)
+	emitIn(t, pool, "a", "3", 1)
+	got = discoverRoundAs(t, pool, []string{"s2", "s1"}, []int32{1, 1}, []map[string][]string{{}, {}})
+	if want := map[string]string{"d/1": "s2", "a/3": "s1"}; !maps.Equal(got.leased, want) {
+		t.Errorf("leased %v, want %v", got.leased, want)
+	}
+	// A session first in turn with credit to spare is passed over for a
+	// stream it does not take.
+	emitIn(t, pool, "g", "1", 1)
+	got = discoverRoundAs(t, pool, []string{"s1", "s2"}, []int32{5, 5}, []map[string][]string{{"streams": {"a"}}, {}})
+	if want := map[string]string{"g/1": "s2"}; !maps.Equal(got.leased, want) {
+		t.Errorf("leased %v, want %v", got.leased, want)
+	}
+	// No offer at all: every aggregate found is woken.
+	emitIn(t, pool, "e", "1", 1)
+	if got := discoverRoundAs(t, pool, nil, nil, nil); len(got.leased) != 0 || got.woken != 1 || got.next != uuid.Nil {
+		t.Errorf("a round with no offer: leased %v, woken %d, next %v", got.leased, got.woken, got.next)
+	}
+}
+
+// An offer whose arrays do not line up is refused with a clear error, before
+// the round reads or writes anything.
+func TestDiscoverRoundRefusesABadOffer(t *testing.T) {
+	t.Parallel()
+	ctx := testContext(t)
+	pool := testdb.NewPool(t)
+	emitIn(t, pool, "a", "1", 1)
+	h := uuid.New()
+	for _, c := range []struct {
+		name string
+		args []any
+	}{
+		{"credits short", []any{[]uuid.UUID{h}, []string{"r"}, []time.Duration{time.Minute}, []int32{}, nil}},
+		{"filters not an array", []any{[]uuid.UUID{h}, []string{"r"}, []time.Duration{time.Minute}, []int32{1}, map[string]any{}}},
+		{"filters short", []any{[]uuid.UUID{h}, []string{"r"}, []time.Duration{time.Minute}, []int32{1}, []any{}}},
+		{"no holder", []any{[]*uuid.UUID{nil}, []string{"r"}, []time.Duration{time.Minute}, []int32{1}, nil}},
+		{"no credit", []any{[]uuid.UUID{h}, []string{"r"}, []time.Duration{time.Minute}, []*int32{nil}, nil}},
+	} {
+		_, err := pool.Exec(ctx, `SELECT * FROM outbox.discover_round(NULL, NULL, $1, $2, $3, $4, $5)`, c.args...)
+		var pgErr *pgconn.PgError
+		if !errors.As(err, &pgErr) || pgErr.Code != "22023" || !strings.Contains(pgErr.Message, "discover_round") {
+			t.Errorf("%s: got %v, want invalid_parameter_value naming discover_round", c.name, err)
+		}
+	}
+	if n := count(t, pool, `SELECT count(*) FROM outbox.delivery`); n != 0 {
+		t.Errorf("%d delivery rows written by refused rounds", n)
 	}
 }

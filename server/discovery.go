@@ -30,7 +30,7 @@ import (
 // turn that found nothing the loop first asks whether the next round has
 // anything to do (store.RoundDue: one statement, one round trip, no
 // transaction, no discovery lock) and runs the round only then, where an
-// empty round is two round trips and the lock. A round that found one
+// empty round takes the discovery lock. A round that found one
 // event at most is followed by a check too, not by a round: a source with a
 // trickle of events (one every 50 ms, say) therefore pays one round per
 // event and a handful of checks, where it paid two rounds (the one that
@@ -332,71 +332,54 @@ func (s *Server) freshTurn() *discoveryTurn {
 // by a claim, two writes of its delivery row. Instead the round leases it
 // to a local session in the same statement that wakes the others. Sessions
 // offer the credit they have free while they wait (session.offerCredit);
-// for each idle aggregate, oldest first, the round takes one unit from the
-// next session in turn whose stream filter admits it (session.lend), so
-// the credit a session lends is never also used by its own claims. The
-// database leases an aggregate only if it is still idle once locked and its
-// next revision is there and not skipped; the round then gives each session
-// its leases and returns the credit it did not use (session.give).
+// the round borrows it up front (session.lendUpTo: at most the round's
+// DiscoveryMaxFound each, as no round dispatches more), so that the credit a
+// session lends is never also used by its own claims, and sends the offer
+// with the round (store.Discover): the database gives each idle aggregate,
+// oldest first, to the next session in turn whose stream filter admits it
+// and whose credit is not used up, and leases it only if it is still idle
+// once locked and its next revision is there and not skipped. The round
+// then gives each session its leases and returns the credit it did not use
+// (session.give). Turns rotate over rounds: the next round begins with the
+// session after the last that took a lease.
 // Dispatch cannot starve older work: a session offers credit only after a
 // claim came back short, and claims with the credit an ack frees before it
 // offers any again.
 func (s *Server) discoverRound(ctx context.Context) (_ store.Discovery, ready []string, echoed bool, _ error) {
-	var loans map[uuid.UUID]*loan
-	var seen []store.FoundAggregate
-	holdingHandOvers := false
-	choose := func(found []store.FoundAggregate) []store.Dispatch {
-		seen = found
-		if s.cfg.NoDispatch || isClosed(s.stopping) {
-			return nil
-		}
+	var loans []*loan
+	var offers []store.Offer
+	if !s.cfg.NoDispatch && !isClosed(s.stopping) {
 		sessions := s.dispatchSessions()
-		if len(sessions) == 0 {
-			return nil
-		}
-		// A lease dispatched but not yet with its session must not be
-		// taken for an orphan (releaseUndelivered): held until every one
-		// is given.
-		s.handOverMu.RLock()
-		holdingHandOvers = true
-		loans = make(map[uuid.UUID]*loan)
-		var picks []store.Dispatch
-		for _, a := range found {
-			if !a.Idle {
-				continue
-			}
+		if len(sessions) > 0 {
+			// A lease dispatched but not yet with its session must not be
+			// taken for an orphan (releaseUndelivered): held until every
+			// one is given.
+			s.handOverMu.RLock()
+			defer s.handOverMu.RUnlock()
+			first, _ := slices.BinarySearchFunc(sessions, s.dispatchFrom, func(ss *session, id uuid.UUID) int {
+				return bytes.Compare(ss.id[:], id[:])
+			})
 			for i := range sessions {
-				ss := sessions[(s.dispatchNext+i)%len(sessions)]
-				if !ss.lend(a.Stream) {
+				ss := sessions[(first+i)%len(sessions)]
+				n := ss.lendUpTo(s.cfg.DiscoveryMaxFound)
+				if n == 0 {
 					continue
 				}
-				l := loans[ss.id]
-				if l == nil {
-					l = &loan{ss: ss}
-					loans[ss.id] = l
-				}
-				l.units++
-				picks = append(picks, store.Dispatch{
-					Stream: a.Stream, AggregateKey: a.AggregateKey, Holder: ss.id, RelayID: ss.relayID, TTL: ss.ttl,
-				})
-				s.dispatchNext = (s.dispatchNext + i + 1) % len(sessions)
-				break
+				loans = append(loans, &loan{ss: ss, units: n})
+				offers = append(offers, store.Offer{Holder: ss.id, RelayID: ss.relayID, TTL: ss.ttl, Credit: n,
+					Streams: ss.streams, ExcludeStreams: ss.excludeStreams})
 			}
 		}
-		if h := s.beforeApply.get(); h != nil && len(picks) > 0 {
-			h()
-		}
-		return picks
+	}
+	if h := s.beforeApply.get(); h != nil && len(loans) > 0 {
+		h()
 	}
 	var pid uint32
 	applying := func(p uint32) {
 		pid = p
 		s.wake.openRound(p)
 	}
-	found, err := s.store.Discover(ctx, s.cfg.ReplicaID, s.cfg.DiscoveryMaxFound, s.cfg.DiscoveryMaxEvents, choose, applying)
-	if holdingHandOvers {
-		defer s.handOverMu.RUnlock()
-	}
+	found, err := s.store.Discover(ctx, s.cfg.ReplicaID, s.cfg.DiscoveryMaxFound, s.cfg.DiscoveryMaxEvents, offers, applying)
 	if h := s.afterDiscover.get(); h != nil {
 		found, err = h(found, err)
 	}
@@ -413,8 +396,15 @@ func (s *Server) discoverRound(ctx context.Context) (_ store.Discovery, ready []
 		}
 		return found, nil, echoed, err
 	}
+	if found.NextHolder != uuid.Nil {
+		s.dispatchFrom = found.NextHolder
+	}
+	byHolder := make(map[uuid.UUID]*loan, len(loans))
+	for _, l := range loans {
+		byHolder[l.ss.id] = l
+	}
 	for _, d := range found.Dispatched {
-		if l := loans[d.Holder]; l != nil {
+		if l := byHolder[d.Holder]; l != nil {
 			l.leases = append(l.leases, d.Lease)
 		}
 	}
@@ -433,7 +423,7 @@ func (s *Server) discoverRound(ctx context.Context) (_ store.Discovery, ready []
 		}
 		cancel()
 	}
-	return found, readyStreams(seen, found.Dispatched, s.cfg.DiscoveryMaxFound), echoed, nil
+	return found, readyStreams(found.Found, found.Dispatched, s.cfg.DiscoveryMaxFound), echoed, nil
 }
 
 // readyStreams returns the distinct streams of the aggregates found and not
@@ -468,7 +458,7 @@ type loan struct {
 }
 
 // dispatchSessions returns this replica's sessions in a stable order (by id),
-// so that rotating dispatchNext spreads rounds over them.
+// so that turns that begin at dispatchFrom spread rounds over them.
 func (s *Server) dispatchSessions() []*session {
 	s.mu.Lock()
 	defer s.mu.Unlock()

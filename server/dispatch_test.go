@@ -3,6 +3,8 @@ package server_test
 import (
 	"context"
 	"errors"
+	"fmt"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -183,6 +185,62 @@ func TestDiscoveryDispatchesToWaitingSession(t *testing.T) {
 	}
 }
 
+// Dispatch takes turns over a replica's waiting sessions across rounds:
+// each round begins with the session after the last one a round leased to,
+// so one relay does not take every trickled event while the others wait.
+// Forced: both sessions' loops are held where they offer their credit, so
+// both offer it to every round below.
+func TestDispatchTakesTurnsAcrossRounds(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	r := startReplica(t, url, nil)
+	watch := &dispatchWatch{rounds: make(chan []store.DispatchedLease, 16)}
+	r.Server.SetAfterDiscover(watch.hook)
+	open := make(chan struct{})
+	defer close(open) // held loops would keep the replica from stopping
+	held := make(chan uuid.UUID, 16)
+	r.Server.SetAfterOffer(func(id uuid.UUID, offered int) {
+		select {
+		case <-open:
+			return
+		default:
+		}
+		if offered > 0 {
+			held <- id
+			<-open
+		}
+	})
+	for range 2 {
+		subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 3, LeaseTtl: durationpb.New(time.Hour)})
+	}
+	var sessions []uuid.UUID
+	for len(sessions) < 2 {
+		select {
+		case id := <-held:
+			if !slices.Contains(sessions, id) {
+				sessions = append(sessions, id)
+			}
+		case <-time.After(30 * time.Second):
+			t.Fatalf("%d of 2 sessions offered their credit within 30s", len(sessions))
+		}
+	}
+	var got []uuid.UUID
+	for i := range 3 {
+		emit(t, pool, "orders", fmt.Sprintf("o%d", i), 1)
+		d := watch.next(t)
+		if len(d) != 1 {
+			t.Fatalf("round %d dispatched %d leases, want 1", i, len(d))
+		}
+		got = append(got, d[0].Holder)
+	}
+	if got[0] == got[1] || got[1] == got[2] {
+		t.Fatalf("three rounds dispatched to sessions %v: the second went to the first's session, or the third to the second's", got)
+	}
+}
+
 // With dispatch off every event is claimed.
 func TestNoDispatchClaimsEveryEvent(t *testing.T) {
 	t.Parallel()
@@ -223,15 +281,20 @@ func TestNoDispatchClaimsEveryEvent(t *testing.T) {
 	}
 }
 
-// A session whose stream ends after a round chose it and before the round's
-// leases commit loses nothing: the stream's own release has already run
-// (it found nothing to release), the session refuses the leases, and the
-// round releases them at once, not after their hour-long TTL, so the event
-// goes to the next relay.
+// A session whose stream ends after a round borrowed its credit and before
+// the round's leases commit loses nothing: the stream's own release has
+// already run (it found nothing to release), the session refuses the
+// leases, and the round releases them at once, not after their hour-long
+// TTL, so the event goes to the next relay. Forced: the round is held after
+// it borrowed the credit and before it is sent; meanwhile the event
+// commits and the session ends.
 func TestDispatchToEndedSessionIsReleased(t *testing.T) {
 	t.Parallel()
 	url := testdb.New(t)
 	pool := testdb.NewPoolURL(t, url)
+	// The sessions leave stream unwatched alone, whose events make rounds
+	// due below (a stream is named only once it has events).
+	emit(t, pool, "unwatched", "u", 1)
 	r := startReplica(t, url, nil)
 	gate := newOfferGate(true)
 	defer gate.release(false) // a held loop would keep the replica from stopping
@@ -239,11 +302,14 @@ func TestDispatchToEndedSessionIsReleased(t *testing.T) {
 	ctx1, cancel1 := context.WithCancel(context.Background())
 	defer cancel1()
 	var once sync.Once
+	var id uuid.UUID
 	ended := make(chan struct{})
 	r.Server.SetBeforeApply(func() {
 		once.Do(func() {
-			// The round has taken the session's credit; end the session
-			// and wait until its stream's release has run.
+			// The round has borrowed the session's credit: the event
+			// commits before the round reads, and the session ends, its
+			// stream's release run, before the round's leases commit.
+			id = emit(t, pool, "orders", "o", 1)[0]
 			gate.release(false)
 			cancel1()
 			waitCtx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
@@ -262,9 +328,14 @@ func TestDispatchToEndedSessionIsReleased(t *testing.T) {
 		}
 		return d, err
 	})
-	subscribe(t, ctx1, r, &outboxv1.SubscribeRequest{MaxInFlight: 1, LeaseTtl: durationpb.New(time.Hour)})
+	unwatched := []string{"unwatched"}
+	subscribe(t, ctx1, r, &outboxv1.SubscribeRequest{ExcludeStreams: unwatched, MaxInFlight: 1,
+		LeaseTtl: durationpb.New(time.Hour)})
 	gate.waitHeld(t)
-	id := emit(t, pool, "orders", "o", 1)[0]
+	// An event the session does not take makes a round due, so that the
+	// idle replica runs one (and the session's credit is borrowed) whether
+	// or not a round is under way already.
+	emit(t, pool, "unwatched", "u", 1)
 	for _, c := range []chan struct{}{ended, refused} {
 		select {
 		case <-c:
@@ -276,7 +347,7 @@ func TestDispatchToEndedSessionIsReleased(t *testing.T) {
 	// the round's own release frees it before its TTL.
 	ctx2, cancel2 := context.WithCancel(context.Background())
 	defer cancel2()
-	d := recv(t, subscribe(t, ctx2, r, &outboxv1.SubscribeRequest{MaxInFlight: 1}))
+	d := recv(t, subscribe(t, ctx2, r, &outboxv1.SubscribeRequest{ExcludeStreams: unwatched, MaxInFlight: 1}))
 	if d.GetEvent().GetEventId() != id.String() {
 		t.Fatalf("next relay got %s, want %s", d.GetEvent().GetEventId(), id)
 	}
@@ -433,9 +504,10 @@ func TestAckFreedCreditIsClaimedOnlyWhenWorkIsClaimable(t *testing.T) {
 // line: neither the group's wake-ups nor its polls reach it. Were the
 // credit's return silent, the wake-up it took (here an operator's retry)
 // would be lost and the retried aggregate never claimed. Forced: the round
-// is held after it lent the credit; the retry wakes the session, seen
-// offering nothing; the round's aggregate is skipped meanwhile, so its
-// apply leases nothing and gives all the credit back.
+// is held after it borrowed the credit and before it is sent; the retry
+// wakes the session, seen offering nothing; the round's aggregate is
+// skipped meanwhile, so the round leases nothing and gives all the credit
+// back.
 func TestCreditARoundGivesBackWakesTheSession(t *testing.T) {
 	t.Parallel()
 	ctx, cancel := context.WithCancel(context.Background())
@@ -443,25 +515,34 @@ func TestCreditARoundGivesBackWakesTheSession(t *testing.T) {
 	url := testdb.New(t)
 	pool := testdb.NewPoolURL(t, url)
 	r := startReplica(t, url, func(c *server.Config) { c.MaxFailures = 1 })
+	// The session's loop is held where it offers its credit after the nack,
+	// so that the round below finds the credit offered (a loop that is
+	// claiming has withdrawn it), and let go once the round borrowed it.
+	gate := newOfferGate(false)
+	defer gate.release(false) // a held loop would keep the replica from stopping
+	var watching atomic.Bool
+	var zeroOnce sync.Once
+	offeredNothing := make(chan struct{})
+	r.Server.SetAfterOffer(func(id uuid.UUID, offered int) {
+		if watching.Load() && offered == 0 {
+			zeroOnce.Do(func() { close(offeredNothing) })
+		}
+		gate.hook(id, offered)
+	})
 	parked := emit(t, pool, "orders", "p", 1)[0]
 	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 1, LeaseTtl: durationpb.New(time.Hour)})
-	nack(t, r, recv(t, st)) // parks p
-	waitFor(t, func() int32 { return int32(r.Server.IdleSessions()) })
+	d := recv(t, st)
+	gate.armFrom(1)
+	nack(t, r, d) // parks p
+	gate.waitHeld(t)
 
-	var holdOnce, zeroOnce sync.Once
+	var holdOnce sync.Once
 	lent, release := make(chan struct{}), make(chan struct{})
 	r.Server.SetBeforeApply(func() {
 		holdOnce.Do(func() {
 			close(lent)
 			<-release
 		})
-	})
-	var watching atomic.Bool
-	offeredNothing := make(chan struct{})
-	r.Server.SetAfterOffer(func(_ uuid.UUID, offered int) {
-		if watching.Load() && offered == 0 {
-			zeroOnce.Do(func() { close(offeredNothing) })
-		}
 	})
 	defer func() {
 		select {
@@ -472,6 +553,7 @@ func TestCreditARoundGivesBackWakesTheSession(t *testing.T) {
 	}()
 	skipped := emit(t, pool, "orders", "x", 1)[0]
 	waitClosed(t, lent, "no discovery round lent the session's credit")
+	gate.release(false)
 
 	watching.Store(true)
 	if _, err := r.Admin.RetryAggregate(ctx, &outboxv1.RetryAggregateRequest{Stream: "orders", AggregateKey: "p",
@@ -484,7 +566,7 @@ func TestCreditARoundGivesBackWakesTheSession(t *testing.T) {
 	}
 	close(release)
 
-	d := recv(t, st)
+	d = recv(t, st)
 	if got := d.GetEvent().GetEventId(); got != parked.String() {
 		t.Fatalf("got %s, want the retried %s", got, parked)
 	}

@@ -25,7 +25,8 @@
 // Every replica runs discovery rounds (replicas take turns with an advisory
 // lock). outbox.discovery stores a transaction snapshot S: every event whose
 // transaction is visible in S has been discovered. A round is one
-// transaction of two statements. outbox.discover_scan reads, in one
+// statement, outbox.discover_round (so one transaction), in two parts, each
+// with its own snapshot. outbox.discover_scan reads, in one
 // snapshot N, the events with xid >= xmax(S) or xid in S's list of running
 // transactions: exactly those visible in N and not in S, whenever they
 // committed; it returns N and the aggregates found, saying which are idle
@@ -42,17 +43,21 @@
 // revision 6 without 5 (whose transaction, with the later id, committed
 // first); the apply's decision statement, whose snapshot is newer than N
 // and so sees 5, starts a new aggregate's cursor below its lowest pending
-// revision. The replica
-// then picks which of those go straight to its waiting
-// sessions (dispatch, below), and outbox.discover_apply re-reads exactly the
+// revision. The round
+// then picks which of those go straight to the replica's waiting
+// sessions (dispatch, below: the replica sends the sessions' offer with
+// the round), and outbox.discover_apply re-reads exactly the
 // events visible in N, locks every found aggregate's delivery row, creates
 // the row of a new aggregate (cursor just below its lowest pending revision) or
 // wakes an idle or gap-held one, stores N, and sends one NOTIFY
 // outbox_wakeup when it made a row ready. A transaction left open costs one
 // index probe per round; it never delays other events. An empty round
-// writes nothing. BEGIN is sent with the scan and COMMIT with the apply, so
-// a round is two round trips to the database (once its statements are
-// prepared on the connection).
+// writes nothing. A round is one round trip to the database (once its
+// statement is prepared on the connection): the choice of sessions travels
+// with it rather than being made between the scan and the apply, which
+// made a round two round trips (BEGIN with the scan, the apply with
+// COMMIT), each landing, on a source with a trickle of events, on a
+// backend idle since the last.
 //
 // A replica does not run empty rounds back to back: after a turn that
 // found nothing (see Wake-ups for the pauses, which double up to the idle
@@ -82,7 +87,7 @@
 // interval once). A source with one event every 50 ms pays one round per
 // event and about one or two checks, where the doubling from
 // DiscoveryInterval cost five, a round after every pause a dozen empty
-// rounds, each two round trips and the discovery lock, and a round after
+// rounds, each then two round trips and the discovery lock, and a round after
 // every round that found events one empty round per event.
 //
 // Dispatch: a new or idle aggregate has nothing in hand, so instead of
@@ -90,9 +95,10 @@
 // statement, a wake-up), the round leases its next event to a local session
 // in the same statement, when that event is committed and not skipped and
 // the row is still idle once locked. A session offers the credit it has
-// free while it waits after a claim that came back short; the round takes
-// one unit per aggregate from the next session in turn whose stream filter
-// admits it, and gives back what it did not use together with the leases;
+// free while it waits after a claim that came back short; the round borrows
+// it before it is sent, and the database takes one unit per aggregate from
+// the next session in turn whose stream filter admits it (turns rotate over
+// rounds); the round gives back what it did not use together with the leases;
 // either wakes the session's loop, which may have turned while its credit
 // was lent and then waits without credit, out of its poll group's reach.
 // Credit an ack frees is claimed with before any is offered again, so

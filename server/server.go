@@ -312,8 +312,8 @@ type Server struct {
 	// session.outstanding then says.
 	freedApplied hook[func(applied int, outstanding int64)]
 	// beforeApply, when set (by tests), runs in a discovery round that
-	// dispatches, after it chose its sessions and before its leases are
-	// written (and so before they commit).
+	// borrowed credit from sessions, after it did and before the round is
+	// sent (and so before its leases are written).
 	beforeApply hook[func()]
 	// afterDiscover, when set (by tests), sees and may replace the outcome
 	// of every discovery round.
@@ -396,9 +396,10 @@ type Server struct {
 	claimProbe atomic.Pointer[probedClaims]
 	// skippedPolls counts the polls whose claim a probe made pointless.
 	skippedPolls atomic.Uint64
-	// dispatchNext rotates the session a discovery round offers its first
-	// aggregate to, so that dispatch spreads over the relays.
-	dispatchNext int
+	// dispatchFrom is the session whose turn comes first in the next
+	// discovery round (or the first by id after it, if it is gone), so that
+	// dispatch spreads over the relays.
+	dispatchFrom uuid.UUID
 	// handOvers counts leases handed over by acks (and delivered or
 	// released), dispatched those discovery rounds gave to sessions; read
 	// by tests.

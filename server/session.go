@@ -224,20 +224,15 @@ func (ss *session) withdrawCredit() int {
 	return ss.lent + len(ss.handed)
 }
 
-// lend takes one unit of the offered credit for a discovery round, if the
-// session takes stream; false when it does not, or has none to offer.
-func (ss *session) lend(stream string) bool {
-	if !ss.admits(stream) {
-		return false
-	}
+// lendUpTo takes up to limit units of the offered credit for a discovery
+// round, and returns how many; give ends the loan.
+func (ss *session) lendUpTo(limit int) int {
 	ss.mu.Lock()
 	defer ss.mu.Unlock()
-	if ss.offered == 0 {
-		return false
-	}
-	ss.offered--
-	ss.lent++
-	return true
+	n := min(ss.offered, limit)
+	ss.offered -= n
+	ss.lent += n
+	return n
 }
 
 // give ends a discovery round's loan of n units of credit: leases (at most n)

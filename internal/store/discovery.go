@@ -30,9 +30,9 @@ func discoverError(err error) error {
 // committed since the stored snapshot (one that a round would find), or a
 // stopped discovery (which the round reports as ErrDiscoveryStopped). It is
 // one statement outside any transaction, one round trip, and writes
-// nothing, where an empty round is two (BEGIN and the scan, then the
-// ROLLBACK) and holds the discovery lock; so an idle replica checks before
-// each round.
+// nothing, where an empty round runs the delivery functions and takes the
+// discovery lock, which replicas take turns with; so an idle replica checks
+// before each round.
 //
 // false holds only as of the statement's snapshot: an event that commits
 // later is not visible in it and so not in the stored snapshot either (a

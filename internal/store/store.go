@@ -116,28 +116,34 @@ type Discovery struct {
 	// Aggregates how many delivery rows it created or woke as ready (for a
 	// claim to take).
 	Events, Aggregates int64
+	// Found are the aggregates the round found pending events of, at most
+	// the round's maxFound, the oldest first (the round makes the others
+	// claimable all the same), dispatched or not.
+	Found []FoundAggregate
 	// Dispatched are the leases the round gave straight to sessions (see
 	// Store.Discover).
 	Dispatched []DispatchedLease
+	// NextHolder is the session offered whose turn comes first in the next
+	// round: the one after the last that took a lease (uuid.Nil when none
+	// was offered).
+	NextHolder uuid.UUID
 }
 
 // FoundAggregate is an aggregate a discovery round found pending events of.
 type FoundAggregate struct {
 	Stream, AggregateKey string
-	// Idle says its next event may be dispatched: the aggregate is new or
-	// idle (nothing in hand), as the round's scan saw it.
-	Idle bool
-	// FirstCreatedAt is its oldest event's created_at among those found.
-	FirstCreatedAt time.Time
 }
 
-// Dispatch asks a discovery round to lease an idle aggregate's next event
-// straight to a session.
-type Dispatch struct {
-	Stream, AggregateKey string
-	Holder               uuid.UUID
-	RelayID              string
-	TTL                  time.Duration
+// Offer is the credit a session lends a discovery round: the round may
+// lease it up to Credit idle aggregates of the streams it takes (Streams,
+// or every stream when empty, less ExcludeStreams), for relay RelayID, each
+// for TTL.
+type Offer struct {
+	Holder                  uuid.UUID
+	RelayID                 string
+	TTL                     time.Duration
+	Credit                  int
+	Streams, ExcludeStreams []string
 }
 
 // DispatchedLease is a lease a discovery round gave to session Holder.
@@ -146,19 +152,23 @@ type DispatchedLease struct {
 	Lease  Lease
 }
 
-// Discover runs one discovery round: it finds the events committed since the
-// previous round (outbox.discover_scan), asks choose which of the idle
-// aggregates found go to which sessions, and makes the rest claimable
-// (outbox.discover_apply), in one transaction. choose may return nil; it is
-// called only when the round found something, with at most maxFound
-// aggregates, the oldest (the round makes the others claimable all the
-// same). A round takes at most about maxEvents events, whole transactions
-// in xid order, and leaves the rest of a larger backlog to the next rounds
-// (see outbox.discover_scan); 0: no bound. A round that another replica
-// is running at the same moment finds nothing.
+// Discover runs one discovery round (outbox.discover_round), one statement
+// and one round trip: it finds the events committed since the previous
+// round, leases idle aggregates found to the sessions offered (each in
+// turn, from the first, that takes the aggregate's stream and has credit
+// left), and makes the rest claimable. A round takes at most about
+// maxEvents events, whole transactions in xid order, and leaves the rest of
+// a larger backlog to the next rounds (see outbox.discover_scan); 0: no
+// bound. A round that another replica is running at the same moment finds
+// nothing.
+//
+// The offer goes with the round, rather than a choice made between its scan
+// and its apply, so that a round is one round trip rather than two: on a
+// source with a trickle of events each one lands on a backend that sat idle
+// since the last, which costs the host far more than the statements' work.
 //
 // applying, when not nil, is called with the process id of the round's
-// database backend before the apply is sent: the NOTIFY outbox_wakeup of a
+// database backend before the round is sent: the NOTIFY outbox_wakeup of a
 // round that made rows ready comes from that backend.
 //
 // When Discover returns an error the round may still have committed (its
@@ -166,113 +176,66 @@ type DispatchedLease struct {
 // hear of them, and the caller must have those sessions sweep. It returns
 // ErrDiscoveryStopped when the database's discovery state is not this
 // cluster's (see DiscoveryStopped).
-func (s *Store) Discover(ctx context.Context, replicaID string, maxFound, maxEvents int, choose func([]FoundAggregate) []Dispatch, applying func(pid uint32)) (Discovery, error) {
+func (s *Store) Discover(ctx context.Context, replicaID string, maxFound, maxEvents int, offers []Offer, applying func(pid uint32)) (Discovery, error) {
 	var d Discovery
 	conn, err := s.pool.Acquire(ctx)
 	if err != nil {
 		return d, fmt.Errorf("store: discover: %w", err)
 	}
-	// A connection given back inside the round's transaction (an error
-	// between its two batches) is closed by the pool, never reused.
 	defer conn.Release()
-	// BEGIN travels with the scan and COMMIT with the apply, so a round is
-	// two round trips to the database rather than four (once the
-	// connection has prepared the two statements: its first round adds
-	// one). A discovery round is on the path of every event's latency, and
-	// on a busy machine each round trip waits for a core on both sides.
-	br := conn.SendBatch(ctx, &pgx.Batch{QueuedQueries: []*pgx.QueuedQuery{
-		{SQL: "BEGIN"},
-		{SQL: `SELECT prev_snapshot, snapshot, events, stream, aggregate_key, idle, first_created_at
-			FROM outbox.discover_scan($1, $2)`, Arguments: []any{sqlLimit(maxFound), sqlLimit(maxEvents)}},
-	}})
-	var prev, next string
-	var found []FoundAggregate
-	err = func() error {
-		defer br.Close()
-		if _, err := br.Exec(); err != nil {
-			return err
-		}
-		rows, err := br.Query()
-		if err != nil {
-			return err
-		}
-		defer rows.Close()
-		for rows.Next() {
-			var stream, key *string
-			var created *time.Time
-			var idle bool
-			if err := rows.Scan(&prev, &next, &d.Events, &stream, &key, &idle, &created); err != nil {
-				return err
-			}
-			if stream != nil {
-				found = append(found, FoundAggregate{Stream: *stream, AggregateKey: *key, Idle: idle, FirstCreatedAt: *created})
-			}
-		}
-		if err := rows.Err(); err != nil {
-			return err
-		}
-		return br.Close()
-	}()
-	if err != nil {
-		return d, discoverError(err)
+	holders := make([]uuid.UUID, len(offers))
+	relays := make([]string, len(offers))
+	ttls := make([]time.Duration, len(offers))
+	credits := make([]int32, len(offers))
+	type filter struct {
+		Streams []string `json:"streams,omitempty"`
+		Exclude []string `json:"exclude,omitempty"`
 	}
-	if d.Events == 0 {
-		// Nothing found (or another replica's turn): nothing written.
-		if _, err := conn.Exec(context.WithoutCancel(ctx), "ROLLBACK"); err != nil {
-			return d, fmt.Errorf("store: discover: %w", err)
-		}
-		return d, nil
-	}
-	var streams, keys, relays []string
-	var holders []uuid.UUID
-	var ttls []time.Duration
-	if choose != nil && len(found) > 0 {
-		for _, x := range choose(found) {
-			streams, keys = append(streams, x.Stream), append(keys, x.AggregateKey)
-			holders, relays, ttls = append(holders, x.Holder), append(relays, x.RelayID), append(ttls, x.TTL)
-		}
+	filters := make([]filter, len(offers))
+	for i, o := range offers {
+		holders[i], relays[i], ttls[i] = o.Holder, o.RelayID, o.TTL
+		credits[i] = int32(min(max(o.Credit, 0), math.MaxInt32))
+		filters[i] = filter{Streams: o.Streams, Exclude: o.ExcludeStreams}
 	}
 	if applying != nil {
 		applying(conn.Conn().PgConn().PID())
 	}
-	br = conn.SendBatch(ctx, &pgx.Batch{QueuedQueries: []*pgx.QueuedQuery{
-		{SQL: `SELECT a.woken, a.holder, ` + leaseColumns("a.lease") + `
-			FROM outbox.discover_apply($1, $2, $3, $4, $5, $6, $7, $8) a`,
-			Arguments: []any{prev, next, streams, keys, holders, relays, ttls, replicaID}},
-		{SQL: "COMMIT"},
-	}})
-	defer br.Close()
-	rows, err := br.Query()
+	rows, err := conn.Query(ctx, `SELECT r.events, r.woken, r.next_holder, r.stream, r.aggregate_key, r.holder, `+leaseColumns("r.lease")+`
+		FROM outbox.discover_round($1, $2, $3, $4, $5, $6, $7, $8) r`,
+		sqlLimit(maxFound), sqlLimit(maxEvents), holders, relays, ttls, credits, filters, replicaID)
 	if err != nil {
-		return d, fmt.Errorf("store: discover: %w", err)
+		return d, discoverError(err)
 	}
+	defer rows.Close()
 	for rows.Next() {
-		var woken *int64
-		var holder *uuid.UUID
+		var events, woken *int64
+		var next, holder *uuid.UUID
+		var stream, key *string
 		var l nullableLease
-		if err := rows.Scan(append([]any{&woken, &holder}, l.dest()...)...); err != nil {
-			rows.Close()
-			return d, fmt.Errorf("store: discover: %w", err)
+		if err := rows.Scan(append([]any{&events, &woken, &next, &stream, &key, &holder}, l.dest()...)...); err != nil {
+			return d, discoverError(err)
 		}
-		if woken != nil {
-			d.Aggregates = *woken
-		}
-		if lease := l.lease(); lease != nil && holder != nil {
-			d.Dispatched = append(d.Dispatched, DispatchedLease{Holder: *holder, Lease: *lease})
+		switch {
+		case events != nil:
+			d.Events = *events
+			if woken != nil {
+				d.Aggregates = *woken
+			}
+			if next != nil {
+				d.NextHolder = *next
+			}
+		case stream != nil:
+			d.Found = append(d.Found, FoundAggregate{Stream: *stream, AggregateKey: *key})
+		default:
+			if lease := l.lease(); lease != nil && holder != nil {
+				d.Dispatched = append(d.Dispatched, DispatchedLease{Holder: *holder, Lease: *lease})
+			}
 		}
 	}
-	rows.Close()
+	// The statement's transaction commits after its rows are sent: a
+	// failed commit is reported here, after rows that then never were.
 	if err := rows.Err(); err != nil {
-		return d, fmt.Errorf("store: discover: %w", err)
-	}
-	// COMMIT in a failed transaction rolls back without an error; the apply
-	// above would have reported the failure first.
-	tag, err := br.Exec()
-	if err != nil {
-		return d, fmt.Errorf("store: discover: commit: %w", err)
-	}
-	if tag.String() != "COMMIT" {
-		return d, fmt.Errorf("store: discover: commit: the round's transaction ended with %s", tag)
+		return d, discoverError(err)
 	}
 	return d, nil
 }

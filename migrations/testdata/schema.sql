@@ -1268,6 +1268,92 @@ END
 $$;
 
 --
+-- Name: discover_round(integer, integer, uuid[], text[], interval[], integer[], jsonb, text); Type: FUNCTION; Schema: outbox; Owner: -
+--
+
+CREATE FUNCTION outbox.discover_round(p_max_aggregates integer DEFAULT NULL::integer, p_max_events integer DEFAULT NULL::integer, p_holders uuid[] DEFAULT NULL::uuid[], p_relay_ids text[] DEFAULT NULL::text[], p_ttls interval[] DEFAULT NULL::interval[], p_credits integer[] DEFAULT NULL::integer[], p_filters jsonb DEFAULT NULL::jsonb, p_replica_id text DEFAULT NULL::text) RETURNS TABLE(events bigint, woken bigint, next_holder uuid, stream text, aggregate_key text, holder uuid, lease outbox.lease)
+    LANGUAGE plpgsql
+    AS $$
+#variable_conflict use_column
+DECLARE
+    v_sessions integer := coalesce(cardinality(p_holders), 0);
+    v_credits integer[] := p_credits;
+    -- Credit left over all sessions: once none is, the rest is woken.
+    v_left bigint;
+    -- The session (0-based) whose turn comes first for the next aggregate.
+    v_turn integer := 0;
+    v_prev text;
+    v_snapshot text;
+    v_events bigint;
+    v_found_streams text[] := '{}';
+    v_found_keys text[] := '{}';
+    v_streams text[] := '{}';
+    v_keys text[] := '{}';
+    v_holders uuid[] := '{}';
+    v_relays text[] := '{}';
+    v_ttls interval[] := '{}';
+    v_filter jsonb;
+    v_found record;
+    v_session integer;
+BEGIN
+    IF coalesce(cardinality(p_relay_ids), 0) <> v_sessions OR coalesce(cardinality(p_ttls), 0) <> v_sessions
+       OR coalesce(cardinality(p_credits), 0) <> v_sessions
+       OR (p_filters IS NOT NULL AND (jsonb_typeof(p_filters) <> 'array' OR jsonb_array_length(p_filters) <> v_sessions)) THEN
+        RAISE EXCEPTION 'outbox: discover_round: the offer''s arrays differ in length (holders %, relay ids %, ttls %, credits %, filters %)',
+            v_sessions, coalesce(cardinality(p_relay_ids), 0), coalesce(cardinality(p_ttls), 0),
+            coalesce(cardinality(p_credits), 0), coalesce(jsonb_array_length(CASE jsonb_typeof(p_filters) WHEN 'array' THEN p_filters END), 0)
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'Pass one element per session in each, and p_filters as a JSON array or NULL.';
+    END IF;
+    IF array_position(p_holders, NULL) IS NOT NULL OR array_position(p_credits, NULL) IS NOT NULL THEN
+        RAISE EXCEPTION 'outbox: discover_round: a session offered has no holder or no credit'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    v_left := (SELECT coalesce(sum(greatest(c, 0)), 0) FROM unnest(p_credits) c);
+
+    FOR v_found IN SELECT * FROM outbox.discover_scan(p_max_aggregates, p_max_events) LOOP
+        v_prev := v_found.prev_snapshot;
+        v_snapshot := v_found.snapshot;
+        v_events := v_found.events;
+        CONTINUE WHEN v_found.stream IS NULL;
+        v_found_streams := v_found_streams || v_found.stream;
+        v_found_keys := v_found_keys || v_found.aggregate_key;
+        CONTINUE WHEN NOT v_found.idle OR v_left = 0;
+        FOR i IN 0 .. v_sessions - 1 LOOP
+            v_session := (v_turn + i) % v_sessions + 1;
+            CONTINUE WHEN v_credits[v_session] < 1;
+            v_filter := p_filters -> (v_session - 1);
+            CONTINUE WHEN (v_filter -> 'streams' IS NOT NULL AND jsonb_typeof(v_filter -> 'streams') <> 'null'
+                           AND NOT v_filter -> 'streams' ? v_found.stream)
+                       OR coalesce(v_filter -> 'exclude' ? v_found.stream, false);
+            v_credits[v_session] := v_credits[v_session] - 1;
+            v_left := v_left - 1;
+            v_streams := v_streams || v_found.stream;
+            v_keys := v_keys || v_found.aggregate_key;
+            v_holders := v_holders || p_holders[v_session];
+            v_relays := v_relays || p_relay_ids[v_session];
+            v_ttls := v_ttls || p_ttls[v_session];
+            v_turn := v_session % v_sessions;
+            EXIT;
+        END LOOP;
+    END LOOP;
+    IF v_prev IS NULL THEN
+        RETURN; -- nothing found, or another replica's turn
+    END IF;
+
+    RETURN QUERY
+    SELECT CASE WHEN a.woken IS NOT NULL THEN v_events END, a.woken,
+           CASE WHEN a.woken IS NOT NULL THEN p_holders[v_turn + 1] END,
+           NULL::text, NULL::text, a.holder, a.lease
+    FROM outbox.discover_apply(v_prev, v_snapshot, v_streams, v_keys, v_holders, v_relays, v_ttls, p_replica_id) a;
+    RETURN QUERY
+    SELECT NULL::bigint, NULL::bigint, NULL::uuid, f.stream, f.aggregate_key, NULL::uuid, NULL::outbox.lease
+    FROM unnest(v_found_streams, v_found_keys) WITH ORDINALITY AS f(stream, aggregate_key, n)
+    ORDER BY f.n;
+END
+$$;
+
+--
 -- Name: discover_scan(integer, integer); Type: FUNCTION; Schema: outbox; Owner: -
 --
 
