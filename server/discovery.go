@@ -351,11 +351,6 @@ func (s *Server) discoverRound(ctx context.Context) (_ store.Discovery, ready []
 	if !s.cfg.NoDispatch && !isClosed(s.stopping) {
 		sessions := s.dispatchSessions()
 		if len(sessions) > 0 {
-			// A lease dispatched but not yet with its session must not be
-			// taken for an orphan (releaseUndelivered): held until every
-			// one is given.
-			s.handOverMu.RLock()
-			defer s.handOverMu.RUnlock()
 			first, _ := slices.BinarySearchFunc(sessions, s.dispatchFrom, func(ss *session, id uuid.UUID) int {
 				return bytes.Compare(ss.id[:], id[:])
 			})
@@ -371,8 +366,15 @@ func (s *Server) discoverRound(ctx context.Context) (_ store.Discovery, ready []
 			}
 		}
 	}
-	if h := s.beforeApply.get(); h != nil && len(loans) > 0 {
-		h()
+	if len(loans) > 0 {
+		// A lease dispatched but not yet with its session must not be
+		// taken for an orphan (releaseUndelivered): held from before the
+		// round commits until every one is given.
+		s.handOverMu.RLock()
+		defer s.handOverMu.RUnlock()
+		if h := s.beforeApply.get(); h != nil {
+			h()
+		}
 	}
 	var pid uint32
 	applying := func(p uint32) {
