@@ -634,7 +634,7 @@ func TestACutThatShowsALaterRevisionAloneKeepsTheEarlierOne(t *testing.T) {
 // roundOutcome is what one outbox.discover_round call returned.
 type roundOutcome struct {
 	rows, events, woken int64
-	next                uuid.UUID
+	last                uuid.UUID
 	found               []string          // stream/key, in the order returned
 	leased              map[string]string // stream/key -> the holder's name
 }
@@ -652,7 +652,7 @@ func discoverRoundAs(t *testing.T, pool *pgxpool.Pool, names []string, credits [
 		holders[i], relays[i], ttls[i] = uuid.NewSHA1(uuid.Nil, []byte(n)), "relay-"+n, time.Minute
 		byHolder[holders[i]] = n
 	}
-	rows, err := pool.Query(testContext(t), `SELECT r.events, r.woken, r.next_holder, r.stream, r.aggregate_key,
+	rows, err := pool.Query(testContext(t), `SELECT r.events, r.woken, r.last_holder, r.stream, r.aggregate_key,
 			r.holder, (r.lease).stream, (r.lease).aggregate_key
 		FROM outbox.discover_round(NULL, NULL, $1, $2, $3, $4, $5, 'replica') r`, holders, relays, ttls, credits, filters)
 	if err != nil {
@@ -662,17 +662,17 @@ func discoverRoundAs(t *testing.T, pool *pgxpool.Pool, names []string, credits [
 	out := roundOutcome{leased: map[string]string{}}
 	for rows.Next() {
 		var events, woken *int64
-		var next, holder *uuid.UUID
+		var last, holder *uuid.UUID
 		var stream, key, leaseStream, leaseKey *string
-		if err := rows.Scan(&events, &woken, &next, &stream, &key, &holder, &leaseStream, &leaseKey); err != nil {
+		if err := rows.Scan(&events, &woken, &last, &stream, &key, &holder, &leaseStream, &leaseKey); err != nil {
 			t.Fatal(err)
 		}
 		out.rows++
 		switch {
 		case events != nil:
 			out.events, out.woken = *events, *woken
-			if next != nil {
-				out.next = *next
+			if last != nil {
+				out.last = *last
 			}
 		case stream != nil:
 			out.found = append(out.found, *stream+"/"+*key)
@@ -689,7 +689,8 @@ func discoverRoundAs(t *testing.T, pool *pgxpool.Pool, names []string, credits [
 // One statement runs a whole round with the offer made up front: each idle
 // aggregate found, oldest first, goes to the next session in turn that
 // takes its stream and has credit left; the rest are woken; the round says
-// which session's turn comes first next time and what it found.
+// which session it gave its last aggregate to (the next round's turns begin
+// after it) and what it found.
 func TestDiscoverRoundDispatchesByTheOffer(t *testing.T) {
 	t.Parallel()
 	pool := testdb.NewPool(t)
@@ -706,7 +707,7 @@ func TestDiscoverRoundDispatchesByTheOffer(t *testing.T) {
 	// s1 takes only a and has credit for one; s2 takes all but a; s3 has no
 	// credit. a/1 goes to s1 (first in turn), b/1 to s2 (next in turn),
 	// a/2 to nobody (s1 spent, s2 excludes a), c/1 to s2 (s1 spent, s3 has
-	// nothing); s3 is next after s2.
+	// nothing), the last.
 	got := discoverRoundAs(t, pool, names, []int32{1, 5, 0}, filters)
 	want := map[string]string{"a/1": "s1", "b/1": "s2", "c/1": "s2"}
 	if !maps.Equal(got.leased, want) {
@@ -718,8 +719,8 @@ func TestDiscoverRoundDispatchesByTheOffer(t *testing.T) {
 	if got.events != 4 || got.woken != 1 {
 		t.Errorf("events %d, woken %d; want 4 and 1 (a/2)", got.events, got.woken)
 	}
-	if got.next != uuid.NewSHA1(uuid.Nil, []byte("s3")) {
-		t.Errorf("next turn is %v's, want s3's", got.next)
+	if got.last != uuid.NewSHA1(uuid.Nil, []byte("s2")) {
+		t.Errorf("the last aggregate went to %v, want s2", got.last)
 	}
 	var states []string
 	if err := pool.QueryRow(testContext(t), `SELECT array_agg(stream || '/' || aggregate_key || ':' || state ORDER BY stream, aggregate_key)
@@ -730,25 +731,26 @@ func TestDiscoverRoundDispatchesByTheOffer(t *testing.T) {
 		t.Errorf("delivery rows %v", states)
 	}
 
-	// Turns begin with the first session offered: with s2 first and credit
-	// for each, the next round's two aggregates go to s2 and then s1.
+	// Turns begin with the first session offered and move on with each
+	// aggregate: with s2 first and credit to spare for both, the round's
+	// two aggregates go to s2 and then s1.
 	emitIn(t, pool, "d", "1", 1)
 	emitIn(t, pool, "a", "3", 1)
-	got = discoverRoundAs(t, pool, []string{"s2", "s1"}, []int32{1, 1}, []map[string][]string{{}, {}})
+	got = discoverRoundAs(t, pool, []string{"s2", "s1"}, []int32{5, 5}, []map[string][]string{{}, {}})
 	if want := map[string]string{"d/1": "s2", "a/3": "s1"}; !maps.Equal(got.leased, want) {
 		t.Errorf("leased %v, want %v", got.leased, want)
 	}
 	// A session first in turn with credit to spare is passed over for a
-	// stream it does not take.
+	// stream it does not take; an empty list of streams takes every one.
 	emitIn(t, pool, "g", "1", 1)
-	got = discoverRoundAs(t, pool, []string{"s1", "s2"}, []int32{5, 5}, []map[string][]string{{"streams": {"a"}}, {}})
+	got = discoverRoundAs(t, pool, []string{"s1", "s2"}, []int32{5, 5}, []map[string][]string{{"streams": {"a"}}, {"streams": {}}})
 	if want := map[string]string{"g/1": "s2"}; !maps.Equal(got.leased, want) {
 		t.Errorf("leased %v, want %v", got.leased, want)
 	}
 	// No offer at all: every aggregate found is woken.
 	emitIn(t, pool, "e", "1", 1)
-	if got := discoverRoundAs(t, pool, nil, nil, nil); len(got.leased) != 0 || got.woken != 1 || got.next != uuid.Nil {
-		t.Errorf("a round with no offer: leased %v, woken %d, next %v", got.leased, got.woken, got.next)
+	if got := discoverRoundAs(t, pool, nil, nil, nil); len(got.leased) != 0 || got.woken != 1 || got.last != uuid.Nil {
+		t.Errorf("a round with no offer: leased %v, woken %d, last %v", got.leased, got.woken, got.last)
 	}
 }
 
@@ -769,6 +771,13 @@ func TestDiscoverRoundRefusesABadOffer(t *testing.T) {
 		{"filters short", []any{[]uuid.UUID{h}, []string{"r"}, []time.Duration{time.Minute}, []int32{1}, []any{}}},
 		{"no holder", []any{[]*uuid.UUID{nil}, []string{"r"}, []time.Duration{time.Minute}, []int32{1}, nil}},
 		{"no credit", []any{[]uuid.UUID{h}, []string{"r"}, []time.Duration{time.Minute}, []*int32{nil}, nil}},
+		{"no TTL", []any{[]uuid.UUID{h}, []string{"r"}, []*time.Duration{nil}, []int32{1}, nil}},
+		{"no positive TTL", []any{[]uuid.UUID{h}, []string{"r"}, []time.Duration{0}, []int32{1}, nil}},
+		{"streams not a list", []any{[]uuid.UUID{h}, []string{"r"}, []time.Duration{time.Minute}, []int32{1},
+			[]any{map[string]any{"streams": "a"}}}},
+		{"exclude not a list", []any{[]uuid.UUID{h}, []string{"r"}, []time.Duration{time.Minute}, []int32{1},
+			[]any{map[string]any{"exclude": map[string]any{"a": 1}}}}},
+		{"filter not an object", []any{[]uuid.UUID{h}, []string{"r"}, []time.Duration{time.Minute}, []int32{1}, []any{"a"}}},
 	} {
 		_, err := pool.Exec(ctx, `SELECT * FROM outbox.discover_round(NULL, NULL, $1, $2, $3, $4, $5)`, c.args...)
 		var pgErr *pgconn.PgError

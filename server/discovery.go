@@ -341,7 +341,7 @@ func (s *Server) freshTurn() *discoveryTurn {
 // once locked and its next revision is there and not skipped. The round
 // then gives each session its leases and returns the credit it did not use
 // (session.give). Turns rotate over rounds: the next round begins with the
-// session after the last that took a lease.
+// session after the one this round gave its last aggregate to.
 // Dispatch cannot starve older work: a session offers credit only after a
 // claim came back short, and claims with the credit an ack frees before it
 // offers any again.
@@ -351,9 +351,14 @@ func (s *Server) discoverRound(ctx context.Context) (_ store.Discovery, ready []
 	if !s.cfg.NoDispatch && !isClosed(s.stopping) {
 		sessions := s.dispatchSessions()
 		if len(sessions) > 0 {
-			first, _ := slices.BinarySearchFunc(sessions, s.dispatchFrom, func(ss *session, id uuid.UUID) int {
+			// Turns begin after the session the last round gave its last
+			// aggregate to (or where it stood, if it has gone).
+			first, found := slices.BinarySearchFunc(sessions, s.dispatchAfter, func(ss *session, id uuid.UUID) int {
 				return bytes.Compare(ss.id[:], id[:])
 			})
+			if found {
+				first++
+			}
 			for i := range sessions {
 				ss := sessions[(first+i)%len(sessions)]
 				n := ss.lendUpTo(s.cfg.DiscoveryMaxFound)
@@ -389,17 +394,21 @@ func (s *Server) discoverRound(ctx context.Context) (_ store.Discovery, ready []
 		echoed = s.wake.closeRound(pid, err == nil && found.Aggregates > 0)
 	}
 	if err != nil {
-		// The round may have committed with its answer lost: a session it
+		// A round whose answer was lost may have committed: a session it
 		// dispatched to could hold leases it never hears of, so each one
-		// sweeps its orphans once this round is done.
+		// sweeps its orphans once this round is done. A round refused,
+		// rolled back or never sent leased nothing.
+		lost := errors.Is(err, store.ErrAnswerLost)
 		for _, l := range loans {
 			l.ss.give(nil, l.units)
-			l.ss.requestSweep()
+			if lost {
+				l.ss.requestSweep()
+			}
 		}
 		return found, nil, echoed, err
 	}
-	if found.NextHolder != uuid.Nil {
-		s.dispatchFrom = found.NextHolder
+	if found.LastHolder != uuid.Nil {
+		s.dispatchAfter = found.LastHolder
 	}
 	byHolder := make(map[uuid.UUID]*loan, len(loans))
 	for _, l := range loans {
@@ -460,7 +469,7 @@ type loan struct {
 }
 
 // dispatchSessions returns this replica's sessions in a stable order (by id),
-// so that turns that begin at dispatchFrom spread rounds over them.
+// so that turns that begin after dispatchAfter spread rounds over them.
 func (s *Server) dispatchSessions() []*session {
 	s.mu.Lock()
 	defer s.mu.Unlock()

@@ -2,7 +2,6 @@ package server_test
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"slices"
 	"sync"
@@ -377,7 +376,7 @@ func TestDispatchWithLostAnswerLeavesNoOrphan(t *testing.T) {
 			if drop {
 				lost <- d.Dispatched[0].Lease.Event.ID
 				gate.release(false)
-				return store.Discovery{}, errors.New("test: the round's answer was lost")
+				return store.Discovery{}, fmt.Errorf("test: %w", store.ErrAnswerLost)
 			}
 		}
 		return d, err

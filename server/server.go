@@ -396,10 +396,10 @@ type Server struct {
 	claimProbe atomic.Pointer[probedClaims]
 	// skippedPolls counts the polls whose claim a probe made pointless.
 	skippedPolls atomic.Uint64
-	// dispatchFrom is the session whose turn comes first in the next
-	// discovery round (or the first by id after it, if it is gone), so that
-	// dispatch spreads over the relays.
-	dispatchFrom uuid.UUID
+	// dispatchAfter is the session the last discovery round gave its last
+	// aggregate to: the next round's turns begin with the session after it
+	// by id, so that dispatch spreads over the relays.
+	dispatchAfter uuid.UUID
 	// handOvers counts leases handed over by acks (and delivered or
 	// released), dispatched those discovery rounds gave to sessions; read
 	// by tests.

@@ -92,10 +92,13 @@ type session struct {
 	// waits (see offerCredit); lent is what a round took and has not given
 	// back yet, as leases or unused. The loop never claims with either.
 	offered, lent int
-	waiting       bool          // the loop is between offerCredit and withdrawCredit
-	kick          chan struct{} // capacity 1: "look at freed/reconcile"
-	aborted       chan struct{}
-	abortOnce     sync.Once
+	waiting       bool // the loop is between offerCredit and withdrawCredit
+	// turnedWhileLent says the loop withdrew its offer while a round held
+	// some of its credit: it may wait without credit since (see give).
+	turnedWhileLent bool
+	kick            chan struct{} // capacity 1: "look at freed/reconcile"
+	aborted         chan struct{}
+	abortOnce       sync.Once
 
 	// probe (capacity 1) is the session's poll group asking it to claim:
 	// true for the group's poll, false for a wake-up (see pollGroup).
@@ -221,6 +224,9 @@ func (ss *session) withdrawCredit() int {
 	defer ss.mu.Unlock()
 	ss.waiting = false
 	ss.offered = 0
+	if ss.lent > 0 {
+		ss.turnedWhileLent = true
+	}
 	return ss.lent + len(ss.handed)
 }
 
@@ -252,12 +258,19 @@ func (ss *session) give(leases []store.Lease, n int) bool {
 	if ss.waiting {
 		ss.offered += unused
 	}
-	ss.mu.Unlock()
 	// Credit given back unused is credit freed: a loop that turned while
 	// it was lent found none to claim with, and waits without credit, out
 	// of its poll group's idle line, where neither wake-ups nor polls reach
-	// it; a wake-up it took meanwhile would be lost with it.
-	if len(leases) > 0 || unused > 0 {
+	// it; a wake-up it took meanwhile would be lost with it. A loop that
+	// did not turn still waits with its offer, which the credit rejoins:
+	// not woken, since every round borrows the credit of every waiting
+	// session.
+	wake := len(leases) > 0 || (unused > 0 && ss.turnedWhileLent)
+	if ss.lent == 0 {
+		ss.turnedWhileLent = false
+	}
+	ss.mu.Unlock()
+	if wake {
 		ss.poke()
 	}
 	return true

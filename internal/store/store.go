@@ -123,10 +123,9 @@ type Discovery struct {
 	// Dispatched are the leases the round gave straight to sessions (see
 	// Store.Discover).
 	Dispatched []DispatchedLease
-	// NextHolder is the session offered whose turn comes first in the next
-	// round: the one after the last that took a lease (uuid.Nil when none
-	// was offered).
-	NextHolder uuid.UUID
+	// LastHolder is the session the round gave its last idle aggregate to
+	// (uuid.Nil: none); the next round's turns begin after it.
+	LastHolder uuid.UUID
 }
 
 // FoundAggregate is an aggregate a discovery round found pending events of.
@@ -171,8 +170,8 @@ type DispatchedLease struct {
 // database backend before the round is sent: the NOTIFY outbox_wakeup of a
 // round that made rows ready comes from that backend.
 //
-// When Discover returns an error the round may still have committed (its
-// answer lost): leases it dispatched are then held by sessions that never
+// When Discover returns an error wrapping ErrAnswerLost the round may still
+// have committed: leases it dispatched are then held by sessions that never
 // hear of them, and the caller must have those sessions sweep. It returns
 // ErrDiscoveryStopped when the database's discovery state is not this
 // cluster's (see DiscoveryStopped).
@@ -200,20 +199,20 @@ func (s *Store) Discover(ctx context.Context, replicaID string, maxFound, maxEve
 	if applying != nil {
 		applying(conn.Conn().PgConn().PID())
 	}
-	rows, err := conn.Query(ctx, `SELECT r.events, r.woken, r.next_holder, r.stream, r.aggregate_key, r.holder, `+leaseColumns("r.lease")+`
+	rows, err := conn.Query(ctx, `SELECT r.events, r.woken, r.last_holder, r.stream, r.aggregate_key, r.holder, `+leaseColumns("r.lease")+`
 		FROM outbox.discover_round($1, $2, $3, $4, $5, $6, $7, $8) r`,
 		sqlLimit(maxFound), sqlLimit(maxEvents), holders, relays, ttls, credits, filters, replicaID)
 	if err != nil {
-		return d, discoverError(err)
+		return d, roundError(err)
 	}
 	defer rows.Close()
 	for rows.Next() {
 		var events, woken *int64
-		var next, holder *uuid.UUID
+		var last, holder *uuid.UUID
 		var stream, key *string
 		var l nullableLease
-		if err := rows.Scan(append([]any{&events, &woken, &next, &stream, &key, &holder}, l.dest()...)...); err != nil {
-			return d, discoverError(err)
+		if err := rows.Scan(append([]any{&events, &woken, &last, &stream, &key, &holder}, l.dest()...)...); err != nil {
+			return d, roundError(err)
 		}
 		switch {
 		case events != nil:
@@ -221,8 +220,8 @@ func (s *Store) Discover(ctx context.Context, replicaID string, maxFound, maxEve
 			if woken != nil {
 				d.Aggregates = *woken
 			}
-			if next != nil {
-				d.NextHolder = *next
+			if last != nil {
+				d.LastHolder = *last
 			}
 		case stream != nil:
 			d.Found = append(d.Found, FoundAggregate{Stream: *stream, AggregateKey: *key})
@@ -235,9 +234,27 @@ func (s *Store) Discover(ctx context.Context, replicaID string, maxFound, maxEve
 	// The statement's transaction commits after its rows are sent: a
 	// failed commit is reported here, after rows that then never were.
 	if err := rows.Err(); err != nil {
-		return d, discoverError(err)
+		return d, roundError(err)
 	}
 	return d, nil
+}
+
+// ErrAnswerLost means a discovery round failed after it was sent, in a way
+// that leaves open whether it committed (the connection broke, or its
+// answer could not be read): leases it dispatched may be held by sessions
+// that never hear of them. A round PostgreSQL refused or rolled back (an
+// error it reported), and one never sent, wrap no ErrAnswerLost.
+var ErrAnswerLost = errors.New("store: the discovery round's answer was lost; it may have committed")
+
+// roundError is err, from a discovery round's statement, as Discover
+// returns it: ErrDiscoveryStopped for a stopped discovery, and wrapping
+// ErrAnswerLost unless the round surely did not commit.
+func roundError(err error) error {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) || pgconn.SafeToRetry(err) {
+		return discoverError(err)
+	}
+	return fmt.Errorf("%w: %w", ErrAnswerLost, discoverError(err))
 }
 
 // sqlLimit is n as a limit argument of the delivery functions: NULL (no

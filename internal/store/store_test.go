@@ -2,6 +2,7 @@ package store_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strings"
 	"testing"
@@ -302,5 +303,41 @@ func TestLagIsOneRoundTrip(t *testing.T) {
 			lag.Now.IsZero() {
 			t.Errorf("lag of %v: %+v, want %d streams from orders (1 pending) and the database clock", filter, lag, want)
 		}
+	}
+}
+
+// A discovery round that PostgreSQL refused or rolled back leased nothing,
+// and Discover says so: only an answer lost after the round was sent wraps
+// ErrAnswerLost, which makes every session that lent credit sweep for
+// orphans (each sweep holds the replica's hand-over lock and costs a
+// statement). A stopped discovery, retried every second or so until an
+// operator re-scans, must not make them sweep each time.
+func TestDiscoverLosesNoAnswerItWasRefused(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := testdb.NewPool(t)
+	st := store.New(pool)
+	if _, err := pool.Exec(ctx, `SELECT outbox.emit('orders', 'o', 'T', '{}')`); err != nil {
+		t.Fatal(err)
+	}
+	offer := []store.Offer{{Holder: uuid.New(), RelayID: "r", TTL: time.Minute, Credit: 1}}
+
+	bad := []store.Offer{{Holder: uuid.New(), RelayID: "r", TTL: 0, Credit: 1}}
+	if _, err := st.Discover(ctx, "replica", 100, 0, bad, nil); err == nil || errors.Is(err, store.ErrAnswerLost) {
+		t.Errorf("a refused offer: got %v, want an error that is not ErrAnswerLost", err)
+	}
+	if _, err := pool.Exec(ctx, `UPDATE outbox.discovery SET stopped_reason = 'test', stopped_at = now()`); err != nil {
+		t.Fatal(err)
+	}
+	_, err := st.Discover(ctx, "replica", 100, 0, offer, nil)
+	if !errors.Is(err, store.ErrDiscoveryStopped) || errors.Is(err, store.ErrAnswerLost) {
+		t.Errorf("a stopped discovery: got %v, want ErrDiscoveryStopped and not ErrAnswerLost", err)
+	}
+	if _, err := pool.Exec(ctx, `UPDATE outbox.discovery SET stopped_reason = NULL, stopped_at = NULL`); err != nil {
+		t.Fatal(err)
+	}
+	d, err := st.Discover(ctx, "replica", 100, 0, offer, nil)
+	if err != nil || len(d.Dispatched) != 1 || d.LastHolder != offer[0].Holder {
+		t.Fatalf("the round after: %+v, %v; want its one event dispatched to the offer", d, err)
 	}
 }

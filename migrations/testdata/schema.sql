@@ -1271,7 +1271,7 @@ $$;
 -- Name: discover_round(integer, integer, uuid[], text[], interval[], integer[], jsonb, text); Type: FUNCTION; Schema: outbox; Owner: -
 --
 
-CREATE FUNCTION outbox.discover_round(p_max_aggregates integer DEFAULT NULL::integer, p_max_events integer DEFAULT NULL::integer, p_holders uuid[] DEFAULT NULL::uuid[], p_relay_ids text[] DEFAULT NULL::text[], p_ttls interval[] DEFAULT NULL::interval[], p_credits integer[] DEFAULT NULL::integer[], p_filters jsonb DEFAULT NULL::jsonb, p_replica_id text DEFAULT NULL::text) RETURNS TABLE(events bigint, woken bigint, next_holder uuid, stream text, aggregate_key text, holder uuid, lease outbox.lease)
+CREATE FUNCTION outbox.discover_round(p_max_aggregates integer DEFAULT NULL::integer, p_max_events integer DEFAULT NULL::integer, p_holders uuid[] DEFAULT NULL::uuid[], p_relay_ids text[] DEFAULT NULL::text[], p_ttls interval[] DEFAULT NULL::interval[], p_credits integer[] DEFAULT NULL::integer[], p_filters jsonb DEFAULT NULL::jsonb, p_replica_id text DEFAULT NULL::text) RETURNS TABLE(events bigint, woken bigint, last_holder uuid, stream text, aggregate_key text, holder uuid, lease outbox.lease)
     LANGUAGE plpgsql
     AS $$
 #variable_conflict use_column
@@ -1282,6 +1282,8 @@ DECLARE
     v_left bigint;
     -- The session (0-based) whose turn comes first for the next aggregate.
     v_turn integer := 0;
+    -- The session (1-based) given the last idle aggregate.
+    v_last integer;
     v_prev text;
     v_snapshot text;
     v_events bigint;
@@ -1305,8 +1307,16 @@ BEGIN
             USING ERRCODE = 'invalid_parameter_value',
                   HINT = 'Pass one element per session in each, and p_filters as a JSON array or NULL.';
     END IF;
-    IF array_position(p_holders, NULL) IS NOT NULL OR array_position(p_credits, NULL) IS NOT NULL THEN
-        RAISE EXCEPTION 'outbox: discover_round: a session offered has no holder or no credit'
+    IF array_position(p_holders, NULL) IS NOT NULL OR array_position(p_credits, NULL) IS NOT NULL
+       OR EXISTS (SELECT FROM unnest(p_ttls) t WHERE t IS NULL OR t <= interval '0') THEN
+        RAISE EXCEPTION 'outbox: discover_round: a session offered has no holder, no credit or no positive lease TTL'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF EXISTS (SELECT FROM jsonb_array_elements(CASE jsonb_typeof(p_filters) WHEN 'array' THEN p_filters END) f
+               WHERE jsonb_typeof(f) <> 'object'
+                  OR coalesce(jsonb_typeof(f -> 'streams'), 'null') NOT IN ('array', 'null')
+                  OR coalesce(jsonb_typeof(f -> 'exclude'), 'null') NOT IN ('array', 'null')) THEN
+        RAISE EXCEPTION 'outbox: discover_round: a session''s filter is not {"streams": [...], "exclude": [...]}'
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
     v_left := (SELECT coalesce(sum(greatest(c, 0)), 0) FROM unnest(p_credits) c);
@@ -1323,9 +1333,9 @@ BEGIN
             v_session := (v_turn + i) % v_sessions + 1;
             CONTINUE WHEN v_credits[v_session] < 1;
             v_filter := p_filters -> (v_session - 1);
-            CONTINUE WHEN (v_filter -> 'streams' IS NOT NULL AND jsonb_typeof(v_filter -> 'streams') <> 'null'
+            CONTINUE WHEN (jsonb_typeof(v_filter -> 'streams') = 'array' AND v_filter -> 'streams' <> '[]'
                            AND NOT v_filter -> 'streams' ? v_found.stream)
-                       OR coalesce(v_filter -> 'exclude' ? v_found.stream, false);
+                       OR (jsonb_typeof(v_filter -> 'exclude') = 'array' AND v_filter -> 'exclude' ? v_found.stream);
             v_credits[v_session] := v_credits[v_session] - 1;
             v_left := v_left - 1;
             v_streams := v_streams || v_found.stream;
@@ -1334,6 +1344,7 @@ BEGIN
             v_relays := v_relays || p_relay_ids[v_session];
             v_ttls := v_ttls || p_ttls[v_session];
             v_turn := v_session % v_sessions;
+            v_last := v_session;
             EXIT;
         END LOOP;
     END LOOP;
@@ -1343,7 +1354,7 @@ BEGIN
 
     RETURN QUERY
     SELECT CASE WHEN a.woken IS NOT NULL THEN v_events END, a.woken,
-           CASE WHEN a.woken IS NOT NULL THEN p_holders[v_turn + 1] END,
+           CASE WHEN a.woken IS NOT NULL THEN p_holders[v_last] END,
            NULL::text, NULL::text, a.holder, a.lease
     FROM outbox.discover_apply(v_prev, v_snapshot, v_streams, v_keys, v_holders, v_relays, v_ttls, p_replica_id) a;
     RETURN QUERY
