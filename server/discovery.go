@@ -367,7 +367,7 @@ func (s *Server) discoverRound(ctx context.Context) (_ store.Discovery, ready []
 				}
 				loans = append(loans, &loan{ss: ss, units: n})
 				offers = append(offers, store.Offer{Holder: ss.id, RelayID: ss.relayID, TTL: ss.ttl, Credit: n,
-					Streams: ss.streams, ExcludeStreams: ss.excludeStreams})
+					StreamFilter: ss.filter()})
 			}
 		}
 	}
@@ -377,7 +377,7 @@ func (s *Server) discoverRound(ctx context.Context) (_ store.Discovery, ready []
 		// round commits until every one is given.
 		s.handOverMu.RLock()
 		defer s.handOverMu.RUnlock()
-		if h := s.beforeApply.get(); h != nil {
+		if h := s.beforeRound.get(); h != nil {
 			h()
 		}
 	}

@@ -303,7 +303,7 @@ func TestDispatchToEndedSessionIsReleased(t *testing.T) {
 	var once sync.Once
 	var id uuid.UUID
 	ended := make(chan struct{})
-	r.Server.SetBeforeApply(func() {
+	r.Server.SetBeforeRound(func() {
 		once.Do(func() {
 			// The round has borrowed the session's credit: the event
 			// commits before the round reads, and the session ends, its
@@ -537,7 +537,7 @@ func TestCreditARoundGivesBackWakesTheSession(t *testing.T) {
 
 	var holdOnce sync.Once
 	lent, release := make(chan struct{}), make(chan struct{})
-	r.Server.SetBeforeApply(func() {
+	r.Server.SetBeforeRound(func() {
 		holdOnce.Do(func() {
 			close(lent)
 			<-release

@@ -71,9 +71,9 @@ func (s *Server) SetAfterDiscover(f func(store.Discovery, error) (store.Discover
 	s.afterDiscover.set(f)
 }
 
-// SetBeforeApply makes every discovery round that dispatches call f after it
-// chose its sessions and before its leases are written.
-func (s *Server) SetBeforeApply(f func()) { s.beforeApply.set(f) }
+// SetBeforeRound makes every discovery round that borrowed sessions' credit
+// call f after it did and before the round is sent.
+func (s *Server) SetBeforeRound(f func()) { s.beforeRound.set(f) }
 
 // Dispatched is how many leases discovery rounds on this replica have given
 // to sessions.

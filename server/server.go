@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"os"
 	"sync"
 	"sync/atomic"
@@ -311,10 +312,10 @@ type Server struct {
 	// the session's lock go, with how many it applied and what
 	// session.outstanding then says.
 	freedApplied hook[func(applied int, outstanding int64)]
-	// beforeApply, when set (by tests), runs in a discovery round that
+	// beforeRound, when set (by tests), runs in a discovery round that
 	// borrowed credit from sessions, after it did and before the round is
 	// sent (and so before its leases are written).
-	beforeApply hook[func()]
+	beforeRound hook[func()]
 	// afterDiscover, when set (by tests), sees and may replace the outcome
 	// of every discovery round.
 	afterDiscover hook[func(store.Discovery, error) (store.Discovery, error)]
@@ -612,7 +613,7 @@ func (s *Server) released(holder uuid.UUID, published bool, epoch int64, ids ...
 // handOverTargets returns this replica's sessions that take handed-over
 // leases, with their lease TTL and window, or nil when hand-over is off or
 // the server is stopping. A session with a window lends the credit it
-// offers (see session.lendOffered), so that a window can grow as well as
+// offers (see session.lendUpTo), so that a window can grow as well as
 // slide; loans says how much, for the caller to settle.
 func (s *Server) handOverTargets() (targets map[uuid.UUID]store.HandOverTarget, loans map[uuid.UUID]int) {
 	if s.cfg.NoHandOver || isClosed(s.stopping) {
@@ -627,7 +628,7 @@ func (s *Server) handOverTargets() (targets map[uuid.UUID]store.HandOverTarget, 
 		}
 		t := store.HandOverTarget{TTL: sess.ttl, Window: sess.window}
 		if sess.window > 1 {
-			if n := sess.lendOffered(); n > 0 {
+			if n := sess.lendUpTo(math.MaxInt); n > 0 {
 				t.Credit = n
 				if loans == nil {
 					loans = make(map[uuid.UUID]int)

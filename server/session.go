@@ -171,18 +171,6 @@ func (ss *session) outstanding() int64 {
 	return max(0, ss.inflightN.Load()+int64(len(ss.handed)-len(ss.freed)))
 }
 
-// lendOffered takes all the credit the loop offers for an ack batch, which
-// may lease a windowed session more events than its acks free (a window
-// growing). settle ends the loan.
-func (ss *session) lendOffered() int {
-	ss.mu.Lock()
-	defer ss.mu.Unlock()
-	n := ss.offered
-	ss.offered = 0
-	ss.lent += n
-	return n
-}
-
 // takesHandOver reports whether an ack may hand this session a lease: its
 // stream is open and the server is not stopping. (Credit does not matter:
 // a hand-over replaces the lease the ack ended.)
@@ -230,8 +218,10 @@ func (ss *session) withdrawCredit() int {
 	return ss.lent + len(ss.handed)
 }
 
-// lendUpTo takes up to limit units of the offered credit for a discovery
-// round, and returns how many; give ends the loan.
+// lendUpTo takes up to limit units of the credit the loop offers, and
+// returns how many: for a discovery round (give ends the loan), or, all of
+// it, for an ack batch, which may lease a windowed session more events than
+// its acks free (a window growing; settle ends the loan).
 func (ss *session) lendUpTo(limit int) int {
 	ss.mu.Lock()
 	defer ss.mu.Unlock()
@@ -279,12 +269,6 @@ func (ss *session) give(leases []store.Lease, n int) bool {
 // filter is what the session takes, as the store names it.
 func (ss *session) filter() store.StreamFilter {
 	return store.StreamFilter{Streams: ss.streams, ExcludeStreams: ss.excludeStreams}
-}
-
-// admits says whether the stream's filter takes events of stream (as the
-// claim's filter does).
-func (ss *session) admits(stream string) bool {
-	return filterAdmits(ss.streams, ss.excludeStreams, stream)
 }
 
 type freedLease struct {

@@ -349,7 +349,7 @@ func (w *planWorkload) round(ctx context.Context, tag string) {
 		t.Fatal(err)
 	}
 	d, err := w.st.Discover(ctx, "plans-replica", 100, 0, []store.Offer{
-		{Holder: holder, RelayID: "plans-relay", TTL: ttl, Credit: 5, Streams: []string{"plans"}},
+		{Holder: holder, RelayID: "plans-relay", TTL: ttl, Credit: 5, StreamFilter: store.StreamFilter{Streams: []string{"plans"}}},
 	}, nil)
 	if err != nil {
 		t.Fatal(err)

@@ -134,15 +134,14 @@ type FoundAggregate struct {
 }
 
 // Offer is the credit a session lends a discovery round: the round may
-// lease it up to Credit idle aggregates of the streams it takes (Streams,
-// or every stream when empty, less ExcludeStreams), for relay RelayID, each
-// for TTL.
+// lease it up to Credit idle aggregates of the streams its StreamFilter
+// takes, for relay RelayID, each for TTL.
 type Offer struct {
-	Holder                  uuid.UUID
-	RelayID                 string
-	TTL                     time.Duration
-	Credit                  int
-	Streams, ExcludeStreams []string
+	Holder  uuid.UUID
+	RelayID string
+	TTL     time.Duration
+	Credit  int
+	StreamFilter
 }
 
 // DispatchedLease is a lease a discovery round gave to session Holder.
