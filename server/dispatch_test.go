@@ -402,6 +402,92 @@ func TestDispatchWithLostAnswerLeavesNoOrphan(t *testing.T) {
 	}
 }
 
+// A sweep for orphans that runs while a round's leases are on their way to
+// its session (the round committed, the session does not have them yet)
+// waits until they are with it, and keeps them: it must not release a
+// lease the session is about to send. The round is held after it
+// committed, the sweep is asked for then, and the round goes on once the
+// sweep either waits (as it must) or has released what it found.
+func TestSweepKeepsLeasesARoundIsDispatching(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	r := startReplica(t, url, nil)
+	gate := newOfferGate(true)
+	defer gate.release(false) // a held loop would keep the replica from stopping
+	r.Server.SetAfterOffer(gate.hook)
+	sweepWaited := make(chan struct{}, 1)
+	swept := make(chan int, 1)
+	r.Server.SetSweepWaits(
+		func(uuid.UUID) {
+			select {
+			case sweepWaited <- struct{}{}:
+			default:
+			}
+		},
+		func(_ uuid.UUID, released int) {
+			select {
+			case swept <- released:
+			default:
+			}
+		})
+	var once sync.Once
+	dispatched := make(chan uuid.UUID, 1)
+	r.Server.SetAfterDiscover(func(d store.Discovery, err error) (store.Discovery, error) {
+		if err != nil || len(d.Dispatched) == 0 {
+			return d, err
+		}
+		var first bool
+		once.Do(func() { first = true })
+		if !first {
+			return d, err
+		}
+		dispatched <- d.Dispatched[0].Lease.Event.ID
+		if !r.Server.RequestSweep(d.Dispatched[0].Holder) {
+			t.Error("the round dispatched to a session the server does not have")
+		}
+		gate.release(false)
+		select {
+		case <-sweepWaited:
+		case n := <-swept:
+			t.Errorf("the sweep went ahead while the round's lease was on its way, and released %d", n)
+			swept <- n
+		case <-time.After(30 * time.Second):
+			t.Error("the session's loop did not sweep within 30s")
+		}
+		return d, err
+	})
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 1, LeaseTtl: durationpb.New(time.Hour)})
+	gate.waitHeld(t)
+	id := emit(t, pool, "orders", "o", 1)[0]
+	select {
+	case got := <-dispatched:
+		if got != id {
+			t.Fatalf("dispatched %s, want %s", got, id)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("nothing was dispatched")
+	}
+	d := recv(t, st)
+	if d.GetEvent().GetEventId() != id.String() || d.GetAttempt() != 1 {
+		t.Fatalf("got %s attempt %d, want %s attempt 1 (the dispatched lease, kept)",
+			d.GetEvent().GetEventId(), d.GetAttempt(), id)
+	}
+	select {
+	case n := <-swept:
+		if n != 0 {
+			t.Fatalf("the sweep released %d leases, want 0", n)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("the sweep did not end within 30s")
+	}
+	if res := ack(t, r, d); res[0].GetStatus() != outboxv1.AckStatus_ACK_STATUS_PUBLISHED {
+		t.Fatalf("ack: %v", res[0])
+	}
+}
+
 // Credit an ack frees is claimed with at once only when the ack's batch saw
 // claimable work; otherwise the session makes no claim (an empty claim
 // after every ack that ended a lease without a hand-over was most of a
@@ -570,6 +656,48 @@ func TestCreditARoundGivesBackWakesTheSession(t *testing.T) {
 		t.Fatalf("got %s, want the retried %s", got, parked)
 	}
 	ack(t, r, d)
+}
+
+// Credit a round gives back unused to a loop that still waits with its
+// offer rejoins the offer without waking the loop: every round borrows the
+// credit of every waiting session, and a wake-up for each would turn every
+// idle loop once a round. The session takes all but payments; its loop is
+// held at its offer while two rounds find payments events and give the
+// credit back. (TestCreditARoundGivesBackWakesTheSession holds the other
+// side: a loop that turned while its credit was lent is woken.)
+func TestCreditARoundGivesBackToAWaitingLoopDoesNotWakeIt(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	r := startReplica(t, url, nil)
+	gate := newOfferGate(true)
+	defer gate.release(false) // a held loop would keep the replica from stopping
+	r.Server.SetAfterOffer(gate.hook)
+	type given struct {
+		leases, unused int
+		woke           bool
+	}
+	gives := make(chan given, 8)
+	r.Server.SetAfterGive(func(_ uuid.UUID, leases, unused int, woke bool) { gives <- given{leases, unused, woke} })
+	subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 1, ExcludeStreams: []string{"payments"},
+		LeaseTtl: durationpb.New(time.Hour)})
+	gate.waitHeld(t)
+	for _, key := range []string{"a", "b"} {
+		emit(t, pool, "payments", key, 1)
+		select {
+		case g := <-gives:
+			if g.leases != 0 || g.unused != 1 {
+				t.Fatalf("a round gave %d leases and %d unused credit, want 0 and 1", g.leases, g.unused)
+			}
+			if g.woke {
+				t.Fatalf("the round for payments/%s woke the waiting loop when it gave back the credit it did not use", key)
+			}
+		case <-time.After(30 * time.Second):
+			t.Fatalf("no discovery round borrowed the session's credit within 30s of payments/%s", key)
+		}
+	}
 }
 
 // waitClosed waits until c is closed, failing with what after 30s.

@@ -215,3 +215,31 @@ func LagScraper(read func(context.Context) (store.Lag, error), now func() time.T
 	c.readLag, c.now = read, now
 	return func() error { _, err := c.read(); return err }
 }
+
+// RequestSweep asks the session's loop to release the leases it holds but
+// does not know of, as a failed claim or a lost round's answer does, and
+// reports whether the session was found.
+func (s *Server) RequestSweep(id uuid.UUID) (found bool) {
+	s.forEachSession(func(ss *session) {
+		if ss.id == id {
+			ss.requestSweep()
+			found = true
+		}
+	})
+	return found
+}
+
+// SetSweepWaits makes a session's sweep for orphans call f when it has to
+// wait for leases being handed over or dispatched to reach their sessions;
+// SetAfterSweep makes it call g when done, with how many it released.
+func (s *Server) SetSweepWaits(f func(session uuid.UUID), g func(session uuid.UUID, released int)) {
+	s.sweepWaits.set(f)
+	s.afterSweep.set(g)
+}
+
+// SetAfterGive makes every discovery round that borrowed a session's
+// credit call f as it gives the session its leases and the credit they did
+// not use, with whether that woke the session's loop.
+func (s *Server) SetAfterGive(f func(session uuid.UUID, leases, unused int, woke bool)) {
+	s.afterGive.set(f)
+}

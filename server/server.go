@@ -303,6 +303,16 @@ type Server struct {
 	// afterOffer, when set (by tests), runs in a session's loop each time
 	// it has offered its free credit to discovery, before it waits.
 	afterOffer hook[func(session uuid.UUID, offered int)]
+	// sweepWaits, when set (by tests), runs in a session's loop when its
+	// sweep for orphans (releaseUndelivered) finds handOverMu held and is
+	// about to wait for it; afterSweep runs when the sweep is done, with
+	// how many leases it released.
+	sweepWaits hook[func(session uuid.UUID)]
+	afterSweep hook[func(session uuid.UUID, released int)]
+	// afterGive, when set (by tests), runs as a discovery round gives a
+	// session the leases it dispatched to it and the credit they did not
+	// use, with whether that woke the session's loop.
+	afterGive hook[func(session uuid.UUID, leases, unused int, woke bool)]
 	// afterFreed, when set (by tests), runs in a session's loop each time
 	// it found credit freed, with its decision: claim at once, or not
 	// (then by claimBy at the latest, when set).

@@ -263,6 +263,9 @@ func (ss *session) give(leases []store.Lease, n int) bool {
 	if wake {
 		ss.poke()
 	}
+	if h := ss.srv.afterGive.get(); h != nil {
+		h(ss.id, len(leases), unused, wake)
+	}
 	return true
 }
 
@@ -682,7 +685,14 @@ func (w *sessionWait) wait(ctx context.Context, polling bool) (kicked bool, err 
 // session, and (by waiting for handOverMu) those of an ack batch still
 // being distributed.
 func (ss *session) releaseUndelivered(ctx context.Context) {
-	ss.srv.handOverMu.Lock()
+	if !ss.srv.handOverMu.TryLock() {
+		// (Tried first only so that tests can tell this wait from a sweep
+		// that went ahead.)
+		if h := ss.srv.sweepWaits.get(); h != nil {
+			h(ss.id)
+		}
+		ss.srv.handOverMu.Lock()
+	}
 	defer ss.srv.handOverMu.Unlock()
 	keep := make([]uuid.UUID, 0, len(ss.inflight))
 	for id := range ss.inflight {
@@ -696,6 +706,9 @@ func (ss *session) releaseUndelivered(ctx context.Context) {
 	relCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), releaseTimeout)
 	defer cancel()
 	n, err := ss.srv.store.ReleaseAllBut(relCtx, ss.id, keep)
+	if h := ss.srv.afterSweep.get(); h != nil {
+		h(ss.id, n)
+	}
 	switch {
 	case err != nil:
 		ss.srv.log.Warn("releasing leases of a failed claim failed; they expire by TTL", "session", ss.id, "err", err)
