@@ -1,0 +1,181 @@
+package migrations_test
+
+import (
+	"fmt"
+	"testing"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+
+	"github.com/outboxd/outboxd/internal/testdb"
+)
+
+// park and extend_lease act only for the lease that holds the event now: a
+// relay whose lease was replaced (it expired and another relay claimed the
+// aggregate) cannot park the aggregate out from under the new holder or
+// stretch the new lease, and an event already acked, though its window's
+// lease lives on for the events after it, can do neither (the lease no
+// longer covers it).
+func TestParkAndExtendActOnlyForTheLeaseThatHoldsTheEvent(t *testing.T) {
+	t.Parallel()
+	ctx := testContext(t)
+	pool := testdb.NewPool(t)
+	park := func(id uuid.UUID, epoch int64) error {
+		var holder *uuid.UUID
+		return pool.QueryRow(ctx, `SELECT holder FROM outbox.park($1, $2, 'too large')`, id, epoch).Scan(&holder)
+	}
+	extend := func(id uuid.UUID, epoch int64) error {
+		var until any
+		return pool.QueryRow(ctx, `SELECT lease_expires_at FROM outbox.extend_lease($1, $2, '1 hour')`, id, epoch).Scan(&until)
+	}
+	delivery := func(key string) (state string, epoch, cursor int64) {
+		t.Helper()
+		if err := pool.QueryRow(ctx, `SELECT state, epoch, delivered_revision FROM outbox.delivery WHERE aggregate_key = $1`, key).
+			Scan(&state, &epoch, &cursor); err != nil {
+			t.Fatal(err)
+		}
+		return state, epoch, cursor
+	}
+
+	// A replaced lease: the first lease of a expires at once (negative
+	// TTL), and another relay claims a again.
+	emitN(t, pool, "a", 1)
+	discover(t, pool)
+	var id uuid.UUID
+	var stale int64
+	if err := pool.QueryRow(ctx, `SELECT event_id, epoch FROM outbox.claim(gen_random_uuid(), 'r', 'x', NULL, 1, interval '-1 second')`).
+		Scan(&id, &stale); err != nil {
+		t.Fatal(err)
+	}
+	current := claimAs(t, pool, uuid.New(), "y")
+	if current.id != id || current.epoch <= stale {
+		t.Fatalf("claimed %v again, want %s at an epoch above %d", current, id, stale)
+	}
+	if err := park(id, stale); err != pgx.ErrNoRows {
+		t.Fatalf("park with the replaced lease's epoch: %v, want no row", err)
+	}
+	if err := extend(id, stale); err != pgx.ErrNoRows {
+		t.Fatalf("extend_lease with the replaced lease's epoch: %v, want no row", err)
+	}
+	if state, epoch, _ := delivery("a"); state != "leased" || epoch != current.epoch {
+		t.Fatalf("a is %s at epoch %d, want still leased at %d", state, epoch, current.epoch)
+	}
+
+	// An acked event of a window whose lease goes on.
+	emitN(t, pool, "b", 3)
+	discover(t, pool)
+	holder := uuid.New()
+	w := claimWindow(t, pool, holder, 1, 3, 3)
+	if len(w) != 3 || w[0].key != "b" {
+		t.Fatalf("claimed %v, want b's window of 3", w)
+	}
+	if st, _ := ackWindow(t, pool, []uuid.UUID{w[0].id}, holder, 3, 0); st[w[0].id] != "published" {
+		t.Fatalf("ack of b/1: %v", st)
+	}
+	state, epoch, cursor := delivery("b")
+	if state != "leased" || cursor != 1 {
+		t.Fatalf("after the ack of b/1: %s at cursor %d, want leased at 1", state, cursor)
+	}
+	if err := extend(w[0].id, epoch); err != pgx.ErrNoRows {
+		t.Fatalf("extend_lease through the acked b/1: %v, want no row", err)
+	}
+	if err := park(w[0].id, epoch); err != pgx.ErrNoRows {
+		t.Fatalf("park at the acked b/1: %v, want no row", err)
+	}
+	if state, _, cursor := delivery("b"); state != "leased" || cursor != 1 {
+		t.Fatalf("b is %s at cursor %d, want still leased at 1", state, cursor)
+	}
+	// The same lease's epoch, through an event it still covers: both act.
+	if err := extend(w[1].id, epoch); err != nil {
+		t.Fatalf("extend_lease through b/2: %v", err)
+	}
+	if err := park(w[1].id, epoch); err != nil {
+		t.Fatalf("park at b/2: %v", err)
+	}
+	if state, _, _ := delivery("b"); state != "parked" {
+		t.Fatalf("b is %s after the park at b/2", state)
+	}
+}
+
+// A delivery that ended because the stream holding it ended (the relay
+// disconnected and its session released the lease) counts as unanswered,
+// as an expired lease does: an event whose relays keep dropping while
+// they hold it parks after p_max_attempts deliveries instead of being
+// offered forever.
+func TestEventReleasedTooOftenWithoutAnswerParks(t *testing.T) {
+	t.Parallel()
+	ctx := testContext(t)
+	pool := testdb.NewPool(t)
+	exec(t, pool, `SELECT outbox.emit('orders', 'poison', 'T', '{}')`)
+	discover(t, pool)
+	holder := uuid.New()
+	claim := func() int64 {
+		return count(t, pool, fmt.Sprintf(`SELECT count(*) FROM outbox.claim('%s', 'r', 'x', NULL, 10, interval '1 hour', 3)`, holder))
+	}
+	for i := range 3 {
+		if n := claim(); n != 1 {
+			t.Fatalf("delivery %d: claimed %d events, want 1", i+1, n)
+		}
+		var released int64
+		if err := pool.QueryRow(ctx, `SELECT outbox.release($1)`, holder).Scan(&released); err != nil {
+			t.Fatal(err)
+		}
+		if released != 1 {
+			t.Fatalf("delivery %d: released %d leases, want 1", i+1, released)
+		}
+	}
+	if n := claim(); n != 0 {
+		t.Fatalf("a fourth delivery happened (%d)", n)
+	}
+	if n := count(t, pool, `SELECT count(*) FROM outbox.delivery WHERE aggregate_key = 'poison' AND state = 'parked'`); n != 1 {
+		t.Fatal("not parked after three deliveries whose streams ended")
+	}
+}
+
+// An ack batch that names an event the cursor already stepped over (it was
+// skipped after its lease expired) together with the event its aggregate
+// now has leased publishes the leased one: the stale event does not take
+// the place in line of the one after the cursor.
+func TestAStaleAckInABatchDoesNotDisplaceTheNextRevision(t *testing.T) {
+	t.Parallel()
+	ctx := testContext(t)
+	pool := testdb.NewPool(t)
+	emitN(t, pool, "a", 2)
+	discover(t, pool)
+	var first uuid.UUID
+	if err := pool.QueryRow(ctx, `SELECT event_id FROM outbox.claim(gen_random_uuid(), 'r', 'x', NULL, 1, interval '-1 second')`).
+		Scan(&first); err != nil {
+		t.Fatal(err)
+	}
+	exec(t, pool, fmt.Sprintf(`INSERT INTO outbox.skipped_event (event_id, reason, actor) VALUES ('%s', 'test', 'test')`, first))
+	next := claimAs(t, pool, uuid.New(), "y")
+	second := eventID(t, pool, "a", 2)
+	if next.id != second {
+		t.Fatalf("claimed %v after skipping a/1, want a/2 (%s)", next, second)
+	}
+	rows, err := pool.Query(ctx, `SELECT event_id, status FROM outbox.ack(ARRAY[$1::uuid, $2::uuid], 'x')`, first, second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	status := map[uuid.UUID]string{}
+	for rows.Next() {
+		var id uuid.UUID
+		var st string
+		if err := rows.Scan(&id, &st); err != nil {
+			t.Fatal(err)
+		}
+		status[id] = st
+	}
+	if err := rows.Err(); err != nil {
+		t.Fatal(err)
+	}
+	if status[second] != "published" {
+		t.Fatalf("a/2 answered %q, want published (a/1 answered %q)", status[second], status[first])
+	}
+	if status[first] == "published" {
+		t.Fatal("the skipped a/1 was published")
+	}
+	if n := count(t, pool, fmt.Sprintf(`SELECT count(*) FROM outbox.event WHERE event_id = '%s' AND published_at IS NOT NULL`, first)); n != 0 {
+		t.Fatal("the skipped a/1 is marked published")
+	}
+}
