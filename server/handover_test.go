@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/google/uuid"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/durationpb"
@@ -254,6 +255,78 @@ func TestHandOverToEndedSessionIsReleased(t *testing.T) {
 		t.Fatalf("next relay got %s, want revision 2", d2.GetEvent().GetEventId())
 	}
 	ack(t, r, d2)
+}
+
+// A sweep for orphans that runs while an ack batch's hand-overs are on
+// their way to their sessions (the batch committed, the session does not
+// have them yet) waits until they are with it and keeps them, as for a
+// dispatching round's leases (TestSweepKeepsLeasesARoundIsDispatching).
+func TestSweepKeepsLeasesAnAckIsHandingOver(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	ids := emit(t, pool, "orders", "hot", 2)
+	r := startReplica(t, url, nil)
+	sweepWaited := make(chan struct{}, 1)
+	swept := make(chan int, 1)
+	r.Server.SetSweepWaits(
+		func(uuid.UUID) {
+			select {
+			case sweepWaited <- struct{}{}:
+			default:
+			}
+		},
+		func(_ uuid.UUID, released int) {
+			select {
+			case swept <- released:
+			default:
+			}
+		})
+	var hooked atomic.Bool
+	r.Server.SetBeforeHandOver(func(res []store.AckResult) {
+		for _, a := range res {
+			if len(a.HandOver) == 0 || !hooked.CompareAndSwap(false, true) {
+				continue
+			}
+			if !r.Server.RequestSweep(a.Holder) {
+				t.Error("the ack handed over to a session the server does not have")
+			}
+			select {
+			case <-sweepWaited:
+			case n := <-swept:
+				t.Errorf("the sweep went ahead while the ack's hand-over was on its way, and released %d", n)
+				swept <- n
+			case <-time.After(30 * time.Second):
+				t.Error("the session's loop did not sweep within 30s")
+			}
+		}
+	})
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 1, LeaseTtl: durationpb.New(time.Hour)})
+	d1 := recv(t, st)
+	if res := ack(t, r, d1); res[0].GetStatus() != outboxv1.AckStatus_ACK_STATUS_PUBLISHED {
+		t.Fatalf("ack: %v", res[0])
+	}
+	if !hooked.Load() {
+		t.Fatal("the ack handed nothing over")
+	}
+	d2 := recv(t, st)
+	if d2.GetEvent().GetEventId() != ids[1].String() || d2.GetAttempt() != 1 {
+		t.Fatalf("got %s attempt %d, want %s attempt 1 (the handed-over lease, kept)",
+			d2.GetEvent().GetEventId(), d2.GetAttempt(), ids[1])
+	}
+	select {
+	case n := <-swept:
+		if n != 0 {
+			t.Fatalf("the sweep released %d leases, want 0", n)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("the sweep did not end within 30s")
+	}
+	if res := ack(t, r, d2); res[0].GetStatus() != outboxv1.AckStatus_ACK_STATUS_PUBLISHED {
+		t.Fatalf("ack of the handed-over lease: %v", res[0])
+	}
 }
 
 // Hot aggregates under racing producers, discovery, claims, hand-overs and

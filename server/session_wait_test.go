@@ -133,4 +133,25 @@ func TestWakerHoldsBackOnlyTheRoundsOwnNotify(t *testing.T) {
 	if w.echo(7) {
 		t.Fatal("a wake-up was held back as the echo of a round notified on a lost connection")
 	}
+
+	// An echo seen while the round was open is not expected again: the
+	// backend's next wake-up is someone else's.
+	w.openRound(7)
+	if !w.echo(7) {
+		t.Fatal("a wake-up from the round's backend while it is open was acted on")
+	}
+	w.closeRound(7, true)
+	if w.echo(7) {
+		t.Fatal("a wake-up after the round whose echo was seen while open was held back as its echo")
+	}
+
+	// Nor is the echo of a round whose listening connection was lost and
+	// made again while it was open: the echo went with the old connection.
+	w.openRound(7)
+	w.listening(false)
+	w.listening(true)
+	w.closeRound(7, true)
+	if w.echo(7) {
+		t.Fatal("a wake-up was held back as the echo of a round that notified while the connection was replaced")
+	}
 }
