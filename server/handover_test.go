@@ -329,6 +329,53 @@ func TestSweepKeepsLeasesAnAckIsHandingOver(t *testing.T) {
 	}
 }
 
+// An ack batch lends itself the offered credit of every local session
+// with a window (a window may slide onto it), and gives it back to the
+// sessions none of its acks concern: one whose credit the batch kept would
+// never claim again. Session B (payments, window 2) waits with its credit
+// offered while A's ack of an orders event commits; B must then still
+// claim the next payments event. (No dispatch, so that only ack batches
+// borrow B's credit.)
+func TestAckBatchGivesBackTheCreditOfSessionsItDidNotAck(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	emit(t, pool, "orders", "o", 1)
+	emit(t, pool, "payments", "p", 1)
+	r := startReplica(t, url, func(c *server.Config) { c.NoDispatch = true })
+	offeredAll := make(chan struct{}, 1)
+	r.Server.SetAfterOffer(func(_ uuid.UUID, offered int) {
+		if offered == 2 { // only B offers 2
+			select {
+			case offeredAll <- struct{}{}:
+			default:
+			}
+		}
+	})
+	b := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 2, MaxInFlightPerAggregate: 2,
+		Streams: []string{"payments"}, LeaseTtl: durationpb.New(time.Hour)})
+	if res := ack(t, r, recv(t, b)); res[0].GetStatus() != outboxv1.AckStatus_ACK_STATUS_PUBLISHED {
+		t.Fatalf("ack of payments/p: %v", res[0])
+	}
+	a := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 1, Streams: []string{"orders"},
+		LeaseTtl: durationpb.New(time.Hour)})
+	d := recv(t, a)
+	select {
+	case <-offeredAll:
+	case <-time.After(30 * time.Second):
+		t.Fatal("session B did not offer its credit within 30s")
+	}
+	if res := ack(t, r, d); res[0].GetStatus() != outboxv1.AckStatus_ACK_STATUS_PUBLISHED {
+		t.Fatalf("ack of orders/o: %v", res[0])
+	}
+	next := emit(t, pool, "payments", "q", 1)[0]
+	if got := recv(t, b); got.GetEvent().GetEventId() != next.String() {
+		t.Fatalf("B got %s, want payments/q %s", got.GetEvent().GetEventId(), next)
+	}
+}
+
 // Hot aggregates under racing producers, discovery, claims, hand-overs and
 // acks: two replicas, two relays on each, producers emitting while they
 // run. Every event reaches the sink exactly once, in revision order, and
