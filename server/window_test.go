@@ -8,7 +8,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"google.golang.org/protobuf/types/known/durationpb"
 
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
 	"github.com/outboxd/outboxd/internal/store"
@@ -344,5 +346,65 @@ func TestAcksOfOneClaimSpreadOverCommitters(t *testing.T) {
 		if res.GetStatus() != outboxv1.AckStatus_ACK_STATUS_PUBLISHED {
 			t.Errorf("ack of %s: %v %s", res.GetEventId(), res.GetStatus(), res.GetMessage())
 		}
+	}
+}
+
+// A nack ends its whole lease, window and all: an event of the window that
+// an ack slid onto and handed to the session, which the session has not
+// sent yet when the nack lands, is not sent at all (it would reach the
+// broker before the nacked revision's redelivery). The session's loop is
+// held at its offer while the ack of revision 1 slides the window onto 3
+// and the nack of 2 ends the lease; then let go.
+func TestNackDropsTheWindowsUnsentHandOver(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	ids := emit(t, pool, "orders", "a", 4)
+	r := startReplica(t, url, nil)
+	// Held once it has sent revisions 1 and 2 and has no credit left.
+	gate := newOfferGate(true)
+	defer gate.release(false) // a held loop would keep the replica from stopping
+	r.Server.SetAfterOffer(func(id uuid.UUID, offered int) {
+		if offered == 0 {
+			gate.hook(id, offered)
+		}
+	})
+	handedOver := make(chan struct{}, 1)
+	r.Server.SetBeforeHandOver(func(res []store.AckResult) {
+		for _, a := range res {
+			if len(a.HandOver) > 0 {
+				select {
+				case handedOver <- struct{}{}:
+				default:
+				}
+			}
+		}
+	})
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 2, MaxInFlightPerAggregate: 2,
+		LeaseTtl: durationpb.New(time.Hour)})
+	d1, d2 := recv(t, st), recv(t, st)
+	if d1.GetEvent().GetEventId() != ids[0].String() || d2.GetEvent().GetEventId() != ids[1].String() {
+		t.Fatalf("got %s and %s, want revisions 1 and 2", d1.GetEvent().GetEventId(), d2.GetEvent().GetEventId())
+	}
+	gate.waitHeld(t)
+	if res := ack(t, r, d1); res[0].GetStatus() != outboxv1.AckStatus_ACK_STATUS_PUBLISHED {
+		t.Fatalf("ack of revision 1: %v", res[0])
+	}
+	select {
+	case <-handedOver:
+	default:
+		t.Fatal("the ack of revision 1 did not slide the window onto revision 3")
+	}
+	if _, err := r.Relay.Nack(ctx, &outboxv1.NackRequest{EventId: d2.GetEvent().GetEventId(), LeaseToken: d2.GetLeaseToken(),
+		Error: "broker said no", RetryAfter: durationpb.New(time.Millisecond)}); err != nil {
+		t.Fatalf("nack of revision 2: %v", err)
+	}
+	gate.release(false)
+	d := recv(t, st)
+	if d.GetEvent().GetEventId() != ids[1].String() || d.GetAttempt() != 2 {
+		t.Fatalf("after the nack of revision 2 got revision %d attempt %d, want revision 2 again (attempt 2)",
+			d.GetEvent().GetRevision(), d.GetAttempt())
 	}
 }
