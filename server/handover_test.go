@@ -376,6 +376,65 @@ func TestAckBatchGivesBackTheCreditOfSessionsItDidNotAck(t *testing.T) {
 	}
 }
 
+// A lease an ack hands over counts against the session's credit from the
+// moment the ack settles, before the loop has taken it in: a loop that is
+// between applying what was freed and claiming when the hand-over lands
+// claims nothing more, or its relay would hold more than max_in_flight.
+// The loop is turned by a reconcile tick and held right after it applied
+// its (empty) freed list; the ack of a/1, handing a/2 over, commits then.
+// (No dispatch: only the loop's claim could lease b/1.)
+func TestHandOverCountsAgainstCreditBeforeTheLoopTakesIt(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	ids := emit(t, pool, "orders", "a", 2)
+	emit(t, pool, "orders", "b", 1)
+	r := startReplica(t, url, func(c *server.Config) { c.NoDispatch = true })
+	ticks := make(chan time.Time)
+	r.Server.SetReconcileTick(ticks)
+	var holdNext atomic.Bool
+	held, release := make(chan struct{}), make(chan struct{})
+	r.Server.SetFreedApplied(func(int, int64) {
+		if holdNext.CompareAndSwap(true, false) {
+			close(held)
+			<-release
+		}
+	})
+	defer func() {
+		select {
+		case <-release:
+		default:
+			close(release)
+		}
+	}()
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 1, Streams: []string{"orders"},
+		LeaseTtl: durationpb.New(time.Hour)})
+	d1 := recv(t, st)
+	if d1.GetEvent().GetEventId() != ids[0].String() {
+		t.Fatalf("got %s, want a/1", d1.GetEvent().GetEventId())
+	}
+	holdNext.Store(true)
+	select {
+	case ticks <- time.Now():
+	case <-time.After(30 * time.Second):
+		t.Fatal("the session's loop took no reconcile tick within 30s")
+	}
+	waitClosed(t, held, "the session's loop did not turn on the tick")
+	if res := ack(t, r, d1); res[0].GetStatus() != outboxv1.AckStatus_ACK_STATUS_PUBLISHED {
+		t.Fatalf("ack of a/1: %v", res[0])
+	}
+	if n := r.Server.HandOvers(); n != 1 {
+		t.Fatalf("%d hand-overs, want 1 (a/2)", n)
+	}
+	close(release)
+	if d := recv(t, st); d.GetEvent().GetEventId() != ids[1].String() {
+		t.Fatalf("after the hand-over of a/2 the relay got %s/%d, want a/2 (max_in_flight is 1)",
+			d.GetEvent().GetAggregateKey(), d.GetEvent().GetRevision())
+	}
+}
+
 // Hot aggregates under racing producers, discovery, claims, hand-overs and
 // acks: two replicas, two relays on each, producers emitting while they
 // run. Every event reaches the sink exactly once, in revision order, and
