@@ -125,6 +125,55 @@ func TestStopHandsOutNoNewLease(t *testing.T) {
 	}
 }
 
+// Stop keeps a stream that has deliveries out open, its leases held, until
+// they are acked (or the deadline passes): ending it at once would release
+// leases whose events the relay may be publishing. The session's loop,
+// woken by the stop, must still take two reconcile ticks (it selects on
+// them only while it lives and has leases), and the aggregate stays leased
+// until the ack.
+func TestStopKeepsAStreamWithDeliveriesOutUntilTheyAreAcked(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	r := startReplica(t, url, nil)
+	ticks := make(chan time.Time)
+	r.Server.SetReconcileTick(ticks)
+	emit(t, pool, "orders", "a", 1)
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{Streams: []string{"orders"}, MaxInFlight: 1})
+	a := recv(t, st)
+
+	stopped := stopAsync(r.Server, time.Minute)
+	<-r.Server.Stopping()
+	for i := range 2 {
+		select {
+		case ticks <- time.Now():
+		case <-time.After(30 * time.Second):
+			t.Fatalf("the session's loop took no reconcile tick %d after Stop began: it ended with a delivery out", i+1)
+		}
+	}
+	if n := r.Server.Sessions(); n != 1 {
+		t.Fatalf("%d sessions after Stop began, want the one with a delivery out", n)
+	}
+	agg, err := r.Admin.GetAggregate(ctx, &outboxv1.GetAggregateRequest{Stream: "orders", AggregateKey: "a"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if agg.GetAggregate().GetState() != outboxv1.AggregateState_AGGREGATE_STATE_LEASED {
+		t.Fatalf("the delivery out is %v after Stop began, want still leased", agg.GetAggregate().GetState())
+	}
+	if res := ack(t, r, a); res[0].GetStatus() != outboxv1.AckStatus_ACK_STATUS_PUBLISHED {
+		t.Fatalf("ack of the draining delivery: %v", res)
+	}
+	if _, err := recvEnd(t, st); status.Code(err) != codes.Unavailable {
+		t.Errorf("stream ended with %v, want Unavailable", err)
+	}
+	if res := waitStop(t, stopped, 30*time.Second); res.err != nil {
+		t.Errorf("Stop: %v", res.err)
+	}
+}
+
 // With nothing in flight, Stop ends an idle relay's stream at once instead
 // of waiting out its deadline.
 func TestStopWithNothingInFlightReturnsAtOnce(t *testing.T) {
