@@ -2,6 +2,7 @@ package server_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"slices"
 	"sync"
@@ -485,6 +486,89 @@ func TestSweepKeepsLeasesARoundIsDispatching(t *testing.T) {
 	}
 	if res := ack(t, r, d); res[0].GetStatus() != outboxv1.AckStatus_ACK_STATUS_PUBLISHED {
 		t.Fatalf("ack: %v", res[0])
+	}
+}
+
+// A claim that failed may still commit late, after the session's immediate
+// sweep: the session then holds a lease it never heard of, with nothing in
+// flight that would make its loop reconcile. It sweeps once more at its
+// next reconcile tick all the same (the loop selects on the tick while a
+// sweep is owed), so the lease is claimable again long before its TTL. The
+// session's first claim fails; once its immediate sweep is done the test
+// takes the late commit's part, leasing an event of a stream the session
+// does not take (so nothing else turns its loop) to the session's id.
+func TestClaimCommittedLateIsSweptAtTheNextTickWithNothingInFlight(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	r := startReplica(t, url, func(c *server.Config) { c.NoDispatch = true })
+	ticks := make(chan time.Time)
+	r.Server.SetReconcileTick(ticks)
+	var once sync.Once
+	r.Server.SetAfterClaim(func(ls []store.Lease, err error) ([]store.Lease, error) {
+		var first bool
+		once.Do(func() { first = true })
+		if first && err == nil && len(ls) == 0 {
+			return nil, errors.New("test: the claim failed")
+		}
+		return ls, err
+	})
+	type sweep struct {
+		session  uuid.UUID
+		released int
+	}
+	sweeps := make(chan sweep, 4)
+	r.Server.SetSweepWaits(func(uuid.UUID) {}, func(id uuid.UUID, released int) { sweeps <- sweep{id, released} })
+	nextSweep := func(what string) sweep {
+		t.Helper()
+		select {
+		case s := <-sweeps:
+			return s
+		case <-time.After(30 * time.Second):
+			t.Fatal("no sweep " + what + " within 30s")
+			return sweep{}
+		}
+	}
+	subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 1, ExcludeStreams: []string{"audit"},
+		LeaseTtl: durationpb.New(time.Hour)})
+	first := nextSweep("after the failed claim")
+	if first.released != 0 {
+		t.Fatalf("the immediate sweep released %d", first.released)
+	}
+
+	emit(t, pool, "audit", "x", 1)
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		var n int
+		if err := pool.QueryRow(ctx, `SELECT count(*) FROM outbox.claim($1, 'r', 'x', ARRAY['audit'], 1, interval '1 hour')`,
+			first.session).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		if n == 1 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("audit/x was not claimable within 30s")
+		}
+		time.Sleep(10 * time.Millisecond) // until discovery has found it
+	}
+
+	select {
+	case ticks <- time.Now():
+	case <-time.After(30 * time.Second):
+		t.Fatal("the session's loop took no reconcile tick within 30s though it owes a sweep")
+	}
+	if s := nextSweep("after the tick"); s.session != first.session || s.released != 1 {
+		t.Fatalf("the tick's sweep released %d leases of %s, want the late claim's 1 of %s", s.released, s.session, first.session)
+	}
+	var state string
+	if err := pool.QueryRow(ctx, `SELECT state FROM outbox.delivery WHERE stream = 'audit' AND aggregate_key = 'x'`).Scan(&state); err != nil {
+		t.Fatal(err)
+	}
+	if state == "leased" {
+		t.Fatal("audit/x is still leased to the session after its sweep")
 	}
 }
 
