@@ -408,3 +408,34 @@ func TestNackDropsTheWindowsUnsentHandOver(t *testing.T) {
 			d.GetEvent().GetRevision(), d.GetAttempt())
 	}
 }
+
+// A nack of a window's head frees the credit of every event the lease
+// covered at once, not only the head's: with no reconcile to notice the
+// rest are gone, the redelivery must still take the whole window.
+func TestNackOfAWindowFreesItsWholeCredit(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	ids := emit(t, pool, "orders", "a", 4)
+	r := startReplica(t, url, nil)
+	r.Server.SetReconcileTick(make(chan time.Time)) // never ticks
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 4, MaxInFlightPerAggregate: 4,
+		LeaseTtl: durationpb.New(time.Hour)})
+	var first []*outboxv1.SubscribeResponse
+	for range 4 {
+		first = append(first, recv(t, st))
+	}
+	if _, err := r.Relay.Nack(ctx, &outboxv1.NackRequest{EventId: first[0].GetEvent().GetEventId(),
+		LeaseToken: first[0].GetLeaseToken(), Error: "broker said no", RetryAfter: durationpb.New(time.Millisecond)}); err != nil {
+		t.Fatalf("nack of the window's head: %v", err)
+	}
+	for i, id := range ids {
+		d := recv(t, st)
+		if d.GetEvent().GetEventId() != id.String() || d.GetAttempt() != 2 {
+			t.Fatalf("redelivery %d: got revision %d attempt %d, want revision %d attempt 2",
+				i+1, d.GetEvent().GetRevision(), d.GetAttempt(), i+1)
+		}
+	}
+}
