@@ -439,3 +439,82 @@ func TestNackOfAWindowFreesItsWholeCredit(t *testing.T) {
 		}
 	}
 }
+
+// Credit an ack batch lent itself from a waiting windowed session and used
+// for the window's slide is not offered again: only what the slide left
+// unused rejoins the offer, or a discovery round would dispatch past the
+// session's max_in_flight. S (max_in_flight 3, window 3) holds a/1 and
+// offers 2; the ack of a/1 slides the window onto a/2 and a/3, using one
+// unit of the loan; the round that then finds b and c may dispatch one.
+func TestAckBatchOffersAgainOnlyTheCreditItsSlideLeftUnused(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	emit(t, pool, "orders", "a", 1)
+	r := startReplica(t, url, nil)
+	gate := newOfferGate(true)
+	defer gate.release(false) // a held loop would keep the replica from stopping
+	r.Server.SetAfterOffer(func(id uuid.UUID, offered int) {
+		if offered == 2 {
+			gate.hook(id, offered)
+		}
+	})
+	found := make(chan int64, 16)
+	dispatched := make(chan int, 16)
+	r.Server.SetAfterDiscover(func(d store.Discovery, err error) (store.Discovery, error) {
+		if err == nil {
+			found <- d.Events
+			if len(d.Dispatched) > 0 {
+				dispatched <- len(d.Dispatched)
+			}
+		}
+		return d, err
+	})
+	gives := make(chan struct{}, 16)
+	r.Server.SetAfterGive(func(uuid.UUID, int, int, bool) { gives <- struct{}{} })
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 3, MaxInFlightPerAggregate: 3,
+		LeaseTtl: durationpb.New(time.Hour)})
+	d1 := recv(t, st)
+	gate.waitHeld(t)
+	for len(gives) > 0 {
+		<-gives // rounds before the hold
+	}
+	// a/2 and a/3, found by rounds before the ack (a is leased: a round
+	// leaves it alone; rounds run only when there is something new), which
+	// have given the session its credit back before the ack borrows it.
+	emit(t, pool, "orders", "a", 2)
+	rounds := 0
+	for n := int64(0); n < 2; rounds++ {
+		select {
+		case e := <-found:
+			n += e
+		case <-time.After(30 * time.Second):
+			t.Fatal("no round found a/2 and a/3 within 30s")
+		}
+	}
+	for range rounds {
+		select {
+		case <-gives:
+		case <-time.After(30 * time.Second):
+			t.Fatal("a round that found a/2 or a/3 did not give the credit back within 30s")
+		}
+	}
+	if res := ack(t, r, d1); res[0].GetStatus() != outboxv1.AckStatus_ACK_STATUS_PUBLISHED {
+		t.Fatalf("ack of a/1: %v", res[0])
+	}
+	if n := r.Server.HandOvers(); n != 2 {
+		t.Fatalf("%d hand-overs, want 2 (the slide onto a/2 and a/3, with the loan)", n)
+	}
+	emit(t, pool, "orders", "b", 1)
+	emit(t, pool, "orders", "c", 1)
+	select {
+	case n := <-dispatched:
+		if n != 1 {
+			t.Fatalf("the round dispatched %d to a session with 1 unit of credit left", n)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("nothing was dispatched within 30s")
+	}
+}
