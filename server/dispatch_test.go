@@ -84,6 +84,39 @@ func (g *offerGate) release(again bool) {
 	g.closed = !again
 }
 
+// discoveryTurns tells a test when the replica's discovery loop has ended
+// an idle check (SetAfterRoundDue).
+type discoveryTurns struct{ c chan struct{} }
+
+func watchDiscoveryTurns(r *replica) *discoveryTurns {
+	w := &discoveryTurns{c: make(chan struct{}, 1)}
+	r.Server.SetAfterRoundDue(func(bool, error) {
+		select {
+		case w.c <- struct{}{}:
+		default:
+		}
+	})
+	return w
+}
+
+// next waits for a check that ends after it is called. The loop takes one
+// turn at a time, so a round that began before the call (say, before a
+// session offered its credit, which that round then did not borrow) has
+// ended by then: a round that finds an event committed after next returns
+// began after the call too.
+func (w *discoveryTurns) next(t *testing.T) {
+	t.Helper()
+	select {
+	case <-w.c:
+	default:
+	}
+	select {
+	case <-w.c:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the discovery loop made no idle check within 30s")
+	}
+}
+
 // dispatchWatch records what each discovery round dispatched.
 type dispatchWatch struct{ rounds chan []store.DispatchedLease }
 
@@ -382,8 +415,10 @@ func TestDispatchWithLostAnswerLeavesNoOrphan(t *testing.T) {
 		}
 		return d, err
 	})
+	turns := watchDiscoveryTurns(r)
 	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 1, LeaseTtl: durationpb.New(time.Hour)})
 	gate.waitHeld(t)
+	turns.next(t) // no round that began before the offer finds the event
 	id := emit(t, pool, "orders", "o", 1)[0]
 	select {
 	case got := <-lost:
@@ -460,8 +495,10 @@ func TestSweepKeepsLeasesARoundIsDispatching(t *testing.T) {
 		}
 		return d, err
 	})
+	turns := watchDiscoveryTurns(r)
 	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 1, LeaseTtl: durationpb.New(time.Hour)})
 	gate.waitHeld(t)
+	turns.next(t) // no round that began before the offer finds the event
 	id := emit(t, pool, "orders", "o", 1)[0]
 	select {
 	case got := <-dispatched:
@@ -765,9 +802,11 @@ func TestCreditARoundGivesBackToAWaitingLoopDoesNotWakeIt(t *testing.T) {
 	}
 	gives := make(chan given, 8)
 	r.Server.SetAfterGive(func(_ uuid.UUID, leases, unused int, woke bool) { gives <- given{leases, unused, woke} })
+	turns := watchDiscoveryTurns(r)
 	subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 1, ExcludeStreams: []string{"payments"},
 		LeaseTtl: durationpb.New(time.Hour)})
 	gate.waitHeld(t)
+	turns.next(t) // no round that began before the offer finds the first event
 	for _, key := range []string{"a", "b"} {
 		emit(t, pool, "payments", key, 1)
 		select {
