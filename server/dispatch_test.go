@@ -155,6 +155,7 @@ func TestDiscoveryDispatchesToWaitingSession(t *testing.T) {
 	r.Server.SetAfterClaim(claims.hook)
 	r.Server.SetAfterOffer(gate.hook)
 	r.Server.SetAfterDiscover(watch.hook)
+	turns := watchDiscoveryTurns(r)
 	const ttl = time.Hour
 	emit(t, pool, "billing", "b", 1)
 	first := emit(t, pool, "orders", "o", 1)[0]
@@ -176,6 +177,7 @@ func TestDiscoveryDispatchesToWaitingSession(t *testing.T) {
 	const k = 6
 	for i := range k {
 		gate.waitHeld(t)
+		turns.next(t) // no round that began before the offer finds the events
 		// Two aggregates, other stream first: the filter keeps "billing"
 		// for a claim, so only "orders" may be dispatched to this session.
 		emit(t, pool, "billing", "b", 1)
@@ -246,6 +248,7 @@ func TestDispatchTakesTurnsAcrossRounds(t *testing.T) {
 			<-open
 		}
 	})
+	turns := watchDiscoveryTurns(r)
 	for range 2 {
 		subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 3, LeaseTtl: durationpb.New(time.Hour)})
 	}
@@ -260,6 +263,7 @@ func TestDispatchTakesTurnsAcrossRounds(t *testing.T) {
 			t.Fatalf("%d of 2 sessions offered their credit within 30s", len(sessions))
 		}
 	}
+	turns.next(t) // no round that began before the offers finds the first event
 	var got []uuid.UUID
 	for i := range 3 {
 		emit(t, pool, "orders", fmt.Sprintf("o%d", i), 1)
