@@ -143,6 +143,24 @@ func TestDispatchLeasesOnlyIdleAggregatesNextEvent(t *testing.T) {
 		t.Fatalf("g is %s, want ready (for the claim to hold the gap)", s)
 	}
 
+	// A claim finds g's gap and holds g there (state gap). Revision 2 then
+	// commits; the round that finds it, though it names g for the session,
+	// makes g ready for a claim and does not lease it: a round leases only
+	// an aggregate that is new or idle once locked.
+	if n := count(t, pool, `SELECT count(*) FROM outbox.claim(gen_random_uuid(), 'r', 'x', NULL, 10, interval '30 seconds')`); n != 0 {
+		t.Fatalf("a claim leased %d events across g's gap", n)
+	}
+	if s := state("g"); s != "gap" {
+		t.Fatalf("g is %s after a claim met its gap, want gap", s)
+	}
+	exec(t, pool, `SELECT outbox.emit('orders', 'g', 'T', '{}', revision => 2)`)
+	if got := round(true); len(got) != 0 {
+		t.Fatalf("leased %v: an aggregate held at a gap", got)
+	}
+	if s := state("g"); s != "ready" {
+		t.Fatalf("g is %s once its missing revision came, want ready", s)
+	}
+
 	// A new aggregate whose first event an operator skipped: not leased.
 	exec(t, pool, `SELECT outbox.emit('orders', 's', 'T', '{}')`)
 	exec(t, pool, `INSERT INTO outbox.skipped_event (event_id, reason, actor)
