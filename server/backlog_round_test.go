@@ -34,11 +34,10 @@ func TestRoundOverMoreThanMaxFoundWakesEverySession(t *testing.T) {
 	pool := testdb.NewPoolURL(t, url)
 	type round struct{ events, dispatched int }
 	seen := make(chan round, 16)
-	r := startReplica(t, url, func(c *server.Config) {
-		c.DiscoveryMaxFound = 2
-		// No poll rescues a session the round did not wake.
-		c.PollInterval = time.Hour
-	})
+	r := startReplica(t, url, func(c *server.Config) { c.DiscoveryMaxFound = 2 })
+	// No poll rescues a session the round did not wake (a poll group polls
+	// from 2 ms on after a claim found work, whatever PollInterval says).
+	r.Server.SetNoPolls()
 	r.Server.SetAfterDiscover(func(d store.Discovery, err error) (store.Discovery, error) {
 		if err == nil && d.Events > 0 {
 			seen <- round{int(d.Events), len(d.Dispatched)}
@@ -170,5 +169,41 @@ func holdDiscovery(ctx context.Context, t *testing.T, pool *pgxpool.Pool) (relea
 		if _, err := conn.Exec(ctx, `SELECT pg_advisory_unlock($1)`, int64(discoveryLockKey)); err != nil {
 			t.Fatal(err)
 		}
+	}
+}
+
+// A member of a poll group whose claim got all it asked for wakes the next
+// idle member, since there may be more: two sessions of one filter, one
+// unit of credit each, and two aggregates made ready by one round. The
+// round wakes one member; the other gets the second aggregate only through
+// that member's claim (no polls, no dispatch).
+func TestAClaimThatGotAllItAskedForWakesTheNextMember(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	r := startReplica(t, url, func(c *server.Config) { c.NoDispatch = true })
+	r.Server.SetNoPolls()
+	ttl := durationpb.New(time.Hour)
+	st1 := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{RelayId: "one", MaxInFlight: 1, LeaseTtl: ttl})
+	st2 := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{RelayId: "two", MaxInFlight: 1, LeaseTtl: ttl})
+	for r.Server.IdleSessions() < 2 {
+		select {
+		case <-ctx.Done():
+			t.Fatal("the two sessions never waited for work")
+		case <-time.After(5 * time.Millisecond):
+		}
+	}
+	release := holdDiscovery(ctx, t, pool)
+	x := emit(t, pool, "orders", "x", 1)[0]
+	y := emit(t, pool, "orders", "y", 1)[0]
+	release()
+	got := map[string]bool{}
+	for _, st := range []outboxv1.RelayService_SubscribeClient{st1, st2} {
+		got[recv(t, st).GetEvent().GetEventId()] = true
+	}
+	if !got[x.String()] || !got[y.String()] {
+		t.Fatalf("the two sessions got %v, want x %s and y %s", got, x, y)
 	}
 }

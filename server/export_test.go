@@ -243,3 +243,9 @@ func (s *Server) SetSweepWaits(f func(session uuid.UUID), g func(session uuid.UU
 func (s *Server) SetAfterGive(f func(session uuid.UUID, leases, unused int, woke bool)) {
 	s.afterGive.set(f)
 }
+
+// SetNoPolls keeps poll groups from polling (their fallback after a
+// missed wake-up, which backs off from 2 ms however long PollInterval is):
+// idle sessions then claim only when woken. Set it before the first
+// Subscribe.
+func (s *Server) SetNoPolls() { s.noPolls.Store(true) }

@@ -313,6 +313,10 @@ type Server struct {
 	// session the leases it dispatched to it and the credit they did not
 	// use, with whether that woke the session's loop.
 	afterGive hook[func(session uuid.UUID, leases, unused int, woke bool)]
+	// noPolls, when set (by tests), keeps poll groups from arming their
+	// polls: work then reaches an idle session only by a wake-up, so a test
+	// can tell a missed wake-up from one the poll made up for.
+	noPolls atomic.Bool
 	// afterFreed, when set (by tests), runs in a session's loop each time
 	// it found credit freed, with its decision: claim at once, or not
 	// (then by claimBy at the latest, when set).

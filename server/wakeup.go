@@ -178,7 +178,7 @@ func (g *pollGroup) wakeLocked(poll, keep bool) {
 
 // armLocked arms the poll timer for delay from now unless it is armed.
 func (g *pollGroup) armLocked() {
-	if g.armed || len(g.idle) == 0 {
+	if g.armed || len(g.idle) == 0 || g.srv.noPolls.Load() {
 		return
 	}
 	g.armed = true
