@@ -362,7 +362,8 @@ func TestNackDropsTheWindowsUnsentHandOver(t *testing.T) {
 	url := testdb.New(t)
 	pool := testdb.NewPoolURL(t, url)
 	ids := emit(t, pool, "orders", "a", 4)
-	r := startReplica(t, url, nil)
+	// Claimed, not dispatched: a round leases one revision, a claim the window.
+	r := startReplica(t, url, func(c *server.Config) { c.NoDispatch = true })
 	// Held once it has sent revisions 1 and 2 and has no credit left.
 	gate := newOfferGate(true)
 	defer gate.release(false) // a held loop would keep the replica from stopping
@@ -419,7 +420,8 @@ func TestNackOfAWindowFreesItsWholeCredit(t *testing.T) {
 	url := testdb.New(t)
 	pool := testdb.NewPoolURL(t, url)
 	ids := emit(t, pool, "orders", "a", 4)
-	r := startReplica(t, url, nil)
+	// Claimed, not dispatched: a round leases one revision, a claim the window.
+	r := startReplica(t, url, func(c *server.Config) { c.NoDispatch = true })
 	r.Server.SetReconcileTick(make(chan time.Time)) // never ticks
 	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 4, MaxInFlightPerAggregate: 4,
 		LeaseTtl: durationpb.New(time.Hour)})
