@@ -117,6 +117,13 @@ func (w *discoveryTurns) next(t *testing.T) {
 	}
 }
 
+// drain empties c of what it holds.
+func drain[T any](c chan T) {
+	for len(c) > 0 {
+		<-c
+	}
+}
+
 // dispatchWatch records what each discovery round dispatched.
 type dispatchWatch struct{ rounds chan []store.DispatchedLease }
 
@@ -485,6 +492,8 @@ func TestSweepKeepsLeasesARoundIsDispatching(t *testing.T) {
 			return d, err
 		}
 		dispatched <- d.Dispatched[0].Lease.Event.ID
+		drain(sweepWaited)
+		drain(swept)
 		if !r.Server.RequestSweep(d.Dispatched[0].Holder) {
 			t.Error("the round dispatched to a session the server does not have")
 		}

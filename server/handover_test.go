@@ -290,6 +290,8 @@ func TestSweepKeepsLeasesAnAckIsHandingOver(t *testing.T) {
 			if len(a.HandOver) == 0 || !hooked.CompareAndSwap(false, true) {
 				continue
 			}
+			drain(sweepWaited)
+			drain(swept)
 			if !r.Server.RequestSweep(a.Holder) {
 				t.Error("the ack handed over to a session the server does not have")
 			}
