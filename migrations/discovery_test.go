@@ -573,37 +573,64 @@ func TestEventAtTheCursorIsLate(t *testing.T) {
 }
 
 // An event delivered p_max_attempts times without an ack or a nack (every
-// lease expired, or every stream holding it ended) parks its aggregate with
-// the reason, instead of being offered forever; other aggregates go on.
+// lease expired, or every stream holding it ended and its session released
+// the lease) parks its aggregate with the reason, instead of being offered
+// forever; other aggregates go on.
 func TestEventDeliveredTooOftenWithoutAnswerParks(t *testing.T) {
 	t.Parallel()
-	pool := testdb.NewPool(t)
-	exec(t, pool, `SELECT outbox.emit('orders', 'poison', 'T', '{}')`)
-	discover(t, pool)
-	// A negative TTL makes each lease expire at once.
-	claim := func() int64 {
-		return count(t, pool, `SELECT count(*) FROM outbox.claim(gen_random_uuid(), 'r', 'x', NULL, 10, interval '-1 second', 3)`)
-	}
-	for i := range 3 {
-		if n := claim(); n != 1 {
-			t.Fatalf("delivery %d: claimed %d events, want 1", i+1, n)
-		}
-	}
-	if n := claim(); n != 0 {
-		t.Fatalf("a fourth delivery happened (%d)", n)
-	}
-	var state, reason string
-	if err := pool.QueryRow(testContext(t), `SELECT state, parked_reason FROM outbox.delivery WHERE aggregate_key = 'poison'`).
-		Scan(&state, &reason); err != nil {
-		t.Fatal(err)
-	}
-	if state != "parked" || reason != "delivered 3 times without an ack or a nack: each lease expired or the stream holding it ended" {
-		t.Fatalf("state %q, reason %q", state, reason)
-	}
-	exec(t, pool, `SELECT outbox.emit('orders', 'other', 'T', '{}')`)
-	discover(t, pool)
-	if got := claimRevisions(t, pool); got["other"] != 1 || len(got) != 1 {
-		t.Fatalf("claim = %v, want only the other aggregate", got)
+	for _, tc := range []struct {
+		name string
+		ttl  string
+		// end ends a delivery unanswered; nil: its TTL has (a negative TTL
+		// makes each lease expire at once).
+		end func(t *testing.T, pool *pgxpool.Pool, holder uuid.UUID)
+	}{
+		{"leases expired", "-1 second", nil},
+		{"streams ended", "1 hour", func(t *testing.T, pool *pgxpool.Pool, holder uuid.UUID) {
+			var released int64
+			if err := pool.QueryRow(testContext(t), `SELECT outbox.release($1)`, holder).Scan(&released); err != nil {
+				t.Fatal(err)
+			}
+			if released != 1 {
+				t.Fatalf("released %d leases, want 1", released)
+			}
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			pool := testdb.NewPool(t)
+			exec(t, pool, `SELECT outbox.emit('orders', 'poison', 'T', '{}')`)
+			discover(t, pool)
+			holder := uuid.New()
+			claim := func() int64 {
+				return count(t, pool, fmt.Sprintf(`SELECT count(*) FROM outbox.claim('%s', 'r', 'x', NULL, 10, interval '%s', 3)`,
+					holder, tc.ttl))
+			}
+			for i := range 3 {
+				if n := claim(); n != 1 {
+					t.Fatalf("delivery %d: claimed %d events, want 1", i+1, n)
+				}
+				if tc.end != nil {
+					tc.end(t, pool, holder)
+				}
+			}
+			if n := claim(); n != 0 {
+				t.Fatalf("a fourth delivery happened (%d)", n)
+			}
+			var state, reason string
+			if err := pool.QueryRow(testContext(t), `SELECT state, parked_reason FROM outbox.delivery WHERE aggregate_key = 'poison'`).
+				Scan(&state, &reason); err != nil {
+				t.Fatal(err)
+			}
+			if state != "parked" || reason != "delivered 3 times without an ack or a nack: each lease expired or the stream holding it ended" {
+				t.Fatalf("state %q, reason %q", state, reason)
+			}
+			exec(t, pool, `SELECT outbox.emit('orders', 'other', 'T', '{}')`)
+			discover(t, pool)
+			if got := claimRevisions(t, pool); got["other"] != 1 || len(got) != 1 {
+				t.Fatalf("claim = %v, want only the other aggregate", got)
+			}
+		})
 	}
 }
 

@@ -97,41 +97,6 @@ func TestParkAndExtendActOnlyForTheLeaseThatHoldsTheEvent(t *testing.T) {
 	}
 }
 
-// A delivery that ended because the stream holding it ended (the relay
-// disconnected and its session released the lease) counts as unanswered,
-// as an expired lease does: an event whose relays keep dropping while
-// they hold it parks after p_max_attempts deliveries instead of being
-// offered forever.
-func TestEventReleasedTooOftenWithoutAnswerParks(t *testing.T) {
-	t.Parallel()
-	ctx := testContext(t)
-	pool := testdb.NewPool(t)
-	exec(t, pool, `SELECT outbox.emit('orders', 'poison', 'T', '{}')`)
-	discover(t, pool)
-	holder := uuid.New()
-	claim := func() int64 {
-		return count(t, pool, fmt.Sprintf(`SELECT count(*) FROM outbox.claim('%s', 'r', 'x', NULL, 10, interval '1 hour', 3)`, holder))
-	}
-	for i := range 3 {
-		if n := claim(); n != 1 {
-			t.Fatalf("delivery %d: claimed %d events, want 1", i+1, n)
-		}
-		var released int64
-		if err := pool.QueryRow(ctx, `SELECT outbox.release($1)`, holder).Scan(&released); err != nil {
-			t.Fatal(err)
-		}
-		if released != 1 {
-			t.Fatalf("delivery %d: released %d leases, want 1", i+1, released)
-		}
-	}
-	if n := claim(); n != 0 {
-		t.Fatalf("a fourth delivery happened (%d)", n)
-	}
-	if n := count(t, pool, `SELECT count(*) FROM outbox.delivery WHERE aggregate_key = 'poison' AND state = 'parked'`); n != 1 {
-		t.Fatal("not parked after three deliveries whose streams ended")
-	}
-}
-
 // An ack batch that names an event the cursor already stepped over (it was
 // skipped after its lease expired) together with the event its aggregate
 // now has leased publishes the leased one: the stale event does not take

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
@@ -122,6 +123,102 @@ func drain[T any](c chan T) {
 	for len(c) > 0 {
 		<-c
 	}
+}
+
+// sweepWatch sees a replica's sweeps for orphans (releaseUndelivered):
+// whether one had to wait for leases on their way to their session, and
+// what each released.
+type sweepWatch struct {
+	waited chan struct{}
+	swept  chan sweep
+}
+
+type sweep struct {
+	session  uuid.UUID
+	released int
+}
+
+func watchSweeps(r *replica) *sweepWatch {
+	w := &sweepWatch{waited: make(chan struct{}, 1), swept: make(chan sweep, 4)}
+	r.Server.SetSweepWaits(
+		func(uuid.UUID) {
+			select {
+			case w.waited <- struct{}{}:
+			default:
+			}
+		},
+		func(id uuid.UUID, released int) {
+			select {
+			case w.swept <- sweep{id, released}:
+			default:
+			}
+		})
+	return w
+}
+
+// sweepWhileOnTheirWay asks session's loop for a sweep while leases are on
+// their way to it (a hook holds them back) and returns once the sweep waits
+// for them, as it must; a sweep that goes ahead fails t (and stays to be
+// seen by next). What was seen before the call is dropped: it is not the
+// sweep under test.
+func (w *sweepWatch) sweepWhileOnTheirWay(t *testing.T, r *replica, session uuid.UUID, what string) {
+	t.Helper()
+	drain(w.waited)
+	drain(w.swept)
+	if !r.Server.RequestSweep(session) {
+		t.Errorf("%s went to a session the server does not have", what)
+	}
+	select {
+	case <-w.waited:
+	case s := <-w.swept:
+		t.Errorf("the sweep went ahead while %s was on its way, and released %d", what, s.released)
+		w.swept <- s
+	case <-time.After(30 * time.Second):
+		t.Error("the session's loop did not sweep within 30s")
+	}
+}
+
+// next waits for the next sweep to end.
+func (w *sweepWatch) next(t *testing.T, what string) sweep {
+	t.Helper()
+	select {
+	case s := <-w.swept:
+		return s
+	case <-time.After(30 * time.Second):
+		t.Fatal("no sweep " + what + " within 30s")
+		return sweep{}
+	}
+}
+
+// emitOnceOffered emits one event to stream/key once the session's offer
+// is held (gate) and no round that began before it is under way (turns),
+// and waits for dispatched (fed by an afterDiscover hook) to name it.
+func emitOnceOffered(t *testing.T, pool *pgxpool.Pool, gate *offerGate, turns *discoveryTurns,
+	dispatched <-chan uuid.UUID, stream, key string) uuid.UUID {
+	t.Helper()
+	gate.waitHeld(t)
+	turns.next(t)
+	id := emit(t, pool, stream, key, 1)[0]
+	select {
+	case got := <-dispatched:
+		if got != id {
+			t.Fatalf("dispatched %s, want %s", got, id)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("nothing was dispatched")
+	}
+	return id
+}
+
+// recvAttempt receives the next delivery and fails t unless it is event id
+// at attempt (why says what that attempt means).
+func recvAttempt(t *testing.T, st outboxv1.RelayService_SubscribeClient, id uuid.UUID, attempt uint32, why string) *outboxv1.SubscribeResponse {
+	t.Helper()
+	d := recv(t, st)
+	if d.GetEvent().GetEventId() != id.String() || d.GetAttempt() != attempt {
+		t.Fatalf("got %s attempt %d, want %s attempt %d (%s)", d.GetEvent().GetEventId(), d.GetAttempt(), id, attempt, why)
+	}
+	return d
 }
 
 // dispatchWatch records what each discovery round dispatched.
@@ -428,22 +525,8 @@ func TestDispatchWithLostAnswerLeavesNoOrphan(t *testing.T) {
 	})
 	turns := watchDiscoveryTurns(r)
 	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 1, LeaseTtl: durationpb.New(time.Hour)})
-	gate.waitHeld(t)
-	turns.next(t) // no round that began before the offer finds the event
-	id := emit(t, pool, "orders", "o", 1)[0]
-	select {
-	case got := <-lost:
-		if got != id {
-			t.Fatalf("dispatched %s, want %s", got, id)
-		}
-	case <-time.After(30 * time.Second):
-		t.Fatal("nothing was dispatched")
-	}
-	d := recv(t, st)
-	if d.GetEvent().GetEventId() != id.String() || d.GetAttempt() != 2 {
-		t.Fatalf("got %s attempt %d, want %s attempt 2 (the orphaned lease released, then claimed)",
-			d.GetEvent().GetEventId(), d.GetAttempt(), id)
-	}
+	id := emitOnceOffered(t, pool, gate, turns, lost, "orders", "o")
+	d := recvAttempt(t, st, id, 2, "the orphaned lease released, then claimed")
 	if res := ack(t, r, d); res[0].GetStatus() != outboxv1.AckStatus_ACK_STATUS_PUBLISHED {
 		t.Fatalf("ack: %v", res[0])
 	}
@@ -465,21 +548,7 @@ func TestSweepKeepsLeasesARoundIsDispatching(t *testing.T) {
 	gate := newOfferGate(true)
 	defer gate.release(false) // a held loop would keep the replica from stopping
 	r.Server.SetAfterOffer(gate.hook)
-	sweepWaited := make(chan struct{}, 1)
-	swept := make(chan int, 1)
-	r.Server.SetSweepWaits(
-		func(uuid.UUID) {
-			select {
-			case sweepWaited <- struct{}{}:
-			default:
-			}
-		},
-		func(_ uuid.UUID, released int) {
-			select {
-			case swept <- released:
-			default:
-			}
-		})
+	sweeps := watchSweeps(r)
 	var once sync.Once
 	dispatched := make(chan uuid.UUID, 1)
 	r.Server.SetAfterDiscover(func(d store.Discovery, err error) (store.Discovery, error) {
@@ -492,47 +561,16 @@ func TestSweepKeepsLeasesARoundIsDispatching(t *testing.T) {
 			return d, err
 		}
 		dispatched <- d.Dispatched[0].Lease.Event.ID
-		drain(sweepWaited)
-		drain(swept)
-		if !r.Server.RequestSweep(d.Dispatched[0].Holder) {
-			t.Error("the round dispatched to a session the server does not have")
-		}
-		gate.release(false)
-		select {
-		case <-sweepWaited:
-		case n := <-swept:
-			t.Errorf("the sweep went ahead while the round's lease was on its way, and released %d", n)
-			swept <- n
-		case <-time.After(30 * time.Second):
-			t.Error("the session's loop did not sweep within 30s")
-		}
+		gate.release(false) // the loop sweeps once let go
+		sweeps.sweepWhileOnTheirWay(t, r, d.Dispatched[0].Holder, "the round's lease")
 		return d, err
 	})
 	turns := watchDiscoveryTurns(r)
 	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 1, LeaseTtl: durationpb.New(time.Hour)})
-	gate.waitHeld(t)
-	turns.next(t) // no round that began before the offer finds the event
-	id := emit(t, pool, "orders", "o", 1)[0]
-	select {
-	case got := <-dispatched:
-		if got != id {
-			t.Fatalf("dispatched %s, want %s", got, id)
-		}
-	case <-time.After(30 * time.Second):
-		t.Fatal("nothing was dispatched")
-	}
-	d := recv(t, st)
-	if d.GetEvent().GetEventId() != id.String() || d.GetAttempt() != 1 {
-		t.Fatalf("got %s attempt %d, want %s attempt 1 (the dispatched lease, kept)",
-			d.GetEvent().GetEventId(), d.GetAttempt(), id)
-	}
-	select {
-	case n := <-swept:
-		if n != 0 {
-			t.Fatalf("the sweep released %d leases, want 0", n)
-		}
-	case <-time.After(30 * time.Second):
-		t.Fatal("the sweep did not end within 30s")
+	id := emitOnceOffered(t, pool, gate, turns, dispatched, "orders", "o")
+	d := recvAttempt(t, st, id, 1, "the dispatched lease, kept")
+	if s := sweeps.next(t, "after the round"); s.released != 0 {
+		t.Fatalf("the sweep released %d leases, want 0", s.released)
 	}
 	if res := ack(t, r, d); res[0].GetStatus() != outboxv1.AckStatus_ACK_STATUS_PUBLISHED {
 		t.Fatalf("ack: %v", res[0])
@@ -565,25 +603,10 @@ func TestClaimCommittedLateIsSweptAtTheNextTickWithNothingInFlight(t *testing.T)
 		}
 		return ls, err
 	})
-	type sweep struct {
-		session  uuid.UUID
-		released int
-	}
-	sweeps := make(chan sweep, 4)
-	r.Server.SetSweepWaits(func(uuid.UUID) {}, func(id uuid.UUID, released int) { sweeps <- sweep{id, released} })
-	nextSweep := func(what string) sweep {
-		t.Helper()
-		select {
-		case s := <-sweeps:
-			return s
-		case <-time.After(30 * time.Second):
-			t.Fatal("no sweep " + what + " within 30s")
-			return sweep{}
-		}
-	}
+	sweeps := watchSweeps(r)
 	subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 1, ExcludeStreams: []string{"audit"},
 		LeaseTtl: durationpb.New(time.Hour)})
-	first := nextSweep("after the failed claim")
+	first := sweeps.next(t, "after the failed claim")
 	if first.released != 0 {
 		t.Fatalf("the immediate sweep released %d", first.released)
 	}
@@ -610,7 +633,7 @@ func TestClaimCommittedLateIsSweptAtTheNextTickWithNothingInFlight(t *testing.T)
 	case <-time.After(30 * time.Second):
 		t.Fatal("the session's loop took no reconcile tick within 30s though it owes a sweep")
 	}
-	if s := nextSweep("after the tick"); s.session != first.session || s.released != 1 {
+	if s := sweeps.next(t, "after the tick"); s.session != first.session || s.released != 1 {
 		t.Fatalf("the tick's sweep released %d leases of %s, want the late claim's 1 of %s", s.released, s.session, first.session)
 	}
 	var state string

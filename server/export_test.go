@@ -219,14 +219,15 @@ func LagScraper(read func(context.Context) (store.Lag, error), now func() time.T
 // RequestSweep asks the session's loop to release the leases it holds but
 // does not know of, as a failed claim or a lost round's answer does, and
 // reports whether the session was found.
-func (s *Server) RequestSweep(id uuid.UUID) (found bool) {
-	s.forEachSession(func(ss *session) {
-		if ss.id == id {
-			ss.requestSweep()
-			found = true
-		}
-	})
-	return found
+func (s *Server) RequestSweep(id uuid.UUID) bool {
+	s.mu.Lock()
+	ss := s.sessions[id]
+	s.mu.Unlock()
+	if ss == nil {
+		return false
+	}
+	ss.requestSweep()
+	return true
 }
 
 // SetSweepWaits makes a session's sweep for orphans call f when it has to

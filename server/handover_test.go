@@ -269,40 +269,14 @@ func TestSweepKeepsLeasesAnAckIsHandingOver(t *testing.T) {
 	pool := testdb.NewPoolURL(t, url)
 	ids := emit(t, pool, "orders", "hot", 2)
 	r := startReplica(t, url, nil)
-	sweepWaited := make(chan struct{}, 1)
-	swept := make(chan int, 1)
-	r.Server.SetSweepWaits(
-		func(uuid.UUID) {
-			select {
-			case sweepWaited <- struct{}{}:
-			default:
-			}
-		},
-		func(_ uuid.UUID, released int) {
-			select {
-			case swept <- released:
-			default:
-			}
-		})
+	sweeps := watchSweeps(r)
 	var hooked atomic.Bool
 	r.Server.SetBeforeHandOver(func(res []store.AckResult) {
 		for _, a := range res {
 			if len(a.HandOver) == 0 || !hooked.CompareAndSwap(false, true) {
 				continue
 			}
-			drain(sweepWaited)
-			drain(swept)
-			if !r.Server.RequestSweep(a.Holder) {
-				t.Error("the ack handed over to a session the server does not have")
-			}
-			select {
-			case <-sweepWaited:
-			case n := <-swept:
-				t.Errorf("the sweep went ahead while the ack's hand-over was on its way, and released %d", n)
-				swept <- n
-			case <-time.After(30 * time.Second):
-				t.Error("the session's loop did not sweep within 30s")
-			}
+			sweeps.sweepWhileOnTheirWay(t, r, a.Holder, "the ack's hand-over")
 		}
 	})
 	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 1, LeaseTtl: durationpb.New(time.Hour)})
@@ -313,18 +287,9 @@ func TestSweepKeepsLeasesAnAckIsHandingOver(t *testing.T) {
 	if !hooked.Load() {
 		t.Fatal("the ack handed nothing over")
 	}
-	d2 := recv(t, st)
-	if d2.GetEvent().GetEventId() != ids[1].String() || d2.GetAttempt() != 1 {
-		t.Fatalf("got %s attempt %d, want %s attempt 1 (the handed-over lease, kept)",
-			d2.GetEvent().GetEventId(), d2.GetAttempt(), ids[1])
-	}
-	select {
-	case n := <-swept:
-		if n != 0 {
-			t.Fatalf("the sweep released %d leases, want 0", n)
-		}
-	case <-time.After(30 * time.Second):
-		t.Fatal("the sweep did not end within 30s")
+	d2 := recvAttempt(t, st, ids[1], 1, "the handed-over lease, kept")
+	if s := sweeps.next(t, "after the ack"); s.released != 0 {
+		t.Fatalf("the sweep released %d leases, want 0", s.released)
 	}
 	if res := ack(t, r, d2); res[0].GetStatus() != outboxv1.AckStatus_ACK_STATUS_PUBLISHED {
 		t.Fatalf("ack of the handed-over lease: %v", res[0])
