@@ -1273,6 +1273,8 @@ $$;
 
 CREATE FUNCTION outbox.discover_round(p_max_aggregates integer DEFAULT NULL::integer, p_max_events integer DEFAULT NULL::integer, p_holders uuid[] DEFAULT NULL::uuid[], p_relay_ids text[] DEFAULT NULL::text[], p_ttls interval[] DEFAULT NULL::interval[], p_credits integer[] DEFAULT NULL::integer[], p_filters jsonb DEFAULT NULL::jsonb, p_replica_id text DEFAULT NULL::text) RETURNS TABLE(events bigint, woken bigint, last_holder uuid, stream text, aggregate_key text, holder uuid, lease outbox.lease)
     LANGUAGE plpgsql
+    SET jit TO 'off'
+    SET plan_cache_mode TO 'force_generic_plan'
     AS $$
 #variable_conflict use_column
 DECLARE
