@@ -56,6 +56,11 @@ func (s *Server) SetAfterFreed(f func(session uuid.UUID, claim bool, claimBy tim
 	s.afterFreed.set(f)
 }
 
+// SetBeforeNackNotice makes every Nack call f with the lease's holder once
+// the nack committed, before the holder's session hears that its lease
+// ended; a blocking f holds the notice back. Set it before the first Nack.
+func (s *Server) SetBeforeNackNotice(f func(holder uuid.UUID)) { s.beforeNackNotice.set(f) }
+
 // SetFreedApplied makes every session loop call f as soon as it has
 // applied its freed list (acks, nacks and hand-overs) and let the
 // session's lock go, with how many it applied and the session's

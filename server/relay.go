@@ -330,6 +330,9 @@ func (r *relayService) Nack(ctx context.Context, req *outboxv1.NackRequest) (*ou
 	if len(ended) == 0 {
 		ended = []uuid.UUID{t.EventID}
 	}
+	if h := s.beforeNackNotice.get(); h != nil && res.Holder != uuid.Nil {
+		h(res.Holder)
+	}
 	if res.Holder != uuid.Nil && !s.released(res.Holder, false, t.Epoch, ended...) {
 		// Held through another replica: tell it, so the session frees its
 		// credit now rather than at its next reconciliation. Best effort;

@@ -317,6 +317,9 @@ type Server struct {
 	// polls: work then reaches an idle session only by a wake-up, so a test
 	// can tell a missed wake-up from one the poll made up for.
 	noPolls atomic.Bool
+	// beforeNackNotice, when set (by tests), runs in Nack once the nack
+	// committed, before the holder's session hears that the lease ended.
+	beforeNackNotice hook[func(holder uuid.UUID)]
 	// afterFreed, when set (by tests), runs in a session's loop each time
 	// it found credit freed, with its decision: claim at once, or not
 	// (then by claimBy at the latest, when set).

@@ -526,3 +526,64 @@ func TestAckBatchOffersAgainOnlyTheCreditItsSlideLeftUnused(t *testing.T) {
 		t.Fatal("nothing was dispatched within 30s")
 	}
 }
+
+// A nack's notice that reaches its session only after the session leased
+// the event again (a later lease, a higher epoch) frees nothing: the later
+// lease is out with the relay and still counts against max_in_flight, or
+// the session would claim past it. The nack's notice is held after the
+// nack committed; the session's poll claims the event again once its
+// backoff passed (the nack took none of the session's credit back yet, so
+// it claims with the credit it had left); then the notice goes through.
+func TestALateNackNoticeLeavesTheEventsNextLeaseCounted(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	ids := emit(t, pool, "orders", "a", 1)
+	r := startReplica(t, url, func(c *server.Config) { c.NoDispatch = true })
+	r.Server.SetReconcileTick(make(chan time.Time)) // never ticks
+	held, release := make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	r.Server.SetBeforeNackNotice(func(uuid.UUID) {
+		once.Do(func() {
+			close(held)
+			<-release
+		})
+	})
+	outstanding := make(chan int64, 64)
+	r.Server.SetFreedApplied(func(applied int, out int64) {
+		if applied > 0 {
+			outstanding <- out
+		}
+	})
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 2, LeaseTtl: durationpb.New(time.Hour)})
+	first := recv(t, st)
+	if first.GetEvent().GetEventId() != ids[0].String() || first.GetAttempt() != 1 {
+		t.Fatalf("first delivery: %s attempt %d", first.GetEvent().GetEventId(), first.GetAttempt())
+	}
+	nacked := make(chan error, 1)
+	go func() {
+		_, err := r.Relay.Nack(ctx, &outboxv1.NackRequest{EventId: first.GetEvent().GetEventId(),
+			LeaseToken: first.GetLeaseToken(), Error: "broker said no", RetryAfter: durationpb.New(time.Millisecond)})
+		nacked <- err
+	}()
+	<-held
+	again := recv(t, st)
+	if again.GetEvent().GetEventId() != ids[0].String() || again.GetAttempt() != 2 {
+		t.Fatalf("after the nack: %s attempt %d, want the event again, attempt 2",
+			again.GetEvent().GetEventId(), again.GetAttempt())
+	}
+	close(release)
+	if err := <-nacked; err != nil {
+		t.Fatalf("nack: %v", err)
+	}
+	select {
+	case out := <-outstanding:
+		if out != 1 {
+			t.Fatalf("once the first lease's nack notice applied, the session counts %d deliveries outstanding, want 1 (the second lease)", out)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("the session never applied the nack's notice")
+	}
+}
