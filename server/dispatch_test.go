@@ -868,3 +868,92 @@ func waitClosed(t *testing.T, c <-chan struct{}, what string) {
 		t.Fatal(what + " within 30s")
 	}
 }
+
+// A loop offers only the credit that leases given to it but not yet
+// counted leave free: a discovery round that borrowed part of a waiting
+// session's credit and gives its lease while the loop claims with the rest
+// leaves that lease waiting to be counted when the loop next offers, and
+// offering past it would let the next round dispatch beyond max_in_flight.
+// S (max_in_flight 3, rounds of one aggregate, no polls) offers 3; a round
+// borrows 1 and is held before it is sent; a wake-up makes S withdraw the
+// offer and claim with the other 2, and its claim is held until the round
+// has given S the lease it dispatched; S's next offer is then 3 - 1 = 2.
+func TestAnOfferLeavesOutLeasesGivenWhileTheLoopClaimed(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	r := startReplica(t, url, func(c *server.Config) { c.DiscoveryMaxFound = 1 })
+	r.Server.SetReconcileTick(make(chan time.Time)) // never ticks
+	// A poll before the round borrows would take S's offer back first; the
+	// claim comes from the wake-up below.
+	r.Server.SetNoPolls()
+	offers := make(chan int, 64)
+	r.Server.SetAfterOffer(func(_ uuid.UUID, offered int) { offers <- offered })
+	roundHeld, roundGo := make(chan struct{}), make(chan struct{})
+	var roundOnce sync.Once
+	r.Server.SetBeforeRound(func() {
+		roundOnce.Do(func() {
+			close(roundHeld)
+			<-roundGo
+		})
+	})
+	var armed atomic.Bool
+	claiming, given := make(chan struct{}), make(chan struct{})
+	var claimOnce, giveOnce sync.Once
+	r.Server.SetAfterClaim(func(l []store.Lease, err error) ([]store.Lease, error) {
+		if armed.Load() {
+			claimOnce.Do(func() {
+				close(claiming)
+				<-given
+			})
+		}
+		return l, err
+	})
+	r.Server.SetAfterGive(func(_ uuid.UUID, leases, _ int, _ bool) {
+		if leases > 0 {
+			giveOnce.Do(func() { close(given) })
+		}
+	})
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 3, LeaseTtl: durationpb.New(time.Hour)})
+	if got := nextOffer(t, offers); got != 3 {
+		t.Fatalf("the session's first offer: %d, want 3", got)
+	}
+	emit(t, pool, "orders", "x", 1)
+	<-roundHeld
+	armed.Store(true)
+	if _, err := pool.Exec(ctx, `SELECT pg_notify('outbox_wakeup', '')`); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-claiming: // the wake-up made the loop withdraw and claim
+	case <-time.After(30 * time.Second):
+		t.Fatal("the session never claimed while the round was held")
+	}
+	// Offers the loop made before this claim (a turn the listener's first
+	// connection asks of every session, say) are not the one at stake: the
+	// first one after the claim is.
+	for len(offers) > 0 {
+		<-offers
+	}
+	close(roundGo)
+	d := recv(t, st)
+	if d.GetEvent().GetAggregateKey() != "x" {
+		t.Fatalf("delivered %s, want the round's lease of x", d.GetEvent().GetAggregateKey())
+	}
+	if got := nextOffer(t, offers); got != 2 {
+		t.Fatalf("with x given but not yet counted, the session offered %d, want 2", got)
+	}
+}
+
+func nextOffer(t *testing.T, offers <-chan int) int {
+	t.Helper()
+	select {
+	case n := <-offers:
+		return n
+	case <-time.After(30 * time.Second):
+		t.Fatal("the session made no offer within 30s")
+		return 0
+	}
+}
