@@ -1,0 +1,47 @@
+package relay
+
+import (
+	"context"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+	"github.com/outboxd/outboxd/internal/servertest"
+)
+
+// An Ack that fails as unavailable (a network blip) is sent again and
+// lands, within AckRetryTimeout, rather than being given up at once: an ack
+// given up costs a redelivery of an event the broker already has.
+func TestAckRetriesATransientFailureBeforeGivingUp(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, servertest.Options{})
+	id := e.emit(t, "orders", "a")
+	var calls atomic.Int32
+	blip := grpc.WithChainUnaryInterceptor(func(ctx context.Context, m string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
+		if _, ok := req.(*outboxv1.AckRequest); ok && calls.Add(1) == 1 {
+			return status.Error(codes.Unavailable, "injected: connection reset")
+		}
+		return invoker(ctx, m, req, reply, cc, opts...)
+	})
+	givenUp := make(chan int, 10)
+	// An hour-long lease: only the retried ack can publish the event within
+	// the test.
+	start(t, Config{Conn: e.dial(t, blip), Publisher: newPublisher(), LeaseTTL: time.Hour, AckRetryTimeout: time.Minute},
+		hooks{ackGivenUp: func(k int) { givenUp <- k }})
+	waitUntil(t, "the event to be published", func() bool {
+		select {
+		case k := <-givenUp:
+			t.Fatalf("%d acks given up after one unavailable answer, want the ack sent again", k)
+		default:
+		}
+		return e.published(t, id)
+	})
+	if n := calls.Load(); n != 2 {
+		t.Fatalf("%d Ack requests, want 2 (one failed, one retried)", n)
+	}
+}

@@ -1,0 +1,84 @@
+package relay
+
+import (
+	"context"
+	"encoding/json"
+	"testing"
+	"time"
+
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/trace"
+
+	"github.com/outboxd/outboxd/client"
+	"github.com/outboxd/outboxd/internal/servertest"
+)
+
+// A span in Run's context (the service's own, say) is not the publish's
+// parent: with no tracer provider installed, the no-op tracer would hand
+// that span back as the publish span, and its context would replace the
+// producer's in the headers the broker gets. The producer's trace context
+// reaches the broker as it was stored.
+func TestPublishIgnoresTheSpanOfRunsContext(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, servertest.Options{})
+	const tp = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+	if _, err := client.Emit(context.Background(), e.pool, client.Event{
+		Stream: "orders", AggregateKey: "1", Type: "T", Payload: json.RawMessage(`{}`),
+		Headers: map[string]string{"traceparent": tp, "tracestate": "a=b"},
+	}); err != nil {
+		t.Fatal(err)
+	}
+	pub := newPublisher()
+	r, err := NewRunner(Config{Conn: e.srv.Conn, Publisher: pub, Logger: servertest.Logger(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	service := trace.NewSpanContext(trace.SpanContextConfig{
+		TraceID: trace.TraceID{1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16},
+		SpanID:  trace.SpanID{1, 2, 3, 4, 5, 6, 7, 8}, TraceFlags: trace.FlagsSampled,
+	})
+	ctx, cancel := context.WithCancel(trace.ContextWithSpanContext(context.Background(), service))
+	done := make(chan error, 1)
+	go func() { done <- r.Run(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		select {
+		case <-done:
+		case <-time.After(bound):
+			t.Errorf("Run did not return within %v of its context ending", bound)
+		}
+	})
+	got := waitSignal(t, "a publish", pub.started)
+	if got.Headers["traceparent"] != tp || got.Headers["tracestate"] != "a=b" {
+		t.Errorf("published with headers %v, want the producer's trace context %s untouched", got.Headers, tp)
+	}
+}
+
+// With a tracer installed, the headers the broker gets carry the publish
+// span's trace context, and none of the producer's: its tracestate
+// belongs to its traceparent and must not ride along with the relay's.
+func TestPublishDropsTheProducersTraceStateWithItsTraceParent(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, servertest.Options{})
+	const tp = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+	if _, err := client.Emit(context.Background(), e.pool, client.Event{
+		Stream: "orders", AggregateKey: "1", Type: "T", Payload: json.RawMessage(`{}`),
+		Headers: map[string]string{"traceparent": tp, "tracestate": "producer=1", "X-Tenant": "acme"},
+	}); err != nil {
+		t.Fatal(err)
+	}
+	provider := sdktrace.NewTracerProvider()
+	t.Cleanup(func() { _ = provider.Shutdown(context.Background()) })
+	pub := newPublisher()
+	start(t, Config{Conn: e.srv.Conn, Publisher: pub, TracerProvider: provider}, hooks{})
+	got := waitSignal(t, "a publish", pub.started)
+	if got.Headers["traceparent"] == tp || got.Headers["traceparent"] == "" {
+		t.Fatalf("published traceparent %q, want the publish span's", got.Headers["traceparent"])
+	}
+	if ts, ok := got.Headers["tracestate"]; ok {
+		t.Errorf("published tracestate %q beside the relay's traceparent, want the producer's dropped", ts)
+	}
+	if got.Headers["X-Tenant"] != "acme" {
+		t.Errorf("published headers %v lost the producer's own", got.Headers)
+	}
+}
