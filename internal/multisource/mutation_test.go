@@ -1,0 +1,106 @@
+package multisource_test
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"testing"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+	"github.com/outboxd/outboxd/internal/servertest"
+	"github.com/outboxd/outboxd/internal/testdb"
+)
+
+// Tests written against mutants of this package's routing that its other
+// tests let through: each holds one promise of the package documentation.
+
+// dbName is the database name of a test database URL.
+func dbName(url string) string {
+	name := url[strings.LastIndex(url, "/")+1:]
+	if i := strings.IndexByte(name, '?'); i >= 0 {
+		name = name[:i]
+	}
+	return name
+}
+
+// lockTable locks table in mode in pool's database, in a transaction of its
+// own, held until the test ends or release is called.
+func lockTable(t *testing.T, pool *pgxpool.Pool, table, mode string) (release func()) {
+	t.Helper()
+	ctx := context.WithoutCancel(t.Context())
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := tx.Exec(ctx, "LOCK TABLE "+pgx.Identifier(strings.Split(table, ".")).Sanitize()+" IN "+mode+" MODE"); err != nil {
+		tx.Rollback(ctx)
+		t.Fatal(err)
+	}
+	release = func() { tx.Rollback(ctx) }
+	t.Cleanup(release)
+	return release
+}
+
+// waitingBackend waits until a backend of the database at url waits on a
+// lock running a statement that holds text, and returns its pid.
+func waitingBackend(t *testing.T, url, text string) int32 {
+	t.Helper()
+	admin := testdb.NewPoolURL(t, testdb.ServerURL())
+	var pid int32
+	waitFor(t, "a statement holding "+text+" to wait on a lock", func() bool {
+		err := admin.QueryRow(t.Context(), `SELECT pid FROM pg_stat_activity
+			WHERE datname = $1 AND wait_event_type = 'Lock' AND strpos(query, $2) > 0 LIMIT 1`, dbName(url), text).Scan(&pid)
+		if err != nil && !errors.Is(err, pgx.ErrNoRows) {
+			t.Fatal(err)
+		}
+		return err == nil
+	})
+	return pid
+}
+
+// TestAckOfAFailingSourceAnswersOnlyItsOwnRetry: one Ack request with a
+// delivery of orders and one of default, where orders' database fails the
+// ack statement (cancelled while it waits on a lock): default's ack lands
+// (PUBLISHED) and orders' alone is answered RETRY naming orders, so one
+// source failing holds up no other's acks. Kills a Router that fails the
+// whole request on any engine's error.
+func TestAckOfAFailingSourceAnswersOnlyItsOwnRetry(t *testing.T) {
+	t.Parallel()
+	r, _, ordersURL := twoSources(t, servertest.Options{})
+	defID := emit(t, r.Pool, "sales_order", "1")
+	ordersID := emit(t, r.Pools["orders"], "sales_order", "1")
+	dd := recv(t, subscribe(t, r.Relay, "sales_order"))
+	od := recv(t, subscribe(t, r.Relay, "orders/sales_order"))
+	lockTable(t, r.Pools["orders"], "outbox.event", "EXCLUSIVE")
+
+	type answer struct {
+		res *outboxv1.AckResponse
+		err error
+	}
+	done := make(chan answer, 1)
+	go func() {
+		res, err := r.Relay.Ack(t.Context(), &outboxv1.AckRequest{Acks: []*outboxv1.AckItem{
+			{EventId: ordersID, LeaseToken: od.GetLeaseToken()}, {EventId: defID, LeaseToken: dd.GetLeaseToken()}}})
+		done <- answer{res, err}
+	}()
+	pid := waitingBackend(t, ordersURL, "outbox.ack(")
+	if _, err := r.Pool.Exec(t.Context(), `SELECT pg_cancel_backend($1)`, pid); err != nil {
+		t.Fatal(err)
+	}
+	a := <-done
+	if a.err != nil {
+		t.Fatalf("an Ack of both sources with orders' ack failing: %v; want default's acked and orders' to retry", a.err)
+	}
+	if got := a.res.GetResults()[0]; got.GetStatus() != outboxv1.AckStatus_ACK_STATUS_RETRY || !strings.Contains(got.GetMessage(), `source "orders"`) {
+		t.Errorf("orders' failed ack: %v %q; want RETRY naming orders", got.GetStatus(), got.GetMessage())
+	}
+	if got := a.res.GetResults()[1]; got.GetStatus() != outboxv1.AckStatus_ACK_STATUS_PUBLISHED {
+		t.Errorf("default's ack with orders' failing: %v %q; want PUBLISHED", got.GetStatus(), got.GetMessage())
+	}
+	if !published(t, r.Pool, defID) {
+		t.Error("default's event is not published after its ack")
+	}
+}
