@@ -104,3 +104,52 @@ func TestAckOfAFailingSourceAnswersOnlyItsOwnRetry(t *testing.T) {
 		t.Error("default's event is not published after its ack")
 	}
 }
+
+// TestSlowSourceHoldsUpNoOtherSourcesAck: the Router gives each source's
+// engine its acks at once, so while orders' ack waits on its database (its
+// event table locked against writers), default's ack of the same request,
+// listed after it, lands. Kills a Router that calls the engines one after
+// another.
+func TestSlowSourceHoldsUpNoOtherSourcesAck(t *testing.T) {
+	t.Parallel()
+	r, _, _ := twoSources(t, servertest.Options{})
+	defID := emit(t, r.Pool, "sales_order", "1")
+	ordersID := emit(t, r.Pools["orders"], "sales_order", "1")
+	dd := recv(t, subscribe(t, r.Relay, "sales_order"))
+	od := recv(t, subscribe(t, r.Relay, "orders/sales_order"))
+	release := lockTable(t, r.Pools["orders"], "outbox.event", "EXCLUSIVE")
+
+	type answer struct {
+		res *outboxv1.AckResponse
+		err error
+	}
+	done := make(chan answer, 1)
+	go func() {
+		res, err := r.Relay.Ack(t.Context(), &outboxv1.AckRequest{Acks: []*outboxv1.AckItem{
+			{EventId: ordersID, LeaseToken: od.GetLeaseToken()}, {EventId: defID, LeaseToken: dd.GetLeaseToken()}}})
+		done <- answer{res, err}
+	}()
+	answered := func() {
+		select {
+		case a := <-done:
+			t.Fatalf("the Ack was answered (%v, %v) while orders' event table was locked: orders' ack gave up (the engine's own limit), "+
+				"so default's may have waited for it", a.res, a.err)
+		default:
+		}
+	}
+	waitFor(t, "default's ack to land while orders' waits", func() bool {
+		answered()
+		return published(t, r.Pool, defID)
+	})
+	answered()
+	release()
+	a := <-done
+	if a.err != nil {
+		t.Fatal(a.err)
+	}
+	for i, x := range a.res.GetResults() {
+		if x.GetStatus() != outboxv1.AckStatus_ACK_STATUS_PUBLISHED {
+			t.Errorf("ack %d (%s): %v %s; want PUBLISHED", i, x.GetEventId(), x.GetStatus(), x.GetMessage())
+		}
+	}
+}
