@@ -8,6 +8,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
 	"github.com/outboxd/outboxd/internal/servertest"
@@ -151,5 +153,35 @@ func TestSlowSourceHoldsUpNoOtherSourcesAck(t *testing.T) {
 		if x.GetStatus() != outboxv1.AckStatus_ACK_STATUS_PUBLISHED {
 			t.Errorf("ack %d (%s): %v %s; want PUBLISHED", i, x.GetEventId(), x.GetStatus(), x.GetMessage())
 		}
+	}
+}
+
+// TestAckRefusedByOneSourceRefusesTheRequest: a token that may access
+// default's streams and orders' billing.* acks a delivery of orders'
+// sales_order together with one of default: orders' engine refuses the
+// token for that event's stream, and so the request is refused
+// (PERMISSION_DENIED), not answered RETRY for orders. Kills a Router that
+// swallows an engine's PERMISSION_DENIED in a request of several sources.
+func TestAckRefusedByOneSourceRefusesTheRequest(t *testing.T) {
+	t.Parallel()
+	const (
+		allToken  = "all-relay-token-0123456789"
+		partToken = "part-relay-token-0123456789"
+	)
+	r, dial := twoSourcesWithTokens(t, "all relay "+allToken+"\n"+
+		"part relay "+partToken+" streams=default/*,orders/billing.*\n")
+	all := outboxv1.NewRelayServiceClient(dial(allToken))
+	defID := emit(t, r.Pool, "sales_order", "1")
+	ordersID := emit(t, r.Pools["orders"], "sales_order", "1")
+	dd := recv(t, subscribe(t, all, "sales_order"))
+	od := recv(t, subscribe(t, all, "orders/sales_order"))
+
+	_, err := outboxv1.NewRelayServiceClient(dial(partToken)).Ack(t.Context(), &outboxv1.AckRequest{Acks: []*outboxv1.AckItem{
+		{EventId: ordersID, LeaseToken: od.GetLeaseToken()}, {EventId: defID, LeaseToken: dd.GetLeaseToken()}}})
+	if status.Code(err) != codes.PermissionDenied {
+		t.Errorf("an Ack of orders' sales_order by a token limited to orders/billing.*: %v; want PERMISSION_DENIED", err)
+	}
+	if published(t, r.Pools["orders"], ordersID) {
+		t.Error("orders' event was published by a token orders refuses")
 	}
 }
