@@ -185,3 +185,35 @@ func TestAckRefusedByOneSourceRefusesTheRequest(t *testing.T) {
 		t.Error("orders' event was published by a token orders refuses")
 	}
 }
+
+// TestLagAsksEverySourceAtOnce: GetLag asks the sources' engines at once,
+// so a source whose database is slow delays no other's answer: with the
+// table every lag read reads locked in both databases, both engines' lag
+// statements are seen waiting together. Kills a GetLag that asks the
+// sources one after another.
+func TestLagAsksEverySourceAtOnce(t *testing.T) {
+	t.Parallel()
+	r, def, orders := twoSources(t, servertest.Options{})
+	releaseDef := lockTable(t, r.Pool, "outbox.delivered_count", "ACCESS EXCLUSIVE")
+	releaseOrders := lockTable(t, r.Pools["orders"], "outbox.delivered_count", "ACCESS EXCLUSIVE")
+	done := make(chan error, 1)
+	go func() {
+		_, err := r.Admin.GetLag(t.Context(), &outboxv1.GetLagRequest{})
+		done <- err
+	}()
+	admin := testdb.NewPoolURL(t, testdb.ServerURL())
+	waitFor(t, "both sources' lag statements to wait on the lock together", func() bool {
+		var n int
+		if err := admin.QueryRow(t.Context(), `SELECT count(DISTINCT datname) FROM pg_stat_activity
+			WHERE datname = ANY ($1) AND wait_event_type = 'Lock' AND query LIKE '%outbox.pending_by_stream(%'`,
+			[]string{dbName(def), dbName(orders)}).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return n == 2
+	})
+	releaseDef()
+	releaseOrders()
+	if err := <-done; err != nil {
+		t.Fatalf("GetLag once the locks are gone: %v", err)
+	}
+}
