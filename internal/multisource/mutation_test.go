@@ -217,3 +217,34 @@ func TestLagAsksEverySourceAtOnce(t *testing.T) {
 		t.Fatalf("GetLag once the locks are gone: %v", err)
 	}
 }
+
+// TestLagNamesAFailingSourceNotReady: a source whose lag read fails while
+// its readiness check still passes (here its lag function is renamed away)
+// is reported not ready, the error as the reason, and default's figures
+// are reported. Kills a GetLag that reports such a source as ready.
+func TestLagNamesAFailingSourceNotReady(t *testing.T) {
+	t.Parallel()
+	r, _, _ := twoSources(t, servertest.Options{})
+	emit(t, r.Pool, "billing", "1")
+	waitFor(t, "both sources ready", func() bool { return r.App.Readiness().Reason == "" })
+	if _, err := r.Pools["orders"].Exec(t.Context(), `ALTER FUNCTION outbox.pending_by_stream(text[]) RENAME TO pending_by_stream_gone`); err != nil {
+		t.Fatal(err)
+	}
+	lag, err := r.Admin.GetLag(t.Context(), &outboxv1.GetLagRequest{})
+	if err != nil {
+		t.Fatalf("GetLag with orders' lag read failing: %v", err)
+	}
+	health := map[string]*outboxv1.SourceHealth{}
+	for _, s := range lag.GetSources() {
+		health[s.GetName()] = s
+	}
+	if h := health["orders"]; h == nil || h.GetReady() || h.GetReason() == "" {
+		t.Errorf("GetLag says orders is %v while its lag read fails; want not ready, with the reason", h)
+	}
+	if h := health["default"]; h == nil || !h.GetReady() {
+		t.Errorf("GetLag says default is %v; want ready", h)
+	}
+	if s := lag.GetStreams(); len(s) != 1 || s[0].GetStream() != "billing" || s[0].GetSource() != "" {
+		t.Errorf("GetLag streams %v; want default's billing alone", s)
+	}
+}
