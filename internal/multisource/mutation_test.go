@@ -3,6 +3,7 @@ package multisource_test
 import (
 	"context"
 	"errors"
+	"slices"
 	"strings"
 	"testing"
 
@@ -246,5 +247,49 @@ func TestLagNamesAFailingSourceNotReady(t *testing.T) {
 	}
 	if s := lag.GetStreams(); len(s) != 1 || s[0].GetStream() != "billing" || s[0].GetSource() != "" {
 		t.Errorf("GetLag streams %v; want default's billing alone", s)
+	}
+}
+
+// TestListRelaysNamesTheirSource: ListRelays writes a relay's streams and
+// exclude_streams as the relay named them ("orders/sales_order"), so an
+// operator can tell which source a relay serves; default's stay bare. Kills
+// a ListRelays that leaves an engine's bare names.
+func TestListRelaysNamesTheirSource(t *testing.T) {
+	t.Parallel()
+	r, _, _ := twoSources(t, servertest.Options{})
+	emit(t, r.Pools["orders"], "sales_order", "1") // a stream subscribed to must exist
+	emit(t, r.Pool, "billing", "1")
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	for _, req := range []*outboxv1.SubscribeRequest{
+		{RelayId: "orders-one", Streams: []string{"orders/sales_order"}, MaxInFlight: 1},
+		{RelayId: "orders-all", Streams: []string{"orders/*"}, ExcludeStreams: []string{"orders/audit"}, MaxInFlight: 1},
+		{RelayId: "default-one", Streams: []string{"billing"}, MaxInFlight: 1},
+	} {
+		if _, err := r.Relay.Subscribe(ctx, req); err != nil {
+			t.Fatal(err)
+		}
+	}
+	byID := map[string]*outboxv1.Relay{}
+	waitFor(t, "the three relays listed", func() bool {
+		res, err := r.Admin.ListRelays(t.Context(), &outboxv1.ListRelaysRequest{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		clear(byID)
+		for _, rl := range res.GetRelays() {
+			byID[rl.GetRelayId()] = rl
+		}
+		return len(byID) == 3
+	})
+	for id, want := range map[string][2][]string{
+		"orders-one":  {{"orders/sales_order"}, nil},
+		"orders-all":  {nil, {"orders/audit"}},
+		"default-one": {{"billing"}, nil},
+	} {
+		rl := byID[id]
+		if !slices.Equal(rl.GetStreams(), want[0]) || !slices.Equal(rl.GetExcludeStreams(), want[1]) {
+			t.Errorf("relay %s listed with streams %q, exclude %q; want %q, %q", id, rl.GetStreams(), rl.GetExcludeStreams(), want[0], want[1])
+		}
 	}
 }
