@@ -293,3 +293,31 @@ func TestListRelaysNamesTheirSource(t *testing.T) {
 		}
 	}
 }
+
+// TestPurgeRefusesATokenLimitedOnASourceBeforeAny: Purge without a stream by
+// a token that may access every stream of default but only billing.* of
+// orders is refused (PERMISSION_DENIED naming orders) before any source is
+// purged: default's published events are all still there. Kills a Purge
+// that skips the check of every source first, so default is purged before
+// orders refuses.
+func TestPurgeRefusesATokenLimitedOnASourceBeforeAny(t *testing.T) {
+	t.Parallel()
+	const (
+		relayToken = "all-relay-token-0123456789"
+		partToken  = "part-admin-token-0123456789"
+	)
+	r, dial := twoSourcesWithTokens(t, "relay relay "+relayToken+"\npart admin "+partToken+" streams=default/*,orders/billing.*\n")
+	relay := outboxv1.NewRelayServiceClient(dial(relayToken))
+	emit(t, r.Pool, "sales_order", "1")
+	emit(t, r.Pools["orders"], "billing.x", "1")
+	publishAll(t, relay, 1, "sales_order")
+	publishAll(t, relay, 1, "orders/billing.x")
+
+	_, err := purgeAll(t, outboxv1.NewAdminServiceClient(dial(partToken)), &outboxv1.PurgeRequest{})
+	if status.Code(err) != codes.PermissionDenied || !strings.Contains(err.Error(), "source orders") {
+		t.Errorf("Purge of every source by a token limited on orders: %v; want PERMISSION_DENIED naming orders", err)
+	}
+	if d, o := countPublished(t, r.Pool), countPublished(t, r.Pools["orders"]); d != 1 || o != 1 {
+		t.Errorf("after a refused purge: %d/%d published left (default/orders); want 1/1", d, o)
+	}
+}
