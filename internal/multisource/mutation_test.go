@@ -3,6 +3,7 @@ package multisource_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"slices"
 	"strings"
 	"testing"
@@ -320,4 +321,23 @@ func TestPurgeRefusesATokenLimitedOnASourceBeforeAny(t *testing.T) {
 	if d, o := countPublished(t, r.Pool), countPublished(t, r.Pools["orders"]); d != 1 || o != 1 {
 		t.Errorf("after a refused purge: %d/%d published left (default/orders); want 1/1", d, o)
 	}
+}
+
+// TestListingPageOverSourcesHoldsAtMostPageSize: a page that one source
+// ends early goes on into the next only for what is left of page_size:
+// with default's one event and orders' three, pages of 2 hold at most 2,
+// every event once. Kills a listing that asks the next source for a whole
+// page.
+func TestListingPageOverSourcesHoldsAtMostPageSize(t *testing.T) {
+	t.Parallel()
+	r, _, _ := twoSources(t, servertest.Options{})
+	want := []string{"|" + emit(t, r.Pool, "sales_order", "1")}
+	for i := range 3 {
+		want = append(want, "orders|"+emit(t, r.Pools["orders"], "sales_order", fmt.Sprint(i)))
+	}
+	got, _ := pageAll(t, func(token string) ([]string, string, error) {
+		res, err := r.Admin.ListEvents(t.Context(), &outboxv1.ListEventsRequest{PageSize: 2, PageToken: token})
+		return eventNames(res), res.GetNextPageToken(), err
+	})
+	onceEach(t, "ListEvents without a stream by pages of 2", got, want)
 }
