@@ -67,3 +67,26 @@ func TestDiscoverAnswerLostOnceSent(t *testing.T) {
 		t.Errorf("a round cut off after it was sent: %v; want ErrAnswerLost", err)
 	}
 }
+
+// A discovery round never sent (its context cancelled before the
+// statement went out) surely did not commit: Discover's error wraps no
+// ErrAnswerLost, so no session sweeps for nothing. Kills a roundError that
+// takes every error but PostgreSQL's as a lost answer.
+func TestDiscoverNotSentLosesNoAnswer(t *testing.T) {
+	t.Parallel()
+	pool := testdb.NewPool(t)
+	st := store.New(pool)
+	if _, err := pool.Exec(t.Context(), `SELECT outbox.emit('orders', 'o', 'T', '{}')`); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(t.Context())
+	offer := []store.Offer{{Holder: uuid.New(), RelayID: "r", TTL: time.Minute, Credit: 1}}
+	_, err := st.Discover(ctx, "replica", 100, 0, offer, func(uint32) { cancel() })
+	if err == nil || errors.Is(err, store.ErrAnswerLost) {
+		t.Errorf("a round cancelled before it was sent: %v; want an error that is not ErrAnswerLost", err)
+	}
+	d, err := st.Discover(t.Context(), "replica", 100, 0, offer, nil)
+	if err != nil || len(d.Dispatched) != 1 {
+		t.Errorf("the round after: %+v, %v; want its one event dispatched (the cancelled round did nothing)", d, err)
+	}
+}
