@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outboxd/outboxd/internal/store"
 	"github.com/outboxd/outboxd/internal/testdb"
@@ -14,6 +15,29 @@ import (
 
 // Tests written against mutants of the store that its other tests and the
 // server's let through: each holds one promise of the store's API.
+
+// discovered emits one event of each key, in stream, and runs a discovery
+// round with no offer, so that their aggregates are claimable; it returns
+// the events' ids in order.
+func discovered(t *testing.T, pool *pgxpool.Pool, st *store.Store, stream string, keys ...string) []uuid.UUID {
+	t.Helper()
+	var ids []uuid.UUID
+	for _, k := range keys {
+		var id uuid.UUID
+		if err := pool.QueryRow(t.Context(), `SELECT event_id FROM outbox.emit($1, $2, 'T', '{}')`, stream, k).Scan(&id); err != nil {
+			t.Fatal(err)
+		}
+		ids = append(ids, id)
+	}
+	if _, err := st.Discover(t.Context(), "replica", 100, 0, nil, nil); err != nil {
+		t.Fatal(err)
+	}
+	return ids
+}
+
+func claimOf(limit int) store.ClaimParams {
+	return store.ClaimParams{Holder: uuid.New(), RelayID: "r", ReplicaID: "replica", Limit: limit, TTL: time.Minute}
+}
 
 // A discovery round whose answer is lost after it was sent (here its
 // context is cancelled while the round waits on a lock, which makes pgx
@@ -88,5 +112,49 @@ func TestDiscoverNotSentLosesNoAnswer(t *testing.T) {
 	d, err := st.Discover(t.Context(), "replica", 100, 0, offer, nil)
 	if err != nil || len(d.Dispatched) != 1 {
 		t.Errorf("the round after: %+v, %v; want its one event dispatched (the cancelled round did nothing)", d, err)
+	}
+}
+
+// ClaimParams.MaxAttempts parks an aggregate rather than leasing its event
+// again once that event was delivered so many times without an answer:
+// here its one lease, of attempt 1, expired unanswered. Kills a Claim that
+// does not pass MaxAttempts to outbox.claim.
+func TestClaimParksAtMaxAttempts(t *testing.T) {
+	t.Parallel()
+	pool := testdb.NewPool(t)
+	st := store.New(pool)
+	discovered(t, pool, st, "orders", "1")
+	p := claimOf(1)
+	p.MaxAttempts, p.TTL = 1, time.Millisecond
+	if leases, err := st.Claim(t.Context(), p); err != nil || len(leases) != 1 {
+		t.Fatalf("first claim: %d leases, %v; want 1", len(leases), err)
+	}
+	// A hang guard, not a timed assertion: the lease expires by the
+	// database's clock.
+	deadline := time.Now().Add(60 * time.Second)
+	for {
+		var expired bool
+		if err := pool.QueryRow(t.Context(), `SELECT lease_expires_at < clock_timestamp() FROM outbox.delivery`).Scan(&expired); err != nil {
+			t.Fatal(err)
+		}
+		if expired {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the 1 ms lease has not expired after 60 s")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	p.Holder = uuid.New()
+	leases, err := st.Claim(t.Context(), p)
+	if err != nil || len(leases) != 0 {
+		t.Fatalf("a claim after one unanswered attempt of 1: %d leases (%+v), %v; want none", len(leases), leases, err)
+	}
+	var state string
+	if err := pool.QueryRow(t.Context(), `SELECT state FROM outbox.delivery`).Scan(&state); err != nil {
+		t.Fatal(err)
+	}
+	if state != "parked" {
+		t.Errorf("the aggregate is %s; want parked at its max attempts", state)
 	}
 }
