@@ -158,3 +158,28 @@ func TestClaimParksAtMaxAttempts(t *testing.T) {
 		t.Errorf("the aggregate is %s; want parked at its max attempts", state)
 	}
 }
+
+// An ack of a later event of a window lease, while the earlier one is not
+// acked, is not applied and says so: AckOutOfOrder, not a lost lease (the
+// relay keeps the lease and acks the earlier one). Kills an ack that reads
+// outbox.ack's "out_of_order" as AckLeaseLost.
+func TestAckOutOfOrderIsReportedSo(t *testing.T) {
+	t.Parallel()
+	pool := testdb.NewPool(t)
+	st := store.New(pool)
+	discovered(t, pool, st, "orders", "1", "1")
+	p := claimOf(1)
+	p.Window, p.Credit = 2, 2
+	leases, err := st.Claim(t.Context(), p)
+	if err != nil || len(leases) != 2 {
+		t.Fatalf("a window claim of 2 events: %d leases, %v", len(leases), err)
+	}
+	second := leases[0]
+	if second.Event.Revision != 2 {
+		second = leases[1]
+	}
+	res, err := st.Ack(t.Context(), store.AckParams{IDs: []uuid.UUID{second.Event.ID}, ReplicaID: "replica"})
+	if err != nil || len(res) != 1 || res[0].Status != store.AckOutOfOrder {
+		t.Fatalf("an ack of revision 2 before 1: %+v, %v; want AckOutOfOrder", res, err)
+	}
+}
