@@ -183,3 +183,58 @@ func TestAckOutOfOrderIsReportedSo(t *testing.T) {
 		t.Fatalf("an ack of revision 2 before 1: %+v, %v; want AckOutOfOrder", res, err)
 	}
 }
+
+// An ack whose statement fails for the database's own reason (class 57,
+// here a cancel of its backend while it waits on a lock) is the batch's
+// error, not an AckFailed result of its id: the id is not at fault, and
+// the server answers UNAVAILABLE rather than retrying it as refused.
+// Kills an isItemError that takes every error of PostgreSQL as an item's.
+func TestAckCancelledByTheDatabaseIsAnError(t *testing.T) {
+	t.Parallel()
+	pool := testdb.NewPool(t)
+	st := store.New(pool)
+	discovered(t, pool, st, "orders", "1")
+	p := claimOf(1)
+	leases, err := st.Claim(t.Context(), p)
+	if err != nil || len(leases) != 1 {
+		t.Fatalf("claim: %d leases, %v", len(leases), err)
+	}
+	tx, err := pool.Begin(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(context.WithoutCancel(t.Context()))
+	if _, err := tx.Exec(t.Context(), `LOCK TABLE outbox.event IN EXCLUSIVE MODE`); err != nil {
+		t.Fatal(err)
+	}
+	type answer struct {
+		res []store.AckResult
+		err error
+	}
+	done := make(chan answer, 1)
+	go func() {
+		res, err := st.Ack(t.Context(), store.AckParams{IDs: []uuid.UUID{leases[0].Event.ID}, ReplicaID: "replica"})
+		done <- answer{res, err}
+	}()
+	deadline := time.Now().Add(60 * time.Second) // a hang guard, not a timed assertion
+	for {
+		var cancelled bool
+		if err := pool.QueryRow(t.Context(), `SELECT coalesce(bool_or(pg_cancel_backend(pid)), false) FROM pg_stat_activity
+			WHERE datname = current_database() AND wait_event_type = 'Lock' AND strpos(query, 'outbox.ack(') > 0`).Scan(&cancelled); err != nil {
+			t.Fatal(err)
+		}
+		if cancelled {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the ack never waited on the event table's lock")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if err := tx.Rollback(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	if a := <-done; a.err == nil {
+		t.Errorf("an ack cancelled by the database: %+v, no error; want its error", a.res)
+	}
+}
