@@ -3,6 +3,7 @@ package store_test
 import (
 	"context"
 	"errors"
+	"strings"
 	"testing"
 	"time"
 
@@ -236,5 +237,21 @@ func TestAckCancelledByTheDatabaseIsAnError(t *testing.T) {
 	}
 	if a := <-done; a.err == nil {
 		t.Errorf("an ack cancelled by the database: %+v, no error; want its error", a.res)
+	}
+}
+
+// KnownStreams with no limit (0) lists every stream; with one, at most
+// that many, in name order. Kills a KnownStreams that sends LIMIT 0.
+func TestKnownStreamsWithoutLimitListsAll(t *testing.T) {
+	t.Parallel()
+	pool := testdb.NewPool(t)
+	st := store.New(pool)
+	discovered(t, pool, st, "b", "1")
+	discovered(t, pool, st, "a", "1")
+	for limit, want := range map[int]string{0: "a,b", 1: "a"} {
+		got, err := st.KnownStreams(t.Context(), limit)
+		if err != nil || strings.Join(got, ",") != want {
+			t.Errorf("KnownStreams(%d) = %v, %v; want %s", limit, got, err, want)
+		}
 	}
 }
