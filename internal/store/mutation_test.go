@@ -255,3 +255,31 @@ func TestKnownStreamsWithoutLimitListsAll(t *testing.T) {
 		}
 	}
 }
+
+// A nack's backoff grows from BackoffBase by the aggregate's failures up
+// to BackoffCap: after ten failures, with a base of a second and a cap of
+// an hour, the next attempt is minutes away (512 s to 1024 s), not the
+// base's second. Kills a Nack that passes base and cap to outbox.nack
+// swapped (the cap of a second would then bound every backoff).
+func TestNackBackoffGrowsFromBaseToCap(t *testing.T) {
+	t.Parallel()
+	pool := testdb.NewPool(t)
+	st := store.New(pool)
+	discovered(t, pool, st, "orders", "1")
+	leases, err := st.Claim(t.Context(), claimOf(1))
+	if err != nil || len(leases) != 1 {
+		t.Fatalf("claim: %d leases, %v", len(leases), err)
+	}
+	var before time.Time
+	if err := pool.QueryRow(t.Context(), `UPDATE outbox.delivery SET failures = 10 RETURNING clock_timestamp()`).Scan(&before); err != nil {
+		t.Fatal(err)
+	}
+	r, err := st.Nack(t.Context(), store.NackParams{EventID: leases[0].Event.ID, Epoch: leases[0].Epoch, Error: "broker down",
+		BackoffBase: time.Second, BackoffCap: time.Hour, MaxFailures: 100})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if in := r.NextAttemptAt.Sub(before); r.Parked || in < 5*time.Minute || in > time.Hour {
+		t.Errorf("after an 11th failure: next attempt in %v (parked %v); want 512 s to 1024 s", in, r.Parked)
+	}
+}
