@@ -283,3 +283,29 @@ func TestNackBackoffGrowsFromBaseToCap(t *testing.T) {
 		t.Errorf("after an 11th failure: next attempt in %v (parked %v); want 512 s to 1024 s", in, r.Parked)
 	}
 }
+
+// An ack's claim hint looks only at the streams the holder's session
+// takes: a session of every stream but b, whose ack leaves only b's
+// aggregate claimable, is told nothing is claimable for it. Kills an ack
+// that passes the session's excluded streams as streams it takes.
+func TestAckHintLeavesOutExcludedStreams(t *testing.T) {
+	t.Parallel()
+	pool := testdb.NewPool(t)
+	st := store.New(pool)
+	discovered(t, pool, st, "a", "1")
+	discovered(t, pool, st, "b", "1")
+	p := claimOf(1)
+	p.Streams = []string{"a"}
+	leases, err := st.Claim(t.Context(), p)
+	if err != nil || len(leases) != 1 {
+		t.Fatalf("claim of a: %d leases, %v", len(leases), err)
+	}
+	res, err := st.Ack(t.Context(), store.AckParams{IDs: []uuid.UUID{leases[0].Event.ID}, ReplicaID: "replica",
+		Filters: map[uuid.UUID]store.StreamFilter{p.Holder: {ExcludeStreams: []string{"b"}}}})
+	if err != nil || len(res) != 1 || res[0].Status != store.AckPublished {
+		t.Fatalf("ack: %+v, %v", res, err)
+	}
+	if h := res[0].Claimable; !h.Seen || !h.None {
+		t.Errorf("the hint of a session excluding b, with only b's aggregate claimable: %+v; want none claimable", h)
+	}
+}
