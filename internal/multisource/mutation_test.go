@@ -1,0 +1,343 @@
+package multisource_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+	"github.com/outboxd/outboxd/internal/servertest"
+	"github.com/outboxd/outboxd/internal/testdb"
+)
+
+// Tests written against mutants of this package's routing that its other
+// tests let through: each holds one promise of the package documentation.
+
+// dbName is the database name of a test database URL.
+func dbName(url string) string {
+	name := url[strings.LastIndex(url, "/")+1:]
+	if i := strings.IndexByte(name, '?'); i >= 0 {
+		name = name[:i]
+	}
+	return name
+}
+
+// lockTable locks table in mode in pool's database, in a transaction of its
+// own, held until the test ends or release is called.
+func lockTable(t *testing.T, pool *pgxpool.Pool, table, mode string) (release func()) {
+	t.Helper()
+	ctx := context.WithoutCancel(t.Context())
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := tx.Exec(ctx, "LOCK TABLE "+pgx.Identifier(strings.Split(table, ".")).Sanitize()+" IN "+mode+" MODE"); err != nil {
+		tx.Rollback(ctx)
+		t.Fatal(err)
+	}
+	release = func() { tx.Rollback(ctx) }
+	t.Cleanup(release)
+	return release
+}
+
+// waitingBackend waits until a backend of the database at url waits on a
+// lock running a statement that holds text, and returns its pid.
+func waitingBackend(t *testing.T, url, text string) int32 {
+	t.Helper()
+	admin := testdb.NewPoolURL(t, testdb.ServerURL())
+	var pid int32
+	waitFor(t, "a statement holding "+text+" to wait on a lock", func() bool {
+		err := admin.QueryRow(t.Context(), `SELECT pid FROM pg_stat_activity
+			WHERE datname = $1 AND wait_event_type = 'Lock' AND strpos(query, $2) > 0 LIMIT 1`, dbName(url), text).Scan(&pid)
+		if err != nil && !errors.Is(err, pgx.ErrNoRows) {
+			t.Fatal(err)
+		}
+		return err == nil
+	})
+	return pid
+}
+
+// TestAckOfAFailingSourceAnswersOnlyItsOwnRetry: one Ack request with a
+// delivery of orders and one of default, where orders' database fails the
+// ack statement (cancelled while it waits on a lock): default's ack lands
+// (PUBLISHED) and orders' alone is answered RETRY naming orders, so one
+// source failing holds up no other's acks. Kills a Router that fails the
+// whole request on any engine's error.
+func TestAckOfAFailingSourceAnswersOnlyItsOwnRetry(t *testing.T) {
+	t.Parallel()
+	r, _, ordersURL := twoSources(t, servertest.Options{})
+	defID := emit(t, r.Pool, "sales_order", "1")
+	ordersID := emit(t, r.Pools["orders"], "sales_order", "1")
+	dd := recv(t, subscribe(t, r.Relay, "sales_order"))
+	od := recv(t, subscribe(t, r.Relay, "orders/sales_order"))
+	lockTable(t, r.Pools["orders"], "outbox.event", "EXCLUSIVE")
+
+	type answer struct {
+		res *outboxv1.AckResponse
+		err error
+	}
+	done := make(chan answer, 1)
+	go func() {
+		res, err := r.Relay.Ack(t.Context(), &outboxv1.AckRequest{Acks: []*outboxv1.AckItem{
+			{EventId: ordersID, LeaseToken: od.GetLeaseToken()}, {EventId: defID, LeaseToken: dd.GetLeaseToken()}}})
+		done <- answer{res, err}
+	}()
+	pid := waitingBackend(t, ordersURL, "outbox.ack(")
+	if _, err := r.Pool.Exec(t.Context(), `SELECT pg_cancel_backend($1)`, pid); err != nil {
+		t.Fatal(err)
+	}
+	a := <-done
+	if a.err != nil {
+		t.Fatalf("an Ack of both sources with orders' ack failing: %v; want default's acked and orders' to retry", a.err)
+	}
+	if got := a.res.GetResults()[0]; got.GetStatus() != outboxv1.AckStatus_ACK_STATUS_RETRY || !strings.Contains(got.GetMessage(), `source "orders"`) {
+		t.Errorf("orders' failed ack: %v %q; want RETRY naming orders", got.GetStatus(), got.GetMessage())
+	}
+	if got := a.res.GetResults()[1]; got.GetStatus() != outboxv1.AckStatus_ACK_STATUS_PUBLISHED {
+		t.Errorf("default's ack with orders' failing: %v %q; want PUBLISHED", got.GetStatus(), got.GetMessage())
+	}
+	if !published(t, r.Pool, defID) {
+		t.Error("default's event is not published after its ack")
+	}
+}
+
+// TestSlowSourceHoldsUpNoOtherSourcesAck: the Router gives each source's
+// engine its acks at once, so while orders' ack waits on its database (its
+// event table locked against writers), default's ack of the same request,
+// listed after it, lands. Kills a Router that calls the engines one after
+// another.
+func TestSlowSourceHoldsUpNoOtherSourcesAck(t *testing.T) {
+	t.Parallel()
+	r, _, _ := twoSources(t, servertest.Options{})
+	defID := emit(t, r.Pool, "sales_order", "1")
+	ordersID := emit(t, r.Pools["orders"], "sales_order", "1")
+	dd := recv(t, subscribe(t, r.Relay, "sales_order"))
+	od := recv(t, subscribe(t, r.Relay, "orders/sales_order"))
+	release := lockTable(t, r.Pools["orders"], "outbox.event", "EXCLUSIVE")
+
+	type answer struct {
+		res *outboxv1.AckResponse
+		err error
+	}
+	done := make(chan answer, 1)
+	go func() {
+		res, err := r.Relay.Ack(t.Context(), &outboxv1.AckRequest{Acks: []*outboxv1.AckItem{
+			{EventId: ordersID, LeaseToken: od.GetLeaseToken()}, {EventId: defID, LeaseToken: dd.GetLeaseToken()}}})
+		done <- answer{res, err}
+	}()
+	answered := func() {
+		select {
+		case a := <-done:
+			t.Fatalf("the Ack was answered (%v, %v) while orders' event table was locked: orders' ack gave up (the engine's own limit), "+
+				"so default's may have waited for it", a.res, a.err)
+		default:
+		}
+	}
+	waitFor(t, "default's ack to land while orders' waits", func() bool {
+		answered()
+		return published(t, r.Pool, defID)
+	})
+	answered()
+	release()
+	a := <-done
+	if a.err != nil {
+		t.Fatal(a.err)
+	}
+	for i, x := range a.res.GetResults() {
+		if x.GetStatus() != outboxv1.AckStatus_ACK_STATUS_PUBLISHED {
+			t.Errorf("ack %d (%s): %v %s; want PUBLISHED", i, x.GetEventId(), x.GetStatus(), x.GetMessage())
+		}
+	}
+}
+
+// TestAckRefusedByOneSourceRefusesTheRequest: a token that may access
+// default's streams and orders' billing.* acks a delivery of orders'
+// sales_order together with one of default: orders' engine refuses the
+// token for that event's stream, and so the request is refused
+// (PERMISSION_DENIED), not answered RETRY for orders. Kills a Router that
+// swallows an engine's PERMISSION_DENIED in a request of several sources.
+func TestAckRefusedByOneSourceRefusesTheRequest(t *testing.T) {
+	t.Parallel()
+	const (
+		allToken  = "all-relay-token-0123456789"
+		partToken = "part-relay-token-0123456789"
+	)
+	r, dial := twoSourcesWithTokens(t, "all relay "+allToken+"\n"+
+		"part relay "+partToken+" streams=default/*,orders/billing.*\n")
+	all := outboxv1.NewRelayServiceClient(dial(allToken))
+	defID := emit(t, r.Pool, "sales_order", "1")
+	ordersID := emit(t, r.Pools["orders"], "sales_order", "1")
+	dd := recv(t, subscribe(t, all, "sales_order"))
+	od := recv(t, subscribe(t, all, "orders/sales_order"))
+
+	_, err := outboxv1.NewRelayServiceClient(dial(partToken)).Ack(t.Context(), &outboxv1.AckRequest{Acks: []*outboxv1.AckItem{
+		{EventId: ordersID, LeaseToken: od.GetLeaseToken()}, {EventId: defID, LeaseToken: dd.GetLeaseToken()}}})
+	if status.Code(err) != codes.PermissionDenied {
+		t.Errorf("an Ack of orders' sales_order by a token limited to orders/billing.*: %v; want PERMISSION_DENIED", err)
+	}
+	if published(t, r.Pools["orders"], ordersID) {
+		t.Error("orders' event was published by a token orders refuses")
+	}
+}
+
+// TestLagAsksEverySourceAtOnce: GetLag asks the sources' engines at once,
+// so a source whose database is slow delays no other's answer: with the
+// table every lag read reads locked in both databases, both engines' lag
+// statements are seen waiting together. Kills a GetLag that asks the
+// sources one after another.
+func TestLagAsksEverySourceAtOnce(t *testing.T) {
+	t.Parallel()
+	r, def, orders := twoSources(t, servertest.Options{})
+	releaseDef := lockTable(t, r.Pool, "outbox.delivered_count", "ACCESS EXCLUSIVE")
+	releaseOrders := lockTable(t, r.Pools["orders"], "outbox.delivered_count", "ACCESS EXCLUSIVE")
+	done := make(chan error, 1)
+	go func() {
+		_, err := r.Admin.GetLag(t.Context(), &outboxv1.GetLagRequest{})
+		done <- err
+	}()
+	admin := testdb.NewPoolURL(t, testdb.ServerURL())
+	waitFor(t, "both sources' lag statements to wait on the lock together", func() bool {
+		var n int
+		if err := admin.QueryRow(t.Context(), `SELECT count(DISTINCT datname) FROM pg_stat_activity
+			WHERE datname = ANY ($1) AND wait_event_type = 'Lock' AND query LIKE '%outbox.pending_by_stream(%'`,
+			[]string{dbName(def), dbName(orders)}).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return n == 2
+	})
+	releaseDef()
+	releaseOrders()
+	if err := <-done; err != nil {
+		t.Fatalf("GetLag once the locks are gone: %v", err)
+	}
+}
+
+// TestLagNamesAFailingSourceNotReady: a source whose lag read fails while
+// its readiness check still passes (here its lag function is renamed away)
+// is reported not ready, the error as the reason, and default's figures
+// are reported. Kills a GetLag that reports such a source as ready.
+func TestLagNamesAFailingSourceNotReady(t *testing.T) {
+	t.Parallel()
+	r, _, _ := twoSources(t, servertest.Options{})
+	emit(t, r.Pool, "billing", "1")
+	waitFor(t, "both sources ready", func() bool { return r.App.Readiness().Reason == "" })
+	if _, err := r.Pools["orders"].Exec(t.Context(), `ALTER FUNCTION outbox.pending_by_stream(text[]) RENAME TO pending_by_stream_gone`); err != nil {
+		t.Fatal(err)
+	}
+	lag, err := r.Admin.GetLag(t.Context(), &outboxv1.GetLagRequest{})
+	if err != nil {
+		t.Fatalf("GetLag with orders' lag read failing: %v", err)
+	}
+	health := map[string]*outboxv1.SourceHealth{}
+	for _, s := range lag.GetSources() {
+		health[s.GetName()] = s
+	}
+	if h := health["orders"]; h == nil || h.GetReady() || h.GetReason() == "" {
+		t.Errorf("GetLag says orders is %v while its lag read fails; want not ready, with the reason", h)
+	}
+	if h := health["default"]; h == nil || !h.GetReady() {
+		t.Errorf("GetLag says default is %v; want ready", h)
+	}
+	if s := lag.GetStreams(); len(s) != 1 || s[0].GetStream() != "billing" || s[0].GetSource() != "" {
+		t.Errorf("GetLag streams %v; want default's billing alone", s)
+	}
+}
+
+// TestListRelaysNamesTheirSource: ListRelays writes a relay's streams and
+// exclude_streams as the relay named them ("orders/sales_order"), so an
+// operator can tell which source a relay serves; default's stay bare. Kills
+// a ListRelays that leaves an engine's bare names.
+func TestListRelaysNamesTheirSource(t *testing.T) {
+	t.Parallel()
+	r, _, _ := twoSources(t, servertest.Options{})
+	emit(t, r.Pools["orders"], "sales_order", "1") // a stream subscribed to must exist
+	emit(t, r.Pool, "billing", "1")
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	for _, req := range []*outboxv1.SubscribeRequest{
+		{RelayId: "orders-one", Streams: []string{"orders/sales_order"}, MaxInFlight: 1},
+		{RelayId: "orders-all", Streams: []string{"orders/*"}, ExcludeStreams: []string{"orders/audit"}, MaxInFlight: 1},
+		{RelayId: "default-one", Streams: []string{"billing"}, MaxInFlight: 1},
+	} {
+		if _, err := r.Relay.Subscribe(ctx, req); err != nil {
+			t.Fatal(err)
+		}
+	}
+	byID := map[string]*outboxv1.Relay{}
+	waitFor(t, "the three relays listed", func() bool {
+		res, err := r.Admin.ListRelays(t.Context(), &outboxv1.ListRelaysRequest{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		clear(byID)
+		for _, rl := range res.GetRelays() {
+			byID[rl.GetRelayId()] = rl
+		}
+		return len(byID) == 3
+	})
+	for id, want := range map[string][2][]string{
+		"orders-one":  {{"orders/sales_order"}, nil},
+		"orders-all":  {nil, {"orders/audit"}},
+		"default-one": {{"billing"}, nil},
+	} {
+		rl := byID[id]
+		if !slices.Equal(rl.GetStreams(), want[0]) || !slices.Equal(rl.GetExcludeStreams(), want[1]) {
+			t.Errorf("relay %s listed with streams %q, exclude %q; want %q, %q", id, rl.GetStreams(), rl.GetExcludeStreams(), want[0], want[1])
+		}
+	}
+}
+
+// TestPurgeRefusesATokenLimitedOnASourceBeforeAny: Purge without a stream by
+// a token that may access every stream of default but only billing.* of
+// orders is refused (PERMISSION_DENIED naming orders) before any source is
+// purged: default's published events are all still there. Kills a Purge
+// that skips the check of every source first, so default is purged before
+// orders refuses.
+func TestPurgeRefusesATokenLimitedOnASourceBeforeAny(t *testing.T) {
+	t.Parallel()
+	const (
+		relayToken = "all-relay-token-0123456789"
+		partToken  = "part-admin-token-0123456789"
+	)
+	r, dial := twoSourcesWithTokens(t, "relay relay "+relayToken+"\npart admin "+partToken+" streams=default/*,orders/billing.*\n")
+	relay := outboxv1.NewRelayServiceClient(dial(relayToken))
+	emit(t, r.Pool, "sales_order", "1")
+	emit(t, r.Pools["orders"], "billing.x", "1")
+	publishAll(t, relay, 1, "sales_order")
+	publishAll(t, relay, 1, "orders/billing.x")
+
+	_, err := purgeAll(t, outboxv1.NewAdminServiceClient(dial(partToken)), &outboxv1.PurgeRequest{})
+	if status.Code(err) != codes.PermissionDenied || !strings.Contains(err.Error(), "source orders") {
+		t.Errorf("Purge of every source by a token limited on orders: %v; want PERMISSION_DENIED naming orders", err)
+	}
+	if d, o := countPublished(t, r.Pool), countPublished(t, r.Pools["orders"]); d != 1 || o != 1 {
+		t.Errorf("after a refused purge: %d/%d published left (default/orders); want 1/1", d, o)
+	}
+}
+
+// TestListingPageOverSourcesHoldsAtMostPageSize: a page that one source
+// ends early goes on into the next only for what is left of page_size:
+// with default's one event and orders' three, pages of 2 hold at most 2,
+// every event once. Kills a listing that asks the next source for a whole
+// page.
+func TestListingPageOverSourcesHoldsAtMostPageSize(t *testing.T) {
+	t.Parallel()
+	r, _, _ := twoSources(t, servertest.Options{})
+	want := []string{"|" + emit(t, r.Pool, "sales_order", "1")}
+	for i := range 3 {
+		want = append(want, "orders|"+emit(t, r.Pools["orders"], "sales_order", fmt.Sprint(i)))
+	}
+	got, _ := pageAll(t, func(token string) ([]string, string, error) {
+		res, err := r.Admin.ListEvents(t.Context(), &outboxv1.ListEventsRequest{PageSize: 2, PageToken: token})
+		return eventNames(res), res.GetNextPageToken(), err
+	})
+	onceEach(t, "ListEvents without a stream by pages of 2", got, want)
+}

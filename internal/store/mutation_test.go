@@ -1,0 +1,311 @@
+package store_test
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/outboxd/outboxd/internal/store"
+	"github.com/outboxd/outboxd/internal/testdb"
+)
+
+// Tests written against mutants of the store that its other tests and the
+// server's let through: each holds one promise of the store's API.
+
+// discovered emits one event of each key, in stream, and runs a discovery
+// round with no offer, so that their aggregates are claimable; it returns
+// the events' ids in order.
+func discovered(t *testing.T, pool *pgxpool.Pool, st *store.Store, stream string, keys ...string) []uuid.UUID {
+	t.Helper()
+	var ids []uuid.UUID
+	for _, k := range keys {
+		var id uuid.UUID
+		if err := pool.QueryRow(t.Context(), `SELECT event_id FROM outbox.emit($1, $2, 'T', '{}')`, stream, k).Scan(&id); err != nil {
+			t.Fatal(err)
+		}
+		ids = append(ids, id)
+	}
+	if _, err := st.Discover(t.Context(), "replica", 100, 0, nil, nil); err != nil {
+		t.Fatal(err)
+	}
+	return ids
+}
+
+func claimOf(limit int) store.ClaimParams {
+	return store.ClaimParams{Holder: uuid.New(), RelayID: "r", ReplicaID: "replica", Limit: limit, TTL: time.Minute}
+}
+
+// A discovery round whose answer is lost after it was sent (here its
+// context is cancelled while the round waits on a lock, which makes pgx
+// close the connection under it) may have committed: Discover says so by
+// wrapping ErrAnswerLost, which makes the sessions that lent it credit
+// sweep for leases they never heard of. Kills a roundError that wraps
+// ErrAnswerLost for no error.
+func TestDiscoverAnswerLostOnceSent(t *testing.T) {
+	t.Parallel()
+	pool := testdb.NewPool(t)
+	st := store.New(pool)
+	if _, err := pool.Exec(t.Context(), `SELECT outbox.emit('orders', 'o', 'T', '{}')`); err != nil {
+		t.Fatal(err)
+	}
+	// Every round reads the event table: locked, the round waits.
+	tx, err := pool.Begin(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(context.WithoutCancel(t.Context()))
+	if _, err := tx.Exec(t.Context(), `LOCK TABLE outbox.event IN ACCESS EXCLUSIVE MODE`); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	pids := make(chan uint32, 1)
+	done := make(chan error, 1)
+	offer := []store.Offer{{Holder: uuid.New(), RelayID: "r", TTL: time.Minute, Credit: 1}}
+	go func() {
+		_, err := st.Discover(ctx, "replica", 100, 0, offer, func(pid uint32) { pids <- pid })
+		done <- err
+	}()
+	pid := <-pids
+	deadline := time.Now().Add(60 * time.Second) // a hang guard, not a timed assertion
+	for {
+		var waiting bool
+		if err := pool.QueryRow(t.Context(), `SELECT EXISTS (SELECT FROM pg_stat_activity WHERE pid = $1 AND wait_event_type = 'Lock')`,
+			int64(pid)).Scan(&waiting); err != nil {
+			t.Fatal(err)
+		}
+		if waiting {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the round's backend never waited on the event table's lock")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	cancel()
+	if err := <-done; !errors.Is(err, store.ErrAnswerLost) {
+		t.Errorf("a round cut off after it was sent: %v; want ErrAnswerLost", err)
+	}
+}
+
+// A discovery round never sent (its context cancelled before the
+// statement went out) surely did not commit: Discover's error wraps no
+// ErrAnswerLost, so no session sweeps for nothing. Kills a roundError that
+// takes every error but PostgreSQL's as a lost answer.
+func TestDiscoverNotSentLosesNoAnswer(t *testing.T) {
+	t.Parallel()
+	pool := testdb.NewPool(t)
+	st := store.New(pool)
+	if _, err := pool.Exec(t.Context(), `SELECT outbox.emit('orders', 'o', 'T', '{}')`); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(t.Context())
+	offer := []store.Offer{{Holder: uuid.New(), RelayID: "r", TTL: time.Minute, Credit: 1}}
+	_, err := st.Discover(ctx, "replica", 100, 0, offer, func(uint32) { cancel() })
+	if err == nil || errors.Is(err, store.ErrAnswerLost) {
+		t.Errorf("a round cancelled before it was sent: %v; want an error that is not ErrAnswerLost", err)
+	}
+	d, err := st.Discover(t.Context(), "replica", 100, 0, offer, nil)
+	if err != nil || len(d.Dispatched) != 1 {
+		t.Errorf("the round after: %+v, %v; want its one event dispatched (the cancelled round did nothing)", d, err)
+	}
+}
+
+// ClaimParams.MaxAttempts parks an aggregate rather than leasing its event
+// again once that event was delivered so many times without an answer:
+// here its one lease, of attempt 1, expired unanswered. Kills a Claim that
+// does not pass MaxAttempts to outbox.claim.
+func TestClaimParksAtMaxAttempts(t *testing.T) {
+	t.Parallel()
+	pool := testdb.NewPool(t)
+	st := store.New(pool)
+	discovered(t, pool, st, "orders", "1")
+	p := claimOf(1)
+	p.MaxAttempts, p.TTL = 1, time.Millisecond
+	if leases, err := st.Claim(t.Context(), p); err != nil || len(leases) != 1 {
+		t.Fatalf("first claim: %d leases, %v; want 1", len(leases), err)
+	}
+	// A hang guard, not a timed assertion: the lease expires by the
+	// database's clock.
+	deadline := time.Now().Add(60 * time.Second)
+	for {
+		var expired bool
+		if err := pool.QueryRow(t.Context(), `SELECT lease_expires_at < clock_timestamp() FROM outbox.delivery`).Scan(&expired); err != nil {
+			t.Fatal(err)
+		}
+		if expired {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the 1 ms lease has not expired after 60 s")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	p.Holder = uuid.New()
+	leases, err := st.Claim(t.Context(), p)
+	if err != nil || len(leases) != 0 {
+		t.Fatalf("a claim after one unanswered attempt of 1: %d leases (%+v), %v; want none", len(leases), leases, err)
+	}
+	var state string
+	if err := pool.QueryRow(t.Context(), `SELECT state FROM outbox.delivery`).Scan(&state); err != nil {
+		t.Fatal(err)
+	}
+	if state != "parked" {
+		t.Errorf("the aggregate is %s; want parked at its max attempts", state)
+	}
+}
+
+// An ack of a later event of a window lease, while the earlier one is not
+// acked, is not applied and says so: AckOutOfOrder, not a lost lease (the
+// relay keeps the lease and acks the earlier one). Kills an ack that reads
+// outbox.ack's "out_of_order" as AckLeaseLost.
+func TestAckOutOfOrderIsReportedSo(t *testing.T) {
+	t.Parallel()
+	pool := testdb.NewPool(t)
+	st := store.New(pool)
+	discovered(t, pool, st, "orders", "1", "1")
+	p := claimOf(1)
+	p.Window, p.Credit = 2, 2
+	leases, err := st.Claim(t.Context(), p)
+	if err != nil || len(leases) != 2 {
+		t.Fatalf("a window claim of 2 events: %d leases, %v", len(leases), err)
+	}
+	second := leases[0]
+	if second.Event.Revision != 2 {
+		second = leases[1]
+	}
+	res, err := st.Ack(t.Context(), store.AckParams{IDs: []uuid.UUID{second.Event.ID}, ReplicaID: "replica"})
+	if err != nil || len(res) != 1 || res[0].Status != store.AckOutOfOrder {
+		t.Fatalf("an ack of revision 2 before 1: %+v, %v; want AckOutOfOrder", res, err)
+	}
+}
+
+// An ack whose statement fails for the database's own reason (class 57,
+// here a cancel of its backend while it waits on a lock) is the batch's
+// error, not an AckFailed result of its id: the id is not at fault, and
+// the server answers UNAVAILABLE rather than retrying it as refused.
+// Kills an isItemError that takes every error of PostgreSQL as an item's.
+func TestAckCancelledByTheDatabaseIsAnError(t *testing.T) {
+	t.Parallel()
+	pool := testdb.NewPool(t)
+	st := store.New(pool)
+	discovered(t, pool, st, "orders", "1")
+	p := claimOf(1)
+	leases, err := st.Claim(t.Context(), p)
+	if err != nil || len(leases) != 1 {
+		t.Fatalf("claim: %d leases, %v", len(leases), err)
+	}
+	tx, err := pool.Begin(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(context.WithoutCancel(t.Context()))
+	if _, err := tx.Exec(t.Context(), `LOCK TABLE outbox.event IN EXCLUSIVE MODE`); err != nil {
+		t.Fatal(err)
+	}
+	type answer struct {
+		res []store.AckResult
+		err error
+	}
+	done := make(chan answer, 1)
+	go func() {
+		res, err := st.Ack(t.Context(), store.AckParams{IDs: []uuid.UUID{leases[0].Event.ID}, ReplicaID: "replica"})
+		done <- answer{res, err}
+	}()
+	deadline := time.Now().Add(60 * time.Second) // a hang guard, not a timed assertion
+	for {
+		var cancelled bool
+		if err := pool.QueryRow(t.Context(), `SELECT coalesce(bool_or(pg_cancel_backend(pid)), false) FROM pg_stat_activity
+			WHERE datname = current_database() AND wait_event_type = 'Lock' AND strpos(query, 'outbox.ack(') > 0`).Scan(&cancelled); err != nil {
+			t.Fatal(err)
+		}
+		if cancelled {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the ack never waited on the event table's lock")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if err := tx.Rollback(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	if a := <-done; a.err == nil {
+		t.Errorf("an ack cancelled by the database: %+v, no error; want its error", a.res)
+	}
+}
+
+// KnownStreams with no limit (0) lists every stream; with one, at most
+// that many, in name order. Kills a KnownStreams that sends LIMIT 0.
+func TestKnownStreamsWithoutLimitListsAll(t *testing.T) {
+	t.Parallel()
+	pool := testdb.NewPool(t)
+	st := store.New(pool)
+	discovered(t, pool, st, "b", "1")
+	discovered(t, pool, st, "a", "1")
+	for limit, want := range map[int]string{0: "a,b", 1: "a"} {
+		got, err := st.KnownStreams(t.Context(), limit)
+		if err != nil || strings.Join(got, ",") != want {
+			t.Errorf("KnownStreams(%d) = %v, %v; want %s", limit, got, err, want)
+		}
+	}
+}
+
+// A nack's backoff grows from BackoffBase by the aggregate's failures up
+// to BackoffCap: after ten failures, with a base of a second and a cap of
+// an hour, the next attempt is minutes away (512 s to 1024 s), not the
+// base's second. Kills a Nack that passes base and cap to outbox.nack
+// swapped (the cap of a second would then bound every backoff).
+func TestNackBackoffGrowsFromBaseToCap(t *testing.T) {
+	t.Parallel()
+	pool := testdb.NewPool(t)
+	st := store.New(pool)
+	discovered(t, pool, st, "orders", "1")
+	leases, err := st.Claim(t.Context(), claimOf(1))
+	if err != nil || len(leases) != 1 {
+		t.Fatalf("claim: %d leases, %v", len(leases), err)
+	}
+	var before time.Time
+	if err := pool.QueryRow(t.Context(), `UPDATE outbox.delivery SET failures = 10 RETURNING clock_timestamp()`).Scan(&before); err != nil {
+		t.Fatal(err)
+	}
+	r, err := st.Nack(t.Context(), store.NackParams{EventID: leases[0].Event.ID, Epoch: leases[0].Epoch, Error: "broker down",
+		BackoffBase: time.Second, BackoffCap: time.Hour, MaxFailures: 100})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if in := r.NextAttemptAt.Sub(before); r.Parked || in < 5*time.Minute || in > time.Hour {
+		t.Errorf("after an 11th failure: next attempt in %v (parked %v); want 512 s to 1024 s", in, r.Parked)
+	}
+}
+
+// An ack's claim hint looks only at the streams the holder's session
+// takes: a session of every stream but b, whose ack leaves only b's
+// aggregate claimable, is told nothing is claimable for it. Kills an ack
+// that passes the session's excluded streams as streams it takes.
+func TestAckHintLeavesOutExcludedStreams(t *testing.T) {
+	t.Parallel()
+	pool := testdb.NewPool(t)
+	st := store.New(pool)
+	discovered(t, pool, st, "a", "1")
+	discovered(t, pool, st, "b", "1")
+	p := claimOf(1)
+	p.Streams = []string{"a"}
+	leases, err := st.Claim(t.Context(), p)
+	if err != nil || len(leases) != 1 {
+		t.Fatalf("claim of a: %d leases, %v", len(leases), err)
+	}
+	res, err := st.Ack(t.Context(), store.AckParams{IDs: []uuid.UUID{leases[0].Event.ID}, ReplicaID: "replica",
+		Filters: map[uuid.UUID]store.StreamFilter{p.Holder: {ExcludeStreams: []string{"b"}}}})
+	if err != nil || len(res) != 1 || res[0].Status != store.AckPublished {
+		t.Fatalf("ack: %+v, %v", res, err)
+	}
+	if h := res[0].Claimable; !h.Seen || !h.None {
+		t.Errorf("the hint of a session excluding b, with only b's aggregate claimable: %+v; want none claimable", h)
+	}
+}
