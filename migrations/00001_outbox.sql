@@ -3155,7 +3155,15 @@ $$;
 -- send the revisions after them first).
 -- +goose StatementBegin
 CREATE FUNCTION outbox.release(p_holder uuid, p_keep uuid[] DEFAULT '{}') RETURNS integer
-LANGUAGE sql AS $$
+-- PL/pgSQL, so that its statement is planned once per connection: as a SQL
+-- function it was planned on every call, two thirds of a release's time
+-- (0.5 of 0.8 ms), paid at every stream's end and every sweep.
+LANGUAGE plpgsql
+SET enable_seqscan = off SET jit = off SET plan_cache_mode = force_generic_plan
+AS $$
+DECLARE
+    v_released integer;
+BEGIN
     WITH mine AS (
         SELECT d.stream, d.aggregate_key FROM outbox.delivery d
         WHERE d.holder = p_holder
@@ -3187,7 +3195,9 @@ LANGUAGE sql AS $$
         -- rarely; producers never notify.)
         SELECT pg_notify('outbox_wakeup', '') FROM (SELECT 1 FROM released LIMIT 1) r
     )
-    SELECT count(*)::integer FROM released, (SELECT count(*) FROM woken) w
+    SELECT count(*)::integer INTO v_released FROM released, (SELECT count(*) FROM woken) w;
+    RETURN v_released;
+END
 $$;
 -- +goose StatementEnd
 

@@ -2326,8 +2326,14 @@ $$;
 --
 
 CREATE FUNCTION outbox.release(p_holder uuid, p_keep uuid[] DEFAULT '{}'::uuid[]) RETURNS integer
-    LANGUAGE sql
+    LANGUAGE plpgsql
+    SET enable_seqscan TO 'off'
+    SET jit TO 'off'
+    SET plan_cache_mode TO 'force_generic_plan'
     AS $$
+DECLARE
+    v_released integer;
+BEGIN
     WITH mine AS (
         SELECT d.stream, d.aggregate_key FROM outbox.delivery d
         WHERE d.holder = p_holder
@@ -2359,7 +2365,9 @@ CREATE FUNCTION outbox.release(p_holder uuid, p_keep uuid[] DEFAULT '{}'::uuid[]
         -- rarely; producers never notify.)
         SELECT pg_notify('outbox_wakeup', '') FROM (SELECT 1 FROM released LIMIT 1) r
     )
-    SELECT count(*)::integer FROM released, (SELECT count(*) FROM woken) w
+    SELECT count(*)::integer INTO v_released FROM released, (SELECT count(*) FROM woken) w;
+    RETURN v_released;
+END
 $$;
 
 --
