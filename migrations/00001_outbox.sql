@@ -3051,7 +3051,15 @@ CREATE FUNCTION outbox.nack(
     p_backoff_cap interval,
     p_max_failures integer
 ) RETURNS TABLE (parked boolean, next_attempt_at timestamptz, failures integer, holder uuid, ended uuid[])
-LANGUAGE sql AS $$
+-- PL/pgSQL (as park, extend_lease and release): a SQL function that writes
+-- is never inlined, and PostgreSQL plans its body on every call; here the
+-- statement is planned once per connection.
+LANGUAGE plpgsql
+SET enable_seqscan = off SET jit = off SET plan_cache_mode = force_generic_plan
+AS $$
+#variable_conflict use_column
+BEGIN
+    RETURN QUERY
     WITH cur AS (
         SELECT d.stream, d.aggregate_key, d.failures + 1 AS failures, d.holder,
                d.delivered_revision, d.leased_through,
@@ -3089,7 +3097,13 @@ LANGUAGE sql AS $$
     FROM cur c
     WHERE d.stream = c.stream AND d.aggregate_key = c.aggregate_key
     RETURNING d.state = 'parked', d.next_attempt_at, d.failures, c.holder,
-              outbox.lease_window(c.stream, c.aggregate_key, c.delivered_revision, c.leased_through)
+              -- The events the lease covered (outbox.lease_window's, read
+              -- here: that SQL function would be planned on every call).
+              ARRAY(SELECT w.event_id FROM outbox.event w
+                    WHERE w.stream = c.stream AND w.aggregate_key = c.aggregate_key
+                      AND w.revision > c.delivered_revision AND w.revision <= c.leased_through
+                    ORDER BY w.revision);
+END
 $$;
 -- +goose StatementEnd
 
@@ -3101,7 +3115,12 @@ $$;
 -- +goose StatementBegin
 CREATE FUNCTION outbox.park(p_event_id uuid, p_epoch bigint, p_reason text)
 RETURNS TABLE (holder uuid, ended uuid[])
-LANGUAGE sql AS $$
+LANGUAGE plpgsql
+SET enable_seqscan = off SET jit = off SET plan_cache_mode = force_generic_plan
+AS $$
+#variable_conflict use_column
+BEGIN
+    RETURN QUERY
     WITH cur AS (
         SELECT d.stream, d.aggregate_key, d.holder, e.revision, d.leased_through FROM outbox.event e
         JOIN outbox.delivery d ON d.stream = e.stream AND d.aggregate_key = e.aggregate_key
@@ -3124,7 +3143,12 @@ LANGUAGE sql AS $$
         holder = NULL, holder_relay_id = NULL, holder_replica_id = NULL, lease_expires_at = NULL
     FROM cur c
     WHERE d.stream = c.stream AND d.aggregate_key = c.aggregate_key
-    RETURNING c.holder, outbox.lease_window(c.stream, c.aggregate_key, c.revision - 1, c.leased_through)
+    RETURNING c.holder,
+              ARRAY(SELECT w.event_id FROM outbox.event w
+                    WHERE w.stream = c.stream AND w.aggregate_key = c.aggregate_key
+                      AND w.revision > c.revision - 1 AND w.revision <= c.leased_through
+                    ORDER BY w.revision);
+END
 $$;
 -- +goose StatementEnd
 
@@ -3134,14 +3158,20 @@ $$;
 -- +goose StatementBegin
 CREATE FUNCTION outbox.extend_lease(p_event_id uuid, p_epoch bigint, p_ttl interval)
 RETURNS TABLE (lease_expires_at timestamptz)
-LANGUAGE sql AS $$
+LANGUAGE plpgsql
+SET enable_seqscan = off SET jit = off SET plan_cache_mode = force_generic_plan
+AS $$
+#variable_conflict use_column
+BEGIN
+    RETURN QUERY
     UPDATE outbox.delivery d
     SET lease_expires_at = clock_timestamp() + p_ttl, claimable_at = clock_timestamp() + p_ttl
     FROM outbox.event e
     WHERE e.event_id = p_event_id AND d.stream = e.stream AND d.aggregate_key = e.aggregate_key
       AND e.revision > d.delivered_revision AND e.revision <= d.leased_through
       AND d.epoch = p_epoch AND d.state = 'leased'
-    RETURNING d.lease_expires_at
+    RETURNING d.lease_expires_at;
+END
 $$;
 -- +goose StatementEnd
 

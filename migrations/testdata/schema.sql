@@ -1959,15 +1959,22 @@ $$;
 --
 
 CREATE FUNCTION outbox.extend_lease(p_event_id uuid, p_epoch bigint, p_ttl interval) RETURNS TABLE(lease_expires_at timestamp with time zone)
-    LANGUAGE sql
+    LANGUAGE plpgsql
+    SET enable_seqscan TO 'off'
+    SET jit TO 'off'
+    SET plan_cache_mode TO 'force_generic_plan'
     AS $$
+#variable_conflict use_column
+BEGIN
+    RETURN QUERY
     UPDATE outbox.delivery d
     SET lease_expires_at = clock_timestamp() + p_ttl, claimable_at = clock_timestamp() + p_ttl
     FROM outbox.event e
     WHERE e.event_id = p_event_id AND d.stream = e.stream AND d.aggregate_key = e.aggregate_key
       AND e.revision > d.delivered_revision AND e.revision <= d.leased_through
       AND d.epoch = p_epoch AND d.state = 'leased'
-    RETURNING d.lease_expires_at
+    RETURNING d.lease_expires_at;
+END
 $$;
 
 --
@@ -2126,8 +2133,14 @@ $$;
 --
 
 CREATE FUNCTION outbox.nack(p_event_id uuid, p_epoch bigint, p_error text, p_retry_after interval, p_backoff_base interval, p_backoff_cap interval, p_max_failures integer) RETURNS TABLE(parked boolean, next_attempt_at timestamp with time zone, failures integer, holder uuid, ended uuid[])
-    LANGUAGE sql
+    LANGUAGE plpgsql
+    SET enable_seqscan TO 'off'
+    SET jit TO 'off'
+    SET plan_cache_mode TO 'force_generic_plan'
     AS $$
+#variable_conflict use_column
+BEGIN
+    RETURN QUERY
     WITH cur AS (
         SELECT d.stream, d.aggregate_key, d.failures + 1 AS failures, d.holder,
                d.delivered_revision, d.leased_through,
@@ -2165,7 +2178,13 @@ CREATE FUNCTION outbox.nack(p_event_id uuid, p_epoch bigint, p_error text, p_ret
     FROM cur c
     WHERE d.stream = c.stream AND d.aggregate_key = c.aggregate_key
     RETURNING d.state = 'parked', d.next_attempt_at, d.failures, c.holder,
-              outbox.lease_window(c.stream, c.aggregate_key, c.delivered_revision, c.leased_through)
+              -- The events the lease covered (outbox.lease_window's, read
+              -- here: that SQL function would be planned on every call).
+              ARRAY(SELECT w.event_id FROM outbox.event w
+                    WHERE w.stream = c.stream AND w.aggregate_key = c.aggregate_key
+                      AND w.revision > c.delivered_revision AND w.revision <= c.leased_through
+                    ORDER BY w.revision);
+END
 $$;
 
 --
@@ -2173,8 +2192,14 @@ $$;
 --
 
 CREATE FUNCTION outbox.park(p_event_id uuid, p_epoch bigint, p_reason text) RETURNS TABLE(holder uuid, ended uuid[])
-    LANGUAGE sql
+    LANGUAGE plpgsql
+    SET enable_seqscan TO 'off'
+    SET jit TO 'off'
+    SET plan_cache_mode TO 'force_generic_plan'
     AS $$
+#variable_conflict use_column
+BEGIN
+    RETURN QUERY
     WITH cur AS (
         SELECT d.stream, d.aggregate_key, d.holder, e.revision, d.leased_through FROM outbox.event e
         JOIN outbox.delivery d ON d.stream = e.stream AND d.aggregate_key = e.aggregate_key
@@ -2197,7 +2222,12 @@ CREATE FUNCTION outbox.park(p_event_id uuid, p_epoch bigint, p_reason text) RETU
         holder = NULL, holder_relay_id = NULL, holder_replica_id = NULL, lease_expires_at = NULL
     FROM cur c
     WHERE d.stream = c.stream AND d.aggregate_key = c.aggregate_key
-    RETURNING c.holder, outbox.lease_window(c.stream, c.aggregate_key, c.revision - 1, c.leased_through)
+    RETURNING c.holder,
+              ARRAY(SELECT w.event_id FROM outbox.event w
+                    WHERE w.stream = c.stream AND w.aggregate_key = c.aggregate_key
+                      AND w.revision > c.revision - 1 AND w.revision <= c.leased_through
+                    ORDER BY w.revision);
+END
 $$;
 
 --
