@@ -824,21 +824,11 @@ func (s *Store) ReleaseAllBut(ctx context.Context, holder uuid.UUID, keep []uuid
 }
 
 // HeldEvents returns the events holder currently has leased: every event
-// each of its leases covers (outbox.lease_window's events, read here by a
-// probe per lease rather than through the function: PostgreSQL plans the
-// body of a SQL function it cannot inline on every call, 90 microseconds
-// of each session's reconcile, where this statement is planned once per
-// connection).
+// each of its leases covers.
 func (s *Store) HeldEvents(ctx context.Context, holder uuid.UUID) (map[uuid.UUID]bool, error) {
 	rows, err := s.pool.Query(ctx,
-		`SELECT w.event_id
-		 FROM outbox.delivery d
-		 CROSS JOIN LATERAL (
-		     SELECT e.event_id FROM outbox.event e
-		     WHERE e.stream = d.stream AND e.aggregate_key = d.aggregate_key
-		       AND e.revision > d.delivered_revision AND e.revision <= d.leased_through
-		 ) w
-		 WHERE d.holder = $1 AND d.state = 'leased'`, holder)
+		`SELECT unnest(outbox.lease_window(stream, aggregate_key, delivered_revision, leased_through))
+		 FROM outbox.delivery WHERE holder = $1 AND state = 'leased'`, holder)
 	if err != nil {
 		return nil, fmt.Errorf("store: held events: %w", err)
 	}
