@@ -153,3 +153,50 @@ func TestWaitingAgainDoesNotPostponeTheGroupsPoll(t *testing.T) {
 		t.Fatal("every wait came with a poll: nothing compared")
 	}
 }
+
+// A lease the reconcile finds gone with no ack or nack on this replica (it
+// expired and another relay's claim took it, or an operator ended it) is
+// credit freed that no ack's claim hint speaks for: the session claims with
+// it at once, rather than waiting for a wake-up or its group's poll. Polls
+// are off here, so only the loop's own decision can make it claim.
+func TestALeaseTheReconcileFindsGoneIsClaimedWithAtOnce(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	emit(t, pool, "orders", "a", 1)
+	r := startReplica(t, url, func(c *server.Config) { c.NoDispatch = true })
+	ticks := make(chan time.Time)
+	r.Server.SetReconcileTick(ticks)
+	r.Server.SetNoPolls()
+	decisions := make(chan bool, 16)
+	r.Server.SetAfterFreed(func(_ uuid.UUID, claim bool, _ time.Time) { decisions <- claim })
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 2, LeaseTtl: durationpb.New(time.Hour)})
+	if d := recv(t, st); d.GetEvent().GetAggregateKey() != "a" || d.GetAttempt() != 1 {
+		t.Fatalf("first delivery: %s attempt %d", d.GetEvent().GetAggregateKey(), d.GetAttempt())
+	}
+	// The lease ends behind this replica's back, as an expiry would.
+	if _, err := pool.Exec(ctx, `UPDATE outbox.delivery SET state = 'ready', claimable_at = clock_timestamp(),
+		holder = NULL, holder_relay_id = NULL, holder_replica_id = NULL, lease_expires_at = NULL
+		WHERE aggregate_key = 'a'`); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case ticks <- time.Now():
+	case <-ctx.Done():
+		t.Fatal("the session's loop never took the reconcile tick")
+	}
+	select {
+	case claim := <-decisions:
+		if !claim {
+			t.Fatal("the session found its lease gone and did not claim with the credit")
+		}
+	case <-ctx.Done():
+		t.Fatal("the session never found its lease gone")
+	}
+	if d := recv(t, st); d.GetEvent().GetAggregateKey() != "a" || d.GetAttempt() != 2 {
+		t.Fatalf("after the lease was found gone: %s attempt %d, want a again, attempt 2",
+			d.GetEvent().GetAggregateKey(), d.GetAttempt())
+	}
+}
