@@ -272,3 +272,56 @@ func requirePollsSkipClaims(t *testing.T, r *replica, settle int64, ahead time.D
 		t.Fatalf("an idle relay's group made %d claims over %d polls, %d skipped; want its polls to skip their claims", c1-c0, p1-p0, s1-s0)
 	}
 }
+
+// A round whose answer is lost after it committed cannot say whether it
+// made rows ready, and its NOTIFY, arriving while the round was open, was
+// held back by the listener as the round's own echo: the replica must act
+// on that wake-up itself, or the ready work waits for a poll (polls are off
+// here, so nothing else would make the idle session claim).
+func TestAWakeUpHeldBackForARoundWhoseAnswerWasLostIsActedOn(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	r := startReplica(t, url, func(c *server.Config) { c.NoDispatch = true })
+	r.Server.SetNoPolls()
+	wakeups := make(chan struct{}, 16)
+	r.Server.SetAfterNotify(func(channel string) {
+		if channel == store.ChannelWakeup {
+			wakeups <- struct{}{}
+		}
+	})
+	var lost atomic.Bool
+	r.Server.SetAfterDiscover(func(d store.Discovery, err error) (store.Discovery, error) {
+		if err != nil || d.Aggregates == 0 || !lost.CompareAndSwap(false, true) {
+			return d, err
+		}
+		// The round committed and notified; its wake-up reaches the
+		// listener while the round is still open, then its answer is lost.
+		select {
+		case <-wakeups:
+		case <-ctx.Done():
+			return d, err
+		}
+		return store.Discovery{}, fmt.Errorf("the answer never came: %w", store.ErrAnswerLost)
+	})
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 1, LeaseTtl: durationpb.New(time.Hour)})
+	// Its first claim found nothing: it waits, idle, for a wake-up.
+	waitFor(t, func() int32 { return b2i(r.Server.IdleSessions() == 1) })
+	emit(t, pool, "orders", "a", 1)
+	got := make(chan *outboxv1.SubscribeResponse, 1)
+	go func() {
+		if d, err := st.Recv(); err == nil {
+			got <- d
+		}
+	}()
+	select {
+	case d := <-got:
+		if !lost.Load() || d.GetEvent().GetAggregateKey() != "a" {
+			t.Fatalf("delivered %s with the round's answer lost: %t", d.GetEvent().GetAggregateKey(), lost.Load())
+		}
+	case <-ctx.Done():
+		t.Fatal("the event the round made ready was never claimed after its answer was lost")
+	}
+}
