@@ -226,15 +226,21 @@ func TestTokenOfAnUnknownSource(t *testing.T) {
 	}
 }
 
+// dbName is the database name of a test database URL.
+func dbName(url string) string {
+	name := url[strings.LastIndex(url, "/")+1:]
+	if i := strings.IndexByte(name, '?'); i >= 0 {
+		name = name[:i]
+	}
+	return name
+}
+
 // setConnections turns connections to the database at url on or off; off
 // also ends the ones open, so that its source is down as if its server
 // were.
 func setConnections(t *testing.T, url string, on bool) {
 	t.Helper()
-	name := url[strings.LastIndex(url, "/")+1:]
-	if i := strings.IndexByte(name, '?'); i >= 0 {
-		name = name[:i]
-	}
+	name := dbName(url)
 	admin := testdb.NewPoolURL(t, testdb.ServerURL())
 	var stmt string
 	if err := admin.QueryRow(context.WithoutCancel(t.Context()), `SELECT format('ALTER DATABASE %I ALLOW_CONNECTIONS '||$2, $1::text)`, name,

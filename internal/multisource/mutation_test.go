@@ -7,6 +7,7 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -21,13 +22,42 @@ import (
 // Tests written against mutants of this package's routing that its other
 // tests let through: each holds one promise of the package documentation.
 
-// dbName is the database name of a test database URL.
-func dbName(url string) string {
-	name := url[strings.LastIndex(url, "/")+1:]
-	if i := strings.IndexByte(name, '?'); i >= 0 {
-		name = name[:i]
+// hangGuard is how long a test waits for an answer that is sure to come
+// before it fails naming what never came: a guard against hanging until
+// go test's -timeout, not a timed assertion.
+const hangGuard = 60 * time.Second
+
+// await receives what from ch, failing the test if it has not come within
+// hangGuard.
+func await[T any](t *testing.T, ch <-chan T, what string) T {
+	t.Helper()
+	select {
+	case v := <-ch:
+		return v
+	case <-time.After(hangGuard):
+		t.Fatalf("still waiting for %s after %v", what, hangGuard)
 	}
-	return name
+	var zero T
+	return zero
+}
+
+// ackAnswer is the answer of an Ack sent by ackAsync.
+type ackAnswer struct {
+	res *outboxv1.AckResponse
+	err error
+}
+
+// ackAsync sends req to relay from a goroutine of its own, so that the test
+// can act on the databases while the Ack waits on them, and returns the
+// channel its answer comes on (buffered: the goroutine never blocks on a
+// test that has already failed, and t.Context's end stops the call).
+func ackAsync(t *testing.T, relay outboxv1.RelayServiceClient, req *outboxv1.AckRequest) <-chan ackAnswer {
+	done := make(chan ackAnswer, 1)
+	go func() {
+		res, err := relay.Ack(t.Context(), req)
+		done <- ackAnswer{res, err}
+	}()
+	return done
 }
 
 // lockTable locks table in mode in pool's database, in a transaction of its
@@ -80,28 +110,25 @@ func TestAckOfAFailingSourceAnswersOnlyItsOwnRetry(t *testing.T) {
 	od := recv(t, subscribe(t, r.Relay, "orders/sales_order"))
 	lockTable(t, r.Pools["orders"], "outbox.event", "EXCLUSIVE")
 
-	type answer struct {
-		res *outboxv1.AckResponse
-		err error
-	}
-	done := make(chan answer, 1)
-	go func() {
-		res, err := r.Relay.Ack(t.Context(), &outboxv1.AckRequest{Acks: []*outboxv1.AckItem{
-			{EventId: ordersID, LeaseToken: od.GetLeaseToken()}, {EventId: defID, LeaseToken: dd.GetLeaseToken()}}})
-		done <- answer{res, err}
-	}()
+	done := ackAsync(t, r.Relay, &outboxv1.AckRequest{Acks: []*outboxv1.AckItem{
+		{EventId: ordersID, LeaseToken: od.GetLeaseToken()}, {EventId: defID, LeaseToken: dd.GetLeaseToken()}}})
 	pid := waitingBackend(t, ordersURL, "outbox.ack(")
 	if _, err := r.Pool.Exec(t.Context(), `SELECT pg_cancel_backend($1)`, pid); err != nil {
 		t.Fatal(err)
 	}
-	a := <-done
+	a := await(t, done, "the Ack's answer once orders' ack was cancelled")
 	if a.err != nil {
 		t.Fatalf("an Ack of both sources with orders' ack failing: %v; want default's acked and orders' to retry", a.err)
 	}
-	if got := a.res.GetResults()[0]; got.GetStatus() != outboxv1.AckStatus_ACK_STATUS_RETRY || !strings.Contains(got.GetMessage(), `source "orders"`) {
+	// Checked before indexing: a panic would end every test of the binary.
+	results := a.res.GetResults()
+	if len(results) != 2 {
+		t.Fatalf("an Ack of 2 items answered %d results: %v", len(results), results)
+	}
+	if got := results[0]; got.GetStatus() != outboxv1.AckStatus_ACK_STATUS_RETRY || !strings.Contains(got.GetMessage(), `source "orders"`) {
 		t.Errorf("orders' failed ack: %v %q; want RETRY naming orders", got.GetStatus(), got.GetMessage())
 	}
-	if got := a.res.GetResults()[1]; got.GetStatus() != outboxv1.AckStatus_ACK_STATUS_PUBLISHED {
+	if got := results[1]; got.GetStatus() != outboxv1.AckStatus_ACK_STATUS_PUBLISHED {
 		t.Errorf("default's ack with orders' failing: %v %q; want PUBLISHED", got.GetStatus(), got.GetMessage())
 	}
 	if !published(t, r.Pool, defID) {
@@ -123,16 +150,8 @@ func TestSlowSourceHoldsUpNoOtherSourcesAck(t *testing.T) {
 	od := recv(t, subscribe(t, r.Relay, "orders/sales_order"))
 	release := lockTable(t, r.Pools["orders"], "outbox.event", "EXCLUSIVE")
 
-	type answer struct {
-		res *outboxv1.AckResponse
-		err error
-	}
-	done := make(chan answer, 1)
-	go func() {
-		res, err := r.Relay.Ack(t.Context(), &outboxv1.AckRequest{Acks: []*outboxv1.AckItem{
-			{EventId: ordersID, LeaseToken: od.GetLeaseToken()}, {EventId: defID, LeaseToken: dd.GetLeaseToken()}}})
-		done <- answer{res, err}
-	}()
+	done := ackAsync(t, r.Relay, &outboxv1.AckRequest{Acks: []*outboxv1.AckItem{
+		{EventId: ordersID, LeaseToken: od.GetLeaseToken()}, {EventId: defID, LeaseToken: dd.GetLeaseToken()}}})
 	answered := func() {
 		select {
 		case a := <-done:
@@ -147,9 +166,12 @@ func TestSlowSourceHoldsUpNoOtherSourcesAck(t *testing.T) {
 	})
 	answered()
 	release()
-	a := <-done
+	a := await(t, done, "the Ack's answer once orders' event table was unlocked")
 	if a.err != nil {
 		t.Fatal(a.err)
+	}
+	if n := len(a.res.GetResults()); n != 2 {
+		t.Errorf("an Ack of 2 items answered %d results: %v", n, a.res.GetResults())
 	}
 	for i, x := range a.res.GetResults() {
 		if x.GetStatus() != outboxv1.AckStatus_ACK_STATUS_PUBLISHED {
@@ -215,7 +237,7 @@ func TestLagAsksEverySourceAtOnce(t *testing.T) {
 	})
 	releaseDef()
 	releaseOrders()
-	if err := <-done; err != nil {
+	if err := await(t, done, "GetLag's answer once the locks are gone"); err != nil {
 		t.Fatalf("GetLag once the locks are gone: %v", err)
 	}
 }

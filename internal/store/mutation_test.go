@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outboxd/outboxd/internal/store"
@@ -35,6 +36,11 @@ func discovered(t *testing.T, pool *pgxpool.Pool, st *store.Store, stream string
 	}
 	return ids
 }
+
+// hangGuard is how long a test waits for what is sure to come before it
+// fails naming what never came: a guard against hanging until go test's
+// -timeout, not a timed assertion.
+const hangGuard = 60 * time.Second
 
 func claimOf(limit int) store.ClaimParams {
 	return store.ClaimParams{Holder: uuid.New(), RelayID: "r", ReplicaID: "replica", Limit: limit, TTL: time.Minute}
@@ -71,8 +77,17 @@ func TestDiscoverAnswerLostOnceSent(t *testing.T) {
 		_, err := st.Discover(ctx, "replica", 100, 0, offer, func(pid uint32) { pids <- pid })
 		done <- err
 	}()
-	pid := <-pids
-	deadline := time.Now().Add(60 * time.Second) // a hang guard, not a timed assertion
+	// The round either says which backend it runs on or fails before it
+	// has one (Acquire's error): the test must not wait for a pid then.
+	var pid uint32
+	select {
+	case pid = <-pids:
+	case err := <-done:
+		t.Fatalf("the round ended before it waited on the event table's lock: %v", err)
+	case <-time.After(hangGuard):
+		t.Fatalf("the round named no backend after %v", hangGuard)
+	}
+	deadline := time.Now().Add(hangGuard)
 	for {
 		var waiting bool
 		if err := pool.QueryRow(t.Context(), `SELECT EXISTS (SELECT FROM pg_stat_activity WHERE pid = $1 AND wait_event_type = 'Lock')`,
@@ -88,8 +103,13 @@ func TestDiscoverAnswerLostOnceSent(t *testing.T) {
 		time.Sleep(20 * time.Millisecond)
 	}
 	cancel()
-	if err := <-done; !errors.Is(err, store.ErrAnswerLost) {
-		t.Errorf("a round cut off after it was sent: %v; want ErrAnswerLost", err)
+	select {
+	case err := <-done:
+		if !errors.Is(err, store.ErrAnswerLost) {
+			t.Errorf("a round cut off after it was sent: %v; want ErrAnswerLost", err)
+		}
+	case <-time.After(hangGuard):
+		t.Fatalf("the round cut off by its context has not returned after %v", hangGuard)
 	}
 }
 
@@ -217,7 +237,7 @@ func TestAckCancelledByTheDatabaseIsAnError(t *testing.T) {
 		res, err := st.Ack(t.Context(), store.AckParams{IDs: []uuid.UUID{leases[0].Event.ID}, ReplicaID: "replica"})
 		done <- answer{res, err}
 	}()
-	deadline := time.Now().Add(60 * time.Second) // a hang guard, not a timed assertion
+	deadline := time.Now().Add(hangGuard)
 	for {
 		var cancelled bool
 		if err := pool.QueryRow(t.Context(), `SELECT coalesce(bool_or(pg_cancel_backend(pid)), false) FROM pg_stat_activity
@@ -235,8 +255,23 @@ func TestAckCancelledByTheDatabaseIsAnError(t *testing.T) {
 	if err := tx.Rollback(t.Context()); err != nil {
 		t.Fatal(err)
 	}
-	if a := <-done; a.err == nil {
-		t.Errorf("an ack cancelled by the database: %+v, no error; want its error", a.res)
+	var a answer
+	select {
+	case a = <-done:
+	case <-time.After(hangGuard):
+		t.Fatalf("the ack cancelled by the database has not returned after %v", hangGuard)
+	}
+	// The cancel must come back as the batch's error, PostgreSQL's own
+	// query_canceled (57014), not as another error nor as an AckFailed
+	// result of the id.
+	var pgErr *pgconn.PgError
+	if !errors.As(a.err, &pgErr) || pgErr.Code != "57014" {
+		t.Errorf("an ack cancelled by the database: %+v, %v; want its error, SQLSTATE 57014", a.res, a.err)
+	}
+	for _, r := range a.res {
+		if r.Status == store.AckFailed {
+			t.Errorf("an ack cancelled by the database answered %s AckFailed (%v); want no item failed for the database's error", r.EventID, r.Err)
+		}
 	}
 }
 
