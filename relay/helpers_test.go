@@ -146,6 +146,13 @@ type running struct {
 // the test.
 func start(t *testing.T, cfg Config, h hooks) *running {
 	t.Helper()
+	return startCtx(t, context.Background(), cfg, h)
+}
+
+// startCtx is start with Run's context derived from parent, for tests
+// about what that context carries (a span, say).
+func startCtx(t *testing.T, parent context.Context, cfg Config, h hooks) *running {
+	t.Helper()
 	if cfg.Logger == nil {
 		cfg.Logger = servertest.Logger(t)
 	}
@@ -154,7 +161,7 @@ func start(t *testing.T, cfg Config, h hooks) *running {
 		t.Fatal(err)
 	}
 	r.hooks = h
-	ctx, cancel := context.WithCancel(context.Background())
+	ctx, cancel := context.WithCancel(parent)
 	run := &running{Runner: r, cancel: cancel, done: make(chan error, 1)}
 	go func() { run.done <- r.Run(ctx) }()
 	t.Cleanup(func() {
@@ -166,6 +173,22 @@ func start(t *testing.T, cfg Config, h hooks) *running {
 		}
 	})
 	return run
+}
+
+// openAtEnd opens (closes) each gate still shut when the test ends. Called
+// right after start, its cleanup runs before start's: a test that fails
+// while a publish waits at a gate does not then wait out DrainTimeout for
+// it. Only the test's goroutine may close the gates.
+func openAtEnd(t *testing.T, gates ...chan struct{}) {
+	t.Cleanup(func() {
+		for _, g := range gates {
+			select {
+			case <-g:
+			default:
+				close(g)
+			}
+		}
+	})
 }
 
 // stop cancels Run and returns its error.
@@ -189,12 +212,14 @@ type publisher struct {
 	block chan struct{}
 	// fail, when set, is returned by every Publish.
 	fail error
-	// cancelled is set when a Publish returned because its context ended.
+	// cancelled is set when a Publish returned because its context ended,
+	// and causes receives why that context ended (context.Cause).
 	cancelled atomic.Bool
+	causes    chan error
 }
 
 func newPublisher() *publisher {
-	return &publisher{attempts: map[string]int{}, started: make(chan Event, 100)}
+	return &publisher{attempts: map[string]int{}, started: make(chan Event, 100), causes: make(chan error, 100)}
 }
 
 func (p *publisher) Publish(ctx context.Context, ev Event) error {
@@ -213,6 +238,10 @@ func (p *publisher) Publish(ctx context.Context, ev Event) error {
 		case <-p.block:
 		case <-ctx.Done():
 			p.cancelled.Store(true)
+			select {
+			case p.causes <- context.Cause(ctx):
+			default: // as for started: no test waits for that many
+			}
 			return ctx.Err()
 		}
 	}

@@ -14,27 +14,6 @@ import (
 	"github.com/outboxd/outboxd/internal/servertest"
 )
 
-// extension is one ExtendLease the server granted: for which event, and
-// when the runner sent it.
-type extension struct {
-	eventID string
-	sent    time.Time
-}
-
-// watchExtensions reports, on the returned channel, every ExtendLease the
-// server grants on a connection dialled with the option.
-func watchExtensions() (grpc.DialOption, <-chan extension) {
-	c := make(chan extension, 1000)
-	return grpc.WithChainUnaryInterceptor(func(ctx context.Context, m string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
-		sent := time.Now()
-		err := invoker(ctx, m, req, reply, cc, opts...)
-		if r, ok := req.(*outboxv1.ExtendLeaseRequest); ok && err == nil {
-			c <- extension{r.GetEventId(), sent}
-		}
-		return err
-	}), c
-}
-
 // A publish that outlives its lease many times over keeps it: each
 // extension counts from the expiry the previous one granted, so the runner
 // goes on extending long after the lease it was delivered with would have
@@ -51,6 +30,7 @@ func TestExtensionsKeepALeaseForManyTTLs(t *testing.T) {
 	const ttl = 2 * time.Second
 	start(t, Config{Conn: e.dial(t, watch), Publisher: pub, LeaseTTL: ttl, MaxInFlight: 1},
 		hooks{extendStopped: func(_ string, lost bool) { stopped <- lost }})
+	openAtEnd(t, pub.block)
 	waitSignal(t, "the publish to start", pub.started)
 	began := time.Now()
 	c := e.competitor(t, "orders")
@@ -97,10 +77,12 @@ func TestNoExtensionAfterTheServerSaysTheLeaseIsGone(t *testing.T) {
 	pub.block = make(chan struct{})
 	start(t, Config{Conn: e.dial(t, gone), Publisher: pub, LeaseTTL: 2 * time.Second, MaxInFlight: 1},
 		hooks{extendStopped: func(_ string, lost bool) { stopped <- lost }})
+	// The publish is never let through: the test ends with it held.
+	openAtEnd(t, pub.block)
 	waitSignal(t, "the publish to start", pub.started)
 	c := e.competitor(t, "orders")
 	if lost := waitSignal(t, "extending to stop", stopped); !lost {
-		t.Fatal("the runner stopped extending for its lease's time, want the server's answer")
+		t.Fatal("the runner stopped extending because the lease's time ran out (lost=false), want it to stop at the server's FAILED_PRECONDITION")
 	}
 	if d := waitSignal(t, "the lapsed lease to reach a second session", c.got); d.GetEvent().GetEventId() != id {
 		t.Fatalf("the second session received %s, want %s", d.GetEvent().GetEventId(), id)
@@ -108,5 +90,4 @@ func TestNoExtensionAfterTheServerSaysTheLeaseIsGone(t *testing.T) {
 	if n := calls.Load(); n != 1 {
 		t.Fatalf("%d ExtendLease calls for a lease the server said was gone, want 1", n)
 	}
-	close(pub.block)
 }

@@ -15,6 +15,33 @@ import (
 	"github.com/outboxd/outboxd/internal/servertest"
 )
 
+// extension is one ExtendLease the server granted: for which event, and
+// when the runner sent it.
+type extension struct {
+	eventID string
+	sent    time.Time
+}
+
+// watchExtensions reports, on the returned channel, the ExtendLeases the
+// server grants on a connection dialled with the option. The tests wait for
+// a count of them or for one that meets a condition, which later ones meet
+// as well; so once 1000 wait unread, further ones are dropped rather than
+// holding the runner's ExtendLease (and so Run) until someone reads.
+func watchExtensions() (grpc.DialOption, <-chan extension) {
+	c := make(chan extension, 1000)
+	return grpc.WithChainUnaryInterceptor(func(ctx context.Context, m string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
+		sent := time.Now()
+		err := invoker(ctx, m, req, reply, cc, opts...)
+		if r, ok := req.(*outboxv1.ExtendLeaseRequest); ok && err == nil {
+			select {
+			case c <- extension{r.GetEventId(), sent}:
+			default:
+			}
+		}
+		return err
+	}), c
+}
+
 // slowPublishKeepsLease runs one publish that outlives its lease TTL on a
 // runner dialled with opts, while a second session with spare credit
 // would receive the event if the lease ever lapsed. It returns once the
@@ -25,14 +52,8 @@ func slowPublishKeepsLease(t *testing.T, ttl time.Duration, extensions int, opts
 	e := newEnv(t, servertest.Options{})
 	id := e.emit(t, "orders", "slow")
 	// Outermost, so it sees what the server answered.
-	extended := make(chan struct{}, 100)
-	opts = append([]grpc.DialOption{grpc.WithChainUnaryInterceptor(func(ctx context.Context, m string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
-		err := invoker(ctx, m, req, reply, cc, opts...)
-		if _, ok := reply.(*outboxv1.ExtendLeaseResponse); ok && err == nil {
-			extended <- struct{}{}
-		}
-		return err
-	})}, opts...)
+	watch, extended := watchExtensions()
+	opts = append([]grpc.DialOption{watch}, opts...)
 	pub := newPublisher()
 	pub.block = make(chan struct{})
 	start(t, Config{Conn: e.dial(t, opts...), Publisher: pub, LeaseTTL: ttl, MaxInFlight: 1}, hooks{})

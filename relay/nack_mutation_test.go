@@ -18,27 +18,6 @@ import (
 	"github.com/outboxd/outboxd/internal/servertest"
 )
 
-// signalLog is a slog handler that sends on c the message of every
-// warning containing msg, so that a test can wait for the runner to say it
-// gave something up.
-type signalLog struct {
-	msg string
-	c   chan string
-}
-
-func (h signalLog) Enabled(context.Context, slog.Level) bool { return true }
-func (h signalLog) Handle(_ context.Context, r slog.Record) error {
-	if r.Level == slog.LevelWarn && strings.Contains(r.Message, h.msg) {
-		select {
-		case h.c <- r.Message:
-		default:
-		}
-	}
-	return nil
-}
-func (h signalLog) WithAttrs([]slog.Attr) slog.Handler { return h }
-func (h signalLog) WithGroup(string) slog.Handler      { return h }
-
 // nackCall is one Nack the runner sent and what became of it.
 type nackCall struct {
 	req *outboxv1.NackRequest
@@ -61,7 +40,13 @@ func watchNacks(fault func(n int32, req *outboxv1.NackRequest) error) (grpc.Dial
 			err = invoker(ctx, m, req, reply, cc, opts...)
 		}
 		// A copy: the runner may change its request before sending it again.
-		c <- nackCall{req: proto.Clone(r).(*outboxv1.NackRequest), err: err}
+		// Every call is reported, in order; should the test have stopped
+		// reading, the call's own context ends the wait rather than
+		// holding the runner's Nack (and so Run) for ever.
+		select {
+		case c <- nackCall{req: proto.Clone(r).(*outboxv1.NackRequest), err: err}:
+		case <-ctx.Done():
+		}
 		return err
 	}), c
 }
@@ -95,11 +80,11 @@ func TestNackRetriesWhileTheServerIsUnavailable(t *testing.T) {
 		}
 		return nil
 	})
-	gaveUp := make(chan string, 10)
+	log := newRecords(t)
+	gaveUp := log.watch(slog.LevelWarn, "nack failed")
 	pub := newPublisher()
 	pub.fail = errors.New("broker says no")
-	start(t, Config{Conn: e.dial(t, watch), Publisher: pub, LeaseTTL: time.Hour,
-		Logger: slog.New(signalLog{"nack failed", gaveUp})}, hooks{})
+	start(t, Config{Conn: e.dial(t, watch), Publisher: pub, LeaseTTL: time.Hour, Logger: slog.New(log)}, hooks{})
 	first := nextNack(t, "the first Nack", calls, gaveUp)
 	if status.Code(first.err) != codes.Unavailable {
 		t.Fatalf("first Nack: %v, want the injected failure", first.err)
@@ -129,10 +114,10 @@ func TestNackWithoutRetryAfterWhenTheServerRefusesIt(t *testing.T) {
 		}
 		return nil
 	})
-	gaveUp := make(chan string, 10)
+	log := newRecords(t)
+	gaveUp := log.watch(slog.LevelWarn, "nack failed")
 	pub := &retryAfterPublisher{after: map[string]time.Duration{"a": time.Hour}}
-	start(t, Config{Conn: e.dial(t, watch), Publisher: pub, LeaseTTL: time.Hour,
-		Logger: slog.New(signalLog{"nack failed", gaveUp})}, hooks{})
+	start(t, Config{Conn: e.dial(t, watch), Publisher: pub, LeaseTTL: time.Hour, Logger: slog.New(log)}, hooks{})
 	if first := nextNack(t, "the first Nack", calls, gaveUp); first.req.GetRetryAfter().AsDuration() != time.Hour {
 		t.Fatalf("first Nack carried retry_after %v, want the publisher's 1h", first.req.GetRetryAfter().AsDuration())
 	}
@@ -151,7 +136,10 @@ func TestNackTextKeepsATextOfExactlyTheLimit(t *testing.T) {
 	t.Parallel()
 	for _, in := range []string{strings.Repeat("x", maxNackText), strings.Repeat("é", maxNackText/2)} {
 		if got := nackText(errors.New(in)); got != in {
-			t.Errorf("nackText of %d bytes returned %d bytes ending %q, want it unchanged", len(in), len(got), got[len(got)-8:])
+			// The tail shows whether it was cut; a result shorter than
+			// the tail is shown whole rather than sliced out of range.
+			tail := got[max(0, len(got)-8):]
+			t.Errorf("nackText of %d bytes returned %d bytes ending %q, want it unchanged", len(in), len(got), tail)
 		}
 	}
 }

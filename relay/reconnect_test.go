@@ -12,29 +12,71 @@ import (
 )
 
 // records is a slog handler that keeps every record, for tests that count
-// what the runner logs.
+// what the runner logs or wait for it to say something, and passes each on
+// to the test's own logger (servertest.Logger), so that the runner's logs
+// still show with the test's output.
 type records struct {
-	mu   *sync.Mutex
-	recs *[]slog.Record
+	*recordLog
+	next slog.Handler
 }
 
-func newRecords() records { return records{mu: &sync.Mutex{}, recs: &[]slog.Record{}} }
+type recordLog struct {
+	mu      sync.Mutex
+	recs    []slog.Record
+	watches []recordWatch
+}
 
-func (h records) Enabled(context.Context, slog.Level) bool { return true }
-func (h records) Handle(_ context.Context, r slog.Record) error {
+// recordWatch is one watch: records at level whose message contains msg
+// are sent on c.
+type recordWatch struct {
+	level slog.Level
+	msg   string
+	c     chan string
+}
+
+func newRecords(t testing.TB) records {
+	return records{recordLog: &recordLog{}, next: servertest.Logger(t).Handler()}
+}
+
+// watch returns a channel that receives the message of each record at
+// level whose message contains msg, logged after the call (so: call it
+// before start). It keeps the first few; a test waits for one.
+func (h records) watch(level slog.Level, msg string) <-chan string {
+	c := make(chan string, 10)
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	*h.recs = append(*h.recs, r.Clone())
-	return nil
+	h.watches = append(h.watches, recordWatch{level, msg, c})
+	return c
 }
-func (h records) WithAttrs([]slog.Attr) slog.Handler { return h }
-func (h records) WithGroup(string) slog.Handler      { return h }
+
+func (h records) Enabled(context.Context, slog.Level) bool { return true }
+func (h records) Handle(ctx context.Context, r slog.Record) error {
+	h.mu.Lock()
+	h.recs = append(h.recs, r.Clone())
+	for _, w := range h.watches {
+		if r.Level == w.level && strings.Contains(r.Message, w.msg) {
+			select {
+			case w.c <- r.Message:
+			default: // full: the test has what it waits for
+			}
+		}
+	}
+	h.mu.Unlock()
+	if !h.next.Enabled(ctx, r.Level) {
+		return nil
+	}
+	return h.next.Handle(ctx, r)
+}
+func (h records) WithAttrs(as []slog.Attr) slog.Handler {
+	return records{h.recordLog, h.next.WithAttrs(as)}
+}
+func (h records) WithGroup(g string) slog.Handler { return records{h.recordLog, h.next.WithGroup(g)} }
 
 // count returns how many records at level have a message containing msg.
 func (h records) count(level slog.Level, msg string) (n int, first string) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	for _, r := range *h.recs {
+	for _, r := range h.recs {
 		if r.Level == level && strings.Contains(r.Message, msg) {
 			if n == 0 {
 				first = r.Message
@@ -75,7 +117,7 @@ func TestUnknownStreamIsSaidOnceThenQuietly(t *testing.T) {
 			}
 		},
 	}
-	log := newRecords()
+	log := newRecords(t)
 	const base, limit = time.Millisecond, 4 * time.Millisecond
 	run := start(t, Config{
 		Conn: e.dial(t), Publisher: newPublisher(), Streams: []string{"ordres"},

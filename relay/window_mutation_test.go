@@ -2,6 +2,8 @@ package relay
 
 import (
 	"context"
+	"fmt"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -114,18 +116,59 @@ func (s gapStream) RecvMsg(m any) error {
 	}
 }
 
-// orderLog records the revisions published, in the order their publishes
-// started.
-type orderLog struct {
-	mu   sync.Mutex
-	revs []int64
+// leaseLog records each delivery the server sends on a connection dialled
+// with its option, in arrival order, with the lease epoch it came under:
+// the tests check with it that events they mean to be under one lease were.
+type leaseLog struct {
+	mu  sync.Mutex
+	got []delivered
 }
 
-func (p *orderLog) Publish(_ context.Context, ev Event) error {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	p.revs = append(p.revs, ev.Revision)
+// delivered is one delivery's revision and lease epoch.
+type delivered struct{ revision, epoch int64 }
+
+func (d delivered) String() string { return fmt.Sprintf("r%d@epoch%d", d.revision, d.epoch) }
+
+// option records what the server sent: dialled after (inside) any
+// interceptor that hides deliveries from the runner, it sees those too.
+func (l *leaseLog) option() grpc.DialOption {
+	return grpc.WithChainStreamInterceptor(func(ctx context.Context, desc *grpc.StreamDesc, cc *grpc.ClientConn, m string, streamer grpc.Streamer, opts ...grpc.CallOption) (grpc.ClientStream, error) {
+		s, err := streamer(ctx, desc, cc, m, opts...)
+		if err != nil {
+			return nil, err
+		}
+		return leaseLogStream{s, l}, nil
+	})
+}
+
+type leaseLogStream struct {
+	grpc.ClientStream
+	l *leaseLog
+}
+
+func (s leaseLogStream) RecvMsg(m any) error {
+	err := s.ClientStream.RecvMsg(m)
+	res, ok := m.(*outboxv1.SubscribeResponse)
+	if err != nil || !ok {
+		return err
+	}
+	ds := res.GetDeliveries()
+	if len(ds) == 0 {
+		ds = []*outboxv1.SubscribeResponse{res}
+	}
+	s.l.mu.Lock()
+	defer s.l.mu.Unlock()
+	for _, d := range ds {
+		s.l.got = append(s.l.got, delivered{d.GetEvent().GetRevision(), d.GetLeaseEpoch()})
+	}
 	return nil
+}
+
+// deliveries returns what was recorded so far.
+func (l *leaseLog) deliveries() []delivered {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return append([]delivered(nil), l.got...)
 }
 
 // A window never skips a revision at the broker: should a lease's
@@ -149,19 +192,30 @@ func TestWindowNeverPublishesPastAGapInItsLease(t *testing.T) {
 		}
 		return gapStream{s, 3, &hidden}, nil
 	})
-	pub := &orderLog{}
+	var leases leaseLog
+	pub := &orderedPublisher{inFlight: map[string]bool{}} // fails nothing
 	// A short lease, so that the one left with the gap lapses soon.
-	start(t, Config{Conn: e.dial(t, gap), Publisher: pub, MaxInFlight: n, MaxInFlightPerAggregate: n, LeaseTTL: time.Second}, hooks{})
+	start(t, Config{Conn: e.dial(t, gap, leases.option()), Publisher: pub, MaxInFlight: n, MaxInFlightPerAggregate: n, LeaseTTL: time.Second}, hooks{})
 	e.waitPublished(t, ids...)
-	if !hidden.Load() {
-		t.Fatal("revision 3 was never hidden")
+	// The premise: the runner got revision 2 and then, revision 3 hidden,
+	// revision 4 under the same lease. Under separate leases there would
+	// be no gap within a lease, and nothing here would test the check.
+	ds := leases.deliveries()
+	i := slices.IndexFunc(ds, func(d delivered) bool { return d.revision == 3 })
+	if i < 1 || i+1 >= len(ds) || ds[i-1].revision != 2 || ds[i+1].revision != 4 ||
+		ds[i-1].epoch != ds[i].epoch || ds[i+1].epoch != ds[i].epoch {
+		t.Fatalf("deliveries in arrival order %v: want the hidden first revision 3 between revisions 2 and 4 of its lease", ds)
 	}
 	pub.mu.Lock()
 	defer pub.mu.Unlock()
+	var revs []int64
+	for _, ev := range pub.attempts {
+		revs = append(revs, ev.Revision)
+	}
 	next := int64(1)
-	for _, r := range pub.revs {
+	for _, r := range revs {
 		if r > next {
-			t.Fatalf("published revisions %v: %d before %d", pub.revs, r, next)
+			t.Fatalf("published revisions %v: %d before %d", revs, r, next)
 		}
 		if r == next {
 			next++
@@ -183,15 +237,27 @@ func TestWindowCarriesAnExtendedLeaseToTheNextEvent(t *testing.T) {
 	// leases both under one lease.
 	e.waitDiscovered(t)
 	watch, extended := watchExtensions()
+	var leases leaseLog
 	stopped := make(chan string, 10)
+	queued := make(chan string, 10)
 	pub := &gatedPublisher{gates: map[int64]chan struct{}{1: make(chan struct{}), 2: make(chan struct{})}, started: make(chan Event, 10)}
 	const ttl = 2 * time.Second
-	start(t, Config{Conn: e.dial(t, watch), Publisher: pub, LeaseTTL: ttl, MaxInFlight: 2, MaxInFlightPerAggregate: 2},
-		hooks{extendStopped: func(id string, _ bool) { stopped <- id }})
+	start(t, Config{Conn: e.dial(t, watch, leases.option()), Publisher: pub, LeaseTTL: ttl, MaxInFlight: 2, MaxInFlightPerAggregate: 2},
+		hooks{extendStopped: func(id string, _ bool) { stopped <- id }, windowQueued: func(id string) { queued <- id }})
+	openAtEnd(t, pub.gates[1], pub.gates[2])
 	if ev := waitSignal(t, "revision 1 to start", pub.started); ev.Revision != 1 {
 		t.Fatalf("first publish is revision %d", ev.Revision)
 	}
 	began := time.Now()
+	// The premise: both events came under one lease (a delivery is
+	// recorded before the runner queues it). Under two, revision 2 would
+	// bring its own expiry and there would be no extension to carry over.
+	for range 2 {
+		waitSignal(t, "both events queued", queued)
+	}
+	if ds := leases.deliveries(); len(ds) < 2 || ds[0].revision != 1 || ds[1].revision != 2 || ds[0].epoch != ds[1].epoch {
+		t.Fatalf("deliveries in arrival order %v: want revisions 1 and 2 under one lease", ds)
+	}
 	// Hold revision 1 until an extension sent a whole TTL after it began:
 	// the lease revision 2 was delivered with has lapsed by the relay's
 	// clock, and only the extensions keep it.
