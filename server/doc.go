@@ -382,7 +382,9 @@
 // before the work was made claimable) is kept, and the next session of the
 // group to wait with credit claims at once; one signalled to a session
 // that then stops waiting without claiming (its credit went to a
-// hand-over, its stream ended) goes to another. The group polls in the
+// hand-over, its stream ended), or that wakes to find no credit to claim
+// with (lent to a discovery round meanwhile, or taken by leases given to
+// it), goes to another. The group polls in the
 // same way, one session at a time, backing off from 2 ms after work was
 // found to Config.PollInterval: an idle replica makes one claim per stream
 // filter per poll interval, whatever the number of relays, and a lost

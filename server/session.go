@@ -345,6 +345,19 @@ func (ss *session) run(ctx context.Context, send func(*outboxv1.SubscribeRespons
 		// or, with none idle, the next member to wait with credit, this one
 		// included (see pollGroup).
 		credit := ss.maxInFlight - len(ss.inflight) - ss.withdrawCredit()
+		if w.woken {
+			w.woken = false
+			if credit <= 0 || stopping {
+				// The group asked this session to claim, as its longest
+				// idle member, and it cannot: its credit went to a
+				// discovery round's loan or to leases given to it while it
+				// waited. Another member claims instead (or the next to
+				// wait with credit), or the work announced would wait for
+				// the group's poll.
+				w.group.handOn(w.poll)
+				w.poll = false
+			}
+		}
 		if credit > 0 && !stopping && wantClaim {
 			// A wake-up signalled before this claim starts is answered by it.
 			poll := w.takeProbe()
@@ -547,6 +560,10 @@ type sessionWait struct {
 	// poll says the group's poll woke the session: the next claim reports
 	// to the group as a poll (an empty one lengthens the group's backoff).
 	poll bool
+	// woken says the group asked the session to claim (a wake-up or its
+	// poll) since its loop last looked: a session that then finds no
+	// credit to claim with hands the request on (see run).
+	woken bool
 	// claimDue, when set, is the latest time for the next claim: credit an
 	// ack batch freed was left unclaimed because it saw nothing claimable
 	// before then.
@@ -620,6 +637,7 @@ func (w *sessionWait) wait(ctx context.Context, polling bool) (kicked bool, err 
 		if now, poll := w.group.enterIdle(ss); now {
 			// A wake-up (or poll) found no member idle: claim now.
 			w.poll = w.poll || poll
+			w.woken = true
 			return false, nil
 		}
 		defer w.group.leaveIdle(ss)
@@ -656,6 +674,7 @@ func (w *sessionWait) wait(ctx context.Context, polling bool) (kicked bool, err 
 		// round, a NOTIFY, an operator), a claim that found all it asked
 		// for, or the group's poll.
 		w.poll = w.poll || poll
+		w.woken = true
 	case <-dueC:
 		w.claimDue = time.Time{}
 	case <-reconcileC:

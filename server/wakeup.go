@@ -106,11 +106,18 @@ func (g *pollGroup) leave(ss *session) {
 func (g *pollGroup) passOn(ss *session) {
 	select {
 	case poll := <-ss.probe:
-		g.mu.Lock()
-		g.wakeLocked(poll, true)
-		g.mu.Unlock()
+		g.handOn(poll)
 	default:
 	}
+}
+
+// handOn gives a wake-up (poll: the group's poll) that a member took and
+// cannot claim with to the longest idle member, or keeps it for the next
+// member to wait with credit.
+func (g *pollGroup) handOn(poll bool) {
+	g.mu.Lock()
+	g.wakeLocked(poll, true)
+	g.mu.Unlock()
 }
 
 // enterIdle makes ss an idle member, the last in line, and arms the poll.

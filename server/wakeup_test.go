@@ -3,10 +3,12 @@ package server_test
 import (
 	"context"
 	"fmt"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/google/uuid"
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
@@ -323,5 +325,111 @@ func TestAWakeUpHeldBackForARoundWhoseAnswerWasLostIsActedOn(t *testing.T) {
 		}
 	case <-ctx.Done():
 		t.Fatal("the event the round made ready was never claimed after its answer was lost")
+	}
+}
+
+// A wake-up that reaches a member of a poll group with no credit to claim
+// with goes to another member. The first session (the longest idle) has
+// lent its one unit of credit to a discovery round, held before it is
+// sent, when another replica's round makes w, x and y ready and notifies:
+// the wake-up goes to the first session, which cannot claim. The second
+// must, or w, x and y wait for a poll (polls are off here): the held
+// round, let go, dispatches z to the first session, which so never claims
+// again, and wakes nobody for the others, which it did not find.
+func TestAWakeUpAMemberCannotUseGoesToAnother(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	r := startReplica(t, url, nil)
+	r.Server.SetNoPolls()
+	held, release := make(chan struct{}), make(chan struct{})
+	var once, released sync.Once
+	letGo := func() { released.Do(func() { close(release) }) }
+	defer letGo() // a failing test must not leave the round held
+	r.Server.SetBeforeRound(func() {
+		once.Do(func() {
+			close(held)
+			<-release
+		})
+	})
+	notified := make(chan struct{}, 16)
+	r.Server.SetAfterNotify(func(channel string) {
+		if channel == store.ChannelWakeup {
+			notified <- struct{}{}
+		}
+	})
+	offers := make(chan int, 64)
+	var firstID atomic.Pointer[uuid.UUID]
+	r.Server.SetAfterOffer(func(id uuid.UUID, offered int) {
+		firstID.CompareAndSwap(nil, &id)
+		if id == *firstID.Load() {
+			offers <- offered
+		}
+	})
+	first := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 1, LeaseTtl: durationpb.New(time.Hour)})
+	waitFor(t, func() int32 { return b2i(r.Server.IdleSessions() == 1) })
+	// A round borrows the first session's credit and waits before it is
+	// sent.
+	emit(t, pool, "orders", "w", 1)
+	<-held
+	// The second joins the group now, idle after the first: the held round
+	// borrowed none of its credit.
+	second := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 3, LeaseTtl: durationpb.New(time.Hour)})
+	waitFor(t, func() int32 { return b2i(r.Server.IdleSessions() == 2) })
+	for len(offers) > 0 {
+		<-offers
+	}
+	emit(t, pool, "orders", "x", 1)
+	emit(t, pool, "orders", "y", 1)
+	// Another replica's round: w, x and y ready, and a NOTIFY.
+	if _, err := pool.Exec(ctx, `SELECT * FROM outbox.discover()`); err != nil {
+		t.Fatal(err)
+	}
+	// Found by the held round once let go, and dispatched to the first
+	// session with the credit it borrowed.
+	emit(t, pool, "orders", "z", 1)
+	select {
+	case <-notified:
+	case <-ctx.Done():
+		t.Fatal("the listener never took the other round's wake-up")
+	}
+	// The wake-up reached the first session, which, its credit lent, offers
+	// none and claims nothing.
+	select {
+	case n := <-offers:
+		if n != 0 {
+			t.Fatalf("the first session offered %d with its credit lent", n)
+		}
+	case <-ctx.Done():
+		t.Fatal("the first session never turned on the wake-up")
+	}
+	letGo()
+	got := make(chan string, 4)
+	recvAll := func(st outboxv1.RelayService_SubscribeClient, n int, who string) {
+		for range n {
+			d, err := st.Recv()
+			if err != nil {
+				return
+			}
+			got <- who + ":" + d.GetEvent().GetAggregateKey()
+		}
+	}
+	go recvAll(first, 1, "first")
+	go recvAll(second, 3, "second")
+	seen := map[string]bool{}
+	for len(seen) < 4 {
+		select {
+		case k := <-got:
+			seen[k] = true
+		case <-ctx.Done():
+			t.Fatalf("delivered only %v: the wake-up for w, x and y went to a session that could not claim, and no further", seen)
+		}
+	}
+	for _, want := range []string{"first:z", "second:w", "second:x", "second:y"} {
+		if !seen[want] {
+			t.Fatalf("delivered %v, want %s among them", seen, want)
+		}
 	}
 }
