@@ -778,21 +778,7 @@ func TestCreditARoundGivesBackWakesTheSession(t *testing.T) {
 	nack(t, r, d) // parks p
 	gate.waitHeld(t)
 
-	var holdOnce sync.Once
-	lent, release := make(chan struct{}), make(chan struct{})
-	r.Server.SetBeforeRound(func() {
-		holdOnce.Do(func() {
-			close(lent)
-			<-release
-		})
-	})
-	defer func() {
-		select {
-		case <-release:
-		default:
-			close(release)
-		}
-	}()
+	lent, letGo := holdFirstRound(t, r)
 	skipped := emit(t, pool, "orders", "x", 1)[0]
 	waitClosed(t, lent, "no discovery round lent the session's credit")
 	gate.release(false)
@@ -806,7 +792,7 @@ func TestCreditARoundGivesBackWakesTheSession(t *testing.T) {
 	if _, err := r.Admin.SkipEvent(ctx, &outboxv1.SkipEventRequest{EventId: skipped.String(), Reason: "not wanted"}); err != nil {
 		t.Fatal(err)
 	}
-	close(release)
+	letGo()
 
 	d = recv(t, st)
 	if got := d.GetEvent().GetEventId(); got != parked.String() {
@@ -891,14 +877,7 @@ func TestAnOfferLeavesOutLeasesGivenWhileTheLoopClaimed(t *testing.T) {
 	r.Server.SetNoPolls()
 	offers := make(chan int, 64)
 	r.Server.SetAfterOffer(func(_ uuid.UUID, offered int) { offers <- offered })
-	roundHeld, roundGo := make(chan struct{}), make(chan struct{})
-	var roundOnce sync.Once
-	r.Server.SetBeforeRound(func() {
-		roundOnce.Do(func() {
-			close(roundHeld)
-			<-roundGo
-		})
-	})
+	roundHeld, letRoundGo := holdFirstRound(t, r)
 	var armed atomic.Bool
 	claiming, given := make(chan struct{}), make(chan struct{})
 	var claimOnce, giveOnce sync.Once
@@ -937,7 +916,7 @@ func TestAnOfferLeavesOutLeasesGivenWhileTheLoopClaimed(t *testing.T) {
 	for len(offers) > 0 {
 		<-offers
 	}
-	close(roundGo)
+	letRoundGo()
 	d := recv(t, st)
 	if d.GetEvent().GetAggregateKey() != "x" {
 		t.Fatalf("delivered %s, want the round's lease of x", d.GetEvent().GetAggregateKey())
@@ -956,4 +935,24 @@ func nextOffer(t *testing.T, offers <-chan int) int {
 		t.Fatal("the session made no offer within 30s")
 		return 0
 	}
+}
+
+// holdFirstRound holds the first discovery round that borrows sessions'
+// credit, after it did and before it is sent, until letGo: held is closed
+// once it is held. letGo also runs when the test ends, so that a failing
+// test does not leave the discovery loop held and the replica unable to
+// stop.
+func holdFirstRound(t *testing.T, r *replica) (held <-chan struct{}, letGo func()) {
+	t.Helper()
+	h, release := make(chan struct{}), make(chan struct{})
+	var holdOnce, releaseOnce sync.Once
+	letGo = func() { releaseOnce.Do(func() { close(release) }) }
+	r.Server.SetBeforeRound(func() {
+		holdOnce.Do(func() {
+			close(h)
+			<-release
+		})
+	})
+	t.Cleanup(letGo)
+	return h, letGo
 }

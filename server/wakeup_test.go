@@ -3,7 +3,6 @@ package server_test
 import (
 	"context"
 	"fmt"
-	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -344,16 +343,7 @@ func TestAWakeUpAMemberCannotUseGoesToAnother(t *testing.T) {
 	pool := testdb.NewPoolURL(t, url)
 	r := startReplica(t, url, nil)
 	r.Server.SetNoPolls()
-	held, release := make(chan struct{}), make(chan struct{})
-	var once, released sync.Once
-	letGo := func() { released.Do(func() { close(release) }) }
-	defer letGo() // a failing test must not leave the round held
-	r.Server.SetBeforeRound(func() {
-		once.Do(func() {
-			close(held)
-			<-release
-		})
-	})
+	held, letGo := holdFirstRound(t, r)
 	notified := make(chan struct{}, 16)
 	r.Server.SetAfterNotify(func(channel string) {
 		if channel == store.ChannelWakeup {
