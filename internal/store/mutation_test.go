@@ -344,3 +344,59 @@ func TestAckHintLeavesOutExcludedStreams(t *testing.T) {
 		t.Errorf("the hint of a session excluding b, with only b's aggregate claimable: %+v; want none claimable", h)
 	}
 }
+
+// Credit sessions lend an ack batch is for the whole batch: when a batch
+// fails on one id and is tried again in halves, the first half may have
+// used the credit, so the second goes without it, or a session could be
+// leased more events than its acks free plus the credit it lent. One of
+// three acks fails (a trigger planted here refuses aggregate c's), so the
+// batch is split: a1 alone, with the loan of 2, slides its window of 3 onto
+// a2, a3 and a4; b1, acked in the second half, may then take only what its
+// own ack frees, b2. Kills an Ack that lends the credit to both halves.
+func TestASplitAckLendsTheSessionsCreditOnce(t *testing.T) {
+	t.Parallel()
+	pool := testdb.NewPool(t)
+	st := store.New(pool)
+	for _, key := range []string{"a", "b"} {
+		for range 4 {
+			if _, err := pool.Exec(t.Context(), `SELECT outbox.emit('s', $1, 'T', '{}')`, key); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	discovered(t, pool, st, "s", "c")
+	p := claimOf(3)
+	leases, err := st.Claim(t.Context(), p)
+	if err != nil || len(leases) != 3 {
+		t.Fatalf("claim: %d leases, %v; want a1, b1 and c1", len(leases), err)
+	}
+	heads := map[string]uuid.UUID{}
+	for _, l := range leases {
+		heads[l.Event.AggregateKey] = l.Event.ID
+	}
+	if _, err := pool.Exec(t.Context(), `
+		CREATE FUNCTION public.refuse_c() RETURNS trigger LANGUAGE plpgsql AS $$
+		BEGIN RAISE EXCEPTION 'c is refused here'; END $$;
+		CREATE TRIGGER refuse_c BEFORE UPDATE OF published_at ON outbox.event
+		FOR EACH ROW WHEN (OLD.aggregate_key = 'c') EXECUTE FUNCTION public.refuse_c()`); err != nil {
+		t.Fatal(err)
+	}
+	res, err := st.Ack(t.Context(), store.AckParams{
+		IDs:       []uuid.UUID{heads["a"], heads["c"], heads["b"]},
+		ReplicaID: "replica",
+		HandOver:  map[uuid.UUID]store.HandOverTarget{p.Holder: {TTL: time.Minute, Window: 3, Credit: 2}},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	handed := map[uuid.UUID]int{}
+	for _, r := range res {
+		handed[r.EventID] += len(r.HandOver)
+	}
+	if handed[heads["a"]] != 3 {
+		t.Fatalf("a1's ack, with the loan, handed over %d events; want a2, a3 and a4 (results %+v)", handed[heads["a"]], res)
+	}
+	if handed[heads["b"]] != 1 {
+		t.Errorf("b1's ack, in the second half of the split batch, handed over %d events; want 1 (b2): the loan went with the first half", handed[heads["b"]])
+	}
+}
