@@ -878,21 +878,18 @@ func TestAnOfferLeavesOutLeasesGivenWhileTheLoopClaimed(t *testing.T) {
 	offers := make(chan int, 64)
 	r.Server.SetAfterOffer(func(_ uuid.UUID, offered int) { offers <- offered })
 	roundHeld, letRoundGo := holdFirstRound(t, r)
+	// The claim is held until the round has given its lease.
 	var armed atomic.Bool
-	claiming, given := make(chan struct{}), make(chan struct{})
-	var claimOnce, giveOnce sync.Once
+	claim := newHoldGate(t)
 	r.Server.SetAfterClaim(func(l []store.Lease, err error) ([]store.Lease, error) {
 		if armed.Load() {
-			claimOnce.Do(func() {
-				close(claiming)
-				<-given
-			})
+			claim.hold()
 		}
 		return l, err
 	})
 	r.Server.SetAfterGive(func(_ uuid.UUID, leases, _ int, _ bool) {
 		if leases > 0 {
-			giveOnce.Do(func() { close(given) })
+			claim.letGo()
 		}
 	})
 	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 3, LeaseTtl: durationpb.New(time.Hour)})
@@ -900,16 +897,13 @@ func TestAnOfferLeavesOutLeasesGivenWhileTheLoopClaimed(t *testing.T) {
 		t.Fatalf("the session's first offer: %d, want 3", got)
 	}
 	emit(t, pool, "orders", "x", 1)
-	<-roundHeld
+	waitClosed(t, roundHeld, "no discovery round borrowed the session's credit")
 	armed.Store(true)
 	if _, err := pool.Exec(ctx, `SELECT pg_notify('outbox_wakeup', '')`); err != nil {
 		t.Fatal(err)
 	}
-	select {
-	case <-claiming: // the wake-up made the loop withdraw and claim
-	case <-time.After(30 * time.Second):
-		t.Fatal("the session never claimed while the round was held")
-	}
+	// The wake-up makes the loop withdraw its offer and claim.
+	waitClosed(t, claim.held, "the session did not claim while the round was held")
 	// Offers the loop made before this claim (a turn the listener's first
 	// connection asks of every session, say) are not the one at stake: the
 	// first one after the claim is.
@@ -937,22 +931,36 @@ func nextOffer(t *testing.T, offers <-chan int) int {
 	}
 }
 
-// holdFirstRound holds the first discovery round that borrows sessions'
-// credit, after it did and before it is sent, until letGo: held is closed
-// once it is held. letGo also runs when the test ends, so that a failing
-// test does not leave the discovery loop held and the replica unable to
-// stop.
-func holdFirstRound(t *testing.T, r *replica) (held <-chan struct{}, letGo func()) {
-	t.Helper()
-	h, release := make(chan struct{}), make(chan struct{})
-	var holdOnce, releaseOnce sync.Once
-	letGo = func() { releaseOnce.Do(func() { close(release) }) }
-	r.Server.SetBeforeRound(func() {
-		holdOnce.Do(func() {
-			close(h)
-			<-release
-		})
+// holdGate holds the first caller of hold (a test hook: a discovery
+// round, a claim, an RPC) until letGo; held is closed once one is held.
+// letGo also runs when the test ends, so that a failing test does not
+// leave a server loop or call held and the replica unable to stop.
+type holdGate struct {
+	held, release         chan struct{}
+	holdOnce, releaseOnce sync.Once
+}
+
+// newHoldGate makes a gate; make it after the replica it holds, so that its
+// cleanup runs before the replica's.
+func newHoldGate(t *testing.T) *holdGate {
+	g := &holdGate{held: make(chan struct{}), release: make(chan struct{})}
+	t.Cleanup(g.letGo)
+	return g
+}
+
+func (g *holdGate) hold() {
+	g.holdOnce.Do(func() {
+		close(g.held)
+		<-g.release
 	})
-	t.Cleanup(letGo)
-	return h, letGo
+}
+
+func (g *holdGate) letGo() { g.releaseOnce.Do(func() { close(g.release) }) }
+
+// holdFirstRound holds the first discovery round that borrows sessions'
+// credit, after it did and before it is sent, until letGo (see holdGate).
+func holdFirstRound(t *testing.T, r *replica) (held <-chan struct{}, letGo func()) {
+	g := newHoldGate(t)
+	r.Server.SetBeforeRound(g.hold)
+	return g.held, g.letGo
 }

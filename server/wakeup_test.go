@@ -363,7 +363,7 @@ func TestAWakeUpAMemberCannotUseGoesToAnother(t *testing.T) {
 	// A round borrows the first session's credit and waits before it is
 	// sent.
 	emit(t, pool, "orders", "w", 1)
-	<-held
+	waitClosed(t, held, "no discovery round borrowed the first session's credit")
 	// The second joins the group now, idle after the first: the held round
 	// borrowed none of its credit.
 	second := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 3, LeaseTtl: durationpb.New(time.Hour)})

@@ -543,14 +543,8 @@ func TestALateNackNoticeLeavesTheEventsNextLeaseCounted(t *testing.T) {
 	ids := emit(t, pool, "orders", "a", 1)
 	r := startReplica(t, url, func(c *server.Config) { c.NoDispatch = true })
 	r.Server.SetReconcileTick(make(chan time.Time)) // never ticks
-	held, release := make(chan struct{}), make(chan struct{})
-	var once sync.Once
-	r.Server.SetBeforeNackNotice(func(uuid.UUID) {
-		once.Do(func() {
-			close(held)
-			<-release
-		})
-	})
+	notice := newHoldGate(t)
+	r.Server.SetBeforeNackNotice(func(uuid.UUID) { notice.hold() })
 	outstanding := make(chan int64, 64)
 	r.Server.SetFreedApplied(func(applied int, out int64) {
 		if applied > 0 {
@@ -568,13 +562,13 @@ func TestALateNackNoticeLeavesTheEventsNextLeaseCounted(t *testing.T) {
 			LeaseToken: first.GetLeaseToken(), Error: "broker said no", RetryAfter: durationpb.New(time.Millisecond)})
 		nacked <- err
 	}()
-	<-held
+	waitClosed(t, notice.held, "no nack notice was held")
 	again := recv(t, st)
 	if again.GetEvent().GetEventId() != ids[0].String() || again.GetAttempt() != 2 {
 		t.Fatalf("after the nack: %s attempt %d, want the event again, attempt 2",
 			again.GetEvent().GetEventId(), again.GetAttempt())
 	}
-	close(release)
+	notice.letGo()
 	if err := <-nacked; err != nil {
 		t.Fatalf("nack: %v", err)
 	}
