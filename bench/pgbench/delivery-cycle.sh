@@ -31,7 +31,14 @@
 # committed while the ack waited. The server would know each lease's
 # partition; here the first transaction computes them from the new events.
 #
-# Usage: [BATCH=N] [FACTS=1 [FENCE=advisory|share] [PARTITIONS=N]] bench/pgbench/delivery-cycle.sh [OUTBOXD_BINARY]
+# ROUND=1 runs the round as the server does, one outbox.discover_round
+# statement carrying one session's offer (credit BATCH + 4), with pgbench's
+# prepared protocol, so that statements are planned as a server connection
+# plans them; with BATCH=1 it is a trickled event's cycle. pg_stat_statements
+# with pg_stat_statements.track_planning = on then also says which
+# statements were planned on every call.
+#
+# Usage: [BATCH=N] [ROUND=1 | FACTS=1 [FENCE=advisory|share] [PARTITIONS=N]] bench/pgbench/delivery-cycle.sh [OUTBOXD_BINARY]
 # Compare builds (or the two modes) back to back, alternating, on one
 # server; BENCHMARKS.md quotes its figures.
 set -euo pipefail
@@ -55,9 +62,19 @@ SELECT quote_literal(array_agg((a.lease).event_id) FILTER (WHERE a.holder IS NOT
 COMMIT;
 SELECT count(*) AS acked FROM outbox.ack(:ids::uuid[], 'rep', ARRAY['$h'::uuid], ARRAY['30s'::interval], ARRAY[1], ARRAY[0], ARRAY['$h'::uuid], ARRAY[NULL::text], ARRAY[false], '60s') \gset
 SQL
+mode=simple
+if [[ -n ${ROUND:-} ]]; then
+	# No quote_literal: under the prepared protocol a variable is a parameter.
+	mode=prepared
+	cat >"$work/cycle.sql" <<SQL
+INSERT INTO outbox.event (stream, aggregate_key, event_type, payload) SELECT 's', (floor(random() * 10000))::int::text, 't', '{"a":1}' FROM generate_series(1, $batch);
+SELECT coalesce(array_agg((r.lease).event_id) FILTER (WHERE r.lease IS NOT NULL), '{}')::text AS ids FROM outbox.discover_round(1000, NULL, ARRAY['$h'::uuid], ARRAY['r'], ARRAY['30s'::interval], ARRAY[$((batch + 4))], NULL, 'rep') r \gset
+SELECT count(*) AS acked FROM outbox.ack(:ids::uuid[], 'rep', ARRAY['$h'::uuid], ARRAY['30s'::interval], ARRAY[1], ARRAY[0], ARRAY['$h'::uuid], ARRAY[NULL::text], ARRAY[false], '60s') \gset
+SQL
+fi
 q() { psql -X -q -At "$1" -c "$2"; }
 # Warm up: most aggregates have a delivery row (idle) from here on.
-pgbench -n -c 1 -t 700 -f "$work/cycle.sql" "$url" >/dev/null
+pgbench -n -M "$mode" -c 1 -t 700 -f "$work/cycle.sql" "$url" >/dev/null
 fence=${FENCE:-}
 parts=${PARTITIONS:-64}
 case $fence in
@@ -89,7 +106,7 @@ SQL
 fi
 stats=$(q "$url" "SELECT count(*) FROM pg_extension WHERE extname = 'pg_stat_statements'" 2>/dev/null || echo 0)
 if [[ $stats == 0 ]] && q "$url" "CREATE EXTENSION pg_stat_statements" >/dev/null 2>&1; then stats=1; fi
-pgbench -n -c 1 -T $((window + 10)) -f "$work/cycle.sql" "$url" >/dev/null &
+pgbench -n -M "$mode" -c 1 -T $((window + 10)) -f "$work/cycle.sql" "$url" >/dev/null &
 sleep 5
 pid=$(q "$url" "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND application_name = 'pgbench'")
 tick=$(getconf CLK_TCK)
@@ -101,8 +118,8 @@ c1=$(awk '{print $14 + $15}' /proc/"$pid"/stat)
 e1=$(q "$url" "SELECT count(*) FROM outbox.event WHERE published_at IS NOT NULL")
 echo "events $((e1 - e0)), backend CPU per event $(((c1 - c0) * 1000000 / tick / (e1 - e0))) us"
 if [[ $stats == 1 ]]; then
-	echo "statement time per event (us; nested statements' time leaves out their executor start-up):"
-	q "$url" "SELECT format('%8s  %s', round((total_exec_time * 1000 / $((e1 - e0)))::numeric, 1), left(regexp_replace(query, '\s+', ' ', 'g'), 100))
+	echo "statement time per event (us, planning included; plans/calls; nested statements' time leaves out their executor start-up):"
+	q "$url" "SELECT format('%8s  %6s/%-6s  %s', round(((total_exec_time + total_plan_time) * 1000 / $((e1 - e0)))::numeric, 1), plans, calls, left(regexp_replace(query, '\s+', ' ', 'g'), 100))
 	          FROM pg_stat_statements WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())
 	          ORDER BY total_exec_time DESC LIMIT 15"
 fi
