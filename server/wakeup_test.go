@@ -218,7 +218,11 @@ func TestAnIdleReplicasChecksTakeThePlaceOfItsClaims(t *testing.T) {
 		c.DiscoveryIdleInterval = 5 * time.Millisecond
 	})
 	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{RelayId: "relay", MaxInFlight: 4})
-	requirePollsSkipClaims(t, r, 5, 0)
+	// Each check's probe covers the polls of the next PollInterval (40 ms):
+	// a loaded machine delays a check past that now and then, and the poll
+	// then claims, as it must (3 claims in 20 polls at a load of 9 on 2
+	// cores). Without the checks' probes, every poll claims.
+	requirePollsSkipClaims(t, r, 5, 0, 10)
 	ids := emit(t, pool, "orders", "a", 1)
 	got := recvAll([]outboxv1.RelayService_SubscribeClient{st})
 	if d := next(t, got); d.d.GetEvent().GetEventId() != ids[0].String() {
@@ -244,18 +248,18 @@ func TestAQuietLoopsProbesCoverThePollsUntilTheNextCheck(t *testing.T) {
 	subscribe(t, ctx, r, &outboxv1.SubscribeRequest{RelayId: "relay", MaxInFlight: 4})
 	// Once quiet, a probe covering PollInterval alone would leave about a
 	// third of the next 20 polls to claim.
-	requirePollsSkipClaims(t, r, 3, 250*time.Millisecond) // a quiet check's probe covers 400 ms
+	requirePollsSkipClaims(t, r, 3, 250*time.Millisecond, 2) // a quiet check's probe covers 400 ms
 }
 
 // requirePollsSkipClaims watches r's polls: once settle polls have fired
 // (the session waits) and the discovery loop has probed (a probe covers the
 // polls from now until ahead from now: 0 for a loop that checks often, more
 // than PollInterval once a quiet loop's checks probe), the next 20 must skip
-// their claims, two claims allowed. The loop's state is awaited, not
+// their claims, maxClaims claims allowed. The loop's state is awaited, not
 // assumed from the polls: on a loaded machine its first check came 350 ms
 // after the relay subscribed, and every poll before it claimed (a test run
 // that counted polls alone failed that way: 4 claims in 20).
-func requirePollsSkipClaims(t *testing.T, r *replica, settle int64, ahead time.Duration) {
+func requirePollsSkipClaims(t *testing.T, r *replica, settle int64, ahead time.Duration, maxClaims int64) {
 	t.Helper()
 	claims := countClaims(r)
 	var polls atomic.Int64
@@ -269,7 +273,7 @@ func requirePollsSkipClaims(t *testing.T, r *replica, settle int64, ahead time.D
 	c0, p0, s0 := claims.Load(), polls.Load(), r.Server.SkippedPolls()
 	waitFor(t, func() int32 { return b2i(polls.Load() >= p0+20) })
 	c1, p1, s1 := claims.Load(), polls.Load(), r.Server.SkippedPolls()
-	if c1-c0 > 2 || s1-s0 < uint64(p1-p0)-2 {
+	if c1-c0 > maxClaims || s1-s0 < uint64(p1-p0-maxClaims) {
 		t.Fatalf("an idle relay's group made %d claims over %d polls, %d skipped; want its polls to skip their claims", c1-c0, p1-p0, s1-s0)
 	}
 }
