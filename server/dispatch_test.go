@@ -301,9 +301,7 @@ func TestDiscoveryDispatchesToWaitingSession(t *testing.T) {
 		if d.GetLeaseExpiresAt().AsTime().Before(before.Add(ttl - time.Minute)) {
 			t.Fatalf("leased until %v: not the session's TTL", d.GetLeaseExpiresAt().AsTime())
 		}
-		if res := ack(t, r, d); res[0].GetStatus() != outboxv1.AckStatus_ACK_STATUS_PUBLISHED {
-			t.Fatalf("ack: %v", res[0])
-		}
+		ackPublished(t, r, d)
 		if i < k-1 {
 			gate.arm()
 		}
@@ -527,9 +525,7 @@ func TestDispatchWithLostAnswerLeavesNoOrphan(t *testing.T) {
 	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 1, LeaseTtl: durationpb.New(time.Hour)})
 	id := emitOnceOffered(t, pool, gate, turns, lost, "orders", "o")
 	d := recvAttempt(t, st, id, 2, "the orphaned lease released, then claimed")
-	if res := ack(t, r, d); res[0].GetStatus() != outboxv1.AckStatus_ACK_STATUS_PUBLISHED {
-		t.Fatalf("ack: %v", res[0])
-	}
+	ackPublished(t, r, d)
 }
 
 // A sweep for orphans that runs while a round's leases are on their way to
@@ -572,9 +568,7 @@ func TestSweepKeepsLeasesARoundIsDispatching(t *testing.T) {
 	if s := sweeps.next(t, "after the round"); s.released != 0 {
 		t.Fatalf("the sweep released %d leases, want 0", s.released)
 	}
-	if res := ack(t, r, d); res[0].GetStatus() != outboxv1.AckStatus_ACK_STATUS_PUBLISHED {
-		t.Fatalf("ack: %v", res[0])
-	}
+	ackPublished(t, r, d)
 }
 
 // A claim that failed may still commit late, after the session's immediate

@@ -52,9 +52,7 @@ func TestAckHandsOverNextEvent(t *testing.T) {
 	for i := 0; i < k+1; i++ {
 		d := recv(t, st)
 		if d.GetEvent().GetAggregateKey() == "cold" {
-			if res := ack(t, r, d); res[0].GetStatus() != outboxv1.AckStatus_ACK_STATUS_PUBLISHED {
-				t.Fatalf("ack cold: %v", res[0])
-			}
+			ackPublished(t, r, d)
 			continue
 		}
 		if prev != nil && prev.GetEvent().GetAggregateKey() == "hot" {
@@ -88,9 +86,7 @@ func TestAckHandsOverNextEvent(t *testing.T) {
 			t.Fatalf("revision %d leased until %v: not the session's TTL", rev, d.GetLeaseExpiresAt().AsTime())
 		}
 		prev = d
-		if res := ack(t, r, d); res[0].GetStatus() != outboxv1.AckStatus_ACK_STATUS_PUBLISHED {
-			t.Fatalf("ack revision %d: %v", rev, res[0])
-		}
+		ackPublished(t, r, d)
 	}
 	// One claim (or dispatch, when the replica's first discovery round ran
 	// once the stream was open) for the hot aggregate's first event, one
@@ -180,9 +176,7 @@ func TestNoHandOverAcrossGapOrSkip(t *testing.T) {
 		d := recv(t, st)
 		key := d.GetEvent().GetAggregateKey()
 		got[key] = append(got[key], d.GetEvent().GetRevision())
-		if res := ack(t, r, d); res[0].GetStatus() != outboxv1.AckStatus_ACK_STATUS_PUBLISHED {
-			t.Fatalf("ack %s/%d: %v", key, d.GetEvent().GetRevision(), res[0])
-		}
+		ackPublished(t, r, d)
 	}
 	if fmt.Sprint(got["gap"]) != "[1]" || fmt.Sprint(got["skip"]) != "[1 3]" {
 		t.Fatalf("delivered %v", got)
@@ -233,9 +227,7 @@ func TestHandOverToEndedSessionIsReleased(t *testing.T) {
 	})
 	st1 := subscribe(t, ctx1, r, &outboxv1.SubscribeRequest{MaxInFlight: 1, LeaseTtl: durationpb.New(time.Hour)})
 	d1 := recv(t, st1)
-	if res := ack(t, r, d1); res[0].GetStatus() != outboxv1.AckStatus_ACK_STATUS_PUBLISHED {
-		t.Fatalf("ack: %v", res[0])
-	}
+	ackPublished(t, r, d1)
 	if !hooked.Load() {
 		t.Fatal("the ack handed nothing over")
 	}
@@ -281,9 +273,7 @@ func TestSweepKeepsLeasesAnAckIsHandingOver(t *testing.T) {
 	})
 	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 1, LeaseTtl: durationpb.New(time.Hour)})
 	d1 := recv(t, st)
-	if res := ack(t, r, d1); res[0].GetStatus() != outboxv1.AckStatus_ACK_STATUS_PUBLISHED {
-		t.Fatalf("ack: %v", res[0])
-	}
+	ackPublished(t, r, d1)
 	if !hooked.Load() {
 		t.Fatal("the ack handed nothing over")
 	}
@@ -291,9 +281,7 @@ func TestSweepKeepsLeasesAnAckIsHandingOver(t *testing.T) {
 	if s := sweeps.next(t, "after the ack"); s.released != 0 {
 		t.Fatalf("the sweep released %d leases, want 0", s.released)
 	}
-	if res := ack(t, r, d2); res[0].GetStatus() != outboxv1.AckStatus_ACK_STATUS_PUBLISHED {
-		t.Fatalf("ack of the handed-over lease: %v", res[0])
-	}
+	ackPublished(t, r, d2)
 }
 
 // An ack batch lends itself the offered credit of every local session
@@ -323,9 +311,7 @@ func TestAckBatchGivesBackTheCreditOfSessionsItDidNotAck(t *testing.T) {
 	})
 	b := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 2, MaxInFlightPerAggregate: 2,
 		Streams: []string{"payments"}, LeaseTtl: durationpb.New(time.Hour)})
-	if res := ack(t, r, recv(t, b)); res[0].GetStatus() != outboxv1.AckStatus_ACK_STATUS_PUBLISHED {
-		t.Fatalf("ack of payments/p: %v", res[0])
-	}
+	ackPublished(t, r, recv(t, b))
 	a := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 1, Streams: []string{"orders"},
 		LeaseTtl: durationpb.New(time.Hour)})
 	d := recv(t, a)
@@ -334,9 +320,7 @@ func TestAckBatchGivesBackTheCreditOfSessionsItDidNotAck(t *testing.T) {
 	case <-time.After(30 * time.Second):
 		t.Fatal("session B did not offer its credit within 30s")
 	}
-	if res := ack(t, r, d); res[0].GetStatus() != outboxv1.AckStatus_ACK_STATUS_PUBLISHED {
-		t.Fatalf("ack of orders/o: %v", res[0])
-	}
+	ackPublished(t, r, d)
 	next := emit(t, pool, "payments", "q", 1)[0]
 	if got := recv(t, b); got.GetEvent().GetEventId() != next.String() {
 		t.Fatalf("B got %s, want payments/q %s", got.GetEvent().GetEventId(), next)
@@ -394,9 +378,7 @@ func TestHandOverCountsAgainstCreditBeforeTheLoopTakesIt(t *testing.T) {
 		}
 	}()
 	waitClosed(t, held, "the session's loop did not turn on the tick")
-	if res := ack(t, r, d1); res[0].GetStatus() != outboxv1.AckStatus_ACK_STATUS_PUBLISHED {
-		t.Fatalf("ack of a/1: %v", res[0])
-	}
+	ackPublished(t, r, d1)
 	if n := r.Server.HandOvers(); n != 1 {
 		t.Fatalf("%d hand-overs, want 1 (a/2)", n)
 	}
@@ -564,9 +546,7 @@ func TestHandOverYieldsToOlderWork(t *testing.T) {
 	for range k + 1 {
 		d := recv(t, st)
 		order = append(order, fmt.Sprintf("%s/%d", d.GetEvent().GetAggregateKey(), d.GetEvent().GetRevision()))
-		if res := ack(t, r, d); res[0].GetStatus() != outboxv1.AckStatus_ACK_STATUS_PUBLISHED {
-			t.Fatalf("ack %s: %v", order[len(order)-1], res[0])
-		}
+		ackPublished(t, r, d)
 	}
 	if order[0] != "hot/1" || order[1] != "cold/1" {
 		t.Fatalf("delivery order %v: the older cold/1 must come right after hot/1, before hot/2", order)
@@ -620,9 +600,7 @@ func TestLostAckAnswerDoesNotStrandHandedLease(t *testing.T) {
 		if d.GetEvent().GetEventId() != want.String() {
 			t.Fatalf("got %s revision %d, want %s", d.GetEvent().GetEventId(), d.GetEvent().GetRevision(), want)
 		}
-		if res := ack(t, r, d); res[0].GetStatus() != outboxv1.AckStatus_ACK_STATUS_PUBLISHED {
-			t.Fatalf("ack revision %d: %v", d.GetEvent().GetRevision(), res[0])
-		}
+		ackPublished(t, r, d)
 	}
 	waitPending(t, pool, 0)
 }
