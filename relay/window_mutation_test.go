@@ -51,6 +51,7 @@ func TestStoppingRunnerLeavesQueuedWindowUnpublished(t *testing.T) {
 	queued := make(chan string, 10)
 	run := start(t, Config{Conn: e.srv.Conn, Publisher: pub, MaxInFlight: 4, MaxInFlightPerAggregate: 4, LeaseTTL: time.Hour, DrainTimeout: bound},
 		hooks{windowQueued: func(id string) { queued <- id }})
+	openAtEnd(t, pub.gates[1])
 	if ev := waitSignal(t, "revision 1 to start", pub.started); ev.Revision != 1 {
 		t.Fatalf("first publish is revision %d", ev.Revision)
 	}
