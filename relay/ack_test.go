@@ -66,6 +66,7 @@ func TestRunnerSplitsAckBatchAroundBadItem(t *testing.T) {
 				Conn: e.dial(t, grpc.WithChainUnaryInterceptor(poison.interceptor())), Publisher: pub,
 				MaxInFlight: n, AckMaxDelay: time.Hour, AckBatchSize: n, AckRetryTimeout: 200 * time.Millisecond,
 			}, hooks{ackGivenUp: func(k int) { givenUp <- k }})
+			openAtEnd(t, pub.block)
 			// Hold every publish until all have started, so that their acks
 			// travel in one batch of n (AckMaxDelay waits for a full batch).
 			for range n {
@@ -145,6 +146,7 @@ func TestRunnerGivesUpAckBatchWhenServerIsDown(t *testing.T) {
 		Conn: e.dial(t, down), Publisher: pub,
 		MaxInFlight: n, AckMaxDelay: time.Hour, AckBatchSize: n, AckRetryTimeout: 200 * time.Millisecond,
 	}, hooks{ackGivenUp: func(k int) { givenUp <- k }})
+	openAtEnd(t, pub.block)
 	for range n {
 		waitSignal(t, "publishes to start", pub.started)
 	}

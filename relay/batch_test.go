@@ -3,58 +3,10 @@ package relay
 import (
 	"context"
 	"fmt"
-	"sync"
 	"testing"
 
-	"google.golang.org/grpc"
-
-	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
 	"github.com/outboxd/outboxd/internal/servertest"
 )
-
-// streamWatch sees, on the runner's connection, what its Subscribe asked
-// and how many deliveries each message of the stream carried.
-type streamWatch struct {
-	mu     sync.Mutex
-	accept []bool // accept_batches of each Subscribe
-	perMsg []int
-}
-
-func (w *streamWatch) option() grpc.DialOption {
-	return grpc.WithChainStreamInterceptor(func(ctx context.Context, desc *grpc.StreamDesc, cc *grpc.ClientConn, m string,
-		streamer grpc.Streamer, opts ...grpc.CallOption) (grpc.ClientStream, error) {
-		cs, err := streamer(ctx, desc, cc, m, opts...)
-		if err != nil {
-			return nil, err
-		}
-		return &watchedStream{ClientStream: cs, w: w}, nil
-	})
-}
-
-type watchedStream struct {
-	grpc.ClientStream
-	w *streamWatch
-}
-
-func (s *watchedStream) SendMsg(m any) error {
-	if req, ok := m.(*outboxv1.SubscribeRequest); ok {
-		s.w.mu.Lock()
-		s.w.accept = append(s.w.accept, req.GetAcceptBatches())
-		s.w.mu.Unlock()
-	}
-	return s.ClientStream.SendMsg(m)
-}
-
-func (s *watchedStream) RecvMsg(m any) error {
-	err := s.ClientStream.RecvMsg(m)
-	if res, ok := m.(*outboxv1.SubscribeResponse); ok && err == nil {
-		n := max(len(res.GetDeliveries()), 1)
-		s.w.mu.Lock()
-		s.w.perMsg = append(s.w.perMsg, n)
-		s.w.mu.Unlock()
-	}
-	return err
-}
 
 // waitDiscovered waits until every event committed so far is in a
 // delivery row, so that the runner's first claim leases them all.
@@ -85,22 +37,20 @@ func TestRunnerTakesBatches(t *testing.T) {
 				}
 			}
 			e.waitDiscovered(t)
-			var w streamWatch
+			var stream streamLog
 			pub := newPublisher()
-			start(t, Config{Conn: e.dial(t, w.option()), Publisher: pub, MaxInFlight: 64, MaxInFlightPerAggregate: window}, hooks{})
+			start(t, Config{Conn: e.dial(t, stream.option()), Publisher: pub, MaxInFlight: 64, MaxInFlightPerAggregate: window}, hooks{})
 			e.waitPublished(t, ids...)
 			for _, id := range ids {
 				if n := pub.attemptsOf(id); n != 1 {
 					t.Errorf("event %s published %d times, want 1", id, n)
 				}
 			}
-			w.mu.Lock()
-			defer w.mu.Unlock()
-			if len(w.accept) == 0 || !w.accept[0] {
-				t.Fatalf("Subscribe's accept_batches: %v", w.accept)
+			if accept := stream.accepts(); len(accept) == 0 || !accept[0] {
+				t.Fatalf("Subscribe's accept_batches: %v", accept)
 			}
-			if len(w.perMsg) == 0 || w.perMsg[0] != len(ids) {
-				t.Fatalf("deliveries per message %v: the first claim's %d did not come in one", w.perMsg, len(ids))
+			if perMsg := stream.perMessage(); len(perMsg) == 0 || perMsg[0] != len(ids) {
+				t.Fatalf("deliveries per message %v: the first claim's %d did not come in one", perMsg, len(ids))
 			}
 		})
 	}

@@ -294,3 +294,89 @@ func (c *competitor) none(t *testing.T) {
 	default:
 	}
 }
+
+// streamLog records, on a connection dialled with its option, what the
+// runner's Subscribe asked and what the server sent on the stream: each
+// delivery in arrival order, with the lease epoch it came under, and how
+// many deliveries each message carried. The tests check with it that events
+// they mean to be under one lease were, and that a claim came in one
+// message.
+type streamLog struct {
+	mu     sync.Mutex
+	accept []bool      // accept_batches of each Subscribe
+	got    []delivered // every delivery, in arrival order
+	perMsg []int       // how many deliveries each message carried
+}
+
+// delivered is one delivery's revision and lease epoch.
+type delivered struct{ revision, epoch int64 }
+
+func (d delivered) String() string { return fmt.Sprintf("r%d@epoch%d", d.revision, d.epoch) }
+
+// option records what the runner and the server sent: dialled after
+// (inside) any interceptor that hides deliveries from the runner, it sees
+// those too.
+func (l *streamLog) option() grpc.DialOption {
+	return grpc.WithChainStreamInterceptor(func(ctx context.Context, desc *grpc.StreamDesc, cc *grpc.ClientConn, m string, streamer grpc.Streamer, opts ...grpc.CallOption) (grpc.ClientStream, error) {
+		s, err := streamer(ctx, desc, cc, m, opts...)
+		if err != nil {
+			return nil, err
+		}
+		return streamLogStream{s, l}, nil
+	})
+}
+
+type streamLogStream struct {
+	grpc.ClientStream
+	l *streamLog
+}
+
+func (s streamLogStream) SendMsg(m any) error {
+	if req, ok := m.(*outboxv1.SubscribeRequest); ok {
+		s.l.mu.Lock()
+		s.l.accept = append(s.l.accept, req.GetAcceptBatches())
+		s.l.mu.Unlock()
+	}
+	return s.ClientStream.SendMsg(m)
+}
+
+func (s streamLogStream) RecvMsg(m any) error {
+	err := s.ClientStream.RecvMsg(m)
+	res, ok := m.(*outboxv1.SubscribeResponse)
+	if err != nil || !ok {
+		return err
+	}
+	// A message carries its deliveries, or is itself the one delivery.
+	ds := res.GetDeliveries()
+	if len(ds) == 0 {
+		ds = []*outboxv1.SubscribeResponse{res}
+	}
+	s.l.mu.Lock()
+	defer s.l.mu.Unlock()
+	for _, d := range ds {
+		s.l.got = append(s.l.got, delivered{d.GetEvent().GetRevision(), d.GetLeaseEpoch()})
+	}
+	s.l.perMsg = append(s.l.perMsg, len(ds))
+	return nil
+}
+
+// accepts returns the accept_batches of each Subscribe so far.
+func (l *streamLog) accepts() []bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return append([]bool(nil), l.accept...)
+}
+
+// deliveries returns the deliveries received so far.
+func (l *streamLog) deliveries() []delivered {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return append([]delivered(nil), l.got...)
+}
+
+// perMessage returns how many deliveries each message so far carried.
+func (l *streamLog) perMessage() []int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return append([]int(nil), l.perMsg...)
+}

@@ -57,6 +57,7 @@ func slowPublishKeepsLease(t *testing.T, ttl time.Duration, extensions int, opts
 	pub := newPublisher()
 	pub.block = make(chan struct{})
 	start(t, Config{Conn: e.dial(t, opts...), Publisher: pub, LeaseTTL: ttl, MaxInFlight: 1}, hooks{})
+	openAtEnd(t, pub.block)
 	waitSignal(t, "the publish to start", pub.started)
 	c := e.competitor(t, "orders")
 
@@ -149,6 +150,7 @@ func TestRunnerStopsExtendingLostLease(t *testing.T) {
 	start(t, Config{Conn: e.srv.Conn, Publisher: pub, LeaseTTL: 2 * time.Second}, hooks{
 		extendStopped: func(_ string, lost bool) { stopped <- lost },
 	})
+	openAtEnd(t, pub.block)
 	waitSignal(t, "the publish to start", pub.started)
 	if _, err := e.srv.Admin.SkipEvent(context.Background(), &outboxv1.SkipEventRequest{EventId: id, Reason: "test", Actor: "test"}); err != nil {
 		t.Fatal(err)

@@ -92,6 +92,7 @@ func TestRunnerDrainAcksPublishUnderWay(t *testing.T) {
 	pub := newPublisher()
 	pub.block = make(chan struct{})
 	run := start(t, Config{Conn: e.srv.Conn, Publisher: pub, DrainTimeout: bound}, hooks{})
+	openAtEnd(t, pub.block)
 	waitSignal(t, "the publish to start", pub.started)
 	run.cancel()
 	close(pub.block)

@@ -2,9 +2,7 @@ package relay
 
 import (
 	"context"
-	"fmt"
 	"slices"
-	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -51,6 +49,7 @@ func TestStoppingRunnerLeavesQueuedWindowUnpublished(t *testing.T) {
 	queued := make(chan string, 10)
 	run := start(t, Config{Conn: e.srv.Conn, Publisher: pub, MaxInFlight: 4, MaxInFlightPerAggregate: 4, LeaseTTL: time.Hour, DrainTimeout: bound},
 		hooks{windowQueued: func(id string) { queued <- id }})
+	openAtEnd(t, pub.gates[1])
 	if ev := waitSignal(t, "revision 1 to start", pub.started); ev.Revision != 1 {
 		t.Fatalf("first publish is revision %d", ev.Revision)
 	}
@@ -116,61 +115,6 @@ func (s gapStream) RecvMsg(m any) error {
 	}
 }
 
-// leaseLog records each delivery the server sends on a connection dialled
-// with its option, in arrival order, with the lease epoch it came under:
-// the tests check with it that events they mean to be under one lease were.
-type leaseLog struct {
-	mu  sync.Mutex
-	got []delivered
-}
-
-// delivered is one delivery's revision and lease epoch.
-type delivered struct{ revision, epoch int64 }
-
-func (d delivered) String() string { return fmt.Sprintf("r%d@epoch%d", d.revision, d.epoch) }
-
-// option records what the server sent: dialled after (inside) any
-// interceptor that hides deliveries from the runner, it sees those too.
-func (l *leaseLog) option() grpc.DialOption {
-	return grpc.WithChainStreamInterceptor(func(ctx context.Context, desc *grpc.StreamDesc, cc *grpc.ClientConn, m string, streamer grpc.Streamer, opts ...grpc.CallOption) (grpc.ClientStream, error) {
-		s, err := streamer(ctx, desc, cc, m, opts...)
-		if err != nil {
-			return nil, err
-		}
-		return leaseLogStream{s, l}, nil
-	})
-}
-
-type leaseLogStream struct {
-	grpc.ClientStream
-	l *leaseLog
-}
-
-func (s leaseLogStream) RecvMsg(m any) error {
-	err := s.ClientStream.RecvMsg(m)
-	res, ok := m.(*outboxv1.SubscribeResponse)
-	if err != nil || !ok {
-		return err
-	}
-	ds := res.GetDeliveries()
-	if len(ds) == 0 {
-		ds = []*outboxv1.SubscribeResponse{res}
-	}
-	s.l.mu.Lock()
-	defer s.l.mu.Unlock()
-	for _, d := range ds {
-		s.l.got = append(s.l.got, delivered{d.GetEvent().GetRevision(), d.GetLeaseEpoch()})
-	}
-	return nil
-}
-
-// deliveries returns what was recorded so far.
-func (l *leaseLog) deliveries() []delivered {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return append([]delivered(nil), l.got...)
-}
-
 // A window never skips a revision at the broker: should a lease's
 // deliveries arrive with one missing (revision 3 of 1-6 here), the runner
 // publishes the revisions before the gap and drops the rest of that lease;
@@ -192,7 +136,7 @@ func TestWindowNeverPublishesPastAGapInItsLease(t *testing.T) {
 		}
 		return gapStream{s, 3, &hidden}, nil
 	})
-	var leases leaseLog
+	var leases streamLog
 	pub := &orderedPublisher{inFlight: map[string]bool{}} // fails nothing
 	// A short lease, so that the one left with the gap lapses soon.
 	start(t, Config{Conn: e.dial(t, gap, leases.option()), Publisher: pub, MaxInFlight: n, MaxInFlightPerAggregate: n, LeaseTTL: time.Second}, hooks{})
@@ -237,7 +181,7 @@ func TestWindowCarriesAnExtendedLeaseToTheNextEvent(t *testing.T) {
 	// leases both under one lease.
 	e.waitDiscovered(t)
 	watch, extended := watchExtensions()
-	var leases leaseLog
+	var leases streamLog
 	stopped := make(chan string, 10)
 	queued := make(chan string, 10)
 	pub := &gatedPublisher{gates: map[int64]chan struct{}{1: make(chan struct{}), 2: make(chan struct{})}, started: make(chan Event, 10)}

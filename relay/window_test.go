@@ -87,6 +87,7 @@ func TestRunnerWindowStopsAtFirstFailure(t *testing.T) {
 		windowQueued:  func(id string) { queued <- id },
 		windowDropped: func(id string) { dropped <- id },
 	})
+	openAtEnd(t, hold)
 	// The first lease covers revisions 1-8; hold revision 1 until all
 	// eight are queued, so that 8 waits behind the failure of 7.
 	for range 8 {
