@@ -146,6 +146,27 @@ func TestReleaseWakesIdleSessions(t *testing.T) {
 	}
 }
 
+// A released aggregate keeps its place in the claim order (its head
+// event's created_at), not the time of the release: the aggregates of a
+// stream that ended do not fall behind newer work.
+func TestReleaseKeepsTheClaimOrder(t *testing.T) {
+	t.Parallel()
+	pool := testdb.NewPool(t)
+	emitN(t, pool, "a", 1)
+	emitN(t, pool, "b", 1)
+	discover(t, pool)
+	holder := uuid.New()
+	if got := claimAs(t, pool, holder, "x"); got.key != "a" {
+		t.Fatalf("claimed %v, want a, the older", got)
+	}
+	if n := count(t, pool, fmt.Sprintf(`SELECT outbox.release('%s')`, holder)); n != 1 {
+		t.Fatalf("released %d, want 1", n)
+	}
+	if got := claimAs(t, pool, uuid.New(), "x"); got.key != "a" {
+		t.Fatalf("claimed %v after a's release, want a again (older than b)", got)
+	}
+}
+
 // A batch of acks (the batch statements, not the one-row path) says the
 // same per holder: zero while work is claimable in the streams the
 // holder's session takes, nothing when none is nor will be, and zero for a

@@ -584,8 +584,12 @@ func TestEventDeliveredTooOftenWithoutAnswerParks(t *testing.T) {
 		// end ends a delivery unanswered; nil: its TTL has (a negative TTL
 		// makes each lease expire at once).
 		end func(t *testing.T, pool *pgxpool.Pool, holder uuid.UUID)
+		// The attempt history, oldest first: each expiry is recorded by
+		// the claim after it, each release by the release; the claim that
+		// parks records the last delivery as parked.
+		history string
 	}{
-		{"leases expired", "-1 second", nil},
+		{"leases expired", "-1 second", nil, "1 expired, 2 expired, 3 parked"},
 		{"streams ended", "1 hour", func(t *testing.T, pool *pgxpool.Pool, holder uuid.UUID) {
 			var released int64
 			if err := pool.QueryRow(testContext(t), `SELECT outbox.release($1)`, holder).Scan(&released); err != nil {
@@ -594,7 +598,7 @@ func TestEventDeliveredTooOftenWithoutAnswerParks(t *testing.T) {
 			if released != 1 {
 				t.Fatalf("released %d leases, want 1", released)
 			}
-		}},
+		}, "1 released, 2 released, 3 released, 3 parked"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
@@ -624,6 +628,14 @@ func TestEventDeliveredTooOftenWithoutAnswerParks(t *testing.T) {
 			}
 			if state != "parked" || reason != "delivered 3 times without an ack or a nack: each lease expired or the stream holding it ended" {
 				t.Fatalf("state %q, reason %q", state, reason)
+			}
+			var history string
+			if err := pool.QueryRow(testContext(t), `SELECT string_agg(attempt || ' ' || outcome, ', ' ORDER BY attempt_id)
+				FROM outbox.attempt WHERE aggregate_key = 'poison'`).Scan(&history); err != nil {
+				t.Fatal(err)
+			}
+			if history != tc.history {
+				t.Fatalf("attempt history %q, want %q", history, tc.history)
 			}
 			exec(t, pool, `SELECT outbox.emit('orders', 'other', 'T', '{}')`)
 			discover(t, pool)
@@ -669,6 +681,38 @@ func TestNackedDeliveriesDoNotCountAsUnanswered(t *testing.T) {
 		failures = 0, unanswered = 0, parked_at = NULL, parked_reason = NULL`)
 	if _, _, ok := claimOne(); !ok {
 		t.Fatal("the retried aggregate parked again at once")
+	}
+}
+
+// A nack parks the aggregate once its failures reach p_max_failures: the
+// nack that makes them equal parks it, with the reason; those before back
+// off.
+func TestNackParksWhenFailuresReachTheLimit(t *testing.T) {
+	t.Parallel()
+	ctx := testContext(t)
+	pool := testdb.NewPool(t)
+	emitN(t, pool, "a", 1)
+	discover(t, pool)
+	for i, want := range []bool{false, true} {
+		l := claimAs(t, pool, uuid.New(), "x") // the backoff (a microsecond) is over
+		var parked bool
+		var failures int
+		if err := pool.QueryRow(ctx, `SELECT parked, failures
+			FROM outbox.nack($1, $2, 'broker down', NULL, interval '1 microsecond', interval '1 microsecond', 2)`,
+			l.id, l.epoch).Scan(&parked, &failures); err != nil {
+			t.Fatal(err)
+		}
+		if parked != want || failures != i+1 {
+			t.Fatalf("nack %d: parked %t after %d failures, want parked %t after %d", i+1, parked, failures, want, i+1)
+		}
+	}
+	var reason string
+	if err := pool.QueryRow(ctx, `SELECT parked_reason FROM outbox.delivery WHERE aggregate_key = 'a' AND state = 'parked'`).
+		Scan(&reason); err != nil {
+		t.Fatalf("a is not parked: %v", err)
+	}
+	if reason != "publish failed 2 times; last error: broker down" {
+		t.Fatalf("parked with reason %q", reason)
 	}
 }
 

@@ -104,16 +104,9 @@ func TestEveryNewLeaseRaisesAnEpochAheadOfTheClock(t *testing.T) {
 	}
 	sites := []site{
 		{"claim (lease_heads)", func(t *testing.T, pool *pgxpool.Pool) (int64, int64) {
-			emitN(t, pool, "a", 1)
-			discover(t, pool)
-			// A negative TTL: the first lease expires at once, so the same
-			// event is leased again, as after a relay vanished.
-			var id uuid.UUID
-			var first int64
-			if err := pool.QueryRow(testContext(t), `SELECT event_id, epoch FROM outbox.claim(gen_random_uuid(), 'r', 'x', NULL, 1, interval '-1 second')`).
-				Scan(&id, &first); err != nil {
-				t.Fatal(err)
-			}
+			// The first lease expires at once, so the same event is leased
+			// again, as after a relay vanished.
+			id, _ := expiredLease(t, pool, "a", 1)
 			ahead := setEpochAhead(t, pool, "a")
 			var again uuid.UUID
 			var got int64

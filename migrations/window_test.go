@@ -282,6 +282,9 @@ func TestWindowNackAndParkEndTheLease(t *testing.T) {
 	if a[0].key != "a" || b[0].key != "b" {
 		t.Fatalf("claimed %v", got)
 	}
+	// The same key in another stream: another aggregate, which no lease
+	// here covers.
+	emitIn(t, pool, "payments", "a", 4)
 	var ended []uuid.UUID
 	nack := func(l leased) error {
 		return pool.QueryRow(ctx, `SELECT ended FROM outbox.nack($1, $2, 'broker down', NULL, '1 second', '1 minute', 5)`,
@@ -372,6 +375,14 @@ func TestReleaseGivesBackAWindowSlidUnseen(t *testing.T) {
 	}
 	if n := release(got[2].id, got[3].id); n != 1 {
 		t.Fatalf("released %d, want the window slid past what the session knows", n)
+	}
+	// Nor when it knows the last event the lease covers but not its head.
+	again := claimWindow(t, pool, holder, 1, 4, 4)
+	if r := revisions(again, "a"); !slices.Equal(r, []int64{3, 4, 5, 6}) {
+		t.Fatalf("claimed %v again, want 3-6", r)
+	}
+	if n := release(again[2].id, again[3].id); n != 1 {
+		t.Fatalf("released %d keeping only the window's tail, want its lease", n)
 	}
 }
 
