@@ -154,11 +154,7 @@ func (g *pollGroup) removeIdleLocked(ss *session) {
 
 // wake wakes one idle member to claim; with none idle, the next member to
 // wait with credit claims at once.
-func (g *pollGroup) wake() {
-	g.mu.Lock()
-	g.wakeLocked(false, true)
-	g.mu.Unlock()
-}
+func (g *pollGroup) wake() { g.handOn(false) }
 
 // wakeLocked signals the longest idle member to claim (poll: as the group's
 // poll). With no member idle it keeps the wake-up when keep is set.
