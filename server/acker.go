@@ -242,12 +242,25 @@ func (a *ackCommitter) commit(ctx context.Context, batch []*ackRequest, n int) {
 	}
 	// Acks already taken must land even while the server shuts down.
 	dbCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
+	// Hands over only while the server is not stopping (leaseGate before
+	// handOverMu, the order every holder of both takes them in).
+	leased, handsOver := a.s.leasing()
 	a.s.handOverMu.RLock()
 	defer a.s.handOverMu.RUnlock()
-	holders, loans := a.s.handOverTargets()
+	var holders map[uuid.UUID]store.HandOverTarget
+	var loans map[uuid.UUID]int
+	if handsOver {
+		holders, loans = a.s.handOverTargets()
+		if h := a.s.beforeLease.get(); h != nil {
+			h("hand-over")
+		}
+	}
 	res, err := a.s.store.Ack(dbCtx, store.AckParams{IDs: ids, ReplicaID: a.s.cfg.ReplicaID, HandOver: holders,
 		Filters: a.s.streamFilters(), MaxDue: a.s.cfg.maxDue()})
 	cancel()
+	if handsOver {
+		leased()
+	}
 	if h := a.s.afterAck.get(); h != nil {
 		res, err = h(res, err)
 	}

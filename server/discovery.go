@@ -348,27 +348,13 @@ func (s *Server) freshTurn() *discoveryTurn {
 func (s *Server) discoverRound(ctx context.Context) (_ store.Discovery, ready []string, echoed bool, _ error) {
 	var loans []*loan
 	var offers []store.Offer
-	if !s.cfg.NoDispatch && !isClosed(s.stopping) {
-		sessions := s.dispatchSessions()
-		if len(sessions) > 0 {
-			// Turns begin after the session the last round gave its last
-			// aggregate to (or where it stood, if it has gone).
-			first, found := slices.BinarySearchFunc(sessions, s.dispatchAfter, func(ss *session, id uuid.UUID) int {
-				return bytes.Compare(ss.id[:], id[:])
-			})
-			if found {
-				first++
-			}
-			for i := range sessions {
-				ss := sessions[(first+i)%len(sessions)]
-				n := ss.lendUpTo(s.cfg.DiscoveryMaxFound)
-				if n == 0 {
-					continue
-				}
-				loans = append(loans, &loan{ss: ss, units: n})
-				offers = append(offers, store.Offer{Holder: ss.id, RelayID: ss.relayID, TTL: ss.ttl, Credit: n,
-					StreamFilter: ss.filter()})
-			}
+	var leased func()
+	if !s.cfg.NoDispatch {
+		// Held until the round's statement has returned: once Stop has
+		// closed stopping, no round dispatches (see leaseGate).
+		if done, ok := s.leasing(); ok {
+			leased = done
+			loans, offers = s.borrowCredit()
 		}
 	}
 	if len(loans) > 0 {
@@ -387,6 +373,9 @@ func (s *Server) discoverRound(ctx context.Context) (_ store.Discovery, ready []
 		s.wake.openRound(p)
 	}
 	found, err := s.store.Discover(ctx, s.cfg.ReplicaID, s.cfg.DiscoveryMaxFound, s.cfg.DiscoveryMaxEvents, offers, applying)
+	if leased != nil {
+		leased()
+	}
 	if h := s.afterDiscover.get(); h != nil {
 		found, err = h(found, err)
 	}
@@ -435,6 +424,35 @@ func (s *Server) discoverRound(ctx context.Context) (_ store.Discovery, ready []
 		cancel()
 	}
 	return found, readyStreams(found.Found, found.Dispatched, s.cfg.DiscoveryMaxFound), echoed, nil
+}
+
+// borrowCredit borrows the credit the local sessions offer, for a discovery
+// round to dispatch with: a loan and an offer per session that lends any,
+// taking turns from after the session the last round gave its last
+// aggregate to.
+func (s *Server) borrowCredit() (loans []*loan, offers []store.Offer) {
+	sessions := s.dispatchSessions()
+	if len(sessions) > 0 {
+		// Turns begin after the session the last round gave its last
+		// aggregate to (or where it stood, if it has gone).
+		first, found := slices.BinarySearchFunc(sessions, s.dispatchAfter, func(ss *session, id uuid.UUID) int {
+			return bytes.Compare(ss.id[:], id[:])
+		})
+		if found {
+			first++
+		}
+		for i := range sessions {
+			ss := sessions[(first+i)%len(sessions)]
+			n := ss.lendUpTo(s.cfg.DiscoveryMaxFound)
+			if n == 0 {
+				continue
+			}
+			loans = append(loans, &loan{ss: ss, units: n})
+			offers = append(offers, store.Offer{Holder: ss.id, RelayID: ss.relayID, TTL: ss.ttl, Credit: n,
+				StreamFilter: ss.filter()})
+		}
+	}
+	return loans, offers
 }
 
 // readyStreams returns the distinct streams of the aggregates found and not

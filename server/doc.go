@@ -474,14 +474,16 @@
 // Stop closes Server.stopping, which every session loop reads at the top of
 // each iteration: from then on no session claims, and each ends (UNAVAILABLE,
 // its relay reconnects elsewhere) as soon as its last delivery is acked or
-// nacked. (Not yet exactly: a turn that read stopping just before Stop
-// closed it still claims once, as a discovery round that checked it still
-// dispatches; on a loaded machine such a claim can lease an event
-// committed after Stop began, which the draining stream then holds until
-// it is acked or Stop's deadline. Nothing is lost; a gate that Stop takes
-// exclusively before closing stopping, and claims and rounds share from
-// their check through their statement, would close it.) Subscribe is refused, checked under the same mutex Stop closes
-// the channel under, so no session is added behind Stop's back. At Stop's
+// nacked. Every statement that can lease (a session's claim, a discovery
+// round that dispatches, an ack batch that hands over) checks stopping
+// under Server.leaseGate, held shared until the statement returns, and
+// Stop closes stopping holding it exclusively: a statement that checked
+// just before Stop began has returned by the time stopping is closed, so
+// an event committed after that is leased by no session of the replica,
+// whatever the scheduling. Stop waits for such a statement only until its
+// deadline (they are bounded by their own timeouts anyway). Subscribe is
+// refused, checked under the same mutex Stop closes the channel under, so
+// no session is added behind Stop's back. At Stop's
 // deadline the sessions still holding deliveries are aborted and release
 // their leases. A session blocked in Send to a relay that stopped reading
 // cannot see the abort, so Stop returns anyway after a short grace and

@@ -19,6 +19,17 @@ func (s *Server) RunJanitor(ctx context.Context) (deleted, batches int64, err er
 // Stopping is closed once Stop has begun.
 func (s *Server) Stopping() <-chan struct{} { return s.stopping }
 
+// SetBeforeLease makes every claim ("claim") and every ack batch that may
+// hand over ("hand-over") call f with its path just before its statement is
+// sent, once it may lease (the server is not stopping): Stop waits for it. A
+// discovery round that dispatches calls SetBeforeRound's hook there. Stop
+// calls g when it finds such a statement under way, before it waits for it
+// to return.
+func (s *Server) SetBeforeLease(f func(path string), g func()) {
+	s.beforeLease.set(f)
+	s.stopWaits.set(g)
+}
+
 // SetBeforeAddSession makes every Subscribe call f once its checks passed,
 // just before its session is added. Set it before the first Subscribe.
 func (s *Server) SetBeforeAddSession(f func()) { s.beforeAddSession.set(f) }

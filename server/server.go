@@ -290,10 +290,25 @@ type Server struct {
 	stopping chan struct{} // closed when the server stops taking work
 	stopOnce sync.Once
 	sessWG   sync.WaitGroup
+	// leaseGate is held shared by every statement that can lease an event
+	// (a session's claim, a discovery round that dispatches, an ack batch
+	// that hands over), from its check of stopping until the statement has
+	// returned, and exclusively by Stop while it closes stopping (see
+	// leasing). So once stopping is closed no such statement is under way
+	// or begins: an event committed after that is leased by no session of
+	// this replica.
+	leaseGate sync.RWMutex
 
 	// beforeAddSession, when set (by tests), runs in Subscribe just before
 	// its session is added.
 	beforeAddSession hook[func()]
+	// beforeLease, when set (by tests), runs just before a claim ("claim")
+	// or an ack batch that may hand over ("hand-over") is sent, once it
+	// holds leaseGate (a round that dispatches runs beforeRound there);
+	// stopWaits runs in Stop when it finds leaseGate held and is about to
+	// wait for it.
+	beforeLease hook[func(path string)]
+	stopWaits   hook[func()]
 	// afterClaim, when set (by tests), sees and may replace the outcome of
 	// every claim statement.
 	afterClaim hook[func([]store.Lease, error) ([]store.Lease, error)]
@@ -388,7 +403,7 @@ type Server struct {
 	// released), and likewise by a discovery round that dispatches; and
 	// exclusively by a session computing which of its leases are orphans:
 	// a lease handed over or dispatched but not yet with its session is
-	// never mistaken for one.
+	// never mistaken for one. Whoever holds both takes leaseGate first.
 	handOverMu sync.RWMutex
 	// groupsMu guards groups, the poll groups of the sessions by stream
 	// filter (see pollGroup).
@@ -527,7 +542,8 @@ var errShuttingDown = status.Error(codes.Unavailable, "server is shutting down; 
 // connection (grpc.Server.Stop) ends that send.
 const abortGrace = time.Second
 
-// Stop makes every session stop claiming at once, waits up to ctx's deadline
+// Stop makes every session stop claiming at once (once a claim, dispatching
+// round or handing-over ack batch under way has returned), waits up to ctx's deadline
 // for their outstanding deliveries to be acked or nacked, then aborts the
 // streams that still hold deliveries (their leases are released as each
 // stream ends). Acks keep being applied while Stop waits. Subscribe streams
@@ -538,11 +554,28 @@ const abortGrace = time.Second
 // relay that stopped reading. Such a session ends, and releases its leases,
 // only when its connection closes: call the gRPC server's Stop, then Wait.
 func (s *Server) Stop(ctx context.Context) error {
-	// Under mu, so that no session is added (sessWG.Add) once Wait may
-	// have started.
-	s.mu.Lock()
-	s.stopOnce.Do(func() { close(s.stopping) })
-	s.mu.Unlock()
+	// Closed only once no leasing statement is under way: one that checked
+	// stopping before it closed could otherwise lease an event committed
+	// after it closed (see leaseGate). Such statements are bounded
+	// (claimTimeout and the like); should one outlive ctx, stopping is
+	// closed anyway and the promise gives way to the deadline.
+	gated := make(chan struct{})
+	go func() {
+		defer close(gated)
+		if !s.leaseGate.TryLock() {
+			if h := s.stopWaits.get(); h != nil {
+				h()
+			}
+			s.leaseGate.Lock()
+		}
+		s.closeStopping()
+		s.leaseGate.Unlock()
+	}()
+	select {
+	case <-gated:
+	case <-ctx.Done():
+		s.closeStopping()
+	}
 	done := s.sessionsDone()
 	select {
 	case <-done:
@@ -562,6 +595,27 @@ func (s *Server) Stop(ctx context.Context) error {
 	s.log.Warn("relay streams still sending after the shutdown deadline; they end when their connections close",
 		"sessions", n)
 	return fmt.Errorf("server: %d relay stream(s) still blocked sending to relays that do not read", n)
+}
+
+// closeStopping closes stopping, once. Under mu, so that no session is
+// added (sessWG.Add) once Wait may have started.
+func (s *Server) closeStopping() {
+	s.mu.Lock()
+	s.stopOnce.Do(func() { close(s.stopping) })
+	s.mu.Unlock()
+}
+
+// leasing reports whether a statement that may lease events may go ahead:
+// the server is not stopping. When it may, it holds leaseGate shared until
+// the caller calls done, once the statement has returned; when not, done is
+// nil.
+func (s *Server) leasing() (done func(), ok bool) {
+	s.leaseGate.RLock()
+	if isClosed(s.stopping) {
+		s.leaseGate.RUnlock()
+		return nil, false
+	}
+	return s.leaseGate.RUnlock, true
 }
 
 // Wait waits until every session has ended and released its leases, or ctx
@@ -628,12 +682,13 @@ func (s *Server) released(holder uuid.UUID, published bool, epoch int64, ids ...
 }
 
 // handOverTargets returns this replica's sessions that take handed-over
-// leases, with their lease TTL and window, or nil when hand-over is off or
-// the server is stopping. A session with a window lends the credit it
+// leases, with their lease TTL and window, or nil when hand-over is off.
+// The caller has checked, under leaseGate, that the server is not stopping
+// (see leasing). A session with a window lends the credit it
 // offers (see session.lendUpTo), so that a window can grow as well as
 // slide; loans says how much, for the caller to settle.
 func (s *Server) handOverTargets() (targets map[uuid.UUID]store.HandOverTarget, loans map[uuid.UUID]int) {
-	if s.cfg.NoHandOver || isClosed(s.stopping) {
+	if s.cfg.NoHandOver {
 		return nil, nil
 	}
 	s.mu.Lock()

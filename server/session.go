@@ -374,6 +374,8 @@ func (ss *session) run(ctx context.Context, send func(*outboxv1.SubscribeRespons
 				wantClaim = false
 			case claimFailed:
 				w.claimFailed()
+			case claimStopped:
+				continue // the next turn sees the server stopping
 			}
 		}
 		if !stopping {
@@ -396,10 +398,11 @@ func (ss *session) run(ctx context.Context, send func(*outboxv1.SubscribeRespons
 type claimOutcome int
 
 const (
-	claimedAll  claimOutcome = iota // as many as asked: there may be more
-	claimedSome                     // fewer: wait for work
-	claimedNone                     // nothing claimable: wait for work
-	claimFailed                     // the claim failed: wait, then try again
+	claimedAll   claimOutcome = iota // as many as asked: there may be more
+	claimedSome                      // fewer: wait for work
+	claimedNone                      // nothing claimable: wait for work
+	claimFailed                      // the claim failed: wait, then try again
+	claimStopped                     // not sent: the server began stopping
 )
 
 // claimAndSend claims up to ClaimBatch aggregates, and up to credit events
@@ -413,13 +416,21 @@ func (ss *session) claimAndSend(ctx context.Context, credit int, send func(*outb
 	// hanging up may still commit in the database after the stream's leases
 	// were released, orphaning its leases until their TTL. Letting it finish
 	// means the release covers them.
+	leased, ok := ss.srv.leasing()
+	if !ok {
+		return claimStopped, nil
+	}
 	claimCtx, cancelClaim := context.WithTimeout(context.WithoutCancel(ctx), claimTimeout)
+	if h := ss.srv.beforeLease.get(); h != nil {
+		h("claim")
+	}
 	leases, err := ss.srv.store.Claim(claimCtx, store.ClaimParams{
 		Holder: ss.id, RelayID: ss.relayID, ReplicaID: ss.srv.cfg.ReplicaID,
 		Streams: ss.streams, ExcludeStreams: ss.excludeStreams,
 		Limit: n, Window: ss.window, Credit: credit,
 		TTL: ss.ttl, MaxAttempts: ss.srv.cfg.MaxDeliveries, MaxDue: ss.srv.cfg.maxDue(),
 	})
+	leased()
 	if h := ss.srv.afterClaim.get(); h != nil {
 		leases, err = h(leases, err)
 	}

@@ -2,6 +2,8 @@ package server_test
 
 import (
 	"context"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -11,6 +13,7 @@ import (
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+	"github.com/outboxd/outboxd/internal/store"
 	"github.com/outboxd/outboxd/internal/testdb"
 	"github.com/outboxd/outboxd/server"
 )
@@ -309,5 +312,186 @@ func TestSubscribeRacingStopIsRefused(t *testing.T) {
 	}
 	if len(relays.GetRelays()) != 0 {
 		t.Errorf("a session was added after Stop returned: %v", relays.GetRelays())
+	}
+}
+
+// Stop does not close stopping while a statement that may lease an event is
+// under way: a claim, an ack batch that hands over, or a discovery round
+// that dispatches which checked that the server was not stopping before
+// Stop began could otherwise lease an event committed after stopping
+// closed, and the draining stream would hold it until it is acked or the
+// deadline. Each subtest holds its statement after the check, calls Stop,
+// commits an event once Stopping is closed, and then lets the statement
+// run: the late event must stay unleased.
+func TestStopWaitsForALeaseUnderWay(t *testing.T) {
+	t.Parallel()
+	for _, path := range []string{"claim", "dispatch", "hand-over"} {
+		t.Run(path, func(t *testing.T) {
+			t.Parallel()
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			url := testdb.New(t)
+			pool := testdb.NewPoolURL(t, url)
+			r := startReplica(t, url, func(c *server.Config) {
+				// The claim's lease must come from the claim.
+				c.NoDispatch = path == "claim"
+			})
+			held, resume := make(chan struct{}), make(chan struct{})
+			var armed atomic.Bool
+			hold := func() {
+				if armed.CompareAndSwap(true, false) {
+					close(held)
+					<-resume
+				}
+			}
+			stopWaits := make(chan struct{}, 1)
+			r.Server.SetBeforeLease(func(p string) {
+				if p == path {
+					hold()
+				}
+			}, func() { stopWaits <- struct{}{} })
+
+			// Each path leads one statement to hold: it then leases what
+			// was committed before it (the late event, with the bug).
+			lateKey := "late"
+			var st outboxv1.RelayService_SubscribeClient
+			var acked chan error
+			switch path {
+			case "claim":
+				// Claimable once a discovery round has made it ready.
+				ready := make(chan struct{}, 1)
+				r.Server.SetAfterDiscover(func(d store.Discovery, err error) (store.Discovery, error) {
+					if err == nil && d.Events > 0 {
+						select {
+						case ready <- struct{}{}:
+						default:
+						}
+					}
+					return d, err
+				})
+				emit(t, pool, "orders", "a", 1)
+				select {
+				case <-ready:
+				case <-time.After(30 * time.Second):
+					t.Fatal("no discovery round found the event within 30s")
+				}
+				armed.Store(true)
+				st = subscribe(t, ctx, r, &outboxv1.SubscribeRequest{Streams: []string{"orders"}, MaxInFlight: 2})
+			case "dispatch":
+				// The session's loop is held at its offer: the credit it
+				// offers goes to the round, never to a claim of its own.
+				offers := newOfferGate(true)
+				r.Server.SetAfterOffer(offers.hook)
+				r.Server.SetBeforeRound(hold)
+				st = subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 2})
+				offers.waitHeld(t)
+				defer offers.release(false)
+				armed.Store(true)
+				emit(t, pool, "orders", "a", 1)
+				go func() { <-resume; offers.release(false) }()
+			case "hand-over":
+				// The ack of the aggregate's first event hands over its next
+				// one, committed late.
+				lateKey = "a"
+				emit(t, pool, "orders", "a", 1)
+				st = subscribe(t, ctx, r, &outboxv1.SubscribeRequest{Streams: []string{"orders"}, MaxInFlight: 1})
+				first := recv(t, st)
+				armed.Store(true)
+				acked = make(chan error, 1)
+				go func() {
+					_, err := r.Relay.Ack(ctx, &outboxv1.AckRequest{Acks: []*outboxv1.AckItem{{
+						EventId: first.GetEvent().GetEventId(), LeaseToken: first.GetLeaseToken()}}})
+					acked <- err
+				}()
+			}
+			select {
+			case <-held:
+			case <-time.After(30 * time.Second):
+				t.Fatalf("no %s statement reached its lease within 30s", path)
+			}
+
+			stopped := stopAsync(r.Server, 10*time.Second)
+			select {
+			case <-stopWaits:
+				if isClosed(r.Server.Stopping()) {
+					t.Errorf("Stopping closed while the %s was under way", path)
+				}
+				close(resume)
+				<-r.Server.Stopping()
+				emit(t, pool, "orders", lateKey, 1)
+			case <-r.Server.Stopping():
+				t.Errorf("Stop closed Stopping without waiting for the %s under way", path)
+				emit(t, pool, "orders", lateKey, 1)
+				close(resume)
+			}
+
+			if acked != nil {
+				if err := <-acked; err != nil {
+					t.Fatalf("ack: %v", err)
+				}
+			} else if a := recv(t, st); a.GetEvent().GetAggregateKey() != "a" {
+				t.Fatalf("the %s leased %s/%s, want the event committed before it", path,
+					a.GetEvent().GetStream(), a.GetEvent().GetAggregateKey())
+			} else {
+				ackPublished(t, r, a)
+			}
+			got, err := recvEnd(t, st)
+			for _, d := range got {
+				t.Errorf("delivered after Stopping closed: %s/%s revision %d", d.GetEvent().GetStream(),
+					d.GetEvent().GetAggregateKey(), d.GetEvent().GetRevision())
+			}
+			if status.Code(err) != codes.Unavailable {
+				t.Errorf("stream ended with %v, want Unavailable", err)
+			}
+			if res := waitStop(t, stopped, 30*time.Second); res.err != nil {
+				t.Errorf("Stop: %v", res.err)
+			}
+			agg, err := r.Admin.GetAggregate(ctx, &outboxv1.GetAggregateRequest{Stream: "orders", AggregateKey: lateKey})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if a := agg.GetAggregate(); a.GetState() == outboxv1.AggregateState_AGGREGATE_STATE_LEASED || a.GetAttempt() != 0 {
+				t.Errorf("the event committed after Stopping closed was leased: %v", a)
+			}
+		})
+	}
+}
+
+func isClosed(c <-chan struct{}) bool {
+	select {
+	case <-c:
+		return true
+	default:
+		return false
+	}
+}
+
+// Stop waits for a statement under way that may lease only until its
+// deadline: then it closes Stopping anyway and returns (with an error
+// naming the session still busy), so that a claim stuck in the database
+// cannot hold up a shutdown.
+func TestStopKeepsItsDeadlineWhileALeaseIsUnderWay(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	url := testdb.New(t)
+	r := startReplica(t, url, nil)
+	held, resume := make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	r.Server.SetBeforeLease(func(p string) {
+		if p == "claim" {
+			once.Do(func() { close(held) })
+			<-resume
+		}
+	}, nil)
+	defer close(resume)
+	subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 1})
+	<-held
+	res := waitStop(t, stopAsync(r.Server, 200*time.Millisecond), 30*time.Second)
+	if !isClosed(r.Server.Stopping()) {
+		t.Error("Stop returned with Stopping still open")
+	}
+	if res.err == nil {
+		t.Error("Stop returned no error although a session was still claiming")
 	}
 }
