@@ -751,6 +751,7 @@ func TestCreditARoundGivesBackWakesTheSession(t *testing.T) {
 	url := testdb.New(t)
 	pool := testdb.NewPoolURL(t, url)
 	r := startReplica(t, url, func(c *server.Config) { c.MaxFailures = 1 })
+	turns := watchDiscoveryTurns(r)
 	// The session's loop is held where it offers its credit after the nack,
 	// so that the round below finds the credit offered (a loop that is
 	// claiming has withdrawn it), and let go once the round borrowed it.
@@ -773,6 +774,7 @@ func TestCreditARoundGivesBackWakesTheSession(t *testing.T) {
 	gate.waitHeld(t)
 
 	lent, letGo := holdFirstRound(t, r)
+	turns.next(t) // no round that began before the offer finds x
 	skipped := emit(t, pool, "orders", "x", 1)[0]
 	waitClosed(t, lent, "no discovery round lent the session's credit")
 	gate.release(false)
@@ -872,6 +874,7 @@ func TestAnOfferLeavesOutLeasesGivenWhileTheLoopClaimed(t *testing.T) {
 	offers := make(chan int, 64)
 	r.Server.SetAfterOffer(func(_ uuid.UUID, offered int) { offers <- offered })
 	roundHeld, letRoundGo := holdFirstRound(t, r)
+	turns := watchDiscoveryTurns(r)
 	// The claim is held until the round has given its lease.
 	var armed atomic.Bool
 	claim := newHoldGate(t)
@@ -890,6 +893,7 @@ func TestAnOfferLeavesOutLeasesGivenWhileTheLoopClaimed(t *testing.T) {
 	if got := nextOffer(t, offers); got != 3 {
 		t.Fatalf("the session's first offer: %d, want 3", got)
 	}
+	turns.next(t) // no round that began before the offer finds x
 	emit(t, pool, "orders", "x", 1)
 	waitClosed(t, roundHeld, "no discovery round borrowed the session's credit")
 	armed.Store(true)

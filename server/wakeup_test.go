@@ -348,6 +348,7 @@ func TestAWakeUpAMemberCannotUseGoesToAnother(t *testing.T) {
 	r := startReplica(t, url, nil)
 	r.Server.SetNoPolls()
 	held, letGo := holdFirstRound(t, r)
+	turns := watchDiscoveryTurns(r)
 	notified := make(chan struct{}, 16)
 	r.Server.SetAfterNotify(func(channel string) {
 		if channel == store.ChannelWakeup {
@@ -365,7 +366,8 @@ func TestAWakeUpAMemberCannotUseGoesToAnother(t *testing.T) {
 	first := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 1, LeaseTtl: durationpb.New(time.Hour)})
 	waitFor(t, func() int32 { return b2i(r.Server.IdleSessions() == 1) })
 	// A round borrows the first session's credit and waits before it is
-	// sent.
+	// sent (not one that began before the session offered it).
+	turns.next(t)
 	emit(t, pool, "orders", "w", 1)
 	waitClosed(t, held, "no discovery round borrowed the first session's credit")
 	// The second joins the group now, idle after the first: the held round
