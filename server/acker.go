@@ -244,7 +244,7 @@ func (a *ackCommitter) commit(ctx context.Context, batch []*ackRequest, n int) {
 	dbCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
 	// Hands over only while the server is not stopping (leaseGate before
 	// handOverMu, the order every holder of both takes them in).
-	leased, handsOver := a.s.leasing()
+	leased, handsOver := a.s.leasing(false)
 	a.s.handOverMu.RLock()
 	defer a.s.handOverMu.RUnlock()
 	var holders map[uuid.UUID]store.HandOverTarget

@@ -352,7 +352,7 @@ func (s *Server) discoverRound(ctx context.Context) (_ store.Discovery, ready []
 	if !s.cfg.NoDispatch {
 		// Held until the round's statement has returned: once Stop has
 		// closed stopping, no round dispatches (see leaseGate).
-		if done, ok := s.leasing(); ok {
+		if done, ok := s.leasing(false); ok {
 			leased = done
 			loans, offers = s.borrowCredit()
 		}

@@ -481,7 +481,10 @@
 // just before Stop began has returned by the time stopping is closed, so
 // an event committed after that is leased by no session of the replica,
 // whatever the scheduling. Stop waits for such a statement only until its
-// deadline (they are bounded by their own timeouts anyway). Subscribe is
+// deadline (they are bounded by their own timeouts anyway); meanwhile
+// claims wait for it, while ack batches and discovery rounds, which run as
+// well without leasing, go ahead at once and hand over and dispatch
+// nothing, so that no ack waits for a claim. Subscribe is
 // refused, checked under the same mutex Stop closes the channel under, so
 // no session is added behind Stop's back. At Stop's
 // deadline the sessions still holding deliveries are aborted and release

@@ -608,9 +608,18 @@ func (s *Server) closeStopping() {
 // leasing reports whether a statement that may lease events may go ahead:
 // the server is not stopping. When it may, it holds leaseGate shared until
 // the caller calls done, once the statement has returned; when not, done is
-// nil.
-func (s *Server) leasing() (done func(), ok bool) {
-	s.leaseGate.RLock()
+// nil. A caller whose statement runs as well without leasing (an ack batch
+// that hands nothing over, a round that dispatches nothing) passes wait
+// false: while Stop waits for the gate it leases nothing instead of
+// waiting, so that acks are never held up by a claim under way.
+func (s *Server) leasing(wait bool) (done func(), ok bool) {
+	if !wait {
+		if !s.leaseGate.TryRLock() {
+			return nil, false
+		}
+	} else {
+		s.leaseGate.RLock()
+	}
 	if isClosed(s.stopping) {
 		s.leaseGate.RUnlock()
 		return nil, false

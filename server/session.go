@@ -416,7 +416,7 @@ func (ss *session) claimAndSend(ctx context.Context, credit int, send func(*outb
 	// hanging up may still commit in the database after the stream's leases
 	// were released, orphaning its leases until their TTL. Letting it finish
 	// means the release covers them.
-	leased, ok := ss.srv.leasing()
+	leased, ok := ss.srv.leasing(true)
 	if !ok {
 		return claimStopped, nil
 	}

@@ -2,6 +2,7 @@ package server_test
 
 import (
 	"context"
+	"fmt"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -493,5 +494,102 @@ func TestStopKeepsItsDeadlineWhileALeaseIsUnderWay(t *testing.T) {
 	}
 	if res.err == nil {
 		t.Error("Stop returned no error although a session was still claiming")
+	}
+}
+
+// An ack is not held up while Stop waits for a claim under way: it is
+// applied at once and hands nothing over (the replica is stopping), instead
+// of waiting for the claim to return. Relay A holds a1 when relay B's first
+// claim is held before its statement and Stop begins to wait for it; A's ack
+// of a1 must return while the claim is still held, and a discovery round
+// must find c, committed then. The claim, let go, then leases a2, which the
+// ack left claimable.
+func TestStopWaitingForAClaimDoesNotHoldUpAcks(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	r := startReplica(t, url, nil)
+	held, resume := make(chan struct{}), make(chan struct{})
+	var armed atomic.Bool
+	stopWaits := make(chan struct{}, 1)
+	r.Server.SetBeforeLease(func(p string) {
+		if p == "claim" && armed.CompareAndSwap(true, false) {
+			close(held)
+			<-resume
+		}
+	}, func() { stopWaits <- struct{}{} })
+	var resumeOnce sync.Once
+	letGo := func() { resumeOnce.Do(func() { close(resume) }) }
+	defer letGo()
+	found := make(chan struct{}, 1)
+	r.Server.SetAfterDiscover(func(d store.Discovery, err error) (store.Discovery, error) {
+		if err == nil && d.Events > 0 && isClosed(held) {
+			select {
+			case found <- struct{}{}:
+			default:
+			}
+		}
+		return d, err
+	})
+
+	emit(t, pool, "orders", "a", 2)
+	stA := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{RelayId: "A", Streams: []string{"orders"}, MaxInFlight: 1})
+	a1 := recv(t, stA)
+	armed.Store(true)
+	stB := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{RelayId: "B", Streams: []string{"orders"}, MaxInFlight: 1})
+	waitClosed(t, held, "relay B's claim did not begin")
+	stopped := stopAsync(r.Server, time.Minute)
+	select {
+	case <-stopWaits:
+	case <-time.After(30 * time.Second):
+		t.Fatal("Stop did not wait for the claim under way")
+	}
+
+	acked := make(chan error, 1)
+	go func() {
+		res, err := r.Relay.Ack(ctx, &outboxv1.AckRequest{Acks: []*outboxv1.AckItem{{
+			EventId: a1.GetEvent().GetEventId(), LeaseToken: a1.GetLeaseToken()}}})
+		if err == nil && res.GetResults()[0].GetStatus() != outboxv1.AckStatus_ACK_STATUS_PUBLISHED {
+			err = fmt.Errorf("ack of a1: %v", res.GetResults()[0])
+		}
+		acked <- err
+	}()
+	select {
+	case err := <-acked:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("the ack waited for the claim under way")
+	}
+	if n := r.Server.HandOvers(); n != 0 {
+		t.Errorf("%d hand-overs while Stop was beginning, want none", n)
+	}
+	// Nor is discovery held up: a round makes c ready (for any replica)
+	// without dispatching it.
+	emit(t, pool, "orders", "c", 1)
+	select {
+	case <-found:
+	case <-time.After(30 * time.Second):
+		t.Fatal("no discovery round found c while Stop waited for the claim")
+	}
+
+	letGo()
+	a2 := recv(t, stB)
+	if a2.GetEvent().GetAggregateKey() != "a" || a2.GetEvent().GetRevision() != 2 {
+		t.Fatalf("relay B's claim leased %s/%s revision %d, want a2", a2.GetEvent().GetStream(),
+			a2.GetEvent().GetAggregateKey(), a2.GetEvent().GetRevision())
+	}
+	ackPublished(t, r, a2)
+	for name, st := range map[string]outboxv1.RelayService_SubscribeClient{"A": stA, "B": stB} {
+		got, err := recvEnd(t, st)
+		if len(got) > 0 || status.Code(err) != codes.Unavailable {
+			t.Errorf("relay %s's stream: %d more deliveries, ended with %v; want none, Unavailable", name, len(got), err)
+		}
+	}
+	if res := waitStop(t, stopped, 30*time.Second); res.err != nil {
+		t.Errorf("Stop: %v", res.err)
 	}
 }
