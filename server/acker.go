@@ -242,9 +242,14 @@ func (a *ackCommitter) commit(ctx context.Context, batch []*ackRequest, n int) {
 	}
 	// Acks already taken must land even while the server shuts down.
 	dbCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
-	// Hands over only while the server is not stopping (leaseGate before
-	// handOverMu, the order every holder of both takes them in).
+	// Hands over only while the server is not stopping, holding leaseGate
+	// until the leases handed over are with their sessions (see
+	// discoverRound); leaseGate before handOverMu, the order every holder
+	// of both takes them in.
 	leased, handsOver := a.s.leasing(false)
+	if handsOver {
+		defer leased()
+	}
 	a.s.handOverMu.RLock()
 	defer a.s.handOverMu.RUnlock()
 	var holders map[uuid.UUID]store.HandOverTarget
@@ -258,9 +263,6 @@ func (a *ackCommitter) commit(ctx context.Context, batch []*ackRequest, n int) {
 	res, err := a.s.store.Ack(dbCtx, store.AckParams{IDs: ids, ReplicaID: a.s.cfg.ReplicaID, HandOver: holders,
 		Filters: a.s.streamFilters(), MaxDue: a.s.cfg.maxDue()})
 	cancel()
-	if handsOver {
-		leased()
-	}
 	if h := a.s.afterAck.get(); h != nil {
 		res, err = h(res, err)
 	}

@@ -348,12 +348,12 @@ func (s *Server) freshTurn() *discoveryTurn {
 func (s *Server) discoverRound(ctx context.Context) (_ store.Discovery, ready []string, echoed bool, _ error) {
 	var loans []*loan
 	var offers []store.Offer
-	var leased func()
 	if !s.cfg.NoDispatch {
-		// Held until the round's statement has returned: once Stop has
-		// closed stopping, no round dispatches (see leaseGate).
-		if done, ok := s.leasing(false); ok {
-			leased = done
+		// Held until the round's leases are with their sessions: once Stop
+		// has closed stopping no round dispatches (see leaseGate), and a
+		// session that then ends for want of deliveries has all of its own.
+		if leased, ok := s.leasing(false); ok {
+			defer leased()
 			loans, offers = s.borrowCredit()
 		}
 	}
@@ -373,9 +373,6 @@ func (s *Server) discoverRound(ctx context.Context) (_ store.Discovery, ready []
 		s.wake.openRound(p)
 	}
 	found, err := s.store.Discover(ctx, s.cfg.ReplicaID, s.cfg.DiscoveryMaxFound, s.cfg.DiscoveryMaxEvents, offers, applying)
-	if leased != nil {
-		leased()
-	}
 	if h := s.afterDiscover.get(); h != nil {
 		found, err = h(found, err)
 	}

@@ -383,11 +383,15 @@ func TestStopWaitsForALeaseUnderWay(t *testing.T) {
 				// offers goes to the round, never to a claim of its own.
 				offers := newOfferGate(true)
 				r.Server.SetAfterOffer(offers.hook)
+				turns := watchDiscoveryTurns(r)
 				r.Server.SetBeforeRound(hold)
 				st = subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 2})
 				offers.waitHeld(t)
 				defer offers.release(false)
 				armed.Store(true)
+				// No round that began before the offer (and so borrowed
+				// nothing) finds a.
+				turns.next(t)
 				emit(t, pool, "orders", "a", 1)
 				go func() { <-resume; offers.release(false) }()
 			case "hand-over":
