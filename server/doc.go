@@ -472,24 +472,25 @@
 // # Shutdown
 //
 // Stop closes Server.stopping, which every session loop reads at the top of
-// each iteration: from then on no session claims, and each ends (UNAVAILABLE,
-// its relay reconnects elsewhere) as soon as its last delivery is acked or
-// nacked. Every statement that can lease (a session's claim, a discovery
-// round that dispatches, an ack batch that hands over) checks stopping
-// under Server.leaseGate, held shared until the statement returns, and
-// Stop closes stopping holding it exclusively: a statement that checked
-// just before Stop began has returned by the time stopping is closed, so
-// an event committed after that is leased by no session of the replica,
-// whatever the scheduling. Stop waits for such a statement only until its
-// deadline (they are bounded by their own timeouts anyway); meanwhile
-// claims wait for it, while ack batches and discovery rounds, which run as
-// well without leasing, go ahead at once and hand over and dispatch
-// nothing, so that no ack waits for a claim. Subscribe is
-// refused, checked under the same mutex Stop closes the channel under, so
-// no session is added behind Stop's back. At Stop's
-// deadline the sessions still holding deliveries are aborted and release
-// their leases. A session blocked in Send to a relay that stopped reading
-// cannot see the abort, so Stop returns anyway after a short grace and
-// says so; closing the connections (grpc.Server.Stop, which internal/app's
-// shutdown does next) fails that Send and the session releases its leases.
+// each iteration: from then on no session claims, and each ends
+// (UNAVAILABLE, its relay reconnects elsewhere) as soon as its last
+// delivery is acked or nacked. Every statement that can lease (a session's
+// claim, a discovery round that dispatches, an ack batch that hands over)
+// checks stopping under Server.leaseGate, held shared until the statement
+// has returned and its leases are with their sessions, and Stop closes
+// stopping holding it exclusively: a statement that checked just before
+// Stop began has returned by the time stopping is closed, so an event
+// committed after that is leased by no session of the replica, whatever the
+// scheduling. Stop waits for such a statement only until its deadline (they
+// are bounded by their own timeouts anyway); meanwhile claims wait for it,
+// while ack batches and discovery rounds, which run as well without
+// leasing, go ahead at once and hand over and dispatch nothing, so that no
+// ack waits for a claim. Subscribe is refused, checked under the same mutex
+// Stop closes the channel under, so no session is added behind Stop's back.
+// At Stop's deadline the sessions still holding deliveries are aborted and
+// release their leases. A session blocked in Send to a relay that stopped
+// reading cannot see the abort, so Stop returns anyway after a short grace
+// and says so; closing the connections (grpc.Server.Stop, which
+// internal/app's shutdown does next) fails that Send and the session
+// releases its leases.
 package server

@@ -293,7 +293,7 @@ type Server struct {
 	// leaseGate is held shared by every statement that can lease an event
 	// (a session's claim, a discovery round that dispatches, an ack batch
 	// that hands over), from its check of stopping until the statement has
-	// returned, and exclusively by Stop while it closes stopping (see
+	// returned and its leases are with their sessions, and exclusively by Stop while it closes stopping (see
 	// leasing). So once stopping is closed no such statement is under way
 	// or begins: an event committed after that is leased by no session of
 	// this replica.
