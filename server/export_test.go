@@ -19,6 +19,9 @@ func (s *Server) RunJanitor(ctx context.Context) (deleted, batches int64, err er
 // Stopping is closed once Stop has begun.
 func (s *Server) Stopping() <-chan struct{} { return s.stopping }
 
+// IsClosed reports whether c is closed, without waiting.
+func IsClosed(c <-chan struct{}) bool { return isClosed(c) }
+
 // SetBeforeLease makes every claim ("claim") and every ack batch that may
 // hand over ("hand-over") call f with its path just before its statement is
 // sent, once it may lease (the server is not stopping): Stop waits for it. A

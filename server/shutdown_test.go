@@ -3,7 +3,6 @@ package server_test
 import (
 	"context"
 	"fmt"
-	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -337,12 +336,12 @@ func TestStopWaitsForALeaseUnderWay(t *testing.T) {
 				// The claim's lease must come from the claim.
 				c.NoDispatch = path == "claim"
 			})
-			held, resume := make(chan struct{}), make(chan struct{})
+			// Holds the first statement of the path once armed.
+			gate := newHoldGate(t)
 			var armed atomic.Bool
 			hold := func() {
-				if armed.CompareAndSwap(true, false) {
-					close(held)
-					<-resume
+				if armed.Load() {
+					gate.hold()
 				}
 			}
 			stopWaits := make(chan struct{}, 1)
@@ -393,7 +392,7 @@ func TestStopWaitsForALeaseUnderWay(t *testing.T) {
 				// nothing) finds a.
 				turns.next(t)
 				emit(t, pool, "orders", "a", 1)
-				go func() { <-resume; offers.release(false) }()
+				go func() { <-gate.release; offers.release(false) }()
 			case "hand-over":
 				// The ack of the aggregate's first event hands over its next
 				// one, committed late.
@@ -409,25 +408,21 @@ func TestStopWaitsForALeaseUnderWay(t *testing.T) {
 					acked <- err
 				}()
 			}
-			select {
-			case <-held:
-			case <-time.After(30 * time.Second):
-				t.Fatalf("no %s statement reached its lease within 30s", path)
-			}
+			waitClosed(t, gate.held, "no "+path+" statement reached its lease")
 
 			stopped := stopAsync(r.Server, 10*time.Second)
 			select {
 			case <-stopWaits:
-				if isClosed(r.Server.Stopping()) {
+				if server.IsClosed(r.Server.Stopping()) {
 					t.Errorf("Stopping closed while the %s was under way", path)
 				}
-				close(resume)
+				gate.letGo()
 				<-r.Server.Stopping()
 				emit(t, pool, "orders", lateKey, 1)
 			case <-r.Server.Stopping():
 				t.Errorf("Stop closed Stopping without waiting for the %s under way", path)
 				emit(t, pool, "orders", lateKey, 1)
-				close(resume)
+				gate.letGo()
 			}
 
 			if acked != nil {
@@ -462,15 +457,6 @@ func TestStopWaitsForALeaseUnderWay(t *testing.T) {
 	}
 }
 
-func isClosed(c <-chan struct{}) bool {
-	select {
-	case <-c:
-		return true
-	default:
-		return false
-	}
-}
-
 // Stop waits for a statement under way that may lease only until its
 // deadline: then it closes Stopping anyway and returns (with an error
 // naming the session still busy), so that a claim stuck in the database
@@ -481,19 +467,16 @@ func TestStopKeepsItsDeadlineWhileALeaseIsUnderWay(t *testing.T) {
 	defer cancel()
 	url := testdb.New(t)
 	r := startReplica(t, url, nil)
-	held, resume := make(chan struct{}), make(chan struct{})
-	var once sync.Once
+	claim := newHoldGate(t)
 	r.Server.SetBeforeLease(func(p string) {
 		if p == "claim" {
-			once.Do(func() { close(held) })
-			<-resume
+			claim.hold()
 		}
 	}, nil)
-	defer close(resume)
 	subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 1})
-	<-held
+	waitClosed(t, claim.held, "the session did not claim")
 	res := waitStop(t, stopAsync(r.Server, 200*time.Millisecond), 30*time.Second)
-	if !isClosed(r.Server.Stopping()) {
+	if !server.IsClosed(r.Server.Stopping()) {
 		t.Error("Stop returned with Stopping still open")
 	}
 	if res.err == nil {
@@ -515,21 +498,17 @@ func TestStopWaitingForAClaimDoesNotHoldUpAcks(t *testing.T) {
 	url := testdb.New(t)
 	pool := testdb.NewPoolURL(t, url)
 	r := startReplica(t, url, nil)
-	held, resume := make(chan struct{}), make(chan struct{})
+	claim := newHoldGate(t)
 	var armed atomic.Bool
 	stopWaits := make(chan struct{}, 1)
 	r.Server.SetBeforeLease(func(p string) {
-		if p == "claim" && armed.CompareAndSwap(true, false) {
-			close(held)
-			<-resume
+		if p == "claim" && armed.Load() {
+			claim.hold()
 		}
 	}, func() { stopWaits <- struct{}{} })
-	var resumeOnce sync.Once
-	letGo := func() { resumeOnce.Do(func() { close(resume) }) }
-	defer letGo()
 	found := make(chan struct{}, 1)
 	r.Server.SetAfterDiscover(func(d store.Discovery, err error) (store.Discovery, error) {
-		if err == nil && d.Events > 0 && isClosed(held) {
+		if err == nil && d.Events > 0 && server.IsClosed(claim.held) {
 			select {
 			case found <- struct{}{}:
 			default:
@@ -543,7 +522,7 @@ func TestStopWaitingForAClaimDoesNotHoldUpAcks(t *testing.T) {
 	a1 := recv(t, stA)
 	armed.Store(true)
 	stB := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{RelayId: "B", Streams: []string{"orders"}, MaxInFlight: 1})
-	waitClosed(t, held, "relay B's claim did not begin")
+	waitClosed(t, claim.held, "relay B's claim did not begin")
 	stopped := stopAsync(r.Server, time.Minute)
 	select {
 	case <-stopWaits:
@@ -580,7 +559,7 @@ func TestStopWaitingForAClaimDoesNotHoldUpAcks(t *testing.T) {
 		t.Fatal("no discovery round found c while Stop waited for the claim")
 	}
 
-	letGo()
+	claim.letGo()
 	a2 := recv(t, stB)
 	if a2.GetEvent().GetAggregateKey() != "a" || a2.GetEvent().GetRevision() != 2 {
 		t.Fatalf("relay B's claim leased %s/%s revision %d, want a2", a2.GetEvent().GetStream(),
