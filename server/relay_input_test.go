@@ -3,6 +3,7 @@ package server_test
 import (
 	"context"
 	"fmt"
+	"strings"
 	"testing"
 
 	"google.golang.org/grpc/codes"
@@ -45,5 +46,34 @@ func TestSubscriptionsPerRelayAreBounded(t *testing.T) {
 	}
 	if err := open("s"); err != nil {
 		t.Fatalf("the first subscription of relay s: %v", err)
+	}
+}
+
+// A Subscribe refused for an unknown stream lists the known streams only as
+// far as the caller's token may relay them: a token limited to billing.*
+// learns nothing of sales_order.
+func TestUnknownStreamErrorListsOnlyTheTokensStreams(t *testing.T) {
+	t.Parallel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	r := startAuthReplica(t, url)
+	ctx := t.Context()
+	billing := outboxv1.NewRelayServiceClient(dialAs(t, r, billingToken))
+	refusal := func() string {
+		t.Helper()
+		st, err := billing.Subscribe(ctx, &outboxv1.SubscribeRequest{RelayId: "b", Streams: []string{"billing.invoce"}, MaxInFlight: 1})
+		if err == nil {
+			_, err = st.Recv()
+		}
+		wantCode(t, err, codes.NotFound, "")
+		return status.Convert(err).Message()
+	}
+	emit(t, pool, "sales_order", "o-1", 1)
+	if msg := refusal(); strings.Contains(msg, "sales_order") || !strings.Contains(msg, "no stream this token may relay has events yet") {
+		t.Errorf("with only sales_order known: %q, want no stream named and that none of the token's has events", msg)
+	}
+	emit(t, pool, "billing.invoice", "i-1", 1)
+	if msg := refusal(); strings.Contains(msg, "sales_order") || !strings.Contains(msg, "known streams: billing.invoice;") {
+		t.Errorf("with billing.invoice and sales_order known: %q, want only billing.invoice listed", msg)
 	}
 }
