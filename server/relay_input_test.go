@@ -5,9 +5,11 @@ import (
 	"fmt"
 	"strings"
 	"testing"
+	"time"
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/durationpb"
 
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
 	"github.com/outboxd/outboxd/internal/testdb"
@@ -75,5 +77,35 @@ func TestUnknownStreamErrorListsOnlyTheTokensStreams(t *testing.T) {
 	emit(t, pool, "billing.invoice", "i-1", 1)
 	if msg := refusal(); strings.Contains(msg, "sales_order") || !strings.Contains(msg, "known streams: billing.invoice;") {
 		t.Errorf("with billing.invoice and sales_order known: %q, want only billing.invoice listed", msg)
+	}
+}
+
+// A permanent nack parks the aggregate at once, whatever MaxFailures and
+// the nack's retry_after say, with the relay's error in the parked reason.
+func TestPermanentNackParksAtOnce(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	r := startReplica(t, url, func(c *server.Config) { c.MaxFailures = 10 })
+	emit(t, pool, "orders", "big", 2)
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 1, LeaseTtl: durationpb.New(time.Hour)})
+	d := recv(t, st)
+	res, err := r.Relay.Nack(ctx, &outboxv1.NackRequest{EventId: d.GetEvent().GetEventId(), LeaseToken: d.GetLeaseToken(),
+		Error: "message too large for the broker", Permanent: true, RetryAfter: durationpb.New(time.Second)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !res.GetParked() || res.GetFailures() != 1 || res.GetNextAttemptAt() != nil {
+		t.Fatalf("permanent nack: %v, want parked after 1 failure with no next attempt", res)
+	}
+	agg, err := r.Admin.GetAggregate(ctx, &outboxv1.GetAggregateRequest{Stream: "orders", AggregateKey: "big"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if a := agg.GetAggregate(); a.GetState() != outboxv1.AggregateState_AGGREGATE_STATE_PARKED ||
+		!strings.Contains(a.GetParkedReason(), "message too large for the broker") {
+		t.Fatalf("aggregate after a permanent nack: %v, want parked with the relay's error in its reason", a)
 	}
 }
