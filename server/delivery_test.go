@@ -492,6 +492,9 @@ func TestBadRelayInput(t *testing.T) {
 		{&outboxv1.SubscribeRequest{RelayId: "r", MaxInFlight: 1, Streams: []string{"Bad Name"}}, codes.InvalidArgument, "streams[0]"},
 		{&outboxv1.SubscribeRequest{RelayId: "r", MaxInFlight: 1, LeaseTtl: durationpb.New(time.Millisecond)}, codes.InvalidArgument, "lease_ttl"},
 		{&outboxv1.SubscribeRequest{RelayId: "r", MaxInFlight: 1, Streams: []string{"no_such_stream"}}, codes.NotFound, ""},
+		{&outboxv1.SubscribeRequest{RelayId: "r", MaxInFlight: 1, Streams: []string{"orders", "orders"}}, codes.InvalidArgument, "streams[1]"},
+		{&outboxv1.SubscribeRequest{RelayId: "r", MaxInFlight: 1, Streams: []string{"orders"}, ExcludeStreams: []string{"orders"}}, codes.InvalidArgument, "exclude_streams[0]"},
+		{&outboxv1.SubscribeRequest{RelayId: "r", MaxInFlight: 1, ExcludeStreams: []string{"orders", "orders"}}, codes.InvalidArgument, "exclude_streams[1]"},
 		{&outboxv1.SubscribeRequest{RelayId: "r", MaxInFlight: 4, MaxInFlightPerAggregate: 5}, codes.InvalidArgument, "max_in_flight_per_aggregate"},
 		{&outboxv1.SubscribeRequest{RelayId: "r", MaxInFlight: 5000, MaxInFlightPerAggregate: 1001}, codes.InvalidArgument, "max_in_flight_per_aggregate"},
 	}
