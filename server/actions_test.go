@@ -2,6 +2,7 @@ package server_test
 
 import (
 	"context"
+	"encoding/base64"
 	"encoding/json"
 	"slices"
 	"strings"
@@ -100,7 +101,8 @@ func TestOperatorActionsRecorded(t *testing.T) {
 		t.Fatalf("accept-gap detail %s", g[0].GetDetailJson())
 	}
 	b1 := listActions(t, r, &outboxv1.ListOperatorActionsRequest{Stream: "orders", AggregateKey: "b1"})
-	if len(b1) != 1 || b1[0].GetAction() != "bulk_retry" || b1[0].GetAggregates() != 2 || detail(t, b1[0])["state"] != "parked" {
+	if len(b1) != 1 || b1[0].GetAction() != "bulk_retry" || b1[0].GetAggregates() != 2 || b1[0].GetEvents() != 2 ||
+		detail(t, b1[0])["state"] != "parked" {
 		t.Fatalf("actions of orders/b1: %v", b1)
 	}
 
@@ -122,6 +124,9 @@ func TestOperatorActionsRecorded(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
+		if len(res.GetActions()) > 1 {
+			t.Fatalf("a page of size 1 holds %d actions", len(res.GetActions()))
+		}
 		for _, a := range res.GetActions() {
 			ids = append(ids, a.GetActionId())
 		}
@@ -141,6 +146,7 @@ func TestOperatorActionsRecorded(t *testing.T) {
 		{&outboxv1.ListOperatorActionsRequest{AggregateKey: "p"}, "stream"},
 		{&outboxv1.ListOperatorActionsRequest{Stream: "Bad Stream"}, "stream"},
 		{&outboxv1.ListOperatorActionsRequest{PageToken: "!"}, "page_token"},
+		{&outboxv1.ListOperatorActionsRequest{PageToken: base64.RawURLEncoding.EncodeToString([]byte("0"))}, "page_token"},
 		{&outboxv1.ListOperatorActionsRequest{PageSize: 5000}, "page_size"},
 	} {
 		_, err := r.Admin.ListOperatorActions(ctx, c.req)
