@@ -2,6 +2,7 @@ package server_test
 
 import (
 	"context"
+	"encoding/base64"
 	"fmt"
 	"slices"
 	"strings"
@@ -162,6 +163,7 @@ func TestListAttemptsBadInput(t *testing.T) {
 		{&outboxv1.ListAttemptsRequest{Stream: "Bad", AggregateKey: "k"}, "stream"},
 		{&outboxv1.ListAttemptsRequest{Stream: "orders", AggregateKey: "k", PageSize: 1001}, "page_size"},
 		{&outboxv1.ListAttemptsRequest{Stream: "orders", AggregateKey: "k", PageToken: "!!"}, "page_token"},
+		{&outboxv1.ListAttemptsRequest{Stream: "orders", AggregateKey: "k", PageToken: base64.RawURLEncoding.EncodeToString([]byte("0"))}, "page_token"},
 	} {
 		_, err := r.Admin.ListAttempts(ctx, c.req)
 		wantCode(t, err, codes.InvalidArgument, c.field)
@@ -378,6 +380,11 @@ func TestListAggregatesFiltersAndPages(t *testing.T) {
 	if got := list(&outboxv1.AggregateFilter{Stream: "billing.invoice"}, 2); !slices.Equal(got, parked) {
 		t.Fatalf("exact stream, pages of 2: %v", got)
 	}
+	// A page that holds the last of them says so: no token to an empty page.
+	if res, err := r.Admin.ListAggregates(ctx, &outboxv1.ListAggregatesRequest{Filter: &outboxv1.AggregateFilter{Stream: "billing.invoice"},
+		PageSize: uint32(len(parked))}); err != nil || len(res.GetAggregates()) != len(parked) || res.GetNextPageToken() != "" {
+		t.Fatalf("all %d invoices in one page of %d: %v, %v; want them all and no next page", len(parked), len(parked), res, err)
+	}
 	if got := list(&outboxv1.AggregateFilter{Stream: "billing.*"}, 0); len(got) != 7 {
 		t.Fatalf("prefix: %v", got)
 	}
@@ -416,6 +423,7 @@ func TestListAggregatesFiltersAndPages(t *testing.T) {
 		{&outboxv1.ListAggregatesRequest{Filter: &outboxv1.AggregateFilter{PendingBefore: &timestamppb.Timestamp{Seconds: -1 << 62}}}, "filter.pending_before"},
 		{&outboxv1.ListAggregatesRequest{PageSize: 1001}, "page_size"},
 		{&outboxv1.ListAggregatesRequest{PageToken: "x"}, "page_token"},
+		{&outboxv1.ListAggregatesRequest{PageToken: base64.RawURLEncoding.EncodeToString([]byte(`{"t":0,"s":"","k":""}`))}, "page_token"},
 	} {
 		_, err := r.Admin.ListAggregates(ctx, c.req)
 		wantCode(t, err, codes.InvalidArgument, c.field)
