@@ -410,12 +410,14 @@ func TestNackErrorTextIsSanitized(t *testing.T) {
 	defer cancel()
 	emit(t, pool, "orders", "nul", 1)
 	emit(t, pool, "orders", "long", 1)
-	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 2})
+	emit(t, pool, "orders", "exact", 1)
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 3})
 	texts := map[string]string{
-		"nul":  "broker\x00said\x00no",
-		"long": strings.Repeat("é", 100_000), // 200 KB of two-byte characters
+		"nul":   "broker\x00said\x00no",
+		"long":  strings.Repeat("é", 100_000), // 200 KB of two-byte characters
+		"exact": strings.Repeat("x", 4096),    // as much as is kept: kept whole
 	}
-	for range 2 {
+	for range 3 {
 		d := recv(t, st)
 		key := d.GetEvent().GetAggregateKey()
 		if _, err := r.Relay.Nack(ctx, &outboxv1.NackRequest{
@@ -436,7 +438,10 @@ func TestNackErrorTextIsSanitized(t *testing.T) {
 	if got := get("nul"); got != "broker\uFFFDsaid\uFFFDno" {
 		t.Errorf("last error %q", got)
 	}
-	if got := get("long"); len(got) > 4096 || !utf8.ValidString(got) || !strings.HasPrefix(got, "éé") {
+	if got := get("exact"); got != texts["exact"] {
+		t.Errorf("error text of exactly 4096 bytes kept as %d bytes ending %q", len(got), got[max(0, len(got)-8):])
+	}
+	if got := get("long"); len(got) > 4096 || !utf8.ValidString(got) || !strings.HasPrefix(got, "éé") || !strings.HasSuffix(got, "é…") {
 		t.Errorf("long error kept as %d bytes (valid UTF-8: %v)", len(got), utf8.ValidString(got))
 	}
 }
