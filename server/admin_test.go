@@ -570,6 +570,13 @@ func TestPurgeNeverDeletesPending(t *testing.T) {
 		_, err = st.Recv()
 	}
 	wantCode(t, err, codes.InvalidArgument, "published_before")
+	// Batches of up to 10000, not one more.
+	purge(&outboxv1.PurgeRequest{PublishedBefore: timestamppb.Now(), BatchSize: 10000, DryRun: true})
+	st, err = r.Admin.Purge(ctx, &outboxv1.PurgeRequest{PublishedBefore: timestamppb.Now(), BatchSize: 10001, DryRun: true})
+	if err == nil {
+		_, err = st.Recv()
+	}
+	wantCode(t, err, codes.InvalidArgument, "batch_size")
 }
 
 // The janitor purges events older than the retention window, in batches.
