@@ -268,6 +268,11 @@ func TestBulkAcceptGapCountsNoneWhoseGapFilledAfterTheMatch(t *testing.T) {
 	if res.GetMatched() != 1 || res.GetRetried() != 0 {
 		t.Fatalf("bulk retry matched %d and retried %d, want g matched (1) and none retried (its gap filled)", res.GetMatched(), res.GetRetried())
 	}
+	// Its record says the same: finished, having retried nothing.
+	if acts := listActions(t, r, &outboxv1.ListOperatorActionsRequest{Action: "bulk_retry"}); len(acts) != 1 ||
+		acts[0].GetFinishedAt() == nil || acts[0].GetAggregates() != 0 || acts[0].GetEvents() != 0 {
+		t.Fatalf("bulk retry on record: %v, want one, finished, with 0 aggregates and 0 events", acts)
+	}
 	if n := countWhere(t, pool, "outbox.accepted_gap", "aggregate_key = 'g'"); n != 0 {
 		t.Fatalf("%d gaps accepted for g, whose revisions 2-3 were committed before the retry", n)
 	}
