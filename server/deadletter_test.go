@@ -847,3 +847,45 @@ func TestPurgeTakesAttemptsAlong(t *testing.T) {
 		t.Fatalf("%d attempts of the pending event left, want 1", n)
 	}
 }
+
+// A time-range republish walks every aggregate with an event published in
+// the range, beyond its first page of candidates (100), and its response
+// samples at most 20 of the aggregates it refused while counting them all.
+func TestRepublishTimeRangeWalksEveryAggregate(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	r := startReplica(t, url, func(c *server.Config) { c.MaxFailures = 1 })
+	const aggregates, parked = 101, 25
+	for i := range aggregates {
+		emit(t, pool, "orders", fmt.Sprintf("a-%03d", i), 1)
+	}
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{Streams: []string{"orders"}, MaxInFlight: aggregates, LeaseTtl: durationpb.New(time.Hour)})
+	ds := make([]*outboxv1.SubscribeResponse, aggregates)
+	for i := range ds {
+		ds[i] = recv(t, st)
+	}
+	ackPublished(t, r, ds...)
+	// A second revision of some, parked: republishing those is refused.
+	for i := range parked {
+		emit(t, pool, "orders", fmt.Sprintf("a-%03d", i), 1)
+	}
+	for range parked {
+		nack(t, r, recv(t, st))
+	}
+	if n := countWhere(t, pool, "outbox.delivery", "state = 'parked'"); n != parked {
+		t.Fatalf("%d aggregates parked, want %d", n, parked)
+	}
+	res, err := r.Admin.Republish(ctx, &outboxv1.RepublishRequest{Stream: "orders", PublishedAfter: timestamppb.New(time.Now().Add(-time.Hour)),
+		Reason: "replay", DryRun: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.GetAggregates() != aggregates-parked || res.GetEvents() != aggregates-parked || res.GetRefusedAggregates() != parked || len(res.GetRefused()) != 20 {
+		t.Fatalf("time range over %d aggregates, %d of them parked: %d aggregates, %d events, %d refused (%d named); want %d, %d, %d (20 named)",
+			aggregates, parked, res.GetAggregates(), res.GetEvents(), res.GetRefusedAggregates(), len(res.GetRefused()),
+			aggregates-parked, aggregates-parked, parked)
+	}
+}
