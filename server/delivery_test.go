@@ -557,6 +557,11 @@ func TestBadRelayInput(t *testing.T) {
 	if _, err := r.Relay.Nack(ctx, &outboxv1.NackRequest{EventId: d1.GetEvent().GetEventId(), LeaseToken: "x"}); status.Code(err) != codes.InvalidArgument {
 		t.Errorf("Nack with garbled token: %v", err)
 	}
+	// An extension must say for how long: without ttl it is refused, and
+	// the lease is left as it was (d1 acks below).
+	if _, err := r.Relay.ExtendLease(ctx, &outboxv1.ExtendLeaseRequest{EventId: d1.GetEvent().GetEventId(), LeaseToken: d1.GetLeaseToken()}); status.Code(err) != codes.InvalidArgument || !hasFieldViolation(err, "ttl") {
+		t.Errorf("ExtendLease without ttl: %v, want InvalidArgument on ttl", err)
+	}
 	// The server still serves: d1 acks fine and its next revision comes.
 	ackPublished(t, r, d1)
 	if d := recv(t, st); d.GetEvent().GetAggregateKey() != "k1" || d.GetEvent().GetRevision() != 2 {
