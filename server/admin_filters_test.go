@@ -5,6 +5,9 @@ import (
 	"slices"
 	"testing"
 
+	"github.com/google/uuid"
+	"google.golang.org/grpc/codes"
+
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
 	"github.com/outboxd/outboxd/internal/testdb"
 )
@@ -41,5 +44,30 @@ func TestGetLagStreamNamesAndPatterns(t *testing.T) {
 	}
 	if names, total := lag("sales", "quiet"); !slices.Equal(names, []string{"quiet", "sales"}) || total != 1 {
 		t.Errorf("GetLag{sales, quiet}: streams %v, pending %d; want quiet (zeros) and sales, 1", names, total)
+	}
+}
+
+// ListEvents refuses what it cannot answer as asked: an event id with
+// other filters, a page larger than 1000.
+func TestListEventsBadInput(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	r := startReplica(t, url, nil)
+	ids := emit(t, pool, "orders", "o-1", 1)
+	for _, c := range []struct {
+		req   *outboxv1.ListEventsRequest
+		field string
+	}{
+		{&outboxv1.ListEventsRequest{EventId: ids[0].String(), Stream: "orders"}, "event_id"},
+		{&outboxv1.ListEventsRequest{EventId: uuid.NewString(), State: outboxv1.EventState_EVENT_STATE_PENDING}, "event_id"},
+		{&outboxv1.ListEventsRequest{PageSize: 1001}, "page_size"},
+	} {
+		_, err := r.Admin.ListEvents(ctx, c.req)
+		wantCode(t, err, codes.InvalidArgument, c.field)
+	}
+	if res, err := r.Admin.ListEvents(ctx, &outboxv1.ListEventsRequest{PageSize: 1000}); err != nil || len(res.GetEvents()) != 1 {
+		t.Fatalf("ListEvents{page_size 1000}: %v, %v", res, err)
 	}
 }

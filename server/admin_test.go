@@ -406,6 +406,9 @@ func TestListEventsPaginates(t *testing.T) {
 			t.Fatal(err)
 		}
 		pages++
+		if n := len(res.GetEvents()); n > 7 {
+			t.Fatalf("page %d holds %d events, more than its size 7", pages, n)
+		}
 		for _, e := range res.GetEvents() {
 			id, at := e.GetEvent().GetEventId(), e.GetEvent().GetCreatedAt().AsTime()
 			if seen[id] || e.GetEvent().GetStream() != "orders" || e.GetState() != outboxv1.EventState_EVENT_STATE_PENDING {
