@@ -3,6 +3,7 @@ package server_test
 import (
 	"context"
 	"slices"
+	"strings"
 	"testing"
 
 	"github.com/google/uuid"
@@ -69,5 +70,23 @@ func TestListEventsBadInput(t *testing.T) {
 	}
 	if res, err := r.Admin.ListEvents(ctx, &outboxv1.ListEventsRequest{PageSize: 1000}); err != nil || len(res.GetEvents()) != 1 {
 		t.Fatalf("ListEvents{page_size 1000}: %v, %v", res, err)
+	}
+}
+
+// An operator's reason is bounded in characters, not bytes: 1024 of them
+// pass however many bytes each takes, 1025 do not.
+func TestReasonIsBoundedInCharacters(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	r := startReplica(t, url, nil)
+	ids := emit(t, pool, "orders", "o-1", 2)
+	_, err := r.Admin.SkipEvent(ctx, &outboxv1.SkipEventRequest{EventId: ids[1].String(), Reason: strings.Repeat("é", 1025)})
+	wantCode(t, err, codes.InvalidArgument, "reason")
+	long := strings.Repeat("é", 1024) // 2048 bytes
+	sk, err := r.Admin.SkipEvent(ctx, &outboxv1.SkipEventRequest{EventId: ids[1].String(), Reason: long})
+	if err != nil || sk.GetSkip().GetReason() != long {
+		t.Fatalf("skip with a reason of 1024 two-byte characters: %v, %v", sk, err)
 	}
 }
