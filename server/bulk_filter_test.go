@@ -1,0 +1,50 @@
+package server_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"google.golang.org/protobuf/types/known/durationpb"
+
+	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+	"github.com/outboxd/outboxd/internal/testdb"
+	"github.com/outboxd/outboxd/server"
+)
+
+// parkedAndLeased leaves aggregate p of stream orders parked and l leased
+// by a session that stays connected.
+func parkedAndLeased(t *testing.T) (context.Context, *replica, *pgxpool.Pool) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	t.Cleanup(cancel)
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	r := startReplica(t, url, func(c *server.Config) { c.MaxFailures = 1 })
+	emit(t, pool, "orders", "p", 1)
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 1, LeaseTtl: durationpb.New(time.Hour)})
+	nack(t, r, recv(t, st)) // parks p
+	emit(t, pool, "orders", "l", 1)
+	if d := recv(t, st); d.GetEvent().GetAggregateKey() != "l" {
+		t.Fatalf("delivered %v, want l", d.GetEvent())
+	}
+	return ctx, r, pool
+}
+
+// A bulk retry without states retries what it can, parked and backing-off
+// aggregates, and counts only those as matched: a leased one is neither
+// matched nor sampled.
+func TestBulkRetryMatchesOnlyRetryableStates(t *testing.T) {
+	t.Parallel()
+	ctx, r, _ := parkedAndLeased(t)
+	filter := &outboxv1.AggregateFilter{Stream: "orders"}
+	dry, err := r.Admin.BulkRetry(ctx, &outboxv1.BulkRetryRequest{Filter: filter, DryRun: true})
+	if err != nil || dry.GetMatched() != 1 || len(dry.GetSample()) != 1 || dry.GetSample()[0].GetAggregateKey() != "p" {
+		t.Fatalf("dry run of a bulk retry of orders: %v, %v; want p alone matched", dry, err)
+	}
+	res, err := r.Admin.BulkRetry(ctx, &outboxv1.BulkRetryRequest{Filter: filter, Reason: "broker is back"})
+	if err != nil || res.GetMatched() != 1 || res.GetRetried() != 1 {
+		t.Fatalf("bulk retry of orders: %v, %v; want p matched and retried", res, err)
+	}
+}
