@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
+	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
@@ -46,5 +47,28 @@ func TestBulkRetryMatchesOnlyRetryableStates(t *testing.T) {
 	res, err := r.Admin.BulkRetry(ctx, &outboxv1.BulkRetryRequest{Filter: filter, Reason: "broker is back"})
 	if err != nil || res.GetMatched() != 1 || res.GetRetried() != 1 {
 		t.Fatalf("bulk retry of orders: %v, %v; want p matched and retried", res, err)
+	}
+}
+
+// A bulk retry with accept_gap retries a parked aggregate as a plain retry:
+// it does not take the producers' lock of the aggregate, which only
+// accepting a gap needs, so a producer's open transaction on it does not
+// hold the retry up.
+func TestBulkAcceptGapRetriesParkedWithoutTheProducersLock(t *testing.T) {
+	t.Parallel()
+	ctx, r, pool := parkedAndLeased(t)
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(context.Background())
+	if _, err := tx.Exec(ctx, `SELECT outbox.emit('orders', 'p', 'Changed', '{}'::jsonb)`); err != nil {
+		t.Fatal(err)
+	}
+	res, err := r.Admin.BulkRetry(ctx, &outboxv1.BulkRetryRequest{Filter: &outboxv1.AggregateFilter{Stream: "orders",
+		States: []outboxv1.AggregateState{outboxv1.AggregateState_AGGREGATE_STATE_PARKED, outboxv1.AggregateState_AGGREGATE_STATE_GAP}},
+		AcceptGap: true, Reason: "broker is back"})
+	if err != nil || res.GetRetried() != 1 {
+		t.Fatalf("bulk accept_gap retry with a producer's transaction open on p: %v, %v (%v); want p retried", res, err, status.Code(err))
 	}
 }
