@@ -682,6 +682,7 @@ func TestRepublish(t *testing.T) {
 		{&outboxv1.RepublishRequest{Stream: "orders", AggregateKey: "rp", FromRevision: 1}, "reason"},
 		{&outboxv1.RepublishRequest{Stream: "orders", AggregateKey: "rp", Reason: "r"}, "from_revision"},
 		{&outboxv1.RepublishRequest{Stream: "orders", FromRevision: 2, Reason: "r"}, "from_revision"},
+		{&outboxv1.RepublishRequest{Stream: "orders", AggregateKey: "rp", FromRevision: 2, PublishedAfter: timestamppb.New(time.Now().Add(-time.Hour)), Reason: "r"}, "from_revision"},
 		{&outboxv1.RepublishRequest{Stream: "orders", AggregateKey: "rp", FromRevision: -1, Reason: "r"}, "from_revision"},
 		{&outboxv1.RepublishRequest{Stream: "orders", PublishedBefore: timestamppb.Now(), Reason: "r"}, "published_after"},
 		{&outboxv1.RepublishRequest{Stream: "orders", PublishedAfter: timestamppb.Now(), PublishedBefore: timestamppb.New(time.Now().Add(-time.Hour)), Reason: "r"}, "published_before"},
