@@ -674,6 +674,7 @@ func TestRepublish(t *testing.T) {
 	}
 
 	// Bad input.
+	instant := timestamppb.Now()
 	for _, c := range []struct {
 		req   *outboxv1.RepublishRequest
 		field string
@@ -686,6 +687,7 @@ func TestRepublish(t *testing.T) {
 		{&outboxv1.RepublishRequest{Stream: "orders", AggregateKey: "rp", FromRevision: -1, Reason: "r"}, "from_revision"},
 		{&outboxv1.RepublishRequest{Stream: "orders", PublishedBefore: timestamppb.Now(), Reason: "r"}, "published_after"},
 		{&outboxv1.RepublishRequest{Stream: "orders", PublishedAfter: timestamppb.Now(), PublishedBefore: timestamppb.New(time.Now().Add(-time.Hour)), Reason: "r"}, "published_before"},
+		{&outboxv1.RepublishRequest{Stream: "orders", PublishedAfter: instant, PublishedBefore: instant, Reason: "r"}, "published_before"},
 	} {
 		_, err := r.Admin.Republish(ctx, c.req)
 		wantCode(t, err, codes.InvalidArgument, c.field)
@@ -695,12 +697,16 @@ func TestRepublish(t *testing.T) {
 	_, err = r.Admin.Republish(ctx, &outboxv1.RepublishRequest{Stream: "orders", AggregateKey: "rp", FromRevision: 6, Reason: "r"})
 	wantCode(t, err, codes.FailedPrecondition, "")
 
+	actions := countWhere(t, pool, "outbox.operator_action", "true")
 	dry, err := r.Admin.Republish(ctx, &outboxv1.RepublishRequest{Stream: "orders", AggregateKey: "rp", FromRevision: 3, Reason: "lost", DryRun: true})
 	if err != nil || dry.GetAggregates() != 1 || dry.GetEvents() != 3 {
 		t.Fatalf("dry run %v, %v", dry, err)
 	}
 	if n := countWhere(t, pool, `outbox.event`, `published_at IS NULL`); n != 0 {
 		t.Fatalf("dry run made %d pending", n)
+	}
+	if n := countWhere(t, pool, "outbox.operator_action", "true"); n != actions {
+		t.Fatalf("dry run recorded %d operator actions", n-actions)
 	}
 	res, err := r.Admin.Republish(ctx, &outboxv1.RepublishRequest{Stream: "orders", AggregateKey: "rp", FromRevision: 3,
 		Reason: "consumer lost its data", Actor: "carol"})
@@ -800,6 +806,11 @@ func TestRepublishRefuses(t *testing.T) {
 		t.Fatal(err)
 	}
 	_, err = r.Admin.Republish(ctx, &outboxv1.RepublishRequest{Stream: "orders", AggregateKey: doneKey, FromRevision: 1, Reason: "r"})
+	wantCode(t, err, codes.FailedPrecondition, "")
+	// A time range of one aggregate is refused like its revision would be,
+	// not counted as refused in an answer of success.
+	_, err = r.Admin.Republish(ctx, &outboxv1.RepublishRequest{Stream: "orders", AggregateKey: parkedKey,
+		PublishedAfter: timestamppb.New(time.Now().Add(-time.Hour)), Reason: "r"})
 	wantCode(t, err, codes.FailedPrecondition, "")
 	res, err := r.Admin.Republish(ctx, &outboxv1.RepublishRequest{Stream: "orders", PublishedAfter: timestamppb.New(time.Now().Add(-time.Hour)),
 		Reason: "r", DryRun: true})
