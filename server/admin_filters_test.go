@@ -90,3 +90,31 @@ func TestReasonIsBoundedInCharacters(t *testing.T) {
 		t.Fatalf("skip with a reason of 1024 two-byte characters: %v, %v", sk, err)
 	}
 }
+
+// ListOperatorActions fills a stream-limited token's page from past the
+// actions it may not see: one call reads on until it finds the token's
+// own (up to ten reads), rather than answer an empty page.
+func TestLimitedTokenActionPageReadsPastOtherStreams(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	r := startAuthReplica(t, url)
+	bill := emit(t, pool, "billing.invoice", "i-1", 1)
+	orders := emit(t, pool, "sales_order", "o-1", 3)
+	full := outboxv1.NewAdminServiceClient(dialAs(t, r, adminToken))
+	limited := outboxv1.NewAdminServiceClient(dialAs(t, r, billingOps))
+	// Oldest first: the billing skip, then three of sales_order.
+	for _, id := range append(bill, orders[2], orders[1], orders[0]) {
+		if _, err := full.SkipEvent(ctx, &outboxv1.SkipEventRequest{EventId: id.String(), Reason: "r"}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	res, err := limited.ListOperatorActions(ctx, &outboxv1.ListOperatorActionsRequest{PageSize: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if acts := res.GetActions(); len(acts) != 1 || acts[0].GetStream() != "billing.invoice" || res.GetNextPageToken() != "" {
+		t.Fatalf("first page of size 1 for billing.*: %v, next %q; want the billing skip and no next page", acts, res.GetNextPageToken())
+	}
+}
