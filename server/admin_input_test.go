@@ -85,7 +85,7 @@ func TestAdminTextInputIsValidatedBeforeAnyWrite(t *testing.T) {
 			return err
 		}},
 	} {
-		for _, bad := range []string{nul, long} {
+		for _, bad := range []string{nul, "\x00" + nul, long} { // a NUL inside, and first
 			if c.field == "reason" && bad == long {
 				bad = strings.Repeat("é", 1025) // the bound is in characters
 			}
