@@ -494,6 +494,7 @@ func TestBadRelayInput(t *testing.T) {
 		{&outboxv1.SubscribeRequest{RelayId: "r", MaxInFlight: 0}, codes.InvalidArgument, "max_in_flight"},
 		{&outboxv1.SubscribeRequest{RelayId: "r", MaxInFlight: 1 << 30}, codes.InvalidArgument, "max_in_flight"},
 		{&outboxv1.SubscribeRequest{RelayId: "", MaxInFlight: 1}, codes.InvalidArgument, "relay_id"},
+		{&outboxv1.SubscribeRequest{RelayId: "r\x7f", MaxInFlight: 1}, codes.InvalidArgument, "relay_id"},
 		{&outboxv1.SubscribeRequest{RelayId: "r", MaxInFlight: 1, Streams: []string{"Bad Name"}}, codes.InvalidArgument, "streams[0]"},
 		{&outboxv1.SubscribeRequest{RelayId: "r", MaxInFlight: 1, LeaseTtl: durationpb.New(time.Millisecond)}, codes.InvalidArgument, "lease_ttl"},
 		{&outboxv1.SubscribeRequest{RelayId: "r", MaxInFlight: 1, Streams: []string{"no_such_stream"}}, codes.NotFound, ""},
