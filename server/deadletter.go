@@ -22,6 +22,7 @@ import (
 	"github.com/google/uuid"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
@@ -481,6 +482,17 @@ func (a *adminService) Republish(ctx context.Context, req *outboxv1.RepublishReq
 	}
 	if err := auth.AuthorizeStreams(ctx, req.GetStream()); err != nil {
 		return nil, err
+	}
+	if key != "" && !req.GetDryRun() {
+		// A republish of one aggregate that is refused does nothing and is
+		// not recorded, as a refused retry or skip is not: it is tried as a
+		// dry run first. (One whose aggregate changes in between is refused
+		// below, its record saying it did nothing.)
+		probe := proto.CloneOf(req)
+		probe.DryRun = true
+		if _, err := a.Republish(ctx, probe); err != nil {
+			return nil, err
+		}
 	}
 	resp := &outboxv1.RepublishResponse{}
 	var actionID int64

@@ -812,6 +812,13 @@ func TestRepublishRefuses(t *testing.T) {
 	_, err = r.Admin.Republish(ctx, &outboxv1.RepublishRequest{Stream: "orders", AggregateKey: parkedKey,
 		PublishedAfter: timestamppb.New(time.Now().Add(-time.Hour)), Reason: "r"})
 	wantCode(t, err, codes.FailedPrecondition, "")
+	_, err = r.Admin.Republish(ctx, &outboxv1.RepublishRequest{Stream: "orders", AggregateKey: "never", FromRevision: 1, Reason: "r"})
+	wantCode(t, err, codes.NotFound, "")
+	// Refused, a republish of one aggregate did nothing and is not
+	// recorded (as a refused retry or skip is not).
+	if n := countWhere(t, pool, "outbox.operator_action", "action = 'republish'"); n != 0 {
+		t.Errorf("%d republish actions recorded for calls refused", n)
+	}
 	res, err := r.Admin.Republish(ctx, &outboxv1.RepublishRequest{Stream: "orders", PublishedAfter: timestamppb.New(time.Now().Add(-time.Hour)),
 		Reason: "r", DryRun: true})
 	if err != nil || res.GetRefusedAggregates() != 2 || len(res.GetRefused()) != 2 || res.GetAggregates() != 0 {
