@@ -245,7 +245,7 @@ func TestBulkAcceptGapCountsNoneWhoseGapFilledAfterTheMatch(t *testing.T) {
 	// The hook runs on the admin call's goroutine, where t.Fatal may not:
 	// it sends its outcome, checked after the call.
 	filled := make(chan error, 1)
-	r.Server.SetBeforeBulkAct(func(stream, key string) {
+	r.Server.SetBeforeBulkAct(func(_ context.Context, stream, key string) {
 		if key != "g" {
 			return
 		}

@@ -285,7 +285,7 @@ func (a *adminService) eachMatch(ctx context.Context, filter store.AggregateFilt
 			}
 			seen++
 			if h := a.s.beforeBulkAct.get(); h != nil {
-				h(l.Stream, l.AggregateKey)
+				h(ctx, l.Stream, l.AggregateKey)
 			}
 			if err := fn(l); err != nil {
 				return seen, err

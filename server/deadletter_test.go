@@ -7,6 +7,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -906,5 +907,49 @@ func TestRepublishTimeRangeWalksEveryAggregate(t *testing.T) {
 		t.Fatalf("time range over %d aggregates, %d of them parked: %d aggregates, %d events, %d refused (%d named); want %d, %d, %d (20 named)",
 			aggregates, parked, res.GetAggregates(), res.GetEvents(), res.GetRefusedAggregates(), len(res.GetRefused()),
 			aggregates-parked, aggregates-parked, parked)
+	}
+}
+
+// A bulk action cut short (its caller gone) is still recorded as finished,
+// with what it did: the record is written on a context of its own. The
+// caller of a bulk retry of two parked aggregates hangs up as the action is
+// about to retry the second, and the server's call sees it first.
+func TestABulkActionCutShortIsRecorded(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	r := startReplica(t, url, func(c *server.Config) { c.MaxFailures = 1 })
+	parkSome(t, ctx, r, pool, "billing", 2, "HTTP 503")
+
+	callCtx, hangUp := context.WithCancel(ctx)
+	var acts atomic.Int32
+	sawCancel := make(chan bool, 1)
+	r.Server.SetBeforeBulkAct(func(serverCtx context.Context, _, _ string) {
+		if acts.Add(1) != 2 {
+			return
+		}
+		hangUp()
+		select {
+		case <-serverCtx.Done():
+			sawCancel <- true
+		case <-time.After(30 * time.Second):
+			sawCancel <- false
+		}
+	})
+	_, err := r.Admin.BulkRetry(callCtx, &outboxv1.BulkRetryRequest{Filter: &outboxv1.AggregateFilter{Stream: "billing"}})
+	wantCode(t, err, codes.Canceled, "")
+	if !<-sawCancel {
+		t.Fatal("the server's call was not cancelled within 30s of the caller hanging up")
+	}
+	var aggregates int64
+	waitFor(t, func() int32 {
+		err := pool.QueryRow(ctx, `SELECT aggregates FROM outbox.operator_action
+			WHERE action = 'bulk_retry' AND finished_at IS NOT NULL`).Scan(&aggregates)
+		return b2i(err == nil)
+	})
+	if aggregates != 1 {
+		t.Errorf("the action cut short records %d aggregates retried, want the 1 it retried", aggregates)
 	}
 }

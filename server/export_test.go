@@ -126,7 +126,9 @@ func (s *Server) SetAckLingering(f func(acks int)) { s.ackLingering.set(f) }
 
 // SetBeforeBulkAct makes f run as a bulk action is about to act on an
 // aggregate it matched (after its page was read), with its stream and key.
-func (s *Server) SetBeforeBulkAct(f func(stream, key string)) { s.beforeBulkAct.set(f) }
+func (s *Server) SetBeforeBulkAct(f func(ctx context.Context, stream, key string)) {
+	s.beforeBulkAct.set(f)
+}
 
 // SetBulkPage makes bulk actions read n aggregates per page and call f
 // (which may be nil) after acting on each page, before reading the next.

@@ -397,7 +397,7 @@ type Server struct {
 	afterBulkPage hook[func()]
 	// beforeBulkAct, when set (by tests), runs as a bulk action is about to
 	// act on an aggregate it matched, with its stream and key.
-	beforeBulkAct hook[func(stream, key string)]
+	beforeBulkAct hook[func(ctx context.Context, stream, key string)]
 	// handOverMu is held shared by the ack committer from an ack batch's
 	// statement until every lease it handed over is with its session (or
 	// released), and likewise by a discovery round that dispatches; and
