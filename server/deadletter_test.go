@@ -953,3 +953,47 @@ func TestABulkActionCutShortIsRecorded(t *testing.T) {
 		t.Errorf("the action cut short records %d aggregates retried, want the 1 it retried", aggregates)
 	}
 }
+
+// A bulk retry's answer counts as matched every aggregate it came to act
+// on, one that came to match ahead of its walk included: matched is never
+// below retried. The walk reads one aggregate a page; a parked at the start,
+// z leased, then parked (its relay nacks it) once the walk has acted on a.
+func TestBulkRetryMatchedCountsWhatCameToMatchDuringTheWalk(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	r := startReplica(t, url, func(c *server.Config) { c.MaxFailures = 1 })
+	emit(t, pool, "orders", "a", 1)
+	emit(t, pool, "orders", "z", 1)
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{Streams: []string{"orders"}, MaxInFlight: 2, LeaseTtl: durationpb.New(time.Hour)})
+	byKey := map[string]*outboxv1.SubscribeResponse{}
+	for range 2 {
+		d := recv(t, st)
+		byKey[d.GetEvent().GetAggregateKey()] = d
+	}
+	nack(t, r, byKey["a"]) // parks a
+	// The hook runs on the admin call's goroutine, where t.Fatal may not.
+	var once sync.Once
+	nacked := make(chan error, 1)
+	r.Server.SetBulkPage(1, func() {
+		once.Do(func() {
+			z := byKey["z"]
+			_, err := r.Relay.Nack(ctx, &outboxv1.NackRequest{EventId: z.GetEvent().GetEventId(),
+				LeaseToken: z.GetLeaseToken(), Error: "broker said no"})
+			nacked <- err
+		})
+	})
+	res, err := r.Admin.BulkRetry(ctx, &outboxv1.BulkRetryRequest{Filter: &outboxv1.AggregateFilter{Stream: "orders"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := <-nacked; err != nil {
+		t.Fatalf("nack of z during the walk: %v", err)
+	}
+	if res.GetRetried() != 2 || res.GetMatched() != 2 {
+		t.Errorf("bulk retry: matched %d, retried %d; want 2 and 2 (z came to match ahead of the walk)",
+			res.GetMatched(), res.GetRetried())
+	}
+}
