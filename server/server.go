@@ -293,10 +293,10 @@ type Server struct {
 	// leaseGate is held shared by every statement that can lease an event
 	// (a session's claim, a discovery round that dispatches, an ack batch
 	// that hands over), from its check of stopping until the statement has
-	// returned and its leases are with their sessions, and exclusively by Stop while it closes stopping (see
-	// leasing). So once stopping is closed no such statement is under way
-	// or begins: an event committed after that is leased by no session of
-	// this replica.
+	// returned and its leases are with their sessions, and exclusively by
+	// Stop while it closes stopping (see leasing). So once stopping is
+	// closed no such statement is under way or begins: an event committed
+	// after that is leased by no session of this replica.
 	leaseGate sync.RWMutex
 
 	// beforeAddSession, when set (by tests), runs in Subscribe just before
@@ -542,12 +542,13 @@ var errShuttingDown = status.Error(codes.Unavailable, "server is shutting down; 
 // connection (grpc.Server.Stop) ends that send.
 const abortGrace = time.Second
 
-// Stop makes every session stop claiming at once (once a claim, dispatching
-// round or handing-over ack batch under way has returned), waits up to ctx's deadline
-// for their outstanding deliveries to be acked or nacked, then aborts the
-// streams that still hold deliveries (their leases are released as each
-// stream ends). Acks keep being applied while Stop waits. Subscribe streams
-// opened from now on are refused with UNAVAILABLE.
+// Stop makes every session stop claiming at once (once a claim, a
+// dispatching round or a handing-over ack batch under way has returned),
+// waits up to ctx's deadline for their outstanding deliveries to be acked
+// or nacked, then aborts the streams that still hold deliveries (their
+// leases are released as each stream ends). Acks keep being applied while
+// Stop waits. Subscribe streams opened from now on are refused with
+// UNAVAILABLE.
 //
 // Stop returns by ctx's deadline plus abortGrace. It returns an error when
 // some session has still not ended by then: one blocked in sending to a

@@ -412,14 +412,15 @@ const (
 func (ss *session) claimAndSend(ctx context.Context, credit int, send func(*outboxv1.SubscribeResponse) error) (claimOutcome, error) {
 	n := min(credit, ss.srv.cfg.ClaimBatch)
 	credit = min(credit, windowClaimFactor*ss.srv.cfg.ClaimBatch)
-	// Not cancelled with the stream: a claim interrupted by the relay
-	// hanging up may still commit in the database after the stream's leases
-	// were released, orphaning its leases until their TTL. Letting it finish
-	// means the release covers them.
+	// Waits while Stop closes stopping, and then claims nothing.
 	leased, ok := ss.srv.leasing(true)
 	if !ok {
 		return claimStopped, nil
 	}
+	// Not cancelled with the stream: a claim interrupted by the relay
+	// hanging up may still commit in the database after the stream's leases
+	// were released, orphaning its leases until their TTL. Letting it finish
+	// means the release covers them.
 	claimCtx, cancelClaim := context.WithTimeout(context.WithoutCancel(ctx), claimTimeout)
 	if h := ss.srv.beforeLease.get(); h != nil {
 		h("claim")
