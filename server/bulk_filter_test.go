@@ -2,6 +2,7 @@ package server_test
 
 import (
 	"context"
+	"sync"
 	"testing"
 	"time"
 
@@ -14,9 +15,9 @@ import (
 	"github.com/outboxd/outboxd/server"
 )
 
-// parkedAndLeased leaves aggregate p of stream orders parked and l leased
-// by a session that stays connected.
-func parkedAndLeased(t *testing.T) (context.Context, *replica, *pgxpool.Pool) {
+// parkedAndLeased leaves aggregate p of stream orders parked and q leased
+// by a session that stays connected, and returns q's delivery.
+func parkedAndLeased(t *testing.T) (context.Context, *replica, *pgxpool.Pool, *outboxv1.SubscribeResponse) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
 	t.Cleanup(cancel)
@@ -26,11 +27,12 @@ func parkedAndLeased(t *testing.T) (context.Context, *replica, *pgxpool.Pool) {
 	emit(t, pool, "orders", "p", 1)
 	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 1, LeaseTtl: durationpb.New(time.Hour)})
 	nack(t, r, recv(t, st)) // parks p
-	emit(t, pool, "orders", "l", 1)
-	if d := recv(t, st); d.GetEvent().GetAggregateKey() != "l" {
-		t.Fatalf("delivered %v, want l", d.GetEvent())
+	emit(t, pool, "orders", "q", 1)
+	q := recv(t, st)
+	if q.GetEvent().GetAggregateKey() != "q" {
+		t.Fatalf("delivered %v, want q", q.GetEvent())
 	}
-	return ctx, r, pool
+	return ctx, r, pool, q
 }
 
 // A bulk retry without states retries what it can, parked and backing-off
@@ -38,7 +40,7 @@ func parkedAndLeased(t *testing.T) (context.Context, *replica, *pgxpool.Pool) {
 // matched nor sampled.
 func TestBulkRetryMatchesOnlyRetryableStates(t *testing.T) {
 	t.Parallel()
-	ctx, r, _ := parkedAndLeased(t)
+	ctx, r, _, _ := parkedAndLeased(t)
 	filter := &outboxv1.AggregateFilter{Stream: "orders"}
 	dry, err := r.Admin.BulkRetry(ctx, &outboxv1.BulkRetryRequest{Filter: filter, DryRun: true})
 	if err != nil || dry.GetMatched() != 1 || len(dry.GetSample()) != 1 || dry.GetSample()[0].GetAggregateKey() != "p" {
@@ -56,7 +58,7 @@ func TestBulkRetryMatchesOnlyRetryableStates(t *testing.T) {
 // hold the retry up.
 func TestBulkAcceptGapRetriesParkedWithoutTheProducersLock(t *testing.T) {
 	t.Parallel()
-	ctx, r, pool := parkedAndLeased(t)
+	ctx, r, pool, _ := parkedAndLeased(t)
 	tx, err := pool.Begin(ctx)
 	if err != nil {
 		t.Fatal(err)
@@ -70,5 +72,35 @@ func TestBulkAcceptGapRetriesParkedWithoutTheProducersLock(t *testing.T) {
 		AcceptGap: true, Reason: "broker is back"})
 	if err != nil || res.GetRetried() != 1 {
 		t.Fatalf("bulk accept_gap retry with a producer's transaction open on p: %v, %v (%v); want p retried", res, err, status.Code(err))
+	}
+}
+
+// A bulk retry's answer counts as matched every aggregate it came to act
+// on, one that came to match ahead of its walk included: matched is never
+// below retried. The walk reads one aggregate a page; q, leased at the
+// start, is parked (its relay nacks it) once the walk has acted on p.
+func TestBulkRetryMatchedCountsWhatCameToMatchDuringTheWalk(t *testing.T) {
+	t.Parallel()
+	ctx, r, _, q := parkedAndLeased(t)
+	// The hook runs on the admin call's goroutine, where t.Fatal may not.
+	var once sync.Once
+	nacked := make(chan error, 1)
+	r.Server.SetBulkPage(1, func() {
+		once.Do(func() {
+			_, err := r.Relay.Nack(ctx, &outboxv1.NackRequest{EventId: q.GetEvent().GetEventId(),
+				LeaseToken: q.GetLeaseToken(), Error: "broker said no"})
+			nacked <- err
+		})
+	})
+	res, err := r.Admin.BulkRetry(ctx, &outboxv1.BulkRetryRequest{Filter: &outboxv1.AggregateFilter{Stream: "orders"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := <-nacked; err != nil {
+		t.Fatalf("nack of q during the walk: %v", err)
+	}
+	if res.GetRetried() != 2 || res.GetMatched() != 2 {
+		t.Errorf("bulk retry: matched %d, retried %d; want 2 and 2 (q came to match ahead of the walk)",
+			res.GetMatched(), res.GetRetried())
 	}
 }
