@@ -22,7 +22,6 @@ import (
 	"github.com/google/uuid"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
-	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
@@ -483,34 +482,19 @@ func (a *adminService) Republish(ctx context.Context, req *outboxv1.RepublishReq
 	if err := auth.AuthorizeStreams(ctx, req.GetStream()); err != nil {
 		return nil, err
 	}
-	if key != "" && !req.GetDryRun() {
-		// A republish of one aggregate that is refused does nothing and is
-		// not recorded, as a refused retry or skip is not: it is tried as a
-		// dry run first. (One whose aggregate changes in between is refused
-		// below, its record saying it did nothing.)
-		probe := proto.CloneOf(req)
-		probe.DryRun = true
-		if _, err := a.Republish(ctx, probe); err != nil {
-			return nil, err
-		}
-	}
+	action := store.OperatorAction{Action: store.ActionRepublish, Actor: who, Reason: req.GetReason(),
+		Stream: req.GetStream(), Request: map[string]any{"stream": req.GetStream(), "aggregate_key": key, "from_revision": req.GetFromRevision(),
+			"published_after": after, "published_before": before, "include_skipped": req.GetIncludeSkipped()}}
 	resp := &outboxv1.RepublishResponse{}
-	var actionID int64
-	if !req.GetDryRun() {
-		var err error
-		actionID, err = a.s.store.StartAction(ctx, store.OperatorAction{Action: store.ActionRepublish, Actor: who, Reason: req.GetReason(),
-			Stream: req.GetStream(), Request: map[string]any{"stream": req.GetStream(), "aggregate_key": key, "from_revision": req.GetFromRevision(),
-				"published_after": after, "published_before": before, "include_skipped": req.GetIncludeSkipped()}})
-		if err != nil {
-			return nil, a.s.dbError(ctx, "republish", err)
-		}
-	}
-	one := func(c store.RepublishCandidate) error {
+	// one rewinds c, as part of the bulk action actionID or, when own is
+	// set, as an action of its own that its transaction records only if it
+	// rewinds.
+	one := func(c store.RepublishCandidate, actionID int64, own *store.OperatorAction) error {
 		r, err := a.s.store.Republish(ctx, store.RepublishParams{Stream: c.Stream, AggregateKey: c.AggregateKey,
-			FromRevision: c.FromRevision, ActionID: actionID, DryRun: req.GetDryRun(), IncludeSkipped: req.GetIncludeSkipped()})
+			FromRevision: c.FromRevision, ActionID: actionID, Own: own, DryRun: req.GetDryRun(), IncludeSkipped: req.GetIncludeSkipped()})
 		var se *store.StateError
 		switch {
-		case errors.As(err, &se) && ranged && key == "":
+		case errors.As(err, &se) && key == "":
 			resp.RefusedAggregates++
 			if len(resp.Refused) < bulkSample {
 				resp.Refused = append(resp.Refused, c.Stream+"/"+c.AggregateKey+": "+se.Message)
@@ -526,25 +510,58 @@ func (a *adminService) Republish(ctx context.Context, req *outboxv1.RepublishReq
 		resp.Aggregates++
 		resp.Events += r.Events
 		resp.UnskippedEvents += r.Unskipped
+		if own != nil {
+			a.s.wake.broadcast()
+			a.s.log.Warn("republish by operator", "action_id", r.ActionID, "actor", who, "aggregates", 1, "events", r.Events)
+		}
 		return nil
 	}
-	var err error
-	switch {
-	case !ranged:
-		err = one(store.RepublishCandidate{Stream: req.GetStream(), AggregateKey: key, FromRevision: req.GetFromRevision()})
-	default:
-		err = a.eachCandidate(ctx, req.GetStream(), key, after, before, one)
-	}
-	if req.GetDryRun() {
-		if err != nil {
-			if _, ok := status.FromError(err); ok {
-				return nil, err
+	if key != "" {
+		// One aggregate: its rewind and its record commit together, so a
+		// refused republish (never delivered, parked, a purged revision in
+		// the way) records nothing, as a refused retry or skip does not.
+		// With a time range, its first revision published in it.
+		c := store.RepublishCandidate{Stream: req.GetStream(), AggregateKey: key, FromRevision: req.GetFromRevision()}
+		if ranged {
+			list, err := a.s.store.RepublishCandidates(ctx, req.GetStream(), key, after, before, "", 1)
+			if err != nil {
+				return nil, a.s.dbError(ctx, "republish", err)
 			}
-			return nil, a.s.dbError(ctx, "republish", err)
+			if len(list) == 0 {
+				return resp, nil
+			}
+			c = list[0]
+		}
+		var own *store.OperatorAction
+		if !req.GetDryRun() {
+			own = &action
+		}
+		if err := one(c, 0, own); err != nil {
+			return nil, a.republishError(ctx, err)
 		}
 		return resp, nil
 	}
+	if req.GetDryRun() {
+		if err := a.eachCandidate(ctx, req.GetStream(), "", after, before, func(c store.RepublishCandidate) error { return one(c, 0, nil) }); err != nil {
+			return nil, a.republishError(ctx, err)
+		}
+		return resp, nil
+	}
+	actionID, err := a.s.store.StartAction(ctx, action)
+	if err != nil {
+		return nil, a.s.dbError(ctx, "republish", err)
+	}
+	err = a.eachCandidate(ctx, req.GetStream(), "", after, before, func(c store.RepublishCandidate) error { return one(c, actionID, nil) })
 	return resp, a.finishBulk(ctx, "republish", actionID, resp.Aggregates, resp.Events, who, err)
+}
+
+// republishError answers a republish that failed without an action on
+// record: a status as it is, anything else as a database error.
+func (a *adminService) republishError(ctx context.Context, err error) error {
+	if _, ok := status.FromError(err); ok {
+		return err
+	}
+	return a.s.dbError(ctx, "republish", err)
 }
 
 // eachCandidate calls fn for every aggregate of stream (or only key, when

@@ -300,9 +300,13 @@ type RepublishParams struct {
 	Stream, AggregateKey string
 	FromRevision         int64
 	// ActionID is the outbox.operator_action the rewind belongs to; 0 in a
-	// dry run.
+	// dry run, or when Own is set.
 	ActionID int64
-	DryRun   bool
+	// Own, when set (and ActionID is 0), is recorded as an action of its
+	// own in the rewind's transaction, once its checks have passed: a
+	// refused rewind records nothing, and a recorded one did what it says.
+	Own    *OperatorAction
+	DryRun bool
 	// IncludeSkipped delivers the skipped events of the range too: their
 	// skips are withdrawn (and kept in outbox.republished.previous_skips).
 	// Without it they stay skipped.
@@ -318,6 +322,8 @@ type RepublishResult struct {
 	Unskipped int64
 	// Holder is the session whose lease the rewind ended, if any.
 	Holder uuid.UUID
+	// ActionID is the action the rewind was recorded under.
+	ActionID int64
 }
 
 // Republish rewinds one aggregate's delivery cursor to p.FromRevision-1 and
@@ -405,6 +411,12 @@ func (s *Store) Republish(ctx context.Context, p RepublishParams) (RepublishResu
 		}
 		if p.DryRun {
 			return nil
+		}
+		r.ActionID = p.ActionID
+		if p.Own != nil && r.ActionID == 0 {
+			if r.ActionID, err = recordOwnAction(ctx, tx, *p.Own, 1, r.Events); err != nil {
+				return err
+			}
 		}
 		// published_at goes back to NULL only under this setting
 		// (outbox.event_guard_published); the UPDATE's rows are the ones
@@ -497,14 +509,14 @@ func (s *Store) Republish(ctx context.Context, p RepublishParams) (RepublishResu
 			INSERT INTO outbox.republished (action_id, stream, aggregate_key, from_revision, to_revision, events,
 			                                previous_published_at, previous_skips, earlier_attempts)
 			VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)`,
-			p.ActionID, p.Stream, p.AggregateKey, r.FromRevision, r.ToRevision, r.Events, previous, previousSkips, earlier); err != nil {
+			r.ActionID, p.Stream, p.AggregateKey, r.FromRevision, r.ToRevision, r.Events, previous, previousSkips, earlier); err != nil {
 			return err
 		}
 		detail := map[string]any{"from_revision": r.FromRevision, "to_revision": r.ToRevision, "events": r.Events}
 		if r.Unskipped > 0 {
 			detail["unskipped"] = r.Unskipped
 		}
-		if err := linkAction(ctx, tx, p.ActionID, p.Stream, p.AggregateKey, detail); err != nil {
+		if err := linkAction(ctx, tx, r.ActionID, p.Stream, p.AggregateKey, detail); err != nil {
 			return err
 		}
 		if holder != nil {
