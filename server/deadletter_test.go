@@ -815,8 +815,15 @@ func TestRepublishRefuses(t *testing.T) {
 	wantCode(t, err, codes.FailedPrecondition, "")
 	_, err = r.Admin.Republish(ctx, &outboxv1.RepublishRequest{Stream: "orders", AggregateKey: "never", FromRevision: 1, Reason: "r"})
 	wantCode(t, err, codes.NotFound, "")
-	// Refused, a republish of one aggregate did nothing and is not
-	// recorded (as a refused retry or skip is not).
+	// A time range in which the aggregate published nothing: nothing to
+	// do, an empty answer.
+	if res, err := r.Admin.Republish(ctx, &outboxv1.RepublishRequest{Stream: "orders", AggregateKey: doneKey,
+		PublishedAfter: timestamppb.New(time.Now().Add(time.Minute)), PublishedBefore: timestamppb.New(time.Now().Add(time.Hour)), Reason: "r"}); err != nil ||
+		res.GetAggregates() != 0 || res.GetEvents() != 0 || res.GetRefusedAggregates() != 0 {
+		t.Fatalf("republish of a range without events: %v, %v", res, err)
+	}
+	// Refused, or with nothing to do, a republish of one aggregate did
+	// nothing and is not recorded (as a refused retry or skip is not).
 	if n := countWhere(t, pool, "outbox.operator_action", "action = 'republish'"); n != 0 {
 		t.Errorf("%d republish actions recorded for calls refused", n)
 	}
