@@ -576,3 +576,88 @@ func TestStopWaitingForAClaimDoesNotHoldUpAcks(t *testing.T) {
 		t.Errorf("Stop: %v", res.err)
 	}
 }
+
+// A discovery round whose statement has returned holds the lease gate until
+// its leases are with their sessions: Stop, beginning then, waits for it,
+// and the session, given its lease before it sees Stopping, delivers it and
+// waits for its ack. Were the gate let go as the statement returned, Stop
+// would close Stopping at once, the session (nothing in flight) would end,
+// and the round would release the lease it had dispatched: nothing lost,
+// but a delivery the relay never saw and the event out again elsewhere.
+func TestStopLetsARoundGiveItsLeasesFirst(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	r := startReplica(t, url, nil)
+	stopWaits := make(chan struct{}, 1)
+	r.Server.SetBeforeLease(func(string) {}, func() { stopWaits <- struct{}{} })
+	// The session's loop is held at its offer, so that its credit goes to
+	// the round; the round that dispatches is held once its statement
+	// has returned.
+	offers := newOfferGate(true)
+	r.Server.SetAfterOffer(offers.hook)
+	turns := watchDiscoveryTurns(r)
+	round := newHoldGate(t)
+	r.Server.SetAfterDiscover(func(d store.Discovery, err error) (store.Discovery, error) {
+		if err == nil && len(d.Dispatched) > 0 {
+			round.hold()
+		}
+		return d, err
+	})
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 2})
+	offers.waitHeld(t)
+	turns.next(t) // no round that began before the offer finds the event
+	emit(t, pool, "orders", "a", 1)
+	waitClosed(t, round.held, "no round dispatched the event")
+	// The loop is free to see Stopping from here on.
+	offers.release(false)
+
+	type received struct {
+		d   *outboxv1.SubscribeResponse
+		err error
+	}
+	stream := make(chan received, 4)
+	go func() {
+		for {
+			d, err := st.Recv()
+			stream <- received{d, err}
+			if err != nil {
+				return
+			}
+		}
+	}()
+	stopped := stopAsync(r.Server, 30*time.Second)
+	select {
+	case <-stopWaits:
+		if server.IsClosed(r.Server.Stopping()) {
+			t.Error("Stopping closed while the round's leases were on their way")
+		}
+	case <-r.Server.Stopping():
+		t.Error("Stop closed Stopping while a round's leases were on their way to their sessions")
+		// Let the session do what it does once Stopping is closed (end,
+		// with nothing in flight) before the round gives.
+		select {
+		case got := <-stream:
+			stream <- got
+		case <-time.After(10 * time.Second):
+		}
+	}
+	round.letGo()
+
+	got := <-stream
+	if got.err != nil {
+		t.Fatalf("the stream ended (%v) without the lease the round dispatched to it", got.err)
+	}
+	if got.d.GetEvent().GetAggregateKey() != "a" || got.d.GetAttempt() != 1 {
+		t.Fatalf("delivered %v attempt %d, want orders/a attempt 1", got.d.GetEvent(), got.d.GetAttempt())
+	}
+	ackPublished(t, r, got.d)
+	if end := <-stream; status.Code(end.err) != codes.Unavailable {
+		t.Errorf("after the ack the stream gave %v, %v; want it ended Unavailable", end.d, end.err)
+	}
+	if res := waitStop(t, stopped, 30*time.Second); res.err != nil {
+		t.Errorf("Stop: %v", res.err)
+	}
+}
