@@ -646,7 +646,17 @@ func TestStopLetsARoundGiveItsLeasesFirst(t *testing.T) {
 	}
 	round.letGo()
 
-	got := <-stream
+	next := func() received {
+		t.Helper()
+		select {
+		case got := <-stream:
+			return got
+		case <-time.After(30 * time.Second):
+			t.Fatal("the stream neither delivered nor ended within 30s")
+			return received{}
+		}
+	}
+	got := next()
 	if got.err != nil {
 		t.Fatalf("the stream ended (%v) without the lease the round dispatched to it", got.err)
 	}
@@ -654,7 +664,7 @@ func TestStopLetsARoundGiveItsLeasesFirst(t *testing.T) {
 		t.Fatalf("delivered %v attempt %d, want orders/a attempt 1", got.d.GetEvent(), got.d.GetAttempt())
 	}
 	ackPublished(t, r, got.d)
-	if end := <-stream; status.Code(end.err) != codes.Unavailable {
+	if end := next(); status.Code(end.err) != codes.Unavailable {
 		t.Errorf("after the ack the stream gave %v, %v; want it ended Unavailable", end.d, end.err)
 	}
 	if res := waitStop(t, stopped, 30*time.Second); res.err != nil {
