@@ -107,8 +107,9 @@ type AdminServiceClient interface {
 	// ids and in revision order, for a consumer that lost data: every event of
 	// the aggregate from from_revision on (or, with a time range, from each
 	// aggregate's first event published in the range on) is delivered again.
-	// The reason is mandatory; the action is recorded with actor and reason.
-	// With dry_run it only counts.
+	// The reason is mandatory; the action is recorded with actor and reason
+	// (for one aggregate, in the transaction that rewinds it: a refused one
+	// records nothing). With dry_run it only counts.
 	//
 	// It rewinds the aggregate's delivery cursor and makes those events
 	// pending again (their first published_at is kept in the audit record), so
@@ -361,8 +362,9 @@ type AdminServiceServer interface {
 	// ids and in revision order, for a consumer that lost data: every event of
 	// the aggregate from from_revision on (or, with a time range, from each
 	// aggregate's first event published in the range on) is delivered again.
-	// The reason is mandatory; the action is recorded with actor and reason.
-	// With dry_run it only counts.
+	// The reason is mandatory; the action is recorded with actor and reason
+	// (for one aggregate, in the transaction that rewinds it: a refused one
+	// records nothing). With dry_run it only counts.
 	//
 	// It rewinds the aggregate's delivery cursor and makes those events
 	// pending again (their first published_at is kept in the audit record), so
