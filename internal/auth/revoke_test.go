@@ -125,3 +125,82 @@ func TestStreamRegisteredAfterRevocation(t *testing.T) {
 		t.Fatal("unregister left the stream registered")
 	}
 }
+
+// serveLive serves liveRelay, guarded by a's stream interceptor, and
+// returns a function opening a Subscribe stream as relay id with token; the
+// stream has received its first message when it returns.
+func serveLive(t *testing.T, a *Authenticator, relay liveRelay) func(id, token string) outboxv1.RelayService_SubscribeClient {
+	t.Helper()
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := grpc.NewServer(grpc.ChainStreamInterceptor(a.StreamServerInterceptor()))
+	outboxv1.RegisterRelayServiceServer(s, relay)
+	done := make(chan struct{})
+	go func() { defer close(done); _ = s.Serve(lis) }()
+	t.Cleanup(func() { s.Stop(); <-done })
+	return func(id, token string) outboxv1.RelayService_SubscribeClient {
+		t.Helper()
+		st, err := outboxv1.NewRelayServiceClient(dial(t, lis.Addr().String(), token)).
+			Subscribe(testCtx(t), &outboxv1.SubscribeRequest{RelayId: id, Streams: []string{"billing.x"}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := st.Recv(); err != nil {
+			t.Fatalf("stream %s: %v", id, err)
+		}
+		return st
+	}
+}
+
+// Rotation ends with the old line removed while the name lives on under the
+// new secret. The streams opened with the old secret must close then: the
+// secret is revoked, whatever name still holds a valid one. Streams of the
+// new secret stay open.
+func TestRemovingTheOldSecretOfARotatedNameClosesItsStreams(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	a, err := New(Config{File: writeFile(t, dir, "tokens",
+		"b relay "+billingSecret+" streams=billing.*\nb relay "+bothSecret+" streams=billing.*\n"), Logger: testLogger(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	relay := liveRelay{pings: map[string]chan struct{}{"old": make(chan struct{}), "new": make(chan struct{})}}
+	open := serveLive(t, a, relay)
+	oldStream, newStream := open("old", billingSecret), open("new", bothSecret)
+
+	writeFile(t, dir, "tokens", "b relay "+bothSecret+" streams=billing.*\n")
+	if err := a.Reload(); err != nil {
+		t.Fatal(err)
+	}
+	_, err = oldStream.Recv()
+	if st := status.Convert(err); st.Code() != codes.Unauthenticated || !strings.Contains(st.Message(), `token "b" was revoked`) {
+		t.Fatalf("stream of the removed secret: %v, want Unauthenticated", err)
+	}
+	relay.pings["new"] <- struct{}{}
+	if _, err := newStream.Recv(); err != nil {
+		t.Fatalf("stream of the secret still valid was closed: %v", err)
+	}
+}
+
+// A stream acts, and is audited, as the name its token had when it opened.
+// When a reload gives the same secret (with the same grant) to another name,
+// the stream's identity is gone, and so is the stream.
+func TestGivingASecretToAnotherNameClosesItsStreams(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	a, err := New(Config{File: writeFile(t, dir, "tokens", "a relay "+relaySecret+"\n"), Logger: testLogger(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	stream := serveLive(t, a, liveRelay{})("a", relaySecret)
+
+	writeFile(t, dir, "tokens", "c relay "+relaySecret+"\n")
+	if err := a.Reload(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := stream.Recv(); status.Code(err) != codes.Unauthenticated {
+		t.Fatalf("stream opened as \"a\" after its secret moved to \"c\": %v, want Unauthenticated", err)
+	}
+}
