@@ -370,3 +370,21 @@ func TestForSourceProjectsPatterns(t *testing.T) {
 		}
 	}
 }
+
+// The documented secret lengths, 16 to 1024, include both ends: a 16-byte
+// secret (the entropy floor) and a 1024-byte one are accepted, one byte
+// less or more is refused.
+func TestSecretLengthBoundsAreInclusive(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		n  int
+		ok bool
+	}{
+		{MinSecretLen - 1, false}, {MinSecretLen, true}, {MaxSecretLen, true}, {MaxSecretLen + 1, false},
+	} {
+		_, err := parseText("a relay "+strings.Repeat("s", tc.n), false)
+		if (err == nil) != tc.ok {
+			t.Errorf("a secret of %d bytes: %v, want accepted %v", tc.n, err, tc.ok)
+		}
+	}
+}
