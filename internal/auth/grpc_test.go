@@ -366,6 +366,28 @@ func TestViewerRole(t *testing.T) {
 	}
 }
 
+// Lookup (the console's login) refuses what a gRPC call's authorization
+// header may not carry, even when the file holds the token's hash: a
+// token longer than MaxSecretLen, or with a character outside RFC 6750's.
+// A hashed line is the only way such a token can be in the set.
+func TestLookupRefusesWhatTheInterceptorRefuses(t *testing.T) {
+	t.Parallel()
+	long, spaced, longest := strings.Repeat("a", MaxSecretLen+1), "not a token 0123456789", strings.Repeat("b", MaxSecretLen)
+	a := newFromText(t, "long relay "+HashToken(long)+"\nspaced relay "+HashToken(spaced)+"\nlongest relay "+HashToken(longest), nil)
+	for _, token := range []string{long, spaced} {
+		if p, ok := a.Lookup(token); ok {
+			t.Errorf("Lookup accepted a token of %d bytes as %q", len(token), p.Name)
+		}
+	}
+	if p, ok := a.Lookup(longest); !ok || p.Name != "longest" {
+		t.Errorf("Lookup of a token of MaxSecretLen bytes = %v, %v; want \"longest\"", p, ok)
+	}
+	// The interceptor agrees.
+	addr := serve(t, a)
+	check(t, dial(t, addr, long), callAck, codes.Unauthenticated, "", "")
+	check(t, dial(t, addr, longest), callAck, codes.OK, "longest", "")
+}
+
 func TestPermissionDeniedNamesRole(t *testing.T) {
 	t.Parallel()
 	addr := serve(t, newFromText(t, testTokens, nil))
