@@ -7,6 +7,7 @@ import (
 	"encoding/base64"
 	"errors"
 	"fmt"
+	"math"
 	"sync"
 	"testing"
 
@@ -102,5 +103,73 @@ func TestReusedMACsMatchFreshOnes(t *testing.T) {
 	close(errs)
 	for err := range errs {
 		t.Fatal(err)
+	}
+}
+
+// NewSigner's documented floor is 32 bytes: a 31-byte key is refused and a
+// 32-byte one accepted.
+func TestNewSignerNeedsAKeyOfAtLeast32Bytes(t *testing.T) {
+	if _, err := NewSigner(bytes.Repeat([]byte{1}, 31)); err == nil {
+		t.Error("a 31-byte key accepted")
+	}
+	if _, err := NewSigner(bytes.Repeat([]byte{1}, 32)); err != nil {
+		t.Errorf("a 32-byte key refused: %v", err)
+	}
+}
+
+// A token of another format version is refused even when its MAC is right
+// (made with the same key, as a replica of another release would): its
+// bytes mean something else, so reading them as this version's would
+// misread the lease.
+func TestATokenOfAnotherVersionIsRefused(t *testing.T) {
+	key := bytes.Repeat([]byte{1}, 32)
+	s, err := NewSigner(key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	raw, err := base64.RawURLEncoding.DecodeString(s.Sign(Token{EventID: uuid.New(), Epoch: 3, Aggregate: 4}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, v := range []byte{version - 1, version + 1} {
+		raw[0] = v
+		m := hmac.New(sha256.New, key)
+		m.Write(raw[:signed])
+		copy(raw[signed:], m.Sum(nil)[:macSize])
+		if got, err := s.Verify(base64.RawURLEncoding.EncodeToString(raw)); !errors.Is(err, ErrInvalid) {
+			t.Errorf("a version %d token verified as %+v, %v", v, got, err)
+		}
+	}
+}
+
+// AggregateHash tells aggregates apart by stream and key together: the key
+// counts, and the boundary between stream and key is part of the hash, so
+// stream "ab" with key "c" is not stream "a" with key "bc". A token names
+// the aggregate it leased, not a neighbour.
+func TestAggregateHashTellsStreamAndKeyApart(t *testing.T) {
+	for _, pair := range [][2][2]string{
+		{{"ab", "c"}, {"a", "bc"}},
+		{{"orders", "1"}, {"orders", "2"}},
+		{{"orders", "1"}, {"payments", "1"}},
+	} {
+		x, y := pair[0], pair[1]
+		if AggregateHash(x[0], x[1]) == AggregateHash(y[0], y[1]) {
+			t.Errorf("AggregateHash(%q, %q) == AggregateHash(%q, %q)", x[0], x[1], y[0], y[1])
+		}
+	}
+}
+
+// Every epoch an int64 holds and every aggregate hash round-trips: a token
+// for epoch 2^32+1 is not read back as epoch 1.
+func TestTokensRoundTripEveryEpochAndAggregate(t *testing.T) {
+	s := signer(t, 1)
+	for _, tok := range []Token{
+		{EventID: uuid.New(), Epoch: 0, Aggregate: 0},
+		{EventID: uuid.New(), Epoch: 1<<32 + 1, Aggregate: 1<<16 + 1},
+		{EventID: uuid.New(), Epoch: math.MaxInt64, Aggregate: math.MaxUint32},
+	} {
+		if got, err := s.Verify(s.Sign(tok)); err != nil || got != tok {
+			t.Errorf("Verify(Sign(%+v)) = %+v, %v", tok, got, err)
+		}
 	}
 }
