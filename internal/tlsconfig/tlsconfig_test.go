@@ -433,3 +433,93 @@ func TestServerCredentialsLogRefusedHandshakes(t *testing.T) {
 		t.Fatalf("a plaintext client: want one warning with the reason\n%s", logs)
 	}
 }
+
+// issueSized issues server certificates of ca until one's PEM files have
+// the sizes want asks for (an ECDSA signature's length varies, so a few
+// tries give any common size), so that a test controls what a change to
+// the files looks like to a stat.
+func issueSized(t *testing.T, ca *tlstest.CA, want func(certLen, keyLen int) bool) tlstest.Leaf {
+	t.Helper()
+	for range 1000 {
+		l := ca.Issue(t, "outboxd", x509.ExtKeyUsageServerAuth)
+		if want(len(l.CertPEM), len(l.KeyPEM)) {
+			return l
+		}
+	}
+	t.Fatal("no certificate of the wanted size in 1000 tries")
+	return tlstest.Leaf{}
+}
+
+// setModTime sets path's modification time, as a file system whose clock
+// ticks coarsely (or a tool that preserves times) leaves it.
+func setModTime(t *testing.T, path string, mtime time.Time) {
+	t.Helper()
+	if err := os.Chtimes(path, mtime, mtime); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// A renewal is noticed whichever one of file identity, size and
+// modification time is all that changes: a rename over the files within one
+// mtime tick (same size, same time), a rewrite in place of the same size,
+// and a rewrite in place of another size within one mtime tick.
+func TestServerReloadsAChangeSeenOnlyInIdentitySizeOrTime(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	ca := tlstest.NewCA(t, "test CA")
+	client := ClientConfig{CAFile: tlstest.WriteCA(t, dir, "ca.pem", ca)}
+	first := ca.Issue(t, "outboxd", x509.ExtKeyUsageServerAuth)
+	sf := tlstest.WriteLeaf(t, dir, "server", first)
+	cfg, err := NewServer(ServerConfig{CertFile: sf.Cert, KeyFile: sf.Key})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := serveTLS(t, cfg)
+	mustServe(t, srv.addr, client, first.Serial)
+	sameSize := func(c, k int) bool { return c == len(first.CertPEM) && k == len(first.KeyPEM) }
+	mtime := func(path string) time.Time {
+		t.Helper()
+		fi, err := os.Stat(path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return fi.ModTime()
+	}
+
+	// Renamed over, same size and time: only the files' identity changed.
+	renamed := issueSized(t, ca, sameSize)
+	for path, content := range map[string][]byte{sf.Cert: renamed.CertPEM, sf.Key: renamed.KeyPEM} {
+		was := mtime(path)
+		tmp := path + ".new"
+		if err := os.WriteFile(tmp, content, 0o600); err != nil {
+			t.Fatal(err)
+		}
+		setModTime(t, tmp, was)
+		if err := os.Rename(tmp, path); err != nil {
+			t.Fatal(err)
+		}
+	}
+	mustServe(t, srv.addr, client, renamed.Serial)
+
+	// Rewritten in place, same size: only the time changed.
+	inPlace := issueSized(t, ca, sameSize)
+	for path, content := range map[string][]byte{sf.Cert: inPlace.CertPEM, sf.Key: inPlace.KeyPEM} {
+		was := mtime(path)
+		if err := os.WriteFile(path, content, 0o600); err != nil {
+			t.Fatal(err)
+		}
+		setModTime(t, path, was.Add(time.Second))
+	}
+	mustServe(t, srv.addr, client, inPlace.Serial)
+
+	// Rewritten in place within the same tick: only the size changed.
+	resized := issueSized(t, ca, func(c, _ int) bool { return c != len(first.CertPEM) })
+	for path, content := range map[string][]byte{sf.Cert: resized.CertPEM, sf.Key: resized.KeyPEM} {
+		was := mtime(path)
+		if err := os.WriteFile(path, content, 0o600); err != nil {
+			t.Fatal(err)
+		}
+		setModTime(t, path, was)
+	}
+	mustServe(t, srv.addr, client, resized.Serial)
+}
