@@ -9,6 +9,7 @@ import (
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 	"go.opentelemetry.io/otel/trace"
@@ -118,5 +119,37 @@ func TestEmitCarriesTraceContext(t *testing.T) {
 	// Without a span nothing is added.
 	if got := emit(ctx, "3", nil); len(got) != 0 {
 		t.Errorf("without a span: headers %v, want none", got)
+	}
+}
+
+// An event with a fixed ID is recorded under that ID, and once: a producer
+// that retries Emit, not knowing whether its first attempt committed, gets
+// the recorded event back (same ID, same revision) and no second copy,
+// and the retry consumes no revision. The same ID for a different event is
+// refused.
+func TestEmitWithAFixedIDRecordsTheEventOnce(t *testing.T) {
+	ctx := context.Background()
+	pool := testdb.NewPoolURL(t, testdb.New(t))
+	id := uuid.New()
+	ev := client.Event{ID: id, Stream: "orders", AggregateKey: "7", Type: "T", Payload: []byte(`{"n":1}`)}
+	first, err := client.Emit(ctx, pool, ev)
+	if err != nil || first.ID != id || first.Revision != 1 {
+		t.Fatalf("first Emit: %+v, %v; want ID %s revision 1", first, err, id)
+	}
+	if again, err := client.Emit(ctx, pool, ev); err != nil || again != first {
+		t.Fatalf("retried Emit: %+v, %v; want %+v", again, err, first)
+	}
+	var n int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM outbox.event WHERE event_id = $1`, id).Scan(&n); err != nil || n != 1 {
+		t.Fatalf("%d events recorded under the ID, %v; want 1", n, err)
+	}
+	next, err := client.Emit(ctx, pool, client.Event{Stream: "orders", AggregateKey: "7", Type: "T", Payload: []byte(`{}`)})
+	if err != nil || next.Revision != 2 || next.ID == id {
+		t.Fatalf("the next event of the aggregate: %+v, %v; want revision 2 and a new ID", next, err)
+	}
+	ev.Payload = []byte(`{"n":2}`)
+	var pgErr *pgconn.PgError
+	if _, err := client.Emit(ctx, pool, ev); !errors.As(err, &pgErr) || pgErr.Code != "23505" {
+		t.Fatalf("the ID of a recorded event for another payload: %v, want SQLSTATE 23505", err)
 	}
 }
