@@ -50,7 +50,7 @@ const exitCodesHelp = `Exit codes:
   3  not found
   4  failed precondition (e.g. skipping an event that is already published)
   5  lag --fail-if-older-than: the oldest pending event is older than that
-  6  purge not confirmed
+  6  purge, bulk action or republish not confirmed
   7  not authenticated: no token (--token-file, $OUTBOXD_TOKEN), or one the
      server does not accept`
 

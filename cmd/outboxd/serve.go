@@ -78,7 +78,7 @@ func (f *serveFlags) register(cmd *cobra.Command) {
 	fl.IntVar(&f.maxFailures, "max-failures", 10, "failed publishes of one event before its aggregate is parked")
 	fl.IntVar(&f.maxDeliveries, "max-deliveries", 25, "deliveries of one event without an ack or nack (expired lease, ended stream) before its aggregate is parked")
 	fl.DurationVar(&f.backoffBase, "backoff-base", time.Second, "first retry delay after a nack (doubles per failure, with jitter)")
-	fl.DurationVar(&f.backoffCap, "backoff-cap", 5*time.Minute, "longest retry delay after a nack (the same on every replica: a next attempt further ahead than the longest lease or backoff counts as due, see docs/design.md)")
+	fl.DurationVar(&f.backoffCap, "backoff-cap", 5*time.Minute, "longest retry delay after a nack (the same on every replica: a next attempt further ahead than twice the longest lease or backoff counts as due, see docs/design.md)")
 	fl.DurationVar(&f.pollInterval, "poll-interval", time.Second, "longest pause of the fallback poll that finds work when a notification was lost: one poll per stream filter of the idle relay streams, not one per stream")
 	fl.DurationVar(&f.shutdownTimeout, "shutdown-timeout", 15*time.Second, "how long SIGTERM waits for outstanding deliveries to be acked")
 	fl.Int32Var(&f.maxConns, "max-db-conns", 16, "database connection pool size, of each source (pool_max_conns=N in a source's URL overrides it for that source); each source also has a LISTEN connection, and an idle one holds 2 in all")
