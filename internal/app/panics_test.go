@@ -93,3 +93,65 @@ func TestPanicCounterOutlivesTheFirstSource(t *testing.T) {
 		t.Errorf("after a second panic, with a removed, the counter is %v; want 2", n)
 	}
 }
+
+// A panic in a streaming handler (Subscribe, a relay's long-lived stream)
+// is recovered as one in a unary handler is: the stream ends with INTERNAL,
+// the panic is counted, and the replica goes on serving. Without the stream
+// recovery interceptor the panic would end the process and every relay's
+// stream with it. (Kills the mutant that drops the stream recovery
+// interceptor.)
+func TestStreamHandlerPanicIsRecovered(t *testing.T) {
+	t.Parallel()
+	url := testdb.New(t)
+	panicking := grpc.ChainStreamInterceptor(func(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, h grpc.StreamHandler) error {
+		if info.FullMethod == outboxv1.RelayService_Subscribe_FullMethodName {
+			panic("test panic")
+		}
+		return h(srv, ss)
+	})
+	reg := prometheus.NewRegistry()
+	rep, err := app.New(t.Context(), app.Config{
+		Server:        server.Config{Store: store.New(testdb.NewPoolURL(t, url)), DatabaseURL: url, Registerer: reg, Logger: servertest.Logger(t)},
+		ServerOptions: []grpc.ServerOption{panicking}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(t.Context())
+	served := make(chan error, 1)
+	go func() { served <- rep.Serve(ctx, lis) }()
+	defer func() { cancel(); <-served }()
+	conn, err := grpc.NewClient(lis.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	st, err := outboxv1.NewRelayServiceClient(conn).Subscribe(t.Context(),
+		&outboxv1.SubscribeRequest{RelayId: "r", Streams: []string{"s"}, MaxInFlight: 1}, grpc.WaitForReady(true))
+	if err == nil {
+		_, err = st.Recv()
+	}
+	if status.Code(err) != codes.Internal {
+		t.Fatalf("a panicking Subscribe answered %v; want INTERNAL", err)
+	}
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var n float64
+	for _, mf := range mfs {
+		if mf.GetName() == "outboxd_panics_recovered_total" {
+			n = mf.GetMetric()[0].GetCounter().GetValue()
+		}
+	}
+	if n != 1 {
+		t.Errorf("after a panic in Subscribe the counter is %v; want 1", n)
+	}
+	// The replica still serves.
+	if _, err := outboxv1.NewAdminServiceClient(conn).GetLag(t.Context(), &outboxv1.GetLagRequest{}); err != nil {
+		t.Errorf("GetLag after a recovered stream panic: %v", err)
+	}
+}
