@@ -1,0 +1,86 @@
+package app_test
+
+import (
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/outboxd/outboxd/internal/app"
+	"github.com/outboxd/outboxd/internal/servertest"
+	"github.com/outboxd/outboxd/internal/store"
+	"github.com/outboxd/outboxd/internal/testdb"
+	"github.com/outboxd/outboxd/server"
+)
+
+func waitReady(t *testing.T, r *servertest.Replica) {
+	t.Helper()
+	select {
+	case <-r.App.Ready():
+	case <-time.After(10 * time.Second):
+		t.Fatalf("replica not ready: %q", r.App.Readiness().Reason)
+	}
+}
+
+func newSource(t *testing.T, name string) app.Source {
+	url := testdb.New(t)
+	return app.Source{Name: name,
+		Server: server.Config{Store: store.New(testdb.NewPoolURL(t, url)), DatabaseURL: url, Logger: servertest.Logger(t)}}
+}
+
+// A configured source that is not served yet (its database did not answer
+// when serve started) is named in the readiness that /readyz reports, even
+// beside a single served source, and without taking the replica out of
+// its load balancer; once AddSource adds it, it is no longer named as
+// pending. (Kills the mutants that publish a lone engine's readiness while
+// a source is pending, and that keep a source pending after AddSource.)
+func TestPendingSourceIsNamedUntilAdded(t *testing.T) {
+	t.Parallel()
+	r := servertest.Start(t, testdb.New(t), servertest.Options{})
+	waitReady(t, r)
+	r.App.SetSourcePending("orders", "connection refused")
+	if rd := r.App.Readiness(); !rd.Ready || !strings.Contains(rd.Reason, "source orders: not added yet: connection refused") {
+		t.Errorf("with orders pending the replica reports ready=%v %q; want ready, naming orders as not added yet", rd.Ready, rd.Reason)
+	}
+	if err := r.App.AddSource(t.Context(), newSource(t, "orders")); err != nil {
+		t.Fatal(err)
+	}
+	if rd := r.App.Readiness(); !rd.Ready || strings.Contains(rd.Reason, "not added yet") {
+		t.Errorf("once orders is added the replica reports ready=%v %q; want ready, orders no longer pending", rd.Ready, rd.Reason)
+	}
+}
+
+// Removing a source gives its share of the idle-check budget back (the
+// remaining sources check as often as before it was added) and takes it
+// out of the replica's readiness at once. The replica is not served, so
+// no readiness check runs: every source stays "starting", and only
+// removeEngine can take orders out of the reason. (Kills the mutants that
+// skip re-spreading the idle checks and republishing the readiness in
+// removeEngine.)
+func TestRemovedSourceLeavesReadinessAndIdleBudget(t *testing.T) {
+	t.Parallel()
+	def := newSource(t, "default")
+	rep, err := app.New(t.Context(), app.Config{Server: def.Server, LabelSources: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rep.Shutdown()
+	if err := rep.AddSource(t.Context(), newSource(t, "orders")); err != nil {
+		t.Fatal(err)
+	}
+	// 2 sources at the default 50 checks a second: every 40ms each.
+	if got := rep.Server.DiscoveryQuietInterval(); got != 40*time.Millisecond {
+		t.Errorf("with 2 sources default checks every %v when quiet, want 40ms", got)
+	}
+	if rd := rep.Readiness(); !strings.Contains(rd.Reason, "source orders: starting") {
+		t.Fatalf("before removal the replica reports %q; want orders named as starting", rd.Reason)
+	}
+	if err := rep.RemoveSource(t.Context(), "orders", time.Second); err != nil {
+		t.Fatal(err)
+	}
+	if got := rep.Server.DiscoveryQuietInterval(); got != 25*time.Millisecond {
+		t.Errorf("once orders is removed default checks every %v when quiet, want 25ms (its idle interval)", got)
+	}
+	if rd := rep.Readiness(); strings.Contains(rd.Reason, "orders") {
+		t.Errorf("once orders is removed the replica reports %q; want orders no longer named", rd.Reason)
+	}
+}
