@@ -35,13 +35,16 @@ func newSource(t *testing.T, name string) app.Source {
 // a source is pending, and that keep a source pending after AddSource.)
 func TestPendingSourceIsNamedUntilAdded(t *testing.T) {
 	t.Parallel()
+	// Made first, so that its pool is closed after the replica stops
+	// (cleanups run last first).
+	orders := newSource(t, "orders")
 	r := servertest.Start(t, testdb.New(t), servertest.Options{})
 	waitReady(t, r)
 	r.App.SetSourcePending("orders", "connection refused")
 	if rd := r.App.Readiness(); !rd.Ready || !strings.Contains(rd.Reason, "source orders: not added yet: connection refused") {
 		t.Errorf("with orders pending the replica reports ready=%v %q; want ready, naming orders as not added yet", rd.Ready, rd.Reason)
 	}
-	if err := r.App.AddSource(t.Context(), newSource(t, "orders")); err != nil {
+	if err := r.App.AddSource(t.Context(), orders); err != nil {
 		t.Fatal(err)
 	}
 	if rd := r.App.Readiness(); !rd.Ready || strings.Contains(rd.Reason, "not added yet") {
