@@ -2,6 +2,7 @@ package app_test
 
 import (
 	"fmt"
+	"strings"
 	"testing"
 	"time"
 
@@ -57,5 +58,25 @@ func TestIdleChecksAreSpreadOverTheSources(t *testing.T) {
 		}
 		check(rep, n, want)
 		rep.Shutdown()
+	}
+}
+
+// A replica refuses negative durations and budgets before it opens
+// anything: a negative health interval would check readiness in a loop,
+// a negative shutdown timeout would end every drain at once.
+func TestNewRefusesNegativeSettings(t *testing.T) {
+	t.Parallel()
+	for name, cfg := range map[string]app.Config{
+		"ShutdownTimeout":     {ShutdownTimeout: -time.Second},
+		"HealthInterval":      {HealthInterval: -time.Second},
+		"IdleChecksPerSecond": {IdleChecksPerSecond: -1},
+	} {
+		rep, err := app.New(t.Context(), cfg)
+		if err == nil {
+			rep.Shutdown()
+			t.Errorf("a negative %s was accepted", name)
+		} else if !strings.Contains(err.Error(), name) {
+			t.Errorf("a negative %s: %v; want an error naming it", name, err)
+		}
 	}
 }
