@@ -353,3 +353,109 @@ func TestWithoutTokens(t *testing.T) {
 		t.Errorf("console without tokens off loopback: %d\n%s", code, body)
 	}
 }
+
+// sessionCookie returns the value of b's session cookie, or "".
+func (b *browser) sessionCookie(t *testing.T) string {
+	t.Helper()
+	u, err := url.Parse(b.base)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range b.Jar.Cookies(u) {
+		if c.Name == "outboxd_console" {
+			return c.Value
+		}
+	}
+	return ""
+}
+
+// replay returns a new browser that presents id as its session cookie, as
+// someone who copied the cookie would, and does not follow redirects.
+func (h *harness) replay(t *testing.T, id string) *browser {
+	t.Helper()
+	o := h.browser(t)
+	noRedirect(o)
+	u, _ := url.Parse(h.srv.URL)
+	o.Jar.SetCookies(u, []*http.Cookie{{Name: "outboxd_console", Value: id, Path: "/"}})
+	return o
+}
+
+// Logging in starts a new session with a new id: a session id planted in a
+// browser before login (session fixation) is worth nothing after it, even
+// though it was the session the login form was posted from.
+func TestLoginGivesAFreshSessionID(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t, harnessOptions{})
+	b := h.browser(t)
+	b.csrf(t, "/login")
+	planted := b.sessionCookie(t)
+	if planted == "" {
+		t.Fatal("the login page set no session cookie")
+	}
+	b.login(t, adminSecret)
+	if now := b.sessionCookie(t); now == planted || now == "" {
+		t.Fatalf("after login the session id is %q, the pre-login one was %q: want a new one", now, planted)
+	}
+	resp, err := h.replay(t, planted).Get(h.srv.URL + "/")
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusSeeOther || resp.Header.Get("Location") != "/login" {
+		t.Errorf("GET / with the pre-login session id: %d to %q, want 303 to /login", resp.StatusCode, resp.Header.Get("Location"))
+	}
+}
+
+// Logging out ends the session on the server, not only in the browser that
+// logged out: its cookie, replayed from elsewhere, no longer reaches a page
+// or acts.
+func TestLogoutEndsTheSessionForACopiedCookie(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t, harnessOptions{})
+	b := h.browser(t)
+	b.login(t, adminSecret)
+	id := b.sessionCookie(t)
+	csrf := b.csrf(t, "/")
+	if code, _ := h.replay(t, id).get(t, "/api/lag"); code != http.StatusOK {
+		t.Fatalf("the copied cookie before logout: GET /api/lag %d, want 200", code)
+	}
+	if code, _ := b.post(t, "/logout", url.Values{"csrf": {csrf}}); code != http.StatusOK {
+		t.Fatalf("logout: %d", code)
+	}
+	o := h.replay(t, id)
+	if code, _ := o.get(t, "/api/lag"); code != http.StatusUnauthorized {
+		t.Errorf("the copied cookie after logout: GET /api/lag %d, want 401", code)
+	}
+	if code, _ := o.post(t, "/purge", url.Values{"csrf": {csrf}, "older_than": {"1h"}}); code != http.StatusUnauthorized {
+		t.Errorf("the copied cookie after logout: POST /purge %d, want 401", code)
+	}
+}
+
+// The login form is held to the same rules as every other form: without
+// the session's form token, or posted from another origin, it is refused
+// and logs nobody in (login CSRF would put the operator's browser in a
+// session of someone else's token).
+func TestLoginNeedsTheFormTokenAndSameOrigin(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t, harnessOptions{})
+	b := h.browser(t)
+	noRedirect(b)
+	csrf := b.csrf(t, "/login")
+	for _, tc := range []struct {
+		name   string
+		form   url.Values
+		header []string
+	}{
+		{"no form token", url.Values{"token": {adminSecret}}, nil},
+		{"wrong form token", url.Values{"token": {adminSecret}, "csrf": {csrf + "x"}}, nil},
+		{"cross-origin", url.Values{"token": {adminSecret}, "csrf": {csrf}}, []string{"Origin", "http://evil.example"}},
+	} {
+		code, body := b.post(t, "/login", tc.form, tc.header...)
+		if code != http.StatusForbidden || !strings.Contains(body, "refused") {
+			t.Errorf("login with %s: %d, want 403 refused", tc.name, code)
+		}
+	}
+	if code, _ := b.get(t, "/api/lag"); code != http.StatusUnauthorized {
+		t.Errorf("after refused logins GET /api/lag: %d, want 401", code)
+	}
+}
