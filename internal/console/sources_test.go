@@ -2,6 +2,7 @@ package console_test
 
 import (
 	"context"
+	"encoding/json"
 	"net/http"
 	"net/url"
 	"strings"
@@ -265,5 +266,66 @@ func TestConsoleAllSources(t *testing.T) {
 	if !strings.Contains(body, "Operator actions of every source") || !strings.Contains(body, `<td class="source">orders</td>`) ||
 		!strings.Contains(body, `<td class="source">default</td>`) || !strings.Contains(body, "<td>orders/*</td>") {
 		t.Errorf("operator log of every source: want each source's bulk retry, naming its source:\n%s", body)
+	}
+}
+
+// The lag chart's history is sampled once for everyone, without a token;
+// a token limited to some streams must see only those in it, as in the
+// streams table: neither another stream's line nor its share of the total.
+func TestLagHistoryShowsAStreamLimitedTokenOnlyItsStreams(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t, harnessOptions{sources: []string{"orders"}})
+	h.emit(t, "billing", "1", 3)
+	h.emitIn(t, h.sourcePools["orders"], "billing", "1", 1)
+
+	type history struct {
+		History []struct {
+			Streams map[string]struct {
+				Pending int64 `json:"pending"`
+			} `json:"streams"`
+			Total struct {
+				Pending int64 `json:"pending"`
+			} `json:"total"`
+		} `json:"history"`
+	}
+	read := func(b *browser) history {
+		t.Helper()
+		code, body := b.get(t, "/api/lag")
+		var out history
+		if err := json.Unmarshal([]byte(body), &out); code != http.StatusOK || err != nil {
+			t.Fatalf("/api/lag: %d, %v\n%s", code, err, body)
+		}
+		return out
+	}
+	admin := h.browser(t)
+	admin.login(t, adminSecret)
+	// Wait until the sampler has recorded both sources' pending events.
+	eventually(t, 30*time.Second, "a lag sample of both sources", func() bool {
+		for _, p := range read(admin).History {
+			if p.Streams["billing"].Pending == 3 && p.Streams["orders/billing"].Pending == 1 {
+				return true
+			}
+		}
+		return false
+	})
+
+	viewer := h.browser(t)
+	viewer.login(t, ordersSecret)
+	sawOrders := false
+	for _, p := range read(viewer).History {
+		for name := range p.Streams {
+			if !strings.HasPrefix(name, "orders/") {
+				t.Errorf("a viewer of orders/* sees stream %q in the lag history", name)
+			}
+		}
+		if o, ok := p.Streams["orders/billing"]; ok {
+			sawOrders = true
+			if p.Total.Pending != o.Pending {
+				t.Errorf("a viewer of orders/* sees a history total of %d pending, want orders/billing's %d", p.Total.Pending, o.Pending)
+			}
+		}
+	}
+	if !sawOrders {
+		t.Error("a viewer of orders/* does not see orders/billing in the lag history")
 	}
 }
