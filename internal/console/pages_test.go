@@ -19,6 +19,7 @@ import (
 
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
 	"github.com/outboxd/outboxd/internal/servertest"
+	"github.com/outboxd/outboxd/internal/testdb"
 	"github.com/outboxd/outboxd/server"
 )
 
@@ -460,5 +461,95 @@ func TestRelaysAcrossReplicas(t *testing.T) {
 		if !strings.Contains(inFlight, want) {
 			t.Errorf("deliveries in flight lack %q:\n%s", want, inFlight)
 		}
+	}
+}
+
+// A bulk action's confirmation acts on the cut-off its dry run computed
+// (pending_before), not on "older than" read again at confirmation time:
+// an aggregate that grew old enough between the dry run and the click was
+// not counted, and must not be skipped. The confirmation is posted as if
+// its dry run had run an hour ago.
+func TestBulkConfirmKeepsTheDryRunsCutOff(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t, harnessOptions{})
+	h.park(t, "sales_order", "old", 1)
+	h.park(t, "sales_order", "newer", 1)
+	// "Older than" is by how long an aggregate has had an event pending.
+	if _, err := h.pool.Exec(t.Context(), `UPDATE outbox.delivery SET pending_since = now() - CASE aggregate_key
+		WHEN 'old' THEN interval '3 hours' ELSE interval '90 minutes' END WHERE stream = 'sales_order'`); err != nil {
+		t.Fatal(err)
+	}
+	b := h.browser(t)
+	b.login(t, adminSecret)
+	dryRunCut := time.Now().Add(-2 * time.Hour).UTC().Format(time.RFC3339Nano) // "older than 1h", an hour ago
+	code, body := b.post(t, "/bulk/confirm", url.Values{"csrf": {b.csrf(t, "/bulk")}, "action": {"skip"}, "reason": {"stale"},
+		"stream": {"sales_order"}, "state": {"parked"}, "older_than": {"1h"}, "pending_before": {dryRunCut},
+		"confirm": {"yes"}, "expected": {"1"}})
+	if code != http.StatusOK || !strings.Contains(body, "Bulk skip: 1 matched, 1 skipped") {
+		t.Errorf("bulk skip confirmed with the dry run's cut-off: %d, want 1 matched and skipped\n%s", code, body)
+	}
+	if st := h.aggState(t, "sales_order", "newer"); st != outboxv1.AggregateState_AGGREGATE_STATE_PARKED {
+		t.Errorf("the aggregate the dry run did not count is %v, want still parked", st)
+	}
+}
+
+// The console's purge form only counts: it never deletes (outboxd purge
+// does, from the command line). A published event old enough to purge is
+// counted and still there afterwards.
+func TestPurgeFormDeletesNothing(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t, harnessOptions{})
+	h.emit(t, "sales_order", "1", 1)
+	ctx, cancel := context.WithCancel(metadata.AppendToOutgoingContext(t.Context(), "authorization", "Bearer "+relaySecret))
+	defer cancel()
+	st, err := h.rep.Relay.Subscribe(ctx, &outboxv1.SubscribeRequest{RelayId: "acker", Streams: []string{"sales_order"}, MaxInFlight: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	d, err := st.Recv()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := h.rep.Relay.Ack(ctx, &outboxv1.AckRequest{Acks: []*outboxv1.AckItem{{EventId: d.GetEvent().GetEventId(), LeaseToken: d.GetLeaseToken()}}}); err != nil {
+		t.Fatal(err)
+	}
+	cancel()
+	testdb.RewriteEvents(t, h.pool, `UPDATE outbox.event SET created_at = now() - interval '3 hours',
+		published_at = now() - interval '2 hours' WHERE published_at IS NOT NULL`)
+	count := func() (n int) {
+		t.Helper()
+		if err := h.pool.QueryRow(context.Background(), `SELECT count(*) FROM outbox.event`).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+	if n := count(); n != 1 {
+		t.Fatalf("%d events before the purge form, want 1", n)
+	}
+	b := h.browser(t)
+	b.login(t, adminSecret)
+	code, body := b.post(t, "/purge", url.Values{"csrf": {b.csrf(t, "/purge")}, "older_than": {"1h"}, "stream": {"sales_order"}})
+	if code != http.StatusOK || !strings.Contains(body, `would delete <b>1</b> event(s)`) {
+		t.Errorf("purge form: %d, want it to count the published event\n%s", code, body)
+	}
+	if n := count(); n != 1 {
+		t.Errorf("%d events after the purge form, want the 1 it counted still there", n)
+	}
+}
+
+// The bulk form's default state, "parked, backing off or gap", means for a
+// retry without "retry accepts gaps" the parked and backing-off aggregates
+// only: the server refuses a retry filter naming gap-held ones without
+// accept_gap, so the form's default must not send them, or the default
+// bulk retry would fail every time.
+func TestBulkRetryOfTheDefaultStatesWithoutAcceptingGaps(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t, harnessOptions{})
+	h.park(t, "sales_order", "1", 1)
+	b := h.browser(t)
+	b.login(t, adminSecret)
+	code, body := b.post(t, "/bulk", url.Values{"csrf": {b.csrf(t, "/bulk")}, "action": {"retry"}, "stream": {"sales_order"}})
+	if code != http.StatusOK || !strings.Contains(body, "Dry run: 1 aggregate(s) match") {
+		t.Errorf("bulk retry dry run in the default states: %d, want 1 parked aggregate matched\n%s", code, body)
 	}
 }
