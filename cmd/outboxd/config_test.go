@@ -131,6 +131,10 @@ func TestConfigRejects(t *testing.T) {
 		{"database password", "serve", "database-url: postgres://app:hunter2@db/outbox\n", nil, []string{"database-url holds a password", "OUTBOXD_DATABASE_URL"}},
 		{"database password as a URL parameter", "serve", "database-url: postgres://app@db/outbox?sslmode=require&password=hunter2\n", nil, []string{"database-url holds a password"}},
 		{"database password as a keyword", "serve", "database-url: host=db user=app password=hunter2 dbname=outbox\n", nil, []string{"database-url holds a password"}},
+		// libpq's sslpassword= unlocks the client key: a secret like password=.
+		{"client key password as a keyword", "serve", "database-url: host=db user=app sslkey=/k sslpassword=hunter2 dbname=outbox\n", nil, []string{"database-url holds a password"}},
+		// A NATS URL's user info alone is a token.
+		{"NATS token in a route", "relay", "route: [\"orders=nats://hunter2@nats:4222\"]\n", nil, []string{"route holds a password"}},
 		{"database password in a source", "serve", "source: [\"orders=postgres://app:hunter2@db/orders\"]\n", nil, []string{"source holds a password", "OUTBOXD_SOURCE"}},
 		{"broker password in a route", "relay", "route: [\"orders=amqp://app:hunter2@mq:5672/?exchange=x\"]\n", nil, []string{"route holds a password"}},
 		{"bad value", "serve", "lease-ttl: soon\n", nil, []string{"lease-ttl", "soon"}},
@@ -165,5 +169,16 @@ func TestVersion(t *testing.T) {
 	}
 	if code, flagOut := runOutboxd(t, nil, "--version"); code != 0 || flagOut != cmdOut {
 		t.Errorf("outboxd --version: exit %d, %q; want %q", code, flagOut, cmdOut)
+	}
+}
+
+// A list flag set from the environment takes its values separated by
+// spaces, as --config's help says (OUTBOXD_STREAMS="a b" is --streams a
+// --streams b): here the same stream twice, which relay refuses at start.
+func TestConfigEnvironmentListsSplitAtSpaces(t *testing.T) {
+	t.Parallel()
+	code, out := runOutboxd(t, []string{"OUTBOXD_STREAMS=*/payments */payments"}, "relay", "--server", "127.0.0.1:1", "--sink", "stdout://")
+	if code != 2 || !strings.Contains(out, `"*/payments" is given twice`) {
+		t.Errorf("OUTBOXD_STREAMS with one stream twice: exit %d, want 2 saying it is given twice\n%s", code, out)
 	}
 }
