@@ -109,6 +109,9 @@ func TestSourceFlagRejects(t *testing.T) {
 		want string
 	}{
 		{[]string{"--source", "orders"}, "want NAME=URL"},
+		// An empty URL is a valid libpq connection string (the local
+		// defaults): it must not quietly open some other database as orders.
+		{[]string{"--source", "orders="}, "want NAME=URL"},
 		{[]string{"--source", "Orders=postgres://u:hunter2@127.0.0.1:1/x"}, "source name"},
 		{[]string{"--source", "orders=postgres://127.0.0.1:1/a", "--source", "orders=postgres://127.0.0.1:1/b"}, "given twice"},
 		{[]string{"--database-url", "postgres://127.0.0.1:1/a", "--source", "default=postgres://127.0.0.1:1/b"}, "already --database-url"},
