@@ -210,6 +210,15 @@ func TestServeReloadsSources(t *testing.T) {
 	if status.Code(err) != codes.NotFound {
 		t.Errorf("after an invalid reload that also names b, Subscribe to b: %v; want NOT_FOUND (nothing applied)", err)
 	}
+	// Nor does a list naming the source default, which is --database-url's
+	// and fixed: the reload is refused, not an attempt to add default twice.
+	_, failedBefore = sourceReloads(t, httpAddr)
+	okBefore, _ = sourceReloads(t, httpAddr)
+	replaceFile(t, realDir, cfg, "source:\n"+aEntry+"  - default="+withoutPassword(t, def)+"\n")
+	eventually(t, "the refused reload naming default", func() bool { _, failed := sourceReloads(t, httpAddr); return failed > failedBefore })
+	if ok, _ := sourceReloads(t, httpAddr); ok != okBefore {
+		t.Errorf("a reload naming the source default counted as ok (%d -> %d)", okBefore, ok)
+	}
 
 	// a's lease survived all of it, and a's stream goes on: its next
 	// events come once each, in order, none redelivered.
