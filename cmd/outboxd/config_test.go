@@ -140,6 +140,10 @@ func TestConfigRejects(t *testing.T) {
 		{"bad value", "serve", "lease-ttl: soon\n", nil, []string{"lease-ttl", "soon"}},
 		{"bad environment value", "relay", "sink: stdout://\n", []string{"OUTBOXD_MAX_IN_FLIGHT=many"}, []string{"$OUTBOXD_MAX_IN_FLIGHT", "many"}},
 		{"mapping", "serve", "listen:\n  host: x\n", nil, []string{"listen: want a value or a list"}},
+		// A key left empty is a mistake, not the string "<nil>".
+		{"no value", "serve", "listen:\n", nil, []string{"listen: no value"}},
+		// A list for a one-value flag is refused, not its last entry taken.
+		{"list for one value", "serve", "listen: [127.0.0.1:1, 127.0.0.1:2]\n", nil, []string{"listen: want one value, not a list of 2"}},
 		{"not configurable", "lag", "", nil, []string{"--config applies to serve and relay only"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
