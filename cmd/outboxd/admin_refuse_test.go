@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"net"
+	"slices"
 	"strings"
 	"testing"
 
@@ -65,5 +66,36 @@ func TestLagNamesSourcesNotReady(t *testing.T) {
 	}
 	if strings.Contains(out.String(), "source default NOT READY") {
 		t.Errorf("lag says the ready source default is not ready:\n%s", out.String())
+	}
+}
+
+// lag's table names a stream of another source as SOURCE/STREAM (default's
+// bare), and says why discovery stopped: an operator reading it must know
+// which database's stream lags and that nothing new is being found.
+func TestLagNamesSourcesAndAStoppedDiscovery(t *testing.T) {
+	t.Parallel()
+	var out strings.Builder
+	err := printLag(&out, &outboxv1.GetLagResponse{
+		Streams: []*outboxv1.StreamLag{
+			{Stream: "sales_order", PendingEvents: 3},
+			{Stream: "sales_order", Source: "orders", PendingEvents: 5},
+		},
+		Total:            &outboxv1.StreamLag{PendingEvents: 8},
+		DiscoveryStopped: "the database was restored from a backup (system identifier changed)",
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var rows []string
+	for _, line := range strings.Split(out.String(), "\n") {
+		if f := strings.Fields(line); len(f) > 1 && strings.HasSuffix(f[0], "sales_order") {
+			rows = append(rows, f[0]+" "+f[1])
+		}
+	}
+	if want := []string{"sales_order 3", "orders/sales_order 5"}; !slices.Equal(rows, want) {
+		t.Errorf("lag's stream rows %q, want %q:\n%s", rows, want, out.String())
+	}
+	if !strings.Contains(out.String(), "DISCOVERY STOPPED: the database was restored from a backup (system identifier changed)") {
+		t.Errorf("lag does not say discovery stopped:\n%s", out.String())
 	}
 }
