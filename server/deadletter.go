@@ -542,7 +542,7 @@ func (a *adminService) Republish(ctx context.Context, req *outboxv1.RepublishReq
 		return resp, nil
 	}
 	if req.GetDryRun() {
-		if err := a.eachCandidate(ctx, req.GetStream(), "", after, before, func(c store.RepublishCandidate) error { return one(c, 0, nil) }); err != nil {
+		if err := a.eachCandidate(ctx, req.GetStream(), after, before, func(c store.RepublishCandidate) error { return one(c, 0, nil) }); err != nil {
 			return nil, a.republishError(ctx, err)
 		}
 		return resp, nil
@@ -551,7 +551,7 @@ func (a *adminService) Republish(ctx context.Context, req *outboxv1.RepublishReq
 	if err != nil {
 		return nil, a.s.dbError(ctx, "republish", err)
 	}
-	err = a.eachCandidate(ctx, req.GetStream(), "", after, before, func(c store.RepublishCandidate) error { return one(c, actionID, nil) })
+	err = a.eachCandidate(ctx, req.GetStream(), after, before, func(c store.RepublishCandidate) error { return one(c, actionID, nil) })
 	return resp, a.finishBulk(ctx, "republish", actionID, resp.Aggregates, resp.Events, who, err)
 }
 
@@ -564,12 +564,12 @@ func (a *adminService) republishError(ctx context.Context, err error) error {
 	return a.s.dbError(ctx, "republish", err)
 }
 
-// eachCandidate calls fn for every aggregate of stream (or only key, when
-// given) with an event published in [after, before), a page at a time.
-func (a *adminService) eachCandidate(ctx context.Context, stream, key string, after, before time.Time, fn func(store.RepublishCandidate) error) error {
+// eachCandidate calls fn for every aggregate of stream with an event
+// published in [after, before), a page at a time.
+func (a *adminService) eachCandidate(ctx context.Context, stream string, after, before time.Time, fn func(store.RepublishCandidate) error) error {
 	afterKey := ""
 	for {
-		list, err := a.s.store.RepublishCandidates(ctx, stream, key, after, before, afterKey, bulkBatch)
+		list, err := a.s.store.RepublishCandidates(ctx, stream, "", after, before, afterKey, bulkBatch)
 		if err != nil {
 			return err
 		}
