@@ -46,27 +46,7 @@ func TestReloadClosesStreamsOfRevokedTokens(t *testing.T) {
 		t.Fatal(err)
 	}
 	relay := liveRelay{pings: map[string]chan struct{}{"a": make(chan struct{}), "b": make(chan struct{})}}
-	lis, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	s := grpc.NewServer(grpc.ChainStreamInterceptor(a.StreamServerInterceptor()))
-	outboxv1.RegisterRelayServiceServer(s, relay)
-	done := make(chan struct{})
-	go func() { defer close(done); _ = s.Serve(lis) }()
-	t.Cleanup(func() { s.Stop(); <-done })
-
-	open := func(id, token string) outboxv1.RelayService_SubscribeClient {
-		st, err := outboxv1.NewRelayServiceClient(dial(t, lis.Addr().String(), token)).
-			Subscribe(testCtx(t), &outboxv1.SubscribeRequest{RelayId: id, Streams: []string{"billing.x"}})
-		if err != nil {
-			t.Fatal(err)
-		}
-		if _, err := st.Recv(); err != nil {
-			t.Fatalf("stream %s: %v", id, err)
-		}
-		return st
-	}
+	open := serveLive(t, a, relay)
 	streamA, streamB := open("a", relaySecret), open("b", billingSecret)
 
 	// a's token is removed; b's is untouched, and a second secret for b is
@@ -75,14 +55,8 @@ func TestReloadClosesStreamsOfRevokedTokens(t *testing.T) {
 	if err := a.Reload(); err != nil {
 		t.Fatal(err)
 	}
-	_, err = streamA.Recv()
-	if st := status.Convert(err); st.Code() != codes.Unauthenticated || !strings.Contains(st.Message(), `token "a" was revoked`) {
-		t.Fatalf("stream of the revoked token: %v", err)
-	}
-	relay.pings["b"] <- struct{}{}
-	if _, err := streamB.Recv(); err != nil {
-		t.Fatalf("stream of a token still valid was closed: %v", err)
-	}
+	wantRevoked(t, streamA, "a")
+	relay.wantOpen(t, "b", streamB)
 
 	// Narrowing b's streams closes its stream too: it was admitted under the
 	// wider grant.
@@ -154,6 +128,25 @@ func serveLive(t *testing.T, a *Authenticator, relay liveRelay) func(id, token s
 	}
 }
 
+// wantRevoked waits for st to end as the stream of name's revoked token.
+func wantRevoked(t *testing.T, st outboxv1.RelayService_SubscribeClient, name string) {
+	t.Helper()
+	_, err := st.Recv()
+	if s := status.Convert(err); s.Code() != codes.Unauthenticated || !strings.Contains(s.Message(), `token "`+name+`" was revoked`) {
+		t.Fatalf("stream of %q's revoked token: %v, want Unauthenticated naming it", name, err)
+	}
+}
+
+// wantOpen checks that relay id's stream st is still open: the relay sends
+// it one more message, and it arrives.
+func (l liveRelay) wantOpen(t *testing.T, id string, st outboxv1.RelayService_SubscribeClient) {
+	t.Helper()
+	l.pings[id] <- struct{}{}
+	if _, err := st.Recv(); err != nil {
+		t.Fatalf("stream %s, of a token still valid, was closed: %v", id, err)
+	}
+}
+
 // Rotation ends with the old line removed while the name lives on under the
 // new secret. The streams opened with the old secret must close then: the
 // secret is revoked, whatever name still holds a valid one. Streams of the
@@ -174,14 +167,8 @@ func TestRemovingTheOldSecretOfARotatedNameClosesItsStreams(t *testing.T) {
 	if err := a.Reload(); err != nil {
 		t.Fatal(err)
 	}
-	_, err = oldStream.Recv()
-	if st := status.Convert(err); st.Code() != codes.Unauthenticated || !strings.Contains(st.Message(), `token "b" was revoked`) {
-		t.Fatalf("stream of the removed secret: %v, want Unauthenticated", err)
-	}
-	relay.pings["new"] <- struct{}{}
-	if _, err := newStream.Recv(); err != nil {
-		t.Fatalf("stream of the secret still valid was closed: %v", err)
-	}
+	wantRevoked(t, oldStream, "b")
+	relay.wantOpen(t, "new", newStream)
 }
 
 // A stream acts, and is audited, as the name its token had when it opened.
