@@ -57,14 +57,7 @@ func TestInProcessConnectionSkipsTLSAndNetworkDoesNot(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	lis, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(t.Context())
-	served := make(chan error, 1)
-	go func() { served <- rep.Serve(ctx, lis) }()
-	defer func() { cancel(); <-served }()
+	addr, _ := serveLoopback(t, t.Context(), rep)
 
 	conn, err := rep.DialInProcess()
 	if err != nil {
@@ -77,7 +70,7 @@ func TestInProcessConnectionSkipsTLSAndNetworkDoesNot(t *testing.T) {
 		t.Errorf("GetLag in process with TLS on the listener: %v", err)
 	}
 
-	plain, err := grpc.NewClient(lis.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	plain, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
 		t.Fatal(err)
 	}

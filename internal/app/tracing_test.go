@@ -2,7 +2,6 @@ package app_test
 
 import (
 	"context"
-	"net"
 	"testing"
 
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -36,7 +35,7 @@ func TestServerSpansPerRPC(t *testing.T) {
 	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
 	defer tp.Shutdown(context.Background())
 
-	ctx, cancel := context.WithCancel(context.Background())
+	ctx := context.Background()
 	rep, err := app.New(ctx, app.Config{
 		Server:         server.Config{Store: store.New(pool), DatabaseURL: url, Logger: servertest.Logger(t)},
 		TracerProvider: tp,
@@ -44,24 +43,10 @@ func TestServerSpansPerRPC(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	lis, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	served := make(chan error, 1)
-	go func() { served <- rep.Serve(ctx, lis) }()
-	stopped := false
-	stop := func() {
-		if !stopped {
-			stopped = true
-			cancel()
-			<-served
-		}
-	}
-	defer stop()
+	addr, stop := serveLoopback(t, ctx, rep)
 
 	// The client sends its span's context as traceparent metadata.
-	conn, err := grpc.NewClient(lis.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()),
+	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()),
 		grpc.WithStatsHandler(otelgrpc.NewClientHandler(otelgrpc.WithTracerProvider(tp),
 			otelgrpc.WithPropagators(propagation.TraceContext{}))))
 	if err != nil {
