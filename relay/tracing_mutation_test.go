@@ -75,3 +75,20 @@ func TestPublishDropsTheProducersTraceStateWithItsTraceParent(t *testing.T) {
 		t.Errorf("published headers %v lost the producer's own", got.Headers)
 	}
 }
+
+// The publish span links to the producer's whole creation context: its
+// traceparent and its tracestate, whatever case the producer wrote the
+// header names in; a tracestate without a traceparent is no context.
+func TestCreationContextReadsTraceParentAndTraceState(t *testing.T) {
+	t.Parallel()
+	const tp = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+	sc := creationContext(map[string]string{"TraceParent": tp, "TRACESTATE": "producer=1", "X-Tenant": "acme"})
+	if !sc.IsValid() || sc.TraceID().String() != "0af7651916cd43dd8448eb211c80319c" || sc.TraceState().String() != "producer=1" {
+		t.Errorf("creation context %+v (trace state %q), want the producer's trace and its state producer=1", sc, sc.TraceState().String())
+	}
+	for _, h := range []map[string]string{nil, {"X-Tenant": "acme"}, {"tracestate": "producer=1"}} {
+		if sc := creationContext(h); sc.IsValid() {
+			t.Errorf("creation context of headers %v: %+v, want none", h, sc)
+		}
+	}
+}
