@@ -281,6 +281,54 @@ func TestServeReloadsSources(t *testing.T) {
 	}
 }
 
+// A serve whose only sources are the --config file's keeps serving them
+// when the file's list becomes empty: the reload is refused (a server
+// serves at least one source), counted as an error, and source a still
+// delivers.
+func TestServeRefusesToReloadToNoSource(t *testing.T) {
+	t.Parallel()
+	a := testdb.New(t)
+	dir := t.TempDir()
+	cfg := filepath.Join(dir, "outboxd.yaml")
+	if err := os.WriteFile(cfg, []byte("source:\n  - a="+withoutPassword(t, a)+"\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	grpcAddr, httpAddr := freeAddr(t), freeAddr(t)
+	p := start(t, "serve", "--config", cfg, "--listen", grpcAddr, "--http-listen", httpAddr,
+		"--health-interval", "200ms", "--shutdown-timeout", "5s")
+	defer p.signal(os.Interrupt)
+	eventually(t, "the first reload", func() bool { ok, _ := sourceReloads(t, httpAddr); return ok >= 1 })
+	eventually(t, "/readyz 200", func() bool { code, _ := httpGet("http://" + httpAddr + "/readyz"); return code == http.StatusOK })
+
+	okBefore, failedBefore := sourceReloads(t, httpAddr)
+	replaceFile(t, dir, cfg, "source: []\n")
+	eventually(t, "the refused reload of an empty list", func() bool { _, failed := sourceReloads(t, httpAddr); return failed > failedBefore })
+	if ok, _ := sourceReloads(t, httpAddr); ok != okBefore {
+		t.Errorf("a reload to no source counted as ok (%d -> %d)", okBefore, ok)
+	}
+
+	conn, err := grpc.NewClient(grpcAddr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	client := outboxv1.NewRelayServiceClient(conn)
+	pool := testdb.NewPoolURL(t, a)
+	var id string
+	if err := pool.QueryRow(t.Context(), `SELECT event_id::text FROM outbox.emit('orders', '1', 'T', '{}')`).Scan(&id); err != nil {
+		t.Fatal(err)
+	}
+	st, err := client.Subscribe(t.Context(), &outboxv1.SubscribeRequest{RelayId: "r", Streams: []string{"a/orders"}, MaxInFlight: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if d, err := st.Recv(); err != nil || d.GetEvent().GetEventId() != id {
+		t.Fatalf("source a after the refused reload: got %v, %v; want %s", d.GetEvent().GetEventId(), err, id)
+	} else {
+		ack(t, client, d, outboxv1.AckStatus_ACK_STATUS_PUBLISHED)
+	}
+}
+
 // A source of the --config file's list whose database refuses connections
 // at startup does not keep serve from serving the others: /readyz is 200
 // and names it as not added yet, the other source delivers; once its
