@@ -9,10 +9,12 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -393,12 +395,15 @@ func TestServeStartsWithoutAnUnreachableSource(t *testing.T) {
 
 // An idle source holds 2 database connections (its LISTEN connection and
 // one pool connection) between the moments its engine's periodic work
-// overlaps, with no relay and with one idle relay: the samples are logged
-// (the figures of docs/operations), and the count must come down to 2,
-// which a pool that kept what a burst opened never does. Each sample
-// starts once the source is quiet: its pool is kept whole while it has had
-// events within the last 10 s (the relay's event delays the second sample
-// by that much), but not merely because the server has just started.
+// overlaps, with no relay and with one idle relay: the count must come down
+// to 2 once the source is quiet, and again after an overlap the test forces
+// (calls of the source's pool waiting together on its lock), which a pool
+// that kept what a burst opened never does. The samples over 3 s between
+// are logged (the figures of docs/operations), not judged: how long a
+// natural overlap lasts is the machine's load. Each sample starts once the
+// source is quiet: its pool is kept whole while it has had events within
+// the last 10 s (the relay's event delays the second sample by that much),
+// but not merely because the server has just started.
 func TestIdleSourceConnections(t *testing.T) {
 	t.Parallel()
 	def, idle := testdb.New(t), testdb.New(t)
@@ -409,6 +414,55 @@ func TestIdleSourceConnections(t *testing.T) {
 	p := start(t, "serve", "--database-url", def, "--source", "idle="+idle+"&pool_max_conns=4", "--listen", grpcAddr, "--http-listen", httpAddr)
 	defer p.signal(os.Interrupt)
 	eventually(t, "/readyz 200", func() bool { code, _ := httpGet("http://" + httpAddr + "/readyz"); return code == http.StatusOK })
+	conn, err := grpc.NewClient(grpcAddr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	adminClient := outboxv1.NewAdminServiceClient(conn)
+	// forceOverlap has three admin calls on the idle source wait together
+	// on the test's lock of its tables (pg_blocking_pids says when), then
+	// lets them go. The locking session is closed before it returns: it
+	// would be counted.
+	forceOverlap := func() {
+		t.Helper()
+		ctx := t.Context()
+		locker, err := pgx.Connect(ctx, idle)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer locker.Close(context.WithoutCancel(ctx))
+		tx, err := locker.Begin(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var lockerPID int
+		if _, err := tx.Exec(ctx, `LOCK TABLE outbox.event, outbox.delivery IN ACCESS EXCLUSIVE MODE`); err != nil {
+			t.Fatal(err)
+		}
+		if err := tx.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&lockerPID); err != nil {
+			t.Fatal(err)
+		}
+		var calls sync.WaitGroup
+		for range 3 {
+			calls.Go(func() {
+				// Its answer (NOT_FOUND: no such aggregate) does not matter.
+				_, _ = adminClient.GetAggregate(ctx, &outboxv1.GetAggregateRequest{Stream: "idle/orders", AggregateKey: "none"})
+			})
+		}
+		eventually(t, "three sessions of the idle source waiting on the test's lock", func() bool {
+			var n int
+			if err := admin.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE datname = $1 AND $2 = ANY (pg_blocking_pids(pid))`,
+				dbName(idle), lockerPID).Scan(&n); err != nil {
+				t.Fatal(err)
+			}
+			return n >= 3
+		})
+		if err := tx.Rollback(ctx); err != nil {
+			t.Fatal(err)
+		}
+		calls.Wait()
+	}
 	sample := func(what string) {
 		t.Helper()
 		// Quiet first: a pool whose source found events within the last
@@ -431,20 +485,29 @@ func TestIdleSourceConnections(t *testing.T) {
 		for begin := time.Now(); time.Since(begin) < 3*time.Second; n++ {
 			counts[backends(t, admin, idle)]++
 		}
+		// The share of samples at 2 is a figure (97% measured on a quiet
+		// machine), not a promise: an overlap lasts as long as the
+		// machine's load makes it, and a loaded CI machine once held 3
+		// sessions for 21% of the window.
 		t.Logf("idle source, %s: sessions on its database over %d samples in 3 s (sessions: samples): %v; %d sessions opened",
 			what, n, counts, opened()-before)
-		// Measured 97% at 2; a pool trimmed only now and then, 37%.
-		if at2 := counts[2] + counts[1]; at2*5 < n*4 {
-			t.Errorf("%s: 2 sessions or fewer in %d of %d samples; want most (80%%): a quiet pool must close what overlaps opened as they end", what, at2, n)
+		// The promise: what overlaps opened is closed again once the
+		// trimmer looks at the quiet pool, however long they took. An
+		// overlap, forced: three calls of the source's pool wait on a lock
+		// the test holds, so the pool opens connections beyond its one.
+		before = opened()
+		forceOverlap()
+		if opened() == before {
+			t.Fatalf("%s: three calls of the idle source waited at once and its pool opened no connection", what)
 		}
+		since = poolOf(scrapeMetrics(t, httpAddr), "idle").trimmed
+		eventually(t, what+": the trimmer looks at the quiet pool again", func() bool {
+			return poolOf(scrapeMetrics(t, httpAddr), "idle").trimmed > since
+		})
+		eventually(t, what+": back to 2 sessions after the window's overlaps", func() bool { return backends(t, admin, idle) <= 2 })
 	}
 	sample("no relay")
 
-	conn, err := grpc.NewClient(grpcAddr, grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
 	ctx, cancel := context.WithCancel(t.Context())
 	defer cancel()
 	// The relay takes one event and acks it, then idles.
