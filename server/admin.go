@@ -335,6 +335,9 @@ func aggregateProto(a store.Aggregate) *outboxv1.Aggregate {
 	if a.LeasedEventID != uuid.Nil {
 		out.LeasedEventId = a.LeasedEventID.String()
 	}
+	if a.NextPendingEventID != uuid.Nil {
+		out.NextPendingEventId = a.NextPendingEventID.String()
+	}
 	out.OldestPendingCreatedAt = optionalTimestamp(a.OldestPending)
 	out.NextAttemptAt = optionalTimestamp(a.NextAttemptAt)
 	out.ParkedAt = optionalTimestamp(a.ParkedAt)

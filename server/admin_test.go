@@ -116,7 +116,7 @@ func TestGetLagEqualsSQL(t *testing.T) {
 
 	// payments: p-1 nacked twice (parked), then p-2 nacked once and told to
 	// wait an hour (backoff).
-	emit(t, pool, "payments", "p-1", 2)
+	p1 := emit(t, pool, "payments", "p-1", 2)
 	payments := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{Streams: []string{"payments"}, MaxInFlight: 1, LeaseTtl: hour})
 	nack(t, r, recv(t, payments))
 	d := recv(t, payments) // after a backoff of about a millisecond
@@ -136,7 +136,7 @@ func TestGetLagEqualsSQL(t *testing.T) {
 
 	// inventory: revisions 5 and 7; after 5 is acked, 6 is a gap.
 	emitAt(t, pool, "inventory", "i-1", 5)
-	emitAt(t, pool, "inventory", "i-1", 7)
+	i1Seven := emitAt(t, pool, "inventory", "i-1", 7)
 	inventory := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{Streams: []string{"inventory"}, MaxInFlight: 1, LeaseTtl: hour})
 	five := recv(t, inventory)
 	// Revision 7 discovered before 5 is acked: a round that found it after
@@ -226,7 +226,8 @@ func TestGetLagEqualsSQL(t *testing.T) {
 	a := agg.GetAggregate()
 	if a.GetState() != outboxv1.AggregateState_AGGREGATE_STATE_PARKED || a.GetFailures() != 2 || a.GetAttempt() != 2 ||
 		a.GetPendingEvents() != 2 || a.GetNextPendingRevision() != 1 || a.GetLastError() != "broker said no" ||
-		a.GetParkedReason() == "" || a.GetParkedAt() == nil || a.GetLastRevision() != 2 {
+		a.GetParkedReason() == "" || a.GetParkedAt() == nil || a.GetLastRevision() != 2 ||
+		a.GetNextPendingEventId() != p1[0].String() {
 		t.Errorf("parked aggregate: %v", a)
 	}
 	agg, err = r.Admin.GetAggregate(ctx, &outboxv1.GetAggregateRequest{Stream: "inventory", AggregateKey: "i-1"})
@@ -234,7 +235,7 @@ func TestGetLagEqualsSQL(t *testing.T) {
 		t.Fatal(err)
 	}
 	if a := agg.GetAggregate(); a.GetState() != outboxv1.AggregateState_AGGREGATE_STATE_GAP || a.GetGapRevision() != 6 ||
-		a.GetDeliveredRevision() != 5 || a.GetNextPendingRevision() != 7 {
+		a.GetDeliveredRevision() != 5 || a.GetNextPendingRevision() != 7 || a.GetNextPendingEventId() != i1Seven {
 		t.Errorf("gap aggregate: %v", a)
 	}
 	_, err = r.Admin.GetAggregate(ctx, &outboxv1.GetAggregateRequest{Stream: "orders", AggregateKey: "nope"})
@@ -340,6 +341,10 @@ func TestRetryAggregate(t *testing.T) {
 	}
 	ack(t, r, again)
 	waitState(t, pool, "o-1", "idle")
+	if agg, err := r.Admin.GetAggregate(ctx, &outboxv1.GetAggregateRequest{Stream: "orders", AggregateKey: "o-1"}); err != nil ||
+		agg.GetAggregate().GetNextPendingEventId() != "" {
+		t.Errorf("idle aggregate names a next pending event: %v, %v", agg, err)
+	}
 	_, err = r.Admin.RetryAggregate(ctx, &outboxv1.RetryAggregateRequest{Stream: "orders", AggregateKey: "o-1"})
 	wantCode(t, err, codes.FailedPrecondition, "") // idle
 	_, err = r.Admin.RetryAggregate(ctx, &outboxv1.RetryAggregateRequest{Stream: "orders", AggregateKey: "none"})

@@ -78,8 +78,18 @@ On a server with several source databases, an event of a source other than
 default is SOURCE/EVENT_ID (orders/0190a8c2-...), the message id its sinks
 gave it and the id 'outboxd events' prints.
 
+To skip an aggregate's next event, 'outboxd aggregate STREAM KEY' names it
+(next pending event); 'outboxd bulk-skip' skips the next event of every
+aggregate a filter matches.
+
 Exits 2 without --reason, 4 if the event is already published or skipped.`,
-		cobra.ExactArgs(1))
+		func(cmd *cobra.Command, args []string) error {
+			if len(args) == 2 {
+				// "skip STREAM KEY", the shape of retry and aggregate.
+				return fmt.Errorf("skip takes one EVENT_ID, not a stream and key: 'outboxd aggregate %s %s' names the aggregate's next pending event", args[0], args[1])
+			}
+			return cobra.ExactArgs(1)(cmd, args)
+		})
 	f.register(cmd)
 	fl := cmd.Flags()
 	fl.StringVar(&reason, "reason", "", "why the event is abandoned (required; recorded)")

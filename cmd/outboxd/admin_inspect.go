@@ -122,6 +122,12 @@ func printAggregate(w io.Writer, a *outboxv1.Aggregate, now time.Time) error {
 	if a.GetNextPendingRevision() != 0 {
 		kv("next pending revision", fmt.Sprint(a.GetNextPendingRevision()))
 	}
+	if id := a.GetNextPendingEventId(); id != "" {
+		// As skip takes it: SOURCE/EVENT_ID outside default, whose streams
+		// come back as SOURCE/STREAM.
+		source, _ := multisource.SplitStream(a.GetStream())
+		kv("next pending event", eventAddress(source, id))
+	}
 	if a.GetOldestPendingCreatedAt() != nil {
 		kv("oldest pending since", fmtTimeAgo(a.GetOldestPendingCreatedAt(), now))
 	}

@@ -58,6 +58,13 @@ func TestCLIOfTwoSources(t *testing.T) {
 	ts.cli(t, nil, "events", "--event-id", "Orders/"+shared).want(t, exitUsage)
 	ts.cli(t, nil, "events", "--event-id", "orders/"+shared, "--stream", "sales_order").want(t, exitUsage)
 
+	// The aggregate view names the event as skip takes it.
+	if v := keyValue(t, ts.cli(t, nil, "aggregate", "orders/sales_order", "1").want(t, exitOK).stdout, "next pending event"); v != "orders/"+shared {
+		t.Errorf("aggregate orders/sales_order 1: next pending event %q; want orders/%s", v, shared)
+	}
+	if v := keyValue(t, ts.cli(t, nil, "aggregate", "sales_order", "1").want(t, exitOK).stdout, "next pending event"); v != shared {
+		t.Errorf("aggregate sales_order 1 (default): next pending event %q; want the bare id", v)
+	}
 	ts.cli(t, nil, "skip", "Orders/"+shared, "--reason", "x").want(t, exitUsage)
 	ts.cli(t, nil, "skip", "shipping/"+shared, "--reason", "x").want(t, exitUsage)
 	if out := ts.cli(t, nil, "skip", "orders/"+shared, "--reason", "poison").want(t, exitOK).stdout; !strings.Contains(out, "skipped event orders/"+shared) {

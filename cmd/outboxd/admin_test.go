@@ -214,6 +214,19 @@ func tableRow(t *testing.T, out, first string) []string {
 	return nil
 }
 
+// keyValue returns the value of a key/value listing's line for key (as
+// 'outboxd aggregate' prints them), failing the test without one.
+func keyValue(t *testing.T, out, key string) string {
+	t.Helper()
+	for line := range strings.Lines(out) {
+		if v, ok := strings.CutPrefix(line, key+" "); ok {
+			return strings.TrimSpace(v)
+		}
+	}
+	t.Fatalf("no line %q in:\n%s", key, out)
+	return ""
+}
+
 func TestCLILag(t *testing.T) {
 	t.Parallel()
 	ts := startServer(t, nil)
@@ -357,11 +370,16 @@ func TestCLILagWatch(t *testing.T) {
 func TestCLIAggregate(t *testing.T) {
 	t.Parallel()
 	ts := startServer(t, nil)
-	ts.emit(t, "orders", "o1", "o1")
+	ids := ts.emit(t, "orders", "o1", "o1")
 
 	r := ts.cli(t, nil, "aggregate", "orders", "o1").want(t, exitOK)
 	if row := tableRow(t, r.stdout, "state"); row[1] != "ready" {
 		t.Errorf("state row %v, want ready", row)
+	}
+	// The id skip takes, so that skipping a stuck aggregate's event needs
+	// no search.
+	if v := keyValue(t, r.stdout, "next pending event"); v != ids[0] {
+		t.Errorf("next pending event row %q, want revision 1's id %s", v, ids[0])
 	}
 	if row := tableRow(t, r.stdout, "pending"); row[2] != "2" {
 		t.Errorf("pending events row %v, want 2", row)
@@ -394,6 +412,10 @@ func TestCLISkip(t *testing.T) {
 	}
 	ts.cli(t, nil, "skip", ids[0], "--reason", "  ").want(t, exitUsage)
 	ts.cli(t, nil, "skip", "not-a-uuid", "--reason", "x").want(t, exitUsage)
+	// The shape of retry and aggregate: told where the event id is.
+	if r := ts.cli(t, nil, "skip", "orders", "o1", "--reason", "x").want(t, exitUsage); !strings.Contains(r.stderr, "outboxd aggregate orders o1") {
+		t.Errorf("skip STREAM KEY does not point at 'outboxd aggregate':\n%s", r.stderr)
+	}
 	if n := ts.count(t, `SELECT count(*) FROM outbox.skipped_event`); n != 0 {
 		t.Fatalf("%d events skipped by refused commands", n)
 	}

@@ -395,6 +395,9 @@ type Aggregate struct {
 	// StalledReason says why the aggregate is stalled (outbox.stall_reason);
 	// empty when it is not.
 	StalledReason string
+	// NextPendingEventID is the event at NextPendingRevision (what a skip
+	// of the aggregate's next event names); nil when nothing is pending.
+	NextPendingEventID uuid.UUID
 }
 
 // querier is what a pool and a transaction have in common.
@@ -416,7 +419,8 @@ func getAggregate(ctx context.Context, q querier, stream, key string) (Aggregate
 		       d.holder, d.holder_relay_id, coalesce(d.epoch, 0), d.lease_expires_at, d.leased_event_id,
 		       coalesce(d.attempt, 0), coalesce(d.failures, 0), d.last_error, d.next_attempt_at,
 		       d.parked_at, d.parked_reason, d.gap_revision,
-		       outbox.stall_reason(d.state, d.unanswered, d.failures, d.last_error)
+		       outbox.stall_reason(d.state, d.unanswered, d.failures, d.last_error),
+		       `+nextPendingEventID("k")+`
 		FROM (SELECT $1::text AS stream, $2::text AS aggregate_key) k
 		LEFT JOIN outbox.delivery d ON d.stream = k.stream AND d.aggregate_key = k.aggregate_key
 		LEFT JOIN outbox.aggregate g ON g.stream = k.stream AND g.aggregate_key = k.aggregate_key
@@ -448,13 +452,22 @@ type aggregateCols struct {
 	holder, leased                              *uuid.UUID
 	relayID, lastErr, parkedReason, stallReason *string
 	gap                                         *int64
+	nextID                                      *uuid.UUID
+}
+
+// nextPendingEventID selects the id of the event at p.next_revision of the
+// aggregate of the row alias (stream and aggregate_key), the last column of
+// every aggregate query (see aggregateCols).
+func nextPendingEventID(alias string) string {
+	return `(SELECT e.event_id FROM outbox.event e
+		        WHERE e.stream = ` + alias + `.stream AND e.aggregate_key = ` + alias + `.aggregate_key AND e.revision = p.next_revision)`
 }
 
 func (c *aggregateCols) targets(a *Aggregate) []any {
 	return []any{&a.State, &a.LastRevision, &a.DeliveredRevision,
 		&a.PendingEvents, &c.next, &c.oldest,
 		&c.holder, &c.relayID, &a.Epoch, &c.expires, &c.leased,
-		&a.Attempt, &a.Failures, &c.lastErr, &c.nextAt, &c.parkedAt, &c.parkedReason, &c.gap, &c.stallReason}
+		&a.Attempt, &a.Failures, &c.lastErr, &c.nextAt, &c.parkedAt, &c.parkedReason, &c.gap, &c.stallReason, &c.nextID}
 }
 
 func (c *aggregateCols) fill(a *Aggregate) {
@@ -470,6 +483,9 @@ func (c *aggregateCols) fill(a *Aggregate) {
 	}
 	if gap != nil {
 		a.GapRevision = *gap
+	}
+	if c.nextID != nil {
+		a.NextPendingEventID = *c.nextID
 	}
 	a.OldestPending, a.LeaseExpiresAt, a.NextAttemptAt, a.ParkedAt = deref(c.oldest), deref(c.expires), deref(c.nextAt), deref(c.parkedAt)
 	a.HolderRelayID, a.LastError, a.ParkedReason = deref(c.relayID), deref(c.lastErr), deref(c.parkedReason)

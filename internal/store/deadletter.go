@@ -52,9 +52,6 @@ func (p AggregatePosition) IsZero() bool { return p.PendingSince.IsZero() && p.S
 type ListedAggregate struct {
 	Aggregate
 	Position AggregatePosition
-	// NextPendingEventID is the event at NextPendingRevision; nil when
-	// nothing is pending.
-	NextPendingEventID uuid.UUID
 }
 
 // where renders the filter as SQL predicates over outbox.delivery d.
@@ -146,8 +143,7 @@ func (s *Store) listAggregates(ctx context.Context, f AggregateFilter, limit int
 		       d.attempt, d.failures, d.last_error, d.next_attempt_at,
 		       d.parked_at, d.parked_reason, d.gap_revision,
 		       outbox.stall_reason(d.state, d.unanswered, d.failures, d.last_error),
-		       (SELECT e.event_id FROM outbox.event e
-		        WHERE e.stream = d.stream AND e.aggregate_key = d.aggregate_key AND e.revision = p.next_revision)
+		       `+nextPendingEventID("d")+`
 		FROM outbox.delivery d
 		LEFT JOIN outbox.aggregate g ON g.stream = d.stream AND g.aggregate_key = d.aggregate_key
 		CROSS JOIN LATERAL outbox.pending_of(d.stream, d.aggregate_key, d.delivered_revision) p
@@ -160,12 +156,8 @@ func (s *Store) listAggregates(ctx context.Context, f AggregateFilter, limit int
 	list, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (ListedAggregate, error) {
 		var l ListedAggregate
 		var c aggregateCols
-		var next *uuid.UUID
-		err := row.Scan(append(append([]any{&l.Stream, &l.AggregateKey, &l.Position.PendingSince}, c.targets(&l.Aggregate)...), &next)...)
+		err := row.Scan(append([]any{&l.Stream, &l.AggregateKey, &l.Position.PendingSince}, c.targets(&l.Aggregate)...)...)
 		c.fill(&l.Aggregate)
-		if next != nil {
-			l.NextPendingEventID = *next
-		}
 		l.Position.Stream, l.Position.AggregateKey = l.Stream, l.AggregateKey
 		return l, err
 	})

@@ -1110,8 +1110,12 @@ type Aggregate struct {
 	Stalled bool `protobuf:"varint,21,opt,name=stalled,proto3" json:"stalled,omitempty"`
 	// stalled_reason says why stalled is set; empty otherwise.
 	StalledReason string `protobuf:"bytes,22,opt,name=stalled_reason,json=stalledReason,proto3" json:"stalled_reason,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	// next_pending_event_id is the event at next_pending_revision: the one
+	// SkipEvent names to abandon it. Empty when nothing is pending. Bare, as
+	// event ids are in their own source; stream names the source.
+	NextPendingEventId string `protobuf:"bytes,23,opt,name=next_pending_event_id,json=nextPendingEventId,proto3" json:"next_pending_event_id,omitempty"`
+	unknownFields      protoimpl.UnknownFields
+	sizeCache          protoimpl.SizeCache
 }
 
 func (x *Aggregate) Reset() {
@@ -1294,6 +1298,13 @@ func (x *Aggregate) GetStalled() bool {
 func (x *Aggregate) GetStalledReason() string {
 	if x != nil {
 		return x.StalledReason
+	}
+	return ""
+}
+
+func (x *Aggregate) GetNextPendingEventId() string {
+	if x != nil {
+		return x.NextPendingEventId
 	}
 	return ""
 }
@@ -3401,7 +3412,7 @@ const file_outbox_v1_admin_service_proto_rawDesc = "" +
 	"\x06stream\x18\x01 \x01(\tR\x06stream\x12#\n" +
 	"\raggregate_key\x18\x02 \x01(\tR\faggregateKey\"J\n" +
 	"\x14GetAggregateResponse\x122\n" +
-	"\taggregate\x18\x01 \x01(\v2\x14.outbox.v1.AggregateR\taggregate\"\xb2\a\n" +
+	"\taggregate\x18\x01 \x01(\v2\x14.outbox.v1.AggregateR\taggregate\"\xe5\a\n" +
 	"\tAggregate\x12\x16\n" +
 	"\x06stream\x18\x01 \x01(\tR\x06stream\x12#\n" +
 	"\raggregate_key\x18\x02 \x01(\tR\faggregateKey\x12/\n" +
@@ -3427,7 +3438,8 @@ const file_outbox_v1_admin_service_proto_rawDesc = "" +
 	"\x15next_pending_revision\x18\x13 \x01(\x03R\x13nextPendingRevision\x12U\n" +
 	"\x19oldest_pending_created_at\x18\x14 \x01(\v2\x1a.google.protobuf.TimestampR\x16oldestPendingCreatedAt\x12\x18\n" +
 	"\astalled\x18\x15 \x01(\bR\astalled\x12%\n" +
-	"\x0estalled_reason\x18\x16 \x01(\tR\rstalledReason\"\xe9\x01\n" +
+	"\x0estalled_reason\x18\x16 \x01(\tR\rstalledReason\x121\n" +
+	"\x15next_pending_event_id\x18\x17 \x01(\tR\x12nextPendingEventId\"\xe9\x01\n" +
 	"\x0fAggregateFilter\x12\x16\n" +
 	"\x06stream\x18\x01 \x01(\tR\x06stream\x121\n" +
 	"\x06states\x18\x02 \x03(\x0e2\x19.outbox.v1.AggregateStateR\x06states\x12%\n" +
