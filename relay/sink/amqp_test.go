@@ -295,7 +295,11 @@ type proxy struct {
 	mu     sync.Mutex
 	conns  []net.Conn
 	stall  chan struct{} // while non-nil, nothing is forwarded to the client
-	wg     sync.WaitGroup
+	// dropReply, when set, makes the next bytes from the server to the
+	// client cut every connection instead of being forwarded: the request
+	// was carried out, and its answer is lost.
+	dropReply bool
+	wg        sync.WaitGroup
 }
 
 func newProxy(t *testing.T, target string) *proxy {
@@ -336,8 +340,13 @@ func (p *proxy) copyDown(dst, src net.Conn) {
 		n, err := src.Read(buf)
 		if n > 0 {
 			p.mu.Lock()
-			stall := p.stall
+			stall, drop := p.stall, p.dropReply
+			p.dropReply = false
 			p.mu.Unlock()
+			if drop {
+				p.cut()
+				return
+			}
 			if stall != nil {
 				<-stall
 			}
@@ -359,6 +368,13 @@ func (p *proxy) cut() {
 		c.Close()
 	}
 	p.conns = nil
+}
+
+// loseNextReply arms dropReply.
+func (p *proxy) loseNextReply() {
+	p.mu.Lock()
+	p.dropReply = true
+	p.mu.Unlock()
 }
 
 func (p *proxy) pause() {
