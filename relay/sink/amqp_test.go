@@ -295,7 +295,11 @@ type proxy struct {
 	mu     sync.Mutex
 	conns  []net.Conn
 	stall  chan struct{} // while non-nil, nothing is forwarded to the client
-	wg     sync.WaitGroup
+	// dropReply, when set, makes the next bytes from the server to the
+	// client cut every connection instead of being forwarded: the request
+	// was carried out, and its answer is lost.
+	dropReply bool
+	wg        sync.WaitGroup
 }
 
 func newProxy(t *testing.T, target string) *proxy {
@@ -336,8 +340,13 @@ func (p *proxy) copyDown(dst, src net.Conn) {
 		n, err := src.Read(buf)
 		if n > 0 {
 			p.mu.Lock()
-			stall := p.stall
+			stall, drop := p.stall, p.dropReply
+			p.dropReply = false
 			p.mu.Unlock()
+			if drop {
+				p.cut()
+				return
+			}
 			if stall != nil {
 				<-stall
 			}
@@ -359,6 +368,13 @@ func (p *proxy) cut() {
 		c.Close()
 	}
 	p.conns = nil
+}
+
+// loseNextReply arms dropReply.
+func (p *proxy) loseNextReply() {
+	p.mu.Lock()
+	p.dropReply = true
+	p.mu.Unlock()
 }
 
 func (p *proxy) pause() {
@@ -494,4 +510,67 @@ func TestAMQPDeclaresExchangeAndQueueWhenAsked(t *testing.T) {
 	}
 	// A second Open declares the same again: a no-op.
 	openSink(t, e.url(map[string]string{"declare": "true", "queue": e.queue}))
+}
+
+// A queue that refuses the message (here: full, with overflow
+// reject-publish) makes RabbitMQ answer basic.nack instead of basic.ack:
+// the message was not taken, so Publish must fail, and not permanently
+// (the queue drains).
+func TestAMQPNackIsAnError(t *testing.T) {
+	t.Parallel()
+	e := newRabbitEnv(t, "")
+	full := e.queue + ".full"
+	if _, err := e.ch.QueueDeclare(full, false, false, false, false, amqp.Table{
+		"x-max-length": int32(1),
+		"x-overflow":   "reject-publish",
+	}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _, _ = e.ch.QueueDelete(full, false, false, false) })
+	if err := e.ch.QueueBind(full, "outbox.#", e.exchange, false, nil); err != nil {
+		t.Fatal(err)
+	}
+	s := openSink(t, e.url(nil))
+	if err := s.Publish(t.Context(), testEvent("e-fits")); err != nil {
+		t.Fatalf("Publish to a queue with room: %v", err)
+	}
+	err := s.Publish(t.Context(), testEvent("e-refused"))
+	if err == nil || !strings.Contains(err.Error(), "nack") || relay.IsPermanent(err) {
+		t.Fatalf("Publish to a full reject-publish queue = %v (permanent: %v), want a basic.nack error worth retrying", err, relay.IsPermanent(err))
+	}
+	e.queue = full
+	if d := e.get(t, 1)[0]; d.MessageId != "e-fits" {
+		t.Errorf("queue holds %q, want only e-fits", d.MessageId)
+	}
+}
+
+// A publish whose confirm timed out may still be answered: here the broker
+// returns it as unroutable once the stalled connection resumes. That late
+// basic.return must not be taken for the next publish's, which is
+// routable and lands: a routable event reported unroutable would be
+// retried and, in the end, parked.
+func TestAMQPLateReturnIsNotTakenForTheNextPublish(t *testing.T) {
+	t.Parallel()
+	e := newRabbitEnv(t, "outbox.orders%2Eeu.#")
+	target, err := url.Parse(amqpURL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := newProxy(t, target.Host)
+	through := *target
+	through.Host = p.l.Addr().String()
+	s := openSink(t, amqpSinkURL(through.String(), e.exchange, map[string]string{"timeout": "300ms"}))
+	unroutable := testEvent("e-unroutable")
+	unroutable.Stream = "nowhere"
+	p.pause()
+	if err := s.Publish(t.Context(), unroutable); err == nil || !strings.Contains(err.Error(), "confirm") {
+		t.Fatalf("Publish to a stalled broker = %v, want a confirm timeout", err)
+	}
+	p.resume()
+	if err := s.Publish(t.Context(), testEvent("e-routable")); err != nil {
+		t.Fatalf("Publish of a routable event after a timed-out unroutable one: %v", err)
+	}
+	if d := e.get(t, 1)[0]; d.MessageId != "e-routable" {
+		t.Errorf("queue holds %q, want e-routable", d.MessageId)
+	}
 }

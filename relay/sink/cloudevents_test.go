@@ -265,3 +265,35 @@ func TestCloudEventsOpenErrors(t *testing.T) {
 		}
 	}
 }
+
+// In binary mode a producer header under the binding's prefix would give
+// the message a second value for a CloudEvents attribute, and an event
+// without a type is no CloudEvent: both are refused for good (the event
+// never changes), and nothing reaches the broker.
+func TestCloudEventsRefusalsArePermanent(t *testing.T) {
+	t.Parallel()
+	untyped := testEvent("e-untyped")
+	untyped.Type = ""
+	check := func(what string, s relay.Publisher, prefix string) {
+		t.Helper()
+		spoof := testEvent("e-spoof")
+		spoof.Headers = map[string]string{strings.ToUpper(prefix) + "id": "other"}
+		if err := s.Publish(t.Context(), spoof); err == nil || !relay.IsPermanent(err) || !strings.Contains(err.Error(), "CloudEvents prefix") {
+			t.Errorf("%s: Publish with header %sid = %v (permanent: %v), want a permanent CloudEvents-prefix error", what, prefix, err, relay.IsPermanent(err))
+		}
+		if err := s.Publish(t.Context(), untyped); err == nil || !relay.IsPermanent(err) {
+			t.Errorf("%s: Publish of an event without a type = %v (permanent: %v), want a permanent error", what, err, relay.IsPermanent(err))
+		}
+	}
+
+	js := newJSEnv(t)
+	check("nats", js.open(t, map[string]string{"cloudevents": "binary"}), "ce-")
+	js.fetch(t, 0)
+
+	rabbit := newRabbitEnv(t, "#")
+	check("amqp", openSink(t, rabbit.url(map[string]string{"cloudevents": "binary"})), "cloudEvents:")
+	rabbit.get(t, 0)
+
+	c := newKafka(t, "outbox.orders.eu")
+	check("kafka", openSink(t, kafkaSinkURL(c, map[string]string{"cloudevents": "binary"})), "ce_")
+}

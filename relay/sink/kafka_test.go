@@ -93,6 +93,7 @@ func TestKafkaRecordKeyHeadersAndTopic(t *testing.T) {
 		sink.HeaderAggregateKey: "order-42",
 		sink.HeaderRevision:     "7",
 		sink.HeaderCreatedAt:    "2025-03-04T05:06:07.123456789Z",
+		sink.HeaderAttempt:      "1",
 		"X-Tenant":              "acme",
 	}
 	for k, v := range want {

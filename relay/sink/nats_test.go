@@ -162,6 +162,8 @@ func TestNATSPublishLandsWithBodyAndHeaders(t *testing.T) {
 	s := e.open(t, nil)
 	ev := testEvent("0f8fad5b-d9cb-469f-a165-70867728950e")
 	ev.Attempt = 3
+	// Outbox-Created-At is in UTC whatever the time's zone.
+	ev.CreatedAt = ev.CreatedAt.In(time.FixedZone("CET", 3600))
 	if err := s.Publish(t.Context(), ev); err != nil {
 		t.Fatalf("Publish: %v", err)
 	}
@@ -363,6 +365,13 @@ func TestNATSPublishErrors(t *testing.T) {
 	e := newJSEnv(t)
 	s := e.open(t, nil)
 
+	for _, name := range []string{"X Tenant", "X-Ключ", "X-Tab\there"} {
+		bad := testEvent("e-bad-name")
+		bad.Headers = map[string]string{name: "v"}
+		if err := s.Publish(t.Context(), bad); err == nil || !relay.IsPermanent(err) {
+			t.Errorf("Publish with header name %q = %v (permanent: %v), want a permanent error", name, err, relay.IsPermanent(err))
+		}
+	}
 	reserved := testEvent("e-reserved")
 	reserved.Headers = map[string]string{"Nats-Rollup": "all"}
 	if err := s.Publish(t.Context(), reserved); err == nil || !strings.Contains(err.Error(), "reserved") || !relay.IsPermanent(err) {
@@ -433,5 +442,69 @@ func TestNATSCloseIsIdempotent(t *testing.T) {
 	}
 	if err := s.Publish(t.Context(), testEvent("e2")); err == nil {
 		t.Error("Publish after Close succeeded")
+	}
+}
+
+// A stream the sink creates keeps what it acknowledges on disk (file
+// storage: a PubAck then survives a server restart) and deduplicates
+// Nats-Msg-Id over the duplicates window: 2m by default, or the URL's.
+func TestNATSCreatesFileStreamWithDuplicateWindow(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct {
+		params map[string]string
+		want   time.Duration
+	}{
+		{nil, 2 * time.Minute},
+		{map[string]string{"duplicates": "90s"}, 90 * time.Second},
+	} {
+		e := newJSEnv(t)
+		e.open(t, c.params)
+		ctx, cancel := context.WithTimeout(t.Context(), waitFor)
+		st, err := e.js.Stream(ctx, e.stream)
+		cancel()
+		if err != nil {
+			t.Fatalf("the sink did not create stream %s: %v", e.stream, err)
+		}
+		sc := st.CachedInfo().Config
+		if sc.Storage != jetstream.FileStorage || sc.Duplicates != c.want || !slices.Equal(sc.Subjects, []string{e.prefix + ".*.*"}) {
+			t.Errorf("params %v: created stream with storage %s, duplicates %s, subjects %v; want file, %s, [%s.*.*]",
+				c.params, sc.Storage, sc.Duplicates, sc.Subjects, c.want, e.prefix)
+		}
+	}
+}
+
+// A PubAck from a stream other than the configured one is not the
+// acknowledgement the sink promises (that stream may keep nothing for
+// long, or be deleted): Publish fails, and the other stream stores
+// nothing.
+func TestNATSPublishCapturedByAnotherStreamFails(t *testing.T) {
+	t.Parallel()
+	e := newJSEnv(t)
+	ctx, cancel := context.WithTimeout(t.Context(), waitFor)
+	defer cancel()
+	if _, err := e.js.CreateStream(ctx, jetstream.StreamConfig{Name: e.stream, Subjects: []string{e.prefix + "_elsewhere.>"}}); err != nil {
+		t.Fatal(err)
+	}
+	other := e.stream + "_OTHER"
+	if _, err := e.js.CreateStream(ctx, jetstream.StreamConfig{Name: other, Subjects: []string{e.prefix + ".>"}}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), waitFor)
+		defer cancel()
+		if err := e.js.DeleteStream(ctx, other); err != nil {
+			t.Errorf("delete stream %s: %v", other, err)
+		}
+	})
+	s := e.open(t, map[string]string{"create": "false"})
+	if err := s.Publish(t.Context(), testEvent("e1")); err == nil {
+		t.Fatalf("Publish acknowledged by stream %s, not the configured %s, succeeded", other, e.stream)
+	}
+	st, err := e.js.Stream(ctx, other)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := st.CachedInfo().State.Msgs; n != 0 {
+		t.Errorf("stream %s stored %d messages", other, n)
 	}
 }

@@ -58,6 +58,8 @@ func TestOpenRejectsBadURLs(t *testing.T) {
 		{"amqp://127.0.0.1:1/?exchange=x.{stream}&declare=true", "named exchange"},
 		{"amqp://127.0.0.1:1/?exchange=x&declare=true&binding_key=a", "binding_key= needs queue="},
 		{"amqp://127.0.0.1:1/?exchange=x&declare=true&queue=amq.q", "reserved"},
+		{"amqp://127.0.0.1:1/?exchange=x&declare=true&queue=q&binding_key=" + strings.Repeat("k", 256), "binding_key: at most 255 bytes"},
+		{"amqp://127.0.0.1:1/?exchange=" + strings.Repeat("x", 256), "longer than 255 bytes"},
 		{"amqps://127.0.0.1:1/?exchange=x&timeout=soon", "timeout="},
 		{"redis://", "want redis://"},
 		{"redis://127.0.0.1:1/0?stream=", "stream="},
@@ -83,6 +85,7 @@ func TestOpenRejectsBadURLs(t *testing.T) {
 		{"kafka://127.0.0.1:1?max_bytes=1", "max_bytes="},
 		{"kafka://127.0.0.1:1?tls=maybe", "tls="},
 		{"kafka://127.0.0.1:1?acks=1", `unknown parameter "acks"`},
+		{"kafka://127.0.0.1:1?client_id=relay%201", "client_id="},
 	}
 	for _, c := range cases {
 		s, err := sink.Open(context.Background(), c.url, sink.Options{})
@@ -141,6 +144,28 @@ func TestOpenConnectFailureIsNotInvalidURL(t *testing.T) {
 		}
 		if !strings.Contains(err.Error(), strings.SplitN(u, "?", 2)[0]) {
 			t.Errorf("error %q does not name the URL", err)
+		}
+	}
+}
+
+// The publish spans' messaging.system uses the OpenTelemetry conventions'
+// names where they have one (rabbitmq for AMQP), whatever the scheme's case.
+func TestMessagingSystem(t *testing.T) {
+	t.Parallel()
+	for u, want := range map[string]string{
+		"amqp://h:5672/?exchange=x":  "rabbitmq",
+		"amqps://h:5671/?exchange=x": "rabbitmq",
+		"AMQP://h:5672/?exchange=x":  "rabbitmq",
+		"nats://h:4222":              "nats",
+		"kafka://h:9092":             "kafka",
+		"rediss://h:6380/0":          "redis",
+		"https://h/hook":             "webhook",
+		"stdout://":                  "stdout",
+		"mqtt://h:1883":              "",
+		"%zz://unparseable":          "",
+	} {
+		if got := sink.MessagingSystem(u); got != want {
+			t.Errorf("MessagingSystem(%q) = %q, want %q", u, got, want)
 		}
 	}
 }

@@ -211,8 +211,15 @@ func TestRedisPublishErrors(t *testing.T) {
 	if err := s.Publish(t.Context(), testEvent("e1")); err == nil || !strings.Contains(err.Error(), "WRONGTYPE") {
 		t.Errorf("Publish to a string key = %v, want WRONGTYPE", err)
 	}
-	if err := s.Publish(t.Context(), testEvent("")); err == nil {
+	// Refused by the sink, not by Redis: another stream, which takes
+	// entries, gets none.
+	noID := testEvent("")
+	noID.Stream = "other"
+	if err := s.Publish(t.Context(), noID); err == nil {
 		t.Error("Publish without an event ID succeeded")
+	}
+	if n := len(e.entries(t, e.prefix+".other")); n != 0 {
+		t.Errorf("Publish without an event ID added %d entries", n)
 	}
 	ctx, cancel := context.WithCancel(t.Context())
 	cancel()
@@ -266,5 +273,56 @@ func TestRedisOpenConnectFailure(t *testing.T) {
 	}
 	if strings.Contains(err.Error(), "s3cret") || !strings.Contains(err.Error(), "redis://") {
 		t.Errorf("Open error %q: want the URL named, without its password", err)
+	}
+}
+
+// throughProxy is e's sink URL with the server reached through a proxy
+// the test controls.
+func (e *redisEnv) throughProxy(t *testing.T, params map[string]string) (string, *proxy) {
+	t.Helper()
+	u, err := url.Parse(e.url(params))
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := newProxy(t, u.Host)
+	u.Host = p.l.Addr().String()
+	return u.String(), p
+}
+
+// One Publish is one XADD. When the XADD is carried out but its answer is
+// lost with the connection, the outcome is unknown to the sink: Publish
+// fails, and the runner, not the client, sends the event again. A client
+// retry would append the entry twice and report success.
+func TestRedisPublishIsOneXADD(t *testing.T) {
+	t.Parallel()
+	e := newRedisEnv(t)
+	u, p := e.throughProxy(t, nil)
+	s := openSink(t, u)
+	p.loseNextReply()
+	if err := s.Publish(t.Context(), testEvent("e1")); err == nil {
+		t.Error("Publish whose answer was lost succeeded")
+	}
+	if n := len(e.entries(t, e.prefix+".orders%2Eeu")); n != 1 {
+		t.Errorf("stream holds %d entries after one Publish, want 1 (the XADD ran once)", n)
+	}
+}
+
+// A Redis that stops answering fails the publish at the sink's timeout,
+// not at the client's own read timeout (3s).
+func TestRedisPublishTimeout(t *testing.T) {
+	t.Parallel()
+	e := newRedisEnv(t)
+	u, p := e.throughProxy(t, map[string]string{"timeout": "300ms"})
+	s := openSink(t, u)
+	p.pause()
+	start := time.Now()
+	err := s.Publish(t.Context(), testEvent("e1"))
+	d := time.Since(start)
+	p.resume()
+	if err == nil {
+		t.Fatal("Publish to a stalled Redis succeeded")
+	}
+	if d > 2*time.Second {
+		t.Errorf("Publish took %v with timeout=300ms", d)
 	}
 }

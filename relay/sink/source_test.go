@@ -1,6 +1,8 @@
 package sink_test
 
 import (
+	"encoding/json"
+	"strings"
 	"testing"
 
 	"github.com/outboxd/outboxd/relay"
@@ -122,6 +124,34 @@ func publishInTwoSources(t *testing.T, s relay.Sink) {
 	for _, ev := range []relay.Event{testEvent(sharedID), orders} {
 		if err := s.Publish(t.Context(), ev); err != nil {
 			t.Fatal(err)
+		}
+	}
+}
+
+// The stdout line (and the webhook body, the same JSON) keeps the event ID
+// as it is and names a source other than default in its source field, so
+// the pair identifies the event; default's line has no source field.
+func TestStdoutLineNamesTheSource(t *testing.T) {
+	t.Parallel()
+	var out lockedBuffer
+	s, err := sink.Open(t.Context(), "stdout://", sink.Options{Stdout: &out})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = s.Close() })
+	publishInTwoSources(t, s)
+	lines := strings.Split(strings.TrimSuffix(out.String(), "\n"), "\n")
+	if len(lines) != 2 {
+		t.Fatalf("got %d lines, want 2:\n%s", len(lines), out.String())
+	}
+	for i, want := range []string{"", "orders"} {
+		var got map[string]any
+		if err := json.Unmarshal([]byte(lines[i]), &got); err != nil {
+			t.Fatal(err)
+		}
+		src, has := got["source"]
+		if got["event_id"] != sharedID || has != (want != "") || (has && src != want) {
+			t.Errorf("line %d: event_id %v, source %v (present: %v); want %q, %q", i, got["event_id"], src, has, sharedID, want)
 		}
 	}
 }

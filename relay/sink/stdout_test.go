@@ -146,6 +146,11 @@ func TestStdoutErrors(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	cancelled, cancel := context.WithCancel(ctx)
+	cancel()
+	if err := s.Publish(cancelled, ev); !errors.Is(err, context.Canceled) {
+		t.Errorf("Publish with a cancelled context = %v, want context.Canceled", err)
+	}
 	bad := ev
 	bad.Payload = []byte(`{"unterminated"`)
 	if err := s.Publish(ctx, bad); err == nil {

@@ -221,6 +221,7 @@ func TestWebhookStatusHandling(t *testing.T) {
 		{status: 429, retryAfter: "7", wantAfter: 7 * time.Second, wantInText: []string{"429 Too Many Requests"}},
 		{status: 503, retryAfter: date, wantAfter: -1, body: "maintenance", wantInText: []string{"503", "maintenance"}},
 		{status: 500, retryAfter: "soon", body: "oops", wantInText: []string{"500", "oops"}},
+		{status: 502, retryAfter: "999999999", wantAfter: 24 * time.Hour, wantInText: []string{"502"}},
 		{status: 400, body: `{"error":"unknown field total"}` + strings.Repeat("x", 1000), wantInText: []string{"400 Bad Request", "unknown field total", "…", "refused"}, permanent: true},
 		{status: 410, wantInText: []string{"410"}, permanent: true},
 		{status: 413, wantInText: []string{"413 Request Entity Too Large"}, permanent: true},
@@ -438,6 +439,28 @@ func TestWebhookOpenRejectsBadCAFile(t *testing.T) {
 		}
 		if !errors.Is(err, sink.ErrInvalidURL) || !strings.Contains(err.Error(), "ca_file=") || !strings.Contains(err.Error(), c.want) {
 			t.Errorf("Open(%s) = %q, want ErrInvalidURL naming ca_file and %q", c.url, err, c.want)
+		}
+	}
+}
+
+// Credentials in a webhook URL would never be sent (the signature
+// authenticates): Open refuses them as a configuration error instead of
+// ignoring them, without showing them.
+func TestWebhookOpenRefusesCredentials(t *testing.T) {
+	t.Parallel()
+	secret := url.QueryEscape(secretFile(t, newSecret()))
+	for _, u := range []string{
+		"https://alice:s3cret@127.0.0.1:1/hook?secret_file=" + secret,
+		"http://s3cret@127.0.0.1:1/hook?secret_file=" + secret,
+	} {
+		s, err := sink.Open(t.Context(), u, sink.Options{})
+		if err == nil {
+			_ = s.Close()
+			t.Errorf("Open(%s) succeeded", u)
+			continue
+		}
+		if !errors.Is(err, sink.ErrInvalidURL) || !strings.Contains(err.Error(), "credentials") || strings.Contains(err.Error(), "s3cret") {
+			t.Errorf("Open(%s) = %v, want ErrInvalidURL about credentials, without them", u, err)
 		}
 	}
 }
