@@ -96,6 +96,18 @@ func TestValidationRelayBoundsAreExact(t *testing.T) {
 		}
 	}
 
+	// Every problem at once: each field at fault is named in the details,
+	// and the message says how many more there are than the first.
+	err := subscribeOutcome(t, r, &outboxv1.SubscribeRequest{RelayId: "", MaxInFlight: 0, Streams: []string{"Bad"}})
+	for _, field := range []string{"relay_id", "streams[0]", "max_in_flight"} {
+		if status.Code(err) != codes.InvalidArgument || !hasFieldViolation(err, field) {
+			t.Errorf("Subscribe with three faults: %v, want InvalidArgument naming %s", err, field)
+		}
+	}
+	if msg := status.Convert(err).Message(); !strings.Contains(msg, "(and 2 more)") {
+		t.Errorf("Subscribe with three faults: message %q, want it to say (and 2 more)", msg)
+	}
+
 	items := make([]*outboxv1.AckItem, 1000)
 	for i := range items {
 		items[i] = &outboxv1.AckItem{EventId: uuid.NewString(), LeaseToken: "not-a-token"}
