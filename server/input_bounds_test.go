@@ -170,6 +170,15 @@ func TestValidationAdminBoundsAreExact(t *testing.T) {
 		t.Errorf("ListAggregates{billing.*}: %v, want [billing.invoice/i-1] (not billing_old)", keys)
 	}
 
+	// "*" is every stream, in a listing as in GetLag.
+	waitState(t, pool, longKey, "ready")
+	if all, err := r.Admin.ListAggregates(ctx, &outboxv1.ListAggregatesRequest{Filter: &outboxv1.AggregateFilter{Stream: "*"}}); err != nil || len(all.GetAggregates()) != 3 {
+		t.Errorf("ListAggregates{*}: %v, %v; want the 3 aggregates of every stream", all.GetAggregates(), err)
+	}
+	if all, err := r.Admin.GetLag(ctx, &outboxv1.GetLagRequest{Streams: []string{"*"}}); err != nil || len(all.GetStreams()) != 3 {
+		t.Errorf("GetLag{*}: %v, %v; want the 3 streams", all.GetStreams(), err)
+	}
+
 	for _, bad := range []string{"Billing.*", ".*", "*.*", "billing..*x", "billing.*.*"} {
 		_, err := r.Admin.GetLag(ctx, &outboxv1.GetLagRequest{Streams: []string{bad}})
 		wantCode(t, err, codes.InvalidArgument, "streams[0]")
