@@ -2,6 +2,7 @@ package server_test
 
 import (
 	"context"
+	"slices"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -72,5 +73,34 @@ func TestNoRetentionKeepsPublishedEvents(t *testing.T) {
 	waitFor(t, func() int32 { return b2i(turns.Load() >= 20) })
 	if n := countWhere(t, pool, "outbox.event", "true"); n != 1 {
 		t.Fatalf("%d events left without Retention, want the published one kept", n)
+	}
+}
+
+// A relay session counts as alive for three refresh intervals after its
+// last refresh, so one slow refresh of its replica does not hide it:
+// ListRelays shows another replica's session refreshed two intervals ago,
+// and not one refreshed four intervals ago.
+func TestListRelaysKeepsASessionForThreeRefreshIntervals(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	r := startReplica(t, url, func(c *server.Config) { c.SessionRefreshInterval = time.Minute })
+	if _, err := pool.Exec(ctx, `INSERT INTO outbox.relay_session
+		    (session_id, relay_id, peer, replica_id, streams, max_in_flight, connected_at, seen_at)
+		VALUES (gen_random_uuid(), 'late', 'p', 'other', '{}', 1, now(), now() - interval '2 minutes'),
+		       (gen_random_uuid(), 'gone', 'p', 'other', '{}', 1, now(), now() - interval '4 minutes')`); err != nil {
+		t.Fatal(err)
+	}
+	res, err := r.Admin.ListRelays(ctx, &outboxv1.ListRelaysRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var relays []string
+	for _, rl := range res.GetRelays() {
+		relays = append(relays, rl.GetRelayId())
+	}
+	if !slices.Equal(relays, []string{"late"}) {
+		t.Fatalf("ListRelays with refresh every minute: %v, want [late] (seen 2 minutes ago; gone, seen 4 minutes ago, is not)", relays)
 	}
 }
