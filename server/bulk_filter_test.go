@@ -104,3 +104,40 @@ func TestBulkRetryMatchedCountsWhatCameToMatchDuringTheWalk(t *testing.T) {
 			res.GetMatched(), res.GetRetried())
 	}
 }
+
+// A bulk skip skips the event that was next when its aggregate matched,
+// and when a relay publishes that event before the skip reaches it, the
+// skip passes it by without failing the action: here q's relay acks q while
+// the walk is about to act on q. p is skipped, q is published, not skipped,
+// and the call succeeds.
+func TestBulkSkipPassesByAnEventPublishedMeanwhile(t *testing.T) {
+	t.Parallel()
+	ctx, r, pool, q := parkedAndLeased(t)
+	acked := make(chan []*outboxv1.AckResult, 1)
+	r.Server.SetBeforeBulkAct(func(_ context.Context, _, key string) {
+		if key != "q" {
+			return
+		}
+		res, err := r.Relay.Ack(ctx, &outboxv1.AckRequest{Acks: []*outboxv1.AckItem{{EventId: q.GetEvent().GetEventId(), LeaseToken: q.GetLeaseToken()}}})
+		if err != nil {
+			res = nil
+		}
+		acked <- res.GetResults()
+	})
+	res, err := r.Admin.BulkSkip(ctx, &outboxv1.BulkSkipRequest{Filter: &outboxv1.AggregateFilter{Stream: "orders"}, Reason: "poison"})
+	if err != nil {
+		t.Fatalf("bulk skip with q published during the walk: %v", err)
+	}
+	if got := <-acked; len(got) != 1 || got[0].GetStatus() != outboxv1.AckStatus_ACK_STATUS_PUBLISHED {
+		t.Fatalf("q's ack during the walk: %v", got)
+	}
+	if res.GetSkipped() != 1 {
+		t.Errorf("bulk skip: %d skipped, want 1 (p; q was published meanwhile)", res.GetSkipped())
+	}
+	if publishedAt(t, pool, q.GetEvent().GetEventId()) == nil {
+		t.Error("q's event is not published")
+	}
+	if n := countWhere(t, pool, "outbox.skipped_event", "true"); n != 1 {
+		t.Errorf("%d events skipped, want 1", n)
+	}
+}
