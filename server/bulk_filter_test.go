@@ -2,6 +2,7 @@ package server_test
 
 import (
 	"context"
+	"errors"
 	"sync"
 	"testing"
 	"time"
@@ -102,5 +103,87 @@ func TestBulkRetryMatchedCountsWhatCameToMatchDuringTheWalk(t *testing.T) {
 	if res.GetRetried() != 2 || res.GetMatched() != 2 {
 		t.Errorf("bulk retry: matched %d, retried %d; want 2 and 2 (q came to match ahead of the walk)",
 			res.GetMatched(), res.GetRetried())
+	}
+}
+
+// A bulk skip skips the event that was next when its aggregate matched,
+// and when a relay publishes that event before the skip reaches it, the
+// skip passes it by without failing the action: here q's relay acks q while
+// the walk is about to act on q. p is skipped, q is published, not skipped,
+// and the call succeeds.
+func TestBulkSkipPassesByAnEventPublishedMeanwhile(t *testing.T) {
+	t.Parallel()
+	ctx, r, pool, q := parkedAndLeased(t)
+	acked := make(chan []*outboxv1.AckResult, 1)
+	r.Server.SetBeforeBulkAct(func(_ context.Context, _, key string) {
+		if key != "q" {
+			return
+		}
+		res, err := r.Relay.Ack(ctx, &outboxv1.AckRequest{Acks: []*outboxv1.AckItem{{EventId: q.GetEvent().GetEventId(), LeaseToken: q.GetLeaseToken()}}})
+		if err != nil {
+			res = nil
+		}
+		acked <- res.GetResults()
+	})
+	res, err := r.Admin.BulkSkip(ctx, &outboxv1.BulkSkipRequest{Filter: &outboxv1.AggregateFilter{Stream: "orders"}, Reason: "poison"})
+	if err != nil {
+		t.Fatalf("bulk skip with q published during the walk: %v", err)
+	}
+	if got := <-acked; len(got) != 1 || got[0].GetStatus() != outboxv1.AckStatus_ACK_STATUS_PUBLISHED {
+		t.Fatalf("q's ack during the walk: %v", got)
+	}
+	if res.GetSkipped() != 1 {
+		t.Errorf("bulk skip: %d skipped, want 1 (p; q was published meanwhile)", res.GetSkipped())
+	}
+	if publishedAt(t, pool, q.GetEvent().GetEventId()) == nil {
+		t.Error("q's event is not published")
+	}
+	if n := countWhere(t, pool, "outbox.skipped_event", "true"); n != 1 {
+		t.Errorf("%d events skipped, want 1", n)
+	}
+}
+
+// A bulk retry passes by an aggregate whose state changed since it matched
+// (here leased again: an operator's single retry and the relay's claim
+// come between the match and the act), without failing the action.
+func TestBulkRetryPassesByAnAggregateLeasedMeanwhile(t *testing.T) {
+	t.Parallel()
+	ctx, r, pool, q := parkedAndLeased(t)
+	leased := make(chan error, 1)
+	var once sync.Once
+	r.Server.SetBeforeBulkAct(func(_ context.Context, _, key string) {
+		if key != "p" {
+			return
+		}
+		once.Do(func() {
+			// q's ack frees the session's credit; the retry makes p ready
+			// and wakes the session, which leases it.
+			if _, err := r.Relay.Ack(ctx, &outboxv1.AckRequest{Acks: []*outboxv1.AckItem{{EventId: q.GetEvent().GetEventId(), LeaseToken: q.GetLeaseToken()}}}); err != nil {
+				leased <- err
+				return
+			}
+			if _, err := r.Admin.RetryAggregate(ctx, &outboxv1.RetryAggregateRequest{Stream: "orders", AggregateKey: "p"}); err != nil {
+				leased <- err
+				return
+			}
+			for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
+				var st string
+				if err := pool.QueryRow(ctx, `SELECT state FROM outbox.delivery WHERE aggregate_key = 'p'`).Scan(&st); err == nil && st == "leased" {
+					leased <- nil
+					return
+				}
+			}
+			leased <- errors.New("p not leased again within 30s")
+		})
+	})
+	res, err := r.Admin.BulkRetry(ctx, &outboxv1.BulkRetryRequest{Filter: &outboxv1.AggregateFilter{Stream: "orders"}})
+	if err != nil {
+		t.Fatalf("bulk retry with p leased again during the walk: %v", err)
+	}
+	if err := <-leased; err != nil {
+		t.Fatal(err)
+	}
+	if res.GetRetried() != 0 {
+		t.Errorf("bulk retry: %d retried, want 0 (p was leased when the walk came to it)", res.GetRetried())
 	}
 }

@@ -13,6 +13,10 @@ func TestDescribe(t *testing.T) {
 			"revision 2 delivered again (1 event, 1 of them skipped before)"},
 		{"republish", `{"from_revision":3,"to_revision":5,"events":3}`, "revisions 3-5 delivered again (3 events)"},
 		{"retry", "", ""},
+		{"retry", "{}", ""},                         // no detail: nothing to say
+		{"bulk_retry", `{"revision":0}`, "retried"}, // no state recorded: none named
+		{"bulk_skip", `{"event_id":"e2","revision":7}`, "skipped revision 7 (event e2)"},
+		{"republish", `{"from_revision":4,"to_revision":4,"events":0}`, "revision 4 delivered again (0 events)"},
 		{"future", `{"x":1}`, `{"x":1}`},
 		{"retry", `not json`, `not json`},
 	} {
