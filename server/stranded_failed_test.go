@@ -22,18 +22,7 @@ func TestStrandedAuditThatFailsReportsNoCounts(t *testing.T) {
 	r := startReplica(t, url, nil)
 	emit(t, pool, "orders", "a", 1)
 	waitState(t, pool, "a", "ready")
-	tx, err := pool.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer tx.Rollback(ctx)
-	var locker int
-	if err := tx.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&locker); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := tx.Exec(ctx, `LOCK TABLE outbox.late_event IN ACCESS EXCLUSIVE MODE`); err != nil {
-		t.Fatal(err)
-	}
+	tx, locker := lockLateEvents(t, ctx, pool)
 	// The first reader starts the audit and answers without its counts.
 	if _, err := r.Admin.GetLag(ctx, &outboxv1.GetLagRequest{}); err != nil {
 		t.Fatalf("GetLag while the first audit is blocked: %v", err)
@@ -54,6 +43,7 @@ func TestStrandedAuditThatFailsReportsNoCounts(t *testing.T) {
 	// A reader that comes while the failed audit is still recording itself
 	// may get its error; every reader after that gets an answer.
 	var lag *outboxv1.GetLagResponse
+	var err error
 	eventually(t, func() (bool, string) {
 		lag, err = r.Admin.GetLag(ctx, &outboxv1.GetLagRequest{})
 		return err == nil, fmt.Sprintf("GetLag after the audit failed: %v", err)

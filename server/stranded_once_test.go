@@ -22,14 +22,7 @@ func TestOneStrandedAuditRunsAtATime(t *testing.T) {
 	r := startReplica(t, url, func(c *server.Config) { c.StrandedAuditInterval = time.Millisecond })
 	emit(t, pool, "orders", "a", 1)
 	waitState(t, pool, "a", "ready")
-	tx, err := pool.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer tx.Rollback(context.Background())
-	if _, err := tx.Exec(ctx, `LOCK TABLE outbox.late_event IN ACCESS EXCLUSIVE MODE`); err != nil {
-		t.Fatal(err)
-	}
+	tx, _ := lockLateEvents(t, ctx, pool)
 	// This reader starts an audit, which then waits for the lock.
 	if _, err := r.Admin.GetLag(ctx, &outboxv1.GetLagRequest{}); err != nil {
 		t.Fatal(err)

@@ -6,6 +6,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
 	"github.com/outboxd/outboxd/internal/store"
@@ -13,6 +14,27 @@ import (
 	"github.com/outboxd/outboxd/server"
 	"github.com/prometheus/client_golang/prometheus"
 )
+
+// lockLateEvents holds outbox.late_event in ACCESS EXCLUSIVE mode from a
+// transaction of its own, which the caller ends (rolled back at the test's
+// end otherwise): a stranded audit reads the table, so it waits there. It
+// returns the transaction and its backend's pid, for pg_blocking_pids.
+func lockLateEvents(t *testing.T, ctx context.Context, pool *pgxpool.Pool) (pgx.Tx, int) {
+	t.Helper()
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = tx.Rollback(context.Background()) })
+	var locker int
+	if err := tx.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&locker); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := tx.Exec(ctx, `LOCK TABLE outbox.late_event IN ACCESS EXCLUSIVE MODE`); err != nil {
+		t.Fatal(err)
+	}
+	return tx, locker
+}
 
 // strandLost makes the delivery row of aggregate "lost" say idle while its
 // event is pending, as a delivery bug would leave it, and puts it back when
@@ -125,18 +147,7 @@ func TestStrandedAuditOutlivesItsReader(t *testing.T) {
 	// before the lock (a round's statement names late_event).
 	emit(t, pool, "orders", "a", 1)
 	waitState(t, pool, "a", "ready")
-	tx, err := pool.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer tx.Rollback(ctx)
-	var locker int
-	if err := tx.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&locker); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := tx.Exec(ctx, `LOCK TABLE outbox.late_event IN ACCESS EXCLUSIVE MODE`); err != nil {
-		t.Fatal(err)
-	}
+	tx, locker := lockLateEvents(t, ctx, pool)
 	asked := time.Now()
 	lag, err := r.Admin.GetLag(ctx, &outboxv1.GetLagRequest{})
 	if err != nil {

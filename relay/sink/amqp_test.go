@@ -287,6 +287,21 @@ func TestAMQPPublishErrors(t *testing.T) {
 	e.get(t, 0)
 }
 
+// openProxiedSink opens an AMQP sink for e's exchange that reaches
+// RabbitMQ through a proxy the test can pause or cut, with the sink's
+// publish timeout.
+func openProxiedSink(t *testing.T, e *rabbitEnv, timeout string) (*proxy, relay.Sink) {
+	t.Helper()
+	target, err := url.Parse(amqpURL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := newProxy(t, target.Host)
+	through := *target
+	through.Host = p.l.Addr().String()
+	return p, openSink(t, amqpSinkURL(through.String(), e.exchange, map[string]string{"timeout": timeout}))
+}
+
 // proxy forwards loopback TCP connections to RabbitMQ, so a test can cut
 // them (as a broker restart or a network fault would) or stall them.
 type proxy struct {
@@ -396,14 +411,7 @@ func (p *proxy) resume() {
 func TestAMQPReconnectsAfterConnectionLoss(t *testing.T) {
 	t.Parallel()
 	e := newRabbitEnv(t, "#")
-	target, err := url.Parse(amqpURL())
-	if err != nil {
-		t.Fatal(err)
-	}
-	p := newProxy(t, target.Host)
-	through := *target
-	through.Host = p.l.Addr().String()
-	s := openSink(t, amqpSinkURL(through.String(), e.exchange, map[string]string{"timeout": "2s"}))
+	p, s := openProxiedSink(t, e, "2s")
 	if err := s.Publish(t.Context(), testEvent("e1")); err != nil {
 		t.Fatal(err)
 	}
@@ -431,17 +439,10 @@ func TestAMQPReconnectsAfterConnectionLoss(t *testing.T) {
 func TestAMQPPublishTimeout(t *testing.T) {
 	t.Parallel()
 	e := newRabbitEnv(t, "#")
-	target, err := url.Parse(amqpURL())
-	if err != nil {
-		t.Fatal(err)
-	}
-	p := newProxy(t, target.Host)
-	through := *target
-	through.Host = p.l.Addr().String()
-	s := openSink(t, amqpSinkURL(through.String(), e.exchange, map[string]string{"timeout": "300ms"}))
+	p, s := openProxiedSink(t, e, "300ms")
 	p.pause()
 	start := time.Now()
-	err = s.Publish(t.Context(), testEvent("e1"))
+	err := s.Publish(t.Context(), testEvent("e1"))
 	if err == nil || !strings.Contains(err.Error(), "confirm") {
 		t.Fatalf("Publish to a stalled broker = %v, want a confirm timeout", err)
 	}
@@ -552,14 +553,7 @@ func TestAMQPNackIsAnError(t *testing.T) {
 func TestAMQPLateReturnIsNotTakenForTheNextPublish(t *testing.T) {
 	t.Parallel()
 	e := newRabbitEnv(t, "outbox.orders%2Eeu.#")
-	target, err := url.Parse(amqpURL())
-	if err != nil {
-		t.Fatal(err)
-	}
-	p := newProxy(t, target.Host)
-	through := *target
-	through.Host = p.l.Addr().String()
-	s := openSink(t, amqpSinkURL(through.String(), e.exchange, map[string]string{"timeout": "300ms"}))
+	p, s := openProxiedSink(t, e, "300ms")
 	unroutable := testEvent("e-unroutable")
 	unroutable.Stream = "nowhere"
 	p.pause()

@@ -407,6 +407,15 @@ func TestNATSPublishErrors(t *testing.T) {
 	}
 }
 
+// createElsewhere creates e's stream as if managed elsewhere: under e's
+// name, capturing none of the subjects the sink's template makes.
+func (e *jsEnv) createElsewhere(t *testing.T, ctx context.Context) {
+	t.Helper()
+	if _, err := e.js.CreateStream(ctx, jetstream.StreamConfig{Name: e.stream, Subjects: []string{e.prefix + "_elsewhere.>"}}); err != nil {
+		t.Fatal(err)
+	}
+}
+
 // TestNATSPublishOutsideStreamFails checks that, with a stream managed
 // elsewhere that does not capture the template's subjects, Publish returns
 // an error instead of nil: nothing acknowledged the message.
@@ -415,9 +424,7 @@ func TestNATSPublishOutsideStreamFails(t *testing.T) {
 	e := newJSEnv(t)
 	ctx, cancel := context.WithTimeout(t.Context(), waitFor)
 	defer cancel()
-	if _, err := e.js.CreateStream(ctx, jetstream.StreamConfig{Name: e.stream, Subjects: []string{e.prefix + "_elsewhere.>"}}); err != nil {
-		t.Fatal(err)
-	}
+	e.createElsewhere(t, ctx)
 	s := e.open(t, map[string]string{"create": "false", "timeout": "2s"})
 	if err := s.Publish(t.Context(), testEvent("e1")); err == nil {
 		t.Fatal("Publish to a subject no stream captures succeeded")
@@ -482,9 +489,7 @@ func TestNATSPublishCapturedByAnotherStreamFails(t *testing.T) {
 	e := newJSEnv(t)
 	ctx, cancel := context.WithTimeout(t.Context(), waitFor)
 	defer cancel()
-	if _, err := e.js.CreateStream(ctx, jetstream.StreamConfig{Name: e.stream, Subjects: []string{e.prefix + "_elsewhere.>"}}); err != nil {
-		t.Fatal(err)
-	}
+	e.createElsewhere(t, ctx)
 	other := e.stream + "_OTHER"
 	if _, err := e.js.CreateStream(ctx, jetstream.StreamConfig{Name: other, Subjects: []string{e.prefix + ".>"}}); err != nil {
 		t.Fatal(err)
