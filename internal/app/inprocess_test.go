@@ -14,7 +14,6 @@ import (
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials"
-	"google.golang.org/grpc/credentials/insecure"
 
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
 	"github.com/outboxd/outboxd/internal/app"
@@ -70,11 +69,7 @@ func TestInProcessConnectionSkipsTLSAndNetworkDoesNot(t *testing.T) {
 		t.Errorf("GetLag in process with TLS on the listener: %v", err)
 	}
 
-	plain, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer plain.Close()
+	plain := dialPlain(t, addr)
 	if _, err := outboxv1.NewAdminServiceClient(plain).GetLag(t.Context(), &outboxv1.GetLagRequest{}); err == nil {
 		t.Error("a plaintext client over the network was served by a TLS listener")
 	}

@@ -8,7 +8,6 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
 
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
@@ -42,11 +41,7 @@ func TestPanicCounterOutlivesTheFirstSource(t *testing.T) {
 		t.Fatal(err)
 	}
 	addr, _ := serveLoopback(t, t.Context(), rep)
-	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
+	conn := dialPlain(t, addr)
 	admin := outboxv1.NewAdminServiceClient(conn)
 	count := func() float64 {
 		t.Helper()
@@ -109,11 +104,7 @@ func TestStreamHandlerPanicIsRecovered(t *testing.T) {
 		t.Fatal(err)
 	}
 	addr, _ := serveLoopback(t, t.Context(), rep)
-	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
+	conn := dialPlain(t, addr)
 	st, err := outboxv1.NewRelayServiceClient(conn).Subscribe(t.Context(),
 		&outboxv1.SubscribeRequest{RelayId: "r", Streams: []string{"s"}, MaxInFlight: 1}, grpc.WaitForReady(true))
 	if err == nil {

@@ -6,6 +6,9 @@ import (
 	"sync"
 	"testing"
 
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+
 	"github.com/outboxd/outboxd/internal/app"
 )
 
@@ -24,4 +27,16 @@ func serveLoopback(t *testing.T, ctx context.Context, rep *app.Replica) (addr st
 	stop = sync.OnceFunc(func() { cancel(); <-served })
 	t.Cleanup(stop)
 	return lis.Addr().String(), stop
+}
+
+// dialPlain connects to addr without TLS (with opts besides), closing the
+// connection at the end of the test.
+func dialPlain(t *testing.T, addr string, opts ...grpc.DialOption) *grpc.ClientConn {
+	t.Helper()
+	conn, err := grpc.NewClient(addr, append([]grpc.DialOption{grpc.WithTransportCredentials(insecure.NewCredentials())}, opts...)...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	return conn
 }

@@ -11,7 +11,6 @@ import (
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 	"go.opentelemetry.io/otel/trace"
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/credentials/insecure"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
@@ -46,13 +45,8 @@ func TestServerSpansPerRPC(t *testing.T) {
 	addr, stop := serveLoopback(t, ctx, rep)
 
 	// The client sends its span's context as traceparent metadata.
-	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()),
-		grpc.WithStatsHandler(otelgrpc.NewClientHandler(otelgrpc.WithTracerProvider(tp),
-			otelgrpc.WithPropagators(propagation.TraceContext{}))))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
+	conn := dialPlain(t, addr, grpc.WithStatsHandler(otelgrpc.NewClientHandler(otelgrpc.WithTracerProvider(tp),
+		otelgrpc.WithPropagators(propagation.TraceContext{}))))
 	if _, err := healthpb.NewHealthClient(conn).Check(t.Context(), &healthpb.HealthCheckRequest{}); err != nil {
 		t.Fatal(err)
 	}
