@@ -553,7 +553,7 @@ func TestAMQPNackIsAnError(t *testing.T) {
 func TestAMQPLateReturnIsNotTakenForTheNextPublish(t *testing.T) {
 	t.Parallel()
 	e := newRabbitEnv(t, "outbox.orders%2Eeu.#")
-	p, s := openProxiedSink(t, e, "300ms")
+	p, s := openProxiedSink(t, e, "1s")
 	unroutable := testEvent("e-unroutable")
 	unroutable.Stream = "nowhere"
 	p.pause()
