@@ -5,12 +5,16 @@
 // It watches the file's directory, not the file, because editors and
 // Kubernetes replace a file by renaming another over it (a ConfigMap swaps
 // a symlinked directory), which would end a watch on the file itself.
-// Events for other files there cost a reread that finds the content
-// unchanged. The first event of a burst arms a short timer and later ones
-// ride along: re-arming on every event would let a busy directory (a log
-// file next to the tokens) postpone the reread forever. Chmod alone never
-// changes content (backup and indexing tools touch modes often) and is
-// ignored.
+// Every event there arms a short timer; when it fires, the file is read and
+// its content (a hash of it, or the error reading it) compared with what
+// the last reread found, and only a change is reread and logged. Events of
+// other files there are most of them: a log file next to the tokens, say,
+// whose every line, were each burst logged as a change, would be a change
+// again, forever. The first event of a burst arms the timer and later ones
+// ride along: re-arming on every event would let a busy directory postpone
+// the reread forever. Chmod alone never changes content (backup and
+// indexing tools touch modes often) and is ignored. A SIGHUP always
+// rereads.
 //
 // signal.Notify gives every channel registered for SIGHUP its own copy, so
 // several watches each see every SIGHUP. A watch never unregisters its
@@ -23,6 +27,7 @@ package filewatch
 import (
 	"cmp"
 	"context"
+	"crypto/sha256"
 	"fmt"
 	"log/slog"
 	"os"
@@ -52,9 +57,9 @@ type Config struct {
 
 // Watch calls reread once as soon as it watches (so that a change made
 // before is not missed, and tests can wait for that first call), then on
-// every SIGHUP and after every burst of changes to cfg.Path's directory,
-// until ctx is done; it returns nil then, or an error if the directory
-// cannot be watched.
+// every SIGHUP and after every burst of changes to cfg.Path's directory
+// that changed what reading cfg.Path finds, until ctx is done; it returns
+// nil then, or an error if the directory cannot be watched.
 func Watch(ctx context.Context, cfg Config, reread func()) error {
 	log := cfg.Logger
 	if log == nil {
@@ -77,6 +82,9 @@ func Watch(ctx context.Context, cfg Config, reread func()) error {
 		}
 		events, watchErrs = w.Events, w.Errors
 	}
+	// Taken before each reread: a change after it is seen as one by the
+	// next comparison, at worst rereading content a reread already found.
+	last := fingerprint(cfg.Path)
 	reread()
 
 	debounce := time.NewTimer(time.Hour)
@@ -89,6 +97,7 @@ func Watch(ctx context.Context, cfg Config, reread func()) error {
 			return nil
 		case <-hup:
 			log.Info(cfg.What+": SIGHUP: rereading", "file", cfg.Path)
+			last = fingerprint(cfg.Path)
 			reread()
 		case ev, ok := <-events:
 			if !ok {
@@ -107,8 +116,29 @@ func Watch(ctx context.Context, cfg Config, reread func()) error {
 			log.Warn(cfg.What+": watching the file", "file", cfg.Path, "err", err)
 		case <-debounce.C:
 			armed = false
+			now := fingerprint(cfg.Path)
+			if now == last {
+				log.Debug(cfg.What+": directory changed, file unchanged: not rereading", "file", cfg.Path)
+				continue
+			}
+			last = now
 			log.Info(cfg.What+": file changed: rereading", "file", cfg.Path)
 			reread()
 		}
 	}
+}
+
+// fingerprint is what reading path finds: a hash of its content, or the
+// error (a file removed, then restored unchanged, is a change twice). Empty
+// for no path.
+func fingerprint(path string) string {
+	if path == "" {
+		return ""
+	}
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return "error: " + err.Error()
+	}
+	sum := sha256.Sum256(b)
+	return string(sum[:])
 }

@@ -2,8 +2,10 @@ package filewatch_test
 
 import (
 	"context"
+	"log/slog"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
@@ -18,11 +20,17 @@ import (
 // cancels the watch and reports a reread made after the ones received.
 func watch(t *testing.T, path string) (rereads <-chan struct{}, stop func() (extra bool)) {
 	t.Helper()
+	return watchLogged(t, path, nil)
+}
+
+// watchLogged is watch with Watch's log lines going to log.
+func watchLogged(t *testing.T, path string, log *slog.Logger) (rereads <-chan struct{}, stop func() (extra bool)) {
+	t.Helper()
 	calls := make(chan struct{})
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() {
-		done <- filewatch.Watch(ctx, filewatch.Config{Path: path, What: "test", Debounce: 10 * time.Millisecond},
+		done <- filewatch.Watch(ctx, filewatch.Config{Path: path, What: "test", Debounce: 10 * time.Millisecond, Logger: log},
 			func() { calls <- struct{}{} })
 	}()
 	finished := false
@@ -112,3 +120,75 @@ func TestOneChangeIsRereadOnce(t *testing.T) {
 		t.Error("one change was reread more than once")
 	}
 }
+
+// Changes to other files in the watched directory are not rereads: with
+// the server's log written next to its token file, each reread's log line
+// was a change in the directory, which was reread and logged again, every
+// debounce interval, forever. Only a change of the file's content is
+// reread; the watch still sees one after the others. (Kills the mutant that
+// rereads after every burst of events, as before.)
+func TestOtherFilesInTheDirectoryAreNotReread(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	path := filepath.Join(dir, "tokens")
+	if err := os.WriteFile(path, []byte("a"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	skipped := make(chan struct{}, 16)
+	log := slog.New(skipHandler{skipped})
+	rereads, stop := watchLogged(t, path, log)
+	logFile := filepath.Join(dir, "serve.log")
+	for i := range 3 {
+		if err := os.WriteFile(logFile, []byte(strings.Repeat("line\n", i+1)), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		select {
+		case <-skipped:
+		case <-rereads:
+			t.Fatalf("write %d to another file in the directory was reread as a change", i+1)
+		case <-time.After(10 * time.Second):
+			t.Fatalf("write %d to another file in the directory: neither reread nor passed over", i+1)
+		}
+	}
+	moveIn(t, path, "b")
+	waitReread(t, rereads, "the file changed after the other file's writes")
+	// The change is now what the last reread found: another file's write
+	// after it is passed over again.
+	drain(skipped)
+	if err := os.WriteFile(logFile, []byte("more\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-skipped:
+	case <-rereads:
+		t.Fatal("another file's write after a change was reread as a change")
+	case <-time.After(10 * time.Second):
+		t.Fatal("another file's write after a change: neither reread nor passed over")
+	}
+	if stop() {
+		t.Error("one change was reread more than once")
+	}
+}
+
+func drain(c <-chan struct{}) {
+	for {
+		select {
+		case <-c:
+		default:
+			return
+		}
+	}
+}
+
+// skipHandler signals each log record of a burst passed over unchanged.
+type skipHandler struct{ skipped chan<- struct{} }
+
+func (skipHandler) Enabled(context.Context, slog.Level) bool { return true }
+func (h skipHandler) Handle(_ context.Context, r slog.Record) error {
+	if strings.Contains(r.Message, "file unchanged") {
+		h.skipped <- struct{}{}
+	}
+	return nil
+}
+func (h skipHandler) WithAttrs([]slog.Attr) slog.Handler { return h }
+func (h skipHandler) WithGroup(string) slog.Handler      { return h }
