@@ -44,14 +44,23 @@ If it fails with a deadlock (40P01) against an ack, run it again.`,
 				return fmt.Errorf("database %s: %w", redactURL(g.dbURL()), err)
 			}
 			defer pool.Close()
+			// Named, with what to run: a wrong URL or a database never
+			// migrated is not the stopped discovery this command is for.
+			db := redactURL(g.dbURL())
+			if err := pool.Ping(ctx); err != nil {
+				return fmt.Errorf("database %s: %w", db, err)
+			}
+			if err := requireMigrated(ctx, g.dbURL()); err != nil {
+				return fmt.Errorf("database %s: %w", db, err)
+			}
 			st := store.New(pool)
 			stopped, err := st.DiscoveryStopped(ctx)
 			if err != nil {
-				return err
+				return fmt.Errorf("database %s: %w", db, err)
 			}
 			r, err := st.RescanDiscovery(ctx)
 			if err != nil {
-				return err
+				return fmt.Errorf("database %s: %w", db, err)
 			}
 			out := cmd.OutOrStdout()
 			if stopped != "" {

@@ -2,9 +2,13 @@ package main
 
 import (
 	"context"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/outboxd/outboxd/internal/freeport"
+	"github.com/outboxd/outboxd/internal/testdb"
 )
 
 // After a restore into another cluster, `outboxd lag` says discovery is
@@ -56,5 +60,35 @@ func TestCLIRescanAfterRestore(t *testing.T) {
 	}
 	if r := ts.cli(t, nil, "lag").want(t, exitOK); strings.Contains(r.stdout, "DISCOVERY STOPPED") {
 		t.Fatalf("lag after the re-scan:\n%s", r.stdout)
+	}
+}
+
+// rescan names the database it cannot use and what to run: a database never
+// migrated, or one it cannot reach, is not the stopped discovery it exists
+// for, and its error must not read as one (it said "discovery stopped:
+// ERROR: schema "outbox" does not exist").
+func TestCLIRescanNamesADatabaseItCannotUse(t *testing.T) {
+	t.Parallel()
+	port, err := freeport.Port()
+	if err != nil {
+		t.Fatal(err)
+	}
+	unreachable := "postgres://postgres@127.0.0.1:" + strconv.Itoa(port) + "/none?connect_timeout=5"
+	for _, c := range []struct {
+		what, url string
+		says      []string
+	}{
+		{"never migrated", testdb.NewEmpty(t), []string{"database postgres://", "pending; run `outboxd migrate` first"}},
+		{"unreachable", unreachable, []string{"database postgres://postgres@127.0.0.1:" + strconv.Itoa(port) + "/none"}},
+	} {
+		r := runCLI(t, t.Context(), nil, nil, "rescan", "--database-url", c.url).want(t, exitFailure)
+		for _, s := range c.says {
+			if !strings.Contains(r.stderr, s) {
+				t.Errorf("rescan of a database %s does not say %q:\n%s", c.what, s, r.stderr)
+			}
+		}
+		if strings.Contains(r.stderr, "discovery stopped") {
+			t.Errorf("rescan's error for a database %s reads as a stopped discovery:\n%s", c.what, r.stderr)
+		}
 	}
 }

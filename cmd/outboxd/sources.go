@@ -114,17 +114,23 @@ func openSource(ctx context.Context, s source, all []source, maxConns int32) (*s
 		pool.Close()
 		return nil, fail(fmt.Errorf("database %s: %w", redactURL(s.url), err))
 	}
-	if err := withSQL(ctx, s.url, func(db *sql.DB) error {
+	if err := requireMigrated(ctx, s.url); err != nil {
+		pool.Close()
+		return nil, fail(err)
+	}
+	return pool, nil
+}
+
+// requireMigrated fails, saying what to run, unless every migration is
+// applied to the database at url.
+func requireMigrated(ctx context.Context, url string) error {
+	return withSQL(ctx, url, func(db *sql.DB) error {
 		n, err := migrations.Pending(ctx, db)
 		if err == nil && n > 0 {
 			err = fmt.Errorf("%d schema migration(s) pending; run `outboxd migrate` first", n)
 		}
 		return err
-	}); err != nil {
-		pool.Close()
-		return nil, fail(err)
-	}
-	return pool, nil
+	})
 }
 
 // migrateSources applies pending migrations to every source in turn,

@@ -125,7 +125,7 @@ type ClaimProbe struct {
 func (s *Store) DiscoveryStopped(ctx context.Context) (string, error) {
 	var reason *string
 	if err := s.pool.QueryRow(ctx, `SELECT outbox.discovery_stopped()`).Scan(&reason); err != nil {
-		return "", fmt.Errorf("store: discovery stopped: %w", err)
+		return "", fmt.Errorf("store: reading whether discovery is stopped: %w", err)
 	}
 	return deref(reason), nil
 }
