@@ -73,6 +73,12 @@ func (f *clientFlags) register(fl *pflag.FlagSet) {
 	fl.BoolVar(&f.insecure, "insecure", false, "allow sending the token without TLS to a non-loopback server")
 }
 
+// usesTLS says the client connects with TLS: --tls, or any other --tls-*
+// flag.
+func (f *clientFlags) usesTLS() bool {
+	return f.tls || f.tlsCA != "" || f.tlsCert != "" || f.tlsServerName != ""
+}
+
 // dialServer returns a client connection to the server f names, with TLS
 // and the bearer token when configured. Like grpc.NewClient it connects
 // lazily: an unreachable server shows up as the first call failing with
@@ -84,7 +90,7 @@ func dialServer(_ *cobra.Command, f *clientFlags) (*grpc.ClientConn, error) {
 	if (f.tlsCert == "") != (f.tlsKey == "") {
 		return nil, usageError("--tls-cert and --tls-key go together")
 	}
-	useTLS := f.tls || f.tlsCA != "" || f.tlsCert != "" || f.tlsServerName != ""
+	useTLS := f.usesTLS()
 	opts := []grpc.DialOption{grpc.WithTransportCredentials(insecure.NewCredentials())}
 	if useTLS {
 		tc, err := tlsconfig.NewClient(tlsconfig.ClientConfig{
@@ -198,7 +204,7 @@ func (c *adminClient) rpcError(ctx context.Context, method string, err error) er
 	var msg string
 	switch st.Code() {
 	case codes.Unavailable:
-		msg = fmt.Sprintf("outboxd at %s is unavailable: %s", c.flags.server, st.Message())
+		msg = fmt.Sprintf("outboxd at %s is unavailable: %s", c.flags.server, st.Message()) + tlsHint(&c.flags.clientFlags, st.Message())
 	case codes.DeadlineExceeded:
 		msg = fmt.Sprintf("no answer from outboxd at %s within --timeout %v", c.flags.server, c.flags.timeout)
 	case codes.Unimplemented:
@@ -217,6 +223,21 @@ func (c *adminClient) rpcError(ctx context.Context, method string, err error) er
 		msg = st.Message()
 	}
 	return withExitCode(statusExitCode(st.Code()), errors.New(msg+statusDetails(st)))
+}
+
+// tlsHint says which TLS flag a connection refused for want of one needs:
+// gRPC's own words ("error reading server preface: EOF", "remote error: tls:
+// certificate required") do not name it.
+func tlsHint(f *clientFlags, msg string) string {
+	switch {
+	case strings.Contains(msg, "tls: certificate required"):
+		return "; the server requires a client certificate: give --tls-cert and --tls-key"
+	case !f.usesTLS() && strings.Contains(msg, "error reading server preface"):
+		return "; the server may require TLS: connect with --tls (and --tls-ca for a private CA)"
+	case f.usesTLS() && strings.Contains(msg, "first record does not look like a TLS handshake"):
+		return "; the server does not speak TLS: connect without the --tls flags"
+	}
+	return ""
 }
 
 // statusExitCode maps a gRPC status code to the CLI's exit code.

@@ -791,3 +791,25 @@ func TestParseAndFormatDurations(t *testing.T) {
 		t.Errorf("cell kept control characters: %q", got)
 	}
 }
+
+// A connection refused for want of TLS, or of a client certificate, names
+// the flag to add; a TLS client against a plaintext server, the flags to
+// drop. gRPC's own words name neither.
+func TestTLSHint(t *testing.T) {
+	plain, withTLS := &clientFlags{}, &clientFlags{tlsCA: "ca.pem"}
+	for _, c := range []struct {
+		f        *clientFlags
+		msg, say string
+	}{
+		{plain, `connection error: desc = "error reading server preface: EOF"`, "connect with --tls"},
+		{withTLS, `connection error: desc = "transport: authentication handshake failed: remote error: tls: certificate required"`, "give --tls-cert and --tls-key"},
+		{withTLS, `connection error: desc = "transport: authentication handshake failed: tls: first record does not look like a TLS handshake"`, "connect without the --tls flags"},
+		{withTLS, `connection error: desc = "error reading server preface: EOF"`, ""},
+		{plain, `connection error: desc = "transport: Error while dialing: dial tcp 127.0.0.1:1: connect: connection refused"`, ""},
+	} {
+		got := tlsHint(c.f, c.msg)
+		if (c.say == "") != (got == "") || !strings.Contains(got, c.say) {
+			t.Errorf("tlsHint(tls=%v, %q) = %q, want one saying %q", c.f.usesTLS(), c.msg, got, c.say)
+		}
+	}
+}

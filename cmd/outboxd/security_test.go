@@ -133,6 +133,13 @@ func TestMutualTLSAndTokensEndToEnd(t *testing.T) {
 		if !ok {
 			t.Errorf("lag with %s: exit %d, want %d with one of %q:\n%s", c.name, code, wantCode, c.want, out)
 		}
+		// gRPC's words do not name the flag that is missing; the CLI does.
+		if c.name == "plaintext" && !strings.Contains(out, "the server may require TLS: connect with --tls") {
+			t.Errorf("lag without TLS against a TLS server does not point at --tls:\n%s", out)
+		}
+		if strings.Contains(out, "tls: certificate required") && !strings.Contains(out, "give --tls-cert and --tls-key") {
+			t.Errorf("lag without a client certificate does not point at --tls-cert:\n%s", out)
+		}
 		if c.serverLog != "" {
 			eventually(t, "serve logs the refused handshake of lag with "+c.name, func() bool {
 				return serve.hasOutput(c.serverLog)
