@@ -4,6 +4,8 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"os/signal"
+	"syscall"
 	"time"
 
 	"github.com/spf13/cobra"
@@ -82,13 +84,18 @@ server refuses its token (UNAUTHENTICATED, PERMISSION_DENIED) on any call, but
 for a subscription of a * source refused PERMISSION_DENIED (an older server
 lists sources where the token has other streams only): that one is logged as
 a warning and left stopped until the server's list of sources changes. On
-SIGTERM or SIGINT it stops taking deliveries, lets publishes under way finish for
-up to --drain-timeout while keeping their leases, acks them, and then closes its
-stream: the leases of publishes still running are released without counting a
-failure against their events.`,
+SIGTERM, SIGINT or SIGHUP it stops taking deliveries, lets publishes under
+way finish for up to --drain-timeout while keeping their leases, acks them,
+and then closes its stream: the leases of publishes still running are
+released without counting a failure against their events.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			ctx := cmd.Context()
+			// A hang-up (the terminal closed, or a SIGHUP sent to every
+			// outboxd process after editing tokens) stops the relay as
+			// SIGTERM does: its default, an exit on the spot, would drop
+			// the publishes under way unacked, to be delivered again.
+			ctx, stopOnHUP := signal.NotifyContext(cmd.Context(), syscall.SIGHUP)
+			defer stopOnHUP()
 			log, err := g.logger(os.Stderr)
 			if err != nil {
 				return err

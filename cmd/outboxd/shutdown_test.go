@@ -2,6 +2,9 @@ package main_test
 
 import (
 	"context"
+	"net/http"
+	"net/http/httptest"
+	neturl "net/url"
 	"syscall"
 	"testing"
 	"time"
@@ -157,5 +160,68 @@ func TestDevAndServeExitZeroOnSIGINT(t *testing.T) {
 				t.Errorf("%s exited %d after SIGINT, want 0", command, code)
 			}
 		})
+	}
+}
+
+// A relay that gets SIGHUP (its terminal closed, or a SIGHUP sent to every
+// outboxd process after editing tokens) drains and exits 0 as on SIGTERM,
+// releasing its leases: the signal's default, an exit on the spot, dropped
+// the publishes under way unacked. Its deliveries are held by a sink that
+// never answers, so the relay is mid-publish when the signal comes.
+func TestRelayDrainsOnSIGHUP(t *testing.T) {
+	t.Parallel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	addr := freeAddr(t)
+	hook := stalledWebhook(t)
+	start(t, "serve", "--database-url", url, "--listen", addr, "--http-listen", "")
+	if _, err := pool.Exec(t.Context(), `SELECT outbox.emit('sales_order', 'o-' || a, 'T', '{}') FROM generate_series(1, 3) a`); err != nil {
+		t.Fatal(err)
+	}
+	relay := start(t, "relay", "--server", addr, "--sink", hook.url, "--drain-timeout", "1s")
+	hook.waitRequests(t, 3)
+	code, took, ok := relay.signalWithin(syscall.SIGHUP, time.Minute)
+	if !ok {
+		t.Fatalf("relay had not exited %v after SIGHUP", took)
+	}
+	if code != 0 {
+		t.Fatalf("relay exited %d after SIGHUP (%v), want 0 after its drain", code, relay.cmd.ProcessState)
+	}
+	eventually(t, "the relay's leases released", func() bool { return leasedCount(t, pool) == 0 })
+}
+
+// stalledHook is a webhook endpoint that answers no request until the
+// client gives up or the test ends.
+type stalledHook struct {
+	url      string
+	requests chan struct{}
+}
+
+func stalledWebhook(t *testing.T) *stalledHook {
+	t.Helper()
+	secretFile, _ := webhookSecrets(t, 1)
+	h := &stalledHook{requests: make(chan struct{}, 64)}
+	release := make(chan struct{})
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		h.requests <- struct{}{}
+		select {
+		case <-r.Context().Done():
+		case <-release:
+		}
+	}))
+	t.Cleanup(func() { close(release); srv.Close() })
+	h.url = srv.URL + "/hook?secret_file=" + neturl.QueryEscape(secretFile)
+	return h
+}
+
+// waitRequests waits until n requests have reached the endpoint.
+func (h *stalledHook) waitRequests(t *testing.T, n int) {
+	t.Helper()
+	for i := range n {
+		select {
+		case <-h.requests:
+		case <-time.After(time.Minute):
+			t.Fatalf("the webhook got %d requests within a minute, want %d", i, n)
+		}
 	}
 }
