@@ -50,12 +50,17 @@ func printRelays(w io.Writer, resp *outboxv1.ListRelaysResponse, now time.Time) 
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
 	fmt.Fprintln(tw, "RELAY\tSESSION\tPEER\tREPLICA\tSTREAMS\tIN FLIGHT\tACKED\tCONNECTED")
 	for _, r := range resp.GetRelays() {
+		// A catch-all takes every stream of its source only: "all" in the
+		// default source, "orders/*" in another.
 		streams := "all"
+		if src := r.GetSource(); src != "" {
+			streams = src + "/*"
+		}
 		switch {
 		case len(r.GetStreams()) > 0:
 			streams = strings.Join(r.GetStreams(), ",")
 		case len(r.GetExcludeStreams()) > 0:
-			streams = "all but " + strings.Join(r.GetExcludeStreams(), ",")
+			streams += " but " + strings.Join(r.GetExcludeStreams(), ",")
 		}
 		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%d/%d\t%d\t%s\n",
 			cell(r.GetRelayId(), 40), cell(r.GetSessionId(), 0), cell(r.GetPeer(), 0),

@@ -14,6 +14,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/protobuf/encoding/protojson"
 
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
 	"github.com/outboxd/outboxd/internal/testdb"
@@ -218,6 +219,22 @@ func TestRelayRoutesOverTwoSources(t *testing.T) {
 		if code != 0 || !strings.Contains(out, id) {
 			t.Errorf("outboxd relays: exit %d; want relay %s among:\n%s", code, id, out)
 		}
+	}
+	// orders/* is a catch-all of orders alone: its row says which source
+	// (streams empty would otherwise read as every stream of every source).
+	var listed outboxv1.ListRelaysResponse
+	if err := protojson.Unmarshal([]byte(out), &listed); err != nil {
+		t.Fatalf("relays --json: %v\n%s", err, out)
+	}
+	for _, rl := range listed.GetRelays() {
+		want := map[string]string{"r/sales_order": "", "r/orders/sales_order": "orders", "r/orders/*": "orders"}[rl.GetRelayId()]
+		if rl.GetSource() != want {
+			t.Errorf("relays --json: relay %s has source %q, want %q", rl.GetRelayId(), rl.GetSource(), want)
+		}
+	}
+	_, out = runOutboxd(t, nil, "relays", "--server", addr)
+	if !strings.Contains(out, "orders/* but orders/sales_order") {
+		t.Errorf("outboxd relays does not show r/orders/*'s streams as orders/* but orders/sales_order:\n%s", out)
 	}
 }
 

@@ -5,9 +5,12 @@ import (
 	"encoding/json"
 	"net/http"
 	"net/url"
+	"regexp"
 	"strings"
 	"testing"
 	"time"
+
+	"google.golang.org/grpc/metadata"
 
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
 )
@@ -327,5 +330,51 @@ func TestLagHistoryShowsAStreamLimitedTokenOnlyItsStreams(t *testing.T) {
 	}
 	if !sawOrders {
 		t.Error("a viewer of orders/* does not see orders/billing in the lag history")
+	}
+}
+
+// TestConsoleRelaysNameTheirSource: a catch-all subscription of orders
+// ("orders/*") is shown as orders/*, not as "all", which a catch-all of
+// default (every stream of default) still is.
+func TestConsoleRelaysNameTheirSource(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t, harnessOptions{sources: []string{"orders"}})
+	ctx, cancel := context.WithCancel(metadata.AppendToOutgoingContext(t.Context(), "authorization", "Bearer "+relaySecret))
+	defer cancel()
+	for _, sub := range []struct {
+		id      string
+		streams []string
+	}{{"catch-orders", []string{"orders/*"}}, {"catch-default", nil}} {
+		if _, err := h.rep.Relay.Subscribe(ctx, &outboxv1.SubscribeRequest{RelayId: sub.id, Streams: sub.streams, MaxInFlight: 1}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	b := h.browser(t)
+	b.login(t, viewerSecret)
+	var body string
+	for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+		var code int
+		if code, body = b.get(t, "/relays"); code != http.StatusOK {
+			t.Fatalf("relays page: %d\n%s", code, body)
+		}
+		if strings.Contains(body, "catch-orders") && strings.Contains(body, "catch-default") {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the two relays never showed:\n%s", body)
+		}
+	}
+	streamsCell := func(relay string) string {
+		m := regexp.MustCompile(`<td>` + relay + `</td><td>[^<]*</td><td>[^<]*</td><td>(.*?)</td>`).FindStringSubmatch(body)
+		if m == nil {
+			t.Fatalf("no row of %s:\n%s", relay, body)
+		}
+		return m[1]
+	}
+	if got := streamsCell("catch-orders"); got != "orders/*" {
+		t.Errorf("catch-all of orders: streams cell %q, want orders/*", got)
+	}
+	if got := streamsCell("catch-default"); got != `<span class="muted">all</span>` {
+		t.Errorf("catch-all of default: streams cell %q, want all", got)
 	}
 }

@@ -190,6 +190,9 @@ func (a *adminRouter) ListRelays(ctx context.Context, req *outboxv1.ListRelaysRe
 		}
 		answered++
 		for _, rl := range res.GetRelays() {
+			if v.name != Default {
+				rl.Source = v.name
+			}
 			for i, s := range rl.Streams {
 				rl.Streams[i] = JoinStream(v.name, s)
 			}

@@ -851,8 +851,13 @@ type Relay struct {
 	// take (SubscribeRequest.exclude_streams): a catch-all beside relays that
 	// take some streams.
 	ExcludeStreams []string `protobuf:"bytes,10,rep,name=exclude_streams,json=excludeStreams,proto3" json:"exclude_streams,omitempty"`
-	unknownFields  protoimpl.UnknownFields
-	sizeCache      protoimpl.SizeCache
+	// source names the source database the subscription takes from, on a
+	// server that fronts several (streams and exclude_streams are then
+	// written source/stream); empty means "default". A catch-all of a source
+	// (streams empty) takes every stream of that source only.
+	Source        string `protobuf:"bytes,11,opt,name=source,proto3" json:"source,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *Relay) Reset() {
@@ -953,6 +958,13 @@ func (x *Relay) GetExcludeStreams() []string {
 		return x.ExcludeStreams
 	}
 	return nil
+}
+
+func (x *Relay) GetSource() string {
+	if x != nil {
+		return x.Source
+	}
+	return ""
 }
 
 // GetAggregateRequest names one aggregate.
@@ -3393,7 +3405,7 @@ const file_outbox_v1_admin_service_proto_rawDesc = "" +
 	"\x06source\x18\x11 \x01(\tR\x06source\"\x13\n" +
 	"\x11ListRelaysRequest\">\n" +
 	"\x12ListRelaysResponse\x12(\n" +
-	"\x06relays\x18\x01 \x03(\v2\x10.outbox.v1.RelayR\x06relays\"\xcd\x02\n" +
+	"\x06relays\x18\x01 \x03(\v2\x10.outbox.v1.RelayR\x06relays\"\xe5\x02\n" +
 	"\x05Relay\x12\x19\n" +
 	"\brelay_id\x18\x01 \x01(\tR\arelayId\x12\x1d\n" +
 	"\n" +
@@ -3407,7 +3419,8 @@ const file_outbox_v1_admin_service_proto_rawDesc = "" +
 	"\x05acked\x18\b \x01(\x04R\x05acked\x12=\n" +
 	"\fconnected_at\x18\t \x01(\v2\x1a.google.protobuf.TimestampR\vconnectedAt\x12'\n" +
 	"\x0fexclude_streams\x18\n" +
-	" \x03(\tR\x0eexcludeStreams\"R\n" +
+	" \x03(\tR\x0eexcludeStreams\x12\x16\n" +
+	"\x06source\x18\v \x01(\tR\x06source\"R\n" +
 	"\x13GetAggregateRequest\x12\x16\n" +
 	"\x06stream\x18\x01 \x01(\tR\x06stream\x12#\n" +
 	"\raggregate_key\x18\x02 \x01(\tR\faggregateKey\"J\n" +
