@@ -456,6 +456,7 @@ func (r *Replica) SetSourcePending(name, reason string) {
 	}
 	r.pending[name] = reason
 	r.publishReadinessLocked()
+	r.router.SetPending(name, reason)
 }
 
 // ClearSourcePending forgets a pending source (removed from the
@@ -465,6 +466,7 @@ func (r *Replica) ClearSourcePending(name string) {
 	defer r.readyMu.Unlock()
 	delete(r.pending, name)
 	r.publishReadinessLocked()
+	r.router.ClearPending(name)
 }
 
 // startLocked starts e's background work under r.runCtx; r.mu is held.

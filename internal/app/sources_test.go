@@ -1,10 +1,12 @@
 package app_test
 
 import (
+	"fmt"
 	"strings"
 	"testing"
 	"time"
 
+	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
 	"github.com/outboxd/outboxd/internal/app"
 	"github.com/outboxd/outboxd/internal/servertest"
 	"github.com/outboxd/outboxd/internal/store"
@@ -41,14 +43,39 @@ func TestPendingSourceIsNamedUntilAdded(t *testing.T) {
 	r := servertest.Start(t, testdb.New(t), servertest.Options{})
 	waitReady(t, r)
 	r.App.SetSourcePending("orders", "connection refused")
+	r.App.SetSourcePending("ghost", "no such database")
+	r.App.ClearSourcePending("ghost")
 	if rd := r.App.Readiness(); !rd.Ready || !strings.Contains(rd.Reason, "source orders: not added yet: connection refused") {
 		t.Errorf("with orders pending the replica reports ready=%v %q; want ready, naming orders as not added yet", rd.Ready, rd.Reason)
+	}
+	// GetLag (outboxd lag, the console) names it too, as not ready, unless
+	// the request names only streams of another source.
+	lagSources := func(streams ...string) string {
+		t.Helper()
+		lag, err := r.App.AdminServer().GetLag(t.Context(), &outboxv1.GetLagRequest{Streams: streams})
+		if err != nil {
+			t.Fatal(err)
+		}
+		var out []string
+		for _, s := range lag.GetSources() {
+			out = append(out, fmt.Sprintf("%s ready=%v %s", s.GetName(), s.GetReady(), s.GetReason()))
+		}
+		return strings.Join(out, "; ")
+	}
+	if got := lagSources(); !strings.Contains(got, "orders ready=false not added yet: connection refused") || strings.Contains(got, "ghost") {
+		t.Errorf("GetLag's sources with orders pending: %q; want orders not ready, not added yet (and no ghost, cleared)", got)
+	}
+	if got := lagSources("sales_order"); strings.Contains(got, "orders") {
+		t.Errorf("GetLag of default's sales_order names orders: %q", got)
 	}
 	if err := r.App.AddSource(t.Context(), orders); err != nil {
 		t.Fatal(err)
 	}
 	if rd := r.App.Readiness(); !rd.Ready || strings.Contains(rd.Reason, "not added yet") {
 		t.Errorf("once orders is added the replica reports ready=%v %q; want ready, orders no longer pending", rd.Ready, rd.Reason)
+	}
+	if got := lagSources(); strings.Contains(got, "not added yet") {
+		t.Errorf("GetLag's sources once orders is added: %q; want it no longer pending", got)
 	}
 }
 

@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"maps"
 	"slices"
 	"strings"
 	"sync"
@@ -30,7 +31,8 @@ type adminRouter struct {
 // names for default) and reports each stream under its source, the total
 // over the sources that answered, and each source's health: a source that
 // cannot answer is left out of the figures and named in sources with the
-// reason, so one source down hides nothing of the others. When no source
+// reason, so one source down hides nothing of the others; so is a source
+// configured but not added yet (Router.SetPending). When no source
 // answers, the call fails as a single source's does.
 func (a *adminRouter) GetLag(ctx context.Context, req *outboxv1.GetLagRequest) (*outboxv1.GetLagResponse, error) {
 	type part struct {
@@ -119,6 +121,15 @@ func (a *adminRouter) GetLag(ctx context.Context, req *outboxv1.GetLagRequest) (
 	if answered == 0 {
 		return nil, firstErr
 	}
+	// Sources configured but not added yet have no engine to ask: named
+	// with why, as /readyz names them, where the caller may see them and
+	// the request takes them.
+	for _, name := range slices.Sorted(maps.Keys(rt.pending)) {
+		if _, err := forSource(ctx, name); err != nil || rt.engines[name] != nil || !takesSource(req.GetStreams(), name) {
+			continue
+		}
+		out.Sources = append(out.Sources, &outboxv1.SourceHealth{Name: name, Reason: "not added yet: " + rt.pending[name]})
+	}
 	if unaudited {
 		out.StrandedAuditedAt = nil
 	}
@@ -128,6 +139,17 @@ func (a *adminRouter) GetLag(ctx context.Context, req *outboxv1.GetLagRequest) (
 		out.DiscoveryStopped = strings.Join(stopped, "; ")
 	}
 	return out, nil
+}
+
+// takesSource says whether a GetLag of stream patterns (none: every
+// stream of every source) covers the source name.
+func takesSource(patterns []string, name string) bool {
+	for _, pat := range patterns {
+		if src, _ := SplitStream(pat); src == "*" || src == name {
+			return true
+		}
+	}
+	return len(patterns) == 0
 }
 
 func cmpErr(a, b error) error {

@@ -61,11 +61,18 @@ type routes struct {
 	// naming one is told the source is gone rather than that it never
 	// existed.
 	removed map[string]bool
+	// pending are sources configured but not added yet (their database did
+	// not answer, say), with why (SetPending): GetLag names them as not
+	// ready, as the replica's readiness does.
+	pending map[string]string
 }
 
 func (rt *routes) clone() *routes {
 	out := &routes{engines: make(map[string]*Engine, len(rt.engines)), names: slices.Clone(rt.names),
-		retiring: make(map[string]bool), removed: make(map[string]bool)}
+		retiring: make(map[string]bool), removed: make(map[string]bool), pending: make(map[string]string)}
+	for k, v := range rt.pending {
+		out.pending[k] = v
+	}
 	for k, v := range rt.engines {
 		out.engines[k] = v
 	}
@@ -114,8 +121,29 @@ func (r *Router) Add(e Engine) error {
 	next.names = append(next.names, e.Name)
 	slices.Sort(next.names)
 	delete(next.removed, e.Name)
+	delete(next.pending, e.Name)
 	r.cur.Store(next)
 	return nil
+}
+
+// SetPending records that the source name is configured but not served
+// yet, and why, until Add adds it or ClearPending forgets it.
+func (r *Router) SetPending(name, reason string) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	next := r.cur.Load().clone()
+	next.pending[name] = reason
+	r.cur.Store(next)
+}
+
+// ClearPending forgets a pending source (removed from the configuration
+// before it could be added).
+func (r *Router) ClearPending(name string) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	next := r.cur.Load().clone()
+	delete(next.pending, name)
+	r.cur.Store(next)
 }
 
 // Retire is the first step of removing a source: from now on a Subscribe
