@@ -160,16 +160,23 @@ func relayVisible(r store.RelaySession, visible func(string) bool) bool {
 }
 
 // lagProto converts a lag snapshot; every stream the request named gets an
-// entry, zeros included, so a script can rely on finding it.
+// entry, zeros included, so a script can rely on finding it. The snapshot
+// lists every stream that has had an event, so a named one it lacks has
+// had none (never_had_events).
 func lagProto(lag store.Lag, named []string) *outboxv1.GetLagResponse {
 	byName := make(map[string]store.StreamLag, len(lag.Streams))
 	for _, l := range lag.Streams {
 		byName[l.Stream] = l
 	}
+	var eventless map[string]bool
 	for _, n := range named {
 		if _, ok := byName[n]; !ok {
 			lag.Streams = append(lag.Streams, store.StreamLag{Stream: n})
 			byName[n] = store.StreamLag{Stream: n}
+			if eventless == nil {
+				eventless = make(map[string]bool)
+			}
+			eventless[n] = true
 		}
 	}
 	resp := &outboxv1.GetLagResponse{ConnectedRelays: uint32(lag.ConnectedRelays)}
@@ -178,7 +185,9 @@ func lagProto(lag store.Lag, named []string) *outboxv1.GetLagResponse {
 	}
 	var total store.StreamLag
 	for _, l := range lag.Streams {
-		resp.Streams = append(resp.Streams, streamLagProto(l, lag.Now))
+		sl := streamLagProto(l, lag.Now)
+		sl.NeverHadEvents = eventless[l.Stream]
+		resp.Streams = append(resp.Streams, sl)
 		total.PendingEvents += l.PendingEvents
 		total.PendingAggregates += l.PendingAggregates
 		total.OldestPending = earliest(total.OldestPending, l.OldestPending)

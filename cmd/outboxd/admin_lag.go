@@ -38,7 +38,8 @@ stream's ready work waits), and events delivered per second over the last
 minute; then the number of connected relays, and DISCOVERY STOPPED with the
 reason and the fix if new events are not being found (a database restored
 into another PostgreSQL cluster: run outboxd rescan). Every stream that has
-had an event is listed, an idle one with zeros.
+had an event is listed, an idle one with zeros, and so is every stream
+--stream names (one that has never had an event with a warning on stderr).
 
 --watch redraws every --interval until interrupted (Ctrl-C exits 0); --timeout
 then bounds each refresh. With --json every refresh is one line.
@@ -76,6 +77,14 @@ the total OLDEST exceeds the given age (e.g. 15m, 2h, 1d).`, cobra.NoArgs)
 			}
 			if err != nil {
 				return err
+			}
+			// A mistyped --stream reads as an idle stream, and passes a
+			// --fail-if-older-than check: say so where a script's mail
+			// shows it.
+			for _, s := range resp.GetStreams() {
+				if s.GetNeverHadEvents() {
+					fmt.Fprintf(c.errOut, "outboxd: stream %s has never had an event (mistyped?)\n", streamAddress(s))
+				}
 			}
 			if check {
 				if age := resp.GetTotal().GetOldestPendingAge().AsDuration(); age > failOlder {
@@ -152,11 +161,7 @@ func printLag(w io.Writer, resp *outboxv1.GetLagResponse) error {
 			s.GetIdleRelays(), fmtRate(s.GetDeliveredPerSecond()))
 	}
 	for _, s := range resp.GetStreams() {
-		name := s.GetStream()
-		if src := s.GetSource(); src != "" {
-			name = src + "/" + name
-		}
-		row(cell(name, 0), s)
+		row(cell(streamAddress(s), 0), s)
 	}
 	row("TOTAL", resp.GetTotal())
 	if err := tw.Flush(); err != nil {
@@ -194,6 +199,15 @@ func printLag(w io.Writer, resp *outboxv1.GetLagResponse) error {
 		return err
 	}
 	return nil
+}
+
+// streamAddress is a stream as lag names it: SOURCE/STREAM outside the
+// default source.
+func streamAddress(s *outboxv1.StreamLag) string {
+	if src := s.GetSource(); src != "" {
+		return src + "/" + s.GetStream()
+	}
+	return s.GetStream()
 }
 
 func fmtRate(r float64) string {

@@ -307,6 +307,23 @@ func TestCLILagFailIfOlderThan(t *testing.T) {
 	ts.cli(t, nil, "lag", "--fail-if-older-than", "1d").want(t, exitOK)
 	ts.cli(t, nil, "lag", "--fail-if-older-than", "soon").want(t, exitUsage)
 	ts.cli(t, nil, "lag", "--fail-if-older-than", "1h", "--watch").want(t, exitUsage)
+
+	// A mistyped --stream reads as an idle stream with zeros and passes the
+	// check: lag warns of a named stream that has never had an event, and
+	// only of that one (a drained stream has had events).
+	ts.emit(t, "drained", "d1")
+	ts.publish(t, "drained", 1)
+	r = ts.cli(t, nil, "lag", "--stream", "alertz", "--stream", "drained", "--fail-if-older-than", "2h").want(t, exitOK)
+	if !strings.Contains(r.stderr, "stream alertz has never had an event") || strings.Contains(r.stderr, "stream drained has") {
+		t.Errorf("lag --stream alertz --stream drained: stderr %q; want a warning of alertz alone", r.stderr)
+	}
+	named := parseOne(t, ts.cli(t, nil, "lag", "--json", "--stream", "alertz", "--stream", "drained", "--stream", "alerts").want(t, exitOK),
+		func() *outboxv1.GetLagResponse { return new(outboxv1.GetLagResponse) })
+	for _, s := range named.GetStreams() {
+		if want := s.GetStream() == "alertz"; s.GetNeverHadEvents() != want {
+			t.Errorf("lag --json: stream %s never_had_events %v, want %v", s.GetStream(), s.GetNeverHadEvents(), want)
+		}
+	}
 }
 
 // frames is a terminal stdout that reports each write.

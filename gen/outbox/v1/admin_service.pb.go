@@ -588,9 +588,13 @@ type StreamLag struct {
 	IdleRelays int64 `protobuf:"varint,16,opt,name=idle_relays,json=idleRelays,proto3" json:"idle_relays,omitempty"`
 	// source names the source database of the stream, on a server that fronts
 	// several; empty means "default" and is empty in a total.
-	Source        string `protobuf:"bytes,17,opt,name=source,proto3" json:"source,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Source string `protobuf:"bytes,17,opt,name=source,proto3" json:"source,omitempty"`
+	// never_had_events says the stream has had no event yet: it is listed,
+	// with zeros, only because the request named it (a mistyped name shows
+	// this way; outboxd lag warns of it).
+	NeverHadEvents bool `protobuf:"varint,18,opt,name=never_had_events,json=neverHadEvents,proto3" json:"never_had_events,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *StreamLag) Reset() {
@@ -740,6 +744,13 @@ func (x *StreamLag) GetSource() string {
 		return x.Source
 	}
 	return ""
+}
+
+func (x *StreamLag) GetNeverHadEvents() bool {
+	if x != nil {
+		return x.NeverHadEvents
+	}
+	return false
 }
 
 // ListRelaysRequest asks for the connected relays.
@@ -3382,7 +3393,7 @@ const file_outbox_v1_admin_service_proto_rawDesc = "" +
 	"\fSourceHealth\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x14\n" +
 	"\x05ready\x18\x02 \x01(\bR\x05ready\x12\x16\n" +
-	"\x06reason\x18\x03 \x01(\tR\x06reason\"\xb5\x06\n" +
+	"\x06reason\x18\x03 \x01(\tR\x06reason\"\xdf\x06\n" +
 	"\tStreamLag\x12\x16\n" +
 	"\x06stream\x18\x01 \x01(\tR\x06stream\x12%\n" +
 	"\x0epending_events\x18\x02 \x01(\x03R\rpendingEvents\x12-\n" +
@@ -3402,7 +3413,8 @@ const file_outbox_v1_admin_service_proto_rawDesc = "" +
 	"\x12stalled_aggregates\x18\x0f \x01(\x03R\x11stalledAggregates\x12\x1f\n" +
 	"\vidle_relays\x18\x10 \x01(\x03R\n" +
 	"idleRelays\x12\x16\n" +
-	"\x06source\x18\x11 \x01(\tR\x06source\"\x13\n" +
+	"\x06source\x18\x11 \x01(\tR\x06source\x12(\n" +
+	"\x10never_had_events\x18\x12 \x01(\bR\x0eneverHadEvents\"\x13\n" +
 	"\x11ListRelaysRequest\">\n" +
 	"\x12ListRelaysResponse\x12(\n" +
 	"\x06relays\x18\x01 \x03(\v2\x10.outbox.v1.RelayR\x06relays\"\xe5\x02\n" +
