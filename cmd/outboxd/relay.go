@@ -96,6 +96,16 @@ released without counting a failure against their events.`,
 			// the publishes under way unacked, to be delivered again.
 			ctx, stopOnHUP := signal.NotifyContext(cmd.Context(), syscall.SIGHUP)
 			defer stopOnHUP()
+			var rules flagRules
+			rules.want(maxInFlight >= 1, "--max-in-flight %d: want 1 or more", maxInFlight)
+			rules.want(perAggregate >= 1 && perAggregate <= max(maxInFlight, 1),
+				"--max-in-flight-per-aggregate %d: want 1 to --max-in-flight (%d)", perAggregate, maxInFlight)
+			rules.want(leaseTTL >= 0, "--lease-ttl %v: want 0 (the server's) or more", leaseTTL)
+			rules.want(drain >= 0, "--drain-timeout %v: want 0 or more", drain)
+			rules.want(sourcesEvery > 0, "--sources-interval %v: want more than 0", sourcesEvery)
+			if err := rules.err(); err != nil {
+				return err
+			}
 			log, err := g.logger(os.Stderr)
 			if err != nil {
 				return err
@@ -114,14 +124,11 @@ released without counting a failure against their events.`,
 					return withExitCode(exitUsage, err)
 				}
 			case sinkURL == "":
-				return fmt.Errorf("--sink (or --route) is required (stdout://, nats://host:port, amqp://user:pass@host:port/?exchange=..., redis://host:port/0, https://host/path?secret_file=..., kafka://host:port)")
+				return usageError("--sink (or --route) is required (stdout://, nats://host:port, amqp://user:pass@host:port/?exchange=..., redis://host:port/0, https://host/path?secret_file=..., kafka://host:port)")
 			default:
 				if rs, err = streamsRoutes(streams, exclude, sinkURL); err != nil {
 					return withExitCode(exitUsage, err)
 				}
-			}
-			if sourcesEvery <= 0 {
-				return usageError("--sources-interval must be positive")
 			}
 			if relayID == "" {
 				host, _ := os.Hostname()

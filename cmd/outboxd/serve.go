@@ -196,8 +196,8 @@ Sources given by --source or $OUTBOXD_SOURCE (which win over the file) and
 rereads the token file (--token-file).`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			if f.idleChecks < 1 {
-				return usageError("--idle-checks-per-second %d: want 1 or more", f.idleChecks)
+			if err := f.check(); err != nil {
+				return err
 			}
 			log, err := g.logger(os.Stderr)
 			if err != nil {
@@ -239,6 +239,9 @@ applies migrations and serves on --listen.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			ctx := cmd.Context()
+			if err := f.check(); err != nil {
+				return err
+			}
 			log, err := g.logger(os.Stderr)
 			if err != nil {
 				return err

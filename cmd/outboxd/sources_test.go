@@ -124,13 +124,41 @@ func TestSourceFlagRejects(t *testing.T) {
 	}
 }
 
-// A budget of idle checks below one a second is refused at start.
-func TestIdleChecksFlagRejects(t *testing.T) {
+// Flag values the server or the relay would refuse (or that would make a
+// loop spin) stop serve, dev and relay at start with a usage error (exit
+// 2) naming the flag, before any database or server is dialled: they were
+// refused with the library's Config field names and exit 1, or accepted.
+func TestOutOfRangeFlagsRejected(t *testing.T) {
 	t.Parallel()
-	for _, v := range []string{"0", "-5"} {
-		code, out := runOutboxd(t, nil, "serve", "--idle-checks-per-second", v, "--database-url", "postgres://127.0.0.1:1/x")
-		if code != 2 || !strings.Contains(out, "--idle-checks-per-second "+v+": want 1 or more") {
-			t.Errorf("serve --idle-checks-per-second %s: exit %d, %q; want 2 naming the flag", v, code, out)
+	noDB := []string{"--database-url", "postgres://127.0.0.1:1/x"}
+	noServer := []string{"--server", "127.0.0.1:1", "--sink", "stdout://"}
+	for _, c := range []struct {
+		args []string
+		want string
+	}{
+		{append([]string{"serve", "--idle-checks-per-second", "0"}, noDB...), "--idle-checks-per-second 0: want 1 or more"},
+		{append([]string{"serve", "--idle-checks-per-second", "-5"}, noDB...), "--idle-checks-per-second -5: want 1 or more"},
+		{append([]string{"serve", "--lease-ttl", "-5s"}, noDB...), "--lease-ttl -5s: want 1s to 1h"},
+		{append([]string{"serve", "--lease-ttl", "0s"}, noDB...), "--lease-ttl 0s: want 1s to 1h"},
+		{append([]string{"serve", "--lease-ttl", "2h"}, noDB...), "--lease-ttl 2h0m0s: want 1s to 1h"},
+		{append([]string{"serve", "--max-failures", "-1"}, noDB...), "--max-failures -1: want 1 or more"},
+		{append([]string{"serve", "--max-deliveries", "1"}, noDB...), "--max-deliveries 1: want 2 or more"},
+		{append([]string{"serve", "--backoff-base", "2m", "--backoff-cap", "1m"}, noDB...), "--backoff-cap 1m0s: want at least --backoff-base (2m0s)"},
+		{append([]string{"serve", "--poll-interval", "0s"}, noDB...), "--poll-interval 0s: want more than 0"},
+		{append([]string{"serve", "--max-db-conns", "0"}, noDB...), "--max-db-conns 0: want 1 or more"},
+		{append([]string{"serve", "--health-interval", "0s"}, noDB...), "--health-interval 0s: want more than 0"},
+		{append([]string{"serve", "--ack-committers", "0"}, noDB...), "--ack-committers 0: want 1 or more"},
+		{append([]string{"serve", "--max-subscriptions-per-relay", "0"}, noDB...), "--max-subscriptions-per-relay 0: want 1 or more"},
+		{append([]string{"serve", "--discovery-max-events", "-1"}, noDB...), "--discovery-max-events -1: want 0 (no limit) or more"},
+		{append([]string{"dev", "--max-db-conns", "0"}, noDB...), "--max-db-conns 0: want 1 or more"},
+		{append([]string{"relay", "--max-in-flight", "0"}, noServer...), "--max-in-flight 0: want 1 or more"},
+		{append([]string{"relay", "--max-in-flight-per-aggregate", "5000"}, noServer...), "--max-in-flight-per-aggregate 5000: want 1 to --max-in-flight (64)"},
+		{append([]string{"relay", "--drain-timeout", "-1s"}, noServer...), "--drain-timeout -1s: want 0 or more"},
+		{[]string{"relay", "--server", "127.0.0.1:1"}, "--sink (or --route) is required"},
+	} {
+		code, out := runOutboxd(t, nil, c.args...)
+		if code != 2 || !strings.Contains(out, c.want) || strings.Contains(out, "Config.") {
+			t.Errorf("outboxd %v: exit %d, %q; want 2 saying %q", c.args, code, out, c.want)
 		}
 	}
 }
@@ -248,7 +276,7 @@ func TestRelayRejectsBadSourceNames(t *testing.T) {
 	}{
 		{[]string{"--route", "Orders/sales_order=stdout://"}, `"Orders/sales_order": source name "Orders": want 1 to 32 lower-case letters`},
 		{[]string{"--route", "or*/payments=stdout://"}, `"or*/payments": a source pattern is * alone`},
-		{[]string{"--route", "*/payments=stdout://", "--sources-interval", "0s"}, "--sources-interval must be positive"},
+		{[]string{"--route", "*/payments=stdout://", "--sources-interval", "0s"}, "--sources-interval 0s: want more than 0"},
 		{[]string{"--streams", "or-ders/x", "--sink", "stdout://"}, `--streams: "or-ders/x": source name "or-ders"`},
 		{[]string{"--streams", "a,orders/b", "--exclude-streams", "c", "--sink", "stdout://"}, "--exclude-streams cannot go with them"},
 	} {
