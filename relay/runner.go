@@ -415,6 +415,15 @@ func (r *Runner) runOnce(ctx context.Context) error {
 	deliveries := make(chan []received)
 	recvErr := make(chan error, 1)
 	go func() {
+		// The server's headers say it accepted the subscription, before
+		// any event exists: from here the relay is connected, which its
+		// log says (after an outage's warnings, too), with the session
+		// id operators see in outboxd relays. A refusal sends none.
+		if md, err := stream.Header(); err == nil {
+			if ids := md.Get(limits.SessionIDHeader); len(ids) == 1 {
+				r.log.Info("subscribed", "session", ids[0], "relay_id", r.cfg.RelayID)
+			}
+		}
 		for {
 			msg, err := stream.Recv()
 			if err != nil {

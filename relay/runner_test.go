@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"log/slog"
 	"net"
 	"strings"
 	"testing"
@@ -15,6 +16,7 @@ import (
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	"github.com/outboxd/outboxd/client"
+	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
 	"github.com/outboxd/outboxd/internal/limits"
 	"github.com/outboxd/outboxd/internal/servertest"
 )
@@ -163,3 +165,44 @@ func TestRunnerStopsWhileConnecting(t *testing.T) {
 	held.Close()
 	lis.Close()
 }
+
+// A runner whose subscription the server accepted says so at Info, with the
+// session id operators see in ListRelays: before any event exists, and so
+// also after an outage's warnings, where a relay that only logs failures
+// would leave its reader guessing.
+func TestRunnerLogsItsSubscription(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, servertest.Options{})
+	subscribed := make(chan string, 4)
+	log := slog.New(recordHandler{func(r slog.Record) {
+		if r.Message != "subscribed" {
+			return
+		}
+		r.Attrs(func(a slog.Attr) bool {
+			if a.Key == "session" {
+				subscribed <- a.Value.String()
+			}
+			return true
+		})
+	}})
+	start(t, Config{Conn: e.dial(t), Publisher: newPublisher(), RelayID: "logged", Logger: log}, hooks{})
+	session := waitSignal(t, "the runner to log its subscription", subscribed)
+	relays, err := e.srv.Admin.ListRelays(t.Context(), &outboxv1.ListRelaysRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(relays.GetRelays()) != 1 || relays.GetRelays()[0].GetSessionId() != session {
+		t.Errorf("the runner logged session %q; ListRelays has %v", session, relays.GetRelays())
+	}
+}
+
+// recordHandler hands every log record to a function.
+type recordHandler struct{ f func(slog.Record) }
+
+func (recordHandler) Enabled(context.Context, slog.Level) bool { return true }
+func (h recordHandler) Handle(_ context.Context, r slog.Record) error {
+	h.f(r)
+	return nil
+}
+func (h recordHandler) WithAttrs([]slog.Attr) slog.Handler { return h }
+func (h recordHandler) WithGroup(string) slog.Handler      { return h }

@@ -20,12 +20,13 @@ import (
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
 	"github.com/outboxd/outboxd/internal/auth"
 	"github.com/outboxd/outboxd/internal/leasetoken"
+	"github.com/outboxd/outboxd/internal/limits"
 	"github.com/outboxd/outboxd/internal/store"
 )
 
 // SessionIDHeader is the response header of an accepted Subscribe stream:
 // the session id that ListRelays and GetAggregate show as the lease holder.
-const SessionIDHeader = "outbox-session-id"
+const SessionIDHeader = limits.SessionIDHeader
 
 // relayService implements outbox.v1.RelayService.
 type relayService struct {

@@ -172,7 +172,7 @@ released without counting a failure against their events.`,
 					return nil, err
 				}
 				return func(ctx context.Context) error {
-					log.Info("relay running", "server", client.server, "sink", sink.Redact(rt.sinkURL), "relay_id", id,
+					log.Info("relay starting", "server", client.server, "sink", sink.Redact(rt.sinkURL), "relay_id", id,
 						"source", rt.source, "streams", rt.label(), "exclude_streams", rt.exclude)
 					return r.Run(ctx)
 				}, nil

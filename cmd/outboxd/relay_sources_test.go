@@ -204,7 +204,7 @@ func TestRelayByPatternWithATokenOfOneSource(t *testing.T) {
 	if code := every.signal(os.Interrupt); code != 0 {
 		t.Errorf("the */* relay exited %d on SIGINT; want 0", code)
 	}
-	if every.hasOutput("relay running") {
+	if every.hasOutput("relay starting") {
 		t.Error("the */* relay subscribed to a source although its token has payments only")
 	}
 }
@@ -237,10 +237,10 @@ func TestRelayByPatternStopsOnARefusedSubscription(t *testing.T) {
 	defer serve.signal(os.Interrupt)
 	relay := start(t, "relay", "--server", grpcAddr, "--relay-id", "r", "--route", "*/payments=stdout://",
 		"--max-in-flight", "20000", "--sources-interval", "100ms")
-	// Each subscription the follower starts says "relay running": one of
+	// Each subscription the follower starts says "relay starting": one of
 	// each source, then the relay stops. A third means a refused one was
 	// started again; "leaving it stopped", that the refusal was taken for
-	// one of the token (PERMISSION_DENIED), which leaves the relay running.
+	// one of the token (PERMISSION_DENIED), which leaves the relay starting.
 	eventually(t, "the relay to stop, or to go on after the refusal", func() bool {
 		select {
 		case <-relay.done:
@@ -250,7 +250,7 @@ func TestRelayByPatternStopsOnARefusedSubscription(t *testing.T) {
 		relay.mu.Lock()
 		out := relay.output.String()
 		relay.mu.Unlock()
-		if starts := strings.Count(out, "relay running"); starts > 2 {
+		if starts := strings.Count(out, "relay starting"); starts > 2 {
 			t.Fatalf("the relay started %d subscriptions of two sources: it went on after the server refused them, instead of stopping", starts)
 		}
 		if strings.Contains(out, "leaving it stopped") {

@@ -1,5 +1,5 @@
-// Package limits holds the sizes that the server and the relay must agree
-// on. It is a leaf package, so both server/ and relay/ import it without
+// Package limits holds the sizes (and the one header name) that the server
+// and the relay must agree on. It is a leaf package, so both server/ and relay/ import it without
 // importing each other.
 package limits
 
@@ -16,3 +16,8 @@ const MaxDeliveryBytes = 4 << 20
 
 // MaxAckItems is the most acks one Ack request may carry.
 const MaxAckItems = 1000
+
+// SessionIDHeader is the response header of an accepted Subscribe stream:
+// the session's id, sent before any delivery, as operators see it in
+// ListRelays and as the lease holder in GetAggregate.
+const SessionIDHeader = "outbox-session-id"
