@@ -9,6 +9,7 @@ import (
 	"os"
 	"regexp"
 	"slices"
+	"strconv"
 	"strings"
 
 	"github.com/spf13/cobra"
@@ -129,6 +130,11 @@ func setFlag(f *pflag.Flag, values []string) error {
 	}
 	for _, v := range values {
 		if err := f.Value.Set(v); err != nil {
+			// strconv's own words ('strconv.ParseInt: parsing "many":
+			// invalid syntax') name a Go function, not what is wanted.
+			if _, ok := errors.AsType[*strconv.NumError](err); ok {
+				return fmt.Errorf("%q is not a valid %s", v, f.Value.Type())
+			}
 			return err
 		}
 	}

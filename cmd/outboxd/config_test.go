@@ -138,7 +138,8 @@ func TestConfigRejects(t *testing.T) {
 		{"database password in a source", "serve", "source: [\"orders=postgres://app:hunter2@db/orders\"]\n", nil, []string{"source holds a password", "OUTBOXD_SOURCE"}},
 		{"broker password in a route", "relay", "route: [\"orders=amqp://app:hunter2@mq:5672/?exchange=x\"]\n", nil, []string{"route holds a password"}},
 		{"bad value", "serve", "lease-ttl: soon\n", nil, []string{"lease-ttl", "soon"}},
-		{"bad environment value", "relay", "sink: stdout://\n", []string{"OUTBOXD_MAX_IN_FLIGHT=many"}, []string{"$OUTBOXD_MAX_IN_FLIGHT", "many"}},
+		{"bad environment value", "relay", "sink: stdout://\n", []string{"OUTBOXD_MAX_IN_FLIGHT=many"}, []string{`$OUTBOXD_MAX_IN_FLIGHT: "many" is not a valid int`}},
+		{"bad number", "serve", "max-db-conns: many\n", nil, []string{`max-db-conns: "many" is not a valid int32`}},
 		{"mapping", "serve", "listen:\n  host: x\n", nil, []string{"listen: want a value or a list"}},
 		// A key left empty is a mistake, not the string "<nil>".
 		{"no value", "serve", "listen:\n", nil, []string{"listen: no value"}},
