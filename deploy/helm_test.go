@@ -70,13 +70,21 @@ type podSpec struct {
 }
 
 type podBody struct {
-	TerminationGracePeriodSeconds int         `yaml:"terminationGracePeriodSeconds"`
-	Containers                    []container `yaml:"containers"`
-	Volumes                       []struct {
+	TerminationGracePeriodSeconds int `yaml:"terminationGracePeriodSeconds"`
+	SecurityContext               struct {
+		RunAsUser *int `yaml:"runAsUser"`
+		FSGroup   *int `yaml:"fsGroup"`
+	} `yaml:"securityContext"`
+	Containers []container `yaml:"containers"`
+	Volumes    []struct {
 		Name      string `yaml:"name"`
 		ConfigMap *struct {
 			Name string `yaml:"name"`
 		} `yaml:"configMap"`
+		Secret *struct {
+			SecretName  string `yaml:"secretName"`
+			DefaultMode *int   `yaml:"defaultMode"`
+		} `yaml:"secret"`
 	} `yaml:"volumes"`
 }
 
@@ -207,6 +215,7 @@ func TestHelmChart(t *testing.T) {
 					continue
 				}
 				pod := o.Spec.Template.Spec
+				checkSecretsReadable(t, o.Kind+" "+o.Metadata.Name, pod)
 				for _, c := range pod.Containers {
 					where := fmt.Sprintf("%s %s container %s", o.Kind, o.Metadata.Name, c.Name)
 					if len(c.Args) == 0 {
@@ -258,8 +267,9 @@ func TestHelmChart(t *testing.T) {
 					}
 				}
 			}
-			if tc.name == "everything" && relays != 3 {
-				t.Errorf("rendered %d relay Deployments, want the 3 of values-everything.yaml", relays)
+			checkMigratesWhatServes(t, objs, configMaps)
+			if tc.name == "everything" && relays != 4 {
+				t.Errorf("rendered %d relay Deployments, want the 4 of values-everything.yaml", relays)
 			}
 		})
 	}
@@ -327,6 +337,106 @@ func checkServerPorts(t *testing.T, where string, c container, settings map[stri
 	if c.ReadinessProbe != nil && c.ReadinessProbe.HTTPGet != nil && c.ReadinessProbe.HTTPGet.Path != "/readyz" {
 		t.Errorf("%s: readiness probe %s, want /readyz (it fails while draining)", where, c.ReadinessProbe.HTTPGet.Path)
 	}
+}
+
+// checkMigratesWhatServes: the migrate Job migrates every database the
+// server's configuration file names, --database-url and each source (it
+// migrated database.url alone, so sources set in server.config were never
+// migrated and the server refused to serve them).
+func checkMigratesWhatServes(t *testing.T, objs []k8sObject, configMaps map[string]map[string]string) {
+	t.Helper()
+	var serve struct {
+		DatabaseURL string   `yaml:"database-url"`
+		Source      []string `yaml:"source"`
+	}
+	for _, data := range configMaps {
+		if text, ok := data["serve.yaml"]; ok {
+			if err := yaml.Unmarshal([]byte(text), &serve); err != nil {
+				t.Fatalf("serve.yaml: %v", err)
+			}
+		}
+	}
+	for _, o := range objs {
+		if o.Kind != "Job" {
+			continue
+		}
+		for _, c := range o.Spec.Template.Spec.Containers {
+			var url string
+			var sources []string
+			for _, a := range c.Args {
+				if v, ok := strings.CutPrefix(a, "--database-url="); ok {
+					url = v
+				}
+				if v, ok := strings.CutPrefix(a, "--source="); ok {
+					sources = append(sources, v)
+				}
+			}
+			if url != serve.DatabaseURL || strings.Join(sources, " ") != strings.Join(serve.Source, " ") {
+				t.Errorf("Job %s migrates %s and sources %q; the server serves %s and %q", o.Metadata.Name, url, sources, serve.DatabaseURL, serve.Source)
+			}
+		}
+	}
+}
+
+// checkSecretsReadable: the process can read every Secret file the pod
+// mounts. Kubernetes makes them root's, with the volume's defaultMode
+// (0644 unless set) and the pod's fsGroup as their group: a mode without
+// the world's read bit needs that group. (The password file was mounted
+// 0440 without fsGroup, unreadable to uid 65532, and pgx ignores a password
+// file it cannot read: the login failed with nothing pointing at it.)
+func checkSecretsReadable(t *testing.T, where string, pod podBody) {
+	t.Helper()
+	sc := pod.SecurityContext
+	for _, v := range pod.Volumes {
+		if v.Secret == nil || sc.RunAsUser == nil || *sc.RunAsUser == 0 {
+			continue
+		}
+		mode := 0o644
+		if v.Secret.DefaultMode != nil {
+			mode = *v.Secret.DefaultMode
+		}
+		if mode&0o004 == 0 && (sc.FSGroup == nil || mode&0o040 == 0) {
+			t.Errorf("%s: Secret %s is mounted mode %#o, unreadable to uid %d (fsGroup %v)",
+				where, v.Secret.SecretName, mode, *sc.RunAsUser, sc.FSGroup)
+		}
+	}
+}
+
+// TestHelmChartRefuses: values that would render a deployment that cannot
+// work fail `helm template` with what to set instead: mutual TLS without a
+// relay's client certificate (the relay retried forever, refused), a drain
+// set in config (the grace period did not follow it), no tokens and no
+// insecureNoAuth (the server refuses to start), a route Secret beside a
+// sink.
+func TestHelmChartRefuses(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct {
+		name string
+		set  []string
+		want string
+	}{
+		{"mutual TLS without a relay certificate", []string{"server.tls.secret=tls", "server.tls.clientCA=true", "relays[0].name=n", "relays[0].sink=stdout://"},
+			"relay n: server.tls.clientCA (mutual TLS) needs the relay's client certificate: set its tlsSecret"},
+		{"server drain in config", []string{"server.config.shutdown-timeout=60s"}, "set server.shutdownTimeoutSeconds instead"},
+		{"relay drain in config", []string{"relays[0].name=n", "relays[0].sink=stdout://", "relays[0].config.drain-timeout=45s"},
+			"relay n: config.drain-timeout: set relayDefaults.drainTimeoutSeconds instead"},
+		{"no tokens", []string{"server.tokensSecret="}, "server.tokensSecret is empty"},
+		{"route Secret beside a sink", []string{"relays[0].name=n", "relays[0].sink=stdout://", "relays[0].routeSecret=r"},
+			"relay n: routeSecret replaces sink and sinkSecret"},
+	} {
+		args := []string{"tool", "-modfile=tools/helm/go.mod", "helm", "template", "rel", chart}
+		for _, v := range c.set {
+			args = append(args, "--set", v)
+		}
+		cmd := exec.CommandContext(t.Context(), "go", args...)
+		cmd.Dir = repoRoot(t)
+		out, err := cmd.CombinedOutput()
+		if err == nil || !strings.Contains(string(out), c.want) {
+			t.Errorf("%s: helm template %v: err %v, output:\n%s\nwant a failure saying %q", c.name, c.set, err, out, c.want)
+		}
+	}
+	// insecureNoAuth without tokens renders.
+	helm(t, "template", "rel", chart, "--set", "server.tokensSecret=", "--set", "server.insecureNoAuth=true")
 }
 
 // checkGrace: the pod's grace period exceeds the process's drain.

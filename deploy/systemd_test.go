@@ -45,6 +45,18 @@ func TestSystemdUnits(t *testing.T) {
 					t.Errorf("%s=%q, want %s=%s", k, got, k, want)
 				}
 			}
+			// The relay drains and exits 0 on SIGHUP as on SIGTERM: only
+			// Restart=always starts it again after a reload (or a SIGHUP
+			// sent to every outboxd process), where on-failure left it
+			// stopped. serve reloads in place.
+			if tc.sub == "relay" {
+				if got := settings["Restart"]; len(got) != 1 || got[0] != "always" {
+					t.Errorf("Restart=%q: the relay exits 0 after a SIGHUP's drain and must be started again: want always", got)
+				}
+				if got := settings["ExecReload"]; len(got) != 1 || !strings.Contains(got[0], "-HUP $MAINPID") {
+					t.Errorf("ExecReload=%q, want a SIGHUP (a graceful restart)", got)
+				}
+			}
 			// Neither process keeps state on disk, so neither gets a
 			// writable directory.
 			for _, k := range []string{"StateDirectory", "ReadWritePaths", "LogsDirectory", "CacheDirectory"} {

@@ -421,7 +421,7 @@ func (r *Runner) runOnce(ctx context.Context) error {
 		// id operators see in outboxd relays. A refusal sends none.
 		if md, err := stream.Header(); err == nil {
 			if ids := md.Get(limits.SessionIDHeader); len(ids) == 1 {
-				r.log.Info("subscribed", "session", ids[0], "relay_id", r.cfg.RelayID)
+				r.log.Info("subscribed", "session", ids[0])
 			}
 		}
 		for {

@@ -48,6 +48,12 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 
 {{/* The server's configuration file: what the chart decides, then server.config. */}}
 {{- define "outboxd.serverConfig" -}}
+{{- if hasKey .Values.server.config "shutdown-timeout" }}
+{{- fail "server.config.shutdown-timeout: set server.shutdownTimeoutSeconds instead (the pod's grace period follows it)" }}
+{{- end }}
+{{- if and (not .Values.server.tokensSecret) (not .Values.server.insecureNoAuth) }}
+{{- fail "server.tokensSecret is empty: give the token file's Secret, or set server.insecureNoAuth (outboxd serve refuses a non-loopback listener without tokens)" }}
+{{- end }}
 {{- $c := dict
   "database-url" .Values.database.url
   "listen" (printf "0.0.0.0:%v" .Values.server.ports.grpc)
@@ -74,9 +80,17 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- define "outboxd.relayConfig" -}}
 {{- $r := .relay -}}
 {{- $v := .root.Values -}}
+{{- if hasKey ($r.config | default dict) "drain-timeout" }}
+{{- fail (printf "relay %s: config.drain-timeout: set relayDefaults.drainTimeoutSeconds instead (the pod's grace period follows it)" $r.name) }}
+{{- end }}
+{{- if and $v.server.tls.clientCA (not $r.tlsSecret) }}
+{{- fail (printf "relay %s: server.tls.clientCA (mutual TLS) needs the relay's client certificate: set its tlsSecret" $r.name) }}
+{{- end }}
+{{- if and $r.routeSecret (or $r.sink $r.sinkSecret) }}
+{{- fail (printf "relay %s: routeSecret replaces sink and sinkSecret (give the sinks in the routes)" $r.name) }}
+{{- end }}
 {{- $c := dict
   "server" (printf "%s:%v" (include "outboxd.fullname" .root) $v.server.ports.grpc)
-  "relay-id" $r.name
   "drain-timeout" (printf "%vs" $v.relayDefaults.drainTimeoutSeconds)
   "log-format" "json" -}}
 {{- if $r.sink }}
