@@ -115,6 +115,9 @@ var ruleRe = regexp.MustCompile(`(?m)^\s*- alert: (\S+)\n(?:\s*#.*\n)*\s*expr: (
 
 var metricRef = regexp.MustCompile(`\b(outboxd_[a-z0-9_]+|grpc_server_[a-z0-9_]+)\b`)
 
+// maxByRe finds the label lists of "max by (...)" aggregations.
+var maxByRe = regexp.MustCompile(`max by \(([^)]*)\)`)
+
 func TestMonitoringQueriesOnlyRegisteredMetrics(t *testing.T) {
 	t.Parallel()
 	registered := registeredMetrics(t)
@@ -127,6 +130,15 @@ func TestMonitoringQueriesOnlyRegisteredMetrics(t *testing.T) {
 		for _, name := range refs {
 			if !registered[name] {
 				t.Errorf("%s: %q queries %s, which outboxd does not export", where, expr, name)
+			}
+		}
+		// The backlog gauges are each source database's (a source label
+		// with several): a max over replicas that drops source merges the
+		// same stream name of two sources, and hides a source without
+		// relays behind one that has some.
+		for _, m := range maxByRe.FindAllStringSubmatch(expr, -1) {
+			if !slices.Contains(strings.Split(strings.ReplaceAll(m[1], " ", ""), ","), "source") {
+				t.Errorf("%s: %q aggregates by (%s) without source", where, expr, m[1])
 			}
 		}
 	}
