@@ -3,6 +3,7 @@ package migrations_test
 import (
 	"context"
 	"fmt"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -65,6 +66,10 @@ func claimAs(t *testing.T, pool *pgxpool.Pool, holder uuid.UUID, replica string)
 
 // noTTLs marks a case whose hand-over holders are passed without TTLs.
 var noTTLs = uuid.MustParse("00000000-0000-0000-0000-00000000a77e")
+
+// spareCredit marks a case whose hand-over holders all have credit to
+// spare (p_handover_spare).
+var spareCredit = uuid.MustParse("00000000-0000-0000-0000-0000000005fa")
 
 var oneAckCases = []ackCase{
 	{"next revision handed over to the local holder", true, func(t *testing.T, pool *pgxpool.Pool) (uuid.UUID, []uuid.UUID) {
@@ -158,6 +163,16 @@ var oneAckCases = []ackCase{
 		discover(t, pool)
 		return claimOne(t, pool, h, 1), []uuid.UUID{h}
 	}, []string{"answer published", "delivery orders/a: (ready,1,", "delivery orders/b: (ready,0,", "events orders/a: 1 published, 2 pending"}},
+	// The same with credit to spare: the holder's claims take b with it,
+	// so the hand-over holds nothing b needs and goes ahead.
+	{"older work claimable, the holder has credit to spare: handed over", true, func(t *testing.T, pool *pgxpool.Pool) (uuid.UUID, []uuid.UUID) {
+		h := uuid.New()
+		emitN(t, pool, "a", 1)
+		emitN(t, pool, "b", 1)
+		emitN(t, pool, "a", 1)
+		discover(t, pool)
+		return claimOne(t, pool, h, 1), []uuid.UUID{h, spareCredit}
+	}, []string{"answer handed_over", "a/2 attempt 1 epoch raised t, expires in 20s", "delivery orders/a: (leased,1,"}},
 	{"not the next revision: out of order", false, func(t *testing.T, pool *pgxpool.Pool) (uuid.UUID, []uuid.UUID) {
 		h := uuid.New()
 		emitN(t, pool, "a", 2)
@@ -231,12 +246,12 @@ func ackOutcome(t *testing.T, pool *pgxpool.Pool, ids []uuid.UUID, local []uuid.
 
 	// Each hand-over holder gets a TTL of its own (20, 27, 34 s ...), so
 	// that taking the wrong one shows.
-	var holders, ttls any
+	var holders, ttls, spare any
 	if local != nil {
 		var hs []uuid.UUID
 		var ts []string
 		for i, h := range local {
-			if h == noTTLs {
+			if h == noTTLs || h == spareCredit {
 				continue
 			}
 			hs = append(hs, h)
@@ -245,6 +260,13 @@ func ackOutcome(t *testing.T, pool *pgxpool.Pool, ids []uuid.UUID, local []uuid.
 		holders = hs
 		if local[0] != noTTLs {
 			ttls = ts
+		}
+		if slices.Contains(local, spareCredit) {
+			all := make([]bool, len(hs))
+			for i := range all {
+				all[i] = true
+			}
+			spare = all
 		}
 	}
 	var before struct {
@@ -279,8 +301,8 @@ func ackOutcome(t *testing.T, pool *pgxpool.Pool, ids []uuid.UUID, local []uuid.
 		                  (SELECT string_agg(extract(epoch FROM ttl)::int::text, ' or ') FROM unnest($4::interval[]) ttl
 		                   WHERE (a.handover).lease_expires_at - ttl BETWEEN $6 AND clock_timestamp()))
 		       ELSE '' END
-		FROM outbox.ack($2, 'x', $3::uuid[], $4::interval[]) a
-		ORDER BY a.status, a.event_id = $1 DESC`, ids[0], ids, holders, ttls, before.epoch, called)
+		FROM outbox.ack($2, 'x', $3::uuid[], $4::interval[], p_handover_spare => $7::boolean[]) a
+		ORDER BY a.status, a.event_id = $1 DESC`, ids[0], ids, holders, ttls, before.epoch, called, spare)
 	if err != nil {
 		t.Fatal(err)
 	}

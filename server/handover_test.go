@@ -604,3 +604,66 @@ func TestLostAckAnswerDoesNotStrandHandedLease(t *testing.T) {
 	}
 	waitPending(t, pool, 0)
 }
+
+// A session with credit to spare takes a hand-over although older work of
+// its streams became claimable meanwhile: its claims take that work with
+// the spare credit (the hand-over holds nothing the older work needs), so
+// the ack need not probe the claim index, which a hot aggregate paid for on
+// every event. The older work still reaches the session, by its claim. (A
+// session without credit to spare yields: TestHandOverYieldsToOlderWork.)
+func TestHandOverWithSpareCreditGoesAhead(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	emit(t, pool, "orders", "cold", 1) // older than every hot event
+	emit(t, pool, "orders", "hot", 2)
+	r := startReplica(t, url, nil)
+
+	// Another relay takes cold/1, the oldest, and holds it.
+	otherCtx, endOther := context.WithCancel(ctx)
+	defer endOther()
+	if d := recv(t, subscribe(t, otherCtx, r, &outboxv1.SubscribeRequest{RelayId: "other", MaxInFlight: 1})); d.GetEvent().GetAggregateKey() != "cold" {
+		t.Fatalf("the first relay got %s, want cold/1", d.GetEvent().GetAggregateKey())
+	}
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{RelayId: "spare", MaxInFlight: 3})
+	hot1 := recv(t, st)
+	if k, rev := hot1.GetEvent().GetAggregateKey(), hot1.GetEvent().GetRevision(); k != "hot" || rev != 1 {
+		t.Fatalf("the second relay got %s/%d, want hot/1", k, rev)
+	}
+
+	// From here the session's claims wait, so that cold/1, released by
+	// the first relay's end, is claimable and unclaimed when hot/1's ack
+	// decides.
+	release := make(chan struct{})
+	claiming := make(chan struct{}, 16)
+	r.Server.SetBeforeLease(func(path string) {
+		if path == "claim" {
+			claiming <- struct{}{}
+			<-release
+		}
+	}, nil)
+	var releaseOnce sync.Once
+	defer releaseOnce.Do(func() { close(release) })
+	endOther()
+	waitState(t, pool, "cold", "ready") // released and claimable
+	<-claiming                          // the release woke the session: its claim waits
+
+	before := r.Server.HandOvers()
+	ackPublished(t, r, hot1)
+	if n := r.Server.HandOvers() - before; n != 1 {
+		t.Fatalf("hot/1's ack handed over %d events, want hot/2: the session has credit to spare for the older cold/1", n)
+	}
+	releaseOnce.Do(func() { close(release) })
+	got := map[string]bool{}
+	for range 2 {
+		d := recv(t, st)
+		got[fmt.Sprintf("%s/%d", d.GetEvent().GetAggregateKey(), d.GetEvent().GetRevision())] = true
+		ackPublished(t, r, d)
+	}
+	if !got["cold/1"] || !got["hot/2"] {
+		t.Fatalf("after the hand-over the session got %v, want cold/1 (by its claim) and hot/2", got)
+	}
+	waitPending(t, pool, 0)
+}

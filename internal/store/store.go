@@ -559,6 +559,11 @@ type HandOverTarget struct {
 	// Credit is what the session lends beyond the credit the batch's acks
 	// free: the most extra events it may be leased.
 	Credit int
+	// Spare says the session has credit free beyond what a hand-over
+	// replaces: older claimable work is its claims' to take, so a
+	// hand-over to it need not yield to that work (outbox.ack's
+	// p_handover_spare).
+	Spare bool
 }
 
 // Ack marks events published in one transaction, each checked on its own.
@@ -626,11 +631,13 @@ func (s *Store) ack(ctx context.Context, p AckParams) ([]AckResult, error) {
 	var holders []uuid.UUID
 	var ttls []time.Duration
 	var windows, credits []int32
+	var spare []bool
 	for h, t := range p.HandOver {
 		holders = append(holders, h)
 		ttls = append(ttls, t.TTL)
 		windows = append(windows, int32(max(t.Window, 1)))
 		credits = append(credits, int32(max(t.Credit, 0)))
+		spare = append(spare, t.Spare)
 	}
 	// One row per stream a session takes or excludes; a NULL stream for
 	// a session that takes every stream.
@@ -650,8 +657,8 @@ func (s *Store) ack(ctx context.Context, p AckParams) ([]AckResult, error) {
 	}
 	rows, err := s.pool.Query(ctx,
 		`SELECT a.event_id, a.status, a.holder, clock_timestamp() - a.created_at, a.claimable_in, `+leaseColumns("a.handover")+`
-		 FROM outbox.ack($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) a`, p.IDs, p.ReplicaID, holders, ttls, windows, credits,
-		filterHolders, filterStreams, filterExcluded, maxDue(p.MaxDue))
+		 FROM outbox.ack($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11) a`, p.IDs, p.ReplicaID, holders, ttls, windows, credits,
+		filterHolders, filterStreams, filterExcluded, maxDue(p.MaxDue), spare)
 	if err != nil {
 		return nil, fmt.Errorf("store: ack: %w", err)
 	}

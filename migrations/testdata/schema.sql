@@ -36,10 +36,10 @@ CREATE TYPE outbox.lease AS (
 );
 
 --
--- Name: ack(uuid[], text, uuid[], interval[], integer[], integer[], uuid[], text[], boolean[], interval); Type: FUNCTION; Schema: outbox; Owner: -
+-- Name: ack(uuid[], text, uuid[], interval[], integer[], integer[], uuid[], text[], boolean[], interval, boolean[]); Type: FUNCTION; Schema: outbox; Owner: -
 --
 
-CREATE FUNCTION outbox.ack(p_event_ids uuid[], p_replica_id text, p_handover_holders uuid[] DEFAULT NULL::uuid[], p_handover_ttls interval[] DEFAULT NULL::interval[], p_handover_windows integer[] DEFAULT NULL::integer[], p_handover_credits integer[] DEFAULT NULL::integer[], p_filter_holders uuid[] DEFAULT NULL::uuid[], p_filter_streams text[] DEFAULT NULL::text[], p_filter_excluded boolean[] DEFAULT NULL::boolean[], p_max_due interval DEFAULT NULL::interval) RETURNS TABLE(event_id uuid, status text, holder uuid, created_at timestamp with time zone, handover outbox.lease, claimable_in interval)
+CREATE FUNCTION outbox.ack(p_event_ids uuid[], p_replica_id text, p_handover_holders uuid[] DEFAULT NULL::uuid[], p_handover_ttls interval[] DEFAULT NULL::interval[], p_handover_windows integer[] DEFAULT NULL::integer[], p_handover_credits integer[] DEFAULT NULL::integer[], p_filter_holders uuid[] DEFAULT NULL::uuid[], p_filter_streams text[] DEFAULT NULL::text[], p_filter_excluded boolean[] DEFAULT NULL::boolean[], p_max_due interval DEFAULT NULL::interval, p_handover_spare boolean[] DEFAULT NULL::boolean[]) RETURNS TABLE(event_id uuid, status text, holder uuid, created_at timestamp with time zone, handover outbox.lease, claimable_in interval)
     LANGUAGE plpgsql
     SET enable_seqscan TO 'off'
     SET enable_sort TO 'off'
@@ -189,8 +189,10 @@ BEGIN
                 v_slot := array_position(p_handover_holders, v_holder);
             END IF;
             -- The claim order a hand-over must not jump: the oldest work
-            -- claimable in the streams the holder's session takes.
-            IF v_slot IS NOT NULL AND v_next_id IS NOT NULL AND NOT v_next_skipped THEN
+            -- claimable in the streams the holder's session takes, unless
+            -- the session has credit to spare for it.
+            IF v_slot IS NOT NULL AND v_next_id IS NOT NULL AND NOT v_next_skipped
+               AND NOT coalesce(p_handover_spare[v_slot], false) THEN
                 SELECT p.oldest INTO v_oldest
                 FROM outbox.claim_probe_for(ARRAY[v_holder], p_filter_holders, p_filter_streams, p_filter_excluded,
                                             v_now, p_max_due) p;
@@ -300,9 +302,10 @@ BEGIN
                -- send): the aggregate stays parked.
                array_agg(z.state = 'parked' AND z.parked_revision > z.revision) FILTER (WHERE z.ok),
                -- Whose claim index to probe: for the claim order, the
-               -- holders that may take a hand-over; for the hint, this
-               -- replica's (when it names them).
-               array_agg(DISTINCT z.holder) FILTER (WHERE z.ok AND z.holder = ANY (p_handover_holders)),
+               -- holders that may take a hand-over and have no credit to
+               -- spare; for the hint, this replica's (when it names them).
+               array_agg(DISTINCT z.holder) FILTER (WHERE z.ok AND z.holder = ANY (p_handover_holders)
+                   AND NOT coalesce(p_handover_spare[array_position(p_handover_holders, z.holder)], false)),
                array_agg(DISTINCT z.holder) FILTER (WHERE z.ok AND z.holder IS NOT NULL
                                                     AND (p_filter_holders IS NULL OR z.holder = ANY (p_filter_holders)))
         INTO v_ok, v_ok_streams, v_ok_keys, v_ok_revs, v_ok_created, v_ok_tids, v_holders, v_remote, v_windowed, v_ok_parked,
