@@ -71,6 +71,23 @@ var noTTLs = uuid.MustParse("00000000-0000-0000-0000-00000000a77e")
 // spare (p_handover_spare).
 var spareCredit = uuid.MustParse("00000000-0000-0000-0000-0000000005fa")
 
+// olderWorkWaits leases a/1 to a holder while b/1, older than a/2, is
+// claimable in the same stream, and returns a/1 and the holder (with spare
+// credit or not) to ack it with.
+func olderWorkWaits(t *testing.T, pool *pgxpool.Pool, spare bool) (uuid.UUID, []uuid.UUID) {
+	t.Helper()
+	h := uuid.New()
+	emitN(t, pool, "a", 1)
+	emitN(t, pool, "b", 1)
+	emitN(t, pool, "a", 1)
+	discover(t, pool)
+	local := []uuid.UUID{h}
+	if spare {
+		local = append(local, spareCredit)
+	}
+	return claimOne(t, pool, h, 1), local
+}
+
 var oneAckCases = []ackCase{
 	{"next revision handed over to the local holder", true, func(t *testing.T, pool *pgxpool.Pool) (uuid.UUID, []uuid.UUID) {
 		h := uuid.New()
@@ -156,22 +173,12 @@ var oneAckCases = []ackCase{
 		return claimOne(t, pool, h, 1), []uuid.UUID{h}
 	}, []string{"answer published", "delivery orders/a: (ready,1,", "events orders/a: 1 published, 3 pending"}},
 	{"older claimable work: no hand-over", true, func(t *testing.T, pool *pgxpool.Pool) (uuid.UUID, []uuid.UUID) {
-		h := uuid.New()
-		emitN(t, pool, "a", 1)
-		emitN(t, pool, "b", 1)
-		emitN(t, pool, "a", 1)
-		discover(t, pool)
-		return claimOne(t, pool, h, 1), []uuid.UUID{h}
+		return olderWorkWaits(t, pool, false)
 	}, []string{"answer published", "delivery orders/a: (ready,1,", "delivery orders/b: (ready,0,", "events orders/a: 1 published, 2 pending"}},
 	// The same with credit to spare: the holder's claims take b with it,
 	// so the hand-over holds nothing b needs and goes ahead.
 	{"older work claimable, the holder has credit to spare: handed over", true, func(t *testing.T, pool *pgxpool.Pool) (uuid.UUID, []uuid.UUID) {
-		h := uuid.New()
-		emitN(t, pool, "a", 1)
-		emitN(t, pool, "b", 1)
-		emitN(t, pool, "a", 1)
-		discover(t, pool)
-		return claimOne(t, pool, h, 1), []uuid.UUID{h, spareCredit}
+		return olderWorkWaits(t, pool, true)
 	}, []string{"answer handed_over", "a/2 attempt 1 epoch raised t, expires in 20s", "delivery orders/a: (leased,1,"}},
 	{"not the next revision: out of order", false, func(t *testing.T, pool *pgxpool.Pool) (uuid.UUID, []uuid.UUID) {
 		h := uuid.New()
