@@ -244,12 +244,14 @@
 // claimable in the streams the session takes and the session has no credit
 // beyond the lease the ack ends, nothing is handed over and the aggregate is
 // made ready, so a hot aggregate cannot hold a session's credit while older
-// work waits. A session with credit to spare (HandOverTarget.Spare, a
-// window of 1 and fewer outstanding deliveries than its max_in_flight) is
-// not probed for it: its claims take the older work with that credit (woken
-// by what made it claimable, or its poll group's poll), and the probe of the
-// claim index was a fifth of the database's work for each event of a hot
-// aggregate. A gap or a skipped next revision hands nothing over; the
+// work waits. A session with credit to spare (HandOverTarget.Spare: a
+// window of 1, and fewer outstanding deliveries, with what discovery rounds
+// borrowed of its credit, than its max_in_flight) is not probed for it: its
+// claims take the older work with that credit, woken by what made it
+// claimable, or, for work no one announces (a lease that expired, a backoff
+// that fell due), by its poll group's poll, within PollInterval, while the
+// hot aggregate goes on. The probe of the claim index was a fifth of the
+// database's work for each event of a hot aggregate. A gap or a skipped next revision hands nothing over; the
 // aggregate is made ready and the claim applies its rules. An ack on another replica
 // hands nothing over (that replica's sessions are not the holder). A
 // session whose stream ends first refuses hand-overs (under its lock) before

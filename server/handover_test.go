@@ -667,3 +667,80 @@ func TestHandOverWithSpareCreditGoesAhead(t *testing.T) {
 	}
 	waitPending(t, pool, 0)
 }
+
+// Credit a discovery round has borrowed is not spare: while a session's
+// free credit is lent, a hand-over to it yields to older claimable work as
+// one to a session without credit does, since the older work has no credit
+// of the session's to be claimed with until the round gives it back (and
+// the round may spend it on newer work).
+func TestHandOverYieldsWhileSpareCreditIsLent(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	emit(t, pool, "orders", "cold", 1) // older than every hot event
+	emit(t, pool, "orders", "hot", 2)
+	r := startReplica(t, url, nil)
+
+	otherCtx, endOther := context.WithCancel(ctx)
+	defer endOther()
+	if d := recv(t, subscribe(t, otherCtx, r, &outboxv1.SubscribeRequest{RelayId: "other", MaxInFlight: 1})); d.GetEvent().GetAggregateKey() != "cold" {
+		t.Fatalf("the first relay got %s, want cold/1", d.GetEvent().GetAggregateKey())
+	}
+	// The session holds hot/1 and offers its second unit while it waits.
+	offered := make(chan struct{}, 64)
+	var sessionID atomic.Value
+	r.Server.SetAfterOffer(func(session uuid.UUID, n int) {
+		if id, _ := sessionID.Load().(uuid.UUID); id == session && n == 1 {
+			offered <- struct{}{}
+		}
+	})
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{RelayId: "lends", MaxInFlight: 2})
+	hdr, err := st.Header()
+	if err != nil {
+		t.Fatal(err)
+	}
+	sessionID.Store(uuid.MustParse(hdr.Get(server.SessionIDHeader)[0]))
+	hot1 := recv(t, st)
+	if k := hot1.GetEvent().GetAggregateKey(); k != "hot" {
+		t.Fatalf("the second relay got %s, want hot/1", k)
+	}
+	awaitSignal(t, "the session to offer its free unit", offered)
+
+	// A round borrows it, and is held before its statement.
+	release := make(chan struct{})
+	held := make(chan struct{}, 16)
+	r.Server.SetBeforeRound(func() {
+		held <- struct{}{}
+		<-release
+	})
+	var releaseOnce sync.Once
+	defer releaseOnce.Do(func() { close(release) })
+	emit(t, pool, "orders", "new", 1)
+	awaitSignal(t, "a round to borrow the session's credit", held)
+
+	endOther()
+	waitState(t, pool, "cold", "ready") // older than hot/2, and claimable
+	before := r.Server.HandOvers()
+	ackPublished(t, r, hot1)
+	if n := r.Server.HandOvers() - before; n != 0 {
+		t.Fatalf("hot/1's ack handed over %d events while the session's free credit was lent: it must yield to the older cold/1", n)
+	}
+	releaseOnce.Do(func() { close(release) })
+	for range 3 { // cold/1, hot/2, new/1, in whatever order
+		ackPublished(t, r, recv(t, st))
+	}
+	waitPending(t, pool, 0)
+}
+
+// awaitSignal waits for one signal on c, failing the test after a generous
+// bound (a hang guard, not a timing assertion).
+func awaitSignal(t *testing.T, what string, c <-chan struct{}) {
+	t.Helper()
+	select {
+	case <-c:
+	case <-time.After(30 * time.Second):
+		t.Fatalf("no signal within 30s: %s", what)
+	}
+}

@@ -710,10 +710,11 @@ func (s *Server) handOverTargets() (targets map[uuid.UUID]store.HandOverTarget, 
 		}
 		t := store.HandOverTarget{TTL: sess.ttl, Window: sess.window}
 		// With credit free beyond the lease an ack of it ends (still
-		// counted here), older claimable work has credit to be claimed
-		// with: the hand-over need not yield to it. A windowed session's
-		// credit goes to its windows; it yields as before.
-		t.Spare = sess.window == 1 && sess.outstanding() < int64(sess.maxInFlight)
+		// counted here) and what rounds have borrowed, older claimable
+		// work has credit to be claimed with: the hand-over need not
+		// yield to it. A windowed session's credit goes to its windows;
+		// it yields as before.
+		t.Spare = sess.window == 1 && sess.hasSpareCredit()
 		if sess.window > 1 {
 			if n := sess.lendUpTo(math.MaxInt); n > 0 {
 				t.Credit = n

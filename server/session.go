@@ -171,6 +171,15 @@ func (ss *session) outstanding() int64 {
 	return max(0, ss.inflightN.Load()+int64(len(ss.handed)-len(ss.freed)))
 }
 
+// hasSpareCredit reports whether the session has credit free beyond its
+// deliveries (counted as outstanding does) and what discovery rounds have
+// borrowed: credit its claims can take older work with.
+func (ss *session) hasSpareCredit() bool {
+	ss.mu.Lock()
+	defer ss.mu.Unlock()
+	return ss.inflightN.Load()+int64(len(ss.handed)-len(ss.freed)+ss.lent) < int64(ss.maxInFlight)
+}
+
 // takesHandOver reports whether an ack may hand this session a lease: its
 // stream is open and the server is not stopping. (Credit does not matter:
 // a hand-over replaces the lease the ack ended.)
