@@ -27,7 +27,9 @@ func (r flagRules) err() error {
 }
 
 // check refuses serve's (and dev's) flag values that the server would
-// refuse, or that would turn a loop's pause to nothing.
+// refuse, or that would turn a loop's pause to nothing. Where the
+// libraries read 0 as "the default" the flag refuses it: its default is
+// written in --help, and a 0 that meant 15 s or a minute would surprise.
 func (f *serveFlags) check() error {
 	var r flagRules
 	r.want(f.defaultLeaseTTL >= time.Second && f.defaultLeaseTTL <= time.Hour,
@@ -37,13 +39,13 @@ func (f *serveFlags) check() error {
 	r.want(f.backoffBase > 0, "--backoff-base %v: want more than 0", f.backoffBase)
 	r.want(f.backoffCap >= f.backoffBase, "--backoff-cap %v: want at least --backoff-base (%v)", f.backoffCap, f.backoffBase)
 	r.want(f.pollInterval > 0, "--poll-interval %v: want more than 0", f.pollInterval)
-	r.want(f.shutdownTimeout >= 0, "--shutdown-timeout %v: want 0 or more", f.shutdownTimeout)
+	r.want(f.shutdownTimeout > 0, "--shutdown-timeout %v: want more than 0", f.shutdownTimeout)
 	r.want(f.maxConns >= 1, "--max-db-conns %d: want 1 or more", f.maxConns)
 	r.want(f.healthInterval > 0, "--health-interval %v: want more than 0", f.healthInterval)
 	r.want(f.idleChecks >= 1, "--idle-checks-per-second %d: want 1 or more", f.idleChecks)
 	r.want(f.retention >= 0, "--retention %v: want 0 (keep everything) or more", f.retention)
 	r.want(f.janitorInterval > 0, "--janitor-interval %v: want more than 0", f.janitorInterval)
-	r.want(f.strandedAuditInterval >= 0, "--stranded-audit-interval %v: want 0 or more", f.strandedAuditInterval)
+	r.want(f.strandedAuditInterval > 0, "--stranded-audit-interval %v: want more than 0", f.strandedAuditInterval)
 	r.want(f.maxSubscriptions >= 1, "--max-subscriptions-per-relay %d: want 1 or more", f.maxSubscriptions)
 	r.want(f.ackCommitters >= 1, "--ack-committers %d: want 1 or more", f.ackCommitters)
 	r.want(f.ackLinger >= 0, "--ack-linger %v: want 0 (off) or more", f.ackLinger)
