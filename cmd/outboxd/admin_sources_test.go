@@ -149,4 +149,31 @@ func TestCLIOfTwoSources(t *testing.T) {
 			t.Errorf("%s: %d published events left after the purge (%v)", name, n, err)
 		}
 	}
+
+	// lag warns of a named stream no source has had, and of one named in
+	// its own source, but not of */ledger in default, which lacks a stream
+	// orders has.
+	if _, err := orders.Exec(t.Context(), `SELECT outbox.emit('ledger', '1', 'T', '{}')`); err != nil {
+		t.Fatal(err)
+	}
+	var warned string
+	for deadline := time.Now().Add(time.Minute); ; time.Sleep(20 * time.Millisecond) {
+		r := ts.cli(t, nil, "lag", "--stream", "*/ledger", "--stream", "*/typo", "--stream", "orders/nosuch").want(t, exitOK)
+		warned = r.stderr
+		if !strings.Contains(warned, "stream orders/ledger has never") || time.Now().After(deadline) {
+			break // orders' lag lists ledger (a hang guard, not a timing)
+		}
+	}
+	for _, want := range []string{"stream typo has never had an event", "stream orders/typo has never had an event", "stream orders/nosuch has never had an event"} {
+		if !strings.Contains(warned, want) {
+			t.Errorf("lag --stream */ledger */typo orders/nosuch: stderr lacks %q:\n%s", want, warned)
+		}
+	}
+	if strings.Contains(warned, "ledger") {
+		t.Errorf("lag warns of */ledger, which orders has:\n%s", warned)
+	}
+	// Named in default itself, ledger is a mistake there whatever orders has.
+	if r := ts.cli(t, nil, "lag", "--stream", "ledger", "--stream", "orders/ledger").want(t, exitOK); !strings.Contains(r.stderr, "stream ledger has never had an event") {
+		t.Errorf("lag --stream ledger --stream orders/ledger: no warning of default's ledger:\n%s", r.stderr)
+	}
 }

@@ -41,22 +41,29 @@ func (a *adminRouter) GetLag(ctx context.Context, req *outboxv1.GetLagRequest) (
 		req *outboxv1.GetLagRequest
 		res *outboxv1.GetLagResponse
 		err error
+		// named are the streams the request named in this source itself,
+		// not through a * source.
+		named map[string]bool
 	}
 	var parts []*part
 	rt := a.r.routes()
 	vis, err := visibleSources(ctx, rt)
 	for _, v := range vis {
 		sub := &outboxv1.GetLagRequest{}
+		named := map[string]bool{}
 		for _, pat := range req.GetStreams() {
 			src, stream := SplitStream(pat)
 			if src == "*" || src == v.name {
 				sub.Streams = append(sub.Streams, stream)
 			}
+			if src == v.name {
+				named[stream] = true
+			}
 		}
 		if len(req.GetStreams()) > 0 && len(sub.Streams) == 0 {
 			continue
 		}
-		parts = append(parts, &part{e: v.e, ctx: v.ctx, req: sub})
+		parts = append(parts, &part{e: v.e, ctx: v.ctx, req: sub, named: named})
 	}
 	if len(parts) == 0 {
 		if len(req.GetStreams()) > 0 {
@@ -69,6 +76,18 @@ func (a *adminRouter) GetLag(ctx context.Context, req *outboxv1.GetLagRequest) (
 		wg.Go(func() { p.res, p.err = p.e.Admin.GetLag(p.ctx, p.req) })
 	}
 	wg.Wait()
+	// A stream reached through a * source ("*/orders") is eventless in
+	// the sources that lack it, which says nothing of a mistyped name
+	// while another source has it: only a name no source has had, or one
+	// named in its own source, keeps never_had_events.
+	hadEvents := map[string]bool{}
+	for _, p := range parts {
+		for _, s := range p.res.GetStreams() {
+			if !s.GetNeverHadEvents() {
+				hadEvents[s.GetStream()] = true
+			}
+		}
+	}
 	out := &outboxv1.GetLagResponse{Total: &outboxv1.StreamLag{}}
 	var firstErr error
 	var stopped []string
@@ -94,6 +113,9 @@ func (a *adminRouter) GetLag(ctx context.Context, req *outboxv1.GetLagRequest) (
 		for _, s := range p.res.GetStreams() {
 			if p.e.Name != Default {
 				s.Source = p.e.Name
+			}
+			if s.GetNeverHadEvents() && !p.named[s.GetStream()] && hadEvents[s.GetStream()] {
+				s.NeverHadEvents = false
 			}
 			out.Streams = append(out.Streams, s)
 		}
