@@ -11,6 +11,7 @@ import (
 	"os"
 	"os/exec"
 	"path"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -346,14 +347,23 @@ func checkServerPorts(t *testing.T, where string, c container, settings map[stri
 func checkMigratesWhatServes(t *testing.T, objs []k8sObject, configMaps map[string]map[string]string) {
 	t.Helper()
 	var serve struct {
-		DatabaseURL string   `yaml:"database-url"`
-		Source      []string `yaml:"source"`
+		DatabaseURL string `yaml:"database-url"`
+		Source      any    `yaml:"source"` // a list, or one as a string
 	}
 	for _, data := range configMaps {
 		if text, ok := data["serve.yaml"]; ok {
 			if err := yaml.Unmarshal([]byte(text), &serve); err != nil {
 				t.Fatalf("serve.yaml: %v", err)
 			}
+		}
+	}
+	var served []string
+	switch v := serve.Source.(type) {
+	case string:
+		served = []string{v}
+	case []any:
+		for _, e := range v {
+			served = append(served, fmt.Sprint(e))
 		}
 	}
 	for _, o := range objs {
@@ -371,8 +381,8 @@ func checkMigratesWhatServes(t *testing.T, objs []k8sObject, configMaps map[stri
 					sources = append(sources, v)
 				}
 			}
-			if url != serve.DatabaseURL || strings.Join(sources, " ") != strings.Join(serve.Source, " ") {
-				t.Errorf("Job %s migrates %s and sources %q; the server serves %s and %q", o.Metadata.Name, url, sources, serve.DatabaseURL, serve.Source)
+			if url != serve.DatabaseURL || strings.Join(sources, " ") != strings.Join(served, " ") {
+				t.Errorf("Job %s migrates %s and sources %q; the server serves %s and %q", o.Metadata.Name, url, sources, serve.DatabaseURL, served)
 			}
 		}
 	}
@@ -437,6 +447,58 @@ func TestHelmChartRefuses(t *testing.T) {
 	}
 	// insecureNoAuth without tokens renders.
 	helm(t, "template", "rel", chart, "--set", "server.tokensSecret=", "--set", "server.insecureNoAuth=true")
+}
+
+// TestHelmChartKeepsWhatConfigSays: one source written as a string (as a
+// flag takes it) is migrated as a list of one is, and a relay whose config
+// names its relay-id is not renamed by the pod-name default (an OUTBOXD_*
+// variable would override the file silently).
+func TestHelmChartKeepsWhatConfigSays(t *testing.T) {
+	t.Parallel()
+	values := path.Join(t.TempDir(), "values.yaml")
+	if err := os.WriteFile(values, []byte(`server:
+  config:
+    source: orders=postgres://outboxd@db:5432/orders
+relays:
+  - name: named
+    sink: stdout://
+    config:
+      relay-id: billing-relay
+  - name: pods
+    sink: stdout://
+`), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	objs := renderChart(t, values)
+	configMaps := map[string]map[string]string{}
+	for _, o := range objs {
+		if o.Kind == "ConfigMap" {
+			configMaps[o.Metadata.Name] = o.Data
+		}
+	}
+	checkMigratesWhatServes(t, objs, configMaps)
+	migrated := false
+	for _, o := range objs {
+		for _, c := range o.Spec.Template.Spec.Containers {
+			if o.Kind == "Job" {
+				migrated = slices.Contains(c.Args, "--source=orders=postgres://outboxd@db:5432/orders")
+			}
+			if c.Name != "relay" {
+				continue
+			}
+			hasEnv := slices.ContainsFunc(c.Env, func(e struct {
+				Name string `yaml:"name"`
+			}) bool {
+				return e.Name == "OUTBOXD_RELAY_ID"
+			})
+			if want := !strings.HasSuffix(o.Metadata.Name, "-named"); hasEnv != want {
+				t.Errorf("%s: $OUTBOXD_RELAY_ID set %t, want %t", o.Metadata.Name, hasEnv, want)
+			}
+		}
+	}
+	if !migrated {
+		t.Error("the migrate Job does not migrate the one source given as a string")
+	}
 }
 
 // checkGrace: the pod's grace period exceeds the process's drain.

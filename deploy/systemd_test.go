@@ -56,6 +56,11 @@ func TestSystemdUnits(t *testing.T) {
 				if got := settings["ExecReload"]; len(got) != 1 || !strings.Contains(got[0], "-HUP $MAINPID") {
 					t.Errorf("ExecReload=%q, want a SIGHUP (a graceful restart)", got)
 				}
+				// Each reload is a start: under the default limit (5 in
+				// 10 s) a few quick reloads would leave it failed.
+				if got := settings["StartLimitIntervalSec"]; len(got) != 1 || got[0] != "0" {
+					t.Errorf("StartLimitIntervalSec=%q, want 0", got)
+				}
 			}
 			// Neither process keeps state on disk, so neither gets a
 			// writable directory.
