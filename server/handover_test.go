@@ -688,13 +688,22 @@ func TestHandOverYieldsWhileSpareCreditIsLent(t *testing.T) {
 	if d := recv(t, subscribe(t, otherCtx, r, &outboxv1.SubscribeRequest{RelayId: "other", MaxInFlight: 1})); d.GetEvent().GetAggregateKey() != "cold" {
 		t.Fatalf("the first relay got %s, want cold/1", d.GetEvent().GetAggregateKey())
 	}
-	// The session holds hot/1 and offers its second unit while it waits.
-	offered := make(chan struct{}, 64)
+	// The session holds hot/1 and offers its second unit while it waits;
+	// the offer is kept standing (its loop held after offering), so that
+	// no poll withdraws it before a round borrows it.
+	offered := make(chan struct{}, 1)
+	unhold := make(chan struct{})
+	var holdOnce, unholdOnce sync.Once
+	defer unholdOnce.Do(func() { close(unhold) })
 	var sessionID atomic.Value
 	r.Server.SetAfterOffer(func(session uuid.UUID, n int) {
-		if id, _ := sessionID.Load().(uuid.UUID); id == session && n == 1 {
-			offered <- struct{}{}
+		if id, _ := sessionID.Load().(uuid.UUID); id != session || n != 1 {
+			return
 		}
+		holdOnce.Do(func() {
+			offered <- struct{}{}
+			<-unhold
+		})
 	})
 	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{RelayId: "lends", MaxInFlight: 2})
 	hdr, err := st.Header()
@@ -710,10 +719,13 @@ func TestHandOverYieldsWhileSpareCreditIsLent(t *testing.T) {
 
 	// A round borrows it, and is held before its statement.
 	release := make(chan struct{})
-	held := make(chan struct{}, 16)
+	held := make(chan struct{}, 1)
+	var roundOnce sync.Once
 	r.Server.SetBeforeRound(func() {
-		held <- struct{}{}
-		<-release
+		roundOnce.Do(func() {
+			held <- struct{}{}
+			<-release
+		})
 	})
 	var releaseOnce sync.Once
 	defer releaseOnce.Do(func() { close(release) })
@@ -728,6 +740,7 @@ func TestHandOverYieldsWhileSpareCreditIsLent(t *testing.T) {
 		t.Fatalf("hot/1's ack handed over %d events while the session's free credit was lent: it must yield to the older cold/1", n)
 	}
 	releaseOnce.Do(func() { close(release) })
+	unholdOnce.Do(func() { close(unhold) })
 	for range 3 { // cold/1, hot/2, new/1, in whatever order
 		ackPublished(t, r, recv(t, st))
 	}
