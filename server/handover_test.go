@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/durationpb"
@@ -615,23 +616,9 @@ func TestHandOverWithSpareCreditGoesAhead(t *testing.T) {
 	t.Parallel()
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	url := testdb.New(t)
-	pool := testdb.NewPoolURL(t, url)
-	emit(t, pool, "orders", "cold", 1) // older than every hot event
-	emit(t, pool, "orders", "hot", 2)
-	r := startReplica(t, url, nil)
-
-	// Another relay takes cold/1, the oldest, and holds it.
-	otherCtx, endOther := context.WithCancel(ctx)
-	defer endOther()
-	if d := recv(t, subscribe(t, otherCtx, r, &outboxv1.SubscribeRequest{RelayId: "other", MaxInFlight: 1})); d.GetEvent().GetAggregateKey() != "cold" {
-		t.Fatalf("the first relay got %s, want cold/1", d.GetEvent().GetAggregateKey())
-	}
+	r, pool, endOther := coldHeldElsewhere(t, ctx)
 	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{RelayId: "spare", MaxInFlight: 3})
-	hot1 := recv(t, st)
-	if k, rev := hot1.GetEvent().GetAggregateKey(), hot1.GetEvent().GetRevision(); k != "hot" || rev != 1 {
-		t.Fatalf("the second relay got %s/%d, want hot/1", k, rev)
-	}
+	hot1 := recvHot1(t, st)
 
 	// From here the session's claims wait, so that cold/1, released by
 	// the first relay's end, is claimable and unclaimed when hot/1's ack
@@ -677,17 +664,7 @@ func TestHandOverYieldsWhileSpareCreditIsLent(t *testing.T) {
 	t.Parallel()
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	url := testdb.New(t)
-	pool := testdb.NewPoolURL(t, url)
-	emit(t, pool, "orders", "cold", 1) // older than every hot event
-	emit(t, pool, "orders", "hot", 2)
-	r := startReplica(t, url, nil)
-
-	otherCtx, endOther := context.WithCancel(ctx)
-	defer endOther()
-	if d := recv(t, subscribe(t, otherCtx, r, &outboxv1.SubscribeRequest{RelayId: "other", MaxInFlight: 1})); d.GetEvent().GetAggregateKey() != "cold" {
-		t.Fatalf("the first relay got %s, want cold/1", d.GetEvent().GetAggregateKey())
-	}
+	r, pool, endOther := coldHeldElsewhere(t, ctx)
 	// The session holds hot/1 and offers its second unit while it waits;
 	// the offer is kept standing (its loop held after offering), so that
 	// no poll withdraws it before a round borrows it.
@@ -711,10 +688,7 @@ func TestHandOverYieldsWhileSpareCreditIsLent(t *testing.T) {
 		t.Fatal(err)
 	}
 	sessionID.Store(uuid.MustParse(hdr.Get(server.SessionIDHeader)[0]))
-	hot1 := recv(t, st)
-	if k := hot1.GetEvent().GetAggregateKey(); k != "hot" {
-		t.Fatalf("the second relay got %s, want hot/1", k)
-	}
+	hot1 := recvHot1(t, st)
 	awaitSignal(t, "the session to offer its free unit", offered)
 
 	// A round borrows it, and is held before its statement.
@@ -745,6 +719,35 @@ func TestHandOverYieldsWhileSpareCreditIsLent(t *testing.T) {
 		ackPublished(t, r, recv(t, st))
 	}
 	waitPending(t, pool, 0)
+}
+
+// coldHeldElsewhere starts a replica over cold/1 and then hot/1 and hot/2
+// of stream orders, and has another relay take cold/1, the oldest, and
+// hold it until endOther ends it (cold/1 is then claimable again, older
+// than every hot event). The test's context ends that relay too.
+func coldHeldElsewhere(t *testing.T, ctx context.Context) (r *replica, pool *pgxpool.Pool, endOther context.CancelFunc) {
+	t.Helper()
+	url := testdb.New(t)
+	pool = testdb.NewPoolURL(t, url)
+	emit(t, pool, "orders", "cold", 1)
+	emit(t, pool, "orders", "hot", 2)
+	r = startReplica(t, url, nil)
+	otherCtx, endOther := context.WithCancel(ctx)
+	if d := recv(t, subscribe(t, otherCtx, r, &outboxv1.SubscribeRequest{RelayId: "other", MaxInFlight: 1})); d.GetEvent().GetAggregateKey() != "cold" {
+		endOther()
+		t.Fatalf("the first relay got %s, want cold/1", d.GetEvent().GetAggregateKey())
+	}
+	return r, pool, endOther
+}
+
+// recvHot1 receives the next delivery of st, which must be hot/1.
+func recvHot1(t *testing.T, st outboxv1.RelayService_SubscribeClient) *outboxv1.SubscribeResponse {
+	t.Helper()
+	d := recv(t, st)
+	if k, rev := d.GetEvent().GetAggregateKey(), d.GetEvent().GetRevision(); k != "hot" || rev != 1 {
+		t.Fatalf("the second relay got %s/%d, want hot/1", k, rev)
+	}
+	return d
 }
 
 // awaitSignal waits for one signal on c, failing the test after a generous

@@ -168,16 +168,21 @@ func (ss *session) settle(acked []uuid.UUID, leases []store.Lease, lent int, cla
 func (ss *session) outstanding() int64 {
 	ss.mu.Lock()
 	defer ss.mu.Unlock()
+	return ss.outstandingLocked()
+}
+
+// outstandingLocked is outstanding with ss.mu held.
+func (ss *session) outstandingLocked() int64 {
 	return max(0, ss.inflightN.Load()+int64(len(ss.handed)-len(ss.freed)))
 }
 
 // hasSpareCredit reports whether the session has credit free beyond its
-// deliveries (counted as outstanding does) and what discovery rounds have
-// borrowed: credit its claims can take older work with.
+// outstanding deliveries and what discovery rounds have borrowed: credit
+// its claims can take older work with.
 func (ss *session) hasSpareCredit() bool {
 	ss.mu.Lock()
 	defer ss.mu.Unlock()
-	return ss.inflightN.Load()+int64(len(ss.handed)-len(ss.freed)+ss.lent) < int64(ss.maxInFlight)
+	return ss.outstandingLocked()+int64(ss.lent) < int64(ss.maxInFlight)
 }
 
 // takesHandOver reports whether an ack may hand this session a lease: its
