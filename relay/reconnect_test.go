@@ -72,6 +72,28 @@ func (h records) WithAttrs(as []slog.Attr) slog.Handler {
 }
 func (h records) WithGroup(g string) slog.Handler { return records{h.recordLog, h.next.WithGroup(g)} }
 
+// attr returns the value of key in the first record at level whose
+// message contains msg ("" if none).
+func (h records) attr(level slog.Level, msg, key string) string {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	for _, r := range h.recs {
+		if r.Level != level || !strings.Contains(r.Message, msg) {
+			continue
+		}
+		var v string
+		r.Attrs(func(a slog.Attr) bool {
+			if a.Key == key {
+				v = a.Value.String()
+				return false
+			}
+			return true
+		})
+		return v
+	}
+	return ""
+}
+
 // count returns how many records at level have a message containing msg.
 func (h records) count(level slog.Level, msg string) (n int, first string) {
 	h.mu.Lock()

@@ -173,20 +173,11 @@ func TestRunnerStopsWhileConnecting(t *testing.T) {
 func TestRunnerLogsItsSubscription(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, servertest.Options{})
-	subscribed := make(chan string, 4)
-	log := slog.New(recordHandler{func(r slog.Record) {
-		if r.Message != "subscribed" {
-			return
-		}
-		r.Attrs(func(a slog.Attr) bool {
-			if a.Key == "session" {
-				subscribed <- a.Value.String()
-			}
-			return true
-		})
-	}})
-	start(t, Config{Conn: e.dial(t), Publisher: newPublisher(), RelayID: "logged", Logger: log}, hooks{})
-	session := waitSignal(t, "the runner to log its subscription", subscribed)
+	log := newRecords(t)
+	subscribed := log.watch(slog.LevelInfo, "subscribed")
+	start(t, Config{Conn: e.dial(t), Publisher: newPublisher(), RelayID: "logged", Logger: slog.New(log)}, hooks{})
+	waitSignal(t, "the runner to log its subscription", subscribed)
+	session := log.attr(slog.LevelInfo, "subscribed", "session")
 	relays, err := e.srv.Admin.ListRelays(t.Context(), &outboxv1.ListRelaysRequest{})
 	if err != nil {
 		t.Fatal(err)
@@ -195,14 +186,3 @@ func TestRunnerLogsItsSubscription(t *testing.T) {
 		t.Errorf("the runner logged session %q; ListRelays has %v", session, relays.GetRelays())
 	}
 }
-
-// recordHandler hands every log record to a function.
-type recordHandler struct{ f func(slog.Record) }
-
-func (recordHandler) Enabled(context.Context, slog.Level) bool { return true }
-func (h recordHandler) Handle(_ context.Context, r slog.Record) error {
-	h.f(r)
-	return nil
-}
-func (h recordHandler) WithAttrs([]slog.Attr) slog.Handler { return h }
-func (h recordHandler) WithGroup(string) slog.Handler      { return h }
