@@ -144,7 +144,6 @@ type Replica struct {
 	engines   []*engine
 	runCtx    context.Context
 	closing   bool
-	pending   map[string]string // under readyMu: sources not added yet, and why (SetSourcePending)
 	health    *health.Server
 	readiness atomic.Pointer[server.Readiness]
 	ready     chan struct{} // closed when first ready
@@ -379,8 +378,8 @@ func (r *Replica) AddSource(ctx context.Context, src Source) error {
 		_ = r.removeEngine(ctx, e, 0)
 		return err
 	}
+	// router.Add forgot it as pending.
 	r.readyMu.Lock()
-	delete(r.pending, src.Name)
 	r.publishReadinessLocked()
 	r.readyMu.Unlock()
 	r.log.Info("source added", "source", src.Name)
@@ -446,17 +445,14 @@ func (r *Replica) removeEngine(ctx context.Context, e *engine, drain time.Durati
 }
 
 // SetSourcePending names a source that is configured but not served yet
-// (its database does not answer, say) in the replica's readiness, with why,
-// until AddSource adds it or ClearSourcePending forgets it.
+// (its database does not answer, say) in the replica's readiness and in
+// GetLag, with why, until AddSource adds it or ClearSourcePending forgets
+// it. The router keeps the list (GetLag reads it there).
 func (r *Replica) SetSourcePending(name, reason string) {
 	r.readyMu.Lock()
 	defer r.readyMu.Unlock()
-	if r.pending == nil {
-		r.pending = map[string]string{}
-	}
-	r.pending[name] = reason
-	r.publishReadinessLocked()
 	r.router.SetPending(name, reason)
+	r.publishReadinessLocked()
 }
 
 // ClearSourcePending forgets a pending source (removed from the
@@ -464,9 +460,8 @@ func (r *Replica) SetSourcePending(name, reason string) {
 func (r *Replica) ClearSourcePending(name string) {
 	r.readyMu.Lock()
 	defer r.readyMu.Unlock()
-	delete(r.pending, name)
-	r.publishReadinessLocked()
 	r.router.ClearPending(name)
+	r.publishReadinessLocked()
 }
 
 // startLocked starts e's background work under r.runCtx; r.mu is held.
@@ -524,7 +519,8 @@ func (r *Replica) sourceReadiness(e *engine, rd server.Readiness) {
 // replica's; readyMu is held.
 func (r *Replica) publishReadinessLocked() {
 	engines := r.snapshot()
-	if len(engines) == 1 && len(r.pending) == 0 {
+	pending := r.router.Pending()
+	if len(engines) == 1 && len(pending) == 0 {
 		r.setReadinessLocked(*engines[0].readiness.Load())
 		return
 	}
@@ -537,8 +533,8 @@ func (r *Replica) publishReadinessLocked() {
 			down = append(down, fmt.Sprintf("source %s: %s", e.name, rd.Reason))
 		}
 	}
-	for _, name := range slices.Sorted(maps.Keys(r.pending)) {
-		down = append(down, fmt.Sprintf("source %s: not added yet: %s", name, r.pending[name]))
+	for _, name := range slices.Sorted(maps.Keys(pending)) {
+		down = append(down, fmt.Sprintf("source %s: not added yet: %s", name, pending[name]))
 	}
 	all.Reason = strings.Join(down, "; ")
 	r.setReadinessLocked(all)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"slices"
 	"strings"
 	"sync"
@@ -134,6 +135,12 @@ func (r *Router) SetPending(name, reason string) {
 	next := r.cur.Load().clone()
 	next.pending[name] = reason
 	r.cur.Store(next)
+}
+
+// Pending returns the sources configured but not added yet, with why (a
+// copy).
+func (r *Router) Pending() map[string]string {
+	return maps.Clone(r.cur.Load().pending)
 }
 
 // ClearPending forgets a pending source (removed from the configuration
