@@ -705,7 +705,8 @@ func (s *Server) handOverTargets() (targets map[uuid.UUID]store.HandOverTarget, 
 	defer s.mu.Unlock()
 	targets = make(map[uuid.UUID]store.HandOverTarget, len(s.sessions))
 	for id, sess := range s.sessions {
-		if !sess.takesHandOver() {
+		takes, spare := sess.handOverState()
+		if !takes {
 			continue
 		}
 		t := store.HandOverTarget{TTL: sess.ttl, Window: sess.window}
@@ -714,7 +715,7 @@ func (s *Server) handOverTargets() (targets map[uuid.UUID]store.HandOverTarget, 
 		// work has credit to be claimed with: the hand-over need not
 		// yield to it. A windowed session's credit goes to its windows;
 		// it yields as before.
-		t.Spare = sess.window == 1 && sess.hasSpareCredit()
+		t.Spare = sess.window == 1 && spare
 		if sess.window > 1 {
 			if n := sess.lendUpTo(math.MaxInt); n > 0 {
 				t.Credit = n

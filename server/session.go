@@ -176,22 +176,16 @@ func (ss *session) outstandingLocked() int64 {
 	return max(0, ss.inflightN.Load()+int64(len(ss.handed)-len(ss.freed)))
 }
 
-// hasSpareCredit reports whether the session has credit free beyond its
-// outstanding deliveries and what discovery rounds have borrowed: credit
-// its claims can take older work with.
-func (ss *session) hasSpareCredit() bool {
+// handOverState says whether an ack may hand this session a lease (its
+// stream is open; credit does not matter: a hand-over replaces the lease
+// the ack ended), and whether it has credit to spare: free beyond its
+// outstanding deliveries and what discovery rounds have borrowed, credit
+// its claims can take older work with. One lock for both: the acker asks
+// every session on each batch.
+func (ss *session) handOverState() (takes, spare bool) {
 	ss.mu.Lock()
 	defer ss.mu.Unlock()
-	return ss.outstandingLocked()+int64(ss.lent) < int64(ss.maxInFlight)
-}
-
-// takesHandOver reports whether an ack may hand this session a lease: its
-// stream is open and the server is not stopping. (Credit does not matter:
-// a hand-over replaces the lease the ack ended.)
-func (ss *session) takesHandOver() bool {
-	ss.mu.Lock()
-	defer ss.mu.Unlock()
-	return !ss.closed
+	return !ss.closed, ss.outstandingLocked()+int64(ss.lent) < int64(ss.maxInFlight)
 }
 
 // close refuses hand-overs and dispatched leases from now on. The stream's
