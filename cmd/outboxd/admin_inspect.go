@@ -54,7 +54,7 @@ func printRelays(w io.Writer, resp *outboxv1.ListRelaysResponse, now time.Time) 
 		// default source, "orders/*" in another.
 		streams := "all"
 		if src := r.GetSource(); src != "" {
-			streams = src + "/*"
+			streams = multisource.JoinStream(src, "*")
 		}
 		switch {
 		case len(r.GetStreams()) > 0:

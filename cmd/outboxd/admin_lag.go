@@ -13,6 +13,7 @@ import (
 
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
 	"github.com/outboxd/outboxd/internal/advice"
+	"github.com/outboxd/outboxd/internal/multisource"
 )
 
 // ANSI: cursor to the top left, clear the screen.
@@ -83,7 +84,7 @@ the total OLDEST exceeds the given age (e.g. 15m, 2h, 1d).`, cobra.NoArgs)
 			// shows it.
 			for _, s := range resp.GetStreams() {
 				if s.GetNeverHadEvents() {
-					fmt.Fprintf(c.errOut, "outboxd: stream %s has never had an event (mistyped?)\n", streamAddress(s))
+					fmt.Fprintf(c.errOut, "outboxd: stream %s has never had an event (mistyped?)\n", multisource.JoinStream(s.GetSource(), s.GetStream()))
 				}
 			}
 			if check {
@@ -161,7 +162,7 @@ func printLag(w io.Writer, resp *outboxv1.GetLagResponse) error {
 			s.GetIdleRelays(), fmtRate(s.GetDeliveredPerSecond()))
 	}
 	for _, s := range resp.GetStreams() {
-		row(cell(streamAddress(s), 0), s)
+		row(cell(multisource.JoinStream(s.GetSource(), s.GetStream()), 0), s)
 	}
 	row("TOTAL", resp.GetTotal())
 	if err := tw.Flush(); err != nil {
@@ -199,15 +200,6 @@ func printLag(w io.Writer, resp *outboxv1.GetLagResponse) error {
 		return err
 	}
 	return nil
-}
-
-// streamAddress is a stream as lag names it: SOURCE/STREAM outside the
-// default source.
-func streamAddress(s *outboxv1.StreamLag) string {
-	if src := s.GetSource(); src != "" {
-		return src + "/" + s.GetStream()
-	}
-	return s.GetStream()
 }
 
 func fmtRate(r float64) string {
