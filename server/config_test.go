@@ -3,6 +3,7 @@ package server
 import (
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/outboxd/outboxd/internal/store"
 )
@@ -17,5 +18,22 @@ func TestConfigBoundsDiscoveryMaxFound(t *testing.T) {
 	c = Config{Store: store.New(nil), DatabaseURL: "postgres://localhost/x"}
 	if err := c.setDefaults(); err != nil || c.DiscoveryMaxFound != 10000 {
 		t.Fatalf("setDefaults: %v, DiscoveryMaxFound %d, want no error and 10000", err, c.DiscoveryMaxFound)
+	}
+}
+
+// DiscoveryPaceMax defaults to DiscoveryIdleInterval (the longest pause an
+// idle loop takes anyway) and is refused outside [DiscoveryInterval,
+// DiscoveryIdleInterval], naming it.
+func TestConfigBoundsDiscoveryPaceMax(t *testing.T) {
+	c := Config{Store: store.New(nil), DatabaseURL: "postgres://localhost/x", DiscoveryIdleInterval: 40 * time.Millisecond}
+	if err := c.setDefaults(); err != nil || c.DiscoveryPaceMax != 40*time.Millisecond {
+		t.Fatalf("setDefaults: %v, DiscoveryPaceMax %v, want no error and the idle interval 40ms", err, c.DiscoveryPaceMax)
+	}
+	for _, pace := range []time.Duration{time.Microsecond, 41 * time.Millisecond} {
+		c := Config{Store: store.New(nil), DatabaseURL: "postgres://localhost/x",
+			DiscoveryInterval: time.Millisecond, DiscoveryIdleInterval: 40 * time.Millisecond, DiscoveryPaceMax: pace}
+		if err := c.setDefaults(); err == nil || !strings.Contains(err.Error(), "DiscoveryPaceMax") {
+			t.Fatalf("setDefaults with DiscoveryPaceMax %v: %v, want an error naming it", pace, err)
+		}
 	}
 }

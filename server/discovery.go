@@ -22,9 +22,9 @@ import (
 // owns. Every replica runs the loop; replicas take turns in the database, so
 // concurrent rounds cost one advisory-lock attempt each.
 //
-// While rounds find events the loop runs every DiscoveryInterval (after a
-// lone event in a trickle, half DiscoveryIdleInterval: see doc.go,
-// Discovery); once a round finds nothing it doubles the wait, up to
+// While rounds find events the loop pauses as long as the last round took,
+// between DiscoveryInterval and DiscoveryPaceMax (after a lone event in a
+// trickle, half DiscoveryIdleInterval: see doc.go, Discovery); once a round finds nothing it doubles the wait, up to
 // DiscoveryIdleInterval, which is then the longest an event waits for its
 // first round. After a
 // turn that found nothing the loop first asks whether the next round has
@@ -143,7 +143,9 @@ func (s *Server) discover(ctx context.Context) {
 				continue
 			}
 		}
+		began := time.Now()
 		found, ready, echoed, err := s.discoverRound(ctx)
+		took := time.Since(began)
 		if err == nil {
 			s.lastTurn.Store(&discoveryTurn{at: time.Now()})
 		}
@@ -178,7 +180,14 @@ func (s *Server) discover(ctx context.Context) {
 		case found.Events > 0:
 			s.metrics.discovered.Add(float64(found.Events))
 			now := time.Now()
-			wait = s.cfg.DiscoveryInterval
+			// Paced by the round's own length (see Config.DiscoveryPaceMax),
+			// but not while a backlog is taken in parts: a round as large as
+			// DiscoveryMaxEvents leaves the rest there, and the next one is
+			// as large without the pause.
+			wait = max(s.cfg.DiscoveryInterval, min(took, s.cfg.DiscoveryPaceMax))
+			if s.cfg.DiscoveryMaxEvents > 0 && found.Events >= int64(s.cfg.DiscoveryMaxEvents) {
+				wait = s.cfg.DiscoveryInterval
+			}
 			if found.Events == 1 && now.Sub(active()) > s.cfg.DiscoveryIdleInterval {
 				// A trickle: one event, and the round before that found any
 				// was more than the idle interval ago. A check 1, 2, 4 ms

@@ -373,9 +373,19 @@
 // Producers never NOTIFY: NOTIFY takes a global lock at commit that would
 // serialise every producer. A discovery round that made aggregates ready
 // (rather than dispatching them) wakes this replica's idle sessions directly
-// and the others' through one NOTIFY outbox_wakeup. Rounds run every
-// Config.DiscoveryInterval while they find events; each turn that finds
-// nothing doubles the pause, up to Config.DiscoveryIdleInterval. Nothing notifies
+// and the others' through one NOTIFY outbox_wakeup. While rounds find
+// events, the next follows after a pause as long as the last one took,
+// Config.DiscoveryInterval at least and Config.DiscoveryPaceMax at most:
+// a round's cost is mostly fixed (its statements' start-up, the locks,
+// the wake-ups of the sessions it dispatches to), so under load, where
+// rounds back to back 1 ms apart kept the discovery connection busy nine
+// tenths of the time, the next round collects what arrived while the last
+// ran and carries about twice the events for that cost, and the acks that
+// follow its dispatches come in larger batches too (BENCHMARKS.md). A light
+// load's rounds are short, and so are their pauses; a round as large as
+// Config.DiscoveryMaxEvents (a backlog taken in parts) is followed at once.
+// Each turn that finds nothing doubles the pause, up to
+// Config.DiscoveryIdleInterval. Nothing notifies
 // discovery itself (that would be a producer's NOTIFY), so the idle
 // interval is the longest a first event after an idle spell waits to be
 // found, whether or not the replica listens; an idle replica pays one

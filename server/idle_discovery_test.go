@@ -249,6 +249,9 @@ func TestDiscoveryTurnsAfterAnEventAndAfterNothing(t *testing.T) {
 	r := startReplica(t, url, func(c *server.Config) {
 		c.DiscoveryInterval = time.Millisecond
 		c.DiscoveryIdleInterval = idle
+		// Rounds unpaced, so that each pause is the rule's alone
+		// (TestRoundsArePacedByTheirLength has the pacing).
+		c.DiscoveryPaceMax = c.DiscoveryInterval
 	})
 	// The loop's turns in order, as its hooks see them (all run on the
 	// loop's goroutine): a round and what it found, a check and its answer,
@@ -886,5 +889,77 @@ func awaitClosed(t *testing.T, ctx context.Context, ch <-chan struct{}, msg stri
 	case <-ch:
 	case <-ctx.Done():
 		t.Fatal(msg)
+	}
+}
+
+// After a round that found events the discovery loop pauses as long as the
+// round took, from DiscoveryInterval up to DiscoveryPaceMax, so that under
+// load the next round collects what arrived while this one ran: fewer,
+// larger rounds at the same fixed cost each. A round as large as
+// DiscoveryMaxEvents (a backlog taken in parts) is followed at once: the
+// rest is there already. The round that finds the pair of events is held
+// at its hook for hold, so it takes at least that long.
+func TestRoundsArePacedByTheirLength(t *testing.T) {
+	t.Parallel()
+	const hold, interval, idle = 60 * time.Millisecond, time.Millisecond, time.Second
+	for _, tc := range []struct {
+		name      string
+		configure func(*server.Config)
+		ok        func(pause time.Duration) bool
+		want      string
+	}{
+		{"as long as the round", func(*server.Config) {},
+			func(p time.Duration) bool { return p >= hold && p < idle }, "the round's length, at least the hold"},
+		{"at most DiscoveryPaceMax", func(c *server.Config) { c.DiscoveryPaceMax = hold / 3 },
+			func(p time.Duration) bool { return p == hold/3 }, "DiscoveryPaceMax"},
+		{"not while a backlog is taken in parts", func(c *server.Config) { c.DiscoveryMaxEvents = 2 },
+			func(p time.Duration) bool { return p == interval }, "DiscoveryInterval"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+			defer cancel()
+			url := testdb.New(t)
+			pool := testdb.NewPoolURL(t, url)
+			r := startReplica(t, url, func(c *server.Config) {
+				c.DiscoveryInterval, c.DiscoveryIdleInterval = interval, idle
+				tc.configure(c)
+			})
+			var held atomic.Bool
+			r.Server.SetAfterDiscover(func(d store.Discovery, err error) (store.Discovery, error) {
+				if err == nil && d.Events >= 2 && held.CompareAndSwap(false, true) {
+					time.Sleep(hold)
+				}
+				return d, err
+			})
+			pauses := make(chan time.Duration, 1)
+			var sent atomic.Bool
+			r.Server.SetAfterDiscoveryWait(func(chosen, _ time.Duration, _ time.Time) {
+				if held.Load() && sent.CompareAndSwap(false, true) {
+					pauses <- chosen
+				}
+			})
+			// Two events in one transaction: one round finds both.
+			tx, err := pool.Begin(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for range 2 {
+				if _, err := client.Emit(ctx, tx, client.Event{Stream: "orders", AggregateKey: "a", Type: "Changed", Payload: []byte(`{}`)}); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if err := tx.Commit(ctx); err != nil {
+				t.Fatal(err)
+			}
+			select {
+			case p := <-pauses:
+				if !tc.ok(p) {
+					t.Fatalf("after a round of two events held %v the loop paused %v, want %s", hold, p, tc.want)
+				}
+			case <-ctx.Done():
+				t.Fatal("no round found the two events")
+			}
+		})
 	}
 }

@@ -70,6 +70,15 @@ type Config struct {
 	// find none, and so the longest a newly committed event waits to be
 	// found. Defaults 1ms and 25ms.
 	DiscoveryInterval, DiscoveryIdleInterval time.Duration
+	// DiscoveryPaceMax is the longest pause after a round that found
+	// events, which lasts as long as the round took (DiscoveryInterval at
+	// least): under load the next round collects what arrived while this one
+	// ran, so the loop spends at most half its time in rounds and each round
+	// carries about twice the events, at about the same fixed cost (see
+	// doc.go, Discovery). A light load's rounds are short, and so are their
+	// pauses. Default DiscoveryIdleInterval; DiscoveryInterval turns pacing
+	// off.
+	DiscoveryPaceMax time.Duration
 	// DiscoveryQuietInterval is the pause between an idle loop's checks
 	// once its rounds have found nothing for DiscoveryQuietAfter: a quiet
 	// source costs one statement per DiscoveryQuietInterval, and its first
@@ -209,6 +218,7 @@ func (c *Config) setDefaults() error {
 	def(&c.DiscoveryInterval, time.Millisecond)
 	def(&c.DiscoveryIdleInterval, 25*time.Millisecond)
 	def(&c.DiscoveryQuietInterval, c.DiscoveryIdleInterval)
+	def(&c.DiscoveryPaceMax, c.DiscoveryIdleInterval)
 	def(&c.DiscoveryQuietAfter, 10*time.Second)
 	def(&c.ReconcileInterval, 2*time.Second)
 	defInt(&c.MaxInFlight, 10000)
@@ -247,6 +257,9 @@ func (c *Config) setDefaults() error {
 	case c.DiscoveryInterval <= 0 || c.DiscoveryIdleInterval < c.DiscoveryInterval:
 		return fmt.Errorf("server: Config.DiscoveryInterval %v / DiscoveryIdleInterval %v: want 0 < interval <= idle interval",
 			c.DiscoveryInterval, c.DiscoveryIdleInterval)
+	case c.DiscoveryPaceMax < c.DiscoveryInterval || c.DiscoveryPaceMax > c.DiscoveryIdleInterval:
+		return fmt.Errorf("server: Config.DiscoveryPaceMax %v: want between DiscoveryInterval %v and DiscoveryIdleInterval %v",
+			c.DiscoveryPaceMax, c.DiscoveryInterval, c.DiscoveryIdleInterval)
 	case c.DiscoveryQuietInterval < c.DiscoveryIdleInterval:
 		return fmt.Errorf("server: Config.DiscoveryQuietInterval %v: want at least DiscoveryIdleInterval %v",
 			c.DiscoveryQuietInterval, c.DiscoveryIdleInterval)
