@@ -374,7 +374,8 @@
 // serialise every producer. A discovery round that made aggregates ready
 // (rather than dispatching them) wakes this replica's idle sessions directly
 // and the others' through one NOTIFY outbox_wakeup. While rounds find
-// events, the next follows after a pause as long as the last one took,
+// events, the next follows after a pause as long as the last one took
+// once it found 32 events or more (that share of it for fewer),
 // Config.DiscoveryInterval at least and Config.DiscoveryPaceMax at most:
 // a round's cost is mostly fixed (its statements' start-up, the locks,
 // the wake-ups of the sessions it dispatches to), so under load, where
@@ -382,7 +383,8 @@
 // tenths of the time, the next round collects what arrived while the last
 // ran and carries about twice the events for that cost, and the acks that
 // follow its dispatches come in larger batches too (BENCHMARKS.md). A light
-// load's rounds are short, and so are their pauses; a round as large as
+// load's rounds find a few events each and go on after DiscoveryInterval,
+// as before, so its latency is not paid for a saving it would not make; a round as large as
 // Config.DiscoveryMaxEvents (a backlog taken in parts) is followed at once.
 // Each turn that finds nothing doubles the pause, up to
 // Config.DiscoveryIdleInterval. Nothing notifies

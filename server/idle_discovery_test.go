@@ -893,26 +893,31 @@ func awaitClosed(t *testing.T, ctx context.Context, ch <-chan struct{}, msg stri
 }
 
 // After a round that found events the discovery loop pauses as long as the
-// round took, from DiscoveryInterval up to DiscoveryPaceMax, so that under
-// load the next round collects what arrived while this one ran: fewer,
-// larger rounds at the same fixed cost each. A round as large as
-// DiscoveryMaxEvents (a backlog taken in parts) is followed at once: the
-// rest is there already. The round that finds the pair of events is held
-// at its hook for hold, so it takes at least that long.
+// round took once it found 32 events or more, and that share of it for
+// fewer, from DiscoveryInterval up to DiscoveryPaceMax: under load the next
+// round collects what arrived while this one ran (fewer, larger rounds at
+// the same fixed cost each), while a light load's small rounds go on
+// almost at once. A round as large as DiscoveryMaxEvents (a backlog taken
+// in parts) is followed at once: the rest is there already. The round that
+// finds the events (one transaction's) is held at its hook for hold, so it
+// takes at least that long, and less than twice that.
 func TestRoundsArePacedByTheirLength(t *testing.T) {
 	t.Parallel()
-	const hold, interval, idle = 60 * time.Millisecond, time.Millisecond, time.Second
+	const hold, interval, idle = 300 * time.Millisecond, time.Millisecond, 2 * time.Second
 	for _, tc := range []struct {
 		name      string
+		events    int
 		configure func(*server.Config)
 		ok        func(pause time.Duration) bool
 		want      string
 	}{
-		{"as long as the round", func(*server.Config) {},
-			func(p time.Duration) bool { return p >= hold && p < idle }, "the round's length, at least the hold"},
-		{"at most DiscoveryPaceMax", func(c *server.Config) { c.DiscoveryPaceMax = hold / 3 },
+		{"as long as a full round", 64, func(*server.Config) {},
+			func(p time.Duration) bool { return p >= hold && p < 2*hold }, "the round's length"},
+		{"a share of a small round", 2, func(*server.Config) {},
+			func(p time.Duration) bool { return p >= hold/16 && p < hold/8 }, "2/32 of the round's length"},
+		{"at most DiscoveryPaceMax", 64, func(c *server.Config) { c.DiscoveryPaceMax = hold / 3 },
 			func(p time.Duration) bool { return p == hold/3 }, "DiscoveryPaceMax"},
-		{"not while a backlog is taken in parts", func(c *server.Config) { c.DiscoveryMaxEvents = 2 },
+		{"not while a backlog is taken in parts", 64, func(c *server.Config) { c.DiscoveryMaxEvents = 2 },
 			func(p time.Duration) bool { return p == interval }, "DiscoveryInterval"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -927,7 +932,10 @@ func TestRoundsArePacedByTheirLength(t *testing.T) {
 			})
 			var held atomic.Bool
 			r.Server.SetAfterDiscover(func(d store.Discovery, err error) (store.Discovery, error) {
-				if err == nil && d.Events >= 2 && held.CompareAndSwap(false, true) {
+				if err == nil && d.Events > 0 && held.CompareAndSwap(false, true) {
+					if d.Events != int64(tc.events) {
+						t.Errorf("the first round that found events found %d, want the transaction's %d", d.Events, tc.events)
+					}
 					time.Sleep(hold)
 				}
 				return d, err
@@ -939,12 +947,11 @@ func TestRoundsArePacedByTheirLength(t *testing.T) {
 					pauses <- chosen
 				}
 			})
-			// Two events in one transaction: one round finds both.
 			tx, err := pool.Begin(ctx)
 			if err != nil {
 				t.Fatal(err)
 			}
-			for range 2 {
+			for range tc.events {
 				if _, err := client.Emit(ctx, tx, client.Event{Stream: "orders", AggregateKey: "a", Type: "Changed", Payload: []byte(`{}`)}); err != nil {
 					t.Fatal(err)
 				}
@@ -955,10 +962,10 @@ func TestRoundsArePacedByTheirLength(t *testing.T) {
 			select {
 			case p := <-pauses:
 				if !tc.ok(p) {
-					t.Fatalf("after a round of two events held %v the loop paused %v, want %s", hold, p, tc.want)
+					t.Fatalf("after a round of %d events held %v the loop paused %v, want %s", tc.events, hold, p, tc.want)
 				}
 			case <-ctx.Done():
-				t.Fatal("no round found the two events")
+				t.Fatal("no round found the events")
 			}
 		})
 	}

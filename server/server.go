@@ -71,13 +71,14 @@ type Config struct {
 	// found. Defaults 1ms and 25ms.
 	DiscoveryInterval, DiscoveryIdleInterval time.Duration
 	// DiscoveryPaceMax is the longest pause after a round that found
-	// events, which lasts as long as the round took (DiscoveryInterval at
-	// least): under load the next round collects what arrived while this one
-	// ran, so the loop spends at most half its time in rounds and each round
-	// carries about twice the events, at about the same fixed cost (see
-	// doc.go, Discovery). A light load's rounds are short, and so are their
-	// pauses. Default DiscoveryIdleInterval; DiscoveryInterval turns pacing
-	// off.
+	// events, which lasts as long as the round took once it found 32
+	// events or more, and that share of it for fewer (DiscoveryInterval at
+	// least): under load the next round collects what arrived while this
+	// one ran, so the loop spends at most half its time in rounds and each
+	// round carries about twice the events, at about the same fixed cost
+	// (see doc.go, Wake-ups). A light load's rounds are small and short, and
+	// go on after DiscoveryInterval. Default DiscoveryIdleInterval;
+	// DiscoveryInterval turns pacing off.
 	DiscoveryPaceMax time.Duration
 	// DiscoveryQuietInterval is the pause between an idle loop's checks
 	// once its rounds have found nothing for DiscoveryQuietAfter: a quiet
