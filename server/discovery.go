@@ -144,6 +144,8 @@ func (s *Server) discover(ctx context.Context) {
 				continue
 			}
 		}
+		// The round's wall time, waits for a connection or a lock included:
+		// what the pause after it follows (roundPause).
 		began := time.Now()
 		found, ready, echoed, err := s.discoverRound(ctx)
 		took := time.Since(began)
@@ -341,7 +343,8 @@ const fullRound = 32
 // and carries about twice the events for the same cost; a light load's
 // rounds find a few events each, whose wait the pause would lengthen for
 // little to share (on the benchmark's machine a round at half load found
-// about five), so they go on after DiscoveryInterval as before.
+// about five, in ~3 ms), so they go on after DiscoveryInterval, or a small
+// share of their length where rounds are slow.
 func roundPause(took time.Duration, events int64) time.Duration {
 	if events >= fullRound {
 		return took

@@ -78,7 +78,8 @@
 // check (the scan answers the same question), so a busy replica never pays
 // the extra round trip; the first round after a pause pays it, next to the
 // pause it waited, and so does the round after one that found a single
-// event. That check follows after DiscoveryInterval, but after half the
+// event. That check follows after DiscoveryInterval at least (see
+// Wake-ups for the pause after a round), but after half the
 // idle interval in a trickle (a lone event, the round before that found
 // any more than the idle interval earlier), where checks 1, 2, 4 ms later
 // would almost never find the next event; events closer together keep the
@@ -384,8 +385,12 @@
 // ran and carries about twice the events for that cost, and the acks that
 // follow its dispatches come in larger batches too (BENCHMARKS.md). A light
 // load's rounds find a few events each and go on after DiscoveryInterval,
-// as before, so its latency is not paid for a saving it would not make; a round as large as
-// Config.DiscoveryMaxEvents (a backlog taken in parts) is followed at once.
+// or a small share of their length, so its latency is not paid for a
+// saving it would not make; a round as large as Config.DiscoveryMaxEvents
+// (a backlog taken in parts) is followed after DiscoveryInterval, and a
+// lone event in a trickle after half the idle interval (see Discovery).
+// Pacing is the replica's own: with several replicas, another one's loop
+// may take its turn of the discovery lock during the pause.
 // Each turn that finds nothing doubles the pause, up to
 // Config.DiscoveryIdleInterval. Nothing notifies
 // discovery itself (that would be a producer's NOTIFY), so the idle

@@ -65,20 +65,21 @@ type Config struct {
 	// stream filter of the replica's idle sessions, not one per session
 	// (see pollGroup). Default 1s.
 	PollInterval time.Duration
-	// DiscoveryInterval is the pause between discovery rounds while they
-	// find new events; DiscoveryIdleInterval the longest pause while they
+	// DiscoveryInterval is the shortest pause between discovery rounds
+	// while they find new events (see DiscoveryPaceMax); DiscoveryIdleInterval the longest pause while they
 	// find none, and so the longest a newly committed event waits to be
 	// found. Defaults 1ms and 25ms.
 	DiscoveryInterval, DiscoveryIdleInterval time.Duration
 	// DiscoveryPaceMax is the longest pause after a round that found
-	// events, which lasts as long as the round took once it found 32
-	// events or more, and that share of it for fewer (DiscoveryInterval at
-	// least): under load the next round collects what arrived while this
-	// one ran, so the loop spends at most half its time in rounds and each
-	// round carries about twice the events, at about the same fixed cost
-	// (see doc.go, Wake-ups). A light load's rounds are small and short, and
-	// go on after DiscoveryInterval. Default DiscoveryIdleInterval;
-	// DiscoveryInterval turns pacing off.
+	// events, which lasts as long as the round took (its wall time, waits
+	// for a connection included) once it found 32 events or more, and that
+	// share of it for fewer (DiscoveryInterval at least): under load the
+	// next round collects what arrived while this one ran, so while rounds
+	// are full (and shorter than this) the loop spends about half its time
+	// in rounds and each carries about twice the events, at about the same
+	// fixed cost (see doc.go, Wake-ups). A light load's rounds are small
+	// and short, and go on after DiscoveryInterval. Default
+	// DiscoveryIdleInterval; DiscoveryInterval turns pacing off.
 	DiscoveryPaceMax time.Duration
 	// DiscoveryQuietInterval is the pause between an idle loop's checks
 	// once its rounds have found nothing for DiscoveryQuietAfter: a quiet
@@ -100,8 +101,11 @@ type Config struct {
 	// transaction of its own, so the first events are delivered while the
 	// rest are still being found and no round holds the cluster's xmin
 	// horizon back for long. It costs more discovery work in all, spent
-	// while the first events are delivered (see BENCHMARKS.md). Default 0:
-	// one round takes everything found.
+	// while the first events are delivered (see BENCHMARKS.md). A round
+	// that found this many events or more is followed after
+	// DiscoveryInterval, unpaced (see DiscoveryPaceMax): the rest of the
+	// backlog is there already; so a limit below 32 leaves rounds under load
+	// unpaced too. Default 0: one round takes everything found.
 	DiscoveryMaxEvents int
 	// ReconcileInterval is how often a session with deliveries outstanding
 	// checks which of its leases still exist (acks on other replicas, expired
