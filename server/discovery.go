@@ -24,11 +24,11 @@ import (
 //
 // While rounds find events the loop pauses as long as the last round took
 // (less after a round that found few: roundPause), between
-// DiscoveryInterval and DiscoveryPaceMax (after a lone event in a
-// trickle, half DiscoveryIdleInterval: see doc.go, Discovery); once a round finds nothing it doubles the wait, up to
-// DiscoveryIdleInterval, which is then the longest an event waits for its
-// first round. After a
-// turn that found nothing the loop first asks whether the next round has
+// DiscoveryInterval and DiscoveryPaceMax (after a lone event in a trickle,
+// half DiscoveryIdleInterval: see doc.go, Discovery); once a round finds
+// nothing it doubles the wait, up to DiscoveryIdleInterval, which is then
+// the longest an event waits for its first round. After a turn that found
+// nothing the loop first asks whether the next round has
 // anything to do (store.RoundDue: one statement, one round trip, no
 // transaction, no discovery lock) and runs the round only then, where an
 // empty round takes the discovery lock. A round that found one

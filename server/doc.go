@@ -252,9 +252,10 @@
 // claimable, or, for work no one announces (a lease that expired, a backoff
 // that fell due), by its poll group's poll, within PollInterval, while the
 // hot aggregate goes on. The probe of the claim index was a fifth of the
-// database's work for each event of a hot aggregate. A gap or a skipped next revision hands nothing over; the
-// aggregate is made ready and the claim applies its rules. An ack on another replica
-// hands nothing over (that replica's sessions are not the holder). A
+// database's work for each event of a hot aggregate. A gap or a skipped
+// next revision hands nothing over; the aggregate is made ready and the
+// claim applies its rules. An ack on another replica hands nothing over
+// (that replica's sessions are not the holder). A
 // session whose stream ends first refuses hand-overs (under its lock) before
 // its release runs, so the release covers every lease it accepted; a lease
 // it refused is released by the acker at once.

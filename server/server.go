@@ -66,9 +66,10 @@ type Config struct {
 	// (see pollGroup). Default 1s.
 	PollInterval time.Duration
 	// DiscoveryInterval is the shortest pause between discovery rounds
-	// while they find new events (see DiscoveryPaceMax); DiscoveryIdleInterval the longest pause while they
-	// find none, and so the longest a newly committed event waits to be
-	// found. Defaults 1ms and 25ms.
+	// while they find new events (see DiscoveryPaceMax);
+	// DiscoveryIdleInterval the longest pause while they find none, and so
+	// the longest a newly committed event waits to be found. Defaults 1ms
+	// and 25ms.
 	DiscoveryInterval, DiscoveryIdleInterval time.Duration
 	// DiscoveryPaceMax is the longest pause after a round that found
 	// events, which lasts as long as the round took (its wall time, waits
