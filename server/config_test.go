@@ -37,3 +37,16 @@ func TestConfigBoundsDiscoveryPaceMax(t *testing.T) {
 		}
 	}
 }
+
+// AckLinger defaults to DefaultAckLinger; a negative value (off) is kept,
+// not replaced by the default.
+func TestConfigDefaultsAckLinger(t *testing.T) {
+	c := Config{Store: store.New(nil), DatabaseURL: "postgres://localhost/x"}
+	if err := c.setDefaults(); err != nil || c.AckLinger != DefaultAckLinger {
+		t.Fatalf("setDefaults: %v, AckLinger %v, want no error and %v", err, c.AckLinger, DefaultAckLinger)
+	}
+	c = Config{Store: store.New(nil), DatabaseURL: "postgres://localhost/x", AckLinger: -1}
+	if err := c.setDefaults(); err != nil || c.AckLinger != -1 {
+		t.Fatalf("setDefaults with AckLinger -1: %v, AckLinger %v, want no error and -1 (off)", err, c.AckLinger)
+	}
+}

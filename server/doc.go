@@ -214,7 +214,7 @@
 // database) and hands the ids to a group committer, which applies every ack
 // queued for it in one call of outbox.ack. Under load (acks of several relay
 // connections interleave, and the replica's sessions hold deliveries besides
-// this batch's) a batch may wait up to Config.AckLinger (off by default;
+// this batch's) a batch may wait up to Config.AckLinger (3 ms by default;
 // serve --ack-linger) for more, and no longer than until every delivery
 // outstanding as it began is acked: a statement costs about as much to start
 // as a dozen acks to apply. The acks of one relay process (whose next call

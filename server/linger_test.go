@@ -193,6 +193,21 @@ func TestAckBatchLingersWhenCallersQueueTogether(t *testing.T) {
 	g.lingersThenCommitsWith(t, 2, 1, 3)
 }
 
+// A negative Config.AckLinger turns the linger off: the batch that lingers
+// in the test above commits at once. The replica's default lingers
+// (DefaultAckLinger), so off must be said.
+func TestAckBatchDoesNotLingerWhenOff(t *testing.T) {
+	t.Parallel()
+	g := newLingerRigOf(t, 4, -1)
+	g.ack(t, 0, 0)
+	<-g.entered // held until both acks below are queued
+	g.ack(t, 0, 1)
+	g.ack(t, 1, 2) // two callers in the next batch, delivery 3 still out
+	g.release()
+	g.answered(t, 3)
+	g.lingeredNone(t, "with the linger off")
+}
+
 // A batch whose acks are all this replica has outstanding commits at once:
 // there is nothing to wait for, even under load.
 func TestAckBatchDoesNotLingerWithNothingOutstanding(t *testing.T) {
@@ -234,7 +249,7 @@ func TestAckBatchDoesNotLingerAfterAQuietSpell(t *testing.T) {
 // and wait for an ack that never comes, up to the whole linger.
 func TestOutstandingCountsAnAppliedAckOnce(t *testing.T) {
 	t.Parallel()
-	g := newLingerRigOf(t, 2, 0)
+	g := newLingerRigOf(t, 2, -1)
 	g.release()
 	type applied struct {
 		n           int

@@ -99,7 +99,7 @@ func (f *serveFlags) register(cmd *cobra.Command) {
 	fl.BoolVar(&f.console, "console", true, "serve the operator console at / on the HTTP port (login with a viewer or admin token)")
 	fl.IntVar(&f.ackCommitters, "ack-committers", 1, "ack batches applied at once, each on its own database connection: more drains a backlog faster on several cores, but makes each batch smaller (more database work per ack) when load is light")
 	fl.IntVar(&f.discoveryMaxEvents, "discovery-max-events", 0, "take a backlog larger than this many events in discovery rounds of whole transactions, each its own transaction: after an outage the first events are delivered within seconds instead of after one round over all of them, at more discovery work in all (0: no limit, the default)")
-	fl.DurationVar(&f.ackLinger, "ack-linger", 0, "under load (acks of several relay connections interleaving), how long an ack batch may wait for more before it commits: fewer, larger batches cost less CPU per event, at up to this much more commit→published_at; a lone ack never waits (0: off, the default)")
+	fl.DurationVar(&f.ackLinger, "ack-linger", server.DefaultAckLinger, "under load (acks of several relay connections interleaving), how long an ack batch may wait for more before it commits: fewer, larger batches cost less CPU per event, at up to this much more commit→published_at; a lone ack never waits (0: off)")
 	fl.IntVar(&f.maxSubscriptions, "max-subscriptions-per-relay", 64, "Subscribe streams one token (or relay id, without auth) may hold open on this replica")
 	addSourceFlag(fl, &f.sources)
 }
@@ -293,9 +293,19 @@ func (f *serveFlags) engineConfig() server.Config {
 		BackoffBase: f.backoffBase, BackoffCap: f.backoffCap, PollInterval: f.pollInterval,
 		Retention: f.retention, JanitorInterval: f.janitorInterval,
 		StrandedAuditInterval:    f.strandedAuditInterval,
-		MaxSubscriptionsPerRelay: f.maxSubscriptions, AckCommitters: f.ackCommitters, AckLinger: f.ackLinger,
+		MaxSubscriptionsPerRelay: f.maxSubscriptions, AckCommitters: f.ackCommitters, AckLinger: ackLinger(f.ackLinger),
 		DiscoveryMaxEvents: f.discoveryMaxEvents,
 	}
+}
+
+// ackLinger is Config.AckLinger for --ack-linger d: 0 turns the linger
+// off, which the Config says with a negative value (its zero is the
+// default).
+func ackLinger(d time.Duration) time.Duration {
+	if d == 0 {
+		return -1
+	}
+	return d
 }
 
 // runServer serves until ctx is done, then shuts down gracefully: stop

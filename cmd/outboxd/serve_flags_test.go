@@ -51,6 +51,29 @@ func TestServeFlagsReachTheEngine(t *testing.T) {
 	})
 }
 
+// --ack-linger's default is the engine's, and --ack-linger=0 turns the
+// linger off: the engine reads a zero AckLinger as its default, so serve
+// must say off in the engine's terms (negative).
+func TestServeAckLingerDefaultAndOff(t *testing.T) {
+	for _, c := range []struct {
+		args []string
+		want time.Duration
+	}{
+		{nil, server.DefaultAckLinger},
+		{[]string{"--ack-linger=0"}, -1},
+	} {
+		var f serveFlags
+		cmd := &cobra.Command{Use: "serve"}
+		f.register(cmd)
+		if err := cmd.ParseFlags(c.args); err != nil {
+			t.Fatal(err)
+		}
+		if got := f.engineConfig().AckLinger; got != c.want {
+			t.Errorf("serve %v: Config.AckLinger %v, want %v", c.args, got, c.want)
+		}
+	}
+}
+
 // serveFlagsBesideTheEngine configure the sources, listeners, authentication, the
 // pools, health and shutdown (internal/app), not server.Config.
 var serveFlagsBesideTheEngine = []string{
