@@ -115,6 +115,9 @@ var ruleRe = regexp.MustCompile(`(?m)^\s*- alert: (\S+)\n(?:\s*#.*\n)*\s*expr: (
 
 var metricRef = regexp.MustCompile(`\b(outboxd_[a-z0-9_]+|grpc_server_[a-z0-9_]+)\b`)
 
+// selectorRe finds outboxd's series in PromQL with their label matchers.
+var selectorRe = regexp.MustCompile(`\b(outboxd_[a-z0-9_]+)(\{[^}]*\})?`)
+
 // maxByRe finds the label lists of "max by (...)" aggregations.
 var maxByRe = regexp.MustCompile(`max by \(([^)]*)\)`)
 
@@ -205,12 +208,30 @@ func TestMonitoringQueriesOnlyRegisteredMetrics(t *testing.T) {
 			for _, m := range metricRef.FindAllString(tg.Expr, -1) {
 				queried[m] = true
 			}
+			// Every outboxd series a panel reads is the chosen sources':
+			// with several, one that is not sums or maxes over all of them
+			// whatever the Source variable says.
+			for _, m := range selectorRe.FindAllStringSubmatch(tg.Expr, -1) {
+				if !strings.Contains(m[2], `source=~"$source"`) {
+					t.Errorf("panel %q: %s is read without source=~\"$source\": %q", p.Title, m[1], tg.Expr)
+				}
+			}
 		}
 	}
+	var variables []string
 	for _, v := range dash.Templating.List {
+		variables = append(variables, v.Name)
 		if v.Definition != "" {
 			check("variable "+v.Name, v.Definition)
 		}
+		if v.Name == "stream" && !strings.Contains(v.Definition, `source=~"$source"`) {
+			t.Errorf("variable stream lists the streams of every source: %q", v.Definition)
+		}
+	}
+	// Source comes before stream: the streams offered are the chosen
+	// sources'.
+	if i, j := slices.Index(variables, "source"), slices.Index(variables, "stream"); i < 0 || j < i {
+		t.Errorf("dashboard variables %v: want source, then stream", variables)
 	}
 	// The dashboard shows what the issue asks for: lag, rate, states,
 	// stalled, relays.
