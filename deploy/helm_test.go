@@ -112,6 +112,10 @@ type container struct {
 		Name      string `yaml:"name"`
 		MountPath string `yaml:"mountPath"`
 	} `yaml:"volumeMounts"`
+	Resources struct {
+		Requests map[string]string `yaml:"requests"`
+		Limits   map[string]string `yaml:"limits"`
+	} `yaml:"resources"`
 }
 
 func renderChart(t *testing.T, values ...string) []k8sObject {
@@ -222,6 +226,12 @@ func TestHelmChart(t *testing.T) {
 					if len(c.Args) == 0 {
 						t.Errorf("%s: no args", where)
 						continue
+					}
+					// A namespace with a ResourceQuota refuses a pod
+					// without requests and limits: every container has
+					// them, the migrate Job's included.
+					if c.Resources.Requests["cpu"] == "" || c.Resources.Requests["memory"] == "" || c.Resources.Limits["memory"] == "" {
+						t.Errorf("%s: resources %+v, want cpu and memory requests and a memory limit", where, c.Resources)
 					}
 					sub := c.Args[0]
 					known, ok := flags[sub]
