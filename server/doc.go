@@ -387,7 +387,10 @@
 // follow its dispatches come in larger batches too (BENCHMARKS.md). A light
 // load's rounds find a few events each and go on after DiscoveryInterval,
 // or a small share of their length, so its latency is not paid for a
-// saving it would not make; a round as large as Config.DiscoveryMaxEvents
+// saving it would not make (on a machine that half load keeps 90 % busy,
+// rounds take long enough that the share is not small: commit→sink p99 at
+// half load rose from 20-25 to 37-40 ms there; BENCHMARKS.md); a round as
+// large as Config.DiscoveryMaxEvents
 // (a backlog taken in parts) is followed after DiscoveryInterval, and a
 // lone event in a trickle after half the idle interval (see Discovery).
 // Pacing is the replica's own: with several replicas, another one's loop
