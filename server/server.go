@@ -136,10 +136,13 @@ type Config struct {
 	// apply, so fewer, larger batches cost less database and server CPU
 	// per event, at up to this much more commit→published_at. Default
 	// DefaultAckLinger; a negative value turns it off. Measured on the
-	// benchmark's 2 cores (BENCHMARKS.md), 3 ms took about 6 % off the CPU
-	// per event at half load (five pairs, -11 to +1 %), where a batch holds
-	// three or four acks, with commit→published_at no worse, and changed
-	// nothing resolvable at full load, for a hot aggregate or in a drain.
+	// benchmark's 2 cores (BENCHMARKS.md): on the slower machine 3 ms took
+	// about 6 % off the CPU per event at half load (five pairs, -11 to
+	// +1 %), where a batch holds three or four acks, with
+	// commit→published_at no worse, and changed nothing resolvable at full
+	// load, for a hot aggregate or in a drain; on one twice as fast, 18 % at
+	// half load and at full load, for about 1 ms more commit→published_at
+	// p50 at half load.
 	AckLinger time.Duration
 
 	// Registerer receives the replica's Prometheus metrics, including the
