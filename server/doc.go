@@ -417,12 +417,14 @@
 // hand-over, its stream ended), or that wakes to find no credit to claim
 // with (lent to a discovery round meanwhile, or taken by leases given to
 // it), goes to another. The group polls in the
-// same way, one session at a time, backing off from 2 ms after work was
-// found to Config.PollInterval: an idle replica makes one claim per stream
-// filter per poll interval, whatever the number of relays, and a lost
-// notification only delays an event. The poll is armed when the group
-// gets an idle member and stays where it is until it fires (or a claim
-// finds work, which brings it forward to the shortest delay): a member
+// same way, one session at a time, backing off from 2 ms after a poll
+// found work to Config.PollInterval: an idle replica makes one claim per
+// stream filter per poll interval, whatever the number of relays, and a
+// lost notification only delays an event. Work that a wake-up, an ack or
+// another claim announced leaves the backoff where it is: only a poll
+// that finds work shows work no wake-up announces. The poll is armed when
+// the group gets an idle member and stays where it is until it fires (or
+// a poll finds work, which brings it forward to the shortest delay): a member
 // that waits again (after a hand-over, an ack, a reconcile tick) does not
 // move it, so members that keep waking cannot starve it.
 // A reconcile tick makes a session check its leases, never claim by

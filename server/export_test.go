@@ -271,3 +271,19 @@ func (s *Server) SetAfterGive(f func(session uuid.UUID, leases, unused int, woke
 // idle sessions then claim only when woken. Set it before the first
 // Subscribe.
 func (s *Server) SetNoPolls() { s.noPolls.Store(true) }
+
+// SetPollBackoff sets the poll delay of every poll group to d and re-arms
+// an armed poll for d from now, as if its polls had backed off to d.
+func (s *Server) SetPollBackoff(d time.Duration) {
+	s.groupsMu.Lock()
+	defer s.groupsMu.Unlock()
+	for _, g := range s.groups {
+		g.mu.Lock()
+		g.delay = d
+		if g.armed {
+			g.armed = false
+			g.armLocked()
+		}
+		g.mu.Unlock()
+	}
+}

@@ -22,7 +22,7 @@ import (
 
 const (
 	// minIdlePoll is the first re-poll delay of a poll group (the sessions
-	// of one stream filter, see pollGroup) whose claims found work; it
+	// of one stream filter, see pollGroup) whose poll found work; it
 	// doubles after each poll that found nothing, up to
 	// Config.PollInterval. Discovery wakes idle sessions when events
 	// commit, so polls only catch what no wake-up announces: backoffs and

@@ -92,6 +92,33 @@ func TestPollGroupLosesNoWakeUp(t *testing.T) {
 	}
 }
 
+// Only a poll that finds work brings the group's poll back to the shortest
+// delay: a claim that answered a wake-up, freed credit or another claim
+// found announced work, which leaves the backoff (and an armed poll) as
+// it is. An empty poll doubles the delay; an empty claim of another
+// kind does not.
+func TestOnlyAPollThatFindsWorkResetsTheBackoff(t *testing.T) {
+	srv := &Server{cfg: Config{ReconcileInterval: time.Hour, PollInterval: time.Hour}, stopping: make(chan struct{})}
+	a := newSession(srv, "a", "peer", nil, 1, time.Minute)
+	g := srv.joinPollGroup(a)
+	defer g.leave(a)
+	g.delay = time.Minute
+	g.claimed(claimedAll, false)
+	g.claimed(claimedSome, false)
+	g.claimed(claimedNone, false)
+	if g.delay != time.Minute {
+		t.Fatalf("after claims that were not polls: delay %v, want the backoff kept at 1m", g.delay)
+	}
+	g.claimed(claimedNone, true)
+	if g.delay != 2*time.Minute {
+		t.Fatalf("after an empty poll: delay %v, want it doubled to 2m", g.delay)
+	}
+	g.claimed(claimedSome, true)
+	if g.delay != minIdlePoll {
+		t.Fatalf("after a poll that found work: delay %v, want %v", g.delay, minIdlePoll)
+	}
+}
+
 // The listener holds back exactly the wake-up a local round sent: one from
 // the round's backend while the round is open (which the round then
 // reports, in case it did not wake the sessions itself), or the first one

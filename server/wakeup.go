@@ -25,7 +25,17 @@ import (
 //
 // The poll backs off as a session's did: from minIdlePoll, doubling after
 // each poll whose claim found nothing, up to Config.PollInterval, and back
-// to minIdlePoll when a member's claim finds work. An idle replica so runs
+// to minIdlePoll when a poll's claim finds work: work appeared that no
+// wake-up announced (a backoff or a lease that ran out, a notification
+// lost), and more may follow. A claim that answered a wake-up, freed
+// credit or another claim finds work that was announced, which says
+// nothing of what polls are for, so it leaves the backoff alone. (It used
+// to bring the poll back to minIdlePoll too. Under load that made every
+// group poll four or five times after each claim that found work, every
+// one of them empty; and while a transaction holds the xmin horizon back,
+// an empty claim reads every dead entry at the front of the claim index's
+// ready range, so those polls were most of what held arms spent on
+// claims.) An idle replica so runs
 // one claim per filter per PollInterval, whatever the number of relays.
 type pollGroup struct {
 	srv *Server
@@ -219,18 +229,21 @@ func (g *pollGroup) fire() {
 	}
 }
 
-// claimed records what a member's claim found: work resets the backoff (and
-// re-arms a poll armed for later), an empty claim a poll asked for doubles
-// it, a failed one slows it, and a claim that got all it asked for wakes the
-// next idle member, since there may be more.
+// claimed records what a member's claim found (poll: the claim was the
+// group's poll): work a poll found resets the backoff (and re-arms a poll
+// armed for later), an empty claim a poll asked for doubles it, a failed
+// one slows it, and a claim that got all it asked for wakes the next idle
+// member, since there may be more.
 func (g *pollGroup) claimed(outcome claimOutcome, poll bool) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	switch outcome {
 	case claimedAll, claimedSome:
-		g.delay = minIdlePoll
-		if g.armed && time.Until(g.fireAt) > g.delay {
-			g.armed = false
+		if poll {
+			g.delay = minIdlePoll
+			if g.armed && time.Until(g.fireAt) > g.delay {
+				g.armed = false
+			}
 		}
 		if outcome == claimedAll {
 			g.wakeLocked(false, false)
