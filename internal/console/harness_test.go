@@ -234,6 +234,23 @@ func (h *harness) parkIn(t *testing.T, source, stream, key string, n int) *outbo
 	if !resp.GetParked() {
 		t.Fatalf("nack did not park: %v", resp)
 	}
+	// The relay goes, and the test waits until its session has ended on
+	// the server: a session still running (the server sees the stream end
+	// a moment after the relay) has its credit back after the park, and
+	// would claim whatever the test makes claimable next (a retry of the
+	// parked aggregate) before the test reads its state.
+	header, err := st.Header()
+	if err != nil || len(header.Get(server.SessionIDHeader)) != 1 {
+		t.Fatalf("the relay's stream named no session: %v, %v", header, err)
+	}
+	cancel()
+	ended := regexp.MustCompile(`msg="relay unsubscribed".* session=` + regexp.QuoteMeta(header.Get(server.SessionIDHeader)[0]) + ` `)
+	for deadline := time.Now().Add(time.Minute); !ended.MatchString(h.logs.String()); {
+		if time.Now().After(deadline) {
+			t.Fatal("the relay's session did not end within a minute of its stream")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
 	return d.GetEvent()
 }
 
