@@ -245,12 +245,7 @@ func (h *harness) parkIn(t *testing.T, source, stream, key string, n int) *outbo
 	}
 	cancel()
 	ended := regexp.MustCompile(`msg="relay unsubscribed".* session=` + regexp.QuoteMeta(header.Get(server.SessionIDHeader)[0]) + ` `)
-	for deadline := time.Now().Add(time.Minute); !ended.MatchString(h.logs.String()); {
-		if time.Now().After(deadline) {
-			t.Fatal("the relay's session did not end within a minute of its stream")
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
+	eventually(t, time.Minute, "the relay's session ends on the server", func() bool { return ended.MatchString(h.logs.String()) })
 	return d.GetEvent()
 }
 
