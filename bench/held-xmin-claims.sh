@@ -4,7 +4,8 @@
 # other-db and same-db RR holds) with pg_stat_statements reset first, and
 # prints, per arm database in the order the arms ran, the share of events
 # leased by claims rather than dispatched by discovery or handed over by
-# acks, and the buffers that claims and ack batches read per event. Under a
+# acks, the claim statements run per 1,000 events (empty ones included),
+# and the buffers that claims and ack batches read per event. Under a
 # hold, a claim reads past every dead entry the claims before it left at
 # the front of the ready range, so a large share claimed is what makes a
 # held arm cost far more per event (BENCHMARKS.md, "Held xmin on this
@@ -38,7 +39,7 @@ WITH ins AS (
     SELECT dbid, sum(calls) AS events FROM pg_stat_statements
     WHERE query LIKE 'INSERT INTO outbox.event (stream%' GROUP BY dbid
 ), claims AS (
-    SELECT dbid, sum(rows) AS leases, sum(shared_blks_hit) AS hits FROM pg_stat_statements
+    SELECT dbid, sum(rows) AS leases, sum(calls) AS calls, sum(shared_blks_hit) AS hits FROM pg_stat_statements
     WHERE toplevel AND query LIKE 'SELECT event_id, stream, aggregate_key, revision, event_type, payload%'
     GROUP BY dbid
 ), acks AS (
@@ -47,6 +48,7 @@ WITH ins AS (
 )
 SELECT row_number() OVER (ORDER BY i.dbid) AS arm, i.events,
        round(100.0 * coalesce(c.leases, 0) / i.events, 1) AS "% claimed",
+       round(1000.0 * coalesce(c.calls, 0) / i.events, 1) AS "claims/1k events",
        round(coalesce(c.hits, 0)::numeric / i.events, 1) AS "claim buffers/event",
        round(coalesce(a.hits, 0)::numeric / i.events, 1) AS "ack buffers/event"
 FROM ins i LEFT JOIN claims c USING (dbid) LEFT JOIN acks a USING (dbid)

@@ -32,9 +32,10 @@ import (
 // nothing of what polls are for, so it leaves the backoff alone. (It used
 // to bring the poll back to minIdlePoll too. Under load that made every
 // group poll four or five times after each claim that found work, every
-// one of them empty, a quarter of all claims in held-xmin runs; and while a
-// transaction holds the xmin horizon back, an empty claim reads every dead
-// entry at the front of the claim index's ready range.) An idle replica so runs
+// one of them empty, about a third of the claim statements of a held-xmin
+// run (bench/held-xmin-claims.sh); and while a transaction holds the xmin
+// horizon back, an empty claim reads every dead entry at the front of the
+// claim index's ready range.) An idle replica so runs
 // one claim per filter per PollInterval, whatever the number of relays.
 type pollGroup struct {
 	srv *Server
