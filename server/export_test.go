@@ -37,6 +37,19 @@ func (s *Server) SetBeforeLease(f func(path string), g func()) {
 // just before its session is added. Set it before the first Subscribe.
 func (s *Server) SetBeforeAddSession(f func()) { s.beforeAddSession.set(f) }
 
+// SetBeforeSaveSessions sets f to run in a refresh of the replica's
+// relay-session rows between its snapshot of the sessions and its write,
+// and g to run when a session's removal finds a refresh under way and is
+// about to wait for it.
+func (s *Server) SetBeforeSaveSessions(f, g func()) {
+	s.beforeSaveSessions.set(f)
+	s.removeWaits.set(g)
+}
+
+// SessionsDone returns a channel closed once every session has ended and
+// been removed.
+func (s *Server) SessionsDone() <-chan struct{} { return s.sessionsDone() }
+
 // SetAfterClaim makes every claim's outcome pass through f, which may
 // replace it. Set it before the first Subscribe.
 func (s *Server) SetAfterClaim(f func([]store.Lease, error) ([]store.Lease, error)) {

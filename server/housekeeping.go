@@ -23,12 +23,30 @@ func (ss *session) record() store.RelaySession {
 }
 
 // saveSessions records every local session as alive, with its counters.
+// It holds sessionRows from its snapshot of the sessions until its write:
+// a session that ends meanwhile deletes its row after this write, not
+// before it (see removeSession).
 func (s *Server) saveSessions(ctx context.Context) {
+	s.sessionRows.Lock()
+	defer s.sessionRows.Unlock()
 	var recs []store.RelaySession
 	s.forEachSession(func(ss *session) { recs = append(recs, ss.record()) })
-	if err := s.store.SaveRelaySessions(ctx, recs); err != nil && ctx.Err() == nil {
+	if h := s.beforeSaveSessions.get(); h != nil {
+		h()
+	}
+	if err := s.writeSessionRows(ctx, recs); err != nil && ctx.Err() == nil {
 		s.log.Warn("refreshing relay sessions failed", "err", err)
 	}
+}
+
+// writeSessionRows upserts recs, the caller holding sessionRows. The write
+// is not cancelled with ctx: a statement cancelled on its way can still
+// commit after the caller has let go of sessionRows, and so after a
+// removal that followed it.
+func (s *Server) writeSessionRows(ctx context.Context, recs []store.RelaySession) error {
+	wctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), releaseTimeout)
+	defer cancel()
+	return s.store.SaveRelaySessions(wctx, recs)
 }
 
 // refreshSessions keeps this replica's relay-session rows fresh and removes

@@ -2,6 +2,7 @@ package server_test
 
 import (
 	"context"
+	"sync"
 	"testing"
 	"time"
 
@@ -116,4 +117,78 @@ func TestStaleSessionCleanupSparesOwnSessions(t *testing.T) {
 	if len(left) != 1 || left[0] != "me" {
 		t.Fatalf("sessions left: %v, want only this replica's", left)
 	}
+}
+
+// A relay session's row goes when the session ends, even when a refresh of
+// the replica's rows (here ListRelays's; the refresh loop's is the same)
+// took the session into its snapshot before it ended and writes after: the
+// refresh must not write the ended session's row back, where it would show
+// in ListRelays and GetLag until it went stale and stay until another
+// replica deleted it.
+func TestARefreshDoesNotWriteBackAnEndedSessionsRow(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	emit(t, pool, "orders", "o-1", 1)
+	r := startReplica(t, url, func(c *server.Config) { c.SessionRefreshInterval = time.Hour })
+	streamCtx, endStream := context.WithCancel(ctx)
+	defer endStream()
+	st := subscribe(t, streamCtx, r, &outboxv1.SubscribeRequest{Streams: []string{"orders"}, MaxInFlight: 1})
+	header, err := st.Header()
+	if err != nil {
+		t.Fatal(err)
+	}
+	sessionID := header.Get(server.SessionIDHeader)[0]
+	rows := func() (n int32) {
+		if err := pool.QueryRow(ctx, `SELECT count(*) FROM outbox.relay_session WHERE session_id = $1`, sessionID).Scan(&n); err != nil {
+			t.Error(err)
+		}
+		return n
+	}
+	if n := rows(); n != 1 {
+		t.Fatalf("subscribed session has %d rows, want 1", n)
+	}
+
+	// The refresh pauses between its snapshot and its write until the
+	// removal has gone as far as it can: to waiting for the refresh, or,
+	// were the two not serialized, through its DELETE.
+	snapshotTaken, removalWaits, rowGone := make(chan struct{}), make(chan struct{}), make(chan struct{})
+	r.Server.SetBeforeSaveSessions(sync.OnceFunc(func() {
+		close(snapshotTaken)
+		select {
+		case <-removalWaits:
+		case <-rowGone:
+		}
+	}), sync.OnceFunc(func() { close(removalWaits) }))
+	listed := make(chan error, 1)
+	go func() {
+		_, err := r.Admin.ListRelays(ctx, &outboxv1.ListRelaysRequest{})
+		listed <- err
+	}()
+	<-snapshotTaken
+	var watch sync.WaitGroup
+	watch.Add(1)
+	go func() {
+		defer watch.Done()
+		for rows() != 0 {
+			select {
+			case <-ctx.Done():
+				return
+			case <-time.After(10 * time.Millisecond):
+			}
+		}
+		close(rowGone)
+	}()
+	endStream()
+	if err := <-listed; err != nil {
+		t.Fatal(err)
+	}
+	<-r.Server.SessionsDone()
+	if n := rows(); n != 0 {
+		t.Errorf("the ended session has %d rows after the refresh, want none", n)
+	}
+	cancel()
+	watch.Wait()
 }

@@ -328,9 +328,21 @@ type Server struct {
 	// after that is leased by no session of this replica.
 	leaseGate sync.RWMutex
 
+	// sessionRows serializes the writes of this replica's relay-session
+	// rows that would otherwise undo each other: a refresh's snapshot of
+	// the sessions and its upsert (saveSessions) against a session's
+	// removal (removeSession).
+	sessionRows sync.Mutex
+
 	// beforeAddSession, when set (by tests), runs in Subscribe just before
 	// its session is added.
 	beforeAddSession hook[func()]
+	// beforeSaveSessions, when set (by tests), runs in saveSessions between
+	// its snapshot of the sessions and its write of their rows;
+	// removeWaits runs in removeSession when it finds sessionRows held and
+	// is about to wait for it.
+	beforeSaveSessions hook[func()]
+	removeWaits        hook[func()]
 	// beforeLease, when set (by tests), runs just before a claim ("claim")
 	// or an ack batch that may hand over ("hand-over") is sent, once it
 	// holds leaseGate (a round that dispatches runs beforeRound there);
@@ -688,22 +700,36 @@ func (s *Server) addSession(ctx context.Context, sess *session) error {
 	s.sessWG.Add(1)
 	s.mu.Unlock()
 	s.metrics.sessions.Inc()
-	if err := s.store.SaveRelaySessions(ctx, []store.RelaySession{sess.record()}); err != nil && ctx.Err() == nil {
+	s.sessionRows.Lock()
+	defer s.sessionRows.Unlock()
+	if err := s.writeSessionRows(ctx, []store.RelaySession{sess.record()}); err != nil && ctx.Err() == nil {
 		s.log.Warn("recording relay session failed; ListRelays shows it after the next refresh", "err", err)
 	}
 	return nil
 }
 
+// removeSession forgets sess locally and deletes its relay-session row.
+// It holds sessionRows throughout, so that a refresh of this replica's rows
+// (saveSessions) that took sess into its snapshot has written before the
+// row is deleted, and one that snapshots later no longer finds sess: no
+// refresh writes the row of a session that has ended back.
 func (s *Server) removeSession(sess *session) {
-	ctx, cancel := context.WithTimeout(context.Background(), releaseTimeout)
-	defer cancel()
-	if err := s.store.DeleteRelaySession(ctx, sess.id); err != nil {
-		s.log.Warn("forgetting relay session failed; it disappears from ListRelays when stale", "err", err)
+	if !s.sessionRows.TryLock() {
+		if h := s.removeWaits.get(); h != nil {
+			h()
+		}
+		s.sessionRows.Lock()
 	}
-	s.metrics.sessions.Dec()
 	s.mu.Lock()
 	delete(s.sessions, sess.id)
 	s.mu.Unlock()
+	ctx, cancel := context.WithTimeout(context.Background(), releaseTimeout)
+	if err := s.store.DeleteRelaySession(ctx, sess.id); err != nil {
+		s.log.Warn("forgetting relay session failed; it disappears from ListRelays when stale", "err", err)
+	}
+	cancel()
+	s.sessionRows.Unlock()
+	s.metrics.sessions.Dec()
 	s.sessWG.Done()
 }
 
