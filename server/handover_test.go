@@ -690,6 +690,11 @@ func TestHandOverYieldsWhileSpareCreditIsLent(t *testing.T) {
 	sessionID.Store(uuid.MustParse(hdr.Get(server.SessionIDHeader)[0]))
 	hot1 := recvHot1(t, st)
 	awaitSignal(t, "the session to offer its free unit", offered)
+	// A discovery turn that began before the offer, without it, must not be
+	// the one to find new/1: it would make new/1 ready rather than
+	// dispatch it on the offer. So new/1 comes after the loop's turn under
+	// way has ended; the next round borrows the offer.
+	awaitTurnEnd(t, r)
 
 	// A round borrows it, and is held before its statement.
 	release := make(chan struct{})
@@ -738,6 +743,25 @@ func coldHeldElsewhere(t *testing.T, ctx context.Context) (r *replica, pool *pgx
 		t.Fatalf("the first relay got %s, want cold/1", d.GetEvent().GetAggregateKey())
 	}
 	return r, pool, endOther
+}
+
+// awaitTurnEnd waits until the discovery loop of r ends a turn (a check or
+// a round's statement) that it may have begun before the call.
+func awaitTurnEnd(t *testing.T, r *replica) {
+	t.Helper()
+	ended := make(chan struct{}, 1)
+	signal := func() {
+		select {
+		case ended <- struct{}{}:
+		default:
+		}
+	}
+	r.Server.SetAfterRoundDue(func(bool, error) { signal() })
+	r.Server.SetAfterDiscover(func(d store.Discovery, err error) (store.Discovery, error) {
+		signal()
+		return d, err
+	})
+	awaitSignal(t, "the discovery loop's turn to end", ended)
 }
 
 // recvHot1 receives the next delivery of st, which must be hot/1.
