@@ -123,7 +123,8 @@ type Config struct {
 	// Relays is K: outboxd's relay connections and the naive poller's
 	// workers. Default 4.
 	Relays int
-	// MaxInFlight is each relay's credit. Default 64, and at least 1,000
+	// MaxInFlight is each relay's credit. Default relay.DefaultMaxInFlight
+	// (what outboxd relay asks for), and at least 1,000
 	// across the K relays in the drain workload (the RSS goal of
 	// docs/benchmark.md).
 	MaxInFlight int
@@ -233,7 +234,7 @@ func (c *Config) setDefaults() error {
 		c.Relays = 4
 	}
 	if c.MaxInFlight == 0 {
-		c.MaxInFlight = 64
+		c.MaxInFlight = relay.DefaultMaxInFlight
 	}
 	if c.Aggregates == 0 {
 		c.Aggregates = 10_000

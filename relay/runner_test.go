@@ -186,3 +186,22 @@ func TestRunnerLogsItsSubscription(t *testing.T) {
 		t.Errorf("the runner logged session %q; ListRelays has %v", session, relays.GetRelays())
 	}
 }
+
+// A runner that names no credit asks for DefaultMaxInFlight, well above
+// what a steady pipeline holds, so that discovery finds relays with credit
+// to dispatch to rather than leaving events to claims.
+func TestRunnerAsksForTheDefaultCredit(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, servertest.Options{})
+	log := newRecords(t)
+	subscribed := log.watch(slog.LevelInfo, "subscribed")
+	start(t, Config{Conn: e.dial(t), Publisher: newPublisher(), RelayID: "default-credit", Logger: slog.New(log)}, hooks{})
+	waitSignal(t, "the runner to subscribe", subscribed)
+	relays, err := e.srv.Admin.ListRelays(t.Context(), &outboxv1.ListRelaysRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(relays.GetRelays()) != 1 || relays.GetRelays()[0].GetMaxInFlight() != DefaultMaxInFlight {
+		t.Errorf("ListRelays has %v; want one relay with max_in_flight %d", relays.GetRelays(), DefaultMaxInFlight)
+	}
+}

@@ -221,7 +221,7 @@ released without counting a failure against their events.`,
 	fl.StringSliceVar(&streams, "streams", nil, "streams to relay (default all of source default); source/name for another source's, source/* for all of it, */name or */* for every source the server serves; one subscription per source")
 	fl.StringSliceVar(&exclude, "exclude-streams", nil, "streams never to relay (for a catch-all beside relays that take them)")
 	fl.StringArrayVar(&routes, "route", nil, "STREAMS=SINK_URL, repeatable: serve several sinks, each for its streams (comma-separated names, source/name for a source other than default, */name for every source, or * / source/* / */* for the rest of a source); replaces --sink and --streams")
-	fl.IntVar(&maxInFlight, "max-in-flight", 64, "deliveries outstanding at once (the relay's credit)")
+	fl.IntVar(&maxInFlight, "max-in-flight", relay.DefaultMaxInFlight, "deliveries outstanding at once (the relay's credit), and so the most publishes under way and payloads held; lower it for a receiver that takes few requests at once")
 	fl.IntVar(&perAggregate, "max-in-flight-per-aggregate", 1, "events of one aggregate outstanding at once (its window); each aggregate's events are still published one at a time, in order, but the next needs no server round trip")
 	fl.DurationVar(&leaseTTL, "lease-ttl", 0, "lease TTL to ask for (default: the server's)")
 	fl.DurationVar(&sourcesEvery, "sources-interval", DefaultSourcesInterval, "with routes or --streams of every source (*/payments), how often to ask the server which sources it serves")

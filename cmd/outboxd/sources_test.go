@@ -154,7 +154,7 @@ func TestOutOfRangeFlagsRejected(t *testing.T) {
 		{append([]string{"serve", "--stranded-audit-interval", "0s"}, noDB...), "--stranded-audit-interval 0s: want more than 0"},
 		{append([]string{"dev", "--max-db-conns", "0"}, noDB...), "--max-db-conns 0: want 1 or more"},
 		{append([]string{"relay", "--max-in-flight", "0"}, noServer...), "--max-in-flight 0: want 1 or more"},
-		{append([]string{"relay", "--max-in-flight-per-aggregate", "5000"}, noServer...), "--max-in-flight-per-aggregate 5000: want 1 to --max-in-flight (64)"},
+		{append([]string{"relay", "--max-in-flight-per-aggregate", "5000"}, noServer...), "--max-in-flight-per-aggregate 5000: want 1 to --max-in-flight (256)"},
 		{append([]string{"relay", "--drain-timeout", "-1s"}, noServer...), "--drain-timeout -1s: want 0 or more"},
 		{[]string{"relay", "--server", "127.0.0.1:1"}, "--sink (or --route) is required"},
 	} {
