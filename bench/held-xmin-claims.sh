@@ -12,7 +12,8 @@
 # machine").
 #
 # Usage: bench/held-xmin-claims.sh [OUTBOXD_BINARY] [outboxd-bench flags...]
-#   e.g. bench/held-xmin-claims.sh bin/outboxd --max-in-flight 256
+#   e.g. bench/held-xmin-claims.sh bin/outboxd --max-in-flight 64 (the
+#   relays' credit before it became 256, which brings on the claim mode)
 # Run from the repository root. Needs psql, and pg_stat_statements in the
 # server's shared_preload_libraries with the extension created in the
 # database $ADMIN_URL names (default: the local one as postgres), which

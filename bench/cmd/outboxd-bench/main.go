@@ -22,6 +22,7 @@ import (
 
 	"github.com/outboxd/outboxd/bench"
 	"github.com/outboxd/outboxd/internal/devdb"
+	"github.com/outboxd/outboxd/relay"
 )
 
 func main() {
@@ -166,7 +167,7 @@ compare arms of the same run.`,
 	fl.DurationVar(&cfg.Warmup, "warmup", 0, "warm-up before each window (default 2s; 1s with --quick)")
 	fl.IntVar(&cfg.Producers, "producers", 8, "producer connections P, one event per transaction")
 	fl.IntVar(&cfg.Relays, "relays", 4, "outboxd relay connections and naive poller workers K")
-	fl.IntVar(&cfg.MaxInFlight, "max-in-flight", 64, "each relay's credit (drain keeps at least 1,000 in flight across all relays)")
+	fl.IntVar(&cfg.MaxInFlight, "max-in-flight", relay.DefaultMaxInFlight, "each relay's credit, by default what outboxd relay asks for (drain keeps at least 1,000 in flight across all relays)")
 	fl.IntVar(&cfg.Aggregates, "aggregates", 10_000, "aggregates the steady and latency workloads spread events over")
 	fl.DurationSliceVar(&cfg.SinkLatencies, "sink-latency", nil, "sink publish latencies standing in for a broker round trip; steady runs each, the rest use the first (default 0,1ms,5ms; 0,1ms with --quick)")
 	fl.IntSliceVar(&cfg.DrainSizes, "drain-sizes", nil, "backlogs the drain workload empties (default 10000,100000,1000000; 10000,50000 with --quick)")
