@@ -169,7 +169,10 @@ func TestRunnerStopsWhileConnecting(t *testing.T) {
 // A runner whose subscription the server accepted says so at Info, with the
 // session id operators see in ListRelays: before any event exists, and so
 // also after an outage's warnings, where a relay that only logs failures
-// would leave its reader guessing.
+// would leave its reader guessing. A runner that names no credit asks for
+// DefaultMaxInFlight, well above what a steady pipeline holds, so that
+// discovery finds relays with credit to dispatch to rather than leaving
+// events to claims.
 func TestRunnerLogsItsSubscription(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, servertest.Options{})
@@ -183,25 +186,9 @@ func TestRunnerLogsItsSubscription(t *testing.T) {
 		t.Fatal(err)
 	}
 	if len(relays.GetRelays()) != 1 || relays.GetRelays()[0].GetSessionId() != session {
-		t.Errorf("the runner logged session %q; ListRelays has %v", session, relays.GetRelays())
+		t.Fatalf("the runner logged session %q; ListRelays has %v", session, relays.GetRelays())
 	}
-}
-
-// A runner that names no credit asks for DefaultMaxInFlight, well above
-// what a steady pipeline holds, so that discovery finds relays with credit
-// to dispatch to rather than leaving events to claims.
-func TestRunnerAsksForTheDefaultCredit(t *testing.T) {
-	t.Parallel()
-	e := newEnv(t, servertest.Options{})
-	log := newRecords(t)
-	subscribed := log.watch(slog.LevelInfo, "subscribed")
-	start(t, Config{Conn: e.dial(t), Publisher: newPublisher(), RelayID: "default-credit", Logger: slog.New(log)}, hooks{})
-	waitSignal(t, "the runner to subscribe", subscribed)
-	relays, err := e.srv.Admin.ListRelays(t.Context(), &outboxv1.ListRelaysRequest{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if len(relays.GetRelays()) != 1 || relays.GetRelays()[0].GetMaxInFlight() != DefaultMaxInFlight {
-		t.Errorf("ListRelays has %v; want one relay with max_in_flight %d", relays.GetRelays(), DefaultMaxInFlight)
+	if got := relays.GetRelays()[0].GetMaxInFlight(); got != DefaultMaxInFlight {
+		t.Errorf("the runner asked for %d credit, want DefaultMaxInFlight (%d)", got, DefaultMaxInFlight)
 	}
 }
