@@ -12,6 +12,7 @@ import (
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
@@ -255,7 +256,8 @@ func TestDiscoveryDispatchesToWaitingSession(t *testing.T) {
 	gate := newOfferGate(false)
 	defer gate.release(false) // a held loop would keep the replica from stopping
 	watch := &dispatchWatch{rounds: make(chan []store.DispatchedLease, 16)}
-	r := startReplica(t, url, nil)
+	reg := prometheus.NewPedanticRegistry()
+	r := startReplica(t, url, func(c *server.Config) { c.Registerer = reg })
 	r.Server.SetAfterClaim(claims.hook)
 	r.Server.SetAfterOffer(gate.hook)
 	r.Server.SetAfterDiscover(watch.hook)
@@ -274,6 +276,7 @@ func TestDiscoveryDispatchesToWaitingSession(t *testing.T) {
 	// run once the stream was open), from here on every event is counted.
 	claims.n.Store(0)
 	dispatchedBefore := r.Server.Dispatched()
+	claimedBefore := gatherSum(t, reg, "outboxd_claimed_total")
 	for len(watch.rounds) > 0 {
 		<-watch.rounds
 	}
@@ -311,6 +314,9 @@ func TestDiscoveryDispatchesToWaitingSession(t *testing.T) {
 	}
 	if n := r.Server.Dispatched() - dispatchedBefore; n != k {
 		t.Fatalf("%d dispatched, want %d", n, k)
+	}
+	if n := gatherSum(t, reg, "outboxd_claimed_total") - claimedBefore; n != 0 {
+		t.Fatalf("outboxd_claimed_total grew by %v over %d dispatched events, want 0", n, k)
 	}
 	// The billing aggregate was made ready, not dispatched: nobody took it.
 	var ready int
@@ -390,7 +396,11 @@ func TestNoDispatchClaimsEveryEvent(t *testing.T) {
 	gate := newOfferGate(true)
 	defer gate.release(false) // a held loop would keep the replica from stopping
 	rounds := make(chan store.Discovery, 16)
-	r := startReplica(t, url, func(c *server.Config) { c.NoDispatch = true })
+	reg := prometheus.NewPedanticRegistry()
+	r := startReplica(t, url, func(c *server.Config) {
+		c.NoDispatch = true
+		c.Registerer = reg
+	})
 	r.Server.SetAfterOffer(gate.hook)
 	r.Server.SetAfterDiscover(func(d store.Discovery, err error) (store.Discovery, error) {
 		if err == nil && d.Events > 0 {
@@ -417,6 +427,9 @@ func TestNoDispatchClaimsEveryEvent(t *testing.T) {
 	}
 	if n := r.Server.Dispatched(); n != 0 {
 		t.Fatalf("%d dispatched with dispatch off", n)
+	}
+	if n := gatherSum(t, reg, "outboxd_claimed_total"); n != 1 {
+		t.Fatalf("outboxd_claimed_total = %v after one claimed event, want 1", n)
 	}
 }
 

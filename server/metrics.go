@@ -28,6 +28,7 @@ type metrics struct {
 	sessions        prometheus.Gauge
 	handOvers       prometheus.Counter
 	dispatched      prometheus.Counter
+	claimed         prometheus.Counter
 }
 
 func newMetrics() *metrics {
@@ -90,12 +91,16 @@ func newMetrics() *metrics {
 			Name: "outboxd_dispatched_total",
 			Help: "Leases a discovery round gave straight to a waiting session, on the next event of an aggregate it found idle (no claim in between).",
 		}),
+		claimed: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "outboxd_claimed_total",
+			Help: "Leases sessions' claims took from the claimable aggregates: work no discovery round or ack gave a session directly. A large share of outboxd_deliveries_total means the relays' credit runs out (each claim costs the database more, far more under a held xmin horizon).",
+		}),
 	}
 }
 
 func (m *metrics) collectors() []prometheus.Collector {
 	return []prometheus.Collector{m.deliveries, m.redeliveries, m.discovered, m.discoveryErrors, m.discoveryStop, m.acks, m.nacks, m.leasesExpired,
-		m.purged, m.ackDuration, m.publishLag, m.sessions, m.handOvers, m.dispatched}
+		m.purged, m.ackDuration, m.publishLag, m.sessions, m.handOvers, m.dispatched, m.claimed}
 }
 
 // lagCollector exports the database's backlog as gauges at scrape time. The

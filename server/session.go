@@ -454,6 +454,7 @@ func (ss *session) claimAndSend(ctx context.Context, credit int, send func(*outb
 		// at the next tick in case its commit was late.
 		ss.releaseUndelivered(ctx)
 	}
+	ss.srv.metrics.claimed.Add(float64(len(leases)))
 	// Counted before sending: a send blocked by a relay that stopped
 	// reading must not hide the claim's leases from ListRelays.
 	for _, l := range leases {
