@@ -39,10 +39,10 @@ func (s *Server) saveSessions(ctx context.Context) {
 	}
 }
 
-// writeSessionRows upserts recs, the caller holding sessionRows. The write
-// is not cancelled with ctx: a statement cancelled on its way can still
-// commit after the caller has let go of sessionRows, and so after a
-// removal that followed it.
+// writeSessionRows upserts recs. The write is not cancelled with ctx: a
+// statement cancelled on its way can still commit after its caller has
+// returned (and let go of sessionRows), and so after a removal that
+// followed it.
 func (s *Server) writeSessionRows(ctx context.Context, recs []store.RelaySession) error {
 	wctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), releaseTimeout)
 	defer cancel()

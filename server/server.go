@@ -700,8 +700,10 @@ func (s *Server) addSession(ctx context.Context, sess *session) error {
 	s.sessWG.Add(1)
 	s.mu.Unlock()
 	s.metrics.sessions.Inc()
-	s.sessionRows.Lock()
-	defer s.sessionRows.Unlock()
+	// Not under sessionRows: this session's removal comes after this
+	// returns, and the write is not cancelled with ctx, so it has landed by
+	// then; a refresh's upsert of the same row meanwhile is harmless. Relays
+	// connecting together thus do not wait for each other's writes.
 	if err := s.writeSessionRows(ctx, []store.RelaySession{sess.record()}); err != nil && ctx.Err() == nil {
 		s.log.Warn("recording relay session failed; ListRelays shows it after the next refresh", "err", err)
 	}
