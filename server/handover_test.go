@@ -682,6 +682,7 @@ func TestHandOverYieldsWhileSpareCreditIsLent(t *testing.T) {
 			<-unhold
 		})
 	})
+	turns := watchDiscoveryTurns(r)
 	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{RelayId: "lends", MaxInFlight: 2})
 	hdr, err := st.Header()
 	if err != nil {
@@ -694,7 +695,7 @@ func TestHandOverYieldsWhileSpareCreditIsLent(t *testing.T) {
 	// the one to find new/1: it would make new/1 ready rather than
 	// dispatch it on the offer. So new/1 comes after the loop's turn under
 	// way has ended; the next round borrows the offer.
-	awaitTurnEnd(t, r)
+	turns.next(t)
 
 	// A round borrows it, and is held before its statement.
 	release := make(chan struct{})
@@ -743,25 +744,6 @@ func coldHeldElsewhere(t *testing.T, ctx context.Context) (r *replica, pool *pgx
 		t.Fatalf("the first relay got %s, want cold/1", d.GetEvent().GetAggregateKey())
 	}
 	return r, pool, endOther
-}
-
-// awaitTurnEnd waits until the discovery loop of r ends a turn (a check or
-// a round's statement) that it may have begun before the call.
-func awaitTurnEnd(t *testing.T, r *replica) {
-	t.Helper()
-	ended := make(chan struct{}, 1)
-	signal := func() {
-		select {
-		case ended <- struct{}{}:
-		default:
-		}
-	}
-	r.Server.SetAfterRoundDue(func(bool, error) { signal() })
-	r.Server.SetAfterDiscover(func(d store.Discovery, err error) (store.Discovery, error) {
-		signal()
-		return d, err
-	})
-	awaitSignal(t, "the discovery loop's turn to end", ended)
 }
 
 // recvHot1 receives the next delivery of st, which must be hot/1.
