@@ -12,33 +12,9 @@ import (
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
-	"github.com/outboxd/outboxd/internal/store"
 	"github.com/outboxd/outboxd/internal/testdb"
 	"github.com/outboxd/outboxd/server"
 )
-
-// roundsFound passes every discovery round that found events to a channel.
-func roundsFound(r *replica) chan store.Discovery {
-	c := make(chan store.Discovery, 64)
-	r.Server.SetAfterDiscover(func(d store.Discovery, err error) (store.Discovery, error) {
-		if err == nil && d.Events > 0 {
-			c <- d
-		}
-		return d, err
-	})
-	return c
-}
-
-func nextRound(t *testing.T, rounds chan store.Discovery) store.Discovery {
-	t.Helper()
-	select {
-	case d := <-rounds:
-		return d
-	case <-time.After(30 * time.Second):
-		t.Fatal("no discovery round found events within 30s")
-		return store.Discovery{}
-	}
-}
 
 func undiscovered(t *testing.T, pool *pgxpool.Pool) int64 {
 	t.Helper()
@@ -67,7 +43,7 @@ func TestARoundTakesWhatItsSessionsCanTake(t *testing.T) {
 	reg := prometheus.NewPedanticRegistry()
 	r := startReplica(t, url, func(c *server.Config) { c.Registerer = reg })
 	r.Server.SetAfterOffer(gate.hook)
-	rounds := roundsFound(r)
+	rounds := watchRounds(r)
 	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 3, LeaseTtl: durationpb.New(time.Hour)})
 	gate.waitHeld(t)
 	release := holdDiscovery(ctx, t, pool)
@@ -77,7 +53,7 @@ func TestARoundTakesWhatItsSessionsCanTake(t *testing.T) {
 		ids = append(ids, emit(t, pool, "orders", fmt.Sprintf("o%d", i), 1)[0])
 	}
 	release()
-	first := nextRound(t, rounds)
+	first := rounds.next(t)
 	if first.Events != 3 || len(first.Dispatched) != 3 || first.Aggregates != 0 {
 		t.Fatalf("the first round took %d events, dispatched %d and made %d ready; want 3, 3 and 0 (the session offered 3)",
 			first.Events, len(first.Dispatched), first.Aggregates)
@@ -122,7 +98,7 @@ func TestNoRoundWhileNoSessionOffersCredit(t *testing.T) {
 		// A round put off waits for the session's offer, not for this.
 		c.DiscoveryIdleInterval = time.Hour
 	})
-	rounds := roundsFound(r)
+	rounds := watchRounds(r)
 	putOff := make(chan struct{}, 64)
 	r.Server.SetAfterPutOff(func() {
 		select {
@@ -136,7 +112,7 @@ func TestNoRoundWhileNoSessionOffersCredit(t *testing.T) {
 	if d.GetEvent().GetEventId() != first.String() {
 		t.Fatalf("got %s, want %s", d.GetEvent().GetEventId(), first)
 	}
-	drain(rounds)
+	drain(rounds.rounds)
 	drain(putOff)
 	// The first may have been claimed: a round that ran before the session
 	// was added made it ready.
@@ -146,7 +122,7 @@ func TestNoRoundWhileNoSessionOffersCredit(t *testing.T) {
 	second := emit(t, pool, "orders", "b", 1)[0]
 	select {
 	case <-putOff:
-	case found := <-rounds:
+	case found := <-rounds.rounds:
 		t.Fatalf("a round ran while the session offered no credit: took %d events, made %d ready", found.Events, found.Aggregates)
 	case <-time.After(30 * time.Second):
 		t.Fatal("the discovery loop put no round off within 30s")
@@ -187,7 +163,7 @@ func TestAFilteredSessionsRoundTakesEverything(t *testing.T) {
 			defer gate.release(false)
 			r := startReplica(t, url, nil)
 			r.Server.SetAfterOffer(gate.hook)
-			rounds := roundsFound(r)
+			rounds := watchRounds(r)
 			// A stream is subscribed to once it has events.
 			emit(t, pool, "orders", "first", 1)
 			filter.MaxInFlight, filter.LeaseTtl = 1, durationpb.New(time.Hour)
@@ -196,14 +172,14 @@ func TestAFilteredSessionsRoundTakesEverything(t *testing.T) {
 			gate.armFrom(1) // the offer its ack frees, not one made before
 			ackPublished(t, r, d)
 			gate.waitHeld(t)
-			drain(rounds)
+			drain(rounds.rounds)
 			release := holdDiscovery(ctx, t, pool)
 			for i := range 3 {
 				emit(t, pool, "billing", fmt.Sprintf("b%d", i), 1)
 			}
 			id := emit(t, pool, "orders", "o", 1)[0]
 			release()
-			found := nextRound(t, rounds)
+			found := rounds.next(t)
 			if found.Events != 4 || len(found.Dispatched) != 1 || found.Dispatched[0].Lease.Event.ID != id {
 				t.Fatalf("the round took %d events and dispatched %v; want all 4 taken and orders/o dispatched", found.Events, found.Dispatched)
 			}
