@@ -12,9 +12,33 @@ import (
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+	"github.com/outboxd/outboxd/internal/store"
 	"github.com/outboxd/outboxd/internal/testdb"
 	"github.com/outboxd/outboxd/server"
 )
+
+// roundsFound passes every discovery round that found events to a channel.
+func roundsFound(r *replica) chan store.Discovery {
+	c := make(chan store.Discovery, 64)
+	r.Server.SetAfterDiscover(func(d store.Discovery, err error) (store.Discovery, error) {
+		if err == nil && d.Events > 0 {
+			c <- d
+		}
+		return d, err
+	})
+	return c
+}
+
+func nextRound(t *testing.T, rounds chan store.Discovery) store.Discovery {
+	t.Helper()
+	select {
+	case d := <-rounds:
+		return d
+	case <-time.After(30 * time.Second):
+		t.Fatal("no discovery round found events within 30s")
+		return store.Discovery{}
+	}
+}
 
 func undiscovered(t *testing.T, pool *pgxpool.Pool) int64 {
 	t.Helper()
@@ -43,7 +67,7 @@ func TestARoundTakesWhatItsSessionsCanTake(t *testing.T) {
 	reg := prometheus.NewPedanticRegistry()
 	r := startReplica(t, url, func(c *server.Config) { c.Registerer = reg })
 	r.Server.SetAfterOffer(gate.hook)
-	rounds := watchRounds(r)
+	rounds := roundsFound(r)
 	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 3, LeaseTtl: durationpb.New(time.Hour)})
 	gate.waitHeld(t)
 	release := holdDiscovery(ctx, t, pool)
@@ -53,7 +77,7 @@ func TestARoundTakesWhatItsSessionsCanTake(t *testing.T) {
 		ids = append(ids, emit(t, pool, "orders", fmt.Sprintf("o%d", i), 1)[0])
 	}
 	release()
-	first := rounds.next(t)
+	first := nextRound(t, rounds)
 	if first.Events != 3 || len(first.Dispatched) != 3 || first.Aggregates != 0 {
 		t.Fatalf("the first round took %d events, dispatched %d and made %d ready; want 3, 3 and 0 (the session offered 3)",
 			first.Events, len(first.Dispatched), first.Aggregates)
@@ -98,7 +122,7 @@ func TestNoRoundWhileNoSessionOffersCredit(t *testing.T) {
 		// A round put off waits for the session's offer, not for this.
 		c.DiscoveryIdleInterval = time.Hour
 	})
-	rounds := watchRounds(r)
+	rounds := roundsFound(r)
 	putOff := make(chan struct{}, 64)
 	r.Server.SetAfterPutOff(func() {
 		select {
@@ -112,7 +136,7 @@ func TestNoRoundWhileNoSessionOffersCredit(t *testing.T) {
 	if d.GetEvent().GetEventId() != first.String() {
 		t.Fatalf("got %s, want %s", d.GetEvent().GetEventId(), first)
 	}
-	drain(rounds.rounds)
+	drain(rounds)
 	drain(putOff)
 	// The first may have been claimed: a round that ran before the session
 	// was added made it ready.
@@ -122,7 +146,7 @@ func TestNoRoundWhileNoSessionOffersCredit(t *testing.T) {
 	second := emit(t, pool, "orders", "b", 1)[0]
 	select {
 	case <-putOff:
-	case found := <-rounds.rounds:
+	case found := <-rounds:
 		t.Fatalf("a round ran while the session offered no credit: took %d events, made %d ready", found.Events, found.Aggregates)
 	case <-time.After(30 * time.Second):
 		t.Fatal("the discovery loop put no round off within 30s")
@@ -163,7 +187,7 @@ func TestAFilteredSessionsRoundTakesEverything(t *testing.T) {
 			defer gate.release(false)
 			r := startReplica(t, url, nil)
 			r.Server.SetAfterOffer(gate.hook)
-			rounds := watchRounds(r)
+			rounds := roundsFound(r)
 			// A stream is subscribed to once it has events.
 			emit(t, pool, "orders", "first", 1)
 			filter.MaxInFlight, filter.LeaseTtl = 1, durationpb.New(time.Hour)
@@ -172,14 +196,14 @@ func TestAFilteredSessionsRoundTakesEverything(t *testing.T) {
 			gate.armFrom(1) // the offer its ack frees, not one made before
 			ackPublished(t, r, d)
 			gate.waitHeld(t)
-			drain(rounds.rounds)
+			drain(rounds)
 			release := holdDiscovery(ctx, t, pool)
 			for i := range 3 {
 				emit(t, pool, "billing", fmt.Sprintf("b%d", i), 1)
 			}
 			id := emit(t, pool, "orders", "o", 1)[0]
 			release()
-			found := rounds.next(t)
+			found := nextRound(t, rounds)
 			if found.Events != 4 || len(found.Dispatched) != 1 || found.Dispatched[0].Lease.Event.ID != id {
 				t.Fatalf("the round took %d events and dispatched %v; want all 4 taken and orders/o dispatched", found.Events, found.Dispatched)
 			}
