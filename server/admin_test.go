@@ -320,10 +320,7 @@ func TestRetryAggregate(t *testing.T) {
 	pool := testdb.NewPoolURL(t, url)
 	r := startReplica(t, url, func(c *server.Config) { c.MaxFailures = 1 })
 	emit(t, pool, "orders", "o-1", 1)
-	// Credit for two: with one, g's revision 1 out would put off the round
-	// that finds revision 4 (it takes no more events than the session has
-	// credit for), which the gap below waits for.
-	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 2, LeaseTtl: durationpb.New(time.Hour)})
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 1, LeaseTtl: durationpb.New(time.Hour)})
 	d := recv(t, st)
 
 	_, err := r.Admin.RetryAggregate(ctx, &outboxv1.RetryAggregateRequest{Stream: "orders", AggregateKey: "o-1"})

@@ -107,18 +107,12 @@ func (s *Server) discover(ctx context.Context) {
 	}
 	// backOff doubles the wait after a turn that found nothing.
 	backOff := func() { wait = min(2*wait, s.cfg.DiscoveryIdleInterval) }
-	// credit is s.creditOffered while the loop waits for a session to offer
-	// credit (a round put off for want of any: see discoverRound), else nil.
-	var credit <-chan struct{}
 	for {
 		select {
 		case <-ctx.Done():
 			return
 		case <-t.C:
-		case <-credit:
-			t.Stop()
 		}
-		credit = nil
 		if empty {
 			probe, asked := s.claimProbeWanted(), time.Now()
 			due, claims, err := s.store.RoundDue(ctx, probe, s.cfg.maxDue())
@@ -153,20 +147,8 @@ func (s *Server) discover(ctx context.Context) {
 		// The round's wall time, waits for a connection or a lock included:
 		// what the pause after it follows (roundPause).
 		began := time.Now()
-		found, round, err := s.discoverRound(ctx)
+		found, ready, echoed, err := s.discoverRound(ctx)
 		took := time.Since(began)
-		if round.noCredit {
-			// Put off until a session offers credit, or the idle interval
-			// (sessions that end offer none; without them the next round
-			// is not bounded). The events wait in outbox.event, where they
-			// cost nothing, rather than as ready rows for claims.
-			credit = s.creditOffered
-			if h := s.afterPutOff.get(); h != nil {
-				h()
-			}
-			reset(pause{chosen: s.cfg.DiscoveryIdleInterval, armed: s.cfg.DiscoveryIdleInterval, at: time.Now()})
-			continue
-		}
 		if err == nil {
 			s.lastTurn.Store(&discoveryTurn{at: time.Now()})
 		}
@@ -202,12 +184,11 @@ func (s *Server) discover(ctx context.Context) {
 			s.metrics.discovered.Add(float64(found.Events))
 			now := time.Now()
 			// Paced by the round (see Config.DiscoveryPaceMax), but not
-			// while a backlog is taken in parts: a round as large as its
-			// bound (DiscoveryMaxEvents, or the credit its sessions
-			// offered) leaves the rest there, and the next one goes on
-			// without the pause, as far as credit allows.
+			// while a backlog is taken in parts: a round as large as
+			// DiscoveryMaxEvents leaves the rest there, and the next one is
+			// as large without the pause.
 			wait = max(s.cfg.DiscoveryInterval, min(roundPause(took, found.Events), s.cfg.DiscoveryPaceMax))
-			if round.bound > 0 && found.Events >= int64(round.bound) {
+			if s.cfg.DiscoveryMaxEvents > 0 && found.Events >= int64(s.cfg.DiscoveryMaxEvents) {
 				wait = s.cfg.DiscoveryInterval
 			}
 			if found.Events == 1 && now.Sub(active()) > s.cfg.DiscoveryIdleInterval {
@@ -231,8 +212,8 @@ func (s *Server) discover(ctx context.Context) {
 			// takes their streams claims (the others only if it finds all
 			// it asks for); the other replicas hear of them through the
 			// round's NOTIFY, which this replica's listener leaves alone.
-			s.wakeGroups(round.ready)
-		case round.echoed:
+			s.wakeGroups(ready)
+		case echoed:
 			// A wake-up from the round's backend that the round does not
 			// account for (its answer was lost, say): act on it now.
 			s.wakeGroups(nil)
@@ -371,8 +352,12 @@ func roundPause(took time.Duration, events int64) time.Duration {
 	return took * time.Duration(events) / fullRound
 }
 
-// discoverRound runs one discovery round, dispatching what it can, and
-// says what the loop needs to know of it (roundOutcome).
+// discoverRound runs one discovery round, dispatching what it can. ready
+// names the streams of the aggregates it found and did not dispatch, the
+// only ones it may have made ready (nil: it cannot tell, any stream).
+// echoed says the listener held back a wake-up from the round's backend as
+// the round's own (see waker.openRound); the caller wakes the sessions when
+// the round does not say it made rows ready.
 //
 // Dispatch: an aggregate the round finds idle (or new) has nothing in hand,
 // so its next event would otherwise be made ready by the round and leased
@@ -392,55 +377,16 @@ func roundPause(took time.Duration, events int64) time.Duration {
 // Dispatch cannot starve older work: a session offers credit only after a
 // claim came back short, and claims with the credit an ack frees before it
 // offers any again.
-//
-// A round takes what the sessions can take: while every session of the
-// replica takes every stream, a round takes about as many events as they
-// offer credit (whole transactions, oldest first: discover_scan's
-// p_max_events), and none when they offer none (the round is put off until
-// one does: round.noCredit). What it found beyond the credit it could only
-// make ready, for claims; left in outbox.event instead, undiscovered, it
-// costs nothing until credit frees, while every ready row costs a claim and
-// a second write of its delivery row, and under a held xmin horizon every
-// claim reads past the dead entries the claims before it left (the
-// "claim mode" of relays with little credit; BENCHMARKS.md). Any session
-// can take any of the events, so the oldest first is the order they would
-// be delivered in anyway. Not with stream filters: there a round bounded by
-// one stream's credit would make another stream's events wait behind a
-// backlog of the first that its relays cannot take, so a replica with a
-// filtered session bounds its rounds only by DiscoveryMaxEvents, as one
-// without sessions does (other replicas' sessions claim what it makes
-// ready).
-func (s *Server) discoverRound(ctx context.Context) (_ store.Discovery, round roundOutcome, _ error) {
+func (s *Server) discoverRound(ctx context.Context) (_ store.Discovery, ready []string, echoed bool, _ error) {
 	var loans []*loan
 	var offers []store.Offer
-	round.bound = s.cfg.DiscoveryMaxEvents
 	if !s.cfg.NoDispatch {
 		// Held until the round's leases are with their sessions: once Stop
 		// has closed stopping no round dispatches (see leaseGate), and a
 		// session that then ends for want of deliveries has all of its own.
 		if leased, ok := s.leasing(false); ok {
 			defer leased()
-			// An offer from before this borrow is in it; one after it
-			// signals anew.
-			select {
-			case <-s.creditOffered:
-			default:
-			}
-			var everyStream bool
-			loans, offers, everyStream = s.borrowCredit()
-			if everyStream {
-				credit := 0
-				for _, l := range loans {
-					credit += l.units
-				}
-				if credit == 0 {
-					round.noCredit = true
-					return store.Discovery{}, round, nil
-				}
-				if round.bound == 0 || credit < round.bound {
-					round.bound = credit
-				}
-			}
+			loans, offers = s.borrowCredit()
 		}
 	}
 	if len(loans) > 0 {
@@ -458,12 +404,12 @@ func (s *Server) discoverRound(ctx context.Context) (_ store.Discovery, round ro
 		pid = p
 		s.wake.openRound(p)
 	}
-	found, err := s.store.Discover(ctx, s.cfg.ReplicaID, s.cfg.DiscoveryMaxFound, round.bound, offers, applying)
+	found, err := s.store.Discover(ctx, s.cfg.ReplicaID, s.cfg.DiscoveryMaxFound, s.cfg.DiscoveryMaxEvents, offers, applying)
 	if h := s.afterDiscover.get(); h != nil {
 		found, err = h(found, err)
 	}
 	if pid != 0 {
-		round.echoed = s.wake.closeRound(pid, err == nil && found.Aggregates > 0)
+		echoed = s.wake.closeRound(pid, err == nil && found.Aggregates > 0)
 	}
 	if err != nil {
 		// A round whose answer was lost may have committed: a session it
@@ -477,7 +423,7 @@ func (s *Server) discoverRound(ctx context.Context) (_ store.Discovery, round ro
 				l.ss.requestSweep()
 			}
 		}
-		return found, round, err
+		return found, nil, echoed, err
 	}
 	if found.LastHolder != uuid.Nil {
 		s.dispatchAfter = found.LastHolder
@@ -506,40 +452,15 @@ func (s *Server) discoverRound(ctx context.Context) (_ store.Discovery, round ro
 		}
 		cancel()
 	}
-	round.ready = readyStreams(found.Found, found.Dispatched, s.cfg.DiscoveryMaxFound)
-	return found, round, nil
-}
-
-// roundOutcome is what a discovery round tells the loop besides its
-// Discovery.
-type roundOutcome struct {
-	// ready names the streams of the aggregates the round found and did not
-	// dispatch, the only ones it may have made ready (nil: it cannot tell,
-	// any stream).
-	ready []string
-	// echoed says the listener held back a wake-up from the round's backend
-	// as the round's own (see waker.openRound); the loop wakes the sessions
-	// when the round does not say it made rows ready.
-	echoed bool
-	// bound is about the most events the round could take (0: no bound): a
-	// round that found as many leaves more there.
-	bound int
-	// noCredit says the round was put off, not run: every session of the
-	// replica takes every stream, and none offered credit.
-	noCredit bool
+	return found, readyStreams(found.Found, found.Dispatched, s.cfg.DiscoveryMaxFound), echoed, nil
 }
 
 // borrowCredit borrows the credit the local sessions offer, for a discovery
 // round to dispatch with: a loan and an offer per session that lends any,
 // taking turns from after the session the last round gave its last
-// aggregate to. everyStream says the replica has sessions and each takes
-// every stream (the round may then be bounded by their credit).
-func (s *Server) borrowCredit() (loans []*loan, offers []store.Offer, everyStream bool) {
+// aggregate to.
+func (s *Server) borrowCredit() (loans []*loan, offers []store.Offer) {
 	sessions := s.dispatchSessions()
-	everyStream = len(sessions) > 0
-	for _, ss := range sessions {
-		everyStream = everyStream && len(ss.streams) == 0 && len(ss.excludeStreams) == 0
-	}
 	if len(sessions) > 0 {
 		// Turns begin after the session the last round gave its last
 		// aggregate to (or where it stood, if it has gone).
@@ -560,7 +481,7 @@ func (s *Server) borrowCredit() (loans []*loan, offers []store.Offer, everyStrea
 				StreamFilter: ss.filter()})
 		}
 	}
-	return loans, offers, everyStream
+	return loans, offers
 }
 
 // readyStreams returns the distinct streams of the aggregates found and not
