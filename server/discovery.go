@@ -107,12 +107,18 @@ func (s *Server) discover(ctx context.Context) {
 	}
 	// backOff doubles the wait after a turn that found nothing.
 	backOff := func() { wait = min(2*wait, s.cfg.DiscoveryIdleInterval) }
+	// credit is s.creditOffered while the loop waits for a session to offer
+	// credit (a round put off for want of any: see discoverRound), else nil.
+	var credit <-chan struct{}
 	for {
 		select {
 		case <-ctx.Done():
 			return
 		case <-t.C:
+		case <-credit:
+			t.Stop()
 		}
+		credit = nil
 		if empty {
 			probe, asked := s.claimProbeWanted(), time.Now()
 			due, claims, err := s.store.RoundDue(ctx, probe, s.cfg.maxDue())
@@ -147,8 +153,20 @@ func (s *Server) discover(ctx context.Context) {
 		// The round's wall time, waits for a connection or a lock included:
 		// what the pause after it follows (roundPause).
 		began := time.Now()
-		found, ready, echoed, err := s.discoverRound(ctx)
+		found, round, err := s.discoverRound(ctx)
 		took := time.Since(began)
+		if round.noCredit {
+			// Put off until a session offers credit, or the idle interval
+			// (sessions that end offer none; without them the next round
+			// is not bounded). The events wait in outbox.event, where they
+			// cost nothing, rather than as ready rows for claims.
+			credit = s.creditOffered
+			if h := s.afterPutOff.get(); h != nil {
+				h()
+			}
+			reset(pause{chosen: s.cfg.DiscoveryIdleInterval, armed: s.cfg.DiscoveryIdleInterval, at: time.Now()})
+			continue
+		}
 		if err == nil {
 			s.lastTurn.Store(&discoveryTurn{at: time.Now()})
 		}
@@ -184,11 +202,12 @@ func (s *Server) discover(ctx context.Context) {
 			s.metrics.discovered.Add(float64(found.Events))
 			now := time.Now()
 			// Paced by the round (see Config.DiscoveryPaceMax), but not
-			// while a backlog is taken in parts: a round as large as
-			// DiscoveryMaxEvents leaves the rest there, and the next one is
-			// as large without the pause.
+			// while a backlog is taken in parts: a round as large as its
+			// bound (DiscoveryMaxEvents, or the credit its sessions
+			// offered) leaves the rest there, and the next one goes on
+			// without the pause, as far as credit allows.
 			wait = max(s.cfg.DiscoveryInterval, min(roundPause(took, found.Events), s.cfg.DiscoveryPaceMax))
-			if s.cfg.DiscoveryMaxEvents > 0 && found.Events >= int64(s.cfg.DiscoveryMaxEvents) {
+			if round.bound > 0 && found.Events >= int64(round.bound) {
 				wait = s.cfg.DiscoveryInterval
 			}
 			if found.Events == 1 && now.Sub(active()) > s.cfg.DiscoveryIdleInterval {
@@ -212,8 +231,8 @@ func (s *Server) discover(ctx context.Context) {
 			// takes their streams claims (the others only if it finds all
 			// it asks for); the other replicas hear of them through the
 			// round's NOTIFY, which this replica's listener leaves alone.
-			s.wakeGroups(ready)
-		case echoed:
+			s.wakeGroups(round.ready)
+		case round.echoed:
 			// A wake-up from the round's backend that the round does not
 			// account for (its answer was lost, say): act on it now.
 			s.wakeGroups(nil)
@@ -352,12 +371,8 @@ func roundPause(took time.Duration, events int64) time.Duration {
 	return took * time.Duration(events) / fullRound
 }
 
-// discoverRound runs one discovery round, dispatching what it can. ready
-// names the streams of the aggregates it found and did not dispatch, the
-// only ones it may have made ready (nil: it cannot tell, any stream).
-// echoed says the listener held back a wake-up from the round's backend as
-// the round's own (see waker.openRound); the caller wakes the sessions when
-// the round does not say it made rows ready.
+// discoverRound runs one discovery round, dispatching what it can, and
+// says what the loop needs to know of it (roundOutcome).
 //
 // Dispatch: an aggregate the round finds idle (or new) has nothing in hand,
 // so its next event would otherwise be made ready by the round and leased
@@ -377,16 +392,67 @@ func roundPause(took time.Duration, events int64) time.Duration {
 // Dispatch cannot starve older work: a session offers credit only after a
 // claim came back short, and claims with the credit an ack frees before it
 // offers any again.
-func (s *Server) discoverRound(ctx context.Context) (_ store.Discovery, ready []string, echoed bool, _ error) {
+//
+// A saturated replica's round takes what the sessions can take: once every
+// round for saturatedAfter has found more events than the sessions offered
+// credit for, and while every session of the replica takes every stream, a
+// round takes about as many events as they offer credit (whole
+// transactions, oldest first: discover_scan's p_max_events), and none when
+// they offer none (the round is put off until one does: round.noCredit).
+// What it found beyond the credit it could only make ready, for claims;
+// left in outbox.event instead, undiscovered, it costs nothing until credit
+// frees, while every ready row costs a claim and a second write of its
+// delivery row, and under a held xmin horizon every claim reads past the
+// dead entries the claims before it left (the "claim mode" of relays with
+// little credit; BENCHMARKS.md). Any session can take any of the events, so
+// the oldest first is the order they would be delivered in anyway. Only
+// once saturated: a burst beyond the credit is made ready as before, and
+// every session's claims take it in parallel as acks free credit, where
+// undiscovered it would wait for this loop's rounds one at a time (at 16
+// credit and 900 events/s, bounding every round doubled commit->sink p99).
+// A round that takes everything it found within the credit ends the
+// saturation. Not with stream filters: there a round bounded by one
+// stream's credit would make another stream's events wait behind a backlog
+// of the first that its relays cannot take, so a replica with a filtered
+// session bounds its rounds only by DiscoveryMaxEvents, as one without
+// sessions does (other replicas' sessions claim what it makes ready).
+func (s *Server) discoverRound(ctx context.Context) (_ store.Discovery, round roundOutcome, _ error) {
+	var creditKnown, bounded bool
+	var creditOffered int
 	var loans []*loan
 	var offers []store.Offer
+	round.bound = s.cfg.DiscoveryMaxEvents
 	if !s.cfg.NoDispatch {
 		// Held until the round's leases are with their sessions: once Stop
 		// has closed stopping no round dispatches (see leaseGate), and a
 		// session that then ends for want of deliveries has all of its own.
 		if leased, ok := s.leasing(false); ok {
 			defer leased()
-			loans, offers = s.borrowCredit()
+			// An offer from before this borrow is in it; one after it
+			// signals anew.
+			select {
+			case <-s.creditOffered:
+			default:
+			}
+			var everyStream bool
+			loans, offers, everyStream = s.borrowCredit()
+			if everyStream {
+				credit := 0
+				for _, l := range loans {
+					credit += l.units
+				}
+				creditKnown, creditOffered = true, credit
+				if after := time.Duration(s.saturatedAfter.Load()); after == 0 || !s.shortSince.IsZero() && time.Since(s.shortSince) >= after {
+					bounded = true
+					if credit == 0 {
+						round.noCredit = true
+						return store.Discovery{}, round, nil
+					}
+					if round.bound == 0 || credit < round.bound {
+						round.bound = credit
+					}
+				}
+			}
 		}
 	}
 	if len(loans) > 0 {
@@ -404,12 +470,12 @@ func (s *Server) discoverRound(ctx context.Context) (_ store.Discovery, ready []
 		pid = p
 		s.wake.openRound(p)
 	}
-	found, err := s.store.Discover(ctx, s.cfg.ReplicaID, s.cfg.DiscoveryMaxFound, s.cfg.DiscoveryMaxEvents, offers, applying)
+	found, err := s.store.Discover(ctx, s.cfg.ReplicaID, s.cfg.DiscoveryMaxFound, round.bound, offers, applying)
 	if h := s.afterDiscover.get(); h != nil {
 		found, err = h(found, err)
 	}
 	if pid != 0 {
-		echoed = s.wake.closeRound(pid, err == nil && found.Aggregates > 0)
+		round.echoed = s.wake.closeRound(pid, err == nil && found.Aggregates > 0)
 	}
 	if err != nil {
 		// A round whose answer was lost may have committed: a session it
@@ -423,10 +489,17 @@ func (s *Server) discoverRound(ctx context.Context) (_ store.Discovery, ready []
 				l.ss.requestSweep()
 			}
 		}
-		return found, nil, echoed, err
+		return found, round, err
 	}
 	if found.LastHolder != uuid.Nil {
 		s.dispatchAfter = found.LastHolder
+	}
+	short := creditKnown && (found.Events > int64(creditOffered) || (bounded && found.Events >= int64(round.bound)))
+	switch {
+	case !short:
+		s.shortSince = time.Time{}
+	case s.shortSince.IsZero():
+		s.shortSince = time.Now()
 	}
 	byHolder := make(map[uuid.UUID]*loan, len(loans))
 	for _, l := range loans {
@@ -452,15 +525,46 @@ func (s *Server) discoverRound(ctx context.Context) (_ store.Discovery, ready []
 		}
 		cancel()
 	}
-	return found, readyStreams(found.Found, found.Dispatched, s.cfg.DiscoveryMaxFound), echoed, nil
+	round.ready = readyStreams(found.Found, found.Dispatched, s.cfg.DiscoveryMaxFound)
+	return found, round, nil
+}
+
+// saturatedAfter is how long every round must have found more than its
+// sessions' credit before rounds take no more than that credit (see
+// discoverRound).
+const saturatedAfter = 250 * time.Millisecond
+
+// roundOutcome is what a discovery round tells the loop besides its
+// Discovery.
+type roundOutcome struct {
+	// ready names the streams of the aggregates the round found and did not
+	// dispatch, the only ones it may have made ready (nil: it cannot tell,
+	// any stream).
+	ready []string
+	// echoed says the listener held back a wake-up from the round's backend
+	// as the round's own (see waker.openRound); the loop wakes the sessions
+	// when the round does not say it made rows ready.
+	echoed bool
+	// bound is about the most events the round could take (0: no bound): a
+	// round that found as many leaves more there.
+	bound int
+	// noCredit says the round was put off, not run: the replica is
+	// saturated, every session of it takes every stream, and none offered
+	// credit.
+	noCredit bool
 }
 
 // borrowCredit borrows the credit the local sessions offer, for a discovery
 // round to dispatch with: a loan and an offer per session that lends any,
 // taking turns from after the session the last round gave its last
-// aggregate to.
-func (s *Server) borrowCredit() (loans []*loan, offers []store.Offer) {
+// aggregate to. everyStream says the replica has sessions and each takes
+// every stream (the round may then be bounded by their credit).
+func (s *Server) borrowCredit() (loans []*loan, offers []store.Offer, everyStream bool) {
 	sessions := s.dispatchSessions()
+	everyStream = len(sessions) > 0
+	for _, ss := range sessions {
+		everyStream = everyStream && len(ss.streams) == 0 && len(ss.excludeStreams) == 0
+	}
 	if len(sessions) > 0 {
 		// Turns begin after the session the last round gave its last
 		// aggregate to (or where it stood, if it has gone).
@@ -481,7 +585,7 @@ func (s *Server) borrowCredit() (loans []*loan, offers []store.Offer) {
 				StreamFilter: ss.filter()})
 		}
 	}
-	return loans, offers
+	return loans, offers, everyStream
 }
 
 // readyStreams returns the distinct streams of the aggregates found and not

@@ -222,24 +222,42 @@ func recvAttempt(t *testing.T, st outboxv1.RelayService_SubscribeClient, id uuid
 	return d
 }
 
-// dispatchWatch records what each discovery round dispatched.
-type dispatchWatch struct{ rounds chan []store.DispatchedLease }
+// roundWatch passes a test each discovery round that found events
+// (SetAfterDiscover). Its channel is large, and a full one holds the loop,
+// so that no round is missed.
+type roundWatch struct{ rounds chan store.Discovery }
 
-func (w *dispatchWatch) hook(d store.Discovery, err error) (store.Discovery, error) {
-	if err == nil && len(d.Dispatched) > 0 {
-		w.rounds <- d.Dispatched
-	}
-	return d, err
+func watchRounds(r *replica) *roundWatch {
+	w := &roundWatch{rounds: make(chan store.Discovery, 256)}
+	r.Server.SetAfterDiscover(func(d store.Discovery, err error) (store.Discovery, error) {
+		if err == nil && d.Events > 0 {
+			w.rounds <- d
+		}
+		return d, err
+	})
+	return w
 }
 
-func (w *dispatchWatch) next(t *testing.T) []store.DispatchedLease {
+// next returns the next round that found events.
+func (w *roundWatch) next(t *testing.T) store.Discovery {
 	t.Helper()
 	select {
 	case d := <-w.rounds:
 		return d
 	case <-time.After(30 * time.Second):
-		t.Fatal("no discovery round dispatched within 30s")
-		return nil
+		t.Fatal("no discovery round found events within 30s")
+		return store.Discovery{}
+	}
+}
+
+// nextDispatch returns what the next round that dispatched anything
+// dispatched, passing over rounds that did not.
+func (w *roundWatch) nextDispatch(t *testing.T) []store.DispatchedLease {
+	t.Helper()
+	for {
+		if d := w.next(t); len(d.Dispatched) > 0 {
+			return d.Dispatched
+		}
 	}
 }
 
@@ -255,12 +273,11 @@ func TestDiscoveryDispatchesToWaitingSession(t *testing.T) {
 	var claims claimCounter
 	gate := newOfferGate(false)
 	defer gate.release(false) // a held loop would keep the replica from stopping
-	watch := &dispatchWatch{rounds: make(chan []store.DispatchedLease, 16)}
 	reg := prometheus.NewPedanticRegistry()
 	r := startReplica(t, url, func(c *server.Config) { c.Registerer = reg })
 	r.Server.SetAfterClaim(claims.hook)
 	r.Server.SetAfterOffer(gate.hook)
-	r.Server.SetAfterDiscover(watch.hook)
+	watch := watchRounds(r)
 	turns := watchDiscoveryTurns(r)
 	const ttl = time.Hour
 	emit(t, pool, "billing", "b", 1)
@@ -277,9 +294,7 @@ func TestDiscoveryDispatchesToWaitingSession(t *testing.T) {
 	claims.n.Store(0)
 	dispatchedBefore := r.Server.Dispatched()
 	claimedBefore := gatherSum(t, reg, "outboxd_claimed_total")
-	for len(watch.rounds) > 0 {
-		<-watch.rounds
-	}
+	drain(watch.rounds)
 	gate.arm()
 	const k = 6
 	for i := range k {
@@ -289,7 +304,7 @@ func TestDiscoveryDispatchesToWaitingSession(t *testing.T) {
 		// for a claim, so only "orders" may be dispatched to this session.
 		emit(t, pool, "billing", "b", 1)
 		id := emit(t, pool, "orders", "o", 1)[0]
-		dispatched := watch.next(t)
+		dispatched := watch.nextDispatch(t)
 		if len(dispatched) != 1 || dispatched[0].Lease.Event.ID != id {
 			t.Fatalf("round %d dispatched %v, want only orders/o revision %d", i, dispatched, i+2)
 		}
@@ -340,8 +355,7 @@ func TestDispatchTakesTurnsAcrossRounds(t *testing.T) {
 	url := testdb.New(t)
 	pool := testdb.NewPoolURL(t, url)
 	r := startReplica(t, url, nil)
-	watch := &dispatchWatch{rounds: make(chan []store.DispatchedLease, 16)}
-	r.Server.SetAfterDiscover(watch.hook)
+	watch := watchRounds(r)
 	open := make(chan struct{})
 	defer close(open) // held loops would keep the replica from stopping
 	held := make(chan uuid.UUID, 16)
@@ -375,7 +389,7 @@ func TestDispatchTakesTurnsAcrossRounds(t *testing.T) {
 	var got []uuid.UUID
 	for i := range 3 {
 		emit(t, pool, "orders", fmt.Sprintf("o%d", i), 1)
-		d := watch.next(t)
+		d := watch.nextDispatch(t)
 		if len(d) != 1 {
 			t.Fatalf("round %d dispatched %d leases, want 1", i, len(d))
 		}

@@ -108,6 +108,39 @@
 // them; a round whose answer is lost makes the sessions it lent credit
 // from sweep their orphans, as a lost ack answer does.
 //
+// A saturated replica's round takes what the sessions can take. Once every
+// round for a quarter of a second has found more events than its sessions
+// offered credit for (saturatedAfter), and while every session of the
+// replica takes every stream, a round takes about as many events as they
+// offer credit (the scan's event bound, as with DiscoveryMaxEvents: whole
+// transactions, the oldest first, the snapshot cut after them), and a
+// replica whose sessions offer none puts its round off until one does
+// (an offer signals the loop; sessions that end offer nothing, so it also
+// looks again after the idle interval); a round that takes everything it
+// found within the credit ends it. What a round found beyond the
+// credit it could only make ready, for claims; left undiscovered in
+// outbox.event it costs nothing until credit frees (the lag report counts
+// it as undiscovered), while a ready row costs a claim and a second write
+// of its delivery row, and under a held xmin horizon every claim reads
+// past the dead entries the claims before it left. Relays with little
+// credit used to bring that on under load (BENCHMARKS.md). Not before
+// saturation: a burst beyond the credit is made ready as ever, and every
+// session's claims take it in parallel as acks free credit, where left
+// undiscovered it would wait for the loop's rounds, one at a time (bounding
+// every round doubled commit->sink p99 at 16 credit and 900 events/s).
+// Nothing waits
+// on discovery that credit would not free: the events of an aggregate a
+// session holds go by its acks' hand-overs, which read outbox.event, not
+// the round; any session can take any event, so the oldest first is the
+// order they would go in anyway; and other replicas run their own rounds,
+// bounded by their own sessions' credit. A replica with a session that
+// takes only some streams (named, or all but some) does not bound its
+// rounds: bounded, they would take the oldest events of every stream
+// first, and a backlog of a stream no local session takes would keep the
+// others' events from their sessions. Its rounds and those of a replica
+// without sessions make ready what they do not dispatch, as before, for
+// whichever session claims it.
+//
 // Transaction ids are the cluster's: S is stored with the cluster's
 // system identifier, and the argument above holds only while every new
 // event gets an id the next round looks at (at or above xmax(S), or in its
@@ -390,8 +423,9 @@
 // saving it would not make (on a machine that half load keeps 90 % busy,
 // rounds take long enough that the share is not small: commit→sink p99 at
 // half load rose from 20-25 to 37-40 ms there; BENCHMARKS.md); a round as
-// large as Config.DiscoveryMaxEvents
-// (a backlog taken in parts) is followed after DiscoveryInterval, and a
+// large as its bound (Config.DiscoveryMaxEvents, or the credit its
+// sessions offered: a backlog taken in parts) is followed after
+// DiscoveryInterval, and a
 // lone event in a trickle after half the idle interval (see Discovery).
 // Pacing is the replica's own: with several replicas, another one's loop
 // may take its turn of the discovery lock during the pause.

@@ -184,6 +184,16 @@ func (s *Server) IdleSessions() (n int) {
 // answer, before it acts on it; a blocking f holds the loop there.
 func (s *Server) SetAfterRoundDue(f func(due bool, err error)) { s.afterRoundDue.set(f) }
 
+// SetAfterPutOff makes the discovery loop call f each time it puts a round
+// off because every session takes every stream and none offered credit,
+// before it waits for an offer.
+func (s *Server) SetAfterPutOff(f func()) { s.afterPutOff.set(f) }
+
+// SetSaturatedAfter sets how long rounds must have found more events than
+// their sessions' credit before they take no more than it (0: from the
+// first round on).
+func (s *Server) SetSaturatedAfter(d time.Duration) { s.saturatedAfter.Store(int64(d)) }
+
 // SetAfterDiscoveryWait makes the discovery loop call f with every pause
 // it chooses before its next turn, the pause it then arms (a quiet one
 // aligned to the quiet interval's grid) and the time it arms it from.

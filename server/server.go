@@ -396,6 +396,10 @@ type Server struct {
 	// discovery loop makes before a round (see discover), with its
 	// answer, before the loop acts on it.
 	afterRoundDue hook[func(due bool, err error)]
+	// afterPutOff, when set (by tests), runs each time the discovery loop
+	// puts a round off because no session offered credit (see
+	// discoverRound), before it waits for an offer.
+	afterPutOff hook[func()]
 	// afterLoopWait, when set (by tests), sees every pause a periodic loop
 	// ("readiness", "refresh") of the given interval arms, and when.
 	afterLoopWait hook[func(loop string, interval, armed time.Duration, at time.Time)]
@@ -474,6 +478,17 @@ type Server struct {
 	// aggregate to: the next round's turns begin with the session after it
 	// by id, so that dispatch spreads over the relays.
 	dispatchAfter uuid.UUID
+	// creditOffered is signalled (without blocking) whenever a session
+	// offers credit: a discovery loop that put its round off for want of
+	// any waits for it.
+	creditOffered chan struct{}
+	// shortSince is when the discovery loop's rounds began to find more
+	// events than their sessions' credit, every round since (zero: the
+	// last one did not); saturatedAfter is how long that must last before
+	// rounds take no more than the credit (saturatedAfter, or as a test
+	// set it; 0: always).
+	shortSince     time.Time
+	saturatedAfter atomic.Int64
 	// handOvers counts leases handed over by acks (and delivered or
 	// released), dispatched those discovery rounds gave to sessions; read
 	// by tests.
@@ -519,15 +534,17 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 		return nil, err
 	}
 	s := &Server{
-		cfg:      cfg,
-		log:      cfg.Logger.With("component", "server", "replica", cfg.ReplicaID),
-		store:    cfg.Store,
-		signer:   signer,
-		sessions: make(map[uuid.UUID]*session),
-		stopping: make(chan struct{}),
-		metrics:  newMetrics(),
+		cfg:           cfg,
+		log:           cfg.Logger.With("component", "server", "replica", cfg.ReplicaID),
+		store:         cfg.Store,
+		signer:        signer,
+		sessions:      make(map[uuid.UUID]*session),
+		creditOffered: make(chan struct{}, 1),
+		stopping:      make(chan struct{}),
+		metrics:       newMetrics(),
 	}
 	s.quietInterval.Store(int64(cfg.DiscoveryQuietInterval))
+	s.saturatedAfter.Store(int64(saturatedAfter))
 	s.acks = newAckCommitter(s)
 	s.wake = newWaker(s)
 	if cfg.Registerer != nil {

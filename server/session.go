@@ -201,13 +201,20 @@ func (ss *session) close() {
 // offerCredit lets discovery rounds (and ack batches, for a session with a
 // window) take, while the loop waits, the credit free leaves after what a
 // round holds already and what leases wait to be counted (free is the
-// loop's maxInFlight less its inflight), and returns it.
+// loop's maxInFlight less its inflight), and returns it. An offer of any
+// credit tells a discovery loop that waits for one (Server.creditOffered).
 func (ss *session) offerCredit(free int) (offered int) {
 	ss.mu.Lock()
 	defer ss.mu.Unlock()
 	ss.waiting = true
 	if !ss.closed {
 		ss.offered = max(free-ss.lent-len(ss.handed), 0)
+	}
+	if ss.offered > 0 {
+		select {
+		case ss.srv.creditOffered <- struct{}{}:
+		default:
+		}
 	}
 	return ss.offered
 }

@@ -1,0 +1,215 @@
+package server_test
+
+import (
+	"context"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
+	"google.golang.org/protobuf/types/known/durationpb"
+
+	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+	"github.com/outboxd/outboxd/internal/testdb"
+	"github.com/outboxd/outboxd/server"
+)
+
+func undiscovered(t *testing.T, pool *pgxpool.Pool) int64 {
+	t.Helper()
+	var n int64
+	if err := pool.QueryRow(context.Background(),
+		`SELECT coalesce(sum(events), 0) FROM outbox.undiscovered(NULL)`).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+// Once rounds have found more events than their sessions' credit for a
+// while (saturation: SetSaturatedAfter(0) makes it so from the first
+// round), a round on a replica whose sessions take every stream takes about
+// as many events as they offer credit, oldest first, and leaves the rest
+// undiscovered rather than making them ready: every event then reaches the
+// relay by dispatch, none by a claim. A lone burst beyond the credit, before
+// that, is made ready as ever, for the sessions' claims, which take it in
+// parallel as acks free credit. Forced: the session is held at its offer of
+// 3 and discovery's lock held while ten events commit, each in its own
+// transaction, so that one round finds all ten there.
+func TestARoundTakesWhatItsSessionsCanTake(t *testing.T) {
+	t.Parallel()
+	for name, saturated := range map[string]bool{"saturated": true, "burst": false} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			url := testdb.New(t)
+			pool := testdb.NewPoolURL(t, url)
+			gate := newOfferGate(true)
+			defer gate.release(false) // a held loop would keep the replica from stopping
+			reg := prometheus.NewPedanticRegistry()
+			r := startReplica(t, url, func(c *server.Config) { c.Registerer = reg })
+			if saturated {
+				r.Server.SetSaturatedAfter(0)
+			}
+			r.Server.SetAfterOffer(gate.hook)
+			rounds := watchRounds(r)
+			st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 3, LeaseTtl: durationpb.New(time.Hour)})
+			gate.waitHeld(t)
+			release := holdDiscovery(ctx, t, pool)
+			const n = 10
+			var ids []uuid.UUID
+			for i := range n {
+				ids = append(ids, emit(t, pool, "orders", fmt.Sprintf("o%d", i), 1)[0])
+			}
+			release()
+			first := rounds.next(t)
+			taken, ready := 3, 0
+			if !saturated {
+				taken, ready = n, n-3
+			}
+			if first.Events != int64(taken) || len(first.Dispatched) != 3 || first.Aggregates != int64(ready) {
+				t.Fatalf("the first round took %d events, dispatched %d and made %d ready; want %d, 3 and %d (the session offered 3)",
+					first.Events, len(first.Dispatched), first.Aggregates, taken, ready)
+			}
+			for i, d := range first.Dispatched {
+				if d.Lease.Event.ID != ids[i] {
+					t.Fatalf("the first round dispatched %s as lease %d, want %s: the oldest first", d.Lease.Event.ID, i, ids[i])
+				}
+			}
+			if u := undiscovered(t, pool); u != int64(n-taken) {
+				t.Fatalf("%d events undiscovered after the first round, want %d", u, n-taken)
+			}
+			gate.release(false)
+			got := map[string]bool{}
+			for range n {
+				d := recv(t, st)
+				got[d.GetEvent().GetEventId()] = true
+				ackPublished(t, r, d)
+			}
+			for _, id := range ids {
+				if !got[id.String()] {
+					t.Fatalf("event %s never delivered", id)
+				}
+			}
+			claimed := gatherSum(t, reg, "outboxd_claimed_total")
+			if saturated && (claimed != 0 || r.Server.Dispatched() != n) {
+				t.Fatalf("%v claimed and %d dispatched, want 0 and %d: every event dispatched", claimed, r.Server.Dispatched(), n)
+			}
+			if !saturated && claimed == 0 {
+				t.Fatal("nothing claimed: the burst's ready events went some other way")
+			}
+		})
+	}
+}
+
+// A saturated replica (as above) whose sessions take every stream and offer
+// no credit runs no round: new events stay undiscovered, not made ready, and the session's
+// offer, once an ack frees its credit, brings the round that dispatches
+// them.
+func TestNoRoundWhileNoSessionOffersCredit(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	reg := prometheus.NewPedanticRegistry()
+	r := startReplica(t, url, func(c *server.Config) {
+		c.Registerer = reg
+		// A round put off waits for the session's offer, not for this.
+		c.DiscoveryIdleInterval = time.Hour
+	})
+	r.Server.SetSaturatedAfter(0)
+	rounds := watchRounds(r)
+	putOff := make(chan struct{}, 64)
+	r.Server.SetAfterPutOff(func() {
+		select {
+		case putOff <- struct{}{}:
+		default:
+		}
+	})
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 1, LeaseTtl: durationpb.New(time.Hour)})
+	first := emit(t, pool, "orders", "a", 1)[0]
+	d := recv(t, st)
+	if d.GetEvent().GetEventId() != first.String() {
+		t.Fatalf("got %s, want %s", d.GetEvent().GetEventId(), first)
+	}
+	drain(rounds.rounds)
+	drain(putOff)
+	// The first may have been claimed: a round that ran before the session
+	// was added made it ready.
+	claimed := gatherSum(t, reg, "outboxd_claimed_total")
+	// The session's one unit of credit is out: the next event's round is
+	// put off, and nothing is made ready.
+	second := emit(t, pool, "orders", "b", 1)[0]
+	select {
+	case <-putOff:
+	case found := <-rounds.rounds:
+		t.Fatalf("a round ran while the session offered no credit: took %d events, made %d ready", found.Events, found.Aggregates)
+	case <-time.After(30 * time.Second):
+		t.Fatal("the discovery loop put no round off within 30s")
+	}
+	if u := undiscovered(t, pool); u != 1 {
+		t.Fatalf("%d events undiscovered while no credit was offered, want 1", u)
+	}
+	ackPublished(t, r, d)
+	if d := recv(t, st); d.GetEvent().GetEventId() != second.String() {
+		t.Fatalf("got %s, want %s", d.GetEvent().GetEventId(), second)
+	} else {
+		ackPublished(t, r, d)
+	}
+	if c := gatherSum(t, reg, "outboxd_claimed_total") - claimed; c != 0 {
+		t.Fatalf("outboxd_claimed_total grew by %v, want 0: the second event was dispatched by the round the offer brought", c)
+	}
+}
+
+// A replica with a session that takes only some streams (named, or all but
+// some) does not bound its rounds by credit: bounded, a round would take
+// the oldest events first, and another stream's backlog, which no local
+// session takes, would keep the session's own events from it. Forced as
+// above: the session is held at its offer of 1, and three "billing" events
+// commit before one "orders" event while discovery's lock is held.
+func TestAFilteredSessionsRoundTakesEverything(t *testing.T) {
+	t.Parallel()
+	for name, filter := range map[string]*outboxv1.SubscribeRequest{
+		"streams": {Streams: []string{"orders"}},
+		"exclude": {ExcludeStreams: []string{"billing"}},
+	} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			url := testdb.New(t)
+			pool := testdb.NewPoolURL(t, url)
+			gate := newOfferGate(false)
+			defer gate.release(false)
+			r := startReplica(t, url, nil)
+			r.Server.SetSaturatedAfter(0) // and still not bounded
+			r.Server.SetAfterOffer(gate.hook)
+			rounds := watchRounds(r)
+			// A stream is subscribed to once it has events.
+			emit(t, pool, "orders", "first", 1)
+			filter.MaxInFlight, filter.LeaseTtl = 1, durationpb.New(time.Hour)
+			st := subscribe(t, ctx, r, filter)
+			d := recv(t, st)
+			gate.armFrom(1) // the offer its ack frees, not one made before
+			ackPublished(t, r, d)
+			gate.waitHeld(t)
+			drain(rounds.rounds)
+			release := holdDiscovery(ctx, t, pool)
+			for i := range 3 {
+				emit(t, pool, "billing", fmt.Sprintf("b%d", i), 1)
+			}
+			id := emit(t, pool, "orders", "o", 1)[0]
+			release()
+			found := rounds.next(t)
+			if found.Events != 4 || len(found.Dispatched) != 1 || found.Dispatched[0].Lease.Event.ID != id {
+				t.Fatalf("the round took %d events and dispatched %v; want all 4 taken and orders/o dispatched", found.Events, found.Dispatched)
+			}
+			gate.release(false)
+			if d := recv(t, st); d.GetEvent().GetEventId() != id.String() {
+				t.Fatalf("got %s, want %s", d.GetEvent().GetEventId(), id)
+			}
+		})
+	}
+}
