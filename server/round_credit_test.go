@@ -213,3 +213,63 @@ func TestAFilteredSessionsRoundTakesEverything(t *testing.T) {
 		})
 	}
 }
+
+// A round that takes everything it found within its sessions' credit ends
+// the saturation: the next burst beyond the credit is made ready again, for
+// the claims, rather than bounded. Forced with a saturation that sets in at
+// once (SetSaturatedAfter(1ns)): a burst of 5 events against an offer of 3
+// makes the replica saturated, one event within the offer ends it, and the
+// next burst of 5 is taken whole. (Were the saturation never ended, that
+// round would take only the 3 events the offer covers.)
+func TestARoundWithinTheCreditEndsTheSaturation(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	gate := newOfferGate(true)
+	defer gate.release(false) // a held loop would keep the replica from stopping
+	r := startReplica(t, url, nil)
+	r.Server.SetSaturatedAfter(time.Nanosecond)
+	r.Server.SetAfterOffer(gate.hook)
+	rounds := watchRounds(r)
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 3, LeaseTtl: durationpb.New(time.Hour)})
+	burst := func(name string, n int) {
+		gate.waitHeld(t) // the session offers all 3 units
+		release := holdDiscovery(ctx, t, pool)
+		for i := range n {
+			emit(t, pool, "orders", fmt.Sprintf("%s%d", name, i), 1)
+		}
+		release()
+	}
+	deliverAll := func(n int) {
+		gate.release(false)
+		for i := range n {
+			d := recv(t, st)
+			if i == n-1 {
+				// Its ack frees all 3 units: that offer is held for the
+				// next burst (none before it can offer all 3).
+				gate.armFrom(3)
+			}
+			ackPublished(t, r, d)
+		}
+	}
+	burst("a", 5)
+	if d := rounds.next(t); d.Events != 5 {
+		t.Fatalf("the first burst's round took %d events, want all 5 (not saturated yet)", d.Events)
+	}
+	deliverAll(5)
+	burst("b", 1)
+	if d := rounds.next(t); d.Events != 1 || len(d.Dispatched) != 1 {
+		t.Fatalf("the lone event's round took %d events and dispatched %d, want 1 and 1", d.Events, len(d.Dispatched))
+	}
+	deliverAll(1)
+	burst("c", 5)
+	if d := rounds.next(t); d.Events != 5 {
+		t.Fatalf("the second burst's round took %d events, want all 5: the round within the credit ended the saturation", d.Events)
+	}
+	gate.release(false)
+	for range 5 {
+		ackPublished(t, r, recv(t, st))
+	}
+}
