@@ -127,6 +127,9 @@ func (s *Server) discover(ctx context.Context) {
 			if nothing {
 				backOff()
 				next = nextPause()
+				// Everything is discovered: whatever the last rounds were
+				// short of credit for is not saturation (discoverRound).
+				s.shortSince = time.Time{}
 			}
 			if err == nil && claims.Probed {
 				// Asked, not answered: the probe's times then err early.
