@@ -429,8 +429,13 @@ func (s *amqpSink) Publish(ctx context.Context, ev relay.Event) error {
 		return fmt.Errorf("amqp sink: publish to %s: no publisher confirm within %s: %w", where, s.cfg.timeout, err)
 	}
 	if !acked {
+		// Read before the release, whose Close runs in the background: read
+		// after it, a basic.nack sometimes looked like a closed channel. A
+		// channel that does close is marked closed before its confirms are
+		// let go, so this sees it.
+		closed := c.ch.IsClosed()
 		s.release(c, false)
-		if c.ch.IsClosed() {
+		if closed {
 			return fmt.Errorf("amqp sink: publish to %s: channel closed before the confirm (broker restart, or the exchange does not exist)", where)
 		}
 		return fmt.Errorf("amqp sink: publish to %s: broker nacked the message (basic.nack)", where)
