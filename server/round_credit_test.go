@@ -3,6 +3,7 @@ package server_test
 import (
 	"context"
 	"fmt"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -270,6 +271,91 @@ func TestARoundWithinTheCreditEndsTheSaturation(t *testing.T) {
 	}
 	gate.release(false)
 	for range 5 {
+		ackPublished(t, r, recv(t, st))
+	}
+}
+
+// A discovery check that finds nothing due ends the saturation too:
+// everything is discovered, so no shortage of credit is sustained. Without
+// it, a replica idle after one short round stayed saturated, and its next
+// burst was bounded at once. Forced: the session's one unit of credit is
+// out when one more event commits, so that round is short (it found 1
+// event, 0 credit offered) and, finding one event, is followed by checks
+// rather than rounds; the loop is parked in a check while three events
+// commit and the session's ack frees its unit. Saturated, the round after
+// would take 1 event; ended, it takes all 3.
+func TestACheckThatFindsNothingEndsTheSaturation(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	gate := newOfferGate(false)
+	defer gate.release(false) // a held loop would keep the replica from stopping
+	r := startReplica(t, url, nil)
+	r.Server.SetSaturatedAfter(time.Nanosecond)
+	r.Server.SetAfterOffer(gate.hook)
+	rounds := watchRounds(r)
+	idle, parked, unpark := make(chan struct{}, 1), make(chan struct{}, 1), make(chan struct{})
+	var parking atomic.Bool
+	r.Server.SetAfterRoundDue(func(due bool, _ error) {
+		if due {
+			return
+		}
+		select {
+		case idle <- struct{}{}:
+		default:
+		}
+		if parking.Load() {
+			select {
+			case parked <- struct{}{}:
+			default:
+			}
+			<-unpark
+		}
+	})
+	idleCheck := func() {
+		t.Helper()
+		drain(idle)
+		select {
+		case <-idle:
+		case <-time.After(30 * time.Second):
+			t.Fatal("the discovery loop made no check that found nothing within 30s")
+		}
+	}
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 1, LeaseTtl: durationpb.New(time.Hour)})
+	first := emit(t, pool, "orders", "first", 1)[0]
+	held := recv(t, st)
+	if held.GetEvent().GetEventId() != first.String() {
+		t.Fatalf("got %s, want %s", held.GetEvent().GetEventId(), first)
+	}
+	drain(rounds.rounds)
+	// Whatever the first event's round was short of ends here.
+	idleCheck()
+	emit(t, pool, "orders", "short", 1)
+	if d := rounds.next(t); d.Events != 1 || len(d.Dispatched) != 0 {
+		t.Fatalf("the round with the credit out took %d events and dispatched %d, want 1 and 0", d.Events, len(d.Dispatched))
+	}
+	parking.Store(true)
+	select {
+	case <-parked:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the discovery loop made no check that found nothing within 30s")
+	}
+	gate.armFrom(1)
+	ackPublished(t, r, held)
+	ackPublished(t, r, recv(t, st)) // "short", claimed with the unit the ack freed
+	gate.waitHeld(t)                // the unit offered again, and held there
+	for i := range 3 {
+		emit(t, pool, "orders", fmt.Sprintf("b%d", i), 1)
+	}
+	parking.Store(false)
+	close(unpark)
+	if d := rounds.next(t); d.Events != 3 {
+		t.Fatalf("the round after the idle check took %d events, want all 3: the check ended the saturation", d.Events)
+	}
+	gate.release(false)
+	for range 3 {
 		ackPublished(t, r, recv(t, st))
 	}
 }
