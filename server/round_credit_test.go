@@ -224,16 +224,7 @@ func TestAFilteredSessionsRoundTakesEverything(t *testing.T) {
 // round would take only the 3 events the offer covers.)
 func TestARoundWithinTheCreditEndsTheSaturation(t *testing.T) {
 	t.Parallel()
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	url := testdb.New(t)
-	pool := testdb.NewPoolURL(t, url)
-	gate := newOfferGate(true)
-	defer gate.release(false) // a held loop would keep the replica from stopping
-	r := startReplica(t, url, nil)
-	r.Server.SetSaturatedAfter(time.Nanosecond)
-	r.Server.SetAfterOffer(gate.hook)
-	rounds := watchRounds(r)
+	ctx, pool, r, gate, rounds := startSaturating(t, true)
 	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 3, LeaseTtl: durationpb.New(time.Hour)})
 	burst := func(name string, n int) {
 		gate.waitHeld(t) // the session offers all 3 units
@@ -286,16 +277,7 @@ func TestARoundWithinTheCreditEndsTheSaturation(t *testing.T) {
 // would take 1 event; ended, it takes all 3.
 func TestACheckThatFindsNothingEndsTheSaturation(t *testing.T) {
 	t.Parallel()
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	url := testdb.New(t)
-	pool := testdb.NewPoolURL(t, url)
-	gate := newOfferGate(false)
-	defer gate.release(false) // a held loop would keep the replica from stopping
-	r := startReplica(t, url, nil)
-	r.Server.SetSaturatedAfter(time.Nanosecond)
-	r.Server.SetAfterOffer(gate.hook)
-	rounds := watchRounds(r)
+	ctx, pool, r, gate, rounds := startSaturating(t, false)
 	idle, parked, unpark := make(chan struct{}, 1), make(chan struct{}, 1), make(chan struct{})
 	var parking atomic.Bool
 	r.Server.SetAfterRoundDue(func(due bool, _ error) {
@@ -358,4 +340,24 @@ func TestACheckThatFindsNothingEndsTheSaturation(t *testing.T) {
 	for range 3 {
 		ackPublished(t, r, recv(t, st))
 	}
+}
+
+// startSaturating starts a replica whose rounds count as saturated after
+// any short round (SetSaturatedAfter(1ns)), with an offer gate (holding
+// offers from the start when armed) and a round watch, for the tests of
+// how the saturation ends.
+func startSaturating(t *testing.T, armed bool) (context.Context, *pgxpool.Pool, *replica, *offerGate, *roundWatch) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(cancel)
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	gate := newOfferGate(armed)
+	r := startReplica(t, url, nil)
+	// Registered after the replica's own cleanup, so run before it: a held
+	// loop would keep the replica from stopping.
+	t.Cleanup(func() { gate.release(false) })
+	r.Server.SetSaturatedAfter(time.Nanosecond)
+	r.Server.SetAfterOffer(gate.hook)
+	return ctx, pool, r, gate, watchRounds(r)
 }
