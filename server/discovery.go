@@ -414,7 +414,8 @@ func roundPause(took time.Duration, events int64) time.Duration {
 // undiscovered it would wait for this loop's rounds one at a time (at 16
 // credit and 900 events/s, bounding every round doubled commit->sink p99).
 // A round that takes everything it found within the credit ends the
-// saturation. Not with stream filters: there a round bounded by one
+// saturation, as does a check that finds nothing due; a round that lost
+// its turn to another replica's does not. Not with stream filters: there a round bounded by one
 // stream's credit would make another stream's events wait behind a backlog
 // of the first that its relays cannot take, so a replica with a filtered
 // session bounds its rounds only by DiscoveryMaxEvents, as one without
@@ -497,8 +498,15 @@ func (s *Server) discoverRound(ctx context.Context) (_ store.Discovery, round ro
 	if found.LastHolder != uuid.Nil {
 		s.dispatchAfter = found.LastHolder
 	}
+	// A round that took nothing says nothing of the credit: it found
+	// nothing new, or it lost its turn to another replica's round (both
+	// return no row). Were that to end the saturation, replicas taking
+	// turns would end each other's at almost every round. A round that
+	// found nothing is followed by a check, which ends it when nothing is
+	// due (the loop).
 	short := creditKnown && (found.Events > int64(creditOffered) || (bounded && found.Events >= int64(round.bound)))
 	switch {
+	case found.Events == 0:
 	case !short:
 		s.shortSince = time.Time{}
 	case s.shortSince.IsZero():

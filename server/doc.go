@@ -117,7 +117,8 @@
 // replica whose sessions offer none puts its round off until one does
 // (an offer signals the loop; sessions that end offer nothing, so it also
 // looks again after the idle interval); a round that takes everything it
-// found within the credit ends it. What a round found beyond the
+// found within the credit ends it, as does a check that finds nothing due,
+// but not a round that lost its turn to another replica's. What a round found beyond the
 // credit it could only make ready, for claims; left undiscovered in
 // outbox.event it costs nothing until credit frees (the lag report counts
 // it as undiscovered), while a ready row costs a claim and a second write

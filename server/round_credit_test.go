@@ -13,6 +13,7 @@ import (
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+	"github.com/outboxd/outboxd/internal/store"
 	"github.com/outboxd/outboxd/internal/testdb"
 	"github.com/outboxd/outboxd/server"
 )
@@ -360,4 +361,99 @@ func startSaturating(t *testing.T, armed bool) (context.Context, *pgxpool.Pool, 
 	r.Server.SetSaturatedAfter(time.Nanosecond)
 	r.Server.SetAfterOffer(gate.hook)
 	return ctx, pool, r, gate, watchRounds(r)
+}
+
+// A round that loses its turn to another replica's round takes nothing,
+// and that does not end the saturation: replicas taking turns would
+// otherwise end each other's at almost every round, and relays of little
+// credit on several replicas would stay in the claim mode. Forced with
+// discovery's lock, held as another replica's round holds it: a burst of 5
+// against an offer of 3 makes the replica saturated; the lock is taken
+// before its next round and held while 5 more events commit and the
+// session offers its 3 units again, until a round has lost its turn with
+// that credit borrowed. The round after the lock is released takes the 3
+// the offer covers (ended, it would take all 5).
+func TestARoundThatLostItsTurnKeepsTheSaturation(t *testing.T) {
+	t.Parallel()
+	ctx, pool, r, gate, _ := startSaturating(t, true)
+	// The lock is taken on this connection, as holdDiscovery takes it, but
+	// from the discovery loop (in its hook), so that no round comes between.
+	lockConn, err := pool.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(lockConn.Release)
+	rounds, lost := make(chan store.Discovery, 64), make(chan struct{}, 1)
+	var holding atomic.Bool
+	held := make(chan error, 1)
+	r.Server.SetAfterDiscover(func(d store.Discovery, err error) (store.Discovery, error) {
+		switch {
+		case err != nil:
+		case d.Events > 0:
+			if holding.CompareAndSwap(false, true) {
+				// The burst's round: the lock is taken before the next.
+				_, err := lockConn.Exec(ctx, `SELECT pg_advisory_lock($1)`, int64(discoveryLockKey))
+				held <- err
+			}
+			rounds <- d
+		case holding.Load():
+			select {
+			case lost <- struct{}{}:
+			default:
+			}
+		}
+		return d, err
+	})
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 3, LeaseTtl: durationpb.New(time.Hour)})
+	gate.waitHeld(t) // the session offers all 3 units
+	hold := holdDiscovery(ctx, t, pool)
+	for i := range 5 {
+		emit(t, pool, "orders", fmt.Sprintf("a%d", i), 1)
+	}
+	hold()
+	nextRound := func() store.Discovery {
+		t.Helper()
+		select {
+		case d := <-rounds:
+			return d
+		case <-time.After(30 * time.Second):
+			t.Fatal("no discovery round found events within 30s")
+			return store.Discovery{}
+		}
+	}
+	if d := nextRound(); d.Events != 5 || len(d.Dispatched) != 3 {
+		t.Fatalf("the burst's round took %d events and dispatched %d, want 5 and 3 (not saturated yet)", d.Events, len(d.Dispatched))
+	}
+	if err := <-held; err != nil {
+		t.Fatal(err)
+	}
+	for i := range 5 {
+		emit(t, pool, "orders", fmt.Sprintf("b%d", i), 1)
+	}
+	gate.release(false)
+	for i := range 5 {
+		d := recv(t, st)
+		if i == 4 {
+			gate.armFrom(3) // the offer its ack frees, all 3 units
+		}
+		ackPublished(t, r, d)
+	}
+	gate.waitHeld(t)
+	drain(lost)
+	select {
+	case <-lost:
+	case <-time.After(30 * time.Second):
+		t.Fatal("no round lost its turn within 30s")
+	}
+	if _, err := lockConn.Exec(ctx, `SELECT pg_advisory_unlock($1)`, int64(discoveryLockKey)); err != nil {
+		t.Fatal(err)
+	}
+	if d := nextRound(); d.Events != 3 || len(d.Dispatched) != 3 || d.Aggregates != 0 {
+		t.Fatalf("the round after the lost turns took %d events, dispatched %d and made %d ready; want 3, 3 and 0: the lost turns ended the saturation",
+			d.Events, len(d.Dispatched), d.Aggregates)
+	}
+	gate.release(false)
+	for range 5 {
+		ackPublished(t, r, recv(t, st))
+	}
 }
