@@ -383,7 +383,9 @@ func TestARoundThatLostItsTurnKeepsTheSaturation(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(lockConn.Release)
-	rounds, lost := make(chan store.Discovery, 64), make(chan struct{}, 1)
+	// The rounds that found events, as watchRounds passes them, from this
+	// test's own hook.
+	rounds, lost := &roundWatch{rounds: make(chan store.Discovery, 64)}, make(chan struct{}, 1)
 	var holding atomic.Bool
 	held := make(chan error, 1)
 	r.Server.SetAfterDiscover(func(d store.Discovery, err error) (store.Discovery, error) {
@@ -395,7 +397,7 @@ func TestARoundThatLostItsTurnKeepsTheSaturation(t *testing.T) {
 				_, err := lockConn.Exec(ctx, `SELECT pg_advisory_lock($1)`, int64(discoveryLockKey))
 				held <- err
 			}
-			rounds <- d
+			rounds.rounds <- d
 		case holding.Load():
 			select {
 			case lost <- struct{}{}:
@@ -411,17 +413,7 @@ func TestARoundThatLostItsTurnKeepsTheSaturation(t *testing.T) {
 		emit(t, pool, "orders", fmt.Sprintf("a%d", i), 1)
 	}
 	hold()
-	nextRound := func() store.Discovery {
-		t.Helper()
-		select {
-		case d := <-rounds:
-			return d
-		case <-time.After(30 * time.Second):
-			t.Fatal("no discovery round found events within 30s")
-			return store.Discovery{}
-		}
-	}
-	if d := nextRound(); d.Events != 5 || len(d.Dispatched) != 3 {
+	if d := rounds.next(t); d.Events != 5 || len(d.Dispatched) != 3 {
 		t.Fatalf("the burst's round took %d events and dispatched %d, want 5 and 3 (not saturated yet)", d.Events, len(d.Dispatched))
 	}
 	if err := <-held; err != nil {
@@ -448,7 +440,7 @@ func TestARoundThatLostItsTurnKeepsTheSaturation(t *testing.T) {
 	if _, err := lockConn.Exec(ctx, `SELECT pg_advisory_unlock($1)`, int64(discoveryLockKey)); err != nil {
 		t.Fatal(err)
 	}
-	if d := nextRound(); d.Events != 3 || len(d.Dispatched) != 3 || d.Aggregates != 0 {
+	if d := rounds.next(t); d.Events != 3 || len(d.Dispatched) != 3 || d.Aggregates != 0 {
 		t.Fatalf("the round after the lost turns took %d events, dispatched %d and made %d ready; want 3, 3 and 0: the lost turns ended the saturation",
 			d.Events, len(d.Dispatched), d.Aggregates)
 	}
