@@ -1,0 +1,121 @@
+#!/usr/bin/env bash
+# Where a producer's insert through outbox.event's trigger goes beyond a
+# plain INSERT: the same event inserted, 8 clients, synchronous_commit off
+# (CPU-bound, so commits do not hide the difference), into tables that add
+# one piece of the outbox's producer path at a time, alternating ROUNDS
+# times; each rate also as a ratio to the plain INSERT of its round.
+#
+#   plain      a table of outbox.event's columns, primary key, unique key
+#              and a pending index; the revision from a sequence (the
+#              benchmark's ceiling-insert)
+#   shape      outbox.event's columns, indexes, CHECK, fillfactor and xid8
+#              column; the revision from a sequence; no trigger
+#   counter    shape, the revision from a per-aggregate counter row bumped
+#              in the same statement (WITH c AS (UPDATE ...) INSERT ...):
+#              the least a consecutive revision per aggregate costs
+#   trigger    shape, the counter bumped by a PL/pgSQL BEFORE INSERT trigger
+#              (the counter's statement through SPI, plus the trigger call)
+#   checked    trigger, with outbox.event_before_insert's common-case checks,
+#              SECURITY DEFINER and its SET clauses
+#   outbox     INSERT INTO outbox.event (client.Emit's statement)
+#   emit       SELECT * FROM outbox.emit(...)
+#
+# Usage: bench/pgbench/producer-anatomy.sh [OUTBOXD_BINARY]
+# Needs pgbench and psql, and a PostgreSQL that $ADMIN_URL may CREATE
+# DATABASE on (default: the local one as postgres). BENCHMARKS.md quotes its
+# figures; compare them within one run only.
+set -euo pipefail
+bin=${1:-bin/outboxd}
+admin=${ADMIN_URL:-postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable}
+rounds=${ROUNDS:-3}
+secs=${SECONDS_PER_RUN:-5}
+db=outboxd_anatomy_$$
+url=${admin%%/postgres\?*}/$db?sslmode=disable
+work=$(mktemp -d)
+trap 'psql -q "$admin" -c "DROP DATABASE IF EXISTS $db WITH (FORCE)"; rm -rf "$work"' EXIT
+psql -q "$admin" -c "CREATE DATABASE $db"
+"$bin" migrate --database-url "$url" >/dev/null
+psql -q "$url" <<'SQL'
+CREATE SCHEMA anatomy;
+CREATE SEQUENCE anatomy.revision;
+CREATE TABLE anatomy.plain (
+    event_id uuid PRIMARY KEY DEFAULT gen_random_uuid(), stream text NOT NULL,
+    aggregate_key text NOT NULL, revision bigint NOT NULL DEFAULT nextval('anatomy.revision'),
+    event_type text NOT NULL, payload jsonb NOT NULL, headers jsonb NOT NULL DEFAULT '{}',
+    created_at timestamptz NOT NULL DEFAULT now(), published_at timestamptz,
+    UNIQUE (stream, aggregate_key, revision)) WITH (fillfactor = 90);
+CREATE INDEX ON anatomy.plain (created_at) WHERE published_at IS NULL;
+CREATE TABLE anatomy.shape (
+    event_id uuid PRIMARY KEY DEFAULT gen_random_uuid(), stream text NOT NULL,
+    aggregate_key text NOT NULL, revision bigint NOT NULL DEFAULT nextval('anatomy.revision'),
+    event_type text NOT NULL, payload jsonb NOT NULL, headers jsonb NOT NULL DEFAULT '{}',
+    created_at timestamptz NOT NULL DEFAULT now(), published_at timestamptz,
+    xid xid8 NOT NULL DEFAULT pg_current_xact_id(),
+    UNIQUE (stream, aggregate_key, revision),
+    CHECK (revision > 0 AND revision <= 9007199254740991)) WITH (fillfactor = 50);
+CREATE INDEX ON anatomy.shape (created_at, event_id);
+CREATE INDEX ON anatomy.shape (xid);
+CREATE TABLE anatomy.counter_row (
+    stream text, aggregate_key text, last_revision bigint NOT NULL,
+    PRIMARY KEY (stream, aggregate_key)) WITH (fillfactor = 50);
+INSERT INTO anatomy.counter_row SELECT 'bench', g::text, 0 FROM generate_series(1, 10000) g;
+CREATE TABLE anatomy.counter (LIKE anatomy.shape INCLUDING ALL) WITH (fillfactor = 50);
+CREATE TABLE anatomy.trigger_row (LIKE anatomy.counter_row INCLUDING ALL) WITH (fillfactor = 50);
+INSERT INTO anatomy.trigger_row SELECT * FROM anatomy.counter_row;
+CREATE TABLE anatomy.trigger (LIKE anatomy.shape INCLUDING ALL) WITH (fillfactor = 50);
+CREATE FUNCTION anatomy.trigger_bump() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    UPDATE anatomy.trigger_row a SET last_revision = a.last_revision + 1
+    WHERE a.stream = NEW.stream AND a.aggregate_key = NEW.aggregate_key
+    RETURNING a.last_revision INTO NEW.revision;
+    RETURN NEW;
+END $$;
+CREATE TRIGGER bump BEFORE INSERT ON anatomy.trigger FOR EACH ROW EXECUTE FUNCTION anatomy.trigger_bump();
+CREATE TABLE anatomy.checked_row (LIKE anatomy.counter_row INCLUDING ALL) WITH (fillfactor = 50);
+INSERT INTO anatomy.checked_row SELECT * FROM anatomy.counter_row;
+CREATE TABLE anatomy.checked (LIKE anatomy.shape INCLUDING ALL) WITH (fillfactor = 50);
+ALTER TABLE anatomy.checked ALTER COLUMN event_id DROP DEFAULT, ALTER COLUMN revision DROP DEFAULT;
+CREATE FUNCTION anatomy.checked_bump() RETURNS trigger
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET enable_seqscan = off AS $$
+BEGIN
+    IF NEW.event_id IS NULL AND NEW.revision IS NULL
+       AND octet_length(NEW.stream) <= 128 AND ascii(NEW.stream) BETWEEN 97 AND 122
+       AND ltrim(NEW.stream, 'abcdefghijklmnopqrstuvwxyz0123456789_.-') = ''
+       AND NEW.aggregate_key <> '' AND octet_length(NEW.aggregate_key) <= 1024
+       AND NEW.event_type <> '' AND octet_length(NEW.event_type) <= 256
+       AND NEW.headers = '{}' AND NEW.published_at IS NULL AND NEW.created_at = now()
+       AND NEW.xid = pg_current_xact_id() AND octet_length(NEW.payload::text) <= 1024 THEN
+        UPDATE anatomy.checked_row a SET last_revision = a.last_revision + 1
+        WHERE a.stream = NEW.stream AND a.aggregate_key = NEW.aggregate_key
+        RETURNING a.last_revision, gen_random_uuid() INTO NEW.revision, NEW.event_id;
+        RETURN NEW;
+    END IF;
+    RAISE EXCEPTION 'not the common case';
+END $$;
+CREATE TRIGGER bump BEFORE INSERT ON anatomy.checked FOR EACH ROW EXECUTE FUNCTION anatomy.checked_bump();
+INSERT INTO outbox.aggregate (stream, aggregate_key, last_revision)
+SELECT 'bench', g::text, 0 FROM generate_series(1, 10000) g;
+SQL
+
+payload='{"order_id":12345,"customer":"c-00042","amount":"199.90","currency":"EUR","items":[{"sku":"sku-1","qty":2},{"sku":"sku-2","qty":1}],"note":"benchmark payload xxxxxxxxxxxxxxxx"}'
+values="'bench', :a::text, 'created', '$payload'"
+for t in plain shape trigger checked; do
+	printf '\\set a random(1, 10000)\nINSERT INTO anatomy.%s (stream, aggregate_key, event_type, payload) VALUES (%s);\n' "$t" "$values" >"$work/$t.sql"
+done
+printf '\\set a random(1, 10000)\nWITH c AS (UPDATE anatomy.counter_row SET last_revision = last_revision + 1 WHERE stream = %s AND aggregate_key = :a::text RETURNING last_revision)\nINSERT INTO anatomy.counter (stream, aggregate_key, revision, event_type, payload) SELECT %s, :a::text, c.last_revision, %s, %s FROM c;\n' \
+	"'bench'" "'bench'" "'created'" "'$payload'" >"$work/counter.sql"
+printf '\\set a random(1, 10000)\nINSERT INTO outbox.event (stream, aggregate_key, event_type, payload) VALUES (%s) RETURNING event_id, revision;\n' "$values" >"$work/outbox.sql"
+printf '\\set a random(1, 10000)\nSELECT * FROM outbox.emit(%s);\n' "$values" >"$work/emit.sql"
+
+tps() { PGOPTIONS='-c synchronous_commit=off' pgbench -n -M prepared -c 8 -j 2 -T "$secs" -f "$work/$1.sql" "$url" 2>&1 | awk '/^tps/ {printf "%.0f", $3}'; }
+echo "producer transactions/s (8 clients, synchronous_commit off), and ÷ plain:"
+for ((r = 1; r <= rounds; r++)); do
+	line="  round $r:"
+	base=
+	for t in plain shape counter trigger checked outbox emit; do
+		v=$(tps "$t")
+		base=${base:-$v}
+		line+=" $t $v ($(awk "BEGIN {printf \"%.2f\", $v / $base}"))"
+	done
+	echo "$line"
+done
