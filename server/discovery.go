@@ -415,11 +415,12 @@ func roundPause(took time.Duration, events int64) time.Duration {
 // credit and 900 events/s, bounding every round doubled commit->sink p99).
 // A round that takes everything it found within the credit ends the
 // saturation, as does a check that finds nothing due; a round that lost
-// its turn to another replica's does not. Not with stream filters: there a round bounded by one
-// stream's credit would make another stream's events wait behind a backlog
-// of the first that its relays cannot take, so a replica with a filtered
-// session bounds its rounds only by DiscoveryMaxEvents, as one without
-// sessions does (other replicas' sessions claim what it makes ready).
+// its turn to another replica's does not. Not with stream filters: there a
+// round bounded by one stream's credit would make another stream's events
+// wait behind a backlog of the first that its relays cannot take, so a
+// replica with a filtered session bounds its rounds only by
+// DiscoveryMaxEvents, as one without sessions does (other replicas'
+// sessions claim what it makes ready).
 func (s *Server) discoverRound(ctx context.Context) (_ store.Discovery, round roundOutcome, _ error) {
 	var creditKnown, bounded bool
 	var creditOffered int

@@ -227,9 +227,18 @@ func recvAttempt(t *testing.T, st outboxv1.RelayService_SubscribeClient, id uuid
 // so that no round is missed.
 type roundWatch struct{ rounds chan store.Discovery }
 
-func watchRounds(r *replica) *roundWatch {
+func watchRounds(r *replica) *roundWatch { return watchRoundsWith(r, nil) }
+
+// watchRoundsWith is watchRounds with every round's outcome (one that found
+// nothing or failed too) given to f first, in the discovery loop, before
+// the round gives its sessions their leases: a blocking f holds the loop
+// there.
+func watchRoundsWith(r *replica, f func(store.Discovery, error)) *roundWatch {
 	w := &roundWatch{rounds: make(chan store.Discovery, 256)}
 	r.Server.SetAfterDiscover(func(d store.Discovery, err error) (store.Discovery, error) {
+		if f != nil {
+			f(d, err)
+		}
 		if err == nil && d.Events > 0 {
 			w.rounds <- d
 		}

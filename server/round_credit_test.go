@@ -43,19 +43,12 @@ func TestARoundTakesWhatItsSessionsCanTake(t *testing.T) {
 	for name, saturated := range map[string]bool{"saturated": true, "burst": false} {
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()
-			ctx, cancel := context.WithCancel(context.Background())
-			defer cancel()
-			url := testdb.New(t)
-			pool := testdb.NewPoolURL(t, url)
-			gate := newOfferGate(true)
-			defer gate.release(false) // a held loop would keep the replica from stopping
-			reg := prometheus.NewPedanticRegistry()
-			r := startReplica(t, url, func(c *server.Config) { c.Registerer = reg })
+			after := serverSaturatedAfter
 			if saturated {
-				r.Server.SetSaturatedAfter(0)
+				after = 0
 			}
-			r.Server.SetAfterOffer(gate.hook)
-			rounds := watchRounds(r)
+			reg := prometheus.NewPedanticRegistry()
+			ctx, pool, r, gate, rounds := startCreditReplica(t, true, after, func(c *server.Config) { c.Registerer = reg })
 			st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 3, LeaseTtl: durationpb.New(time.Hour)})
 			gate.waitHeld(t)
 			release := holdDiscovery(ctx, t, pool)
@@ -111,18 +104,12 @@ func TestARoundTakesWhatItsSessionsCanTake(t *testing.T) {
 // them.
 func TestNoRoundWhileNoSessionOffersCredit(t *testing.T) {
 	t.Parallel()
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	url := testdb.New(t)
-	pool := testdb.NewPoolURL(t, url)
 	reg := prometheus.NewPedanticRegistry()
-	r := startReplica(t, url, func(c *server.Config) {
+	ctx, pool, r, _, rounds := startCreditReplica(t, false, 0, func(c *server.Config) {
 		c.Registerer = reg
 		// A round put off waits for the session's offer, not for this.
 		c.DiscoveryIdleInterval = time.Hour
 	})
-	r.Server.SetSaturatedAfter(0)
-	rounds := watchRounds(r)
 	putOff := make(chan struct{}, 64)
 	r.Server.SetAfterPutOff(func() {
 		select {
@@ -179,16 +166,8 @@ func TestAFilteredSessionsRoundTakesEverything(t *testing.T) {
 	} {
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()
-			ctx, cancel := context.WithCancel(context.Background())
-			defer cancel()
-			url := testdb.New(t)
-			pool := testdb.NewPoolURL(t, url)
-			gate := newOfferGate(false)
-			defer gate.release(false)
-			r := startReplica(t, url, nil)
-			r.Server.SetSaturatedAfter(0) // and still not bounded
-			r.Server.SetAfterOffer(gate.hook)
-			rounds := watchRounds(r)
+			// Saturated from the first round, and still not bounded.
+			ctx, pool, r, gate, rounds := startCreditReplica(t, false, 0, nil)
 			// A stream is subscribed to once it has events.
 			emit(t, pool, "orders", "first", 1)
 			filter.MaxInFlight, filter.LeaseTtl = 1, durationpb.New(time.Hour)
@@ -219,50 +198,68 @@ func TestAFilteredSessionsRoundTakesEverything(t *testing.T) {
 // A round that takes everything it found within its sessions' credit ends
 // the saturation: the next burst beyond the credit is made ready again, for
 // the claims, rather than bounded. Forced with a saturation that sets in at
-// once (SetSaturatedAfter(1ns)): a burst of 5 events against an offer of 3
-// makes the replica saturated, one event within the offer ends it, and the
-// next burst of 5 is taken whole. (Were the saturation never ended, that
-// round would take only the 3 events the offer covers.)
+// once (1ns) and the loop held in its rounds' hook while events commit: a
+// burst of 6 against an offer of 4 makes the replica saturated, and the
+// lone event committed during that round is the next round's (put off
+// until the session offers credit again, so no check comes between that
+// could end the saturation on its own); the second burst, committed during
+// the lone event's round, is due at the check after it, and its round takes
+// all 5. (Were the saturation not ended by the lone round, that round
+// would take no more than the session's 3 free units.)
 func TestARoundWithinTheCreditEndsTheSaturation(t *testing.T) {
 	t.Parallel()
-	ctx, pool, r, gate, rounds := startSaturating(t, true)
-	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 3, LeaseTtl: durationpb.New(time.Hour)})
-	burst := func(name string, n int) {
-		gate.waitHeld(t) // the session offers all 3 units
-		release := holdDiscovery(ctx, t, pool)
+	ctx, pool, r, gate, _ := startCreditReplica(t, true, time.Nanosecond, nil)
+	paused, resume := make(chan store.Discovery), make(chan struct{})
+	var pauses atomic.Int32
+	pauses.Store(2)
+	rounds := watchRoundsWith(r, func(d store.Discovery, err error) {
+		if err == nil && d.Events > 0 && pauses.Add(-1) >= 0 {
+			paused <- d
+			<-resume
+		}
+	})
+	// during waits until a round is held in its hook, commits events there
+	// and lets it go on; it returns the round.
+	during := func(name string, n int) store.Discovery {
+		t.Helper()
+		var d store.Discovery
+		select {
+		case d = <-paused:
+		case <-time.After(30 * time.Second):
+			t.Fatal("no discovery round found events within 30s")
+		}
 		for i := range n {
 			emit(t, pool, "orders", fmt.Sprintf("%s%d", name, i), 1)
 		}
-		release()
+		resume <- struct{}{}
+		return d
 	}
-	deliverAll := func(n int) {
-		gate.release(false)
-		for i := range n {
-			d := recv(t, st)
-			if i == n-1 {
-				// Its ack frees all 3 units: that offer is held for the
-				// next burst (none before it can offer all 3).
-				gate.armFrom(3)
-			}
-			ackPublished(t, r, d)
-		}
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 4, LeaseTtl: durationpb.New(time.Hour)})
+	gate.waitHeld(t) // the session offers all 4 units
+	release := holdDiscovery(ctx, t, pool)
+	for i := range 6 {
+		emit(t, pool, "orders", fmt.Sprintf("a%d", i), 1)
 	}
-	burst("a", 5)
-	if d := rounds.next(t); d.Events != 5 {
-		t.Fatalf("the first burst's round took %d events, want all 5 (not saturated yet)", d.Events)
+	release()
+	if d := during("b", 1); d.Events != 6 || len(d.Dispatched) != 4 {
+		t.Fatalf("the first burst's round took %d events and dispatched %d, want 6 and 4 (not saturated yet)", d.Events, len(d.Dispatched))
 	}
-	deliverAll(5)
-	burst("b", 1)
-	if d := rounds.next(t); d.Events != 1 || len(d.Dispatched) != 1 {
+	gate.release(false)
+	// The acks run beside the loop: the two ready aggregates are claimed
+	// with the credit they free, and an offer after that brings the round
+	// put off for want of credit.
+	for range 6 {
+		ackPublished(t, r, recv(t, st))
+	}
+	if d := during("c", 5); d.Events != 1 || len(d.Dispatched) != 1 {
 		t.Fatalf("the lone event's round took %d events and dispatched %d, want 1 and 1", d.Events, len(d.Dispatched))
 	}
-	deliverAll(1)
-	burst("c", 5)
+	rounds.next(t) // the first burst's, seen above
+	rounds.next(t) // the lone event's
 	if d := rounds.next(t); d.Events != 5 {
 		t.Fatalf("the second burst's round took %d events, want all 5: the round within the credit ended the saturation", d.Events)
 	}
-	gate.release(false)
-	for range 5 {
+	for range 6 {
 		ackPublished(t, r, recv(t, st))
 	}
 }
@@ -278,7 +275,7 @@ func TestARoundWithinTheCreditEndsTheSaturation(t *testing.T) {
 // would take 1 event; ended, it takes all 3.
 func TestACheckThatFindsNothingEndsTheSaturation(t *testing.T) {
 	t.Parallel()
-	ctx, pool, r, gate, rounds := startSaturating(t, false)
+	ctx, pool, r, gate, rounds := startCreditReplica(t, false, time.Nanosecond, nil)
 	idle, parked, unpark := make(chan struct{}, 1), make(chan struct{}, 1), make(chan struct{})
 	var parking atomic.Bool
 	r.Server.SetAfterRoundDue(func(due bool, _ error) {
@@ -343,22 +340,31 @@ func TestACheckThatFindsNothingEndsTheSaturation(t *testing.T) {
 	}
 }
 
-// startSaturating starts a replica whose rounds count as saturated after
-// any short round (SetSaturatedAfter(1ns)), with an offer gate (holding
-// offers from the start when armed) and a round watch, for the tests of
-// how the saturation ends.
-func startSaturating(t *testing.T, armed bool) (context.Context, *pgxpool.Pool, *replica, *offerGate, *roundWatch) {
+// serverSaturatedAfter, as startCreditReplica's saturatedAfter, leaves
+// the server's own.
+const serverSaturatedAfter time.Duration = -1
+
+// startCreditReplica starts a replica for the tests of rounds bounded by
+// their sessions' credit, configured by configure (nil: as startReplica
+// does): its rounds count as saturated once they have been short of credit
+// for saturatedAfter (0: from the first round; 1ns: after any short round;
+// serverSaturatedAfter: the server's own), its sessions' offers pass
+// through a gate (holding them from the start when armed, none until armed
+// otherwise), and its rounds are watched.
+func startCreditReplica(t *testing.T, armed bool, saturatedAfter time.Duration, configure func(*server.Config)) (context.Context, *pgxpool.Pool, *replica, *offerGate, *roundWatch) {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	t.Cleanup(cancel)
 	url := testdb.New(t)
 	pool := testdb.NewPoolURL(t, url)
 	gate := newOfferGate(armed)
-	r := startReplica(t, url, nil)
+	r := startReplica(t, url, configure)
 	// Registered after the replica's own cleanup, so run before it: a held
 	// loop would keep the replica from stopping.
 	t.Cleanup(func() { gate.release(false) })
-	r.Server.SetSaturatedAfter(time.Nanosecond)
+	if saturatedAfter >= 0 {
+		r.Server.SetSaturatedAfter(saturatedAfter)
+	}
 	r.Server.SetAfterOffer(gate.hook)
 	return ctx, pool, r, gate, watchRounds(r)
 }
@@ -375,7 +381,7 @@ func startSaturating(t *testing.T, armed bool) (context.Context, *pgxpool.Pool, 
 // the offer covers (ended, it would take all 5).
 func TestARoundThatLostItsTurnKeepsTheSaturation(t *testing.T) {
 	t.Parallel()
-	ctx, pool, r, gate, _ := startSaturating(t, true)
+	ctx, pool, r, gate, _ := startCreditReplica(t, true, time.Nanosecond, nil)
 	// The lock is taken on this connection, as holdDiscovery takes it, but
 	// from the discovery loop (in its hook), so that no round comes between.
 	lockConn, err := pool.Acquire(ctx)
@@ -383,12 +389,10 @@ func TestARoundThatLostItsTurnKeepsTheSaturation(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(lockConn.Release)
-	// The rounds that found events, as watchRounds passes them, from this
-	// test's own hook.
-	rounds, lost := &roundWatch{rounds: make(chan store.Discovery, 64)}, make(chan struct{}, 1)
+	lost := make(chan struct{}, 1)
 	var holding atomic.Bool
 	held := make(chan error, 1)
-	r.Server.SetAfterDiscover(func(d store.Discovery, err error) (store.Discovery, error) {
+	rounds := watchRoundsWith(r, func(d store.Discovery, err error) {
 		switch {
 		case err != nil:
 		case d.Events > 0:
@@ -397,14 +401,12 @@ func TestARoundThatLostItsTurnKeepsTheSaturation(t *testing.T) {
 				_, err := lockConn.Exec(ctx, `SELECT pg_advisory_lock($1)`, int64(discoveryLockKey))
 				held <- err
 			}
-			rounds.rounds <- d
 		case holding.Load():
 			select {
 			case lost <- struct{}{}:
 			default:
 			}
 		}
-		return d, err
 	})
 	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 3, LeaseTtl: durationpb.New(time.Hour)})
 	gate.waitHeld(t) // the session offers all 3 units
