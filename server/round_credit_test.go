@@ -198,24 +198,49 @@ func TestAFilteredSessionsRoundTakesEverything(t *testing.T) {
 // A round that takes everything it found within its sessions' credit ends
 // the saturation: the next burst beyond the credit is made ready again, for
 // the claims, rather than bounded. Forced with a saturation that sets in at
-// once (1ns) and the loop held in its rounds' hook while events commit: a
-// burst of 6 against an offer of 4 makes the replica saturated, and the
-// lone event committed during that round is the next round's (put off
-// until the session offers credit again, so no check comes between that
-// could end the saturation on its own); the second burst, committed during
-// the lone event's round, is due at the check after it, and its round takes
-// all 5. (Were the saturation not ended by the lone round, that round
-// would take no more than the session's 3 free units.)
+// once (1ns) and the loop held in its hooks while events commit: a burst
+// of 6 against an offer of 4 makes the replica saturated, and the lone
+// event committed during that round is the next round's, put off until the
+// session offers credit again, so no check comes between that could end
+// the saturation on its own. The put-off loop is held until the session,
+// every delivery acked, is held at its offer of all 4 units: the lone
+// event's round then takes 1 event with 4 units borrowed, well within the
+// credit. (Run at the first offer of a unit, as it may be when the loop is
+// not held, it would be as short as its bound.) The second burst, committed
+// during the lone event's round, is due at the check after it, and its
+// round takes all 5; were the saturation not ended by the lone round, that
+// round would take no more than the 3 units the session has left.
 func TestARoundWithinTheCreditEndsTheSaturation(t *testing.T) {
 	t.Parallel()
 	ctx, pool, r, gate, _ := startCreditReplica(t, true, time.Nanosecond, nil)
+	// The hooks hold the loop only while the test runs: one that failed
+	// would otherwise keep the replica from stopping.
+	done := make(chan struct{})
+	t.Cleanup(func() { close(done) })
 	paused, resume := make(chan store.Discovery), make(chan struct{})
 	var pauses atomic.Int32
 	pauses.Store(2)
 	rounds := watchRoundsWith(r, func(d store.Discovery, err error) {
 		if err == nil && d.Events > 0 && pauses.Add(-1) >= 0 {
-			paused <- d
-			<-resume
+			select {
+			case paused <- d:
+				<-resume
+			case <-done:
+			}
+		}
+	})
+	putOff, goOn := make(chan struct{}), make(chan struct{})
+	var putOffs atomic.Int32
+	r.Server.SetAfterPutOff(func() {
+		if putOffs.Add(1) == 1 {
+			select {
+			case putOff <- struct{}{}:
+				select {
+				case <-goOn:
+				case <-done:
+				}
+			case <-done:
+			}
 		}
 	})
 	// during waits until a round is held in its hook, commits events there
@@ -244,13 +269,24 @@ func TestARoundWithinTheCreditEndsTheSaturation(t *testing.T) {
 	if d := during("b", 1); d.Events != 6 || len(d.Dispatched) != 4 {
 		t.Fatalf("the first burst's round took %d events and dispatched %d, want 6 and 4 (not saturated yet)", d.Events, len(d.Dispatched))
 	}
-	gate.release(false)
-	// The acks run beside the loop: the two ready aggregates are claimed
-	// with the credit they free, and an offer after that brings the round
-	// put off for want of credit.
-	for range 6 {
+	select {
+	case <-putOff:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the lone event's round was not put off within 30s")
+	}
+	// The session goes on, and is held again only at an offer of all its
+	// credit, which it makes once every delivery is acked: the 4
+	// dispatched, and the two ready aggregates, claimed with the credit
+	// acks free. The last is acked only once the gate is armed for it.
+	gate.armFrom(4)
+	gate.release(true)
+	for range 5 {
 		ackPublished(t, r, recv(t, st))
 	}
+	last := recv(t, st)
+	ackPublished(t, r, last)
+	gate.waitHeld(t)
+	close(goOn)
 	if d := during("c", 5); d.Events != 1 || len(d.Dispatched) != 1 {
 		t.Fatalf("the lone event's round took %d events and dispatched %d, want 1 and 1", d.Events, len(d.Dispatched))
 	}
@@ -259,6 +295,7 @@ func TestARoundWithinTheCreditEndsTheSaturation(t *testing.T) {
 	if d := rounds.next(t); d.Events != 5 {
 		t.Fatalf("the second burst's round took %d events, want all 5: the round within the credit ended the saturation", d.Events)
 	}
+	gate.release(false)
 	for range 6 {
 		ackPublished(t, r, recv(t, st))
 	}
@@ -366,6 +403,15 @@ func startCreditReplica(t *testing.T, armed bool, saturatedAfter time.Duration, 
 		r.Server.SetSaturatedAfter(saturatedAfter)
 	}
 	r.Server.SetAfterOffer(gate.hook)
+	// The loop's first turns run at once, and a round among them that
+	// began before the test's session offered its credit borrowed none,
+	// yet may reach the database only after the test's events commit (on
+	// a busy host), and take them with no session to dispatch to. Once a
+	// check has ended, nothing being due, no such round is still running:
+	// the next one begins at a check that finds the test's events.
+	turns := watchDiscoveryTurns(r)
+	turns.next(t)
+	r.Server.SetAfterRoundDue(nil)
 	return ctx, pool, r, gate, watchRounds(r)
 }
 
