@@ -118,13 +118,14 @@
 // (an offer signals the loop; sessions that end offer nothing, so it also
 // looks again after the idle interval); a round that takes everything it
 // found within the credit ends it, as does a check that finds nothing due,
-// but not a round that lost its turn to another replica's. What a round found beyond the
-// credit it could only make ready, for claims; left undiscovered in
-// outbox.event it costs nothing until credit frees (the lag report counts
-// it as undiscovered), while a ready row costs a claim and a second write
-// of its delivery row, and under a held xmin horizon every claim reads
-// past the dead entries the claims before it left. Relays with little
-// credit used to bring that on under load (BENCHMARKS.md). Not before
+// but not a round that lost its turn to another replica's. What a round
+// found beyond the credit it could only make ready, for claims; left
+// undiscovered in outbox.event it costs nothing until credit frees (the
+// lag report counts it as undiscovered), while a ready row costs a claim
+// and a second write of its delivery row, and under a held xmin horizon
+// every claim reads past the dead entries the claims before it left.
+// Relays with little credit used to bring that on under load
+// (BENCHMARKS.md). Not before
 // saturation: a burst beyond the credit is made ready as ever, and every
 // session's claims take it in parallel as acks free credit, where left
 // undiscovered it would wait for the loop's rounds, one at a time (bounding

@@ -51,13 +51,8 @@ func TestARoundTakesWhatItsSessionsCanTake(t *testing.T) {
 			ctx, pool, r, gate, rounds := startCreditReplica(t, true, after, func(c *server.Config) { c.Registerer = reg })
 			st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 3, LeaseTtl: durationpb.New(time.Hour)})
 			gate.waitHeld(t)
-			release := holdDiscovery(ctx, t, pool)
 			const n = 10
-			var ids []uuid.UUID
-			for i := range n {
-				ids = append(ids, emit(t, pool, "orders", fmt.Sprintf("o%d", i), 1)[0])
-			}
-			release()
+			ids := burst(ctx, t, pool, "o", n)
 			first := rounds.next(t)
 			taken, ready := 3, 0
 			if !saturated {
@@ -261,11 +256,7 @@ func TestARoundWithinTheCreditEndsTheSaturation(t *testing.T) {
 	}
 	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 4, LeaseTtl: durationpb.New(time.Hour)})
 	gate.waitHeld(t) // the session offers all 4 units
-	release := holdDiscovery(ctx, t, pool)
-	for i := range 6 {
-		emit(t, pool, "orders", fmt.Sprintf("a%d", i), 1)
-	}
-	release()
+	burst(ctx, t, pool, "a", 6)
 	if d := during("b", 1); d.Events != 6 || len(d.Dispatched) != 4 {
 		t.Fatalf("the first burst's round took %d events and dispatched %d, want 6 and 4 (not saturated yet)", d.Events, len(d.Dispatched))
 	}
@@ -376,6 +367,20 @@ func TestACheckThatFindsNothingEndsTheSaturation(t *testing.T) {
 	}
 }
 
+// burst commits n events of stream "orders", aggregates prefix0 to
+// prefix(n-1), each in its own transaction, while discovery's lock is held,
+// so that one round finds them all; it returns their ids, oldest first.
+func burst(ctx context.Context, t *testing.T, pool *pgxpool.Pool, prefix string, n int) []uuid.UUID {
+	t.Helper()
+	release := holdDiscovery(ctx, t, pool)
+	defer release()
+	ids := make([]uuid.UUID, n)
+	for i := range n {
+		ids[i] = emit(t, pool, "orders", fmt.Sprintf("%s%d", prefix, i), 1)[0]
+	}
+	return ids
+}
+
 // serverSaturatedAfter, as startCreditReplica's saturatedAfter, leaves
 // the server's own.
 const serverSaturatedAfter time.Duration = -1
@@ -455,11 +460,7 @@ func TestARoundThatLostItsTurnKeepsTheSaturation(t *testing.T) {
 	})
 	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 3, LeaseTtl: durationpb.New(time.Hour)})
 	gate.waitHeld(t) // the session offers all 3 units
-	hold := holdDiscovery(ctx, t, pool)
-	for i := range 5 {
-		emit(t, pool, "orders", fmt.Sprintf("a%d", i), 1)
-	}
-	hold()
+	burst(ctx, t, pool, "a", 5)
 	if d := rounds.next(t); d.Events != 5 || len(d.Dispatched) != 3 {
 		t.Fatalf("the burst's round took %d events and dispatched %d, want 5 and 3 (not saturated yet)", d.Events, len(d.Dispatched))
 	}
