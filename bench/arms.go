@@ -164,7 +164,10 @@ type armEnv struct {
 	revisions int
 	// relays is how many relays (or pollers) deliver: Config.Relays, or
 	// Config.ManyRelays in the many-relays workload.
-	relays      int
+	relays int
+	// replicas is how many outboxd servers share the database (the
+	// replicas workload); the relays spread over them.
+	replicas    int
 	maxInFlight int
 	// window is the relays' max_in_flight_per_aggregate (0: 1).
 	window int
@@ -346,6 +349,14 @@ func (*outboxdArm) produce(ctx context.Context, conn *pgxpool.Conn, agg int, pay
 }
 
 func (a *outboxdArm) startServer(ctx context.Context, env *armEnv) (serverHandle, error) {
+	if env.replicas > 1 {
+		rs, err := startReplicaSet(ctx, env.replicas, a.binary, a.flags, env.dbURL, logWriter{env.log})
+		if err != nil {
+			return nil, err
+		}
+		a.server = rs
+		return a.server, nil
+	}
 	// Assigned only on success: a nil *childServer in the interface would
 	// not compare equal to nil in stop.
 	s, err := startChildServer(ctx, a.binary, a.flags, env.dbURL, logWriter{env.log})
@@ -357,9 +368,25 @@ func (a *outboxdArm) startServer(ctx context.Context, env *armEnv) (serverHandle
 }
 
 func (a *outboxdArm) startDelivery(ctx context.Context, env *armEnv) error {
-	var err error
-	a.relays, err = startRelays(ctx, a.server.addr(), env.relays, env.maxInFlight, env.window, env.sink, env.log)
-	return err
+	rs, ok := a.server.(*replicaSet)
+	if !ok {
+		var err error
+		a.relays, err = startRelays(ctx, a.server.addr(), env.relays, env.maxInFlight, env.window, env.sink, env.log)
+		return err
+	}
+	// Relay i on replica i mod n, as a load balancer in front of the
+	// replicas would spread them.
+	a.relays = newRelayFleet(ctx)
+	for i, s := range rs.servers {
+		k := env.relays / len(rs.servers)
+		if i < env.relays%len(rs.servers) {
+			k++
+		}
+		if err := a.relays.add(s.addr(), k, env.maxInFlight, env.window, nil, fmt.Sprintf("bench-relay-r%d", i+1), env.sink, env.log); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 func (a *outboxdArm) stop(ctx context.Context) error {

@@ -39,6 +39,11 @@ const (
 	// Config.ManyRelaysRate, to measure commit→sink latency when a few
 	// events at a time meet hundreds of idle sessions.
 	WorkloadManyRelays = "many-relays"
+	// WorkloadReplicas: steady through several replicas of one database
+	// (Config.Replicas), the relays spread over them: what they deliver
+	// against one replica's steady run, and how the events reached the
+	// relays (a discovery round's dispatch, an ack's hand-over, or a claim).
+	WorkloadReplicas = "replicas"
 )
 
 // Arms, as docs/benchmark.md defines them.
@@ -90,7 +95,7 @@ var (
 	// DefaultWorkloads run when none is named: all but the sources
 	// workloads, which make bench-sources runs on their own (they create
 	// dozens of databases and would lengthen make bench past its budget).
-	DefaultWorkloads = []string{WorkloadSteady, WorkloadLatency, WorkloadDrain, WorkloadHot, WorkloadHotDrain, WorkloadProducer, WorkloadHeldXmin, WorkloadManyRelays}
+	DefaultWorkloads = []string{WorkloadSteady, WorkloadLatency, WorkloadDrain, WorkloadHot, WorkloadHotDrain, WorkloadProducer, WorkloadHeldXmin, WorkloadManyRelays, WorkloadReplicas}
 	AllArms          = []string{ArmCeilingInsert, ArmCeilingInsertMark, ArmNaivePoller, ArmOutboxd, ArmWatermill, ArmWatermill10ms, ArmRiver}
 	// PeerArms are the libraries users would pick instead of outboxd. None
 	// promises per-aggregate order, so their reorders are reported and do
@@ -150,6 +155,9 @@ type Config struct {
 	// ManyRelaysRate is the many-relays workload's open-loop producer rate
 	// in events/s. Default 500.
 	ManyRelaysRate float64
+	// Replicas is how many replicas the replicas workload runs on its
+	// database; Config.Relays relays spread over them. Default 2.
+	Replicas int
 	// Sources is how many source databases the sources workload puts
 	// behind one server: one heavy, the rest light. Default 20.
 	Sources int
@@ -245,6 +253,9 @@ func (c *Config) setDefaults() error {
 			c.ManyRelays = 100
 		}
 	}
+	if c.Replicas == 0 {
+		c.Replicas = 2
+	}
 	if c.Sources == 0 {
 		c.Sources = 20
 	}
@@ -294,6 +305,10 @@ func (c *Config) setDefaults() error {
 		return fmt.Errorf("bench: Config.ManyRelays %d (--many-relays) must be positive", c.ManyRelays)
 	case c.ManyRelaysRate < 0 || math.IsNaN(c.ManyRelaysRate) || math.IsInf(c.ManyRelaysRate, 0):
 		return fmt.Errorf("bench: Config.ManyRelaysRate %v (--many-relays-rate) must be a positive rate", c.ManyRelaysRate)
+	case c.Replicas < 2:
+		return fmt.Errorf("bench: Config.Replicas %d (--replicas) must be at least 2", c.Replicas)
+	case c.runs(WorkloadReplicas) && c.Relays < c.Replicas:
+		return fmt.Errorf("bench: the replicas workload spreads Config.Relays %d (--relays) over Config.Replicas %d (--replicas): give every replica a relay", c.Relays, c.Replicas)
 	case c.Sources < 2:
 		return fmt.Errorf("bench: Config.Sources %d (--sources) must be at least 2 (one heavy source, the rest light)", c.Sources)
 	case c.SourcesLightRate < 0 || math.IsNaN(c.SourcesLightRate) || math.IsInf(c.SourcesLightRate, 0):

@@ -48,8 +48,23 @@ type measurement struct {
 
 // processStats is what the bench can learn about the server process.
 type processStats interface {
-	// pid is the server's process id, or 0 when it runs in this process.
-	pid() int
+	// pids are the server's processes: one, or each replica's in the
+	// replicas workload.
+	pids() []int
+}
+
+// serverCPU is the CPU time of every process of the server, false when
+// one of them could not be read.
+func serverCPU(server processStats) (time.Duration, bool) {
+	var sum time.Duration
+	for _, pid := range server.pids() {
+		cpu, ok := processCPU(pid)
+		if !ok {
+			return 0, false
+		}
+		sum += cpu
+	}
+	return sum, len(server.pids()) > 0
 }
 
 // probe measures one window: it snapshots counters when the window opens,
@@ -123,8 +138,8 @@ func openWindowOver(ctx context.Context, adminURL string, dbNames []string, serv
 	s.at = time.Now()
 	s.bench = selfCPU()
 	s.machine = readMachineCPU()
-	if server != nil && server.pid() > 0 {
-		s.server, s.serverOK = processCPU(server.pid())
+	if server != nil {
+		s.server, s.serverOK = serverCPU(server)
 	}
 	p.stopCh, p.done = make(chan struct{}), make(chan struct{})
 	go p.loop(context.WithoutCancel(ctx))
@@ -243,7 +258,7 @@ func (p *probe) close(ctx context.Context) (measurement, error) {
 		}
 	}
 	if p.start.serverOK {
-		if cpu, ok := processCPU(p.server.pid()); ok {
+		if cpu, ok := serverCPU(p.server); ok {
 			m.serverCPU, m.serverOK = cpu-p.start.server, true
 		}
 	}

@@ -137,6 +137,7 @@ func serveArgs(binary, addr, dbURL string) []string {
 
 func (s *childServer) addr() string { return s.address }
 func (s *childServer) pid() int     { return s.cmd.Process.Pid }
+func (s *childServer) pids() []int  { return []int{s.pid()} }
 
 func (s *childServer) peakRSS() (int64, bool) { return peakRSS(s.pid()) }
 

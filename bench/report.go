@@ -108,10 +108,12 @@ type Result struct {
 	// Idle is the many-relays workload's window before producers start.
 	Idle *IdleFigures `json:"idle,omitempty"`
 	// Sources and IdleSources are the sources workloads' own figures.
-	Sources          *SourcesFigures     `json:"sources,omitempty"`
-	IdleSources      *IdleSourcesFigures `json:"idle_sources,omitempty"`
-	WALBytesPerEvent float64             `json:"wal_bytes_per_event"`
-	WALSyncsPerEvent float64             `json:"wal_syncs_per_event"`
+	Sources     *SourcesFigures     `json:"sources,omitempty"`
+	IdleSources *IdleSourcesFigures `json:"idle_sources,omitempty"`
+	// Replicas is the replicas workload's own figures.
+	Replicas         *ReplicasFigures `json:"replicas,omitempty"`
+	WALBytesPerEvent float64          `json:"wal_bytes_per_event"`
+	WALSyncsPerEvent float64          `json:"wal_syncs_per_event"`
 	// CommitsPerEvent counts the scratch database's committed transactions
 	// (pg_stat_database, which lags up to a second) per event.
 	CommitsPerEvent float64 `json:"commits_per_event"`
@@ -415,6 +417,15 @@ func (r *Report) finish() {
 	r.Ratios = r.ratios()
 }
 
+// fmtCounts lists counts, as "1,200 / 1,187".
+func fmtCounts(counts []float64) string {
+	var parts []string
+	for _, c := range counts {
+		parts = append(parts, fmtCount(int(c)))
+	}
+	return strings.Join(parts, " / ")
+}
+
 func (r *Report) ratios() []Ratio {
 	var out []Ratio
 	atLeast := func(name string, v float64, goal float64, unit, note string) {
@@ -546,6 +557,15 @@ func (r *Report) ratios() []Ratio {
 			goal = 5000
 		}
 		atLeast(name, hot.Throughput, goal, "ev/s", "")
+	}
+	// Several replicas of one database against one, and how much of their
+	// delivery fell to claims: context, no goal of an issue.
+	if rep := r.find(WorkloadReplicas, ArmOutboxd, durationMs(firstOr(sinks, 0)), 0); rep != nil && rep.Replicas != nil {
+		note := fmt.Sprintf("%d replicas, K=%d relays over them", rep.Replicas.Replicas, rep.Relays)
+		if steady := r.find(WorkloadSteady, ArmOutboxd, durationMs(firstOr(sinks, 0)), 0); steady != nil {
+			atLeast(fmt.Sprintf("outboxd %d replicas / one replica steady", rep.Replicas.Replicas), ratio(rep.Throughput, steady.Throughput), 0, "×", note)
+		}
+		atLeast(fmt.Sprintf("outboxd %d replicas: events the relays claimed", rep.Replicas.Replicas), rep.Replicas.ClaimedPct(), 0, "%", note+"; the rest dispatched by rounds or handed over by acks")
 	}
 	if src := r.find(WorkloadSources, ArmOutboxd, durationMs(firstOr(sinks, 0)), 0); src != nil && src.Sources != nil {
 		f := src.Sources
@@ -778,6 +798,11 @@ func (r *Report) WriteTable(w io.Writer) {
 					c.name, fmtOpt(c.cost.ServerCorePct, "%.1f"), fmtOpt(c.cost.PostgresCorePct, "%.1f"),
 					c.cost.LightCommitsPerS, c.cost.LightRollbacksPerS, c.cost.HeavyCommitsPerS, c.cost.HeavyRollbacksPerS)
 			}
+		}
+		if f := res.Replicas; f != nil {
+			fmt.Fprintf(w, "\n== replicas: %d outboxd serve on one database, %d relays over them ==\n", f.Replicas, res.Relays)
+			fmt.Fprintf(w, "%.0f ev/s; the relays got their events by: dispatch %.1f %%, hand-over %.1f %%, claim %.1f %%; leases by replica: %s\n",
+				res.Throughput, share(f.Dispatched, f), share(f.HandedOver, f), share(f.Claimed, f), fmtCounts(f.PerReplica))
 		}
 		if f := res.IdleSources; f != nil {
 			fmt.Fprintf(w, "\n== idle-sources: %d idle source databases on one server (--max-db-conns %d) ==\n", f.Sources, f.MaxDBConn)

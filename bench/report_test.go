@@ -311,7 +311,7 @@ func TestPlan(t *testing.T) {
 		"drain/naive-poller/0s/10k", "drain/outboxd/0s/1M", "hot/outboxd/0s/0",
 		"steady/watermill/0s/0", "steady/watermill-10ms/5ms/0", "steady/river/1ms/0", "latency/river/0s/0",
 		"producer/ceiling-insert/0s/0", "producer/emit/0s/0", "producer/insert-trigger/0s/0",
-		"held-xmin/outboxd/0s/0", "held-xmin/river/0s/0",
+		"held-xmin/outboxd/0s/0", "held-xmin/river/0s/0", "replicas/outboxd/0s/0",
 	} {
 		if !strings.Contains(got, want) {
 			t.Errorf("plan lacks %s: %s", want, got)
@@ -331,6 +331,15 @@ func TestPlan(t *testing.T) {
 	if len(p) != 2 || p[0].workload != WorkloadSteady || p[1].workload != WorkloadLatency {
 		t.Fatalf("latency-only plan %+v", p)
 	}
+	// So do replicas alone.
+	reps := Config{DatabaseURL: "x", ServerBinary: "outboxd", Workloads: []string{WorkloadReplicas}, Arms: []string{ArmOutboxd}}
+	if err := reps.setDefaults(); err != nil {
+		t.Fatal(err)
+	}
+	p = plan(&reps)
+	if len(p) != 2 || p[0].workload != WorkloadSteady || p[1].workload != WorkloadReplicas {
+		t.Fatalf("replicas-only plan %+v", p)
+	}
 }
 
 func TestConfigRejects(t *testing.T) {
@@ -342,6 +351,9 @@ func TestConfigRejects(t *testing.T) {
 		{DatabaseURL: "x", DrainSizes: []int{5}},
 		{DatabaseURL: "x", SinkLatencies: []time.Duration{-time.Millisecond}},
 		{DatabaseURL: "x", Arms: []string{ArmOutboxd}}, // no server binary
+		{DatabaseURL: "x", ServerBinary: "outboxd", Replicas: 1},
+		// A replica without a relay.
+		{DatabaseURL: "x", ServerBinary: "outboxd", Workloads: []string{WorkloadReplicas}, Relays: 1},
 	} {
 		if err := cfg.setDefaults(); err == nil {
 			t.Errorf("config %+v accepted", cfg)

@@ -73,7 +73,7 @@ func plan(cfg *Config) []armSpec {
 				}
 			}
 		}
-	case cfg.runs(WorkloadLatency) || cfg.runs(WorkloadHeldXmin) || cfg.runs(WorkloadSources):
+	case cfg.runs(WorkloadLatency) || cfg.runs(WorkloadHeldXmin) || cfg.runs(WorkloadSources) || cfg.runs(WorkloadReplicas):
 		out = append(out, armSpec{workload: WorkloadSteady, arm: ArmOutboxd, sink: first})
 	}
 	if cfg.runs(WorkloadLatency) {
@@ -117,6 +117,10 @@ func plan(cfg *Config) []armSpec {
 	}
 	if cfg.runs(WorkloadManyRelays) && cfg.uses(ArmOutboxd) {
 		out = append(out, armSpec{workload: WorkloadManyRelays, arm: ArmOutboxd, sink: first})
+	}
+	// Replicas compares with outboxd's steady run at the same sink.
+	if cfg.runs(WorkloadReplicas) && cfg.uses(ArmOutboxd) {
+		out = append(out, armSpec{workload: WorkloadReplicas, arm: ArmOutboxd, sink: first})
 	}
 	if cfg.runs(WorkloadHeldXmin) {
 		for _, holder := range []string{HolderOtherDB, HolderSameDBRR} {
@@ -230,9 +234,12 @@ func runArm(ctx context.Context, cfg *Config, sc *scratch, spec armSpec, rep *Re
 		maxInFlight = max(maxInFlight, (drainInFlight+cfg.Relays-1)/cfg.Relays)
 	}
 	maxInFlight = max(maxInFlight, spec.window)
-	relays := cfg.Relays
-	if spec.workload == WorkloadManyRelays {
+	relays, replicas := cfg.Relays, 1
+	switch spec.workload {
+	case WorkloadManyRelays:
 		relays = cfg.ManyRelays
+	case WorkloadReplicas:
+		replicas = cfg.Replicas
 	}
 	poolCfg, err := pgxpool.ParseConfig(dbURL)
 	if err != nil {
@@ -249,7 +256,7 @@ func runArm(ctx context.Context, cfg *Config, sc *scratch, spec armSpec, rep *Re
 	env := &armEnv{
 		cfg: cfg, dbName: dbName, dbURL: dbURL, pool: pool, ledger: ledger,
 		sink:       &countingSink{latency: spec.sink, ledger: ledger, next: broker},
-		aggregates: aggregates, revisions: revisions, relays: relays, maxInFlight: maxInFlight, window: spec.window,
+		aggregates: aggregates, revisions: revisions, relays: relays, replicas: replicas, maxInFlight: maxInFlight, window: spec.window,
 		log: cfg.Logger.With("arm", spec.arm),
 	}
 	res = &Result{
@@ -397,6 +404,12 @@ func measureProducers(ctx context.Context, env *armEnv, a arm, srv serverHandle,
 	settle(ctx, env.ledger, max(5*time.Second, cfg.Duration))
 	endNs := time.Now().UnixNano()
 	rss := serverRSS(srv)
+	if rs, ok := srv.(*replicaSet); ok {
+		var err error
+		if res.Replicas, err = rs.paths(ctx); err != nil {
+			return err
+		}
+	}
 	if err := a.stop(ctx); err != nil {
 		return err
 	}

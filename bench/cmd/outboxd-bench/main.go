@@ -61,8 +61,10 @@ peers as their users would build an outbox: watermill and watermill-10ms
 (Watermill SQL's PostgreSQL queue adapter at its default 1s poll and at
 10ms) and river (one River job per producer transaction). Workloads: steady,
 latency, drain, hot, producer (the producer's cost alone), held-xmin
-(steady while a transaction id stays open) and many-relays (outboxd alone:
---many-relays relays idle on one server, then --many-relays-rate events/s).
+(steady while a transaction id stays open), many-relays (outboxd alone:
+--many-relays relays idle on one server, then --many-relays-rate events/s)
+and replicas (outboxd alone: steady through --replicas servers on one
+database, the K relays spread over them).
 Two more run only when named: sources (--sources source databases behind one
 outboxd serve, one heavy at full speed and the rest light at
 --sources-light-rate each, the light ones alone first) and idle-sources
@@ -174,6 +176,7 @@ compare arms of the same run.`,
 	fl.Float64Var(&cfg.LatencyRate, "latency-rate", 0, "the latency workload's producer rate in events/s (default: half of outboxd's steady rate in the same run), to compare builds at the same load")
 	fl.IntVar(&cfg.ManyRelays, "many-relays", 0, "relays the many-relays workload subscribes, each on its own connection (default 300; 100 with --quick)")
 	fl.Float64Var(&cfg.ManyRelaysRate, "many-relays-rate", 0, "the many-relays workload's producer rate in events/s after its idle window (default 500)")
+	fl.IntVar(&cfg.Replicas, "replicas", 0, "outboxd serve replicas the replicas workload runs on one database, the relays spread over them (default 2)")
 	fl.IntVar(&cfg.Sources, "sources", 0, "source databases the sources workload serves from one server: one heavy, the rest light (default 20)")
 	fl.Float64Var(&cfg.SourcesLightRate, "sources-light-rate", 0, "each light source's producer rate in events/s in the sources workload (default 20)")
 	fl.BoolVar(&cfg.SourcesNamedStream, "sources-named-stream", false, "in the sources workloads, relays subscribe to SOURCE/bench by name instead of SOURCE/* (every stream of the source, as steady's relays take every stream)")
