@@ -13,12 +13,8 @@
 set -euo pipefail
 bin=${1:-bin/outboxd}
 n=${2:-20000}
-admin=${ADMIN_URL:-postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable}
-db=outboxd_backfill_$$
-url=${admin%%/postgres\?*}/$db?sslmode=disable
-trap 'psql -q "$admin" -c "DROP DATABASE IF EXISTS $db WITH (FORCE)"' EXIT
-psql -q "$admin" -c "CREATE DATABASE $db"
-"$bin" migrate --database-url "$url" >/dev/null
+. "$(dirname "${BASH_SOURCE[0]}")/scratch-db.sh"
+scratch_db outboxd_backfill
 psql -q "$url" \
 	-c "ALTER TABLE outbox.aggregate SET (autovacuum_enabled = false)" \
 	-c "ALTER TABLE outbox.event SET (autovacuum_enabled = false)" \

@@ -16,19 +16,11 @@ set -euo pipefail
 bin=${1:-bin/outboxd}
 n=${N:-1000000}
 txns=${TXNS:-1}
-admin=${ADMIN_URL:-postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable}
-db=outboxd_backlog_$$
-url=${admin%%/postgres\?*}/$db?sslmode=disable
+. "$(dirname "${BASH_SOURCE[0]}")/scratch-db.sh"
 psql() { command psql -X -q -At "$@"; }
 pid=
-cleanup() {
-	[ -n "$pid" ] && kill "$pid" 2>/dev/null || true
-	wait 2>/dev/null || true
-	psql "$admin" -c "DROP DATABASE IF EXISTS $db WITH (FORCE)" >/dev/null
-}
-trap cleanup EXIT
-psql "$admin" -c "CREATE DATABASE $db" >/dev/null
-"$bin" migrate --database-url "$url" >/dev/null
+on_exit '[ -n "$pid" ] && kill "$pid" 2>/dev/null; wait 2>/dev/null'
+scratch_db outboxd_backlog
 psql "$url" -c "DO \$\$ BEGIN FOR t IN 0..$txns - 1 LOOP
 	INSERT INTO outbox.event (stream, aggregate_key, event_type, payload)
 	SELECT 'backlog', 'k' || g, 't', '{\"a\":1}' FROM generate_series(t * $n / $txns + 1, (t + 1) * $n / $txns) g;

@@ -15,20 +15,12 @@
 set -euo pipefail
 bin=${1:-bin/outboxd}
 n=${N:-8000}
-admin=${ADMIN_URL:-postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable}
-db=outboxd_catchup_$$
-url=${admin%%/postgres\?*}/$db?sslmode=disable
+. "$(dirname "${BASH_SOURCE[0]}")/scratch-db.sh"
 psql() { command psql -X -q -At "$@"; }
 serve() { "$bin" serve --listen 127.0.0.1:7443 --http-listen= --log-level warn --database-url "$url" & }
 pids=()
-cleanup() {
-	for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-	wait 2>/dev/null || true
-	psql "$admin" -c "DROP DATABASE IF EXISTS $db" >/dev/null
-}
-trap cleanup EXIT
-psql "$admin" -c "CREATE DATABASE $db" >/dev/null
-"$bin" migrate --database-url "$url" >/dev/null
+on_exit 'for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done; wait 2>/dev/null'
+scratch_db outboxd_catchup
 emit="SELECT count(outbox.emit('s', 'k' || g, 'e', '{}'::jsonb)) FROM generate_series(1, $n) g"
 psql "$url" -c "$emit" >/dev/null
 

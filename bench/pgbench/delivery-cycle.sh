@@ -43,16 +43,10 @@
 # server; BENCHMARKS.md quotes its figures.
 set -euo pipefail
 bin=${1:-bin/outboxd}
-admin=${ADMIN_URL:-postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable}
 window=${WINDOW:-30}
 batch=${BATCH:-16}
-db=outboxd_cycle_$$
-url=${admin%%/postgres\?*}/$db?sslmode=disable
-work=$(mktemp -d)
-trap 'psql -q "$admin" -c "DROP DATABASE IF EXISTS $db WITH (FORCE)"; rm -rf "$work"' EXIT
-
-psql -q "$admin" -c "CREATE DATABASE $db"
-"$bin" migrate --database-url "$url" >/dev/null
+. "$(dirname "${BASH_SOURCE[0]}")/scratch-db.sh"
+scratch_db outboxd_cycle
 h=00000000-0000-0000-0000-0000000000aa
 cat >"$work/cycle.sql" <<SQL
 INSERT INTO outbox.event (stream, aggregate_key, event_type, payload) SELECT 's', (floor(random() * 10000))::int::text, 't', '{"a":1}' FROM generate_series(1, $batch);

@@ -25,15 +25,10 @@
 # figures; compare them within one run only.
 set -euo pipefail
 bin=${1:-bin/outboxd}
-admin=${ADMIN_URL:-postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable}
 rounds=${ROUNDS:-3}
 secs=${SECONDS_PER_RUN:-5}
-db=outboxd_anatomy_$$
-url=${admin%%/postgres\?*}/$db?sslmode=disable
-work=$(mktemp -d)
-trap 'psql -q "$admin" -c "DROP DATABASE IF EXISTS $db WITH (FORCE)"; rm -rf "$work"' EXIT
-psql -q "$admin" -c "CREATE DATABASE $db"
-"$bin" migrate --database-url "$url" >/dev/null
+. "$(dirname "${BASH_SOURCE[0]}")/scratch-db.sh"
+scratch_db outboxd_anatomy
 psql -q "$url" <<'SQL'
 CREATE SCHEMA anatomy;
 CREATE SEQUENCE anatomy.revision;

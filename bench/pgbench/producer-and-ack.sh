@@ -17,21 +17,15 @@
 # figures; compare them within one run only.
 set -euo pipefail
 bin=${1:-bin/outboxd}
-admin=${ADMIN_URL:-postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable}
 rounds=${ROUNDS:-2}
 secs=${SECONDS_PER_RUN:-6}
-db=outboxd_pgbench_$$
-url=${admin%%/postgres\?*}/$db?sslmode=disable
-ackdb=${db}_ack
-ackurl=${admin%%/postgres\?*}/$ackdb?sslmode=disable
-work=$(mktemp -d)
-trap 'psql -q "$admin" -c "DROP DATABASE IF EXISTS $db WITH (FORCE)" -c "DROP DATABASE IF EXISTS $ackdb WITH (FORCE)"; rm -rf "$work"' EXIT
+. "$(dirname "${BASH_SOURCE[0]}")/scratch-db.sh"
 
 # Two databases: the producers' events would otherwise be claimable work
 # that the hand-over must not jump ahead of.
-psql -q "$admin" -c "CREATE DATABASE $db" -c "CREATE DATABASE $ackdb"
-"$bin" migrate --database-url "$url" >/dev/null
-"$bin" migrate --database-url "$ackurl" >/dev/null
+scratch_db outboxd_pgbench_ack
+ackurl=$url
+scratch_db outboxd_pgbench
 psql -q "$url" <<'SQL'
 CREATE SCHEMA scratch;
 CREATE TABLE scratch.ceiling (

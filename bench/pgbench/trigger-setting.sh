@@ -10,15 +10,10 @@
 # figures; compare them within one run only.
 set -euo pipefail
 bin=${1:-bin/outboxd}
-admin=${ADMIN_URL:-postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable}
 rounds=${ROUNDS:-3}
 secs=${SECONDS_PER_RUN:-8}
-db=outboxd_trigger_$$
-url=${admin%%/postgres\?*}/$db?sslmode=disable
-work=$(mktemp -d)
-trap 'psql -q "$admin" -c "DROP DATABASE IF EXISTS $db WITH (FORCE)"; rm -rf "$work"' EXIT
-psql -q "$admin" -c "CREATE DATABASE $db"
-"$bin" migrate --database-url "$url" >/dev/null
+. "$(dirname "${BASH_SOURCE[0]}")/scratch-db.sh"
+scratch_db outboxd_trigger
 payload='{"order_id":12345,"customer":"c-00042","amount":"199.90","currency":"EUR","items":[{"sku":"sku-1","qty":2},{"sku":"sku-2","qty":1}],"note":"benchmark payload xxxxxxxxxxxxxxxx"}'
 printf '\\set a random(1, 10000)\nINSERT INTO outbox.event (stream, aggregate_key, event_type, payload) VALUES (%s, :a::text, %s, %s) RETURNING event_id, revision;\n' \
 	"'bench'" "'created'" "'$payload'" >"$work/client-emit.sql"
