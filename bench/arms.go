@@ -374,8 +374,8 @@ func (a *outboxdArm) startDelivery(ctx context.Context, env *armEnv) error {
 		a.relays, err = startRelays(ctx, a.server.addr(), env.relays, env.maxInFlight, env.window, env.sink, env.log)
 		return err
 	}
-	// Relay i on replica i mod n, as a load balancer in front of the
-	// replicas would spread them.
+	// K/n relays on each replica (the first K mod n get one more), as a
+	// load balancer in front of the replicas would spread them.
 	a.relays = newRelayFleet(ctx)
 	for i, s := range rs.servers {
 		k := env.relays / len(rs.servers)
