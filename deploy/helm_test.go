@@ -14,6 +14,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -23,14 +24,45 @@ import (
 	"github.com/outboxd/outboxd/internal/testdb"
 )
 
-// helm runs the helm pinned in tools/helm/go.mod (helm is not a Debian
-// package; `go tool` builds it once into the build cache).
+// helmBinary is the helm pinned in tools/helm/go.mod (helm is not a Debian
+// package), built once for the package's tests: `go tool -n` builds it into
+// the build cache and prints its path. The build is apart from the helm
+// commands' own timeouts: on a machine whose build cache has no helm yet,
+// building it under `make test` (-race, the other packages' tests on the
+// same two cores) took more than the five minutes a command is given, and
+// every helm test failed "signal: killed".
+var helmBinary = sync.OnceValues(func() (string, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, "go", "tool", "-modfile=tools/helm/go.mod", "-n", "helm")
+	cmd.Dir = mustAbs("..")
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	out, err := cmd.Output()
+	if err != nil {
+		return "", fmt.Errorf("go tool -n helm: %w\n%s", err, stderr.Bytes())
+	}
+	return strings.TrimSpace(string(out)), nil
+})
+
+// helmCommand is helm with args, run from the repository's top folder.
+func helmCommand(ctx context.Context, t *testing.T, args ...string) *exec.Cmd {
+	t.Helper()
+	bin, err := helmBinary()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.CommandContext(ctx, bin, args...)
+	cmd.Dir = repoRoot(t)
+	return cmd
+}
+
+// helm runs helm with args and returns its output.
 func helm(t *testing.T, args ...string) []byte {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(t.Context(), 5*time.Minute)
 	defer cancel()
-	cmd := exec.CommandContext(ctx, "go", append([]string{"tool", "-modfile=tools/helm/go.mod", "helm"}, args...)...)
-	cmd.Dir = repoRoot(t)
+	cmd := helmCommand(ctx, t, args...)
 	var stderr bytes.Buffer
 	cmd.Stderr = &stderr
 	out, err := cmd.Output()
@@ -444,13 +476,11 @@ func TestHelmChartRefuses(t *testing.T) {
 		{"route Secret beside a sink", []string{"relays[0].name=n", "relays[0].sink=stdout://", "relays[0].routeSecret=r"},
 			"relay n: routeSecret replaces sink and sinkSecret"},
 	} {
-		args := []string{"tool", "-modfile=tools/helm/go.mod", "helm", "template", "rel", chart}
+		args := []string{"template", "rel", chart}
 		for _, v := range c.set {
 			args = append(args, "--set", v)
 		}
-		cmd := exec.CommandContext(t.Context(), "go", args...)
-		cmd.Dir = repoRoot(t)
-		out, err := cmd.CombinedOutput()
+		out, err := helmCommand(t.Context(), t, args...).CombinedOutput()
 		if err == nil || !strings.Contains(string(out), c.want) {
 			t.Errorf("%s: helm template %v: err %v, output:\n%s\nwant a failure saying %q", c.name, c.set, err, out, c.want)
 		}
