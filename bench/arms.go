@@ -368,25 +368,9 @@ func (a *outboxdArm) startServer(ctx context.Context, env *armEnv) (serverHandle
 }
 
 func (a *outboxdArm) startDelivery(ctx context.Context, env *armEnv) error {
-	rs, ok := a.server.(*replicaSet)
-	if !ok {
-		var err error
-		a.relays, err = startRelays(ctx, a.server.addr(), env.relays, env.maxInFlight, env.window, env.sink, env.log)
-		return err
-	}
-	// K/n relays on each replica (the first K mod n get one more), as a
-	// load balancer in front of the replicas would spread them.
-	a.relays = newRelayFleet(ctx)
-	for i, s := range rs.servers {
-		k := env.relays / len(rs.servers)
-		if i < env.relays%len(rs.servers) {
-			k++
-		}
-		if err := a.relays.add(s.addr(), k, env.maxInFlight, env.window, nil, fmt.Sprintf("bench-relay-r%d", i+1), env.sink, env.log); err != nil {
-			return err
-		}
-	}
-	return nil
+	var err error
+	a.relays, err = startRelays(ctx, a.server.addrs(), env.relays, env.maxInFlight, env.window, env.sink, env.log)
+	return err
 }
 
 func (a *outboxdArm) stop(ctx context.Context) error {

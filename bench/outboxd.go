@@ -33,7 +33,9 @@ const serverStartTimeout = 20 * time.Second
 // serverHandle is a running outboxd server on a loopback port.
 type serverHandle interface {
 	processStats
-	addr() string
+	// addrs are the server's gRPC addresses: one, or each replica's in the
+	// replicas workload.
+	addrs() []string
 	// peakRSS is the server process's peak resident set; false when the
 	// server shares this process.
 	peakRSS() (int64, bool)
@@ -135,9 +137,10 @@ func serveArgs(binary, addr, dbURL string) []string {
 	return args
 }
 
-func (s *childServer) addr() string { return s.address }
-func (s *childServer) pid() int     { return s.cmd.Process.Pid }
-func (s *childServer) pids() []int  { return []int{s.pid()} }
+func (s *childServer) addr() string    { return s.address }
+func (s *childServer) addrs() []string { return []string{s.address} }
+func (s *childServer) pid() int        { return s.cmd.Process.Pid }
+func (s *childServer) pids() []int     { return []int{s.pid()} }
 
 func (s *childServer) peakRSS() (int64, bool) { return peakRSS(s.pid()) }
 
@@ -247,13 +250,30 @@ type relayFleet struct {
 	errs   []error
 }
 
-func startRelays(ctx context.Context, addr string, k, maxInFlight, window int, pub relay.Publisher, log *slog.Logger) (*relayFleet, error) {
+// startRelays starts k runners spread evenly over addrs, as a load
+// balancer in front of several replicas would spread them.
+func startRelays(ctx context.Context, addrs []string, k, maxInFlight, window int, pub relay.Publisher, log *slog.Logger) (*relayFleet, error) {
 	f := newRelayFleet(ctx)
-	if err := f.add(addr, k, maxInFlight, window, nil, "bench-relay", pub, log); err != nil {
-		_ = f.stop()
-		return nil, err
+	for i, n := range spread(k, len(addrs)) {
+		if err := f.add(addrs[i], n, maxInFlight, window, nil, fmt.Sprintf("bench-relay-r%d", i+1), pub, log); err != nil {
+			_ = f.stop()
+			return nil, err
+		}
 	}
 	return f, nil
+}
+
+// spread is k split over n places as evenly as it goes: k/n each, the
+// first k mod n one more.
+func spread(k, n int) []int {
+	out := make([]int, n)
+	for i := range out {
+		out[i] = k / n
+		if i < k%n {
+			out[i]++
+		}
+	}
+	return out
 }
 
 func newRelayFleet(ctx context.Context) *relayFleet {

@@ -80,7 +80,13 @@ func startReplicaSet(ctx context.Context, n int, binary string, flags []string, 
 	return rs, nil
 }
 
-func (rs *replicaSet) addr() string { return rs.servers[0].addr() }
+func (rs *replicaSet) addrs() []string {
+	var out []string
+	for _, s := range rs.servers {
+		out = append(out, s.addr())
+	}
+	return out
+}
 
 func (rs *replicaSet) pids() []int {
 	var out []int

@@ -3,16 +3,14 @@ package bench
 import (
 	"context"
 	"fmt"
-	"log/slog"
 	"math"
 	"net/http"
 	"net/http/httptest"
 	"os"
+	"slices"
 	"strings"
 	"testing"
 	"time"
-
-	"github.com/outboxd/outboxd/internal/testdb"
 )
 
 // Steady through two replicas of one database: both serve (their CPU is
@@ -25,20 +23,7 @@ func TestRunReplicas(t *testing.T) {
 	}
 	t.Parallel()
 	var logs strings.Builder
-	rep, err := Run(context.Background(), Config{
-		DatabaseURL:   testdb.ServerURL(),
-		ServerBinary:  serverBinary,
-		Arms:          []string{ArmOutboxd},
-		Workloads:     []string{WorkloadReplicas},
-		Duration:      300 * time.Millisecond,
-		Warmup:        100 * time.Millisecond,
-		Producers:     2,
-		Relays:        2,
-		Aggregates:    50,
-		SinkLatencies: []time.Duration{0},
-		Logger:        slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelWarn})),
-		Progress:      tWriter{t},
-	})
+	rep, err := Run(context.Background(), tinyConfig(t, &logs, []string{WorkloadReplicas}, ArmOutboxd))
 	if err != nil {
 		t.Fatalf("run: %v\nlogs:\n%s", err, logs.String())
 	}
@@ -139,3 +124,15 @@ func TestServerCPUSumsTheProcesses(t *testing.T) {
 type pidList []int
 
 func (p pidList) pids() []int { return p }
+
+// The relays spread over the replicas evenly, every one of them placed.
+func TestSpread(t *testing.T) {
+	for _, c := range []struct {
+		k, n int
+		want []int
+	}{{4, 1, []int{4}}, {4, 2, []int{2, 2}}, {5, 2, []int{3, 2}}, {3, 3, []int{1, 1, 1}}, {7, 3, []int{3, 2, 2}}} {
+		if got := spread(c.k, c.n); !slices.Equal(got, c.want) {
+			t.Errorf("spread(%d, %d) = %v, want %v", c.k, c.n, got, c.want)
+		}
+	}
+}

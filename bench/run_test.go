@@ -49,6 +49,26 @@ func (h exitHook) Run() int {
 // The whole pipeline, briefly, against the real PostgreSQL: every arm and
 // workload runs and the account is clean. Nothing here asserts a timing: on
 // a shared machine (and under -race) they mean nothing.
+// tinyConfig is a run of workloads and arms at the tests' scale: windows of
+// 300 ms after 100 ms of warm-up, 2 producers and 2 relays over 50
+// aggregates, a 0 sink, warnings to logs.
+func tinyConfig(t *testing.T, logs *strings.Builder, workloads []string, arms ...string) Config {
+	return Config{
+		DatabaseURL:   testdb.ServerURL(),
+		ServerBinary:  serverBinary,
+		Arms:          arms,
+		Workloads:     workloads,
+		Duration:      300 * time.Millisecond,
+		Warmup:        100 * time.Millisecond,
+		Producers:     2,
+		Relays:        2,
+		Aggregates:    50,
+		SinkLatencies: []time.Duration{0},
+		Logger:        slog.New(slog.NewTextHandler(logs, &slog.HandlerOptions{Level: slog.LevelWarn})),
+		Progress:      tWriter{t},
+	}
+}
+
 func TestRunEndToEnd(t *testing.T) {
 	if testing.Short() {
 		t.Skip("needs PostgreSQL")
@@ -56,21 +76,11 @@ func TestRunEndToEnd(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	var logs strings.Builder
-	rep, err := Run(ctx, Config{
-		DatabaseURL:   testdb.ServerURL(),
-		ServerBinary:  serverBinary,
-		Arms:          []string{ArmCeilingInsert, ArmCeilingInsertMark, ArmNaivePoller, ArmOutboxd},
-		Workloads:     []string{WorkloadSteady, WorkloadLatency, WorkloadDrain, WorkloadHot},
-		Duration:      300 * time.Millisecond,
-		Warmup:        100 * time.Millisecond,
-		Producers:     2,
-		Relays:        2,
-		Aggregates:    50,
-		SinkLatencies: []time.Duration{time.Millisecond},
-		DrainSizes:    []int{200},
-		Logger:        slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelWarn})),
-		Progress:      tWriter{t},
-	})
+	cfg := tinyConfig(t, &logs, []string{WorkloadSteady, WorkloadLatency, WorkloadDrain, WorkloadHot},
+		ArmCeilingInsert, ArmCeilingInsertMark, ArmNaivePoller, ArmOutboxd)
+	cfg.SinkLatencies = []time.Duration{time.Millisecond}
+	cfg.DrainSizes = []int{200}
+	rep, err := Run(ctx, cfg)
 	if err != nil {
 		t.Fatalf("run: %v\nlogs:\n%s", err, logs.String())
 	}
@@ -126,21 +136,9 @@ func TestRunPeersProducerHeldXmin(t *testing.T) {
 	}
 	t.Parallel()
 	var logs strings.Builder
-	rep, err := Run(t.Context(), Config{
-		DatabaseURL:   testdb.ServerURL(),
-		ServerBinary:  serverBinary,
-		Arms:          []string{ArmOutboxd, ArmWatermill10ms, ArmRiver},
-		Workloads:     []string{WorkloadSteady, WorkloadProducer, WorkloadHeldXmin},
-		Quick:         true,
-		Duration:      300 * time.Millisecond,
-		Warmup:        100 * time.Millisecond,
-		Producers:     2,
-		Relays:        1,
-		Aggregates:    50,
-		SinkLatencies: []time.Duration{0},
-		Logger:        slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelWarn})),
-		Progress:      tWriter{t},
-	})
+	cfg := tinyConfig(t, &logs, []string{WorkloadSteady, WorkloadProducer, WorkloadHeldXmin}, ArmOutboxd, ArmWatermill10ms, ArmRiver)
+	cfg.Quick, cfg.Relays = true, 1
+	rep, err := Run(t.Context(), cfg)
 	if err != nil {
 		t.Fatalf("run: %v\nlogs:\n%s", err, logs.String())
 	}

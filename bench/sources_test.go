@@ -3,37 +3,22 @@ package bench
 import (
 	"context"
 	"errors"
-	"log/slog"
 	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
 
-	"github.com/outboxd/outboxd/internal/testdb"
 	"github.com/outboxd/outboxd/relay"
 )
 
 // tinySourcesConfig is the sources workloads at the smallest scale that
 // still has a heavy source, two light ones and two idle ones.
 func tinySourcesConfig(t *testing.T, workloads []string, logs *strings.Builder) Config {
-	return Config{
-		DatabaseURL:       testdb.ServerURL(),
-		ServerBinary:      serverBinary,
-		Arms:              []string{ArmOutboxd},
-		Workloads:         workloads,
-		Duration:          300 * time.Millisecond,
-		Warmup:            200 * time.Millisecond,
-		Producers:         2,
-		Relays:            2,
-		Aggregates:        50,
-		Sources:           3,
-		SourcesLightRate:  50,
-		IdleSources:       2,
-		IdleSourcesSettle: 200 * time.Millisecond,
-		SinkLatencies:     []time.Duration{0},
-		Logger:            slog.New(slog.NewTextHandler(logs, &slog.HandlerOptions{Level: slog.LevelWarn})),
-		Progress:          tWriter{t},
-	}
+	cfg := tinyConfig(t, logs, workloads, ArmOutboxd)
+	cfg.Warmup = 200 * time.Millisecond
+	cfg.Sources, cfg.SourcesLightRate = 3, 50
+	cfg.IdleSources, cfg.IdleSourcesSettle = 2, 200*time.Millisecond
+	return cfg
 }
 
 // Both sources workloads at tiny scale against the real PostgreSQL and
