@@ -339,12 +339,7 @@ func TestServeStartsWithoutAnUnreachableSource(t *testing.T) {
 	t.Parallel()
 	def, down, up := testdb.New(t), testdb.New(t), testdb.New(t)
 	admin := testdb.NewPoolURL(t, testdb.ServerURL())
-	if _, err := admin.Exec(t.Context(), `ALTER DATABASE "`+dbName(down)+`" ALLOW_CONNECTIONS false`); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		_, _ = admin.Exec(context.Background(), `ALTER DATABASE "`+dbName(down)+`" ALLOW_CONNECTIONS true`)
-	})
+	testdb.RefuseConnections(t, admin, dbName(down))
 	cfg := writeConfig(t, "source:\n  - down="+withoutPassword(t, down)+"\n  - up="+withoutPassword(t, up)+"\n")
 	grpcAddr, httpAddr := freeAddr(t), freeAddr(t)
 	p := start(t, "serve", "--config", cfg, "--database-url", def, "--listen", grpcAddr, "--http-listen", httpAddr,

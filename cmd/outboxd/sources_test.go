@@ -83,16 +83,9 @@ func TestMigrateAndServeTwoSources(t *testing.T) {
 
 	admin := testdb.NewPoolURL(t, testdb.ServerURL())
 	name := dbName(orders)
-	if _, err := admin.Exec(t.Context(), `ALTER DATABASE "`+name+`" ALLOW_CONNECTIONS false`); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		_, _ = admin.Exec(context.Background(), `ALTER DATABASE "`+name+`" ALLOW_CONNECTIONS true`)
-	})
-	if _, err := admin.Exec(t.Context(), `SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1`, name); err != nil {
-		t.Fatal(err)
-	}
+	testdb.RefuseConnections(t, admin, name)
 	eventually(t, "/readyz to name orders", func() bool {
+		testdb.TerminateBackends(t, admin, name) // one that slipped in
 		code, body := httpGet("http://" + httpAddr + "/readyz")
 		return code == http.StatusOK && strings.Contains(body, "degraded: source orders:")
 	})

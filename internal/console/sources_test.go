@@ -13,6 +13,7 @@ import (
 	"google.golang.org/grpc/metadata"
 
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+	"github.com/outboxd/outboxd/internal/testdb"
 )
 
 // TestConsoleWithTwoSources: a replica serving default and orders, each
@@ -164,18 +165,9 @@ func TestConsoleWithTwoSources(t *testing.T) {
 		t.Fatal(err)
 	}
 	admin := h.pool
-	if _, err := admin.Exec(t.Context(), `ALTER DATABASE "`+dbname+`" ALLOW_CONNECTIONS false`); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		// When the test ends early: the harness's clean-up needs the
-		// database.
-		_, _ = admin.Exec(context.Background(), `ALTER DATABASE "`+dbname+`" ALLOW_CONNECTIONS true`)
-	})
-	if _, err := admin.Exec(t.Context(), `SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1`, dbname); err != nil {
-		t.Fatal(err)
-	}
+	allow := testdb.RefuseConnections(t, admin, dbname)
 	eventually(t, 30*time.Second, "the streams page to show orders unhealthy", func() bool {
+		testdb.TerminateBackends(t, admin, dbname) // one that slipped in
 		code, body := b.get(t, "/")
 		row, _, _ := strings.Cut(body[strings.Index(body, `id="source-orders"`)+1:], "</tr>")
 		return code == http.StatusOK && strings.Contains(row, "unhealthy") && strings.Contains(body, `id="source-default"`) &&
@@ -183,9 +175,7 @@ func TestConsoleWithTwoSources(t *testing.T) {
 	})
 	// And back: orders is reported ready again once it takes connections
 	// (which the harness's clean-up needs too).
-	if _, err := admin.Exec(t.Context(), `ALTER DATABASE "`+dbname+`" ALLOW_CONNECTIONS true`); err != nil {
-		t.Fatal(err)
-	}
+	allow()
 	eventually(t, 30*time.Second, "the streams page to show orders ready again", func() bool {
 		_, body := b.get(t, "/")
 		row, _, _ := strings.Cut(body[strings.Index(body, `id="source-orders"`)+1:], "</tr>")

@@ -192,3 +192,40 @@ func HoldXminHorizon(t testing.TB, ctx context.Context, url, app string, withID 
 	}
 	return release
 }
+
+// RefuseConnections makes database dbname refuse new connections
+// (ALLOW_CONNECTIONS false), as a source that went down does, and ends the
+// sessions it has, until allow is called or the test ends. A session that
+// was starting while the setting changed still gets in, and is not in
+// pg_stat_activity until it has: a test that waits for a server to notice
+// the database is gone calls TerminateBackends in each turn of its wait, or
+// that one session can keep the server's view of the database healthy.
+func RefuseConnections(t testing.TB, admin *pgxpool.Pool, dbname string) (allow func()) {
+	t.Helper()
+	set := func(ctx context.Context, allowed bool) error {
+		_, err := admin.Exec(ctx, fmt.Sprintf(`ALTER DATABASE %s ALLOW_CONNECTIONS %t`, pgx.Identifier{dbname}.Sanitize(), allowed))
+		return err
+	}
+	if err := set(t.Context(), false); err != nil {
+		t.Fatalf("testdb: refuse connections to %s: %v", dbname, err)
+	}
+	// When the test ends early: clean-ups that drop or reuse the database
+	// need it to take connections.
+	t.Cleanup(func() { _ = set(context.Background(), true) })
+	TerminateBackends(t, admin, dbname)
+	return func() {
+		t.Helper()
+		if err := set(t.Context(), true); err != nil {
+			t.Fatalf("testdb: allow connections to %s: %v", dbname, err)
+		}
+	}
+}
+
+// TerminateBackends ends every session of database dbname but admin's own.
+func TerminateBackends(t testing.TB, admin *pgxpool.Pool, dbname string) {
+	t.Helper()
+	if _, err := admin.Exec(t.Context(),
+		`SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1 AND pid <> pg_backend_pid()`, dbname); err != nil {
+		t.Fatalf("testdb: terminate the sessions of %s: %v", dbname, err)
+	}
+}
