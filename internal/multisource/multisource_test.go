@@ -235,26 +235,15 @@ func dbName(url string) string {
 	return name
 }
 
-// setConnections turns connections to the database at url on or off; off
-// also ends the ones open, so that its source is down as if its server
-// were.
-func setConnections(t *testing.T, url string, on bool) {
+// refuseConnections makes the database at url refuse connections and ends
+// the ones open, so that its source is down as if its server were (see
+// testdb.RefuseConnections); it returns the admin pool, for
+// testdb.TerminateBackends in a wait, and the function that lets
+// connections in again.
+func refuseConnections(t *testing.T, url string) (admin *pgxpool.Pool, allow func()) {
 	t.Helper()
-	name := dbName(url)
-	admin := testdb.NewPoolURL(t, testdb.ServerURL())
-	var stmt string
-	if err := admin.QueryRow(context.WithoutCancel(t.Context()), `SELECT format('ALTER DATABASE %I ALLOW_CONNECTIONS '||$2, $1::text)`, name,
-		map[bool]string{true: "true", false: "false"}[on]).Scan(&stmt); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := admin.Exec(context.WithoutCancel(t.Context()), stmt); err != nil {
-		t.Fatal(err)
-	}
-	if !on {
-		if _, err := admin.Exec(t.Context(), `SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1 AND pid <> pg_backend_pid()`, name); err != nil {
-			t.Fatal(err)
-		}
-	}
+	admin = testdb.NewPoolURL(t, testdb.ServerURL())
+	return admin, testdb.RefuseConnections(t, admin, dbName(url))
 }
 
 // waitFor polls cond until it holds (a hang guard, not a timed assertion).
@@ -278,14 +267,9 @@ func TestSourceDownDeliversTheOthers(t *testing.T) {
 	t.Parallel()
 	r, _, ordersURL := twoSources(t, servertest.Options{})
 	waiting := emit(t, r.Pools["orders"], "sales_order", "1")
-	setConnections(t, ordersURL, false)
-	back := false
-	t.Cleanup(func() {
-		if !back {
-			setConnections(t, ordersURL, true)
-		}
-	})
+	admin, allow := refuseConnections(t, ordersURL)
 	waitFor(t, "the replica to report orders not ready", func() bool {
+		testdb.TerminateBackends(t, admin, dbName(ordersURL)) // one that slipped in
 		rd := r.App.Readiness()
 		return strings.Contains(rd.Reason, "source orders")
 	})
@@ -318,8 +302,7 @@ func TestSourceDownDeliversTheOthers(t *testing.T) {
 		t.Fatalf("acking default's event with orders down: %v, %v", res, err)
 	}
 
-	setConnections(t, ordersURL, true)
-	back = true
+	allow()
 	waitFor(t, "the replica to report orders ready", func() bool { return r.App.Readiness().Reason == "" })
 	var od *outboxv1.SubscribeResponse
 	waitFor(t, "a subscription to orders", func() bool {
