@@ -408,6 +408,160 @@ CREATE TABLE outbox.relay_session (
     seen_at timestamptz NOT NULL
 );
 
+-- Partitions of the aggregates, and the replica that owns each. An
+-- aggregate's partition is outbox.partition_of(stream, aggregate_key), one
+-- of a fixed 256. A replica with relay sessions owns about an equal share
+-- of them (replicas without sessions own none), under a lease it renews
+-- (expires_at) and a fencing epoch raised by every takeover: the ownership
+-- that lets a replica keep its partitions' leases in memory, as consumer
+-- groups own Kafka partitions. outbox.own_partitions takes and renews,
+-- outbox.release_partitions gives back. Rows are never added or removed.
+CREATE TABLE outbox.partition (
+    partition integer PRIMARY KEY CHECK (partition >= 0 AND partition < 256),
+    -- The owner's replica id, and the running process that owns it under
+    -- that id: a replica restarted under the same id (a StatefulSet's pod)
+    -- knows nothing of what the old process held, so it takes the
+    -- partitions over as any other replica would, raising their epochs.
+    owner text,
+    owner_instance uuid,
+    -- Raised by every takeover, never lowered; at least the clock in
+    -- microseconds, as lease epochs are, so that a takeover lost in a crash
+    -- cannot hand the same epoch out twice.
+    epoch bigint NOT NULL DEFAULT 0,
+    -- The owner's lease: past it, any replica may take the partition over.
+    expires_at timestamptz,
+    CONSTRAINT partition_owner_check CHECK (
+        (owner IS NULL) = (expires_at IS NULL) AND (owner IS NULL) = (owner_instance IS NULL))
+) WITH (fillfactor = 50);
+INSERT INTO outbox.partition (partition) SELECT generate_series(0, 255);
+
+-- partition_of maps an aggregate to its partition. Stable for the life of a
+-- database: hashtextextended is the hash PostgreSQL's own hash partitioning
+-- routes rows by, the same on every platform and release (a change would
+-- break pg_upgrade of hash-partitioned tables). The stream's hash seeds the
+-- key's, so ('a', 'bc') and ('ab', 'c') differ.
+-- +goose StatementBegin
+CREATE FUNCTION outbox.partition_of(p_stream text, p_aggregate_key text) RETURNS integer
+LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE AS $$
+    SELECT (hashtextextended(p_aggregate_key, hashtextextended(p_stream, 0)) & 255)::integer
+$$;
+-- +goose StatementEnd
+
+-- The replicas that want partitions (they have relay sessions), each until
+-- its last outbox.own_partitions plus the TTL it gave: a replica killed
+-- without a shutdown stops counting when its partitions expire.
+CREATE TABLE outbox.partition_member (
+    replica_id text PRIMARY KEY,
+    instance uuid NOT NULL,
+    expires_at timestamptz NOT NULL
+);
+
+-- What a replica owns after outbox.own_partitions: its partitions and their
+-- epochs (ascending by partition), and the share it should hold.
+CREATE TYPE outbox.ownership AS (share integer, partitions integer[], epochs bigint[]);
+
+-- own_partitions renews the partitions of the caller (replica p_replica,
+-- process p_instance) for p_ttl and, when it holds
+-- fewer than its share, takes free or expired ones (lowest first, raising
+-- their epochs). With p_wants (the caller has relay sessions) the caller is
+-- a member until now + p_ttl, and its share is 256 divided among the
+-- members, rounded up; without, it leaves and its share is 0. It never
+-- gives back: a caller above its share releases
+-- (outbox.release_partitions) what it no longer needs, once it holds no
+-- lease of them. Partitions another transaction has locked (a concurrent
+-- takeover) are skipped, not waited for. It commits synchronously whatever
+-- the session says: a renewal or takeover lost in a crash would leave the
+-- caller believing in an ownership the database does not record. Another
+-- running process under the same replica id (a misconfiguration) is
+-- refused (SQLSTATE 23505) while its membership lasts: the two would count
+-- as one member.
+-- +goose StatementBegin
+CREATE FUNCTION outbox.own_partitions(p_replica text, p_instance uuid, p_wants boolean, p_ttl interval)
+RETURNS outbox.ownership
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan
+AS $$
+DECLARE
+    v_now timestamptz := clock_timestamp();
+    v_share integer := 0;
+    v_owned integer;
+    v_other timestamptz;
+    v_set text;
+    r outbox.ownership;
+BEGIN
+    IF p_replica IS NULL OR p_replica = '' THEN
+        RAISE EXCEPTION 'outbox.own_partitions: replica id must not be empty'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF p_instance IS NULL THEN
+        RAISE EXCEPTION 'outbox.own_partitions: instance must not be NULL'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF p_ttl IS NULL OR p_ttl <= interval '0' THEN
+        RAISE EXCEPTION 'outbox.own_partitions: ownership TTL must be positive, got %', p_ttl
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    v_set := set_config('synchronous_commit', 'on', true);
+    DELETE FROM outbox.partition_member WHERE expires_at <= v_now;
+    SELECT m.expires_at INTO v_other FROM outbox.partition_member m
+    WHERE m.replica_id = p_replica AND m.instance <> p_instance;
+    IF FOUND THEN
+        RAISE EXCEPTION 'outbox.own_partitions: another process registered replica id % until %', p_replica, v_other
+            USING ERRCODE = 'unique_violation',
+                  HINT = 'Either a second replica runs with this --replica-id (give each its own, or leave it to the default), '
+                      || 'or this replica restarted and waits for its previous process''s registration to expire.';
+    END IF;
+    DELETE FROM outbox.partition_member WHERE replica_id = p_replica;
+    IF coalesce(p_wants, false) THEN
+        INSERT INTO outbox.partition_member (replica_id, instance, expires_at) VALUES (p_replica, p_instance, v_now + p_ttl);
+        SELECT ceil(256.0 / count(*))::integer INTO v_share FROM outbox.partition_member;
+    END IF;
+    UPDATE outbox.partition SET expires_at = v_now + p_ttl WHERE owner = p_replica AND owner_instance = p_instance;
+    GET DIAGNOSTICS v_owned = ROW_COUNT;
+    IF v_owned < v_share THEN
+        UPDATE outbox.partition p
+        SET owner = p_replica,
+            owner_instance = p_instance,
+            epoch = greatest(p.epoch + 1, (extract(epoch FROM v_now) * 1000000)::bigint),
+            expires_at = v_now + p_ttl
+        FROM (SELECT f.partition FROM outbox.partition f
+              WHERE f.owner IS NULL OR f.expires_at <= v_now
+              ORDER BY f.partition
+              LIMIT v_share - v_owned
+              FOR UPDATE SKIP LOCKED) free
+        WHERE p.partition = free.partition;
+    END IF;
+    SELECT v_share, coalesce(array_agg(p.partition ORDER BY p.partition), '{}'),
+           coalesce(array_agg(p.epoch ORDER BY p.partition), '{}')
+    INTO r
+    FROM outbox.partition p WHERE p.owner = p_replica AND p.owner_instance = p_instance;
+    RETURN r;
+END
+$$;
+-- +goose StatementEnd
+
+-- release_partitions gives back the caller's partitions (replica p_replica,
+-- process p_instance) among p_partitions (others' are left alone) and
+-- returns how many it gave back. The next replica to take one raises its
+-- epoch.
+-- +goose StatementBegin
+CREATE FUNCTION outbox.release_partitions(p_replica text, p_instance uuid, p_partitions integer[]) RETURNS integer
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan
+AS $$
+DECLARE
+    v_released integer;
+BEGIN
+    UPDATE outbox.partition SET owner = NULL, owner_instance = NULL, expires_at = NULL
+    WHERE owner = p_replica AND owner_instance = p_instance AND partition = ANY (p_partitions);
+    GET DIAGNOSTICS v_released = ROW_COUNT;
+    RETURN v_released;
+END
+$$;
+-- +goose StatementEnd
+
 -- Events marked published, per stream, in 5-second buckets: the delivery
 -- rate without an index on published_at (which would make every ack a
 -- non-HOT update). Keyed by backend too, so that concurrent ack statements

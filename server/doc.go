@@ -539,6 +539,34 @@
 // them go stale. A token limited to some streams sees only those in GetLag
 // and ListRelays, and may act only on them.
 //
+// # Partitions and their owners
+//
+// Every aggregate falls in one of 256 partitions (outbox.partition_of, a
+// hash PostgreSQL keeps stable), and each partition has at most one owner
+// replica at a time, leased and fenced in outbox.partition: an owner, an
+// expiry and an epoch that every takeover raises. A replica with relay
+// sessions is a member (outbox.partition_member) and owns about
+// 256/members of them; ownPartitions renews every third of
+// Config.PartitionTTL and at once when the replica's first session arrives
+// or its last leaves. outbox.own_partitions takes only free or expired
+// partitions, skipping those another transaction has locked, so two
+// takeovers never meet on one; it commits synchronously, so an ownership
+// the replica acts on survives a crash. The replica's belief
+// (ownedPartitions) lasts until its last successful renewal was sent plus
+// the TTL, by its own clock: the database's lease began after that send, so
+// the belief ends first, and nobody takes a partition over while its owner
+// still believes in it (on one clock; replicas on other hosts need the TTL
+// to exceed their clocks' drift). It errs toward owning less: partitions
+// given back count as gone whether or not the release's answer arrived,
+// and a replica whose statement may have taken partitions it did not hear
+// about releases, at shutdown, everything the table records as its own.
+// The owner is this Server's process (Server.instance beside the replica
+// id): a replica restarted under the same id is refused until its previous
+// process's membership expires, then takes over under higher epochs, so
+// no process ever renews an ownership whose in-memory state it never had.
+// Nothing in delivery reads the ownership yet: it is the fence under which
+// a later engine keeps its partitions' leases in memory.
+//
 // # Shutdown
 //
 // Stop closes Server.stopping, which every session loop reads at the top of

@@ -310,3 +310,24 @@ func (s *Server) SetPollBackoff(d time.Duration) {
 		g.mu.Unlock()
 	}
 }
+
+// KickOwnership makes the partition ownership loop take a turn now, as a
+// session's arrival or departure does.
+func (s *Server) KickOwnership() { s.kickOwnership() }
+
+// SetOwnershipHooks makes every partition ownership turn call before (with
+// whether the replica wants partitions) in place of its statement's error,
+// and after once the turn is done.
+func (s *Server) SetOwnershipHooks(before func(wants bool) error, after func()) {
+	s.beforeOwnPartitions.set(before)
+	s.afterOwnershipTurn.set(after)
+}
+
+// OwnedPartitions is what the replica believes it owns now.
+func (s *Server) OwnedPartitions() []int32 {
+	parts, _ := s.partitions.owned(time.Now())
+	return parts
+}
+
+// Instance is the process identity the replica owns partitions under.
+func (s *Server) Instance() uuid.UUID { return s.instance }

@@ -29,6 +29,7 @@ type metrics struct {
 	handOvers       prometheus.Counter
 	dispatched      prometheus.Counter
 	claimed         prometheus.Counter
+	partitionsOwned prometheus.Gauge
 }
 
 func newMetrics() *metrics {
@@ -95,12 +96,17 @@ func newMetrics() *metrics {
 			Name: "outboxd_claimed_total",
 			Help: "Leases sessions' claims took from the claimable aggregates: work no discovery round or ack gave a session directly. A large share of outboxd_deliveries_total means the relays' credit runs out (each claim costs the database more, far more under a held xmin horizon).",
 		}),
+		partitionsOwned: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "outboxd_partitions_owned",
+			Help: "Partitions of the aggregates (of 256) this replica owns: about an equal share among the replicas with relay sessions, none on a replica without.",
+		}),
 	}
 }
 
 func (m *metrics) collectors() []prometheus.Collector {
 	return []prometheus.Collector{m.deliveries, m.redeliveries, m.discovered, m.discoveryErrors, m.discoveryStop, m.acks, m.nacks, m.leasesExpired,
-		m.purged, m.ackDuration, m.publishLag, m.sessions, m.handOvers, m.dispatched, m.claimed}
+		m.purged, m.ackDuration, m.publishLag, m.sessions, m.handOvers, m.dispatched, m.claimed,
+		m.partitionsOwned}
 }
 
 // lagCollector exports the database's backlog as gauges at scrape time. The

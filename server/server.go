@@ -152,6 +152,11 @@ type Config struct {
 	// sessions' figures in the database for ListRelays; a session not
 	// refreshed for three intervals counts as gone. Default 5s.
 	SessionRefreshInterval time.Duration
+	// PartitionTTL is how long a replica's ownership of its partitions of
+	// the aggregates (outbox.partition) lasts without a renewal; it renews
+	// every third of it. A replica that crashed keeps its partitions from
+	// the others this long. Default 15s.
+	PartitionTTL time.Duration
 	// Retention, when positive, makes the replica's janitor delete events
 	// published longer ago than this, every JanitorInterval, in batches of
 	// JanitorBatch. Default 0: keep everything.
@@ -246,6 +251,7 @@ func (c *Config) setDefaults() error {
 	def(&c.AckLinger, DefaultAckLinger)
 	defInt(&c.DiscoveryMaxFound, 10000)
 	def(&c.SessionRefreshInterval, 5*time.Second)
+	def(&c.PartitionTTL, 15*time.Second)
 	def(&c.JanitorInterval, time.Minute)
 	def(&c.SchemaCheckInterval, 30*time.Second)
 	def(&c.StrandedAuditInterval, time.Minute)
@@ -289,6 +295,8 @@ func (c *Config) setDefaults() error {
 		return fmt.Errorf("server: Config.AckCommitters %d must be positive", c.AckCommitters)
 	case c.MaxSubscriptionsPerRelay < 1:
 		return fmt.Errorf("server: Config.MaxSubscriptionsPerRelay %d must be positive", c.MaxSubscriptionsPerRelay)
+	case c.PartitionTTL < 3*time.Millisecond:
+		return fmt.Errorf("server: Config.PartitionTTL %v must be at least 3ms", c.PartitionTTL)
 	case c.SessionRefreshInterval <= 0:
 		return fmt.Errorf("server: Config.SessionRefreshInterval %v must be positive", c.SessionRefreshInterval)
 	case c.StrandedAuditInterval < 0:
@@ -313,6 +321,14 @@ type Server struct {
 	metrics *metrics
 
 	stranded strandedAudit
+
+	// partitions is what the replica owns of the aggregates' partitions;
+	// ownershipKick wakes the ownership loop (ownPartitions). instance
+	// names this Server in the ownership: a process restarted under the
+	// same ReplicaID is another owner.
+	partitions    ownedPartitions
+	instance      uuid.UUID
+	ownershipKick chan struct{}
 
 	mu       sync.Mutex
 	sessions map[uuid.UUID]*session
@@ -400,6 +416,11 @@ type Server struct {
 	// puts a round off because no session offered credit (see
 	// discoverRound), before it waits for an offer.
 	afterPutOff hook[func()]
+	// beforeOwnPartitions, when set (by tests), runs before an ownership
+	// turn's statement; an error it returns stands for the statement's.
+	// afterOwnershipTurn runs after every turn.
+	beforeOwnPartitions hook[func(wants bool) error]
+	afterOwnershipTurn  hook[func()]
 	// afterLoopWait, when set (by tests), sees every pause a periodic loop
 	// ("readiness", "refresh") of the given interval arms, and when.
 	afterLoopWait hook[func(loop string, interval, armed time.Duration, at time.Time)]
@@ -540,6 +561,8 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 		signer:        signer,
 		sessions:      make(map[uuid.UUID]*session),
 		creditOffered: make(chan struct{}, 1),
+		ownershipKick: make(chan struct{}, 1),
+		instance:      uuid.New(),
 		stopping:      make(chan struct{}),
 		metrics:       newMetrics(),
 	}
@@ -577,12 +600,14 @@ func (s *Server) AdminServer() outboxv1.AdminServiceServer { return &adminServic
 func (s *Server) RelayServer() outboxv1.RelayServiceServer { return &relayService{s: s} }
 
 // Run runs the replica's background work (discovery, group-committed acks,
-// the LISTEN connection, the relay-session registry, the retention janitor)
+// the LISTEN connection, the relay-session registry, partition ownership, the
+// retention janitor)
 // until ctx is done. Call Stop first for a graceful end.
 func (s *Server) Run(ctx context.Context) error {
 	var wg sync.WaitGroup
-	wg.Add(5)
+	wg.Add(6)
 	go func() { defer wg.Done(); s.discover(ctx) }()
+	go func() { defer wg.Done(); s.ownPartitions(ctx) }()
 	go func() { defer wg.Done(); s.acks.run(ctx) }()
 	go func() { defer wg.Done(); s.wake.run(ctx) }()
 	go func() { defer wg.Done(); s.refreshSessions(ctx) }()
@@ -714,8 +739,12 @@ func (s *Server) addSession(ctx context.Context, sess *session) error {
 		return errShuttingDown
 	}
 	s.sessions[sess.id] = sess
+	first := len(s.sessions) == 1
 	s.sessWG.Add(1)
 	s.mu.Unlock()
+	if first {
+		s.kickOwnership()
+	}
 	s.metrics.sessions.Inc()
 	// Not under sessionRows: this session's removal comes after this
 	// returns, and the write is not cancelled with ctx, so it has landed by
@@ -741,7 +770,11 @@ func (s *Server) removeSession(sess *session) {
 	}
 	s.mu.Lock()
 	delete(s.sessions, sess.id)
+	last := len(s.sessions) == 0
 	s.mu.Unlock()
+	if last {
+		s.kickOwnership()
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), releaseTimeout)
 	if err := s.store.DeleteRelaySession(ctx, sess.id); err != nil {
 		s.log.Warn("forgetting relay session failed; it disappears from ListRelays when stale", "err", err)

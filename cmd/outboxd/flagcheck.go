@@ -39,6 +39,7 @@ func (f *serveFlags) check() error {
 	r.want(f.backoffBase > 0, "--backoff-base %v: want more than 0", f.backoffBase)
 	r.want(f.backoffCap >= f.backoffBase, "--backoff-cap %v: want at least --backoff-base (%v)", f.backoffCap, f.backoffBase)
 	r.want(f.pollInterval > 0, "--poll-interval %v: want more than 0", f.pollInterval)
+	r.want(f.partitionTTL >= time.Second, "--partition-ttl %v: want 1s or more", f.partitionTTL)
 	r.want(f.shutdownTimeout > 0, "--shutdown-timeout %v: want more than 0", f.shutdownTimeout)
 	r.want(f.maxConns >= 1, "--max-db-conns %d: want 1 or more", f.maxConns)
 	r.want(f.healthInterval > 0, "--health-interval %v: want more than 0", f.healthInterval)

@@ -38,6 +38,7 @@ type serveFlags struct {
 	backoffCap            time.Duration
 	pollInterval          time.Duration
 	shutdownTimeout       time.Duration
+	partitionTTL          time.Duration
 	maxConns              int32
 	httpListen            string
 	healthInterval        time.Duration
@@ -80,6 +81,7 @@ func (f *serveFlags) register(cmd *cobra.Command) {
 	fl.DurationVar(&f.backoffBase, "backoff-base", time.Second, "first retry delay after a nack (doubles per failure, with jitter)")
 	fl.DurationVar(&f.backoffCap, "backoff-cap", 5*time.Minute, "longest retry delay after a nack (the same on every replica: a next attempt further ahead than twice the longest lease or backoff counts as due, see docs/design.md)")
 	fl.DurationVar(&f.pollInterval, "poll-interval", time.Second, "longest pause of the fallback poll that finds work when a notification was lost: one poll per stream filter of the idle relay streams, not one per stream")
+	fl.DurationVar(&f.partitionTTL, "partition-ttl", 15*time.Second, "how long this replica's ownership of its share of the aggregates' partitions lasts without a renewal (renewed every third of it): a replica killed without a shutdown keeps its partitions from the others this long")
 	fl.DurationVar(&f.shutdownTimeout, "shutdown-timeout", 15*time.Second, "how long SIGTERM waits for outstanding deliveries to be acked")
 	fl.Int32Var(&f.maxConns, "max-db-conns", 16, "database connection pool size, of each source (pool_max_conns=N in a source's URL overrides it for that source); each source also has a LISTEN connection, and an idle one holds 2 in all")
 	fl.StringVar(&f.httpListen, "http-listen", "127.0.0.1:7071", "HTTP address for /metrics, /healthz and /readyz (empty: off)")
@@ -294,7 +296,7 @@ func (f *serveFlags) engineConfig() server.Config {
 		Retention: f.retention, JanitorInterval: f.janitorInterval,
 		StrandedAuditInterval:    f.strandedAuditInterval,
 		MaxSubscriptionsPerRelay: f.maxSubscriptions, AckCommitters: f.ackCommitters, AckLinger: ackLinger(f.ackLinger),
-		DiscoveryMaxEvents: f.discoveryMaxEvents,
+		DiscoveryMaxEvents: f.discoveryMaxEvents, PartitionTTL: f.partitionTTL,
 	}
 }
 

@@ -24,6 +24,7 @@ func TestServeFlagsReachTheEngine(t *testing.T) {
 		"--backoff-base=3s", "--backoff-cap=9m", "--poll-interval=4s", "--retention=36h",
 		"--janitor-interval=2m", "--stranded-audit-interval=3m", "--max-subscriptions-per-relay=5",
 		"--ack-committers=3", "--ack-linger=7ms", "--discovery-max-events=5000",
+		"--partition-ttl=20s",
 	}); err != nil {
 		t.Fatal(err)
 	}
@@ -32,7 +33,7 @@ func TestServeFlagsReachTheEngine(t *testing.T) {
 		BackoffBase: 3 * time.Second, BackoffCap: 9 * time.Minute, PollInterval: 4 * time.Second,
 		Retention: 36 * time.Hour, JanitorInterval: 2 * time.Minute, StrandedAuditInterval: 3 * time.Minute,
 		MaxSubscriptionsPerRelay: 5, AckCommitters: 3, AckLinger: 7 * time.Millisecond,
-		DiscoveryMaxEvents: 5000,
+		DiscoveryMaxEvents: 5000, PartitionTTL: 20 * time.Second,
 	}
 	if got := f.engineConfig(); !reflect.DeepEqual(got, want) {
 		t.Errorf("server.Config from the serve flags:\n got %+v\nwant %+v", got, want)

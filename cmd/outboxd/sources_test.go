@@ -144,6 +144,7 @@ func TestOutOfRangeFlagsRejected(t *testing.T) {
 		{append([]string{"serve", "--max-subscriptions-per-relay", "0"}, noDB...), "--max-subscriptions-per-relay 0: want 1 or more"},
 		{append([]string{"serve", "--discovery-max-events", "-1"}, noDB...), "--discovery-max-events -1: want 0 (no limit) or more"},
 		{append([]string{"serve", "--shutdown-timeout", "0s"}, noDB...), "--shutdown-timeout 0s: want more than 0"},
+		{append([]string{"serve", "--partition-ttl", "500ms"}, noDB...), "--partition-ttl 500ms: want 1s or more"},
 		{append([]string{"serve", "--stranded-audit-interval", "0s"}, noDB...), "--stranded-audit-interval 0s: want more than 0"},
 		{append([]string{"dev", "--max-db-conns", "0"}, noDB...), "--max-db-conns 0: want 1 or more"},
 		{append([]string{"relay", "--max-in-flight", "0"}, noServer...), "--max-in-flight 0: want 1 or more"},

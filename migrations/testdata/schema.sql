@@ -36,6 +36,16 @@ CREATE TYPE outbox.lease AS (
 );
 
 --
+-- Name: ownership; Type: TYPE; Schema: outbox; Owner: -
+--
+
+CREATE TYPE outbox.ownership AS (
+	share integer,
+	partitions integer[],
+	epochs bigint[]
+);
+
+--
 -- Name: ack(uuid[], text, uuid[], interval[], integer[], integer[], uuid[], text[], boolean[], interval, boolean[]); Type: FUNCTION; Schema: outbox; Owner: -
 --
 
@@ -2193,6 +2203,73 @@ END
 $$;
 
 --
+-- Name: own_partitions(text, uuid, boolean, interval); Type: FUNCTION; Schema: outbox; Owner: -
+--
+
+CREATE FUNCTION outbox.own_partitions(p_replica text, p_instance uuid, p_wants boolean, p_ttl interval) RETURNS outbox.ownership
+    LANGUAGE plpgsql
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    SET plan_cache_mode TO 'force_generic_plan'
+    AS $$
+DECLARE
+    v_now timestamptz := clock_timestamp();
+    v_share integer := 0;
+    v_owned integer;
+    v_other timestamptz;
+    v_set text;
+    r outbox.ownership;
+BEGIN
+    IF p_replica IS NULL OR p_replica = '' THEN
+        RAISE EXCEPTION 'outbox.own_partitions: replica id must not be empty'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF p_instance IS NULL THEN
+        RAISE EXCEPTION 'outbox.own_partitions: instance must not be NULL'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF p_ttl IS NULL OR p_ttl <= interval '0' THEN
+        RAISE EXCEPTION 'outbox.own_partitions: ownership TTL must be positive, got %', p_ttl
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    v_set := set_config('synchronous_commit', 'on', true);
+    DELETE FROM outbox.partition_member WHERE expires_at <= v_now;
+    SELECT m.expires_at INTO v_other FROM outbox.partition_member m
+    WHERE m.replica_id = p_replica AND m.instance <> p_instance;
+    IF FOUND THEN
+        RAISE EXCEPTION 'outbox.own_partitions: another process registered replica id % until %', p_replica, v_other
+            USING ERRCODE = 'unique_violation',
+                  HINT = 'Either a second replica runs with this --replica-id (give each its own, or leave it to the default), '
+                      || 'or this replica restarted and waits for its previous process''s registration to expire.';
+    END IF;
+    DELETE FROM outbox.partition_member WHERE replica_id = p_replica;
+    IF coalesce(p_wants, false) THEN
+        INSERT INTO outbox.partition_member (replica_id, instance, expires_at) VALUES (p_replica, p_instance, v_now + p_ttl);
+        SELECT ceil(256.0 / count(*))::integer INTO v_share FROM outbox.partition_member;
+    END IF;
+    UPDATE outbox.partition SET expires_at = v_now + p_ttl WHERE owner = p_replica AND owner_instance = p_instance;
+    GET DIAGNOSTICS v_owned = ROW_COUNT;
+    IF v_owned < v_share THEN
+        UPDATE outbox.partition p
+        SET owner = p_replica,
+            owner_instance = p_instance,
+            epoch = greatest(p.epoch + 1, (extract(epoch FROM v_now) * 1000000)::bigint),
+            expires_at = v_now + p_ttl
+        FROM (SELECT f.partition FROM outbox.partition f
+              WHERE f.owner IS NULL OR f.expires_at <= v_now
+              ORDER BY f.partition
+              LIMIT v_share - v_owned
+              FOR UPDATE SKIP LOCKED) free
+        WHERE p.partition = free.partition;
+    END IF;
+    SELECT v_share, coalesce(array_agg(p.partition ORDER BY p.partition), '{}'),
+           coalesce(array_agg(p.epoch ORDER BY p.partition), '{}')
+    INTO r
+    FROM outbox.partition p WHERE p.owner = p_replica AND p.owner_instance = p_instance;
+    RETURN r;
+END
+$$;
+
+--
 -- Name: park(uuid, bigint, text); Type: FUNCTION; Schema: outbox; Owner: -
 --
 
@@ -2229,6 +2306,16 @@ BEGIN
     WHERE d.stream = c.stream AND d.aggregate_key = c.aggregate_key
     RETURNING c.holder, outbox.lease_window(c.stream, c.aggregate_key, c.revision - 1, c.leased_through);
 END
+$$;
+
+--
+-- Name: partition_of(text, text); Type: FUNCTION; Schema: outbox; Owner: -
+--
+
+CREATE FUNCTION outbox.partition_of(p_stream text, p_aggregate_key text) RETURNS integer
+    LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
+    AS $$
+    SELECT (hashtextextended(p_aggregate_key, hashtextextended(p_stream, 0)) & 255)::integer
 $$;
 
 --
@@ -2397,6 +2484,25 @@ BEGIN
         SELECT pg_notify('outbox_wakeup', '') FROM (SELECT 1 FROM released LIMIT 1) r
     )
     SELECT count(*)::integer INTO v_released FROM released, (SELECT count(*) FROM woken) w;
+    RETURN v_released;
+END
+$$;
+
+--
+-- Name: release_partitions(text, uuid, integer[]); Type: FUNCTION; Schema: outbox; Owner: -
+--
+
+CREATE FUNCTION outbox.release_partitions(p_replica text, p_instance uuid, p_partitions integer[]) RETURNS integer
+    LANGUAGE plpgsql
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    SET plan_cache_mode TO 'force_generic_plan'
+    AS $$
+DECLARE
+    v_released integer;
+BEGIN
+    UPDATE outbox.partition SET owner = NULL, owner_instance = NULL, expires_at = NULL
+    WHERE owner = p_replica AND owner_instance = p_instance AND partition = ANY (p_partitions);
+    GET DIAGNOSTICS v_released = ROW_COUNT;
     RETURN v_released;
 END
 $$;
@@ -2908,6 +3014,31 @@ CREATE TABLE outbox.operator_action_aggregate (
 );
 
 --
+-- Name: partition; Type: TABLE; Schema: outbox; Owner: -
+--
+
+CREATE TABLE outbox.partition (
+    partition integer NOT NULL,
+    owner text,
+    owner_instance uuid,
+    epoch bigint DEFAULT 0 NOT NULL,
+    expires_at timestamp with time zone,
+    CONSTRAINT partition_owner_check CHECK ((((owner IS NULL) = (expires_at IS NULL)) AND ((owner IS NULL) = (owner_instance IS NULL)))),
+    CONSTRAINT partition_partition_check CHECK (((partition >= 0) AND (partition < 256)))
+)
+WITH (fillfactor='50');
+
+--
+-- Name: partition_member; Type: TABLE; Schema: outbox; Owner: -
+--
+
+CREATE TABLE outbox.partition_member (
+    replica_id text NOT NULL,
+    instance uuid NOT NULL,
+    expires_at timestamp with time zone NOT NULL
+);
+
+--
 -- Name: relay_session; Type: TABLE; Schema: outbox; Owner: -
 --
 
@@ -3064,6 +3195,20 @@ ALTER TABLE ONLY outbox.operator_action_aggregate
 
 ALTER TABLE ONLY outbox.operator_action
     ADD CONSTRAINT operator_action_pkey PRIMARY KEY (action_id);
+
+--
+-- Name: partition_member partition_member_pkey; Type: CONSTRAINT; Schema: outbox; Owner: -
+--
+
+ALTER TABLE ONLY outbox.partition_member
+    ADD CONSTRAINT partition_member_pkey PRIMARY KEY (replica_id);
+
+--
+-- Name: partition partition_pkey; Type: CONSTRAINT; Schema: outbox; Owner: -
+--
+
+ALTER TABLE ONLY outbox.partition
+    ADD CONSTRAINT partition_pkey PRIMARY KEY (partition);
 
 --
 -- Name: relay_session relay_session_pkey; Type: CONSTRAINT; Schema: outbox; Owner: -
