@@ -408,30 +408,29 @@ CREATE TABLE outbox.relay_session (
     seen_at timestamptz NOT NULL
 );
 
--- Partitions of the aggregates, and the replica that owns each. An
+-- Partitions of the aggregates, and the replica process that owns each. An
 -- aggregate's partition is outbox.partition_of(stream, aggregate_key), one
 -- of a fixed 256. A replica with relay sessions owns about an equal share
--- of them (replicas without sessions own none), under a lease it renews
--- (expires_at) and a fencing epoch raised by every takeover: the ownership
--- that lets a replica keep its partitions' leases in memory, as consumer
--- groups own Kafka partitions. outbox.own_partitions takes and renews,
--- outbox.release_partitions gives back. Rows are never added or removed.
+-- of them (replicas without sessions own none), for as long as its
+-- membership (outbox.partition_member) lasts, under a fencing epoch every
+-- takeover raises: the ownership that lets a replica keep its partitions'
+-- leases in memory, as consumer groups own Kafka partitions.
+-- outbox.own_partitions renews and takes, outbox.release_partitions and
+-- outbox.leave_partitions give back. Rows are never added or removed.
 CREATE TABLE outbox.partition (
     partition integer PRIMARY KEY CHECK (partition >= 0 AND partition < 256),
     -- The owner's replica id, and the running process that owns it under
     -- that id: a replica restarted under the same id (a StatefulSet's pod)
     -- knows nothing of what the old process held, so it takes the
     -- partitions over as any other replica would, raising their epochs.
+    -- The ownership lasts while the process's membership does.
     owner text,
     owner_instance uuid,
     -- Raised by every takeover, never lowered; at least the clock in
     -- microseconds, as lease epochs are, so that a takeover lost in a crash
     -- cannot hand the same epoch out twice.
     epoch bigint NOT NULL DEFAULT 0,
-    -- The owner's lease: past it, any replica may take the partition over.
-    expires_at timestamptz,
-    CONSTRAINT partition_owner_check CHECK (
-        (owner IS NULL) = (expires_at IS NULL) AND (owner IS NULL) = (owner_instance IS NULL))
+    CONSTRAINT partition_owner_check CHECK ((owner IS NULL) = (owner_instance IS NULL))
 ) WITH (fillfactor = 50);
 INSERT INTO outbox.partition (partition) SELECT generate_series(0, 255);
 
@@ -447,12 +446,15 @@ LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE AS $$
 $$;
 -- +goose StatementEnd
 
--- The replicas that want partitions (they have relay sessions), each until
--- its last outbox.own_partitions plus the TTL it gave: a replica killed
--- without a shutdown stops counting when its partitions expire.
+-- The replica processes that own or want partitions, each alive until
+-- expires_at: its last outbox.own_partitions plus the TTL it gave. One row
+-- renewed per turn, however many partitions the process owns; a process
+-- killed without a shutdown loses its partitions when its row expires.
+-- wants: the process has relay sessions, and counts in the shares.
 CREATE TABLE outbox.partition_member (
-    replica_id text PRIMARY KEY,
-    instance uuid NOT NULL,
+    instance uuid PRIMARY KEY,
+    replica_id text NOT NULL,
+    wants boolean NOT NULL,
     expires_at timestamptz NOT NULL
 );
 
@@ -460,21 +462,30 @@ CREATE TABLE outbox.partition_member (
 -- epochs (ascending by partition), and the share it should hold.
 CREATE TYPE outbox.ownership AS (share integer, partitions integer[], epochs bigint[]);
 
--- own_partitions renews the partitions of the caller (replica p_replica,
--- process p_instance) for p_ttl and, when it holds
--- fewer than its share, takes free or expired ones (lowest first, raising
--- their epochs). With p_wants (the caller has relay sessions) the caller is
--- a member until now + p_ttl, and its share is 256 divided among the
--- members, rounded up; without, it leaves and its share is 0. It never
--- gives back: a caller above its share releases
+-- own_partitions renews the membership of the caller (replica p_replica,
+-- process p_instance) for p_ttl, and so its ownership of its partitions,
+-- and, when it holds fewer than its share, takes free partitions and those
+-- of processes whose membership expired (lowest first, raising their
+-- epochs). Its share is 256 divided among the members that want
+-- partitions, rounded up, when p_wants (it has relay sessions), else 0. It
+-- never gives back: a caller above its share releases
 -- (outbox.release_partitions) what it no longer needs, once it holds no
--- lease of them. Partitions another transaction has locked (a concurrent
--- takeover) are skipped, not waited for. It commits synchronously whatever
--- the session says: a renewal or takeover lost in a crash would leave the
--- caller believing in an ownership the database does not record. Another
--- running process under the same replica id (a misconfiguration) is
--- refused (SQLSTATE 23505) while its membership lasts: the two would count
--- as one member.
+-- lease of them.
+--
+-- A membership is renewed only before it expires. An expired one is gone
+-- with its partitions, even if nobody has taken them yet: the caller joins
+-- again and takes partitions under raised epochs like anyone else, since
+-- its belief in them may have lapsed. A takeover deletes the expired
+-- memberships it relies on, locking them, and a renewal updates its row
+-- only while unexpired, so a renewal and a takeover that race on one
+-- membership are serialised by its row lock, and exactly one wins (a
+-- takeover skips a membership a renewal holds, and its partitions).
+-- Partitions another transaction has locked (a concurrent takeover) are
+-- skipped, not waited for. It commits synchronously whatever the session
+-- says: a renewal or takeover lost in a crash would leave the caller
+-- believing in an ownership the database does not record. Another running
+-- process under the same replica id (a misconfiguration, or this replica's
+-- previous process) is refused (SQLSTATE 23505) while its membership lasts.
 -- +goose StatementBegin
 CREATE FUNCTION outbox.own_partitions(p_replica text, p_instance uuid, p_wants boolean, p_ttl interval)
 RETURNS outbox.ownership
@@ -484,6 +495,7 @@ SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
     v_now timestamptz := clock_timestamp();
+    v_wants boolean := coalesce(p_wants, false);
     v_share integer := 0;
     v_owned integer;
     v_other timestamptz;
@@ -503,50 +515,72 @@ BEGIN
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
     v_set := set_config('synchronous_commit', 'on', true);
-    DELETE FROM outbox.partition_member WHERE expires_at <= v_now;
-    SELECT m.expires_at INTO v_other FROM outbox.partition_member m
-    WHERE m.replica_id = p_replica AND m.instance <> p_instance;
-    IF FOUND THEN
-        RAISE EXCEPTION 'outbox.own_partitions: another process registered replica id % until %', p_replica, v_other
-            USING ERRCODE = 'unique_violation',
-                  HINT = 'Either a second replica runs with this --replica-id (give each its own, or leave it to the default), '
-                      || 'or this replica restarted and waits for its previous process''s registration to expire.';
+    UPDATE outbox.partition_member SET expires_at = v_now + p_ttl, wants = v_wants
+    WHERE instance = p_instance AND expires_at > v_now;
+    IF NOT FOUND THEN
+        SELECT m.expires_at INTO v_other FROM outbox.partition_member m
+        WHERE m.replica_id = p_replica AND m.instance <> p_instance AND m.expires_at > v_now;
+        IF FOUND THEN
+            RAISE EXCEPTION 'outbox.own_partitions: another process registered replica id % until %', p_replica, v_other
+                USING ERRCODE = 'unique_violation',
+                      HINT = 'Either a second replica runs with this --replica-id (give each its own, or leave it to the default), '
+                          || 'or this replica restarted and waits for its previous process''s registration to expire.';
+        END IF;
+        -- Joining, or back after the membership lapsed: what this process
+        -- owned under it is not its own any more.
+        UPDATE outbox.partition SET owner = NULL, owner_instance = NULL WHERE owner_instance = p_instance;
+        DELETE FROM outbox.partition_member WHERE instance = p_instance;
+        INSERT INTO outbox.partition_member (instance, replica_id, wants, expires_at)
+        VALUES (p_instance, p_replica, v_wants, v_now + p_ttl);
     END IF;
-    DELETE FROM outbox.partition_member WHERE replica_id = p_replica;
-    IF coalesce(p_wants, false) THEN
-        INSERT INTO outbox.partition_member (replica_id, instance, expires_at) VALUES (p_replica, p_instance, v_now + p_ttl);
-        SELECT ceil(256.0 / count(*))::integer INTO v_share FROM outbox.partition_member;
+    IF v_wants THEN
+        SELECT ceil(256.0 / count(*))::integer INTO v_share FROM outbox.partition_member
+        WHERE wants AND expires_at > v_now;
     END IF;
-    UPDATE outbox.partition SET expires_at = v_now + p_ttl WHERE owner = p_replica AND owner_instance = p_instance;
-    GET DIAGNOSTICS v_owned = ROW_COUNT;
+    SELECT count(*) INTO v_owned FROM outbox.partition WHERE owner_instance = p_instance;
     IF v_owned < v_share THEN
+        -- The dead, locked against their renewal: a membership renewed
+        -- meanwhile is re-checked on its new version and left alone. Rows
+        -- another transaction holds (a renewal under way, or another
+        -- takeover) are skipped, so that no takeover waits for anyone and
+        -- none deadlocks with a renewal that goes on to take partitions.
+        -- A dead member's partitions are freed with it, in the same
+        -- statement, so every owned partition's owner has a membership:
+        -- an owner whose membership this snapshot does not show is a
+        -- process joining concurrently, never a dead one.
+        WITH dead AS (
+            DELETE FROM outbox.partition_member
+            WHERE instance IN (SELECT m.instance FROM outbox.partition_member m
+                               WHERE m.expires_at <= v_now FOR UPDATE SKIP LOCKED)
+            RETURNING instance
+        )
+        UPDATE outbox.partition SET owner = NULL, owner_instance = NULL
+        WHERE owner_instance IN (SELECT instance FROM dead);
         UPDATE outbox.partition p
         SET owner = p_replica,
             owner_instance = p_instance,
-            epoch = greatest(p.epoch + 1, (extract(epoch FROM v_now) * 1000000)::bigint),
-            expires_at = v_now + p_ttl
+            epoch = greatest(p.epoch + 1, (extract(epoch FROM v_now) * 1000000)::bigint)
         FROM (SELECT f.partition FROM outbox.partition f
-              WHERE f.owner IS NULL OR f.expires_at <= v_now
+              WHERE f.owner_instance IS NULL
               ORDER BY f.partition
               LIMIT v_share - v_owned
-              FOR UPDATE SKIP LOCKED) free
+              FOR UPDATE OF f SKIP LOCKED) free
         WHERE p.partition = free.partition;
     END IF;
     SELECT v_share, coalesce(array_agg(p.partition ORDER BY p.partition), '{}'),
            coalesce(array_agg(p.epoch ORDER BY p.partition), '{}')
     INTO r
-    FROM outbox.partition p WHERE p.owner = p_replica AND p.owner_instance = p_instance;
+    FROM outbox.partition p WHERE p.owner_instance = p_instance;
     RETURN r;
 END
 $$;
 -- +goose StatementEnd
 
--- release_partitions gives back the caller's partitions (replica p_replica,
--- process p_instance) among p_partitions (others' are left alone) and
--- returns how many it gave back. The next replica to take one raises its
--- epoch.
+-- release_partitions gives back the caller's partitions (process
+-- p_instance) among p_partitions (others' are left alone) and returns how
+-- many it gave back. The next replica to take one raises its epoch.
 -- +goose StatementBegin
-CREATE FUNCTION outbox.release_partitions(p_replica text, p_instance uuid, p_partitions integer[]) RETURNS integer
+CREATE FUNCTION outbox.release_partitions(p_instance uuid, p_partitions integer[]) RETURNS integer
 LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp
 SET plan_cache_mode = force_generic_plan
@@ -554,9 +588,29 @@ AS $$
 DECLARE
     v_released integer;
 BEGIN
-    UPDATE outbox.partition SET owner = NULL, owner_instance = NULL, expires_at = NULL
-    WHERE owner = p_replica AND owner_instance = p_instance AND partition = ANY (p_partitions);
+    UPDATE outbox.partition SET owner = NULL, owner_instance = NULL
+    WHERE owner_instance = p_instance AND partition = ANY (p_partitions);
     GET DIAGNOSTICS v_released = ROW_COUNT;
+    RETURN v_released;
+END
+$$;
+-- +goose StatementEnd
+
+-- leave_partitions gives back every partition of process p_instance and
+-- ends its membership, as a replica does when it shuts down; it returns
+-- how many partitions it gave back.
+-- +goose StatementBegin
+CREATE FUNCTION outbox.leave_partitions(p_instance uuid) RETURNS integer
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan
+AS $$
+DECLARE
+    v_released integer;
+BEGIN
+    UPDATE outbox.partition SET owner = NULL, owner_instance = NULL WHERE owner_instance = p_instance;
+    GET DIAGNOSTICS v_released = ROW_COUNT;
+    DELETE FROM outbox.partition_member WHERE instance = p_instance;
     RETURN v_released;
 END
 $$;

@@ -103,7 +103,7 @@ func TestOwnPartitionsSharesAmongReplicasWithSessions(t *testing.T) {
 		t.Fatalf("a beside b: share %d, owns %d; want 128 and still 256 (own_partitions never gives back)", a.share, len(a.partitions))
 	}
 	var released int
-	if err := pool.QueryRow(context.Background(), `SELECT outbox.release_partitions('a', md5('a')::uuid, $1)`, a.partitions[128:]).Scan(&released); err != nil {
+	if err := pool.QueryRow(context.Background(), `SELECT outbox.release_partitions(md5('a')::uuid, $1)`, a.partitions[128:]).Scan(&released); err != nil {
 		t.Fatal(err)
 	}
 	if released != 128 {
@@ -123,7 +123,7 @@ func TestOwnPartitionsSharesAmongReplicasWithSessions(t *testing.T) {
 		t.Fatalf("a's renewal changed its partitions or epochs: %v %v", again.partitions, again.epochs)
 	}
 	// A release names only the caller's partitions.
-	if err := pool.QueryRow(context.Background(), `SELECT outbox.release_partitions('a', md5('a')::uuid, $1)`, b.partitions).Scan(&released); err != nil {
+	if err := pool.QueryRow(context.Background(), `SELECT outbox.release_partitions(md5('a')::uuid, $1)`, b.partitions).Scan(&released); err != nil {
 		t.Fatal(err)
 	}
 	if released != 0 {
@@ -135,6 +135,20 @@ func TestOwnPartitionsSharesAmongReplicasWithSessions(t *testing.T) {
 	}
 	if a = mustOwn(t, pool, "a", true); a.share != 256 {
 		t.Fatalf("a's share after b left: %d, want 256", a.share)
+	}
+	// b shuts down: its partitions are free at once, its membership gone.
+	if err := pool.QueryRow(context.Background(), `SELECT outbox.leave_partitions(md5('b')::uuid)`).Scan(&released); err != nil {
+		t.Fatal(err)
+	}
+	var members int
+	if err := pool.QueryRow(context.Background(), `SELECT count(*) FROM outbox.partition_member WHERE replica_id = 'b'`).Scan(&members); err != nil {
+		t.Fatal(err)
+	}
+	if released != 128 || members != 0 {
+		t.Fatalf("b leaving gave back %d partitions and left %d memberships; want 128 and none", released, members)
+	}
+	if a = mustOwn(t, pool, "a", true); len(a.partitions) != 256 {
+		t.Fatalf("a took %d partitions after b left, want all 256", len(a.partitions))
 	}
 }
 
@@ -149,8 +163,7 @@ func TestOwnPartitionsTakesOverOnlyExpiredOwnership(t *testing.T) {
 		t.Fatalf("b beside a: share %d, took %d partitions a's unexpired ownership covers", b.share, len(b.partitions))
 	}
 	// a stops renewing; its ownership and membership run out.
-	exec(t, pool, `UPDATE outbox.partition SET expires_at = clock_timestamp() - interval '1 second' WHERE owner = 'a';
-		UPDATE outbox.partition_member SET expires_at = clock_timestamp() - interval '1 second' WHERE replica_id = 'a'`)
+	exec(t, pool, `UPDATE outbox.partition_member SET expires_at = clock_timestamp() - interval '1 second' WHERE replica_id = 'a'`)
 	b := mustOwn(t, pool, "b", true)
 	if b.share != 256 || !slices.Equal(b.partitions, a.partitions) {
 		t.Fatalf("b's share %d, took %d partitions; want 256 and all of a's expired ones", b.share, len(b.partitions))
@@ -166,9 +179,9 @@ func TestOwnPartitionsTakesOverOnlyExpiredOwnership(t *testing.T) {
 	}
 }
 
-// A takeover skips a partition another transaction has locked (a
-// concurrent takeover, PostgreSQL's word for which is pg_blocking_pids)
-// rather than waiting for it or taking it from under it.
+// A takeover skips a free partition another transaction has locked (a
+// concurrent takeover) rather than waiting for it or taking it from under
+// it.
 func TestOwnPartitionsSkipsPartitionsBeingTaken(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -178,8 +191,7 @@ func TestOwnPartitionsSkipsPartitionsBeingTaken(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer func() { _ = tx.Rollback(ctx) }()
-	if _, err := tx.Exec(ctx, `UPDATE outbox.partition SET owner = 'other', owner_instance = gen_random_uuid(), expires_at = now() + interval '1 hour', epoch = epoch + 1
-		WHERE partition = 0`); err != nil {
+	if _, err := tx.Exec(ctx, `SELECT FROM outbox.partition WHERE partition = 0 FOR UPDATE`); err != nil {
 		t.Fatal(err)
 	}
 	wctx, cancel := context.WithTimeout(ctx, 30*time.Second)
@@ -293,15 +305,14 @@ func TestOwnPartitionsOwnerIsTheProcess(t *testing.T) {
 		t.Fatalf("a second process under replica id a: %v, want SQLSTATE 23505 naming the id", err)
 	}
 	var released int
-	if err := pool.QueryRow(ctx, `SELECT outbox.release_partitions('a', $1::uuid, '{0,1,2}')`, second).Scan(&released); err != nil {
+	if err := pool.QueryRow(ctx, `SELECT outbox.release_partitions($1::uuid, '{0,1,2}')`, second).Scan(&released); err != nil {
 		t.Fatal(err)
 	}
 	if released != 0 {
 		t.Fatalf("the second process released %d partitions of the first", released)
 	}
 	// The first process dies; its membership and ownership run out.
-	exec(t, pool, `UPDATE outbox.partition SET expires_at = clock_timestamp() - interval '1 second';
-		UPDATE outbox.partition_member SET expires_at = clock_timestamp() - interval '1 second'`)
+	exec(t, pool, `UPDATE outbox.partition_member SET expires_at = clock_timestamp() - interval '1 second'`)
 	next, err := own(second)
 	if err != nil || len(next.partitions) != 256 {
 		t.Fatalf("the restarted process: %v, %d partitions; want all 256", err, len(next.partitions))
@@ -310,6 +321,62 @@ func TestOwnPartitionsOwnerIsTheProcess(t *testing.T) {
 		if next.epochs[i] <= old.epochs[i] {
 			t.Fatalf("partition %d: the restarted process holds it at epoch %d, not above the old process's %d",
 				next.partitions[i], next.epochs[i], old.epochs[i])
+		}
+	}
+}
+
+// A takeover neither waits for nor takes from a membership whose row
+// another transaction holds (here: a renewal under way, as a lock on the
+// row), even when the membership has expired: the renewal may yet win.
+// Once the row is free, the expired member's partitions are taken.
+func TestOwnPartitionsSkipsAMembershipBeingRenewed(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := testdb.NewPool(t)
+	a := mustOwn(t, pool, "a", true)
+	exec(t, pool, `UPDATE outbox.partition_member SET expires_at = clock_timestamp() - interval '1 second' WHERE replica_id = 'a'`)
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback(ctx) }()
+	if _, err := tx.Exec(ctx, `SELECT FROM outbox.partition_member WHERE replica_id = 'a' FOR UPDATE`); err != nil {
+		t.Fatal(err)
+	}
+	wctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	b, err := ownPartitions(wctx, pool, "b", true, "1 hour")
+	if err != nil {
+		t.Fatalf("own_partitions while a's membership is held: %v (did it wait for the lock?)", err)
+	}
+	if len(b.partitions) != 0 {
+		t.Fatalf("b took %d partitions of a membership being renewed", len(b.partitions))
+	}
+	if err := tx.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if b = mustOwn(t, pool, "b", true); !slices.Equal(b.partitions, a.partitions) {
+		t.Fatalf("b took %d partitions once a's expired membership was free, want all 256", len(b.partitions))
+	}
+}
+
+// A replica whose membership lapsed (its renewals did not land in time, so
+// its belief in its partitions may have ended) does not renew it: it joins
+// anew, and even the partitions nobody took meanwhile are taken again under
+// higher epochs, never carried over from the lapsed ownership.
+func TestOwnPartitionsJoinsAnewAfterALapse(t *testing.T) {
+	t.Parallel()
+	pool := testdb.NewPool(t)
+	before := mustOwn(t, pool, "a", true)
+	exec(t, pool, `UPDATE outbox.partition_member SET expires_at = clock_timestamp() - interval '1 second' WHERE replica_id = 'a'`)
+	after := mustOwn(t, pool, "a", true)
+	if !slices.Equal(after.partitions, before.partitions) {
+		t.Fatalf("a owns %d partitions after joining anew, want all 256", len(after.partitions))
+	}
+	for i := range after.partitions {
+		if after.epochs[i] <= before.epochs[i] {
+			t.Fatalf("partition %d kept epoch %d across a lapsed membership (before: %d); want it raised",
+				after.partitions[i], after.epochs[i], before.epochs[i])
 		}
 	}
 }

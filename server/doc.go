@@ -543,29 +543,35 @@
 //
 // Every aggregate falls in one of 256 partitions (outbox.partition_of, a
 // hash PostgreSQL keeps stable), and each partition has at most one owner
-// replica at a time, leased and fenced in outbox.partition: an owner, an
-// expiry and an epoch that every takeover raises. A replica with relay
-// sessions is a member (outbox.partition_member) and owns about
-// 256/members of them; ownPartitions renews every third of
-// Config.PartitionTTL and at once when the replica's first session arrives
-// or its last leaves. outbox.own_partitions takes only free or expired
-// partitions, skipping those another transaction has locked, so two
-// takeovers never meet on one; it commits synchronously, so an ownership
-// the replica acts on survives a crash. The replica's belief
-// (ownedPartitions) lasts until its last successful renewal was sent plus
-// the TTL, by its own clock: the database's lease began after that send, so
-// the belief ends first, and nobody takes a partition over while its owner
-// still believes in it (on one clock; replicas on other hosts need the TTL
-// to exceed their clocks' drift). It errs toward owning less: partitions
-// given back count as gone whether or not the release's answer arrived,
-// and a replica whose statement may have taken partitions it did not hear
-// about releases, at shutdown, everything the table records as its own.
-// The owner is this Server's process (Server.instance beside the replica
-// id): a replica restarted under the same id is refused until its previous
-// process's membership expires, then takes over under higher epochs, so
-// no process ever renews an ownership whose in-memory state it never had.
-// Nothing in delivery reads the ownership yet: it is the fence under which
-// a later engine keeps its partitions' leases in memory.
+// at a time: a replica process (its replica id and Server.instance, so a
+// process restarted under the same id is another owner), for as long as
+// its membership in outbox.partition_member lasts, under an epoch every
+// takeover raises. A replica with relay sessions wants partitions and owns
+// about 256/members of them; ownPartitions calls outbox.own_partitions
+// every third of Config.PartitionTTL and at once when the replica's first
+// session arrives or its last leaves. The call renews the membership (one
+// row, only while unexpired: a lapsed member joins anew and takes even its
+// old partitions again under higher epochs) and takes free partitions and
+// those of expired members. A takeover deletes the expired memberships it
+// relies on and frees their partitions in one statement, skipping rows
+// another transaction holds, so a renewal and a takeover racing on one
+// membership are serialised by its row lock and exactly one wins, and no
+// owned partition's owner is ever without a membership: an owner absent
+// from a takeover's snapshot is a process joining concurrently, not a dead
+// one. Free partitions another takeover has locked are skipped. The call
+// commits synchronously, so an ownership the replica acts on survives a
+// crash. The replica's belief (ownedPartitions) lasts until its last
+// successful renewal was sent plus the TTL, by its own clock: the
+// database's lease began after that send, so the belief ends first and
+// nobody takes a partition over while its owner still believes in it (on
+// one clock; replicas on other hosts need the TTL to exceed their clocks'
+// drift). It errs toward owning less: partitions given back count as gone
+// whether or not the release's answer arrived, and a replica whose
+// statement may have taken partitions it did not hear about gives back, at
+// shutdown, everything the table records as its own
+// (outbox.leave_partitions). Nothing in delivery reads the ownership yet:
+// it is the fence under which a later engine keeps its partitions' leases
+// in memory.
 //
 // # Shutdown
 //

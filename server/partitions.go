@@ -14,9 +14,6 @@ import (
 // after the session refresh (one) and readiness (two).
 var ownershipLoop = periodicLoop{"ownership", 3}
 
-// partitionCount is how many partitions outbox.partition has.
-const partitionCount = 256
-
 // ownedPartitions is what this replica believes it owns of the aggregates'
 // partitions (outbox.partition): each owned partition's epoch, believed
 // until validUntil, the moment its last renewal was sent plus the
@@ -151,7 +148,7 @@ func (s *Server) ownershipTurn(ctx context.Context) {
 	}
 	if excess := len(o.Partitions) - o.Share; excess > 0 {
 		keep := len(o.Partitions) - excess
-		if _, err := s.store.ReleasePartitions(wctx, s.cfg.ReplicaID, s.instance, o.Partitions[keep:]); err != nil {
+		if _, err := s.store.ReleasePartitions(wctx, s.instance, o.Partitions[keep:]); err != nil {
 			s.log.Warn("giving back partitions beyond this replica's share failed; they return when their ownership expires",
 				"err", err)
 		}
@@ -162,20 +159,16 @@ func (s *Server) ownershipTurn(ctx context.Context) {
 }
 
 // releasePartitions gives back every partition the database records as
-// this replica's, with a deadline of its own (the loop's context is done by
-// then).
+// this replica's and ends its membership, with a deadline of its own (the
+// loop's context is done by then).
 func (s *Server) releasePartitions() {
 	if !s.partitions.any() {
 		return
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), releaseTimeout)
 	defer cancel()
-	parts := make([]int32, partitionCount)
-	for i := range parts {
-		parts[i] = int32(i)
-	}
-	if _, err := s.store.ReleasePartitions(ctx, s.cfg.ReplicaID, s.instance, parts); err != nil {
-		s.log.Warn("giving back partitions at shutdown failed; other replicas take them when their ownership expires",
+	if _, err := s.store.LeavePartitions(ctx, s.instance); err != nil {
+		s.log.Warn("giving back partitions at shutdown failed; other replicas take them when this replica's membership expires",
 			"err", err)
 	}
 	s.partitions.set(store.Ownership{}, time.Time{})

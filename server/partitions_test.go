@@ -230,7 +230,7 @@ func TestOwnershipBeliefEndsWithoutRenewals(t *testing.T) {
 	// by the time the database lets another replica take over (a little
 	// slack for the polling above).
 	var expires time.Time
-	if err := pool.QueryRow(ctx, `SELECT min(expires_at) FROM outbox.partition WHERE owner = 'a'`).Scan(&expires); err != nil {
+	if err := pool.QueryRow(ctx, `SELECT expires_at FROM outbox.partition_member WHERE replica_id = 'a'`).Scan(&expires); err != nil {
 		t.Fatal(err)
 	}
 	if ended.After(expires.Add(50 * time.Millisecond)) {

@@ -2125,6 +2125,25 @@ END
 $$;
 
 --
+-- Name: leave_partitions(uuid); Type: FUNCTION; Schema: outbox; Owner: -
+--
+
+CREATE FUNCTION outbox.leave_partitions(p_instance uuid) RETURNS integer
+    LANGUAGE plpgsql
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    SET plan_cache_mode TO 'force_generic_plan'
+    AS $$
+DECLARE
+    v_released integer;
+BEGIN
+    UPDATE outbox.partition SET owner = NULL, owner_instance = NULL WHERE owner_instance = p_instance;
+    GET DIAGNOSTICS v_released = ROW_COUNT;
+    DELETE FROM outbox.partition_member WHERE instance = p_instance;
+    RETURN v_released;
+END
+$$;
+
+--
 -- Name: lock_deliveries(text[], text[]); Type: FUNCTION; Schema: outbox; Owner: -
 --
 
@@ -2213,6 +2232,7 @@ CREATE FUNCTION outbox.own_partitions(p_replica text, p_instance uuid, p_wants b
     AS $$
 DECLARE
     v_now timestamptz := clock_timestamp();
+    v_wants boolean := coalesce(p_wants, false);
     v_share integer := 0;
     v_owned integer;
     v_other timestamptz;
@@ -2232,39 +2252,62 @@ BEGIN
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
     v_set := set_config('synchronous_commit', 'on', true);
-    DELETE FROM outbox.partition_member WHERE expires_at <= v_now;
-    SELECT m.expires_at INTO v_other FROM outbox.partition_member m
-    WHERE m.replica_id = p_replica AND m.instance <> p_instance;
-    IF FOUND THEN
-        RAISE EXCEPTION 'outbox.own_partitions: another process registered replica id % until %', p_replica, v_other
-            USING ERRCODE = 'unique_violation',
-                  HINT = 'Either a second replica runs with this --replica-id (give each its own, or leave it to the default), '
-                      || 'or this replica restarted and waits for its previous process''s registration to expire.';
+    UPDATE outbox.partition_member SET expires_at = v_now + p_ttl, wants = v_wants
+    WHERE instance = p_instance AND expires_at > v_now;
+    IF NOT FOUND THEN
+        SELECT m.expires_at INTO v_other FROM outbox.partition_member m
+        WHERE m.replica_id = p_replica AND m.instance <> p_instance AND m.expires_at > v_now;
+        IF FOUND THEN
+            RAISE EXCEPTION 'outbox.own_partitions: another process registered replica id % until %', p_replica, v_other
+                USING ERRCODE = 'unique_violation',
+                      HINT = 'Either a second replica runs with this --replica-id (give each its own, or leave it to the default), '
+                          || 'or this replica restarted and waits for its previous process''s registration to expire.';
+        END IF;
+        -- Joining, or back after the membership lapsed: what this process
+        -- owned under it is not its own any more.
+        UPDATE outbox.partition SET owner = NULL, owner_instance = NULL WHERE owner_instance = p_instance;
+        DELETE FROM outbox.partition_member WHERE instance = p_instance;
+        INSERT INTO outbox.partition_member (instance, replica_id, wants, expires_at)
+        VALUES (p_instance, p_replica, v_wants, v_now + p_ttl);
     END IF;
-    DELETE FROM outbox.partition_member WHERE replica_id = p_replica;
-    IF coalesce(p_wants, false) THEN
-        INSERT INTO outbox.partition_member (replica_id, instance, expires_at) VALUES (p_replica, p_instance, v_now + p_ttl);
-        SELECT ceil(256.0 / count(*))::integer INTO v_share FROM outbox.partition_member;
+    IF v_wants THEN
+        SELECT ceil(256.0 / count(*))::integer INTO v_share FROM outbox.partition_member
+        WHERE wants AND expires_at > v_now;
     END IF;
-    UPDATE outbox.partition SET expires_at = v_now + p_ttl WHERE owner = p_replica AND owner_instance = p_instance;
-    GET DIAGNOSTICS v_owned = ROW_COUNT;
+    SELECT count(*) INTO v_owned FROM outbox.partition WHERE owner_instance = p_instance;
     IF v_owned < v_share THEN
+        -- The dead, locked against their renewal: a membership renewed
+        -- meanwhile is re-checked on its new version and left alone. Rows
+        -- another transaction holds (a renewal under way, or another
+        -- takeover) are skipped, so that no takeover waits for anyone and
+        -- none deadlocks with a renewal that goes on to take partitions.
+        -- A dead member's partitions are freed with it, in the same
+        -- statement, so every owned partition's owner has a membership:
+        -- an owner whose membership this snapshot does not show is a
+        -- process joining concurrently, never a dead one.
+        WITH dead AS (
+            DELETE FROM outbox.partition_member
+            WHERE instance IN (SELECT m.instance FROM outbox.partition_member m
+                               WHERE m.expires_at <= v_now FOR UPDATE SKIP LOCKED)
+            RETURNING instance
+        )
+        UPDATE outbox.partition SET owner = NULL, owner_instance = NULL
+        WHERE owner_instance IN (SELECT instance FROM dead);
         UPDATE outbox.partition p
         SET owner = p_replica,
             owner_instance = p_instance,
-            epoch = greatest(p.epoch + 1, (extract(epoch FROM v_now) * 1000000)::bigint),
-            expires_at = v_now + p_ttl
+            epoch = greatest(p.epoch + 1, (extract(epoch FROM v_now) * 1000000)::bigint)
         FROM (SELECT f.partition FROM outbox.partition f
-              WHERE f.owner IS NULL OR f.expires_at <= v_now
+              WHERE f.owner_instance IS NULL
               ORDER BY f.partition
               LIMIT v_share - v_owned
-              FOR UPDATE SKIP LOCKED) free
+              FOR UPDATE OF f SKIP LOCKED) free
         WHERE p.partition = free.partition;
     END IF;
     SELECT v_share, coalesce(array_agg(p.partition ORDER BY p.partition), '{}'),
            coalesce(array_agg(p.epoch ORDER BY p.partition), '{}')
     INTO r
-    FROM outbox.partition p WHERE p.owner = p_replica AND p.owner_instance = p_instance;
+    FROM outbox.partition p WHERE p.owner_instance = p_instance;
     RETURN r;
 END
 $$;
@@ -2489,10 +2532,10 @@ END
 $$;
 
 --
--- Name: release_partitions(text, uuid, integer[]); Type: FUNCTION; Schema: outbox; Owner: -
+-- Name: release_partitions(uuid, integer[]); Type: FUNCTION; Schema: outbox; Owner: -
 --
 
-CREATE FUNCTION outbox.release_partitions(p_replica text, p_instance uuid, p_partitions integer[]) RETURNS integer
+CREATE FUNCTION outbox.release_partitions(p_instance uuid, p_partitions integer[]) RETURNS integer
     LANGUAGE plpgsql
     SET search_path TO 'pg_catalog', 'pg_temp'
     SET plan_cache_mode TO 'force_generic_plan'
@@ -2500,8 +2543,8 @@ CREATE FUNCTION outbox.release_partitions(p_replica text, p_instance uuid, p_par
 DECLARE
     v_released integer;
 BEGIN
-    UPDATE outbox.partition SET owner = NULL, owner_instance = NULL, expires_at = NULL
-    WHERE owner = p_replica AND owner_instance = p_instance AND partition = ANY (p_partitions);
+    UPDATE outbox.partition SET owner = NULL, owner_instance = NULL
+    WHERE owner_instance = p_instance AND partition = ANY (p_partitions);
     GET DIAGNOSTICS v_released = ROW_COUNT;
     RETURN v_released;
 END
@@ -3022,8 +3065,7 @@ CREATE TABLE outbox.partition (
     owner text,
     owner_instance uuid,
     epoch bigint DEFAULT 0 NOT NULL,
-    expires_at timestamp with time zone,
-    CONSTRAINT partition_owner_check CHECK ((((owner IS NULL) = (expires_at IS NULL)) AND ((owner IS NULL) = (owner_instance IS NULL)))),
+    CONSTRAINT partition_owner_check CHECK (((owner IS NULL) = (owner_instance IS NULL))),
     CONSTRAINT partition_partition_check CHECK (((partition >= 0) AND (partition < 256)))
 )
 WITH (fillfactor='50');
@@ -3033,8 +3075,9 @@ WITH (fillfactor='50');
 --
 
 CREATE TABLE outbox.partition_member (
-    replica_id text NOT NULL,
     instance uuid NOT NULL,
+    replica_id text NOT NULL,
+    wants boolean NOT NULL,
     expires_at timestamp with time zone NOT NULL
 );
 
@@ -3201,7 +3244,7 @@ ALTER TABLE ONLY outbox.operator_action
 --
 
 ALTER TABLE ONLY outbox.partition_member
-    ADD CONSTRAINT partition_member_pkey PRIMARY KEY (replica_id);
+    ADD CONSTRAINT partition_member_pkey PRIMARY KEY (instance);
 
 --
 -- Name: partition partition_pkey; Type: CONSTRAINT; Schema: outbox; Owner: -
