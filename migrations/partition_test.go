@@ -39,6 +39,37 @@ func mustOwn(t *testing.T, pool *pgxpool.Pool, replica string, wants bool) owner
 	return o
 }
 
+// ownWithoutWaiting is ownPartitions for a caller that must not wait for a
+// lock: it fails the test after 30 seconds, as a hang guard.
+func ownWithoutWaiting(t *testing.T, pool *pgxpool.Pool, replica string) ownership {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	o, err := ownPartitions(ctx, pool, replica, true, "1 hour")
+	if err != nil {
+		t.Fatalf("own_partitions(%s) beside a held lock: %v (did it wait for the lock?)", replica, err)
+	}
+	return o
+}
+
+// holdLock runs lockSQL in a transaction left open, so that its row locks
+// stay held until the returned function (also run at the test's end)
+// rolls it back.
+func holdLock(t *testing.T, pool *pgxpool.Pool, lockSQL string) (release func()) {
+	t.Helper()
+	ctx := context.Background()
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	release = func() { _ = tx.Rollback(ctx) }
+	t.Cleanup(release)
+	if _, err := tx.Exec(ctx, lockSQL); err != nil {
+		t.Fatal(err)
+	}
+	return release
+}
+
 // An aggregate's partition is fixed for the life of a database (delivery
 // state will be keyed by it), so the function's values are pinned: a change
 // of hash would move aggregates between owners under running replicas.
@@ -184,22 +215,9 @@ func TestOwnPartitionsTakesOverOnlyExpiredOwnership(t *testing.T) {
 // it.
 func TestOwnPartitionsSkipsPartitionsBeingTaken(t *testing.T) {
 	t.Parallel()
-	ctx := context.Background()
 	pool := testdb.NewPool(t)
-	tx, err := pool.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = tx.Rollback(ctx) }()
-	if _, err := tx.Exec(ctx, `SELECT FROM outbox.partition WHERE partition = 0 FOR UPDATE`); err != nil {
-		t.Fatal(err)
-	}
-	wctx, cancel := context.WithTimeout(ctx, 30*time.Second)
-	defer cancel()
-	b, err := ownPartitions(wctx, pool, "b", true, "1 hour")
-	if err != nil {
-		t.Fatalf("own_partitions while partition 0 is being taken: %v (did it wait for the lock?)", err)
-	}
+	holdLock(t, pool, `SELECT FROM outbox.partition WHERE partition = 0 FOR UPDATE`)
+	b := ownWithoutWaiting(t, pool, "b")
 	if len(b.partitions) != 255 || b.partitions[0] != 1 {
 		t.Fatalf("b took %d partitions starting at %d; want 255 from 1", len(b.partitions), b.partitions[0])
 	}
@@ -218,12 +236,10 @@ func TestConcurrentOwnersAreDisjoint(t *testing.T) {
 		errs  [n]error
 	)
 	for i := range n {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
+		wg.Go(func() {
 			<-start
 			got[i], errs[i] = ownPartitions(ctx, pool, fmt.Sprintf("r%d", i), true, "1 hour")
-		}()
+		})
 	}
 	close(start)
 	wg.Wait()
@@ -331,30 +347,15 @@ func TestOwnPartitionsOwnerIsTheProcess(t *testing.T) {
 // Once the row is free, the expired member's partitions are taken.
 func TestOwnPartitionsSkipsAMembershipBeingRenewed(t *testing.T) {
 	t.Parallel()
-	ctx := context.Background()
 	pool := testdb.NewPool(t)
 	a := mustOwn(t, pool, "a", true)
 	exec(t, pool, `UPDATE outbox.partition_member SET expires_at = clock_timestamp() - interval '1 second' WHERE replica_id = 'a'`)
-	tx, err := pool.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = tx.Rollback(ctx) }()
-	if _, err := tx.Exec(ctx, `SELECT FROM outbox.partition_member WHERE replica_id = 'a' FOR UPDATE`); err != nil {
-		t.Fatal(err)
-	}
-	wctx, cancel := context.WithTimeout(ctx, 30*time.Second)
-	defer cancel()
-	b, err := ownPartitions(wctx, pool, "b", true, "1 hour")
-	if err != nil {
-		t.Fatalf("own_partitions while a's membership is held: %v (did it wait for the lock?)", err)
-	}
+	release := holdLock(t, pool, `SELECT FROM outbox.partition_member WHERE replica_id = 'a' FOR UPDATE`)
+	b := ownWithoutWaiting(t, pool, "b")
 	if len(b.partitions) != 0 {
 		t.Fatalf("b took %d partitions of a membership being renewed", len(b.partitions))
 	}
-	if err := tx.Rollback(ctx); err != nil {
-		t.Fatal(err)
-	}
+	release()
 	if b = mustOwn(t, pool, "b", true); !slices.Equal(b.partitions, a.partitions) {
 		t.Fatalf("b took %d partitions once a's expired membership was free, want all 256", len(b.partitions))
 	}

@@ -324,10 +324,7 @@ func (s *Server) SetOwnershipHooks(before func(wants bool) error, after func()) 
 }
 
 // OwnedPartitions is what the replica believes it owns now.
-func (s *Server) OwnedPartitions() []int32 {
-	parts, _ := s.partitions.owned(time.Now())
-	return parts
-}
+func (s *Server) OwnedPartitions() []int32 { return s.partitions.owned(time.Now()) }
 
 // Instance is the process identity the replica owns partitions under.
 func (s *Server) Instance() uuid.UUID { return s.instance }

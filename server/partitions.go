@@ -15,18 +15,18 @@ import (
 var ownershipLoop = periodicLoop{"ownership", 3}
 
 // ownedPartitions is what this replica believes it owns of the aggregates'
-// partitions (outbox.partition): each owned partition's epoch, believed
-// until validUntil, the moment its last renewal was sent plus the
-// ownership TTL by this process's clock. The database's lease started
+// partitions (outbox.partition): the last ownership a turn heard of,
+// believed until validUntil, the moment that turn's statement was sent plus
+// the ownership TTL by this process's clock. The database's lease started
 // after that moment, so the belief ends before the database lets another
 // replica take a partition over. It errs toward owning less: a release
 // whose answer is lost counts as done.
 type ownedPartitions struct {
 	mu         sync.Mutex
-	epochs     map[int32]int64
+	ownership  store.Ownership
 	validUntil time.Time
 	// uncertain: a statement that may have taken partitions failed, so
-	// the database may record more than epochs says.
+	// the database may record more than ownership says.
 	uncertain bool
 }
 
@@ -34,11 +34,7 @@ type ownedPartitions struct {
 func (p *ownedPartitions) set(o store.Ownership, validUntil time.Time) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	p.epochs = make(map[int32]int64, len(o.Partitions))
-	for i, part := range o.Partitions {
-		p.epochs[part] = o.Epochs[i]
-	}
-	p.validUntil, p.uncertain = validUntil, false
+	p.ownership, p.validUntil, p.uncertain = o, validUntil, false
 }
 
 // markUncertain records that a statement that may have taken partitions
@@ -50,21 +46,14 @@ func (p *ownedPartitions) markUncertain() {
 	p.uncertain = true
 }
 
-// owned returns the partitions owned at now, ascending, with their epochs.
-func (p *ownedPartitions) owned(now time.Time) (partitions []int32, epochs []int64) {
+// owned returns the partitions owned at now, ascending.
+func (p *ownedPartitions) owned(now time.Time) []int32 {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if !now.Before(p.validUntil) {
-		return nil, nil
+		return nil
 	}
-	for part := range p.epochs {
-		partitions = append(partitions, part)
-	}
-	slices.Sort(partitions)
-	for _, part := range partitions {
-		epochs = append(epochs, p.epochs[part])
-	}
-	return partitions, epochs
+	return slices.Clone(p.ownership.Partitions)
 }
 
 // any reports whether the replica may still hold some partition in the
@@ -75,7 +64,7 @@ func (p *ownedPartitions) owned(now time.Time) (partitions []int32, epochs []int
 func (p *ownedPartitions) any() bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	return len(p.epochs) > 0 || p.uncertain
+	return len(p.ownership.Partitions) > 0 || p.uncertain
 }
 
 // kickOwnership makes the ownership loop take its turn now, as when the
@@ -142,8 +131,7 @@ func (s *Server) ownershipTurn(ctx context.Context) {
 			s.log.Warn("renewing partition ownership failed; retrying at the next turn", "err", err)
 		}
 		s.partitions.markUncertain()
-		parts, _ := s.partitions.owned(time.Now())
-		s.metrics.partitionsOwned.Set(float64(len(parts)))
+		s.metrics.partitionsOwned.Set(float64(len(s.partitions.owned(time.Now()))))
 		return
 	}
 	if excess := len(o.Partitions) - o.Share; excess > 0 {

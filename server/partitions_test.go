@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 
@@ -20,23 +21,17 @@ import (
 // owners reads how many partitions each replica owns (unowned under "").
 func owners(t *testing.T, pool *pgxpool.Pool) map[string]int {
 	t.Helper()
-	rows, err := pool.Query(context.Background(),
-		`SELECT coalesce(owner, ''), count(*) FROM outbox.partition GROUP BY 1`)
+	rows, _ := pool.Query(context.Background(), `SELECT coalesce(owner, ''), count(*)::int FROM outbox.partition GROUP BY 1`)
+	counts, err := pgx.CollectRows(rows, pgx.RowToStructByPos[struct {
+		Owner string
+		N     int
+	}])
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer rows.Close()
 	got := map[string]int{}
-	for rows.Next() {
-		var owner string
-		var n int
-		if err := rows.Scan(&owner, &n); err != nil {
-			t.Fatal(err)
-		}
-		got[owner] = n
-	}
-	if err := rows.Err(); err != nil {
-		t.Fatal(err)
+	for _, c := range counts {
+		got[c.Owner] = c.N
 	}
 	return got
 }
@@ -46,20 +41,22 @@ func owners(t *testing.T, pool *pgxpool.Pool) map[string]int {
 // statement; a kick while a turn runs is kept for the next).
 func waitOwners(t *testing.T, pool *pgxpool.Pool, want map[string]int, kick ...*replica) {
 	t.Helper()
-	deadline := time.Now().Add(30 * time.Second) // a hang guard
-	for {
+	eventually(t, func() (bool, string) {
 		got := owners(t, pool)
-		if fmt.Sprint(got) == fmt.Sprint(want) {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("partitions owned %v, want %v", got, want)
-		}
 		for _, r := range kick {
 			r.Server.KickOwnership()
 		}
-		time.Sleep(5 * time.Millisecond)
-	}
+		return fmt.Sprint(got) == fmt.Sprint(want), fmt.Sprintf("partitions owned %v, want %v", got, want)
+	})
+}
+
+// startOwner starts a replica named id whose ownership lasts ttl without a
+// renewal, with its metrics in reg (nil: none).
+func startOwner(t *testing.T, url, id string, ttl time.Duration, reg prometheus.Registerer) *replica {
+	t.Helper()
+	return startReplica(t, url, func(c *server.Config) {
+		c.ReplicaID, c.PartitionTTL, c.Registerer = id, ttl, reg
+	})
 }
 
 // openSession opens a relay session on r, which ends when the returned
@@ -78,15 +75,19 @@ func openSession(t *testing.T, r *replica, relayID string) (end func()) {
 // turn's statement has returned, after the database shows the outcome.
 func waitGauge(t *testing.T, reg *prometheus.Registry, name string, want float64) {
 	t.Helper()
-	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(time.Millisecond) {
+	eventually(t, func() (bool, string) {
 		got := gatherSum(t, reg, name)
-		if got == want {
-			return
-		}
-		if time.Now().After(deadline) { // a hang guard
-			t.Fatalf("%s = %v, want %v", name, got, want)
-		}
-	}
+		return got == want, fmt.Sprintf("%s = %v, want %v", name, got, want)
+	})
+}
+
+// waitBelief waits until r believes it owns n partitions.
+func waitBelief(t *testing.T, r *replica, n int) {
+	t.Helper()
+	eventually(t, func() (bool, string) {
+		got := len(r.Server.OwnedPartitions())
+		return got == n, fmt.Sprintf("the replica believes it owns %d partitions, want %d", got, n)
+	})
 }
 
 // Partitions follow relay sessions: a replica owns none until its first
@@ -100,16 +101,9 @@ func TestPartitionsFollowRelaySessions(t *testing.T) {
 	url := testdb.New(t)
 	pool := testdb.NewPoolURL(t, url)
 	regA := prometheus.NewRegistry()
-	configure := func(id string, reg *prometheus.Registry) func(*server.Config) {
-		return func(c *server.Config) {
-			c.ReplicaID = id
-			c.Registerer = reg
-			// No periodic turn within the test: only sessions and kicks
-			// move ownership.
-			c.PartitionTTL = time.Hour
-		}
-	}
-	a := startReplica(t, url, configure("a", regA))
+	// No periodic turn within the test: only sessions and kicks move
+	// ownership.
+	a := startOwner(t, url, "a", time.Hour, regA)
 	// After every turn, a believes it owns only partitions the database
 	// records as a's: it errs toward owning less, never more.
 	a.Server.SetOwnershipHooks(nil, func() {
@@ -139,7 +133,7 @@ func TestPartitionsFollowRelaySessions(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	b := startReplica(t, url, configure("b", prometheus.NewRegistry()))
+	b := startOwner(t, url, "b", time.Hour, nil)
 	endB := openSession(t, b, "rb")
 	waitOwners(t, pool, map[string]int{"a": 128, "b": 128}, a, b)
 	var lowOwner, highOwner string
@@ -180,7 +174,7 @@ func TestPartitionsReleasedAtShutdownAfterFailedTurns(t *testing.T) {
 	ctx := context.Background()
 	url := testdb.New(t)
 	pool := testdb.NewPoolURL(t, url)
-	a := startReplica(t, url, func(c *server.Config) { c.ReplicaID = "a"; c.PartitionTTL = time.Hour })
+	a := startOwner(t, url, "a", time.Hour, nil)
 	var turns atomic.Int32
 	a.Server.SetOwnershipHooks(func(wants bool) error {
 		if turns.Add(1) == 1 {
@@ -211,24 +205,16 @@ func TestOwnershipBeliefEndsWithoutRenewals(t *testing.T) {
 	ctx := context.Background()
 	url := testdb.New(t)
 	pool := testdb.NewPoolURL(t, url)
-	a := startReplica(t, url, func(c *server.Config) { c.ReplicaID = "a"; c.PartitionTTL = 600 * time.Millisecond })
+	a := startOwner(t, url, "a", 600*time.Millisecond, nil)
 	defer openSession(t, a, "ra")()
 	waitOwners(t, pool, map[string]int{"a": 256})
-	for deadline := time.Now().Add(30 * time.Second); len(a.Server.OwnedPartitions()) != 256; time.Sleep(time.Millisecond) {
-		if time.Now().After(deadline) { // a hang guard
-			t.Fatal("a never believed it owns its 256 partitions")
-		}
-	}
+	waitBelief(t, a, 256)
 	a.Server.SetOwnershipHooks(func(bool) error { return errors.New("injected: the database did not answer") }, nil)
-	for deadline := time.Now().Add(30 * time.Second); len(a.Server.OwnedPartitions()) != 0; time.Sleep(time.Millisecond) {
-		if time.Now().After(deadline) { // a hang guard
-			t.Fatal("a still believes it owns its partitions 30s after its renewals began to fail")
-		}
-	}
+	waitBelief(t, a, 0)
 	ended := time.Now()
 	// The database's clock is this machine's: the belief must have ended
-	// by the time the database lets another replica take over (a little
-	// slack for the polling above).
+	// by the time the database lets another replica take over (slack for
+	// the 10 ms polling of waitBelief).
 	var expires time.Time
 	if err := pool.QueryRow(ctx, `SELECT expires_at FROM outbox.partition_member WHERE replica_id = 'a'`).Scan(&expires); err != nil {
 		t.Fatal(err)
