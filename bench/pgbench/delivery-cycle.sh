@@ -38,7 +38,19 @@
 # with pg_stat_statements.track_planning = on then also says which
 # statements were planned on every call.
 #
-# Usage: [BATCH=N] [ROUND=1 | FACTS=1 [FENCE=advisory|share] [PARTITIONS=N]] bench/pgbench/delivery-cycle.sh [OUTBOXD_BINARY]
+# HELD=1 runs the cycle of #25's direction 2, step 2 (not built): a lease
+# kept in delivery columns that no index or predicate reads, so that both of
+# a steady event's writes to its delivery row are HOT. The round reads the
+# new events since the stored snapshot, sets held_through, the holder and a
+# raised epoch on each idle aggregate whose next revision arrived (the
+# state, claimable_at, holder and pending_since columns that the indexes
+# read stay as they are), and advances the snapshot; the ack, per batch,
+# marks the events published and moves each aggregate's cursor, fenced by
+# the row's epoch (the row is written anyway), clearing held_through. With
+# the prepared protocol, as ROUND=1. Compare it with ROUND=1, which is the
+# same cycle as the server runs it today.
+#
+# Usage: [BATCH=N] [ROUND=1 | HELD=1 | FACTS=1 [FENCE=advisory|share] [PARTITIONS=N]] bench/pgbench/delivery-cycle.sh [OUTBOXD_BINARY]
 # Compare builds (or the two modes) back to back, alternating, on one
 # server; BENCHMARKS.md quotes its figures.
 set -euo pipefail
@@ -66,9 +78,37 @@ SELECT coalesce(array_agg((r.lease).event_id) FILTER (WHERE r.lease IS NOT NULL)
 SELECT count(*) AS acked FROM outbox.ack(:ids::uuid[], 'rep', ARRAY['$h'::uuid], ARRAY['30s'::interval], ARRAY[1], ARRAY[0], ARRAY['$h'::uuid], ARRAY[NULL::text], ARRAY[false], '60s') \gset
 SQL
 fi
+if [[ -n ${HELD:-} ]]; then
+	mode=prepared
+	# As outbox.discover_scan's own SET clauses: the new events are read
+	# through the xid index however small outbox.event was when pgbench
+	# prepared the statement.
+	export PGOPTIONS="${PGOPTIONS:-} -c enable_seqscan=off -c jit=off -c plan_cache_mode=force_generic_plan"
+	psql -X -q "$url" -c "ALTER TABLE outbox.delivery ADD COLUMN held_through bigint, ADD COLUMN held_by uuid, SET (fillfactor = 70)"
+	# The round: one statement reads the new events (the first of each
+	# aggregate) and holds the idle aggregates they continue; a second
+	# advances the snapshot. The ack: one statement fences each lease by
+	# the row's epoch, moves the cursor and marks the events.
+	cat >"$work/cycle.sql" <<SQL
+INSERT INTO outbox.event (stream, aggregate_key, event_type, payload) SELECT 's', (floor(random() * 10000))::int::text, 't', '{"a":1}' FROM generate_series(1, $batch);
+BEGIN;
+WITH found AS (SELECT DISTINCT ON (e.stream, e.aggregate_key) e.stream, e.aggregate_key, e.revision, e.event_id FROM outbox.events_since((SELECT d.snapshot FROM outbox.discovery d)) e WHERE e.published_at IS NULL ORDER BY e.stream, e.aggregate_key, e.revision),
+held AS (UPDATE outbox.delivery d SET held_through = f.revision, held_by = '$h', leased_event_id = f.event_id, epoch = d.epoch + 1, lease_expires_at = now() + interval '30 s', attempt = 1 FROM found f WHERE d.stream = f.stream AND d.aggregate_key = f.aggregate_key AND d.state = 'idle' AND d.held_through IS NULL AND d.delivered_revision = f.revision - 1 RETURNING d.leased_event_id, d.epoch),
+created AS (INSERT INTO outbox.delivery (stream, aggregate_key, state, delivered_revision, held_through, held_by, leased_event_id, epoch, lease_expires_at, attempt) SELECT f.stream, f.aggregate_key, 'idle', f.revision - 1, f.revision, '$h', f.event_id, 1, now() + interval '30 s', 1 FROM found f ON CONFLICT DO NOTHING RETURNING leased_event_id, epoch)
+SELECT coalesce(array_agg(x.leased_event_id), '{}')::text AS ids, coalesce(array_agg(x.epoch), '{}')::text AS epochs FROM (SELECT * FROM held UNION ALL SELECT * FROM created) x \gset
+UPDATE outbox.discovery SET snapshot = pg_current_snapshot(), advanced_at = now();
+COMMIT;
+BEGIN;
+SELECT set_config('outbox.acking', 'on', true) AS acking \gset
+WITH a AS (SELECT e.stream, e.aggregate_key, e.event_id, a.epoch FROM unnest(:ids::uuid[], :epochs::bigint[]) a(event_id, epoch) JOIN outbox.event e ON e.event_id = a.event_id), acked AS (UPDATE outbox.delivery d SET delivered_revision = d.held_through, held_through = NULL, held_by = NULL FROM a WHERE d.stream = a.stream AND d.aggregate_key = a.aggregate_key AND d.leased_event_id = a.event_id AND d.epoch = a.epoch AND d.held_through IS NOT NULL RETURNING d.leased_event_id)
+UPDATE outbox.event e SET published_at = clock_timestamp() FROM acked a WHERE e.event_id = a.leased_event_id AND e.published_at IS NULL;
+COMMIT;
+SQL
+fi
 q() { psql -X -q -At "$1" -c "$2"; }
 # Warm up: most aggregates have a delivery row (idle) from here on.
 pgbench -n -M "$mode" -c 1 -t 700 -f "$work/cycle.sql" "$url" >/dev/null
+q "$url" "ANALYZE" >/dev/null
 fence=${FENCE:-}
 parts=${PARTITIONS:-64}
 case $fence in
@@ -110,6 +150,7 @@ e0=$(q "$url" "SELECT count(*) FROM outbox.event WHERE published_at IS NOT NULL"
 sleep "$window"
 c1=$(awk '{print $14 + $15}' /proc/"$pid"/stat)
 e1=$(q "$url" "SELECT count(*) FROM outbox.event WHERE published_at IS NOT NULL")
+[[ -n ${HELD:-} ]] && q "$url" "SELECT 'delivery updates: ' || n_tup_upd || ', of them HOT: ' || n_tup_hot_upd FROM pg_stat_user_tables WHERE relid = 'outbox.delivery'::regclass"
 echo "events $((e1 - e0)), backend CPU per event $(((c1 - c0) * 1000000 / tick / (e1 - e0))) us"
 if [[ $stats == 1 ]]; then
 	echo "statement time per event (us, planning included; plans/calls; nested statements' time leaves out their executor start-up):"
