@@ -51,8 +51,9 @@
 # same cycle as the server runs it today.
 #
 # Usage: [BATCH=N] [ROUND=1 | HELD=1 | FACTS=1 [FENCE=advisory|share] [PARTITIONS=N]] bench/pgbench/delivery-cycle.sh [OUTBOXD_BINARY]
-# Compare builds (or the two modes) back to back, alternating, on one
-# server; BENCHMARKS.md quotes its figures.
+# TOP=N lists N statements (default 15). Compare builds (or the modes)
+# back to back, alternating, on one server; BENCHMARKS.md quotes its
+# figures.
 set -euo pipefail
 bin=${1:-bin/outboxd}
 window=${WINDOW:-30}
@@ -156,6 +157,6 @@ if [[ $stats == 1 ]]; then
 	echo "statement time per event (us, planning included; plans/calls; nested statements' time leaves out their executor start-up):"
 	q "$url" "SELECT format('%8s  %6s/%-6s  %s', round(((total_exec_time + total_plan_time) * 1000 / $((e1 - e0)))::numeric, 1), plans, calls, left(regexp_replace(query, '\s+', ' ', 'g'), 100))
 	          FROM pg_stat_statements WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())
-	          ORDER BY total_exec_time DESC LIMIT 15"
+	          ORDER BY total_exec_time DESC LIMIT ${TOP:-15}"
 fi
 wait
