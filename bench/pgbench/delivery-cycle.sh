@@ -9,7 +9,8 @@
 # stream filter). It prints the CPU time of that client's backend per event
 # delivered over a WINDOW-second window (read from /proc, so PostgreSQL must
 # run on this machine), and, when the server has pg_stat_statements loaded,
-# the statements' time per event.
+# the statements' time per event, and how many of outbox.delivery's updates
+# were HOT.
 #
 # FACTS=1 measures instead what an engine that leases in memory would still
 # write (#25's direction 2, not built): the same inserts, the new events read
@@ -151,7 +152,7 @@ e0=$(q "$url" "SELECT count(*) FROM outbox.event WHERE published_at IS NOT NULL"
 sleep "$window"
 c1=$(awk '{print $14 + $15}' /proc/"$pid"/stat)
 e1=$(q "$url" "SELECT count(*) FROM outbox.event WHERE published_at IS NOT NULL")
-[[ -n ${HELD:-} ]] && q "$url" "SELECT 'delivery updates: ' || n_tup_upd || ', of them HOT: ' || n_tup_hot_upd FROM pg_stat_user_tables WHERE relid = 'outbox.delivery'::regclass"
+q "$url" "SELECT 'delivery updates: ' || n_tup_upd || ', of them HOT: ' || n_tup_hot_upd FROM pg_stat_user_tables WHERE relid = 'outbox.delivery'::regclass"
 echo "events $((e1 - e0)), backend CPU per event $(((c1 - c0) * 1000000 / tick / (e1 - e0))) us"
 if [[ $stats == 1 ]]; then
 	echo "statement time per event (us, planning included; plans/calls; nested statements' time leaves out their executor start-up):"
