@@ -110,6 +110,8 @@ fi
 q() { psql -X -q -At "$1" -c "$2"; }
 # Warm up: most aggregates have a delivery row (idle) from here on.
 pgbench -n -M "$mode" -c 1 -t 700 -f "$work/cycle.sql" "$url" >/dev/null
+# Statistics of the warmed-up tables for the plans made from here on (the
+# measured pgbench run prepares its statements anew).
 q "$url" "ANALYZE" >/dev/null
 fence=${FENCE:-}
 parts=${PARTITIONS:-64}
