@@ -49,9 +49,14 @@
 # marks the events published and moves each aggregate's cursor, fenced by
 # the row's epoch (the row is written anyway), clearing held_through. With
 # the prepared protocol, as ROUND=1. Compare it with ROUND=1, which is the
-# same cycle as the server runs it today.
+# same cycle as the server runs it today. HELD=2 adds what a sound engine of
+# that shape would still do per ack: the replica's ownership of the leases'
+# partitions fenced (shared advisory locks, then the partition rows checked
+# against its instance), skipped events left alone, the look for each
+# aggregate's next revision and its hand-over (a HOT update too), and the
+# delivery-rate counter.
 #
-# Usage: [BATCH=N] [ROUND=1 | HELD=1 | FACTS=1 [FENCE=advisory|share] [PARTITIONS=N]] bench/pgbench/delivery-cycle.sh [OUTBOXD_BINARY]
+# Usage: [BATCH=N] [ROUND=1 | HELD=1|2 | FACTS=1 [FENCE=advisory|share] [PARTITIONS=N]] bench/pgbench/delivery-cycle.sh [OUTBOXD_BINARY]
 # TOP=N lists N statements (default 15). Compare builds (or the modes)
 # back to back, alternating, on one server; BENCHMARKS.md quotes its
 # figures.
@@ -91,19 +96,32 @@ if [[ -n ${HELD:-} ]]; then
 	# aggregate) and holds the idle aggregates they continue; a second
 	# advances the snapshot. The ack: one statement fences each lease by
 	# the row's epoch, moves the cursor and marks the events.
+	ack=$(cat <<'ACK'
+WITH a AS (SELECT e.stream, e.aggregate_key, e.event_id, a.epoch FROM unnest(:ids::uuid[], :epochs::bigint[]) a(event_id, epoch) JOIN outbox.event e ON e.event_id = a.event_id), acked AS (UPDATE outbox.delivery d SET delivered_revision = d.held_through, held_through = NULL, held_by = NULL FROM a WHERE d.stream = a.stream AND d.aggregate_key = a.aggregate_key AND d.leased_event_id = a.event_id AND d.epoch = a.epoch AND d.held_through IS NOT NULL RETURNING d.leased_event_id)
+UPDATE outbox.event e SET published_at = clock_timestamp() FROM acked a WHERE e.event_id = a.leased_event_id AND e.published_at IS NULL;
+ACK
+)
+	if [[ $HELD == 2 ]]; then
+		# This client's replica owns every partition.
+		psql -X -q -At "$url" -c "SELECT outbox.own_partitions('rep', '$h', true, '1 day')" >/dev/null
+		ack=$(cat <<ACK
+SELECT count(pg_advisory_xact_lock_shared(4243, p)) AS fenced FROM unnest(:parts::int[]) p \gset
+WITH a AS (SELECT e.stream, e.aggregate_key, e.event_id, e.revision, a.epoch FROM unnest(:ids::uuid[], :epochs::bigint[]) a(event_id, epoch) JOIN outbox.event e ON e.event_id = a.event_id WHERE e.published_at IS NULL AND NOT EXISTS (SELECT FROM outbox.skipped_event s WHERE s.event_id = e.event_id) AND (SELECT count(*) FROM outbox.partition p WHERE p.partition = ANY (:parts::int[]) AND p.owner_instance = '$h') = cardinality(:parts::int[])), nxt AS (SELECT a.*, n.revision AS next_revision, n.event_id AS next_id FROM a LEFT JOIN LATERAL (SELECT x.revision, x.event_id FROM outbox.event x WHERE x.stream = a.stream AND x.aggregate_key = a.aggregate_key AND x.revision > a.revision AND NOT EXISTS (SELECT FROM outbox.skipped_event s WHERE s.event_id = x.event_id) ORDER BY x.revision LIMIT 1) n ON n.revision = a.revision + 1), acked AS (UPDATE outbox.delivery d SET delivered_revision = d.held_through, held_through = n.next_revision, held_by = CASE WHEN n.next_id IS NOT NULL THEN d.held_by END, leased_event_id = coalesce(n.next_id, d.leased_event_id), epoch = d.epoch + CASE WHEN n.next_id IS NOT NULL THEN 1 ELSE 0 END FROM nxt n WHERE d.stream = n.stream AND d.aggregate_key = n.aggregate_key AND d.leased_event_id = n.event_id AND d.epoch = n.epoch AND d.held_through IS NOT NULL RETURNING n.event_id), marked AS (UPDATE outbox.event e SET published_at = clock_timestamp() FROM acked a WHERE e.event_id = a.event_id AND e.published_at IS NULL RETURNING e.stream) INSERT INTO outbox.delivered_count AS c (stream, bucket, backend_pid, events) SELECT m.stream, date_bin('5 seconds', now(), timestamptz '2000-01-01'), pg_backend_pid(), count(*) FROM marked m GROUP BY m.stream ON CONFLICT (stream, bucket, backend_pid) DO UPDATE SET events = c.events + excluded.events;
+ACK
+)
+	fi
 	cat >"$work/cycle.sql" <<SQL
 INSERT INTO outbox.event (stream, aggregate_key, event_type, payload) SELECT 's', (floor(random() * 10000))::int::text, 't', '{"a":1}' FROM generate_series(1, $batch);
 BEGIN;
 WITH found AS (SELECT DISTINCT ON (e.stream, e.aggregate_key) e.stream, e.aggregate_key, e.revision, e.event_id FROM outbox.events_since((SELECT d.snapshot FROM outbox.discovery d)) e WHERE e.published_at IS NULL ORDER BY e.stream, e.aggregate_key, e.revision),
-held AS (UPDATE outbox.delivery d SET held_through = f.revision, held_by = '$h', leased_event_id = f.event_id, epoch = d.epoch + 1, lease_expires_at = now() + interval '30 s', attempt = 1 FROM found f WHERE d.stream = f.stream AND d.aggregate_key = f.aggregate_key AND d.state = 'idle' AND d.held_through IS NULL AND d.delivered_revision = f.revision - 1 RETURNING d.leased_event_id, d.epoch),
-created AS (INSERT INTO outbox.delivery (stream, aggregate_key, state, delivered_revision, held_through, held_by, leased_event_id, epoch, lease_expires_at, attempt) SELECT f.stream, f.aggregate_key, 'idle', f.revision - 1, f.revision, '$h', f.event_id, 1, now() + interval '30 s', 1 FROM found f ON CONFLICT DO NOTHING RETURNING leased_event_id, epoch)
-SELECT coalesce(array_agg(x.leased_event_id), '{}')::text AS ids, coalesce(array_agg(x.epoch), '{}')::text AS epochs FROM (SELECT * FROM held UNION ALL SELECT * FROM created) x \gset
+held AS (UPDATE outbox.delivery d SET held_through = f.revision, held_by = '$h', leased_event_id = f.event_id, epoch = d.epoch + 1, lease_expires_at = now() + interval '30 s', attempt = 1 FROM found f WHERE d.stream = f.stream AND d.aggregate_key = f.aggregate_key AND d.state = 'idle' AND d.held_through IS NULL AND d.delivered_revision = f.revision - 1 RETURNING d.stream, d.aggregate_key, d.leased_event_id, d.epoch),
+created AS (INSERT INTO outbox.delivery (stream, aggregate_key, state, delivered_revision, held_through, held_by, leased_event_id, epoch, lease_expires_at, attempt) SELECT f.stream, f.aggregate_key, 'idle', f.revision - 1, f.revision, '$h', f.event_id, 1, now() + interval '30 s', 1 FROM found f ON CONFLICT DO NOTHING RETURNING stream, aggregate_key, leased_event_id, epoch)
+SELECT coalesce(array_agg(x.leased_event_id), '{}')::text AS ids, coalesce(array_agg(x.epoch), '{}')::text AS epochs, coalesce(array_agg(DISTINCT outbox.partition_of(x.stream, x.aggregate_key)), '{}')::text AS parts FROM (SELECT * FROM held UNION ALL SELECT * FROM created) x \gset
 UPDATE outbox.discovery SET snapshot = pg_current_snapshot(), advanced_at = now();
 COMMIT;
 BEGIN;
 SELECT set_config('outbox.acking', 'on', true) AS acking \gset
-WITH a AS (SELECT e.stream, e.aggregate_key, e.event_id, a.epoch FROM unnest(:ids::uuid[], :epochs::bigint[]) a(event_id, epoch) JOIN outbox.event e ON e.event_id = a.event_id), acked AS (UPDATE outbox.delivery d SET delivered_revision = d.held_through, held_through = NULL, held_by = NULL FROM a WHERE d.stream = a.stream AND d.aggregate_key = a.aggregate_key AND d.leased_event_id = a.event_id AND d.epoch = a.epoch AND d.held_through IS NOT NULL RETURNING d.leased_event_id)
-UPDATE outbox.event e SET published_at = clock_timestamp() FROM acked a WHERE e.event_id = a.leased_event_id AND e.published_at IS NULL;
+$ack
 COMMIT;
 SQL
 fi
