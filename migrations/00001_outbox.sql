@@ -527,9 +527,8 @@ BEGIN
                           || 'or this replica restarted and waits for its previous process''s registration to expire.';
         END IF;
         -- Joining, or back after the membership lapsed: what this process
-        -- owned under it is not its own any more.
-        UPDATE outbox.partition SET owner = NULL, owner_instance = NULL WHERE owner_instance = p_instance;
-        DELETE FROM outbox.partition_member WHERE instance = p_instance;
+        -- owned under it is not its own any more, as if it had left.
+        PERFORM outbox.leave_partitions(p_instance);
         INSERT INTO outbox.partition_member (instance, replica_id, wants, expires_at)
         VALUES (p_instance, p_replica, v_wants, v_now + p_ttl);
     END IF;

@@ -709,9 +709,7 @@ func TestReadinessTakesTheStopFromTheDiscoveryLoop(t *testing.T) {
 	// Backends flush their function counts as they end: end them all.
 	r.Close()
 	pool.Close()
-	if _, err := admin.Exec(ctx, `SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1`, dbname); err != nil {
-		t.Fatal(err)
-	}
+	testdb.TerminateBackends(t, admin, dbname)
 	waitFor(t, func() int32 {
 		var n int
 		if err := admin.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE datname = $1`, dbname).Scan(&n); err != nil {

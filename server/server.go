@@ -600,9 +600,8 @@ func (s *Server) AdminServer() outboxv1.AdminServiceServer { return &adminServic
 func (s *Server) RelayServer() outboxv1.RelayServiceServer { return &relayService{s: s} }
 
 // Run runs the replica's background work (discovery, group-committed acks,
-// the LISTEN connection, the relay-session registry, partition ownership, the
-// retention janitor)
-// until ctx is done. Call Stop first for a graceful end.
+// the LISTEN connection, the relay-session registry, partition ownership,
+// the retention janitor) until ctx is done. Call Stop first for a graceful end.
 func (s *Server) Run(ctx context.Context) error {
 	var wg sync.WaitGroup
 	wg.Add(6)

@@ -339,7 +339,7 @@ func TestServeStartsWithoutAnUnreachableSource(t *testing.T) {
 	t.Parallel()
 	def, down, up := testdb.New(t), testdb.New(t), testdb.New(t)
 	admin := testdb.NewPoolURL(t, testdb.ServerURL())
-	testdb.RefuseConnections(t, admin, dbName(down))
+	allowDown := testdb.RefuseConnections(t, admin, dbName(down))
 	cfg := writeConfig(t, "source:\n  - down="+withoutPassword(t, down)+"\n  - up="+withoutPassword(t, up)+"\n")
 	grpcAddr, httpAddr := freeAddr(t), freeAddr(t)
 	p := start(t, "serve", "--config", cfg, "--database-url", def, "--listen", grpcAddr, "--http-listen", httpAddr,
@@ -378,9 +378,7 @@ func TestServeStartsWithoutAnUnreachableSource(t *testing.T) {
 	}
 	deliverOne(up, "up")
 
-	if _, err := admin.Exec(t.Context(), `ALTER DATABASE "`+dbName(down)+`" ALLOW_CONNECTIONS true`); err != nil {
-		t.Fatal(err)
-	}
+	allowDown()
 	eventually(t, "/readyz plain ready once down answers", func() bool {
 		code, body := httpGet("http://" + httpAddr + "/readyz")
 		return code == http.StatusOK && strings.TrimSpace(body) == "ready"
