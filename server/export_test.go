@@ -326,5 +326,12 @@ func (s *Server) SetOwnershipHooks(before func(wants bool) error, after func()) 
 // OwnedPartitions is what the replica believes it owns now.
 func (s *Server) OwnedPartitions() []int32 { return s.partitions.owned(time.Now()) }
 
+// OwnershipValidUntil is when the replica's belief in its partitions ends.
+func (s *Server) OwnershipValidUntil() time.Time {
+	s.partitions.mu.Lock()
+	defer s.partitions.mu.Unlock()
+	return s.partitions.validUntil
+}
+
 // Instance is the process identity the replica owns partitions under.
 func (s *Server) Instance() uuid.UUID { return s.instance }

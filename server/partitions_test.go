@@ -196,6 +196,39 @@ func TestPartitionsReleasedAtShutdownAfterFailedTurns(t *testing.T) {
 	}
 }
 
+// A turn's belief counts from the moment the turn sent its statement, not
+// from the answer: the database's ownership starts somewhere in between,
+// so a belief counted from the answer could outlast it. Every turn here
+// checks, once its belief is set, that it ends no later than the TTL after
+// the turn began.
+func TestOwnershipBeliefCountsFromTheSend(t *testing.T) {
+	t.Parallel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	const ttl = time.Hour
+	a := startOwner(t, url, "a", ttl, nil)
+	var (
+		began            time.Time // the current turn's; turns run one at a time
+		checked, overrun atomic.Int32
+	)
+	a.Server.SetOwnershipHooks(func(bool) error { began = time.Now(); return nil }, func() {
+		if until := a.Server.OwnershipValidUntil(); !until.IsZero() {
+			checked.Add(1)
+			if until.After(began.Add(ttl)) {
+				overrun.Add(1)
+			}
+		}
+	})
+	defer openSession(t, a, "ra")()
+	waitOwners(t, pool, map[string]int{"a": 256}, a)
+	eventually(t, func() (bool, string) {
+		return checked.Load() >= 2, fmt.Sprintf("%d turns checked, want 2", checked.Load())
+	})
+	if n := overrun.Load(); n > 0 {
+		t.Fatalf("%d of %d turns believed their partitions beyond the TTL counted from when they began", n, checked.Load())
+	}
+}
+
 // A replica whose renewals fail stops believing in its partitions once its
 // ownership could have expired (it counts from when it sent the last
 // renewal that succeeded, so it stops first), while the database still
