@@ -56,7 +56,11 @@
 # aggregate's next revision and its hand-over (a HOT update too), and the
 # delivery-rate counter.
 #
-# Usage: [BATCH=N] [ROUND=1 | HELD=1|2 | FACTS=1 [FENCE=advisory|share] [PARTITIONS=N]] bench/pgbench/delivery-cycle.sh [OUTBOXD_BINARY]
+# RATE=N runs at most N cycles a second (pgbench -R) instead of back to
+# back: with BATCH=1 and RATE=20, a light source's cycle, each statement
+# landing on a backend that sat idle since the last cycle.
+#
+# Usage: [BATCH=N] [RATE=N] [ROUND=1 | HELD=1|2 | FACTS=1 [FENCE=advisory|share] [PARTITIONS=N]] bench/pgbench/delivery-cycle.sh [OUTBOXD_BINARY]
 # TOP=N lists N statements (default 15). Compare builds (or the modes)
 # back to back, alternating, on one server; BENCHMARKS.md quotes its
 # figures.
@@ -162,7 +166,7 @@ SQL
 fi
 stats=$(q "$url" "SELECT count(*) FROM pg_extension WHERE extname = 'pg_stat_statements'" 2>/dev/null || echo 0)
 if [[ $stats == 0 ]] && q "$url" "CREATE EXTENSION pg_stat_statements" >/dev/null 2>&1; then stats=1; fi
-pgbench -n -M "$mode" -c 1 -T $((window + 10)) -f "$work/cycle.sql" "$url" >/dev/null &
+pgbench -n -M "$mode" -c 1 ${RATE:+-R "$RATE"} -T $((window + 10)) -f "$work/cycle.sql" "$url" >/dev/null &
 sleep 5
 pid=$(q "$url" "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND application_name = 'pgbench'")
 tick=$(getconf CLK_TCK)
