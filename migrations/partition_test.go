@@ -381,3 +381,30 @@ func TestOwnPartitionsJoinsAnewAfterALapse(t *testing.T) {
 		}
 	}
 }
+
+// Shares are rounded up, so that the members' shares together cover every
+// partition: with three replicas wanting partitions each takes up to 86
+// (256/3 rounded down would leave one partition that nobody's share covers,
+// owned by no replica for as long as the three run).
+func TestOwnPartitionsSharesCoverEveryPartition(t *testing.T) {
+	t.Parallel()
+	pool := testdb.NewPool(t)
+	mustOwn(t, pool, "a", true)
+	mustOwn(t, pool, "b", true)
+	mustOwn(t, pool, "c", true)
+	// a renews beside b and c and gives back what is beyond its share, as
+	// a replica does; then b and c take their shares of what is free.
+	a := mustOwn(t, pool, "a", true)
+	if _, err := pool.Exec(context.Background(), `SELECT outbox.release_partitions(md5('a')::uuid, $1)`,
+		a.partitions[min(a.share, len(a.partitions)):]); err != nil {
+		t.Fatal(err)
+	}
+	b := mustOwn(t, pool, "b", true)
+	c := mustOwn(t, pool, "c", true)
+	if a.share != 86 || b.share != 86 || c.share != 86 {
+		t.Fatalf("shares of three replicas: %d, %d, %d; want 86 each (256/3 rounded up)", a.share, b.share, c.share)
+	}
+	if free := count(t, pool, `SELECT count(*) FROM outbox.partition WHERE owner IS NULL`); free != 0 {
+		t.Fatalf("%d partitions owned by none of three replicas that have taken their shares", free)
+	}
+}
