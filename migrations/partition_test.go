@@ -408,3 +408,29 @@ func TestOwnPartitionsSharesCoverEveryPartition(t *testing.T) {
 		t.Fatalf("%d partitions owned by none of three replicas that have taken their shares", free)
 	}
 }
+
+// A replica below its share takes free partitions up to its share and no
+// further, even when more are free: here c leaves, a and b's shares grow
+// from 86 to 128, and a, which owns 86, takes 42 of c's 84 and leaves the
+// other 42 to b.
+func TestOwnPartitionsTakesUpToItsShare(t *testing.T) {
+	t.Parallel()
+	pool := testdb.NewPool(t)
+	mustOwn(t, pool, "a", true)
+	mustOwn(t, pool, "b", true)
+	mustOwn(t, pool, "c", true)
+	a := mustOwn(t, pool, "a", true)
+	if _, err := pool.Exec(context.Background(), `SELECT outbox.release_partitions(md5('a')::uuid, $1)`,
+		a.partitions[min(a.share, len(a.partitions)):]); err != nil {
+		t.Fatal(err)
+	}
+	mustOwn(t, pool, "b", true)
+	mustOwn(t, pool, "c", true)
+	exec(t, pool, `SELECT outbox.leave_partitions(md5('c')::uuid)`)
+	a = mustOwn(t, pool, "a", true)
+	b := mustOwn(t, pool, "b", true)
+	if a.share != 128 || len(a.partitions) != 128 || b.share != 128 || len(b.partitions) != 128 {
+		t.Fatalf("after c left, a's share %d, owns %d; b's share %d, owns %d; want 128 each",
+			a.share, len(a.partitions), b.share, len(b.partitions))
+	}
+}
