@@ -434,3 +434,20 @@ func TestOwnPartitionsTakesUpToItsShare(t *testing.T) {
 			a.share, len(a.partitions), b.share, len(b.partitions))
 	}
 }
+
+// A takeover deletes the expired memberships it takes partitions from:
+// every process that dies without a shutdown (each restart is a new
+// process) would otherwise leave its row in outbox.partition_member for
+// good, for every later takeover to lock and free again.
+func TestOwnPartitionsTakeoverDeletesExpiredMemberships(t *testing.T) {
+	t.Parallel()
+	pool := testdb.NewPool(t)
+	mustOwn(t, pool, "a", true)
+	exec(t, pool, `UPDATE outbox.partition_member SET expires_at = clock_timestamp() - interval '1 second' WHERE replica_id = 'a'`)
+	if b := mustOwn(t, pool, "b", true); len(b.partitions) != 256 {
+		t.Fatalf("b took %d of a's expired partitions, want all 256", len(b.partitions))
+	}
+	if n := count(t, pool, `SELECT count(*) FROM outbox.partition_member WHERE replica_id = 'a'`); n != 0 {
+		t.Fatalf("a's expired membership is still recorded after b took its partitions over (%d rows)", n)
+	}
+}
