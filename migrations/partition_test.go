@@ -451,3 +451,32 @@ func TestOwnPartitionsTakeoverDeletesExpiredMemberships(t *testing.T) {
 		t.Fatalf("a's expired membership is still recorded after b took its partitions over (%d rows)", n)
 	}
 }
+
+// A takeover raises the partition's epoch even when the clock is behind
+// it (a clock stepped back, or an epoch raised by a takeover on a faster
+// clock): the epoch is at least the clock in microseconds, and always above
+// the previous owner's, so that no two owners ever hold one partition under
+// the same epoch.
+func TestOwnPartitionsRaisesTheEpochWhenTheClockIsBehind(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := testdb.NewPool(t)
+	a := mustOwn(t, pool, "a", true)
+	// a's epochs as if a's takeover had run a day ahead of this clock.
+	exec(t, pool, `UPDATE outbox.partition SET epoch = epoch + 86400000000`)
+	var ahead []int64
+	if err := pool.QueryRow(ctx, `SELECT array_agg(epoch ORDER BY partition) FROM outbox.partition`).Scan(&ahead); err != nil {
+		t.Fatal(err)
+	}
+	// a's membership runs out; b takes its partitions over.
+	exec(t, pool, `UPDATE outbox.partition_member SET expires_at = clock_timestamp() - interval '1 second' WHERE replica_id = 'a'`)
+	b := mustOwn(t, pool, "b", true)
+	if !slices.Equal(b.partitions, a.partitions) {
+		t.Fatalf("b took %d partitions of a's expired ones, want all 256", len(b.partitions))
+	}
+	for i, p := range b.partitions {
+		if b.epochs[i] <= ahead[p] {
+			t.Fatalf("partition %d taken over at epoch %d, not above a's %d (ahead of the clock)", p, b.epochs[i], ahead[p])
+		}
+	}
+}
