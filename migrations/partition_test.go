@@ -480,3 +480,33 @@ func TestOwnPartitionsRaisesTheEpochWhenTheClockIsBehind(t *testing.T) {
 		}
 	}
 }
+
+// A membership lasts the TTL its caller gave, from the call, whether it
+// joins or renews: not longer, or a replica killed without a shutdown
+// would keep its partitions from the others beyond the TTL, and not
+// shorter, or its owner would still believe in partitions the database
+// already lets another replica take.
+func TestOwnPartitionsMembershipLastsTheTTL(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := testdb.NewPool(t)
+	clock := func() (at time.Time) {
+		if err := pool.QueryRow(ctx, `SELECT clock_timestamp()`).Scan(&at); err != nil {
+			t.Fatal(err)
+		}
+		return at
+	}
+	for _, turn := range []string{"joining", "renewing"} {
+		before := clock()
+		mustOwn(t, pool, "a", true)
+		after := clock()
+		var expires time.Time
+		if err := pool.QueryRow(ctx, `SELECT expires_at FROM outbox.partition_member WHERE replica_id = 'a'`).Scan(&expires); err != nil {
+			t.Fatal(err)
+		}
+		if expires.Before(before.Add(time.Hour)) || expires.After(after.Add(time.Hour)) {
+			t.Fatalf("%s with a TTL of an hour between %v and %v, a's membership ends at %v",
+				turn, before.Format(time.RFC3339Nano), after.Format(time.RFC3339Nano), expires.Format(time.RFC3339Nano))
+		}
+	}
+}
