@@ -510,3 +510,38 @@ func TestOwnPartitionsMembershipLastsTheTTL(t *testing.T) {
 		}
 	}
 }
+
+// Whether a membership has expired is judged by the clock when the call
+// runs, not when its transaction began: a call in a transaction that began
+// before the membership expired does not renew it, and joins anew (its
+// caller's belief may have lapsed meanwhile) like any caller after a lapse.
+func TestOwnPartitionsJudgesExpiryByTheClock(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := testdb.NewPool(t)
+	before := mustOwn(t, pool, "a", true)
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback(ctx) }()
+	if _, err := tx.Exec(ctx, `SELECT now()`); err != nil {
+		t.Fatal(err)
+	}
+	// Expires after the transaction began, before the call.
+	exec(t, pool, `UPDATE outbox.partition_member SET expires_at = clock_timestamp() WHERE replica_id = 'a'`)
+	var o ownership
+	if err := tx.QueryRow(ctx, `SELECT share, partitions, epochs FROM outbox.own_partitions('a', md5('a')::uuid, true, interval '1 hour')`).
+		Scan(&o.share, &o.partitions, &o.epochs); err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Equal(o.partitions, before.partitions) {
+		t.Fatalf("a owns %d partitions after joining anew, want all 256", len(o.partitions))
+	}
+	for i := range o.partitions {
+		if o.epochs[i] <= before.epochs[i] {
+			t.Fatalf("partition %d kept epoch %d across a membership that expired before the call; want it raised",
+				o.partitions[i], o.epochs[i])
+		}
+	}
+}
