@@ -258,3 +258,56 @@ func TestOwnershipBeliefEndsWithoutRenewals(t *testing.T) {
 	}
 	a.Server.SetOwnershipHooks(nil, nil)
 }
+
+// Partitions a turn gives back beyond the replica's share count as gone
+// whether or not the release's answer arrives: here the release fails (the
+// function is renamed away), the database still records them as the
+// replica's, and the replica believes it owns only its share. It errs
+// toward owning less: it cannot tell a release that failed from one that
+// committed and lost its answer.
+func TestPartitionsGivenBackCountAsGoneWhenTheReleaseFails(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	a := startOwner(t, url, "a", time.Hour, nil)
+	defer openSession(t, a, "ra")()
+	waitOwners(t, pool, map[string]int{"a": 256})
+	waitBelief(t, a, 256)
+	if _, err := pool.Exec(ctx, `ALTER FUNCTION outbox.release_partitions(uuid, integer[]) RENAME TO release_partitions_gone`); err != nil {
+		t.Fatal(err)
+	}
+	b := startOwner(t, url, "b", time.Hour, nil)
+	defer openSession(t, b, "rb")()
+	// b has joined (its share is half), taking nothing: a holds all.
+	eventually(t, func() (bool, string) {
+		n := countWhere(t, pool, "outbox.partition_member", "replica_id = 'b' AND wants")
+		return n == 1, "b's membership not recorded"
+	})
+	// a's next turn starts after b joined: its share is 128, and it gives
+	// back the 128 beyond it, which fails.
+	beliefs := make(chan int, 1)
+	var armed atomic.Bool
+	armed.Store(true)
+	var counted bool // turns run one at a time, on the loop's goroutine
+	a.Server.SetOwnershipHooks(func(bool) error {
+		counted = armed.CompareAndSwap(true, false)
+		return nil
+	}, func() {
+		if counted {
+			counted = false
+			beliefs <- len(a.Server.OwnedPartitions())
+		}
+	})
+	a.Server.KickOwnership()
+	got := <-beliefs
+	if recorded := owners(t, pool)["a"]; recorded != 256 {
+		t.Fatalf("the database records %d partitions as a's; want all 256 (the release was to fail)", recorded)
+	}
+	if got != 128 {
+		t.Fatalf("after giving back the partitions beyond its share, a believes it owns %d; want its share, 128", got)
+	}
+	if _, err := pool.Exec(ctx, `ALTER FUNCTION outbox.release_partitions_gone(uuid, integer[]) RENAME TO release_partitions`); err != nil {
+		t.Fatal(err)
+	}
+}
