@@ -311,3 +311,44 @@ func TestPartitionsGivenBackCountAsGoneWhenTheReleaseFails(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// A stopping replica wants no partitions: while it drains its sessions'
+// last deliveries (it claims nothing more), its turns take a share of none
+// and give back everything, so that a replica that goes on serving can
+// take its partitions over at once rather than when it has finished.
+func TestStoppingReplicaGivesItsPartitionsBackWhileDraining(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	a := startOwner(t, url, "a", time.Hour, nil)
+	emit(t, pool, "orders", "o-1", 1)
+	st := subscribe(t, ctx, a, &outboxv1.SubscribeRequest{RelayId: "ra", Streams: []string{"orders"}, MaxInFlight: 1})
+	d := recv(t, st)
+	waitOwners(t, pool, map[string]int{"a": 256})
+
+	// Stop waits for the delivery to be acked: the session stays.
+	stopped := stopAsync(a.Server, time.Minute)
+	<-a.Server.Stopping()
+	// The first turn to start from now on is the one that counts.
+	wants := make(chan bool, 1)
+	var armed atomic.Bool
+	armed.Store(true)
+	a.Server.SetOwnershipHooks(func(w bool) error {
+		if armed.CompareAndSwap(true, false) {
+			wants <- w
+		}
+		return nil
+	}, nil)
+	a.Server.KickOwnership()
+	if <-wants {
+		t.Fatal("a stopping replica with a session still draining took a turn wanting partitions")
+	}
+	waitOwners(t, pool, map[string]int{"": 256})
+
+	ackPublished(t, a, d)
+	if res := waitStop(t, stopped, 30*time.Second); res.err != nil {
+		t.Errorf("Stop: %v", res.err)
+	}
+}
