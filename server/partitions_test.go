@@ -352,3 +352,28 @@ func TestStoppingReplicaGivesItsPartitionsBackWhileDraining(t *testing.T) {
 		t.Errorf("Stop: %v", res.err)
 	}
 }
+
+// The ownership loop renews every third of the TTL (never later: a pause
+// it arms is at most that), so that a renewal or two may fail or come late
+// before the belief, which lasts one TTL from the last renewal's send,
+// lapses under a replica whose database is there.
+func TestOwnershipLoopRenewsEveryThirdOfTheTTL(t *testing.T) {
+	t.Parallel()
+	url := testdb.New(t)
+	const ttl = 600 * time.Millisecond
+	a := startOwner(t, url, "a", ttl, nil)
+	type wait struct{ interval, armed time.Duration }
+	waits := make(chan wait, 1)
+	a.Server.SetAfterLoopWait(func(loop string, interval, armed time.Duration, _ time.Time) {
+		if loop == "ownership" {
+			select {
+			case waits <- wait{interval, armed}:
+			default:
+			}
+		}
+	})
+	w := <-waits
+	if w.interval != ttl/3 || w.armed > ttl/3 {
+		t.Fatalf("the ownership loop's interval is %v and it armed a pause of %v; want %v and at most that", w.interval, w.armed, ttl/3)
+	}
+}
