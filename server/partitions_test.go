@@ -377,3 +377,77 @@ func TestOwnershipLoopRenewsEveryThirdOfTheTTL(t *testing.T) {
 		t.Fatalf("the ownership loop's interval is %v and it armed a pause of %v; want %v and at most that", w.interval, w.armed, ttl/3)
 	}
 }
+
+// An ownership turn's statement is not cancelled when the replica's loops
+// stop: the shutdown waits for it to end, then gives back what it took.
+// Cancelled, the statement is abandoned by the replica while the database
+// may still run it (pgx asks the server to cancel it over a connection of
+// its own, which can come too late, or too early, before the statement
+// started); blocked behind a lock until after the replica's release at
+// shutdown, it would then commit a takeover for a process that is gone,
+// whose name would stay on the partitions until its membership expired.
+//
+// The turn's statement (a's first, taking over the partitions of x, an
+// expired member) is held on a lock of the test's until the replica's loops
+// have been cancelled, as the disappearance of its LISTEN connection shows
+// (it ends when they are). The turn must not end before the lock is let go;
+// and once the replica has shut down, the takeover has run to its end and
+// everything it took is free again.
+func TestOwnershipTurnStatementOutlivesTheShutdown(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	// x owned every partition and died.
+	if _, err := pool.Exec(ctx, `SELECT outbox.own_partitions('x', gen_random_uuid(), true, interval '1 hour')`); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := pool.Exec(ctx, `UPDATE outbox.partition_member SET expires_at = clock_timestamp() - interval '1 second'`); err != nil {
+		t.Fatal(err)
+	}
+	holder, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = holder.Rollback(ctx) }()
+	var holderPID uint32
+	if err := holder.QueryRow(ctx, `SELECT pg_backend_pid() FROM outbox.partition WHERE partition = 0 FOR UPDATE`).Scan(&holderPID); err != nil {
+		t.Fatal(err)
+	}
+
+	a := startOwner(t, url, "a", time.Hour, nil)
+	var letGo atomic.Bool
+	a.Server.SetOwnershipHooks(nil, func() {
+		if !letGo.Load() {
+			t.Error("an ownership turn ended while its statement was still waiting for the lock: it was cancelled")
+		}
+	})
+	listeners := func() int64 {
+		return countWhere(t, pool, "pg_stat_activity", "datname = current_database() AND application_name = '"+server.ListenerApplicationName+" a'")
+	}
+	waitFor(t, func() int32 { return b2i(listeners() == 1) })
+	openSession(t, a, "ra") // ends with the replica's shutdown
+	// a's first turn joins and, taking x's partitions over, waits for the lock.
+	waitFor(t, func() int32 {
+		return b2i(countWhere(t, pool, "pg_stat_activity",
+			fmt.Sprintf("query LIKE '%%outbox.own_partitions%%' AND %d = ANY (pg_blocking_pids(pid))", holderPID)) == 1)
+	})
+
+	closed := make(chan struct{})
+	go func() { defer close(closed); a.Close() }()
+	waitFor(t, func() int32 { return b2i(listeners() == 0) })
+	letGo.Store(true)
+	if err := holder.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+	<-closed
+	// No statement of a's still runs (a cancelled one would, without its
+	// client, until it commits).
+	waitFor(t, func() int32 {
+		return b2i(countWhere(t, pool, "pg_stat_activity",
+			"datname = current_database() AND query LIKE '%outbox.own_partitions%' AND state = 'active' AND pid <> pg_backend_pid()") == 0)
+	})
+	if got := owners(t, pool); got[""] != 256 {
+		t.Errorf("after a's shutdown, partitions owned %v; want all free (a's takeover of x's ran to its end and a gave them back)", got)
+	}
+}
