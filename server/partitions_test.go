@@ -451,3 +451,49 @@ func TestOwnershipTurnStatementOutlivesTheShutdown(t *testing.T) {
 		t.Errorf("after a's shutdown, partitions owned %v; want all free (a's takeover of x's ran to its end and a gave them back)", got)
 	}
 }
+
+// A replica gives back what it owns beyond its share however little that
+// is, down to one partition (as when a 24th replica joins 23: the share
+// falls from 12 to 11), so that the newcomer can take its own share.
+func TestReplicaOneAboveItsShareGivesThatOneBack(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	a := startOwner(t, url, "a", time.Hour, nil)
+	defer openSession(t, a, "ra")()
+	waitOwners(t, pool, map[string]int{"a": 256})
+	// b, another replica with sessions, joins: a gives back the high half
+	// and b takes it.
+	const b = "00000000-0000-0000-0000-00000000000b"
+	ownB := func() {
+		if _, err := pool.Exec(ctx, `SELECT outbox.own_partitions('b', $1::uuid, true, interval '1 hour')`, b); err != nil {
+			t.Fatal(err)
+		}
+	}
+	ownB()
+	waitOwners(t, pool, map[string]int{"a": 128, "": 128}, a)
+	ownB()
+	// One of b's partitions becomes a's: a owns one above its share.
+	if _, err := pool.Exec(ctx, `UPDATE outbox.partition SET owner = 'a', owner_instance = $1 WHERE partition = 255`, a.Server.Instance()); err != nil {
+		t.Fatal(err)
+	}
+	turned := make(chan struct{})
+	var armed atomic.Bool
+	armed.Store(true)
+	var counted bool // turns run one at a time, on the loop's goroutine
+	a.Server.SetOwnershipHooks(func(bool) error {
+		counted = armed.CompareAndSwap(true, false)
+		return nil
+	}, func() {
+		if counted {
+			counted = false
+			close(turned)
+		}
+	})
+	a.Server.KickOwnership()
+	<-turned
+	if got := owners(t, pool); got["a"] != 128 {
+		t.Fatalf("after a's turn with a share of 128, partitions owned %v; want a at 128", got)
+	}
+}
