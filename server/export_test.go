@@ -323,6 +323,10 @@ func (s *Server) SetOwnershipHooks(before func(wants bool) error, after func()) 
 	s.afterOwnershipTurn.set(after)
 }
 
+// SetOwnershipTurnTimeout bounds the ownership turns' statements by d
+// instead of releaseTimeout.
+func (s *Server) SetOwnershipTurnTimeout(d time.Duration) { s.ownershipTurnTimeout.Store(int64(d)) }
+
 // OwnedPartitions is what the replica believes it owns now.
 func (s *Server) OwnedPartitions() []int32 { return s.partitions.owned(time.Now()) }
 

@@ -28,6 +28,12 @@ type ownedPartitions struct {
 	// uncertain: a statement that may have taken partitions failed, so
 	// the database may record more than ownership says.
 	uncertain bool
+	// memberUntil: the replica's membership (outbox.partition_member) may
+	// last until then, by this process's clock. Every turn's statement
+	// starts or renews it, even one that gives back everything (the last
+	// session ended) and even one that failed, so it outlives the
+	// partitions.
+	memberUntil time.Time
 }
 
 // set replaces the belief with o, valid until validUntil.
@@ -35,6 +41,22 @@ func (p *ownedPartitions) set(o store.Ownership, validUntil time.Time) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	p.ownership, p.validUntil, p.uncertain = o, validUntil, false
+}
+
+// joined records that a statement sent before now may have started or
+// renewed the membership for ttl.
+func (p *ownedPartitions) joined(now time.Time, ttl time.Duration) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.memberUntil = now.Add(ttl)
+}
+
+// member reports whether the replica's membership may still be recorded
+// at now.
+func (p *ownedPartitions) member(now time.Time) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return now.Before(p.memberUntil)
 }
 
 // markUncertain records that a statement that may have taken partitions
@@ -112,7 +134,11 @@ func (s *Server) ownershipTurn(ctx context.Context) {
 	// run and commit after the loop has given up on it, and so after the
 	// release at shutdown, leaving this replica's name on partitions until
 	// they expire. Run to its end, what it took is released with the rest.
-	wctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), releaseTimeout)
+	timeout := releaseTimeout
+	if d := time.Duration(s.ownershipTurnTimeout.Load()); d > 0 {
+		timeout = d
+	}
+	wctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), timeout)
 	defer cancel()
 	if h := s.afterOwnershipTurn.get(); h != nil {
 		defer h()
@@ -126,6 +152,10 @@ func (s *Server) ownershipTurn(ctx context.Context) {
 	if err == nil {
 		o, err = s.store.OwnPartitions(wctx, s.cfg.ReplicaID, s.instance, wants, s.cfg.PartitionTTL)
 	}
+	// Counted from the answer (or the failure), the latest the database's
+	// lease on the membership can have begun: here the error is on the
+	// side of leaving at shutdown.
+	s.partitions.joined(time.Now(), s.cfg.PartitionTTL)
 	if err != nil {
 		if ctx.Err() == nil {
 			s.log.Warn("renewing partition ownership failed; retrying at the next turn", "err", err)
@@ -150,7 +180,10 @@ func (s *Server) ownershipTurn(ctx context.Context) {
 // this replica's and ends its membership, with a deadline of its own (the
 // loop's context is done by then).
 func (s *Server) releasePartitions() {
-	if !s.partitions.any() {
+	// Also when it owns nothing: a membership left behind would refuse the
+	// next process under this replica id (a restarted pod) until it
+	// expired.
+	if !s.partitions.any() && !s.partitions.member(time.Now()) {
 		return
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), releaseTimeout)
@@ -160,6 +193,7 @@ func (s *Server) releasePartitions() {
 			"err", err)
 	}
 	s.partitions.set(store.Ownership{}, time.Time{})
+	s.partitions.joined(time.Time{}, 0)
 	s.metrics.partitionsOwned.Set(0)
 }
 

@@ -416,6 +416,9 @@ func TestOwnershipTurnStatementOutlivesTheShutdown(t *testing.T) {
 	}
 
 	a := startOwner(t, url, "a", time.Hour, nil)
+	// The turn waits for the lock from here until the replica's loops have
+	// ended: longer, on a slow machine, than a turn's own bound.
+	a.Server.SetOwnershipTurnTimeout(time.Minute)
 	var letGo atomic.Bool
 	a.Server.SetOwnershipHooks(nil, func() {
 		if !letGo.Load() {
@@ -495,5 +498,31 @@ func TestReplicaOneAboveItsShareGivesThatOneBack(t *testing.T) {
 	<-turned
 	if got := owners(t, pool); got["a"] != 128 {
 		t.Fatalf("after a's turn with a share of 128, partitions owned %v; want a at 128", got)
+	}
+}
+
+// A replica's shutdown ends its membership even when it owns no partition
+// by then, as when its sessions ended before it stopped (a rolling
+// restart drains them first) and its turn gave everything back: the next
+// process under the same replica id (the restarted pod) is refused while
+// the old membership lasts, so it must be gone at once, not a TTL later.
+func TestReplicaShutdownEndsItsMembershipWhenItOwnsNothing(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	a := startOwner(t, url, "a", time.Hour, nil)
+	endA := openSession(t, a, "ra")
+	waitOwners(t, pool, map[string]int{"a": 256})
+	// Its last session ends: its next turn gives everything back.
+	endA()
+	waitOwners(t, pool, map[string]int{"": 256})
+	a.Close()
+	if n := countWhere(t, pool, "outbox.partition_member", "replica_id = 'a'"); n != 0 {
+		t.Errorf("after a's shutdown, %d memberships of replica a are recorded; want none", n)
+	}
+	// The restarted process, under the same replica id.
+	if _, err := pool.Exec(ctx, `SELECT outbox.own_partitions('a', gen_random_uuid(), true, interval '1 hour')`); err != nil {
+		t.Errorf("a process restarted under replica id a after a's shutdown: %v", err)
 	}
 }

@@ -421,6 +421,10 @@ type Server struct {
 	// afterOwnershipTurn runs after every turn.
 	beforeOwnPartitions hook[func(wants bool) error]
 	afterOwnershipTurn  hook[func()]
+	// ownershipTurnTimeout, when set (by tests: a turn made to wait for a
+	// lock must not end at releaseTimeout on a slow machine), bounds an
+	// ownership turn's statements instead of releaseTimeout.
+	ownershipTurnTimeout atomic.Int64
 	// afterLoopWait, when set (by tests), sees every pause a periodic loop
 	// ("readiness", "refresh") of the given interval arms, and when.
 	afterLoopWait hook[func(loop string, interval, armed time.Duration, at time.Time)]
