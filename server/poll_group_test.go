@@ -55,3 +55,51 @@ func TestASkippedPollBacksOffAsAnEmptyOne(t *testing.T) {
 		t.Fatalf("%d polls skipped their claims, want 4", n)
 	}
 }
+
+// A poll that finds work brings the group's next poll forward to the
+// shortest delay even when it is armed already (another member began to
+// wait after the poll fired, and armed it for the old, long delay): work
+// no wake-up announced appeared, and more may follow, so the group must
+// not wait the long delay to look again.
+func TestAPollThatFindsWorkBringsAnArmedPollForward(t *testing.T) {
+	srv := &Server{cfg: Config{ReconcileInterval: time.Hour, PollInterval: time.Hour}, stopping: make(chan struct{})}
+	a := newSession(srv, "a", "peer", nil, 1, time.Minute)
+	b := newSession(srv, "b", "peer", nil, 1, time.Minute)
+	g := srv.joinPollGroup(a)
+	srv.joinPollGroup(b)
+	defer g.leave(b)
+	defer g.leave(a)
+	g.delay = time.Hour // backed off
+	g.enterIdle(a)
+	g.enterIdle(b)
+	duePoll(t, g) // no probe: the poll asks a, the longest idle, to claim
+	select {
+	case poll := <-a.probe:
+		if !poll {
+			t.Fatal("the poll reached a as a wake-up, not as a poll")
+		}
+	default:
+		t.Fatal("the poll asked nobody to claim")
+	}
+	// b waits again (after a reconcile tick, say): the poll is armed for
+	// the hour.
+	g.leaveIdle(b)
+	g.enterIdle(b)
+	g.mu.Lock()
+	armedFor := time.Until(g.fireAt)
+	g.mu.Unlock()
+	if armedFor < 30*time.Minute {
+		t.Fatalf("the poll is armed for %v, want the hour the group backed off to", armedFor)
+	}
+	g.claimed(claimedSome, true) // a's poll found work
+	g.mu.Lock()
+	delay, armed, fireAt := g.delay, g.armed, g.fireAt
+	g.mu.Unlock()
+	if delay != minIdlePoll {
+		t.Fatalf("after a poll that found work: delay %v, want %v", delay, minIdlePoll)
+	}
+	// Armed (or fired already) within minIdlePoll of the claim, not in an hour.
+	if limit := time.Now().Add(minIdlePoll); fireAt.After(limit) {
+		t.Fatalf("after a poll that found work the next poll is due in %v (armed %v), want within %v", time.Until(fireAt).Round(time.Second), armed, minIdlePoll)
+	}
+}
