@@ -103,3 +103,32 @@ func TestAPollThatFindsWorkBringsAnArmedPollForward(t *testing.T) {
 		t.Fatalf("after a poll that found work the next poll is due in %v (armed %v), want within %v", time.Until(fireAt).Round(time.Second), armed, minIdlePoll)
 	}
 }
+
+// A poll that fires when no member is idle (they left the line to claim,
+// or spent their credit) is kept as a wake-up is: the next member to wait
+// with credit claims at once, and its claim counts as the group's poll
+// (work it finds resets the backoff) also when a wake-up was kept with it.
+func TestAPollThatFindsNoMemberIdleIsKept(t *testing.T) {
+	srv := &Server{cfg: Config{ReconcileInterval: time.Hour, PollInterval: time.Hour}, stopping: make(chan struct{})}
+	a := newSession(srv, "a", "peer", nil, 1, time.Minute)
+	g := srv.joinPollGroup(a)
+	defer g.leave(a)
+	g.delay = time.Hour
+	g.enterIdle(a)
+	g.leaveIdle(a) // a stops waiting; the poll stays armed
+	duePoll(t, g)
+	if now, poll := g.enterIdle(a); !now || !poll {
+		t.Fatalf("a poll that found no member idle: the next to wait claims at once %v, as the group's poll %v; want both", now, poll)
+	}
+	// Again, and a wake-up finds nobody idle either: kept with the poll.
+	g.enterIdle(a)
+	g.leaveIdle(a)
+	duePoll(t, g)
+	srv.wakeGroups(nil)
+	if now, poll := g.enterIdle(a); !now || !poll {
+		t.Fatalf("a poll and a wake-up that found no member idle: the next to wait claims at once %v, as the group's poll %v; want both", now, poll)
+	}
+	if now, _ := g.enterIdle(a); now {
+		t.Fatal("the kept poll and wake-up made the group claim twice")
+	}
+}
