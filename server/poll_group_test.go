@@ -132,3 +132,21 @@ func TestAPollThatFindsNoMemberIdleIsKept(t *testing.T) {
 		t.Fatal("the kept poll and wake-up made the group claim twice")
 	}
 }
+
+// A claim that failed slows the group's poll to 100 ms at least: the
+// database is likely in trouble, and polls every 2 ms would add to it.
+func TestAFailedClaimSlowsThePoll(t *testing.T) {
+	srv := &Server{cfg: Config{ReconcileInterval: time.Hour, PollInterval: time.Hour}, stopping: make(chan struct{})}
+	a := newSession(srv, "a", "peer", nil, 1, time.Minute)
+	g := srv.joinPollGroup(a)
+	defer g.leave(a)
+	g.claimed(claimFailed, true)
+	if g.delay < 100*time.Millisecond {
+		t.Fatalf("after a failed claim: delay %v, want 100ms at least", g.delay)
+	}
+	g.delay = time.Minute
+	g.claimed(claimFailed, false)
+	if g.delay != time.Minute {
+		t.Fatalf("after a failed claim with the poll backed off to 1m: delay %v, want it kept", g.delay)
+	}
+}
