@@ -150,3 +150,21 @@ func TestAFailedClaimSlowsThePoll(t *testing.T) {
 		t.Fatalf("after a failed claim with the poll backed off to 1m: delay %v, want it kept", g.delay)
 	}
 }
+
+// A poll whose claim found nothing doubles the group's poll delay, up to
+// PollInterval and no further: an idle replica makes one claim per stream
+// filter per PollInterval, and a lost notification delays work by a
+// PollInterval at most, however long the group has been idle.
+func TestAnEmptyPollBacksOffUpToPollInterval(t *testing.T) {
+	srv := &Server{cfg: Config{ReconcileInterval: time.Hour, PollInterval: time.Minute}, stopping: make(chan struct{})}
+	a := newSession(srv, "a", "peer", nil, 1, time.Minute)
+	g := srv.joinPollGroup(a)
+	defer g.leave(a)
+	g.delay = 20 * time.Second
+	for i, want := range []time.Duration{40 * time.Second, time.Minute, time.Minute} {
+		g.claimed(claimedNone, true)
+		if g.delay != want {
+			t.Fatalf("after empty poll %d: delay %v, want %v (doubled, up to PollInterval)", i+1, g.delay, want)
+		}
+	}
+}
