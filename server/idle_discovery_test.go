@@ -971,3 +971,88 @@ func TestRoundsArePacedByTheirLength(t *testing.T) {
 		})
 	}
 }
+
+// A round that found 32 events or more pauses as long as it took, no
+// longer: the pause is that share of the round's length below 32 events
+// and the whole of it from 32 on, so a round of 48 events is not followed
+// by a pause of one and a half rounds (under load, where rounds are full,
+// that would leave the discovery connection idle half the time for
+// nothing). The round is held at its hook for hold, so it takes at least
+// that long; it runs right after the check that said it was due (the loop
+// was idle), whose hook marks its start, so it took no longer than from
+// that mark to the moment the loop armed the pause after it. The bounds
+// are the round's own length, not a guess at a loaded machine's speed.
+func TestARoundOfMoreThan32EventsPausesAsLongAsItTook(t *testing.T) {
+	t.Parallel()
+	const hold, events, idle = 600 * time.Millisecond, 48, 3 * time.Second
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	// DiscoveryPaceMax is the idle interval (the default): far above the
+	// round's length and one and a half of it.
+	r := startReplica(t, url, func(c *server.Config) {
+		c.DiscoveryInterval, c.DiscoveryIdleInterval = time.Millisecond, idle
+	})
+	awaitAnEmptyCheck(t, ctx, r)
+	// From here every turn is a check until one finds the events due; the
+	// round that finds them follows it at once, on the loop's goroutine.
+	var dueAt atomic.Pointer[time.Time]
+	r.Server.SetAfterRoundDue(func(due bool, err error) {
+		if err == nil && due {
+			now := time.Now()
+			dueAt.Store(&now)
+		}
+	})
+	var held atomic.Bool
+	var began time.Time // the round's check, read on the loop's goroutine
+	r.Server.SetAfterDiscover(func(d store.Discovery, err error) (store.Discovery, error) {
+		if err == nil && d.Events > 0 && held.CompareAndSwap(false, true) {
+			if d.Events != events {
+				t.Errorf("the round that found events found %d, want the transaction's %d", d.Events, events)
+			}
+			if at := dueAt.Load(); at != nil {
+				began = *at
+			}
+			time.Sleep(hold)
+		}
+		return d, err
+	})
+	type pause struct {
+		chosen time.Duration
+		at     time.Time
+		began  time.Time
+	}
+	pauses := make(chan pause, 1)
+	var sent atomic.Bool
+	r.Server.SetAfterDiscoveryWait(func(chosen, _ time.Duration, at time.Time) {
+		if held.Load() && sent.CompareAndSwap(false, true) {
+			pauses <- pause{chosen, at, began}
+		}
+	})
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for range events {
+		if _, err := client.Emit(ctx, tx, client.Event{Stream: "orders", AggregateKey: "a", Type: "Changed", Payload: []byte(`{}`)}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case p := <-pauses:
+		if p.began.IsZero() {
+			t.Fatal("the round that found the events followed no check that said it was due")
+		}
+		// The round took at least hold, at most until the pause was armed.
+		if most := p.at.Sub(p.began); p.chosen < hold || p.chosen > most {
+			t.Fatalf("after a round of %d events held %v (and over within %v) the loop paused %v, want the round's length: no more than %v",
+				events, hold, most, p.chosen, most)
+		}
+	case <-ctx.Done():
+		t.Fatal("no round found the events")
+	}
+}
