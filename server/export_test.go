@@ -239,6 +239,15 @@ func (s *Server) SetClaimProbe(at time.Time, pause time.Duration, p store.ClaimP
 	s.claimProbe.Store(&probedClaims{at: at, covers: probeCovers(s.cfg.PollInterval, pause), ClaimProbe: p})
 }
 
+// ClaimProbe is when the discovery loop's latest probe of the claims was
+// taken (the zero time: none yet) and how long it covers the polls.
+func (s *Server) ClaimProbe() (at time.Time, covers time.Duration) {
+	if p := s.claimProbe.Load(); p != nil {
+		return p.at, p.covers
+	}
+	return time.Time{}, 0
+}
+
 // PollCovered says whether a poll at now may skip its claim (pollCovered).
 func (s *Server) PollCovered(now time.Time) bool { return s.pollCovered(now) }
 

@@ -429,3 +429,58 @@ func TestAWakeUpAMemberCannotUseGoesToAnother(t *testing.T) {
 		}
 	}
 }
+
+// While a poll group has a member waiting, every discovery check probes
+// the claims unless the last probe is younger than half a PollInterval
+// (claimProbeWanted): a probe covers the polls for a PollInterval, so a
+// poll always finds one that still covers it, and none claims for want of
+// a probe. Probing only every PollInterval would leave the polls between
+// a probe's PollInterval and the next check that probes to claim. So after
+// every check the latest probe is younger than half a PollInterval as of
+// the check before (which ended before this one asked). Polls are off, so
+// the session, once idle, stays idle: every check has a member waiting.
+func TestAnIdleReplicasChecksProbeEveryHalfPollInterval(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	const poll = 100 * time.Millisecond
+	r := startReplica(t, testdb.New(t), func(c *server.Config) {
+		c.PollInterval = poll
+		c.DiscoveryIdleInterval = 5 * time.Millisecond
+	})
+	r.Server.SetNoPolls()
+	subscribe(t, ctx, r, &outboxv1.SubscribeRequest{RelayId: "relay", MaxInFlight: 4})
+	waitFor(t, func() int32 { return b2i(r.Server.IdleSessions() == 1) })
+	// Each check's end (on the loop's goroutine) and the latest probe then.
+	type check struct{ at, probe time.Time }
+	checks := make(chan check, 1024)
+	r.Server.SetAfterRoundDue(func(bool, error) {
+		probe, _ := r.Server.ClaimProbe()
+		select {
+		case checks <- check{time.Now(), probe}:
+		default:
+		}
+	})
+	var prev check
+	var from time.Time // the first check after a probe
+	for n := 0; from.IsZero() || prev.at.Sub(from) < 3*poll; n++ {
+		var c check
+		select {
+		case c = <-checks:
+		case <-ctx.Done():
+			t.Fatalf("the discovery loop made %d checks, want checks over %v", n, 3*poll)
+		}
+		if !prev.at.IsZero() && !prev.probe.IsZero() {
+			if from.IsZero() {
+				from = prev.at
+			}
+			if age := prev.at.Sub(c.probe); age >= poll/2 {
+				t.Fatalf("a check with a session waiting left the latest probe %v old as of the check before it, want less than half a PollInterval (%v)", age, poll/2)
+			}
+		}
+		prev = c
+	}
+	if n := r.Server.IdleSessions(); n != 1 {
+		t.Fatalf("%d sessions idle, want the one, waiting throughout", n)
+	}
+}
