@@ -484,3 +484,63 @@ func TestAnIdleReplicasChecksProbeEveryHalfPollInterval(t *testing.T) {
 		t.Fatalf("%d sessions idle, want the one, waiting throughout", n)
 	}
 }
+
+// A quiet check's probe covers the polls until the check after it, and
+// half a PollInterval more (probeCovers): the pause it covers is the one
+// the check arms, which ends on the quiet interval's grid and so is
+// shorter than the quiet interval the check chose whenever the loop went
+// quiet between two points of it (or its check ended past one). Covering
+// the chosen pause instead would let the polls after the next check skip
+// their claims on this probe whenever that check does not probe (the probe
+// being younger than half a PollInterval then), longer than the probe
+// speaks for. Every
+// quiet check probes here (a session waits, polls off, so it waits
+// throughout, and the checks come more than half a PollInterval apart):
+// each of its probes must cover exactly the pause it armed and half a
+// PollInterval, PollInterval at least.
+func TestAQuietChecksProbeCoversThePauseItArms(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	const poll, quietInterval = 200 * time.Millisecond, 300 * time.Millisecond
+	r := startReplica(t, testdb.New(t), func(c *server.Config) {
+		c.PollInterval = poll
+		c.DiscoveryIdleInterval = 5 * time.Millisecond
+		c.DiscoveryQuietAfter = 100 * time.Millisecond
+		c.DiscoveryQuietInterval = quietInterval
+	})
+	r.Server.SetNoPolls()
+	subscribe(t, ctx, r, &outboxv1.SubscribeRequest{RelayId: "relay", MaxInFlight: 4})
+	waitFor(t, func() int32 { return b2i(r.Server.IdleSessions() == 1) })
+	type pause struct {
+		chosen, armed, covers time.Duration
+		fresh                 bool // the probe was taken by the check that armed the pause
+	}
+	pauses := make(chan pause, 64)
+	var last time.Time // the loop's last pause, on its goroutine
+	r.Server.SetAfterDiscoveryWait(func(chosen, armed time.Duration, at time.Time) {
+		probe, covers := r.Server.ClaimProbe()
+		fresh := !last.IsZero() && probe.After(last)
+		last = at
+		select {
+		case pauses <- pause{chosen, armed, covers, fresh}:
+		default:
+		}
+	})
+	for quiet := 0; quiet < 3; {
+		var p pause
+		select {
+		case p = <-pauses:
+		case <-ctx.Done():
+			t.Fatalf("the loop made %d quiet checks that probed, want 3", quiet)
+		}
+		if p.chosen != quietInterval || !p.fresh {
+			continue
+		}
+		quiet++
+		if want := max(poll, p.armed+poll/2); p.covers != want {
+			t.Fatalf("a quiet check that chose %v and armed %v stored a probe covering %v, want %v (the armed pause and half a PollInterval)",
+				p.chosen, p.armed, p.covers, want)
+		}
+	}
+}
