@@ -1056,3 +1056,54 @@ func TestARoundOfMoreThan32EventsPausesAsLongAsItTook(t *testing.T) {
 		t.Fatal("no round found the events")
 	}
 }
+
+// A failed round is retried after the loop's own back-off (after a stop,
+// the idle interval, a second at least), also once the loop is quiet: the
+// quiet interval (a replica's budget of checks, spread over its sources)
+// paces checks that find nothing, not retries of a round that failed. The
+// stop is recorded while the loop is quiet; its next check says a round is
+// due (a stop is among the check's conditions), the round fails with the
+// stop, and the pause after it is a second, chosen and armed as such, not
+// the quiet interval on its grid.
+func TestAFailedRoundIsRetriedAfterItsOwnPauseInAQuietLoop(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	const quietInterval = 3 * time.Second
+	r := startReplica(t, url, func(c *server.Config) {
+		c.DiscoveryIdleInterval = 5 * time.Millisecond
+		c.DiscoveryQuietAfter = 100 * time.Millisecond
+		c.DiscoveryQuietInterval = quietInterval
+	})
+	awaitClosed(t, ctx, pauseChosen(r, func(w time.Duration) bool { return w == quietInterval }),
+		"the discovery loop never chose the quiet interval")
+	var failed atomic.Bool
+	r.Server.SetAfterDiscover(func(d store.Discovery, err error) (store.Discovery, error) {
+		if errors.Is(err, store.ErrDiscoveryStopped) {
+			failed.Store(true)
+		}
+		return d, err
+	})
+	type pause struct{ chosen, armed time.Duration }
+	pauses := make(chan pause, 1)
+	var sent atomic.Bool
+	r.Server.SetAfterDiscoveryWait(func(chosen, armed time.Duration, _ time.Time) {
+		if failed.Load() && sent.CompareAndSwap(false, true) {
+			pauses <- pause{chosen, armed}
+		}
+	})
+	if _, err := pool.Exec(ctx, `UPDATE outbox.discovery SET stopped_reason = 'recorded by the test', stopped_at = now()`); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case p := <-pauses:
+		if p.chosen != time.Second || p.armed != time.Second {
+			t.Fatalf("after a round that failed with the stop, in a quiet loop, the loop chose a pause of %v, armed as %v; want a second (the idle interval, a second at least), not the quiet interval %v",
+				p.chosen, p.armed, quietInterval)
+		}
+	case <-ctx.Done():
+		t.Fatal("no round failed with the recorded stop")
+	}
+}
