@@ -12,6 +12,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/protobuf/types/known/durationpb"
 
+	"github.com/outboxd/outboxd/client"
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
 	"github.com/outboxd/outboxd/internal/store"
 	"github.com/outboxd/outboxd/internal/testdb"
@@ -494,6 +495,98 @@ func TestARoundThatLostItsTurnKeepsTheSaturation(t *testing.T) {
 	}
 	gate.release(false)
 	for range 5 {
+		ackPublished(t, r, recv(t, st))
+	}
+}
+
+// A saturated round bounded by its sessions' credit that takes as many
+// events as that bound leaves the rest undiscovered: it is short of credit
+// as much as the rounds before it, and does not end the saturation (only a
+// round that takes everything it found within the credit does). Were it
+// to end it, every other round of a saturated replica would take the
+// whole backlog and make it ready, for claims. Forced as in
+// TestARoundThatLostItsTurnKeepsTheSaturation: a burst of 5 against an
+// offer of 3 makes the replica saturated, and ten more events (each its own
+// transaction) commit in that round's hook, which takes discovery's lock
+// and holds it until the session offers its 3 units again; the round after
+// takes 3 and dispatches them.
+// The session then has no credit to offer: the next round is put off until
+// its acks free some, and takes no more than that, not the 7 left.
+func TestARoundAsLargeAsItsBoundKeepsTheSaturation(t *testing.T) {
+	t.Parallel()
+	const more = 10
+	ctx, pool, r, gate, _ := startCreditReplica(t, true, time.Nanosecond, nil)
+	lockConn, err := pool.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(lockConn.Release)
+	lost := make(chan struct{}, 1)
+	var holding atomic.Bool
+	held := make(chan error, 1)
+	rounds := watchRoundsWith(r, func(d store.Discovery, err error) {
+		switch {
+		case err != nil:
+		case d.Events > 0:
+			if holding.CompareAndSwap(false, true) {
+				// The burst's round: the lock is taken before the next, and
+				// the events committed before any check could find nothing
+				// due (which would end the saturation).
+				_, err := lockConn.Exec(ctx, `SELECT pg_advisory_lock($1)`, int64(discoveryLockKey))
+				for i := 0; err == nil && i < more; i++ {
+					_, err = client.Emit(ctx, pool, client.Event{Stream: "orders", AggregateKey: fmt.Sprintf("b%d", i), Type: "Changed", Payload: []byte(`{}`)})
+				}
+				held <- err
+			}
+		case holding.Load():
+			select {
+			case lost <- struct{}{}:
+			default:
+			}
+		}
+	})
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 3, LeaseTtl: durationpb.New(time.Hour)})
+	gate.waitHeld(t) // the session offers all 3 units
+	burst(ctx, t, pool, "a", 5)
+	if d := rounds.next(t); d.Events != 5 || len(d.Dispatched) != 3 {
+		t.Fatalf("the burst's round took %d events and dispatched %d, want 5 and 3 (not saturated yet)", d.Events, len(d.Dispatched))
+	}
+	if err := <-held; err != nil {
+		t.Fatal(err)
+	}
+	gate.release(false)
+	for i := range 5 {
+		d := recv(t, st)
+		if i == 4 {
+			gate.armFrom(3) // the offer its ack frees, all 3 units
+		}
+		ackPublished(t, r, d)
+	}
+	gate.waitHeld(t)
+	// A round borrowed the 3 units (and lost its turn): the next takes them.
+	drain(lost)
+	select {
+	case <-lost:
+	case <-time.After(30 * time.Second):
+		t.Fatal("no round lost its turn within 30s")
+	}
+	if _, err := lockConn.Exec(ctx, `SELECT pg_advisory_unlock($1)`, int64(discoveryLockKey)); err != nil {
+		t.Fatal(err)
+	}
+	if d := rounds.next(t); d.Events != 3 || len(d.Dispatched) != 3 || d.Aggregates != 0 {
+		t.Fatalf("the saturated round took %d events, dispatched %d and made %d ready; want 3, 3 and 0 (bounded by the offer)",
+			d.Events, len(d.Dispatched), d.Aggregates)
+	}
+	// The session, given the 3, offers credit again only as its acks free
+	// it: the next round is bounded by that, 3 at most.
+	gate.release(false)
+	for range 3 {
+		ackPublished(t, r, recv(t, st))
+	}
+	if d := rounds.next(t); d.Events > 3 {
+		t.Fatalf("the round after a round as large as its bound took %d events, want 3 at most (the credit the acks freed): that round ended the saturation", d.Events)
+	}
+	for range more - 3 {
 		ackPublished(t, r, recv(t, st))
 	}
 }
