@@ -590,3 +590,60 @@ func TestARoundAsLargeAsItsBoundKeepsTheSaturation(t *testing.T) {
 		ackPublished(t, r, recv(t, st))
 	}
 }
+
+// Rounds are bounded by their sessions' credit only once they have been
+// short of it for saturatedAfter: before that, a burst beyond the credit is
+// made ready as ever, for the sessions' claims, which take it in parallel
+// as acks free credit (bounded at once, every round of a bursty load would
+// wait for the loop's next round). Here saturatedAfter is an hour: a burst
+// of 5 against an offer of 3 makes the first round short, and 5 more
+// events, committed in that round's hook (so that the next turn is a round
+// with no check between, which finding nothing would end the shortage),
+// are all taken by the round after, though the session, its offer spent on
+// the first round's leases, offers no credit to it: not put off.
+func TestAShortRoundDoesNotBoundTheNextBeforeSaturatedAfter(t *testing.T) {
+	t.Parallel()
+	const more = 5
+	ctx, pool, r, gate, _ := startCreditReplica(t, true, time.Hour, nil)
+	putOff := make(chan struct{}, 1)
+	r.Server.SetAfterPutOff(func() {
+		select {
+		case putOff <- struct{}{}:
+		default:
+		}
+	})
+	var first atomic.Bool
+	emitted := make(chan error, 1)
+	rounds := watchRoundsWith(r, func(d store.Discovery, err error) {
+		if err == nil && d.Events > 0 && first.CompareAndSwap(false, true) {
+			var eerr error
+			for i := 0; eerr == nil && i < more; i++ {
+				_, eerr = client.Emit(ctx, pool, client.Event{Stream: "orders", AggregateKey: fmt.Sprintf("b%d", i), Type: "Changed", Payload: []byte(`{}`)})
+			}
+			emitted <- eerr
+		}
+	})
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 3, LeaseTtl: durationpb.New(time.Hour)})
+	gate.waitHeld(t) // the session offers all 3 units
+	burst(ctx, t, pool, "a", 5)
+	if d := rounds.next(t); d.Events != 5 || len(d.Dispatched) != 3 {
+		t.Fatalf("the burst's round took %d events and dispatched %d, want 5 and 3", d.Events, len(d.Dispatched))
+	}
+	if err := <-emitted; err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case d := <-rounds.rounds:
+		if d.Events != more {
+			t.Fatalf("the round after one short round took %d events, want all %d: not saturated before saturatedAfter", d.Events, more)
+		}
+	case <-putOff:
+		t.Fatal("the round after one short round was put off for want of credit: saturated before saturatedAfter")
+	case <-time.After(30 * time.Second):
+		t.Fatal("no round found the second burst within 30s")
+	}
+	gate.release(false)
+	for range 5 + more {
+		ackPublished(t, r, recv(t, st))
+	}
+}
