@@ -544,3 +544,61 @@ func TestAQuietChecksProbeCoversThePauseItArms(t *testing.T) {
 		}
 	}
 }
+
+// A round that made aggregates ready wakes the poll groups whose filter
+// takes one of their streams, and no other: a session that takes only
+// payments is not asked to claim for an orders event (a claim that can
+// find nothing, one per group and round). Two sessions, one taking orders,
+// one payments, wait in two groups; polls are off and nothing is
+// dispatched, so only the round's wake-up makes a session claim; the
+// round's own NOTIFY, come back on the LISTEN connection, is not a second
+// wake-up (TestAWakeUpWakesOneSessionOnce).
+func TestARoundWakesOnlyTheGroupsOfTheStreamsItMadeReady(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	r := startReplica(t, url, func(c *server.Config) {
+		c.ReplicaID = "waker"
+		c.NoDispatch = true // the round makes the aggregate ready
+	})
+	r.Server.SetNoPolls()
+	var notified atomic.Int64
+	r.Server.SetAfterNotify(func(channel string) {
+		if channel == store.ChannelWakeup {
+			notified.Add(1)
+		}
+	})
+	waitFor(t, func() int32 {
+		var n int32
+		_ = pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE application_name = $1
+			AND query LIKE 'LISTEN "outbox_released"%'`, server.ListenerApplicationName+" waker").Scan(&n)
+		return n
+	})
+	// A stream is subscribed to once it has events.
+	emit(t, pool, "orders", "first", 1)
+	emit(t, pool, "payments", "first", 1)
+	orders := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{RelayId: "orders", Streams: []string{"orders"}, MaxInFlight: 4})
+	payments := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{RelayId: "payments", Streams: []string{"payments"}, MaxInFlight: 4})
+	for _, st := range []outboxv1.RelayService_SubscribeClient{orders, payments} {
+		ack(t, r, recv(t, st))
+	}
+	waitFor(t, func() int32 { return b2i(r.Server.IdleSessions() == 2) })
+	n0, g0, w0 := notified.Load(), r.Server.GroupWakeups(), r.Server.Wakeups()
+
+	ids := emit(t, pool, "orders", "a", 1)
+	d := recv(t, orders)
+	if d.GetEvent().GetEventId() != ids[0].String() {
+		t.Fatalf("got %v, want orders/a", d)
+	}
+	// The round's NOTIFY has come back and been acted on.
+	waitFor(t, func() int32 { return b2i(notified.Load() > n0) })
+	if w := r.Server.GroupWakeups() - g0; w != 1 {
+		t.Errorf("a round that made an orders aggregate ready woke %d poll groups; want one, the orders group's", w)
+	}
+	if w := r.Server.Wakeups() - w0; w != 1 {
+		t.Errorf("%d sessions were asked to claim; want one, the orders session", w)
+	}
+	ack(t, r, d)
+}
