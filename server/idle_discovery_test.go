@@ -1107,3 +1107,55 @@ func TestAFailedRoundIsRetriedAfterItsOwnPauseInAQuietLoop(t *testing.T) {
 		t.Fatal("no round failed with the recorded stop")
 	}
 }
+
+// A round that found exactly as many events as its bound (here
+// DiscoveryMaxEvents; a saturated replica's rounds, bounded by their
+// sessions' credit, find that many whenever the backlog is of one-event
+// transactions) is a backlog taken in parts, like one that found more: it
+// is followed after DiscoveryInterval, unpaced, since the rest is there
+// already. Three events, each its own transaction, commit while
+// discovery's lock is held, and DiscoveryMaxEvents is 2: the first round
+// takes two of them. It is held at its hook for hold, so that pacing it
+// (2/32 of its length) would pause well over DiscoveryInterval.
+func TestARoundAsLargeAsItsBoundIsNotPaced(t *testing.T) {
+	t.Parallel()
+	const hold, interval = 300 * time.Millisecond, time.Millisecond
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	r := startReplica(t, url, func(c *server.Config) {
+		c.DiscoveryInterval, c.DiscoveryIdleInterval = interval, 10*time.Second
+		c.DiscoveryMaxEvents = 2
+	})
+	var found atomic.Int64
+	r.Server.SetAfterDiscover(func(d store.Discovery, err error) (store.Discovery, error) {
+		if err == nil && d.Events > 0 && found.CompareAndSwap(0, d.Events) {
+			time.Sleep(hold)
+		}
+		return d, err
+	})
+	pauses := make(chan time.Duration, 1)
+	var sent atomic.Bool
+	r.Server.SetAfterDiscoveryWait(func(chosen, _ time.Duration, _ time.Time) {
+		if found.Load() > 0 && sent.CompareAndSwap(false, true) {
+			pauses <- chosen
+		}
+	})
+	release := holdDiscovery(ctx, t, pool)
+	for _, key := range []string{"a", "b", "c"} {
+		emit(t, pool, "orders", key, 1)
+	}
+	release()
+	select {
+	case p := <-pauses:
+		if n := found.Load(); n != 2 {
+			t.Fatalf("the first round took %d events, want 2 (DiscoveryMaxEvents)", n)
+		}
+		if p != interval {
+			t.Fatalf("after a round that took exactly DiscoveryMaxEvents events (held %v) the loop paused %v, want DiscoveryInterval (%v): the rest is there already", hold, p, interval)
+		}
+	case <-ctx.Done():
+		t.Fatal("no round found the events")
+	}
+}
