@@ -647,3 +647,46 @@ func TestAShortRoundDoesNotBoundTheNextBeforeSaturatedAfter(t *testing.T) {
 		ackPublished(t, r, recv(t, st))
 	}
 }
+
+// A round put off for want of credit waits for a session's offer, or the
+// idle interval (sessions that end offer none): it does not try again
+// after DiscoveryInterval, which would spin the loop (a borrow of every
+// session's credit each millisecond) for as long as the relays hold their
+// credit. The session's one unit is out (its lease unacked) when the next
+// event commits, so its round is put off; the pause the loop then arms is
+// the idle interval, and the ack's offer ends it.
+func TestARoundPutOffWaitsForAnOfferOrTheIdleInterval(t *testing.T) {
+	t.Parallel()
+	const idle = 2 * time.Second
+	ctx, pool, r, _, _ := startCreditReplica(t, false, 0, func(c *server.Config) { c.DiscoveryIdleInterval = idle })
+	var putOff atomic.Bool
+	r.Server.SetAfterPutOff(func() { putOff.Store(true) })
+	pauses := make(chan time.Duration, 1)
+	var sent atomic.Bool
+	r.Server.SetAfterDiscoveryWait(func(chosen, _ time.Duration, _ time.Time) {
+		if putOff.Load() && sent.CompareAndSwap(false, true) {
+			pauses <- chosen
+		}
+	})
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 1, LeaseTtl: durationpb.New(time.Hour)})
+	first := emit(t, pool, "orders", "a", 1)[0]
+	d := recv(t, st)
+	if d.GetEvent().GetEventId() != first.String() {
+		t.Fatalf("got %s, want %s", d.GetEvent().GetEventId(), first)
+	}
+	second := emit(t, pool, "orders", "b", 1)[0]
+	select {
+	case p := <-pauses:
+		if p != idle {
+			t.Fatalf("after a round put off for want of credit the loop paused %v, want the idle interval (%v), cut short by an offer", p, idle)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("the discovery loop put no round off within 30s")
+	}
+	ackPublished(t, r, d)
+	if d := recv(t, st); d.GetEvent().GetEventId() != second.String() {
+		t.Fatalf("got %s, want %s", d.GetEvent().GetEventId(), second)
+	} else {
+		ackPublished(t, r, d)
+	}
+}
