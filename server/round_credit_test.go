@@ -690,3 +690,25 @@ func TestARoundPutOffWaitsForAnOfferOrTheIdleInterval(t *testing.T) {
 		ackPublished(t, r, d)
 	}
 }
+
+// A saturated round is bounded by the smaller of its sessions' credit and
+// DiscoveryMaxEvents: a replica configured to take a backlog in rounds of
+// 100 still takes no more than the 3 its session can take. Forced as in
+// TestARoundTakesWhatItsSessionsCanTake (saturated from the first round):
+// ten events, each its own transaction, wait for one round.
+func TestASaturatedRoundTakesTheCreditBelowDiscoveryMaxEvents(t *testing.T) {
+	t.Parallel()
+	ctx, pool, r, gate, rounds := startCreditReplica(t, true, 0, func(c *server.Config) { c.DiscoveryMaxEvents = 100 })
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 3, LeaseTtl: durationpb.New(time.Hour)})
+	gate.waitHeld(t) // the session offers all 3 units
+	const n = 10
+	burst(ctx, t, pool, "o", n)
+	if d := rounds.next(t); d.Events != 3 || len(d.Dispatched) != 3 || d.Aggregates != 0 {
+		t.Fatalf("the round took %d events, dispatched %d and made %d ready; want 3, 3 and 0 (the session's credit, below DiscoveryMaxEvents 100)",
+			d.Events, len(d.Dispatched), d.Aggregates)
+	}
+	gate.release(false)
+	for range n {
+		ackPublished(t, r, recv(t, st))
+	}
+}
