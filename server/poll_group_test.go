@@ -168,3 +168,28 @@ func TestAnEmptyPollBacksOffUpToPollInterval(t *testing.T) {
 		}
 	}
 }
+
+// A session that leaves its group for good (its stream ended) leaves the
+// idle line too: a wake-up after that goes to a member still there, or is
+// kept for the next to wait, never to the session that is gone, which
+// would never claim with it.
+func TestAWakeUpAfterAMemberLeftIsNotLostToIt(t *testing.T) {
+	srv := &Server{cfg: Config{ReconcileInterval: time.Hour, PollInterval: time.Hour}, stopping: make(chan struct{})}
+	a := newSession(srv, "a", "peer", nil, 1, time.Minute)
+	b := newSession(srv, "b", "peer", nil, 1, time.Minute)
+	g := srv.joinPollGroup(a)
+	srv.joinPollGroup(b)
+	defer g.leave(b)
+	g.delay = time.Hour // no poll fires
+	g.enterIdle(a)      // a waits, and its loop ends while it waits
+	g.leave(a)
+	srv.wakeGroups(nil)
+	select {
+	case <-a.probe:
+		t.Fatal("a wake-up went to a session that had left its group")
+	default:
+	}
+	if now, _ := g.enterIdle(b); !now {
+		t.Fatal("a wake-up after a member left was lost: the next to wait must claim at once")
+	}
+}
