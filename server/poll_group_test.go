@@ -193,3 +193,34 @@ func TestAWakeUpAfterAMemberLeftIsNotLostToIt(t *testing.T) {
 		t.Fatal("a wake-up after a member left was lost: the next to wait must claim at once")
 	}
 }
+
+// A wake-up goes to the member that has waited longest: members take
+// turns, so no session of a group is left idle while another, which began
+// to wait after it, claims every time.
+func TestAWakeUpGoesToTheLongestIdleMember(t *testing.T) {
+	srv := &Server{cfg: Config{ReconcileInterval: time.Hour, PollInterval: time.Hour}, stopping: make(chan struct{})}
+	a := newSession(srv, "a", "peer", nil, 1, time.Minute)
+	b := newSession(srv, "b", "peer", nil, 1, time.Minute)
+	g := srv.joinPollGroup(a)
+	srv.joinPollGroup(b)
+	defer g.leave(b)
+	defer g.leave(a)
+	g.delay = time.Hour // no poll fires
+	g.enterIdle(a)
+	g.enterIdle(b)
+	for i, want := range []*session{a, b} {
+		srv.wakeGroups(nil)
+		for _, ss := range []*session{a, b} {
+			select {
+			case <-ss.probe:
+				if ss != want {
+					t.Fatalf("wake-up %d went to %s, want %s, idle longest", i+1, ss.relayID, want.relayID)
+				}
+			default:
+				if ss == want {
+					t.Fatalf("wake-up %d did not reach %s, idle longest", i+1, ss.relayID)
+				}
+			}
+		}
+	}
+}
