@@ -210,10 +210,13 @@ func (s *Server) discover(ctx context.Context) {
 			// offered) leaves the rest there, and the next one goes on
 			// without the pause, as far as credit allows.
 			wait = max(s.cfg.DiscoveryInterval, min(roundPause(took, found.Events), s.cfg.DiscoveryPaceMax))
-			if round.bound > 0 && found.Events >= int64(round.bound) {
+			full := round.bound > 0 && found.Events >= int64(round.bound)
+			if full {
 				wait = s.cfg.DiscoveryInterval
 			}
-			if found.Events == 1 && now.Sub(active()) > s.cfg.DiscoveryIdleInterval {
+			// (Not a round as large as its bound, even of one event: the
+			// rest of the backlog is there already.)
+			if found.Events == 1 && !full && now.Sub(active()) > s.cfg.DiscoveryIdleInterval {
 				// A trickle: one event, and the round before that found any
 				// was more than the idle interval ago. A check 1, 2, 4 ms
 				// later would almost never find the next one (a source with
