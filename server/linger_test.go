@@ -5,6 +5,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
 	"github.com/outboxd/outboxd/internal/testdb"
 	"github.com/outboxd/outboxd/server"
@@ -19,7 +20,9 @@ import (
 // to ack them through.
 type lingerRig struct {
 	r        *replica
+	pool     *pgxpool.Pool
 	relays   [2]outboxv1.RelayServiceClient
+	st       outboxv1.RelayService_SubscribeClient
 	ds       []*outboxv1.SubscribeResponse
 	entered  chan struct{} // an ack batch began (beforeAckBatch)
 	queued   chan struct{} // an ack request was queued
@@ -46,6 +49,7 @@ func newLingerRigOf(t *testing.T, n int, linger time.Duration) *lingerRig {
 	pool := testdb.NewPoolURL(t, url)
 	g := &lingerRig{
 		r:        startReplica(t, url, func(c *server.Config) { c.AckLinger = linger }),
+		pool:     pool,
 		entered:  make(chan struct{}, 16),
 		queued:   make(chan struct{}, 16),
 		lingered: make(chan int, 16),
@@ -71,8 +75,8 @@ func newLingerRigOf(t *testing.T, n int, linger time.Duration) *lingerRig {
 	waitDiscovered(t, pool, n)
 	ctx, cancel := context.WithCancel(context.Background())
 	t.Cleanup(cancel)
-	st := subscribe(t, ctx, g.r, &outboxv1.SubscribeRequest{MaxInFlight: uint32(n)})
-	g.ds, _ = receiveN(t, st, n)
+	g.st = subscribe(t, ctx, g.r, &outboxv1.SubscribeRequest{MaxInFlight: uint32(n)})
+	g.ds, _ = receiveN(t, g.st, n)
 	return g
 }
 
@@ -191,6 +195,48 @@ func TestAckBatchLingersWhenCallersQueueTogether(t *testing.T) {
 	g.release()
 	g.answered(t, 1) // the first batch: one ack, none before it
 	g.lingersThenCommitsWith(t, 2, 1, 3)
+}
+
+// The ack before a batch (the one the rule compares the batch's first
+// with) is the last one the batch before took, not its first: after a
+// batch that held connection 0's ack and then connection 1's, an ack of
+// connection 1 alone follows its own caller's, and commits at once, though
+// another delivery is outstanding. Were the earlier batch's first ack
+// taken for the one before, the lone ack would look interleaved with
+// connection 0's and wait for company that a relay acking one call at a
+// time never sends.
+func TestAckBatchComparesWithTheLastAckBeforeIt(t *testing.T) {
+	t.Parallel()
+	g := newLingerRig(t, 4)
+	g.ack(t, 0, 0)
+	<-g.entered // held until both acks below are queued
+	g.ack(t, 0, 1)
+	g.ack(t, 1, 2)
+	g.release()
+	g.answered(t, 1) // the first batch: one ack, none before it
+	// The next batch holds connection 0's ack, then connection 1's, and
+	// ends its linger with connection 1's ack of the last delivery out.
+	g.lingersThenCommitsWith(t, 2, 1, 3)
+	// Two deliveries more, reaching the session with the credit the acks
+	// freed: one to ack, one outstanding beside it.
+	emit(t, g.pool, "orders", "y", 1)
+	emit(t, g.pool, "orders", "z", 1)
+	more, _ := receiveN(t, g.st, 2)
+	g.ds = append(g.ds, more...)
+	g.ack(t, 1, 4) // after connection 1's ack, which the batch before took last
+	select {
+	case acks := <-g.lingered:
+		t.Fatalf("a batch of %d acks of connection 1 lingered after connection 1's ack, the last taken before it", acks)
+	case a := <-g.answers:
+		if a.err != nil {
+			t.Fatalf("ack of %s: %v", a.id, a.err)
+		}
+		for _, r := range a.res.GetResults() {
+			if r.GetStatus() != outboxv1.AckStatus_ACK_STATUS_PUBLISHED {
+				t.Fatalf("ack of %s: %v %s", r.GetEventId(), r.GetStatus(), r.GetMessage())
+			}
+		}
+	}
 }
 
 // A negative Config.AckLinger turns the linger off: the batch that lingers
