@@ -2,11 +2,14 @@ package server_test
 
 import (
 	"context"
+	"slices"
+	"sync"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+	"github.com/outboxd/outboxd/internal/store"
 	"github.com/outboxd/outboxd/internal/testdb"
 	"github.com/outboxd/outboxd/server"
 	"google.golang.org/grpc"
@@ -45,10 +48,17 @@ func newLingerRig(t *testing.T, n int) *lingerRig {
 
 func newLingerRigOf(t *testing.T, n int, linger time.Duration) *lingerRig {
 	t.Helper()
+	return newLingerRigWith(t, n, func(c *server.Config) { c.AckLinger = linger })
+}
+
+// newLingerRigWith is newLingerRig with the replica's configuration set by
+// configure (which sets its AckLinger too).
+func newLingerRigWith(t *testing.T, n int, configure func(*server.Config)) *lingerRig {
+	t.Helper()
 	url := testdb.New(t)
 	pool := testdb.NewPoolURL(t, url)
 	g := &lingerRig{
-		r:        startReplica(t, url, func(c *server.Config) { c.AckLinger = linger }),
+		r:        startReplica(t, url, configure),
 		pool:     pool,
 		entered:  make(chan struct{}, 16),
 		queued:   make(chan struct{}, 16),
@@ -236,6 +246,91 @@ func TestAckBatchComparesWithTheLastAckBeforeIt(t *testing.T) {
 				t.Fatalf("ack of %s: %v %s", r.GetEventId(), r.GetStatus(), r.GetMessage())
 			}
 		}
+	}
+}
+
+// batchSizes records how many acks each ack batch of g's replica applied.
+func (g *lingerRig) batchSizes() func() []int {
+	var mu sync.Mutex
+	var sizes []int
+	g.r.Server.SetAfterAck(func(res []store.AckResult, err error) ([]store.AckResult, error) {
+		mu.Lock()
+		defer mu.Unlock()
+		sizes = append(sizes, len(res))
+		return res, err
+	})
+	return func() []int {
+		mu.Lock()
+		defer mu.Unlock()
+		return slices.Clone(sizes)
+	}
+}
+
+// Config.AckBatch is the most acks one group commit applies: a batch that
+// finds more queued takes as many as fit and leaves the rest to the next.
+// (One committer, so that every ack queues where the batch looks.)
+func TestAckBatchTakesAtMostAckBatchQueued(t *testing.T) {
+	t.Parallel()
+	g := newLingerRigWith(t, 5, func(c *server.Config) {
+		c.AckLinger = time.Minute
+		c.AckBatch = 3
+		c.AckCommitters = 1
+	})
+	sizes := g.batchSizes()
+	g.ack(t, 0, 0)
+	<-g.entered // held until the four acks below are queued
+	for i := 1; i <= 4; i++ {
+		g.ack(t, 1, i) // one caller: no batch lingers
+	}
+	g.release()
+	g.answered(t, 5)
+	for _, n := range sizes() {
+		if n > 3 {
+			t.Fatalf("ack batches of %v acks, want at most AckBatch (3) each", sizes())
+		}
+	}
+}
+
+// The same for a batch that lingers for company: it stops waiting once it
+// holds AckBatch acks, though deliveries it would wait for are still
+// outstanding, and acks queued after that go to the next batch.
+func TestAckBatchLingersForAtMostAckBatch(t *testing.T) {
+	t.Parallel()
+	g := newLingerRigWith(t, 6, func(c *server.Config) {
+		c.AckLinger = time.Minute
+		c.AckBatch = 3
+		c.AckCommitters = 1
+	})
+	sizes := g.batchSizes()
+	g.ack(t, 0, 0)
+	<-g.entered // held until both acks below are queued
+	g.ack(t, 0, 1)
+	g.ack(t, 1, 2)
+	g.release()
+	g.answered(t, 1) // the first batch: one ack, none before it
+	// The next batch holds connection 0's ack and connection 1's, with
+	// deliveries 3, 4 and 5 outstanding: it lingers, and the third ack
+	// fills it.
+	select {
+	case acks := <-g.lingered:
+		if acks != 2 {
+			t.Fatalf("the batch lingered with %d acks, want 2", acks)
+		}
+	case a := <-g.answers:
+		t.Fatalf("the ack of %s was committed without waiting for the deliveries still outstanding", a.id)
+	}
+	for i := 3; i <= 5; i++ {
+		g.ack(t, 1, i)
+	}
+	g.answered(t, 5)
+	got := sizes()
+	for _, n := range got {
+		if n > 3 {
+			t.Fatalf("ack batches of %v acks, want at most AckBatch (3) each", got)
+		}
+	}
+	if len(got) < 2 || got[1] != 3 {
+		t.Fatalf("ack batches of %v acks, want the lingering one (the second) to end full, at 3", got)
 	}
 }
 
