@@ -180,6 +180,16 @@ var oneAckCases = []ackCase{
 	{"older work claimable, the holder has credit to spare: handed over", true, func(t *testing.T, pool *pgxpool.Pool) (uuid.UUID, []uuid.UUID) {
 		return olderWorkWaits(t, pool, true)
 	}, []string{"answer handed_over", "a/2 attempt 1 epoch raised t, expires in 20s", "delivery orders/a: (leased,1,"}},
+	// Only older work holds a hand-over back: b/1, claimable but younger
+	// than a/2, comes after a/2 in the claim order, so handing a/2 over
+	// jumps nothing, and the holder without credit to spare takes it.
+	{"younger work claimable: handed over", true, func(t *testing.T, pool *pgxpool.Pool) (uuid.UUID, []uuid.UUID) {
+		h := uuid.New()
+		emitN(t, pool, "a", 2)
+		emitN(t, pool, "b", 1)
+		discover(t, pool)
+		return claimOne(t, pool, h, 1), []uuid.UUID{h}
+	}, []string{"answer handed_over", "a/2 attempt 1 epoch raised t, expires in 20s", "delivery orders/a: (leased,1,", "delivery orders/b: (ready,0,"}},
 	{"not the next revision: out of order", false, func(t *testing.T, pool *pgxpool.Pool) (uuid.UUID, []uuid.UUID) {
 		h := uuid.New()
 		emitN(t, pool, "a", 2)
