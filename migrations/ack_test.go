@@ -498,3 +498,57 @@ func TestSkipWhileALoneAckWaitsWins(t *testing.T) {
 		t.Fatal("a skipped event was marked published")
 	}
 }
+
+// Every event an ack marks published counts once in outbox.delivered_count
+// (the delivery rate), on either path, also when the statement adds to a
+// counter row an earlier ack of the same connection wrote: the row is keyed
+// by stream, 5-second bucket and backend, so acks on one connection in one
+// bucket meet on it. Two lone acks (the one-row path) and then a batch of
+// three (the batch path) on one connection: five events, five counted,
+// however the buckets fall.
+func TestEveryAckedEventIsCountedOnce(t *testing.T) {
+	t.Parallel()
+	ctx := testContext(t)
+	pool := testdb.NewPool(t)
+	for _, key := range []string{"a", "b", "c", "d", "e"} {
+		emitN(t, pool, key, 1)
+	}
+	discover(t, pool)
+	ls := claimWindow(t, pool, uuid.New(), 5, 1, 5)
+	if len(ls) != 5 {
+		t.Fatalf("claimed %v, want five leases", ls)
+	}
+	conn, err := pool.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Release()
+	ack := func(ids ...uuid.UUID) {
+		t.Helper()
+		rows, err := conn.Query(ctx, `SELECT status FROM outbox.ack($1, 'x')`, ids)
+		if err != nil {
+			t.Fatal(err)
+		}
+		statuses, err := pgx.CollectRows(rows, pgx.RowTo[string])
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, s := range statuses {
+			if s != "published" {
+				t.Fatalf("ack of %v answered %v, want every one published", ids, statuses)
+			}
+		}
+	}
+	ack(ls[0].id)
+	ack(ls[1].id)
+	ack(ls[2].id, ls[3].id, ls[4].id)
+	if n := count(t, pool, `SELECT count(*) FROM outbox.event WHERE published_at IS NOT NULL`); n != 5 {
+		t.Fatalf("%d events published, want 5", n)
+	}
+	// How the counts fell, for the log: the rows a bucket boundary split.
+	rows := count(t, pool, `SELECT count(*) FROM outbox.delivered_count`)
+	if n := count(t, pool, `SELECT coalesce(sum(events), 0) FROM outbox.delivered_count WHERE stream = 'orders'`); n != 5 {
+		t.Fatalf("delivered_count holds %d events in %d rows for 5 acked on one connection", n, rows)
+	}
+	t.Logf("5 events counted in %d counter rows", rows)
+}
