@@ -243,6 +243,45 @@ func TestAHandOverSkipsTheClaimHint(t *testing.T) {
 		"batch handing nothing over", "nothing claimable (probed)", func(in *time.Duration) bool { return in == nil })
 }
 
+// A holder the call does not describe (p_filter_holders names this
+// replica's sessions, and the holder is not among them: another replica's
+// session, or one that ended) is told zero, "claim": nothing on this
+// replica reads its hint, and a probe of every stream (what an undescribed
+// session is taken to take) would say nothing true of its filter. Both
+// paths: a lone ack, and the same in a batch with an id that names no
+// event. Here a probe would say "not before b's lease expires".
+func TestAnAckTellsAHolderItDoesNotDescribeToClaim(t *testing.T) {
+	t.Parallel()
+	pool := testdb.NewPool(t)
+	emitIn(t, pool, "live", "a", 1)
+	emitIn(t, pool, "live", "b", 1)
+	emitIn(t, pool, "live", "c", 1)
+	discover(t, pool)
+	holder, described := uuid.New(), uuid.New()
+	a1 := claimKeyIn(t, pool, holder, "live", "a")
+	b1 := claimKeyIn(t, pool, holder, "live", "b")
+	claimKeyIn(t, pool, holder, "live", "c") // leased: nothing in live is claimable before it expires
+	for _, c := range []struct {
+		path string
+		ids  []uuid.UUID
+	}{
+		{"one ack", []uuid.UUID{a1}},
+		{"a batch", []uuid.UUID{b1, uuid.New()}},
+	} {
+		var status string
+		var in *time.Duration
+		if err := pool.QueryRow(t.Context(),
+			`SELECT a.status, a.claimable_in FROM outbox.ack($1, 'x', NULL, NULL, NULL, NULL,
+			     ARRAY[$2::uuid], ARRAY['live'], ARRAY[false], interval '1 hour') a
+			 WHERE a.event_id = $3`, c.ids, described, c.ids[0]).Scan(&status, &in); err != nil {
+			t.Fatal(err)
+		}
+		if status != "published" || in == nil || *in != 0 {
+			t.Fatalf("%s of a lease whose holder the call does not describe: %s, claimable in %v; want published, 0", c.path, status, in)
+		}
+	}
+}
+
 // TestAMixedBatchIsProbed: a holder handed fewer events than it acked
 // frees credit, and its hint is probed.
 func TestAMixedBatchIsProbed(t *testing.T) {
