@@ -212,6 +212,19 @@ var oneAckCases = []ackCase{
 		exec(t, pool, fmt.Sprintf(`INSERT INTO outbox.skipped_event (event_id, reason, actor) VALUES ('%s', 'test', 'test')`, id))
 		return id, []uuid.UUID{h}
 	}, []string{"answer lease_lost", "delivery orders/a: (leased,0,", "events orders/a: 1 pending, 2 pending"}},
+	// A skipped event answers lease_lost wherever it lies: not
+	// out_of_order (which the relay is told means "delivered again once the
+	// revisions before it are acked") when earlier revisions are pending,
+	// for a skipped event is never delivered again.
+	{"skipped event behind pending revisions", false, func(t *testing.T, pool *pgxpool.Pool) (uuid.UUID, []uuid.UUID) {
+		h := uuid.New()
+		emitN(t, pool, "a", 3)
+		discover(t, pool)
+		claimOne(t, pool, h, 3)
+		id := eventID(t, pool, "a", 3)
+		exec(t, pool, fmt.Sprintf(`INSERT INTO outbox.skipped_event (event_id, reason, actor) VALUES ('%s', 'test', 'test')`, id))
+		return id, []uuid.UUID{h}
+	}, []string{"answer lease_lost", "delivery orders/a: (leased,0,", "events orders/a: 1 pending, 2 pending, 3 pending"}},
 	{"unknown event", false, func(t *testing.T, pool *pgxpool.Pool) (uuid.UUID, []uuid.UUID) {
 		return uuid.New(), nil
 	}, []string{"answer not_found", "delivered_count 0"}},
