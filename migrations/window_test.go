@@ -429,3 +429,39 @@ func TestWindowClaimAndAckRace(t *testing.T) {
 		return err
 	}, worker)
 }
+
+// An aggregate stays parked only while the parked revision is still ahead
+// of its cursor: acks of a window's revisions through the parked one, in
+// one batch, publish it too (its relay did send it), and the aggregate goes
+// on from the next revision, no longer parked. Each ack is decided on its
+// own, but what the aggregate becomes is decided on all of them: the last
+// one acked here is the parked revision itself.
+func TestAWindowAckedThroughItsParkedRevisionGoesOn(t *testing.T) {
+	t.Parallel()
+	pool := testdb.NewPool(t)
+	ctx := testContext(t)
+	emitN(t, pool, "a", 3)
+	discover(t, pool)
+	ls := claimWindow(t, pool, uuid.New(), 1, 3, 3)
+	if len(ls) != 3 {
+		t.Fatalf("claimed %v, want a window of 3", ls)
+	}
+	var ended []uuid.UUID
+	if err := pool.QueryRow(ctx, `SELECT ended FROM outbox.park($1, $2, 'too large')`, ls[1].id, ls[1].epoch).Scan(&ended); err != nil {
+		t.Fatal(err)
+	}
+	st, _ := ackWindow(t, pool, []uuid.UUID{ls[0].id, ls[1].id}, uuid.New(), 1, 0)
+	if st[ls[0].id] != "published" || st[ls[1].id] != "published" {
+		t.Fatalf("acks of revisions 1 and 2 (parked at 2): %v, want both published", st)
+	}
+	var state string
+	var cursor int64
+	var parkedAt *time.Time
+	if err := pool.QueryRow(ctx, `SELECT state, delivered_revision, parked_at FROM outbox.delivery WHERE aggregate_key = 'a'`).
+		Scan(&state, &cursor, &parkedAt); err != nil {
+		t.Fatal(err)
+	}
+	if state != "ready" || cursor != 2 || parkedAt != nil {
+		t.Fatalf("after the acks through the parked revision: %s at %d, parked at %v; want ready at 2, not parked", state, cursor, parkedAt)
+	}
+}
