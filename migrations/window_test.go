@@ -465,3 +465,45 @@ func TestAWindowAckedThroughItsParkedRevisionGoesOn(t *testing.T) {
 		t.Fatalf("after the acks through the parked revision: %s at %d, parked at %v; want ready at 2, not parked", state, cursor, parkedAt)
 	}
 }
+
+// A hand-over with a window in play keeps the claim order as one of a
+// single event does (TestOneAckDecidesAsABatch, "older claimable work"):
+// b/1, older than a/2, is claimable, so the ack of a/1 by a session taking
+// windows of 2, with no credit to spare, leases it nothing, and a goes back
+// to ready behind b.
+func TestAWindowedHandOverYieldsToOlderWork(t *testing.T) {
+	t.Parallel()
+	pool := testdb.NewPool(t)
+	ctx := testContext(t)
+	h := uuid.New()
+	emitN(t, pool, "a", 1)
+	emitN(t, pool, "b", 1)
+	emitN(t, pool, "a", 2)
+	discover(t, pool)
+	ls := claimWindow(t, pool, h, 1, 1, 1)
+	if len(ls) != 1 || ls[0].key != "a" || ls[0].revision != 1 {
+		t.Fatalf("claimed %v, want a/1 alone", ls)
+	}
+	st, handed := ackWindow(t, pool, []uuid.UUID{ls[0].id}, h, 2, 0)
+	if st[ls[0].id] != "published" || len(handed) != 0 {
+		t.Fatalf("ack of a/1 with b/1 older than a/2 claimable: %v, handed over %v; want published, nothing handed over", st, handed)
+	}
+	var state string
+	if err := pool.QueryRow(ctx, `SELECT state FROM outbox.delivery WHERE aggregate_key = 'a'`).Scan(&state); err != nil {
+		t.Fatal(err)
+	}
+	if state != "ready" {
+		t.Fatalf("a is %s after the ack, want ready", state)
+	}
+	// With the older work gone, the same hand-over goes ahead.
+	if got := claimWindow(t, pool, uuid.New(), 1, 1, 1); len(got) != 1 || got[0].key != "b" {
+		t.Fatalf("the next claim took %v, want b/1, the oldest", got)
+	}
+	ls = claimWindow(t, pool, h, 1, 1, 1)
+	if len(ls) != 1 || ls[0].key != "a" || ls[0].revision != 2 {
+		t.Fatalf("claimed %v, want a/2 alone", ls)
+	}
+	if _, handed := ackWindow(t, pool, []uuid.UUID{ls[0].id}, h, 2, 0); len(handed) != 1 || handed[0].revision != 3 {
+		t.Fatalf("ack of a/2 with nothing older claimable handed over %v, want a/3", handed)
+	}
+}
