@@ -348,3 +348,12 @@ func (s *Server) OwnershipValidUntil() time.Time {
 
 // Instance is the process identity the replica owns partitions under.
 func (s *Server) Instance() uuid.UUID { return s.instance }
+
+// AckShard is the committer an ack of token queues in (ackCommitter.shard).
+func (s *Server) AckShard(token string) (int, error) {
+	t, err := s.signer.Verify(token)
+	if err != nil {
+		return 0, err
+	}
+	return s.acks.shard(t), nil
+}
