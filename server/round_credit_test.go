@@ -471,24 +471,8 @@ func TestARoundThatLostItsTurnKeepsTheSaturation(t *testing.T) {
 	for i := range 5 {
 		emit(t, pool, "orders", fmt.Sprintf("b%d", i), 1)
 	}
-	gate.release(false)
-	for i := range 5 {
-		d := recv(t, st)
-		if i == 4 {
-			gate.armFrom(3) // the offer its ack frees, all 3 units
-		}
-		ackPublished(t, r, d)
-	}
-	gate.waitHeld(t)
-	drain(lost)
-	select {
-	case <-lost:
-	case <-time.After(30 * time.Second):
-		t.Fatal("no round lost its turn within 30s")
-	}
-	if _, err := lockConn.Exec(ctx, `SELECT pg_advisory_unlock($1)`, int64(discoveryLockKey)); err != nil {
-		t.Fatal(err)
-	}
+	ackBurstUntilReoffered(t, r, st, gate)
+	unlockAfterALostTurn(ctx, t, lost, lockConn)
 	if d := rounds.next(t); d.Events != 3 || len(d.Dispatched) != 3 || d.Aggregates != 0 {
 		t.Fatalf("the round after the lost turns took %d events, dispatched %d and made %d ready; want 3, 3 and 0: the lost turns ended the saturation",
 			d.Events, len(d.Dispatched), d.Aggregates)
@@ -554,25 +538,9 @@ func TestARoundAsLargeAsItsBoundKeepsTheSaturation(t *testing.T) {
 	if err := <-held; err != nil {
 		t.Fatal(err)
 	}
-	gate.release(false)
-	for i := range 5 {
-		d := recv(t, st)
-		if i == 4 {
-			gate.armFrom(3) // the offer its ack frees, all 3 units
-		}
-		ackPublished(t, r, d)
-	}
-	gate.waitHeld(t)
+	ackBurstUntilReoffered(t, r, st, gate)
 	// A round borrowed the 3 units (and lost its turn): the next takes them.
-	drain(lost)
-	select {
-	case <-lost:
-	case <-time.After(30 * time.Second):
-		t.Fatal("no round lost its turn within 30s")
-	}
-	if _, err := lockConn.Exec(ctx, `SELECT pg_advisory_unlock($1)`, int64(discoveryLockKey)); err != nil {
-		t.Fatal(err)
-	}
+	unlockAfterALostTurn(ctx, t, lost, lockConn)
 	if d := rounds.next(t); d.Events != 3 || len(d.Dispatched) != 3 || d.Aggregates != 0 {
 		t.Fatalf("the saturated round took %d events, dispatched %d and made %d ready; want 3, 3 and 0 (bounded by the offer)",
 			d.Events, len(d.Dispatched), d.Aggregates)
@@ -710,5 +678,37 @@ func TestASaturatedRoundTakesTheCreditBelowDiscoveryMaxEvents(t *testing.T) {
 	gate.release(false)
 	for range n {
 		ackPublished(t, r, recv(t, st))
+	}
+}
+
+// ackBurstUntilReoffered lets the session's held offer go, receives and
+// acks the burst's 5 deliveries, and waits until the session offers its 3
+// units again (armed before the last ack, whose credit it frees).
+func ackBurstUntilReoffered(t *testing.T, r *replica, st outboxv1.RelayService_SubscribeClient, gate *offerGate) {
+	t.Helper()
+	gate.release(false)
+	for i := range 5 {
+		d := recv(t, st)
+		if i == 4 {
+			gate.armFrom(3) // the offer its ack frees, all 3 units
+		}
+		ackPublished(t, r, d)
+	}
+	gate.waitHeld(t)
+}
+
+// unlockAfterALostTurn waits for a round to lose its turn to the
+// discovery lock lockConn holds (a fresh report on lost, earlier ones
+// drained), then lets the lock go.
+func unlockAfterALostTurn(ctx context.Context, t *testing.T, lost chan struct{}, lockConn *pgxpool.Conn) {
+	t.Helper()
+	drain(lost)
+	select {
+	case <-lost:
+	case <-time.After(30 * time.Second):
+		t.Fatal("no round lost its turn within 30s")
+	}
+	if _, err := lockConn.Exec(ctx, `SELECT pg_advisory_unlock($1)`, int64(discoveryLockKey)); err != nil {
+		t.Fatal(err)
 	}
 }
