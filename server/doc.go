@@ -572,9 +572,9 @@
 // (outbox.leave_partitions). It leaves at shutdown whenever its membership
 // may still be recorded, also when it owns nothing by then (its last
 // session ended first, as in a rolling restart): the next process under
-// its replica id would be refused until that membership expired. Nothing in delivery reads the ownership yet:
-// it is the fence under which a later engine keeps its partitions' leases
-// in memory.
+// its replica id would be refused until that membership expired. Nothing
+// in delivery reads the ownership yet: it is the fence under which a later
+// engine keeps its partitions' leases in memory.
 //
 // # Shutdown
 //
