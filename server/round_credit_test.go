@@ -433,46 +433,22 @@ func startCreditReplica(t *testing.T, armed bool, saturatedAfter time.Duration, 
 func TestARoundThatLostItsTurnKeepsTheSaturation(t *testing.T) {
 	t.Parallel()
 	ctx, pool, r, gate, _ := startCreditReplica(t, true, time.Nanosecond, nil)
-	// The lock is taken on this connection, as holdDiscovery takes it, but
-	// from the discovery loop (in its hook), so that no round comes between.
-	lockConn, err := pool.Acquire(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(lockConn.Release)
-	lost := make(chan struct{}, 1)
-	var holding atomic.Bool
-	held := make(chan error, 1)
-	rounds := watchRoundsWith(r, func(d store.Discovery, err error) {
-		switch {
-		case err != nil:
-		case d.Events > 0:
-			if holding.CompareAndSwap(false, true) {
-				// The burst's round: the lock is taken before the next.
-				_, err := lockConn.Exec(ctx, `SELECT pg_advisory_lock($1)`, int64(discoveryLockKey))
-				held <- err
-			}
-		case holding.Load():
-			select {
-			case lost <- struct{}{}:
-			default:
-			}
-		}
-	})
+	lock := lockDiscoveryAfterTheFirstRound(ctx, t, pool, r, nil)
+	rounds := lock.rounds
 	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 3, LeaseTtl: durationpb.New(time.Hour)})
 	gate.waitHeld(t) // the session offers all 3 units
 	burst(ctx, t, pool, "a", 5)
 	if d := rounds.next(t); d.Events != 5 || len(d.Dispatched) != 3 {
 		t.Fatalf("the burst's round took %d events and dispatched %d, want 5 and 3 (not saturated yet)", d.Events, len(d.Dispatched))
 	}
-	if err := <-held; err != nil {
+	if err := <-lock.held; err != nil {
 		t.Fatal(err)
 	}
 	for i := range 5 {
 		emit(t, pool, "orders", fmt.Sprintf("b%d", i), 1)
 	}
 	ackBurstUntilReoffered(t, r, st, gate)
-	unlockAfterALostTurn(ctx, t, lost, lockConn)
+	lock.unlockAfterALostTurn(ctx, t)
 	if d := rounds.next(t); d.Events != 3 || len(d.Dispatched) != 3 || d.Aggregates != 0 {
 		t.Fatalf("the round after the lost turns took %d events, dispatched %d and made %d ready; want 3, 3 and 0: the lost turns ended the saturation",
 			d.Events, len(d.Dispatched), d.Aggregates)
@@ -500,47 +476,29 @@ func TestARoundAsLargeAsItsBoundKeepsTheSaturation(t *testing.T) {
 	t.Parallel()
 	const more = 10
 	ctx, pool, r, gate, _ := startCreditReplica(t, true, time.Nanosecond, nil)
-	lockConn, err := pool.Acquire(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(lockConn.Release)
-	lost := make(chan struct{}, 1)
-	var holding atomic.Bool
-	held := make(chan error, 1)
-	rounds := watchRoundsWith(r, func(d store.Discovery, err error) {
-		switch {
-		case err != nil:
-		case d.Events > 0:
-			if holding.CompareAndSwap(false, true) {
-				// The burst's round: the lock is taken before the next, and
-				// the events committed before any check could find nothing
-				// due (which would end the saturation).
-				_, err := lockConn.Exec(ctx, `SELECT pg_advisory_lock($1)`, int64(discoveryLockKey))
-				for i := 0; err == nil && i < more; i++ {
-					_, err = client.Emit(ctx, pool, client.Event{Stream: "orders", AggregateKey: fmt.Sprintf("b%d", i), Type: "Changed", Payload: []byte(`{}`)})
-				}
-				held <- err
-			}
-		case holding.Load():
-			select {
-			case lost <- struct{}{}:
-			default:
+	// The events are committed in the hook, before any check could find
+	// nothing due (which would end the saturation).
+	lock := lockDiscoveryAfterTheFirstRound(ctx, t, pool, r, func() error {
+		for i := range more {
+			if _, err := client.Emit(ctx, pool, client.Event{Stream: "orders", AggregateKey: fmt.Sprintf("b%d", i), Type: "Changed", Payload: []byte(`{}`)}); err != nil {
+				return err
 			}
 		}
+		return nil
 	})
+	rounds := lock.rounds
 	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 3, LeaseTtl: durationpb.New(time.Hour)})
 	gate.waitHeld(t) // the session offers all 3 units
 	burst(ctx, t, pool, "a", 5)
 	if d := rounds.next(t); d.Events != 5 || len(d.Dispatched) != 3 {
 		t.Fatalf("the burst's round took %d events and dispatched %d, want 5 and 3 (not saturated yet)", d.Events, len(d.Dispatched))
 	}
-	if err := <-held; err != nil {
+	if err := <-lock.held; err != nil {
 		t.Fatal(err)
 	}
 	ackBurstUntilReoffered(t, r, st, gate)
 	// A round borrowed the 3 units (and lost its turn): the next takes them.
-	unlockAfterALostTurn(ctx, t, lost, lockConn)
+	lock.unlockAfterALostTurn(ctx, t)
 	if d := rounds.next(t); d.Events != 3 || len(d.Dispatched) != 3 || d.Aggregates != 0 {
 		t.Fatalf("the saturated round took %d events, dispatched %d and made %d ready; want 3, 3 and 0 (bounded by the offer)",
 			d.Events, len(d.Dispatched), d.Aggregates)
@@ -697,18 +655,62 @@ func ackBurstUntilReoffered(t *testing.T, r *replica, st outboxv1.RelayService_S
 	gate.waitHeld(t)
 }
 
-// unlockAfterALostTurn waits for a round to lose its turn to the
-// discovery lock lockConn holds (a fresh report on lost, earlier ones
-// drained), then lets the lock go.
-func unlockAfterALostTurn(ctx context.Context, t *testing.T, lost chan struct{}, lockConn *pgxpool.Conn) {
+// lostTurnLock is discovery's lock, taken by the test from the discovery
+// loop's hook right after the first round that found events (so that no
+// round comes between), as another replica's round would hold it.
+type lostTurnLock struct {
+	rounds *roundWatch
+	// held: the lock was taken (and then ran), or why not.
+	held chan error
+	// lost: a round lost its turn while the lock was held.
+	lost chan struct{}
+	conn *pgxpool.Conn
+}
+
+// lockDiscoveryAfterTheFirstRound watches r's rounds and takes discovery's
+// lock in the hook of the first that found events, then runs then (when
+// not nil) there too.
+func lockDiscoveryAfterTheFirstRound(ctx context.Context, t *testing.T, pool *pgxpool.Pool, r *replica, then func() error) *lostTurnLock {
 	t.Helper()
-	drain(lost)
+	conn, err := pool.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(conn.Release)
+	l := &lostTurnLock{held: make(chan error, 1), lost: make(chan struct{}, 1), conn: conn}
+	var holding atomic.Bool
+	l.rounds = watchRoundsWith(r, func(d store.Discovery, err error) {
+		switch {
+		case err != nil:
+		case d.Events > 0:
+			if holding.CompareAndSwap(false, true) {
+				_, err := conn.Exec(ctx, `SELECT pg_advisory_lock($1)`, int64(discoveryLockKey))
+				if err == nil && then != nil {
+					err = then()
+				}
+				l.held <- err
+			}
+		case holding.Load():
+			select {
+			case l.lost <- struct{}{}:
+			default:
+			}
+		}
+	})
+	return l
+}
+
+// unlockAfterALostTurn waits for a round to lose its turn to the lock (a
+// fresh report, earlier ones drained), then lets the lock go.
+func (l *lostTurnLock) unlockAfterALostTurn(ctx context.Context, t *testing.T) {
+	t.Helper()
+	drain(l.lost)
 	select {
-	case <-lost:
+	case <-l.lost:
 	case <-time.After(30 * time.Second):
 		t.Fatal("no round lost its turn within 30s")
 	}
-	if _, err := lockConn.Exec(ctx, `SELECT pg_advisory_unlock($1)`, int64(discoveryLockKey)); err != nil {
+	if _, err := l.conn.Exec(ctx, `SELECT pg_advisory_unlock($1)`, int64(discoveryLockKey)); err != nil {
 		t.Fatal(err)
 	}
 }
