@@ -382,6 +382,23 @@ func TestOwnPartitionsJoinsAnewAfterALapse(t *testing.T) {
 	}
 }
 
+// ownInThree has replicas a, b and c join, want partitions and take their
+// shares as replicas do: a, which took everything first, renews beside
+// the other two and gives back what is beyond its share; then b and c take
+// theirs of what is free. It returns each one's last call.
+func ownInThree(t *testing.T, pool *pgxpool.Pool) (a, b, c ownership) {
+	t.Helper()
+	mustOwn(t, pool, "a", true)
+	mustOwn(t, pool, "b", true)
+	mustOwn(t, pool, "c", true)
+	a = mustOwn(t, pool, "a", true)
+	if _, err := pool.Exec(context.Background(), `SELECT outbox.release_partitions(md5('a')::uuid, $1)`,
+		a.partitions[min(a.share, len(a.partitions)):]); err != nil {
+		t.Fatal(err)
+	}
+	return a, mustOwn(t, pool, "b", true), mustOwn(t, pool, "c", true)
+}
+
 // Shares are rounded up, so that the members' shares together cover every
 // partition: with three replicas wanting partitions each takes up to 86
 // (256/3 rounded down would leave one partition that nobody's share covers,
@@ -389,18 +406,7 @@ func TestOwnPartitionsJoinsAnewAfterALapse(t *testing.T) {
 func TestOwnPartitionsSharesCoverEveryPartition(t *testing.T) {
 	t.Parallel()
 	pool := testdb.NewPool(t)
-	mustOwn(t, pool, "a", true)
-	mustOwn(t, pool, "b", true)
-	mustOwn(t, pool, "c", true)
-	// a renews beside b and c and gives back what is beyond its share, as
-	// a replica does; then b and c take their shares of what is free.
-	a := mustOwn(t, pool, "a", true)
-	if _, err := pool.Exec(context.Background(), `SELECT outbox.release_partitions(md5('a')::uuid, $1)`,
-		a.partitions[min(a.share, len(a.partitions)):]); err != nil {
-		t.Fatal(err)
-	}
-	b := mustOwn(t, pool, "b", true)
-	c := mustOwn(t, pool, "c", true)
+	a, b, c := ownInThree(t, pool)
 	if a.share != 86 || b.share != 86 || c.share != 86 {
 		t.Fatalf("shares of three replicas: %d, %d, %d; want 86 each (256/3 rounded up)", a.share, b.share, c.share)
 	}
@@ -416,18 +422,9 @@ func TestOwnPartitionsSharesCoverEveryPartition(t *testing.T) {
 func TestOwnPartitionsTakesUpToItsShare(t *testing.T) {
 	t.Parallel()
 	pool := testdb.NewPool(t)
-	mustOwn(t, pool, "a", true)
-	mustOwn(t, pool, "b", true)
-	mustOwn(t, pool, "c", true)
-	a := mustOwn(t, pool, "a", true)
-	if _, err := pool.Exec(context.Background(), `SELECT outbox.release_partitions(md5('a')::uuid, $1)`,
-		a.partitions[min(a.share, len(a.partitions)):]); err != nil {
-		t.Fatal(err)
-	}
-	mustOwn(t, pool, "b", true)
-	mustOwn(t, pool, "c", true)
+	ownInThree(t, pool)
 	exec(t, pool, `SELECT outbox.leave_partitions(md5('c')::uuid)`)
-	a = mustOwn(t, pool, "a", true)
+	a := mustOwn(t, pool, "a", true)
 	b := mustOwn(t, pool, "b", true)
 	if a.share != 128 || len(a.partitions) != 128 || b.share != 128 || len(b.partitions) != 128 {
 		t.Fatalf("after c left, a's share %d, owns %d; b's share %d, owns %d; want 128 each",
