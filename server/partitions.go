@@ -28,12 +28,12 @@ type ownedPartitions struct {
 	// uncertain: a statement that may have taken partitions failed, so
 	// the database may record more than ownership says.
 	uncertain bool
-	// memberUntil: the replica's membership (outbox.partition_member) may
-	// last until then, by this process's clock. Every turn's statement
-	// starts or renews it, even one that gives back everything (the last
-	// session ended) and even one that failed, so it outlives the
-	// partitions.
-	memberUntil time.Time
+	// joined: a turn's statement went out since the last leave, so the
+	// replica's membership (outbox.partition_member) may be recorded.
+	// Every such statement starts or renews it, even one that gives back
+	// everything (the last session ended) and even one that failed, so it
+	// outlives the partitions.
+	joined bool
 }
 
 // set replaces the belief with o, valid until validUntil.
@@ -43,20 +43,20 @@ func (p *ownedPartitions) set(o store.Ownership, validUntil time.Time) {
 	p.ownership, p.validUntil, p.uncertain = o, validUntil, false
 }
 
-// joined records that a statement sent before now may have started or
-// renewed the membership for ttl.
-func (p *ownedPartitions) joined(now time.Time, ttl time.Duration) {
+// setJoined records whether the replica's membership may be recorded.
+func (p *ownedPartitions) setJoined(joined bool) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	p.memberUntil = now.Add(ttl)
+	p.joined = joined
 }
 
-// member reports whether the replica's membership may still be recorded
-// at now.
-func (p *ownedPartitions) member(now time.Time) bool {
+// member reports whether the replica's membership may be recorded: some
+// turn's statement went out since the last leave. Whatever it owns, or
+// may own, came with such a statement, so this covers any() too.
+func (p *ownedPartitions) member() bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	return now.Before(p.memberUntil)
+	return p.joined
 }
 
 // markUncertain records that a statement that may have taken partitions
@@ -82,7 +82,7 @@ func (p *ownedPartitions) owned(now time.Time) []int32 {
 // database: it renewed or took some and has not released them, or a
 // statement that may have taken some failed. Unlike owned it ignores
 // validUntil: an ownership the replica stopped believing in may still be
-// recorded, and is released at shutdown all the same.
+// recorded, and its next turn gives it back all the same.
 func (p *ownedPartitions) any() bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -152,10 +152,7 @@ func (s *Server) ownershipTurn(ctx context.Context) {
 	if err == nil {
 		o, err = s.store.OwnPartitions(wctx, s.cfg.ReplicaID, s.instance, wants, s.cfg.PartitionTTL)
 	}
-	// Counted from the answer (or the failure), the latest the database's
-	// lease on the membership can have begun: here the error is on the
-	// side of leaving at shutdown.
-	s.partitions.joined(time.Now(), s.cfg.PartitionTTL)
+	s.partitions.setJoined(true)
 	if err != nil {
 		if ctx.Err() == nil {
 			s.log.Warn("renewing partition ownership failed; retrying at the next turn", "err", err)
@@ -182,8 +179,9 @@ func (s *Server) ownershipTurn(ctx context.Context) {
 func (s *Server) releasePartitions() {
 	// Also when it owns nothing: a membership left behind would refuse the
 	// next process under this replica id (a restarted pod) until it
-	// expired.
-	if !s.partitions.any() && !s.partitions.member(time.Now()) {
+	// expired. (One that expired already is gone, and leaving deletes
+	// nothing then.)
+	if !s.partitions.member() {
 		return
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), releaseTimeout)
@@ -193,7 +191,7 @@ func (s *Server) releasePartitions() {
 			"err", err)
 	}
 	s.partitions.set(store.Ownership{}, time.Time{})
-	s.partitions.joined(time.Time{}, 0)
+	s.partitions.setJoined(false)
 	s.metrics.partitionsOwned.Set(0)
 }
 
