@@ -27,16 +27,14 @@ func duePoll(t *testing.T, g *pollGroup) {
 // still a poll, and an idle group that skipped every claim must not poll
 // every 2 ms for it.
 func TestASkippedPollBacksOffAsAnEmptyOne(t *testing.T) {
-	srv := &Server{cfg: Config{ReconcileInterval: time.Hour, PollInterval: time.Minute}, stopping: make(chan struct{})}
-	a := newSession(srv, "a", "peer", nil, 1, time.Minute)
-	g := srv.joinPollGroup(a)
+	g, a := pollGroupOfOne(time.Minute)
 	defer g.leave(a)
 	g.delay = 10 * time.Second
 	if now, _ := g.enterIdle(a); now {
 		t.Fatal("a claimed at once with no wake-up kept")
 	}
 	// A probe that covers the polls for the next hour and found nothing.
-	srv.claimProbe.Store(&probedClaims{at: time.Now(), covers: time.Hour, ClaimProbe: store.ClaimProbe{Probed: true, NextIn: -1}})
+	g.srv.claimProbe.Store(&probedClaims{at: time.Now(), covers: time.Hour, ClaimProbe: store.ClaimProbe{Probed: true, NextIn: -1}})
 	for i, want := range []time.Duration{20 * time.Second, 40 * time.Second, time.Minute, time.Minute} {
 		duePoll(t, g)
 		select {
@@ -51,7 +49,7 @@ func TestASkippedPollBacksOffAsAnEmptyOne(t *testing.T) {
 			t.Fatalf("poll %d skipped its claim: delay %v, armed %v; want %v (doubled, up to PollInterval), armed", i+1, delay, armed, want)
 		}
 	}
-	if n := srv.skippedPolls.Load(); n != 4 {
+	if n := g.srv.skippedPolls.Load(); n != 4 {
 		t.Fatalf("%d polls skipped their claims, want 4", n)
 	}
 }
@@ -62,11 +60,7 @@ func TestASkippedPollBacksOffAsAnEmptyOne(t *testing.T) {
 // no wake-up announced appeared, and more may follow, so the group must
 // not wait the long delay to look again.
 func TestAPollThatFindsWorkBringsAnArmedPollForward(t *testing.T) {
-	srv := &Server{cfg: Config{ReconcileInterval: time.Hour, PollInterval: time.Hour}, stopping: make(chan struct{})}
-	a := newSession(srv, "a", "peer", nil, 1, time.Minute)
-	b := newSession(srv, "b", "peer", nil, 1, time.Minute)
-	g := srv.joinPollGroup(a)
-	srv.joinPollGroup(b)
+	g, a, b := pollGroupOfTwo(time.Hour)
 	defer g.leave(b)
 	defer g.leave(a)
 	g.delay = time.Hour // backed off
@@ -109,9 +103,7 @@ func TestAPollThatFindsWorkBringsAnArmedPollForward(t *testing.T) {
 // with credit claims at once, and its claim counts as the group's poll
 // (work it finds resets the backoff) also when a wake-up was kept with it.
 func TestAPollThatFindsNoMemberIdleIsKept(t *testing.T) {
-	srv := &Server{cfg: Config{ReconcileInterval: time.Hour, PollInterval: time.Hour}, stopping: make(chan struct{})}
-	a := newSession(srv, "a", "peer", nil, 1, time.Minute)
-	g := srv.joinPollGroup(a)
+	g, a := pollGroupOfOne(time.Hour)
 	defer g.leave(a)
 	g.delay = time.Hour
 	g.enterIdle(a)
@@ -124,7 +116,7 @@ func TestAPollThatFindsNoMemberIdleIsKept(t *testing.T) {
 	g.enterIdle(a)
 	g.leaveIdle(a)
 	duePoll(t, g)
-	srv.wakeGroups(nil)
+	g.srv.wakeGroups(nil)
 	if now, poll := g.enterIdle(a); !now || !poll {
 		t.Fatalf("a poll and a wake-up that found no member idle: the next to wait claims at once %v, as the group's poll %v; want both", now, poll)
 	}
@@ -136,9 +128,7 @@ func TestAPollThatFindsNoMemberIdleIsKept(t *testing.T) {
 // A claim that failed slows the group's poll to 100 ms at least: the
 // database is likely in trouble, and polls every 2 ms would add to it.
 func TestAFailedClaimSlowsThePoll(t *testing.T) {
-	srv := &Server{cfg: Config{ReconcileInterval: time.Hour, PollInterval: time.Hour}, stopping: make(chan struct{})}
-	a := newSession(srv, "a", "peer", nil, 1, time.Minute)
-	g := srv.joinPollGroup(a)
+	g, a := pollGroupOfOne(time.Hour)
 	defer g.leave(a)
 	g.claimed(claimFailed, true)
 	if g.delay < 100*time.Millisecond {
@@ -156,9 +146,7 @@ func TestAFailedClaimSlowsThePoll(t *testing.T) {
 // filter per PollInterval, and a lost notification delays work by a
 // PollInterval at most, however long the group has been idle.
 func TestAnEmptyPollBacksOffUpToPollInterval(t *testing.T) {
-	srv := &Server{cfg: Config{ReconcileInterval: time.Hour, PollInterval: time.Minute}, stopping: make(chan struct{})}
-	a := newSession(srv, "a", "peer", nil, 1, time.Minute)
-	g := srv.joinPollGroup(a)
+	g, a := pollGroupOfOne(time.Minute)
 	defer g.leave(a)
 	g.delay = 20 * time.Second
 	for i, want := range []time.Duration{40 * time.Second, time.Minute, time.Minute} {
@@ -174,16 +162,12 @@ func TestAnEmptyPollBacksOffUpToPollInterval(t *testing.T) {
 // kept for the next to wait, never to the session that is gone, which
 // would never claim with it.
 func TestAWakeUpAfterAMemberLeftIsNotLostToIt(t *testing.T) {
-	srv := &Server{cfg: Config{ReconcileInterval: time.Hour, PollInterval: time.Hour}, stopping: make(chan struct{})}
-	a := newSession(srv, "a", "peer", nil, 1, time.Minute)
-	b := newSession(srv, "b", "peer", nil, 1, time.Minute)
-	g := srv.joinPollGroup(a)
-	srv.joinPollGroup(b)
+	g, a, b := pollGroupOfTwo(time.Hour)
 	defer g.leave(b)
 	g.delay = time.Hour // no poll fires
 	g.enterIdle(a)      // a waits, and its loop ends while it waits
 	g.leave(a)
-	srv.wakeGroups(nil)
+	g.srv.wakeGroups(nil)
 	select {
 	case <-a.probe:
 		t.Fatal("a wake-up went to a session that had left its group")
@@ -198,18 +182,14 @@ func TestAWakeUpAfterAMemberLeftIsNotLostToIt(t *testing.T) {
 // turns, so no session of a group is left idle while another, which began
 // to wait after it, claims every time.
 func TestAWakeUpGoesToTheLongestIdleMember(t *testing.T) {
-	srv := &Server{cfg: Config{ReconcileInterval: time.Hour, PollInterval: time.Hour}, stopping: make(chan struct{})}
-	a := newSession(srv, "a", "peer", nil, 1, time.Minute)
-	b := newSession(srv, "b", "peer", nil, 1, time.Minute)
-	g := srv.joinPollGroup(a)
-	srv.joinPollGroup(b)
+	g, a, b := pollGroupOfTwo(time.Hour)
 	defer g.leave(b)
 	defer g.leave(a)
 	g.delay = time.Hour // no poll fires
 	g.enterIdle(a)
 	g.enterIdle(b)
 	for i, want := range []*session{a, b} {
-		srv.wakeGroups(nil)
+		g.srv.wakeGroups(nil)
 		for _, ss := range []*session{a, b} {
 			select {
 			case <-ss.probe:
@@ -223,4 +203,22 @@ func TestAWakeUpGoesToTheLongestIdleMember(t *testing.T) {
 			}
 		}
 	}
+}
+
+// pollGroupOfOne is a poll group of one session, a, on a server of its
+// own whose polls back off up to pollInterval and whose reconcile ticks
+// wait an hour; the test leaves it.
+func pollGroupOfOne(pollInterval time.Duration) (*pollGroup, *session) {
+	srv := &Server{cfg: Config{ReconcileInterval: time.Hour, PollInterval: pollInterval}, stopping: make(chan struct{})}
+	a := newSession(srv, "a", "peer", nil, 1, time.Minute)
+	return srv.joinPollGroup(a), a
+}
+
+// pollGroupOfTwo is pollGroupOfOne with a second member, b, which joined
+// after a.
+func pollGroupOfTwo(pollInterval time.Duration) (*pollGroup, *session, *session) {
+	g, a := pollGroupOfOne(pollInterval)
+	b := newSession(g.srv, "b", "peer", nil, 1, time.Minute)
+	g.srv.joinPollGroup(b)
+	return g, a, b
 }
