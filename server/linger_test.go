@@ -198,13 +198,21 @@ func TestAckBatchLingersForCompanyUnderLoad(t *testing.T) {
 func TestAckBatchLingersWhenCallersQueueTogether(t *testing.T) {
 	t.Parallel()
 	g := newLingerRig(t, 4)
+	g.queueTwoCallersBehindABatch(t)
+	g.answered(t, 1) // the first batch: one ack, none before it
+	g.lingersThenCommitsWith(t, 2, 1, 3)
+}
+
+// queueTwoCallersBehindABatch acks delivery 0 on connection 0 and, while
+// the committer holds that batch, queues connection 0's ack of delivery 1
+// and connection 1's of delivery 2 behind it; then lets the committer go.
+func (g *lingerRig) queueTwoCallersBehindABatch(t *testing.T) {
+	t.Helper()
 	g.ack(t, 0, 0)
 	<-g.entered // held until both acks below are queued
 	g.ack(t, 0, 1)
 	g.ack(t, 1, 2)
 	g.release()
-	g.answered(t, 1) // the first batch: one ack, none before it
-	g.lingersThenCommitsWith(t, 2, 1, 3)
 }
 
 // The ack before a batch (the one the rule compares the batch's first
@@ -218,11 +226,7 @@ func TestAckBatchLingersWhenCallersQueueTogether(t *testing.T) {
 func TestAckBatchComparesWithTheLastAckBeforeIt(t *testing.T) {
 	t.Parallel()
 	g := newLingerRig(t, 4)
-	g.ack(t, 0, 0)
-	<-g.entered // held until both acks below are queued
-	g.ack(t, 0, 1)
-	g.ack(t, 1, 2)
-	g.release()
+	g.queueTwoCallersBehindABatch(t)
 	g.answered(t, 1) // the first batch: one ack, none before it
 	// The next batch holds connection 0's ack, then connection 1's, and
 	// ends its linger with connection 1's ack of the last delivery out.
@@ -302,11 +306,7 @@ func TestAckBatchLingersForAtMostAckBatch(t *testing.T) {
 		c.AckCommitters = 1
 	})
 	sizes := g.batchSizes()
-	g.ack(t, 0, 0)
-	<-g.entered // held until both acks below are queued
-	g.ack(t, 0, 1)
-	g.ack(t, 1, 2)
-	g.release()
+	g.queueTwoCallersBehindABatch(t)
 	g.answered(t, 1) // the first batch: one ack, none before it
 	// The next batch holds connection 0's ack and connection 1's, with
 	// deliveries 3, 4 and 5 outstanding: it lingers, and the third ack
@@ -340,11 +340,7 @@ func TestAckBatchLingersForAtMostAckBatch(t *testing.T) {
 func TestAckBatchDoesNotLingerWhenOff(t *testing.T) {
 	t.Parallel()
 	g := newLingerRigOf(t, 4, -1)
-	g.ack(t, 0, 0)
-	<-g.entered // held until both acks below are queued
-	g.ack(t, 0, 1)
-	g.ack(t, 1, 2) // two callers in the next batch, delivery 3 still out
-	g.release()
+	g.queueTwoCallersBehindABatch(t) // two callers in the next batch, delivery 3 still out
 	g.answered(t, 3)
 	g.lingeredNone(t, "with the linger off")
 }
