@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
@@ -129,20 +130,7 @@ func TestAWakeUpWakesOneSessionOnce(t *testing.T) {
 		c.PollInterval = time.Hour // only wake-ups make sessions claim
 		c.NoDispatch = true        // the round makes the aggregate ready
 	})
-	var notified atomic.Int64
-	r.Server.SetAfterNotify(func(channel string) {
-		if channel == store.ChannelWakeup {
-			notified.Add(1)
-		}
-	})
-	// Listening (LISTEN is the connection's first statement), so that
-	// the round's NOTIFY comes back to it.
-	waitFor(t, func() int32 {
-		var n int32
-		_ = pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE application_name = $1
-			AND query LIKE 'LISTEN "outbox_released"%'`, server.ListenerApplicationName+" waker").Scan(&n)
-		return n
-	})
+	notified := countWakeupsOnceListening(ctx, t, pool, r, "waker")
 	const n = 5
 	sts := make([]outboxv1.RelayService_SubscribeClient, n)
 	for i := range sts {
@@ -564,18 +552,7 @@ func TestARoundWakesOnlyTheGroupsOfTheStreamsItMadeReady(t *testing.T) {
 		c.NoDispatch = true // the round makes the aggregate ready
 	})
 	r.Server.SetNoPolls()
-	var notified atomic.Int64
-	r.Server.SetAfterNotify(func(channel string) {
-		if channel == store.ChannelWakeup {
-			notified.Add(1)
-		}
-	})
-	waitFor(t, func() int32 {
-		var n int32
-		_ = pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE application_name = $1
-			AND query LIKE 'LISTEN "outbox_released"%'`, server.ListenerApplicationName+" waker").Scan(&n)
-		return n
-	})
+	notified := countWakeupsOnceListening(ctx, t, pool, r, "waker")
 	// A stream is subscribed to once it has events.
 	emit(t, pool, "orders", "first", 1)
 	emit(t, pool, "payments", "first", 1)
@@ -601,4 +578,25 @@ func TestARoundWakesOnlyTheGroupsOfTheStreamsItMadeReady(t *testing.T) {
 		t.Errorf("%d sessions were asked to claim; want one, the orders session", w)
 	}
 	ack(t, r, d)
+}
+
+// countWakeupsOnceListening counts the outbox_wakeup notices the listener
+// of r (replica id replicaID) hears, and returns once it listens (LISTEN
+// is the connection's first statement), so that a round's NOTIFY comes
+// back to it.
+func countWakeupsOnceListening(ctx context.Context, t *testing.T, pool *pgxpool.Pool, r *replica, replicaID string) *atomic.Int64 {
+	t.Helper()
+	notified := new(atomic.Int64)
+	r.Server.SetAfterNotify(func(channel string) {
+		if channel == store.ChannelWakeup {
+			notified.Add(1)
+		}
+	})
+	waitFor(t, func() int32 {
+		var n int32
+		_ = pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE application_name = $1
+			AND query LIKE 'LISTEN "outbox_released"%'`, server.ListenerApplicationName+" "+replicaID).Scan(&n)
+		return n
+	})
+	return notified
 }
