@@ -87,12 +87,14 @@ func (d *Database) Close(ctx context.Context) error {
 }
 
 // StartThrowaway starts a throwaway cluster whatever else is available, for
-// tests that must stop and restart their database server.
-func StartThrowaway(ctx context.Context, logger *slog.Logger) (*Database, error) {
+// tests that must stop and restart their database server, or that need a
+// server setting the shared one lacks: each of settings is a
+// postgresql.conf line ("max_prepared_transactions = 4").
+func StartThrowaway(ctx context.Context, logger *slog.Logger, settings ...string) (*Database, error) {
 	if logger == nil {
 		logger = slog.New(slog.DiscardHandler)
 	}
-	return startThrowaway(ctx, logger)
+	return startThrowaway(ctx, logger, settings...)
 }
 
 // StopServer stops a throwaway cluster's server (pg_ctl stop -m fast) and

@@ -53,7 +53,7 @@ type serverUser struct {
 // startThrowaway creates a cluster in a fresh temporary directory and starts
 // it on 127.0.0.1 and a free port with trust auth for the postgres role.
 // Everything it creates lives in that directory, which Close removes.
-func startThrowaway(ctx context.Context, logger *slog.Logger) (_ *Database, err error) {
+func startThrowaway(ctx context.Context, logger *slog.Logger, settings ...string) (_ *Database, err error) {
 	bins, err := findBinaries(exec.LookPath, binDirPatterns)
 	if err != nil {
 		return nil, err
@@ -131,6 +131,9 @@ fsync = off
 synchronous_commit = off
 full_page_writes = off
 `, port, strings.ReplaceAll(dir, "'", "''"))
+	for _, setting := range settings {
+		conf += setting + "\n"
+	}
 	if err := appendFile(filepath.Join(dataDir, "postgresql.conf"), conf); err != nil {
 		return nil, fmt.Errorf("configuring the throwaway cluster: %w", err)
 	}
