@@ -129,13 +129,7 @@ func TestListenerReconnects(t *testing.T) {
 	}
 	// Listening again (LISTEN is the connection's first statement, so a
 	// query from it means the channels are registered).
-	waitFor(t, func() int32 {
-		var n int32
-		_ = pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE pid <> $2
-			AND application_name = $1 AND query LIKE 'LISTEN "outbox_released"%'`,
-			server.ListenerApplicationName+" deaf", old).Scan(&n)
-		return n
-	})
+	waitFor(t, func() int32 { return listenersListening(ctx, pool, "deaf", old) })
 	ids = emit(t, pool, "orders", "after", 1)
 	if d := recv(t, st); d.GetEvent().GetEventId() != ids[0].String() {
 		t.Fatalf("got %v", d.GetEvent())

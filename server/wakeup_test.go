@@ -491,7 +491,7 @@ func TestAQuietChecksProbeCoversThePauseItArms(t *testing.T) {
 	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
 	defer cancel()
 	const poll, quietInterval = 200 * time.Millisecond, 300 * time.Millisecond
-	r := startReplica(t, testdb.New(t), func(c *server.Config) {
+	r := startReplica(t, pollingDatabase(t), func(c *server.Config) {
 		c.PollInterval = poll
 		c.DiscoveryIdleInterval = 5 * time.Millisecond
 		c.DiscoveryQuietAfter = 100 * time.Millisecond
@@ -592,11 +592,18 @@ func countWakeupsOnceListening(ctx context.Context, t *testing.T, pool *pgxpool.
 			notified.Add(1)
 		}
 	})
-	waitFor(t, func() int32 {
-		var n int32
-		_ = pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE application_name = $1
-			AND query LIKE 'LISTEN "outbox_released"%'`, server.ListenerApplicationName+" "+replicaID).Scan(&n)
-		return n
-	})
+	waitFor(t, func() int32 { return listenersListening(ctx, pool, replicaID, 0) })
 	return notified
+}
+
+// listenersListening counts the LISTEN connections of replica replicaID,
+// but for the one of backend notPID, that listen on every channel: the
+// LISTEN statement, the connection's first, has run.
+func listenersListening(ctx context.Context, pool *pgxpool.Pool, replicaID string, notPID int32) int32 {
+	var n int32
+	_ = pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()
+		AND pid <> $2 AND application_name = $1
+		AND query <> '' AND (state = 'idle' OR query NOT LIKE 'LISTEN %')`,
+		server.ListenerApplicationName+" "+replicaID, notPID).Scan(&n)
+	return n
 }

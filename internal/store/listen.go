@@ -2,12 +2,16 @@ package store
 
 import (
 	"context"
+	"errors"
+	"strings"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 )
 
 // The channels the outbox schema's functions and this package's operator
-// actions notify on. Producers never notify.
+// actions notify on. Producers notify only ChannelDiscover, and only while a
+// replica's discovery sleeps (see ListenConn.Sleep).
 const (
 	// ChannelWakeup: aggregates were made ready (a discovery round, a
 	// release, an operator's retry).
@@ -15,17 +19,63 @@ const (
 	// ChannelReleased: a lease ended away from its holder's replica (an ack
 	// there, an operator's skip); the payload is the holder's session id.
 	ChannelReleased = "outbox_released"
+	// ChannelDiscover: a producer inserted an event while a replica's
+	// discovery slept (the insert trigger notifies it at commit).
+	ChannelDiscover = "outbox_discover"
+	// DiscoverSettingsChanged is the payload of ChannelDiscover when
+	// outbox.settings.producer_wakeups changed: a sleeping replica wakes and
+	// tries again under the new setting.
+	DiscoverSettingsChanged = "settings"
 )
+
+// ErrNotListening is what a ListenConn's statements return between
+// connections.
+var ErrNotListening = errors.New("store: the LISTEN connection is not up")
+
+// ListenConn is the LISTEN connection as a ListenOp sees it: between waits
+// for notifications, on the goroutine that waits, so its statements never
+// race a wait.
+type ListenConn struct{ conn *pgx.Conn }
+
+// Sleep takes the discovery sleeper's lock for this connection's session
+// (outbox.discovery_sleep), so that producers notify ChannelDiscover from
+// now on; false when another session holds it or the database's
+// producer_wakeups setting does not allow it. The lock lasts until Wake or
+// the end of the session: a lost connection gives it back by itself, and
+// producers stop notifying into it.
+func (c *ListenConn) Sleep(ctx context.Context) (bool, error) {
+	if c == nil {
+		return false, ErrNotListening
+	}
+	var ok bool
+	err := c.conn.QueryRow(ctx, `SELECT outbox.discovery_sleep()`).Scan(&ok)
+	return ok, err
+}
+
+// Wake gives the sleeper's lock back (outbox.discovery_wake).
+func (c *ListenConn) Wake(ctx context.Context) error {
+	if c == nil {
+		return ErrNotListening
+	}
+	_, err := c.conn.Exec(ctx, `SELECT outbox.discovery_wake()`)
+	return err
+}
+
+// A ListenOp runs on the LISTEN connection between waits (c is nil while
+// there is no connection).
+type ListenOp func(ctx context.Context, c *ListenConn) error
 
 // Listen opens a connection of its own to databaseURL, named
 // applicationName (operators find it in pg_stat_activity), LISTENs on
 // channels, calls ready once it listens, and then notified for each
-// notification (with the process id of the backend that sent it), until ctx
-// ends or the connection fails; it returns why. Not
-// one of the pool's connections: a LISTEN binds its session, and waiting for
-// notifications holds the connection for good.
+// notification (with the process id of the backend that sent it), and runs
+// each op received from ops between waits, until ctx ends, the connection
+// fails or an op fails; it returns why. Every op received runs: one that
+// came as the connection failed runs with a nil ListenConn. Not one of the pool's connections: a
+// LISTEN binds its session, and waiting for notifications holds the
+// connection for good.
 func Listen(ctx context.Context, databaseURL, applicationName string, channels []string,
-	ready func(), notified func(pid uint32, channel, payload string)) error {
+	ready func(), notified func(pid uint32, channel, payload string), ops <-chan ListenOp) error {
 	cfg, err := pgx.ParseConfig(databaseURL)
 	if err != nil {
 		return err
@@ -36,17 +86,67 @@ func Listen(ctx context.Context, databaseURL, applicationName string, channels [
 		return err
 	}
 	defer conn.Close(context.WithoutCancel(ctx))
-	for _, ch := range channels {
-		if _, err := conn.Exec(ctx, "LISTEN "+pgx.Identifier{ch}.Sanitize()); err != nil {
-			return err
-		}
+	// One statement for every channel: once the connection has run one
+	// (pg_stat_activity), it listens on all of them.
+	listen := make([]string, len(channels))
+	for i, ch := range channels {
+		listen[i] = "LISTEN " + pgx.Identifier{ch}.Sanitize()
+	}
+	if _, err := conn.Exec(ctx, strings.Join(listen, "; ")); err != nil {
+		return err
 	}
 	ready()
+	lc := &ListenConn{conn: conn}
 	for {
-		n, err := conn.WaitForNotification(ctx)
+		n, op, err := waitForNotification(ctx, conn, ops)
 		if err != nil {
+			if op != nil {
+				// Told there is no connection, rather than never answered.
+				_ = op(ctx, nil)
+			}
 			return err
 		}
-		notified(n.PID, n.Channel, n.Payload)
+		if op != nil {
+			if err := op(ctx, lc); err != nil {
+				return err
+			}
+		}
+		if n != nil {
+			notified(n.PID, n.Channel, n.Payload)
+		}
 	}
+}
+
+// waitForNotification waits for the next notification on conn or the next
+// op, and returns what came (both, when they came together). An op
+// interrupts the wait, which pgx ends by a read deadline without closing
+// the connection (a timeout leaves it usable), so the op can run on it; a
+// notification that arrives meanwhile stays queued in conn for the next
+// wait.
+func waitForNotification(ctx context.Context, conn *pgx.Conn, ops <-chan ListenOp) (*pgconn.Notification, ListenOp, error) {
+	select {
+	case op := <-ops:
+		return nil, op, nil
+	default:
+	}
+	waitCtx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	var op ListenOp
+	done, exited := make(chan struct{}), make(chan struct{})
+	go func() {
+		defer close(exited)
+		select {
+		case op = <-ops:
+			cancel()
+		case <-done:
+		}
+	}()
+	n, err := conn.WaitForNotification(waitCtx)
+	close(done)
+	<-exited
+	if op != nil && err != nil && ctx.Err() == nil && !conn.IsClosed() {
+		// The wait ended for the op.
+		err = nil
+	}
+	return n, op, err
 }
