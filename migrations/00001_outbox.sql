@@ -38,7 +38,15 @@ CREATE TABLE outbox.settings (
     stall_after_failures integer NOT NULL DEFAULT 3 CHECK (stall_after_failures > 0),
     -- A connected relay holding nothing is idle once work on its streams has
     -- waited this long for a relay, and it has been connected this long.
-    idle_relay_after interval NOT NULL DEFAULT '1 minute' CHECK (idle_relay_after > interval '0')
+    idle_relay_after interval NOT NULL DEFAULT '1 minute' CHECK (idle_relay_after > interval '0'),
+    -- Whether a replica's discovery may sleep while its source is quiet,
+    -- woken by the producers' commits (outbox.discovery_sleep): 'on', 'off',
+    -- or 'auto', on unless the cluster allows prepared transactions
+    -- (max_prepared_transactions > 0). A producer that commits while a
+    -- replica sleeps NOTIFYs, and PostgreSQL refuses PREPARE TRANSACTION in
+    -- a transaction that ran NOTIFY: where producers use two-phase commit
+    -- this must be 'off' (or 'auto').
+    producer_wakeups text NOT NULL DEFAULT 'auto' CHECK (producer_wakeups IN ('auto', 'on', 'off'))
 );
 INSERT INTO outbox.settings DEFAULT VALUES;
 
@@ -753,6 +761,13 @@ BEGIN
                 DO UPDATE SET last_revision = a.last_revision + 1
             RETURNING a.last_revision, gen_random_uuid() INTO NEW.revision, NEW.event_id;
         END IF;
+        -- A replica whose discovery sleeps holds this key (see
+        -- outbox.discovery_sleep): wake it at commit. Otherwise the shared
+        -- lock, held to commit, keeps a replica from falling asleep before
+        -- this event is visible to the check it makes once asleep.
+        IF NOT pg_try_advisory_xact_lock_shared(7954802400917419383) THEN
+            PERFORM pg_notify('outbox_discover', '');
+        END IF;
         RETURN NEW;
     END IF;
 
@@ -876,6 +891,11 @@ BEGIN
         END IF;
     END IF;
 
+    -- As on the common path above. (A retry of a recorded event, answered
+    -- below, may so wake a sleeping replica for nothing.)
+    IF NOT pg_try_advisory_xact_lock_shared(7954802400917419383) THEN
+        PERFORM pg_notify('outbox_discover', '');
+    END IF;
     IF v_fresh_id THEN
         RETURN NEW;
     END IF;
@@ -1841,6 +1861,68 @@ BEGIN
 END
 $$;
 -- +goose StatementEnd
+
+-- A replica's discovery sleeps while its source is quiet: after a check found
+-- nothing it takes this session-level advisory lock on its LISTEN connection
+-- and checks once more; while it holds the lock, the insert trigger's
+-- pg_try_advisory_xact_lock_shared on the same key fails and the producer
+-- NOTIFYs outbox_discover at commit, which wakes the replica for a round.
+-- A producer that took the shared lock first holds it to its commit, so the
+-- replica cannot fall asleep in between: either the producer saw the lock
+-- (and notifies) or the replica's check after taking it sees the event.
+-- Locks are not bound to snapshots, so this holds at every isolation level.
+-- Only one replica sleeps at a time (the lock is exclusive); the others
+-- check as they would without it. Under load no producer notifies (a NOTIFY
+-- serialises committing transactions cluster-wide): a round that finds more
+-- than one event gives the lock back (outbox.discovery_wake).
+-- discovery_sleep returns whether the caller now holds the lock: false when
+-- another session does, when outbox.settings.producer_wakeups is 'off', or
+-- when it is 'auto' and the cluster allows prepared transactions, which a
+-- NOTIFY would make fail.
+-- +goose StatementBegin
+CREATE FUNCTION outbox.discovery_sleep() RETURNS boolean
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
+BEGIN
+    RETURN (SELECT CASE
+        WHEN s.producer_wakeups = 'off' THEN false
+        WHEN s.producer_wakeups = 'auto' AND current_setting('max_prepared_transactions')::integer > 0 THEN false
+        ELSE pg_try_advisory_lock(7954802400917419383)
+    END
+    FROM outbox.settings s);
+END
+$$;
+-- +goose StatementEnd
+
+-- discovery_wake gives the lock of outbox.discovery_sleep back; false if the
+-- caller did not hold it.
+-- +goose StatementBegin
+CREATE FUNCTION outbox.discovery_wake() RETURNS boolean
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
+BEGIN
+    RETURN pg_advisory_unlock(7954802400917419383);
+END
+$$;
+-- +goose StatementEnd
+
+-- A change of outbox.settings.producer_wakeups reaches a replica that sleeps
+-- already: it gives the lock back and tries again under the new setting
+-- (payload 'settings'), so that 'off' keeps producers from notifying (and
+-- prepared transactions from failing) at once, not at the sleeper's next
+-- wake-up.
+-- +goose StatementBegin
+CREATE FUNCTION outbox.settings_wake_sleeper() RETURNS trigger
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
+BEGIN
+    IF NEW.producer_wakeups IS DISTINCT FROM OLD.producer_wakeups THEN
+        PERFORM pg_notify('outbox_discover', 'settings');
+    END IF;
+    RETURN NULL;
+END
+$$;
+-- +goose StatementEnd
+
+CREATE TRIGGER settings_wake_sleeper AFTER UPDATE ON outbox.settings
+    FOR EACH ROW EXECUTE FUNCTION outbox.settings_wake_sleeper();
 
 -- rescan_discovery rebuilds discovery's state from the events themselves,
 -- for a database whose stored snapshot cannot be trusted (see

@@ -89,6 +89,13 @@ func (s *Server) discover(ctx context.Context) {
 		at            time.Time // when armed
 	}
 	nextPause := func() pause {
+		if s.wake.isAsleep() {
+			// Asleep: producers' notices end the pause; the check at its
+			// end is a safety net, on the grid as the quiet checks are.
+			d := max(time.Duration(s.asleepCheck.Load()), time.Duration(s.quietInterval.Load()))
+			at := time.Now()
+			return pause{chosen: d, armed: alignedPause(at, d, 0), at: at}
+		}
 		p := pause{chosen: wait, armed: wait, at: time.Now()}
 		if empty && wait >= s.cfg.DiscoveryIdleInterval && quiet() {
 			p.chosen = max(wait, time.Duration(s.quietInterval.Load()))
@@ -110,6 +117,9 @@ func (s *Server) discover(ctx context.Context) {
 	// credit is s.creditOffered while the loop waits for a session to offer
 	// credit (a round put off for want of any: see discoverRound), else nil.
 	var credit <-chan struct{}
+	// sleepAfter is when the loop may next try to sleep after a try that
+	// failed (another replica sleeps, say): not at every check.
+	var sleepAfter time.Time
 	for {
 		select {
 		case <-ctx.Done():
@@ -117,6 +127,16 @@ func (s *Server) discover(ctx context.Context) {
 		case <-t.C:
 		case <-credit:
 			t.Stop()
+		case <-s.discoverWake:
+			// A producer committed while the loop slept (or the sleep
+			// ended with its connection): a round, without a check. A
+			// change of producer_wakeups ends the sleep; the loop tries
+			// again, under the new setting, once quiet.
+			t.Stop()
+			empty = false
+			if s.wake.settingsChanged() {
+				s.wake.wakeUp(ctx)
+			}
 		}
 		credit = nil
 		if empty {
@@ -126,10 +146,28 @@ func (s *Server) discover(ctx context.Context) {
 			var next pause
 			if nothing {
 				backOff()
-				next = nextPause()
 				// Everything is discovered: whatever the last rounds were
 				// short of credit for is not saturation (discoverRound).
 				s.shortSince = time.Time{}
+				if !s.wake.isAsleep() && !time.Now().Before(sleepAfter) {
+					if h := s.beforeSleep.get(); h != nil {
+						h()
+					}
+					asleep := s.wake.sleep(ctx)
+					if h := s.afterSleep.get(); h != nil {
+						h(asleep)
+					}
+					if asleep {
+						// An event committed between this check and the lock
+						// notified nobody: check once more, now.
+						next = pause{at: time.Now()}
+					} else {
+						sleepAfter = time.Now().Add(sleepRetry)
+					}
+				}
+				if next.at.IsZero() {
+					next = nextPause()
+				}
 			}
 			if err == nil && claims.Probed {
 				// Asked, not answered: the probe's times then err early.
@@ -178,6 +216,8 @@ func (s *Server) discover(ctx context.Context) {
 			s.metrics.discoveryStop.Set(0)
 			stopped = ""
 		}
+		// A round as large as its bound left the rest of a backlog there.
+		full := err == nil && round.bound > 0 && found.Events >= int64(round.bound)
 		switch {
 		case errors.Is(err, store.ErrDiscoveryStopped):
 			s.metrics.discoveryErrors.Inc()
@@ -210,7 +250,6 @@ func (s *Server) discover(ctx context.Context) {
 			// offered) leaves the rest there, and the next one goes on
 			// without the pause, as far as credit allows.
 			wait = max(s.cfg.DiscoveryInterval, min(roundPause(took, found.Events), s.cfg.DiscoveryPaceMax))
-			full := round.bound > 0 && found.Events >= int64(round.bound)
 			if full {
 				wait = s.cfg.DiscoveryInterval
 			}
@@ -244,6 +283,11 @@ func (s *Server) discover(ctx context.Context) {
 			s.wakeGroups(nil)
 		}
 		empty = err == nil && found.Events <= 1
+		if !empty || full {
+			// Events come faster than one a round, a backlog waits, or the
+			// round failed: poll, and leave the producers' commits alone.
+			s.wake.wakeUp(ctx)
+		}
 		reset(nextPause())
 	}
 }
@@ -350,12 +394,23 @@ func (s *Server) discoveryStopped(ctx context.Context) (string, error) {
 // freshTurn is the discovery loop's last turn that reached the database if
 // it is fresh (the loop turns at least every quiet interval), else nil.
 func (s *Server) freshTurn() *discoveryTurn {
-	fresh := max(2*time.Duration(s.quietInterval.Load()), 2*s.cfg.DiscoveryIdleInterval, time.Second)
+	fresh := max(2*time.Duration(s.quietInterval.Load()), 2*s.cfg.DiscoveryIdleInterval, time.Second,
+		2*time.Duration(s.asleepCheck.Load()))
 	if t := s.lastTurn.Load(); t != nil && time.Since(t.at) < fresh {
 		return t
 	}
 	return nil
 }
+
+// asleepCheckInterval is the pause between a sleeping discovery loop's
+// checks (at least the quiet interval): they find only what no producer's
+// notice announced, which nothing but a lost notification leaves.
+const asleepCheckInterval = time.Second
+
+// sleepRetry is how long a discovery loop that could not sleep (another
+// replica sleeps, or the database's settings say no) checks before it tries
+// again: a try is a statement on the LISTEN connection.
+const sleepRetry = time.Second
 
 // fullRound is how many events a round finds for the pause after it to be
 // as long as the round took (roundPause).

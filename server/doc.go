@@ -91,6 +91,38 @@
 // rounds, each then two round trips and the discovery lock, and a round after
 // every round that found events one empty round per event.
 //
+// A quiet source's loop sleeps instead of checking: producers wake it. After
+// a check that found nothing, the loop takes a session-level advisory lock
+// (outbox.discovery_sleep) on its replica's LISTEN connection and checks
+// once more; from then on it makes no checks but a safety one a second
+// (asleepCheckInterval). The insert trigger tries the same key shared
+// (pg_try_advisory_xact_lock_shared) for every event: while a replica
+// sleeps that fails, and the producer sends NOTIFY outbox_discover, which
+// reaches the sleeper at the producer's commit and runs a round (without
+// a check). Nothing is missed between the lock and the sleep: a producer
+// whose try succeeded holds the key shared until its transaction ends, so
+// the loop's lock, and the check after it, come after that commit, and the
+// check sees the event; a producer whose try failed notifies at its
+// commit. Locks are not bound to snapshots, so this holds at every
+// isolation level, and for a prepared transaction (which keeps its lock
+// until COMMIT PREPARED). A round that finds more than one event, or as
+// many as its bound, or fails, ends the sleep (the lock is given back
+// before the loop goes on), so producers under load never notify: a
+// NOTIFY serialises committing transactions cluster-wide, and a burst is
+// then polled as above. A lone event keeps the loop asleep. The lock lives
+// on the LISTEN connection: a lost connection gives it back by itself
+// (producers stop notifying a listener that is gone) and tells the loop,
+// which runs a round and checks again until it can sleep anew. Only one
+// replica of a database sleeps (the lock is exclusive); the others check
+// as above, trying to sleep again a second after a try that failed
+// (sleepRetry). PostgreSQL refuses PREPARE TRANSACTION after a NOTIFY, so
+// where producers use two-phase commit no replica may sleep:
+// outbox.settings.producer_wakeups is 'auto' by default, which sleeps only
+// in a cluster whose max_prepared_transactions is 0, and 'on' or 'off'
+// where the operator decides. A sleeping source costs no statement but the
+// safety check, and a lone event's commit reaches its round in a
+// notification's time rather than after the pauses above.
+//
 // Dispatch: a new or idle aggregate has nothing in hand, so instead of
 // making it ready for a claim (a second write of its row, a second
 // statement, a wake-up), the round leases its next event to a local session
@@ -407,7 +439,8 @@
 //
 // # Wake-ups
 //
-// Producers never NOTIFY: NOTIFY takes a global lock at commit that would
+// Producers NOTIFY only while a replica's discovery sleeps (see Discovery),
+// never under load: NOTIFY takes a global lock at commit that would
 // serialise every producer. A discovery round that made aggregates ready
 // (rather than dispatching them) wakes this replica's idle sessions directly
 // and the others' through one NOTIFY outbox_wakeup. While rounds find
@@ -432,11 +465,11 @@
 // Pacing is the replica's own: with several replicas, another one's loop
 // may take its turn of the discovery lock during the pause.
 // Each turn that finds nothing doubles the pause, up to
-// Config.DiscoveryIdleInterval. Nothing notifies
-// discovery itself (that would be a producer's NOTIFY), so the idle
-// interval is the longest a first event after an idle spell waits to be
-// found, whether or not the replica listens; an idle replica pays one
-// statement per idle interval for it (the check above).
+// Config.DiscoveryIdleInterval. For a loop that cannot sleep (another
+// replica sleeps, or producer_wakeups keeps it awake) the idle interval is
+// the longest a first event after an idle spell waits to be found, and an
+// idle replica pays one statement per idle interval for it (the check
+// above); a sleeping loop is woken by the producer's commit instead.
 //
 // A replica's sessions that take the same streams (the same stream filter)
 // would all find the same work, so they wait as one poll group

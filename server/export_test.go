@@ -357,3 +357,15 @@ func (s *Server) AckShard(token string) (int, error) {
 	}
 	return s.acks.shard(t), nil
 }
+
+// SetAsleepCheckInterval sets the pause between a sleeping discovery loop's
+// checks (by default a second): a test that lengthens it sees events found
+// only through the producers' notices.
+func (s *Server) SetAsleepCheckInterval(d time.Duration) { s.asleepCheck.Store(int64(d)) }
+
+// SetSleepHooks sets functions run before the discovery loop tries to sleep
+// and after, with whether it sleeps.
+func (s *Server) SetSleepHooks(before func(), after func(asleep bool)) {
+	s.beforeSleep.set(before)
+	s.afterSleep.set(after)
+}

@@ -240,7 +240,7 @@ func TestDiscoveryTurnsAfterAnEventAndAfterNothing(t *testing.T) {
 	t.Parallel()
 	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
 	defer cancel()
-	url := testdb.New(t)
+	url := pollingDatabase(t)
 	pool := testdb.NewPoolURL(t, url)
 	// The second round comes half of it after the first, so the pair is
 	// usually close; on a loaded machine it may not be (see below).
@@ -460,7 +460,7 @@ func TestAQuietDiscoveryLoopChecksAtTheQuietInterval(t *testing.T) {
 	t.Parallel()
 	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
 	defer cancel()
-	url := testdb.New(t)
+	url := pollingDatabase(t)
 	pool := testdb.NewPoolURL(t, url)
 	const quietAfter, quietInterval, idle = time.Second, 100 * time.Millisecond, 5 * time.Millisecond
 	r := startReplica(t, url, func(c *server.Config) {
@@ -531,7 +531,7 @@ func TestQuietPausesEndOnTheGrid(t *testing.T) {
 	t.Parallel()
 	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
 	defer cancel()
-	url := testdb.New(t)
+	url := pollingDatabase(t)
 	const quietAfter, quietInterval, idle = 300 * time.Millisecond, 200 * time.Millisecond, 5 * time.Millisecond
 	r := startReplica(t, url, func(c *server.Config) {
 		c.DiscoveryIdleInterval = idle
@@ -987,7 +987,7 @@ func TestARoundOfMoreThan32EventsPausesAsLongAsItTook(t *testing.T) {
 	const hold, events, idle = 600 * time.Millisecond, 48, 3 * time.Second
 	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
 	defer cancel()
-	url := testdb.New(t)
+	url := pollingDatabase(t)
 	pool := testdb.NewPoolURL(t, url)
 	// DiscoveryPaceMax is the idle interval (the default): far above the
 	// round's length and one and a half of it.
@@ -1181,7 +1181,7 @@ func TestARoundAsLargeAsItsBoundIsNotATrickle(t *testing.T) {
 	t.Parallel()
 	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
 	defer cancel()
-	url := testdb.New(t)
+	url := pollingDatabase(t)
 	pool := testdb.NewPoolURL(t, url)
 	const interval, idle = time.Millisecond, time.Second
 	r := startReplica(t, url, func(c *server.Config) {
@@ -1208,4 +1208,19 @@ func TestARoundAsLargeAsItsBoundIsNotATrickle(t *testing.T) {
 	case <-ctx.Done():
 		t.Fatal("no round found the events")
 	}
+}
+
+// pollingDatabase returns a new test database whose replicas' discovery
+// never sleeps (outbox.settings.producer_wakeups off): the loop paces its
+// checks as it does wherever it cannot sleep (another replica sleeps, the
+// producers use two-phase commit), which is what the tests of that pacing
+// watch.
+func pollingDatabase(t *testing.T) string {
+	t.Helper()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	if _, err := pool.Exec(t.Context(), `UPDATE outbox.settings SET producer_wakeups = 'off'`); err != nil {
+		t.Fatal(err)
+	}
+	return url
 }

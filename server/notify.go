@@ -18,10 +18,15 @@ const ListenerApplicationName = "outboxd-listener"
 // waker owns the replica's LISTEN connection. It wakes idle sessions when a
 // discovery round (on any replica) found new events, and routes "lease
 // released" notices from other replicas to the local session holding the
-// lease. Producers never notify. Notifications only cut latency: every
-// session's poll group also polls, so a lost notification or a dropped
-// connection delays an event by at most Config.PollInterval and never
-// strands it.
+// lease. Notifications only cut latency: every session's poll group also
+// polls, so a lost notification or a dropped connection delays an event by
+// at most Config.PollInterval and never strands it.
+//
+// It also holds the discovery loop's sleep (see doc.go, Discovery): the
+// sleeper's lock is taken on this connection (sleep), so that a lost
+// connection gives it back by itself and producers stop notifying a
+// listener that is not there, and the loop is told (discoverWake) when a
+// producer's notice comes while it sleeps or the connection is lost.
 //
 // A round of this replica that made rows ready wakes the local sessions
 // itself, as soon as it has committed; its own NOTIFY, which comes back on
@@ -44,6 +49,15 @@ type waker struct {
 	// expect counts, per backend, the echoes of ended rounds still to
 	// arrive on the current connection.
 	expect map[uint32]int
+	// asleep: the discovery loop sleeps, holding the sleeper's lock on the
+	// current connection.
+	asleep bool
+	// resettle: the database's producer_wakeups changed while the loop
+	// slept; it must wake and try again under the new setting.
+	resettle bool
+
+	// ops run on the LISTEN connection between its waits (store.ListenOp).
+	ops chan store.ListenOp
 }
 
 // roundEcho is a round under way, as the listener sees it.
@@ -53,7 +67,98 @@ type roundEcho struct {
 }
 
 func newWaker(s *Server) *waker {
-	return &waker{s: s, open: make(map[uint32]*roundEcho), expect: make(map[uint32]int)}
+	return &waker{s: s, open: make(map[uint32]*roundEcho), expect: make(map[uint32]int),
+		ops: make(chan store.ListenOp, 2)}
+}
+
+// sleep takes the sleeper's lock on the LISTEN connection and reports
+// whether the discovery loop now sleeps: producers that commit from here on
+// notify store.ChannelDiscover, which wakes the loop through discoverWake.
+// False when there is no connection, another replica sleeps, the database's
+// settings do not allow it, or ctx ends.
+func (w *waker) sleep(ctx context.Context) bool {
+	reply := make(chan bool, 1)
+	op := func(ctx context.Context, c *store.ListenConn) error {
+		ok, err := c.Sleep(ctx)
+		if err != nil && c != nil {
+			// The connection's next wait fails if it is lost; a statement
+			// that failed on its own (a schema not migrated yet) only
+			// keeps the loop awake.
+			w.s.log.Warn("discovery could not sleep; it keeps checking", "err", err)
+		}
+		w.mu.Lock()
+		w.asleep = ok && err == nil && w.connected
+		ok = w.asleep
+		w.mu.Unlock()
+		reply <- ok
+		return nil
+	}
+	select {
+	case w.ops <- op:
+	case <-ctx.Done():
+		return false
+	}
+	select {
+	case ok := <-reply:
+		return ok
+	case <-ctx.Done():
+		return false
+	}
+}
+
+// isAsleep says whether the discovery loop sleeps.
+func (w *waker) isAsleep() bool {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.asleep
+}
+
+// wakeUp ends the discovery loop's sleep: the sleeper's lock is given back
+// on the LISTEN connection before it returns, so producers that insert from
+// then on do not notify.
+func (w *waker) wakeUp(ctx context.Context) {
+	w.mu.Lock()
+	asleep := w.asleep
+	w.asleep = false
+	w.mu.Unlock()
+	if !asleep {
+		return
+	}
+	done := make(chan struct{})
+	op := func(ctx context.Context, c *store.ListenConn) error {
+		defer close(done)
+		if err := c.Wake(ctx); err != nil && c != nil {
+			return err // the lock stays while the session does: reconnect
+		}
+		return nil
+	}
+	select {
+	case w.ops <- op:
+	case <-ctx.Done():
+		return
+	}
+	select {
+	case <-done:
+	case <-ctx.Done():
+	}
+}
+
+// settingsChanged reports (once) that producer_wakeups changed while the
+// loop slept.
+func (w *waker) settingsChanged() bool {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	changed := w.resettle
+	w.resettle = false
+	return changed
+}
+
+// woken tells a sleeping discovery loop to run a round.
+func (w *waker) woken() {
+	select {
+	case w.s.discoverWake <- struct{}{}:
+	default:
+	}
 }
 
 // openRound says a discovery round of this replica is about to apply on
@@ -112,6 +217,13 @@ func (w *waker) listening(up bool) {
 	w.connected = up
 	w.gen++
 	clear(w.expect)
+	if !up && w.asleep {
+		// The lock went with the session: producers no longer notify, so
+		// the loop must check again, and a notice sent before the loss
+		// may not have come.
+		w.asleep = false
+		w.woken()
+	}
 }
 
 // broadcast wakes one idle session of every poll group (see pollGroup):
@@ -128,11 +240,17 @@ func (w *waker) run(ctx context.Context) {
 		}
 		w.s.log.Warn("listen connection lost; reconnecting", "err", err, "in", backoff)
 		t := time.NewTimer(backoff + rand.N(backoff/2))
-		select {
-		case <-ctx.Done():
-			t.Stop()
-			return
-		case <-t.C:
+	between:
+		for {
+			select {
+			case <-ctx.Done():
+				t.Stop()
+				return
+			case op := <-w.ops:
+				_ = op(ctx, nil) // told there is no connection
+			case <-t.C:
+				break between
+			}
 		}
 		backoff = min(backoff*2, 10*time.Second)
 	}
@@ -142,7 +260,8 @@ func (w *waker) run(ctx context.Context) {
 func (w *waker) listen(ctx context.Context) error {
 	// Named, so operators (and tests) can find it in pg_stat_activity.
 	name := ListenerApplicationName + " " + w.s.cfg.ReplicaID
-	return store.Listen(ctx, w.s.cfg.DatabaseURL, name, []string{store.ChannelWakeup, store.ChannelReleased},
+	return store.Listen(ctx, w.s.cfg.DatabaseURL, name,
+		[]string{store.ChannelWakeup, store.ChannelReleased, store.ChannelDiscover},
 		func() {
 			w.listening(true)
 			// Anything notified while we were not listening is found by
@@ -160,9 +279,19 @@ func (w *waker) listen(ctx context.Context) error {
 				if holder, err := uuid.Parse(payload); err == nil {
 					w.s.reconcileSession(holder)
 				}
+			case store.ChannelDiscover:
+				// A producer committed while a replica slept; only the
+				// sleeper acts on it (the others check as usual).
+				w.mu.Lock()
+				asleep := w.asleep
+				w.resettle = w.resettle || asleep && payload == store.DiscoverSettingsChanged
+				w.mu.Unlock()
+				if asleep {
+					w.woken()
+				}
 			}
 			if h := w.s.afterNotify.get(); h != nil {
 				h(channel)
 			}
-		})
+		}, w.ops)
 }

@@ -432,6 +432,14 @@ type Server struct {
 	// discovery loop chooses before its next turn, the pause it arms (a
 	// quiet one aligned: see alignedPause) and when.
 	afterDiscoveryWait hook[func(chosen, armed time.Duration, at time.Time)]
+	// beforeSleep, when set (by tests), runs before the discovery loop
+	// tries to sleep; afterSleep after, with whether it sleeps.
+	beforeSleep hook[func()]
+	afterSleep  hook[func(asleep bool)]
+	// asleepCheck is the pause between a sleeping discovery loop's checks,
+	// in nanoseconds (asleepCheckInterval; tests lengthen it, so that only
+	// a producer's notice can find an event).
+	asleepCheck atomic.Int64
 	// quietInterval is Config.DiscoveryQuietInterval as last set (see
 	// SetDiscoveryQuietInterval), in nanoseconds.
 	quietInterval atomic.Int64
@@ -507,6 +515,9 @@ type Server struct {
 	// offers credit: a discovery loop that put its round off for want of
 	// any waits for it.
 	creditOffered chan struct{}
+	// discoverWake: a producer committed while the discovery loop slept, or
+	// the LISTEN connection its sleep was held on was lost (see waker).
+	discoverWake chan struct{}
 	// shortSince is when the discovery loop's rounds began to find more
 	// events than their sessions' credit, every round since (zero: the
 	// last one did not); saturatedAfter is how long that must last before
@@ -565,12 +576,14 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 		signer:        signer,
 		sessions:      make(map[uuid.UUID]*session),
 		creditOffered: make(chan struct{}, 1),
+		discoverWake:  make(chan struct{}, 1),
 		ownershipKick: make(chan struct{}, 1),
 		instance:      uuid.New(),
 		stopping:      make(chan struct{}),
 		metrics:       newMetrics(),
 	}
 	s.quietInterval.Store(int64(cfg.DiscoveryQuietInterval))
+	s.asleepCheck.Store(int64(asleepCheckInterval))
 	s.saturatedAfter.Store(int64(saturatedAfter))
 	s.acks = newAckCommitter(s)
 	s.wake = newWaker(s)

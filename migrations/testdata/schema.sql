@@ -1549,6 +1549,24 @@ END
 $$;
 
 --
+-- Name: discovery_sleep(); Type: FUNCTION; Schema: outbox; Owner: -
+--
+
+CREATE FUNCTION outbox.discovery_sleep() RETURNS boolean
+    LANGUAGE plpgsql
+    SET plan_cache_mode TO 'force_generic_plan'
+    AS $$
+BEGIN
+    RETURN (SELECT CASE
+        WHEN s.producer_wakeups = 'off' THEN false
+        WHEN s.producer_wakeups = 'auto' AND current_setting('max_prepared_transactions')::integer > 0 THEN false
+        ELSE pg_try_advisory_lock(7954802400917419383)
+    END
+    FROM outbox.settings s);
+END
+$$;
+
+--
 -- Name: discovery_stop_reason(pg_snapshot, bigint); Type: FUNCTION; Schema: outbox; Owner: -
 --
 
@@ -1610,6 +1628,19 @@ BEGIN
     END IF;
     RETURN v_stopped || '; new events are not being found. Run `outboxd rescan` '
            '(SELECT * FROM outbox.rescan_discovery()) once to find every pending event and resume discovery';
+END
+$$;
+
+--
+-- Name: discovery_wake(); Type: FUNCTION; Schema: outbox; Owner: -
+--
+
+CREATE FUNCTION outbox.discovery_wake() RETURNS boolean
+    LANGUAGE plpgsql
+    SET plan_cache_mode TO 'force_generic_plan'
+    AS $$
+BEGIN
+    RETURN pg_advisory_unlock(7954802400917419383);
 END
 $$;
 
@@ -1717,6 +1748,13 @@ BEGIN
             ON CONFLICT (stream, aggregate_key)
                 DO UPDATE SET last_revision = a.last_revision + 1
             RETURNING a.last_revision, gen_random_uuid() INTO NEW.revision, NEW.event_id;
+        END IF;
+        -- A replica whose discovery sleeps holds this key (see
+        -- outbox.discovery_sleep): wake it at commit. Otherwise the shared
+        -- lock, held to commit, keeps a replica from falling asleep before
+        -- this event is visible to the check it makes once asleep.
+        IF NOT pg_try_advisory_xact_lock_shared(7954802400917419383) THEN
+            PERFORM pg_notify('outbox_discover', '');
         END IF;
         RETURN NEW;
     END IF;
@@ -1841,6 +1879,11 @@ BEGIN
         END IF;
     END IF;
 
+    -- As on the common path above. (A retry of a recorded event, answered
+    -- below, may so wake a sleeping replica for nothing.)
+    IF NOT pg_try_advisory_xact_lock_shared(7954802400917419383) THEN
+        PERFORM pg_notify('outbox_discover', '');
+    END IF;
     IF v_fresh_id THEN
         RETURN NEW;
     END IF;
@@ -2673,6 +2716,22 @@ END
 $$;
 
 --
+-- Name: settings_wake_sleeper(); Type: FUNCTION; Schema: outbox; Owner: -
+--
+
+CREATE FUNCTION outbox.settings_wake_sleeper() RETURNS trigger
+    LANGUAGE plpgsql
+    SET plan_cache_mode TO 'force_generic_plan'
+    AS $$
+BEGIN
+    IF NEW.producer_wakeups IS DISTINCT FROM OLD.producer_wakeups THEN
+        PERFORM pg_notify('outbox_discover', 'settings');
+    END IF;
+    RETURN NULL;
+END
+$$;
+
+--
 -- Name: stall_reason(text, integer, integer, text); Type: FUNCTION; Schema: outbox; Owner: -
 --
 
@@ -3126,9 +3185,11 @@ CREATE TABLE outbox.settings (
     stall_after_unanswered integer DEFAULT 3 NOT NULL,
     stall_after_failures integer DEFAULT 3 NOT NULL,
     idle_relay_after interval DEFAULT '00:01:00'::interval NOT NULL,
+    producer_wakeups text DEFAULT 'auto'::text NOT NULL,
     CONSTRAINT settings_attempt_history_per_aggregate_check CHECK (((attempt_history_per_aggregate >= 1) AND (attempt_history_per_aggregate <= 10000))),
     CONSTRAINT settings_idle_relay_after_check CHECK ((idle_relay_after > '00:00:00'::interval)),
     CONSTRAINT settings_max_payload_bytes_check CHECK (((max_payload_bytes >= 1024) AND (max_payload_bytes <= 3145728))),
+    CONSTRAINT settings_producer_wakeups_check CHECK ((producer_wakeups = ANY (ARRAY['auto'::text, 'on'::text, 'off'::text]))),
     CONSTRAINT settings_singleton_check CHECK (singleton),
     CONSTRAINT settings_stall_after_failures_check CHECK ((stall_after_failures > 0)),
     CONSTRAINT settings_stall_after_unanswered_check CHECK ((stall_after_unanswered > 0))
@@ -3375,6 +3436,12 @@ CREATE TRIGGER event_immutable BEFORE UPDATE OF event_id, stream, aggregate_key,
 --
 
 CREATE TRIGGER event_keep_pending BEFORE DELETE ON outbox.event FOR EACH ROW EXECUTE FUNCTION outbox.event_keep_pending();
+
+--
+-- Name: settings settings_wake_sleeper; Type: TRIGGER; Schema: outbox; Owner: -
+--
+
+CREATE TRIGGER settings_wake_sleeper AFTER UPDATE ON outbox.settings FOR EACH ROW EXECUTE FUNCTION outbox.settings_wake_sleeper();
 
 --
 -- Name: late_event late_event_event_id_fkey; Type: FK CONSTRAINT; Schema: outbox; Owner: -
