@@ -1875,20 +1875,33 @@ $$;
 -- check as they would without it. Under load no producer notifies (a NOTIFY
 -- serialises committing transactions cluster-wide): a round that finds more
 -- than one event gives the lock back (outbox.discovery_wake).
--- discovery_sleep returns whether the caller now holds the lock: false when
--- another session does, when outbox.settings.producer_wakeups is 'off', or
--- when it is 'auto' and the cluster allows prepared transactions, which a
--- NOTIFY would make fail.
+-- discovery_may_sleep says whether the settings let a replica sleep: not
+-- when outbox.settings.producer_wakeups is 'off', nor when it is 'auto' and
+-- the cluster allows prepared transactions, which a NOTIFY would make fail.
 -- +goose StatementBegin
-CREATE FUNCTION outbox.discovery_sleep() RETURNS boolean
+CREATE FUNCTION outbox.discovery_may_sleep() RETURNS boolean
 LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
 BEGIN
     RETURN (SELECT CASE
         WHEN s.producer_wakeups = 'off' THEN false
-        WHEN s.producer_wakeups = 'auto' AND current_setting('max_prepared_transactions')::integer > 0 THEN false
-        ELSE pg_try_advisory_lock(7954802400917419383)
+        WHEN s.producer_wakeups = 'auto' THEN current_setting('max_prepared_transactions')::integer = 0
+        ELSE true
     END
     FROM outbox.settings s);
+END
+$$;
+-- +goose StatementEnd
+
+-- discovery_sleep returns whether the caller now holds the lock: false when
+-- another session does or the settings do not let it sleep.
+-- +goose StatementBegin
+CREATE FUNCTION outbox.discovery_sleep() RETURNS boolean
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
+BEGIN
+    IF NOT outbox.discovery_may_sleep() THEN
+        RETURN false;
+    END IF;
+    RETURN pg_try_advisory_lock(7954802400917419383);
 END
 $$;
 -- +goose StatementEnd
@@ -1905,8 +1918,8 @@ $$;
 -- +goose StatementEnd
 
 -- A change of outbox.settings.producer_wakeups reaches a replica that sleeps
--- already: it gives the lock back and tries again under the new setting
--- (payload 'settings'), so that 'off' keeps producers from notifying (and
+-- already (payload 'settings'): it asks discovery_may_sleep and, told no,
+-- gives the lock back, so that 'off' keeps producers from notifying (and
 -- prepared transactions from failing) at once, not at the sleeper's next
 -- wake-up.
 -- +goose StatementBegin

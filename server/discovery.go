@@ -129,14 +129,10 @@ func (s *Server) discover(ctx context.Context) {
 			t.Stop()
 		case <-s.discoverWake:
 			// A producer committed while the loop slept (or the sleep
-			// ended with its connection): a round, without a check. A
-			// change of producer_wakeups ends the sleep; the loop tries
-			// again, under the new setting, once quiet.
+			// ended: its connection was lost, or the settings no longer
+			// allow it): a round, without a check.
 			t.Stop()
 			empty = false
-			if s.wake.settingsChanged() {
-				s.wake.wakeUp(ctx)
-			}
 		}
 		credit = nil
 		if empty {

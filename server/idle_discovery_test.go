@@ -669,7 +669,7 @@ func TestReadinessTakesTheStopFromTheDiscoveryLoop(t *testing.T) {
 	t.Parallel()
 	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
 	defer cancel()
-	url := testdb.New(t)
+	url := pollingDatabase(t) // a loop that turns (checks) at the idle interval
 	pool := testdb.NewPoolURL(t, url)
 	var dbname string
 	if err := pool.QueryRow(ctx, `SELECT current_database()`).Scan(&dbname); err != nil {

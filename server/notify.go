@@ -52,9 +52,6 @@ type waker struct {
 	// asleep: the discovery loop sleeps, holding the sleeper's lock on the
 	// current connection.
 	asleep bool
-	// resettle: the database's producer_wakeups changed while the loop
-	// slept; it must wake and try again under the new setting.
-	resettle bool
 
 	// ops run on the LISTEN connection between its waits (store.ListenOp).
 	ops chan store.ListenOp
@@ -143,14 +140,27 @@ func (w *waker) wakeUp(ctx context.Context) {
 	}
 }
 
-// settingsChanged reports (once) that producer_wakeups changed while the
-// loop slept.
-func (w *waker) settingsChanged() bool {
+// settingsChanged acts on a change of the database's producer_wakeups, on
+// the LISTEN connection c: a sleeping loop that the settings no longer let
+// sleep gives the lock back at once and is woken; otherwise nothing changes
+// (a notice of a change made before the loop fell asleep, say). An error
+// leaves the connection in doubt: it is closed, which gives the lock back.
+func (w *waker) settingsChanged(ctx context.Context, c *store.ListenConn) error {
+	if !w.isAsleep() {
+		return nil
+	}
+	ok, err := c.MaySleep(ctx)
+	if err != nil || ok {
+		return err
+	}
+	if err := c.Wake(ctx); err != nil {
+		return err
+	}
 	w.mu.Lock()
-	defer w.mu.Unlock()
-	changed := w.resettle
-	w.resettle = false
-	return changed
+	w.asleep = false
+	w.mu.Unlock()
+	w.woken()
+	return nil
 }
 
 // woken tells a sleeping discovery loop to run a round.
@@ -269,7 +279,7 @@ func (w *waker) listen(ctx context.Context) error {
 			w.broadcast()
 			w.s.forEachSession(func(ss *session) { ss.requestReconcile() })
 		},
-		func(pid uint32, channel, payload string) {
+		func(c *store.ListenConn, pid uint32, channel, payload string) error {
 			switch channel {
 			case store.ChannelWakeup:
 				if !w.echo(pid) {
@@ -280,18 +290,21 @@ func (w *waker) listen(ctx context.Context) error {
 					w.s.reconcileSession(holder)
 				}
 			case store.ChannelDiscover:
+				if payload == store.DiscoverSettingsChanged {
+					if err := w.settingsChanged(ctx, c); err != nil {
+						return err
+					}
+					break
+				}
 				// A producer committed while a replica slept; only the
 				// sleeper acts on it (the others check as usual).
-				w.mu.Lock()
-				asleep := w.asleep
-				w.resettle = w.resettle || asleep && payload == store.DiscoverSettingsChanged
-				w.mu.Unlock()
-				if asleep {
+				if w.isAsleep() {
 					w.woken()
 				}
 			}
 			if h := w.s.afterNotify.get(); h != nil {
 				h(channel)
 			}
+			return nil
 		}, w.ops)
 }

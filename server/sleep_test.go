@@ -2,6 +2,7 @@ package server_test
 
 import (
 	"context"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -346,6 +347,9 @@ func TestASleepingLoopsFullRoundGoesOn(t *testing.T) {
 		}
 	})
 	inRound, goOn := make(chan struct{}), make(chan struct{})
+	var goOnce sync.Once
+	letGo := func() { goOnce.Do(func() { close(goOn) }) }
+	t.Cleanup(letGo) // a failed test must not leave the loop held
 	var once atomic.Bool
 	rig.r.Server.SetAfterDiscover(func(d store.Discovery, err error) (store.Discovery, error) {
 		if once.CompareAndSwap(false, true) {
@@ -365,7 +369,7 @@ func TestASleepingLoopsFullRoundGoesOn(t *testing.T) {
 		ids = append(ids, emit(t, rig.pool, "orders", key, 1)[0].String())
 	}
 	waitFor(t, func() int32 { return b2i(notices.Load() >= 3) })
-	close(goOn)
+	letGo()
 	for _, id := range ids {
 		d := recv(t, st)
 		if d.GetEvent().GetEventId() != id {

@@ -52,6 +52,17 @@ func (c *ListenConn) Sleep(ctx context.Context) (bool, error) {
 	return ok, err
 }
 
+// MaySleep says whether the database's settings let a replica sleep
+// (outbox.discovery_may_sleep).
+func (c *ListenConn) MaySleep(ctx context.Context) (bool, error) {
+	if c == nil {
+		return false, ErrNotListening
+	}
+	var ok bool
+	err := c.conn.QueryRow(ctx, `SELECT outbox.discovery_may_sleep()`).Scan(&ok)
+	return ok, err
+}
+
 // Wake gives the sleeper's lock back (outbox.discovery_wake).
 func (c *ListenConn) Wake(ctx context.Context) error {
 	if c == nil {
@@ -68,14 +79,16 @@ type ListenOp func(ctx context.Context, c *ListenConn) error
 // Listen opens a connection of its own to databaseURL, named
 // applicationName (operators find it in pg_stat_activity), LISTENs on
 // channels, calls ready once it listens, and then notified for each
-// notification (with the process id of the backend that sent it), and runs
+// notification (with the process id of the backend that sent it, and the
+// connection, on which it may run statements; an error it returns ends the
+// connection), and runs
 // each op received from ops between waits, until ctx ends, the connection
 // fails or an op fails; it returns why. Every op received runs: one that
 // came as the connection failed runs with a nil ListenConn. Not one of the pool's connections: a
 // LISTEN binds its session, and waiting for notifications holds the
 // connection for good.
 func Listen(ctx context.Context, databaseURL, applicationName string, channels []string,
-	ready func(), notified func(pid uint32, channel, payload string), ops <-chan ListenOp) error {
+	ready func(), notified func(c *ListenConn, pid uint32, channel, payload string) error, ops <-chan ListenOp) error {
 	cfg, err := pgx.ParseConfig(databaseURL)
 	if err != nil {
 		return err
@@ -112,7 +125,9 @@ func Listen(ctx context.Context, databaseURL, applicationName string, channels [
 			}
 		}
 		if n != nil {
-			notified(n.PID, n.Channel, n.Payload)
+			if err := notified(lc, n.PID, n.Channel, n.Payload); err != nil {
+				return err
+			}
 		}
 	}
 }

@@ -1549,6 +1549,24 @@ END
 $$;
 
 --
+-- Name: discovery_may_sleep(); Type: FUNCTION; Schema: outbox; Owner: -
+--
+
+CREATE FUNCTION outbox.discovery_may_sleep() RETURNS boolean
+    LANGUAGE plpgsql
+    SET plan_cache_mode TO 'force_generic_plan'
+    AS $$
+BEGIN
+    RETURN (SELECT CASE
+        WHEN s.producer_wakeups = 'off' THEN false
+        WHEN s.producer_wakeups = 'auto' THEN current_setting('max_prepared_transactions')::integer = 0
+        ELSE true
+    END
+    FROM outbox.settings s);
+END
+$$;
+
+--
 -- Name: discovery_sleep(); Type: FUNCTION; Schema: outbox; Owner: -
 --
 
@@ -1557,12 +1575,10 @@ CREATE FUNCTION outbox.discovery_sleep() RETURNS boolean
     SET plan_cache_mode TO 'force_generic_plan'
     AS $$
 BEGIN
-    RETURN (SELECT CASE
-        WHEN s.producer_wakeups = 'off' THEN false
-        WHEN s.producer_wakeups = 'auto' AND current_setting('max_prepared_transactions')::integer > 0 THEN false
-        ELSE pg_try_advisory_lock(7954802400917419383)
-    END
-    FROM outbox.settings s);
+    IF NOT outbox.discovery_may_sleep() THEN
+        RETURN false;
+    END IF;
+    RETURN pg_try_advisory_lock(7954802400917419383);
 END
 $$;
 
