@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# What the sleeping-discovery design (sleeping-discovery-prototype.patch)
-# would add to every producer's insert while no replica sleeps: the
+# What the sleeping-discovery design (sleeping-discovery-prototype.patch;
+# built since ef45f30, so give this script a binary from before it, such as
+# one built at 4500904: on a later one both arms already take the lock)
+# adds to every producer's insert while no replica sleeps: the
 # trigger's common path taking pg_try_advisory_xact_lock_shared on the
 # sleeper's key (which succeeds, and is held to the commit). 8 pgbench
 # clients, synchronous_commit off (CPU-bound), inserting through the real
@@ -17,6 +19,7 @@ scratch_db outboxd_wakelock
 psql -X -At "$url" -c "SELECT pg_get_functiondef('outbox.event_before_insert()'::regprocedure)" >"$work/real.sql"
 common='AND NEW.xid = pg_current_xact_id() AND octet_length(NEW.payload::text) <= 1024 THEN'
 grep -qF "$common" "$work/real.sql" || { echo "the trigger's common path is not where this script expects it" >&2; exit 1; }
+! grep -q 'pg_try_advisory_xact_lock_shared' "$work/real.sql" || { echo "this trigger takes the lock already: use a binary from before ef45f30" >&2; exit 1; }
 sed "s/${common//\*/\\*}/${common% THEN} AND pg_try_advisory_xact_lock_shared(7954802400917419383) THEN/" "$work/real.sql" >"$work/lock.sql"
 grep -q 'pg_try_advisory_xact_lock_shared(7954802400917419383)' "$work/lock.sql" || { echo "the lock was not added" >&2; exit 1; }
 echo "INSERT INTO outbox.event (stream, aggregate_key, event_type, payload) VALUES ('s', (floor(random() * 10000))::int::text, 't', '{\"a\":1}');" >"$work/insert.sql"
