@@ -125,6 +125,17 @@ func (rig *sleepRig) waitAsleep(t *testing.T) {
 	}
 }
 
+// recvAndAck receives the next delivery on st, which must be of aggregate
+// key (else the test fails, saying why it wanted it), and acks it.
+func recvAndAck(t *testing.T, r *replica, st outboxv1.RelayService_SubscribeClient, key, why string) {
+	t.Helper()
+	d := recv(t, st)
+	if d.GetEvent().GetAggregateKey() != key {
+		t.Fatalf("got %v, want %s", d.GetEvent(), why)
+	}
+	ack(t, r, d)
+}
+
 // sleeperHeld says whether a session of the rig's database holds the
 // sleeper's lock (outbox.discovery_sleep's advisory key, 7954802400917419383,
 // as pg_locks splits it).
@@ -157,15 +168,11 @@ func TestASleepingLoopIsWokenByTheProducersCommit(t *testing.T) {
 	}
 
 	checks := rig.checks.Load()
-	id := emit(t, rig.pool, "orders", "lone", 1)[0]
-	d := recv(t, st)
-	if d.GetEvent().GetEventId() != id.String() {
-		t.Fatalf("got %v, want the lone event", d.GetEvent())
-	}
+	emit(t, rig.pool, "orders", "lone", 1)
+	recvAndAck(t, rig.r, st, "lone", "the lone event")
 	if n := rig.checks.Load() - checks; n != 0 {
 		t.Errorf("the sleeping loop made %d checks before it delivered the event; want none (the producer's notice)", n)
 	}
-	ack(t, rig.r, d)
 
 	// Awake, the loop tries to sleep again once a check finds nothing; by
 	// then it has given the lock back.
@@ -231,11 +238,7 @@ func TestAnUncommittedProducerKeepsTheLoopAwake(t *testing.T) {
 	if err := tx.Commit(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if d := recv(t, st); d.GetEvent().GetAggregateKey() != "open" {
-		t.Fatalf("got %v, want the event committed after the loop's try", d.GetEvent())
-	} else {
-		ack(t, rig.r, d)
-	}
+	recvAndAck(t, rig.r, st, "open", "the event committed after the loop's try")
 }
 
 // An event committed between the check that found nothing and the loop's
@@ -256,11 +259,7 @@ func TestAnEventCommittedJustBeforeTheSleepIsFound(t *testing.T) {
 		}
 	})
 	st := subscribe(t, ctx, rig.r, &outboxv1.SubscribeRequest{MaxInFlight: 4})
-	if d := recv(t, st); d.GetEvent().GetAggregateKey() != "just-before" {
-		t.Fatalf("got %v, want the event committed just before the loop slept", d.GetEvent())
-	} else {
-		ack(t, rig.r, d)
-	}
+	recvAndAck(t, rig.r, st, "just-before", "the event committed just before the loop slept")
 	if !rig.nextTry(ctx, t) {
 		t.Error("the loop's try to sleep failed; the test meant it to succeed")
 	}
@@ -288,12 +287,8 @@ func TestALostListenerEndsTheSleep(t *testing.T) {
 		t.Fatal(err)
 	}
 	waitFor(t, func() int32 { return listenersListening(ctx, rig.pool, "sleeper", old) })
-	id := emit(t, rig.pool, "orders", "after-loss", 1)[0]
-	if d := recv(t, st); d.GetEvent().GetEventId() != id.String() {
-		t.Fatalf("got %v, want the event committed after the listener came back", d.GetEvent())
-	} else {
-		ack(t, rig.r, d)
-	}
+	emit(t, rig.pool, "orders", "after-loss", 1)
+	recvAndAck(t, rig.r, st, "after-loss", "the event committed after the listener came back")
 	rig.waitAsleep(t)
 	if !sleeperHeld(ctx, t, rig.pool) {
 		t.Error("asleep again, but nobody holds the sleeper's lock")
@@ -318,12 +313,8 @@ func TestOnlyOneReplicaSleeps(t *testing.T) {
 	checks := other.checks.Load()
 	waitFor(t, func() int32 { return b2i(other.checks.Load() >= checks+3) })
 	st := subscribe(t, ctx, r2, &outboxv1.SubscribeRequest{MaxInFlight: 4})
-	id := emit(t, rig.pool, "orders", "either", 1)[0]
-	if d := recv(t, st); d.GetEvent().GetEventId() != id.String() {
-		t.Fatalf("got %v", d.GetEvent())
-	} else {
-		ack(t, r2, d)
-	}
+	emit(t, rig.pool, "orders", "either", 1)
+	recvAndAck(t, r2, st, "either", "the event, from the replica that checks")
 }
 
 // A round as large as its bound (here DiscoveryMaxEvents = 1) leaves the
