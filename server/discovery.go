@@ -145,24 +145,17 @@ func (s *Server) discover(ctx context.Context) {
 				// Everything is discovered: whatever the last rounds were
 				// short of credit for is not saturation (discoverRound).
 				s.shortSince = time.Time{}
+				fellAsleep := false
 				if !s.wake.isAsleep() && !time.Now().Before(sleepAfter) {
-					if h := s.beforeSleep.get(); h != nil {
-						h()
-					}
-					asleep := s.wake.sleep(ctx)
-					if h := s.afterSleep.get(); h != nil {
-						h(asleep)
-					}
-					if asleep {
-						// An event committed between this check and the lock
-						// notified nobody: check once more, now.
-						next = pause{at: time.Now()}
-					} else {
+					if fellAsleep = s.trySleep(ctx); !fellAsleep {
 						sleepAfter = time.Now().Add(sleepRetry)
 					}
 				}
-				if next.at.IsZero() {
-					next = nextPause()
+				next = nextPause()
+				if fellAsleep {
+					// An event committed between this check and the lock
+					// notified nobody: check once more, now.
+					next = pause{at: time.Now()}
 				}
 			}
 			if err == nil && claims.Probed {
@@ -286,6 +279,19 @@ func (s *Server) discover(ctx context.Context) {
 		}
 		reset(nextPause())
 	}
+}
+
+// trySleep tries to put the discovery loop to sleep (waker.sleep), between
+// the tests' hooks.
+func (s *Server) trySleep(ctx context.Context) bool {
+	if h := s.beforeSleep.get(); h != nil {
+		h()
+	}
+	asleep := s.wake.sleep(ctx)
+	if h := s.afterSleep.get(); h != nil {
+		h(asleep)
+	}
+	return asleep
 }
 
 // alignedPause is how long from now to the next instant after it on the
