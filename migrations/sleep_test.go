@@ -6,6 +6,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	_ "github.com/jackc/pgx/v5/stdlib"
 
@@ -104,8 +105,9 @@ func TestProducersNotifyOnlyWhileAReplicaSleeps(t *testing.T) {
 // The lock that makes sleeping race-free: a producer that inserted before a
 // replica tried to sleep holds the key shared to its commit, so the replica
 // cannot fall asleep (and then miss the event, which notified nobody) until
-// the event is committed, when its check after the lock sees it. Only one
-// replica sleeps at a time.
+// the event is committed, when its check after the lock sees it, at every
+// isolation level a producer may use (locks are not bound to snapshots).
+// Only one replica sleeps at a time.
 func TestAnOpenProducerKeepsReplicasFromSleeping(t *testing.T) {
 	t.Parallel()
 	ctx := testContext(t)
@@ -113,25 +115,30 @@ func TestAnOpenProducerKeepsReplicasFromSleeping(t *testing.T) {
 	sleeper := listenForDiscover(t, pool)
 	other := listenForDiscover(t, pool)
 
-	tx, err := pool.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer tx.Rollback(ctx)
-	if _, err := tx.Exec(ctx, `INSERT INTO outbox.event (stream, aggregate_key, event_type, payload) VALUES ('s', 'a', 'T', '{}')`); err != nil {
-		t.Fatal(err)
-	}
-	if trySleep(t, sleeper) {
-		t.Fatal("a replica fell asleep while a producer's insert was uncommitted: that event would notify nobody")
-	}
-	if err := tx.Commit(ctx); err != nil {
-		t.Fatal(err)
-	}
-	if !trySleep(t, sleeper) {
-		t.Fatal("discovery_sleep() = false once the producer committed")
-	}
-	if trySleep(t, other) {
-		t.Error("a second replica fell asleep beside the first")
+	for _, iso := range []pgx.TxIsoLevel{pgx.ReadCommitted, pgx.RepeatableRead, pgx.Serializable} {
+		tx, err := pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: iso})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := tx.Exec(ctx, `INSERT INTO outbox.event (stream, aggregate_key, event_type, payload) VALUES ('s', 'a', 'T', '{}')`); err != nil {
+			t.Fatal(err)
+		}
+		if trySleep(t, sleeper) {
+			_ = tx.Rollback(ctx)
+			t.Fatalf("%s: a replica fell asleep while a producer's insert was uncommitted: that event would notify nobody", iso)
+		}
+		if err := tx.Commit(ctx); err != nil {
+			t.Fatal(err)
+		}
+		if !trySleep(t, sleeper) {
+			t.Fatalf("%s: discovery_sleep() = false once the producer committed", iso)
+		}
+		if trySleep(t, other) {
+			t.Errorf("%s: a second replica fell asleep beside the first", iso)
+		}
+		if _, err := sleeper.Exec(ctx, `SELECT outbox.discovery_wake()`); err != nil {
+			t.Fatal(err)
+		}
 	}
 }
 

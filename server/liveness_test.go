@@ -117,16 +117,7 @@ func TestListenerReconnects(t *testing.T) {
 		t.Fatalf("got %v", d.GetEvent())
 	}
 
-	listenerPID := func() int32 {
-		var pid int32
-		_ = pool.QueryRow(ctx, `SELECT pid FROM pg_stat_activity WHERE datname = current_database()
-			AND application_name = $1 AND state IS NOT NULL LIMIT 1`, server.ListenerApplicationName+" deaf").Scan(&pid)
-		return pid
-	}
-	old := waitFor(t, func() int32 { return listenerPID() })
-	if _, err := pool.Exec(ctx, `SELECT pg_terminate_backend($1)`, old); err != nil {
-		t.Fatal(err)
-	}
+	old := terminateListener(ctx, t, pool, "deaf")
 	// Listening again (LISTEN is the connection's first statement, so a
 	// query from it means the channels are registered).
 	waitFor(t, func() int32 { return listenersListening(ctx, pool, "deaf", old) })

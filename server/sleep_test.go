@@ -277,15 +277,7 @@ func TestALostListenerEndsTheSleep(t *testing.T) {
 	rig.allowSleep(t)
 	st := subscribe(t, ctx, rig.r, &outboxv1.SubscribeRequest{MaxInFlight: 4})
 	rig.waitAsleep(t)
-	var old int32
-	if err := rig.pool.QueryRow(ctx, `SELECT pid FROM pg_stat_activity WHERE datname = current_database()
-		AND application_name = $1`,
-		server.ListenerApplicationName+" sleeper").Scan(&old); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := rig.pool.Exec(ctx, `SELECT pg_terminate_backend($1)`, old); err != nil {
-		t.Fatal(err)
-	}
+	old := terminateListener(ctx, t, rig.pool, "sleeper")
 	waitFor(t, func() int32 { return listenersListening(ctx, rig.pool, "sleeper", old) })
 	emit(t, rig.pool, "orders", "after-loss", 1)
 	recvAndAck(t, rig.r, st, "after-loss", "the event committed after the listener came back")

@@ -596,6 +596,22 @@ func countWakeupsOnceListening(ctx context.Context, t *testing.T, pool *pgxpool.
 	return notified
 }
 
+// terminateListener ends the LISTEN connection of replica replicaID on
+// pool's database (once it has one) and returns its backend's pid.
+func terminateListener(ctx context.Context, t *testing.T, pool *pgxpool.Pool, replicaID string) int32 {
+	t.Helper()
+	pid := waitFor(t, func() int32 {
+		var pid int32
+		_ = pool.QueryRow(ctx, `SELECT pid FROM pg_stat_activity WHERE datname = current_database()
+			AND application_name = $1 AND state IS NOT NULL LIMIT 1`, server.ListenerApplicationName+" "+replicaID).Scan(&pid)
+		return pid
+	})
+	if _, err := pool.Exec(ctx, `SELECT pg_terminate_backend($1)`, pid); err != nil {
+		t.Fatal(err)
+	}
+	return pid
+}
+
 // listenersListening counts the LISTEN connections of replica replicaID,
 // but for the one of backend notPID, that listen on every channel: the
 // LISTEN statement, the connection's first, has run.
