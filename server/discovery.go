@@ -120,6 +120,10 @@ func (s *Server) discover(ctx context.Context) {
 	// sleepAfter is when the loop may next try to sleep after a try that
 	// failed (another replica sleeps, say): not at every check.
 	var sleepAfter time.Time
+	// justAsleep: the loop fell asleep at its last check, so the next one
+	// (at once) is followed by a sleeping pause, longer than the cover of
+	// the probe taken before it.
+	justAsleep := false
 	for {
 		select {
 		case <-ctx.Done():
@@ -136,7 +140,8 @@ func (s *Server) discover(ctx context.Context) {
 		}
 		credit = nil
 		if empty {
-			probe, asked := s.claimProbeWanted(), time.Now()
+			probe, asked := s.claimProbeWanted(justAsleep), time.Now()
+			justAsleep = false
 			due, claims, err := s.store.RoundDue(ctx, probe, s.cfg.maxDue())
 			nothing := err == nil && !due
 			var next pause
@@ -156,6 +161,7 @@ func (s *Server) discover(ctx context.Context) {
 					// An event committed between this check and the lock
 					// notified nobody: check once more, now.
 					next = pause{at: time.Now()}
+					justAsleep = true
 				}
 			}
 			if err == nil && claims.Probed {
@@ -317,9 +323,11 @@ type probedClaims struct {
 // claimProbeWanted says whether the loop's next check should also probe
 // the claims: while a poll group has a member waiting, at most every half
 // PollInterval, so that each poll finds a probe that still covers it (see
-// pollCovered, probeCovers).
-func (s *Server) claimProbeWanted() bool {
-	if p := s.claimProbe.Load(); p != nil && time.Since(p.at) < s.cfg.PollInterval/2 {
+// pollCovered, probeCovers), unless renew: the check is followed by a
+// longer pause than the last probe was taken to cover (the loop's first
+// check asleep), so a probe of its own covers the polls until the next.
+func (s *Server) claimProbeWanted(renew bool) bool {
+	if p := s.claimProbe.Load(); !renew && p != nil && time.Since(p.at) < s.cfg.PollInterval/2 {
 		return false
 	}
 	s.groupsMu.Lock()

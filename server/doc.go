@@ -501,8 +501,10 @@
 //
 // An idle replica's discovery checks (see Discovery), while a group has a
 // member waiting, also probe the claims in the same statement (at most
-// every half PollInterval: outbox.probe_claims over every stream, whether an
-// aggregate is claimable and when the first will be). A poll that finds
+// every half PollInterval, and always on the check a loop makes as it falls
+// asleep, whose probe must cover the polls until its next check a second or
+// more later: outbox.probe_claims over every stream, whether an aggregate
+// is claimable and when the first will be). A poll that finds
 // such a probe younger than PollInterval (than the check interval and half
 // a PollInterval, where a replica's budget of quiet checks spread over many
 // sources makes them rarer than every half PollInterval: every poll

@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
@@ -383,5 +384,41 @@ func TestTurningWakeupsOffWakesTheSleeper(t *testing.T) {
 	}
 	if sleeperHeld(ctx, t, rig.pool) {
 		t.Error("under producer_wakeups off a replica still holds the sleeper's lock")
+	}
+}
+
+// A sleeping loop checks rarely, so the check it makes as it falls asleep
+// probes the claims afresh, rather than leave the polls a probe taken to
+// cover one PollInterval: its probe covers the polls until the next check
+// (an hour away here), so an idle relay's polls skip their claims all the
+// while. Forced: with a PollInterval of 10 s, the probe before the sleep
+// is never old enough (half a PollInterval) for the next check to renew it
+// by age, and covers 10 s only.
+func TestASleepingLoopsProbeCoversItsPolls(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	rig := newSleepRig(t, func(c *server.Config) { c.PollInterval = 10 * time.Second })
+	// The session waits, idle in its group for good (no polls take it out
+	// to claim), before the loop may sleep: the checks have a group to
+	// probe for. It offers its credit once it waits.
+	rig.r.Server.SetNoPolls()
+	waiting := make(chan struct{}, 1)
+	rig.r.Server.SetAfterOffer(func(_ uuid.UUID, offered int) {
+		select {
+		case waiting <- struct{}{}:
+		default:
+		}
+	})
+	subscribe(t, ctx, rig.r, &outboxv1.SubscribeRequest{RelayId: "relay", MaxInFlight: 4})
+	select {
+	case <-waiting:
+	case <-ctx.Done():
+		t.Fatal("the session never waited")
+	}
+	rig.allowSleep(t)
+	rig.waitAsleep(t)
+	if !rig.r.Server.PollCovered(time.Now().Add(30 * time.Second)) {
+		t.Error("asleep, the loop's last probe does not cover the polls 30 s from now (its next check is an hour away): idle polls would claim")
 	}
 }

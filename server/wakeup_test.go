@@ -199,7 +199,9 @@ func TestAnIdleReplicasChecksTakeThePlaceOfItsClaims(t *testing.T) {
 	t.Parallel()
 	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
 	defer cancel()
-	url := testdb.New(t)
+	// The loop as it checks when it cannot sleep; a sleeping loop's probe:
+	// TestASleepingLoopsProbeCoversItsPolls.
+	url := pollingDatabase(t)
 	pool := testdb.NewPoolURL(t, url)
 	r := startReplica(t, url, func(c *server.Config) {
 		c.PollInterval = 40 * time.Millisecond
