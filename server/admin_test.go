@@ -12,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
+	dto "github.com/prometheus/client_model/go"
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -754,6 +755,11 @@ func gatherSum(t *testing.T, reg *prometheus.Registry, name string) float64 {
 	if err != nil {
 		t.Fatal(err)
 	}
+	return sumFamilies(mfs, name)
+}
+
+// sumFamilies is gatherSum over metric families already gathered.
+func sumFamilies(mfs []*dto.MetricFamily, name string) float64 {
 	sum := 0.0
 	for _, mf := range mfs {
 		if mf.GetName() != name {

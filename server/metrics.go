@@ -19,6 +19,7 @@ type metrics struct {
 	discovered      prometheus.Counter
 	discoveryErrors prometheus.Counter
 	discoveryStop   prometheus.Gauge
+	discoveryAsleep prometheus.Gauge
 	acks            *prometheus.CounterVec
 	nacks           *prometheus.CounterVec
 	leasesExpired   prometheus.Counter
@@ -53,6 +54,10 @@ func newMetrics() *metrics {
 		discoveryStop: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "outboxd_discovery_stopped",
 			Help: "1 while this replica finds discovery stopped (the database moved to another PostgreSQL cluster or its transaction counter was set back; new events wait for `outboxd rescan`), else 0.",
+		}),
+		discoveryAsleep: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "outboxd_discovery_asleep",
+			Help: "1 while this replica's discovery sleeps (its source was quiet: producers' commits wake it, and it checks once a second meanwhile), else 0. At most one replica per source sleeps.",
 		}),
 		acks: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "outboxd_acks_total",
@@ -104,7 +109,7 @@ func newMetrics() *metrics {
 }
 
 func (m *metrics) collectors() []prometheus.Collector {
-	return []prometheus.Collector{m.deliveries, m.redeliveries, m.discovered, m.discoveryErrors, m.discoveryStop, m.acks, m.nacks, m.leasesExpired,
+	return []prometheus.Collector{m.deliveries, m.redeliveries, m.discovered, m.discoveryErrors, m.discoveryStop, m.discoveryAsleep, m.acks, m.nacks, m.leasesExpired,
 		m.purged, m.ackDuration, m.publishLag, m.sessions, m.handOvers, m.dispatched, m.claimed,
 		m.partitionsOwned}
 }

@@ -84,7 +84,7 @@ func (w *waker) sleep(ctx context.Context) bool {
 			w.s.log.Warn("discovery could not sleep; it keeps checking", "err", err)
 		}
 		w.mu.Lock()
-		w.asleep = ok && err == nil && w.connected
+		w.setAsleep(ok && err == nil && w.connected)
 		ok = w.asleep
 		w.mu.Unlock()
 		reply <- ok
@@ -103,6 +103,17 @@ func (w *waker) sleep(ctx context.Context) bool {
 	}
 }
 
+// setAsleep records whether the loop sleeps, for the loop and the
+// outboxd_discovery_asleep gauge; w.mu is held.
+func (w *waker) setAsleep(asleep bool) {
+	w.asleep = asleep
+	v := 0.0
+	if asleep {
+		v = 1
+	}
+	w.s.metrics.discoveryAsleep.Set(v)
+}
+
 // isAsleep says whether the discovery loop sleeps.
 func (w *waker) isAsleep() bool {
 	w.mu.Lock()
@@ -116,7 +127,7 @@ func (w *waker) isAsleep() bool {
 func (w *waker) wakeUp(ctx context.Context) {
 	w.mu.Lock()
 	asleep := w.asleep
-	w.asleep = false
+	w.setAsleep(false)
 	w.mu.Unlock()
 	if !asleep {
 		return
@@ -157,7 +168,7 @@ func (w *waker) settingsChanged(ctx context.Context, c *store.ListenConn) error 
 		return err
 	}
 	w.mu.Lock()
-	w.asleep = false
+	w.setAsleep(false)
 	w.mu.Unlock()
 	w.woken()
 	return nil
@@ -231,7 +242,7 @@ func (w *waker) listening(up bool) {
 		// The lock went with the session: producers no longer notify, so
 		// the loop must check again, and a notice sent before the loss
 		// may not have come.
-		w.asleep = false
+		w.setAsleep(false)
 		w.woken()
 	}
 }

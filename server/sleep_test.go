@@ -10,6 +10,8 @@ import (
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
 
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
 	"github.com/outboxd/outboxd/internal/store"
@@ -365,17 +367,33 @@ func TestASleepingLoopsFullRoundGoesOn(t *testing.T) {
 
 // Turning producer_wakeups off reaches a replica that sleeps already: it
 // gives the lock back at once (from then on producers do not notify, and a
-// prepared transaction cannot fail for it) and does not sleep again.
+// prepared transaction cannot fail for it) and does not sleep again. The
+// outboxd_discovery_asleep gauge follows.
 func TestTurningWakeupsOffWakesTheSleeper(t *testing.T) {
 	t.Parallel()
 	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
 	defer cancel()
-	rig := newSleepRig(t)
+	reg := prometheus.NewPedanticRegistry()
+	rig := newSleepRig(t, func(c *server.Config) { c.Registerer = reg })
+	if got := gatherSum(t, reg, "outboxd_discovery_asleep"); got != 0 {
+		t.Fatalf("outboxd_discovery_asleep = %v under producer_wakeups off, want 0", got)
+	}
 	rig.allowSleep(t)
 	rig.waitAsleep(t)
-	for len(rig.tries) > 0 { // asleep, the loop makes no tries meanwhile
-		<-rig.tries
+	if got := gatherSum(t, reg, "outboxd_discovery_asleep"); got != 1 {
+		t.Fatalf("outboxd_discovery_asleep = %v while the loop sleeps, want 1", got)
 	}
+	// The gauge as the woken loop finds it before it tries again (a try
+	// that fails would set it too).
+	type gathered struct {
+		mfs []*dto.MetricFamily
+		err error
+	}
+	atTry := make(chan gathered, 1)
+	rig.onNextTry(func() {
+		mfs, err := reg.Gather()
+		atTry <- gathered{mfs, err}
+	})
 	if _, err := rig.pool.Exec(ctx, `UPDATE outbox.settings SET producer_wakeups = 'off'`); err != nil {
 		t.Fatal(err)
 	}
@@ -384,6 +402,13 @@ func TestTurningWakeupsOffWakesTheSleeper(t *testing.T) {
 	}
 	if sleeperHeld(ctx, t, rig.pool) {
 		t.Error("under producer_wakeups off a replica still holds the sleeper's lock")
+	}
+	g := <-atTry
+	if g.err != nil {
+		t.Fatal(g.err)
+	}
+	if got := sumFamilies(g.mfs, "outboxd_discovery_asleep"); got != 0 {
+		t.Errorf("outboxd_discovery_asleep = %v once the loop woke, want 0", got)
 	}
 }
 
