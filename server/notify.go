@@ -54,7 +54,7 @@ type waker struct {
 	asleep bool
 
 	// ops run on the LISTEN connection between its waits (store.ListenOp).
-	ops chan store.ListenOp
+	ops store.ListenOps
 }
 
 // roundEcho is a round under way, as the listener sees it.
@@ -64,8 +64,7 @@ type roundEcho struct {
 }
 
 func newWaker(s *Server) *waker {
-	return &waker{s: s, open: make(map[uint32]*roundEcho), expect: make(map[uint32]int),
-		ops: make(chan store.ListenOp, 2)}
+	return &waker{s: s, open: make(map[uint32]*roundEcho), expect: make(map[uint32]int)}
 }
 
 // sleep takes the sleeper's lock on the LISTEN connection and reports
@@ -90,11 +89,7 @@ func (w *waker) sleep(ctx context.Context) bool {
 		reply <- ok
 		return nil
 	}
-	select {
-	case w.ops <- op:
-	case <-ctx.Done():
-		return false
-	}
+	w.ops.Send(ctx, op)
 	select {
 	case ok := <-reply:
 		return ok
@@ -140,11 +135,7 @@ func (w *waker) wakeUp(ctx context.Context) {
 		}
 		return nil
 	}
-	select {
-	case w.ops <- op:
-	case <-ctx.Done():
-		return
-	}
+	w.ops.Send(ctx, op)
 	select {
 	case <-done:
 	case <-ctx.Done():
@@ -261,17 +252,11 @@ func (w *waker) run(ctx context.Context) {
 		}
 		w.s.log.Warn("listen connection lost; reconnecting", "err", err, "in", backoff)
 		t := time.NewTimer(backoff + rand.N(backoff/2))
-	between:
-		for {
-			select {
-			case <-ctx.Done():
-				t.Stop()
-				return
-			case op := <-w.ops:
-				_ = op(ctx, nil) // told there is no connection
-			case <-t.C:
-				break between
-			}
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return
+		case <-t.C:
 		}
 		backoff = min(backoff*2, 10*time.Second)
 	}
@@ -317,5 +302,5 @@ func (w *waker) listen(ctx context.Context) error {
 				h(channel)
 			}
 			return nil
-		}, w.ops)
+		}, &w.ops)
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"strings"
+	"sync"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -76,19 +77,83 @@ func (c *ListenConn) Wake(ctx context.Context) error {
 // there is no connection).
 type ListenOp func(ctx context.Context, c *ListenConn) error
 
+// ListenOps hands ListenOps to a Listen. Send interrupts the connection's
+// wait for notifications, so an op runs within a round trip, without a
+// goroutine per wait to watch for it: the listener's every notification is
+// a wake-up of an otherwise idle process, and its cost is what a quiet
+// source's event pays (see server/doc.go, Discovery). The zero value is
+// ready to use; one ListenOps serves one Listen at a time.
+type ListenOps struct {
+	mu    sync.Mutex
+	queue []ListenOp
+	// up: a Listen's loop runs; ops sent meanwhile wait in queue for it.
+	up bool
+	// interrupt ends the wait under way (nil between waits).
+	interrupt context.CancelFunc
+}
+
+// Send has op run on the LISTEN connection between two waits, or at once
+// with a nil ListenConn (on the caller's goroutine) when no connection
+// listens. Every op sent runs exactly once; it never blocks on the
+// connection.
+func (q *ListenOps) Send(ctx context.Context, op ListenOp) {
+	q.mu.Lock()
+	if !q.up {
+		q.mu.Unlock()
+		_ = op(ctx, nil)
+		return
+	}
+	q.queue = append(q.queue, op)
+	if q.interrupt != nil {
+		q.interrupt()
+		q.interrupt = nil
+	}
+	q.mu.Unlock()
+}
+
+// start marks a Listen's loop as running.
+func (q *ListenOps) start() {
+	q.mu.Lock()
+	q.up = true
+	q.mu.Unlock()
+}
+
+// stop ends the loop: the ops still queued are told there is no
+// connection, as are those sent from now on.
+func (q *ListenOps) stop(ctx context.Context) {
+	q.mu.Lock()
+	q.up = false
+	left := q.queue
+	q.queue = nil
+	q.mu.Unlock()
+	for _, op := range left {
+		_ = op(ctx, nil)
+	}
+}
+
+// next takes the first queued op, if any; q.mu is held.
+func (q *ListenOps) next() ListenOp {
+	if len(q.queue) == 0 {
+		return nil
+	}
+	op := q.queue[0]
+	q.queue[0] = nil
+	q.queue = q.queue[1:]
+	return op
+}
+
 // Listen opens a connection of its own to databaseURL, named
 // applicationName (operators find it in pg_stat_activity), LISTENs on
 // channels, calls ready once it listens, and then notified for each
 // notification (with the process id of the backend that sent it, and the
 // connection, on which it may run statements; an error it returns ends the
-// connection), and runs
-// each op received from ops between waits, until ctx ends, the connection
-// fails or an op fails; it returns why. Every op received runs: one that
-// came as the connection failed runs with a nil ListenConn. Not one of the pool's connections: a
-// LISTEN binds its session, and waiting for notifications holds the
-// connection for good.
+// connection), and runs each op sent to ops between waits, until ctx ends,
+// the connection fails or an op fails; it returns why. Every op sent runs:
+// those that came as the connection failed run with a nil ListenConn. Not
+// one of the pool's connections: a LISTEN binds its session, and waiting
+// for notifications holds the connection for good.
 func Listen(ctx context.Context, databaseURL, applicationName string, channels []string,
-	ready func(), notified func(c *ListenConn, pid uint32, channel, payload string) error, ops <-chan ListenOp) error {
+	ready func(), notified func(c *ListenConn, pid uint32, channel, payload string) error, ops *ListenOps) error {
 	cfg, err := pgx.ParseConfig(databaseURL)
 	if err != nil {
 		return err
@@ -108,13 +173,15 @@ func Listen(ctx context.Context, databaseURL, applicationName string, channels [
 	if _, err := conn.Exec(ctx, strings.Join(listen, "; ")); err != nil {
 		return err
 	}
+	ops.start()
+	// Told there is no connection, rather than never answered.
+	defer ops.stop(ctx)
 	ready()
 	lc := &ListenConn{conn: conn}
 	for {
-		n, op, err := waitForNotification(ctx, conn, ops)
+		n, op, err := ops.wait(ctx, conn)
 		if err != nil {
 			if op != nil {
-				// Told there is no connection, rather than never answered.
 				_ = op(ctx, nil)
 			}
 			return err
@@ -132,33 +199,26 @@ func Listen(ctx context.Context, databaseURL, applicationName string, channels [
 	}
 }
 
-// waitForNotification waits for the next notification on conn or the next
-// op, and returns what came (both, when they came together). An op
-// interrupts the wait, which pgx ends by a read deadline without closing
-// the connection (a timeout leaves it usable), so the op can run on it; a
-// notification that arrives meanwhile stays queued in conn for the next
-// wait.
-func waitForNotification(ctx context.Context, conn *pgx.Conn, ops <-chan ListenOp) (*pgconn.Notification, ListenOp, error) {
-	select {
-	case op := <-ops:
+// wait waits for the next notification on conn or the next op, and returns
+// what came (both, when they came together). An op interrupts the wait,
+// which pgx ends by a read deadline without closing the connection (a
+// timeout leaves it usable), so the op can run on it; a notification that
+// arrives meanwhile stays queued in conn for the next wait.
+func (q *ListenOps) wait(ctx context.Context, conn *pgx.Conn) (*pgconn.Notification, ListenOp, error) {
+	q.mu.Lock()
+	if op := q.next(); op != nil {
+		q.mu.Unlock()
 		return nil, op, nil
-	default:
 	}
 	waitCtx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	var op ListenOp
-	done, exited := make(chan struct{}), make(chan struct{})
-	go func() {
-		defer close(exited)
-		select {
-		case op = <-ops:
-			cancel()
-		case <-done:
-		}
-	}()
+	q.interrupt = cancel
+	q.mu.Unlock()
 	n, err := conn.WaitForNotification(waitCtx)
-	close(done)
-	<-exited
+	q.mu.Lock()
+	q.interrupt = nil
+	op := q.next()
+	q.mu.Unlock()
 	if op != nil && err != nil && ctx.Err() == nil && !conn.IsClosed() {
 		// The wait ended for the op.
 		err = nil
