@@ -61,6 +61,71 @@ func sleeperHeldBy(ctx context.Context, t *testing.T, pool *pgxpool.Pool, name s
 	return held
 }
 
+// notify sends payload on the test channel, committed.
+func notify(ctx context.Context, t *testing.T, pool *pgxpool.Pool, payload string) {
+	t.Helper()
+	if _, err := pool.Exec(ctx, `SELECT pg_notify($1, $2)`, testChannel, payload); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// expect waits for the listener's next notice, which must be payload; why
+// says what its absence would mean.
+func (l *listener) expect(ctx context.Context, t *testing.T, payload, why string) {
+	t.Helper()
+	select {
+	case p := <-l.notices:
+		if p != payload {
+			t.Fatalf("notified %q, want %q", p, payload)
+		}
+	case err := <-l.ended:
+		l.ended <- err // for the cleanup
+		t.Fatalf("Listen ended (%v): %s", err, why)
+	case <-ctx.Done():
+		t.Fatal(why)
+	}
+}
+
+// sendReportingNil sends an op that reports whether it was given no
+// connection.
+func sendReportingNil(ctx context.Context, ops *store.ListenOps) <-chan bool {
+	isNil := make(chan bool, 1)
+	ops.Send(ctx, func(_ context.Context, c *store.ListenConn) error {
+		isNil <- c == nil
+		return nil
+	})
+	return isNil
+}
+
+// answeredWithoutConnection fails the test unless the op behind isNil has
+// run already, with no connection.
+func answeredWithoutConnection(t *testing.T, isNil <-chan bool, which string) {
+	t.Helper()
+	select {
+	case ok := <-isNil:
+		if !ok {
+			t.Fatalf("%s ran with a connection", which)
+		}
+	default:
+		t.Fatalf("%s was not answered", which)
+	}
+}
+
+// holdListener sends an op that holds the listener until release is
+// closed, then runs a statement on the connection and returns its error;
+// it returns once the op runs.
+func holdListener(ctx context.Context, ops *store.ListenOps) (release chan struct{}) {
+	running, release := make(chan struct{}), make(chan struct{})
+	ops.Send(ctx, func(ctx context.Context, c *store.ListenConn) error {
+		close(running)
+		<-release
+		_, err := c.MaySleep(ctx)
+		return err
+	})
+	<-running
+	return release
+}
+
 // An op interrupts the connection's wait for notifications and runs on
 // that connection, although no notification comes: nothing is notified
 // here, so without the interrupt the op would wait for ever.
@@ -108,39 +173,12 @@ func TestANotificationDuringAnOpIsDeliveredAfterIt(t *testing.T) {
 	pool := testdb.NewPoolURL(t, url)
 	var ops store.ListenOps
 	l := startListener(t, ctx, url, "listen-notice-test", &ops)
-	running, release := make(chan struct{}), make(chan struct{})
-	ops.Send(ctx, func(ctx context.Context, c *store.ListenConn) error {
-		close(running)
-		<-release
-		_, err := c.MaySleep(ctx) // the connection still answers
-		return err
-	})
-	<-running
-	if _, err := pool.Exec(ctx, `SELECT pg_notify($1, 'during')`, testChannel); err != nil {
-		t.Fatal(err)
-	}
+	release := holdListener(ctx, &ops) // then a statement: the connection still answers
+	notify(ctx, t, pool, "during")
 	close(release)
-	select {
-	case p := <-l.notices:
-		if p != "during" {
-			t.Fatalf("notified %q, want %q", p, "during")
-		}
-	case err := <-l.ended:
-		t.Fatalf("Listen ended: %v", err)
-	case <-ctx.Done():
-		t.Fatal("the notification sent while the op ran never came")
-	}
-	if _, err := pool.Exec(ctx, `SELECT pg_notify($1, 'after')`, testChannel); err != nil {
-		t.Fatal(err)
-	}
-	select {
-	case p := <-l.notices:
-		if p != "after" {
-			t.Fatalf("notified %q, want %q", p, "after")
-		}
-	case <-ctx.Done():
-		t.Fatal("no notification came after the op: the connection stopped listening")
-	}
+	l.expect(ctx, t, "during", "the notification sent while the op ran never came")
+	notify(ctx, t, pool, "after")
+	l.expect(ctx, t, "after", "no notification came after the op: the connection stopped listening")
 }
 
 // Every op sent runs once: one sent while no Listen runs, and one queued as
@@ -153,34 +191,11 @@ func TestEveryListenOpIsAnswered(t *testing.T) {
 	url := testdb.New(t)
 	pool := testdb.NewPoolURL(t, url)
 	var ops store.ListenOps
-	before := make(chan bool, 1)
-	ops.Send(ctx, func(_ context.Context, c *store.ListenConn) error {
-		before <- c == nil
-		return nil
-	})
-	select {
-	case isNil := <-before:
-		if !isNil {
-			t.Fatal("an op sent before any Listen ran with a connection")
-		}
-	default:
-		t.Fatal("an op sent while no Listen runs was not answered at once")
-	}
+	answeredWithoutConnection(t, sendReportingNil(ctx, &ops), "an op sent before any Listen")
 
 	l := startListener(t, ctx, url, "listen-answer-test", &ops)
-	running, release := make(chan struct{}), make(chan struct{})
-	ops.Send(ctx, func(ctx context.Context, c *store.ListenConn) error {
-		close(running)
-		<-release
-		_, err := c.MaySleep(ctx) // fails: the backend is gone
-		return err
-	})
-	<-running
-	queued := make(chan bool, 1)
-	ops.Send(ctx, func(_ context.Context, c *store.ListenConn) error {
-		queued <- c == nil
-		return nil
-	})
+	release := holdListener(ctx, &ops) // then a statement, which fails: the backend is gone
+	queued := sendReportingNil(ctx, &ops)
 	if _, err := pool.Exec(ctx, `SELECT pg_terminate_backend(pid) FROM pg_stat_activity
 		WHERE application_name = 'listen-answer-test' AND datname = current_database()`); err != nil {
 		t.Fatal(err)
@@ -188,32 +203,13 @@ func TestEveryListenOpIsAnswered(t *testing.T) {
 	close(release)
 	select {
 	case err := <-l.ended:
+		l.ended <- err // for the cleanup
 		if err == nil || errors.Is(err, context.Canceled) {
 			t.Fatalf("Listen ended with %v, want the connection's failure", err)
 		}
-		l.ended <- err // for the cleanup
 	case <-ctx.Done():
 		t.Fatal("Listen went on after its connection was terminated")
 	}
-	select {
-	case isNil := <-queued:
-		if !isNil {
-			t.Fatal("the op queued as the connection failed ran with a connection")
-		}
-	default:
-		t.Fatal("the op queued as the connection failed was never answered")
-	}
-	after := make(chan bool, 1)
-	ops.Send(ctx, func(_ context.Context, c *store.ListenConn) error {
-		after <- c == nil
-		return nil
-	})
-	select {
-	case isNil := <-after:
-		if !isNil {
-			t.Fatal("an op sent after Listen ended ran with a connection")
-		}
-	default:
-		t.Fatal("an op sent after Listen ended was not answered at once")
-	}
+	answeredWithoutConnection(t, queued, "the op queued as the connection failed")
+	answeredWithoutConnection(t, sendReportingNil(ctx, &ops), "an op sent after Listen ended")
 }
