@@ -383,6 +383,9 @@ func TestTurningWakeupsOffWakesTheSleeper(t *testing.T) {
 	if got := gatherSum(t, reg, "outboxd_discovery_asleep"); got != 1 {
 		t.Fatalf("outboxd_discovery_asleep = %v while the loop sleeps, want 1", got)
 	}
+	for len(rig.tries) > 0 { // asleep, the loop makes no tries meanwhile
+		<-rig.tries // (its try that fell asleep, which nextTry must not read)
+	}
 	// The gauge as the woken loop finds it before it tries again (a try
 	// that fails would set it too).
 	type gathered struct {
