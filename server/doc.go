@@ -106,10 +106,12 @@
 // commit. Locks are not bound to snapshots, so this holds at every
 // isolation level, and for a prepared transaction (which keeps its lock
 // until COMMIT PREPARED). A round that finds more than one event, or as
-// many as its bound, or fails, ends the sleep (the lock is given back
-// before the loop goes on), so producers under load never notify: a
-// NOTIFY serialises committing transactions cluster-wide, and a burst is
-// then polled as above. A lone event keeps the loop asleep. The lock lives
+// many as its bound, or fails, ends the sleep (the lock is given back by
+// an op on the LISTEN connection, queued before the loop goes on: ops run
+// in order there, so it comes before any later try to sleep, and the loop
+// never waits on a listener busy with notifications), so producers under
+// load never notify: a NOTIFY serialises committing transactions
+// cluster-wide, and a burst is then polled as above. A lone event keeps the loop asleep. The lock lives
 // on the LISTEN connection: a lost connection gives it back by itself
 // (producers stop notifying a listener that is gone) and tells the loop,
 // which runs a round and checks again until it can sleep anew. Only one

@@ -116,9 +116,12 @@ func (w *waker) isAsleep() bool {
 	return w.asleep
 }
 
-// wakeUp ends the discovery loop's sleep: the sleeper's lock is given back
-// on the LISTEN connection before it returns, so producers that insert from
-// then on do not notify.
+// wakeUp ends the discovery loop's sleep: asleep is cleared at once, and
+// the sleeper's lock is given back by an op queued on the LISTEN
+// connection. The loop does not wait for it (a listener busy with
+// notifications would hold it up for nothing): ops run in the order they
+// were sent, so the give-back comes before any later try to sleep, and
+// producers stop notifying within a round trip.
 func (w *waker) wakeUp(ctx context.Context) {
 	w.mu.Lock()
 	asleep := w.asleep
@@ -127,19 +130,12 @@ func (w *waker) wakeUp(ctx context.Context) {
 	if !asleep {
 		return
 	}
-	done := make(chan struct{})
-	op := func(ctx context.Context, c *store.ListenConn) error {
-		defer close(done)
+	w.ops.Send(ctx, func(ctx context.Context, c *store.ListenConn) error {
 		if err := c.Wake(ctx); err != nil && c != nil {
 			return err // the lock stays while the session does: reconnect
 		}
 		return nil
-	}
-	w.ops.Send(ctx, op)
-	select {
-	case <-done:
-	case <-ctx.Done():
-	}
+	})
 }
 
 // settingsChanged acts on a change of the database's producer_wakeups, on

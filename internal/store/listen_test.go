@@ -213,3 +213,50 @@ func TestEveryListenOpIsAnswered(t *testing.T) {
 	answeredWithoutConnection(t, queued, "the op queued as the connection failed")
 	answeredWithoutConnection(t, sendReportingNil(ctx, &ops), "an op sent after Listen ended")
 }
+
+// Ops run in the order they were sent, which is what lets a sender go on
+// without waiting for its op (the discovery loop's give-back of the
+// sleeper's lock comes before its next try to sleep): a Sleep and then a
+// Wake queued behind a busy listener leave the lock given back.
+func TestListenOpsRunInTheOrderSent(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	if _, err := pool.Exec(ctx, `UPDATE outbox.settings SET producer_wakeups = 'on'`); err != nil {
+		t.Fatal(err)
+	}
+	var ops store.ListenOps
+	startListener(t, ctx, url, "listen-order-test", &ops)
+	release := holdListener(ctx, &ops)
+	ran := make(chan string, 2)
+	ops.Send(ctx, func(ctx context.Context, c *store.ListenConn) error {
+		ok, err := c.Sleep(ctx)
+		if err == nil && !ok {
+			err = errors.New("the sleeper's lock was not taken")
+		}
+		ran <- "sleep"
+		return err
+	})
+	ops.Send(ctx, func(ctx context.Context, c *store.ListenConn) error {
+		ran <- "wake"
+		return c.Wake(ctx)
+	})
+	close(release)
+	for _, want := range []string{"sleep", "wake"} {
+		select {
+		case got := <-ran:
+			if got != want {
+				t.Fatalf("the %s op ran first; want the order sent (sleep, then wake)", got)
+			}
+		case <-ctx.Done():
+			t.Fatal("the queued ops never ran")
+		}
+	}
+	// The wake op's statement has run once a later op runs.
+	holdListener(ctx, &ops) <- struct{}{}
+	if sleeperHeldBy(ctx, t, pool, "listen-order-test") {
+		t.Fatal("the sleeper's lock is held after Sleep and then Wake")
+	}
+}
