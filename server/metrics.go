@@ -77,7 +77,7 @@ func newMetrics() *metrics {
 		}),
 		ackDuration: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name:    "outboxd_ack_duration_seconds",
-			Help:    "Time to serve an Ack RPC, including its group commit.",
+			Help:    "Time to answer one ack request (an Ack call, or a request on an AckStream), including its group commit.",
 			Buckets: prometheus.ExponentialBuckets(0.0005, 2, 16),
 		}),
 		publishLag: prometheus.NewHistogram(prometheus.HistogramOpts{

@@ -4,8 +4,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"math"
 	"strings"
+	"sync"
 	"time"
 	"unicode/utf8"
 
@@ -242,6 +244,75 @@ func (r *relayService) Ack(ctx context.Context, req *outboxv1.AckRequest) (*outb
 		}
 	}
 	return &outboxv1.AckResponse{Results: results}, nil
+}
+
+// AckStream answers each request as Ack would, until Stop has returned
+// (see ServeAckStream).
+func (r *relayService) AckStream(stream outboxv1.RelayService_AckStreamServer) error {
+	return ServeAckStream(stream, r.s.acksEnded, r.Ack)
+}
+
+// ServeAckStream serves one AckStream: it answers each request with ack (an
+// Ack of the same items), in order, until the relay closes its side (nil),
+// the stream fails, ack refuses a request as a whole (its status ends the
+// stream, as it would fail an Ack call), the stream's context ends (the
+// authenticator ends the streams of a revoked token that way), or end is
+// closed: the server takes no more acks (UNAVAILABLE), so that a graceful
+// stop need not wait for relays to close their ack streams.
+//
+// Requests are read and answered on a goroutine of their own: only the
+// handler's return ends a gRPC stream, and it must be able to return while
+// that goroutine waits in Recv. No answer is sent once it has returned
+// (gRPC forbids it): a send and the return are fenced by a mutex, so a
+// send held up by a relay that reads nothing holds up the return too, until
+// the connection closes.
+func ServeAckStream(stream outboxv1.RelayService_AckStreamServer, end <-chan struct{},
+	ack func(context.Context, *outboxv1.AckRequest) (*outboxv1.AckResponse, error)) error {
+	ctx := stream.Context()
+	var mu sync.Mutex
+	returned := false
+	answered := make(chan error, 1)
+	go func() {
+		for {
+			req, err := stream.Recv()
+			if err != nil {
+				if errors.Is(err, io.EOF) {
+					err = nil // the relay is done acking
+				}
+				answered <- err
+				return
+			}
+			res, err := ack(ctx, &outboxv1.AckRequest{Acks: req.GetAcks()})
+			if err != nil {
+				answered <- err
+				return
+			}
+			mu.Lock()
+			if returned {
+				mu.Unlock()
+				return
+			}
+			err = stream.Send(&outboxv1.AckStreamResponse{Results: res.GetResults()})
+			mu.Unlock()
+			if err != nil {
+				answered <- err
+				return
+			}
+		}
+	}()
+	var err error
+	select {
+	case err = <-answered:
+		return err
+	case <-ctx.Done():
+		err = status.FromContextError(ctx.Err()).Err()
+	case <-end:
+		err = status.Error(codes.Unavailable, "the server is shutting down and takes no more acks; send them again (to another replica)")
+	}
+	mu.Lock()
+	returned = true
+	mu.Unlock()
+	return err
 }
 
 // ackResultLabels is the outboxd_acks_total result label of each AckStatus,

@@ -2,6 +2,8 @@ package server_test
 
 import (
 	"context"
+	"errors"
+	"io"
 	"os"
 	"path/filepath"
 	"runtime"
@@ -85,6 +87,16 @@ func TestEveryRPCNeedsItsRole(t *testing.T) {
 		},
 		"Ack": func(c *grpc.ClientConn) error {
 			_, err := outboxv1.NewRelayServiceClient(c).Ack(ctx, &outboxv1.AckRequest{})
+			return err
+		},
+		"AckStream": func(c *grpc.ClientConn) error {
+			st, err := outboxv1.NewRelayServiceClient(c).AckStream(ctx)
+			if err == nil {
+				err = st.Send(&outboxv1.AckStreamRequest{})
+			}
+			if err == nil || errors.Is(err, io.EOF) {
+				_, err = st.Recv()
+			}
 			return err
 		},
 		"Nack": func(c *grpc.ClientConn) error {
@@ -200,6 +212,13 @@ func TestStreamAllowList(t *testing.T) {
 	item := &outboxv1.AckItem{EventId: d.GetEvent().GetEventId(), LeaseToken: d.GetLeaseToken()}
 	if _, err := billing.Ack(ctx, &outboxv1.AckRequest{Acks: []*outboxv1.AckItem{item}}); status.Code(err) != codes.PermissionDenied {
 		t.Errorf("billing token acking a sales_order event: %v", err)
+	}
+	if ast, err := billing.AckStream(ctx); err != nil {
+		t.Fatal(err)
+	} else if err := ast.Send(&outboxv1.AckStreamRequest{Acks: []*outboxv1.AckItem{item}}); err != nil {
+		t.Fatal(err)
+	} else if _, err := ast.Recv(); status.Code(err) != codes.PermissionDenied {
+		t.Errorf("billing token acking a sales_order event on an AckStream: %v", err)
 	}
 	if _, err := billing.Nack(ctx, &outboxv1.NackRequest{EventId: item.EventId, LeaseToken: item.LeaseToken, Error: "x"}); status.Code(err) != codes.PermissionDenied {
 		t.Errorf("billing token nacking a sales_order event: %v", err)

@@ -631,6 +631,12 @@ func (r *Replica) Shutdown() {
 	stopCtx, cancel := context.WithTimeout(context.Background(), r.cfg.ShutdownTimeout)
 	stuck := r.eachEngine(func(s *server.Server) error { return s.Stop(stopCtx) })
 	cancel()
+	// The graceful stop below refuses new calls, Ack among them; the ack
+	// streams end here as well, rather than hold that stop until their
+	// relays close them.
+	if r.router != nil {
+		r.router.EndAckStreams()
+	}
 	if stuck == nil {
 		stopped := make(chan struct{})
 		go func() { r.GRPC.GracefulStop(); close(stopped) }()

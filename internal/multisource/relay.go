@@ -239,6 +239,12 @@ func (rr *relayRouter) Ack(ctx context.Context, req *outboxv1.AckRequest) (*outb
 	return &outboxv1.AckResponse{Results: results}, nil
 }
 
+// AckStream answers each request as Ack would, routed the same way, until
+// EndAckStreams (see server.ServeAckStream).
+func (rr *relayRouter) AckStream(stream outboxv1.RelayService_AckStreamServer) error {
+	return server.ServeAckStream(stream, rr.r.acksEnded, rr.Ack)
+}
+
 func (rt *routes) unknownTokenSource(src string) string {
 	if rt.removed[src] {
 		return removedMessage(src)

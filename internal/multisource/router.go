@@ -49,7 +49,16 @@ func (e *Engine) ready() (bool, string) {
 type Router struct {
 	cur atomic.Pointer[routes]
 	mu  sync.Mutex // serialises changes: each copies cur and stores the copy
+	// acksEnded is closed by EndAckStreams.
+	acksEnded   chan struct{}
+	endAcksOnce sync.Once
 }
+
+// EndAckStreams ends every AckStream stream, now and from now on, with
+// UNAVAILABLE: call it once the engines have stopped (their relay streams
+// ended), so that a graceful stop of the gRPC server does not wait for
+// relays to close their ack streams.
+func (r *Router) EndAckStreams() { r.endAcksOnce.Do(func() { close(r.acksEnded) }) }
 
 // routes is one snapshot of a Router's engines.
 type routes struct {
@@ -92,7 +101,7 @@ func New(engines []Engine) (*Router, error) {
 	if len(engines) == 0 {
 		return nil, errors.New("multisource: no source")
 	}
-	r := &Router{}
+	r := &Router{acksEnded: make(chan struct{})}
 	r.cur.Store(&routes{engines: map[string]*Engine{}})
 	for i := range engines {
 		if err := r.Add(engines[i]); err != nil {

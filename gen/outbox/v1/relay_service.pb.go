@@ -502,6 +502,99 @@ func (x *AckResponse) GetResults() []*AckResult {
 	return nil
 }
 
+// AckStreamRequest is one batch of acks on an AckStream, as an AckRequest.
+type AckStreamRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// acks are the deliveries whose events the broker durably accepted; 1 to
+	// 1000 items.
+	Acks          []*AckItem `protobuf:"bytes,1,rep,name=acks,proto3" json:"acks,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *AckStreamRequest) Reset() {
+	*x = AckStreamRequest{}
+	mi := &file_outbox_v1_relay_service_proto_msgTypes[5]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *AckStreamRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*AckStreamRequest) ProtoMessage() {}
+
+func (x *AckStreamRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_outbox_v1_relay_service_proto_msgTypes[5]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use AckStreamRequest.ProtoReflect.Descriptor instead.
+func (*AckStreamRequest) Descriptor() ([]byte, []int) {
+	return file_outbox_v1_relay_service_proto_rawDescGZIP(), []int{5}
+}
+
+func (x *AckStreamRequest) GetAcks() []*AckItem {
+	if x != nil {
+		return x.Acks
+	}
+	return nil
+}
+
+// AckStreamResponse answers one AckStreamRequest, as an AckResponse.
+type AckStreamResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// results has exactly one entry per request item, in the same order.
+	Results       []*AckResult `protobuf:"bytes,1,rep,name=results,proto3" json:"results,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *AckStreamResponse) Reset() {
+	*x = AckStreamResponse{}
+	mi := &file_outbox_v1_relay_service_proto_msgTypes[6]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *AckStreamResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*AckStreamResponse) ProtoMessage() {}
+
+func (x *AckStreamResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_outbox_v1_relay_service_proto_msgTypes[6]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use AckStreamResponse.ProtoReflect.Descriptor instead.
+func (*AckStreamResponse) Descriptor() ([]byte, []int) {
+	return file_outbox_v1_relay_service_proto_rawDescGZIP(), []int{6}
+}
+
+func (x *AckStreamResponse) GetResults() []*AckResult {
+	if x != nil {
+		return x.Results
+	}
+	return nil
+}
+
 // AckResult is the verdict on one acknowledged delivery.
 type AckResult struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -517,7 +610,7 @@ type AckResult struct {
 
 func (x *AckResult) Reset() {
 	*x = AckResult{}
-	mi := &file_outbox_v1_relay_service_proto_msgTypes[5]
+	mi := &file_outbox_v1_relay_service_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -529,7 +622,7 @@ func (x *AckResult) String() string {
 func (*AckResult) ProtoMessage() {}
 
 func (x *AckResult) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_relay_service_proto_msgTypes[5]
+	mi := &file_outbox_v1_relay_service_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -542,7 +635,7 @@ func (x *AckResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AckResult.ProtoReflect.Descriptor instead.
 func (*AckResult) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_relay_service_proto_rawDescGZIP(), []int{5}
+	return file_outbox_v1_relay_service_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *AckResult) GetEventId() string {
@@ -592,7 +685,7 @@ type NackRequest struct {
 
 func (x *NackRequest) Reset() {
 	*x = NackRequest{}
-	mi := &file_outbox_v1_relay_service_proto_msgTypes[6]
+	mi := &file_outbox_v1_relay_service_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -604,7 +697,7 @@ func (x *NackRequest) String() string {
 func (*NackRequest) ProtoMessage() {}
 
 func (x *NackRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_relay_service_proto_msgTypes[6]
+	mi := &file_outbox_v1_relay_service_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -617,7 +710,7 @@ func (x *NackRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NackRequest.ProtoReflect.Descriptor instead.
 func (*NackRequest) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_relay_service_proto_rawDescGZIP(), []int{6}
+	return file_outbox_v1_relay_service_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *NackRequest) GetEventId() string {
@@ -671,7 +764,7 @@ type NackResponse struct {
 
 func (x *NackResponse) Reset() {
 	*x = NackResponse{}
-	mi := &file_outbox_v1_relay_service_proto_msgTypes[7]
+	mi := &file_outbox_v1_relay_service_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -683,7 +776,7 @@ func (x *NackResponse) String() string {
 func (*NackResponse) ProtoMessage() {}
 
 func (x *NackResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_relay_service_proto_msgTypes[7]
+	mi := &file_outbox_v1_relay_service_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -696,7 +789,7 @@ func (x *NackResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NackResponse.ProtoReflect.Descriptor instead.
 func (*NackResponse) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_relay_service_proto_rawDescGZIP(), []int{7}
+	return file_outbox_v1_relay_service_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *NackResponse) GetParked() bool {
@@ -735,7 +828,7 @@ type ExtendLeaseRequest struct {
 
 func (x *ExtendLeaseRequest) Reset() {
 	*x = ExtendLeaseRequest{}
-	mi := &file_outbox_v1_relay_service_proto_msgTypes[8]
+	mi := &file_outbox_v1_relay_service_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -747,7 +840,7 @@ func (x *ExtendLeaseRequest) String() string {
 func (*ExtendLeaseRequest) ProtoMessage() {}
 
 func (x *ExtendLeaseRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_relay_service_proto_msgTypes[8]
+	mi := &file_outbox_v1_relay_service_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -760,7 +853,7 @@ func (x *ExtendLeaseRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExtendLeaseRequest.ProtoReflect.Descriptor instead.
 func (*ExtendLeaseRequest) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_relay_service_proto_rawDescGZIP(), []int{8}
+	return file_outbox_v1_relay_service_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *ExtendLeaseRequest) GetEventId() string {
@@ -800,7 +893,7 @@ type ExtendLeaseResponse struct {
 
 func (x *ExtendLeaseResponse) Reset() {
 	*x = ExtendLeaseResponse{}
-	mi := &file_outbox_v1_relay_service_proto_msgTypes[9]
+	mi := &file_outbox_v1_relay_service_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -812,7 +905,7 @@ func (x *ExtendLeaseResponse) String() string {
 func (*ExtendLeaseResponse) ProtoMessage() {}
 
 func (x *ExtendLeaseResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_relay_service_proto_msgTypes[9]
+	mi := &file_outbox_v1_relay_service_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -825,7 +918,7 @@ func (x *ExtendLeaseResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExtendLeaseResponse.ProtoReflect.Descriptor instead.
 func (*ExtendLeaseResponse) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_relay_service_proto_rawDescGZIP(), []int{9}
+	return file_outbox_v1_relay_service_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *ExtendLeaseResponse) GetLeaseExpiresAt() *timestamppb.Timestamp {
@@ -860,7 +953,7 @@ type ListSourcesRequest struct {
 
 func (x *ListSourcesRequest) Reset() {
 	*x = ListSourcesRequest{}
-	mi := &file_outbox_v1_relay_service_proto_msgTypes[10]
+	mi := &file_outbox_v1_relay_service_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -872,7 +965,7 @@ func (x *ListSourcesRequest) String() string {
 func (*ListSourcesRequest) ProtoMessage() {}
 
 func (x *ListSourcesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_relay_service_proto_msgTypes[10]
+	mi := &file_outbox_v1_relay_service_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -885,7 +978,7 @@ func (x *ListSourcesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListSourcesRequest.ProtoReflect.Descriptor instead.
 func (*ListSourcesRequest) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_relay_service_proto_rawDescGZIP(), []int{10}
+	return file_outbox_v1_relay_service_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *ListSourcesRequest) GetStreams() []string {
@@ -908,7 +1001,7 @@ type ListSourcesResponse struct {
 
 func (x *ListSourcesResponse) Reset() {
 	*x = ListSourcesResponse{}
-	mi := &file_outbox_v1_relay_service_proto_msgTypes[11]
+	mi := &file_outbox_v1_relay_service_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -920,7 +1013,7 @@ func (x *ListSourcesResponse) String() string {
 func (*ListSourcesResponse) ProtoMessage() {}
 
 func (x *ListSourcesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_outbox_v1_relay_service_proto_msgTypes[11]
+	mi := &file_outbox_v1_relay_service_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -933,7 +1026,7 @@ func (x *ListSourcesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListSourcesResponse.ProtoReflect.Descriptor instead.
 func (*ListSourcesResponse) Descriptor() ([]byte, []int) {
-	return file_outbox_v1_relay_service_proto_rawDescGZIP(), []int{11}
+	return file_outbox_v1_relay_service_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *ListSourcesResponse) GetSources() []string {
@@ -976,6 +1069,10 @@ const file_outbox_v1_relay_service_proto_rawDesc = "" +
 	"\vlease_token\x18\x02 \x01(\tR\n" +
 	"leaseToken\"=\n" +
 	"\vAckResponse\x12.\n" +
+	"\aresults\x18\x01 \x03(\v2\x14.outbox.v1.AckResultR\aresults\":\n" +
+	"\x10AckStreamRequest\x12&\n" +
+	"\x04acks\x18\x01 \x03(\v2\x12.outbox.v1.AckItemR\x04acks\"C\n" +
+	"\x11AckStreamResponse\x12.\n" +
 	"\aresults\x18\x01 \x03(\v2\x14.outbox.v1.AckResultR\aresults\"n\n" +
 	"\tAckResult\x12\x19\n" +
 	"\bevent_id\x18\x01 \x01(\tR\aeventId\x12,\n" +
@@ -1012,10 +1109,11 @@ const file_outbox_v1_relay_service_proto_rawDesc = "" +
 	"\x15ACK_STATUS_LEASE_LOST\x10\x03\x12\x18\n" +
 	"\x14ACK_STATUS_NOT_FOUND\x10\x04\x12\x16\n" +
 	"\x12ACK_STATUS_INVALID\x10\x05\x12\x14\n" +
-	"\x10ACK_STATUS_RETRY\x10\x062\xe3\x02\n" +
+	"\x10ACK_STATUS_RETRY\x10\x062\xaf\x03\n" +
 	"\fRelayService\x12H\n" +
 	"\tSubscribe\x12\x1b.outbox.v1.SubscribeRequest\x1a\x1c.outbox.v1.SubscribeResponse0\x01\x124\n" +
-	"\x03Ack\x12\x15.outbox.v1.AckRequest\x1a\x16.outbox.v1.AckResponse\x127\n" +
+	"\x03Ack\x12\x15.outbox.v1.AckRequest\x1a\x16.outbox.v1.AckResponse\x12J\n" +
+	"\tAckStream\x12\x1b.outbox.v1.AckStreamRequest\x1a\x1c.outbox.v1.AckStreamResponse(\x010\x01\x127\n" +
 	"\x04Nack\x12\x16.outbox.v1.NackRequest\x1a\x17.outbox.v1.NackResponse\x12L\n" +
 	"\vExtendLease\x12\x1d.outbox.v1.ExtendLeaseRequest\x1a\x1e.outbox.v1.ExtendLeaseResponse\x12L\n" +
 	"\vListSources\x12\x1d.outbox.v1.ListSourcesRequest\x1a\x1e.outbox.v1.ListSourcesResponseB3Z1github.com/outboxd/outboxd/gen/outbox/v1;outboxv1b\x06proto3"
@@ -1033,7 +1131,7 @@ func file_outbox_v1_relay_service_proto_rawDescGZIP() []byte {
 }
 
 var file_outbox_v1_relay_service_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_outbox_v1_relay_service_proto_msgTypes = make([]protoimpl.MessageInfo, 12)
+var file_outbox_v1_relay_service_proto_msgTypes = make([]protoimpl.MessageInfo, 14)
 var file_outbox_v1_relay_service_proto_goTypes = []any{
 	(AckStatus)(0),                // 0: outbox.v1.AckStatus
 	(*SubscribeRequest)(nil),      // 1: outbox.v1.SubscribeRequest
@@ -1041,46 +1139,52 @@ var file_outbox_v1_relay_service_proto_goTypes = []any{
 	(*AckRequest)(nil),            // 3: outbox.v1.AckRequest
 	(*AckItem)(nil),               // 4: outbox.v1.AckItem
 	(*AckResponse)(nil),           // 5: outbox.v1.AckResponse
-	(*AckResult)(nil),             // 6: outbox.v1.AckResult
-	(*NackRequest)(nil),           // 7: outbox.v1.NackRequest
-	(*NackResponse)(nil),          // 8: outbox.v1.NackResponse
-	(*ExtendLeaseRequest)(nil),    // 9: outbox.v1.ExtendLeaseRequest
-	(*ExtendLeaseResponse)(nil),   // 10: outbox.v1.ExtendLeaseResponse
-	(*ListSourcesRequest)(nil),    // 11: outbox.v1.ListSourcesRequest
-	(*ListSourcesResponse)(nil),   // 12: outbox.v1.ListSourcesResponse
-	(*durationpb.Duration)(nil),   // 13: google.protobuf.Duration
-	(*Event)(nil),                 // 14: outbox.v1.Event
-	(*timestamppb.Timestamp)(nil), // 15: google.protobuf.Timestamp
+	(*AckStreamRequest)(nil),      // 6: outbox.v1.AckStreamRequest
+	(*AckStreamResponse)(nil),     // 7: outbox.v1.AckStreamResponse
+	(*AckResult)(nil),             // 8: outbox.v1.AckResult
+	(*NackRequest)(nil),           // 9: outbox.v1.NackRequest
+	(*NackResponse)(nil),          // 10: outbox.v1.NackResponse
+	(*ExtendLeaseRequest)(nil),    // 11: outbox.v1.ExtendLeaseRequest
+	(*ExtendLeaseResponse)(nil),   // 12: outbox.v1.ExtendLeaseResponse
+	(*ListSourcesRequest)(nil),    // 13: outbox.v1.ListSourcesRequest
+	(*ListSourcesResponse)(nil),   // 14: outbox.v1.ListSourcesResponse
+	(*durationpb.Duration)(nil),   // 15: google.protobuf.Duration
+	(*Event)(nil),                 // 16: outbox.v1.Event
+	(*timestamppb.Timestamp)(nil), // 17: google.protobuf.Timestamp
 }
 var file_outbox_v1_relay_service_proto_depIdxs = []int32{
-	13, // 0: outbox.v1.SubscribeRequest.lease_ttl:type_name -> google.protobuf.Duration
-	14, // 1: outbox.v1.SubscribeResponse.event:type_name -> outbox.v1.Event
-	15, // 2: outbox.v1.SubscribeResponse.lease_expires_at:type_name -> google.protobuf.Timestamp
-	13, // 3: outbox.v1.SubscribeResponse.lease_ttl_remaining:type_name -> google.protobuf.Duration
+	15, // 0: outbox.v1.SubscribeRequest.lease_ttl:type_name -> google.protobuf.Duration
+	16, // 1: outbox.v1.SubscribeResponse.event:type_name -> outbox.v1.Event
+	17, // 2: outbox.v1.SubscribeResponse.lease_expires_at:type_name -> google.protobuf.Timestamp
+	15, // 3: outbox.v1.SubscribeResponse.lease_ttl_remaining:type_name -> google.protobuf.Duration
 	2,  // 4: outbox.v1.SubscribeResponse.deliveries:type_name -> outbox.v1.SubscribeResponse
 	4,  // 5: outbox.v1.AckRequest.acks:type_name -> outbox.v1.AckItem
-	6,  // 6: outbox.v1.AckResponse.results:type_name -> outbox.v1.AckResult
-	0,  // 7: outbox.v1.AckResult.status:type_name -> outbox.v1.AckStatus
-	13, // 8: outbox.v1.NackRequest.retry_after:type_name -> google.protobuf.Duration
-	15, // 9: outbox.v1.NackResponse.next_attempt_at:type_name -> google.protobuf.Timestamp
-	13, // 10: outbox.v1.ExtendLeaseRequest.ttl:type_name -> google.protobuf.Duration
-	15, // 11: outbox.v1.ExtendLeaseResponse.lease_expires_at:type_name -> google.protobuf.Timestamp
-	13, // 12: outbox.v1.ExtendLeaseResponse.lease_ttl_remaining:type_name -> google.protobuf.Duration
-	1,  // 13: outbox.v1.RelayService.Subscribe:input_type -> outbox.v1.SubscribeRequest
-	3,  // 14: outbox.v1.RelayService.Ack:input_type -> outbox.v1.AckRequest
-	7,  // 15: outbox.v1.RelayService.Nack:input_type -> outbox.v1.NackRequest
-	9,  // 16: outbox.v1.RelayService.ExtendLease:input_type -> outbox.v1.ExtendLeaseRequest
-	11, // 17: outbox.v1.RelayService.ListSources:input_type -> outbox.v1.ListSourcesRequest
-	2,  // 18: outbox.v1.RelayService.Subscribe:output_type -> outbox.v1.SubscribeResponse
-	5,  // 19: outbox.v1.RelayService.Ack:output_type -> outbox.v1.AckResponse
-	8,  // 20: outbox.v1.RelayService.Nack:output_type -> outbox.v1.NackResponse
-	10, // 21: outbox.v1.RelayService.ExtendLease:output_type -> outbox.v1.ExtendLeaseResponse
-	12, // 22: outbox.v1.RelayService.ListSources:output_type -> outbox.v1.ListSourcesResponse
-	18, // [18:23] is the sub-list for method output_type
-	13, // [13:18] is the sub-list for method input_type
-	13, // [13:13] is the sub-list for extension type_name
-	13, // [13:13] is the sub-list for extension extendee
-	0,  // [0:13] is the sub-list for field type_name
+	8,  // 6: outbox.v1.AckResponse.results:type_name -> outbox.v1.AckResult
+	4,  // 7: outbox.v1.AckStreamRequest.acks:type_name -> outbox.v1.AckItem
+	8,  // 8: outbox.v1.AckStreamResponse.results:type_name -> outbox.v1.AckResult
+	0,  // 9: outbox.v1.AckResult.status:type_name -> outbox.v1.AckStatus
+	15, // 10: outbox.v1.NackRequest.retry_after:type_name -> google.protobuf.Duration
+	17, // 11: outbox.v1.NackResponse.next_attempt_at:type_name -> google.protobuf.Timestamp
+	15, // 12: outbox.v1.ExtendLeaseRequest.ttl:type_name -> google.protobuf.Duration
+	17, // 13: outbox.v1.ExtendLeaseResponse.lease_expires_at:type_name -> google.protobuf.Timestamp
+	15, // 14: outbox.v1.ExtendLeaseResponse.lease_ttl_remaining:type_name -> google.protobuf.Duration
+	1,  // 15: outbox.v1.RelayService.Subscribe:input_type -> outbox.v1.SubscribeRequest
+	3,  // 16: outbox.v1.RelayService.Ack:input_type -> outbox.v1.AckRequest
+	6,  // 17: outbox.v1.RelayService.AckStream:input_type -> outbox.v1.AckStreamRequest
+	9,  // 18: outbox.v1.RelayService.Nack:input_type -> outbox.v1.NackRequest
+	11, // 19: outbox.v1.RelayService.ExtendLease:input_type -> outbox.v1.ExtendLeaseRequest
+	13, // 20: outbox.v1.RelayService.ListSources:input_type -> outbox.v1.ListSourcesRequest
+	2,  // 21: outbox.v1.RelayService.Subscribe:output_type -> outbox.v1.SubscribeResponse
+	5,  // 22: outbox.v1.RelayService.Ack:output_type -> outbox.v1.AckResponse
+	7,  // 23: outbox.v1.RelayService.AckStream:output_type -> outbox.v1.AckStreamResponse
+	10, // 24: outbox.v1.RelayService.Nack:output_type -> outbox.v1.NackResponse
+	12, // 25: outbox.v1.RelayService.ExtendLease:output_type -> outbox.v1.ExtendLeaseResponse
+	14, // 26: outbox.v1.RelayService.ListSources:output_type -> outbox.v1.ListSourcesResponse
+	21, // [21:27] is the sub-list for method output_type
+	15, // [15:21] is the sub-list for method input_type
+	15, // [15:15] is the sub-list for extension type_name
+	15, // [15:15] is the sub-list for extension extendee
+	0,  // [0:15] is the sub-list for field type_name
 }
 
 func init() { file_outbox_v1_relay_service_proto_init() }
@@ -1095,7 +1199,7 @@ func file_outbox_v1_relay_service_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_outbox_v1_relay_service_proto_rawDesc), len(file_outbox_v1_relay_service_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   12,
+			NumMessages:   14,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -21,6 +21,7 @@ const _ = grpc.SupportPackageIsVersion9
 const (
 	RelayService_Subscribe_FullMethodName   = "/outbox.v1.RelayService/Subscribe"
 	RelayService_Ack_FullMethodName         = "/outbox.v1.RelayService/Ack"
+	RelayService_AckStream_FullMethodName   = "/outbox.v1.RelayService/AckStream"
 	RelayService_Nack_FullMethodName        = "/outbox.v1.RelayService/Nack"
 	RelayService_ExtendLease_FullMethodName = "/outbox.v1.RelayService/ExtendLease"
 	RelayService_ListSources_FullMethodName = "/outbox.v1.RelayService/ListSources"
@@ -53,6 +54,19 @@ type RelayServiceClient interface {
 	// unreachable (UNAVAILABLE), in which case it is safe to retry: acks are
 	// idempotent.
 	Ack(ctx context.Context, in *AckRequest, opts ...grpc.CallOption) (*AckResponse, error)
+	// AckStream is Ack over one long-lived stream: each AckStreamRequest is
+	// judged exactly as an Ack of the same items would be, and answered by one
+	// AckStreamResponse, in request order. It spares a relay that acks one
+	// delivery at a time (a hot aggregate, a quiet source) the set-up of a call
+	// per ack. A request that Ack would refuse as a whole ends the stream with
+	// that status (INVALID_ARGUMENT, UNAVAILABLE, PERMISSION_DENIED): nothing in
+	// it that was not answered is known to have landed, and sending it again,
+	// on a new stream or through Ack, is safe. The server also ends the stream
+	// with UNAVAILABLE once it has stopped taking acks (shutting down), and with
+	// UNAUTHENTICATED when the caller's token is revoked. A relay keeps one
+	// request outstanding at a time or many; answers come in order either way.
+	// Servers that predate it answer UNIMPLEMENTED: use Ack.
+	AckStream(ctx context.Context, opts ...grpc.CallOption) (grpc.BidiStreamingClient[AckStreamRequest, AckStreamResponse], error)
 	// Nack reports that publishing failed. The event is offered again after a
 	// backoff (exponential with jitter, or retry_after if longer); after the
 	// server's configured number of failures, or at once for a permanent nack,
@@ -113,6 +127,19 @@ func (c *relayServiceClient) Ack(ctx context.Context, in *AckRequest, opts ...gr
 	return out, nil
 }
 
+func (c *relayServiceClient) AckStream(ctx context.Context, opts ...grpc.CallOption) (grpc.BidiStreamingClient[AckStreamRequest, AckStreamResponse], error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	stream, err := c.cc.NewStream(ctx, &RelayService_ServiceDesc.Streams[1], RelayService_AckStream_FullMethodName, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	x := &grpc.GenericClientStream[AckStreamRequest, AckStreamResponse]{ClientStream: stream}
+	return x, nil
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type RelayService_AckStreamClient = grpc.BidiStreamingClient[AckStreamRequest, AckStreamResponse]
+
 func (c *relayServiceClient) Nack(ctx context.Context, in *NackRequest, opts ...grpc.CallOption) (*NackResponse, error) {
 	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
 	out := new(NackResponse)
@@ -170,6 +197,19 @@ type RelayServiceServer interface {
 	// unreachable (UNAVAILABLE), in which case it is safe to retry: acks are
 	// idempotent.
 	Ack(context.Context, *AckRequest) (*AckResponse, error)
+	// AckStream is Ack over one long-lived stream: each AckStreamRequest is
+	// judged exactly as an Ack of the same items would be, and answered by one
+	// AckStreamResponse, in request order. It spares a relay that acks one
+	// delivery at a time (a hot aggregate, a quiet source) the set-up of a call
+	// per ack. A request that Ack would refuse as a whole ends the stream with
+	// that status (INVALID_ARGUMENT, UNAVAILABLE, PERMISSION_DENIED): nothing in
+	// it that was not answered is known to have landed, and sending it again,
+	// on a new stream or through Ack, is safe. The server also ends the stream
+	// with UNAVAILABLE once it has stopped taking acks (shutting down), and with
+	// UNAUTHENTICATED when the caller's token is revoked. A relay keeps one
+	// request outstanding at a time or many; answers come in order either way.
+	// Servers that predate it answer UNIMPLEMENTED: use Ack.
+	AckStream(grpc.BidiStreamingServer[AckStreamRequest, AckStreamResponse]) error
 	// Nack reports that publishing failed. The event is offered again after a
 	// backoff (exponential with jitter, or retry_after if longer); after the
 	// server's configured number of failures, or at once for a permanent nack,
@@ -206,6 +246,9 @@ func (UnimplementedRelayServiceServer) Subscribe(*SubscribeRequest, grpc.ServerS
 }
 func (UnimplementedRelayServiceServer) Ack(context.Context, *AckRequest) (*AckResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method Ack not implemented")
+}
+func (UnimplementedRelayServiceServer) AckStream(grpc.BidiStreamingServer[AckStreamRequest, AckStreamResponse]) error {
+	return status.Error(codes.Unimplemented, "method AckStream not implemented")
 }
 func (UnimplementedRelayServiceServer) Nack(context.Context, *NackRequest) (*NackResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method Nack not implemented")
@@ -265,6 +308,13 @@ func _RelayService_Ack_Handler(srv interface{}, ctx context.Context, dec func(in
 	}
 	return interceptor(ctx, in, info, handler)
 }
+
+func _RelayService_AckStream_Handler(srv interface{}, stream grpc.ServerStream) error {
+	return srv.(RelayServiceServer).AckStream(&grpc.GenericServerStream[AckStreamRequest, AckStreamResponse]{ServerStream: stream})
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type RelayService_AckStreamServer = grpc.BidiStreamingServer[AckStreamRequest, AckStreamResponse]
 
 func _RelayService_Nack_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
 	in := new(NackRequest)
@@ -349,6 +399,12 @@ var RelayService_ServiceDesc = grpc.ServiceDesc{
 			StreamName:    "Subscribe",
 			Handler:       _RelayService_Subscribe_Handler,
 			ServerStreams: true,
+		},
+		{
+			StreamName:    "AckStream",
+			Handler:       _RelayService_AckStream_Handler,
+			ServerStreams: true,
+			ClientStreams: true,
 		},
 	},
 	Metadata: "outbox/v1/relay_service.proto",
