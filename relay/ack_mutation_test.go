@@ -1,12 +1,10 @@
 package relay
 
 import (
-	"context"
 	"sync/atomic"
 	"testing"
 	"time"
 
-	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
@@ -22,16 +20,16 @@ func TestAckRetriesATransientFailureBeforeGivingUp(t *testing.T) {
 	e := newEnv(t, servertest.Options{})
 	id := e.emit(t, "orders", "a")
 	var calls atomic.Int32
-	blip := grpc.WithChainUnaryInterceptor(func(ctx context.Context, m string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
-		if _, ok := req.(*outboxv1.AckRequest); ok && calls.Add(1) == 1 {
-			return status.Error(codes.Unavailable, "injected: connection reset")
+	blip := withAckFault(func(r *outboxv1.AckRequest, send func(*outboxv1.AckRequest) (*outboxv1.AckResponse, error)) (*outboxv1.AckResponse, error) {
+		if calls.Add(1) == 1 {
+			return nil, status.Error(codes.Unavailable, "injected: connection reset")
 		}
-		return invoker(ctx, m, req, reply, cc, opts...)
+		return send(r)
 	})
 	givenUp := make(chan int, 10)
 	// An hour-long lease: only the retried ack can publish the event within
 	// the test.
-	start(t, Config{Conn: e.dial(t, blip), Publisher: newPublisher(), LeaseTTL: time.Hour, AckRetryTimeout: time.Minute},
+	start(t, Config{Conn: e.dial(t, blip...), Publisher: newPublisher(), LeaseTTL: time.Hour, AckRetryTimeout: time.Minute},
 		hooks{ackGivenUp: func(k int) { givenUp <- k }})
 	waitUntil(t, "the event to be published", func() bool {
 		select {

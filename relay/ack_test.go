@@ -2,7 +2,9 @@ package relay
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"io"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -16,7 +18,82 @@ import (
 	"github.com/outboxd/outboxd/internal/servertest"
 )
 
-// poisonAcks fails every Ack request that carries the poison event with
+// ackFault stands in for the server's answer to one ack request: it gets
+// the request and send, which passes a request on to the real server and
+// returns the answer, and returns what the runner is to see.
+type ackFault func(req *outboxv1.AckRequest, send func(*outboxv1.AckRequest) (*outboxv1.AckResponse, error)) (*outboxv1.AckResponse, error)
+
+// withAckFault applies f to every ack request the runner sends, alike
+// whether it goes as a message on an AckStream or as an Ack call. An error
+// from f is what the runner sees of that request: the call's error, or the
+// stream's (on which the runner then opens a new stream).
+func withAckFault(f ackFault) []grpc.DialOption {
+	unary := func(ctx context.Context, m string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
+		r, ok := req.(*outboxv1.AckRequest)
+		if !ok {
+			return invoker(ctx, m, req, reply, cc, opts...)
+		}
+		res, err := f(r, func(r *outboxv1.AckRequest) (*outboxv1.AckResponse, error) {
+			out := new(outboxv1.AckResponse)
+			return out, invoker(ctx, m, r, out, cc, opts...)
+		})
+		if err != nil {
+			return err
+		}
+		reply.(*outboxv1.AckResponse).Results = res.GetResults()
+		return nil
+	}
+	stream := func(ctx context.Context, desc *grpc.StreamDesc, cc *grpc.ClientConn, method string, streamer grpc.Streamer, opts ...grpc.CallOption) (grpc.ClientStream, error) {
+		cs, err := streamer(ctx, desc, cc, method, opts...)
+		if err != nil || method != outboxv1.RelayService_AckStream_FullMethodName {
+			return cs, err
+		}
+		return &faultyAckStream{ClientStream: cs, f: f}, nil
+	}
+	return []grpc.DialOption{grpc.WithChainUnaryInterceptor(unary), grpc.WithChainStreamInterceptor(stream)}
+}
+
+// faultyAckStream is an AckStream whose every request goes through f
+// (withAckFault): SendMsg runs it, RecvMsg returns what it answered.
+type faultyAckStream struct {
+	grpc.ClientStream
+	f   ackFault
+	res *outboxv1.AckResponse
+	err error
+}
+
+func (s *faultyAckStream) SendMsg(m any) error {
+	req, ok := m.(*outboxv1.AckStreamRequest)
+	if !ok {
+		return s.ClientStream.SendMsg(m)
+	}
+	s.res, s.err = s.f(&outboxv1.AckRequest{Acks: req.GetAcks()}, func(r *outboxv1.AckRequest) (*outboxv1.AckResponse, error) {
+		err := s.ClientStream.SendMsg(&outboxv1.AckStreamRequest{Acks: r.GetAcks()})
+		if err != nil && !errors.Is(err, io.EOF) {
+			return nil, err
+		}
+		out := new(outboxv1.AckStreamResponse)
+		if err := s.ClientStream.RecvMsg(out); err != nil {
+			return nil, err
+		}
+		return &outboxv1.AckResponse{Results: out.GetResults()}, nil
+	})
+	return nil
+}
+
+func (s *faultyAckStream) RecvMsg(m any) error {
+	res, ok := m.(*outboxv1.AckStreamResponse)
+	if !ok {
+		return s.ClientStream.RecvMsg(m)
+	}
+	if s.err != nil {
+		return s.err
+	}
+	res.Results = s.res.GetResults()
+	return nil
+}
+
+// poisonAcks fails every ack request that carries the poison event with
 // code, as a server does whose group commit cannot take one item; requests
 // without it reach the real server.
 type poisonAcks struct {
@@ -26,20 +103,18 @@ type poisonAcks struct {
 	sizes  []int // sizes of the requests that carried the poison
 }
 
-func (p *poisonAcks) interceptor() grpc.UnaryClientInterceptor {
-	return func(ctx context.Context, m string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
-		if r, ok := req.(*outboxv1.AckRequest); ok {
-			for _, it := range r.GetAcks() {
-				if it.GetEventId() == p.poison {
-					p.mu.Lock()
-					p.sizes = append(p.sizes, len(r.GetAcks()))
-					p.mu.Unlock()
-					return status.Errorf(p.code, "injected: the batch holding %s fails", p.poison)
-				}
+func (p *poisonAcks) options() []grpc.DialOption {
+	return withAckFault(func(r *outboxv1.AckRequest, send func(*outboxv1.AckRequest) (*outboxv1.AckResponse, error)) (*outboxv1.AckResponse, error) {
+		for _, it := range r.GetAcks() {
+			if it.GetEventId() == p.poison {
+				p.mu.Lock()
+				p.sizes = append(p.sizes, len(r.GetAcks()))
+				p.mu.Unlock()
+				return nil, status.Errorf(p.code, "injected: the batch holding %s fails", p.poison)
 			}
 		}
-		return invoker(ctx, m, req, reply, cc, opts...)
-	}
+		return send(r)
+	})
 }
 
 // One ack the server cannot take does not hold up the others: the batch
@@ -63,7 +138,7 @@ func TestRunnerSplitsAckBatchAroundBadItem(t *testing.T) {
 			pub := newPublisher()
 			pub.block = make(chan struct{})
 			start(t, Config{
-				Conn: e.dial(t, grpc.WithChainUnaryInterceptor(poison.interceptor())), Publisher: pub,
+				Conn: e.dial(t, poison.options()...), Publisher: pub,
 				MaxInFlight: n, AckMaxDelay: time.Hour, AckBatchSize: n, AckRetryTimeout: 200 * time.Millisecond,
 			}, hooks{ackGivenUp: func(k int) { givenUp <- k }})
 			openAtEnd(t, pub.block)
@@ -130,20 +205,17 @@ func TestRunnerGivesUpAckBatchWhenServerIsDown(t *testing.T) {
 	}
 	var mu sync.Mutex
 	var sizes []int
-	down := grpc.WithChainUnaryInterceptor(func(ctx context.Context, m string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
-		if r, ok := req.(*outboxv1.AckRequest); ok {
-			mu.Lock()
-			sizes = append(sizes, len(r.GetAcks()))
-			mu.Unlock()
-			return status.Error(codes.Unavailable, "injected: connection refused")
-		}
-		return invoker(ctx, m, req, reply, cc, opts...)
+	down := withAckFault(func(r *outboxv1.AckRequest, _ func(*outboxv1.AckRequest) (*outboxv1.AckResponse, error)) (*outboxv1.AckResponse, error) {
+		mu.Lock()
+		sizes = append(sizes, len(r.GetAcks()))
+		mu.Unlock()
+		return nil, status.Error(codes.Unavailable, "injected: connection refused")
 	})
 	givenUp := make(chan int, n)
 	pub := newPublisher()
 	pub.block = make(chan struct{})
 	start(t, Config{
-		Conn: e.dial(t, down), Publisher: pub,
+		Conn: e.dial(t, down...), Publisher: pub,
 		MaxInFlight: n, AckMaxDelay: time.Hour, AckBatchSize: n, AckRetryTimeout: 200 * time.Millisecond,
 	}, hooks{ackGivenUp: func(k int) { givenUp <- k }})
 	openAtEnd(t, pub.block)
@@ -183,11 +255,7 @@ func TestRunnerResendsAckTheServerAsksAgain(t *testing.T) {
 	target := e.emit(t, "orders", "a")
 	other := e.emit(t, "orders", "b")
 	var sent atomic.Int32
-	retryOnce := grpc.WithChainUnaryInterceptor(func(ctx context.Context, m string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
-		r, ok := req.(*outboxv1.AckRequest)
-		if !ok {
-			return invoker(ctx, m, req, reply, cc, opts...)
-		}
+	retryOnce := withAckFault(func(r *outboxv1.AckRequest, send func(*outboxv1.AckRequest) (*outboxv1.AckResponse, error)) (*outboxv1.AckResponse, error) {
 		var kept []*outboxv1.AckItem
 		held := -1
 		for i, it := range r.GetAcks() {
@@ -198,21 +266,22 @@ func TestRunnerResendsAckTheServerAsksAgain(t *testing.T) {
 			kept = append(kept, it)
 		}
 		if held < 0 {
-			return invoker(ctx, m, req, reply, cc, opts...)
+			return send(r)
 		}
-		res := reply.(*outboxv1.AckResponse)
+		res := &outboxv1.AckResponse{}
 		if len(kept) > 0 {
-			if err := invoker(ctx, m, &outboxv1.AckRequest{Acks: kept}, res, cc, opts...); err != nil {
-				return err
+			var err error
+			if res, err = send(&outboxv1.AckRequest{Acks: kept}); err != nil {
+				return nil, err
 			}
 		}
 		res.Results = append(res.Results[:held:held], append([]*outboxv1.AckResult{{
 			EventId: target, Status: outboxv1.AckStatus_ACK_STATUS_RETRY, Message: "injected: the database refused this ack",
 		}}, res.Results[held:]...)...)
-		return nil
+		return res, nil
 	})
 	givenUp := make(chan int, 10)
-	start(t, Config{Conn: e.dial(t, retryOnce), Publisher: newPublisher(), LeaseTTL: time.Hour},
+	start(t, Config{Conn: e.dial(t, retryOnce...), Publisher: newPublisher(), LeaseTTL: time.Hour},
 		hooks{ackGivenUp: func(k int) { givenUp <- k }})
 	// With an hour-long lease, only a resent ack can publish it in time.
 	e.waitPublished(t, target, other)
@@ -223,5 +292,74 @@ func TestRunnerResendsAckTheServerAsksAgain(t *testing.T) {
 	case k := <-givenUp:
 		t.Fatalf("%d acks given up", k)
 	default:
+	}
+}
+
+// ackRPCs counts the runner's AckStream streams and Ack calls.
+type ackRPCs struct{ streams, calls atomic.Int32 }
+
+func (c *ackRPCs) options() []grpc.DialOption {
+	return []grpc.DialOption{
+		grpc.WithChainUnaryInterceptor(func(ctx context.Context, m string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
+			if m == outboxv1.RelayService_Ack_FullMethodName {
+				c.calls.Add(1)
+			}
+			return invoker(ctx, m, req, reply, cc, opts...)
+		}),
+		grpc.WithChainStreamInterceptor(func(ctx context.Context, desc *grpc.StreamDesc, cc *grpc.ClientConn, method string, streamer grpc.Streamer, opts ...grpc.CallOption) (grpc.ClientStream, error) {
+			if method == outboxv1.RelayService_AckStream_FullMethodName {
+				c.streams.Add(1)
+			}
+			return streamer(ctx, desc, cc, method, opts...)
+		}),
+	}
+}
+
+// ackEachAlone runs a runner with one delivery in flight over opts, so that
+// each of n events is acked in a request of its own, and returns, once all
+// are published, how many ack requests were sent (on a stream or not).
+func ackEachAlone(t *testing.T, e *env, n int, opts ...grpc.DialOption) int32 {
+	t.Helper()
+	var ids []string
+	for i := range n {
+		ids = append(ids, e.emit(t, "orders", fmt.Sprintf("k%d", i)))
+	}
+	var requests atomic.Int32
+	count := withAckFault(func(r *outboxv1.AckRequest, send func(*outboxv1.AckRequest) (*outboxv1.AckResponse, error)) (*outboxv1.AckResponse, error) {
+		requests.Add(1)
+		return send(r)
+	})
+	start(t, Config{Conn: e.dial(t, append(opts, count...)...), Publisher: newPublisher(), MaxInFlight: 1}, hooks{})
+	e.waitPublished(t, ids...)
+	return requests.Load()
+}
+
+// The runner sends its ack requests as messages on one AckStream, not as a
+// call each (a hot aggregate's every event is an ack request of its own).
+func TestRunnerAcksOnOneStream(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, servertest.Options{})
+	var rpcs ackRPCs
+	n := ackEachAlone(t, e, 3, rpcs.options()...)
+	if s, c := rpcs.streams.Load(), rpcs.calls.Load(); s != 1 || c != 0 || n != 3 {
+		t.Fatalf("%d ack requests went on %d AckStream streams and in %d Ack calls, want three on one stream and no call", n, s, c)
+	}
+}
+
+// Against a server that predates AckStream (it answers UNIMPLEMENTED), the
+// runner acks by Ack calls, and does not try the stream again for each.
+func TestRunnerAcksByCallsWhenTheServerPredatesAckStream(t *testing.T) {
+	t.Parallel()
+	old := grpc.ChainStreamInterceptor(func(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, handler grpc.StreamHandler) error {
+		if info.FullMethod == outboxv1.RelayService_AckStream_FullMethodName {
+			return status.Error(codes.Unimplemented, "unknown method AckStream for service outbox.v1.RelayService")
+		}
+		return handler(srv, ss)
+	})
+	e := newEnv(t, servertest.Options{ServerOptions: []grpc.ServerOption{old}})
+	var rpcs ackRPCs
+	ackEachAlone(t, e, 3, rpcs.options()...)
+	if s, c := rpcs.streams.Load(), rpcs.calls.Load(); s != 1 || c != 3 {
+		t.Fatalf("acks tried %d AckStream streams and made %d Ack calls, want the stream tried once and three calls", s, c)
 	}
 }

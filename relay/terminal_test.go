@@ -43,8 +43,9 @@ func newAuthEnv(t *testing.T) *env {
 }
 
 // dialWithTokens connects presenting the relay token, except on the unary
-// method named by method, which presents token instead: the server's own
-// authentication then refuses that RPC alone while the stream goes on.
+// method named by method (and for Ack, its AckStream), which presents token
+// instead: the server's own authentication then refuses that RPC alone
+// while the Subscribe stream goes on.
 func (e *env) dialWithTokens(t *testing.T, method, token string) *grpc.ClientConn {
 	t.Helper()
 	bearer := func(ctx context.Context, tok string) context.Context {
@@ -59,7 +60,11 @@ func (e *env) dialWithTokens(t *testing.T, method, token string) *grpc.ClientCon
 			return invoker(bearer(ctx, tok), m, req, reply, cc, opts...)
 		}),
 		grpc.WithChainStreamInterceptor(func(ctx context.Context, desc *grpc.StreamDesc, cc *grpc.ClientConn, m string, streamer grpc.Streamer, opts ...grpc.CallOption) (grpc.ClientStream, error) {
-			return streamer(bearer(ctx, relayToken), desc, cc, m, opts...)
+			tok := relayToken
+			if strings.HasSuffix(m, "/"+method+"Stream") {
+				tok = token // acks go on an AckStream
+			}
+			return streamer(bearer(ctx, tok), desc, cc, m, opts...)
 		}),
 	)
 }

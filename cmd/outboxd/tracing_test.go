@@ -137,7 +137,7 @@ func TestServeAndRelayExportTraces(t *testing.T) {
 	for _, s := range col.of("outboxd") {
 		server[s.GetName()] = s.GetKind()
 	}
-	for _, name := range []string{"outbox.v1.RelayService/Subscribe", "outbox.v1.RelayService/Ack"} {
+	for _, name := range []string{"outbox.v1.RelayService/Subscribe", "outbox.v1.RelayService/AckStream"} {
 		if server[name] != tracepb.Span_SPAN_KIND_SERVER {
 			t.Errorf("no server span %s exported by serve (got %v)", name, server)
 		}
