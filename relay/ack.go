@@ -233,9 +233,10 @@ func (b *ackBatcher) callStream(items []*outboxv1.AckItem) (*outboxv1.AckRespons
 		b.stream, b.closeStream = st, cancel
 	}
 	var late atomic.Bool
+	closeStream := b.closeStream // (dropStream may clear the field before the timer is stopped)
 	timer := time.AfterFunc(ackCallTimeout, func() {
 		late.Store(true)
-		b.closeStream()
+		closeStream()
 	})
 	defer timer.Stop()
 	err := b.stream.Send(&outboxv1.AckStreamRequest{Acks: items})
