@@ -1,6 +1,7 @@
 package relay
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"io"
@@ -213,9 +214,14 @@ func (b *ackBatcher) call(items []*outboxv1.AckItem) (*outboxv1.AckResponse, err
 		b.unary = true
 		b.r.log.Info("the server does not serve AckStream; acking by Ack calls")
 	}
-	ctx, cancel := context.WithTimeout(b.ctx, ackCallTimeout)
+	ctx, cancel := context.WithTimeout(b.ctx, b.callTimeout())
 	defer cancel()
 	return b.r.client.Ack(ctx, &outboxv1.AckRequest{Acks: items})
+}
+
+// callTimeout bounds one ack request.
+func (b *ackBatcher) callTimeout() time.Duration {
+	return cmp.Or(b.r.hooks.ackCallTimeout, ackCallTimeout)
 }
 
 // callStream sends items on the AckStream, opening one if none is open,
@@ -234,7 +240,8 @@ func (b *ackBatcher) callStream(items []*outboxv1.AckItem) (*outboxv1.AckRespons
 	}
 	var late atomic.Bool
 	closeStream := b.closeStream // (dropStream may clear the field before the timer is stopped)
-	timer := time.AfterFunc(ackCallTimeout, func() {
+	timeout := b.callTimeout()
+	timer := time.AfterFunc(timeout, func() {
 		late.Store(true)
 		closeStream()
 	})
@@ -251,7 +258,7 @@ func (b *ackBatcher) callStream(items []*outboxv1.AckItem) (*outboxv1.AckRespons
 			err = status.Error(codes.Unavailable, "the server ended the ack stream")
 		}
 		if late.Load() && b.ctx.Err() == nil {
-			err = status.Errorf(codes.DeadlineExceeded, "no answer on the ack stream within %v", ackCallTimeout)
+			err = status.Errorf(codes.DeadlineExceeded, "no answer on the ack stream within %v", timeout)
 		}
 		return nil, err
 	}

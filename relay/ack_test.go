@@ -363,3 +363,37 @@ func TestRunnerAcksByCallsWhenTheServerPredatesAckStream(t *testing.T) {
 		t.Fatalf("acks tried %d AckStream streams and made %d Ack calls, want the stream tried once and three calls", s, c)
 	}
 }
+
+// A request the server never answers on the AckStream fails after the
+// call's timeout, as an Ack call would (DEADLINE_EXCEEDED, retried), and
+// its retry goes on a new stream: here the server's first ack stream takes
+// requests and answers none, and only the retry can publish the event (its
+// lease lasts an hour).
+func TestAckStreamWithoutAnswerIsRetriedOnANewStream(t *testing.T) {
+	t.Parallel()
+	var streams atomic.Int32
+	silent := grpc.ChainStreamInterceptor(func(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, handler grpc.StreamHandler) error {
+		if info.FullMethod != outboxv1.RelayService_AckStream_FullMethodName || streams.Add(1) > 1 {
+			return handler(srv, ss)
+		}
+		for {
+			if err := ss.RecvMsg(new(outboxv1.AckStreamRequest)); err != nil {
+				return err
+			}
+		}
+	})
+	e := newEnv(t, servertest.Options{ServerOptions: []grpc.ServerOption{silent}})
+	id := e.emit(t, "orders", "a")
+	givenUp := make(chan int, 10)
+	start(t, Config{Conn: e.dial(t), Publisher: newPublisher(), LeaseTTL: time.Hour, AckRetryTimeout: time.Minute},
+		hooks{ackGivenUp: func(k int) { givenUp <- k }, ackCallTimeout: 200 * time.Millisecond})
+	e.waitPublished(t, id)
+	if n := streams.Load(); n != 2 {
+		t.Fatalf("%d ack streams opened, want 2 (the silent one, then the retry's)", n)
+	}
+	select {
+	case k := <-givenUp:
+		t.Fatalf("%d acks given up", k)
+	default:
+	}
+}

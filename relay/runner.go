@@ -240,6 +240,8 @@ type hooks struct {
 	// line, and windowDropped for one dropped because an earlier event of
 	// its lease failed (see aggregateLines).
 	windowQueued, windowDropped func(eventID string)
+	// ackCallTimeout, when set, replaces ackCallTimeout.
+	ackCallTimeout time.Duration
 }
 
 // NewRunner validates cfg; the error names every field at fault.
