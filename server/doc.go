@@ -235,6 +235,11 @@
 //
 // # RPCs
 //
+// Acks come by Ack calls or as requests on an AckStream, which a relay
+// keeps open so that acking one delivery at a time does not pay a call's
+// set-up each time; both reach the same code (relayService.Ack), request by
+// request.
+//
 // Subscribe opens a session with a credit (max_in_flight). The session loop
 // claims up to its free credit (outbox.claim: lock delivery rows FOR UPDATE
 // SKIP LOCKED, lease each one's next revision, epoch+1) and sends one
@@ -636,5 +641,8 @@
 // reading cannot see the abort, so Stop returns anyway after a short grace
 // and says so; closing the connections (grpc.Server.Stop, which
 // internal/app's shutdown does next) fails that Send and the session
-// releases its leases.
+// releases its leases. Acks keep landing while Stop waits, by Ack calls or
+// on AckStream streams; those streams end (UNAVAILABLE) when Stop returns
+// (ServeAckStream), as internal/app's router's do before its graceful stop,
+// which would otherwise wait for relays to close them.
 package server
