@@ -41,8 +41,10 @@ type ackBatcher struct {
 	fatal *fatal
 	items chan ackEntry
 	done  chan struct{}
-	// stream is the open AckStream (nil: none), and closeStream ends it.
+	// stream is the open AckStream (nil: none), opened with streamCtx,
+	// which closeStream cancels (nil: none).
 	stream      outboxv1.RelayService_AckStreamClient
+	streamCtx   context.Context
 	closeStream context.CancelFunc
 	// unary: the server answered AckStream with UNIMPLEMENTED.
 	unary bool
@@ -226,31 +228,24 @@ func (b *ackBatcher) callTimeout() time.Duration {
 
 // callStream sends items on the AckStream, opening one if none is open,
 // and waits for the answer. Any failure ends the stream (the next request
-// opens another); an answer that does not come within ackCallTimeout is
-// DEADLINE_EXCEEDED, as an Ack call's would be.
+// opens another); an answer that does not come within the call's timeout,
+// opening the stream included, is DEADLINE_EXCEEDED, as an Ack call's
+// would be.
 func (b *ackBatcher) callStream(items []*outboxv1.AckItem) (*outboxv1.AckResponse, error) {
-	if b.stream == nil {
-		ctx, cancel := context.WithCancel(b.ctx)
-		st, err := b.r.client.AckStream(ctx)
-		if err != nil {
-			cancel()
-			return nil, err
-		}
-		b.stream, b.closeStream = st, cancel
+	if b.closeStream == nil {
+		b.streamCtx, b.closeStream = context.WithCancel(b.ctx)
 	}
+	// (The timer keeps its own copy: dropStream clears the field.)
+	closeStream, timeout := b.closeStream, b.callTimeout()
 	var late atomic.Bool
-	closeStream := b.closeStream // (dropStream may clear the field before the timer is stopped)
-	timeout := b.callTimeout()
 	timer := time.AfterFunc(timeout, func() {
 		late.Store(true)
 		closeStream()
 	})
-	defer timer.Stop()
-	err := b.stream.Send(&outboxv1.AckStreamRequest{Acks: items})
-	var res *outboxv1.AckStreamResponse
-	if err == nil || errors.Is(err, io.EOF) {
-		// (io.EOF: the stream has ended; Recv says why.)
-		res, err = b.stream.Recv()
+	res, err := b.exchange(items)
+	if !timer.Stop() && err == nil {
+		// Answered just as the timer fired: the stream is cancelled.
+		b.dropStream()
 	}
 	if err != nil {
 		b.dropStream()
@@ -265,14 +260,33 @@ func (b *ackBatcher) callStream(items []*outboxv1.AckItem) (*outboxv1.AckRespons
 	return &outboxv1.AckResponse{Results: res.GetResults()}, nil
 }
 
-// dropStream ends the AckStream, if one is open.
-func (b *ackBatcher) dropStream() {
+// exchange sends one request on the stream, opened now if it is not, and
+// receives its answer.
+func (b *ackBatcher) exchange(items []*outboxv1.AckItem) (*outboxv1.AckStreamResponse, error) {
 	if b.stream == nil {
-		return
+		st, err := b.r.client.AckStream(b.streamCtx)
+		if err != nil {
+			return nil, err
+		}
+		b.stream = st
 	}
-	_ = b.stream.CloseSend()
-	b.closeStream()
-	b.stream, b.closeStream = nil, nil
+	err := b.stream.Send(&outboxv1.AckStreamRequest{Acks: items})
+	if err != nil && !errors.Is(err, io.EOF) {
+		return nil, err
+	}
+	// (io.EOF from Send: the stream has ended; Recv says why.)
+	return b.stream.Recv()
+}
+
+// dropStream ends the AckStream, if one is open or being opened.
+func (b *ackBatcher) dropStream() {
+	if b.stream != nil {
+		_ = b.stream.CloseSend()
+	}
+	if b.closeStream != nil {
+		b.closeStream()
+	}
+	b.stream, b.streamCtx, b.closeStream = nil, nil, nil
 }
 
 // isolate deals with items whose Ack failed with err. Unless the relay is

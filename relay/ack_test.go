@@ -397,3 +397,34 @@ func TestAckStreamWithoutAnswerIsRetriedOnANewStream(t *testing.T) {
 	default:
 	}
 }
+
+// Opening the stream counts against the request's timeout, as connecting
+// does for an Ack call: an open that hangs (a connection that waits for
+// ready, say) fails the request, which is retried on a new stream, instead
+// of holding every ack of the relay for good. Here the first open hangs
+// until its context ends.
+func TestAckStreamOpenIsBoundedByTheTimeout(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, servertest.Options{})
+	var opens atomic.Int32
+	hang := grpc.WithChainStreamInterceptor(func(ctx context.Context, desc *grpc.StreamDesc, cc *grpc.ClientConn, method string, streamer grpc.Streamer, opts ...grpc.CallOption) (grpc.ClientStream, error) {
+		if method == outboxv1.RelayService_AckStream_FullMethodName && opens.Add(1) == 1 {
+			<-ctx.Done()
+			return nil, status.FromContextError(ctx.Err()).Err()
+		}
+		return streamer(ctx, desc, cc, method, opts...)
+	})
+	id := e.emit(t, "orders", "a")
+	givenUp := make(chan int, 10)
+	start(t, Config{Conn: e.dial(t, hang), Publisher: newPublisher(), LeaseTTL: time.Hour, AckRetryTimeout: time.Minute},
+		hooks{ackGivenUp: func(k int) { givenUp <- k }, ackCallTimeout: 200 * time.Millisecond})
+	e.waitPublished(t, id)
+	if n := opens.Load(); n != 2 {
+		t.Fatalf("%d ack streams opened, want 2 (the one that hung, then the retry's)", n)
+	}
+	select {
+	case k := <-givenUp:
+		t.Fatalf("%d acks given up", k)
+	default:
+	}
+}

@@ -2,19 +2,25 @@ package server_test
 
 import (
 	"context"
+	"net"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/recovery"
+	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/status"
 
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
 	"github.com/outboxd/outboxd/internal/auth"
 	"github.com/outboxd/outboxd/internal/servertest"
 	"github.com/outboxd/outboxd/internal/testdb"
+	"github.com/outboxd/outboxd/server"
 )
 
 // itemOf is the ack item of delivery d.
@@ -121,6 +127,39 @@ func TestAckStreamEndsWhenTheReplicaShutsDown(t *testing.T) {
 	streamEnds(t, st, codes.Unavailable, "takes no more acks")
 }
 
+// While a replica shuts down, its relay streams wait for their outstanding
+// deliveries' acks, and those acks land on an AckStream as by Ack calls;
+// the stream ends only after that (an ack refused there would hold the
+// shutdown to its deadline and have the event delivered again).
+func TestAckStreamTakesAcksWhileTheReplicaStops(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	r := startReplica(t, url, nil)
+	ids := emit(t, pool, "orders", "a", 1)
+	sub := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 1})
+	d := recv(t, sub)
+	st, err := r.Relay.AckStream(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	go r.Close()
+	health := healthpb.NewHealthClient(r.Conn)
+	waitFor(t, func() int32 {
+		res, err := health.Check(ctx, &healthpb.HealthCheckRequest{})
+		return b2i(err == nil && res.GetStatus() == healthpb.HealthCheckResponse_NOT_SERVING)
+	})
+	if got := ackOn(t, st, itemOf(d)); got[0] != outboxv1.AckStatus_ACK_STATUS_PUBLISHED {
+		t.Fatalf("the outstanding delivery's ack during the shutdown answered %v", got)
+	}
+	if publishedAt(t, pool, ids[0].String()) == nil {
+		t.Fatal("the event acked during the shutdown is not published")
+	}
+	streamEnds(t, st, codes.Unavailable, "takes no more acks")
+}
+
 // The AckStream of a token the authenticator revokes ends (UNAUTHENTICATED)
 // at once, as its Subscribe streams do, although the relay keeps it open:
 // a long-lived stream must not keep acking with a token that is gone.
@@ -160,4 +199,48 @@ func TestAckStreamOfARevokedTokenEnds(t *testing.T) {
 		t.Fatal(err)
 	}
 	streamEnds(t, st, codes.Unauthenticated, "revoked")
+}
+
+// panickyAcks serves AckStream with an ack that panics.
+type panickyAcks struct {
+	outboxv1.UnimplementedRelayServiceServer
+}
+
+func (panickyAcks) AckStream(stream outboxv1.RelayService_AckStreamServer) error {
+	return server.ServeAckStream(stream, nil, func(context.Context, *outboxv1.AckRequest) (*outboxv1.AckResponse, error) {
+		panic("test panic in an ack")
+	})
+}
+
+// A panic while a request on an AckStream is answered (on the goroutine
+// ServeAckStream reads the stream with) reaches the server's recovery as
+// one in an Ack call does: the stream ends with INTERNAL, and the process
+// goes on (a panic left on that goroutine would end it).
+func TestAPanicInAnAckStreamReachesRecovery(t *testing.T) {
+	t.Parallel()
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	// As internal/app's recovery answers: INTERNAL.
+	recovered := recovery.WithRecoveryHandler(func(p any) error { return status.Errorf(codes.Internal, "%v", p) })
+	g := grpc.NewServer(grpc.ChainStreamInterceptor(recovery.StreamServerInterceptor(recovered)))
+	outboxv1.RegisterRelayServiceServer(g, panickyAcks{})
+	go func() { _ = g.Serve(lis) }()
+	t.Cleanup(g.Stop)
+	conn, err := grpc.NewClient(lis.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
+	defer cancel()
+	st, err := outboxv1.NewRelayServiceClient(conn).AckStream(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := st.Send(&outboxv1.AckStreamRequest{Acks: []*outboxv1.AckItem{{EventId: "x", LeaseToken: "y"}}}); err != nil {
+		t.Fatal(err)
+	}
+	streamEnds(t, st, codes.Internal, "test panic in an ack")
 }

@@ -238,7 +238,9 @@
 // Acks come by Ack calls or as requests on an AckStream, which a relay
 // keeps open so that acking one delivery at a time does not pay a call's
 // set-up each time; both reach the same code (relayService.Ack), request by
-// request.
+// request. The stream is served by internal/multisource's router
+// (ServeAckStream); a Server registered on its own (Register) answers it
+// UNIMPLEMENTED, and relays fall back to Ack calls.
 //
 // Subscribe opens a session with a credit (max_in_flight). The session loop
 // claims up to its free credit (outbox.claim: lock delivery rows FOR UPDATE
@@ -642,7 +644,7 @@
 // and says so; closing the connections (grpc.Server.Stop, which
 // internal/app's shutdown does next) fails that Send and the session
 // releases its leases. Acks keep landing while Stop waits, by Ack calls or
-// on AckStream streams; those streams end (UNAVAILABLE) when Stop returns
-// (ServeAckStream), as internal/app's router's do before its graceful stop,
-// which would otherwise wait for relays to close them.
+// on AckStream streams; internal/app ends those streams (UNAVAILABLE, see
+// ServeAckStream) once every engine's Stop has returned, before its
+// graceful stop, which would otherwise wait for relays to close them.
 package server

@@ -246,12 +246,6 @@ func (r *relayService) Ack(ctx context.Context, req *outboxv1.AckRequest) (*outb
 	return &outboxv1.AckResponse{Results: results}, nil
 }
 
-// AckStream answers each request as Ack would, until Stop has returned
-// (see ServeAckStream).
-func (r *relayService) AckStream(stream outboxv1.RelayService_AckStreamServer) error {
-	return ServeAckStream(stream, r.s.acksEnded, r.Ack)
-}
-
 // ServeAckStream serves one AckStream: it answers each request with ack (an
 // Ack of the same items), in order, until the relay closes its side (nil),
 // the stream fails, ack refuses a request as a whole (its status ends the
@@ -262,7 +256,8 @@ func (r *relayService) AckStream(stream outboxv1.RelayService_AckStreamServer) e
 //
 // Requests are read and answered on a goroutine of their own: only the
 // handler's return ends a gRPC stream, and it must be able to return while
-// that goroutine waits in Recv. No answer is sent once it has returned
+// that goroutine waits in Recv. A panic there is raised again on the
+// handler's goroutine. No answer is sent once it has returned
 // (gRPC forbids it): a send and the return are fenced by a mutex, so a
 // send held up by a relay that reads nothing holds up the return too, until
 // the connection closes.
@@ -272,7 +267,13 @@ func ServeAckStream(stream outboxv1.RelayService_AckStreamServer, end <-chan str
 	var mu sync.Mutex
 	returned := false
 	answered := make(chan error, 1)
+	panicked := make(chan any, 1)
 	go func() {
+		defer func() {
+			if p := recover(); p != nil {
+				panicked <- p
+			}
+		}()
 		for {
 			req, err := stream.Recv()
 			if err != nil {
@@ -304,6 +305,10 @@ func ServeAckStream(stream outboxv1.RelayService_AckStreamServer, end <-chan str
 	select {
 	case err = <-answered:
 		return err
+	case p := <-panicked:
+		// Again on the handler's goroutine, where the server's recovery
+		// turns it into INTERNAL (counted and logged), as for an Ack call.
+		panic(p)
 	case <-ctx.Done():
 		err = status.FromContextError(ctx.Err()).Err()
 	case <-end:

@@ -333,13 +333,8 @@ type Server struct {
 	mu       sync.Mutex
 	sessions map[uuid.UUID]*session
 	stopping chan struct{} // closed when the server stops taking work
-	// acksEnded is closed when Stop returns: AckStream streams end then
-	// (ServeAckStream), so that a graceful stop of the gRPC server does not
-	// wait for relays to close them.
-	acksEnded   chan struct{}
-	endAcksOnce sync.Once
-	stopOnce    sync.Once
-	sessWG      sync.WaitGroup
+	stopOnce sync.Once
+	sessWG   sync.WaitGroup
 	// leaseGate is held shared by every statement that can lease an event
 	// (a session's claim, a discovery round that dispatches, an ack batch
 	// that hands over), from its check of stopping until the statement has
@@ -585,7 +580,6 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 		ownershipKick: make(chan struct{}, 1),
 		instance:      uuid.New(),
 		stopping:      make(chan struct{}),
-		acksEnded:     make(chan struct{}),
 		metrics:       newMetrics(),
 	}
 	s.quietInterval.Store(int64(cfg.DiscoveryQuietInterval))
@@ -652,7 +646,7 @@ const abortGrace = time.Second
 // waits up to ctx's deadline for their outstanding deliveries to be acked
 // or nacked, then aborts the streams that still hold deliveries (their
 // leases are released as each stream ends). Acks keep being applied while
-// Stop waits; AckStream streams end when it returns. Subscribe streams opened from now on are refused with
+// Stop waits. Subscribe streams opened from now on are refused with
 // UNAVAILABLE.
 //
 // Stop returns by ctx's deadline plus abortGrace. It returns an error when
@@ -660,7 +654,6 @@ const abortGrace = time.Second
 // relay that stopped reading. Such a session ends, and releases its leases,
 // only when its connection closes: call the gRPC server's Stop, then Wait.
 func (s *Server) Stop(ctx context.Context) error {
-	defer s.endAcksOnce.Do(func() { close(s.acksEnded) })
 	// Closed only once no leasing statement is under way: one that checked
 	// stopping before it closed could otherwise lease an event committed
 	// after it closed (see leaseGate). Such statements are bounded
