@@ -164,6 +164,14 @@ func TestWaitingAgainDoesNotPostponeTheGroupsPoll(t *testing.T) {
 // credit freed that no ack's claim hint speaks for: the session claims with
 // it at once, rather than waiting for a wake-up or its group's poll. Polls
 // are off here, so only the loop's own decision can make it claim.
+//
+// The lease takes all of the session's credit (MaxInFlight 1): from its
+// claim of 'a' until the reconcile, no wake-up can make it claim again.
+// With credit to spare, the wake-ups the replica's start leaves (the
+// discovery round's, its NOTIFY heard back, kept for the next member to
+// wait while the session was claiming) made it claim once or twice after
+// its first claim, and a claim after the UPDATE below leased 'a' again:
+// the reconcile then found it held, and nothing was found gone.
 func TestALeaseTheReconcileFindsGoneIsClaimedWithAtOnce(t *testing.T) {
 	t.Parallel()
 	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
@@ -177,7 +185,7 @@ func TestALeaseTheReconcileFindsGoneIsClaimedWithAtOnce(t *testing.T) {
 	r.Server.SetNoPolls()
 	decisions := make(chan bool, 16)
 	r.Server.SetAfterFreed(func(_ uuid.UUID, claim bool, _ time.Time) { decisions <- claim })
-	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 2, LeaseTtl: durationpb.New(time.Hour)})
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 1, LeaseTtl: durationpb.New(time.Hour)})
 	if d := recv(t, st); d.GetEvent().GetAggregateKey() != "a" || d.GetAttempt() != 1 {
 		t.Fatalf("first delivery: %s attempt %d", d.GetEvent().GetAggregateKey(), d.GetAttempt())
 	}
