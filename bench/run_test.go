@@ -194,6 +194,7 @@ func TestRunCancelledCleansUp(t *testing.T) {
 	if err == nil {
 		t.Fatal("an interrupted run reported success")
 	}
+	t.Logf("the interrupted run returned: %v", err) // (why, should a database be left)
 	assertNoScratchDatabases(t, rep)
 }
 

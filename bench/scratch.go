@@ -187,12 +187,21 @@ func (s *scratch) clone(ctx context.Context, arm string) (name, dbURL string, er
 	return name, dbURL, err
 }
 
+// create creates database name (from template, unless empty) and records
+// it for close. The statement runs to its end even when ctx ends meanwhile:
+// a CREATE DATABASE cancelled on the client may still complete on the
+// server, after close's DROP DATABASE IF EXISTS found nothing, and leave
+// the database behind (TestRunCancelledCleansUp caught it). ctx's end is
+// reported once the database is recorded.
 func (s *scratch) create(ctx context.Context, name, template string) error {
+	runCtx := ctx
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Minute)
+	defer cancel()
 	conn, err := pgx.Connect(ctx, s.adminURL)
 	if err != nil {
 		return fmt.Errorf("bench: connect to %s: %w", redactURL(s.adminURL), err)
 	}
-	defer conn.Close(context.WithoutCancel(ctx))
+	defer conn.Close(ctx)
 	stmt := "CREATE DATABASE " + pgx.Identifier{name}.Sanitize()
 	if template != "" {
 		stmt += " TEMPLATE " + pgx.Identifier{template}.Sanitize()
@@ -213,7 +222,7 @@ func (s *scratch) create(ctx context.Context, name, template string) error {
 	s.mu.Lock()
 	s.created = append(s.created, name)
 	s.mu.Unlock()
-	return nil
+	return runCtx.Err()
 }
 
 // drop removes one database, ending any session still connected to it.
