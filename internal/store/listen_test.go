@@ -86,6 +86,18 @@ func (l *listener) expect(ctx context.Context, t *testing.T, payload, why string
 	}
 }
 
+// sleepableDatabase is a fresh database whose settings let a replica sleep
+// (producer_wakeups on), and a pool on it.
+func sleepableDatabase(t *testing.T, ctx context.Context) (string, *pgxpool.Pool) {
+	t.Helper()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	if _, err := pool.Exec(ctx, `UPDATE outbox.settings SET producer_wakeups = 'on'`); err != nil {
+		t.Fatal(err)
+	}
+	return url, pool
+}
+
 // sendReportingNil sends an op that reports whether it was given no
 // connection.
 func sendReportingNil(ctx context.Context, ops *store.ListenOps) <-chan bool {
@@ -133,11 +145,7 @@ func TestAListenOpInterruptsTheWait(t *testing.T) {
 	t.Parallel()
 	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
 	defer cancel()
-	url := testdb.New(t)
-	pool := testdb.NewPoolURL(t, url)
-	if _, err := pool.Exec(ctx, `UPDATE outbox.settings SET producer_wakeups = 'on'`); err != nil {
-		t.Fatal(err)
-	}
+	url, pool := sleepableDatabase(t, ctx)
 	var ops store.ListenOps
 	startListener(t, ctx, url, "listen-op-test", &ops)
 	type slept struct {
@@ -222,11 +230,7 @@ func TestListenOpsRunInTheOrderSent(t *testing.T) {
 	t.Parallel()
 	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
 	defer cancel()
-	url := testdb.New(t)
-	pool := testdb.NewPoolURL(t, url)
-	if _, err := pool.Exec(ctx, `UPDATE outbox.settings SET producer_wakeups = 'on'`); err != nil {
-		t.Fatal(err)
-	}
+	url, pool := sleepableDatabase(t, ctx)
 	var ops store.ListenOps
 	startListener(t, ctx, url, "listen-order-test", &ops)
 	release := holdListener(ctx, &ops)
