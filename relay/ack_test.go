@@ -93,6 +93,40 @@ func (s *faultyAckStream) RecvMsg(m any) error {
 	return nil
 }
 
+// forEachAckPath runs test once for each way a runner's ack requests
+// travel: as messages on an AckStream ("stream"), and as Ack calls
+// ("calls": the connection refuses AckStream as a server that predates it
+// does, so the runner falls back), with dial the options test's connection
+// is to be dialled with first. The batcher's promises (retries, splits,
+// giving up) hold on both; each subtest checks that its requests took its
+// path.
+func forEachAckPath(t *testing.T, test func(t *testing.T, dial []grpc.DialOption)) {
+	refuseStream := grpc.WithChainStreamInterceptor(func(ctx context.Context, desc *grpc.StreamDesc, cc *grpc.ClientConn, method string, streamer grpc.Streamer, opts ...grpc.CallOption) (grpc.ClientStream, error) {
+		if method == outboxv1.RelayService_AckStream_FullMethodName {
+			return nil, status.Error(codes.Unimplemented, "injected: unknown method AckStream for service outbox.v1.RelayService")
+		}
+		return streamer(ctx, desc, cc, method, opts...)
+	})
+	for _, calls := range []bool{false, true} {
+		name := "stream"
+		if calls {
+			name = "calls"
+		}
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			var rpcs ackRPCs
+			dial := rpcs.options()
+			if calls {
+				dial = append(dial, refuseStream)
+			}
+			test(t, dial)
+			if n := rpcs.calls.Load(); calls != (n > 0) {
+				t.Errorf("%d Ack calls on the %s path", n, name)
+			}
+		})
+	}
+}
+
 // poisonAcks fails every ack request that carries the poison event with
 // code, as a server does whose group commit cannot take one item; requests
 // without it reach the real server.
@@ -127,58 +161,64 @@ func TestRunnerSplitsAckBatchAroundBadItem(t *testing.T) {
 	for _, code := range []codes.Code{codes.Internal, codes.Unavailable} {
 		t.Run(code.String(), func(t *testing.T) {
 			t.Parallel()
-			e := newEnv(t, servertest.Options{})
-			const n = 16
-			var ids []string
-			for i := range n {
-				ids = append(ids, e.emit(t, "orders", fmt.Sprintf("k%02d", i)))
-			}
-			poison := &poisonAcks{poison: ids[n/2], code: code}
-			givenUp := make(chan int, n)
-			pub := newPublisher()
-			pub.block = make(chan struct{})
-			start(t, Config{
-				Conn: e.dial(t, poison.options()...), Publisher: pub,
-				MaxInFlight: n, AckMaxDelay: time.Hour, AckBatchSize: n, AckRetryTimeout: 200 * time.Millisecond,
-			}, hooks{ackGivenUp: func(k int) { givenUp <- k }})
-			openAtEnd(t, pub.block)
-			// Hold every publish until all have started, so that their acks
-			// travel in one batch of n (AckMaxDelay waits for a full batch).
-			for range n {
-				waitSignal(t, "publishes to start", pub.started)
-			}
-			close(pub.block)
-
-			var others []string
-			for _, id := range ids {
-				if id != poison.poison {
-					others = append(others, id)
-				}
-			}
-			e.waitPublished(t, others...)
-			if k := waitSignal(t, "the bad ack to be given up", givenUp); k != 1 {
-				t.Fatalf("%d acks given up together, want the bad one alone", k)
-			}
-			if e.published(t, poison.poison) {
-				t.Fatal("the event whose ack failed is marked published")
-			}
-			poison.mu.Lock()
-			defer poison.mu.Unlock()
-			if poison.sizes[0] != n {
-				t.Fatalf("first request carrying the bad ack had %d items, want one batch of %d", poison.sizes[0], n)
-			}
-			// Halving from 16 reaches the bad item alone in 4 splits.
-			for _, want := range []int{8, 4, 2, 1} {
-				if !containsInt(poison.sizes, want) {
-					t.Errorf("no request of %d items carried the bad ack (requests: %v)", want, poison.sizes)
-				}
-			}
-			select {
-			case k := <-givenUp:
-				t.Fatalf("%d more acks given up", k)
-			default:
-			}
+			forEachAckPath(t, func(t *testing.T, dial []grpc.DialOption) {
+				testSplitAroundBadItem(t, code, dial)
+			})
 		})
+	}
+}
+
+func testSplitAroundBadItem(t *testing.T, code codes.Code, dial []grpc.DialOption) {
+	e := newEnv(t, servertest.Options{})
+	const n = 16
+	var ids []string
+	for i := range n {
+		ids = append(ids, e.emit(t, "orders", fmt.Sprintf("k%02d", i)))
+	}
+	poison := &poisonAcks{poison: ids[n/2], code: code}
+	givenUp := make(chan int, n)
+	pub := newPublisher()
+	pub.block = make(chan struct{})
+	start(t, Config{
+		Conn: e.dial(t, append(dial, poison.options()...)...), Publisher: pub,
+		MaxInFlight: n, AckMaxDelay: time.Hour, AckBatchSize: n, AckRetryTimeout: 200 * time.Millisecond,
+	}, hooks{ackGivenUp: func(k int) { givenUp <- k }})
+	openAtEnd(t, pub.block)
+	// Hold every publish until all have started, so that their acks
+	// travel in one batch of n (AckMaxDelay waits for a full batch).
+	for range n {
+		waitSignal(t, "publishes to start", pub.started)
+	}
+	close(pub.block)
+
+	var others []string
+	for _, id := range ids {
+		if id != poison.poison {
+			others = append(others, id)
+		}
+	}
+	e.waitPublished(t, others...)
+	if k := waitSignal(t, "the bad ack to be given up", givenUp); k != 1 {
+		t.Fatalf("%d acks given up together, want the bad one alone", k)
+	}
+	if e.published(t, poison.poison) {
+		t.Fatal("the event whose ack failed is marked published")
+	}
+	poison.mu.Lock()
+	defer poison.mu.Unlock()
+	if poison.sizes[0] != n {
+		t.Fatalf("first request carrying the bad ack had %d items, want one batch of %d", poison.sizes[0], n)
+	}
+	// Halving from 16 reaches the bad item alone in 4 splits.
+	for _, want := range []int{8, 4, 2, 1} {
+		if !containsInt(poison.sizes, want) {
+			t.Errorf("no request of %d items carried the bad ack (requests: %v)", want, poison.sizes)
+		}
+	}
+	select {
+	case k := <-givenUp:
+		t.Fatalf("%d more acks given up", k)
+	default:
 	}
 }
 
@@ -197,6 +237,10 @@ func containsInt(s []int, v int) bool {
 // events' leases stay held until they expire).
 func TestRunnerGivesUpAckBatchWhenServerIsDown(t *testing.T) {
 	t.Parallel()
+	forEachAckPath(t, testGivesUpWhenServerIsDown)
+}
+
+func testGivesUpWhenServerIsDown(t *testing.T, dial []grpc.DialOption) {
 	e := newEnv(t, servertest.Options{})
 	const n = 16
 	var ids []string
@@ -215,7 +259,7 @@ func TestRunnerGivesUpAckBatchWhenServerIsDown(t *testing.T) {
 	pub := newPublisher()
 	pub.block = make(chan struct{})
 	start(t, Config{
-		Conn: e.dial(t, down...), Publisher: pub,
+		Conn: e.dial(t, append(dial, down...)...), Publisher: pub,
 		MaxInFlight: n, AckMaxDelay: time.Hour, AckBatchSize: n, AckRetryTimeout: 200 * time.Millisecond,
 	}, hooks{ackGivenUp: func(k int) { givenUp <- k }})
 	openAtEnd(t, pub.block)
@@ -251,6 +295,10 @@ func TestRunnerGivesUpAckBatchWhenServerIsDown(t *testing.T) {
 // it; the retry reaches the real server.
 func TestRunnerResendsAckTheServerAsksAgain(t *testing.T) {
 	t.Parallel()
+	forEachAckPath(t, testResendsAckTheServerAsksAgain)
+}
+
+func testResendsAckTheServerAsksAgain(t *testing.T, dial []grpc.DialOption) {
 	e := newEnv(t, servertest.Options{})
 	target := e.emit(t, "orders", "a")
 	other := e.emit(t, "orders", "b")
@@ -281,7 +329,7 @@ func TestRunnerResendsAckTheServerAsksAgain(t *testing.T) {
 		return res, nil
 	})
 	givenUp := make(chan int, 10)
-	start(t, Config{Conn: e.dial(t, retryOnce...), Publisher: newPublisher(), LeaseTTL: time.Hour},
+	start(t, Config{Conn: e.dial(t, append(dial, retryOnce...)...), Publisher: newPublisher(), LeaseTTL: time.Hour},
 		hooks{ackGivenUp: func(k int) { givenUp <- k }})
 	// With an hour-long lease, only a resent ack can publish it in time.
 	e.waitPublished(t, target, other)
