@@ -176,20 +176,7 @@ func testSplitAroundBadItem(t *testing.T, code codes.Code, dial []grpc.DialOptio
 		ids = append(ids, e.emit(t, "orders", fmt.Sprintf("k%02d", i)))
 	}
 	poison := &poisonAcks{poison: ids[n/2], code: code}
-	givenUp := make(chan int, n)
-	pub := newPublisher()
-	pub.block = make(chan struct{})
-	start(t, Config{
-		Conn: e.dial(t, append(dial, poison.options()...)...), Publisher: pub,
-		MaxInFlight: n, AckMaxDelay: time.Hour, AckBatchSize: n, AckRetryTimeout: 200 * time.Millisecond,
-	}, hooks{ackGivenUp: func(k int) { givenUp <- k }})
-	openAtEnd(t, pub.block)
-	// Hold every publish until all have started, so that their acks
-	// travel in one batch of n (AckMaxDelay waits for a full batch).
-	for range n {
-		waitSignal(t, "publishes to start", pub.started)
-	}
-	close(pub.block)
+	givenUp := startWithOneAckBatch(t, e.dial(t, append(dial, poison.options()...)...), n)
 
 	var others []string
 	for _, id := range ids {
@@ -220,6 +207,28 @@ func testSplitAroundBadItem(t *testing.T, code codes.Code, dial []grpc.DialOptio
 		t.Fatalf("%d more acks given up", k)
 	default:
 	}
+}
+
+// startWithOneAckBatch starts a runner over conn whose n deliveries' acks
+// travel in one batch of n (every publish is held until all have started,
+// and AckMaxDelay waits for a full batch) and whose failed batches are
+// retried for 200 ms. The channel it returns gets the size of every group
+// of acks the runner gives up.
+func startWithOneAckBatch(t *testing.T, conn *grpc.ClientConn, n int) <-chan int {
+	t.Helper()
+	givenUp := make(chan int, n)
+	pub := newPublisher()
+	pub.block = make(chan struct{})
+	start(t, Config{
+		Conn: conn, Publisher: pub,
+		MaxInFlight: n, AckMaxDelay: time.Hour, AckBatchSize: n, AckRetryTimeout: 200 * time.Millisecond,
+	}, hooks{ackGivenUp: func(k int) { givenUp <- k }})
+	openAtEnd(t, pub.block)
+	for range n {
+		waitSignal(t, "publishes to start", pub.started)
+	}
+	close(pub.block)
+	return givenUp
 }
 
 func containsInt(s []int, v int) bool {
@@ -255,18 +264,7 @@ func testGivesUpWhenServerIsDown(t *testing.T, dial []grpc.DialOption) {
 		mu.Unlock()
 		return nil, status.Error(codes.Unavailable, "injected: connection refused")
 	})
-	givenUp := make(chan int, n)
-	pub := newPublisher()
-	pub.block = make(chan struct{})
-	start(t, Config{
-		Conn: e.dial(t, append(dial, down...)...), Publisher: pub,
-		MaxInFlight: n, AckMaxDelay: time.Hour, AckBatchSize: n, AckRetryTimeout: 200 * time.Millisecond,
-	}, hooks{ackGivenUp: func(k int) { givenUp <- k }})
-	openAtEnd(t, pub.block)
-	for range n {
-		waitSignal(t, "publishes to start", pub.started)
-	}
-	close(pub.block)
+	givenUp := startWithOneAckBatch(t, e.dial(t, append(dial, down...)...), n)
 	if k := waitSignal(t, "the batch to be given up", givenUp); k != n {
 		t.Fatalf("%d acks given up, want the whole batch of %d at once", k, n)
 	}
