@@ -1,7 +1,6 @@
 package relay
 
 import (
-	"cmp"
 	"context"
 	"errors"
 	"io"
@@ -223,7 +222,10 @@ func (b *ackBatcher) call(items []*outboxv1.AckItem) (*outboxv1.AckResponse, err
 
 // callTimeout bounds one ack request.
 func (b *ackBatcher) callTimeout() time.Duration {
-	return cmp.Or(b.r.hooks.ackCallTimeout, ackCallTimeout)
+	if h := b.r.hooks.ackCallTimeout; h != nil {
+		return h()
+	}
+	return ackCallTimeout
 }
 
 // callStream sends items on the AckStream, opening one if none is open,

@@ -410,6 +410,20 @@ func TestRunnerAcksByCallsWhenTheServerPredatesAckStream(t *testing.T) {
 	}
 }
 
+// firstShort is an ack request's timeout for the two tests of a request
+// that gets no answer: 200 ms for the relay's first request (the one that
+// gets none), then bound, so that the retry's answer counts however loaded
+// the machine is. With 200 ms for the retry too, a loaded machine's retry
+// timed out now and then, and a third stream opened.
+type firstShort struct{ calls atomic.Int32 }
+
+func (f *firstShort) get() time.Duration {
+	if f.calls.Add(1) == 1 {
+		return 200 * time.Millisecond
+	}
+	return bound
+}
+
 // A request the server never answers on the AckStream fails after the
 // call's timeout, as an Ack call would (DEADLINE_EXCEEDED, retried), and
 // its retry goes on a new stream: here the server's first ack stream takes
@@ -418,6 +432,7 @@ func TestRunnerAcksByCallsWhenTheServerPredatesAckStream(t *testing.T) {
 func TestAckStreamWithoutAnswerIsRetriedOnANewStream(t *testing.T) {
 	t.Parallel()
 	var streams atomic.Int32
+	var timeout firstShort
 	silent := grpc.ChainStreamInterceptor(func(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, handler grpc.StreamHandler) error {
 		if info.FullMethod != outboxv1.RelayService_AckStream_FullMethodName || streams.Add(1) > 1 {
 			return handler(srv, ss)
@@ -432,7 +447,7 @@ func TestAckStreamWithoutAnswerIsRetriedOnANewStream(t *testing.T) {
 	id := e.emit(t, "orders", "a")
 	givenUp := make(chan int, 10)
 	start(t, Config{Conn: e.dial(t), Publisher: newPublisher(), LeaseTTL: time.Hour, AckRetryTimeout: time.Minute},
-		hooks{ackGivenUp: func(k int) { givenUp <- k }, ackCallTimeout: 200 * time.Millisecond})
+		hooks{ackGivenUp: func(k int) { givenUp <- k }, ackCallTimeout: timeout.get})
 	e.waitPublished(t, id)
 	if n := streams.Load(); n != 2 {
 		t.Fatalf("%d ack streams opened, want 2 (the silent one, then the retry's)", n)
@@ -453,6 +468,7 @@ func TestAckStreamOpenIsBoundedByTheTimeout(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, servertest.Options{})
 	var opens atomic.Int32
+	var timeout firstShort
 	hang := grpc.WithChainStreamInterceptor(func(ctx context.Context, desc *grpc.StreamDesc, cc *grpc.ClientConn, method string, streamer grpc.Streamer, opts ...grpc.CallOption) (grpc.ClientStream, error) {
 		if method == outboxv1.RelayService_AckStream_FullMethodName && opens.Add(1) == 1 {
 			<-ctx.Done()
@@ -463,7 +479,7 @@ func TestAckStreamOpenIsBoundedByTheTimeout(t *testing.T) {
 	id := e.emit(t, "orders", "a")
 	givenUp := make(chan int, 10)
 	start(t, Config{Conn: e.dial(t, hang), Publisher: newPublisher(), LeaseTTL: time.Hour, AckRetryTimeout: time.Minute},
-		hooks{ackGivenUp: func(k int) { givenUp <- k }, ackCallTimeout: 200 * time.Millisecond})
+		hooks{ackGivenUp: func(k int) { givenUp <- k }, ackCallTimeout: timeout.get})
 	e.waitPublished(t, id)
 	if n := opens.Load(); n != 2 {
 		t.Fatalf("%d ack streams opened, want 2 (the one that hung, then the retry's)", n)

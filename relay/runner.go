@@ -240,8 +240,9 @@ type hooks struct {
 	// line, and windowDropped for one dropped because an earlier event of
 	// its lease failed (see aggregateLines).
 	windowQueued, windowDropped func(eventID string)
-	// ackCallTimeout, when set, replaces ackCallTimeout.
-	ackCallTimeout time.Duration
+	// ackCallTimeout, when set, replaces ackCallTimeout: each request's
+	// timeout is what it returns as the request is sent.
+	ackCallTimeout func() time.Duration
 }
 
 // NewRunner validates cfg; the error names every field at fault.
