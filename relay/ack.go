@@ -245,12 +245,12 @@ func (b *ackBatcher) callStream(items []*outboxv1.AckItem) (*outboxv1.AckRespons
 		closeStream()
 	})
 	res, err := b.exchange(items)
-	if !timer.Stop() && err == nil {
-		// Answered just as the timer fired: the stream is cancelled.
+	if !timer.Stop() || err != nil {
+		// Failed, or answered just as the timer fired (which cancelled
+		// the stream): the next request opens another.
 		b.dropStream()
 	}
 	if err != nil {
-		b.dropStream()
 		if errors.Is(err, io.EOF) {
 			err = status.Error(codes.Unavailable, "the server ended the ack stream")
 		}
