@@ -28,6 +28,16 @@ func itemOf(d *outboxv1.SubscribeResponse) *outboxv1.AckItem {
 	return &outboxv1.AckItem{EventId: d.GetEvent().GetEventId(), LeaseToken: d.GetLeaseToken()}
 }
 
+// openAckStream opens an AckStream through client.
+func openAckStream(t *testing.T, ctx context.Context, client outboxv1.RelayServiceClient) outboxv1.RelayService_AckStreamClient {
+	t.Helper()
+	st, err := client.AckStream(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return st
+}
+
 // ackOn sends items as one request on st and returns the answer's statuses,
 // failing the test unless the answer names the items' events in order.
 func ackOn(t *testing.T, st outboxv1.RelayService_AckStreamClient, items ...*outboxv1.AckItem) []outboxv1.AckStatus {
@@ -76,10 +86,7 @@ func TestAckStreamAnswersEachRequestAsAck(t *testing.T) {
 	ids := append(emit(t, pool, "orders", "a", 1), emit(t, pool, "orders", "b", 1)...)
 	sub := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 2})
 	first, second := recv(t, sub), recv(t, sub)
-	st, err := r.Relay.AckStream(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
+	st := openAckStream(t, ctx, r.Relay)
 	// The second event's id with the first one's token: forged.
 	forged := &outboxv1.AckItem{EventId: second.GetEvent().GetEventId(), LeaseToken: first.GetLeaseToken()}
 	got := ackOn(t, st, itemOf(first), forged)
@@ -118,10 +125,7 @@ func TestAckStreamTakesAcksWhileTheReplicaStops(t *testing.T) {
 	ids := emit(t, pool, "orders", "a", 1)
 	sub := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 1})
 	d := recv(t, sub)
-	st, err := r.Relay.AckStream(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
+	st := openAckStream(t, ctx, r.Relay)
 	go r.Close()
 	health := healthpb.NewHealthClient(r.Conn)
 	waitFor(t, func() int32 {
@@ -162,10 +166,7 @@ func TestAckStreamOfARevokedTokenEnds(t *testing.T) {
 		t.Fatal(err)
 	}
 	d := recv(t, sub)
-	st, err := relay.AckStream(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
+	st := openAckStream(t, ctx, relay)
 	if got := ackOn(t, st, itemOf(d)); got[0] != outboxv1.AckStatus_ACK_STATUS_PUBLISHED {
 		t.Fatalf("ack answered %v", got)
 	}
@@ -212,10 +213,7 @@ func TestAPanicInAnAckStreamReachesRecovery(t *testing.T) {
 	t.Cleanup(func() { conn.Close() })
 	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
 	defer cancel()
-	st, err := outboxv1.NewRelayServiceClient(conn).AckStream(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
+	st := openAckStream(t, ctx, outboxv1.NewRelayServiceClient(conn))
 	if err := st.Send(&outboxv1.AckStreamRequest{Acks: []*outboxv1.AckItem{{EventId: "x", LeaseToken: "y"}}}); err != nil {
 		t.Fatal(err)
 	}
