@@ -229,7 +229,9 @@ func TestAQuietLoopsProbesCoverThePollsUntilTheNextCheck(t *testing.T) {
 	t.Parallel()
 	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
 	defer cancel()
-	r := startReplica(t, testdb.New(t), func(c *server.Config) {
+	// A loop that cannot sleep, as in the test above (asleep, its checks and
+	// their probes are a second apart: TestASleepingLoopsProbeCoversItsPolls).
+	r := startReplica(t, pollingDatabase(t), func(c *server.Config) {
 		c.PollInterval = 200 * time.Millisecond
 		c.DiscoveryIdleInterval = 5 * time.Millisecond
 		c.DiscoveryQuietAfter = 100 * time.Millisecond
