@@ -228,6 +228,15 @@ func (b *ackBatcher) callTimeout() time.Duration {
 	return ackCallTimeout
 }
 
+// startTimer runs f after d, as time.AfterFunc does, and returns the
+// timer's Stop.
+func (b *ackBatcher) startTimer(d time.Duration, f func()) (stop func() bool) {
+	if h := b.r.hooks.ackTimer; h != nil {
+		return h(d, f)
+	}
+	return time.AfterFunc(d, f).Stop
+}
+
 // callStream sends items on the AckStream, opening one if none is open,
 // and waits for the answer. Any failure ends the stream (the next request
 // opens another); an answer that does not come within the call's timeout,
@@ -240,12 +249,12 @@ func (b *ackBatcher) callStream(items []*outboxv1.AckItem) (*outboxv1.AckRespons
 	// (The timer keeps its own copy: dropStream clears the field.)
 	closeStream, timeout := b.closeStream, b.callTimeout()
 	var late atomic.Bool
-	timer := time.AfterFunc(timeout, func() {
+	stopTimer := b.startTimer(timeout, func() {
 		late.Store(true)
 		closeStream()
 	})
 	res, err := b.exchange(items)
-	if !timer.Stop() || err != nil {
+	if !stopTimer() || err != nil {
 		// Failed, or answered just as the timer fired (which cancelled
 		// the stream): the next request opens another.
 		b.dropStream()

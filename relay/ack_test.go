@@ -487,3 +487,41 @@ func TestAckStreamOpenIsBoundedByTheTimeout(t *testing.T) {
 	})
 	publishAfterOneFailedStream(t, e, e.dial(t, hang), &opens, "the one that hung")
 }
+
+// An answer that comes as its request's timer fires counts, and the timer,
+// which cancelled the stream as it fired, has ended that stream for good:
+// the next request goes on a new stream at once instead of failing first
+// on the cancelled one (a CANCELED error, retried 50 ms later). Here the
+// first request's timer fires just before it is stopped, after the answer.
+func TestAckStreamAnsweredAsItsTimerFiredIsNotUsedAgain(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, servertest.Options{})
+	var rpcs ackRPCs
+	var requests, failed atomic.Int32
+	count := withAckFault(func(r *outboxv1.AckRequest, send func(*outboxv1.AckRequest) (*outboxv1.AckResponse, error)) (*outboxv1.AckResponse, error) {
+		requests.Add(1)
+		res, err := send(r)
+		if err != nil {
+			failed.Add(1)
+		}
+		return res, err
+	})
+	var timers atomic.Int32
+	firesAtStop := func(d time.Duration, f func()) func() bool {
+		if timers.Add(1) > 1 {
+			return time.AfterFunc(d, f).Stop
+		}
+		return func() bool {
+			f()
+			return false
+		}
+	}
+	ids := []string{e.emit(t, "orders", "a"), e.emit(t, "orders", "b")}
+	start(t, Config{Conn: e.dial(t, append(rpcs.options(), count...)...), Publisher: newPublisher(), MaxInFlight: 1,
+		LeaseTTL: time.Hour}, hooks{ackTimer: firesAtStop})
+	e.waitPublished(t, ids...)
+	if f, n, s := failed.Load(), requests.Load(), rpcs.streams.Load(); f != 0 || n != 2 || s != 2 {
+		t.Fatalf("%d of %d ack requests failed, on %d streams; want two requests, none failed, on two streams "+
+			"(the second opened for the request after the late answer)", f, n, s)
+	}
+}

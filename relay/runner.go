@@ -243,6 +243,9 @@ type hooks struct {
 	// ackCallTimeout, when set, replaces ackCallTimeout: each request's
 	// timeout is what it returns as the request is sent.
 	ackCallTimeout func() time.Duration
+	// ackTimer, when set, replaces time.AfterFunc for the timer of a
+	// request on the AckStream; it returns the timer's Stop.
+	ackTimer func(d time.Duration, f func()) (stop func() bool)
 }
 
 // NewRunner validates cfg; the error names every field at fault.
