@@ -226,6 +226,58 @@ func TestTokenOfAnUnknownSource(t *testing.T) {
 	}
 }
 
+// A source configured but not served yet (its database did not answer
+// when serve started or reloaded: app.Replica.SetSourcePending) is refused
+// as unavailable for now, which relays retry, not as unknown: a Subscribe
+// for it is UNAVAILABLE, an Ack of its token RETRY (another replica may
+// serve it already), Nack and ExtendLease UNAVAILABLE. Once it is no longer
+// configured, it is unknown again.
+func TestAPendingSourceIsUnavailableNotUnknown(t *testing.T) {
+	t.Parallel()
+	r, _, _ := twoSources(t, servertest.Options{})
+	id := emit(t, r.Pools["orders"], "sales_order", "1")
+	d := recv(t, subscribe(t, r.Relay, "orders/sales_order"))
+	pendingToken := "shipping." + strings.TrimPrefix(d.GetLeaseToken(), "orders.")
+	r.App.SetSourcePending("shipping", "connection refused")
+
+	subscribeErr := func() error {
+		ctx, cancel := context.WithCancel(t.Context())
+		defer cancel()
+		st, err := r.Relay.Subscribe(ctx, &outboxv1.SubscribeRequest{RelayId: "t", Streams: []string{"shipping/sales_order"}, MaxInFlight: 1})
+		if err == nil {
+			_, err = st.Recv()
+		}
+		return err
+	}
+	const pending = `source "shipping" is configured on this server but not served yet`
+	if err := subscribeErr(); status.Code(err) != codes.Unavailable || !strings.Contains(err.Error(), pending) {
+		t.Errorf("Subscribe to pending shipping: %v; want UNAVAILABLE saying it is not served yet", err)
+	}
+	res, err := r.Relay.Ack(t.Context(), &outboxv1.AckRequest{Acks: []*outboxv1.AckItem{{EventId: id, LeaseToken: pendingToken}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := res.GetResults()[0]; got.GetStatus() != outboxv1.AckStatus_ACK_STATUS_RETRY || !strings.Contains(got.GetMessage(), pending) {
+		t.Errorf("Ack with a token of pending shipping: %v %q; want RETRY saying it is not served yet", got.GetStatus(), got.GetMessage())
+	}
+	_, err = r.Relay.Nack(t.Context(), &outboxv1.NackRequest{EventId: id, LeaseToken: pendingToken, Error: "x"})
+	if status.Code(err) != codes.Unavailable || !strings.Contains(err.Error(), pending) {
+		t.Errorf("Nack with a token of pending shipping: %v; want UNAVAILABLE", err)
+	}
+	_, err = r.Relay.ExtendLease(t.Context(), &outboxv1.ExtendLeaseRequest{EventId: id, LeaseToken: pendingToken, Ttl: durationpb.New(time.Minute)})
+	if status.Code(err) != codes.Unavailable {
+		t.Errorf("ExtendLease with a token of pending shipping: %v; want UNAVAILABLE", err)
+	}
+	if published(t, r.Pools["orders"], id) {
+		t.Error("an ack with a token of a pending source published the event")
+	}
+
+	r.App.ClearSourcePending("shipping")
+	if err := subscribeErr(); status.Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), `no source named "shipping"`) {
+		t.Errorf("Subscribe to shipping, no longer configured: %v; want INVALID_ARGUMENT naming no such source", err)
+	}
+}
+
 // dbName is the database name of a test database URL.
 func dbName(url string) string {
 	name := url[strings.LastIndex(url, "/")+1:]

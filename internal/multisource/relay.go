@@ -185,6 +185,13 @@ func (rr *relayRouter) Ack(ctx context.Context, req *outboxv1.AckRequest) (*outb
 		p := parts[src]
 		if p == nil {
 			e := rt.engines[src]
+			if _, pending := rt.pending[src]; e == nil && pending {
+				// Served by the replica that leased it; this one may
+				// serve it soon, and another replica now.
+				results[i] = &outboxv1.AckResult{EventId: it.GetEventId(), Status: outboxv1.AckStatus_ACK_STATUS_RETRY,
+					Message: "lease_token: " + pendingMessage(src)}
+				continue
+			}
 			if e == nil {
 				results[i] = &outboxv1.AckResult{EventId: it.GetEventId(), Status: outboxv1.AckStatus_ACK_STATUS_INVALID,
 					Message: rt.unknownTokenSource(src)}
@@ -260,6 +267,9 @@ func (rr *relayRouter) leaseCall(ctx context.Context, token string) (*Engine, co
 	src, inner := unwrapToken(token)
 	rt := rr.r.routes()
 	e := rt.engines[src]
+	if _, pending := rt.pending[src]; e == nil && pending {
+		return nil, nil, "", status.Error(codes.Unavailable, "lease_token: "+pendingMessage(src))
+	}
 	if e == nil {
 		return nil, nil, "", status.Error(codes.FailedPrecondition, rt.unknownTokenSource(src))
 	}

@@ -230,6 +230,9 @@ func (rt *routes) engine(ctx context.Context, source, what string) (*Engine, err
 	if rt.removed[source] {
 		return nil, removedError(source, what, servedTo(ctx, rt.names))
 	}
+	if _, ok := rt.pending[source]; ok {
+		return nil, status.Error(codes.Unavailable, what+": "+pendingMessage(source))
+	}
 	return nil, invalid(what, "no source named %.40q; this server serves %s", source, servedTo(ctx, rt.names))
 }
 
@@ -272,6 +275,14 @@ func (rt *routes) live() []string {
 func removedError(source, what, served string) error {
 	return status.Errorf(codes.NotFound, "%s: source %.40q was removed from this server's configuration; it serves %s",
 		what, source, served)
+}
+
+// pendingMessage says why a source that is configured but not added yet
+// (its database did not answer; see Router.SetPending) is refused: for
+// now, so the caller retries. Why it was not added is for the operator
+// (readiness), not for callers.
+func pendingMessage(source string) string {
+	return fmt.Sprintf("source %.40q is configured on this server but not served yet (its database does not answer, or is not migrated); retry later", source)
 }
 
 // removedMessage says why a lease token of a removed source is refused.
