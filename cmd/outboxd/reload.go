@@ -26,13 +26,17 @@ import (
 // the ones gone, and removes then adds again one whose URL changed; the
 // engines of the others are not touched. A list that does not parse (or a
 // file that no longer does: unknown key, password) changes nothing.
+//
+// The same sourceSet, with no file to reread, serves the sources given by
+// --source or $OUTBOXD_SOURCE that did not answer when serve started: it
+// adds each once it answers, and nothing removes them.
 
 // sourceConnectTimeout bounds one attempt at opening a source (dial, ping,
 // schema check), so that an unreachable host holds up no reload for long.
 const sourceConnectTimeout = 10 * time.Second
 
 // reloadableSource is a source of the --config file's list, served or
-// still being connected.
+// still being connected, or one given by flag still being connected.
 type reloadableSource struct {
 	src source
 	// cancel ends its connect loop; done is closed when the loop has
@@ -43,7 +47,7 @@ type reloadableSource struct {
 }
 
 // sourceSet keeps the replica's reloadable sources in line with the
-// --config file.
+// --config file, and connects the sources that did not answer at startup.
 type sourceSet struct {
 	rep      *app.Replica
 	log      *slog.Logger
@@ -53,7 +57,8 @@ type sourceSet struct {
 	drain    time.Duration // a removed source's streams have this long to ack what they hold
 	path     string        // the --config file
 	// reread returns the file's `source:` list, or an error when the file
-	// does not parse or check.
+	// does not parse or check; nil when the sources came from flags (no
+	// reloads).
 	reread func() ([]string, error)
 	fixed  map[string]bool // sources given otherwise, never reloaded
 	// reloads counts reloads by result; OnReload (tests) sees each.

@@ -194,7 +194,9 @@ the other sources' relays and leases are not touched. A list that does not parse
 changes nothing (logged, counted in outboxd_source_reloads_total{result="error"});
 a listed source that does not answer is retried and named by /readyz meanwhile.
 Sources given by --source or $OUTBOXD_SOURCE (which win over the file) and
---database-url are fixed until a restart, as is every other setting. SIGHUP also
+--database-url are fixed until a restart, as is every other setting; one of
+--source or $OUTBOXD_SOURCE that does not answer at startup is retried in the
+same way (--database-url must answer). SIGHUP also
 rereads the token file (--token-file).`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
@@ -324,49 +326,57 @@ func runServer(ctx context.Context, sources []source, f *serveFlags, log *slog.L
 	base := f.engineConfig()
 	base.Logger, base.Registerer = log, reg
 	// One engine per source, each with its own pool of --max-db-conns.
-	// Sources of the --config file's list are reloadable: one that does
-	// not answer now is added when it does (see sourceSet).
+	// A source other than default that does not answer now (its database
+	// down, or not migrated yet) is served once it does, whether it came
+	// from the --config file's list (which reloads change too) or from
+	// --source and $OUTBOXD_SOURCE (fixed until a restart; see sourceSet):
+	// one database down while serve restarts holds up none of the others.
+	// default must answer, as must at least one source, and a URL must
+	// parse.
 	defaultCfg := base
 	var named []app.Source
-	var fileSources []source
+	fromFile := f.rereadSources != nil
+	var fileSources, later []source
 	opened := map[string]*sourcePool{}
 	var firstErr error
 	for _, src := range sources {
-		reloadable := f.rereadSources != nil && src.name != multisource.Default
-		if reloadable {
-			fileSources = append(fileSources, src)
-		}
-		openCtx, cancel := ctx, context.CancelFunc(func() {})
-		if reloadable {
-			openCtx, cancel = context.WithTimeout(ctx, sourceConnectTimeout)
-		}
-		pool, err := openSource(openCtx, src, sources, f.maxConns)
-		cancel()
-		if err != nil && reloadable {
-			log.Warn("source not reachable at startup; serving the others and retrying it", "source", src.name, "err", err)
-			firstErr = cmp.Or(firstErr, err)
+		if src.name == multisource.Default {
+			pool, err := openSource(ctx, src, sources, f.maxConns)
+			if err != nil {
+				return err
+			}
+			poolMetrics.add(src.name, pool)
+			defer pool.Close()
+			defaultCfg.Store, defaultCfg.DatabaseURL = store.New(pool.Pool), withoutPoolParams(src.url)
 			continue
 		}
-		if err != nil {
+		if fromFile {
+			fileSources = append(fileSources, src)
+		} else if _, err := src.poolConfig(sources); err != nil {
 			return err
 		}
+		openCtx, cancel := context.WithTimeout(ctx, sourceConnectTimeout)
+		pool, err := openSource(openCtx, src, sources, f.maxConns)
+		cancel()
+		if err != nil {
+			log.Warn("source not reachable at startup; serving the others and retrying it", "source", src.name, "err", err)
+			firstErr = cmp.Or(firstErr, err)
+			later = append(later, src)
+			continue
+		}
 		poolMetrics.add(src.name, pool)
-		if reloadable {
+		if fromFile {
 			opened[src.name] = pool // closed by the sourceSet
 		} else {
 			defer pool.Close()
 		}
-		if src.name == multisource.Default {
-			defaultCfg.Store, defaultCfg.DatabaseURL = store.New(pool.Pool), withoutPoolParams(src.url)
-			continue
-		}
 		named = append(named, app.Source{Name: src.name, Server: namedSourceConfig(base, src, pool)})
 	}
 	if defaultCfg.Store == nil && len(named) == 0 {
-		return firstErr // every source is of the file, and none answers
+		return firstErr // no source answers
 	}
 	var reloads *sourceSet
-	if f.rereadSources != nil {
+	if fromFile || len(later) > 0 {
 		reloads = &sourceSet{
 			log: log, base: base, maxConns: f.maxConns, interval: f.healthInterval, drain: f.shutdownTimeout,
 			path: f.sourcesFile, reread: f.rereadSources, fixed: map[string]bool{},
@@ -380,6 +390,13 @@ func runServer(ctx context.Context, sources []source, f *serveFlags, log *slog.L
 				pool.Close() // unless the sourceSet took them over and closed them
 			}
 		}()
+	}
+	// What the sourceSet connects: the file's whole list (the sources
+	// opened now it takes over), or the sources given by flag that did
+	// not answer.
+	retried := later
+	if fromFile {
+		retried = fileSources
 	}
 
 	creds, authn, err := f.security(log)
@@ -403,7 +420,7 @@ func runServer(ctx context.Context, sources []source, f *serveFlags, log *slog.L
 	poolMetrics.setReplica(rep) // and each pool follows its engine
 	if reloads != nil {
 		reloads.rep = rep
-		reloads.start(ctx, opened, fileSources)
+		reloads.start(ctx, opened, retried)
 		defer reloads.close()
 	}
 	lis, err := net.Listen("tcp", f.listen)
@@ -422,7 +439,7 @@ func runServer(ctx context.Context, sources []source, f *serveFlags, log *slog.L
 	// The replica shuts down when ctx is done: see app.Replica.Shutdown.
 	served := make(chan struct{})
 	eg.Go(func() error { defer close(served); return rep.Serve(ctx, lis) })
-	if reloads != nil {
+	if reloads != nil && fromFile {
 		eg.Go(func() error {
 			watchCtx, cancel := context.WithCancel(ctx)
 			defer cancel()

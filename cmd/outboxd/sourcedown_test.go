@@ -132,3 +132,74 @@ func TestSourceDownAndBack(t *testing.T) {
 	verifySink(t, jsA, streamA, 12*aggregates)
 	verifySink(t, jsB, streamB, 10*aggregates)
 }
+
+// A source given by --source whose PostgreSQL is down when serve starts
+// holds up none of the others: serve starts, /readyz is 200 and names it
+// degraded, and the default source delivers; once its PostgreSQL runs
+// again, serve adds it and delivers the events written into it before the
+// outage, to a relay that subscribed to it while it was down.
+func TestFlagSourceDownAtStartupIsServedOnceItAnswers(t *testing.T) {
+	if testing.Short() {
+		t.Skip("runs a PostgreSQL cluster of its own and processes")
+	}
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	defer cancel()
+	urlA := testdb.New(t)
+	poolA := testdb.NewPoolURL(t, urlA)
+	b, err := devdb.StartThrowaway(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = b.Close(context.Background()) })
+	if out, err := exec.Command(binary, "migrate", "--database-url", b.URL).CombinedOutput(); err != nil {
+		t.Fatalf("migrate b: %v\n%s", err, out)
+	}
+	poolB, err := pgxpool.New(ctx, b.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer poolB.Close()
+	const aggregates = 10
+	if err := emitRounds(poolB, 1, 3, aggregates); err != nil {
+		t.Fatal(err)
+	}
+	if err := b.StopServer(ctx); err != nil {
+		t.Fatal(err)
+	}
+
+	grpcAddr, httpAddr := freeAddr(t), freeAddr(t)
+	start(t, "serve", "--database-url", urlA, "--source", "b="+b.URL, "--listen", grpcAddr, "--http-listen", httpAddr,
+		"--health-interval", "200ms", "--log-level", "warn")
+	eventually(t, "/readyz 200 naming b degraded", func() bool {
+		code, body := httpGet("http://" + httpAddr + "/readyz")
+		return code == http.StatusOK && strings.Contains(body, "degraded: source b")
+	})
+	for _, streams := range []string{"orders", "b/orders"} {
+		start(t, "relay", "--server", grpcAddr, "--sink", "stdout://", "--streams", streams, "--log-level", "warn")
+	}
+	if err := emitRounds(poolA, 1, 3, aggregates); err != nil {
+		t.Fatal(err)
+	}
+	waitPublished(t, poolA, 3*aggregates)
+
+	if err := b.StartServer(ctx); err != nil {
+		t.Fatal(err)
+	}
+	waitPublished(t, poolB, 3*aggregates)
+	eventually(t, "/readyz without b degraded", func() bool {
+		code, body := httpGet("http://" + httpAddr + "/readyz")
+		return code == http.StatusOK && !strings.Contains(body, "degraded")
+	})
+}
+
+// A --source URL that does not parse is a mistake, not a database that is
+// down: serve stops at once naming the source, rather than retrying it.
+func TestServeRefusesASourceURLThatDoesNotParse(t *testing.T) {
+	t.Parallel()
+	code, out := runOutboxd(t, nil, "serve", "--database-url", testdb.New(t), "--source", "orders=postgres://127.0.0.1:notaport/x",
+		"--listen", freeAddr(t), "--http-listen", freeAddr(t))
+	if code != 1 || !strings.Contains(out, "--source orders") || !strings.Contains(out, "notaport") {
+		t.Errorf("serve with an unparsable --source URL: exit %d, %q; want 1 naming --source orders and the URL's fault", code, out)
+	}
+}

@@ -93,16 +93,26 @@ func (s source) label(all []source) string {
 	return "source " + s.name + ": "
 }
 
+// poolConfig parses the source's URL: an error says the URL is wrong, not
+// that its database does not answer.
+func (s source) poolConfig(all []source) (*pgxpool.Config, error) {
+	poolCfg, err := pgxpool.ParseConfig(s.url)
+	if err == nil {
+		return poolCfg, nil
+	}
+	if s.name == multisource.Default {
+		return nil, fmt.Errorf("%s--database-url: %w", s.label(all), err)
+	}
+	return nil, fmt.Errorf("%s--source %s: %w", s.label(all), s.name, err)
+}
+
 // openSource opens a source's pool of at most maxConns connections, and
 // checks that it answers and that its schema is current.
 func openSource(ctx context.Context, s source, all []source, maxConns int32) (*sourcePool, error) {
 	fail := func(err error) error { return fmt.Errorf("%s%w", s.label(all), err) }
-	poolCfg, err := pgxpool.ParseConfig(s.url)
+	poolCfg, err := s.poolConfig(all)
 	if err != nil {
-		if s.name == multisource.Default {
-			return nil, fail(fmt.Errorf("--database-url: %w", err))
-		}
-		return nil, fail(fmt.Errorf("--source %s: %w", s.name, err))
+		return nil, err
 	}
 	configureSourcePool(poolCfg, s.url, maxConns)
 	store.ConfigurePool(poolCfg)
