@@ -27,9 +27,10 @@ import (
 // engines of the others are not touched. A list that does not parse (or a
 // file that no longer does: unknown key, password) changes nothing.
 //
-// The same sourceSet, with no file to reread, serves the sources given by
-// --source or $OUTBOXD_SOURCE that did not answer when serve started: it
-// adds each once it answers, and nothing removes them.
+// The same sourceSet serves the sources given by --source or
+// $OUTBOXD_SOURCE (then there is no file to reread), and default, that did
+// not answer when serve started: it adds each once it answers, and nothing
+// removes them.
 
 // sourceConnectTimeout bounds one attempt at opening a source (dial, ping,
 // schema check), so that an unreachable host holds up no reload for long.
@@ -60,7 +61,7 @@ type sourceSet struct {
 	// does not parse or check; nil when the sources came from flags (no
 	// reloads).
 	reread func() ([]string, error)
-	fixed  map[string]bool // sources given otherwise, never reloaded
+	fixed  map[string]bool // sources given otherwise (default), never reloaded
 	// reloads counts reloads by result; OnReload (tests) sees each.
 	reloads *prometheus.CounterVec
 	// poolMetrics exports the pools of the sources served.
@@ -205,8 +206,8 @@ func (s *sourceSet) reload(ctx context.Context) error {
 	var errs []error
 	for _, name := range slices.Sorted(maps.Keys(s.live)) {
 		rs := s.live[name]
-		if w, ok := wanted[name]; ok && w.url == rs.src.url {
-			continue
+		if w, ok := wanted[name]; s.fixed[name] || ok && w.url == rs.src.url {
+			continue // (default, not yet served: the file does not list it)
 		}
 		if err := s.drop(ctx, rs); err != nil {
 			errs = append(errs, fmt.Errorf("source %s: %w", name, err))

@@ -332,23 +332,28 @@ func TestServeRefusesToReloadToNoSource(t *testing.T) {
 }
 
 // A source of the --config file's list whose database refuses connections
-// at startup does not keep serve from serving the others: /readyz is 200
-// and names it as not added yet, the other source delivers; once its
-// database lets connections in it is added by itself and delivers too.
+// at startup does not keep serve from serving the others, nor does default
+// (--database-url): /readyz is 200 and names both as not added yet, the
+// other source delivers; once their databases let connections in they are
+// added by themselves and deliver too. The file's reloads (one at least
+// happens meanwhile) leave default alone, though the file does not list it.
 func TestServeStartsWithoutAnUnreachableSource(t *testing.T) {
 	t.Parallel()
 	def, down, up := testdb.New(t), testdb.New(t), testdb.New(t)
 	admin := testdb.NewPoolURL(t, testdb.ServerURL())
 	allowDown := testdb.RefuseConnections(t, admin, dbName(down))
+	allowDefault := testdb.RefuseConnections(t, admin, dbName(def))
 	cfg := writeConfig(t, "source:\n  - down="+withoutPassword(t, down)+"\n  - up="+withoutPassword(t, up)+"\n")
 	grpcAddr, httpAddr := freeAddr(t), freeAddr(t)
 	p := start(t, "serve", "--config", cfg, "--database-url", def, "--listen", grpcAddr, "--http-listen", httpAddr,
 		"--health-interval", "200ms")
 	defer p.signal(os.Interrupt)
-	eventually(t, "/readyz 200 naming source down", func() bool {
+	eventually(t, "/readyz 200 naming sources default and down", func() bool {
 		code, body := httpGet("http://" + httpAddr + "/readyz")
-		return code == http.StatusOK && strings.Contains(body, "degraded: source down: not added yet:")
+		return code == http.StatusOK && strings.Contains(body, "source down: not added yet:") &&
+			strings.Contains(body, "source default: not added yet:")
 	})
+	eventually(t, "the first reload", func() bool { ok, _ := sourceReloads(t, httpAddr); return ok >= 1 })
 
 	conn, err := grpc.NewClient(grpcAddr, grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
@@ -379,11 +384,13 @@ func TestServeStartsWithoutAnUnreachableSource(t *testing.T) {
 	deliverOne(up, "up")
 
 	allowDown()
-	eventually(t, "/readyz plain ready once down answers", func() bool {
+	allowDefault()
+	eventually(t, "/readyz plain ready once down and default answer", func() bool {
 		code, body := httpGet("http://" + httpAddr + "/readyz")
 		return code == http.StatusOK && strings.TrimSpace(body) == "ready"
 	})
 	deliverOne(down, "down")
+	deliverOne(def, "default")
 }
 
 // An idle source holds 2 database connections (its LISTEN connection and

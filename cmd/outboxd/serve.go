@@ -195,8 +195,8 @@ changes nothing (logged, counted in outboxd_source_reloads_total{result="error"}
 a listed source that does not answer is retried and named by /readyz meanwhile.
 Sources given by --source or $OUTBOXD_SOURCE (which win over the file) and
 --database-url are fixed until a restart, as is every other setting; one of
---source or $OUTBOXD_SOURCE that does not answer at startup is retried in the
-same way (--database-url must answer). SIGHUP also
+them that does not answer at startup is retried in the same way while the
+others are served (one source at least must answer). SIGHUP also
 rereads the token file (--token-file).`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
@@ -326,22 +326,37 @@ func runServer(ctx context.Context, sources []source, f *serveFlags, log *slog.L
 	base := f.engineConfig()
 	base.Logger, base.Registerer = log, reg
 	// One engine per source, each with its own pool of --max-db-conns.
-	// A source other than default that does not answer now (its database
-	// down, or not migrated yet) is served once it does, whether it came
-	// from the --config file's list (which reloads change too) or from
-	// --source and $OUTBOXD_SOURCE (fixed until a restart; see sourceSet):
-	// one database down while serve restarts holds up none of the others.
-	// default must answer, as must at least one source, and a URL must
-	// parse.
+	// A source that does not answer now (its database down, or not
+	// migrated yet) is served once it does, when there are others to serve
+	// meanwhile: one database down while serve restarts holds up none of
+	// the others. The sourceSet connects it, whether it came from the
+	// --config file's list (which reloads change too), from --source or
+	// $OUTBOXD_SOURCE, or is default (these fixed until a restart). One
+	// source at least must answer, and a URL must parse.
 	defaultCfg := base
 	var named []app.Source
 	fromFile := f.rereadSources != nil
 	var fileSources, later []source
+	var defaultLater []source // default, when it did not answer
 	opened := map[string]*sourcePool{}
 	var firstErr error
 	for _, src := range sources {
 		if src.name == multisource.Default {
-			pool, err := openSource(ctx, src, sources, f.maxConns)
+			if _, err := src.poolConfig(sources); err != nil {
+				return err
+			}
+			openCtx, cancel := ctx, context.CancelFunc(func() {})
+			if len(sources) > 1 {
+				openCtx, cancel = context.WithTimeout(ctx, sourceConnectTimeout)
+			}
+			pool, err := openSource(openCtx, src, sources, f.maxConns)
+			cancel()
+			if err != nil && len(sources) > 1 {
+				log.Warn("source not reachable at startup; serving the others and retrying it", "source", src.name, "err", err)
+				firstErr = cmp.Or(firstErr, err)
+				later, defaultLater = append(later, src), []source{src}
+				continue
+			}
 			if err != nil {
 				return err
 			}
@@ -382,7 +397,7 @@ func runServer(ctx context.Context, sources []source, f *serveFlags, log *slog.L
 			path: f.sourcesFile, reread: f.rereadSources, fixed: map[string]bool{},
 			reloads: newSourceReloadMetric(reg), poolMetrics: poolMetrics,
 		}
-		if defaultCfg.Store != nil {
+		if defaultCfg.Store != nil || defaultLater != nil {
 			reloads.fixed[multisource.Default] = true
 		}
 		defer func() {
@@ -392,11 +407,11 @@ func runServer(ctx context.Context, sources []source, f *serveFlags, log *slog.L
 		}()
 	}
 	// What the sourceSet connects: the file's whole list (the sources
-	// opened now it takes over), or the sources given by flag that did
-	// not answer.
+	// opened now it takes over) and default if it did not answer, or the
+	// sources given by flag that did not answer.
 	retried := later
 	if fromFile {
-		retried = fileSources
+		retried = append(fileSources, defaultLater...)
 	}
 
 	creds, authn, err := f.security(log)

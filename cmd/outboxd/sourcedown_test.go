@@ -13,6 +13,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outboxd/outboxd/internal/devdb"
+	"github.com/outboxd/outboxd/internal/multisource"
 	"github.com/outboxd/outboxd/internal/testdb"
 )
 
@@ -133,61 +134,85 @@ func TestSourceDownAndBack(t *testing.T) {
 	verifySink(t, jsB, streamB, 10*aggregates)
 }
 
-// A source given by --source whose PostgreSQL is down when serve starts
-// holds up none of the others: serve starts, /readyz is 200 and names it
-// degraded, and the default source delivers; once its PostgreSQL runs
-// again, serve adds it and delivers the events written into it before the
-// outage, to a relay that subscribed to it while it was down.
-func TestFlagSourceDownAtStartupIsServedOnceItAnswers(t *testing.T) {
+// A source whose PostgreSQL is down when serve starts holds up none of the
+// others, whether it is given by --source or is default (--database-url):
+// serve starts, /readyz is 200 and names it degraded, and the other source
+// delivers; once its PostgreSQL runs again, serve adds it and delivers the
+// events written into it before the outage, to a relay that subscribed to
+// it while it was down.
+func TestSourceDownAtStartupIsServedOnceItAnswers(t *testing.T) {
 	if testing.Short() {
 		t.Skip("runs a PostgreSQL cluster of its own and processes")
 	}
 	t.Parallel()
+	for _, down := range []string{"b", "default"} {
+		t.Run(down, func(t *testing.T) {
+			t.Parallel()
+			sourceDownAtStartup(t, down)
+		})
+	}
+}
+
+// sourceDownAtStartup runs TestSourceDownAtStartupIsServedOnceItAnswers
+// with source down (b or default) on a stopped throwaway cluster and the
+// other on the main one.
+func sourceDownAtStartup(t *testing.T, down string) {
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()
-	urlA := testdb.New(t)
-	poolA := testdb.NewPoolURL(t, urlA)
-	b, err := devdb.StartThrowaway(ctx, nil)
+	urlUp := testdb.New(t)
+	poolUp := testdb.NewPoolURL(t, urlUp)
+	d, err := devdb.StartThrowaway(ctx, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { _ = b.Close(context.Background()) })
-	if out, err := exec.Command(binary, "migrate", "--database-url", b.URL).CombinedOutput(); err != nil {
-		t.Fatalf("migrate b: %v\n%s", err, out)
+	t.Cleanup(func() { _ = d.Close(context.Background()) })
+	if out, err := exec.Command(binary, "migrate", "--database-url", d.URL).CombinedOutput(); err != nil {
+		t.Fatalf("migrate %s: %v\n%s", down, err, out)
 	}
-	poolB, err := pgxpool.New(ctx, b.URL)
+	poolDown, err := pgxpool.New(ctx, d.URL)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer poolB.Close()
+	defer poolDown.Close()
 	const aggregates = 10
-	if err := emitRounds(poolB, 1, 3, aggregates); err != nil {
+	if err := emitRounds(poolDown, 1, 3, aggregates); err != nil {
 		t.Fatal(err)
 	}
-	if err := b.StopServer(ctx); err != nil {
+	if err := d.StopServer(ctx); err != nil {
 		t.Fatal(err)
 	}
 
+	up := multisource.Default
+	args := []string{"--database-url", urlUp, "--source", "b=" + d.URL}
+	if down == multisource.Default {
+		up, args = "b", []string{"--database-url", d.URL, "--source", "b=" + urlUp}
+	}
+	streams := func(source string) string {
+		if source == multisource.Default {
+			return "orders"
+		}
+		return source + "/orders"
+	}
 	grpcAddr, httpAddr := freeAddr(t), freeAddr(t)
-	start(t, "serve", "--database-url", urlA, "--source", "b="+b.URL, "--listen", grpcAddr, "--http-listen", httpAddr,
-		"--health-interval", "200ms", "--log-level", "warn")
-	eventually(t, "/readyz 200 naming b degraded", func() bool {
+	start(t, append([]string{"serve", "--listen", grpcAddr, "--http-listen", httpAddr, "--health-interval", "200ms",
+		"--log-level", "warn"}, args...)...)
+	eventually(t, "/readyz 200 naming "+down+" degraded", func() bool {
 		code, body := httpGet("http://" + httpAddr + "/readyz")
-		return code == http.StatusOK && strings.Contains(body, "degraded: source b")
+		return code == http.StatusOK && strings.Contains(body, "degraded: source "+down)
 	})
-	for _, streams := range []string{"orders", "b/orders"} {
-		start(t, "relay", "--server", grpcAddr, "--sink", "stdout://", "--streams", streams, "--log-level", "warn")
+	for _, source := range []string{up, down} {
+		start(t, "relay", "--server", grpcAddr, "--sink", "stdout://", "--streams", streams(source), "--log-level", "warn")
 	}
-	if err := emitRounds(poolA, 1, 3, aggregates); err != nil {
+	if err := emitRounds(poolUp, 1, 3, aggregates); err != nil {
 		t.Fatal(err)
 	}
-	waitPublished(t, poolA, 3*aggregates)
+	waitPublished(t, poolUp, 3*aggregates)
 
-	if err := b.StartServer(ctx); err != nil {
+	if err := d.StartServer(ctx); err != nil {
 		t.Fatal(err)
 	}
-	waitPublished(t, poolB, 3*aggregates)
-	eventually(t, "/readyz without b degraded", func() bool {
+	waitPublished(t, poolDown, 3*aggregates)
+	eventually(t, "/readyz without "+down+" degraded", func() bool {
 		code, body := httpGet("http://" + httpAddr + "/readyz")
 		return code == http.StatusOK && !strings.Contains(body, "degraded")
 	})
