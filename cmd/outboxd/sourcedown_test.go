@@ -39,19 +39,7 @@ func TestSourceDownAndBack(t *testing.T) {
 	defer cancel()
 	urlA := testdb.New(t)
 	poolA := testdb.NewPoolURL(t, urlA)
-	b, err := devdb.StartThrowaway(ctx, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = b.Close(context.Background()) })
-	if out, err := exec.Command(binary, "migrate", "--database-url", b.URL).CombinedOutput(); err != nil {
-		t.Fatalf("migrate b: %v\n%s", err, out)
-	}
-	poolB, err := pgxpool.New(ctx, b.URL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer poolB.Close()
+	b, poolB := migratedThrowaway(ctx, t)
 	// A throwaway cluster commits asynchronously (it is for dev loops):
 	// the immediate stop would undo b's last commits. Producers wait for
 	// their commit here, as in production (see TestPostgresCrashesLoseNothing).
@@ -161,19 +149,7 @@ func sourceDownAtStartup(t *testing.T, down string) {
 	defer cancel()
 	urlUp := testdb.New(t)
 	poolUp := testdb.NewPoolURL(t, urlUp)
-	d, err := devdb.StartThrowaway(ctx, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = d.Close(context.Background()) })
-	if out, err := exec.Command(binary, "migrate", "--database-url", d.URL).CombinedOutput(); err != nil {
-		t.Fatalf("migrate %s: %v\n%s", down, err, out)
-	}
-	poolDown, err := pgxpool.New(ctx, d.URL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer poolDown.Close()
+	d, poolDown := migratedThrowaway(ctx, t)
 	const aggregates = 10
 	if err := emitRounds(poolDown, 1, 3, aggregates); err != nil {
 		t.Fatal(err)
@@ -227,4 +203,25 @@ func TestServeRefusesASourceURLThatDoesNotParse(t *testing.T) {
 	if code != 1 || !strings.Contains(out, "--source orders") || !strings.Contains(out, "notaport") {
 		t.Errorf("serve with an unparsable --source URL: exit %d, %q; want 1 naming --source orders and the URL's fault", code, out)
 	}
+}
+
+// migratedThrowaway starts a throwaway PostgreSQL cluster of the test's own
+// (so stopping it touches no other test), migrates its database and opens
+// a pool on it; both go at the test's end.
+func migratedThrowaway(ctx context.Context, t *testing.T) (*devdb.Database, *pgxpool.Pool) {
+	t.Helper()
+	d, err := devdb.StartThrowaway(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = d.Close(context.Background()) })
+	if out, err := exec.Command(binary, "migrate", "--database-url", d.URL).CombinedOutput(); err != nil {
+		t.Fatalf("migrate the throwaway cluster: %v\n%s", err, out)
+	}
+	pool, err := pgxpool.New(ctx, d.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	return d, pool
 }

@@ -199,20 +199,15 @@ func TestTokenOfAnUnknownSource(t *testing.T) {
 	d := recv(t, subscribe(t, r.Relay, "orders/sales_order"))
 	foreign := "shipping." + strings.TrimPrefix(d.GetLeaseToken(), "orders.")
 
-	res, err := r.Relay.Ack(t.Context(), &outboxv1.AckRequest{Acks: []*outboxv1.AckItem{{EventId: id, LeaseToken: foreign}}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if got := res.GetResults()[0]; got.GetStatus() != outboxv1.AckStatus_ACK_STATUS_INVALID || !strings.Contains(got.GetMessage(), `source "shipping"`) {
+	got, nackErr, extendErr := leaseCallsWith(t, r, id, foreign)
+	if got.GetStatus() != outboxv1.AckStatus_ACK_STATUS_INVALID || !strings.Contains(got.GetMessage(), `source "shipping"`) {
 		t.Errorf("Ack with a token of source shipping: %v %q; want INVALID naming the source", got.GetStatus(), got.GetMessage())
 	}
-	_, err = r.Relay.Nack(t.Context(), &outboxv1.NackRequest{EventId: id, LeaseToken: foreign, Error: "x"})
-	if status.Code(err) != codes.FailedPrecondition || !strings.Contains(err.Error(), `source "shipping"`) {
-		t.Errorf("Nack with a token of source shipping: %v; want FAILED_PRECONDITION naming the source", err)
+	if status.Code(nackErr) != codes.FailedPrecondition || !strings.Contains(nackErr.Error(), `source "shipping"`) {
+		t.Errorf("Nack with a token of source shipping: %v; want FAILED_PRECONDITION naming the source", nackErr)
 	}
-	_, err = r.Relay.ExtendLease(t.Context(), &outboxv1.ExtendLeaseRequest{EventId: id, LeaseToken: foreign, Ttl: durationpb.New(time.Minute)})
-	if status.Code(err) != codes.FailedPrecondition {
-		t.Errorf("ExtendLease with a token of source shipping: %v; want FAILED_PRECONDITION", err)
+	if status.Code(extendErr) != codes.FailedPrecondition {
+		t.Errorf("ExtendLease with a token of source shipping: %v; want FAILED_PRECONDITION", extendErr)
 	}
 	if published(t, r.Pools["orders"], id) {
 		t.Error("an ack with a token of an unknown source published the event")
@@ -224,6 +219,19 @@ func TestTokenOfAnUnknownSource(t *testing.T) {
 	if _, err := r.Relay.Nack(t.Context(), &outboxv1.NackRequest{EventId: id, LeaseToken: d.GetLeaseToken(), Error: "broker down"}); err != nil {
 		t.Errorf("Nack with orders' token: %v", err)
 	}
+}
+
+// leaseCallsWith acks, nacks and extends the lease of event id with token,
+// and returns the ack's result and the Nack's and ExtendLease's errors.
+func leaseCallsWith(t *testing.T, r *servertest.Replica, id, token string) (ack *outboxv1.AckResult, nackErr, extendErr error) {
+	t.Helper()
+	res, err := r.Relay.Ack(t.Context(), &outboxv1.AckRequest{Acks: []*outboxv1.AckItem{{EventId: id, LeaseToken: token}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, nackErr = r.Relay.Nack(t.Context(), &outboxv1.NackRequest{EventId: id, LeaseToken: token, Error: "x"})
+	_, extendErr = r.Relay.ExtendLease(t.Context(), &outboxv1.ExtendLeaseRequest{EventId: id, LeaseToken: token, Ttl: durationpb.New(time.Minute)})
+	return res.GetResults()[0], nackErr, extendErr
 }
 
 // A source configured but not served yet (its database did not answer
@@ -253,20 +261,15 @@ func TestAPendingSourceIsUnavailableNotUnknown(t *testing.T) {
 	if err := subscribeErr(); status.Code(err) != codes.Unavailable || !strings.Contains(err.Error(), pending) {
 		t.Errorf("Subscribe to pending shipping: %v; want UNAVAILABLE saying it is not served yet", err)
 	}
-	res, err := r.Relay.Ack(t.Context(), &outboxv1.AckRequest{Acks: []*outboxv1.AckItem{{EventId: id, LeaseToken: pendingToken}}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if got := res.GetResults()[0]; got.GetStatus() != outboxv1.AckStatus_ACK_STATUS_RETRY || !strings.Contains(got.GetMessage(), pending) {
+	got, nackErr, extendErr := leaseCallsWith(t, r, id, pendingToken)
+	if got.GetStatus() != outboxv1.AckStatus_ACK_STATUS_RETRY || !strings.Contains(got.GetMessage(), pending) {
 		t.Errorf("Ack with a token of pending shipping: %v %q; want RETRY saying it is not served yet", got.GetStatus(), got.GetMessage())
 	}
-	_, err = r.Relay.Nack(t.Context(), &outboxv1.NackRequest{EventId: id, LeaseToken: pendingToken, Error: "x"})
-	if status.Code(err) != codes.Unavailable || !strings.Contains(err.Error(), pending) {
-		t.Errorf("Nack with a token of pending shipping: %v; want UNAVAILABLE", err)
+	if status.Code(nackErr) != codes.Unavailable || !strings.Contains(nackErr.Error(), pending) {
+		t.Errorf("Nack with a token of pending shipping: %v; want UNAVAILABLE", nackErr)
 	}
-	_, err = r.Relay.ExtendLease(t.Context(), &outboxv1.ExtendLeaseRequest{EventId: id, LeaseToken: pendingToken, Ttl: durationpb.New(time.Minute)})
-	if status.Code(err) != codes.Unavailable {
-		t.Errorf("ExtendLease with a token of pending shipping: %v; want UNAVAILABLE", err)
+	if status.Code(extendErr) != codes.Unavailable {
+		t.Errorf("ExtendLease with a token of pending shipping: %v; want UNAVAILABLE", extendErr)
 	}
 	if published(t, r.Pools["orders"], id) {
 		t.Error("an ack with a token of a pending source published the event")
