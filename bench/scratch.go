@@ -106,14 +106,17 @@ func newScratch(ctx context.Context, adminURL, prefix, serverBinary string, log 
 	if err := s.warnLeftovers(ctx); err != nil {
 		return nil, err
 	}
-	if err := s.create(ctx, s.template, ""); err != nil {
-		return nil, err
-	}
+	// Set before the template's create: create records the database and
+	// then reports an interrupt that came meanwhile, and the database it
+	// recorded must be dropped all the same.
 	defer func() {
 		if err != nil {
 			err = errors.Join(err, s.close(ctx))
 		}
 	}()
+	if err := s.create(ctx, s.template, ""); err != nil {
+		return nil, err
+	}
 	tmplURL, err := withDatabase(adminURL, s.template)
 	if err != nil {
 		return nil, err
