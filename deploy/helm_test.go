@@ -60,6 +60,11 @@ func helmCommand(ctx context.Context, t *testing.T, args ...string) *exec.Cmd {
 // helm runs helm with args and returns its output.
 func helm(t *testing.T, args ...string) []byte {
 	t.Helper()
+	// Build helm before the command's clock starts: the first caller waits
+	// for the build, which is not the command's to pay for (helmBinary).
+	if _, err := helmBinary(); err != nil {
+		t.Fatal(err)
+	}
 	ctx, cancel := context.WithTimeout(t.Context(), 5*time.Minute)
 	defer cancel()
 	cmd := helmCommand(ctx, t, args...)
