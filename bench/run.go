@@ -380,6 +380,13 @@ func measureProducers(ctx context.Context, env *armEnv, a arm, srv serverHandle,
 	if err := prods.sleep(ctx, cfg.Warmup); err != nil {
 		return err
 	}
+	// The window measures a steady state, which has not begun before the
+	// first delivery: a short warm-up on a loaded machine (the tests' tiny
+	// runs) could end before it, measure nothing and leave every ratio
+	// with this arm undefined.
+	if err := prods.waitFor(ctx, func() bool { return completed() > 0 }, firstDeliveryBound); err != nil {
+		return err
+	}
 	pr, err := openWindow(ctx, cfg.DatabaseURL, env.dbName, srv)
 	if err != nil {
 		return err
@@ -699,6 +706,23 @@ func (ps *producers) sleep(ctx context.Context, d time.Duration) error {
 	case <-ps.stopCh:
 		return ps.stop()
 	}
+}
+
+// firstDeliveryBound is how long a window waits past the warm-up for an
+// arm's first delivery; an arm that delivers nothing by then is measured
+// as it is.
+const firstDeliveryBound = 30 * time.Second
+
+// waitFor waits until cond holds, at most bound (then it returns nil: the
+// caller measures what there is), checking every 10 ms, or less if a
+// producer fails (its error is returned) or ctx ends.
+func (ps *producers) waitFor(ctx context.Context, cond func() bool, bound time.Duration) error {
+	for deadline := time.Now().Add(bound); !cond() && time.Now().Before(deadline); {
+		if err := ps.sleep(ctx, 10*time.Millisecond); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 func ptr[T any](v T) *T { return &v }
