@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"os"
 	"os/signal"
+	"slices"
 	"syscall"
 	"time"
 
@@ -336,54 +337,47 @@ func runServer(ctx context.Context, sources []source, f *serveFlags, log *slog.L
 	defaultCfg := base
 	var named []app.Source
 	fromFile := f.rereadSources != nil
-	var fileSources, later []source
-	var defaultLater []source // default, when it did not answer
+	alone := len(sources) == 1
+	// retried is what the sourceSet connects: the file's whole list (it
+	// takes over the ones opened now, in opened) and every other source
+	// that did not answer.
+	var retried []source
 	opened := map[string]*sourcePool{}
 	var firstErr error
 	for _, src := range sources {
-		if src.name == multisource.Default {
-			if _, err := src.poolConfig(sources); err != nil {
-				return err
-			}
-			openCtx, cancel := ctx, context.CancelFunc(func() {})
-			if len(sources) > 1 {
-				openCtx, cancel = context.WithTimeout(ctx, sourceConnectTimeout)
-			}
-			pool, err := openSource(openCtx, src, sources, f.maxConns)
-			cancel()
-			if err != nil && len(sources) > 1 {
-				log.Warn("source not reachable at startup; serving the others and retrying it", "source", src.name, "err", err)
-				firstErr = cmp.Or(firstErr, err)
-				later, defaultLater = append(later, src), []source{src}
-				continue
-			}
-			if err != nil {
-				return err
-			}
-			poolMetrics.add(src.name, pool)
-			defer pool.Close()
-			defaultCfg.Store, defaultCfg.DatabaseURL = store.New(pool.Pool), withoutPoolParams(src.url)
-			continue
-		}
-		if fromFile {
-			fileSources = append(fileSources, src)
+		isDefault := src.name == multisource.Default
+		ofFile := fromFile && !isDefault
+		if ofFile {
+			retried = append(retried, src)
 		} else if _, err := src.poolConfig(sources); err != nil {
-			return err
+			return err // a mistake, not a database that is down
 		}
-		openCtx, cancel := context.WithTimeout(ctx, sourceConnectTimeout)
+		openCtx, cancel := ctx, context.CancelFunc(func() {})
+		if !alone || ofFile {
+			openCtx, cancel = context.WithTimeout(ctx, sourceConnectTimeout)
+		}
 		pool, err := openSource(openCtx, src, sources, f.maxConns)
 		cancel()
+		if err != nil && alone {
+			return err
+		}
 		if err != nil {
 			log.Warn("source not reachable at startup; serving the others and retrying it", "source", src.name, "err", err)
 			firstErr = cmp.Or(firstErr, err)
-			later = append(later, src)
+			if !ofFile {
+				retried = append(retried, src)
+			}
 			continue
 		}
 		poolMetrics.add(src.name, pool)
-		if fromFile {
+		if ofFile {
 			opened[src.name] = pool // closed by the sourceSet
 		} else {
 			defer pool.Close()
+		}
+		if isDefault {
+			defaultCfg.Store, defaultCfg.DatabaseURL = store.New(pool.Pool), withoutPoolParams(src.url)
+			continue
 		}
 		named = append(named, app.Source{Name: src.name, Server: namedSourceConfig(base, src, pool)})
 	}
@@ -391,13 +385,13 @@ func runServer(ctx context.Context, sources []source, f *serveFlags, log *slog.L
 		return firstErr // no source answers
 	}
 	var reloads *sourceSet
-	if fromFile || len(later) > 0 {
+	if fromFile || len(retried) > 0 {
 		reloads = &sourceSet{
 			log: log, base: base, maxConns: f.maxConns, interval: f.healthInterval, drain: f.shutdownTimeout,
 			path: f.sourcesFile, reread: f.rereadSources, fixed: map[string]bool{},
 			reloads: newSourceReloadMetric(reg), poolMetrics: poolMetrics,
 		}
-		if defaultCfg.Store != nil || defaultLater != nil {
+		if slices.ContainsFunc(sources, func(s source) bool { return s.name == multisource.Default }) {
 			reloads.fixed[multisource.Default] = true
 		}
 		defer func() {
@@ -405,13 +399,6 @@ func runServer(ctx context.Context, sources []source, f *serveFlags, log *slog.L
 				pool.Close() // unless the sourceSet took them over and closed them
 			}
 		}()
-	}
-	// What the sourceSet connects: the file's whole list (the sources
-	// opened now it takes over) and default if it did not answer, or the
-	// sources given by flag that did not answer.
-	retried := later
-	if fromFile {
-		retried = append(fileSources, defaultLater...)
 	}
 
 	creds, authn, err := f.security(log)
