@@ -194,10 +194,7 @@ func TestSubscriptionsNameOneSource(t *testing.T) {
 // does not serve is refused clearly, and nothing changes.
 func TestTokenOfAnUnknownSource(t *testing.T) {
 	t.Parallel()
-	r, _, _ := twoSources(t, servertest.Options{})
-	id := emit(t, r.Pools["orders"], "sales_order", "1")
-	d := recv(t, subscribe(t, r.Relay, "orders/sales_order"))
-	foreign := "shipping." + strings.TrimPrefix(d.GetLeaseToken(), "orders.")
+	r, id, d, foreign := leasedWithShippingToken(t)
 
 	got, nackErr, extendErr := leaseCallsWith(t, r, id, foreign)
 	if got.GetStatus() != outboxv1.AckStatus_ACK_STATUS_INVALID || !strings.Contains(got.GetMessage(), `source "shipping"`) {
@@ -221,6 +218,17 @@ func TestTokenOfAnUnknownSource(t *testing.T) {
 	}
 }
 
+// leasedWithShippingToken runs two sources, leases an event of orders and
+// returns it with its delivery and its lease token rebound to source
+// shipping, which the replica does not serve.
+func leasedWithShippingToken(t *testing.T) (r *servertest.Replica, id string, d *outboxv1.SubscribeResponse, token string) {
+	t.Helper()
+	r, _, _ = twoSources(t, servertest.Options{})
+	id = emit(t, r.Pools["orders"], "sales_order", "1")
+	d = recv(t, subscribe(t, r.Relay, "orders/sales_order"))
+	return r, id, d, "shipping." + strings.TrimPrefix(d.GetLeaseToken(), "orders.")
+}
+
 // leaseCallsWith acks, nacks and extends the lease of event id with token,
 // and returns the ack's result and the Nack's and ExtendLease's errors.
 func leaseCallsWith(t *testing.T, r *servertest.Replica, id, token string) (ack *outboxv1.AckResult, nackErr, extendErr error) {
@@ -242,10 +250,7 @@ func leaseCallsWith(t *testing.T, r *servertest.Replica, id, token string) (ack 
 // configured, it is unknown again.
 func TestAPendingSourceIsUnavailableNotUnknown(t *testing.T) {
 	t.Parallel()
-	r, _, _ := twoSources(t, servertest.Options{})
-	id := emit(t, r.Pools["orders"], "sales_order", "1")
-	d := recv(t, subscribe(t, r.Relay, "orders/sales_order"))
-	pendingToken := "shipping." + strings.TrimPrefix(d.GetLeaseToken(), "orders.")
+	r, id, _, pendingToken := leasedWithShippingToken(t)
 	r.App.SetSourcePending("shipping", "connection refused")
 
 	subscribeErr := func() error {
