@@ -3,14 +3,9 @@ package main_test
 import (
 	"context"
 	"fmt"
-	"os/exec"
 	"strconv"
 	"testing"
 	"time"
-
-	"github.com/jackc/pgx/v5/pgxpool"
-
-	"github.com/outboxd/outboxd/internal/devdb"
 )
 
 // PostgreSQL itself crashes twice (pg_ctl stop -m immediate: nothing is
@@ -30,31 +25,8 @@ func TestPostgresCrashesLoseNothing(t *testing.T) {
 	t.Parallel()
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()
-	db, err := devdb.StartThrowaway(ctx, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = db.Close(context.Background()) })
-	if out, err := exec.Command(binary, "migrate", "--database-url", db.URL).CombinedOutput(); err != nil {
-		t.Fatalf("migrate: %v\n%s", err, out)
-	}
-	pool, err := pgxpool.New(ctx, db.URL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer pool.Close()
-	// A throwaway cluster commits asynchronously (it is for dev loops), so
-	// a crash could undo a producer's round after it was told the round
-	// committed, and the test would count a loss that is the cluster's.
-	// Producers wait for their commit here, as in production. (fsync stays
-	// off: an immediate-mode stop kills processes, not the kernel, so WAL
-	// written at commit survives it.)
-	if _, err := pool.Exec(ctx, `ALTER SYSTEM SET synchronous_commit = on`); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := pool.Exec(ctx, `SELECT pg_reload_conf()`); err != nil {
-		t.Fatal(err)
-	}
+	db, pool := migratedThrowaway(ctx, t)
+	commitSynchronously(ctx, t, pool)
 
 	js, streamName, prefix := jetStreamSink(t, "PGCRASH")
 	const aggregates, rounds = 200, 30

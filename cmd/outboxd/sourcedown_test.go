@@ -40,15 +40,7 @@ func TestSourceDownAndBack(t *testing.T) {
 	urlA := testdb.New(t)
 	poolA := testdb.NewPoolURL(t, urlA)
 	b, poolB := migratedThrowaway(ctx, t)
-	// A throwaway cluster commits asynchronously (it is for dev loops):
-	// the immediate stop would undo b's last commits. Producers wait for
-	// their commit here, as in production (see TestPostgresCrashesLoseNothing).
-	if _, err := poolB.Exec(ctx, `ALTER SYSTEM SET synchronous_commit = on`); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := poolB.Exec(ctx, `SELECT pg_reload_conf()`); err != nil {
-		t.Fatal(err)
-	}
+	commitSynchronously(ctx, t, poolB) // the stop below is a crash
 
 	grpcAddr, httpAddr := freeAddr(t), freeAddr(t)
 	start(t, "serve", "--database-url", urlA, "--source", "b="+b.URL, "--listen", grpcAddr, "--http-listen", httpAddr,
@@ -224,4 +216,20 @@ func migratedThrowaway(ctx context.Context, t *testing.T) (*devdb.Database, *pgx
 	}
 	t.Cleanup(pool.Close)
 	return d, pool
+}
+
+// commitSynchronously makes a throwaway cluster's commits wait for the WAL
+// flush. It commits asynchronously (it is for dev loops), so a crash could
+// undo a producer's commit after it was told the commit happened, and a
+// test would count a loss that is the cluster's; producers wait for their
+// commit in production. (fsync stays off: an immediate-mode stop kills
+// processes, not the kernel, so WAL written at commit survives it.)
+func commitSynchronously(ctx context.Context, t *testing.T, pool *pgxpool.Pool) {
+	t.Helper()
+	if _, err := pool.Exec(ctx, `ALTER SYSTEM SET synchronous_commit = on`); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := pool.Exec(ctx, `SELECT pg_reload_conf()`); err != nil {
+		t.Fatal(err)
+	}
 }
