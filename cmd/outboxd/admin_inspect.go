@@ -24,7 +24,9 @@ relays lists every open relay stream (Subscribe) across all replicas sharing
 the database: the relay's name, its session (the lease holder shown by
 'outboxd aggregate'), its address, the replica serving it, its stream filter
 ("all", or "all but" the streams a catch-all leaves to other relays),
-deliveries outstanding against its credit, acks so far, and when it connected.`,
+deliveries outstanding against its credit, acks so far, and when it connected.
+A source whose relays could not be listed (its database down) is named on
+stderr with the reason and left out.`,
 		cobra.NoArgs)
 	f.register(cmd)
 	cmd.RunE = func(cmd *cobra.Command, _ []string) error {
@@ -33,6 +35,10 @@ deliveries outstanding against its credit, acks so far, and when it connected.`,
 			if err != nil {
 				return err
 			}
+			// A source whose relays could not be listed (its database
+			// down) is missing from the table: say so where a script's
+			// mail shows it, as the listings of events and aggregates do.
+			noteSkippedSources(c.errOut, "relays", resp.GetSkippedSources())
 			if f.json {
 				return writeJSON(c.out, resp)
 			}

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"strconv"
+	"strings"
 	"text/tabwriter"
 	"time"
 
@@ -46,7 +47,9 @@ had an event is listed, an idle one with zeros, and so is every stream
 then bounds each refresh. With --json every refresh is one line.
 
 --fail-if-older-than makes lag a check for cron or alerting: it exits 5 when
-the total OLDEST exceeds the given age (e.g. 15m, 2h, 1d).`, cobra.NoArgs)
+the total OLDEST exceeds the given age (e.g. 15m, 2h, 1d), and 1 when a
+source's lag could not be read (its database down, or not added yet), since
+its pending events are then in no total.`, cobra.NoArgs)
 	f.register(cmd)
 	fl := cmd.Flags()
 	fl.StringSliceVar(&streams, "stream", nil, `report only this stream, or streams with a prefix ("billing.*") (repeatable; default all)`)
@@ -92,6 +95,14 @@ the total OLDEST exceeds the given age (e.g. 15m, 2h, 1d).`, cobra.NoArgs)
 					return withExitCode(exitLagExceeded, fmt.Errorf(
 						"the oldest pending event has waited %s, longer than --fail-if-older-than %s",
 						fmtAge(age), fmtAge(failOlder)))
+				}
+				// A source whose figures could not be read is not in the
+				// total: passing the check would vouch for events nobody
+				// looked at (its database down is when they pile up).
+				if unknown := lagUnknownSources(resp); len(unknown) > 0 {
+					return withExitCode(exitFailure, fmt.Errorf(
+						"the lag of %s could not be read, so --fail-if-older-than %s cannot vouch for its pending events",
+						strings.Join(unknown, ", "), fmtAge(failOlder)))
 				}
 			}
 			return nil
@@ -149,6 +160,17 @@ func watchLag(ctx context.Context, c *adminClient, req *outboxv1.GetLagRequest, 
 	}
 }
 
+// lagUnknownSources names the sources whose lag could not be read.
+func lagUnknownSources(resp *outboxv1.GetLagResponse) []string {
+	var names []string
+	for _, src := range resp.GetSources() {
+		if src.GetLagUnknown() {
+			names = append(names, "source "+src.GetName())
+		}
+	}
+	return names
+}
+
 // printLag prints the lag table, a TOTAL row, and the relay count.
 func printLag(w io.Writer, resp *outboxv1.GetLagResponse) error {
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
@@ -184,7 +206,11 @@ func printLag(w io.Writer, resp *outboxv1.GetLagResponse) error {
 		// could not be read is left out of the table).
 		for _, src := range srcs {
 			if !src.GetReady() {
-				if _, err := fmt.Fprintf(w, "source %s NOT READY: %s\n", src.GetName(), src.GetReason()); err != nil {
+				left := ""
+				if src.GetLagUnknown() {
+					left = " (its lag could not be read: its streams are not in the table or TOTAL)"
+				}
+				if _, err := fmt.Fprintf(w, "source %s NOT READY: %s%s\n", src.GetName(), src.GetReason(), left); err != nil {
 					return err
 				}
 			}

@@ -175,6 +175,12 @@ func sourceDownAtStartup(t *testing.T, down string) {
 		t.Fatal(err)
 	}
 	waitPublished(t, poolUp, 3*aggregates)
+	// Its events written before the stop wait in no total: a cron check
+	// of lag must not pass on the other source's figures.
+	if code, out := runOutboxd(t, nil, "lag", "--server", grpcAddr, "--fail-if-older-than", "1h"); code != 1 ||
+		!strings.Contains(out, "the lag of source "+down+" could not be read") {
+		t.Errorf("outboxd lag --fail-if-older-than 1h with %s not added yet: exit %d; want 1 naming it:\n%s", down, code, out)
+	}
 
 	if err := d.StartServer(ctx); err != nil {
 		t.Fatal(err)

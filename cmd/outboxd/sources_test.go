@@ -80,6 +80,9 @@ func TestMigrateAndServeTwoSources(t *testing.T) {
 	if code, out := runOutboxd(t, nil, "lag", "--server", grpcAddr); code != 0 || !strings.Contains(out, "orders/sales_order") {
 		t.Errorf("outboxd lag of two sources: exit %d; want a row orders/sales_order:\n%s", code, out)
 	}
+	if code, out := runOutboxd(t, nil, "lag", "--server", grpcAddr, "--fail-if-older-than", "1h"); code != 0 {
+		t.Errorf("outboxd lag --fail-if-older-than 1h with both sources up: exit %d, want 0:\n%s", code, out)
+	}
 
 	admin := testdb.NewPoolURL(t, testdb.ServerURL())
 	name := dbName(orders)
@@ -89,8 +92,19 @@ func TestMigrateAndServeTwoSources(t *testing.T) {
 		code, body := httpGet("http://" + httpAddr + "/readyz")
 		return code == http.StatusOK && strings.Contains(body, "degraded: source orders:")
 	})
-	if code, out := runOutboxd(t, nil, "lag", "--server", grpcAddr); code != 0 || !strings.Contains(out, "source orders NOT READY") {
-		t.Errorf("outboxd lag with orders down: exit %d; want it to say orders is not ready:\n%s", code, out)
+	if code, out := runOutboxd(t, nil, "lag", "--server", grpcAddr); code != 0 ||
+		!strings.Contains(out, "source orders NOT READY") || !strings.Contains(out, "its lag could not be read") {
+		t.Errorf("outboxd lag with orders down: exit %d; want it to say orders is not ready and left out:\n%s", code, out)
+	}
+	if code, out := runOutboxd(t, nil, "relays", "--server", grpcAddr); code != 0 ||
+		!strings.Contains(out, "warning: source orders left out, its relays are not listed") {
+		t.Errorf("outboxd relays with orders down: exit %d; want a warning naming orders:\n%s", code, out)
+	}
+	// The cron check cannot pass while orders' pending event is in no
+	// total: it exits 1 naming the source, not 0 on default's figures.
+	code, out = runOutboxd(t, nil, "lag", "--server", grpcAddr, "--fail-if-older-than", "1h")
+	if code != 1 || !strings.Contains(out, "the lag of source orders could not be read") {
+		t.Errorf("outboxd lag --fail-if-older-than 1h with orders down: exit %d; want 1 naming orders:\n%s", code, out)
 	}
 }
 

@@ -2,6 +2,7 @@ package console
 
 import (
 	"encoding/json"
+	"fmt"
 	"slices"
 	"sync"
 	"time"
@@ -152,10 +153,18 @@ func (c *Console) lagJSON(q *request) {
 }
 
 // warningsOf lists what a lag report says needs an operator beyond its
-// figures: a stopped discovery (new events are not found) and a held xmin
-// horizon (delivery slows while it lasts).
+// figures: a source whose figures could not be read (its pending events
+// are in none of them, the totals included), a stopped discovery (new
+// events are not found) and a held xmin horizon (delivery slows while it
+// lasts).
 func warningsOf(lag *outboxv1.GetLagResponse) []string {
 	warnings := []string{}
+	for _, src := range lag.GetSources() {
+		if src.GetLagUnknown() {
+			warnings = append(warnings, fmt.Sprintf("Source %s: its lag could not be read (%s); its pending events are in none of these figures",
+				src.GetName(), src.GetReason()))
+		}
+	}
 	if stopped := lag.GetDiscoveryStopped(); stopped != "" {
 		warnings = append(warnings, "Discovery stopped: "+stopped)
 	}

@@ -121,9 +121,12 @@ func addressEvents(evs []*outboxv1.EventInfo) {
 // sourceLag is one source's row on the streams page: its health, as GetLag
 // reports it, and its streams' figures summed.
 type sourceLag struct {
-	Name    string      `json:"name"`
-	Ready   bool        `json:"ready"`
-	Reason  string      `json:"reason,omitempty"`
+	Name   string `json:"name"`
+	Ready  bool   `json:"ready"`
+	Reason string `json:"reason,omitempty"`
+	// Unknown: the source's figures could not be read (Total is not zeros
+	// but nothing).
+	Unknown bool        `json:"unknown,omitempty"`
 	Total   streamRow   `json:"total"`
 	Streams []streamRow `json:"streams"`
 }
@@ -137,7 +140,7 @@ func sourcesOf(lag *outboxv1.GetLagResponse) []sourceLag {
 	at := map[string]int{}
 	for _, s := range lag.GetSources() {
 		at[s.GetName()] = len(out)
-		out = append(out, sourceLag{Name: s.GetName(), Ready: s.GetReady(), Reason: s.GetReason(),
+		out = append(out, sourceLag{Name: s.GetName(), Ready: s.GetReady(), Reason: s.GetReason(), Unknown: s.GetLagUnknown(),
 			Total: streamRow{Stream: s.GetName()}, Streams: []streamRow{}})
 	}
 	for _, l := range lag.GetStreams() {

@@ -105,7 +105,7 @@ func (a *adminRouter) GetLag(ctx context.Context, req *outboxv1.GetLagRequest) (
 			ready = false
 			firstErr = cmpErr(firstErr, p.err)
 		}
-		out.Sources = append(out.Sources, &outboxv1.SourceHealth{Name: p.e.Name, Ready: ready, Reason: reason})
+		out.Sources = append(out.Sources, &outboxv1.SourceHealth{Name: p.e.Name, Ready: ready, Reason: reason, LagUnknown: p.err != nil})
 		if p.err != nil {
 			continue
 		}
@@ -150,7 +150,7 @@ func (a *adminRouter) GetLag(ctx context.Context, req *outboxv1.GetLagRequest) (
 		if _, err := forSource(ctx, name); err != nil || rt.engines[name] != nil || !takesSource(req.GetStreams(), name) {
 			continue
 		}
-		out.Sources = append(out.Sources, &outboxv1.SourceHealth{Name: name, Reason: "not added yet: " + rt.pending[name]})
+		out.Sources = append(out.Sources, &outboxv1.SourceHealth{Name: name, Reason: "not added yet: " + rt.pending[name], LagUnknown: true})
 	}
 	if unaudited {
 		out.StrandedAuditedAt = nil
@@ -214,7 +214,8 @@ func older(a, b *durationpb.Duration) bool {
 
 // ListRelays lists the relays of every source the caller may see, their
 // streams written as addresses ("orders/billing"). A source that cannot
-// answer is left out; when none can, the call fails.
+// answer is left out and named in skipped_sources; when none can, the call
+// fails.
 func (a *adminRouter) ListRelays(ctx context.Context, req *outboxv1.ListRelaysRequest) (*outboxv1.ListRelaysResponse, error) {
 	vis, err := visibleSources(ctx, a.r.routes())
 	if err != nil {
@@ -230,6 +231,7 @@ func (a *adminRouter) ListRelays(ctx context.Context, req *outboxv1.ListRelaysRe
 				return nil, err
 			}
 			firstErr = cmpErr(firstErr, err)
+			out.SkippedSources = append(out.SkippedSources, &outboxv1.SourceHealth{Name: v.name, Reason: status.Convert(err).Message()})
 			continue
 		}
 		answered++

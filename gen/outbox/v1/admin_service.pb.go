@@ -477,7 +477,12 @@ type SourceHealth struct {
 	// current and its discovery runs: its events are being delivered.
 	Ready bool `protobuf:"varint,2,opt,name=ready,proto3" json:"ready,omitempty"`
 	// reason says why the source is not ready; empty when it is.
-	Reason        string `protobuf:"bytes,3,opt,name=reason,proto3" json:"reason,omitempty"`
+	Reason string `protobuf:"bytes,3,opt,name=reason,proto3" json:"reason,omitempty"`
+	// lag_unknown is true when the source's figures could not be read (its
+	// database did not answer, or it is configured but not added yet): none
+	// of its streams is in GetLagResponse.streams or counted in the total, so
+	// the total's oldest pending age says nothing of its events.
+	LagUnknown    bool `protobuf:"varint,4,opt,name=lag_unknown,json=lagUnknown,proto3" json:"lag_unknown,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -531,6 +536,13 @@ func (x *SourceHealth) GetReason() string {
 		return x.Reason
 	}
 	return ""
+}
+
+func (x *SourceHealth) GetLagUnknown() bool {
+	if x != nil {
+		return x.LagUnknown
+	}
+	return false
 }
 
 // StreamLag is the delivery backlog of one stream.
@@ -794,9 +806,14 @@ func (*ListRelaysRequest) Descriptor() ([]byte, []int) {
 type ListRelaysResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// relays has one entry per open Subscribe stream.
-	Relays        []*Relay `protobuf:"bytes,1,rep,name=relays,proto3" json:"relays,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Relays []*Relay `protobuf:"bytes,1,rep,name=relays,proto3" json:"relays,omitempty"`
+	// skipped_sources, on a server that fronts several source databases,
+	// names each source whose relays could not be listed, with the reason
+	// (its database is down: the replicas' sessions are read from it). Its
+	// relays are missing from relays. Empty otherwise.
+	SkippedSources []*SourceHealth `protobuf:"bytes,2,rep,name=skipped_sources,json=skippedSources,proto3" json:"skipped_sources,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *ListRelaysResponse) Reset() {
@@ -832,6 +849,13 @@ func (*ListRelaysResponse) Descriptor() ([]byte, []int) {
 func (x *ListRelaysResponse) GetRelays() []*Relay {
 	if x != nil {
 		return x.Relays
+	}
+	return nil
+}
+
+func (x *ListRelaysResponse) GetSkippedSources() []*SourceHealth {
+	if x != nil {
+		return x.SkippedSources
 	}
 	return nil
 }
@@ -3389,11 +3413,13 @@ const file_outbox_v1_admin_service_proto_rawDesc = "" +
 	"\x06holder\x18\x02 \x01(\tR\x06holder\x129\n" +
 	"\n" +
 	"held_since\x18\x03 \x01(\v2\x1a.google.protobuf.TimestampR\theldSince\x12\x16\n" +
-	"\x06source\x18\x04 \x01(\tR\x06source\"P\n" +
+	"\x06source\x18\x04 \x01(\tR\x06source\"q\n" +
 	"\fSourceHealth\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x14\n" +
 	"\x05ready\x18\x02 \x01(\bR\x05ready\x12\x16\n" +
-	"\x06reason\x18\x03 \x01(\tR\x06reason\"\xdf\x06\n" +
+	"\x06reason\x18\x03 \x01(\tR\x06reason\x12\x1f\n" +
+	"\vlag_unknown\x18\x04 \x01(\bR\n" +
+	"lagUnknown\"\xdf\x06\n" +
 	"\tStreamLag\x12\x16\n" +
 	"\x06stream\x18\x01 \x01(\tR\x06stream\x12%\n" +
 	"\x0epending_events\x18\x02 \x01(\x03R\rpendingEvents\x12-\n" +
@@ -3415,9 +3441,10 @@ const file_outbox_v1_admin_service_proto_rawDesc = "" +
 	"idleRelays\x12\x16\n" +
 	"\x06source\x18\x11 \x01(\tR\x06source\x12(\n" +
 	"\x10never_had_events\x18\x12 \x01(\bR\x0eneverHadEvents\"\x13\n" +
-	"\x11ListRelaysRequest\">\n" +
+	"\x11ListRelaysRequest\"\x80\x01\n" +
 	"\x12ListRelaysResponse\x12(\n" +
-	"\x06relays\x18\x01 \x03(\v2\x10.outbox.v1.RelayR\x06relays\"\xe5\x02\n" +
+	"\x06relays\x18\x01 \x03(\v2\x10.outbox.v1.RelayR\x06relays\x12@\n" +
+	"\x0fskipped_sources\x18\x02 \x03(\v2\x17.outbox.v1.SourceHealthR\x0eskippedSources\"\xe5\x02\n" +
 	"\x05Relay\x12\x19\n" +
 	"\brelay_id\x18\x01 \x01(\tR\arelayId\x12\x1d\n" +
 	"\n" +
@@ -3732,78 +3759,79 @@ var file_outbox_v1_admin_service_proto_depIdxs = []int32{
 	39, // 7: outbox.v1.StreamLag.oldest_pending_created_at:type_name -> google.protobuf.Timestamp
 	40, // 8: outbox.v1.StreamLag.oldest_held_age:type_name -> google.protobuf.Duration
 	10, // 9: outbox.v1.ListRelaysResponse.relays:type_name -> outbox.v1.Relay
-	39, // 10: outbox.v1.Relay.connected_at:type_name -> google.protobuf.Timestamp
-	13, // 11: outbox.v1.GetAggregateResponse.aggregate:type_name -> outbox.v1.Aggregate
-	0,  // 12: outbox.v1.Aggregate.state:type_name -> outbox.v1.AggregateState
-	39, // 13: outbox.v1.Aggregate.lease_expires_at:type_name -> google.protobuf.Timestamp
-	39, // 14: outbox.v1.Aggregate.next_attempt_at:type_name -> google.protobuf.Timestamp
-	39, // 15: outbox.v1.Aggregate.parked_at:type_name -> google.protobuf.Timestamp
-	39, // 16: outbox.v1.Aggregate.oldest_pending_created_at:type_name -> google.protobuf.Timestamp
-	0,  // 17: outbox.v1.AggregateFilter.states:type_name -> outbox.v1.AggregateState
-	39, // 18: outbox.v1.AggregateFilter.pending_before:type_name -> google.protobuf.Timestamp
-	14, // 19: outbox.v1.ListAggregatesRequest.filter:type_name -> outbox.v1.AggregateFilter
-	13, // 20: outbox.v1.ListAggregatesResponse.aggregates:type_name -> outbox.v1.Aggregate
-	6,  // 21: outbox.v1.ListAggregatesResponse.skipped_sources:type_name -> outbox.v1.SourceHealth
-	1,  // 22: outbox.v1.Attempt.outcome:type_name -> outbox.v1.AttemptOutcome
-	39, // 23: outbox.v1.Attempt.at:type_name -> google.protobuf.Timestamp
-	17, // 24: outbox.v1.ListAttemptsResponse.attempts:type_name -> outbox.v1.Attempt
-	14, // 25: outbox.v1.BulkRetryRequest.filter:type_name -> outbox.v1.AggregateFilter
-	13, // 26: outbox.v1.BulkRetryResponse.sample:type_name -> outbox.v1.Aggregate
-	14, // 27: outbox.v1.BulkSkipRequest.filter:type_name -> outbox.v1.AggregateFilter
-	13, // 28: outbox.v1.BulkSkipResponse.sample:type_name -> outbox.v1.Aggregate
-	39, // 29: outbox.v1.RepublishRequest.published_after:type_name -> google.protobuf.Timestamp
-	39, // 30: outbox.v1.RepublishRequest.published_before:type_name -> google.protobuf.Timestamp
-	39, // 31: outbox.v1.ListOperatorActionsRequest.since:type_name -> google.protobuf.Timestamp
-	28, // 32: outbox.v1.ListOperatorActionsResponse.actions:type_name -> outbox.v1.OperatorAction
-	6,  // 33: outbox.v1.ListOperatorActionsResponse.skipped_sources:type_name -> outbox.v1.SourceHealth
-	39, // 34: outbox.v1.OperatorAction.started_at:type_name -> google.protobuf.Timestamp
-	39, // 35: outbox.v1.OperatorAction.finished_at:type_name -> google.protobuf.Timestamp
-	2,  // 36: outbox.v1.ListEventsRequest.state:type_name -> outbox.v1.EventState
-	39, // 37: outbox.v1.ListEventsRequest.created_after:type_name -> google.protobuf.Timestamp
-	39, // 38: outbox.v1.ListEventsRequest.created_before:type_name -> google.protobuf.Timestamp
-	31, // 39: outbox.v1.ListEventsResponse.events:type_name -> outbox.v1.EventInfo
-	6,  // 40: outbox.v1.ListEventsResponse.skipped_sources:type_name -> outbox.v1.SourceHealth
-	41, // 41: outbox.v1.EventInfo.event:type_name -> outbox.v1.Event
-	2,  // 42: outbox.v1.EventInfo.state:type_name -> outbox.v1.EventState
-	39, // 43: outbox.v1.EventInfo.published_at:type_name -> google.protobuf.Timestamp
-	32, // 44: outbox.v1.EventInfo.skip:type_name -> outbox.v1.Skip
-	39, // 45: outbox.v1.Skip.skipped_at:type_name -> google.protobuf.Timestamp
-	13, // 46: outbox.v1.RetryAggregateResponse.aggregate:type_name -> outbox.v1.Aggregate
-	32, // 47: outbox.v1.SkipEventResponse.skip:type_name -> outbox.v1.Skip
-	39, // 48: outbox.v1.PurgeRequest.published_before:type_name -> google.protobuf.Timestamp
-	40, // 49: outbox.v1.PurgeResponse.elapsed:type_name -> google.protobuf.Duration
-	38, // 50: outbox.v1.PurgeResponse.sources:type_name -> outbox.v1.PurgeResponse
-	3,  // 51: outbox.v1.AdminService.GetLag:input_type -> outbox.v1.GetLagRequest
-	8,  // 52: outbox.v1.AdminService.ListRelays:input_type -> outbox.v1.ListRelaysRequest
-	11, // 53: outbox.v1.AdminService.GetAggregate:input_type -> outbox.v1.GetAggregateRequest
-	29, // 54: outbox.v1.AdminService.ListEvents:input_type -> outbox.v1.ListEventsRequest
-	33, // 55: outbox.v1.AdminService.RetryAggregate:input_type -> outbox.v1.RetryAggregateRequest
-	35, // 56: outbox.v1.AdminService.SkipEvent:input_type -> outbox.v1.SkipEventRequest
-	37, // 57: outbox.v1.AdminService.Purge:input_type -> outbox.v1.PurgeRequest
-	15, // 58: outbox.v1.AdminService.ListAggregates:input_type -> outbox.v1.ListAggregatesRequest
-	18, // 59: outbox.v1.AdminService.ListAttempts:input_type -> outbox.v1.ListAttemptsRequest
-	20, // 60: outbox.v1.AdminService.BulkRetry:input_type -> outbox.v1.BulkRetryRequest
-	22, // 61: outbox.v1.AdminService.BulkSkip:input_type -> outbox.v1.BulkSkipRequest
-	24, // 62: outbox.v1.AdminService.Republish:input_type -> outbox.v1.RepublishRequest
-	26, // 63: outbox.v1.AdminService.ListOperatorActions:input_type -> outbox.v1.ListOperatorActionsRequest
-	4,  // 64: outbox.v1.AdminService.GetLag:output_type -> outbox.v1.GetLagResponse
-	9,  // 65: outbox.v1.AdminService.ListRelays:output_type -> outbox.v1.ListRelaysResponse
-	12, // 66: outbox.v1.AdminService.GetAggregate:output_type -> outbox.v1.GetAggregateResponse
-	30, // 67: outbox.v1.AdminService.ListEvents:output_type -> outbox.v1.ListEventsResponse
-	34, // 68: outbox.v1.AdminService.RetryAggregate:output_type -> outbox.v1.RetryAggregateResponse
-	36, // 69: outbox.v1.AdminService.SkipEvent:output_type -> outbox.v1.SkipEventResponse
-	38, // 70: outbox.v1.AdminService.Purge:output_type -> outbox.v1.PurgeResponse
-	16, // 71: outbox.v1.AdminService.ListAggregates:output_type -> outbox.v1.ListAggregatesResponse
-	19, // 72: outbox.v1.AdminService.ListAttempts:output_type -> outbox.v1.ListAttemptsResponse
-	21, // 73: outbox.v1.AdminService.BulkRetry:output_type -> outbox.v1.BulkRetryResponse
-	23, // 74: outbox.v1.AdminService.BulkSkip:output_type -> outbox.v1.BulkSkipResponse
-	25, // 75: outbox.v1.AdminService.Republish:output_type -> outbox.v1.RepublishResponse
-	27, // 76: outbox.v1.AdminService.ListOperatorActions:output_type -> outbox.v1.ListOperatorActionsResponse
-	64, // [64:77] is the sub-list for method output_type
-	51, // [51:64] is the sub-list for method input_type
-	51, // [51:51] is the sub-list for extension type_name
-	51, // [51:51] is the sub-list for extension extendee
-	0,  // [0:51] is the sub-list for field type_name
+	6,  // 10: outbox.v1.ListRelaysResponse.skipped_sources:type_name -> outbox.v1.SourceHealth
+	39, // 11: outbox.v1.Relay.connected_at:type_name -> google.protobuf.Timestamp
+	13, // 12: outbox.v1.GetAggregateResponse.aggregate:type_name -> outbox.v1.Aggregate
+	0,  // 13: outbox.v1.Aggregate.state:type_name -> outbox.v1.AggregateState
+	39, // 14: outbox.v1.Aggregate.lease_expires_at:type_name -> google.protobuf.Timestamp
+	39, // 15: outbox.v1.Aggregate.next_attempt_at:type_name -> google.protobuf.Timestamp
+	39, // 16: outbox.v1.Aggregate.parked_at:type_name -> google.protobuf.Timestamp
+	39, // 17: outbox.v1.Aggregate.oldest_pending_created_at:type_name -> google.protobuf.Timestamp
+	0,  // 18: outbox.v1.AggregateFilter.states:type_name -> outbox.v1.AggregateState
+	39, // 19: outbox.v1.AggregateFilter.pending_before:type_name -> google.protobuf.Timestamp
+	14, // 20: outbox.v1.ListAggregatesRequest.filter:type_name -> outbox.v1.AggregateFilter
+	13, // 21: outbox.v1.ListAggregatesResponse.aggregates:type_name -> outbox.v1.Aggregate
+	6,  // 22: outbox.v1.ListAggregatesResponse.skipped_sources:type_name -> outbox.v1.SourceHealth
+	1,  // 23: outbox.v1.Attempt.outcome:type_name -> outbox.v1.AttemptOutcome
+	39, // 24: outbox.v1.Attempt.at:type_name -> google.protobuf.Timestamp
+	17, // 25: outbox.v1.ListAttemptsResponse.attempts:type_name -> outbox.v1.Attempt
+	14, // 26: outbox.v1.BulkRetryRequest.filter:type_name -> outbox.v1.AggregateFilter
+	13, // 27: outbox.v1.BulkRetryResponse.sample:type_name -> outbox.v1.Aggregate
+	14, // 28: outbox.v1.BulkSkipRequest.filter:type_name -> outbox.v1.AggregateFilter
+	13, // 29: outbox.v1.BulkSkipResponse.sample:type_name -> outbox.v1.Aggregate
+	39, // 30: outbox.v1.RepublishRequest.published_after:type_name -> google.protobuf.Timestamp
+	39, // 31: outbox.v1.RepublishRequest.published_before:type_name -> google.protobuf.Timestamp
+	39, // 32: outbox.v1.ListOperatorActionsRequest.since:type_name -> google.protobuf.Timestamp
+	28, // 33: outbox.v1.ListOperatorActionsResponse.actions:type_name -> outbox.v1.OperatorAction
+	6,  // 34: outbox.v1.ListOperatorActionsResponse.skipped_sources:type_name -> outbox.v1.SourceHealth
+	39, // 35: outbox.v1.OperatorAction.started_at:type_name -> google.protobuf.Timestamp
+	39, // 36: outbox.v1.OperatorAction.finished_at:type_name -> google.protobuf.Timestamp
+	2,  // 37: outbox.v1.ListEventsRequest.state:type_name -> outbox.v1.EventState
+	39, // 38: outbox.v1.ListEventsRequest.created_after:type_name -> google.protobuf.Timestamp
+	39, // 39: outbox.v1.ListEventsRequest.created_before:type_name -> google.protobuf.Timestamp
+	31, // 40: outbox.v1.ListEventsResponse.events:type_name -> outbox.v1.EventInfo
+	6,  // 41: outbox.v1.ListEventsResponse.skipped_sources:type_name -> outbox.v1.SourceHealth
+	41, // 42: outbox.v1.EventInfo.event:type_name -> outbox.v1.Event
+	2,  // 43: outbox.v1.EventInfo.state:type_name -> outbox.v1.EventState
+	39, // 44: outbox.v1.EventInfo.published_at:type_name -> google.protobuf.Timestamp
+	32, // 45: outbox.v1.EventInfo.skip:type_name -> outbox.v1.Skip
+	39, // 46: outbox.v1.Skip.skipped_at:type_name -> google.protobuf.Timestamp
+	13, // 47: outbox.v1.RetryAggregateResponse.aggregate:type_name -> outbox.v1.Aggregate
+	32, // 48: outbox.v1.SkipEventResponse.skip:type_name -> outbox.v1.Skip
+	39, // 49: outbox.v1.PurgeRequest.published_before:type_name -> google.protobuf.Timestamp
+	40, // 50: outbox.v1.PurgeResponse.elapsed:type_name -> google.protobuf.Duration
+	38, // 51: outbox.v1.PurgeResponse.sources:type_name -> outbox.v1.PurgeResponse
+	3,  // 52: outbox.v1.AdminService.GetLag:input_type -> outbox.v1.GetLagRequest
+	8,  // 53: outbox.v1.AdminService.ListRelays:input_type -> outbox.v1.ListRelaysRequest
+	11, // 54: outbox.v1.AdminService.GetAggregate:input_type -> outbox.v1.GetAggregateRequest
+	29, // 55: outbox.v1.AdminService.ListEvents:input_type -> outbox.v1.ListEventsRequest
+	33, // 56: outbox.v1.AdminService.RetryAggregate:input_type -> outbox.v1.RetryAggregateRequest
+	35, // 57: outbox.v1.AdminService.SkipEvent:input_type -> outbox.v1.SkipEventRequest
+	37, // 58: outbox.v1.AdminService.Purge:input_type -> outbox.v1.PurgeRequest
+	15, // 59: outbox.v1.AdminService.ListAggregates:input_type -> outbox.v1.ListAggregatesRequest
+	18, // 60: outbox.v1.AdminService.ListAttempts:input_type -> outbox.v1.ListAttemptsRequest
+	20, // 61: outbox.v1.AdminService.BulkRetry:input_type -> outbox.v1.BulkRetryRequest
+	22, // 62: outbox.v1.AdminService.BulkSkip:input_type -> outbox.v1.BulkSkipRequest
+	24, // 63: outbox.v1.AdminService.Republish:input_type -> outbox.v1.RepublishRequest
+	26, // 64: outbox.v1.AdminService.ListOperatorActions:input_type -> outbox.v1.ListOperatorActionsRequest
+	4,  // 65: outbox.v1.AdminService.GetLag:output_type -> outbox.v1.GetLagResponse
+	9,  // 66: outbox.v1.AdminService.ListRelays:output_type -> outbox.v1.ListRelaysResponse
+	12, // 67: outbox.v1.AdminService.GetAggregate:output_type -> outbox.v1.GetAggregateResponse
+	30, // 68: outbox.v1.AdminService.ListEvents:output_type -> outbox.v1.ListEventsResponse
+	34, // 69: outbox.v1.AdminService.RetryAggregate:output_type -> outbox.v1.RetryAggregateResponse
+	36, // 70: outbox.v1.AdminService.SkipEvent:output_type -> outbox.v1.SkipEventResponse
+	38, // 71: outbox.v1.AdminService.Purge:output_type -> outbox.v1.PurgeResponse
+	16, // 72: outbox.v1.AdminService.ListAggregates:output_type -> outbox.v1.ListAggregatesResponse
+	19, // 73: outbox.v1.AdminService.ListAttempts:output_type -> outbox.v1.ListAttemptsResponse
+	21, // 74: outbox.v1.AdminService.BulkRetry:output_type -> outbox.v1.BulkRetryResponse
+	23, // 75: outbox.v1.AdminService.BulkSkip:output_type -> outbox.v1.BulkSkipResponse
+	25, // 76: outbox.v1.AdminService.Republish:output_type -> outbox.v1.RepublishResponse
+	27, // 77: outbox.v1.AdminService.ListOperatorActions:output_type -> outbox.v1.ListOperatorActionsResponse
+	65, // [65:78] is the sub-list for method output_type
+	52, // [52:65] is the sub-list for method input_type
+	52, // [52:52] is the sub-list for extension type_name
+	52, // [52:52] is the sub-list for extension extendee
+	0,  // [0:52] is the sub-list for field type_name
 }
 
 func init() { file_outbox_v1_admin_service_proto_init() }
