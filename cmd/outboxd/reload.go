@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"maps"
 	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -124,7 +125,9 @@ func (s *sourceSet) connect(ctx context.Context, src source, wait bool) {
 				return
 			}
 			s.log.Warn("source not added yet; retrying", "source", src.name, "err", err, "in", s.interval)
-			s.rep.SetSourcePending(src.name, err.Error())
+			// Readiness names the source already ("source orders: not
+			// added yet: ..."): the error's own "source orders: " is said once.
+			s.rep.SetSourcePending(src.name, strings.TrimPrefix(err.Error(), "source "+src.name+": "))
 			t := time.NewTimer(s.interval)
 			select {
 			case <-ctx.Done():

@@ -353,6 +353,10 @@ func TestServeStartsWithoutAnUnreachableSource(t *testing.T) {
 		return code == http.StatusOK && strings.Contains(body, "source down: not added yet:") &&
 			strings.Contains(body, "source default: not added yet:")
 	})
+	// Each is named once, not again by its error.
+	if _, body := httpGet("http://" + httpAddr + "/readyz"); strings.Contains(body, "not added yet: source ") {
+		t.Errorf("/readyz names a source twice:\n%s", body)
+	}
 	eventually(t, "the first reload", func() bool { ok, _ := sourceReloads(t, httpAddr); return ok >= 1 })
 
 	conn, err := grpc.NewClient(grpcAddr, grpc.WithTransportCredentials(insecure.NewCredentials()))
