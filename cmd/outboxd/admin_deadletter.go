@@ -508,6 +508,9 @@ confirmed.`, cobra.RangeArgs(1, 2))
 }
 
 func printRepublish(w io.Writer, resp *outboxv1.RepublishResponse, are string) error {
+	if are == "are" && resp.GetEvents() == 1 {
+		are = "is"
+	}
 	fmt.Fprintf(w, "%s of %s %s delivered again\n", plural(resp.GetEvents(), "event", "events"),
 		plural(resp.GetAggregates(), "aggregate", "aggregates"), are)
 	if n := resp.GetUnskippedEvents(); n > 0 {

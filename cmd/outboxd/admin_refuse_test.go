@@ -99,3 +99,15 @@ func TestLagNamesSourcesAndAStoppedDiscovery(t *testing.T) {
 		t.Errorf("lag does not say discovery stopped:\n%s", out.String())
 	}
 }
+
+// A republish of one event says so in the singular.
+func TestRepublishOfOneEventReadsSingular(t *testing.T) {
+	t.Parallel()
+	var out strings.Builder
+	if err := printRepublish(&out, &outboxv1.RepublishResponse{Events: 1, Aggregates: 1}, "are"); err != nil {
+		t.Fatal(err)
+	}
+	if !strings.HasPrefix(out.String(), "1 event of 1 aggregate is delivered again\n") {
+		t.Errorf("printRepublish of one event: %q", out.String())
+	}
+}
