@@ -63,8 +63,11 @@ type natsConfig struct {
 	stream     string
 	create     bool
 	duplicates time.Duration
-	timeout    time.Duration
-	ce         ceConfig
+	// duplicatesSet says the URL gave duplicates=: only then does the sink
+	// change an existing stream's window.
+	duplicatesSet bool
+	timeout       time.Duration
+	ce            ceConfig
 }
 
 // parseNATSURL validates everything in a nats:// URL before any network
@@ -114,6 +117,7 @@ func parseNATSURL(u *url.URL, display string) (*natsConfig, error) {
 		if cfg.duplicates, err = positiveDuration(v); err != nil {
 			return nil, invalid(display, "duplicates=%q: %v", v, err)
 		}
+		cfg.duplicatesSet = true
 	}
 	if v, ok := p["timeout"]; ok {
 		if cfg.timeout, err = positiveDuration(v); err != nil {
@@ -215,12 +219,14 @@ func openNATS(ctx context.Context, u *url.URL, display string, opts Options) (re
 }
 
 // ensureStream makes sure the JetStream stream exists and captures the
-// template's subjects. With create it creates the stream, or widens an
-// existing one, changing only the subjects and the duplicate window: other
-// settings (retention, limits, replicas) belong to whoever operates the
-// stream and are kept. Without create it only checks that the stream exists,
-// so a relay with restricted permissions can run against a stream managed
-// elsewhere.
+// template's subjects. With create it creates the stream (with the duplicate
+// window of the URL, or the default), or widens an existing one: it adds the
+// template's subjects if they are not covered, and changes the duplicate
+// window only when the URL sets duplicates= explicitly, so that a relay
+// started without it keeps a window someone widened. Other settings
+// (retention, limits, replicas) belong to whoever operates the stream and
+// are kept. Without create it only checks that the stream exists, so a relay
+// with restricted permissions can run against a stream managed elsewhere.
 func ensureStream(ctx context.Context, js jetstream.JetStream, cfg *natsConfig, log *slog.Logger) error {
 	filter := cfg.subject.filter()
 	for attempt := 0; ; attempt++ {
@@ -268,17 +274,26 @@ func ensureStream(ctx context.Context, js jetstream.JetStream, cfg *natsConfig, 
 			sc.Subjects = append(sc.Subjects, filter)
 			changed = true
 		}
-		if sc.Duplicates != cfg.duplicates {
+		was := sc.Duplicates
+		switch {
+		case cfg.duplicatesSet && sc.Duplicates != cfg.duplicates:
 			sc.Duplicates = cfg.duplicates
 			changed = true
+		case !cfg.duplicatesSet && sc.Duplicates < DefaultNATSDuplicates:
+			log.Warn("JetStream stream's duplicate window is below the default and is kept: redeliveries after that window are stored twice; set duplicates= in the sink URL to widen it",
+				"duplicates", sc.Duplicates, "default", DefaultNATSDuplicates)
 		}
 		if !changed {
 			return nil
 		}
 		if _, err := js.UpdateStream(ctx, sc); err != nil {
-			return fmt.Errorf("update JetStream stream %q (subjects %v, duplicates %s): %w", cfg.stream, sc.Subjects, cfg.duplicates, err)
+			return fmt.Errorf("update JetStream stream %q (subjects %v, duplicates %s): %w", cfg.stream, sc.Subjects, sc.Duplicates, err)
 		}
-		log.Info("updated JetStream stream", "subjects", sc.Subjects, "duplicates", cfg.duplicates)
+		if sc.Duplicates != was {
+			log.Info("updated JetStream stream", "subjects", sc.Subjects, "duplicates", sc.Duplicates, "previous_duplicates", was)
+		} else {
+			log.Info("updated JetStream stream", "subjects", sc.Subjects, "duplicates", sc.Duplicates)
+		}
 		return nil
 	}
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/rand"
 	"errors"
+	"log/slog"
 	"net/url"
 	"os"
 	"slices"
@@ -84,7 +85,18 @@ func (e *jsEnv) url(params map[string]string) string {
 
 func (e *jsEnv) open(t *testing.T, params map[string]string) relay.Sink {
 	t.Helper()
-	s, err := sink.Open(t.Context(), e.url(params), sink.Options{})
+	return e.openLogged(t, params, nil)
+}
+
+// openLogged is open with the sink's log written to out as text (nil
+// discards it).
+func (e *jsEnv) openLogged(t *testing.T, params map[string]string, out *lockedBuffer) relay.Sink {
+	t.Helper()
+	var opts sink.Options
+	if out != nil {
+		opts.Logger = slog.New(slog.NewTextHandler(out, nil))
+	}
+	s, err := sink.Open(t.Context(), e.url(params), opts)
 	if err != nil {
 		t.Fatalf("Open: %v", err)
 	}
@@ -358,6 +370,86 @@ func TestNATSCreateWidensExistingStream(t *testing.T) {
 		t.Fatalf("Publish via second sink: %v", err)
 	}
 	e.fetch(t, 2)
+}
+
+// duplicates returns the duplicate window of e's stream.
+func (e *jsEnv) duplicates(t *testing.T) time.Duration {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(t.Context(), waitFor)
+	defer cancel()
+	st, err := e.js.Stream(ctx, e.stream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return st.CachedInfo().Config.Duplicates
+}
+
+// A relay started without duplicates= keeps the window of an existing
+// stream: one rolled out with the README's plain URL must not shrink a
+// window widened with duplicates=1h back to the default.
+func TestNATSExistingStreamKeepsDuplicateWindow(t *testing.T) {
+	t.Parallel()
+	e := newJSEnv(t)
+	e.open(t, map[string]string{"duplicates": "1h"})
+	if got := e.duplicates(t); got != time.Hour {
+		t.Fatalf("stream created with duplicates=1h has a window of %s", got)
+	}
+	var log lockedBuffer
+	s := e.openLogged(t, nil, &log)
+	if err := s.Publish(t.Context(), testEvent("e1")); err != nil {
+		t.Fatalf("Publish: %v", err)
+	}
+	if got := e.duplicates(t); got != time.Hour {
+		t.Errorf("after a sink without duplicates= opened the stream its window is %s, want 1h kept", got)
+	}
+	if strings.Contains(log.String(), "updated JetStream stream") {
+		t.Errorf("a sink without duplicates= updated the stream:\n%s", log.String())
+	}
+}
+
+// A window below the default is kept too, with a warning that says what
+// it costs and which parameter widens it.
+func TestNATSExistingShortDuplicateWindowWarns(t *testing.T) {
+	t.Parallel()
+	e := newJSEnv(t)
+	ctx, cancel := context.WithTimeout(t.Context(), waitFor)
+	defer cancel()
+	if _, err := e.js.CreateStream(ctx, jetstream.StreamConfig{
+		Name: e.stream, Subjects: []string{e.prefix + ".>"}, Storage: jetstream.FileStorage, Duplicates: 30 * time.Second,
+	}); err != nil {
+		t.Fatal(err)
+	}
+	var log lockedBuffer
+	e.openLogged(t, nil, &log)
+	if got := e.duplicates(t); got != 30*time.Second {
+		t.Errorf("window = %s, want 30s kept", got)
+	}
+	out := log.String()
+	if !strings.Contains(out, "level=WARN") || !strings.Contains(out, "stored twice") || !strings.Contains(out, "duplicates=") {
+		t.Errorf("no warning about the short window naming duplicates=:\n%s", out)
+	}
+}
+
+// An explicit duplicates= changes an existing stream's window, and the log
+// says from what to what.
+func TestNATSExplicitDuplicatesChangesExistingWindow(t *testing.T) {
+	t.Parallel()
+	e := newJSEnv(t)
+	ctx, cancel := context.WithTimeout(t.Context(), waitFor)
+	defer cancel()
+	if _, err := e.js.CreateStream(ctx, jetstream.StreamConfig{
+		Name: e.stream, Subjects: []string{e.prefix + ".>"}, Storage: jetstream.FileStorage, Duplicates: time.Hour,
+	}); err != nil {
+		t.Fatal(err)
+	}
+	var log lockedBuffer
+	e.openLogged(t, map[string]string{"duplicates": "5m"}, &log)
+	if got := e.duplicates(t); got != 5*time.Minute {
+		t.Errorf("window = %s, want 5m set by duplicates=5m", got)
+	}
+	if out := log.String(); !strings.Contains(out, "duplicates=5m0s") || !strings.Contains(out, "previous_duplicates=1h0m0s") {
+		t.Errorf("the update's log does not give the old and new windows:\n%s", out)
+	}
 }
 
 func TestNATSPublishErrors(t *testing.T) {
