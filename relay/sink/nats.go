@@ -10,6 +10,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -48,6 +49,16 @@ type natsSink struct {
 	timeout time.Duration
 	ce      ceConfig
 	log     *slog.Logger
+	cfg     *natsConfig
+
+	// ensureSem (capacity 1) lets one Publish at a time run ensureStream
+	// again after JetStream answered that no stream captures a subject
+	// (the stream was deleted under the running relay).
+	ensureSem chan struct{}
+	// ensured counts those runs that succeeded: a Publish whose failure
+	// began before one of them ended skips its own, so that publishes
+	// failing together recreate the stream once.
+	ensured atomic.Uint64
 
 	closeOnce sync.Once
 	closeErr  error
@@ -63,8 +74,11 @@ type natsConfig struct {
 	stream     string
 	create     bool
 	duplicates time.Duration
-	timeout    time.Duration
-	ce         ceConfig
+	// duplicatesSet says the URL gave duplicates=: only then does the sink
+	// change an existing stream's window.
+	duplicatesSet bool
+	timeout       time.Duration
+	ce            ceConfig
 }
 
 // parseNATSURL validates everything in a nats:// URL before any network
@@ -114,6 +128,7 @@ func parseNATSURL(u *url.URL, display string) (*natsConfig, error) {
 		if cfg.duplicates, err = positiveDuration(v); err != nil {
 			return nil, invalid(display, "duplicates=%q: %v", v, err)
 		}
+		cfg.duplicatesSet = true
 	}
 	if v, ok := p["timeout"]; ok {
 		if cfg.timeout, err = positiveDuration(v); err != nil {
@@ -167,7 +182,10 @@ func openNATS(ctx context.Context, u *url.URL, display string, opts Options) (re
 		timeout: cfg.timeout,
 		ce:      cfg.ce,
 		log:     log,
+		cfg:     cfg,
 		closed:  make(chan struct{}),
+
+		ensureSem: make(chan struct{}, 1),
 	}
 	var closedOnce sync.Once
 	nc, err := nats.Connect(cfg.server,
@@ -215,12 +233,14 @@ func openNATS(ctx context.Context, u *url.URL, display string, opts Options) (re
 }
 
 // ensureStream makes sure the JetStream stream exists and captures the
-// template's subjects. With create it creates the stream, or widens an
-// existing one, changing only the subjects and the duplicate window: other
-// settings (retention, limits, replicas) belong to whoever operates the
-// stream and are kept. Without create it only checks that the stream exists,
-// so a relay with restricted permissions can run against a stream managed
-// elsewhere.
+// template's subjects. With create it creates the stream (with the duplicate
+// window of the URL, or the default), or widens an existing one: it adds the
+// template's subjects if they are not covered, and changes the duplicate
+// window only when the URL sets duplicates= explicitly, so that a relay
+// started without it keeps a window someone widened. Other settings
+// (retention, limits, replicas) belong to whoever operates the stream and
+// are kept. Without create it only checks that the stream exists, so a relay
+// with restricted permissions can run against a stream managed elsewhere.
 func ensureStream(ctx context.Context, js jetstream.JetStream, cfg *natsConfig, log *slog.Logger) error {
 	filter := cfg.subject.filter()
 	for attempt := 0; ; attempt++ {
@@ -268,17 +288,26 @@ func ensureStream(ctx context.Context, js jetstream.JetStream, cfg *natsConfig, 
 			sc.Subjects = append(sc.Subjects, filter)
 			changed = true
 		}
-		if sc.Duplicates != cfg.duplicates {
+		was := sc.Duplicates
+		switch {
+		case cfg.duplicatesSet && sc.Duplicates != cfg.duplicates:
 			sc.Duplicates = cfg.duplicates
 			changed = true
+		case !cfg.duplicatesSet && sc.Duplicates < DefaultNATSDuplicates:
+			log.Warn("JetStream stream's duplicate window is below the default and is kept: redeliveries after that window are stored twice; set duplicates= in the sink URL to widen it",
+				"duplicates", sc.Duplicates, "default", DefaultNATSDuplicates)
 		}
 		if !changed {
 			return nil
 		}
 		if _, err := js.UpdateStream(ctx, sc); err != nil {
-			return fmt.Errorf("update JetStream stream %q (subjects %v, duplicates %s): %w", cfg.stream, sc.Subjects, cfg.duplicates, err)
+			return fmt.Errorf("update JetStream stream %q (subjects %v, duplicates %s): %w", cfg.stream, sc.Subjects, sc.Duplicates, err)
 		}
-		log.Info("updated JetStream stream", "subjects", sc.Subjects, "duplicates", cfg.duplicates)
+		if sc.Duplicates != was {
+			log.Info("updated JetStream stream", "subjects", sc.Subjects, "duplicates", sc.Duplicates, "previous_duplicates", was)
+		} else {
+			log.Info("updated JetStream stream", "subjects", sc.Subjects, "duplicates", sc.Duplicates)
+		}
 		return nil
 	}
 }
@@ -288,6 +317,11 @@ func ensureStream(ctx context.Context, js jetstream.JetStream, cfg *natsConfig, 
 // qualified by its source outside default) is the Nats-Msg-Id, so a
 // redelivery inside the stream's duplicate window is acknowledged as a duplicate without being
 // stored twice; that counts as success, since the first copy is stored.
+//
+// When no stream captures the subject (the stream was deleted while the
+// relay runs), Publish with create=true runs ensureStream again, which
+// recreates the stream as Open would, and publishes once more; with
+// create=false it fails, saying the stream is missing.
 func (s *natsSink) Publish(ctx context.Context, ev relay.Event) error {
 	if ev.ID == "" {
 		return errors.New("nats sink: event has no ID, which JetStream deduplication needs")
@@ -330,12 +364,21 @@ func (s *natsSink) Publish(ctx context.Context, ev relay.Event) error {
 
 	ctx, cancel := context.WithTimeout(ctx, s.timeout)
 	defer cancel()
-	ack, err := s.js.PublishMsg(ctx, msg,
+	opts := []jetstream.PublishOpt{
 		jetstream.WithMsgID(ev.MessageID()),
 		// Fail rather than report success if the subject is captured by
 		// a stream other than the configured one.
 		jetstream.WithExpectStream(s.stream),
-	)
+	}
+	ensured := s.ensured.Load()
+	ack, err := s.js.PublishMsg(ctx, msg, opts...)
+	if errors.Is(err, jetstream.ErrNoStreamResponse) {
+		// No stream captures subj: nats.go has already retried for
+		// a leadership change.
+		if ack, err = s.publishNoStream(ctx, msg, subj, opts, ensured, err); err != nil {
+			return err
+		}
+	}
 	if errors.Is(err, nats.ErrMaxPayload) {
 		// The server's max_payload counts headers and body; the same
 		// message never fits, so park it now rather than retry it.
@@ -354,6 +397,63 @@ func (s *natsSink) Publish(ctx context.Context, ev relay.Event) error {
 		s.log.Debug("duplicate publish dropped by JetStream", "message_id", ev.MessageID(), "seq", ack.Sequence)
 	}
 	return nil
+}
+
+// publishNoStream follows a publish to subj that JetStream answered with
+// pubErr, no responders: no stream captures subj. With create it runs
+// ensureStream again (unless another Publish did so since ensured was read
+// before the failed publish) and publishes msg once more; without create it
+// reports the stream missing. Either way a returned error names the stream.
+func (s *natsSink) publishNoStream(ctx context.Context, msg *nats.Msg, subj string, opts []jetstream.PublishOpt, ensured uint64, pubErr error) (*jetstream.PubAck, error) {
+	if !s.cfg.create {
+		return nil, s.noStreamError(ctx, subj, pubErr)
+	}
+	if err := s.ensureAgain(ctx, subj, ensured); err != nil {
+		return nil, fmt.Errorf("nats sink: publish to %q: %w; ensuring JetStream stream %q again (create=true) failed: %w", subj, pubErr, s.stream, err)
+	}
+	ack, err := s.js.PublishMsg(ctx, msg, opts...)
+	if err != nil {
+		return nil, fmt.Errorf("nats sink: publish to %q after ensuring JetStream stream %q again: %w", subj, s.stream, err)
+	}
+	return ack, nil
+}
+
+// ensureAgain runs ensureStream, one caller at a time, unless a run that
+// began after ensured was read has succeeded.
+func (s *natsSink) ensureAgain(ctx context.Context, subj string, ensured uint64) error {
+	select {
+	case s.ensureSem <- struct{}{}:
+	case <-ctx.Done():
+		return fmt.Errorf("waiting for another publish ensuring it: %w", ctx.Err())
+	}
+	defer func() { <-s.ensureSem }()
+	if s.ensured.Load() != ensured {
+		return nil
+	}
+	s.log.Warn("no JetStream stream captures the subject (stream deleted?); ensuring the stream again, as at startup", "subject", subj)
+	if err := ensureStream(ctx, s.js, s.cfg, s.log); err != nil {
+		return err
+	}
+	s.ensured.Add(1)
+	return nil
+}
+
+// noStreamError says, for create=false, why no stream captured subj:
+// whether the stream is missing or does not capture it, as far as a lookup
+// tells.
+func (s *natsSink) noStreamError(ctx context.Context, subj string, pubErr error) error {
+	st, err := s.js.Stream(ctx, s.stream)
+	switch {
+	case errors.Is(err, jetstream.ErrStreamNotFound):
+		return fmt.Errorf("nats sink: publish to %q: %w: JetStream stream %q is missing, and with create=false the relay does not recreate it (create it, or set create=true)", subj, pubErr, s.stream)
+	case err != nil:
+		return fmt.Errorf("nats sink: publish to %q: %w: JetStream stream %q is missing or does not capture the subject (looking it up: %v); with create=false the relay does not recreate it", subj, pubErr, s.stream, err)
+	}
+	subjects := st.CachedInfo().Config.Subjects
+	if !slices.ContainsFunc(subjects, func(f string) bool { return subjectSubsetOf(subj, f) }) {
+		return fmt.Errorf("nats sink: publish to %q: %w: JetStream stream %q does not capture the subject (its subjects: %v), and with create=false the relay does not widen it", subj, pubErr, s.stream, subjects)
+	}
+	return fmt.Errorf("nats sink: publish to %q: %w: JetStream stream %q captures the subject but did not answer", subj, pubErr, s.stream)
 }
 
 // checkProducerHeader rejects producer header names that NATS cannot carry,

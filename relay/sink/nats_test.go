@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/rand"
 	"errors"
+	"log/slog"
 	"net/url"
 	"os"
 	"slices"
@@ -84,7 +85,18 @@ func (e *jsEnv) url(params map[string]string) string {
 
 func (e *jsEnv) open(t *testing.T, params map[string]string) relay.Sink {
 	t.Helper()
-	s, err := sink.Open(t.Context(), e.url(params), sink.Options{})
+	return e.openLogged(t, params, nil)
+}
+
+// openLogged is open with the sink's log written to out as text (nil
+// discards it).
+func (e *jsEnv) openLogged(t *testing.T, params map[string]string, out *lockedBuffer) relay.Sink {
+	t.Helper()
+	var opts sink.Options
+	if out != nil {
+		opts.Logger = slog.New(slog.NewTextHandler(out, nil))
+	}
+	s, err := sink.Open(t.Context(), e.url(params), opts)
 	if err != nil {
 		t.Fatalf("Open: %v", err)
 	}
@@ -360,6 +372,86 @@ func TestNATSCreateWidensExistingStream(t *testing.T) {
 	e.fetch(t, 2)
 }
 
+// duplicates returns the duplicate window of e's stream.
+func (e *jsEnv) duplicates(t *testing.T) time.Duration {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(t.Context(), waitFor)
+	defer cancel()
+	st, err := e.js.Stream(ctx, e.stream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return st.CachedInfo().Config.Duplicates
+}
+
+// A relay started without duplicates= keeps the window of an existing
+// stream: one rolled out with the README's plain URL must not shrink a
+// window widened with duplicates=1h back to the default.
+func TestNATSExistingStreamKeepsDuplicateWindow(t *testing.T) {
+	t.Parallel()
+	e := newJSEnv(t)
+	e.open(t, map[string]string{"duplicates": "1h"})
+	if got := e.duplicates(t); got != time.Hour {
+		t.Fatalf("stream created with duplicates=1h has a window of %s", got)
+	}
+	var log lockedBuffer
+	s := e.openLogged(t, nil, &log)
+	if err := s.Publish(t.Context(), testEvent("e1")); err != nil {
+		t.Fatalf("Publish: %v", err)
+	}
+	if got := e.duplicates(t); got != time.Hour {
+		t.Errorf("after a sink without duplicates= opened the stream its window is %s, want 1h kept", got)
+	}
+	if strings.Contains(log.String(), "updated JetStream stream") {
+		t.Errorf("a sink without duplicates= updated the stream:\n%s", log.String())
+	}
+}
+
+// A window below the default is kept too, with a warning that says what
+// it costs and which parameter widens it.
+func TestNATSExistingShortDuplicateWindowWarns(t *testing.T) {
+	t.Parallel()
+	e := newJSEnv(t)
+	ctx, cancel := context.WithTimeout(t.Context(), waitFor)
+	defer cancel()
+	if _, err := e.js.CreateStream(ctx, jetstream.StreamConfig{
+		Name: e.stream, Subjects: []string{e.prefix + ".>"}, Storage: jetstream.FileStorage, Duplicates: 30 * time.Second,
+	}); err != nil {
+		t.Fatal(err)
+	}
+	var log lockedBuffer
+	e.openLogged(t, nil, &log)
+	if got := e.duplicates(t); got != 30*time.Second {
+		t.Errorf("window = %s, want 30s kept", got)
+	}
+	out := log.String()
+	if !strings.Contains(out, "level=WARN") || !strings.Contains(out, "stored twice") || !strings.Contains(out, "duplicates=") {
+		t.Errorf("no warning about the short window naming duplicates=:\n%s", out)
+	}
+}
+
+// An explicit duplicates= changes an existing stream's window, and the log
+// says from what to what.
+func TestNATSExplicitDuplicatesChangesExistingWindow(t *testing.T) {
+	t.Parallel()
+	e := newJSEnv(t)
+	ctx, cancel := context.WithTimeout(t.Context(), waitFor)
+	defer cancel()
+	if _, err := e.js.CreateStream(ctx, jetstream.StreamConfig{
+		Name: e.stream, Subjects: []string{e.prefix + ".>"}, Storage: jetstream.FileStorage, Duplicates: time.Hour,
+	}); err != nil {
+		t.Fatal(err)
+	}
+	var log lockedBuffer
+	e.openLogged(t, map[string]string{"duplicates": "5m"}, &log)
+	if got := e.duplicates(t); got != 5*time.Minute {
+		t.Errorf("window = %s, want 5m set by duplicates=5m", got)
+	}
+	if out := log.String(); !strings.Contains(out, "duplicates=5m0s") || !strings.Contains(out, "previous_duplicates=1h0m0s") {
+		t.Errorf("the update's log does not give the old and new windows:\n%s", out)
+	}
+}
+
 func TestNATSPublishErrors(t *testing.T) {
 	t.Parallel()
 	e := newJSEnv(t)
@@ -426,8 +518,147 @@ func TestNATSPublishOutsideStreamFails(t *testing.T) {
 	defer cancel()
 	e.createElsewhere(t, ctx)
 	s := e.open(t, map[string]string{"create": "false", "timeout": "2s"})
-	if err := s.Publish(t.Context(), testEvent("e1")); err == nil {
+	err := s.Publish(t.Context(), testEvent("e1"))
+	if err == nil {
 		t.Fatal("Publish to a subject no stream captures succeeded")
+	}
+	if !strings.Contains(err.Error(), strconv.Quote(e.stream)) || !strings.Contains(err.Error(), "does not capture") {
+		t.Errorf("error %q does not say stream %s does not capture the subject", err, e.stream)
+	}
+}
+
+// deleteStream deletes e's stream through the JetStream API, as an
+// operator might under a running relay.
+func (e *jsEnv) deleteStream(t *testing.T) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(t.Context(), waitFor)
+	defer cancel()
+	if err := e.js.DeleteStream(ctx, e.stream); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// A stream deleted under a running sink is recreated, with the same
+// config, by the next Publish, which then succeeds: the events are not
+// parked until the relay restarts.
+func TestNATSRecreatesDeletedStream(t *testing.T) {
+	t.Parallel()
+	e := newJSEnv(t)
+	var log lockedBuffer
+	s := e.openLogged(t, map[string]string{"duplicates": "90s"}, &log)
+	if err := s.Publish(t.Context(), testEvent("e1")); err != nil {
+		t.Fatalf("Publish: %v", err)
+	}
+	e.deleteStream(t)
+
+	if err := s.Publish(t.Context(), testEvent("e2")); err != nil {
+		t.Fatalf("Publish after the stream was deleted: %v", err)
+	}
+	if got := e.fetch(t, 1)[0].Headers().Get(sink.HeaderEventID); got != "e2" {
+		t.Errorf("recreated stream holds %s, want e2", got)
+	}
+	ctx, cancel := context.WithTimeout(t.Context(), waitFor)
+	defer cancel()
+	st, err := e.js.Stream(ctx, e.stream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if sc := st.CachedInfo().Config; sc.Storage != jetstream.FileStorage || sc.Duplicates != 90*time.Second || !slices.Equal(sc.Subjects, []string{e.prefix + ".*.*"}) {
+		t.Errorf("recreated stream has storage %s, duplicates %s, subjects %v; want the config of Open: file, 90s, [%s.*.*]",
+			sc.Storage, sc.Duplicates, sc.Subjects, e.prefix)
+	}
+	if out := log.String(); !strings.Contains(out, "level=WARN") || !strings.Contains(out, "ensuring the stream again") {
+		t.Errorf("no warning that the stream was missing:\n%s", out)
+	}
+}
+
+// Publishes that find the stream deleted at the same time recreate it
+// once, not once each, and all succeed.
+func TestNATSConcurrentPublishesRecreateOnce(t *testing.T) {
+	t.Parallel()
+	e := newJSEnv(t)
+	var log lockedBuffer
+	s := e.openLogged(t, nil, &log)
+	e.deleteStream(t)
+
+	const n = 8
+	errs := make(chan error, n)
+	for i := range n {
+		go func() { errs <- s.Publish(t.Context(), testEvent("e"+strconv.Itoa(i))) }()
+	}
+	for range n {
+		if err := <-errs; err != nil {
+			t.Errorf("Publish: %v", err)
+		}
+	}
+	e.fetch(t, n)
+	if got := strings.Count(log.String(), "ensuring the stream again"); got != 1 {
+		t.Errorf("%d publishes ran ensureStream %d times, want once:\n%s", n, got, log.String())
+	}
+}
+
+// When recreating the deleted stream fails (here another stream holds
+// subjects that overlap the template's), Publish fails with the reason,
+// naming the stream.
+func TestNATSRecreateFailureReported(t *testing.T) {
+	t.Parallel()
+	e := newJSEnv(t)
+	s := e.open(t, nil)
+	e.deleteStream(t)
+	ctx, cancel := context.WithTimeout(t.Context(), waitFor)
+	defer cancel()
+	other := e.stream + "_OTHER"
+	if _, err := e.js.CreateStream(ctx, jetstream.StreamConfig{Name: other, Subjects: []string{e.prefix + ".x.y"}}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), waitFor)
+		defer cancel()
+		if err := e.js.DeleteStream(ctx, other); err != nil {
+			t.Errorf("delete stream %s: %v", other, err)
+		}
+	})
+
+	err := s.Publish(t.Context(), testEvent("e1"))
+	if err == nil {
+		t.Fatal("Publish succeeded though the stream could not be recreated")
+	}
+	if msg := err.Error(); !strings.Contains(msg, "ensuring JetStream stream "+strconv.Quote(e.stream)+" again (create=true) failed") || !strings.Contains(msg, "create JetStream stream") {
+		t.Errorf("error %q does not report the failed recreation of stream %s", msg, e.stream)
+	}
+	if !errors.Is(err, jetstream.ErrNoStreamResponse) {
+		t.Errorf("error %q does not wrap JetStream's %v", err, jetstream.ErrNoStreamResponse)
+	}
+}
+
+// With create=false the sink does not recreate a deleted stream, and the
+// error says which stream is missing and why it stays so.
+func TestNATSCreateFalseDeletedStreamNamed(t *testing.T) {
+	t.Parallel()
+	e := newJSEnv(t)
+	ctx, cancel := context.WithTimeout(t.Context(), waitFor)
+	defer cancel()
+	if _, err := e.js.CreateStream(ctx, jetstream.StreamConfig{Name: e.stream, Subjects: []string{e.prefix + ".>"}}); err != nil {
+		t.Fatal(err)
+	}
+	s := e.open(t, map[string]string{"create": "false"})
+	e.deleteStream(t)
+
+	err := s.Publish(t.Context(), testEvent("e1"))
+	if err == nil {
+		t.Fatal("Publish with create=false to a deleted stream succeeded")
+	}
+	if msg := err.Error(); !strings.Contains(msg, strconv.Quote(e.stream)) || !strings.Contains(msg, "missing") || !strings.Contains(msg, "create=false") {
+		t.Errorf("error %q does not say stream %s is missing and not recreated with create=false", msg, e.stream)
+	}
+	if !errors.Is(err, jetstream.ErrNoStreamResponse) {
+		t.Errorf("error %q does not wrap JetStream's %v", err, jetstream.ErrNoStreamResponse)
+	}
+	if relay.IsPermanent(err) {
+		t.Errorf("error %q is permanent; the stream may be created again", err)
+	}
+	if _, err := e.js.Stream(ctx, e.stream); !errors.Is(err, jetstream.ErrStreamNotFound) {
+		t.Errorf("with create=false the stream was looked up as %v, want it still missing", err)
 	}
 }
 

@@ -31,10 +31,16 @@
 //	            EscapeSubjectToken; the first token must be literal
 //	stream      JetStream stream name, default "OUTBOX"
 //	create      create the stream, or widen an existing one, at Open;
-//	            default true. With false the stream must already exist
-//	duplicates  the stream's duplicate window, default 2m; it must outlast
-//	            the relay's retry of an event for Nats-Msg-Id deduplication
-//	            to hide redeliveries
+//	            default true. With true a stream deleted while the sink
+//	            runs is created again, with the same config, by the next
+//	            Publish, which then publishes once more. With false the
+//	            stream must already exist, and a publish that finds it
+//	            missing fails, saying so
+//	duplicates  the duplicate window of a stream the sink creates, default
+//	            2m; it must outlast the relay's retry of an event for
+//	            Nats-Msg-Id deduplication to hide redeliveries. An existing
+//	            stream's window is changed only when duplicates= is given,
+//	            and kept otherwise (with a warning if it is under 2m)
 //	timeout     bound on each publish (and on Open's stream calls), default
 //	            10s
 //
