@@ -467,8 +467,11 @@ func (a *adminRouter) Purge(req *outboxv1.PurgeRequest, stream outboxv1.AdminSer
 	for _, p := range parts {
 		ps := &purgeStream{AdminService_PurgeServer: stream, ctx: p.ctx, source: p.name, partial: true}
 		if err := p.e.Admin.Purge(req, ps); err != nil {
+			// Say what the sources before it did: a purge over several
+			// sources does not undo them (it is idempotent: run again,
+			// it finishes the job).
 			st := status.Convert(err)
-			return status.Errorf(st.Code(), "source %s: %s", p.name, st.Message())
+			return status.Errorf(st.Code(), "source %s: %s (%s)", p.name, st.Message(), purgedBefore(total.GetSources()))
 		}
 		last := ps.last
 		if last == nil {
@@ -485,6 +488,23 @@ func (a *adminRouter) Purge(req *outboxv1.PurgeRequest, stream outboxv1.AdminSer
 		total.Sources = append(total.Sources, last)
 	}
 	return stream.Send(total)
+}
+
+// purgedBefore says what the sources a purge finished before one failed
+// deleted.
+func purgedBefore(done []*outboxv1.PurgeResponse) string {
+	if len(done) == 0 {
+		return "no source was purged"
+	}
+	parts := make([]string, len(done))
+	for i, r := range done {
+		src := r.GetSource()
+		if src == "" {
+			src = Default
+		}
+		parts[i] = fmt.Sprintf("source %s purged first: %d deleted", src, r.GetDeleted())
+	}
+	return strings.Join(parts, "; ")
 }
 
 // purgeStream is a Purge stream with the context its engine must see,

@@ -14,6 +14,7 @@ import (
 
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
 	"github.com/outboxd/outboxd/internal/servertest"
+	"github.com/outboxd/outboxd/internal/testdb"
 )
 
 // sharedID is an event id written to both sources: event ids are unique
@@ -250,5 +251,39 @@ func TestPurgeAndSkipAcrossSources(t *testing.T) {
 	}
 	if s := eventState(t, def, pendingDef); s != "pending" {
 		t.Errorf("the pending event is %s after purges", s)
+	}
+}
+
+// TestPurgeFailingOnASourceSaysWhatTheSourcesBeforeItDid: a purge over
+// every source that fails on one (its database refuses connections) names
+// it, and says what the sources purged before it deleted (they stay
+// purged), so the operator knows where the purge stopped.
+func TestPurgeFailingOnASourceSaysWhatTheSourcesBeforeItDid(t *testing.T) {
+	t.Parallel()
+	r, _, ordersURL := twoSources(t, servertest.Options{})
+	def := r.Pool
+	for _, k := range []string{"1", "2"} {
+		emit(t, def, "sales_order", k)
+	}
+	publishAll(t, r.Relay, 2, "sales_order")
+
+	orders := testdb.NewPoolURL(t, ordersURL)
+	var dbname string
+	if err := orders.QueryRow(t.Context(), `SELECT current_database()`).Scan(&dbname); err != nil {
+		t.Fatal(err)
+	}
+	orders.Close()
+	admin := testdb.NewPoolURL(t, testdb.ServerURL())
+	allow := testdb.RefuseConnections(t, admin, dbname)
+	defer allow()
+	testdb.TerminateBackends(t, admin, dbname)
+
+	_, err := purgeAll(t, r.Admin, &outboxv1.PurgeRequest{})
+	msg := status.Convert(err).Message()
+	if err == nil || !strings.HasPrefix(msg, "source orders: ") || !strings.Contains(msg, "source default purged first: 2 deleted") {
+		t.Errorf("purge of both sources with orders down: %v; want it to name orders and say default's 2 were deleted", err)
+	}
+	if n := countPublished(t, def); n != 0 {
+		t.Errorf("default keeps %d published events after its part of the purge; want 0", n)
 	}
 }
