@@ -207,7 +207,16 @@ released without counting a failure against their events.`,
 				}
 				eg.Go(func() error { return sf.Run(egCtx) })
 			}
+			// Say when a signal starts the drain and when it is over: a
+			// relay that goes quiet for up to --drain-timeout at shutdown
+			// otherwise looks hung.
+			stopping := context.AfterFunc(ctx, func() {
+				log.Info("relay stopping: publishes under way may finish and be acked", "drain_timeout", drain)
+			})
 			err = eg.Wait()
+			if !stopping() && err == nil {
+				log.Info("relay stopped")
+			}
 			if status.Code(err) == codes.Unauthenticated && client.tokenSource == "" {
 				err = fmt.Errorf("%w; outboxd sent no token: give it with --token-file FILE or in $%s", err, auth.DefaultClientEnvVar)
 			}

@@ -91,6 +91,12 @@ func TestRelayFollowsSourcesByPattern(t *testing.T) {
 	if code := relay.signal(os.Interrupt); code != 0 {
 		t.Errorf("relay exited %d on SIGINT; want 0", code)
 	}
+	// It said it was draining, and when it was done.
+	for _, line := range []string{"relay stopping: publishes under way may finish and be acked", "relay stopped"} {
+		if !relay.hasOutput(line) {
+			t.Errorf("relay did not log %q at SIGINT", line)
+		}
+	}
 }
 
 // A relay of */payments lists the server's sources again as soon as its
