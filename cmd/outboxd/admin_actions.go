@@ -126,7 +126,7 @@ func printActions(w io.Writer, resp *outboxv1.ListOperatorActionsResponse, perAg
 			actionName(a), cell(a.GetActor(), 40), cell(a.GetStream(), 40), a.GetAggregates(), a.GetEvents(),
 			cell(a.GetReason(), 80))
 		if perAggregate {
-			fmt.Fprintf(tw, "\t%s", cell(actiondetail.Describe(a.GetAction(), a.GetDetailJson()), 0))
+			fmt.Fprintf(tw, "\t%s", cell(actiondetail.Of(a), 0))
 		}
 		fmt.Fprintln(tw)
 	}
@@ -171,7 +171,7 @@ func printAggregateActions(ctx context.Context, c *adminClient, stream, key stri
 			reason = ": " + cell(a.GetReason(), 80)
 		}
 		fmt.Fprintf(tw, "%s\t%s\t%s\t%s%s\n", fmtTime(a.GetStartedAt()), actionName(a), cell(a.GetActor(), 40),
-			cell(actiondetail.Describe(a.GetAction(), a.GetDetailJson()), 0), reason)
+			cell(actiondetail.Of(a), 0), reason)
 	}
 	if err := tw.Flush(); err != nil {
 		return err

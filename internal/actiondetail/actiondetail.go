@@ -7,6 +7,9 @@ import (
 	"encoding/json"
 	"fmt"
 	"strings"
+
+	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+	"github.com/outboxd/outboxd/internal/multisource"
 )
 
 // detail is the union of the fields the server writes per action kind.
@@ -24,10 +27,19 @@ type detail struct {
 	Unskipped    int64  `json:"unskipped"`
 }
 
+// Of says what a did to the aggregate a listing named (Describe), an
+// event of a source other than default named source/event_id.
+func Of(a *outboxv1.OperatorAction) string {
+	src, _ := multisource.SplitStream(a.GetStream())
+	return Describe(a.GetAction(), a.GetDetailJson(), multisource.JoinStream(src, ""))
+}
+
 // Describe says what an action of kind action did, given its detail JSON;
 // "" when there is no detail (a listing that named no aggregate). Unknown
-// shapes come back as the JSON itself rather than as nothing.
-func Describe(action, detailJSON string) string {
+// shapes come back as the JSON itself rather than as nothing. idPrefix
+// goes before an event id: "orders/" for an action of source orders, as
+// message ids and admin calls name its events; "" in the default source.
+func Describe(action, detailJSON, idPrefix string) string {
 	if detailJSON == "" || detailJSON == "{}" {
 		return ""
 	}
@@ -46,7 +58,7 @@ func Describe(action, detailJSON string) string {
 		}
 		return s
 	case "skip", "bulk_skip":
-		return fmt.Sprintf("skipped revision %d (event %s)", d.Revision, d.EventID)
+		return fmt.Sprintf("skipped revision %d (event %s%s)", d.Revision, idPrefix, d.EventID)
 	case "republish":
 		s := fmt.Sprintf("%s delivered again (%s", revisions(d.FromRevision, d.ToRevision), plural(d.Events, "event"))
 		if d.Unskipped > 0 {

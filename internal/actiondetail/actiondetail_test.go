@@ -1,6 +1,10 @@
 package actiondetail
 
-import "testing"
+import (
+	"testing"
+
+	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+)
 
 func TestDescribe(t *testing.T) {
 	for _, c := range []struct{ action, detail, want string }{
@@ -20,8 +24,26 @@ func TestDescribe(t *testing.T) {
 		{"future", `{"x":1}`, `{"x":1}`},
 		{"retry", `not json`, `not json`},
 	} {
-		if got := Describe(c.action, c.detail); got != c.want {
+		if got := Describe(c.action, c.detail, ""); got != c.want {
 			t.Errorf("Describe(%q, %s) = %q, want %q", c.action, c.detail, got, c.want)
+		}
+	}
+	// An event of another source is named as its message id is.
+	if got, want := Describe("skip", `{"event_id":"e1","revision":4}`, "orders/"), "skipped revision 4 (event orders/e1)"; got != want {
+		t.Errorf("Describe of a skip in source orders = %q, want %q", got, want)
+	}
+}
+
+// Of names the event of an action by its address: source/event_id outside
+// default (the action's stream says the source), the bare id in it.
+func TestOfNamesTheEventInItsSource(t *testing.T) {
+	for stream, want := range map[string]string{
+		"orders/refund": "skipped revision 1 (event orders/e1)",
+		"refund":        "skipped revision 1 (event e1)",
+	} {
+		a := &outboxv1.OperatorAction{Action: "skip", Stream: stream, DetailJson: `{"event_id":"e1","revision":1}`}
+		if got := Of(a); got != want {
+			t.Errorf("Of(skip in %s) = %q, want %q", stream, got, want)
 		}
 	}
 }

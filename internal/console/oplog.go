@@ -129,5 +129,5 @@ func (c *Console) event(q *request) {
 
 // actionDetail is what an action did to the aggregate a listing named.
 func actionDetail(a *outboxv1.OperatorAction) string {
-	return actiondetail.Describe(a.GetAction(), a.GetDetailJson())
+	return actiondetail.Of(a)
 }
