@@ -31,4 +31,8 @@ func TestDevServesASource(t *testing.T) {
 	if code, body := httpGet("http://" + httpAddr + "/readyz"); code != http.StatusOK || strings.Contains(body, "degraded") {
 		t.Errorf("/readyz: %d %s; want 200 with every source ready", code, body)
 	}
+	// It says where the database came from: the flag, not $DATABASE_URL.
+	if !p.hasOutput("using PostgreSQL from --database-url") {
+		t.Error("dev --database-url did not say it uses the flag's database")
+	}
 }

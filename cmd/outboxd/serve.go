@@ -251,10 +251,7 @@ applies migrations and serves on --listen.`,
 			if err != nil {
 				return err
 			}
-			if g.databaseURL != "" {
-				os.Setenv(devdb.EnvVar, g.databaseURL)
-			}
-			db, err := devdb.Resolve(ctx, log)
+			db, err := devdb.Resolve(ctx, log, g.databaseURL)
 			if err != nil {
 				return err
 			}

@@ -26,6 +26,9 @@ const (
 	// SourceEnv means the URL came from the DATABASE_URL environment
 	// variable: the user chose the server explicitly.
 	SourceEnv = "DATABASE_URL"
+	// SourceFlag means the URL was given to Resolve (outboxd dev
+	// --database-url): the user chose the server explicitly.
+	SourceFlag = "--database-url"
 	// SourceLocal means a server already running on 127.0.0.1:5432 with trust
 	// auth for the postgres role was found; its data outlives the process.
 	SourceLocal = "local"
@@ -125,23 +128,30 @@ func (d *Database) StartServer(ctx context.Context) error {
 	return d.pgCtl(ctx, "start")
 }
 
-// Resolve finds a PostgreSQL server for `outboxd dev`: DATABASE_URL if set
-// (it must connect: a typo there should fail loudly rather than silently use
-// another server), else the local server at LocalURL, else a throwaway
-// cluster started from the installed server binaries. logger receives one
-// line saying which was chosen, and debug lines about what was skipped; nil
-// discards them. The returned error names every option that was tried.
-func Resolve(ctx context.Context, logger *slog.Logger) (*Database, error) {
+// Resolve finds a PostgreSQL server for `outboxd dev`: given if not empty
+// (--database-url), else DATABASE_URL if set (either must connect: a typo
+// there should fail loudly rather than silently use another server), else
+// the local server at LocalURL, else a throwaway cluster started from the
+// installed server binaries. logger receives one line saying which was
+// chosen, and debug lines about what was skipped; nil discards them. The
+// returned error names every option that was tried.
+func Resolve(ctx context.Context, logger *slog.Logger, given string) (*Database, error) {
 	if logger == nil {
 		logger = slog.New(slog.DiscardHandler)
 	}
 
-	if u := os.Getenv(EnvVar); u != "" {
-		if err := ping(ctx, u, envProbeTimeout); err != nil {
-			return nil, fmt.Errorf("devdb: %s is set but its server does not accept connections (unset it to use a local or throwaway PostgreSQL instead): %w", EnvVar, err)
+	for _, c := range []struct{ url, from, unset string }{
+		{given, SourceFlag, "leave it out"},
+		{os.Getenv(EnvVar), SourceEnv, "unset it"},
+	} {
+		if c.url == "" {
+			continue
 		}
-		logger.Info("using PostgreSQL from "+EnvVar, "url", redact(u))
-		return &Database{URL: u, Source: SourceEnv}, nil
+		if err := ping(ctx, c.url, envProbeTimeout); err != nil {
+			return nil, fmt.Errorf("devdb: %s is set but its server does not accept connections (%s to use a local or throwaway PostgreSQL instead): %w", c.from, c.unset, err)
+		}
+		logger.Info("using PostgreSQL from "+c.from, "url", redact(c.url))
+		return &Database{URL: c.url, Source: c.from}, nil
 	}
 
 	localErr := ping(ctx, LocalURL, localProbeTimeout)

@@ -37,7 +37,7 @@ func TestResolveUsesDatabaseURL(t *testing.T) {
 	want := serverURL()
 	t.Setenv(devdb.EnvVar, want)
 
-	db, err := devdb.Resolve(t.Context(), testLogger(t))
+	db, err := devdb.Resolve(t.Context(), testLogger(t), "")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -52,7 +52,7 @@ func TestResolveUsesDatabaseURL(t *testing.T) {
 func TestResolveBadDatabaseURLNamesVariable(t *testing.T) {
 	t.Setenv(devdb.EnvVar, "postgres://postgres@127.0.0.1:"+closedPort(t)+"/postgres?sslmode=disable")
 
-	db, err := devdb.Resolve(t.Context(), testLogger(t))
+	db, err := devdb.Resolve(t.Context(), testLogger(t), "")
 	if err == nil {
 		db.Close(t.Context())
 		t.Fatal("Resolve succeeded with DATABASE_URL pointing at a closed port")
