@@ -216,8 +216,7 @@ func (c *Config) setDefaults() error {
 		c.Logger = slog.New(slog.DiscardHandler)
 	}
 	if c.ReplicaID == "" {
-		host, _ := os.Hostname()
-		c.ReplicaID = fmt.Sprintf("%s-%d-%s", host, os.Getpid(), uuid.NewString()[:8])
+		c.ReplicaID = NewReplicaID()
 	}
 	def := func(d *time.Duration, v time.Duration) {
 		if *d == 0 {
@@ -944,4 +943,13 @@ func (s *Server) dbError(ctx context.Context, op string, err error) error {
 	}
 	s.log.Error("database error", "op", op, "err", err)
 	return status.Errorf(codes.Unavailable, "%s failed: database unavailable; retry", op)
+}
+
+// NewReplicaID is a replica id for a process that was given none
+// (Config.ReplicaID): host, process id and a random part, unique to each
+// call. A process serving several sources gives them all one, so that
+// operators see one replica (internal/app).
+func NewReplicaID() string {
+	host, _ := os.Hostname()
+	return fmt.Sprintf("%s-%d-%s", host, os.Getpid(), uuid.NewString()[:8])
 }

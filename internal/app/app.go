@@ -177,6 +177,12 @@ func New(ctx context.Context, cfg Config) (*Replica, error) {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
+	// One replica id for every source's engine (those added later too)
+	// unless a source names its own: one process is one replica to an
+	// operator reading `outboxd relays` or an aggregate's holder.
+	if cfg.Server.ReplicaID == "" {
+		cfg.Server.ReplicaID = server.NewReplicaID()
+	}
 	r := &Replica{cfg: cfg, log: log, health: health.NewServer(), ready: make(chan struct{}),
 		inproc: inProcessListener{bufconn.Listen(inProcessBuffer)}}
 	if err := r.newEngines(ctx); err != nil {
@@ -311,6 +317,7 @@ func (r *Replica) newEngine(ctx context.Context, src Source, labelled bool) (*en
 		return nil, multisource.Engine{}, fmt.Errorf("app: Config.Sources: %w", err)
 	}
 	sc := src.Server
+	sc.ReplicaID = cmp.Or(sc.ReplicaID, r.cfg.Server.ReplicaID)
 	sc.Logger = cmp.Or(sc.Logger, r.log)
 	sc.Registerer = cmp.Or(sc.Registerer, r.cfg.Server.Registerer)
 	if labelled {

@@ -275,8 +275,9 @@ func TestLagNamesAFailingSourceNotReady(t *testing.T) {
 
 // TestListRelaysNamesTheirSource: ListRelays writes a relay's streams and
 // exclude_streams as the relay named them ("orders/sales_order"), so an
-// operator can tell which source a relay serves; default's stay bare. Kills
-// a ListRelays that leaves an engine's bare names.
+// operator can tell which source a relay serves; default's stay bare; and
+// the replica is one id whatever the source. Kills a ListRelays that leaves
+// an engine's bare names.
 func TestListRelaysNamesTheirSource(t *testing.T) {
 	t.Parallel()
 	r, _, _ := twoSources(t, servertest.Options{})
@@ -314,6 +315,11 @@ func TestListRelaysNamesTheirSource(t *testing.T) {
 		if !slices.Equal(rl.GetStreams(), want[0]) || !slices.Equal(rl.GetExcludeStreams(), want[1]) {
 			t.Errorf("relay %s listed with streams %q, exclude %q; want %q, %q", id, rl.GetStreams(), rl.GetExcludeStreams(), want[0], want[1])
 		}
+	}
+	// One process, one replica: its sources' engines share the id an
+	// operator sees.
+	if a, b := byID["orders-one"].GetReplicaId(), byID["default-one"].GetReplicaId(); a == "" || a != b {
+		t.Errorf("relays of one replica's two sources listed on replicas %q and %q; want one", a, b)
 	}
 }
 
