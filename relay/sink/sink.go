@@ -322,14 +322,19 @@ func redactRaw(raw string) string {
 // redact returns u as text with its credentials hidden. A user name alone
 // is hidden too: NATS reads nats://TOKEN@host as a token.
 func redact(u *url.URL) string {
-	if u.User == nil {
-		return u.String()
-	}
 	c := *u
-	if _, ok := u.User.Password(); ok {
-		c.User = url.UserPassword(u.User.Username(), "xxxxx")
-	} else {
-		c.User = url.User("xxxxx")
+	if u.User != nil {
+		if _, ok := u.User.Password(); ok {
+			c.User = url.UserPassword(u.User.Username(), "xxxxx")
+		} else {
+			c.User = url.User("xxxxx")
+		}
 	}
-	return c.String()
+	s := c.String()
+	// url.URL.String drops the "//" of a URL without a host
+	// ("stdout://" is "stdout:"): written back as the flag took it.
+	if c.Host == "" && c.Opaque == "" && c.Scheme != "" && !strings.HasPrefix(s, c.Scheme+"://") {
+		s = c.Scheme + "://" + strings.TrimPrefix(s, c.Scheme+":")
+	}
+	return s
 }
