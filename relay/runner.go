@@ -341,8 +341,10 @@ func (r *Runner) logReconnect(q *repeatedFailure, err error, wait time.Duration)
 	switch {
 	case st.Code() == codes.NotFound:
 		// The server refuses streams no event has used yet, naming the
-		// ones that exist (a typo), or the producers have not run yet.
-		msg = fmt.Sprintf("subscription refused: %s; retrying until the streams have events, saying so again every %v", st.Message(), quietInterval)
+		// ones that exist (a typo, or the producers have not run yet),
+		// and a source it does not serve (removed from its configuration,
+		// perhaps to come back).
+		msg = fmt.Sprintf("subscription refused: %s; retrying until the server takes it (the streams have events, or the source is served), saying so again every %v", st.Message(), quietInterval)
 	case repeats > 0:
 		msg = fmt.Sprintf("stream still failing (%d more times in the last %v); reconnecting", repeats, quietInterval)
 	default:
