@@ -270,7 +270,7 @@ func bulkRetryCommand() *cobra.Command {
 		b         bulkFlags
 		acceptGap bool
 	)
-	cmd := adminCommand("bulk-retry --stream S [filters]", "Retry every parked or backing-off aggregate a filter matches", `
+	cmd := adminCommand("bulk-retry FILTERS (--stream S, --state STATE, ...)", "Retry every parked or backing-off aggregate a filter matches", `
 bulk-retry applies retry to every aggregate the filter matches that is parked
 or backing off (and, with --accept-gap and a --reason, held at a gap): each
 is made deliverable now with a fresh set of attempts, one aggregate at a
@@ -360,7 +360,7 @@ func bulkSkipCommand() *cobra.Command {
 		ff filterFlags
 		b  bulkFlags
 	)
-	cmd := adminCommand("bulk-skip --stream S [filters] --reason REASON", "Skip the next pending event of every aggregate a filter matches", `
+	cmd := adminCommand("bulk-skip FILTERS (--stream S, --state STATE, ...) --reason REASON", "Skip the next pending event of every aggregate a filter matches", `
 bulk-skip skips the next pending event of every aggregate the filter matches,
 as skip does for one event: never delivered nor marked published, recorded
 with the reason and who, and later revisions proceed. An event a relay
