@@ -459,7 +459,7 @@ func (a *adminRouter) Purge(req *outboxv1.PurgeRequest, stream outboxv1.AdminSer
 	}
 	for _, p := range parts {
 		if err := auth.AuthorizeAllStreams(p.ctx); err != nil {
-			return status.Errorf(codes.PermissionDenied, "source %s: %s; name a stream (--stream %s) to purge it", p.name,
+			return status.Errorf(codes.PermissionDenied, "source %s: %s; name a stream of it (%s) to purge it", p.name,
 				status.Convert(err).Message(), JoinStream(p.name, "STREAM"))
 		}
 	}
