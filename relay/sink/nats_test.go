@@ -293,13 +293,7 @@ func TestNATSCreateFalseMissingStream(t *testing.T) {
 func TestNATSStreamMaxMsgSizeIsPermanent(t *testing.T) {
 	t.Parallel()
 	e := newJSEnv(t)
-	ctx, cancel := context.WithTimeout(t.Context(), waitFor)
-	defer cancel()
-	if _, err := e.js.CreateStream(ctx, jetstream.StreamConfig{
-		Name: e.stream, Subjects: []string{e.prefix + ".>"}, Storage: jetstream.MemoryStorage, MaxMsgSize: 1024,
-	}); err != nil {
-		t.Fatal(err)
-	}
+	e.create(t, jetstream.StreamConfig{Subjects: []string{e.prefix + ".>"}, Storage: jetstream.MemoryStorage, MaxMsgSize: 1024})
 	s := e.open(t, map[string]string{"create": "false"})
 	big := testEvent("e-big")
 	big.Payload = []byte(`"` + strings.Repeat("x", 2048) + `"`)
@@ -317,11 +311,7 @@ func TestNATSCreateFalseUsesExistingStream(t *testing.T) {
 	e := newJSEnv(t)
 	ctx, cancel := context.WithTimeout(t.Context(), waitFor)
 	defer cancel()
-	if _, err := e.js.CreateStream(ctx, jetstream.StreamConfig{
-		Name: e.stream, Subjects: []string{e.prefix + ".>"}, Storage: jetstream.MemoryStorage, MaxMsgs: 100,
-	}); err != nil {
-		t.Fatal(err)
-	}
+	e.create(t, jetstream.StreamConfig{Subjects: []string{e.prefix + ".>"}, Storage: jetstream.MemoryStorage, MaxMsgs: 100})
 	s := e.open(t, map[string]string{"create": "false"})
 	if err := s.Publish(t.Context(), testEvent("e1")); err != nil {
 		t.Fatalf("Publish: %v", err)
@@ -343,11 +333,7 @@ func TestNATSCreateWidensExistingStream(t *testing.T) {
 	ctx, cancel := context.WithTimeout(t.Context(), waitFor)
 	defer cancel()
 	other := e.prefix + "_other.x"
-	if _, err := e.js.CreateStream(ctx, jetstream.StreamConfig{
-		Name: e.stream, Subjects: []string{other}, Storage: jetstream.FileStorage, MaxMsgs: 1000, Duplicates: time.Minute,
-	}); err != nil {
-		t.Fatal(err)
-	}
+	e.create(t, jetstream.StreamConfig{Subjects: []string{other}, Storage: jetstream.FileStorage, MaxMsgs: 1000, Duplicates: time.Minute})
 	s := e.open(t, map[string]string{"duplicates": "3m"})
 	if err := s.Publish(t.Context(), testEvent("e1")); err != nil {
 		t.Fatalf("Publish: %v", err)
@@ -412,13 +398,7 @@ func TestNATSExistingStreamKeepsDuplicateWindow(t *testing.T) {
 func TestNATSExistingShortDuplicateWindowWarns(t *testing.T) {
 	t.Parallel()
 	e := newJSEnv(t)
-	ctx, cancel := context.WithTimeout(t.Context(), waitFor)
-	defer cancel()
-	if _, err := e.js.CreateStream(ctx, jetstream.StreamConfig{
-		Name: e.stream, Subjects: []string{e.prefix + ".>"}, Storage: jetstream.FileStorage, Duplicates: 30 * time.Second,
-	}); err != nil {
-		t.Fatal(err)
-	}
+	e.create(t, jetstream.StreamConfig{Subjects: []string{e.prefix + ".>"}, Storage: jetstream.FileStorage, Duplicates: 30 * time.Second})
 	var log lockedBuffer
 	e.openLogged(t, nil, &log)
 	if got := e.duplicates(t); got != 30*time.Second {
@@ -435,13 +415,7 @@ func TestNATSExistingShortDuplicateWindowWarns(t *testing.T) {
 func TestNATSExplicitDuplicatesChangesExistingWindow(t *testing.T) {
 	t.Parallel()
 	e := newJSEnv(t)
-	ctx, cancel := context.WithTimeout(t.Context(), waitFor)
-	defer cancel()
-	if _, err := e.js.CreateStream(ctx, jetstream.StreamConfig{
-		Name: e.stream, Subjects: []string{e.prefix + ".>"}, Storage: jetstream.FileStorage, Duplicates: time.Hour,
-	}); err != nil {
-		t.Fatal(err)
-	}
+	e.create(t, jetstream.StreamConfig{Subjects: []string{e.prefix + ".>"}, Storage: jetstream.FileStorage, Duplicates: time.Hour})
 	var log lockedBuffer
 	e.openLogged(t, map[string]string{"duplicates": "5m"}, &log)
 	if got := e.duplicates(t); got != 5*time.Minute {
@@ -496,6 +470,17 @@ func TestNATSPublishErrors(t *testing.T) {
 	}
 	if n := info.CachedInfo().State.Msgs; n != 0 {
 		t.Errorf("failed publishes stored %d messages", n)
+	}
+}
+
+// create creates e's stream (cfg's name is e's) before the sink opens it.
+func (e *jsEnv) create(t *testing.T, cfg jetstream.StreamConfig) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(t.Context(), waitFor)
+	defer cancel()
+	cfg.Name = e.stream
+	if _, err := e.js.CreateStream(ctx, cfg); err != nil {
+		t.Fatal(err)
 	}
 }
 
@@ -638,9 +623,7 @@ func TestNATSCreateFalseDeletedStreamNamed(t *testing.T) {
 	e := newJSEnv(t)
 	ctx, cancel := context.WithTimeout(t.Context(), waitFor)
 	defer cancel()
-	if _, err := e.js.CreateStream(ctx, jetstream.StreamConfig{Name: e.stream, Subjects: []string{e.prefix + ".>"}}); err != nil {
-		t.Fatal(err)
-	}
+	e.create(t, jetstream.StreamConfig{Subjects: []string{e.prefix + ".>"}})
 	s := e.open(t, map[string]string{"create": "false"})
 	e.deleteStream(t)
 
