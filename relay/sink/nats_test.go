@@ -484,6 +484,26 @@ func (e *jsEnv) create(t *testing.T, cfg jetstream.StreamConfig) {
 	}
 }
 
+// createOther creates another stream than e's, capturing subject, and
+// deletes it when the test ends; it returns its name.
+func (e *jsEnv) createOther(t *testing.T, subject string) string {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(t.Context(), waitFor)
+	defer cancel()
+	other := e.stream + "_OTHER"
+	if _, err := e.js.CreateStream(ctx, jetstream.StreamConfig{Name: other, Subjects: []string{subject}}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), waitFor)
+		defer cancel()
+		if err := e.js.DeleteStream(ctx, other); err != nil {
+			t.Errorf("delete stream %s: %v", other, err)
+		}
+	})
+	return other
+}
+
 // createElsewhere creates e's stream as if managed elsewhere: under e's
 // name, capturing none of the subjects the sink's template makes.
 func (e *jsEnv) createElsewhere(t *testing.T, ctx context.Context) {
@@ -590,19 +610,7 @@ func TestNATSRecreateFailureReported(t *testing.T) {
 	e := newJSEnv(t)
 	s := e.open(t, nil)
 	e.deleteStream(t)
-	ctx, cancel := context.WithTimeout(t.Context(), waitFor)
-	defer cancel()
-	other := e.stream + "_OTHER"
-	if _, err := e.js.CreateStream(ctx, jetstream.StreamConfig{Name: other, Subjects: []string{e.prefix + ".x.y"}}); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), waitFor)
-		defer cancel()
-		if err := e.js.DeleteStream(ctx, other); err != nil {
-			t.Errorf("delete stream %s: %v", other, err)
-		}
-	})
+	e.createOther(t, e.prefix+".x.y")
 
 	err := s.Publish(t.Context(), testEvent("e1"))
 	if err == nil {
@@ -704,17 +712,7 @@ func TestNATSPublishCapturedByAnotherStreamFails(t *testing.T) {
 	ctx, cancel := context.WithTimeout(t.Context(), waitFor)
 	defer cancel()
 	e.createElsewhere(t, ctx)
-	other := e.stream + "_OTHER"
-	if _, err := e.js.CreateStream(ctx, jetstream.StreamConfig{Name: other, Subjects: []string{e.prefix + ".>"}}); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), waitFor)
-		defer cancel()
-		if err := e.js.DeleteStream(ctx, other); err != nil {
-			t.Errorf("delete stream %s: %v", other, err)
-		}
-	})
+	other := e.createOther(t, e.prefix+".>")
 	s := e.open(t, map[string]string{"create": "false"})
 	if err := s.Publish(t.Context(), testEvent("e1")); err == nil {
 		t.Fatalf("Publish acknowledged by stream %s, not the configured %s, succeeded", other, e.stream)
