@@ -484,3 +484,22 @@ func TestATokenOfNoServedSourceIsRefusedOverEverySource(t *testing.T) {
 		t.Errorf("Purge without a stream: %v; want PERMISSION_DENIED", err)
 	}
 }
+
+// TestLagNamingAStreamASourceRefusesIsRefused: GetLag naming a stream the
+// token may not see is refused (PERMISSION_DENIED), also when it names it
+// through "*/": a token of default's sales_order and orders' billing asking
+// for */sales_order is refused, not answered with default's figures and
+// orders reported not ready.
+func TestLagNamingAStreamASourceRefusesIsRefused(t *testing.T) {
+	t.Parallel()
+	const mixedToken = "mixed-viewer-token-0123456789"
+	_, dial := twoSourcesWithTokens(t, "mixed viewer "+mixedToken+" streams=sales_order,orders/billing\n")
+	viewer := outboxv1.NewAdminServiceClient(dial(mixedToken))
+	if _, err := viewer.GetLag(t.Context(), &outboxv1.GetLagRequest{Streams: []string{"sales_order", "orders/billing"}}); err != nil {
+		t.Fatalf("GetLag of the token's own streams: %v", err)
+	}
+	lag, err := viewer.GetLag(t.Context(), &outboxv1.GetLagRequest{Streams: []string{"*/sales_order"}})
+	if status.Code(err) != codes.PermissionDenied {
+		t.Errorf("GetLag of */sales_order: %v, sources %v; want PERMISSION_DENIED", err, lag.GetSources())
+	}
+}
