@@ -207,3 +207,35 @@ func TestStreamLimitedAdminToken(t *testing.T) {
 		}
 	}
 }
+
+// A relay subscribed to a billing stream and to another stream is not
+// shown to an admin token limited to billing.*, in ListRelays nor in
+// GetLag's relay count: a relay is listed to a stream-limited token only if
+// every stream it subscribed to is one the token may see.
+func TestStreamLimitedAdminDoesNotSeeARelayWithAnotherStreamToo(t *testing.T) {
+	t.Parallel()
+	ctx := t.Context()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	r := startAuthReplica(t, url)
+	emit(t, pool, "billing.invoice", "i-1", 1)
+	emit(t, pool, "sales_order", "o-1", 1)
+	st, err := outboxv1.NewRelayServiceClient(dialAs(t, r, relayToken)).Subscribe(ctx,
+		&outboxv1.SubscribeRequest{RelayId: "mixed", Streams: []string{"billing.invoice", "sales_order"}, MaxInFlight: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := st.Header(); err != nil {
+		t.Fatal(err)
+	}
+	if all, err := outboxv1.NewAdminServiceClient(dialAs(t, r, adminToken)).ListRelays(ctx, &outboxv1.ListRelaysRequest{}); err != nil || len(all.GetRelays()) != 1 {
+		t.Fatalf("ListRelays for the unrestricted admin: %v, %v; want the mixed relay", all, err)
+	}
+	limited := outboxv1.NewAdminServiceClient(dialAs(t, r, billingOps))
+	if relays, err := limited.ListRelays(ctx, &outboxv1.ListRelaysRequest{}); err != nil || len(relays.GetRelays()) != 0 {
+		t.Errorf("ListRelays for billing.*: %v, %v; want no relay", relays.GetRelays(), err)
+	}
+	if lag, err := limited.GetLag(ctx, &outboxv1.GetLagRequest{}); err != nil || lag.GetConnectedRelays() != 0 {
+		t.Errorf("GetLag for billing.*: %d connected relays, %v; want 0", lag.GetConnectedRelays(), err)
+	}
+}

@@ -2,6 +2,8 @@ package server_test
 
 import (
 	"context"
+	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
@@ -10,6 +12,8 @@ import (
 	"google.golang.org/grpc/codes"
 
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+	"github.com/outboxd/outboxd/internal/auth"
+	"github.com/outboxd/outboxd/internal/servertest"
 	"github.com/outboxd/outboxd/internal/testdb"
 )
 
@@ -116,5 +120,36 @@ func TestLimitedTokenActionPageReadsPastOtherStreams(t *testing.T) {
 	}
 	if acts := res.GetActions(); len(acts) != 1 || acts[0].GetStream() != "billing.invoice" || res.GetNextPageToken() != "" {
 		t.Fatalf("first page of size 1 for billing.*: %v, next %q; want the billing skip and no next page", acts, res.GetNextPageToken())
+	}
+}
+
+// An operator action over every stream (a bulk action whose filter stream
+// is "*") is listed only to an unlimited token: a token limited to a
+// pattern that matches every stream name ("streams=**") is still limited,
+// and ListOperatorActions does not show it that action.
+func TestActionOverEveryStreamIsHiddenFromALimitedToken(t *testing.T) {
+	t.Parallel()
+	ctx := t.Context()
+	url := testdb.New(t)
+	const starsToken = "stars-ops-token-0123456789ab"
+	file := filepath.Join(t.TempDir(), "tokens")
+	if err := os.WriteFile(file, []byte("ops admin "+adminToken+"\nstars admin "+starsToken+" streams=**\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	a, err := auth.New(auth.Config{File: file})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := servertest.Start(t, url, servertest.Options{Authenticator: a})
+	full := outboxv1.NewAdminServiceClient(dialAs(t, r, adminToken))
+	if _, err := full.BulkRetry(ctx, &outboxv1.BulkRetryRequest{Filter: &outboxv1.AggregateFilter{Stream: "*"}}); err != nil {
+		t.Fatal(err)
+	}
+	if acts, err := full.ListOperatorActions(ctx, &outboxv1.ListOperatorActionsRequest{}); err != nil || len(acts.GetActions()) != 1 || acts.GetActions()[0].GetStream() != "*" {
+		t.Fatalf("ListOperatorActions for the unrestricted admin: %v, %v; want the bulk retry over *", acts, err)
+	}
+	acts, err := outboxv1.NewAdminServiceClient(dialAs(t, r, starsToken)).ListOperatorActions(ctx, &outboxv1.ListOperatorActionsRequest{})
+	if err != nil || len(acts.GetActions()) != 0 {
+		t.Errorf("ListOperatorActions for streams=**: %v, %v; want no action", acts.GetActions(), err)
 	}
 }

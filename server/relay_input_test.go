@@ -3,6 +3,8 @@ package server_test
 import (
 	"context"
 	"fmt"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -12,6 +14,8 @@ import (
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+	"github.com/outboxd/outboxd/internal/auth"
+	"github.com/outboxd/outboxd/internal/servertest"
 	"github.com/outboxd/outboxd/internal/testdb"
 	"github.com/outboxd/outboxd/server"
 )
@@ -48,6 +52,48 @@ func TestSubscriptionsPerRelayAreBounded(t *testing.T) {
 	}
 	if err := open("s"); err != nil {
 		t.Fatalf("the first subscription of relay s: %v", err)
+	}
+}
+
+// The Subscribe limit counts a token's streams, whatever relay_id each
+// names: a token holding MaxSubscriptionsPerRelay streams is refused one
+// more under a new relay_id (ResourceExhausted), and another token is not
+// limited by it.
+func TestSubscriptionLimitIsPerTokenNotPerRelayID(t *testing.T) {
+	t.Parallel()
+	ctx := t.Context()
+	url := testdb.New(t)
+	const otherToken = "other-relay-token-0123456789"
+	file := filepath.Join(t.TempDir(), "tokens")
+	if err := os.WriteFile(file, []byte("relay relay "+relayToken+"\nother relay "+otherToken+"\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	a, err := auth.New(auth.Config{File: file})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := servertest.Start(t, url, servertest.Options{Authenticator: a, Configure: func(c *server.Config) { c.MaxSubscriptionsPerRelay = 2 }})
+	open := func(token, relayID string) error {
+		st, err := outboxv1.NewRelayServiceClient(dialAs(t, r, token)).Subscribe(ctx, &outboxv1.SubscribeRequest{RelayId: relayID, MaxInFlight: 1})
+		if err != nil {
+			return err
+		}
+		if h, err := st.Header(); err != nil || len(h.Get(server.SessionIDHeader)) == 0 {
+			_, err = st.Recv()
+			return fmt.Errorf("no session id header: %w", err)
+		}
+		return nil
+	}
+	for _, id := range []string{"a", "b"} {
+		if err := open(relayToken, id); err != nil {
+			t.Fatalf("subscription %s of the relay token: %v", id, err)
+		}
+	}
+	if err := open(relayToken, "c"); status.Code(err) != codes.ResourceExhausted {
+		t.Fatalf("a third subscription of the relay token, as relay c: %v, want ResourceExhausted", err)
+	}
+	if err := open(otherToken, "a"); err != nil {
+		t.Fatalf("the first subscription of the other token: %v", err)
 	}
 }
 

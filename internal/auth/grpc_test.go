@@ -2,6 +2,8 @@ package auth
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"io"
 	"net"
 	"slices"
@@ -386,6 +388,22 @@ func TestLookupRefusesWhatTheInterceptorRefuses(t *testing.T) {
 	addr := serve(t, a)
 	check(t, dial(t, addr, long), callAck, codes.Unauthenticated, "", "")
 	check(t, dial(t, addr, longest), callAck, codes.OK, "longest", "")
+}
+
+// A token authenticates only by its whole SHA-256: a hashed line whose
+// digest differs from the token's in the first or the last byte alone does
+// not let the token in, through Lookup or the interceptor.
+func TestTokenMustMatchItsWholeDigest(t *testing.T) {
+	t.Parallel()
+	const token = "near-miss-token-0123456789"
+	first, last := sha256.Sum256([]byte(token)), sha256.Sum256([]byte(token))
+	first[0] ^= 1
+	last[len(last)-1] ^= 1
+	a := newFromText(t, "first relay sha256:"+hex.EncodeToString(first[:])+"\nlast relay sha256:"+hex.EncodeToString(last[:]), nil)
+	if p, ok := a.Lookup(token); ok {
+		t.Errorf("Lookup accepted a token whose digest differs from %q's in one byte", p.Name)
+	}
+	check(t, dial(t, serve(t, a), token), callAck, codes.Unauthenticated, "", "")
 }
 
 func TestPermissionDeniedNamesRole(t *testing.T) {

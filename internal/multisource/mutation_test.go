@@ -12,11 +12,14 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/durationpb"
 
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
 	"github.com/outboxd/outboxd/internal/servertest"
 	"github.com/outboxd/outboxd/internal/testdb"
+	"github.com/outboxd/outboxd/server"
 )
 
 // Tests written against mutants of this package's routing that its other
@@ -368,4 +371,141 @@ func TestListingPageOverSourcesHoldsAtMostPageSize(t *testing.T) {
 		return eventNames(res), res.GetNextPageToken(), err
 	})
 	onceEach(t, "ListEvents without a stream by pages of 2", got, want)
+}
+
+// TestPatternWithoutASourceIsRefusedOnAnotherSource: a pattern without a
+// source ("streams=sales_order") covers default's stream alone, not the
+// stream of that name in another source, for relay and admin RPCs alike:
+// the token may not subscribe to orders/sales_order, ack, nack or extend a
+// genuine lease of it, read its aggregate, skip its event or purge it, and
+// nothing changes. On default's sales_order it is served.
+func TestPatternWithoutASourceIsRefusedOnAnotherSource(t *testing.T) {
+	t.Parallel()
+	const (
+		allToken   = "all-token-0123456789abcdef"
+		salesToken = "sales-token-0123456789abcdef"
+	)
+	r, dial := twoSourcesWithTokens(t, "all admin,relay "+allToken+"\n"+
+		"sales admin,relay "+salesToken+" streams=sales_order\n")
+	all := outboxv1.NewRelayServiceClient(dial(allToken))
+	sales, salesAdmin := outboxv1.NewRelayServiceClient(dial(salesToken)), outboxv1.NewAdminServiceClient(dial(salesToken))
+	emit(t, r.Pool, "sales_order", "1")
+	id := emit(t, r.Pools["orders"], "sales_order", "1")
+	item := &outboxv1.AckItem{EventId: id, LeaseToken: recv(t, subscribe(t, all, "orders/sales_order")).GetLeaseToken()}
+	denied := func(what string, err error) {
+		t.Helper()
+		if status.Code(err) != codes.PermissionDenied {
+			t.Errorf("sales_order token: %s: %v; want PERMISSION_DENIED", what, err)
+		}
+	}
+
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	st, err := sales.Subscribe(ctx, &outboxv1.SubscribeRequest{RelayId: "t", Streams: []string{"orders/sales_order"}, MaxInFlight: 1})
+	if err == nil {
+		// A session id header says the stream was admitted; a refusal
+		// ends the stream with its status instead.
+		var h metadata.MD
+		if h, err = st.Header(); err == nil && len(h.Get(server.SessionIDHeader)) == 0 {
+			_, err = st.Recv()
+		}
+	}
+	denied("Subscribe to orders/sales_order", err)
+	cancel()
+	_, err = sales.Ack(t.Context(), &outboxv1.AckRequest{Acks: []*outboxv1.AckItem{item}})
+	denied("Ack of an orders/sales_order lease", err)
+	_, err = sales.Nack(t.Context(), &outboxv1.NackRequest{EventId: id, LeaseToken: item.LeaseToken, Error: "x"})
+	denied("Nack of an orders/sales_order lease", err)
+	_, err = sales.ExtendLease(t.Context(), &outboxv1.ExtendLeaseRequest{EventId: id, LeaseToken: item.LeaseToken, Ttl: durationpb.New(time.Minute)})
+	denied("ExtendLease of an orders/sales_order lease", err)
+	_, err = salesAdmin.GetAggregate(t.Context(), &outboxv1.GetAggregateRequest{Stream: "orders/sales_order", AggregateKey: "1"})
+	denied("GetAggregate of orders/sales_order", err)
+	_, err = salesAdmin.SkipEvent(t.Context(), &outboxv1.SkipEventRequest{EventId: "orders/" + id, Reason: "x"})
+	denied("SkipEvent of an orders/sales_order event", err)
+	_, err = purgeAll(t, salesAdmin, &outboxv1.PurgeRequest{Stream: "orders/sales_order", DryRun: true})
+	denied("Purge of orders/sales_order", err)
+	if _, err := salesAdmin.GetAggregate(t.Context(), &outboxv1.GetAggregateRequest{Stream: "sales_order", AggregateKey: "1"}); err != nil {
+		t.Errorf("sales_order token: GetAggregate of default's sales_order: %v", err)
+	}
+
+	// The lease is intact: its holder acks it.
+	res, err := all.Ack(t.Context(), &outboxv1.AckRequest{Acks: []*outboxv1.AckItem{item}})
+	if err != nil || res.GetResults()[0].GetStatus() != outboxv1.AckStatus_ACK_STATUS_PUBLISHED {
+		t.Errorf("the holder's own ack after the refusals: %v, %v", res, err)
+	}
+}
+
+// TestLagHidesPendingSourcesFromATokenScopedElsewhere: GetLag names a
+// source configured but not added yet only to a token that may see it; a
+// token scoped "orders/*" learns nothing of source shipping, as it learns
+// nothing of default.
+func TestLagHidesPendingSourcesFromATokenScopedElsewhere(t *testing.T) {
+	t.Parallel()
+	const (
+		allToken    = "all-viewer-token-0123456789"
+		ordersToken = "orders-viewer-token-0123456789"
+	)
+	r, dial := twoSourcesWithTokens(t, "all viewer "+allToken+"\n"+
+		"orders viewer "+ordersToken+" streams=orders/*\n")
+	r.App.SetSourcePending("shipping", "connection refused")
+	sources := func(token string) []string {
+		t.Helper()
+		lag, err := outboxv1.NewAdminServiceClient(dial(token)).GetLag(t.Context(), &outboxv1.GetLagRequest{})
+		if err != nil {
+			t.Fatalf("GetLag: %v", err)
+		}
+		var names []string
+		for _, s := range lag.GetSources() {
+			names = append(names, s.GetName())
+		}
+		return names
+	}
+	if got := sources(allToken); !slices.Contains(got, "shipping") {
+		t.Errorf("GetLag with an unrestricted token names sources %v; want shipping among them", got)
+	}
+	if got := sources(ordersToken); !slices.Equal(got, []string{"orders"}) {
+		t.Errorf("GetLag with an orders/* token names sources %v; want [orders]", got)
+	}
+}
+
+// TestATokenOfNoServedSourceIsRefusedOverEverySource: a token that may
+// access no stream of any source this server serves ("shipping/*") is
+// refused (PERMISSION_DENIED) by the calls over every source, GetLag,
+// ListRelays and a Purge without a stream, rather than answered empty.
+func TestATokenOfNoServedSourceIsRefusedOverEverySource(t *testing.T) {
+	t.Parallel()
+	const shippingToken = "shipping-admin-token-0123456789"
+	_, dial := twoSourcesWithTokens(t, "shipping admin "+shippingToken+" streams=shipping/*\n")
+	admin := outboxv1.NewAdminServiceClient(dial(shippingToken))
+	_, err := admin.GetLag(t.Context(), &outboxv1.GetLagRequest{})
+	if status.Code(err) != codes.PermissionDenied {
+		t.Errorf("GetLag: %v; want PERMISSION_DENIED", err)
+	}
+	_, err = admin.ListRelays(t.Context(), &outboxv1.ListRelaysRequest{})
+	if status.Code(err) != codes.PermissionDenied {
+		t.Errorf("ListRelays: %v; want PERMISSION_DENIED", err)
+	}
+	_, err = purgeAll(t, admin, &outboxv1.PurgeRequest{DryRun: true})
+	if status.Code(err) != codes.PermissionDenied {
+		t.Errorf("Purge without a stream: %v; want PERMISSION_DENIED", err)
+	}
+}
+
+// TestLagNamingAStreamASourceRefusesIsRefused: GetLag naming a stream the
+// token may not see is refused (PERMISSION_DENIED), also when it names it
+// through "*/": a token of default's sales_order and orders' billing asking
+// for */sales_order is refused, not answered with default's figures and
+// orders reported not ready.
+func TestLagNamingAStreamASourceRefusesIsRefused(t *testing.T) {
+	t.Parallel()
+	const mixedToken = "mixed-viewer-token-0123456789"
+	_, dial := twoSourcesWithTokens(t, "mixed viewer "+mixedToken+" streams=sales_order,orders/billing\n")
+	viewer := outboxv1.NewAdminServiceClient(dial(mixedToken))
+	if _, err := viewer.GetLag(t.Context(), &outboxv1.GetLagRequest{Streams: []string{"sales_order", "orders/billing"}}); err != nil {
+		t.Fatalf("GetLag of the token's own streams: %v", err)
+	}
+	lag, err := viewer.GetLag(t.Context(), &outboxv1.GetLagRequest{Streams: []string{"*/sales_order"}})
+	if status.Code(err) != codes.PermissionDenied {
+		t.Errorf("GetLag of */sales_order: %v, sources %v; want PERMISSION_DENIED", err, lag.GetSources())
+	}
 }
