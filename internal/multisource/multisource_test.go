@@ -2,6 +2,7 @@ package multisource_test
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -599,5 +600,24 @@ func TestXminHorizonOfSources(t *testing.T) {
 	if h := lag.GetXminHorizon(); h.GetAgeTransactions() < n || h.GetHolder() == "" ||
 		(h.GetSource() != "default" && h.GetSource() != "orders") {
 		t.Fatalf("xmin_horizon %v while a snapshot is held %d transactions back; want it with its source", h, n)
+	}
+}
+
+// An Ack of no items, or of more than one request may carry, is refused
+// by the router itself (INVALID_ARGUMENT, in the engines' words), not
+// handed to an engine with the caller's token unnarrowed to its source.
+func TestAckOutsideItsItemLimitIsRefusedByTheRouter(t *testing.T) {
+	t.Parallel()
+	r, _, _ := twoSources(t, servertest.Options{})
+	for _, n := range []int{0, 1001} {
+		acks := make([]*outboxv1.AckItem, n)
+		for i := range acks {
+			acks[i] = &outboxv1.AckItem{EventId: sharedID, LeaseToken: "orders:x"}
+		}
+		_, err := r.Relay.Ack(t.Context(), &outboxv1.AckRequest{Acks: acks})
+		want := fmt.Sprintf("invalid request: acks: must hold 1 to 1000 items, got %d", n)
+		if status.Code(err) != codes.InvalidArgument || status.Convert(err).Message() != want {
+			t.Errorf("Ack of %d items: %v; want INVALID_ARGUMENT %q", n, err, want)
+		}
 	}
 }

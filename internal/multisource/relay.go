@@ -11,12 +11,9 @@ import (
 
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
 	"github.com/outboxd/outboxd/internal/auth"
+	"github.com/outboxd/outboxd/internal/limits"
 	"github.com/outboxd/outboxd/server"
 )
-
-// maxAckItems is the engines' limit on one Ack; the Router leaves refusing
-// a request outside it to an engine, so the message is the engine's.
-const maxAckItems = 1000
 
 // relayRouter implements outbox.v1.RelayService in front of the engines.
 type relayRouter struct {
@@ -165,8 +162,10 @@ func (s *sourceStream) bind(d *outboxv1.SubscribeResponse) {
 func (rr *relayRouter) Ack(ctx context.Context, req *outboxv1.AckRequest) (*outboxv1.AckResponse, error) {
 	rt := rr.r.routes()
 	items := req.GetAcks()
-	if len(items) == 0 || len(items) > maxAckItems {
-		return rt.engines[rt.names[0]].Relay.Ack(ctx, req)
+	// Refused here, in the engines' words, rather than handed to an
+	// engine with the caller's token unnarrowed to its source.
+	if len(items) == 0 || len(items) > limits.MaxAckItems {
+		return nil, invalid("acks", "must hold 1 to %d items, got %d", limits.MaxAckItems, len(items))
 	}
 	results := make([]*outboxv1.AckResult, len(items))
 	type part struct {
