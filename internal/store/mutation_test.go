@@ -3,6 +3,7 @@ package store_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -398,5 +399,58 @@ func TestASplitAckLendsTheSessionsCreditOnce(t *testing.T) {
 	}
 	if handed[heads["b"]] != 1 {
 		t.Errorf("b1's ack, in the second half of the split batch, handed over %d events; want 1 (b2): the loan went with the first half", handed[heads["b"]])
+	}
+}
+
+// A nack's backoff is equal jitter over the exponential step: between half
+// and all of min(BackoffCap, BackoffBase * 2^failures before it), never
+// more. Sixteen aggregates nacked after their tenth failure (base a second,
+// cap an hour) each come back 512 s to 1024 s later, and eight nacked after
+// their twentieth, whose step is past the cap, 30 min to an hour later: a
+// jitter that overshoots the step, a step one doubling too far or a
+// missing cap puts some outside (each nack's chance of escaping is at most
+// a half, sixteen times over). Kills mutants of outbox.nack's retry_at.
+func TestNackBackoffStaysWithinItsJitteredStep(t *testing.T) {
+	t.Parallel()
+	pool := testdb.NewPool(t)
+	st := store.New(pool)
+	var keys []string
+	for i := range 24 {
+		keys = append(keys, fmt.Sprintf("k%02d", i))
+	}
+	discovered(t, pool, st, "orders", keys...)
+	leases, err := st.Claim(t.Context(), claimOf(len(keys)))
+	if err != nil || len(leases) != len(keys) {
+		t.Fatalf("claim: %d leases, %v", len(leases), err)
+	}
+	if _, err := pool.Exec(t.Context(), `UPDATE outbox.delivery SET failures = CASE WHEN aggregate_key < 'k16' THEN 10 ELSE 20 END`); err != nil {
+		t.Fatal(err)
+	}
+	clock := func() (now time.Time) {
+		t.Helper()
+		if err := pool.QueryRow(t.Context(), `SELECT clock_timestamp()`).Scan(&now); err != nil {
+			t.Fatal(err)
+		}
+		return now
+	}
+	before := clock()
+	next := map[string]time.Time{}
+	for _, l := range leases {
+		r, err := st.Nack(t.Context(), store.NackParams{EventID: l.Event.ID, Epoch: l.Epoch, Error: "broker down",
+			BackoffBase: time.Second, BackoffCap: time.Hour, MaxFailures: 100})
+		if err != nil || r.Parked {
+			t.Fatalf("nack of %s: %v (parked %v)", l.Event.AggregateKey, err, r.Parked)
+		}
+		next[l.Event.AggregateKey] = r.NextAttemptAt
+	}
+	after := clock()
+	for _, k := range keys {
+		step := 1024 * time.Second
+		if k >= "k16" {
+			step = time.Hour
+		}
+		if at := next[k]; at.Before(before.Add(step/2)) || at.After(after.Add(step)) {
+			t.Errorf("%s: next attempt %v after the nacks began, want %v to %v", k, at.Sub(before), step/2, step)
+		}
 	}
 }
