@@ -454,3 +454,51 @@ func TestNackBackoffStaysWithinItsJitteredStep(t *testing.T) {
 		}
 	}
 }
+
+// An operator's retry of an aggregate parked because its event was
+// delivered too often without an answer gives it a fresh set of attempts:
+// the next claim leases the event rather than counting one more unanswered
+// delivery and parking it again at once. Kills a RetryAggregate that does
+// not reset unanswered.
+func TestRetryOfAnAggregateParkedUnansweredLeasesItAgain(t *testing.T) {
+	t.Parallel()
+	pool := testdb.NewPool(t)
+	st := store.New(pool)
+	discovered(t, pool, st, "orders", "1")
+	claim := func() int {
+		t.Helper()
+		p := claimOf(1)
+		p.MaxAttempts = 2
+		leases, err := st.Claim(t.Context(), p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		// The relay's stream ends unanswered.
+		if _, err := st.Release(t.Context(), p.Holder); err != nil {
+			t.Fatal(err)
+		}
+		return len(leases)
+	}
+	for i := range 2 {
+		if n := claim(); n != 1 {
+			t.Fatalf("delivery %d: %d leases, want 1", i+1, n)
+		}
+	}
+	if n := claim(); n != 0 {
+		t.Fatalf("a third delivery of an event delivered twice unanswered (max 2): %d leases", n)
+	}
+	a, err := st.RetryAggregate(t.Context(), store.RetryParams{Stream: "orders", AggregateKey: "1", Reason: "relay fixed", Actor: "test"})
+	if err != nil {
+		t.Fatalf("retry of the parked aggregate: %v", err)
+	}
+	if a.State != "ready" {
+		t.Fatalf("retried aggregate is %s, want ready", a.State)
+	}
+	if n := claim(); n != 1 {
+		var state string
+		if err := pool.QueryRow(t.Context(), `SELECT state FROM outbox.delivery`).Scan(&state); err != nil {
+			t.Fatal(err)
+		}
+		t.Fatalf("the claim after the retry leased %d events and left the aggregate %s; want it leased again", n, state)
+	}
+}
