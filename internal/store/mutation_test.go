@@ -502,3 +502,43 @@ func TestRetryOfAnAggregateParkedUnansweredLeasesItAgain(t *testing.T) {
 		t.Fatalf("the claim after the retry leased %d events and left the aggregate %s; want it leased again", n, state)
 	}
 }
+
+// A skip of an aggregate's next event resets the count of its unanswered
+// deliveries, as it resets its failures: the aggregate's next event is
+// another, never delivered, and an aggregate stalled by the skipped one's
+// unanswered deliveries is stalled no more (outbox.stall_reason: "an ack or
+// a skip resets both counts"), even before a relay claims it again.
+func TestSkipOfTheNextEventClearsItsStall(t *testing.T) {
+	t.Parallel()
+	pool := testdb.NewPool(t)
+	st := store.New(pool)
+	ids := discovered(t, pool, st, "orders", "1")
+	if _, err := pool.Exec(t.Context(), `SELECT outbox.emit('orders', '1', 'T', '{}')`); err != nil {
+		t.Fatal(err)
+	}
+	// Delivered four times, each stream ending holding the lease: three
+	// deliveries before the last one ended unanswered (stall_after_unanswered
+	// is 3).
+	for range 4 {
+		p := claimOf(1)
+		if leases, err := st.Claim(t.Context(), p); err != nil || len(leases) != 1 || leases[0].Event.ID != ids[0] {
+			t.Fatalf("claim: %+v, %v; want revision 1", leases, err)
+		}
+		if _, err := st.Release(t.Context(), p.Holder); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if a, err := st.GetAggregate(t.Context(), "orders", "1"); err != nil || a.StalledReason == "" {
+		t.Fatalf("before the skip: %+v, %v; want stalled", a, err)
+	}
+	if _, err := st.SkipEvent(t.Context(), ids[0], "poison", "ann"); err != nil {
+		t.Fatal(err)
+	}
+	a, err := st.GetAggregate(t.Context(), "orders", "1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if a.State != "ready" || a.StalledReason != "" {
+		t.Fatalf("after the skip of its next event: %s, stalled %q; want ready and not stalled", a.State, a.StalledReason)
+	}
+}
