@@ -479,7 +479,8 @@ func TestEventSizeIsBounded(t *testing.T) {
 // of delivery's states: here a revision a REPEATABLE READ producer inserted
 // below the cursor (its stale read of the cursor let it in), and an
 // aggregate whose delivery row says idle while events are pending. An
-// operator's skip clears the first.
+// operator's skip clears the first, and a skipped event is not counted
+// behind an idle aggregate either.
 func TestStrandedCountsWhatNoRuleDelivers(t *testing.T) {
 	t.Parallel()
 	ctx := testContext(t)
@@ -514,10 +515,14 @@ func TestStrandedCountsWhatNoRuleDelivers(t *testing.T) {
 	}
 
 	// A delivery bug, simulated: the aggregate says idle with revision 5
-	// pending.
+	// pending, and revision 6, which an operator skipped, after it.
+	exec(t, pool, `SELECT outbox.emit('orders', 'o-1', 'T', '{}')`)
+	discover(t, pool)
+	exec(t, pool, `INSERT INTO outbox.skipped_event (event_id, reason, actor)
+		SELECT event_id, 'abandoned', 'test' FROM outbox.event WHERE revision = 6`)
 	exec(t, pool, `UPDATE outbox.delivery SET state = 'idle', claimable_at = NULL, pending_since = NULL`)
 	if n := strandedEvents(t, pool); n != 1 {
-		t.Fatalf("%d stranded events, want 1 (pending behind an idle aggregate)", n)
+		t.Fatalf("%d stranded events, want 1 (revision 5 pending behind an idle aggregate; 6 is skipped)", n)
 	}
 }
 
@@ -559,6 +564,11 @@ func TestEventAtTheCursorIsLate(t *testing.T) {
 	}
 	if n := strandedEvents(t, pool); n != 1 {
 		t.Fatalf("%d stranded events, want 1 (revision 4, at the cursor)", n)
+	}
+	// Stranded, not pending: lag counts only what delivery will hand out,
+	// the revisions after the cursor (here 5).
+	if n := count(t, pool, `SELECT events FROM outbox.pending_by_stream(NULL)`); n != 1 {
+		t.Fatalf("%d events pending, want 1 (revision 5; revision 4, at the cursor, is stranded)", n)
 	}
 
 	// The re-scan judges the same event the same way.

@@ -163,6 +163,42 @@ func TestAnExtendedLeaseIsNotClaimedAgain(t *testing.T) {
 	}
 }
 
+// An extension runs from when it is made, not from the lease's old expiry:
+// a lease that ran out an hour ago (its holder was slow, and no claim came
+// meanwhile), extended by ten minutes, expires ten minutes from now, and
+// its aggregate is not claimed again until then. From the old expiry it
+// would have run out fifty minutes ago, the holder publishing under a lease
+// any claim may take.
+func TestAnExtensionRunsFromNow(t *testing.T) {
+	t.Parallel()
+	ctx := testContext(t)
+	pool := testdb.NewPool(t)
+	emitN(t, pool, "a", 1)
+	discover(t, pool)
+	var id uuid.UUID
+	var epoch int64
+	if err := pool.QueryRow(ctx, `SELECT event_id, epoch FROM outbox.claim(gen_random_uuid(), 'r', 'x', NULL, 1, interval '-1 hour')`).
+		Scan(&id, &epoch); err != nil {
+		t.Fatal(err)
+	}
+	var before, until, after time.Time
+	if err := pool.QueryRow(ctx, `SELECT clock_timestamp()`).Scan(&before); err != nil {
+		t.Fatal(err)
+	}
+	if err := pool.QueryRow(ctx, `SELECT lease_expires_at FROM outbox.extend_lease($1, $2, '10 minutes')`, id, epoch).Scan(&until); err != nil {
+		t.Fatalf("extend_lease of the current lease: %v", err)
+	}
+	if err := pool.QueryRow(ctx, `SELECT clock_timestamp()`).Scan(&after); err != nil {
+		t.Fatal(err)
+	}
+	if until.Before(before.Add(10*time.Minute)) || until.After(after.Add(10*time.Minute)) {
+		t.Fatalf("extended to %v, want ten minutes after the extension (%v)", until, before.Add(10*time.Minute))
+	}
+	if n := count(t, pool, `SELECT count(*) FROM outbox.claim(gen_random_uuid(), 'r', 'y', NULL, 1, interval '30 seconds')`); n != 0 {
+		t.Fatalf("claimed %d events of a lease extended to %v", n, until)
+	}
+}
+
 // An ack batch that names an event the cursor already stepped over (it was
 // skipped after its lease expired) together with the event its aggregate
 // now has leased publishes the leased one: the stale event does not take

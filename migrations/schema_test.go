@@ -428,6 +428,54 @@ func TestEventsAreImmutableAndPendingOnesCannotBeDeleted(t *testing.T) {
 	exec(t, pool, fmt.Sprintf(`DELETE FROM outbox.event WHERE event_id = '%s'`, e.ID))
 }
 
+// The settings outboxd's own statements raise to pass the event guards let
+// through only what those statements do: an ack marks a pending event
+// published, once; a republish makes a published event pending again; a
+// re-scan re-stamps an event's xid as frozen. Under none of them can a
+// statement mark an event published a second time, publish a pending event
+// without an ack, or rewrite an event.
+func TestTheGuardsSettingsAllowOnlyWhatTheirStatementsDo(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := testdb.NewPool(t)
+	pending, err := client.Emit(ctx, pool, client.Event{Stream: "orders", AggregateKey: "1", Type: "Created", Payload: []byte(`{"a":1}`)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	published, err := client.Emit(ctx, pool, client.Event{Stream: "orders", AggregateKey: "2", Type: "Created", Payload: []byte(`{"a":1}`)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	exec(t, pool, `SELECT outbox.discover()`)
+	exec(t, pool, `SELECT * FROM outbox.claim(gen_random_uuid(), 'r', 'x', NULL, 2, interval '30 seconds')`)
+	exec(t, pool, fmt.Sprintf(`SELECT * FROM outbox.ack(ARRAY['%s'::uuid], 'x')`, published.ID))
+	under := func(setting, update string, id uuid.UUID) error {
+		t.Helper()
+		return pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+			if _, err := tx.Exec(ctx, `SELECT set_config($1, 'on', true)`, setting); err != nil {
+				t.Fatal(err)
+			}
+			_, err := tx.Exec(ctx, `UPDATE outbox.event SET `+update+` WHERE event_id = $1`, id)
+			return err
+		})
+	}
+	for _, c := range []struct {
+		setting, update string
+		id              uuid.UUID
+	}{
+		{"outbox.acking", "published_at = now()", published.ID},                   // a second mark
+		{"outbox.republishing", "published_at = now()", pending.ID},               // a mark without an ack
+		{"outbox.republishing", "published_at = now()", published.ID},             // a mark moved
+		{"outbox.rescanning", "xid = '3'::xid8", pending.ID},                      // an xid other than frozen
+		{"outbox.rescanning", `xid = '2'::xid8, payload = '{"a":2}'`, pending.ID}, // a re-stamp that rewrites
+	} {
+		wantSQLState(t, under(c.setting, c.update, c.id), "55000")
+	}
+	if n := count(t, pool, `SELECT count(*) FROM outbox.event WHERE published_at IS NULL AND payload = '{"a":1}'`); n != 1 {
+		t.Fatalf("%d events pending as written, want 1", n)
+	}
+}
+
 // An explicit revision that leaves a gap is accepted (delivery will hold the
 // aggregate at the gap); one below the delivery cursor is refused, because it
 // could never be delivered.

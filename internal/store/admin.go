@@ -727,7 +727,7 @@ func (s *Store) SkipEventOf(ctx context.Context, actionID int64, id uuid.UUID, r
 			UPDATE outbox.delivery
 			SET state = 'ready', claimable_at = clock_timestamp(),
 			    holder = NULL, holder_relay_id = NULL, holder_replica_id = NULL, lease_expires_at = NULL,
-			    attempt = 0, failures = 0, last_error = NULL, next_attempt_at = NULL, parked_at = NULL, parked_reason = NULL
+			    attempt = 0, failures = 0, unanswered = 0, last_error = NULL, next_attempt_at = NULL, parked_at = NULL, parked_reason = NULL
 			WHERE stream = $1 AND aggregate_key = $2 AND state IN ('ready', 'leased', 'backoff', 'parked')`,
 			stream, key); err != nil {
 			return err

@@ -3,6 +3,7 @@ package store_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -398,5 +399,146 @@ func TestASplitAckLendsTheSessionsCreditOnce(t *testing.T) {
 	}
 	if handed[heads["b"]] != 1 {
 		t.Errorf("b1's ack, in the second half of the split batch, handed over %d events; want 1 (b2): the loan went with the first half", handed[heads["b"]])
+	}
+}
+
+// A nack's backoff is equal jitter over the exponential step: between half
+// and all of min(BackoffCap, BackoffBase * 2^failures before it), never
+// more. Sixteen aggregates nacked after their tenth failure (base a second,
+// cap an hour) each come back 512 s to 1024 s later, and eight nacked after
+// their twentieth, whose step is past the cap, 30 min to an hour later: a
+// jitter that overshoots the step, a step one doubling too far or a
+// missing cap puts some outside (each nack's chance of escaping is at most
+// a half, sixteen times over). Kills mutants of outbox.nack's retry_at.
+func TestNackBackoffStaysWithinItsJitteredStep(t *testing.T) {
+	t.Parallel()
+	pool := testdb.NewPool(t)
+	st := store.New(pool)
+	var keys []string
+	for i := range 24 {
+		keys = append(keys, fmt.Sprintf("k%02d", i))
+	}
+	discovered(t, pool, st, "orders", keys...)
+	leases, err := st.Claim(t.Context(), claimOf(len(keys)))
+	if err != nil || len(leases) != len(keys) {
+		t.Fatalf("claim: %d leases, %v", len(leases), err)
+	}
+	if _, err := pool.Exec(t.Context(), `UPDATE outbox.delivery SET failures = CASE WHEN aggregate_key < 'k16' THEN 10 ELSE 20 END`); err != nil {
+		t.Fatal(err)
+	}
+	clock := func() (now time.Time) {
+		t.Helper()
+		if err := pool.QueryRow(t.Context(), `SELECT clock_timestamp()`).Scan(&now); err != nil {
+			t.Fatal(err)
+		}
+		return now
+	}
+	before := clock()
+	next := map[string]time.Time{}
+	for _, l := range leases {
+		r, err := st.Nack(t.Context(), store.NackParams{EventID: l.Event.ID, Epoch: l.Epoch, Error: "broker down",
+			BackoffBase: time.Second, BackoffCap: time.Hour, MaxFailures: 100})
+		if err != nil || r.Parked {
+			t.Fatalf("nack of %s: %v (parked %v)", l.Event.AggregateKey, err, r.Parked)
+		}
+		next[l.Event.AggregateKey] = r.NextAttemptAt
+	}
+	after := clock()
+	for _, k := range keys {
+		step := 1024 * time.Second
+		if k >= "k16" {
+			step = time.Hour
+		}
+		if at := next[k]; at.Before(before.Add(step/2)) || at.After(after.Add(step)) {
+			t.Errorf("%s: next attempt %v after the nacks began, want %v to %v", k, at.Sub(before), step/2, step)
+		}
+	}
+}
+
+// An operator's retry of an aggregate parked because its event was
+// delivered too often without an answer gives it a fresh set of attempts:
+// the next claim leases the event rather than counting one more unanswered
+// delivery and parking it again at once. Kills a RetryAggregate that does
+// not reset unanswered.
+func TestRetryOfAnAggregateParkedUnansweredLeasesItAgain(t *testing.T) {
+	t.Parallel()
+	pool := testdb.NewPool(t)
+	st := store.New(pool)
+	discovered(t, pool, st, "orders", "1")
+	claim := func() int {
+		t.Helper()
+		p := claimOf(1)
+		p.MaxAttempts = 2
+		leases, err := st.Claim(t.Context(), p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		// The relay's stream ends unanswered.
+		if _, err := st.Release(t.Context(), p.Holder); err != nil {
+			t.Fatal(err)
+		}
+		return len(leases)
+	}
+	for i := range 2 {
+		if n := claim(); n != 1 {
+			t.Fatalf("delivery %d: %d leases, want 1", i+1, n)
+		}
+	}
+	if n := claim(); n != 0 {
+		t.Fatalf("a third delivery of an event delivered twice unanswered (max 2): %d leases", n)
+	}
+	a, err := st.RetryAggregate(t.Context(), store.RetryParams{Stream: "orders", AggregateKey: "1", Reason: "relay fixed", Actor: "test"})
+	if err != nil {
+		t.Fatalf("retry of the parked aggregate: %v", err)
+	}
+	if a.State != "ready" {
+		t.Fatalf("retried aggregate is %s, want ready", a.State)
+	}
+	if n := claim(); n != 1 {
+		var state string
+		if err := pool.QueryRow(t.Context(), `SELECT state FROM outbox.delivery`).Scan(&state); err != nil {
+			t.Fatal(err)
+		}
+		t.Fatalf("the claim after the retry leased %d events and left the aggregate %s; want it leased again", n, state)
+	}
+}
+
+// A skip of an aggregate's next event resets the count of its unanswered
+// deliveries, as it resets its failures: the aggregate's next event is
+// another, never delivered, and an aggregate stalled by the skipped one's
+// unanswered deliveries is stalled no more (outbox.stall_reason: "an ack or
+// a skip resets both counts"), even before a relay claims it again.
+func TestSkipOfTheNextEventClearsItsStall(t *testing.T) {
+	t.Parallel()
+	pool := testdb.NewPool(t)
+	st := store.New(pool)
+	ids := discovered(t, pool, st, "orders", "1")
+	if _, err := pool.Exec(t.Context(), `SELECT outbox.emit('orders', '1', 'T', '{}')`); err != nil {
+		t.Fatal(err)
+	}
+	// Delivered four times, each stream ending holding the lease: three
+	// deliveries before the last one ended unanswered (stall_after_unanswered
+	// is 3).
+	for range 4 {
+		p := claimOf(1)
+		if leases, err := st.Claim(t.Context(), p); err != nil || len(leases) != 1 || leases[0].Event.ID != ids[0] {
+			t.Fatalf("claim: %+v, %v; want revision 1", leases, err)
+		}
+		if _, err := st.Release(t.Context(), p.Holder); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if a, err := st.GetAggregate(t.Context(), "orders", "1"); err != nil || a.StalledReason == "" {
+		t.Fatalf("before the skip: %+v, %v; want stalled", a, err)
+	}
+	if _, err := st.SkipEvent(t.Context(), ids[0], "poison", "ann"); err != nil {
+		t.Fatal(err)
+	}
+	a, err := st.GetAggregate(t.Context(), "orders", "1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if a.State != "ready" || a.StalledReason != "" {
+		t.Fatalf("after the skip of its next event: %s, stalled %q; want ready and not stalled", a.State, a.StalledReason)
 	}
 }
