@@ -369,3 +369,8 @@ func (s *Server) SetSleepHooks(before func(), after func(asleep bool)) {
 	s.beforeSleep.set(before)
 	s.afterSleep.set(after)
 }
+
+// DiscoveryAsleep says whether the discovery loop sleeps (waker.sleep):
+// it then runs no round until a producer's notice wakes it, and checks
+// only every asleep check interval or quiet interval, whichever is longer.
+func (s *Server) DiscoveryAsleep() bool { return s.wake.isAsleep() }
