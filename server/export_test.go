@@ -374,3 +374,11 @@ func (s *Server) SetSleepHooks(before func(), after func(asleep bool)) {
 // it then runs no round until a producer's notice wakes it, and checks
 // only every asleep check interval or quiet interval, whichever is longer.
 func (s *Server) DiscoveryAsleep() bool { return s.wake.isAsleep() }
+
+// ListenerConnected says whether the replica's LISTEN connection is up
+// (waker.listening): a try to sleep before it is fails.
+func (s *Server) ListenerConnected() bool {
+	s.wake.mu.Lock()
+	defer s.wake.mu.Unlock()
+	return s.wake.connected
+}

@@ -53,6 +53,10 @@ func newSleepRig(t *testing.T, configure ...func(*server.Config)) *sleepRig {
 		}
 	})
 	rig.watch(rig.r)
+	// A try to sleep fails while the LISTEN connection is not up, which
+	// on a busy host can outlast the loop's first checks: the tests mean
+	// their tries to meet only the conditions they set.
+	waitFor(t, func() int32 { return b2i(rig.r.Server.ListenerConnected()) })
 	return rig
 }
 
