@@ -42,14 +42,11 @@ const (
 
 // natsSink publishes to JetStream and reports success only on a PubAck.
 type natsSink struct {
-	nc      *nats.Conn
-	js      jetstream.JetStream
-	tmpl    *subjectTemplate
-	stream  string
-	timeout time.Duration
-	ce      ceConfig
-	log     *slog.Logger
-	cfg     *natsConfig
+	// The URL's settings: subject template, stream, create, timeout, ...
+	*natsConfig
+	nc  *nats.Conn
+	js  jetstream.JetStream
+	log *slog.Logger
 
 	// ensureSem (capacity 1) lets one Publish at a time run ensureStream
 	// again after JetStream answered that no stream captures a subject
@@ -176,17 +173,7 @@ func openNATS(ctx context.Context, u *url.URL, display string, opts Options) (re
 		return nil, fmt.Errorf("nats sink %q: %w", display, err)
 	}
 	log := opts.Logger.With("sink", "nats", "stream", cfg.stream)
-	s := &natsSink{
-		tmpl:    cfg.subject,
-		stream:  cfg.stream,
-		timeout: cfg.timeout,
-		ce:      cfg.ce,
-		log:     log,
-		cfg:     cfg,
-		closed:  make(chan struct{}),
-
-		ensureSem: make(chan struct{}, 1),
-	}
+	s := &natsSink{natsConfig: cfg, log: log, closed: make(chan struct{}), ensureSem: make(chan struct{}, 1)}
 	var closedOnce sync.Once
 	nc, err := nats.Connect(cfg.server,
 		nats.Name("outboxd-relay"),
@@ -326,7 +313,7 @@ func (s *natsSink) Publish(ctx context.Context, ev relay.Event) error {
 	if ev.ID == "" {
 		return errors.New("nats sink: event has no ID, which JetStream deduplication needs")
 	}
-	subj, err := s.tmpl.render(ev)
+	subj, err := s.subject.render(ev)
 	if err != nil {
 		return fmt.Errorf("nats sink: %w", err)
 	}
@@ -405,7 +392,7 @@ func (s *natsSink) Publish(ctx context.Context, ev relay.Event) error {
 // before the failed publish) and publishes msg once more; without create it
 // reports the stream missing. Either way a returned error names the stream.
 func (s *natsSink) publishNoStream(ctx context.Context, msg *nats.Msg, subj string, opts []jetstream.PublishOpt, ensured uint64, pubErr error) (*jetstream.PubAck, error) {
-	if !s.cfg.create {
+	if !s.create {
 		return nil, s.noStreamError(ctx, subj, pubErr)
 	}
 	if err := s.ensureAgain(ctx, subj, ensured); err != nil {
@@ -431,7 +418,7 @@ func (s *natsSink) ensureAgain(ctx context.Context, subj string, ensured uint64)
 		return nil
 	}
 	s.log.Warn("no JetStream stream captures the subject (stream deleted?); ensuring the stream again, as at startup", "subject", subj)
-	if err := ensureStream(ctx, s.js, s.cfg, s.log); err != nil {
+	if err := ensureStream(ctx, s.js, s.natsConfig, s.log); err != nil {
 		return err
 	}
 	s.ensured.Add(1)
