@@ -7,7 +7,6 @@ import (
 	"log/slog"
 	"maps"
 	"slices"
-	"strings"
 	"sync"
 	"time"
 
@@ -125,9 +124,7 @@ func (s *sourceSet) connect(ctx context.Context, src source, wait bool) {
 				return
 			}
 			s.log.Warn("source not added yet; retrying", "source", src.name, "err", err, "in", s.interval)
-			// Readiness names the source already ("source orders: not
-			// added yet: ..."): the error's own "source orders: " is said once.
-			s.rep.SetSourcePending(src.name, strings.TrimPrefix(err.Error(), "source "+src.name+": "))
+			s.rep.SetSourcePending(src.name, err.Error())
 			t := time.NewTimer(s.interval)
 			select {
 			case <-ctx.Done():
@@ -146,7 +143,9 @@ func (s *sourceSet) connect(ctx context.Context, src source, wait bool) {
 func (s *sourceSet) add(ctx context.Context, src source) (*sourcePool, error) {
 	octx, cancel := context.WithTimeout(ctx, sourceConnectTimeout)
 	defer cancel()
-	pool, err := openSource(octx, src, nil, s.maxConns)
+	// Alone in the list: its errors name no source, which readiness and
+	// the log line name already ("source orders: not added yet: ...").
+	pool, err := openSource(octx, src, []source{src}, s.maxConns)
 	if err != nil {
 		return nil, err
 	}
