@@ -464,14 +464,19 @@ func (a *adminRouter) Purge(req *outboxv1.PurgeRequest, stream outboxv1.AdminSer
 		}
 	}
 	total := &outboxv1.PurgeResponse{Done: true}
+	// What the sources purged so far deleted, for the error of one that
+	// fails: a purge over several sources does not undo them (it is
+	// idempotent: run again, it finishes the job).
+	var done []string
 	for _, p := range parts {
 		ps := &purgeStream{AdminService_PurgeServer: stream, ctx: p.ctx, source: p.name, partial: true}
 		if err := p.e.Admin.Purge(req, ps); err != nil {
-			// Say what the sources before it did: a purge over several
-			// sources does not undo them (it is idempotent: run again,
-			// it finishes the job).
+			before := "no source was purged before it"
+			if len(done) > 0 {
+				before = "purged before it: " + strings.Join(done, "; ")
+			}
 			st := status.Convert(err)
-			return status.Errorf(st.Code(), "source %s: %s (%s)", p.name, st.Message(), purgedBefore(total.GetSources()))
+			return status.Errorf(st.Code(), "source %s: %s (%s)", p.name, st.Message(), before)
 		}
 		last := ps.last
 		if last == nil {
@@ -486,25 +491,9 @@ func (a *adminRouter) Purge(req *outboxv1.PurgeRequest, stream outboxv1.AdminSer
 		}
 		last.Done = true
 		total.Sources = append(total.Sources, last)
+		done = append(done, fmt.Sprintf("source %s, %d deleted", p.name, last.GetDeleted()))
 	}
 	return stream.Send(total)
-}
-
-// purgedBefore says what the sources a purge finished before one failed
-// deleted.
-func purgedBefore(done []*outboxv1.PurgeResponse) string {
-	if len(done) == 0 {
-		return "no source was purged"
-	}
-	parts := make([]string, len(done))
-	for i, r := range done {
-		src := r.GetSource()
-		if src == "" {
-			src = Default
-		}
-		parts[i] = fmt.Sprintf("source %s purged first: %d deleted", src, r.GetDeleted())
-	}
-	return strings.Join(parts, "; ")
 }
 
 // purgeStream is a Purge stream with the context its engine must see,

@@ -280,7 +280,7 @@ func TestPurgeFailingOnASourceSaysWhatTheSourcesBeforeItDid(t *testing.T) {
 
 	_, err := purgeAll(t, r.Admin, &outboxv1.PurgeRequest{})
 	msg := status.Convert(err).Message()
-	if err == nil || !strings.HasPrefix(msg, "source orders: ") || !strings.Contains(msg, "source default purged first: 2 deleted") {
+	if err == nil || !strings.HasPrefix(msg, "source orders: ") || !strings.Contains(msg, "purged before it: source default, 2 deleted)") {
 		t.Errorf("purge of both sources with orders down: %v; want it to name orders and say default's 2 were deleted", err)
 	}
 	if n := countPublished(t, def); n != 0 {
