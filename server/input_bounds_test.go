@@ -15,8 +15,8 @@ import (
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+	"github.com/outboxd/outboxd/internal/servertest"
 	"github.com/outboxd/outboxd/internal/testdb"
-	"github.com/outboxd/outboxd/server"
 )
 
 // subscribeOutcome opens a Subscribe stream and says whether the server
@@ -26,18 +26,7 @@ func subscribeOutcome(t *testing.T, r *replica, req *outboxv1.SubscribeRequest) 
 	t.Helper()
 	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
 	defer cancel()
-	st, err := r.Relay.Subscribe(ctx, req)
-	if err != nil {
-		return err
-	}
-	if h, err := st.Header(); err == nil && len(h.Get(server.SessionIDHeader)) == 1 {
-		return nil
-	}
-	_, err = st.Recv()
-	if err == nil {
-		t.Fatalf("Subscribe(%v): a message before the session id header", req)
-	}
-	return err
+	return servertest.Subscribed(ctx, r.Relay, req)
 }
 
 // Every bound of a relay's input is exact, as documented: the longest

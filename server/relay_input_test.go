@@ -2,7 +2,6 @@ package server_test
 
 import (
 	"context"
-	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -29,7 +28,9 @@ func TestSubscriptionsPerRelayAreBounded(t *testing.T) {
 	defer cancel()
 	url := testdb.New(t)
 	r := startReplica(t, url, func(c *server.Config) { c.MaxSubscriptionsPerRelay = 2 })
-	open := func(relayID string) error { return openSubscription(ctx, r.Relay, relayID) }
+	open := func(relayID string) error {
+		return servertest.Subscribed(ctx, r.Relay, &outboxv1.SubscribeRequest{RelayId: relayID, MaxInFlight: 1})
+	}
 	for i := range 2 {
 		if err := open("r"); err != nil {
 			t.Fatalf("subscription %d of relay r: %v", i+1, err)
@@ -41,23 +42,6 @@ func TestSubscriptionsPerRelayAreBounded(t *testing.T) {
 	if err := open("s"); err != nil {
 		t.Fatalf("the first subscription of relay s: %v", err)
 	}
-}
-
-// openSubscription subscribes as relayID and returns once the server has
-// added the session (its id header came), or with the refusal that ended
-// the stream.
-func openSubscription(ctx context.Context, relay outboxv1.RelayServiceClient, relayID string) error {
-	st, err := relay.Subscribe(ctx, &outboxv1.SubscribeRequest{RelayId: relayID, MaxInFlight: 1})
-	if err != nil {
-		return err
-	}
-	// The session id header comes once the session is added; a refusal
-	// ends the stream with its status instead.
-	if h, err := st.Header(); err != nil || len(h.Get(server.SessionIDHeader)) == 0 {
-		_, err = st.Recv()
-		return fmt.Errorf("no session id header: %w", err)
-	}
-	return nil
 }
 
 // The Subscribe limit counts a token's streams, whatever relay_id each
@@ -79,7 +63,7 @@ func TestSubscriptionLimitIsPerTokenNotPerRelayID(t *testing.T) {
 	}
 	r := servertest.Start(t, url, servertest.Options{Authenticator: a, Configure: func(c *server.Config) { c.MaxSubscriptionsPerRelay = 2 }})
 	open := func(token, relayID string) error {
-		return openSubscription(ctx, outboxv1.NewRelayServiceClient(dialAs(t, r, token)), relayID)
+		return servertest.Subscribed(ctx, outboxv1.NewRelayServiceClient(dialAs(t, r, token)), &outboxv1.SubscribeRequest{RelayId: relayID, MaxInFlight: 1})
 	}
 	for _, id := range []string{"a", "b"} {
 		if err := open(relayToken, id); err != nil {

@@ -7,6 +7,7 @@ package servertest
 import (
 	"cmp"
 	"context"
+	"fmt"
 	"log/slog"
 	"net"
 	"strings"
@@ -212,4 +213,22 @@ func checkNothingStranded(t testing.TB, pool *pgxpool.Pool) {
 	if stranded != 0 {
 		t.Errorf("servertest: %d stranded events when the test ended: pending, and no rule will deliver them", stranded)
 	}
+}
+
+// Subscribed opens a Subscribe stream with req on ctx and returns nil once
+// the server has accepted it (its session id header came), or the status
+// that refused it. An accepted stream stays open until ctx ends.
+func Subscribed(ctx context.Context, relay outboxv1.RelayServiceClient, req *outboxv1.SubscribeRequest) error {
+	st, err := relay.Subscribe(ctx, req)
+	if err != nil {
+		return err
+	}
+	if h, err := st.Header(); err == nil && len(h.Get(server.SessionIDHeader)) == 1 {
+		return nil
+	}
+	// A refusal ends the stream with its status instead.
+	if _, err = st.Recv(); err == nil {
+		return fmt.Errorf("servertest: Subscribe(%v): a message before the session id header", req)
+	}
+	return err
 }
