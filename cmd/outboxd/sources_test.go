@@ -96,6 +96,9 @@ func TestMigrateAndServeTwoSources(t *testing.T) {
 		!strings.Contains(out, "source orders NOT READY") || !strings.Contains(out, "its lag could not be read") {
 		t.Errorf("outboxd lag with orders down: exit %d; want it to say orders is not ready and left out:\n%s", code, out)
 	}
+	if code, out := runOutboxd(t, nil, "lag", "--json", "--server", grpcAddr); code != 0 || !strings.Contains(out, `"lag_unknown":true`) {
+		t.Errorf("outboxd lag --json with orders down: exit %d; want orders marked lag_unknown:\n%s", code, out)
+	}
 	if code, out := runOutboxd(t, nil, "relays", "--server", grpcAddr); code != 0 ||
 		!strings.Contains(out, "warning: source orders left out, its relays are not listed") {
 		t.Errorf("outboxd relays with orders down: exit %d; want a warning naming orders:\n%s", code, out)
