@@ -395,6 +395,33 @@ CREATE TRIGGER delivery_continue_attempts
           AND (OLD.attempt <> 1 OR OLD.leased_event_id IS DISTINCT FROM NEW.leased_event_id))
     EXECUTE FUNCTION outbox.continue_attempts();
 
+-- republish_action names the republish a lease of p_revision delivers: the
+-- newest operator action whose republish (outbox.republished) covers the
+-- revision, while the aggregate's delivery row still carries the republish
+-- mark (delivery.republished_through, cleared once delivery leases a
+-- revision past it); NULL for every other lease. Every lease of the event
+-- under that republish names the same action, and a later republish names
+-- its own: a broker that deduplicates by message id (JetStream) tells the
+-- republish's own retries from the first copies by it (the relay adds it to
+-- the message id), and so stores the republish but not its retries twice.
+-- Only marked rows pay the lookup (one probe of republished_aggregate_idx).
+-- A simple SQL function, so the planner inlines it into the lease
+-- statements.
+-- +goose StatementBegin
+CREATE FUNCTION outbox.republish_action(p_stream text, p_aggregate_key text, p_revision bigint,
+                                        p_republished_through bigint)
+RETURNS bigint
+LANGUAGE sql STABLE AS $$
+    SELECT CASE WHEN p_revision <= p_republished_through THEN (
+        SELECT r.action_id FROM outbox.republished r
+        WHERE r.stream = p_stream AND r.aggregate_key = p_aggregate_key
+          AND p_revision BETWEEN r.from_revision AND r.to_revision
+        ORDER BY r.action_id DESC
+        LIMIT 1)
+    END
+$$;
+-- +goose StatementEnd
+
 -- One row per open Subscribe stream of any replica, for ListRelays and the
 -- connected-relay count. The serving replica inserts it when the stream
 -- opens, refreshes in_flight, acked and seen_at every few seconds, and
@@ -1095,7 +1122,10 @@ CREATE TYPE outbox.lease AS (
     created_at timestamptz,
     epoch bigint,
     attempt integer,
-    lease_expires_at timestamptz
+    lease_expires_at timestamptz,
+    -- The republish this lease delivers (outbox.republish_action), NULL
+    -- for every other lease.
+    republish_action bigint
 );
 
 -- events_since returns the events whose transactions were not yet visible
@@ -1520,7 +1550,7 @@ BEGIN
             -- Only discovery creates delivery rows, and rounds take turns.
             ON CONFLICT (stream, aggregate_key) DO NOTHING
             RETURNING d.stream, d.aggregate_key, d.state, d.holder, d.leased_event_id, d.epoch, d.attempt,
-                      d.lease_expires_at
+                      d.lease_expires_at, d.republished_through
         ), updated AS (
             UPDATE outbox.delivery d
             SET state = CASE WHEN p.head_id IS NOT NULL THEN 'leased' ELSE 'ready' END,
@@ -1545,7 +1575,7 @@ BEGIN
             -- found by its tuple id rather than a second probe of the key.
             WHERE d.ctid = p.row_tid AND p.state IN ('idle', 'gap')
             RETURNING d.stream, d.aggregate_key, d.state, d.holder, d.leased_event_id, d.epoch, d.attempt,
-                      d.lease_expires_at
+                      d.lease_expires_at, d.republished_through
         ), written AS (
             SELECT * FROM created UNION ALL SELECT * FROM updated
         ), late AS (
@@ -1573,7 +1603,9 @@ BEGIN
         SELECT count(*) FILTER (WHERE w.state = 'ready'),
                array_agg(w.holder) FILTER (WHERE w.state = 'leased'),
                array_agg(ROW(p.head_id, p.stream, p.aggregate_key, p.cursor + 1, p.head_type, p.head_payload,
-                             p.head_headers, p.head_created_at, w.epoch, w.attempt, w.lease_expires_at)::outbox.lease)
+                             p.head_headers, p.head_created_at, w.epoch, w.attempt, w.lease_expires_at,
+                             outbox.republish_action(p.stream, p.aggregate_key, p.cursor + 1,
+                                                     w.republished_through))::outbox.lease)
                    FILTER (WHERE w.state = 'leased')
         INTO v_woken, v_holders, v_leases
         FROM written w
@@ -2198,10 +2230,11 @@ BEGIN
         FROM heads h
         LEFT JOIN widths w ON w.stream = h.stream AND w.aggregate_key = h.aggregate_key
         WHERE d.ctid = h.row_tid
-        RETURNING d.stream, d.aggregate_key, d.state, d.epoch, d.attempt, d.lease_expires_at
+        RETURNING d.stream, d.aggregate_key, d.state, d.epoch, d.attempt, d.lease_expires_at, d.republished_through
     )
     SELECT e.event_id, e.stream, e.aggregate_key, e.revision, e.event_type, e.payload::text,
-           e.headers, e.created_at, c.epoch, c.attempt, c.lease_expires_at
+           e.headers, e.created_at, c.epoch, c.attempt, c.lease_expires_at,
+           outbox.republish_action(e.stream, e.aggregate_key, e.revision, c.republished_through)
     FROM changed c
     JOIN (SELECT h.stream, h.aggregate_key, h.event_id FROM heads h
           UNION ALL SELECT x.stream, x.aggregate_key, x.event_id FROM extra x) l
@@ -2761,6 +2794,7 @@ DECLARE
     v_epoch bigint;
     v_attempt integer;
     v_expires timestamptz;
+    v_republished_through bigint;
     v_set text;
 BEGIN
     IF current_setting('transaction_isolation') <> 'read committed' THEN
@@ -2879,7 +2913,8 @@ BEGIN
                 parked_reason = CASE WHEN v_stays_parked THEN d.parked_reason END,
                 next_attempt_at = NULL, gap_revision = NULL
             WHERE d.stream = v_stream AND d.aggregate_key = v_key
-            RETURNING d.epoch, d.attempt, d.lease_expires_at INTO v_epoch, v_attempt, v_expires;
+            RETURNING d.epoch, d.attempt, d.lease_expires_at, d.republished_through
+            INTO v_epoch, v_attempt, v_expires, v_republished_through;
 
             IF v_holder IS NOT NULL AND v_holder_replica IS DISTINCT FROM p_replica_id THEN
                 PERFORM pg_notify('outbox_released', v_holder::text);
@@ -2910,7 +2945,8 @@ BEGIN
                    END;
             IF v_ttl IS NOT NULL THEN
                 SELECT e.event_id, e.stream, e.aggregate_key, e.revision, e.event_type, e.payload::text,
-                       e.headers, e.created_at, v_epoch, v_attempt, v_expires
+                       e.headers, e.created_at, v_epoch, v_attempt, v_expires,
+                       outbox.republish_action(e.stream, e.aggregate_key, e.revision, v_republished_through)
                 INTO v_lease
                 FROM outbox.event e WHERE e.event_id = v_next_id;
                 RETURN QUERY
@@ -3089,10 +3125,13 @@ BEGIN
                     next_attempt_at = NULL, gap_revision = NULL
                 FROM nxt x
                 WHERE d.ctid = x.row_tid
-                RETURNING d.state, d.holder, d.leased_event_id, d.epoch, d.attempt, d.lease_expires_at, x.event_id AS acked
+                RETURNING d.state, d.holder, d.leased_event_id, d.epoch, d.attempt, d.lease_expires_at,
+                          d.republished_through, x.event_id AS acked
             )
             SELECT array_agg(ROW(e.event_id, e.stream, e.aggregate_key, e.revision, e.event_type, e.payload::text,
-                                 e.headers, e.created_at, a.epoch, a.attempt, a.lease_expires_at)::outbox.lease)
+                                 e.headers, e.created_at, a.epoch, a.attempt, a.lease_expires_at,
+                                 outbox.republish_action(e.stream, e.aggregate_key, e.revision,
+                                                         a.republished_through))::outbox.lease)
                        FILTER (WHERE a.state = 'leased'),
                    array_agg(a.holder) FILTER (WHERE a.state = 'leased'),
                    array_agg(a.acked) FILTER (WHERE a.state = 'leased'),
@@ -3229,10 +3268,12 @@ BEGIN
                 FROM granted g
                 WHERE d.ctid = g.row_tid
                 RETURNING d.stream, d.aggregate_key, d.holder, d.epoch, d.attempt, d.lease_expires_at,
-                          g.start, g.grant_n, g.last_ack
+                          d.republished_through, g.start, g.grant_n, g.last_ack
             )
             SELECT array_agg(ROW(e.event_id, e.stream, e.aggregate_key, e.revision, e.event_type, e.payload::text,
-                                 e.headers, e.created_at, a.epoch, a.attempt, a.lease_expires_at)::outbox.lease
+                                 e.headers, e.created_at, a.epoch, a.attempt, a.lease_expires_at,
+                                 outbox.republish_action(e.stream, e.aggregate_key, e.revision,
+                                                         a.republished_through))::outbox.lease
                              ORDER BY e.stream, e.aggregate_key, e.revision),
                    array_agg(a.holder ORDER BY e.stream, e.aggregate_key, e.revision),
                    array_agg(a.last_ack ORDER BY e.stream, e.aggregate_key, e.revision),

@@ -3,6 +3,7 @@ package relay
 import (
 	"context"
 	"errors"
+	"strconv"
 	"time"
 )
 
@@ -34,6 +35,10 @@ type Event struct {
 	// fronts several; empty for the source named "default". ID is unique
 	// within a source only: see MessageID.
 	Source string
+	// RepublishAction is not zero when this delivery is of an event an
+	// operator republished: the id of that republish (outboxd actions
+	// lists it). Every delivery under one republish carries the same id.
+	RepublishAction int64
 }
 
 // MessageID is the id a broker or consumer deduplicates ev on: ev.ID for
@@ -47,6 +52,19 @@ func (e Event) MessageID() string {
 		return e.ID
 	}
 	return e.Source + "/" + e.ID
+}
+
+// DedupID is the message id for a broker that drops a message whose id
+// it stored within a window (JetStream's Nats-Msg-Id): MessageID, and for
+// a delivery of a republish MessageID + "/republish/" + the action id. An
+// operator's republish is then stored again, while each delivery's own
+// retries (the same republish, the same id) are still dropped as
+// duplicates. Consumers keep MessageID, which every copy shares.
+func (e Event) DedupID() string {
+	if e.RepublishAction == 0 {
+		return e.MessageID()
+	}
+	return e.MessageID() + "/republish/" + strconv.FormatInt(e.RepublishAction, 10)
 }
 
 // defaultSource is the source whose events' ids need no qualifying.

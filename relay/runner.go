@@ -544,7 +544,7 @@ func (r *Runner) publish(ctx context.Context, f *fatal, rd received, expiry time
 		ID: ev.GetEventId(), Stream: ev.GetStream(), AggregateKey: ev.GetAggregateKey(),
 		Revision: ev.GetRevision(), Type: ev.GetEventType(), Payload: ev.GetPayload(),
 		Headers: ev.GetHeaders(), CreatedAt: ev.GetCreatedAt().AsTime(), Attempt: int(d.GetAttempt()),
-		Source: ev.GetSource(),
+		Source: ev.GetSource(), RepublishAction: d.GetRepublishActionId(),
 	}
 	stopExtend := r.keepLease(ctx, f, d, expiry)
 	err = r.cfg.Publisher.Publish(ctx, e)

@@ -923,6 +923,7 @@ func (ss *session) delivery(l store.Lease) *outboxv1.SubscribeResponse {
 		// relay counts this from receipt on its own clock.
 		LeaseTtlRemaining: durationpb.New(ss.ttl),
 		LeaseEpoch:        l.Epoch,
+		RepublishActionId: l.RepublishAction,
 	}
 }
 

@@ -270,7 +270,7 @@ func sqlLimit(n int) *int32 {
 // scans them).
 func leaseColumns(v string) string {
 	cols := []string{"event_id", "stream", "aggregate_key", "revision", "event_type", "payload", "headers",
-		"created_at", "epoch", "attempt", "lease_expires_at"}
+		"created_at", "epoch", "attempt", "lease_expires_at", "republish_action"}
 	for i, c := range cols {
 		cols[i] = "(" + v + ")." + c
 	}
@@ -282,7 +282,7 @@ func leaseColumns(v string) string {
 type nullableLease struct {
 	id                        *uuid.UUID
 	stream, key, typ, payload *string
-	rev, epoch                *int64
+	rev, epoch, republish     *int64
 	headers                   map[string]string
 	created, expires          *time.Time
 	attempt                   *int
@@ -290,7 +290,7 @@ type nullableLease struct {
 
 func (h *nullableLease) dest() []any {
 	return []any{&h.id, &h.stream, &h.key, &h.rev, &h.typ, &h.payload, &h.headers, &h.created,
-		&h.epoch, &h.attempt, &h.expires}
+		&h.epoch, &h.attempt, &h.expires, &h.republish}
 }
 
 // lease returns the scanned lease, or nil when there was none.
@@ -301,7 +301,7 @@ func (h *nullableLease) lease() *Lease {
 	return &Lease{
 		Event: Event{ID: *h.id, Stream: *h.stream, AggregateKey: *h.key, Revision: *h.rev,
 			Type: *h.typ, Payload: []byte(*h.payload), Headers: h.headers, CreatedAt: *h.created},
-		Epoch: *h.epoch, Attempt: *h.attempt, ExpiresAt: *h.expires,
+		Epoch: *h.epoch, Attempt: *h.attempt, ExpiresAt: *h.expires, RepublishAction: deref(h.republish),
 	}
 }
 
@@ -323,6 +323,9 @@ type Lease struct {
 	Epoch     int64
 	Attempt   int
 	ExpiresAt time.Time
+	// RepublishAction is the operator action whose republish this lease
+	// delivers (outbox.republish_action); 0 for every other lease.
+	RepublishAction int64
 }
 
 // ClaimParams says who claims what.
@@ -404,7 +407,7 @@ func (s *Store) Claim(ctx context.Context, p ClaimParams) ([]Lease, error) {
 	}
 	rows, err := s.pool.Query(ctx,
 		`SELECT event_id, stream, aggregate_key, revision, event_type, payload, headers, created_at,
-		        epoch, attempt, lease_expires_at
+		        epoch, attempt, lease_expires_at, coalesce(republish_action, 0)
 		 FROM outbox.claim($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)`,
 		p.Holder, p.RelayID, p.ReplicaID, streams, p.Limit, p.TTL, maxAttempts, exclude,
 		max(p.Window, 1), max(p.Credit, p.Limit), maxDue(p.MaxDue))
@@ -416,7 +419,7 @@ func (s *Store) Claim(ctx context.Context, p ClaimParams) ([]Lease, error) {
 		var payload string
 		err := row.Scan(&l.Event.ID, &l.Event.Stream, &l.Event.AggregateKey, &l.Event.Revision,
 			&l.Event.Type, &payload, &l.Event.Headers, &l.Event.CreatedAt,
-			&l.Epoch, &l.Attempt, &l.ExpiresAt)
+			&l.Epoch, &l.Attempt, &l.ExpiresAt, &l.RepublishAction)
 		l.Event.Payload = []byte(payload)
 		return l, err
 	})

@@ -378,6 +378,9 @@ func (s *amqpSink) Publish(ctx context.Context, ev relay.Event) error {
 	headers[HeaderEventType] = ev.Type
 	headers[HeaderCreatedAt] = ev.CreatedAt.UTC().Format(time.RFC3339Nano)
 	headers[HeaderAttempt] = strconv.Itoa(ev.Attempt)
+	if ev.RepublishAction != 0 {
+		headers[HeaderRepublishAction] = strconv.FormatInt(ev.RepublishAction, 10)
+	}
 	msg := amqp.Publishing{
 		Headers:      headers,
 		ContentType:  m.contentType,

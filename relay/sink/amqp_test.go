@@ -122,6 +122,9 @@ func TestAMQPPublishLandsWithPropertiesAndHeaders(t *testing.T) {
 	s := openSink(t, e.url(nil))
 	ev := testEvent("0f8fad5b-d9cb-469f-a165-70867728950e")
 	ev.Attempt = 2
+	// A republished copy: RabbitMQ keeps no duplicate window, so its
+	// message-id stays the event's, and a header names the republish.
+	ev.RepublishAction = 9
 	if err := s.Publish(t.Context(), ev); err != nil {
 		t.Fatalf("Publish: %v", err)
 	}
@@ -140,15 +143,16 @@ func TestAMQPPublishLandsWithPropertiesAndHeaders(t *testing.T) {
 		t.Errorf("timestamp %v, want %v", d.Timestamp, ev.CreatedAt)
 	}
 	want := map[string]string{
-		sink.HeaderEventID:      ev.ID,
-		sink.HeaderStream:       "orders.eu",
-		sink.HeaderAggregateKey: "order-42",
-		sink.HeaderRevision:     "7",
-		sink.HeaderEventType:    "OrderPlaced",
-		sink.HeaderCreatedAt:    "2025-03-04T05:06:07.123456789Z",
-		sink.HeaderAttempt:      "2",
-		"traceparent":           ev.Headers["traceparent"],
-		"X-Tenant":              "acme",
+		sink.HeaderEventID:         ev.ID,
+		sink.HeaderStream:          "orders.eu",
+		sink.HeaderAggregateKey:    "order-42",
+		sink.HeaderRevision:        "7",
+		sink.HeaderEventType:       "OrderPlaced",
+		sink.HeaderCreatedAt:       "2025-03-04T05:06:07.123456789Z",
+		sink.HeaderAttempt:         "2",
+		sink.HeaderRepublishAction: "9",
+		"traceparent":              ev.Headers["traceparent"],
+		"X-Tenant":                 "acme",
 	}
 	for k, v := range want {
 		if got, _ := d.Headers[k].(string); got != v {

@@ -219,6 +219,10 @@ func (s *kafkaSink) Publish(ctx context.Context, ev relay.Event) error {
 	if ev.Source != "" {
 		rec.Headers = append(rec.Headers, kgo.RecordHeader{Key: HeaderSource, Value: []byte(ev.Source)})
 	}
+	if ev.RepublishAction != 0 {
+		rec.Headers = append(rec.Headers,
+			kgo.RecordHeader{Key: HeaderRepublishAction, Value: []byte(strconv.FormatInt(ev.RepublishAction, 10))})
+	}
 	if s.cfg.ce.on() {
 		// The Kafka binding: content-type header, attributes as ce_*.
 		rec.Headers = append(rec.Headers, kgo.RecordHeader{Key: "content-type", Value: []byte(m.contentType)})

@@ -79,6 +79,7 @@ func TestKafkaRecordKeyHeadersAndTopic(t *testing.T) {
 	c := newKafka(t, "outbox.orders.eu")
 	s := openSink(t, kafkaSinkURL(c, nil))
 	ev := testEvent("0f8fad5b-d9cb-469f-a165-70867728950e")
+	ev.RepublishAction = 9
 	if err := s.Publish(t.Context(), ev); err != nil {
 		t.Fatalf("Publish: %v", err)
 	}
@@ -87,14 +88,15 @@ func TestKafkaRecordKeyHeadersAndTopic(t *testing.T) {
 		t.Errorf("record key %q value %q", r.Key, r.Value)
 	}
 	want := map[string]string{
-		sink.HeaderEventID:      ev.ID,
-		sink.HeaderEventType:    "OrderPlaced",
-		sink.HeaderStream:       "orders.eu",
-		sink.HeaderAggregateKey: "order-42",
-		sink.HeaderRevision:     "7",
-		sink.HeaderCreatedAt:    "2025-03-04T05:06:07.123456789Z",
-		sink.HeaderAttempt:      "1",
-		"X-Tenant":              "acme",
+		sink.HeaderEventID:         ev.ID,
+		sink.HeaderEventType:       "OrderPlaced",
+		sink.HeaderStream:          "orders.eu",
+		sink.HeaderAggregateKey:    "order-42",
+		sink.HeaderRevision:        "7",
+		sink.HeaderCreatedAt:       "2025-03-04T05:06:07.123456789Z",
+		sink.HeaderAttempt:         "1",
+		sink.HeaderRepublishAction: "9",
+		"X-Tenant":                 "acme",
 	}
 	for k, v := range want {
 		if got := header(r, k); got != v {

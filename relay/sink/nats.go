@@ -38,6 +38,9 @@ const (
 	HeaderEventType    = "Outbox-Event-Type"
 	HeaderCreatedAt    = "Outbox-Created-At"
 	HeaderAttempt      = "Outbox-Attempt"
+	// HeaderRepublishAction is set only on a delivery of a republish: the
+	// operator action's id (relay.Event.RepublishAction).
+	HeaderRepublishAction = "Outbox-Republish-Action"
 )
 
 // natsSink publishes to JetStream and reports success only on a PubAck.
@@ -300,10 +303,12 @@ func ensureStream(ctx context.Context, js jetstream.JetStream, cfg *natsConfig, 
 }
 
 // Publish sends ev and returns nil only once JetStream has acknowledged
-// storing it. The event's message id (relay.Event.MessageID: the event ID,
-// qualified by its source outside default) is the Nats-Msg-Id, so a
+// storing it. The event's message id (relay.Event.DedupID: the event ID,
+// qualified by its source outside default, and by the republish for a
+// delivery an operator's republish made) is the Nats-Msg-Id, so a
 // redelivery inside the stream's duplicate window is acknowledged as a duplicate without being
 // stored twice; that counts as success, since the first copy is stored.
+// A republish is stored again, however soon after the first copy.
 //
 // When no stream captures the subject (the stream was deleted while the
 // relay runs), Publish with create=true runs ensureStream again, which
@@ -348,11 +353,14 @@ func (s *natsSink) Publish(ctx context.Context, ev relay.Event) error {
 	msg.Header.Set(HeaderEventType, ev.Type)
 	msg.Header.Set(HeaderCreatedAt, ev.CreatedAt.UTC().Format(time.RFC3339Nano))
 	msg.Header.Set(HeaderAttempt, strconv.Itoa(ev.Attempt))
+	if ev.RepublishAction != 0 {
+		msg.Header.Set(HeaderRepublishAction, strconv.FormatInt(ev.RepublishAction, 10))
+	}
 
 	ctx, cancel := context.WithTimeout(ctx, s.timeout)
 	defer cancel()
 	opts := []jetstream.PublishOpt{
-		jetstream.WithMsgID(ev.MessageID()),
+		jetstream.WithMsgID(ev.DedupID()),
 		// Fail rather than report success if the subject is captured by
 		// a stream other than the configured one.
 		jetstream.WithExpectStream(s.stream),
@@ -381,7 +389,7 @@ func (s *natsSink) Publish(ctx context.Context, ev relay.Event) error {
 		return fmt.Errorf("nats sink: publish to %q: %w", subj, err)
 	}
 	if ack.Duplicate {
-		s.log.Debug("duplicate publish dropped by JetStream", "message_id", ev.MessageID(), "seq", ack.Sequence)
+		s.log.Debug("duplicate publish dropped by JetStream", "message_id", ev.DedupID(), "seq", ack.Sequence)
 	}
 	return nil
 }

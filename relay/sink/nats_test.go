@@ -234,6 +234,45 @@ func TestNATSSameEventIDStoredOnce(t *testing.T) {
 	}
 }
 
+// An operator's republish is stored again inside the duplicate window
+// (its Nats-Msg-Id names the republish), while the republish's own retries
+// are not; every copy keeps the event's id in Outbox-Event-Id, and a
+// republished one says which republish made it.
+func TestNATSRepublishStoredAgainInsideTheWindow(t *testing.T) {
+	t.Parallel()
+	e := newJSEnv(t)
+	s := e.open(t, nil)
+	first := testEvent("5d1b5c3e-8f7a-4f55-9c1e-2b0b6f4d7a10")
+	publish := func(republish int64, attempt int) {
+		t.Helper()
+		ev := first
+		ev.RepublishAction, ev.Attempt = republish, attempt
+		if err := s.Publish(t.Context(), ev); err != nil {
+			t.Fatalf("Publish (republish %d, attempt %d): %v", republish, attempt, err)
+		}
+	}
+	publish(0, 1)
+	publish(0, 2) // a retry of the first copy
+	publish(41, 3)
+	publish(41, 4) // a retry of the republish
+	publish(42, 5) // another republish
+
+	msgs := e.fetch(t, 3)
+	for i, want := range []struct{ msgID, attempt, action string }{
+		{first.ID, "1", ""},
+		{first.ID + "/republish/41", "3", "41"},
+		{first.ID + "/republish/42", "5", "42"},
+	} {
+		h := msgs[i].Headers()
+		if h.Get("Nats-Msg-Id") != want.msgID || h.Get(sink.HeaderAttempt) != want.attempt ||
+			h.Get(sink.HeaderRepublishAction) != want.action || h.Get(sink.HeaderEventID) != first.ID {
+			t.Errorf("message %d: Nats-Msg-Id %q, attempt %q, republish action %q, event id %q; want %q, %q, %q, %q",
+				i, h.Get("Nats-Msg-Id"), h.Get(sink.HeaderAttempt), h.Get(sink.HeaderRepublishAction), h.Get(sink.HeaderEventID),
+				want.msgID, want.attempt, want.action, first.ID)
+		}
+	}
+}
+
 func TestNATSSubjectEscapingRoundTrips(t *testing.T) {
 	t.Parallel()
 	e := newJSEnv(t)

@@ -8,7 +8,11 @@
 // It is the Nats-Msg-Id, the AMQP message-id, the webhook-id, the
 // CloudEvents id, the Outbox-Event-Id header and the Redis event_id field;
 // an event of another source also carries an Outbox-Source header (Redis:
-// a source field).
+// a source field). A delivery of an operator's republish keeps it, but for
+// the Nats-Msg-Id, which is relay.Event.DedupID (the message ID and the
+// republish's action ID: JetStream would drop the republish inside its
+// duplicate window), and carries an Outbox-Republish-Action header (NATS,
+// AMQP, Kafka).
 //
 // Supported schemes:
 //

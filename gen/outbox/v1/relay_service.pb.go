@@ -264,15 +264,26 @@ type SubscribeResponse struct {
 	// it.
 	LeaseEpoch int64 `protobuf:"varint,6,opt,name=lease_epoch,json=leaseEpoch,proto3" json:"lease_epoch,omitempty"`
 	// deliveries, when not empty, are several deliveries in one message, each
-	// a SubscribeResponse of its own (fields 1 to 6 set, deliveries empty),
+	// a SubscribeResponse of its own (fields 1 to 6 and 8 set, deliveries empty),
 	// and every other field of this message is unset. They are in the order
 	// the server would have sent them one per message: a relay handles them
 	// in list order, as if each had come on its own, so per-aggregate order
 	// and windows (lease_epoch) mean what they mean for single deliveries.
 	// Sent only to relays that set SubscribeRequest.accept_batches.
-	Deliveries    []*SubscribeResponse `protobuf:"bytes,7,rep,name=deliveries,proto3" json:"deliveries,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Deliveries []*SubscribeResponse `protobuf:"bytes,7,rep,name=deliveries,proto3" json:"deliveries,omitempty"`
+	// republish_action_id is not zero when this delivery is of an event an
+	// operator republished (AdminService.Republish; ListActions' action_id):
+	// the id of that republish. Every delivery of the event under one
+	// republish carries the same id, a later republish its own, and any
+	// other delivery zero. event_id stays the event's own, so consumers keep
+	// deduplicating on it; a broker that drops a message id it stored within
+	// a window (JetStream's Nats-Msg-Id) would drop a republished copy, so a
+	// relay publishing to one makes the id of a republished delivery its own
+	// by adding this (the Go relay: "<event id>/republish/<action id>").
+	// Zero from servers that predate it.
+	RepublishActionId int64 `protobuf:"varint,8,opt,name=republish_action_id,json=republishActionId,proto3" json:"republish_action_id,omitempty"`
+	unknownFields     protoimpl.UnknownFields
+	sizeCache         protoimpl.SizeCache
 }
 
 func (x *SubscribeResponse) Reset() {
@@ -352,6 +363,13 @@ func (x *SubscribeResponse) GetDeliveries() []*SubscribeResponse {
 		return x.Deliveries
 	}
 	return nil
+}
+
+func (x *SubscribeResponse) GetRepublishActionId() int64 {
+	if x != nil {
+		return x.RepublishActionId
+	}
+	return 0
 }
 
 // AckRequest acknowledges a batch of deliveries.
@@ -1048,7 +1066,7 @@ const file_outbox_v1_relay_service_proto_rawDesc = "" +
 	"\tlease_ttl\x18\x04 \x01(\v2\x19.google.protobuf.DurationR\bleaseTtl\x12'\n" +
 	"\x0fexclude_streams\x18\x05 \x03(\tR\x0eexcludeStreams\x12<\n" +
 	"\x1bmax_in_flight_per_aggregate\x18\x06 \x01(\rR\x17maxInFlightPerAggregate\x12%\n" +
-	"\x0eaccept_batches\x18\a \x01(\bR\racceptBatches\"\xe6\x02\n" +
+	"\x0eaccept_batches\x18\a \x01(\bR\racceptBatches\"\x96\x03\n" +
 	"\x11SubscribeResponse\x12&\n" +
 	"\x05event\x18\x01 \x01(\v2\x10.outbox.v1.EventR\x05event\x12\x1f\n" +
 	"\vlease_token\x18\x02 \x01(\tR\n" +
@@ -1060,7 +1078,8 @@ const file_outbox_v1_relay_service_proto_rawDesc = "" +
 	"leaseEpoch\x12<\n" +
 	"\n" +
 	"deliveries\x18\a \x03(\v2\x1c.outbox.v1.SubscribeResponseR\n" +
-	"deliveries\"4\n" +
+	"deliveries\x12.\n" +
+	"\x13republish_action_id\x18\b \x01(\x03R\x11republishActionId\"4\n" +
 	"\n" +
 	"AckRequest\x12&\n" +
 	"\x04acks\x18\x01 \x03(\v2\x12.outbox.v1.AckItemR\x04acks\"E\n" +
