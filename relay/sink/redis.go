@@ -32,6 +32,9 @@ const (
 	RedisFieldCreatedAt = "created_at"
 	RedisFieldPayload   = "payload"
 	RedisFieldHeaders   = "headers"
+	// RedisFieldRepublishAction is set only on an entry of an operator's
+	// republish: its action id (relay.Event.RepublishAction).
+	RedisFieldRepublishAction = "republish_action"
 )
 
 // maxRedisKey bounds a rendered stream key. Redis accepts far longer keys;
@@ -150,6 +153,9 @@ func (s *redisSink) Publish(ctx context.Context, ev relay.Event) error {
 	}
 	if ev.Source != "" {
 		values = append(values, RedisFieldSource, ev.Source)
+	}
+	if ev.RepublishAction != 0 {
+		values = append(values, RedisFieldRepublishAction, strconv.FormatInt(ev.RepublishAction, 10))
 	}
 	args := &redis.XAddArgs{Stream: key, Values: values}
 	if s.cfg.maxLen > 0 {

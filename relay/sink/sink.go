@@ -11,8 +11,9 @@
 // a source field). A delivery of an operator's republish keeps it, but for
 // the Nats-Msg-Id, which is relay.Event.DedupID (the message ID and the
 // republish's action ID: JetStream would drop the republish inside its
-// duplicate window), and carries an Outbox-Republish-Action header (NATS,
-// AMQP, Kafka).
+// duplicate window), and says which republish made it: an
+// Outbox-Republish-Action header (NATS, AMQP, Kafka), republish_action in
+// the stdout line and webhook body, and a Redis republish_action field.
 //
 // Supported schemes:
 //

@@ -38,6 +38,9 @@ type stdoutLine struct {
 	CreatedAt    string            `json:"created_at"`
 	Attempt      int               `json:"attempt"`
 	Source       string            `json:"source,omitempty"`
+	// RepublishAction names the operator's republish that made this copy
+	// (relay.Event.RepublishAction); absent on every other.
+	RepublishAction int64 `json:"republish_action,omitempty"`
 }
 
 func openStdout(_ context.Context, u *url.URL, display string, opts Options) (relay.Sink, error) {
@@ -95,16 +98,17 @@ func encodeEvent(ev relay.Event) ([]byte, error) {
 	// Encoding a RawMessage compacts it, so a multi-line payload still
 	// yields one line; Encode appends the newline.
 	if err := enc.Encode(stdoutLine{
-		EventID:      ev.ID,
-		Stream:       ev.Stream,
-		AggregateKey: ev.AggregateKey,
-		Revision:     ev.Revision,
-		EventType:    ev.Type,
-		Payload:      payload,
-		Headers:      headers,
-		CreatedAt:    ev.CreatedAt.UTC().Format(time.RFC3339Nano),
-		Attempt:      ev.Attempt,
-		Source:       ev.Source,
+		EventID:         ev.ID,
+		Stream:          ev.Stream,
+		AggregateKey:    ev.AggregateKey,
+		Revision:        ev.Revision,
+		EventType:       ev.Type,
+		Payload:         payload,
+		Headers:         headers,
+		CreatedAt:       ev.CreatedAt.UTC().Format(time.RFC3339Nano),
+		Attempt:         ev.Attempt,
+		Source:          ev.Source,
+		RepublishAction: ev.RepublishAction,
 	}); err != nil {
 		return nil, fmt.Errorf("encode: %w", err)
 	}
