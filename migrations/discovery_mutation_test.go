@@ -1,0 +1,170 @@
+package migrations_test
+
+import (
+	"context"
+	"testing"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/outboxd/outboxd/internal/testdb"
+)
+
+// These tests hold discovery's promise (no committed event is missed, each
+// is found once) where a mutation sweep of the discovery functions found it
+// unheld; each names the change it rules out. Races are forced with locks
+// held open and pg_blocking_pids, never sleeps.
+
+// rescan runs outbox.rescan_discovery() on conn, for roundBehind.
+func rescan(ctx context.Context, conn *pgxpool.Conn) error {
+	_, err := conn.Exec(ctx, `SELECT * FROM outbox.rescan_discovery()`)
+	return err
+}
+
+// holdDiscoveryTurn opens a transaction that holds the discovery lock, as a
+// round in progress does, and returns it with its backend's pid.
+func holdDiscoveryTurn(t *testing.T, pool *pgxpool.Pool) (pgx.Tx, int) {
+	t.Helper()
+	ctx := testContext(t)
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = tx.Rollback(context.Background()) })
+	if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock(7954802400917419382)`); err != nil {
+		t.Fatal(err)
+	}
+	return tx, backendPID(t, tx)
+}
+
+// A re-scan takes discovery's turn: while a round holds it, the re-scan
+// waits, so that it never stores its snapshot beside (or under) one a round
+// is storing. Kills: rescan_discovery without its pg_advisory_xact_lock.
+func TestARescanWaitsForARoundsTurn(t *testing.T) {
+	t.Parallel()
+	pool := testdb.NewPoolConfig(t, func(c *pgxpool.Config) { c.MaxConns = 6 })
+	emitN(t, pool, "a", 1)
+	turn, pid := holdDiscoveryTurn(t, pool)
+	done := roundBehind(t, pool, pid, rescan)
+	select {
+	case err := <-done:
+		t.Fatalf("the re-scan ran while a round held discovery's turn (err %v)", err)
+	default:
+	}
+	if err := turn.Commit(testContext(t)); err != nil {
+		t.Fatal(err)
+	}
+	await(t, done)
+	if got := claimRevisions(t, pool); got["a"] != 1 {
+		t.Fatalf("claim after the re-scan = %v, want a at revision 1", got)
+	}
+}
+
+// As a round does (TestDiscoveryWaitsForAnAckInItsTransaction), a re-scan
+// locks the delivery rows of what it found and decides after the locks: an
+// ack still in its transaction ends a's lease with nothing to follow (idle)
+// while revision 2 commits; the re-scan must wait for the ack and then wake
+// a. Deciding on what it read before (leased: work in hand) would leave
+// revision 2 behind an idle aggregate for good. Kills: rescan_discovery
+// without its outbox.lock_deliveries.
+func TestARescanWaitsForAnAckInItsTransaction(t *testing.T) {
+	t.Parallel()
+	pool := testdb.NewPoolConfig(t, func(c *pgxpool.Config) { c.MaxConns = 6 })
+	emitN(t, pool, "a", 1)
+	discover(t, pool)
+	first := claimAs(t, pool, uuid.New(), "elsewhere")
+
+	ack, ackPID := openAck(t, pool, []uuid.UUID{first.id}, nil)
+	emitN(t, pool, "a", 1) // revision 2, committed after the ack read the events
+	done := roundBehind(t, pool, ackPID, rescan)
+	if err := ack.Commit(testContext(t)); err != nil {
+		t.Fatal(err)
+	}
+	await(t, done)
+
+	if got := claimRevisions(t, pool); got["a"] != 2 {
+		t.Fatalf("claim after the re-scan = %v, want a at revision 2", got)
+	}
+	if n := strandedEvents(t, pool); n != 0 {
+		t.Fatalf("%d stranded events", n)
+	}
+}
+
+// A re-scan wakes an aggregate held at a gap once the missing revision is
+// pending, as a round does: otherwise a gap filled before the re-scan (whose
+// snapshot then covers it, so no round finds it again) would hold the
+// aggregate for good. Kills: rescan_discovery waking only idle rows.
+func TestARescanWakesAnAggregateHeldAtAGap(t *testing.T) {
+	t.Parallel()
+	pool := testdb.NewPool(t)
+	exec(t, pool, `SELECT outbox.emit('orders', 'g', 'T', '{}', revision => 1)`)
+	discover(t, pool)
+	if got := claimRevisions(t, pool); got["g"] != 1 {
+		t.Fatalf("claim = %v, want g revision 1", got)
+	}
+	ackEvents(t, pool, `aggregate_key = 'g' AND revision = 1`)
+	exec(t, pool, `SELECT outbox.emit('orders', 'g', 'T', '{}', revision => 3)`)
+	discover(t, pool)
+	if got := claimRevisions(t, pool); len(got) != 0 {
+		t.Fatalf("claim across g's gap = %v, want nothing", got)
+	}
+	if st := count(t, pool, `SELECT count(*) FROM outbox.delivery WHERE aggregate_key = 'g' AND state = 'gap'`); st != 1 {
+		t.Fatal("g is not held at its gap")
+	}
+
+	// Revision 2 fills the gap; the re-scan, not a round, finds it.
+	exec(t, pool, `SELECT outbox.emit('orders', 'g', 'T', '{}', revision => 2)`)
+	exec(t, pool, `SELECT * FROM outbox.rescan_discovery()`)
+	if n := discover(t, pool); n != 0 {
+		t.Fatalf("a round after the re-scan found %d events, want none (the re-scan's snapshot covers them)", n)
+	}
+	if got := claimRevisions(t, pool); got["g"] != 2 {
+		t.Fatalf("claim after the re-scan = %v, want g revision 2", got)
+	}
+}
+
+// A re-scan that made rows ready says so, as a round does, with one NOTIFY
+// outbox_wakeup, so that idle sessions of every replica claim at once; one
+// that made nothing ready is silent. Kills: rescan_discovery without its
+// pg_notify.
+func TestARescanThatMadeRowsReadyWakesTheSessions(t *testing.T) {
+	t.Parallel()
+	ctx := testContext(t)
+	pool := testdb.NewPool(t)
+	listener, err := pool.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { listener.Conn().Close(context.Background()); listener.Release() })
+	if _, err := listener.Exec(ctx, `LISTEN outbox_wakeup`); err != nil {
+		t.Fatal(err)
+	}
+	next := func() string {
+		t.Helper()
+		n, err := listener.Conn().WaitForNotification(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return n.Payload
+	}
+	sentinel := func() { exec(t, pool, `SELECT pg_notify('outbox_wakeup', 'sentinel')`) }
+
+	emitN(t, pool, "a", 1)
+	var woken int64
+	if err := pool.QueryRow(ctx, `SELECT aggregates FROM outbox.rescan_discovery()`).Scan(&woken); err != nil || woken != 1 {
+		t.Fatalf("re-scan made %d rows ready (err %v), want 1", woken, err)
+	}
+	sentinel()
+	if got := next(); got != "" {
+		t.Fatalf("after a re-scan that made a row ready, next outbox_wakeup notice %q, want the re-scan's", got)
+	}
+	if got := next(); got != "sentinel" {
+		t.Fatalf("next notice %q, want the sentinel", got)
+	}
+	exec(t, pool, `SELECT * FROM outbox.rescan_discovery()`)
+	sentinel()
+	if got := next(); got != "sentinel" {
+		t.Fatalf("after a re-scan that made nothing ready, next notice %q, want only the sentinel", got)
+	}
+}
