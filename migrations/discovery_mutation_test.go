@@ -134,22 +134,7 @@ func TestARescanThatMadeRowsReadyWakesTheSessions(t *testing.T) {
 	t.Parallel()
 	ctx := testContext(t)
 	pool := testdb.NewPool(t)
-	listener, err := pool.Acquire(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { listener.Conn().Close(context.Background()); listener.Release() })
-	if _, err := listener.Exec(ctx, `LISTEN outbox_wakeup`); err != nil {
-		t.Fatal(err)
-	}
-	next := func() string {
-		t.Helper()
-		n, err := listener.Conn().WaitForNotification(ctx)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return n.Payload
-	}
+	next := listenWakeups(t, pool)
 	sentinel := func() { exec(t, pool, `SELECT pg_notify('outbox_wakeup', 'sentinel')`) }
 
 	emitN(t, pool, "a", 1)
@@ -304,4 +289,124 @@ func TestACutOfAQuietClusterIsASnapshot(t *testing.T) {
 		}
 	}
 	t.Skip("the cluster was never quiet at a scan: no transaction below the cut ended in time")
+}
+
+// listenWakeups returns a connection of its own that LISTENs on
+// outbox_wakeup, as a replica's listener does, and a function returning the
+// payload of its next notice.
+func listenWakeups(t *testing.T, pool *pgxpool.Pool) func() string {
+	t.Helper()
+	ctx := testContext(t)
+	listener, err := pool.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { listener.Conn().Close(context.Background()); listener.Release() })
+	if _, err := listener.Exec(ctx, `LISTEN outbox_wakeup`); err != nil {
+		t.Fatal(err)
+	}
+	return func() string {
+		t.Helper()
+		n, err := listener.Conn().WaitForNotification(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return n.Payload
+	}
+}
+
+// A round that made rows ready tells every replica's idle sessions with one
+// NOTIFY outbox_wakeup (they claim at once, not at their next poll); a round
+// that made none ready (it found only aggregates with work in hand) is
+// silent. Notices of committed transactions arrive in commit order, so a
+// sentinel sent after the round says whether the round sent one. Kills:
+// discover_apply's pg_notify skipped.
+func TestARoundThatMadeRowsReadyWakesEveryReplica(t *testing.T) {
+	t.Parallel()
+	pool := testdb.NewPool(t)
+	next := listenWakeups(t, pool)
+	sentinel := func() { exec(t, pool, `SELECT pg_notify('outbox_wakeup', 'sentinel')`) }
+
+	emitN(t, pool, "a", 1)
+	if n := count(t, pool, `SELECT aggregates FROM outbox.discover()`); n != 1 {
+		t.Fatalf("the round made %d rows ready, want 1", n)
+	}
+	sentinel()
+	if got := next(); got != "" {
+		t.Fatalf("after a round that made a row ready, next outbox_wakeup notice %q, want the round's", got)
+	}
+	if got := next(); got != "sentinel" {
+		t.Fatalf("next notice %q, want the sentinel", got)
+	}
+
+	// a is ready (work in hand): its next revision makes nothing ready.
+	emitN(t, pool, "a", 1)
+	if n := count(t, pool, `SELECT aggregates FROM outbox.discover()`); n != 0 {
+		t.Fatalf("the round made %d rows ready, want none (a was ready)", n)
+	}
+	sentinel()
+	if got := next(); got != "sentinel" {
+		t.Fatalf("after a round that made nothing ready, next notice %q, want only the sentinel", got)
+	}
+}
+
+// As TestDiscoveryStoppedLeavesARescanThatCommittedMeanwhile, for a stop
+// on this cluster's own counter (set back: the stored snapshot's xmax ahead
+// of it), where a re-scan stores a fresh snapshot under the same system
+// identifier: discovery_stopped, held between its read and its write,
+// must not record the stop against the re-scanned state, or discovery
+// would stay stopped after the re-scan meant to resume it. Kills:
+// discovery_stopped's UPDATE without its snapshot condition.
+func TestDiscoveryStoppedLeavesARescanOfThisClusterThatCommittedMeanwhile(t *testing.T) {
+	t.Parallel()
+	ctx := testContext(t)
+	pool := testdb.NewPool(t)
+	stored := counter(t, pool) + 1_000_000_000
+	exec(t, pool, fmt.Sprintf(`UPDATE outbox.discovery SET snapshot = '%[1]d:%[1]d:'`, stored))
+
+	rescan, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = rescan.Rollback(context.WithoutCancel(ctx)) }()
+	rescanPID := backendPID(t, rescan)
+	if _, err := rescan.Exec(ctx, `LOCK TABLE outbox.discovery IN SHARE MODE`); err != nil {
+		t.Fatal(err)
+	}
+	checker, err := pool.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer checker.Release()
+	checkerPID := backendPID(t, checker)
+	done := make(chan error, 1)
+	go func() {
+		var reason *string
+		done <- checker.QueryRow(ctx, `SELECT outbox.discovery_stopped()`).Scan(&reason)
+	}()
+	waitUntilBlockedBy(t, pool, checkerPID, rescanPID)
+	if _, err := rescan.Exec(ctx, `UPDATE outbox.discovery SET snapshot = pg_current_snapshot(), advanced_at = now()`); err != nil {
+		t.Fatal(err)
+	}
+	if err := rescan.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-ctx.Done():
+		t.Fatal("discovery_stopped never finished")
+	}
+	if n := count(t, pool, `SELECT count(*) FROM outbox.discovery WHERE stopped_reason IS NOT NULL`); n != 0 {
+		t.Fatal("a stop was recorded against the re-scanned state")
+	}
+	if got := discoveryStopped(t, pool); got != "" {
+		t.Fatalf("discovery stopped after a re-scan committed: %s", got)
+	}
+	emitN(t, pool, "after", 1)
+	if n := discover(t, pool); n != 1 {
+		t.Fatalf("the round after the re-scan found %d events, want 1", n)
+	}
 }
