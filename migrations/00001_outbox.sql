@@ -399,26 +399,28 @@ CREATE TRIGGER delivery_continue_attempts
 -- newest operator action whose republish (outbox.republished) covers the
 -- revision, while the aggregate's delivery row still carries the republish
 -- mark (delivery.republished_through, cleared once delivery leases a
--- revision past it); NULL for every other lease. Every lease of the event
--- under that republish names the same action, and a later republish names
--- its own: a broker that deduplicates by message id (JetStream) tells the
+-- revision past it); 0 for every other lease (never NULL: a NULL field
+-- would make every lease fail "lease IS NOT NULL", which tests every
+-- field). Every lease of the event under that republish names the same
+-- action, and a later republish names its own: a broker that deduplicates by message id (JetStream) tells the
 -- republish's own retries from the first copies by it (the relay adds it to
 -- the message id), and so stores the republish but not its retries twice.
--- Only marked rows pay the lookup (one probe of republished_aggregate_idx).
--- A simple SQL function, so the planner inlines it into the lease
--- statements.
+-- A SQL function with a subquery is not inlined: each call runs the SQL
+-- function executor (tens of microseconds), so the lease statements call
+-- it only for a row that carries the mark (CASE WHEN republished_through IS
+-- NOT NULL), and an unmarked row, every steady lease, pays one NULL test.
 -- +goose StatementBegin
 CREATE FUNCTION outbox.republish_action(p_stream text, p_aggregate_key text, p_revision bigint,
                                         p_republished_through bigint)
 RETURNS bigint
 LANGUAGE sql STABLE AS $$
-    SELECT CASE WHEN p_revision <= p_republished_through THEN (
+    SELECT coalesce(CASE WHEN p_revision <= p_republished_through THEN (
         SELECT r.action_id FROM outbox.republished r
         WHERE r.stream = p_stream AND r.aggregate_key = p_aggregate_key
           AND p_revision BETWEEN r.from_revision AND r.to_revision
         ORDER BY r.action_id DESC
         LIMIT 1)
-    END
+    END, 0)
 $$;
 -- +goose StatementEnd
 
@@ -1123,8 +1125,8 @@ CREATE TYPE outbox.lease AS (
     epoch bigint,
     attempt integer,
     lease_expires_at timestamptz,
-    -- The republish this lease delivers (outbox.republish_action), NULL
-    -- for every other lease.
+    -- The republish this lease delivers (outbox.republish_action), 0 for
+    -- every other lease.
     republish_action bigint
 );
 
@@ -1604,8 +1606,9 @@ BEGIN
                array_agg(w.holder) FILTER (WHERE w.state = 'leased'),
                array_agg(ROW(p.head_id, p.stream, p.aggregate_key, p.cursor + 1, p.head_type, p.head_payload,
                              p.head_headers, p.head_created_at, w.epoch, w.attempt, w.lease_expires_at,
-                             outbox.republish_action(p.stream, p.aggregate_key, p.cursor + 1,
-                                                     w.republished_through))::outbox.lease)
+                             CASE WHEN w.republished_through IS NOT NULL
+                                  THEN outbox.republish_action(p.stream, p.aggregate_key, p.cursor + 1,
+                                                               w.republished_through) ELSE 0 END)::outbox.lease)
                    FILTER (WHERE w.state = 'leased')
         INTO v_woken, v_holders, v_leases
         FROM written w
@@ -2234,7 +2237,8 @@ BEGIN
     )
     SELECT e.event_id, e.stream, e.aggregate_key, e.revision, e.event_type, e.payload::text,
            e.headers, e.created_at, c.epoch, c.attempt, c.lease_expires_at,
-           outbox.republish_action(e.stream, e.aggregate_key, e.revision, c.republished_through)
+           CASE WHEN c.republished_through IS NOT NULL
+                THEN outbox.republish_action(e.stream, e.aggregate_key, e.revision, c.republished_through) ELSE 0 END
     FROM changed c
     JOIN (SELECT h.stream, h.aggregate_key, h.event_id FROM heads h
           UNION ALL SELECT x.stream, x.aggregate_key, x.event_id FROM extra x) l
@@ -2946,7 +2950,8 @@ BEGIN
             IF v_ttl IS NOT NULL THEN
                 SELECT e.event_id, e.stream, e.aggregate_key, e.revision, e.event_type, e.payload::text,
                        e.headers, e.created_at, v_epoch, v_attempt, v_expires,
-                       outbox.republish_action(e.stream, e.aggregate_key, e.revision, v_republished_through)
+                       CASE WHEN v_republished_through IS NOT NULL
+                            THEN outbox.republish_action(e.stream, e.aggregate_key, e.revision, v_republished_through) ELSE 0 END
                 INTO v_lease
                 FROM outbox.event e WHERE e.event_id = v_next_id;
                 RETURN QUERY
@@ -3130,8 +3135,9 @@ BEGIN
             )
             SELECT array_agg(ROW(e.event_id, e.stream, e.aggregate_key, e.revision, e.event_type, e.payload::text,
                                  e.headers, e.created_at, a.epoch, a.attempt, a.lease_expires_at,
-                                 outbox.republish_action(e.stream, e.aggregate_key, e.revision,
-                                                         a.republished_through))::outbox.lease)
+                                 CASE WHEN a.republished_through IS NOT NULL
+                                      THEN outbox.republish_action(e.stream, e.aggregate_key, e.revision,
+                                                                   a.republished_through) ELSE 0 END)::outbox.lease)
                        FILTER (WHERE a.state = 'leased'),
                    array_agg(a.holder) FILTER (WHERE a.state = 'leased'),
                    array_agg(a.acked) FILTER (WHERE a.state = 'leased'),
@@ -3272,8 +3278,9 @@ BEGIN
             )
             SELECT array_agg(ROW(e.event_id, e.stream, e.aggregate_key, e.revision, e.event_type, e.payload::text,
                                  e.headers, e.created_at, a.epoch, a.attempt, a.lease_expires_at,
-                                 outbox.republish_action(e.stream, e.aggregate_key, e.revision,
-                                                         a.republished_through))::outbox.lease
+                                 CASE WHEN a.republished_through IS NOT NULL
+                                      THEN outbox.republish_action(e.stream, e.aggregate_key, e.revision,
+                                                                   a.republished_through) ELSE 0 END)::outbox.lease
                              ORDER BY e.stream, e.aggregate_key, e.revision),
                    array_agg(a.holder ORDER BY e.stream, e.aggregate_key, e.revision),
                    array_agg(a.last_ack ORDER BY e.stream, e.aggregate_key, e.revision),

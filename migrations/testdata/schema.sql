@@ -272,7 +272,8 @@ BEGIN
             IF v_ttl IS NOT NULL THEN
                 SELECT e.event_id, e.stream, e.aggregate_key, e.revision, e.event_type, e.payload::text,
                        e.headers, e.created_at, v_epoch, v_attempt, v_expires,
-                       outbox.republish_action(e.stream, e.aggregate_key, e.revision, v_republished_through)
+                       CASE WHEN v_republished_through IS NOT NULL
+                            THEN outbox.republish_action(e.stream, e.aggregate_key, e.revision, v_republished_through) ELSE 0 END
                 INTO v_lease
                 FROM outbox.event e WHERE e.event_id = v_next_id;
                 RETURN QUERY
@@ -456,8 +457,9 @@ BEGIN
             )
             SELECT array_agg(ROW(e.event_id, e.stream, e.aggregate_key, e.revision, e.event_type, e.payload::text,
                                  e.headers, e.created_at, a.epoch, a.attempt, a.lease_expires_at,
-                                 outbox.republish_action(e.stream, e.aggregate_key, e.revision,
-                                                         a.republished_through))::outbox.lease)
+                                 CASE WHEN a.republished_through IS NOT NULL
+                                      THEN outbox.republish_action(e.stream, e.aggregate_key, e.revision,
+                                                                   a.republished_through) ELSE 0 END)::outbox.lease)
                        FILTER (WHERE a.state = 'leased'),
                    array_agg(a.holder) FILTER (WHERE a.state = 'leased'),
                    array_agg(a.acked) FILTER (WHERE a.state = 'leased'),
@@ -598,8 +600,9 @@ BEGIN
             )
             SELECT array_agg(ROW(e.event_id, e.stream, e.aggregate_key, e.revision, e.event_type, e.payload::text,
                                  e.headers, e.created_at, a.epoch, a.attempt, a.lease_expires_at,
-                                 outbox.republish_action(e.stream, e.aggregate_key, e.revision,
-                                                         a.republished_through))::outbox.lease
+                                 CASE WHEN a.republished_through IS NOT NULL
+                                      THEN outbox.republish_action(e.stream, e.aggregate_key, e.revision,
+                                                                   a.republished_through) ELSE 0 END)::outbox.lease
                              ORDER BY e.stream, e.aggregate_key, e.revision),
                    array_agg(a.holder ORDER BY e.stream, e.aggregate_key, e.revision),
                    array_agg(a.last_ack ORDER BY e.stream, e.aggregate_key, e.revision),
@@ -1272,8 +1275,9 @@ BEGIN
                array_agg(w.holder) FILTER (WHERE w.state = 'leased'),
                array_agg(ROW(p.head_id, p.stream, p.aggregate_key, p.cursor + 1, p.head_type, p.head_payload,
                              p.head_headers, p.head_created_at, w.epoch, w.attempt, w.lease_expires_at,
-                             outbox.republish_action(p.stream, p.aggregate_key, p.cursor + 1,
-                                                     w.republished_through))::outbox.lease)
+                             CASE WHEN w.republished_through IS NOT NULL
+                                  THEN outbox.republish_action(p.stream, p.aggregate_key, p.cursor + 1,
+                                                               w.republished_through) ELSE 0 END)::outbox.lease)
                    FILTER (WHERE w.state = 'leased')
         INTO v_woken, v_holders, v_leases
         FROM written w
@@ -2164,7 +2168,8 @@ BEGIN
     )
     SELECT e.event_id, e.stream, e.aggregate_key, e.revision, e.event_type, e.payload::text,
            e.headers, e.created_at, c.epoch, c.attempt, c.lease_expires_at,
-           outbox.republish_action(e.stream, e.aggregate_key, e.revision, c.republished_through)
+           CASE WHEN c.republished_through IS NOT NULL
+                THEN outbox.republish_action(e.stream, e.aggregate_key, e.revision, c.republished_through) ELSE 0 END
     FROM changed c
     JOIN (SELECT h.stream, h.aggregate_key, h.event_id FROM heads h
           UNION ALL SELECT x.stream, x.aggregate_key, x.event_id FROM extra x) l
@@ -2627,13 +2632,13 @@ $$;
 CREATE FUNCTION outbox.republish_action(p_stream text, p_aggregate_key text, p_revision bigint, p_republished_through bigint) RETURNS bigint
     LANGUAGE sql STABLE
     AS $$
-    SELECT CASE WHEN p_revision <= p_republished_through THEN (
+    SELECT coalesce(CASE WHEN p_revision <= p_republished_through THEN (
         SELECT r.action_id FROM outbox.republished r
         WHERE r.stream = p_stream AND r.aggregate_key = p_aggregate_key
           AND p_revision BETWEEN r.from_revision AND r.to_revision
         ORDER BY r.action_id DESC
         LIMIT 1)
-    END
+    END, 0)
 $$;
 
 --
