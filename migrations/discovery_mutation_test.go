@@ -359,52 +359,10 @@ func TestARoundThatMadeRowsReadyWakesEveryReplica(t *testing.T) {
 // discovery_stopped's UPDATE without its snapshot condition.
 func TestDiscoveryStoppedLeavesARescanOfThisClusterThatCommittedMeanwhile(t *testing.T) {
 	t.Parallel()
-	ctx := testContext(t)
 	pool := testdb.NewPool(t)
 	stored := counter(t, pool) + 1_000_000_000
 	exec(t, pool, fmt.Sprintf(`UPDATE outbox.discovery SET snapshot = '%[1]d:%[1]d:'`, stored))
-
-	rescan, err := pool.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = rescan.Rollback(context.WithoutCancel(ctx)) }()
-	rescanPID := backendPID(t, rescan)
-	if _, err := rescan.Exec(ctx, `LOCK TABLE outbox.discovery IN SHARE MODE`); err != nil {
-		t.Fatal(err)
-	}
-	checker, err := pool.Acquire(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer checker.Release()
-	checkerPID := backendPID(t, checker)
-	done := make(chan error, 1)
-	go func() {
-		var reason *string
-		done <- checker.QueryRow(ctx, `SELECT outbox.discovery_stopped()`).Scan(&reason)
-	}()
-	waitUntilBlockedBy(t, pool, checkerPID, rescanPID)
-	if _, err := rescan.Exec(ctx, `UPDATE outbox.discovery SET snapshot = pg_current_snapshot(), advanced_at = now()`); err != nil {
-		t.Fatal(err)
-	}
-	if err := rescan.Commit(ctx); err != nil {
-		t.Fatal(err)
-	}
-	select {
-	case err := <-done:
-		if err != nil {
-			t.Fatal(err)
-		}
-	case <-ctx.Done():
-		t.Fatal("discovery_stopped never finished")
-	}
-	if n := count(t, pool, `SELECT count(*) FROM outbox.discovery WHERE stopped_reason IS NOT NULL`); n != 0 {
-		t.Fatal("a stop was recorded against the re-scanned state")
-	}
-	if got := discoveryStopped(t, pool); got != "" {
-		t.Fatalf("discovery stopped after a re-scan committed: %s", got)
-	}
+	stoppedCheckRacingARescan(t, pool, `snapshot = pg_current_snapshot(), advanced_at = now()`)
 	emitN(t, pool, "after", 1)
 	if n := discover(t, pool); n != 1 {
 		t.Fatalf("the round after the re-scan found %d events, want 1", n)

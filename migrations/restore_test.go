@@ -237,10 +237,20 @@ func TestCounterSetBackStopsDiscoveryForGood(t *testing.T) {
 // on.
 func TestDiscoveryStoppedLeavesARescanThatCommittedMeanwhile(t *testing.T) {
 	t.Parallel()
-	ctx := testContext(t)
 	pool := testdb.NewPool(t)
 	exec(t, pool, `UPDATE outbox.discovery SET system_identifier = 42`) // restored from another cluster
+	stoppedCheckRacingARescan(t, pool,
+		`snapshot = pg_current_snapshot(), advanced_at = now(), system_identifier = outbox.cluster_system_identifier()`)
+}
 
+// stoppedCheckRacingARescan runs discovery_stopped while a re-scan (a
+// transaction holding outbox.discovery in SHARE mode) stores what
+// rescanSet sets, between the check's read and its write (pg_blocking_pids
+// says when the check waits), and fails unless discovery is running after
+// both and no stop was recorded against the re-scanned state.
+func stoppedCheckRacingARescan(t *testing.T, pool *pgxpool.Pool, rescanSet string) {
+	t.Helper()
+	ctx := testContext(t)
 	rescan, err := pool.Begin(ctx)
 	if err != nil {
 		t.Fatal(err)
@@ -262,8 +272,7 @@ func TestDiscoveryStoppedLeavesARescanThatCommittedMeanwhile(t *testing.T) {
 		done <- checker.QueryRow(ctx, `SELECT outbox.discovery_stopped()`).Scan(&reason)
 	}()
 	waitUntilBlockedBy(t, pool, checkerPID, rescanPID)
-	if _, err := rescan.Exec(ctx, `UPDATE outbox.discovery
-		SET snapshot = pg_current_snapshot(), advanced_at = now(), system_identifier = outbox.cluster_system_identifier()`); err != nil {
+	if _, err := rescan.Exec(ctx, `UPDATE outbox.discovery SET `+rescanSet); err != nil {
 		t.Fatal(err)
 	}
 	if err := rescan.Commit(ctx); err != nil {
