@@ -407,7 +407,7 @@ func (s *Store) Claim(ctx context.Context, p ClaimParams) ([]Lease, error) {
 	}
 	rows, err := s.pool.Query(ctx,
 		`SELECT event_id, stream, aggregate_key, revision, event_type, payload, headers, created_at,
-		        epoch, attempt, lease_expires_at, coalesce(republish_action, 0)
+		        epoch, attempt, lease_expires_at, republish_action
 		 FROM outbox.claim($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)`,
 		p.Holder, p.RelayID, p.ReplicaID, streams, p.Limit, p.TTL, maxAttempts, exclude,
 		max(p.Window, 1), max(p.Credit, p.Limit), maxDue(p.MaxDue))
