@@ -146,37 +146,5 @@ func TestAFailedCheckIsReportedByTheRoundItRuns(t *testing.T) {
 // ignoring the excluded streams.
 func TestARoundDoesNotWakeAGroupThatExcludesItsStream(t *testing.T) {
 	t.Parallel()
-	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
-	defer cancel()
-	url := testdb.New(t)
-	pool := testdb.NewPoolURL(t, url)
-	r := startReplica(t, url, func(c *server.Config) {
-		c.ReplicaID = "waker"
-		c.NoDispatch = true // the round makes the aggregate ready
-	})
-	r.Server.SetNoPolls()
-	notified := countWakeupsOnceListening(ctx, t, pool, r, "waker")
-	emit(t, pool, "orders", "first", 1)
-	emit(t, pool, "payments", "first", 1)
-	orders := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{RelayId: "orders", Streams: []string{"orders"}, MaxInFlight: 4})
-	others := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{RelayId: "others", ExcludeStreams: []string{"orders"}, MaxInFlight: 4})
-	for _, st := range []outboxv1.RelayService_SubscribeClient{orders, others} {
-		ack(t, r, recv(t, st))
-	}
-	waitFor(t, func() int32 { return b2i(r.Server.IdleSessions() == 2) })
-	n0, g0, w0 := notified.Load(), r.Server.GroupWakeups(), r.Server.Wakeups()
-
-	ids := emit(t, pool, "orders", "a", 1)
-	d := recv(t, orders)
-	if d.GetEvent().GetEventId() != ids[0].String() {
-		t.Fatalf("got %v, want orders/a", d)
-	}
-	waitFor(t, func() int32 { return b2i(notified.Load() > n0) })
-	if w := r.Server.GroupWakeups() - g0; w != 1 {
-		t.Errorf("a round that made an orders aggregate ready woke %d poll groups; want one, the orders group's", w)
-	}
-	if w := r.Server.Wakeups() - w0; w != 1 {
-		t.Errorf("%d sessions were asked to claim; want one, the orders session", w)
-	}
-	ack(t, r, d)
+	roundWakesOnlyTheOrdersGroup(t, &outboxv1.SubscribeRequest{RelayId: "others", ExcludeStreams: []string{"orders"}, MaxInFlight: 4})
 }

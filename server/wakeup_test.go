@@ -547,6 +547,15 @@ func TestAQuietChecksProbeCoversThePauseItArms(t *testing.T) {
 // wake-up (TestAWakeUpWakesOneSessionOnce).
 func TestARoundWakesOnlyTheGroupsOfTheStreamsItMadeReady(t *testing.T) {
 	t.Parallel()
+	roundWakesOnlyTheOrdersGroup(t, &outboxv1.SubscribeRequest{RelayId: "payments", Streams: []string{"payments"}, MaxInFlight: 4})
+}
+
+// roundWakesOnlyTheOrdersGroup subscribes a session to orders and another
+// with filter other (which must not take orders), each fed its first
+// payments or orders event, and fails unless a round that made an orders
+// aggregate ready woke one poll group and asked one session to claim.
+func roundWakesOnlyTheOrdersGroup(t *testing.T, other *outboxv1.SubscribeRequest) {
+	t.Helper()
 	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
 	defer cancel()
 	url := testdb.New(t)
@@ -561,8 +570,8 @@ func TestARoundWakesOnlyTheGroupsOfTheStreamsItMadeReady(t *testing.T) {
 	emit(t, pool, "orders", "first", 1)
 	emit(t, pool, "payments", "first", 1)
 	orders := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{RelayId: "orders", Streams: []string{"orders"}, MaxInFlight: 4})
-	payments := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{RelayId: "payments", Streams: []string{"payments"}, MaxInFlight: 4})
-	for _, st := range []outboxv1.RelayService_SubscribeClient{orders, payments} {
+	others := subscribe(t, ctx, r, other)
+	for _, st := range []outboxv1.RelayService_SubscribeClient{orders, others} {
 		ack(t, r, recv(t, st))
 	}
 	waitFor(t, func() int32 { return b2i(r.Server.IdleSessions() == 2) })
