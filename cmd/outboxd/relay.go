@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"fmt"
+	"log/slog"
 	"os"
 	"os/signal"
 	"syscall"
@@ -207,16 +208,9 @@ released without counting a failure against their events.`,
 				}
 				eg.Go(func() error { return sf.Run(egCtx) })
 			}
-			// Say when a signal starts the drain and when it is over: a
-			// relay that goes quiet for up to --drain-timeout at shutdown
-			// otherwise looks hung.
-			stopping := context.AfterFunc(ctx, func() {
-				log.Info("relay stopping: publishes under way may finish and be acked", "drain_timeout", drain)
-			})
+			finished := announceDrain(ctx, log, drain)
 			err = eg.Wait()
-			if !stopping() && err == nil {
-				log.Info("relay stopped")
-			}
+			finished(err)
 			if status.Code(err) == codes.Unauthenticated && client.tokenSource == "" {
 				err = fmt.Errorf("%w; outboxd sent no token: give it with --token-file FILE or in $%s", err, auth.DefaultClientEnvVar)
 			}
@@ -236,4 +230,28 @@ released without counting a failure against their events.`,
 	fl.DurationVar(&sourcesEvery, "sources-interval", DefaultSourcesInterval, "with routes or --streams of every source (*/payments), how often to ask the server which sources it serves")
 	fl.DurationVar(&drain, "drain-timeout", relay.DefaultDrainTimeout, "on shutdown, how long publishes under way may take to finish")
 	return cmd
+}
+
+// announceDrain says when ctx ends that the drain has started, and returns
+// what says, once the relay's work has returned, that it is over: a relay
+// that goes quiet for up to --drain-timeout at shutdown otherwise looks hung.
+// context.AfterFunc runs its function in a goroutine of its own, so once that
+// has started (stop reports false) finished waits for its line: "relay
+// stopped" never comes first, nor alone because the process exited before
+// that goroutine ran.
+func announceDrain(ctx context.Context, log *slog.Logger, drain time.Duration) (finished func(err error)) {
+	saidStopping := make(chan struct{})
+	stop := context.AfterFunc(ctx, func() {
+		defer close(saidStopping)
+		log.Info("relay stopping: publishes under way may finish and be acked", "drain_timeout", drain)
+	})
+	return func(err error) {
+		if stop() {
+			return // the work ended by itself (an error): no drain to report
+		}
+		<-saidStopping
+		if err == nil {
+			log.Info("relay stopped")
+		}
+	}
 }
