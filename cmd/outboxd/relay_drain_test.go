@@ -21,8 +21,8 @@ type heldLines struct {
 }
 
 func (h *heldLines) Enabled(context.Context, slog.Level) bool { return true }
-func (h *heldLines) WithAttrs([]slog.Attr) slog.Handler        { return h }
-func (h *heldLines) WithGroup(string) slog.Handler             { return h }
+func (h *heldLines) WithAttrs([]slog.Attr) slog.Handler       { return h }
+func (h *heldLines) WithGroup(string) slog.Handler            { return h }
 func (h *heldLines) Handle(_ context.Context, r slog.Record) error {
 	if r.Message == h.hold {
 		<-h.release

@@ -146,14 +146,16 @@ func (l testLog) Write(p []byte) (int, error) {
 
 // nodeLine is what relay.js prints, or posts, for one event.
 type nodeLine struct {
-	EventID      string            `json:"event_id"`
-	Stream       string            `json:"stream"`
-	AggregateKey string            `json:"aggregate_key"`
-	Revision     int64             `json:"revision"`
-	EventType    string            `json:"event_type"`
-	Payload      map[string]any    `json:"payload"`
-	Headers      map[string]string `json:"headers"`
-	Attempt      int               `json:"attempt"`
+	EventID         string            `json:"event_id"`
+	Stream          string            `json:"stream"`
+	AggregateKey    string            `json:"aggregate_key"`
+	Revision        int64             `json:"revision"`
+	EventType       string            `json:"event_type"`
+	Payload         map[string]any    `json:"payload"`
+	Headers         map[string]string `json:"headers"`
+	Attempt         int               `json:"attempt"`
+	Source          string            `json:"source"`
+	RepublishAction int64             `json:"republish_action"`
 }
 
 // emitRevisions emits revisions from..to of aggregates a-0..a-(n-1) of
@@ -414,5 +416,91 @@ func TestNodeRelayParksWebhook4xx(t *testing.T) {
 	}
 	if code := relay.stop(t); code != 0 {
 		t.Errorf("relay.js exited with %d after SIGTERM", code)
+	}
+}
+
+// The JavaScript relay prints what outboxd's own stdout sink prints of an
+// event of another source and of a republished copy: source only when it
+// is not default, republish_action only on the copy an operator's
+// republish made (the action's id).
+func TestNodeRelayNamesTheSourceAndTheRepublish(t *testing.T) {
+	t.Parallel()
+	dir := nodeExample(t)
+	def, a := testdb.New(t), testdb.New(t)
+	addr := freeAddr(t)
+	start(t, "serve", "--database-url", def, "--source", "a="+a, "--listen", addr, "--http-listen", "")
+	emitTo := func(url string) string {
+		t.Helper()
+		var id string
+		if err := testdb.NewPoolURL(t, url).QueryRow(t.Context(),
+			`SELECT event_id::text FROM outbox.emit('payments', 'k', 'T', '{}')`).Scan(&id); err != nil {
+			t.Fatal(err)
+		}
+		return id
+	}
+	defID, aID := emitTo(def), emitTo(a)
+	// A Subscribe stream serves one source: one relay each, default's to
+	// stdout, a's to a webhook, whose webhook-id names the source too.
+	relayDef := startNodeRelay(t, dir, "--server", addr, "--sink", "stdout", "--streams", "payments")
+	select {
+	case s := <-relayDef.lines:
+		var l nodeLine
+		if err := json.Unmarshal([]byte(s), &l); err != nil {
+			t.Fatalf("relay.js printed %q: %v", s, err)
+		}
+		if l.EventID != defID || l.Source != "" || l.RepublishAction != 0 {
+			t.Errorf("default's event printed as %s with source %q, republish_action %d; want %s and neither", l.EventID, l.Source, l.RepublishAction, defID)
+		}
+	case <-relayDef.done:
+		t.Fatal("relay.js exited")
+	case <-time.After(time.Minute): // a hang guard
+		t.Fatal("no event printed after a minute")
+	}
+
+	type posted struct {
+		line      nodeLine
+		webhookID string
+	}
+	posts := make(chan posted, 10)
+	hook := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		var p posted
+		if err := json.NewDecoder(r.Body).Decode(&p.line); err != nil {
+			t.Errorf("webhook body: %v", err)
+		}
+		p.webhookID = r.Header.Get("webhook-id")
+		posts <- p
+	}))
+	defer hook.Close()
+	secretFile, _ := webhookSecrets(t, 1)
+	relayA := startNodeRelay(t, dir, "--server", addr, "--sink", hook.URL, "--secret-file", secretFile, "--streams", "a/payments")
+	next := func() posted {
+		t.Helper()
+		select {
+		case p := <-posts:
+			return p
+		case <-relayA.done:
+			t.Fatal("relay.js exited")
+		case <-time.After(time.Minute): // a hang guard
+			t.Fatal("nothing posted after a minute")
+		}
+		return posted{}
+	}
+	if p := next(); p.line.EventID != aID || p.line.Source != "a" || p.line.RepublishAction != 0 || p.webhookID != "a/"+aID {
+		t.Errorf("a's event posted as %s with source %q, republish_action %d, webhook-id %q; want %s, a, none, a/%[4]s",
+			p.line.EventID, p.line.Source, p.line.RepublishAction, p.webhookID, aID)
+	}
+
+	out, code := outboxd(t, nil, "republish", "a/payments", "k", "--from-revision", "1", "--reason", "receiver lost it", "--yes",
+		"--server", addr)
+	if code != 0 {
+		t.Fatalf("republish exited %d:\n%s", code, out)
+	}
+	var action int64
+	if err := testdb.NewPoolURL(t, a).QueryRow(t.Context(), `SELECT max(action_id) FROM outbox.republished`).Scan(&action); err != nil {
+		t.Fatal(err)
+	}
+	if p := next(); p.line.EventID != aID || p.line.Source != "a" || p.line.RepublishAction != action || action == 0 || p.webhookID != "a/"+aID {
+		t.Errorf("republished copy posted as %s with source %q, republish_action %d, webhook-id %q; want %s, a, %d, a/%[5]s",
+			p.line.EventID, p.line.Source, p.line.RepublishAction, p.webhookID, aID, action)
 	}
 }

@@ -82,9 +82,13 @@ const publish = args.sink === 'stdout' ? publishToStdout : webhook(args.sink, re
 
 // --- sinks -----------------------------------------------------------------
 
-// The JSON shape outboxd's own stdout sink prints.
+// The JSON shape outboxd's own stdout sink prints. source is there only for
+// an event of a source other than default (a server of several databases),
+// and republish_action only for a copy an operator's republish made: the
+// action's id, the same on each retry of that copy.
 function toJSON(d) {
   const ev = d.event;
+  const republishAction = Number(d.republish_action_id);
   return JSON.stringify({
     event_id: ev.event_id,
     stream: ev.stream,
@@ -95,7 +99,15 @@ function toJSON(d) {
     headers: ev.headers,
     created_at: timestamp(ev.created_at),
     attempt: d.attempt,
+    ...(ev.source && ev.source !== 'default' ? { source: ev.source } : {}),
+    ...(republishAction !== 0 ? { republish_action: republishAction } : {}),
   });
+}
+
+// messageID is what receivers deduplicate on: the event id, prefixed with
+// its source when that is not default (event ids are unique per source).
+function messageID(ev) {
+  return ev.source && ev.source !== 'default' ? `${ev.source}/${ev.event_id}` : ev.event_id;
 }
 
 // publishToStdout resolves once the line is handed to the operating system
@@ -138,7 +150,8 @@ function sign(keys, id, timestamp, body) {
 }
 
 // webhook POSTs each event as JSON, signed; any 2xx answer is success. The
-// event id goes in webhook-id so the receiver can deduplicate redeliveries.
+// message id (messageID) goes in webhook-id so the receiver can deduplicate
+// redeliveries.
 // 408, 429 and 5xx are retried (after Retry-After when given); any other
 // 4xx is permanent, as in the Go sink: the receiver refused these bytes, so
 // the aggregate parks with the status as its reason instead of being
@@ -147,7 +160,7 @@ function webhook(url, keys) {
   if (!/^https?:\/\//.test(url)) usage(`--sink ${url}: want stdout or an http(s) URL`);
   return async (d, signal) => {
     const body = toJSON(d);
-    const id = d.event.event_id;
+    const id = messageID(d.event);
     const timestamp = String(Math.floor(Date.now() / 1000));
     const res = await fetch(url, {
       method: 'POST',
