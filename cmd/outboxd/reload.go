@@ -124,7 +124,9 @@ func (s *sourceSet) connect(ctx context.Context, src source, wait bool) {
 				return
 			}
 			s.log.Warn("source not added yet; retrying", "source", src.name, "err", err, "in", s.interval)
-			s.rep.SetSourcePending(src.name, err.Error())
+			if err := s.rep.SetSourcePending(src.name, err.Error()); err != nil {
+				s.log.Error("source not added yet, and not named pending", "source", src.name, "err", err)
+			}
 			t := time.NewTimer(s.interval)
 			select {
 			case <-ctx.Done():

@@ -454,12 +454,16 @@ func (r *Replica) removeEngine(ctx context.Context, e *engine, drain time.Durati
 // SetSourcePending names a source that is configured but not served yet
 // (its database does not answer, say) in the replica's readiness and in
 // GetLag, with why, until AddSource adds it or ClearSourcePending forgets
-// it. The router keeps the list (GetLag reads it there).
-func (r *Replica) SetSourcePending(name, reason string) {
+// it. The router keeps the list (GetLag reads it there), and refuses a name
+// that is not a source name or is of a source served now.
+func (r *Replica) SetSourcePending(name, reason string) error {
 	r.readyMu.Lock()
 	defer r.readyMu.Unlock()
-	r.router.SetPending(name, reason)
+	if err := r.router.SetPending(name, reason); err != nil {
+		return err
+	}
 	r.publishReadinessLocked()
+	return nil
 }
 
 // ClearSourcePending forgets a pending source (removed from the

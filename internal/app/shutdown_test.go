@@ -64,7 +64,9 @@ func TestShutdownReadinessIsNotUndone(t *testing.T) {
 	r := servertest.Start(t, testdb.New(t), servertest.Options{})
 	waitReady(t, r)
 	r.App.Shutdown()
-	r.App.SetSourcePending("orders", "connection refused")
+	if err := r.App.SetSourcePending("orders", "connection refused"); err != nil {
+		t.Fatal(err)
+	}
 	r.App.ClearSourcePending("orders")
 	if rd := r.App.Readiness(); rd.Ready || rd.Reason != "shutting down" {
 		t.Errorf("after Shutdown and a reload the replica reports ready=%v %q; want not ready, shutting down", rd.Ready, rd.Reason)

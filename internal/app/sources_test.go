@@ -42,8 +42,12 @@ func TestPendingSourceIsNamedUntilAdded(t *testing.T) {
 	orders := newSource(t, "orders")
 	r := servertest.Start(t, testdb.New(t), servertest.Options{})
 	waitReady(t, r)
-	r.App.SetSourcePending("orders", "connection refused")
-	r.App.SetSourcePending("ghost", "no such database")
+	if err := r.App.SetSourcePending("orders", "connection refused"); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.App.SetSourcePending("ghost", "no such database"); err != nil {
+		t.Fatal(err)
+	}
 	r.App.ClearSourcePending("ghost")
 	if rd := r.App.Readiness(); !rd.Ready || !strings.Contains(rd.Reason, "source orders: not added yet: connection refused") {
 		t.Errorf("with orders pending the replica reports ready=%v %q; want ready, naming orders as not added yet", rd.Ready, rd.Reason)

@@ -252,7 +252,9 @@ func leaseCallsWith(t *testing.T, r *servertest.Replica, id, token string) (ack 
 func TestAPendingSourceIsUnavailableNotUnknown(t *testing.T) {
 	t.Parallel()
 	r, id, _, pendingToken := leasedWithShippingToken(t)
-	r.App.SetSourcePending("shipping", "connection refused")
+	if err := r.App.SetSourcePending("shipping", "connection refused"); err != nil {
+		t.Fatal(err)
+	}
 
 	subscribeErr := func() error {
 		ctx, cancel := context.WithCancel(t.Context())

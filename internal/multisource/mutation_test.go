@@ -437,7 +437,9 @@ func TestLagHidesPendingSourcesFromATokenScopedElsewhere(t *testing.T) {
 	)
 	r, dial := twoSourcesWithTokens(t, "all viewer "+allToken+"\n"+
 		"orders viewer "+ordersToken+" streams=orders/*\n")
-	r.App.SetSourcePending("shipping", "connection refused")
+	if err := r.App.SetSourcePending("shipping", "connection refused"); err != nil {
+		t.Fatal(err)
+	}
 	sources := func(token string) []string {
 		t.Helper()
 		lag, err := outboxv1.NewAdminServiceClient(dial(token)).GetLag(t.Context(), &outboxv1.GetLagRequest{})

@@ -144,3 +144,28 @@ func TestRouterKeepsOneSource(t *testing.T) {
 		t.Errorf("Names after removing a: %v; want [b]", got)
 	}
 }
+
+// SetPending refuses what could never be added (a name no configuration
+// accepts) and a source served now (it would be reported not added while
+// it is), and takes a valid name that is not served.
+func TestSetPendingRefusesABadOrServedName(t *testing.T) {
+	t.Parallel()
+	r, err := multisource.New([]multisource.Engine{{Name: "a", Relay: outboxv1.UnimplementedRelayServiceServer{}, Admin: outboxv1.UnimplementedAdminServiceServer{}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, name := range []string{"", "Orders", "a/b", "*"} {
+		if err := r.SetPending(name, "down"); err == nil {
+			t.Errorf("SetPending(%q) succeeded; want a refusal of the name", name)
+		}
+	}
+	if err := r.SetPending("a", "down"); err == nil || !strings.Contains(err.Error(), `"a" is served`) {
+		t.Errorf("SetPending of the served source a: %v; want it refused as served", err)
+	}
+	if err := r.SetPending("b", "down"); err != nil {
+		t.Fatal(err)
+	}
+	if got := r.Pending(); len(got) != 1 || got["b"] != "down" {
+		t.Errorf("pending %v; want only b (down)", got)
+	}
+}

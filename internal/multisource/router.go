@@ -137,13 +137,24 @@ func (r *Router) Add(e Engine) error {
 }
 
 // SetPending records that the source name is configured but not served
-// yet, and why, until Add adds it or ClearPending forgets it.
-func (r *Router) SetPending(name, reason string) {
+// yet, and why, until Add adds it or ClearPending forgets it. A name that
+// is not a source name, or of a source served now, is refused: calls for it
+// would be answered UNAVAILABLE ("not added yet") forever, or the source
+// reported not added while it is.
+func (r *Router) SetPending(name, reason string) error {
+	if err := ValidName(name); err != nil {
+		return fmt.Errorf("multisource: %w", err)
+	}
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	next := r.cur.Load().clone()
+	rt := r.cur.Load()
+	if rt.engines[name] != nil {
+		return fmt.Errorf("multisource: source %q is served; it cannot be pending", name)
+	}
+	next := rt.clone()
 	next.pending[name] = reason
 	r.cur.Store(next)
+	return nil
 }
 
 // Pending returns the sources configured but not added yet, with why (a
