@@ -35,7 +35,9 @@
 //     may hold the same secret.
 //   - streams= (optional): comma-separated stream patterns the token is
 //     limited to. A pattern is a stream name in which '*' matches any run of
-//     characters: "billing.*", "sales_order", "*". Without it the token may
+//     characters: "billing.*", "sales_order", "*" (a run such as "**" is
+//     refused: it would match everything without being "*", which alone
+//     grants every stream). Without it the token may
 //     access every stream. On a server with several source databases a
 //     pattern may name a source, with '*' allowed there too:
 //     "orders/billing.*", "*/payments", "orders/*"; a pattern without one is

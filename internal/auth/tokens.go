@@ -276,12 +276,27 @@ func parseStreams(s string) ([]string, string) {
 		if !validPattern(pat) {
 			return nil, fmt.Sprintf("pattern %d %s is not a stream name with optional * wildcards (lower-case letters, digits, _ . - and *, starting with a letter or *, at most %d characters), optionally after a source name with optional * wildcards and a slash (orders/billing.*)", i+1, shown(pat), maxPatternLen)
 		}
+		if strings.Contains(pat, "**") {
+			// A run of '*' matches what one does, but only a pattern that
+			// is exactly "*" (or source/*) grants every stream of its
+			// sources (AllStreams): "**" would read as everything and be
+			// refused what needs everything (a purge of all streams).
+			return nil, fmt.Sprintf("pattern %d %s has a run of *: one * already matches any run of characters; write %s", i+1, shown(pat), shown(collapseStars(pat)))
+		}
 		if !slices.Contains(out, pat) {
 			out = append(out, pat)
 		}
 	}
 	slices.Sort(out)
 	return out, ""
+}
+
+// collapseStars replaces each run of '*' in pat with one.
+func collapseStars(pat string) string {
+	for strings.Contains(pat, "**") {
+		pat = strings.ReplaceAll(pat, "**", "*")
+	}
+	return pat
 }
 
 // validPattern accepts a stream name (^[a-z][a-z0-9_.-]{0,127}$) in which

@@ -173,6 +173,8 @@ func TestParseErrors(t *testing.T) {
 		{"pattern with two slashes", "a relay " + relaySecret + " streams=a/b/c", false, []string{`pattern 1 "a/b/c"`}, nil},
 		{"source pattern with a dot", "a relay " + relaySecret + " streams=a.b/c", false, []string{`pattern 1 "a.b/c"`}, nil},
 		{"source pattern upper case", "a relay " + relaySecret + " streams=Orders/c", false, []string{`pattern 1 "Orders/c"`}, nil},
+		{"pattern with a run of stars", "a relay " + relaySecret + " streams=x,**", false, []string{`pattern 2 "**" has a run of *`, `write "*"`}, nil},
+		{"source pattern with a run of stars", "a relay " + relaySecret + " streams=or***/b**", false, []string{`pattern 1 "or***/b**" has a run of *`, `write "or*/b*"`}, nil},
 		{"source pattern empty", "a relay " + relaySecret + " streams=/c", false, []string{`pattern 1 "/c"`}, nil},
 		{"source pattern too long", "a relay " + relaySecret + " streams=" + strings.Repeat("a", 33) + "/c", false, []string{"pattern 1 "}, nil},
 		{"stream pattern empty after source", "a relay " + relaySecret + " streams=orders/", false, []string{`pattern 1 "orders/"`}, nil},
