@@ -182,20 +182,7 @@ func TestPreparedProducersAndSleepingReplicas(t *testing.T) {
 	}
 	t.Parallel()
 	ctx := testContext(t)
-	cluster, err := devdb.StartThrowaway(ctx, nil, "max_prepared_transactions = 4")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = cluster.Close(context.Background()) })
-	db, err := sql.Open("pgx", cluster.URL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer db.Close()
-	if _, err := migrations.Up(ctx, db, nil); err != nil {
-		t.Fatal(err)
-	}
-	pool := testdb.NewPoolURL(t, cluster.URL)
+	pool := migratedThrowaway(t, "max_prepared_transactions = 4")
 	sleeper := listenForDiscover(t, pool)
 
 	prepare := func(gid string) error {
@@ -233,9 +220,31 @@ func TestPreparedProducersAndSleepingReplicas(t *testing.T) {
 	if !trySleep(t, sleeper) {
 		t.Fatal("producer_wakeups on: discovery_sleep() = false")
 	}
-	err = prepare("on")
+	err := prepare("on")
 	wantSQLState(t, err, "0A000")
 	if err != nil && !strings.Contains(err.Error(), "NOTIFY") {
 		t.Errorf("PREPARE while a replica sleeps: %v, want PostgreSQL's refusal after NOTIFY", err)
 	}
+}
+
+// migratedThrowaway starts a PostgreSQL cluster of the test's own (with
+// settings, postgresql.conf lines), migrates its postgres database and
+// returns a pool on it. The cluster is stopped and removed at cleanup.
+func migratedThrowaway(t *testing.T, settings ...string) *pgxpool.Pool {
+	t.Helper()
+	ctx := testContext(t)
+	cluster, err := devdb.StartThrowaway(ctx, nil, settings...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = cluster.Close(context.Background()) })
+	db, err := sql.Open("pgx", cluster.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer db.Close()
+	if _, err := migrations.Up(ctx, db, nil); err != nil {
+		t.Fatal(err)
+	}
+	return testdb.NewPoolURL(t, cluster.URL)
 }
