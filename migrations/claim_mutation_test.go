@@ -110,3 +110,27 @@ func TestAClaimReadingFurtherLeasesUpToItsLimitEachOnce(t *testing.T) {
 		t.Fatalf("claimed %v with k0 and k1 locked elsewhere; want %s", got, want)
 	}
 }
+
+// Claims go oldest first across streams: with one candidate per stream in
+// hand, a claim of one leases the oldest stream's aggregate, then the
+// next. (Within one stream a claim reads its candidates oldest first
+// anyway, which hides an order turned around among the candidates.)
+func TestClaimsGoOldestFirstAcrossStreams(t *testing.T) {
+	t.Parallel()
+	pool := testdb.NewPool(t)
+	// Each in its own transaction, so each has a later created_at; the
+	// streams sort opposite to their age.
+	for _, stream := range []string{"s3", "s2", "s1"} {
+		emitIn(t, pool, stream, "k", 1)
+	}
+	discover(t, pool)
+	for _, want := range []string{"s3", "s2", "s1"} {
+		got, _ := claimIndexReads(t, pool,
+			`SELECT stream FROM outbox.claim($1, 'r', 'x', NULL, 1, interval '30 seconds', NULL, NULL, 1, 1, interval '1 hour')`, uuid.New())
+		if fmt.Sprint(got) != "["+want+"]" {
+			t.Fatalf("claimed %v, want the oldest claimable, %s", got, want)
+		}
+		// claimIndexReads rolls its claim back: lease it for real.
+		exec(t, pool, `SELECT * FROM outbox.claim(gen_random_uuid(), 'r', 'x', '{`+want+`}', 1, interval '30 seconds')`)
+	}
+}
