@@ -1,6 +1,7 @@
 package migrations_test
 
 import (
+	"fmt"
 	"testing"
 
 	"github.com/google/uuid"
@@ -127,5 +128,34 @@ func TestEmitEventRecordsAndAnswersRetries(t *testing.T) {
 	}
 	if n := count(t, pool, `SELECT last_revision FROM outbox.aggregate WHERE aggregate_key = 'e'`); n != 3 {
 		t.Fatalf("counter at %d, want 3", n)
+	}
+}
+
+// The limits on an event's parts hold at exactly their bounds: headers of
+// 65536 bytes of JSON, a key of 1024 bytes and a type of 256 are accepted,
+// one byte more is refused (54000). (TestEventSizeIsBounded tries headers
+// far above the limit.)
+func TestEventLimitsHoldAtTheirBounds(t *testing.T) {
+	t.Parallel()
+	ctx := testContext(t)
+	pool := testdb.NewPool(t)
+	big := func(n int) string { return fmt.Sprintf("%0*d", n, 0) }
+	// jsonb renders {"h": "…"}: 9 bytes around the value.
+	for _, c := range []struct {
+		name, sql string
+		arg       string
+	}{
+		{"headers", `SELECT outbox.emit('orders', 'o-1', 'T', '{}', jsonb_build_object('h', $1::text))`, big(65536 - 9)},
+		{"aggregate_key", `SELECT outbox.emit('orders', $1, 'T', '{}')`, big(1024)},
+		{"event_type", `SELECT outbox.emit('orders', 'o-1', $1, '{}')`, big(256)},
+	} {
+		if _, err := pool.Exec(ctx, c.sql, c.arg); err != nil {
+			t.Errorf("%s at its limit refused: %v", c.name, err)
+		}
+		_, err := pool.Exec(ctx, c.sql, c.arg+"0")
+		wantSQLState(t, err, "54000")
+	}
+	if n := count(t, pool, `SELECT count(*) FROM outbox.event`); n != 3 {
+		t.Fatalf("%d events, want the 3 at their limits", n)
 	}
 }
