@@ -71,9 +71,15 @@ func (a *ackCommitter) shard(t leasetoken.Token) int {
 // submit queues the acks of tokens and waits for the batches that carry
 // them to commit.
 func (a *ackCommitter) submit(ctx context.Context, tokens []leasetoken.Token) (map[uuid.UUID]store.AckResult, error) {
-	parts := make(map[int][]uuid.UUID, 1)
+	// Indexed by committer, so that parts are queued, and waited for, in
+	// committer order.
+	parts := make([][]uuid.UUID, len(a.shards))
+	n := 0
 	for _, t := range tokens {
 		i := a.shard(t)
+		if len(parts[i]) == 0 {
+			n++
+		}
 		parts[i] = append(parts[i], t.EventID)
 	}
 	// Who acks and when matter only to a linger (see linger).
@@ -85,8 +91,11 @@ func (a *ackCommitter) submit(ctx context.Context, tokens []leasetoken.Token) (m
 		}
 		now = time.Now()
 	}
-	reqs := make([]*ackRequest, 0, len(parts))
+	reqs := make([]*ackRequest, 0, n)
 	for i, ids := range parts {
+		if len(ids) == 0 {
+			continue
+		}
 		req := &ackRequest{ids: ids, from: from, at: now, done: make(chan ackOutcome, 1)}
 		select {
 		case a.shards[i] <- req:

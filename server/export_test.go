@@ -382,3 +382,14 @@ func (s *Server) ListenerConnected() bool {
 	defer s.wake.mu.Unlock()
 	return s.wake.connected
 }
+
+// AckCommitterOf returns the index of the ack committer that an ack of the
+// lease token goes to (Config.AckCommitters of them), or -1 for a token
+// that does not verify.
+func (s *Server) AckCommitterOf(token string) int {
+	t, err := s.signer.Verify(token)
+	if err != nil {
+		return -1
+	}
+	return s.acks.shard(t)
+}
