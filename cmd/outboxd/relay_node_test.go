@@ -490,13 +490,20 @@ func TestNodeRelayNamesTheSourceAndTheRepublish(t *testing.T) {
 			p.line.EventID, p.line.Source, p.line.RepublishAction, p.webhookID, aID)
 	}
 
+	// Posted is not yet acked: the republish needs the event published.
+	aPool := testdb.NewPoolURL(t, a)
+	eventually(t, "a's event published", func() bool {
+		var ok bool
+		_ = aPool.QueryRow(t.Context(), `SELECT published_at IS NOT NULL FROM outbox.event WHERE event_id = $1`, aID).Scan(&ok)
+		return ok
+	})
 	out, code := outboxd(t, nil, "republish", "a/payments", "k", "--from-revision", "1", "--reason", "receiver lost it", "--yes",
 		"--server", addr)
 	if code != 0 {
 		t.Fatalf("republish exited %d:\n%s", code, out)
 	}
 	var action int64
-	if err := testdb.NewPoolURL(t, a).QueryRow(t.Context(), `SELECT max(action_id) FROM outbox.republished`).Scan(&action); err != nil {
+	if err := aPool.QueryRow(t.Context(), `SELECT max(action_id) FROM outbox.republished`).Scan(&action); err != nil {
 		t.Fatal(err)
 	}
 	if p := next(); p.line.EventID != aID || p.line.Source != "a" || p.line.RepublishAction != action || action == 0 || p.webhookID != "a/"+aID {
