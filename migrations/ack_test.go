@@ -445,70 +445,85 @@ func TestOneAckDecidesAsABatch(t *testing.T) {
 	}
 }
 
-// A skip that commits while a lone ack waits for the event's lock wins: the
+// A skip that commits while an ack waits for the event's lock wins: the
 // ack answers lease_lost and the event stays unpublished. (The skip locks
-// the event, records itself and commits; a statement that waited for that
-// lock still reads the skip table as it was before.)
-func TestSkipWhileALoneAckWaitsWins(t *testing.T) {
+// the event, then the aggregate's delivery row, records itself and
+// commits; a statement that waited for the event's lock still reads the
+// skip table as it was before.) For a lone ack (the one-row path) and for
+// one in a batch (the batch path, which an id that names no event forces):
+// a batch that did not lock the events first would lock the delivery row
+// the skip needs next while waiting for the event, a deadlock.
+func TestSkipWhileAnAckWaitsWins(t *testing.T) {
 	t.Parallel()
-	ctx := context.Background()
-	pool := testdb.NewPool(t)
-	h := uuid.New()
-	emitN(t, pool, "a", 2)
-	discover(t, pool)
-	id := claimOne(t, pool, h, 1)
+	for _, tc := range []struct {
+		name string
+		ids  func(event uuid.UUID) []uuid.UUID // what the ack names
+	}{
+		{"lone", func(e uuid.UUID) []uuid.UUID { return []uuid.UUID{e} }},
+		{"batch", func(e uuid.UUID) []uuid.UUID { return []uuid.UUID{e, uuid.New()} }},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			ctx := testContext(t)
+			pool := testdb.NewPool(t)
+			h := uuid.New()
+			emitN(t, pool, "a", 2)
+			discover(t, pool)
+			id := claimOne(t, pool, h, 1)
 
-	skip, err := pool.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer skip.Rollback(ctx)
-	skipPID := backendPID(t, skip)
-	// What SkipEvent does first: lock the event row.
-	exec := func(sql string, args ...any) {
-		t.Helper()
-		if _, err := skip.Exec(ctx, sql, args...); err != nil {
-			t.Fatal(err)
-		}
-	}
-	exec(`SELECT 1 FROM outbox.event WHERE event_id = $1 FOR UPDATE`, id)
+			skip, err := pool.Begin(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer skip.Rollback(context.WithoutCancel(ctx))
+			skipPID := backendPID(t, skip)
+			exec := func(sql string, args ...any) {
+				t.Helper()
+				if _, err := skip.Exec(ctx, sql, args...); err != nil {
+					t.Fatal(err)
+				}
+			}
+			// What SkipEvent does first: lock the event row.
+			exec(`SELECT 1 FROM outbox.event WHERE event_id = $1 FOR UPDATE`, id)
 
-	ackConn, err := pool.Acquire(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ackConn.Release()
-	ackPID := backendPID(t, ackConn)
-	type answer struct {
-		status string
-		err    error
-	}
-	answered := make(chan answer, 1)
-	go func() {
-		var a answer
-		a.err = ackConn.QueryRow(ctx,
-			`SELECT status FROM outbox.ack(ARRAY[$1::uuid], 'x', ARRAY[$2::uuid], ARRAY[interval '30 seconds'])
-			 ORDER BY status = 'handed_over' LIMIT 1`, id, h).Scan(&a.status)
-		answered <- a
-	}()
-	waitUntilBlockedBy(t, pool, ackPID, skipPID)
-	// The rest of SkipEvent, then its commit.
-	exec(`INSERT INTO outbox.skipped_event (event_id, reason, actor) VALUES ($1, 'test', 'test')`, id)
-	exec(`UPDATE outbox.delivery SET state = 'ready', claimable_at = clock_timestamp(), holder = NULL,
-	          holder_relay_id = NULL, holder_replica_id = NULL, lease_expires_at = NULL, attempt = 0
-	      WHERE aggregate_key = 'a'`)
-	if err := skip.Commit(ctx); err != nil {
-		t.Fatal(err)
-	}
-	a := <-answered
-	if a.err != nil {
-		t.Fatal(a.err)
-	}
-	if a.status != "lease_lost" {
-		t.Fatalf("the ack answered %s, want lease_lost", a.status)
-	}
-	if n := count(t, pool, fmt.Sprintf(`SELECT count(*) FROM outbox.event WHERE event_id = '%s' AND published_at IS NOT NULL`, id)); n != 0 {
-		t.Fatal("a skipped event was marked published")
+			ackConn, err := pool.Acquire(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer ackConn.Release()
+			ackPID := backendPID(t, ackConn)
+			type answer struct {
+				status string
+				err    error
+			}
+			answered := make(chan answer, 1)
+			go func() {
+				var a answer
+				a.err = ackConn.QueryRow(ctx, `SELECT status FROM outbox.ack($1, 'x', ARRAY[$2::uuid], ARRAY[interval '30 seconds'])
+					WHERE event_id = $3`, tc.ids(id), h, id).Scan(&a.status)
+				answered <- a
+			}()
+			waitUntilBlockedBy(t, pool, ackPID, skipPID)
+			// The rest of SkipEvent (its delivery row next), then its commit.
+			exec(`SELECT 1 FROM outbox.delivery WHERE aggregate_key = 'a' FOR UPDATE`)
+			exec(`INSERT INTO outbox.skipped_event (event_id, reason, actor) VALUES ($1, 'test', 'test')`, id)
+			exec(`UPDATE outbox.delivery SET state = 'ready', claimable_at = clock_timestamp(), holder = NULL,
+			          holder_relay_id = NULL, holder_replica_id = NULL, lease_expires_at = NULL, attempt = 0
+			      WHERE aggregate_key = 'a'`)
+			if err := skip.Commit(ctx); err != nil {
+				t.Fatal(err)
+			}
+			a := <-answered
+			if a.err != nil {
+				t.Fatal(a.err)
+			}
+			if a.status != "lease_lost" {
+				t.Fatalf("the ack answered %s, want lease_lost", a.status)
+			}
+			if n := count(t, pool, fmt.Sprintf(`SELECT count(*) FROM outbox.event WHERE event_id = '%s' AND published_at IS NOT NULL`, id)); n != 0 {
+				t.Fatal("a skipped event was marked published")
+			}
+		})
 	}
 }
 
