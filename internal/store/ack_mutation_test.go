@@ -72,22 +72,8 @@ func ackCaughtInADeadlock(t *testing.T, pool *pgxpool.Pool, st *store.Store, key
 		res, err := st.Ack(ctx, store.AckParams{IDs: []uuid.UUID{id}, ReplicaID: "replica"})
 		done <- answer{res, err}
 	}()
-	deadline := time.Now().Add(hangGuard)
-	for {
-		var blocked bool
-		if err := pool.QueryRow(ctx, `SELECT count(*) > 0 FROM pg_stat_activity
-			WHERE datname = current_database() AND strpos(query, 'outbox.ack(') > 0 AND $1::int = ANY (pg_blocking_pids(pid))`,
-			txPID).Scan(&blocked); err != nil {
-			t.Fatal(err)
-		}
-		if blocked {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("the ack never waited for the delivery row's lock")
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
+	waitUntilTrue(t, pool, "the ack to wait for the delivery row's lock", `SELECT count(*) > 0 FROM pg_stat_activity
+		WHERE datname = current_database() AND strpos(query, 'outbox.ack(') > 0 AND $1::int = ANY (pg_blocking_pids(pid))`, txPID)
 	// The event's lock, which the ack holds: a deadlock.
 	_, lockErr := tx.Exec(ctx, `SELECT 1 FROM outbox.event WHERE event_id = $1 FOR UPDATE`, id)
 	if err := tx.Rollback(ctx); err != nil {

@@ -43,6 +43,26 @@ func discovered(t *testing.T, pool *pgxpool.Pool, st *store.Store, stream string
 // -timeout, not a timed assertion.
 const hangGuard = 60 * time.Second
 
+// waitUntilTrue polls query (a boolean, over pg_stat_activity or
+// pg_blocking_pids, say) until it is true, failing after hangGuard.
+func waitUntilTrue(t *testing.T, pool *pgxpool.Pool, what, query string, args ...any) {
+	t.Helper()
+	deadline := time.Now().Add(hangGuard)
+	for {
+		var ok bool
+		if err := pool.QueryRow(t.Context(), query, args...).Scan(&ok); err != nil {
+			t.Fatal(err)
+		}
+		if ok {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("waited %v for %s", hangGuard, what)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
 func claimOf(limit int) store.ClaimParams {
 	return store.ClaimParams{Holder: uuid.New(), RelayID: "r", ReplicaID: "replica", Limit: limit, TTL: time.Minute}
 }
@@ -88,21 +108,8 @@ func TestDiscoverAnswerLostOnceSent(t *testing.T) {
 	case <-time.After(hangGuard):
 		t.Fatalf("the round named no backend after %v", hangGuard)
 	}
-	deadline := time.Now().Add(hangGuard)
-	for {
-		var waiting bool
-		if err := pool.QueryRow(t.Context(), `SELECT EXISTS (SELECT FROM pg_stat_activity WHERE pid = $1 AND wait_event_type = 'Lock')`,
-			int64(pid)).Scan(&waiting); err != nil {
-			t.Fatal(err)
-		}
-		if waiting {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("the round's backend never waited on the event table's lock")
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+	waitUntilTrue(t, pool, "the round's backend to wait on the event table's lock",
+		`SELECT EXISTS (SELECT FROM pg_stat_activity WHERE pid = $1 AND wait_event_type = 'Lock')`, int64(pid))
 	cancel()
 	select {
 	case err := <-done:
