@@ -6,7 +6,6 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
@@ -72,13 +71,7 @@ func TestARescanWaitsForARoundsTurn(t *testing.T) {
 // without its outbox.lock_deliveries.
 func TestARescanWaitsForAnAckInItsTransaction(t *testing.T) {
 	t.Parallel()
-	pool := testdb.NewPoolConfig(t, func(c *pgxpool.Config) { c.MaxConns = 6 })
-	emitN(t, pool, "a", 1)
-	discover(t, pool)
-	first := claimAs(t, pool, uuid.New(), "elsewhere")
-
-	ack, ackPID := openAck(t, pool, []uuid.UUID{first.id}, nil)
-	emitN(t, pool, "a", 1) // revision 2, committed after the ack read the events
+	pool, ack, ackPID := ackOpenWhileRevision2Commits(t)
 	done := roundBehind(t, pool, ackPID, rescan)
 	if err := ack.Commit(testContext(t)); err != nil {
 		t.Fatal(err)

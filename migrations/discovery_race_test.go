@@ -20,6 +20,21 @@ import (
 // openAck begins a transaction on its own connection and acks ids in it as
 // replica x (handing over to holder, if not nil), leaving the transaction
 // open; it returns the transaction and its backend's pid.
+// ackOpenWhileRevision2Commits sets the scene of the tests of a round
+// meeting an ack still in its transaction: aggregate a's revision 1 leased
+// to a holder elsewhere, its ack applied but not committed (ack, on backend
+// ackPID), and revision 2 committed after the ack read the events.
+func ackOpenWhileRevision2Commits(t *testing.T) (pool *pgxpool.Pool, ack pgx.Tx, ackPID int) {
+	t.Helper()
+	pool = testdb.NewPoolConfig(t, func(c *pgxpool.Config) { c.MaxConns = 6 })
+	emitN(t, pool, "a", 1)
+	discover(t, pool)
+	first := claimAs(t, pool, uuid.New(), "elsewhere")
+	ack, ackPID = openAck(t, pool, []uuid.UUID{first.id}, nil)
+	emitN(t, pool, "a", 1)
+	return pool, ack, ackPID
+}
+
 func openAck(t *testing.T, pool *pgxpool.Pool, ids []uuid.UUID, holder *uuid.UUID) (pgx.Tx, int) {
 	t.Helper()
 	return openWindowedAck(t, pool, ids, holder, 0)
@@ -127,13 +142,7 @@ func await(t *testing.T, done <-chan error) {
 // for good.
 func TestDiscoveryWaitsForAnAckInItsTransaction(t *testing.T) {
 	t.Parallel()
-	pool := testdb.NewPoolConfig(t, func(c *pgxpool.Config) { c.MaxConns = 6 })
-	emitN(t, pool, "a", 1)
-	discover(t, pool)
-	first := claimAs(t, pool, uuid.New(), "elsewhere")
-
-	ack, ackPID := openAck(t, pool, []uuid.UUID{first.id}, nil)
-	emitN(t, pool, "a", 1) // revision 2, committed after the ack read the events
+	pool, ack, ackPID := ackOpenWhileRevision2Commits(t)
 	round := roundBehind(t, pool, ackPID)
 	if err := ack.Commit(testContext(t)); err != nil {
 		t.Fatal(err)
@@ -192,13 +201,7 @@ func TestLateEventsLeaveOutEventsAckedDuringTheRound(t *testing.T) {
 // hand) would lease nothing and strand revision 2.
 func TestDispatchWaitsForAnAckInItsTransaction(t *testing.T) {
 	t.Parallel()
-	pool := testdb.NewPoolConfig(t, func(c *pgxpool.Config) { c.MaxConns = 6 })
-	emitN(t, pool, "a", 1)
-	discover(t, pool)
-	first := claimAs(t, pool, uuid.New(), "elsewhere")
-
-	ack, ackPID := openAck(t, pool, []uuid.UUID{first.id}, nil)
-	emitN(t, pool, "a", 1)
+	pool, ack, ackPID := ackOpenWhileRevision2Commits(t)
 	h := uuid.New()
 	var leased map[string]uuid.UUID
 	round := roundBehind(t, pool, ackPID, func(ctx context.Context, conn *pgxpool.Conn) error {
