@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
@@ -82,13 +83,7 @@ func TestTheDiscoveryLoopRecordsAStopAtOnceAndResumesAfterARescan(t *testing.T) 
 	if _, err := pool.Exec(ctx, `SELECT * FROM outbox.rescan_discovery()`); err != nil {
 		t.Fatal(err)
 	}
-	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 4})
-	emit(t, pool, "orders", "after", 1)
-	d := recv(t, st)
-	if d.GetEvent().GetAggregateKey() != "after" {
-		t.Fatalf("got %v, want the event committed after the re-scan", d.GetEvent())
-	}
-	ack(t, r, d)
+	deliversANewEvent(t, ctx, r, pool, "after the re-scan")
 	waitFor(t, func() int32 { return b2i(gatherSum(t, reg, "outboxd_discovery_stopped") == 0) })
 }
 
@@ -131,13 +126,7 @@ func TestAFailedCheckIsReportedByTheRoundItRuns(t *testing.T) {
 	if _, err := pool.Exec(ctx, `ALTER TABLE outbox.discovery_away RENAME TO discovery`); err != nil {
 		t.Fatal(err)
 	}
-	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 4})
-	emit(t, pool, "orders", "back", 1)
-	d := recv(t, st)
-	if d.GetEvent().GetAggregateKey() != "back" {
-		t.Fatalf("got %v, want the event committed once discovery's table was back", d.GetEvent())
-	}
-	ack(t, r, d)
+	deliversANewEvent(t, ctx, r, pool, "once discovery's table was back")
 }
 
 // As TestARoundWakesOnlyTheGroupsOfTheStreamsItMadeReady, for a filter that
@@ -147,4 +136,17 @@ func TestAFailedCheckIsReportedByTheRoundItRuns(t *testing.T) {
 func TestARoundDoesNotWakeAGroupThatExcludesItsStream(t *testing.T) {
 	t.Parallel()
 	roundWakesOnlyTheOrdersGroup(t, &outboxv1.SubscribeRequest{RelayId: "others", ExcludeStreams: []string{"orders"}, MaxInFlight: 4})
+}
+
+// deliversANewEvent subscribes to r, commits an event and checks that it is
+// delivered (discovery finds events again, when), and acks it.
+func deliversANewEvent(t *testing.T, ctx context.Context, r *replica, pool *pgxpool.Pool, when string) {
+	t.Helper()
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 4})
+	emit(t, pool, "orders", "new", 1)
+	d := recv(t, st)
+	if d.GetEvent().GetAggregateKey() != "new" {
+		t.Fatalf("got %v, want the event committed %s", d.GetEvent(), when)
+	}
+	ack(t, r, d)
 }
