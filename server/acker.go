@@ -74,12 +74,8 @@ func (a *ackCommitter) submit(ctx context.Context, tokens []leasetoken.Token) (m
 	// Indexed by committer, so that parts are queued, and waited for, in
 	// committer order.
 	parts := make([][]uuid.UUID, len(a.shards))
-	n := 0
 	for _, t := range tokens {
 		i := a.shard(t)
-		if len(parts[i]) == 0 {
-			n++
-		}
 		parts[i] = append(parts[i], t.EventID)
 	}
 	// Who acks and when matter only to a linger (see linger).
@@ -91,7 +87,7 @@ func (a *ackCommitter) submit(ctx context.Context, tokens []leasetoken.Token) (m
 		}
 		now = time.Now()
 	}
-	reqs := make([]*ackRequest, 0, n)
+	reqs := make([]*ackRequest, 0, len(parts))
 	for i, ids := range parts {
 		if len(ids) == 0 {
 			continue
