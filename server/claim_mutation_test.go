@@ -2,6 +2,7 @@ package server_test
 
 import (
 	"context"
+	"fmt"
 	"testing"
 	"time"
 
@@ -54,4 +55,44 @@ func TestSessionClaimsALeaseAClockStepLeftFarAhead(t *testing.T) {
 		t.Fatal("the second delivery is not the held event's")
 	}
 	ackPublished(t, r, d)
+}
+
+// A claim that leased its ClaimBatch of aggregates may have left more
+// claimable, although it used less credit than the session has: the session
+// claims again at once instead of waiting for a wake-up or the group's poll
+// (session.go, claimAndSend's claimedAll). Here each claim may lease one
+// aggregate of twelve claimable ones, the session has credit for all twelve,
+// and nothing else would wake it: no polls, reconcile ticks only from the
+// test (none), no new events for discovery to dispatch or announce. Only
+// that claim after claim leases all twelve; a session that took a full batch
+// for "fewer than asked" receives one or two (the wake-ups its start left)
+// and then none.
+func TestAClaimThatFilledItsBatchClaimsAgainAtOnce(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	const aggregates = 12
+	for i := range aggregates {
+		emit(t, pool, "orders", fmt.Sprintf("k%02d", i), 1)
+	}
+	r := startReplica(t, url, func(c *server.Config) {
+		c.NoDispatch = true
+		c.ClaimBatch = 1
+	})
+	r.Server.SetReconcileTick(make(chan time.Time))
+	r.Server.SetNoPolls()
+	eventually(t, func() (bool, string) {
+		n := countWhere(t, pool, "outbox.delivery", "state = 'ready'")
+		return n == aggregates, fmt.Sprintf("%d of %d aggregates claimable", n, aggregates)
+	})
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{MaxInFlight: aggregates, LeaseTtl: durationpb.New(time.Hour)})
+	seen := map[string]bool{}
+	for range aggregates {
+		seen[recv(t, st).GetEvent().GetAggregateKey()] = true
+	}
+	if len(seen) != aggregates {
+		t.Fatalf("%d distinct aggregates delivered, want %d", len(seen), aggregates)
+	}
 }
