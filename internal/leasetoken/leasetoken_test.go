@@ -173,3 +173,44 @@ func TestTokensRoundTripEveryEpochAndAggregate(t *testing.T) {
 		}
 	}
 }
+
+// A Signer keeps its own copy of the key: a caller that reuses or clears
+// the slice it passed (a buffer read from the database) changes nothing of
+// what the Signer signs and verifies, before its first token or after.
+func TestASignerKeepsItsOwnCopyOfTheKey(t *testing.T) {
+	key := bytes.Repeat([]byte{3}, 32)
+	s, err := NewSigner(key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	clear(key)
+	other := signer(t, 3) // the same key, never cleared
+	tok := Token{EventID: uuid.New(), Epoch: 9, Aggregate: AggregateHash("orders", "o1")}
+	if got, want := s.Sign(tok), other.Sign(tok); got != want {
+		t.Fatal("a token signed after the caller cleared its key slice is not the key's token")
+	}
+	if _, err := s.Verify(other.Sign(tok)); err != nil {
+		t.Fatalf("the key's token, verified after the caller cleared its key slice: %v", err)
+	}
+}
+
+// A token carries 128 bits of HMAC (the package's claim against forgery):
+// 45 bytes in all, the last 16 of them the tag, each of which counts.
+func TestATokenCarriesA128BitTag(t *testing.T) {
+	s := signer(t, 5)
+	str := s.Sign(Token{EventID: uuid.New(), Epoch: 1, Aggregate: 2})
+	raw, err := base64.RawURLEncoding.DecodeString(str)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(raw) != 1+16+8+4+16 {
+		t.Fatalf("token is %d bytes, want 45 (version, event id, epoch, aggregate, 16-byte tag)", len(raw))
+	}
+	for i := len(raw) - 16; i < len(raw); i++ {
+		b := bytes.Clone(raw)
+		b[i] ^= 0x80
+		if _, err := s.Verify(base64.RawURLEncoding.EncodeToString(b)); !errors.Is(err, ErrInvalid) {
+			t.Fatalf("token with tag byte %d altered: %v, want ErrInvalid", i-(len(raw)-16), err)
+		}
+	}
+}
