@@ -164,6 +164,8 @@ func TestParseErrors(t *testing.T) {
 		{"padding only", "a relay ================", false, []string{"t:1: secret: has a character outside"}, nil},
 		{"short digest", "a relay sha256:abc", false, []string{"t:1: secret: a hashed secret is sha256: then 64 hex digits, got 3"}, nil},
 		{"non-hex digest", "a relay sha256:" + strings.Repeat("g", 64), false, []string{"not a hex digit"}, []string{strings.Repeat("g", 64)}},
+		{"long digest", "a relay sha256:" + strings.Repeat("a", 66), false, []string{"t:1: secret: a hashed secret is sha256: then 64 hex digits, got 66"}, nil},
+		{"colon in a secret", "a relay " + relaySecret + ":x", false, []string{"t:1: secret: has a character outside"}, []string{relaySecret}},
 		{"streams empty", "a relay " + relaySecret + " streams=", false, []string{"t:1: streams: no patterns"}, nil},
 		{"streams typo", "a relay " + relaySecret + " stream=a", false, []string{"t:1: streams: the optional fourth field must start with streams="}, nil},
 		{"pattern upper case", "a relay " + relaySecret + " streams=a,Billing", false, []string{`t:1: streams: pattern 2 "Billing" is not a stream name`}, nil},
@@ -344,7 +346,8 @@ func TestValidPatternAcceptsStreamNames(t *testing.T) {
 // the default source only; a token with nothing of a source gets nothing.
 func TestForSourceProjectsPatterns(t *testing.T) {
 	t.Parallel()
-	p := &Principal{Name: "r", Streams: []string{"*/payments", "billing.*", "or*/sales", "orders/a"}}
+	// orders/payments and */payments both give orders "payments", listed once.
+	p := &Principal{Name: "r", Streams: []string{"*/payments", "billing.*", "or*/sales", "orders/a", "orders/payments"}}
 	for _, tc := range []struct {
 		source string
 		want   []string
