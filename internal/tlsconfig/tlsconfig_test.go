@@ -523,3 +523,67 @@ func TestServerReloadsAChangeSeenOnlyInIdentitySizeOrTime(t *testing.T) {
 	}
 	mustServe(t, srv.addr, client, resized.Serial)
 }
+
+// handshake runs a TLS handshake between client and server over a pipe and
+// returns the client's error and the version agreed when it succeeded.
+func handshake(t *testing.T, client, server *tls.Config) (uint16, error) {
+	t.Helper()
+	c, s := net.Pipe()
+	defer c.Close()
+	defer s.Close()
+	srv := tls.Server(s, server)
+	served := make(chan struct{})
+	go func() {
+		defer close(served)
+		_ = srv.HandshakeContext(t.Context())
+		s.Close() // a refused client is not left waiting for a reply
+	}()
+	cli := tls.Client(c, client)
+	err := cli.HandshakeContext(t.Context())
+	c.Close()
+	<-served
+	return cli.ConnectionState().Version, err
+}
+
+// Neither side speaks a TLS version older than 1.2: a server refuses a
+// client that offers at most TLS 1.1, and a client refuses a server that
+// answers with it. (Go's own defaults say the same today; the configs
+// say it whatever the defaults become.) The same pairs at TLS 1.2 agree,
+// so the refusals are the version's, not a cipher's or a certificate's.
+func TestNoTLSVersionBelow12(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	ca := tlstest.NewCA(t, "test CA")
+	sf := tlstest.WriteLeaf(t, dir, "server", ca.Issue(t, "outboxd", x509.ExtKeyUsageServerAuth))
+	caFile := tlstest.WriteCA(t, dir, "ca.pem", ca)
+	cert, err := tls.LoadX509KeyPair(sf.Cert, sf.Key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	serverCfg, err := NewServer(ServerConfig{CertFile: sf.Cert, KeyFile: sf.Key})
+	if err != nil {
+		t.Fatal(err)
+	}
+	clientCfg, err := NewClient(ClientConfig{CAFile: caFile, ServerName: "localhost"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	oldClient := func(maxVersion uint16) *tls.Config {
+		return &tls.Config{MinVersion: tls.VersionTLS10, MaxVersion: maxVersion, InsecureSkipVerify: true, NextProtos: []string{"h2"}}
+	}
+	oldServer := func(maxVersion uint16) *tls.Config {
+		return &tls.Config{MinVersion: tls.VersionTLS10, MaxVersion: maxVersion, Certificates: []tls.Certificate{cert}, NextProtos: []string{"h2"}}
+	}
+	if v, err := handshake(t, oldClient(tls.VersionTLS12), serverCfg); err != nil || v != tls.VersionTLS12 {
+		t.Fatalf("server, client at most TLS 1.2: version %x, %v; want TLS 1.2", v, err)
+	}
+	if _, err := handshake(t, oldClient(tls.VersionTLS11), serverCfg); err == nil || !strings.Contains(err.Error(), "protocol version") {
+		t.Fatalf("server, client at most TLS 1.1: %v; want a protocol version refusal", err)
+	}
+	if v, err := handshake(t, clientCfg, oldServer(tls.VersionTLS12)); err != nil || v != tls.VersionTLS12 {
+		t.Fatalf("client, server at most TLS 1.2: version %x, %v; want TLS 1.2", v, err)
+	}
+	if _, err := handshake(t, clientCfg, oldServer(tls.VersionTLS11)); err == nil || !strings.Contains(err.Error(), "protocol version") {
+		t.Fatalf("client, server at most TLS 1.1: %v; want a protocol version refusal", err)
+	}
+}
