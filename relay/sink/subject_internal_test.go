@@ -31,6 +31,13 @@ func TestSubjectTemplateFilterAndRender(t *testing.T) {
 	if _, err := tm.render(relay.Event{ID: "x", AggregateKey: strings.Repeat(".", maxSubjectLen)}); err == nil {
 		t.Error("render of an oversize subject succeeded, want an error")
 	}
+	// A subject that fits NATS's default max_control_line (4096 bytes) on
+	// its own but not with the HPUB line's reply inbox and sizes would make
+	// the server drop the connection under every publish in flight: refused
+	// here, for this event alone.
+	if subj, err := tm.render(relay.Event{ID: "x", Stream: "s", Type: "t", AggregateKey: strings.Repeat("k", 4050)}); err == nil {
+		t.Errorf("render of a %d-byte subject succeeded, want an error: its HPUB line passes 4096 bytes", len(subj))
+	}
 
 	lit, err := parseSubjectTemplate("outbox.all")
 	if err != nil {
