@@ -169,3 +169,21 @@ func TestMessagingSystem(t *testing.T) {
 		}
 	}
 }
+
+// A URL that url.Parse refuses is still redacted before a log or an error
+// names it: everything between the scheme and the last '@' of the
+// authority (a password may hold an '@'), which ends at the first '/', '?'
+// or '#', or with the URL.
+func TestRedactHidesTheCredentialsOfAnUnparseableURL(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct{ raw, want string }{
+		{"nats://alice:s3@cret@127.0.0.1:1/%zz", "nats://xxxxx@127.0.0.1:1/%zz"},
+		{"nats://s3cret@127.0.0.%zz:1", "nats://xxxxx@127.0.0.%zz:1"},
+		{"nats://s3cret@127.0.0.%zz:1#a@b", "nats://xxxxx@127.0.0.%zz:1#a@b"},
+		{"nats://127.0.0.%zz:1/a@b", "nats://127.0.0.%zz:1/a@b"},
+	} {
+		if got := sink.Redact(tc.raw); got != tc.want {
+			t.Errorf("Redact(%q) = %q, want %q", tc.raw, got, tc.want)
+		}
+	}
+}
