@@ -6,6 +6,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/spf13/cobra"
 
+	"github.com/outboxd/outboxd/internal/connstring"
 	"github.com/outboxd/outboxd/internal/store"
 )
 
@@ -41,12 +42,12 @@ If it fails with a deadlock (40P01) against an ack, run it again.`,
 			cfg.MaxConns = 1
 			pool, err := pgxpool.NewWithConfig(ctx, cfg)
 			if err != nil {
-				return fmt.Errorf("database %s: %w", redactURL(g.dbURL()), err)
+				return fmt.Errorf("database %s: %w", connstring.Redact(g.dbURL()), err)
 			}
 			defer pool.Close()
 			// Named, with what to run: a wrong URL or a database never
 			// migrated is not the stopped discovery this command is for.
-			db := redactURL(g.dbURL())
+			db := connstring.Redact(g.dbURL())
 			if err := pool.Ping(ctx); err != nil {
 				return fmt.Errorf("database %s: %w", db, err)
 			}

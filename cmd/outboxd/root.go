@@ -12,6 +12,7 @@ import (
 	_ "github.com/jackc/pgx/v5/stdlib" // database/sql driver for migrations
 	"github.com/spf13/cobra"
 
+	"github.com/outboxd/outboxd/internal/connstring"
 	"github.com/outboxd/outboxd/internal/devdb"
 	"github.com/outboxd/outboxd/migrations"
 )
@@ -146,20 +147,7 @@ func withSQL(ctx context.Context, url string, fn func(*sql.DB) error) error {
 	}
 	defer db.Close()
 	if err := db.PingContext(ctx); err != nil {
-		return fmt.Errorf("database %s: %w", redactURL(url), err)
+		return fmt.Errorf("database %s: %w", connstring.Redact(url), err)
 	}
 	return fn(db)
-}
-
-// redactURL hides a password in a connection URL before it is printed.
-func redactURL(u string) string {
-	if i := strings.Index(u, "://"); i >= 0 {
-		rest := u[i+3:]
-		if at := strings.LastIndex(rest, "@"); at >= 0 {
-			if c := strings.Index(rest[:at], ":"); c >= 0 {
-				return u[:i+3] + rest[:c] + ":xxxxx" + rest[at:]
-			}
-		}
-	}
-	return u
 }

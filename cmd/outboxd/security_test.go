@@ -20,6 +20,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
+	"github.com/outboxd/outboxd/internal/connstring"
 	"github.com/outboxd/outboxd/internal/testdb"
 	"github.com/outboxd/outboxd/internal/tlsconfig/tlstest"
 )
@@ -233,5 +234,32 @@ func TestConsoleClosedBesideMutualTLSWithoutTokens(t *testing.T) {
 	code, body = httpGet("http://" + httpAddr + "/")
 	if code != http.StatusForbidden || !strings.Contains(body, "needs tokens") {
 		t.Fatalf("console beside mutual TLS without tokens: %d, want 403 asking for tokens\n%.1000s", code, body)
+	}
+}
+
+// A database that cannot be reached is named in the error without its
+// password, wherever the connection string carries one: the URL's user
+// information, its query, a key=value string, a --source of either form.
+// The error goes to a terminal, a CI log or a log pipeline.
+func TestUnreachableDatabaseErrorsHideThePassword(t *testing.T) {
+	t.Parallel()
+	const secret = "s3cretPW"
+	for _, args := range [][]string{
+		{"migrate", "--database-url", "postgres://postgres:" + secret + "@127.0.0.1:1/x?sslmode=disable"},
+		{"migrate", "--database-url", "postgres://postgres@127.0.0.1:1/x?password=" + secret + "&sslmode=disable"},
+		{"migrate", "--database-url", "host=127.0.0.1 port=1 user=postgres password=" + secret + " dbname=x sslmode=disable"},
+		{"migrate", "--source", "b=host=127.0.0.1 port=1 user=postgres password='" + secret + "' dbname=x sslmode=disable"},
+		{"rescan", "--database-url", "postgres://postgres@127.0.0.1:1/x?sslpassword=" + secret + "&sslmode=disable"},
+	} {
+		out, code := outboxd(t, nil, args...)
+		if code == 0 {
+			t.Fatalf("%q against a closed port succeeded:\n%s", args, out)
+		}
+		if strings.Contains(out, secret) {
+			t.Errorf("%q shows the password:\n%s", args, out)
+		}
+		if !strings.Contains(out, connstring.Hidden) {
+			t.Errorf("%q does not name the database (with the password hidden):\n%s", args, out)
+		}
 	}
 }

@@ -20,6 +20,7 @@ import (
 
 	"github.com/outboxd/outboxd/internal/app"
 	"github.com/outboxd/outboxd/internal/auth"
+	"github.com/outboxd/outboxd/internal/connstring"
 	"github.com/outboxd/outboxd/internal/console"
 	"github.com/outboxd/outboxd/internal/devdb"
 	"github.com/outboxd/outboxd/internal/multisource"
@@ -275,7 +276,7 @@ applies migrations and serves on --listen.`,
 				fmt.Fprintf(cmd.OutOrStdout(), `outboxd dev: gRPC on %s, database %s (%s)
   emit an event:  psql '%s' -c "SELECT * FROM outbox.emit('sales_order', '42', 'OrderPaid', '{\"order_id\": 42}')"
   relay to stdout: go run ./cmd/outboxd relay --server %s --sink stdout://
-`, addr, redactURL(db.URL), db.Source, db.URL, addr)
+`, addr, connstring.Redact(db.URL), db.Source, db.URL, addr)
 				if f.httpListen != "" && f.console {
 					fmt.Fprintf(cmd.OutOrStdout(), "  console:         http://%s/\n", f.httpListen)
 				}

@@ -18,6 +18,7 @@ import (
 	"github.com/spf13/pflag"
 
 	"github.com/outboxd/outboxd/internal/app"
+	"github.com/outboxd/outboxd/internal/connstring"
 	"github.com/outboxd/outboxd/internal/devdb"
 	"github.com/outboxd/outboxd/internal/multisource"
 	"github.com/outboxd/outboxd/internal/store"
@@ -68,10 +69,10 @@ func parseSourceSpecs(specs []string, seen map[string]bool) ([]source, error) {
 	for _, spec := range specs {
 		name, url, ok := strings.Cut(spec, "=")
 		if !ok || url == "" {
-			return nil, usageError("--source %q: want NAME=URL", redactURL(spec))
+			return nil, usageError("--source %q: want NAME=URL", connstring.Redact(spec))
 		}
 		if err := multisource.ValidName(name); err != nil {
-			return nil, usageError("--source %s: %v", redactURL(spec), err)
+			return nil, usageError("--source %s: %v", connstring.Redact(spec), err)
 		}
 		if seen[name] {
 			if name == multisource.Default {
@@ -122,7 +123,7 @@ func openSource(ctx context.Context, s source, all []source, maxConns int32) (*s
 	}
 	if err := pool.Ping(ctx); err != nil {
 		pool.Close()
-		return nil, fail(fmt.Errorf("database %s: %w", redactURL(s.url), err))
+		return nil, fail(fmt.Errorf("database %s: %w", connstring.Redact(s.url), err))
 	}
 	if err := requireMigrated(ctx, s.url); err != nil {
 		pool.Close()

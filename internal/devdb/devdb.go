@@ -11,12 +11,13 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"net/url"
 	"os"
 	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+
+	"github.com/outboxd/outboxd/internal/connstring"
 )
 
 // Sources of a Database, reported in Database.Source so that `outboxd dev`
@@ -150,7 +151,7 @@ func Resolve(ctx context.Context, logger *slog.Logger, given string) (*Database,
 		if err := ping(ctx, c.url, envProbeTimeout); err != nil {
 			return nil, fmt.Errorf("devdb: %s is set but its server does not accept connections (%s to use a local or throwaway PostgreSQL instead): %w", c.from, c.unset, err)
 		}
-		logger.Info("using PostgreSQL from "+c.from, "url", redact(c.url))
+		logger.Info("using PostgreSQL from "+c.from, "url", connstring.Redact(c.url))
 		return &Database{URL: c.url, Source: c.from}, nil
 	}
 
@@ -183,14 +184,4 @@ func ping(ctx context.Context, connURL string, timeout time.Duration) error {
 	}
 	err = conn.Ping(ctx)
 	return errors.Join(err, conn.Close(ctx))
-}
-
-// redact hides a password in a URL before it is logged. A key=value
-// connection string is not shown at all, since it may hold one too.
-func redact(connURL string) string {
-	u, err := url.Parse(connURL)
-	if err != nil || u.Scheme == "" {
-		return "(not shown)"
-	}
-	return u.Redacted()
 }
