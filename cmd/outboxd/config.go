@@ -7,7 +7,6 @@ import (
 	"io"
 	"net/url"
 	"os"
-	"regexp"
 	"slices"
 	"strconv"
 	"strings"
@@ -15,6 +14,8 @@ import (
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
 	"go.yaml.in/yaml/v3"
+
+	"github.com/outboxd/outboxd/internal/connstring"
 )
 
 // configurableCommands are the commands whose flags can also come from
@@ -193,16 +194,13 @@ func readConfigFile(path string, cmd *cobra.Command) (map[string]any, error) {
 	return file, nil
 }
 
-// passwordKeyword finds a password given as a keyword: libpq's key=value
-// connection strings (password=, sslpassword=) and the same names as URL
-// query parameters (postgres://u@h/db?password=...).
-var passwordKeyword = regexp.MustCompile(`(?i)(^|[\s?&])(ssl)?password\s*=`)
-
-// hasPassword reports whether s is (or, as in a --route STREAMS=URL, ends
-// with) a URL with a password, or a NATS URL with a token, in its user info,
-// or holds a password keyword anywhere (passwordKeyword).
+// hasPassword reports whether s carries a password where
+// connstring.Redact would hide one (a URL's user information or its
+// password= and sslpassword= parameters, the same keys of a key=value
+// string), or is (or, as in a --route STREAMS=URL, ends with) a NATS URL
+// with a token in its user information.
 func hasPassword(s string) bool {
-	if passwordKeyword.MatchString(s) {
+	if connstring.HasPassword(s) {
 		return true
 	}
 	for _, cand := range []string{s, s[strings.Index(s, "=")+1:]} {
@@ -210,7 +208,7 @@ func hasPassword(s string) bool {
 		if err != nil || u.User == nil {
 			continue
 		}
-		if _, ok := u.User.Password(); ok || strings.HasPrefix(u.Scheme, "nats") {
+		if strings.HasPrefix(u.Scheme, "nats") {
 			return true
 		}
 	}

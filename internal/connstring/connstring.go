@@ -16,13 +16,18 @@ const Hidden = "xxxxx"
 
 var (
 	// A password or sslpassword parameter of a URL's query, up to the next
-	// parameter or the fragment; keys are case-sensitive there, as in libpq.
-	queryPassword = regexp.MustCompile(`([?&](?:ssl)?password=)[^&#]*`)
+	// parameter or the fragment. (Keys in any case: libpq reads only lower
+	// case, but hiding more than it reads costs nothing.)
+	queryPassword = regexp.MustCompile(`(?i)([?&](?:ssl)?password=)[^&#]*`)
 	// A password or sslpassword key of a key=value string, with white space
 	// around the '=' and a value bare or single-quoted (with backslash
 	// escapes), as libpq parses it.
-	keywordPassword = regexp.MustCompile(`(^|\s)((?:ssl)?password\s*=\s*)(?:'(?:[^'\\]|\\.)*'?|\S*)`)
+	keywordPassword = regexp.MustCompile(`(?i)(^|\s)((?:ssl)?password\s*=\s*)(?:'(?:[^'\\]|\\.)*'?|\S*)`)
 )
+
+// HasPassword reports whether conn carries a password where Redact hides
+// one.
+func HasPassword(conn string) bool { return Redact(conn) != conn }
 
 // Redact returns conn with its passwords replaced by Hidden, whether conn is
 // a URL or a key=value string; everything else is kept as written. A URL's

@@ -30,10 +30,16 @@ func TestRedactHidesEveryPassword(t *testing.T) {
 		{"host=h password='unterminated s3cret", "host=h password=xxxxx"}, // the rest may all be the value
 		{"host=h passfile=/p user=password", "host=h passfile=/p user=password"},
 		{"", ""},
+		// Keys in any case.
+		{"host=h PASSWORD=s3cret", "host=h PASSWORD=xxxxx"},
+		{"postgres://h/db?Password=s3cret", "postgres://h/db?Password=xxxxx"},
 	} {
 		got := connstring.Redact(tc.in)
 		if got != tc.want {
 			t.Errorf("Redact(%q) = %q, want %q", tc.in, got, tc.want)
+		}
+		if has := connstring.HasPassword(tc.in); has != (tc.want != tc.in) {
+			t.Errorf("HasPassword(%q) = %v", tc.in, has)
 		}
 	}
 }
