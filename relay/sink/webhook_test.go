@@ -317,6 +317,7 @@ func TestWebhookOpenRejectsBadSecrets(t *testing.T) {
 		"no prefix": {write("plain", "c2VjcmV0c2VjcmV0c2VjcmV0c2VjcmV0\n"), `starting with "whsec_"`},
 		"not b64":   {write("bad", "whsec_!!!notbase64!!!\n"), "not base64"},
 		"short":     {write("short", short), "at least 24"},
+		"23 bytes":  {write("short23", "whsec_"+base64.StdEncoding.EncodeToString(make([]byte, 23))), "is 23 bytes; want at least 24"},
 	}
 	for name, c := range cases {
 		u := "https://127.0.0.1:1/hook?secret_file=" + url.QueryEscape(c.file)
@@ -462,5 +463,58 @@ func TestWebhookOpenRefusesCredentials(t *testing.T) {
 		if !errors.Is(err, sink.ErrInvalidURL) || !strings.Contains(err.Error(), "credentials") || strings.Contains(err.Error(), "s3cret") {
 			t.Errorf("Open(%s) = %v, want ErrInvalidURL about credentials, without them", u, err)
 		}
+	}
+}
+
+// A secrets file as editors and secret stores write it: CRLF line ends,
+// indentation, blank lines, a secret of exactly 24 bytes (the least Open
+// takes). Every secret signs.
+func TestWebhookSecretFileToleratesWhiteSpace(t *testing.T) {
+	t.Parallel()
+	h := newHook(t)
+	least := "whsec_" + base64.StdEncoding.EncodeToString(make([]byte, 24))
+	p := filepath.Join(t.TempDir(), "secret")
+	if err := os.WriteFile(p, []byte("\r\n  "+least+"\r\n\t"+h.secret+" \r\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	s := openSink(t, h.srv.URL+"?secret_file="+url.QueryEscape(p))
+	if err := s.Publish(t.Context(), testEvent("e1")); err != nil {
+		t.Fatalf("Publish: %v", err)
+	}
+	r := h.requests()[0]
+	if r.err != nil {
+		t.Fatalf("the receiver's secret did not verify: %v", r.err)
+	}
+	if err := verifyStandardWebhook(least, r.header, r.body, time.Now()); err != nil {
+		t.Errorf("the 24-byte secret: %v", err)
+	}
+}
+
+// A receiver's answer is read to its end (up to 64 KiB) before the next
+// publish, so that the relay's connection to it is reused: one connection
+// for many events, not one each, whatever the receiver writes back.
+func TestWebhookReusesItsConnection(t *testing.T) {
+	t.Parallel()
+	h := newHook(t)
+	peers := map[string]bool{} // client addresses, one per connection
+	h.mu.Lock()
+	h.answer = func(w http.ResponseWriter, r *http.Request, _ []byte) bool {
+		h.mu.Lock()
+		peers[r.RemoteAddr] = true
+		h.mu.Unlock()
+		_, _ = w.Write([]byte(strings.Repeat("ok ", 3000))) // past the excerpt an error would quote
+		return true
+	}
+	h.mu.Unlock()
+	s := openSink(t, h.url(t, nil))
+	for i := range 5 {
+		if err := s.Publish(t.Context(), testEvent(fmt.Sprintf("e%d", i))); err != nil {
+			t.Fatalf("Publish %d: %v", i, err)
+		}
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if len(peers) != 1 {
+		t.Fatalf("5 publishes came over %d connections, want 1", len(peers))
 	}
 }
