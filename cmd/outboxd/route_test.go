@@ -42,6 +42,9 @@ func TestParseRoutes(t *testing.T) {
 		{[]string{"billing=stdout://", "orders,billing=nats://u:pw@h:4222"}, `stream "billing" is already routed by "billing=stdout://"`},
 		{[]string{"*=stdout://", "*=nats://h:4222"}, "a second catch-all"},
 		{[]string{"billing.*=stdout://"}, `"billing.*" is a pattern`},
+		// NATS's and AMQP's wildcards, written by habit, are named as patterns too.
+		{[]string{"billing.>=stdout://"}, `"billing.>" is a pattern`},
+		{[]string{"billing.?=stdout://"}, `"billing.?" is a pattern`},
 		{[]string{"Billing=stdout://"}, "not a stream name"},
 		{[]string{"billing"}, "want STREAMS=SINK_URL"},
 		{[]string{"=stdout://"}, "want STREAMS=SINK_URL"},
