@@ -5,6 +5,7 @@ import (
 	"testing"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outboxd/outboxd/internal/testdb"
@@ -341,5 +342,73 @@ func TestPendingByStreamCountsOnlyAggregatesWithPendingEvents(t *testing.T) {
 	}
 	if want := "orders: 1 events, 1 aggregates, 1 ready"; got != want {
 		t.Fatalf("pending_by_stream: %q, want %q", got, want)
+	}
+}
+
+// Per stream, pending_by_stream's oldest is the created_at of its oldest
+// pending event, and oldest_held that of the oldest pending event of an
+// aggregate held back (parked, backing off or held at a gap), whichever of
+// the three holds it, none for a stream whose aggregates are all ready;
+// and each state is counted as itself.
+func TestPendingByStreamOldestAndHeldCoverEveryState(t *testing.T) {
+	t.Parallel()
+	pool := testdb.NewPool(t)
+	holds := map[string]string{
+		"parked":  `state = 'parked', claimable_at = NULL, parked_at = clock_timestamp(), parked_reason = 'test'`,
+		"backoff": `state = 'backoff', claimable_at = clock_timestamp() + interval '1 hour', next_attempt_at = clock_timestamp() + interval '1 hour'`,
+		"gap":     `state = 'gap', claimable_at = NULL, gap_revision = 2`,
+	}
+	for stream := range holds {
+		emitTo(t, pool, stream, "held", 1) // older than ready's: a transaction of its own
+		emitTo(t, pool, stream, "ready", 1)
+	}
+	emitTo(t, pool, "ready", "old", 1)
+	emitTo(t, pool, "ready", "new", 1)
+	discover(t, pool)
+	for stream, set := range holds {
+		exec(t, pool, fmt.Sprintf(`UPDATE outbox.delivery SET %s WHERE stream = '%s' AND aggregate_key = 'held'`, set, stream))
+	}
+	keyAt := func(at string) string {
+		return `coalesce((SELECT e.aggregate_key FROM outbox.event e WHERE e.stream = p.stream AND e.created_at = ` + at + ` LIMIT 1), 'none')`
+	}
+	got := streamCounts(t, pool, `SELECT p.stream, format('oldest %s held %s ready %s backoff %s parked %s gap %s',
+		`+keyAt("p.oldest")+`, `+keyAt("p.oldest_held")+`, p.ready, p.backoff, p.parked, p.gap)
+		FROM outbox.pending_by_stream(NULL) p`)
+	want := "backoff=oldest held held held ready 1 backoff 1 parked 0 gap 0 " +
+		"gap=oldest held held held ready 1 backoff 0 parked 0 gap 1 " +
+		"parked=oldest held held held ready 1 backoff 0 parked 1 gap 0 " +
+		"ready=oldest old held none ready 2 backoff 0 parked 0 gap 0"
+	if got != want {
+		t.Fatalf("per stream:\n%s\nwant\n%s", got, want)
+	}
+}
+
+// An event committed at its aggregate's cursor (a REPEATABLE READ producer
+// whose snapshot predates the cursor) is undiscovered until discovery
+// reaches it: the delivery row counts only the revisions after the
+// cursor, so without this lag would not show it at all before discovery
+// reports it stranded.
+func TestUndiscoveredCountsAnEventAtTheCursor(t *testing.T) {
+	t.Parallel()
+	ctx := testContext(t)
+	pool := testdb.NewPool(t)
+	exec(t, pool, `SELECT outbox.emit('orders', 'o-1', 'T', '{}', revision => 5)`)
+	late, err := pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = late.Rollback(ctx) }()
+	if _, err := late.Exec(ctx, `SELECT 1`); err != nil {
+		t.Fatal(err)
+	}
+	discover(t, pool) // the cursor is now 4
+	if _, err := late.Exec(ctx, `SELECT outbox.emit('orders', 'o-1', 'T', '{}', revision => 4)`); err != nil {
+		t.Fatal(err)
+	}
+	if err := late.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if got := streamCounts(t, pool, `SELECT stream, events FROM outbox.undiscovered(NULL)`); got != "orders=1" {
+		t.Fatalf("undiscovered: %q, want orders=1 (revision 4, at the cursor)", got)
 	}
 }
