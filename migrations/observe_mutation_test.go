@@ -412,3 +412,51 @@ func TestUndiscoveredCountsAnEventAtTheCursor(t *testing.T) {
 		t.Fatalf("undiscovered: %q, want orders=1 (revision 4, at the cursor)", got)
 	}
 }
+
+// stranded counts each event once: one at its aggregate's cursor is late,
+// not also one behind an idle row (whose stranded events are those after
+// the cursor), even when the row says idle with events after it.
+func TestStrandedCountsAnEventAtTheCursorOnce(t *testing.T) {
+	t.Parallel()
+	ctx := testContext(t)
+	pool := testdb.NewPool(t)
+	exec(t, pool, `SELECT outbox.emit('orders', 'o-1', 'T', '{}', revision => 5)`)
+	late, err := pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = late.Rollback(ctx) }()
+	if _, err := late.Exec(ctx, `SELECT 1`); err != nil {
+		t.Fatal(err)
+	}
+	discover(t, pool) // the cursor is now 4
+	if _, err := late.Exec(ctx, `SELECT outbox.emit('orders', 'o-1', 'T', '{}', revision => 4)`); err != nil {
+		t.Fatal(err)
+	}
+	if err := late.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	discover(t, pool) // records revision 4 as late
+	// A delivery bug, simulated: the row says idle with revision 5 pending.
+	exec(t, pool, `UPDATE outbox.delivery SET state = 'idle', claimable_at = NULL, pending_since = NULL`)
+	if n := strandedEvents(t, pool); n != 2 {
+		t.Fatalf("%d stranded events, want 2 (revision 4 at the cursor, revision 5 behind an idle row)", n)
+	}
+}
+
+// waiting_streams judges ready aggregates only: a stream whose only
+// claimable work is a lease or a backoff that ran out long ago (claimable
+// again, but not ready, and so not what idle relays are reported against)
+// is not listed.
+func TestWaitingStreamsJudgeOnlyReadyAggregates(t *testing.T) {
+	t.Parallel()
+	pool := testdb.NewPool(t)
+	exec(t, pool, `UPDATE outbox.settings SET idle_relay_after = '1 hour'`)
+	emitTo(t, pool, "orders", "backoff", 1)
+	discover(t, pool)
+	exec(t, pool, `UPDATE outbox.delivery SET state = 'backoff', claimable_at = clock_timestamp() - interval '2 hours',
+		next_attempt_at = clock_timestamp() - interval '2 hours'`)
+	if got := streamCounts(t, pool, `SELECT stream, 1 FROM outbox.waiting_streams(NULL)`); got != "" {
+		t.Fatalf("waiting streams: %q, want none (no ready aggregate)", got)
+	}
+}
