@@ -1,0 +1,133 @@
+package migrations_test
+
+import (
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+
+	"github.com/outboxd/outboxd/internal/testdb"
+)
+
+// Tests written against mutants of the functions that end, extend or
+// record the failure of a lease (nack, park, extend_lease, release,
+// record_expired, trim_attempts, continue_attempts, stall_reason) that the
+// other tests, lease_end_mutation_test.go's included, let through: each
+// holds one promise of those functions.
+
+// A claim records an unanswered end only for a lease of the event it is
+// about to lease again, the aggregate's next one: an aggregate a republish
+// rewound still names (leased_event_id) the later event its last lease,
+// since released, was of, and with one attempt per event its claim leases
+// the rewound revision with nothing more on record, not a park of that
+// later event. (The rewind is Store.Republish's update of the row.) Kills
+// a record_expired that takes the lease's event whatever its revision
+// (X07).
+func TestAClaimAfterARewindRecordsNothingOfTheEventLeasedBefore(t *testing.T) {
+	t.Parallel()
+	ctx := testContext(t)
+	pool := testdb.NewPool(t)
+	emitN(t, pool, "a", 2)
+	discover(t, pool)
+	first := claimFor(t, pool, uuid.New())
+	if first.revision != 1 {
+		t.Fatalf("claimed %+v, want revision 1", first)
+	}
+	if n := count(t, pool, fmt.Sprintf(`SELECT count(*) FROM outbox.ack(ARRAY['%s'::uuid], 'x') WHERE status = 'published'`, first.id)); n != 1 {
+		t.Fatal("the ack of a/1 did not publish it")
+	}
+	holder := uuid.New()
+	if second := claimFor(t, pool, holder); second.revision != 2 {
+		t.Fatalf("claimed %+v, want revision 2", second)
+	}
+	if n := count(t, pool, fmt.Sprintf(`SELECT outbox.release('%s')`, holder)); n != 1 {
+		t.Fatalf("released %d leases, want a/2's", n)
+	}
+	// Republish a/1: the rewind of Store.Republish (without its mark).
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(ctx)
+	for _, q := range []string{
+		`SELECT set_config('outbox.republishing', 'on', true)`,
+		`UPDATE outbox.event SET published_at = NULL WHERE stream = 'orders' AND aggregate_key = 'a' AND revision = 1`,
+		`SELECT set_config('outbox.republishing', 'off', true)`,
+		`UPDATE outbox.delivery d
+		 SET delivered_revision = 0, state = 'ready', claimable_at = x.created_at, pending_since = x.created_at,
+		     holder = NULL, holder_relay_id = NULL, holder_replica_id = NULL, lease_expires_at = NULL,
+		     attempt = 0, failures = 0, unanswered = 0, last_error = NULL, next_attempt_at = NULL,
+		     parked_at = NULL, parked_reason = NULL, gap_revision = NULL
+		 FROM (SELECT min(e.created_at) AS created_at FROM outbox.event e
+		       WHERE e.stream = 'orders' AND e.aggregate_key = 'a' AND e.revision >= 1) x
+		 WHERE d.stream = 'orders' AND d.aggregate_key = 'a'`,
+	} {
+		if _, err := tx.Exec(ctx, q); err != nil {
+			t.Fatalf("%s: %v", q, err)
+		}
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	var rev int64
+	if err := pool.QueryRow(ctx, `SELECT revision FROM outbox.claim(gen_random_uuid(), 'r', 'x', NULL, 1, interval '1 minute', 1)`).
+		Scan(&rev); err != nil {
+		t.Fatal(err)
+	}
+	if rev != 1 {
+		t.Fatalf("the claim after the rewind leased revision %d, want 1", rev)
+	}
+	got := attempts(t, pool)
+	if len(got) != 1 || got[0].revision != 2 || got[0].outcome != "released" {
+		t.Fatalf("attempt history %+v, want only a/2's release", got)
+	}
+}
+
+// A nack that parks says when and where: the aggregate is parked at the
+// event it nacked (parked_revision, the revision parked at), since the
+// moment of the nack (parked_at, which the dead-letter list and
+// GetAggregate show), out of claims, with no next attempt and no lease
+// left on it. Kills a parking nack that leaves parked_at unset (N17) or
+// parks at the cursor rather than at the nacked revision (N16).
+func TestANackThatParksSaysWhenAndWhere(t *testing.T) {
+	t.Parallel()
+	ctx := testContext(t)
+	pool := testdb.NewPool(t)
+	emitN(t, pool, "a", 2)
+	discover(t, pool)
+	first := claimFor(t, pool, uuid.New())
+	if n := count(t, pool, fmt.Sprintf(`SELECT count(*) FROM outbox.ack(ARRAY['%s'::uuid], 'x') WHERE status = 'published'`, first.id)); n != 1 {
+		t.Fatal("the ack of a/1 did not publish it")
+	}
+	l := claimFor(t, pool, uuid.New())
+	if l.revision != 2 {
+		t.Fatalf("claimed %+v, want revision 2", l)
+	}
+	var before, after time.Time
+	var parked bool
+	if err := pool.QueryRow(ctx, `SELECT clock_timestamp()`).Scan(&before); err != nil {
+		t.Fatal(err)
+	}
+	if err := pool.QueryRow(ctx, `SELECT parked FROM outbox.nack($1, $2, 'rejected', NULL, interval '1 second', interval '1 minute', 1)`,
+		l.id, l.epoch).Scan(&parked); err != nil {
+		t.Fatal(err)
+	}
+	if err := pool.QueryRow(ctx, `SELECT clock_timestamp()`).Scan(&after); err != nil {
+		t.Fatal(err)
+	}
+	if !parked {
+		t.Fatal("a first failure of at most 1 did not park")
+	}
+	r := readLease(t, pool, "a")
+	noHolder(t, "after the nack that parked", r)
+	if r.state != "parked" || r.claimable != nil || r.nextAttempt != nil {
+		t.Fatalf("after the nack that parked: %+v; want parked, neither claimable nor due", r)
+	}
+	if r.parkedAt == nil || r.parkedAt.Before(before) || r.parkedAt.After(after) {
+		t.Fatalf("parked at %v, want between %v and %v (the nack)", r.parkedAt, before, after)
+	}
+	if r.parkedRevision == nil || *r.parkedRevision != 2 {
+		t.Fatalf("parked at revision %v, want 2 (the nacked event's)", r.parkedRevision)
+	}
+}
