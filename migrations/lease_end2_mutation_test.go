@@ -131,3 +131,91 @@ func TestANackThatParksSaysWhenAndWhere(t *testing.T) {
 		t.Fatalf("parked at revision %v, want 2 (the nacked event's)", r.parkedRevision)
 	}
 }
+
+// An event whose leases were given back unanswered as many times as it may
+// be delivered parks its aggregate at the claim that would lease it once
+// more, and that claim puts the parking on record: outcome parked, the
+// message counting every delivery, at the claim's time (the release left
+// no expiry). With two attempts per event, a's lease released twice gets
+// released, released, parked. Kills a record_expired whose check or insert
+// passes over ready aggregates (X01, X02, X11), counts one delivery short
+// (X10), says expired (X04) or takes the released lease's missing expiry
+// for the time (X12).
+func TestALeaseReleasedUntilTheAttemptsRunOutIsRecordedAsTheParking(t *testing.T) {
+	t.Parallel()
+	ctx := testContext(t)
+	pool := testdb.NewPool(t)
+	emitN(t, pool, "a", 1)
+	discover(t, pool)
+	for i := 0; i < 2; i++ {
+		holder := uuid.New()
+		if n := count(t, pool, fmt.Sprintf(`SELECT count(*) FROM outbox.claim('%s', 'r', 'x', NULL, 1, interval '1 minute', 2)`, holder)); n != 1 {
+			t.Fatalf("claim %d leased %d, want a/1", i+1, n)
+		}
+		if n := count(t, pool, fmt.Sprintf(`SELECT outbox.release('%s')`, holder)); n != 1 {
+			t.Fatalf("release %d gave back %d leases, want a/1's", i+1, n)
+		}
+	}
+	var before, after time.Time
+	if err := pool.QueryRow(ctx, `SELECT clock_timestamp()`).Scan(&before); err != nil {
+		t.Fatal(err)
+	}
+	if n := count(t, pool, `SELECT count(*) FROM outbox.claim(gen_random_uuid(), 'r', 'x', NULL, 1, interval '1 minute', 2)`); n != 0 {
+		t.Fatalf("the third claim leased %d, want a parked instead", n)
+	}
+	if err := pool.QueryRow(ctx, `SELECT clock_timestamp()`).Scan(&after); err != nil {
+		t.Fatal(err)
+	}
+	if r := readLease(t, pool, "a"); r.state != "parked" {
+		t.Fatalf("a is %s after the third claim, want parked", r.state)
+	}
+	got := attempts(t, pool)
+	var outcomes []string
+	for _, g := range got {
+		outcomes = append(outcomes, g.outcome)
+	}
+	if len(got) != 3 || outcomes[0] != "released" || outcomes[1] != "released" || outcomes[2] != "parked" {
+		t.Fatalf("attempt history %v, want released, released, parked", outcomes)
+	}
+	want := "delivered 2 times without an ack or a nack: each lease expired or the stream holding it ended"
+	if p := got[2]; p.revision != 1 || p.attempt != 2 || p.errText != want {
+		t.Fatalf("parking on record as %+v, want a/1's attempt 2 with %q", p, want)
+	}
+	var at time.Time
+	if err := pool.QueryRow(ctx, `SELECT at FROM outbox.attempt WHERE outcome = 'parked'`).Scan(&at); err != nil {
+		t.Fatal(err)
+	}
+	if at.Before(before) || at.After(after) {
+		t.Fatalf("parking on record at %v, want the claim's time, between %v and %v", at, before, after)
+	}
+}
+
+// A claim records nothing of a lease an operator's skip ended: the skip
+// abandons the event (the aggregate made ready, every count reset, as
+// Store.SkipEvent does), and with one attempt per event the claim steps
+// over it to the next revision with no parking of the skipped event on
+// record. Kills a record_expired that records skipped events (X08).
+func TestAClaimRecordsNothingOfASkippedEvent(t *testing.T) {
+	t.Parallel()
+	pool := testdb.NewPool(t)
+	emitN(t, pool, "a", 2)
+	discover(t, pool)
+	l := claimFor(t, pool, uuid.New())
+	exec(t, pool, fmt.Sprintf(`INSERT INTO outbox.skipped_event (event_id, reason, actor) VALUES ('%s', 'test', 'test')`, l.id))
+	exec(t, pool, `UPDATE outbox.delivery
+		SET state = 'ready', claimable_at = clock_timestamp(),
+		    holder = NULL, holder_relay_id = NULL, holder_replica_id = NULL, lease_expires_at = NULL,
+		    attempt = 0, failures = 0, unanswered = 0, last_error = NULL, next_attempt_at = NULL, parked_at = NULL, parked_reason = NULL
+		WHERE stream = 'orders' AND aggregate_key = 'a'`)
+	var rev int64
+	if err := pool.QueryRow(testContext(t), `SELECT revision FROM outbox.claim(gen_random_uuid(), 'r', 'x', NULL, 1, interval '1 minute', 1)`).
+		Scan(&rev); err != nil {
+		t.Fatal(err)
+	}
+	if rev != 2 {
+		t.Fatalf("the claim after the skip leased revision %d, want 2", rev)
+	}
+	if got := attempts(t, pool); len(got) != 0 {
+		t.Fatalf("attempt history %+v, want none", got)
+	}
+}
