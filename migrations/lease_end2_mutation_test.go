@@ -2,6 +2,7 @@ package migrations_test
 
 import (
 	"fmt"
+	"strings"
 	"testing"
 	"time"
 
@@ -217,5 +218,66 @@ func TestAClaimRecordsNothingOfASkippedEvent(t *testing.T) {
 	}
 	if got := attempts(t, pool); len(got) != 0 {
 		t.Fatalf("attempt history %+v, want none", got)
+	}
+}
+
+// stall_reason holds each count to its own setting, reached at the count
+// itself: with stalls after 2 unanswered deliveries and after 5 failed
+// publishes, an aggregate with work in hand (ready, leased or backing off)
+// is stalled at 2 unanswered deliveries, not at 1, and at 5 failures, not
+// at 4. Kills a stall_reason that passes over any of those states (S01,
+// S02, S03), needs one more than the setting (S05, S06) or holds a count
+// to the other one's setting (S08, S09).
+func TestStallReasonHoldsEachCountToItsOwnSetting(t *testing.T) {
+	t.Parallel()
+	ctx := testContext(t)
+	pool := testdb.NewPool(t)
+	exec(t, pool, `UPDATE outbox.settings SET stall_after_unanswered = 2, stall_after_failures = 5`)
+	reason := func(state string, unanswered, failures int) string {
+		t.Helper()
+		var r *string
+		if err := pool.QueryRow(ctx, `SELECT outbox.stall_reason($1, $2, $3, 'broker down')`, state, unanswered, failures).Scan(&r); err != nil {
+			t.Fatal(err)
+		}
+		return deref(r)
+	}
+	for _, state := range []string{"ready", "leased", "backoff"} {
+		if got, want := reason(state, 2, 0), "2 deliveries of the next event ended without an ack or a nack"; !strings.HasPrefix(got, want) {
+			t.Fatalf("stall reason of a %s aggregate with 2 unanswered deliveries: %q, want %q...", state, got, want)
+		}
+		if got, want := reason(state, 0, 5), "5 publishes of the next event failed in a row; last error: broker down"; got != want {
+			t.Fatalf("stall reason of a %s aggregate with 5 failures: %q, want %q", state, got, want)
+		}
+		if got := reason(state, 1, 4); got != "" {
+			t.Fatalf("stall reason of a %s aggregate with 1 unanswered delivery and 4 failures: %q, want none", state, got)
+		}
+	}
+}
+
+// The backoff keeps doubling with every failure up to its cap, well past a
+// few failures: the tenth failure of a publish, with a one-second base and
+// a one-hour cap, waits 2^9 seconds less the jitter (256 to 512 seconds),
+// not the eighth-failure wait of at most 8 seconds. Kills a nack whose
+// exponent stops growing after a few failures (N29).
+func TestNackBackoffKeepsDoublingToItsCap(t *testing.T) {
+	t.Parallel()
+	ctx := testContext(t)
+	pool := testdb.NewPool(t)
+	emitN(t, pool, "a", 1)
+	discover(t, pool)
+	l := claimFor(t, pool, uuid.New())
+	// Nine publishes of a/1 failed before this lease.
+	exec(t, pool, `UPDATE outbox.delivery SET failures = 9 WHERE stream = 'orders' AND aggregate_key = 'a'`)
+	var before, next time.Time
+	var failures int
+	if err := pool.QueryRow(ctx, `SELECT clock_timestamp()`).Scan(&before); err != nil {
+		t.Fatal(err)
+	}
+	if err := pool.QueryRow(ctx, `SELECT next_attempt_at, failures FROM outbox.nack($1, $2, 'broker down', NULL, interval '1 second', interval '1 hour', 20)`,
+		l.id, l.epoch).Scan(&next, &failures); err != nil {
+		t.Fatal(err)
+	}
+	if wait := next.Sub(before); failures != 10 || wait < 256*time.Second || wait > 513*time.Second {
+		t.Fatalf("failure %d waits %v, want the tenth waiting 256s to 512s", failures, wait)
 	}
 }
