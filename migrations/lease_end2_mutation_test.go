@@ -281,3 +281,48 @@ func TestNackBackoffKeepsDoublingToItsCap(t *testing.T) {
 		t.Fatalf("failure %d waits %v, want the tenth waiting 256s to 512s", failures, wait)
 	}
 }
+
+// A release judges what it keeps by the lease as it is once the row is
+// its own: a release keeping a/2 and a/3, the rest of a window whose ack
+// of a/1 is on its way, that waits for that ack's lock on a's row keeps
+// the lease once the ack commits (it then covers a/2-3, which the session
+// sent), rather than give it back by what it was before the ack (a/1-3,
+// whose head it was not told to keep). Kills a release that reads its
+// leases without locking them, and so never reads them again (R09).
+func TestAReleaseWaitingForAnAckJudgesTheLeaseAsTheAckLeftIt(t *testing.T) {
+	t.Parallel()
+	ctx := testContext(t)
+	pool := testdb.NewPool(t)
+	emitN(t, pool, "a", 3)
+	discover(t, pool)
+	holder := uuid.New()
+	w := claimWindow(t, pool, holder, 1, 3, 3)
+	if r := revisions(w, "a"); len(r) != 3 {
+		t.Fatalf("claimed %v, want a/1-3", w)
+	}
+	ack, ackPID := openWindowedAck(t, pool, []uuid.UUID{w[0].id}, &holder, 3)
+	conn, err := pool.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Release()
+	pid := backendPID(t, conn)
+	done := make(chan error, 1)
+	var released int64
+	go func() {
+		done <- conn.QueryRow(ctx, `SELECT outbox.release($1, $2)`, holder, []uuid.UUID{w[1].id, w[2].id}).Scan(&released)
+	}()
+	waitUntilBlockedBy(t, pool, pid, ackPID)
+	if err := ack.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	if released != 0 {
+		t.Fatalf("released %d leases, want none: after the ack a's lease covers a/2-3, both kept", released)
+	}
+	if r := readLease(t, pool, "a"); r.state != "leased" || r.holder == nil || *r.holder != holder {
+		t.Fatalf("after the ack and the release: %+v, want a still leased to %s", r, holder)
+	}
+}
