@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
 
 	"github.com/outboxd/outboxd/internal/testdb"
 )
@@ -324,5 +325,74 @@ func TestAReleaseWaitingForAnAckJudgesTheLeaseAsTheAckLeftIt(t *testing.T) {
 	}
 	if r := readLease(t, pool, "a"); r.state != "leased" || r.holder == nil || *r.holder != holder {
 		t.Fatalf("after the ack and the release: %+v, want a still leased to %s", r, holder)
+	}
+}
+
+// A release gives back a lease that an ack still on its way slides onto
+// events the releasing session never saw, as it does once that ack has
+// landed (TestReleaseGivesBackAWindowSlidUnseen): a session sweeping its
+// orphans after a lost ack answer keeps a/1-3, all it sent, while the ack
+// of a/1 (its answer lost) has yet to commit and then slides the lease to
+// a/2-4. The release should wait for the ack's lock on a's row and judge
+// the lease as the ack left it, and give it back.
+func TestAReleaseGivesBackALeaseAnAckInFlightSlidUnseen(t *testing.T) {
+	t.Skip("production bug: outbox.release judges p_keep on its statement snapshot and locks only the rows it already means to release, so a lease an uncommitted ack slides onto unseen events is kept without waiting for the ack")
+	t.Parallel()
+	ctx := testContext(t)
+	pool := testdb.NewPool(t)
+	emitN(t, pool, "a", 4)
+	discover(t, pool)
+	holder := uuid.New()
+	w := claimWindow(t, pool, holder, 1, 3, 3)
+	if r := revisions(w, "a"); len(r) != 3 {
+		t.Fatalf("claimed %v, want a/1-3", w)
+	}
+	ack, ackPID := openWindowedAck(t, pool, []uuid.UUID{w[0].id}, &holder, 3)
+	conn, err := pool.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Release()
+	pid := backendPID(t, conn)
+	done := make(chan error, 1)
+	var released int64
+	go func() {
+		done <- conn.QueryRow(ctx, `SELECT outbox.release($1, $2)`, holder, []uuid.UUID{w[0].id, w[1].id, w[2].id}).Scan(&released)
+	}()
+	// Until the release waits for the ack's lock on a's row (then the ack
+	// commits), or answers without waiting (then the ack commits after it).
+	var answered error
+	for waiting := true; waiting; {
+		select {
+		case answered = <-done:
+			waiting = false
+			continue
+		default:
+		}
+		var blocked bool
+		if err := pool.QueryRow(ctx, `SELECT $2::int = ANY (pg_blocking_pids($1))`, pid, ackPID).Scan(&blocked); err != nil {
+			t.Fatal(err)
+		}
+		if blocked {
+			if err := ack.Commit(ctx); err != nil {
+				t.Fatal(err)
+			}
+			answered = <-done
+			waiting = false
+		}
+	}
+	if answered != nil {
+		t.Fatal(answered)
+	}
+	if err := ack.Commit(ctx); err != nil && err != pgx.ErrTxClosed {
+		t.Fatal(err)
+	}
+	var through *int64
+	var held *uuid.UUID
+	if err := pool.QueryRow(ctx, `SELECT leased_through, holder FROM outbox.delivery WHERE aggregate_key = 'a'`).Scan(&through, &held); err != nil {
+		t.Fatal(err)
+	}
+	if released != 1 || (held != nil && *held == holder) {
+		t.Fatalf("released %d; a leased through %v to %v: the session keeps a lease covering a/4, which it never saw", released, deref(through), held)
 	}
 }
