@@ -396,3 +396,31 @@ func TestAReleaseGivesBackALeaseAnAckInFlightSlidUnseen(t *testing.T) {
 		t.Fatalf("released %d; a leased through %v to %v: the session keeps a lease covering a/4, which it never saw", released, deref(through), held)
 	}
 }
+
+// The attempt history is kept per aggregate, and an aggregate is its
+// stream and key: with one attempt kept per aggregate, a release of
+// payments/a leaves the attempt of orders/a on record. Kills a trim that
+// counts the attempts of every stream's aggregate of the same key together
+// (T05).
+func TestAttemptHistoryIsTrimmedPerStreamsAggregate(t *testing.T) {
+	t.Parallel()
+	pool := testdb.NewPool(t)
+	exec(t, pool, `UPDATE outbox.settings SET attempt_history_per_aggregate = 1`)
+	emitIn(t, pool, "orders", "a", 1)
+	emitIn(t, pool, "payments", "a", 1)
+	discover(t, pool)
+	for _, stream := range []string{"orders", "payments"} {
+		holder := uuid.New()
+		if n := count(t, pool, fmt.Sprintf(`SELECT count(*) FROM outbox.claim('%s', 'r', 'x', '{%s}', 1, interval '1 minute')`, holder, stream)); n != 1 {
+			t.Fatalf("claimed %d of %s/a, want 1", n, stream)
+		}
+		if n := count(t, pool, fmt.Sprintf(`SELECT outbox.release('%s')`, holder)); n != 1 {
+			t.Fatalf("released %d leases, want %s/a's", n, stream)
+		}
+	}
+	for _, stream := range []string{"orders", "payments"} {
+		if n := count(t, pool, fmt.Sprintf(`SELECT count(*) FROM outbox.attempt WHERE stream = '%s' AND aggregate_key = 'a'`, stream)); n != 1 {
+			t.Fatalf("%d attempts of %s/a on record, want its release", n, stream)
+		}
+	}
+}
