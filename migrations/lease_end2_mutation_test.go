@@ -8,6 +8,7 @@ import (
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outboxd/outboxd/internal/testdb"
 )
@@ -422,5 +423,85 @@ func TestAttemptHistoryIsTrimmedPerStreamsAggregate(t *testing.T) {
 		if n := count(t, pool, fmt.Sprintf(`SELECT count(*) FROM outbox.attempt WHERE stream = '%s' AND aggregate_key = 'a'`, stream)); n != 1 {
 			t.Fatalf("%d attempts of %s/a on record, want its release", n, stream)
 		}
+	}
+}
+
+// republishOne rewinds key's aggregate, whose only event (revision 1) was
+// published, as Store.Republish does: an operator action, the event
+// pending again, the delivery row ready at revision 1 and marked
+// (republished_through), and the republish on record with the event's
+// earlier deliveries.
+func republishOne(t *testing.T, pool *pgxpool.Pool, key string, earlier int) {
+	t.Helper()
+	exec(t, pool, fmt.Sprintf(`DO $$
+	DECLARE
+	    v_action bigint;
+	    v_event uuid;
+	BEGIN
+	    INSERT INTO outbox.operator_action (action, actor, reason, request) VALUES ('republish', 'test', 'test', '{}')
+	    RETURNING action_id INTO v_action;
+	    SELECT event_id INTO v_event FROM outbox.event WHERE stream = 'orders' AND aggregate_key = '%[1]s' AND revision = 1;
+	    PERFORM set_config('outbox.republishing', 'on', true);
+	    UPDATE outbox.event SET published_at = NULL WHERE event_id = v_event;
+	    PERFORM set_config('outbox.republishing', 'off', true);
+	    UPDATE outbox.delivery d
+	    SET delivered_revision = 0, state = 'ready', claimable_at = e.created_at, pending_since = e.created_at,
+	        holder = NULL, holder_relay_id = NULL, holder_replica_id = NULL, lease_expires_at = NULL,
+	        attempt = 0, failures = 0, unanswered = 0, last_error = NULL, next_attempt_at = NULL,
+	        parked_at = NULL, parked_reason = NULL, gap_revision = NULL, republished_through = 1
+	    FROM outbox.event e
+	    WHERE e.event_id = v_event AND d.stream = 'orders' AND d.aggregate_key = '%[1]s';
+	    INSERT INTO outbox.republished (action_id, stream, aggregate_key, from_revision, to_revision, events,
+	                                    previous_published_at, earlier_attempts)
+	    VALUES (v_action, 'orders', '%[1]s', 1, 1, 1, '{}', jsonb_build_object(v_event::text, %[2]d));
+	END $$`, key, earlier))
+}
+
+// The first lease of a republished event continues the numbers of its
+// earlier deliveries, from its own aggregate's republish: a/1, delivered
+// once before, is delivered again as attempt 2 though b's republish came
+// after a's. And the mark goes once delivery leases a revision past the
+// republished ones: a's next event, a/2, is attempt 1 and leaves a's row
+// unmarked. Kills a continue_attempts that reads the stream's newest
+// republish whatever its aggregate (C06) or never clears the mark (C02).
+func TestARepublishedEventContinuesItsOwnAttempts(t *testing.T) {
+	t.Parallel()
+	ctx := testContext(t)
+	pool := testdb.NewPool(t)
+	emitN(t, pool, "a", 1)
+	emitN(t, pool, "b", 1)
+	discover(t, pool)
+	for i := 0; i < 2; i++ {
+		l := claimFor(t, pool, uuid.New())
+		if n := count(t, pool, fmt.Sprintf(`SELECT count(*) FROM outbox.ack(ARRAY['%s'::uuid], 'x') WHERE status = 'published'`, l.id)); n != 1 {
+			t.Fatalf("the ack of %s/1 did not publish it", l.key)
+		}
+	}
+	republishOne(t, pool, "a", 1)
+	republishOne(t, pool, "b", 1)
+	attemptOf := func(key string) (int64, int) {
+		t.Helper()
+		var rev int64
+		var attempt int
+		if err := pool.QueryRow(ctx, `SELECT revision, attempt FROM outbox.claim(gen_random_uuid(), 'r', 'x', NULL, 2, interval '1 minute')
+			WHERE aggregate_key = $1`, key).Scan(&rev, &attempt); err != nil {
+			t.Fatal(err)
+		}
+		return rev, attempt
+	}
+	if rev, attempt := attemptOf("a"); rev != 1 || attempt != 2 {
+		t.Fatalf("a/%d delivered again as attempt %d, want a/1 as attempt 2", rev, attempt)
+	}
+	id := eventID(t, pool, "a", 1)
+	if n := count(t, pool, fmt.Sprintf(`SELECT count(*) FROM outbox.ack(ARRAY['%s'::uuid], 'x') WHERE status = 'published'`, id)); n != 1 {
+		t.Fatal("the ack of the republished a/1 did not publish it")
+	}
+	emitN(t, pool, "a", 1)
+	discover(t, pool)
+	if rev, attempt := attemptOf("a"); rev != 2 || attempt != 1 {
+		t.Fatalf("a/%d delivered as attempt %d, want a/2 as attempt 1", rev, attempt)
+	}
+	if n := count(t, pool, `SELECT count(*) FROM outbox.delivery WHERE aggregate_key = 'a' AND republished_through IS NOT NULL`); n != 0 {
+		t.Fatal("a's row still carries the republish mark after a lease of a/2")
 	}
 }
