@@ -2570,15 +2570,26 @@ CREATE FUNCTION outbox.release(p_holder uuid, p_keep uuid[] DEFAULT '{}'::uuid[]
 DECLARE
     v_released integer;
 BEGIN
-    WITH mine AS (
-        SELECT d.stream, d.aggregate_key FROM outbox.delivery d
+    WITH held AS (
+        -- Every lease of the holder, kept or not, locked before it is
+        -- judged: an ack still committing may slide a kept window onto
+        -- events the session never saw, and the lock waits for it and
+        -- returns the row as the ack left it (a lease judged on this
+        -- statement's snapshot alone would be kept unlocked). Locking the
+        -- kept rows costs a sweep a tuple lock each; a stream's end keeps
+        -- none.
+        SELECT d.stream, d.aggregate_key, d.leased_event_id, d.leased_through, d.attempt,
+               d.holder_relay_id, d.holder_replica_id
+        FROM outbox.delivery d
         WHERE d.holder = p_holder
-          AND NOT coalesce(d.leased_event_id = ANY (p_keep) AND EXISTS (
-                  SELECT 1 FROM outbox.event t
-                  WHERE t.stream = d.stream AND t.aggregate_key = d.aggregate_key
-                    AND t.revision = d.leased_through AND t.event_id = ANY (p_keep)), false)
         ORDER BY d.stream, d.aggregate_key
         FOR UPDATE
+    ), mine AS (
+        SELECT h.stream, h.aggregate_key FROM held h
+        WHERE NOT coalesce(h.leased_event_id = ANY (p_keep) AND EXISTS (
+                  SELECT 1 FROM outbox.event t
+                  WHERE t.stream = h.stream AND t.aggregate_key = h.aggregate_key
+                    AND t.revision = h.leased_through AND t.event_id = ANY (p_keep)), false)
     ), released AS (
         UPDATE outbox.delivery d
         SET state = 'ready', claimable_at = coalesce(d.pending_since, clock_timestamp()),
@@ -2588,13 +2599,13 @@ BEGIN
         RETURNING d.stream, d.aggregate_key
     ), recorded AS (
         -- Attempt history (outbox.attempt), from the leases as they were
-        -- (this statement's snapshot, from before the update).
+        -- when locked, before the update.
         INSERT INTO outbox.attempt (stream, aggregate_key, event_id, revision, attempt, outcome, error, relay_id, replica_id)
-        SELECT d.stream, d.aggregate_key, d.leased_event_id, e.revision, d.attempt, 'released',
-               'the lease was given back unanswered: the relay''s stream ended (or the server stopped) while it held it', d.holder_relay_id, d.holder_replica_id
+        SELECT h.stream, h.aggregate_key, h.leased_event_id, e.revision, h.attempt, 'released',
+               'the lease was given back unanswered: the relay''s stream ended (or the server stopped) while it held it', h.holder_relay_id, h.holder_replica_id
         FROM released r
-        JOIN outbox.delivery d ON d.stream = r.stream AND d.aggregate_key = r.aggregate_key
-        JOIN outbox.event e ON e.event_id = d.leased_event_id
+        JOIN held h ON h.stream = r.stream AND h.aggregate_key = r.aggregate_key
+        JOIN outbox.event e ON e.event_id = h.leased_event_id
     ), woken AS (
         -- Released aggregates are ready: idle sessions on every replica
         -- claim them now rather than at their next poll. (A stream ends
