@@ -250,10 +250,12 @@ func TestUnreachableDatabaseErrorsHideThePassword(t *testing.T) {
 		{"migrate", "--database-url", "host=127.0.0.1 port=1 user=postgres password=" + secret + " dbname=x sslmode=disable"},
 		{"migrate", "--source", "b=host=127.0.0.1 port=1 user=postgres password='" + secret + "' dbname=x sslmode=disable"},
 		{"rescan", "--database-url", "postgres://postgres@127.0.0.1:1/x?sslpassword=" + secret + "&sslmode=disable"},
+		// A name the command refuses, before any connection: the usage error names the source.
+		{"migrate", "--source", "B!=password=" + secret + " host=127.0.0.1 port=1"},
 	} {
 		out, code := outboxd(t, nil, args...)
 		if code == 0 {
-			t.Fatalf("%q against a closed port succeeded:\n%s", args, out)
+			t.Fatalf("%q against a closed port (or with a bad source name) succeeded:\n%s", args, out)
 		}
 		if strings.Contains(out, secret) {
 			t.Errorf("%q shows the password:\n%s", args, out)

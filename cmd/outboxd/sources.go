@@ -72,7 +72,9 @@ func parseSourceSpecs(specs []string, seen map[string]bool) ([]source, error) {
 			return nil, usageError("--source %q: want NAME=URL", connstring.Redact(spec))
 		}
 		if err := multisource.ValidName(name); err != nil {
-			return nil, usageError("--source %s: %v", connstring.Redact(spec), err)
+			// The URL redacted on its own: a key=value string's password=
+			// may come first, right after the '='.
+			return nil, usageError("--source %s=%s: %v", name, connstring.Redact(url), err)
 		}
 		if seen[name] {
 			if name == multisource.Default {
