@@ -17,7 +17,7 @@ import (
 // unheld; each names the change it rules out. Races are forced with locks
 // held open and pg_blocking_pids, never sleeps.
 
-// rescan runs outbox.rescan_discovery() on conn, for roundBehind.
+// rescan runs outbox.rescan_discovery() on conn, for runBehind.
 func rescan(ctx context.Context, conn *pgxpool.Conn) error {
 	_, err := conn.Exec(ctx, `SELECT * FROM outbox.rescan_discovery()`)
 	return err
@@ -47,7 +47,7 @@ func TestARescanWaitsForARoundsTurn(t *testing.T) {
 	pool := testdb.NewPoolConfig(t, func(c *pgxpool.Config) { c.MaxConns = 6 })
 	emitN(t, pool, "a", 1)
 	turn, pid := holdDiscoveryTurn(t, pool)
-	done := roundBehind(t, pool, pid, rescan)
+	done := runBehind(t, pool, pid, rescan)
 	select {
 	case err := <-done:
 		t.Fatalf("the re-scan ran while a round held discovery's turn (err %v)", err)
@@ -72,7 +72,7 @@ func TestARescanWaitsForARoundsTurn(t *testing.T) {
 func TestARescanWaitsForAnAckInItsTransaction(t *testing.T) {
 	t.Parallel()
 	pool, ack, ackPID := ackOpenWhileRevision2Commits(t)
-	done := roundBehind(t, pool, ackPID, rescan)
+	done := runBehind(t, pool, ackPID, rescan)
 	if err := ack.Commit(testContext(t)); err != nil {
 		t.Fatal(err)
 	}

@@ -76,11 +76,12 @@ func discoverRound(ctx context.Context, conn *pgxpool.Conn) error {
 	return err
 }
 
-// roundBehind starts a discovery round (round, by default discoverRound) on
-// its own connection and returns once the round waits for backend holder,
-// or has finished without waiting (which the caller's assertions then
-// catch); the channel yields the round's error.
-func roundBehind(t *testing.T, pool *pgxpool.Pool, holder int, round ...func(context.Context, *pgxpool.Conn) error) <-chan error {
+// runBehind starts call (by default a discovery round, discoverRound; a
+// re-scan, a nack, a release...) on its own connection and returns once
+// the call waits for backend holder, or has finished without waiting
+// (which the caller's assertions then catch); the channel yields the
+// call's error.
+func runBehind(t *testing.T, pool *pgxpool.Pool, holder int, call ...func(context.Context, *pgxpool.Conn) error) <-chan error {
 	t.Helper()
 	ctx := testContext(t)
 	conn, err := pool.Acquire(ctx)
@@ -94,8 +95,8 @@ func roundBehind(t *testing.T, pool *pgxpool.Pool, holder int, round ...func(con
 	}
 	done := make(chan error, 1)
 	run := discoverRound
-	if len(round) > 0 {
-		run = round[0]
+	if len(call) > 0 {
+		run = call[0]
 	}
 	go func() {
 		defer conn.Release()
@@ -111,12 +112,12 @@ func roundBehind(t *testing.T, pool *pgxpool.Pool, holder int, round ...func(con
 		}
 		select {
 		case err := <-done:
-			t.Logf("the round finished without waiting for the ack (err %v)", err)
+			t.Logf("the call finished without waiting for backend %d (err %v)", holder, err)
 			finished := make(chan error, 1)
 			finished <- err
 			return finished
 		case <-ctx.Done():
-			t.Fatalf("the round neither waited for backend %d nor finished", holder)
+			t.Fatalf("the call neither waited for backend %d nor finished", holder)
 		case <-time.After(2 * time.Millisecond):
 		}
 	}
@@ -143,7 +144,7 @@ func await(t *testing.T, done <-chan error) {
 func TestDiscoveryWaitsForAnAckInItsTransaction(t *testing.T) {
 	t.Parallel()
 	pool, ack, ackPID := ackOpenWhileRevision2Commits(t)
-	round := roundBehind(t, pool, ackPID)
+	round := runBehind(t, pool, ackPID)
 	if err := ack.Commit(testContext(t)); err != nil {
 		t.Fatal(err)
 	}
@@ -178,7 +179,7 @@ func TestLateEventsLeaveOutEventsAckedDuringTheRound(t *testing.T) {
 	}
 
 	ack, ackPID := openAck(t, pool, []uuid.UUID{handed[0].id}, &h) // publishes revision 2
-	round := roundBehind(t, pool, ackPID)                          // finds revision 2 pending
+	round := runBehind(t, pool, ackPID)                            // finds revision 2 pending
 	if err := ack.Commit(testContext(t)); err != nil {
 		t.Fatal(err)
 	}
@@ -204,7 +205,7 @@ func TestDispatchWaitsForAnAckInItsTransaction(t *testing.T) {
 	pool, ack, ackPID := ackOpenWhileRevision2Commits(t)
 	h := uuid.New()
 	var leased map[string]uuid.UUID
-	round := roundBehind(t, pool, ackPID, func(ctx context.Context, conn *pgxpool.Conn) error {
+	round := runBehind(t, pool, ackPID, func(ctx context.Context, conn *pgxpool.Conn) error {
 		// The scan sees the aggregate leased, so it is named for the
 		// session whatever its state (all): the apply decides after the lock.
 		var err error
@@ -245,7 +246,7 @@ func TestDiscoveryWaitsForAWindowedAckInItsTransaction(t *testing.T) {
 
 	ack, ackPID := openWindowedAck(t, pool, []uuid.UUID{ls[0].id, ls[1].id}, &h, 4)
 	emitN(t, pool, "a", 1) // revision 3, committed after the ack read the events
-	round := roundBehind(t, pool, ackPID)
+	round := runBehind(t, pool, ackPID)
 	if err := ack.Commit(testContext(t)); err != nil {
 		t.Fatal(err)
 	}

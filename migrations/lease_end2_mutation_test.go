@@ -1,13 +1,13 @@
 package migrations_test
 
 import (
+	"context"
 	"fmt"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/google/uuid"
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outboxd/outboxd/internal/testdb"
@@ -284,6 +284,34 @@ func TestNackBackoffKeepsDoublingToItsCap(t *testing.T) {
 	}
 }
 
+// releaseBehindAWindowedAck leases a/1-3 of an aggregate of events events
+// to a session as one window, holds the session's ack of a/1 open (which
+// slides the window on to a/2-4 when there is an a/4), runs a release of
+// the session's leases keeping keep(window) behind it (runBehind), commits
+// the ack and returns the window and what the release released.
+func releaseBehindAWindowedAck(t *testing.T, pool *pgxpool.Pool, events int, keep func([]leased) []uuid.UUID) (holder uuid.UUID, window []leased, released int64) {
+	t.Helper()
+	ctx := testContext(t)
+	emitN(t, pool, "a", events)
+	discover(t, pool)
+	holder = uuid.New()
+	window = claimWindow(t, pool, holder, 1, 3, 3)
+	if r := revisions(window, "a"); len(r) != 3 {
+		t.Fatalf("claimed %v, want a/1-3", window)
+	}
+	ack, ackPID := openWindowedAck(t, pool, []uuid.UUID{window[0].id}, &holder, 3)
+	done := runBehind(t, pool, ackPID, func(ctx context.Context, conn *pgxpool.Conn) error {
+		return conn.QueryRow(ctx, `SELECT outbox.release($1, $2)`, holder, keep(window)).Scan(&released)
+	})
+	if err := ack.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	return holder, window, released
+}
+
 // A release judges what it keeps by the lease as it is once the row is
 // its own: a release keeping a/2 and a/3, the rest of a window whose ack
 // of a/1 is on its way, that waits for that ack's lock on a's row keeps
@@ -293,34 +321,8 @@ func TestNackBackoffKeepsDoublingToItsCap(t *testing.T) {
 // leases without locking them, and so never reads them again (R09).
 func TestAReleaseWaitingForAnAckJudgesTheLeaseAsTheAckLeftIt(t *testing.T) {
 	t.Parallel()
-	ctx := testContext(t)
 	pool := testdb.NewPool(t)
-	emitN(t, pool, "a", 3)
-	discover(t, pool)
-	holder := uuid.New()
-	w := claimWindow(t, pool, holder, 1, 3, 3)
-	if r := revisions(w, "a"); len(r) != 3 {
-		t.Fatalf("claimed %v, want a/1-3", w)
-	}
-	ack, ackPID := openWindowedAck(t, pool, []uuid.UUID{w[0].id}, &holder, 3)
-	conn, err := pool.Acquire(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Release()
-	pid := backendPID(t, conn)
-	done := make(chan error, 1)
-	var released int64
-	go func() {
-		done <- conn.QueryRow(ctx, `SELECT outbox.release($1, $2)`, holder, []uuid.UUID{w[1].id, w[2].id}).Scan(&released)
-	}()
-	waitUntilBlockedBy(t, pool, pid, ackPID)
-	if err := ack.Commit(ctx); err != nil {
-		t.Fatal(err)
-	}
-	if err := <-done; err != nil {
-		t.Fatal(err)
-	}
+	holder, _, released := releaseBehindAWindowedAck(t, pool, 3, func(w []leased) []uuid.UUID { return []uuid.UUID{w[1].id, w[2].id} })
 	if released != 0 {
 		t.Fatalf("released %d leases, want none: after the ack a's lease covers a/2-3, both kept", released)
 	}
@@ -339,62 +341,11 @@ func TestAReleaseWaitingForAnAckJudgesTheLeaseAsTheAckLeftIt(t *testing.T) {
 // (head a/2), not as the snapshot before the ack had it (a/1, published).
 func TestAReleaseGivesBackALeaseAnAckInFlightSlidUnseen(t *testing.T) {
 	t.Parallel()
-	ctx := testContext(t)
 	pool := testdb.NewPool(t)
-	emitN(t, pool, "a", 4)
-	discover(t, pool)
-	holder := uuid.New()
-	w := claimWindow(t, pool, holder, 1, 3, 3)
-	if r := revisions(w, "a"); len(r) != 3 {
-		t.Fatalf("claimed %v, want a/1-3", w)
-	}
-	ack, ackPID := openWindowedAck(t, pool, []uuid.UUID{w[0].id}, &holder, 3)
-	conn, err := pool.Acquire(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Release()
-	pid := backendPID(t, conn)
-	done := make(chan error, 1)
-	var released int64
-	go func() {
-		done <- conn.QueryRow(ctx, `SELECT outbox.release($1, $2)`, holder, []uuid.UUID{w[0].id, w[1].id, w[2].id}).Scan(&released)
-	}()
-	// Until the release waits for the ack's lock on a's row (then the ack
-	// commits), or answers without waiting (then the ack commits after it).
-	var answered error
-	for waiting := true; waiting; {
-		select {
-		case answered = <-done:
-			waiting = false
-			continue
-		default:
-		}
-		var blocked bool
-		if err := pool.QueryRow(ctx, `SELECT $2::int = ANY (pg_blocking_pids($1))`, pid, ackPID).Scan(&blocked); err != nil {
-			t.Fatal(err)
-		}
-		if blocked {
-			if err := ack.Commit(ctx); err != nil {
-				t.Fatal(err)
-			}
-			answered = <-done
-			waiting = false
-		}
-	}
-	if answered != nil {
-		t.Fatal(answered)
-	}
-	if err := ack.Commit(ctx); err != nil && err != pgx.ErrTxClosed {
-		t.Fatal(err)
-	}
-	var through *int64
-	var held *uuid.UUID
-	if err := pool.QueryRow(ctx, `SELECT leased_through, holder FROM outbox.delivery WHERE aggregate_key = 'a'`).Scan(&through, &held); err != nil {
-		t.Fatal(err)
-	}
-	if released != 1 || (held != nil && *held == holder) {
-		t.Fatalf("released %d; a leased through %v to %v: the session keeps a lease covering a/4, which it never saw", released, deref(through), held)
+	holder, w, released := releaseBehindAWindowedAck(t, pool, 4, func(w []leased) []uuid.UUID { return []uuid.UUID{w[0].id, w[1].id, w[2].id} })
+	r := readLease(t, pool, "a")
+	if released != 1 || (r.holder != nil && *r.holder == holder) {
+		t.Fatalf("released %d; a is %+v: the session keeps a lease covering a/4, which it never saw", released, r)
 	}
 	var last attemptRow
 	for _, a := range attempts(t, pool) {

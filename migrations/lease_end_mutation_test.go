@@ -229,10 +229,8 @@ func deref[T any](p *T) (v T) {
 }
 
 // nackOrParkRacingAnAck holds an ack of a's only event open in a
-// transaction, starts call (a nack or a park of the same lease) on a
-// connection of its own, waits until PostgreSQL says the call waits for the
-// ack's lock on the delivery row, commits the ack and returns the call's
-// error.
+// transaction, starts call (a nack or a park of the same lease) behind it
+// (runBehind), commits the ack and returns the call's error.
 func nackOrParkRacingAnAck(t *testing.T, pool *pgxpool.Pool, call string) (leased, error) {
 	t.Helper()
 	ctx := testContext(t)
@@ -240,18 +238,10 @@ func nackOrParkRacingAnAck(t *testing.T, pool *pgxpool.Pool, call string) (lease
 	discover(t, pool)
 	l := claimFor(t, pool, uuid.New())
 	ack, ackPID := openAck(t, pool, []uuid.UUID{l.id}, nil)
-	conn, err := pool.Acquire(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Release()
-	pid := backendPID(t, conn)
-	done := make(chan error, 1)
-	go func() {
+	done := runBehind(t, pool, ackPID, func(ctx context.Context, conn *pgxpool.Conn) error {
 		var n int
-		done <- conn.QueryRow(ctx, `SELECT count(*) FROM `+call+` x HAVING count(*) > 0`, l.id, l.epoch).Scan(&n)
-	}()
-	waitUntilBlockedBy(t, pool, pid, ackPID)
+		return conn.QueryRow(ctx, `SELECT count(*) FROM `+call+` x HAVING count(*) > 0`, l.id, l.epoch).Scan(&n)
+	})
 	if err := ack.Commit(ctx); err != nil {
 		t.Fatal(err)
 	}
