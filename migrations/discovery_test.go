@@ -529,6 +529,35 @@ func TestStrandedCountsWhatNoRuleDelivers(t *testing.T) {
 	}
 }
 
+// emitAtTheCursor commits orders/o-1's revision 4 at its delivery cursor:
+// revision 5 first, discovered (which starts the cursor at 4), then 4 by a
+// REPEATABLE READ producer whose snapshot predates the cursor (a READ
+// COMMITTED one is refused). atCursor, when given, runs once the cursor is
+// there, before revision 4 is written.
+func emitAtTheCursor(t *testing.T, pool *pgxpool.Pool, atCursor func()) {
+	t.Helper()
+	ctx := testContext(t)
+	exec(t, pool, `SELECT outbox.emit('orders', 'o-1', 'T', '{}', revision => 5)`)
+	late, err := pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = late.Rollback(ctx) }()
+	if _, err := late.Exec(ctx, `SELECT 1`); err != nil {
+		t.Fatal(err)
+	}
+	discover(t, pool)
+	if atCursor != nil {
+		atCursor()
+	}
+	if _, err := late.Exec(ctx, `SELECT outbox.emit('orders', 'o-1', 'T', '{}', revision => 4)`); err != nil {
+		t.Fatal(err)
+	}
+	if err := late.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+}
+
 // An event exactly at its aggregate's delivery cursor is late, as one below
 // it is: delivery hands out cursor+1 next, so nothing will ever deliver the
 // cursor's own revision. A READ COMMITTED producer is refused it (23505);
@@ -538,28 +567,13 @@ func TestEventAtTheCursorIsLate(t *testing.T) {
 	t.Parallel()
 	ctx := testContext(t)
 	pool := testdb.NewPool(t)
-	exec(t, pool, `SELECT outbox.emit('orders', 'o-1', 'T', '{}', revision => 5)`)
-	late, err := pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer late.Rollback(ctx)
-	if _, err := late.Exec(ctx, `SELECT 1`); err != nil {
-		t.Fatal(err)
-	}
-	discover(t, pool)
-	if n := count(t, pool, `SELECT delivered_revision FROM outbox.delivery WHERE aggregate_key = 'o-1'`); n != 4 {
-		t.Fatalf("cursor at %d, want 4 (before the first revision, 5)", n)
-	}
-	_, err = pool.Exec(ctx, `SELECT outbox.emit('orders', 'o-1', 'T', '{}', revision => 4)`)
-	wantSQLState(t, err, "23505")
-
-	if _, err := late.Exec(ctx, `SELECT outbox.emit('orders', 'o-1', 'T', '{}', revision => 4)`); err != nil {
-		t.Fatal(err)
-	}
-	if err := late.Commit(ctx); err != nil {
-		t.Fatal(err)
-	}
+	emitAtTheCursor(t, pool, func() {
+		if n := count(t, pool, `SELECT delivered_revision FROM outbox.delivery WHERE aggregate_key = 'o-1'`); n != 4 {
+			t.Fatalf("cursor at %d, want 4 (before the first revision, 5)", n)
+		}
+		_, err := pool.Exec(ctx, `SELECT outbox.emit('orders', 'o-1', 'T', '{}', revision => 4)`)
+		wantSQLState(t, err, "23505")
+	})
 	discover(t, pool)
 	lateRevisions := `SELECT count(*) FROM outbox.late_event l JOIN outbox.event e USING (event_id) WHERE e.revision = 4`
 	if n := count(t, pool, lateRevisions); n != 1 {

@@ -5,7 +5,6 @@ import (
 	"testing"
 
 	"github.com/google/uuid"
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outboxd/outboxd/internal/testdb"
@@ -390,24 +389,8 @@ func TestPendingByStreamOldestAndHeldCoverEveryState(t *testing.T) {
 // reports it stranded.
 func TestUndiscoveredCountsAnEventAtTheCursor(t *testing.T) {
 	t.Parallel()
-	ctx := testContext(t)
 	pool := testdb.NewPool(t)
-	exec(t, pool, `SELECT outbox.emit('orders', 'o-1', 'T', '{}', revision => 5)`)
-	late, err := pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = late.Rollback(ctx) }()
-	if _, err := late.Exec(ctx, `SELECT 1`); err != nil {
-		t.Fatal(err)
-	}
-	discover(t, pool) // the cursor is now 4
-	if _, err := late.Exec(ctx, `SELECT outbox.emit('orders', 'o-1', 'T', '{}', revision => 4)`); err != nil {
-		t.Fatal(err)
-	}
-	if err := late.Commit(ctx); err != nil {
-		t.Fatal(err)
-	}
+	emitAtTheCursor(t, pool, nil)
 	if got := streamCounts(t, pool, `SELECT stream, events FROM outbox.undiscovered(NULL)`); got != "orders=1" {
 		t.Fatalf("undiscovered: %q, want orders=1 (revision 4, at the cursor)", got)
 	}
@@ -418,24 +401,8 @@ func TestUndiscoveredCountsAnEventAtTheCursor(t *testing.T) {
 // the cursor), even when the row says idle with events after it.
 func TestStrandedCountsAnEventAtTheCursorOnce(t *testing.T) {
 	t.Parallel()
-	ctx := testContext(t)
 	pool := testdb.NewPool(t)
-	exec(t, pool, `SELECT outbox.emit('orders', 'o-1', 'T', '{}', revision => 5)`)
-	late, err := pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = late.Rollback(ctx) }()
-	if _, err := late.Exec(ctx, `SELECT 1`); err != nil {
-		t.Fatal(err)
-	}
-	discover(t, pool) // the cursor is now 4
-	if _, err := late.Exec(ctx, `SELECT outbox.emit('orders', 'o-1', 'T', '{}', revision => 4)`); err != nil {
-		t.Fatal(err)
-	}
-	if err := late.Commit(ctx); err != nil {
-		t.Fatal(err)
-	}
+	emitAtTheCursor(t, pool, nil)
 	discover(t, pool) // records revision 4 as late
 	// A delivery bug, simulated: the row says idle with revision 5 pending.
 	exec(t, pool, `UPDATE outbox.delivery SET state = 'idle', claimable_at = NULL, pending_since = NULL`)
