@@ -26,8 +26,11 @@ var (
 )
 
 // HasPassword reports whether conn carries a password where Redact hides
-// one.
-func HasPassword(conn string) bool { return Redact(conn) != conn }
+// one (also one that reads "xxxxx").
+func HasPassword(conn string) bool {
+	_, found := redact(conn)
+	return found
+}
 
 // Redact returns conn with its passwords replaced by Hidden, whether conn is
 // a URL or a key=value string; everything else is kept as written. A URL's
@@ -35,9 +38,22 @@ func HasPassword(conn string) bool { return Redact(conn) != conn }
 // since a password may hold an '@' (url.Parse would refuse it unescaped, but
 // an error may still have to name the string).
 func Redact(conn string) string {
+	redacted, _ := redact(conn)
+	return redacted
+}
+
+// redact is Redact, and whether it found a password to hide.
+func redact(conn string) (redacted string, found bool) {
+	hide := func(re *regexp.Regexp, s, with string) string {
+		if !re.MatchString(s) {
+			return s
+		}
+		found = true
+		return re.ReplaceAllString(s, with)
+	}
 	scheme, rest, ok := strings.Cut(conn, "://")
 	if !ok {
-		return keywordPassword.ReplaceAllString(conn, "$1${2}"+Hidden)
+		return hide(keywordPassword, conn, "$1${2}"+Hidden), found
 	}
 	end := strings.IndexAny(rest, "/?#")
 	if end < 0 {
@@ -45,8 +61,8 @@ func Redact(conn string) string {
 	}
 	if at := strings.LastIndex(rest[:end], "@"); at >= 0 {
 		if user, _, hasPassword := strings.Cut(rest[:at], ":"); hasPassword {
-			rest = user + ":" + Hidden + rest[at:]
+			rest, found = user+":"+Hidden+rest[at:], true
 		}
 	}
-	return scheme + "://" + queryPassword.ReplaceAllString(rest, "${1}"+Hidden)
+	return scheme + "://" + hide(queryPassword, rest, "${1}"+Hidden), found
 }

@@ -42,6 +42,12 @@ func TestRedactHidesEveryPassword(t *testing.T) {
 			t.Errorf("HasPassword(%q) = %v", tc.in, has)
 		}
 	}
+	// A password that reads as Hidden is a password all the same.
+	for _, conn := range []string{"postgres://u:xxxxx@h/db", "postgres://h/db?password=xxxxx", "host=h password=xxxxx"} {
+		if !connstring.HasPassword(conn) {
+			t.Errorf("HasPassword(%q) = false", conn)
+		}
+	}
 }
 
 // Whatever the input, the secret does not come back: a fuzzed password in
