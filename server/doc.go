@@ -358,7 +358,9 @@
 // their orphans, and a lease stays only if the session knows both its head
 // and the last event it covers: a window the lost batch slid forward is
 // given back, since sliding it again would send revisions past events the
-// relay never got. A claim leases at most four times ClaimBatch events. Discovery still dispatches one event
+// relay never got. The sweep's release locks every lease of the session
+// before it judges them, so a batch still committing is waited for and
+// judged as it left the lease. A claim leases at most four times ClaimBatch events. Discovery still dispatches one event
 // per aggregate; the first acks grow the window. The relay publishes an
 // aggregate's events one at a time, in the order sent, and drops the rest
 // of a window whose event failed (SubscribeResponse.lease_epoch tells it
