@@ -15,6 +15,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/durationpb"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
@@ -831,6 +832,91 @@ func TestRepublishRefuses(t *testing.T) {
 		Reason: "r", DryRun: true})
 	if err != nil || res.GetRefusedAggregates() != 2 || len(res.GetRefused()) != 2 || res.GetAggregates() != 0 {
 		t.Fatalf("time range over refused aggregates: %v, %v", res, err)
+	}
+}
+
+// A republish refuses a range holding a stranded event (pending below the
+// cursor, which delivery will never offer again): rewinding over it would
+// deliver it among the republished events as if it were one of them, with
+// its stranding unexplained. One such event is enough.
+func TestRepublishRefusesARangeWithOneStrandedEvent(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	r := startReplica(t, url, nil)
+	emit(t, pool, "orders", "a", 3)
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{Streams: []string{"orders"}, MaxInFlight: 1, LeaseTtl: durationpb.New(time.Hour)})
+	for range 3 {
+		ack(t, r, recv(t, st))
+	}
+	// Revision 2 pending again behind the cursor, as only a fault would
+	// leave it (published_at goes back to NULL only under the republish
+	// setting).
+	if _, err := pool.Exec(ctx, `DO $$ BEGIN
+		PERFORM set_config('outbox.republishing', 'on', true);
+		UPDATE outbox.event SET published_at = NULL WHERE aggregate_key = 'a' AND revision = 2;
+	END $$`); err != nil {
+		t.Fatal(err)
+	}
+	_, err := r.Admin.Republish(ctx, &outboxv1.RepublishRequest{Stream: "orders", AggregateKey: "a", FromRevision: 1, Reason: "r"})
+	wantCode(t, err, codes.FailedPrecondition, "")
+	if !strings.Contains(status.Convert(err).Message(), "1 stranded events") {
+		t.Errorf("refusal does not name the stranded event: %v", err)
+	}
+	if n := countWhere(t, pool, "outbox.event", "aggregate_key = 'a' AND published_at IS NOT NULL"); n != 2 {
+		t.Errorf("%d of the other two events still published, want 2: the refused rewind changed them", n)
+	}
+	if n := countWhere(t, pool, "outbox.operator_action", "action = 'republish'"); n != 0 {
+		t.Errorf("%d republish actions recorded for a refused call", n)
+	}
+}
+
+// A purge that deletes an event of the range while a republish counts it
+// (the purge's DELETE uncommitted, so the count still sees the event
+// published; the republish's reset then waits for the row and finds it
+// gone) makes the republish refuse, not rewind over a missing revision,
+// where delivery would stop at the gap it made.
+func TestRepublishRacingAPurgeOfItsRangeRefuses(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	r := startReplica(t, url, nil)
+	emit(t, pool, "orders", "a", 3)
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{Streams: []string{"orders"}, MaxInFlight: 1, LeaseTtl: durationpb.New(time.Hour)})
+	for range 3 {
+		ack(t, r, recv(t, st))
+	}
+	purge, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = purge.Rollback(context.Background()) }()
+	if _, err := purge.Exec(ctx, `DELETE FROM outbox.event WHERE aggregate_key = 'a' AND revision = 2`); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() {
+		_, err := r.Admin.Republish(ctx, &outboxv1.RepublishRequest{Stream: "orders", AggregateKey: "a", FromRevision: 1, Reason: "r"})
+		done <- err
+	}()
+	waitBlocked(t, ctx, pool, "the republish's reset", "%UPDATE outbox.event e SET published_at = NULL%")
+	if err := purge.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	err = <-done
+	wantCode(t, err, codes.FailedPrecondition, "")
+	if !strings.Contains(status.Convert(err).Message(), "changed while being rewound") {
+		t.Errorf("refusal does not say the aggregate changed: %v", err)
+	}
+	if n := countWhere(t, pool, "outbox.event", "aggregate_key = 'a' AND published_at IS NULL"); n != 0 {
+		t.Errorf("%d events made pending by a refused rewind", n)
+	}
+	if n := countWhere(t, pool, "outbox.delivery", "aggregate_key = 'a' AND delivered_revision = 3"); n != 1 {
+		t.Errorf("the refused rewind moved the cursor")
 	}
 }
 
