@@ -375,9 +375,13 @@ BEGIN
         NEW.republished_through := NULL;
         RETURN NEW;
     END IF;
+    -- The newest republish of this event, which need not be the
+    -- aggregate's newest: a later republish of lower revisions, made while
+    -- this one's events were still being delivered, does not hold it.
     SELECT (r.earlier_attempts ->> NEW.leased_event_id::text)::integer INTO v_earlier
     FROM outbox.republished r
     WHERE r.stream = NEW.stream AND r.aggregate_key = NEW.aggregate_key
+      AND r.earlier_attempts ? NEW.leased_event_id::text
     ORDER BY r.action_id DESC LIMIT 1;
     NEW.attempt := NEW.attempt + coalesce(v_earlier, 0);
     RETURN NEW;

@@ -483,7 +483,10 @@ func (s *Store) Republish(ctx context.Context, p RepublishParams) (RepublishResu
 			return err
 		}
 		// Claimable at once, in the claim order an ack would give it (the
-		// next event's created_at); a lease in flight ends.
+		// next event's created_at); a lease in flight ends. The mark covers
+		// an earlier republish's events not yet leased again too: above
+		// this one's range, they are still that republish's (numbered and
+		// named by it), not first deliveries.
 		if _, err := tx.Exec(ctx, `
 			UPDATE outbox.delivery d
 			SET delivered_revision = $3 - 1, state = 'ready',
@@ -491,7 +494,7 @@ func (s *Store) Republish(ctx context.Context, p RepublishParams) (RepublishResu
 			    holder = NULL, holder_relay_id = NULL, holder_replica_id = NULL, lease_expires_at = NULL,
 			    attempt = 0, failures = 0, unanswered = 0, last_error = NULL, next_attempt_at = NULL,
 			    parked_at = NULL, parked_reason = NULL, gap_revision = NULL,
-			    republished_through = $4
+			    republished_through = greatest(d.republished_through, $4)
 			FROM (SELECT min(e.created_at) AS created_at FROM outbox.event e
 			      WHERE e.stream = $1 AND e.aggregate_key = $2 AND e.revision >= $3) x
 			WHERE d.stream = $1 AND d.aggregate_key = $2`, p.Stream, p.AggregateKey, r.FromRevision, r.ToRevision); err != nil {
