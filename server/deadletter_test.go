@@ -846,11 +846,7 @@ func TestRepublishRefusesARangeWithOneStrandedEvent(t *testing.T) {
 	url := testdb.New(t)
 	pool := testdb.NewPoolURL(t, url)
 	r := startReplica(t, url, nil)
-	emit(t, pool, "orders", "a", 3)
-	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{Streams: []string{"orders"}, MaxInFlight: 1, LeaseTtl: durationpb.New(time.Hour)})
-	for range 3 {
-		ack(t, r, recv(t, st))
-	}
+	publishedOnOneCredit(t, ctx, r, pool, "a", 3)
 	// Revision 2 pending again behind the cursor, as only a fault would
 	// leave it (published_at goes back to NULL only under the republish
 	// setting).
@@ -885,11 +881,7 @@ func TestRepublishRacingAPurgeOfItsRangeRefuses(t *testing.T) {
 	url := testdb.New(t)
 	pool := testdb.NewPoolURL(t, url)
 	r := startReplica(t, url, nil)
-	emit(t, pool, "orders", "a", 3)
-	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{Streams: []string{"orders"}, MaxInFlight: 1, LeaseTtl: durationpb.New(time.Hour)})
-	for range 3 {
-		ack(t, r, recv(t, st))
-	}
+	publishedOnOneCredit(t, ctx, r, pool, "a", 3)
 	purge, err := pool.Begin(ctx)
 	if err != nil {
 		t.Fatal(err)

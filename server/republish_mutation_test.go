@@ -9,12 +9,28 @@ import (
 	"testing"
 	"time"
 
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
 	"github.com/outboxd/outboxd/internal/testdb"
 	"github.com/outboxd/outboxd/server"
 )
+
+// publishedOnOneCredit emits n events of orders/key and delivers and acks
+// them on a new session of one credit opened with ctx; it returns the
+// session's stream, left open for what the test delivers next, and the
+// events' ids.
+func publishedOnOneCredit(t *testing.T, ctx context.Context, r *replica, pool *pgxpool.Pool, key string, n int) (outboxv1.RelayService_SubscribeClient, []uuid.UUID) {
+	t.Helper()
+	ids := emit(t, pool, "orders", key, n)
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{Streams: []string{"orders"}, MaxInFlight: 1, LeaseTtl: durationpb.New(time.Hour)})
+	for range n {
+		ack(t, r, recv(t, st))
+	}
+	return st, ids
+}
 
 // A rewound aggregate is claimable in the claim order an ack would give it,
 // its first republished event's created_at: ahead of work that arrived
@@ -26,10 +42,8 @@ func TestARepublishedAggregateTakesItsPlaceInTheClaimOrder(t *testing.T) {
 	url := testdb.New(t)
 	pool := testdb.NewPoolURL(t, url)
 	r := startReplica(t, url, nil)
-	first := emit(t, pool, "orders", "a", 1)[0]
 	sctx, scancel := context.WithCancel(ctx)
-	st := subscribe(t, sctx, r, &outboxv1.SubscribeRequest{Streams: []string{"orders"}, MaxInFlight: 1, LeaseTtl: durationpb.New(time.Hour)})
-	ack(t, r, recv(t, st))
+	_, ids := publishedOnOneCredit(t, sctx, r, pool, "a", 1)
 	scancel()
 	waitFor(t, func() int32 { return b2i(r.Server.Sessions() == 0) })
 	// b's event is newer than a's, and waits, ready, for a session.
@@ -38,8 +52,8 @@ func TestARepublishedAggregateTakesItsPlaceInTheClaimOrder(t *testing.T) {
 	if _, err := r.Admin.Republish(ctx, &outboxv1.RepublishRequest{Stream: "orders", AggregateKey: "a", FromRevision: 1, Reason: "r"}); err != nil {
 		t.Fatal(err)
 	}
-	st = subscribe(t, ctx, r, &outboxv1.SubscribeRequest{Streams: []string{"orders"}, MaxInFlight: 1, LeaseTtl: durationpb.New(time.Hour)})
-	if d := recv(t, st); d.GetEvent().GetEventId() != first.String() {
+	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{Streams: []string{"orders"}, MaxInFlight: 1, LeaseTtl: durationpb.New(time.Hour)})
+	if d := recv(t, st); d.GetEvent().GetEventId() != ids[0].String() {
 		t.Fatalf("first claimed after the republish: %s/%d, want a/1, the older event",
 			d.GetEvent().GetAggregateKey(), d.GetEvent().GetRevision())
 	}
@@ -84,16 +98,14 @@ func TestRepublishWakesIdleSessionsOfOtherReplicas(t *testing.T) {
 	pool := testdb.NewPoolURL(t, url)
 	operator := startReplica(t, url, nil)
 	r := startReplica(t, url, func(c *server.Config) { c.PollInterval, c.ReconcileInterval = time.Hour, time.Hour })
-	first := emit(t, pool, "orders", "a", 1)[0]
-	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{Streams: []string{"orders"}, MaxInFlight: 1, LeaseTtl: durationpb.New(time.Hour)})
-	ack(t, r, recv(t, st))
+	st, ids := publishedOnOneCredit(t, ctx, r, pool, "a", 1)
 	waitState(t, pool, "a", "idle")
 	waitFor(t, func() int32 { return b2i(r.Server.IdleSessions() == 1) })
 	pollAnHourAway(t, r)
 	if _, err := operator.Admin.Republish(ctx, &outboxv1.RepublishRequest{Stream: "orders", AggregateKey: "a", FromRevision: 1, Reason: "r"}); err != nil {
 		t.Fatal(err)
 	}
-	if d := recvWoken(t, st); d.GetEvent().GetEventId() != first.String() {
+	if d := recvWoken(t, st); d.GetEvent().GetEventId() != ids[0].String() {
 		t.Fatalf("delivered after the republish: %v, want a/1 again", d.GetEvent())
 	}
 }
@@ -171,16 +183,14 @@ func TestEachRepublishContinuesTheAttemptsOfTheLastOne(t *testing.T) {
 	url := testdb.New(t)
 	pool := testdb.NewPoolURL(t, url)
 	r := startReplica(t, url, nil)
-	id := emit(t, pool, "orders", "a", 1)[0]
-	st := subscribe(t, ctx, r, &outboxv1.SubscribeRequest{Streams: []string{"orders"}, MaxInFlight: 1, LeaseTtl: durationpb.New(time.Hour)})
-	ack(t, r, recv(t, st))
+	st, ids := publishedOnOneCredit(t, ctx, r, pool, "a", 1)
 	for want := uint32(2); want <= 4; want++ {
 		waitState(t, pool, "a", "idle")
 		if _, err := r.Admin.Republish(ctx, &outboxv1.RepublishRequest{Stream: "orders", AggregateKey: "a", FromRevision: 1, Reason: "r"}); err != nil {
 			t.Fatal(err)
 		}
 		d := recv(t, st)
-		if d.GetEvent().GetEventId() != id.String() || d.GetAttempt() != want {
+		if d.GetEvent().GetEventId() != ids[0].String() || d.GetAttempt() != want {
 			t.Fatalf("republish %d: %v attempt %d, want the event at attempt %d", want-1, d.GetEvent(), d.GetAttempt(), want)
 		}
 		ack(t, r, d)
