@@ -355,6 +355,25 @@ CREATE TABLE outbox.republished (
 );
 CREATE INDEX republished_aggregate_idx ON outbox.republished (stream, aggregate_key, action_id);
 
+-- republished_attempts is how many deliveries of an event came before its
+-- newest republish: that republish's earlier_attempts for it, NULL if no
+-- republish holds it. The newest republish that holds the event, not the
+-- aggregate's newest: a later republish of lower revisions, made while an
+-- earlier one's events were still being delivered, does not hold them.
+-- (A republish counts from it; continue_attempts adds it.)
+-- +goose StatementBegin
+CREATE FUNCTION outbox.republished_attempts(p_stream text, p_aggregate_key text, p_event_id uuid)
+RETURNS integer
+LANGUAGE sql STABLE AS $$
+    SELECT (r.earlier_attempts ->> p_event_id::text)::integer
+    FROM outbox.republished r
+    WHERE r.stream = p_stream AND r.aggregate_key = p_aggregate_key
+      AND r.earlier_attempts ? p_event_id::text
+    ORDER BY r.action_id DESC
+    LIMIT 1
+$$;
+-- +goose StatementEnd
+
 -- continue_attempts numbers the first lease of a republished event after
 -- the deliveries it had before (outbox.republished.earlier_attempts), so
 -- that a relay and the attempt history never see attempt 1 of an event
@@ -375,14 +394,7 @@ BEGIN
         NEW.republished_through := NULL;
         RETURN NEW;
     END IF;
-    -- The newest republish of this event, which need not be the
-    -- aggregate's newest: a later republish of lower revisions, made while
-    -- this one's events were still being delivered, does not hold it.
-    SELECT (r.earlier_attempts ->> NEW.leased_event_id::text)::integer INTO v_earlier
-    FROM outbox.republished r
-    WHERE r.stream = NEW.stream AND r.aggregate_key = NEW.aggregate_key
-      AND r.earlier_attempts ? NEW.leased_event_id::text
-    ORDER BY r.action_id DESC LIMIT 1;
+    v_earlier := outbox.republished_attempts(NEW.stream, NEW.aggregate_key, NEW.leased_event_id);
     NEW.attempt := NEW.attempt + coalesce(v_earlier, 0);
     RETURN NEW;
 END

@@ -471,10 +471,7 @@ func (s *Store) Republish(ctx context.Context, p RepublishParams) (RepublishResu
 		err = tx.QueryRow(ctx, `
 			SELECT coalesce(jsonb_object_agg(e.event_id, 1 + greatest(
 			           (SELECT max(a.attempt) FROM outbox.attempt a WHERE a.event_id = e.event_id),
-			           (SELECT (r.earlier_attempts ->> e.event_id::text)::integer FROM outbox.republished r
-			            WHERE r.stream = e.stream AND r.aggregate_key = e.aggregate_key
-			              AND r.earlier_attempts ? e.event_id::text
-			            ORDER BY r.action_id DESC LIMIT 1), 0)), '{}')
+			           outbox.republished_attempts(e.stream, e.aggregate_key, e.event_id), 0)), '{}')
 			FROM outbox.event e
 			WHERE e.stream = $1 AND e.aggregate_key = $2 AND e.revision >= $3 AND e.revision <= $4
 			  AND (SELECT true FROM outbox.skipped_event s WHERE s.event_id = e.event_id) IS NULL`,

@@ -1016,14 +1016,7 @@ BEGIN
         NEW.republished_through := NULL;
         RETURN NEW;
     END IF;
-    -- The newest republish of this event, which need not be the
-    -- aggregate's newest: a later republish of lower revisions, made while
-    -- this one's events were still being delivered, does not hold it.
-    SELECT (r.earlier_attempts ->> NEW.leased_event_id::text)::integer INTO v_earlier
-    FROM outbox.republished r
-    WHERE r.stream = NEW.stream AND r.aggregate_key = NEW.aggregate_key
-      AND r.earlier_attempts ? NEW.leased_event_id::text
-    ORDER BY r.action_id DESC LIMIT 1;
+    v_earlier := outbox.republished_attempts(NEW.stream, NEW.aggregate_key, NEW.leased_event_id);
     NEW.attempt := NEW.attempt + coalesce(v_earlier, 0);
     RETURN NEW;
 END
@@ -2654,6 +2647,21 @@ CREATE FUNCTION outbox.republish_action(p_stream text, p_aggregate_key text, p_r
         ORDER BY r.action_id DESC
         LIMIT 1)
     END, 0)
+$$;
+
+--
+-- Name: republished_attempts(text, text, uuid); Type: FUNCTION; Schema: outbox; Owner: -
+--
+
+CREATE FUNCTION outbox.republished_attempts(p_stream text, p_aggregate_key text, p_event_id uuid) RETURNS integer
+    LANGUAGE sql STABLE
+    AS $$
+    SELECT (r.earlier_attempts ->> p_event_id::text)::integer
+    FROM outbox.republished r
+    WHERE r.stream = p_stream AND r.aggregate_key = p_aggregate_key
+      AND r.earlier_attempts ? p_event_id::text
+    ORDER BY r.action_id DESC
+    LIMIT 1
 $$;
 
 --
