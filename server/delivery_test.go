@@ -76,6 +76,14 @@ func subscribe(t *testing.T, ctx context.Context, r *replica, req *outboxv1.Subs
 // hang guard, not a timing assertion).
 func recv(t *testing.T, st outboxv1.RelayService_SubscribeClient) *outboxv1.SubscribeResponse {
 	t.Helper()
+	return recvWithin(t, st, 30*time.Second, "recv")
+}
+
+// recvWithin receives one delivery within d, or fails with what: the
+// deadline on a promise (a session keeps delivering while work is there),
+// not a timing assertion.
+func recvWithin(t *testing.T, st outboxv1.RelayService_SubscribeClient, d time.Duration, what string) *outboxv1.SubscribeResponse {
+	t.Helper()
 	type res struct {
 		d   *outboxv1.SubscribeResponse
 		err error
@@ -88,8 +96,8 @@ func recv(t *testing.T, st outboxv1.RelayService_SubscribeClient) *outboxv1.Subs
 			t.Fatalf("recv: %v", r.err)
 		}
 		return r.d
-	case <-time.After(30 * time.Second):
-		t.Fatal("no delivery within 30s")
+	case <-time.After(d):
+		t.Fatalf("%s: no delivery within %v", what, d)
 		return nil
 	}
 }

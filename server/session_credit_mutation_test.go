@@ -60,29 +60,6 @@ func makeDue(t *testing.T, pool *pgxpool.Pool, key string) {
 	}
 }
 
-// recvWithin receives one delivery within d, or fails with what: the
-// deadline on a promise (a session keeps delivering while work is there),
-// not a timing assertion.
-func recvWithin(t *testing.T, st outboxv1.RelayService_SubscribeClient, d time.Duration, what string) *outboxv1.SubscribeResponse {
-	t.Helper()
-	type res struct {
-		d   *outboxv1.SubscribeResponse
-		err error
-	}
-	c := make(chan res, 1)
-	go func() { d, err := st.Recv(); c <- res{d, err} }()
-	select {
-	case r := <-c:
-		if r.err != nil {
-			t.Fatalf("recv: %v", r.err)
-		}
-		return r.d
-	case <-time.After(d):
-		t.Fatalf("%s: no delivery within %v", what, d)
-		return nil
-	}
-}
-
 // Credit a nack frees is claimed with at once (session.free sets
 // claimFreed): the session's last claim came back short, so nothing else
 // makes it claim, and the work that is there (b, whose backoff ended with
