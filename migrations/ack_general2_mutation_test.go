@@ -3,6 +3,7 @@ package migrations_test
 import (
 	"context"
 	"fmt"
+	"slices"
 	"testing"
 
 	"github.com/google/uuid"
@@ -33,15 +34,12 @@ func TestAWindowedAckGrantsAFirstAttemptUnderTheHoldersRelay(t *testing.T) {
 	if _, err := pool.Exec(ctx, `SELECT * FROM outbox.claim($1, 'r', 'x', NULL, 1, interval '-1 second', NULL, NULL, 1, 1)`, h); err != nil {
 		t.Fatal(err)
 	}
-	ls := claimWindow(t, pool, h, 1, 1, 1)
-	if len(ls) != 1 || ls[0].revision != 1 {
-		t.Fatalf("claimed %v again, want a/1", ls)
-	}
+	a1 := claimAlone(t, pool, h, "a", 1)
 	if before := readWindow(t, pool, "a"); before.attempt != 2 {
 		t.Fatalf("a/1 claimed again: %+v, want its second attempt", before)
 	}
-	st, handed := ackWindow(t, pool, []uuid.UUID{ls[0].id}, h, 2, 1)
-	if st[ls[0].id] != "published" || fmt.Sprint(revisions(handed, "a")) != "[2 3]" {
+	st, handed := ackWindow(t, pool, []uuid.UUID{a1.id}, h, 2, 1)
+	if st[a1.id] != "published" || fmt.Sprint(revisions(handed, "a")) != "[2 3]" {
 		t.Fatalf("ack of a/1: %v, handed %v; want published, a/2 and a/3 handed over", st, handed)
 	}
 	got := readWindow(t, pool, "a")
@@ -94,9 +92,7 @@ func TestAWindowThatGoesOnIsNotCutBackWhenItsHolderHasNoCreditLeft(t *testing.T)
 	}
 	emitN(t, pool, "a", 1)
 	discover(t, pool)
-	if got := revisions(claimWindow(t, pool, h, 1, 1, 1), "a"); fmt.Sprint(got) != "[1]" {
-		t.Fatalf("claimed a %v, want a/1", got)
-	}
+	claimAlone(t, pool, h, "a", 1)
 	emitN(t, pool, "a", 3)
 	emitN(t, pool, "b", 1)
 	discover(t, pool)
@@ -124,12 +120,9 @@ func TestAWindowedHandOverIsJudgedByItsFirstEvent(t *testing.T) {
 	emitN(t, pool, "b", 1)
 	emitN(t, pool, "a", 1)
 	discover(t, pool)
-	ls := claimWindow(t, pool, h, 1, 1, 1)
-	if len(ls) != 1 || ls[0].key != "a" || ls[0].revision != 1 {
-		t.Fatalf("claimed %v, want a/1 alone", ls)
-	}
-	st, handed := ackWindow(t, pool, []uuid.UUID{ls[0].id}, h, 2, 1)
-	if st[ls[0].id] != "published" || fmt.Sprint(revisions(handed, "a")) != "[2 3]" || len(handed) != 2 {
+	a1 := claimAlone(t, pool, h, "a", 1)
+	st, handed := ackWindow(t, pool, []uuid.UUID{a1.id}, h, 2, 1)
+	if st[a1.id] != "published" || fmt.Sprint(revisions(handed, "a")) != "[2 3]" || len(handed) != 2 {
 		t.Fatalf("ack of a/1 with b/1 (between a/2 and a/3) claimable: %v, handed %v; want published, a/2 and a/3 handed over", st, handed)
 	}
 }
@@ -152,42 +145,13 @@ func TestAnAckBatchLocksItsEventsInIDOrder(t *testing.T) {
 		}
 	}
 	discover(t, pool)
-	h := uuid.New()
-	if ls := claimWindow(t, pool, h, 2, 1, 2); len(ls) != 2 {
+	if ls := claimWindow(t, pool, uuid.New(), 2, 1, 2); len(ls) != 2 {
 		t.Fatalf("claimed %v, want a/1 and b/1", ls)
 	}
-	holder, err := pool.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer holder.Rollback(ctx)
-	holderPID := backendPID(t, holder)
-	if _, err := holder.Exec(ctx, `SELECT 1 FROM outbox.event WHERE event_id = $1 FOR UPDATE`, id(2)); err != nil {
-		t.Fatal(err)
-	}
-	var answers []string
-	done := runBehind(t, pool, holderPID, func(ctx context.Context, conn *pgxpool.Conn) error {
-		rows, err := conn.Query(ctx, `SELECT event_id::text || ' ' || status FROM outbox.ack($1, 'x') ORDER BY 1`, []uuid.UUID{id(2), id(1)})
-		if err != nil {
-			return err
-		}
-		answers, err = pgx.CollectRows(rows, pgx.RowTo[string])
-		return err
-	})
-	// The ack waits for id(2); id(1), first in id order, is locked already.
-	_, lockErr := pool.Exec(ctx, `SELECT 1 FROM outbox.event WHERE event_id = $1 FOR UPDATE NOWAIT`, id(1))
-	if err := holder.Rollback(ctx); err != nil {
-		t.Fatal(err)
-	}
-	await(t, done)
-	if lockErr == nil {
-		t.Fatal("the ack waiting for the event with the larger id had not locked the one with the smaller id")
-	}
-	wantSQLState(t, lockErr, "55P03")
-	want := fmt.Sprint([]string{id(1).String() + " published", id(2).String() + " published"})
-	if fmt.Sprint(answers) != want {
-		t.Fatalf("the ack answered %v, want %s", answers, want)
-	}
+	ackLocksFirstWhileItWaits(t, pool, []uuid.UUID{id(2), id(1)},
+		fmt.Sprintf(`SELECT 1 FROM outbox.event WHERE event_id = '%s' FOR UPDATE`, id(2)),
+		fmt.Sprintf(`SELECT 1 FROM outbox.event WHERE event_id = '%s' FOR UPDATE NOWAIT`, id(1)),
+		"the ack waiting for the event with the larger id had not locked the one with the smaller id")
 }
 
 // A windowed hand-over yields only to strictly older work, as on the
@@ -205,12 +169,9 @@ func TestAWindowedHandOverGoesAheadOfWorkCreatedWithIt(t *testing.T) {
 	if n := count(t, pool, `SELECT count(DISTINCT created_at) FROM outbox.event WHERE (aggregate_key, revision) IN (('a', 2), ('b', 1))`); n != 1 {
 		t.Fatalf("a/2 and b/1 were created at %d instants, want one", n)
 	}
-	ls := claimWindow(t, pool, h, 1, 1, 1)
-	if len(ls) != 1 || ls[0].key != "a" || ls[0].revision != 1 {
-		t.Fatalf("claimed %v, want a/1 alone", ls)
-	}
-	st, handed := ackWindow(t, pool, []uuid.UUID{ls[0].id}, h, 2, 0)
-	if st[ls[0].id] != "published" || fmt.Sprint(revisions(handed, "a")) != "[2]" || len(handed) != 1 {
+	a1 := claimAlone(t, pool, h, "a", 1)
+	st, handed := ackWindow(t, pool, []uuid.UUID{a1.id}, h, 2, 0)
+	if st[a1.id] != "published" || fmt.Sprint(revisions(handed, "a")) != "[2]" || len(handed) != 1 {
 		t.Fatalf("ack of a/1 with b/1 as old as a/2 claimable: %v, handed %v; want published, a/2 handed over", st, handed)
 	}
 }
@@ -221,46 +182,50 @@ func TestAWindowedHandOverGoesAheadOfWorkCreatedWithIt(t *testing.T) {
 // Kills the rows locked in another order (M02).
 func TestAnAckBatchLocksItsDeliveryRowsInKeyOrder(t *testing.T) {
 	t.Parallel()
-	ctx := testContext(t)
 	pool := testdb.NewPool(t)
 	emitN(t, pool, "a", 1)
 	emitN(t, pool, "b", 1)
 	discover(t, pool)
-	ls := claimWindow(t, pool, uuid.New(), 2, 1, 2)
-	if len(ls) != 2 {
+	if ls := claimWindow(t, pool, uuid.New(), 2, 1, 2); len(ls) != 2 {
 		t.Fatalf("claimed %v, want a/1 and b/1", ls)
 	}
-	holder, err := pool.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer holder.Rollback(ctx)
-	holderPID := backendPID(t, holder)
-	if _, err := holder.Exec(ctx, `SELECT 1 FROM outbox.delivery WHERE aggregate_key = 'b' FOR UPDATE`); err != nil {
-		t.Fatal(err)
-	}
-	a1, b1 := eventID(t, pool, "a", 1), eventID(t, pool, "b", 1)
+	ackLocksFirstWhileItWaits(t, pool, []uuid.UUID{eventID(t, pool, "b", 1), eventID(t, pool, "a", 1)},
+		`SELECT 1 FROM outbox.delivery WHERE aggregate_key = 'b' FOR UPDATE`,
+		`SELECT 1 FROM outbox.delivery WHERE aggregate_key = 'a' FOR UPDATE NOWAIT`,
+		"the ack waiting for b's delivery row had not locked a's")
+}
+
+// ackLocksFirstWhileItWaits holds the row lock of hold, runs an ack of ids
+// behind it, and, once the ack waits for that lock, tries the row the ack
+// must have locked first (tryFirst, FOR UPDATE NOWAIT): it must fail with
+// lock_not_available (else the test fails with why). Then it lets the ack
+// go, which must answer each id once, published.
+func ackLocksFirstWhileItWaits(t *testing.T, pool *pgxpool.Pool, ids []uuid.UUID, hold, tryFirst, why string) {
+	t.Helper()
+	release, holder := holdLock(t, pool, hold)
 	var answers []string
-	done := runBehind(t, pool, holderPID, func(ctx context.Context, conn *pgxpool.Conn) error {
-		rows, err := conn.Query(ctx, `SELECT status FROM outbox.ack($1, 'x')`, []uuid.UUID{b1, a1})
+	done := runBehind(t, pool, holder, func(ctx context.Context, conn *pgxpool.Conn) error {
+		rows, err := conn.Query(ctx, `SELECT event_id::text || ' ' || status FROM outbox.ack($1, 'x') ORDER BY 1`, ids)
 		if err != nil {
 			return err
 		}
 		answers, err = pgx.CollectRows(rows, pgx.RowTo[string])
 		return err
 	})
-	// The ack waits for b's row; a's, first in key order, is locked already.
-	_, lockErr := pool.Exec(ctx, `SELECT 1 FROM outbox.delivery WHERE aggregate_key = 'a' FOR UPDATE NOWAIT`)
-	if err := holder.Rollback(ctx); err != nil {
-		t.Fatal(err)
-	}
+	_, lockErr := pool.Exec(testContext(t), tryFirst)
+	release()
 	await(t, done)
 	if lockErr == nil {
-		t.Fatal("the ack waiting for b's delivery row had not locked a's")
+		t.Fatal(why)
 	}
 	wantSQLState(t, lockErr, "55P03")
-	if fmt.Sprint(answers) != "[published published]" {
-		t.Fatalf("the ack of a/1 and b/1 answered %v, want both published", answers)
+	var want []string
+	for _, id := range ids {
+		want = append(want, id.String()+" published")
+	}
+	slices.Sort(want)
+	if fmt.Sprint(answers) != fmt.Sprint(want) {
+		t.Fatalf("the ack answered %v, want %v", answers, want)
 	}
 }
 

@@ -57,12 +57,9 @@ func TestAWindowedAckHandsOverOnlyWhatItsAcksFreeWithoutCredit(t *testing.T) {
 	h := uuid.New()
 	emitN(t, pool, "a", 4)
 	discover(t, pool)
-	ls := claimWindow(t, pool, h, 1, 1, 1)
-	if len(ls) != 1 || ls[0].revision != 1 {
-		t.Fatalf("claimed %v, want a/1 alone", ls)
-	}
-	answers, handed := ackAnswers(t, pool, []uuid.UUID{ls[0].id}, []uuid.UUID{h}, []int32{3}, nil)
-	if len(answers) != 1 || answers[0] != ls[0].id.String()+" published" {
+	a1 := claimAlone(t, pool, h, "a", 1)
+	answers, handed := ackAnswers(t, pool, []uuid.UUID{a1.id}, []uuid.UUID{h}, []int32{3}, nil)
+	if len(answers) != 1 || answers[0] != a1.id.String()+" published" {
 		t.Fatalf("ack of a/1 answered %v, want it published", answers)
 	}
 	if fmt.Sprint(handed) != "[2]" {
@@ -272,12 +269,9 @@ func TestAWindowedHandOverGoesAheadOfYoungerWork(t *testing.T) {
 	emitN(t, pool, "a", 2)
 	emitN(t, pool, "b", 1)
 	discover(t, pool)
-	ls := claimWindow(t, pool, h, 1, 1, 1)
-	if len(ls) != 1 || ls[0].key != "a" || ls[0].revision != 1 {
-		t.Fatalf("claimed %v, want a/1 alone", ls)
-	}
-	st, handed := ackWindow(t, pool, []uuid.UUID{ls[0].id}, h, 2, 0)
-	if st[ls[0].id] != "published" || fmt.Sprint(revisions(handed, "a")) != "[2]" {
+	a1 := claimAlone(t, pool, h, "a", 1)
+	st, handed := ackWindow(t, pool, []uuid.UUID{a1.id}, h, 2, 0)
+	if st[a1.id] != "published" || fmt.Sprint(revisions(handed, "a")) != "[2]" {
 		t.Fatalf("ack of a/1 with only younger b/1 claimable: %v, handed %v; want published, a/2 handed over", st, handed)
 	}
 }
@@ -394,13 +388,10 @@ func TestAHolderHandedWhatItAckedIsToldToClaim(t *testing.T) {
 	h := uuid.New()
 	emitN(t, pool, "a", 2)
 	discover(t, pool)
-	ls := claimWindow(t, pool, h, 1, 1, 1)
-	if len(ls) != 1 {
-		t.Fatalf("claimed %v, want a/1", ls)
-	}
+	a1 := claimAlone(t, pool, h, "a", 1)
 	rows, err := pool.Query(testContext(t), `SELECT a.status, a.claimable_in::text
 		FROM outbox.ack($1, 'x', ARRAY[$2::uuid], ARRAY[interval '30 seconds'], ARRAY[2], ARRAY[0]) a`,
-		[]uuid.UUID{ls[0].id}, h)
+		[]uuid.UUID{a1.id}, h)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -53,9 +53,9 @@ func ownWithoutWaiting(t *testing.T, pool *pgxpool.Pool, replica string) ownersh
 }
 
 // holdLock runs lockSQL in a transaction left open, so that its row locks
-// stay held until the returned function (also run at the test's end)
-// rolls it back.
-func holdLock(t *testing.T, pool *pgxpool.Pool, lockSQL string) (release func()) {
+// stay held until release (also run at the test's end) rolls it back; pid
+// is the backend holding them, for runBehind.
+func holdLock(t *testing.T, pool *pgxpool.Pool, lockSQL string) (release func(), pid int) {
 	t.Helper()
 	ctx := context.Background()
 	tx, err := pool.Begin(ctx)
@@ -67,7 +67,7 @@ func holdLock(t *testing.T, pool *pgxpool.Pool, lockSQL string) (release func())
 	if _, err := tx.Exec(ctx, lockSQL); err != nil {
 		t.Fatal(err)
 	}
-	return release
+	return release, backendPID(t, tx)
 }
 
 // An aggregate's partition is fixed for the life of a database (delivery
@@ -350,7 +350,7 @@ func TestOwnPartitionsSkipsAMembershipBeingRenewed(t *testing.T) {
 	pool := testdb.NewPool(t)
 	a := mustOwn(t, pool, "a", true)
 	exec(t, pool, `UPDATE outbox.partition_member SET expires_at = clock_timestamp() - interval '1 second' WHERE replica_id = 'a'`)
-	release := holdLock(t, pool, `SELECT FROM outbox.partition_member WHERE replica_id = 'a' FOR UPDATE`)
+	release, _ := holdLock(t, pool, `SELECT FROM outbox.partition_member WHERE replica_id = 'a' FOR UPDATE`)
 	b := ownWithoutWaiting(t, pool, "b")
 	if len(b.partitions) != 0 {
 		t.Fatalf("b took %d partitions of a membership being renewed", len(b.partitions))

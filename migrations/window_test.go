@@ -54,6 +54,17 @@ func claimWindow(t *testing.T, pool *pgxpool.Pool, holder uuid.UUID, limit, wind
 	return collectLeases(t, rows)
 }
 
+// claimAlone claims one event of one aggregate for holder (a window of 1,
+// credit 1) and fails unless it is key's revision rev.
+func claimAlone(t *testing.T, pool *pgxpool.Pool, holder uuid.UUID, key string, rev int64) leased {
+	t.Helper()
+	ls := claimWindow(t, pool, holder, 1, 1, 1)
+	if len(ls) != 1 || ls[0].key != key || ls[0].revision != rev {
+		t.Fatalf("claimed %v, want %s/%d alone", ls, key, rev)
+	}
+	return ls[0]
+}
+
 // ackWindow acks ids with holder as a local session taking a window of
 // window and lending credit, and returns each ack's status and the leases
 // handed over.
@@ -480,12 +491,9 @@ func TestAWindowedHandOverYieldsToOlderWork(t *testing.T) {
 	emitN(t, pool, "b", 1)
 	emitN(t, pool, "a", 2)
 	discover(t, pool)
-	ls := claimWindow(t, pool, h, 1, 1, 1)
-	if len(ls) != 1 || ls[0].key != "a" || ls[0].revision != 1 {
-		t.Fatalf("claimed %v, want a/1 alone", ls)
-	}
-	st, handed := ackWindow(t, pool, []uuid.UUID{ls[0].id}, h, 2, 0)
-	if st[ls[0].id] != "published" || len(handed) != 0 {
+	a1 := claimAlone(t, pool, h, "a", 1)
+	st, handed := ackWindow(t, pool, []uuid.UUID{a1.id}, h, 2, 0)
+	if st[a1.id] != "published" || len(handed) != 0 {
 		t.Fatalf("ack of a/1 with b/1 older than a/2 claimable: %v, handed over %v; want published, nothing handed over", st, handed)
 	}
 	var state string
@@ -499,11 +507,8 @@ func TestAWindowedHandOverYieldsToOlderWork(t *testing.T) {
 	if got := claimWindow(t, pool, uuid.New(), 1, 1, 1); len(got) != 1 || got[0].key != "b" {
 		t.Fatalf("the next claim took %v, want b/1, the oldest", got)
 	}
-	ls = claimWindow(t, pool, h, 1, 1, 1)
-	if len(ls) != 1 || ls[0].key != "a" || ls[0].revision != 2 {
-		t.Fatalf("claimed %v, want a/2 alone", ls)
-	}
-	if _, handed := ackWindow(t, pool, []uuid.UUID{ls[0].id}, h, 2, 0); len(handed) != 1 || handed[0].revision != 3 {
+	a2 := claimAlone(t, pool, h, "a", 2)
+	if _, handed := ackWindow(t, pool, []uuid.UUID{a2.id}, h, 2, 0); len(handed) != 1 || handed[0].revision != 3 {
 		t.Fatalf("ack of a/2 with nothing older claimable handed over %v, want a/3", handed)
 	}
 }
