@@ -29,8 +29,19 @@ import (
 
 func nack(t *testing.T, r *replica, d *outboxv1.SubscribeResponse) *outboxv1.NackResponse {
 	t.Helper()
-	res, err := r.Relay.Nack(context.Background(), &outboxv1.NackRequest{
-		EventId: d.GetEvent().GetEventId(), LeaseToken: d.GetLeaseToken(), Error: "broker said no"})
+	return nackAfter(t, r, 0, d)
+}
+
+// nackAfter nacks d asking for its next attempt no sooner than after (0:
+// the server's backoff alone; an hour keeps the aggregate backing off well
+// past any test, the backoff's five-minute cap in effect).
+func nackAfter(t *testing.T, r *replica, after time.Duration, d *outboxv1.SubscribeResponse) *outboxv1.NackResponse {
+	t.Helper()
+	req := &outboxv1.NackRequest{EventId: d.GetEvent().GetEventId(), LeaseToken: d.GetLeaseToken(), Error: "broker said no"}
+	if after > 0 {
+		req.RetryAfter = durationpb.New(after)
+	}
+	res, err := r.Relay.Nack(context.Background(), req)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -77,12 +77,10 @@ func TestAClaimThatFilledItsBatchClaimsAgainAtOnce(t *testing.T) {
 	for i := range aggregates {
 		emit(t, pool, "orders", fmt.Sprintf("k%02d", i), 1)
 	}
-	r := startReplica(t, url, func(c *server.Config) {
+	r := quietReplica(t, url, func(c *server.Config) {
 		c.NoDispatch = true
 		c.ClaimBatch = 1
 	})
-	r.Server.SetReconcileTick(make(chan time.Time))
-	r.Server.SetNoPolls()
 	eventually(t, func() (bool, string) {
 		n := countWhere(t, pool, "outbox.delivery", "state = 'ready'")
 		return n == aggregates, fmt.Sprintf("%d of %d aggregates claimable", n, aggregates)

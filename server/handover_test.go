@@ -300,14 +300,12 @@ func TestAckBatchGivesBackTheCreditOfSessionsItDidNotAck(t *testing.T) {
 	pool := testdb.NewPoolURL(t, url)
 	emit(t, pool, "orders", "o", 1)
 	emit(t, pool, "payments", "p", 1)
-	r := startReplica(t, url, func(c *server.Config) { c.NoDispatch = true })
 	// B's loop must still wait with its offer when A's ack batch runs, or
 	// the batch borrows nothing and the test shows nothing (an idle poll,
 	// backing off from 2 ms, turned it in between under load, and a batch
 	// that kept B's credit went unseen): no polls, no reconcile ticks. B
 	// claims payments/q when the round that finds it wakes it.
-	r.Server.SetReconcileTick(make(chan time.Time)) // never ticks
-	r.Server.SetNoPolls()
+	r := quietReplica(t, url, func(c *server.Config) { c.NoDispatch = true })
 	offeredAll := make(chan struct{}, 1)
 	r.Server.SetAfterOffer(func(_ uuid.UUID, offered int) {
 		if offered == 2 { // only B offers 2

@@ -2,6 +2,7 @@ package server_test
 
 import (
 	"testing"
+	"time"
 
 	"go.uber.org/goleak"
 
@@ -19,4 +20,15 @@ type replica = servertest.Replica
 func startReplica(t testing.TB, url string, configure func(*server.Config)) *replica {
 	t.Helper()
 	return servertest.Start(t, url, servertest.Options{Configure: configure})
+}
+
+// quietReplica starts a replica whose sessions are never polled and never
+// reconcile: a session claims only when its own credit accounting, or a
+// wake-up, says so.
+func quietReplica(t testing.TB, url string, configure func(*server.Config)) *replica {
+	t.Helper()
+	r := startReplica(t, url, configure)
+	r.Server.SetNoPolls()
+	r.Server.SetReconcileTick(make(chan time.Time)) // never ticks
+	return r
 }

@@ -24,28 +24,6 @@ import (
 // stall is at stake, so that neither hides a lost claim; a stall then
 // fails a bounded receive.
 
-// quietReplica starts a replica whose sessions are never polled and never
-// reconcile: a session claims only when its own credit accounting, or a
-// wake-up, says so.
-func quietReplica(t *testing.T, url string, configure func(*server.Config)) *replica {
-	t.Helper()
-	r := startReplica(t, url, configure)
-	r.Server.SetNoPolls()
-	r.Server.SetReconcileTick(make(chan time.Time)) // never ticks
-	return r
-}
-
-// nackFor nacks d with a retry delay of an hour (the backoff cap, five
-// minutes, in effect): its aggregate backs off well past the test.
-func nackFor(t *testing.T, r *replica, d *outboxv1.SubscribeResponse) {
-	t.Helper()
-	if _, err := r.Relay.Nack(context.Background(), &outboxv1.NackRequest{
-		EventId: d.GetEvent().GetEventId(), LeaseToken: d.GetLeaseToken(), Error: "broker said no",
-		RetryAfter: durationpb.New(time.Hour)}); err != nil {
-		t.Fatal(err)
-	}
-}
-
 // makeDue makes the backing-off aggregate key claimable now, as its retry
 // time passing would, with nothing announcing it: no wake-up, no release.
 func makeDue(t *testing.T, pool *pgxpool.Pool, key string) {
@@ -83,7 +61,7 @@ func TestCreditANackFreesIsClaimedWithAtOnce(t *testing.T) {
 	if k := db.GetEvent().GetAggregateKey(); k != "b" {
 		t.Fatalf("delivered %s, want b", k)
 	}
-	nackFor(t, r, db)
+	nackAfter(t, r, time.Hour, db)
 	emit(t, pool, "orders", "a", 1)
 	da := recv(t, st)
 	if k := da.GetEvent().GetAggregateKey(); k != "a" {
@@ -92,7 +70,7 @@ func TestCreditANackFreesIsClaimedWithAtOnce(t *testing.T) {
 	// The loop has sent a: its claims (if a came by one) are over, and it
 	// waits with one unit of credit and no reason to claim.
 	makeDue(t, pool, "b")
-	nackFor(t, r, da)
+	nackAfter(t, r, time.Hour, da)
 	d := recvWithin(t, st, 10*time.Second, "the credit the nack of a freed was not claimed with")
 	if d.GetEvent().GetAggregateKey() != "b" || d.GetAttempt() != 2 {
 		t.Fatalf("delivered %s attempt %d, want b's second attempt", d.GetEvent().GetAggregateKey(), d.GetAttempt())
@@ -122,7 +100,7 @@ func TestAClaimThatFilledItsCreditClaimsAgain(t *testing.T) {
 	emit(t, pool, "orders", "b", 1)
 	sctx, scancel := context.WithCancel(ctx)
 	s0 := subscribe(t, sctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 1, LeaseTtl: durationpb.New(time.Hour)})
-	nackFor(t, r, recv(t, s0))
+	nackAfter(t, r, time.Hour, recv(t, s0))
 	scancel()
 	waitFor(t, func() int32 { return b2i(r.Server.Sessions() == 0) })
 
@@ -324,7 +302,7 @@ func TestSpareCreditCountsLeasesHandedButNotTakenIn(t *testing.T) {
 	emit(t, pool, "orders", "b", 1)
 	sctx, scancel := context.WithCancel(ctx)
 	s0 := subscribe(t, sctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 1, LeaseTtl: durationpb.New(time.Hour)})
-	nackFor(t, r, recv(t, s0))
+	nackAfter(t, r, time.Hour, recv(t, s0))
 	scancel()
 	waitFor(t, func() int32 { return b2i(r.Server.Sessions() == 0) })
 
