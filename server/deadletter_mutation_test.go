@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"google.golang.org/grpc/codes"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
@@ -48,29 +49,6 @@ func TestAggregateFilterExactStreamIsNotAPrefix(t *testing.T) {
 	dry, err := r.Admin.BulkSkip(ctx, &outboxv1.BulkSkipRequest{Filter: &outboxv1.AggregateFilter{Stream: "orders"}, Reason: "r", DryRun: true})
 	if err != nil || dry.GetMatched() != 1 {
 		t.Fatalf("BulkSkip{stream: orders} dry run: %v, %v; want 1 matched", dry, err)
-	}
-}
-
-// A bulk filter that sets only its states, or only pending_before, is not
-// empty: it is taken, as one with only a stream, an error text or
-// stalled_only is. Kills D05 (pending_before left out of the emptiness
-// test) and D07 (states left out).
-func TestBulkFilterOfOnlyStatesOrPendingBeforeIsNotEmpty(t *testing.T) {
-	t.Parallel()
-	ctx := context.Background()
-	url := testdb.New(t)
-	r := startReplica(t, url, nil)
-	for _, f := range []*outboxv1.AggregateFilter{
-		{States: []outboxv1.AggregateState{outboxv1.AggregateState_AGGREGATE_STATE_PARKED}},
-		{PendingBefore: timestamppb.Now()},
-		{StalledOnly: true},
-	} {
-		if _, err := r.Admin.BulkRetry(ctx, &outboxv1.BulkRetryRequest{Filter: f, DryRun: true}); err != nil {
-			t.Errorf("BulkRetry dry run with filter {%v}: %v; want it taken", f, err)
-		}
-		if _, err := r.Admin.BulkSkip(ctx, &outboxv1.BulkSkipRequest{Filter: f, Reason: "r", DryRun: true}); err != nil {
-			t.Errorf("BulkSkip dry run with filter {%v}: %v; want it taken", f, err)
-		}
 	}
 }
 
@@ -297,5 +275,98 @@ func TestListAggregatesOldestPendingFirstAcrossStreamsAndKeys(t *testing.T) {
 		if !slices.Equal(got, want) {
 			t.Errorf("ListAggregates in pages of %d: %v, want oldest pending first: %v", size, got, want)
 		}
+	}
+}
+
+// A bulk action whose audit record cannot be finished answers an error,
+// though the action itself did its work: the operator learns that the
+// record says less than was done. The test's database refuses every
+// update of outbox.operator_action (a trigger of its own). Kills D29
+// (FinishAction's error dropped).
+func TestBulkActionWhoseRecordCannotBeFinishedFails(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	r := startReplica(t, url, nil)
+	if _, err := pool.Exec(ctx, `
+		CREATE FUNCTION public.refuse_finish() RETURNS trigger LANGUAGE plpgsql AS $$
+		BEGIN RAISE EXCEPTION 'the test refuses to finish an action'; END $$;
+		CREATE TRIGGER refuse_finish BEFORE UPDATE ON outbox.operator_action
+		    FOR EACH ROW EXECUTE FUNCTION public.refuse_finish()`); err != nil {
+		t.Fatal(err)
+	}
+	f := &outboxv1.AggregateFilter{Stream: "orders"}
+	_, err := r.Admin.BulkSkip(ctx, &outboxv1.BulkSkipRequest{Filter: f, Reason: "r"})
+	wantCode(t, err, codes.Unavailable, "")
+	_, err = r.Admin.BulkRetry(ctx, &outboxv1.BulkRetryRequest{Filter: f})
+	wantCode(t, err, codes.Unavailable, "")
+	if n := countWhere(t, pool, "outbox.operator_action", "finished_at IS NULL"); n != 2 {
+		t.Fatalf("%d unfinished actions on record, want the 2 started", n)
+	}
+}
+
+// GetLag gives each stream its own idle relays: a relay connected for
+// beta alone, idle while beta's work waits, is beta's and not alpha's,
+// though alpha comes first. Kills L08 (every stream given the first
+// stream's idle relays).
+func TestGetLagIdleRelaysArePerStream(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	r := startReplica(t, url, nil)
+	setting(t, pool, "idle_relay_after = '1 millisecond'")
+	emit(t, pool, "alpha", "a", 1)
+	emit(t, pool, "beta", "b", 1)
+	waitState(t, pool, "a", "ready")
+	waitState(t, pool, "b", "ready")
+	// Another replica's relay, as that replica records it: connected a
+	// while ago, refreshed now, holding nothing.
+	if _, err := pool.Exec(ctx, `
+		INSERT INTO outbox.relay_session (session_id, relay_id, peer, replica_id, streams, max_in_flight, in_flight, connected_at, seen_at)
+		VALUES (gen_random_uuid(), 'beta-only', '10.0.0.1:1', 'other-replica', '{beta}', 8, 0, now() - interval '1 hour', clock_timestamp())`); err != nil {
+		t.Fatal(err)
+	}
+	lag, err := r.Admin.GetLag(ctx, &outboxv1.GetLagRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	idle := map[string]int64{}
+	for _, l := range lag.GetStreams() {
+		idle[l.GetStream()] = l.GetIdleRelays()
+	}
+	if len(idle) != 2 || idle["alpha"] != 0 || idle["beta"] != 1 {
+		t.Fatalf("idle relays by stream: %v; want alpha 0, beta 1", idle)
+	}
+}
+
+// GetLag reports its streams in name order, the quiet ones (nothing
+// pending, nothing delivered in the last minute) among the others: aaa,
+// all delivered and its delivery counts gone, comes before zzz, which has
+// an event pending. Kills L02 (the quiet streams appended unsorted).
+func TestGetLagListsStreamsInNameOrder(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	r := startReplica(t, url, nil)
+	emit(t, pool, "aaa", "a", 1)
+	publishSome(t, ctx, r, "aaa", 1)
+	if _, err := pool.Exec(ctx, `DELETE FROM outbox.delivered_count`); err != nil {
+		t.Fatal(err)
+	}
+	emit(t, pool, "zzz", "z", 1)
+	waitState(t, pool, "z", "ready")
+	lag, err := r.Admin.GetLag(ctx, &outboxv1.GetLagRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var names []string
+	for _, l := range lag.GetStreams() {
+		names = append(names, l.GetStream())
+	}
+	if !slices.Equal(names, []string{"aaa", "zzz"}) {
+		t.Fatalf("GetLag streams %v, want [aaa zzz]", names)
 	}
 }
