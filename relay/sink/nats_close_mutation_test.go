@@ -33,6 +33,7 @@ type holdProxy struct {
 	holdAt  int           // hold once pubs reaches it (0: not armed)
 	answer  []byte        // what the held answer to that publish contains
 	held    chan struct{} // while non-nil, nothing is forwarded to the client
+	upHeld  chan struct{} // while non-nil, nothing more is read from the client
 	pubHeld chan struct{} // closed once the armed publish went up
 	ansHeld chan struct{} // closed once that answer is held here
 	sawEnd  chan struct{} // closed once the client sent UNSUB or hung up
@@ -62,6 +63,9 @@ func newHoldProxy(t *testing.T, target string) *holdProxy {
 				c.Close()
 				continue
 			}
+			// A fixed receive buffer (no autotuning): what the client
+			// can write while the proxy stops reading stays small.
+			_ = c.(*net.TCPConn).SetReadBuffer(128 << 10)
 			p.mu.Lock()
 			p.conns = append(p.conns, c, up)
 			p.mu.Unlock()
@@ -96,6 +100,12 @@ func (p *holdProxy) holdAtPub(n int, answer string) {
 func (p *holdProxy) copyUp(dst, src net.Conn) {
 	buf := make([]byte, 32<<10)
 	for {
+		p.mu.Lock()
+		upHeld := p.upHeld
+		p.mu.Unlock()
+		if upHeld != nil {
+			<-upHeld
+		}
 		n, err := src.Read(buf)
 		if n > 0 {
 			p.mu.Lock()
@@ -149,11 +159,24 @@ func (p *holdProxy) copyDown(dst, src net.Conn) {
 	}
 }
 
+// stallUp stops reading what the client sends, as a broker that stops
+// reading (RabbitMQ's resource alarms block publishers so) would, until
+// release.
+func (p *holdProxy) stallUp() {
+	p.mu.Lock()
+	p.upHeld = make(chan struct{})
+	p.mu.Unlock()
+}
+
 func (p *holdProxy) release() {
 	p.mu.Lock()
 	if p.held != nil {
 		close(p.held)
 		p.held = nil
+	}
+	if p.upHeld != nil {
+		close(p.upHeld)
+		p.upHeld = nil
 	}
 	p.mu.Unlock()
 }
