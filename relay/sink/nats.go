@@ -367,26 +367,31 @@ func (s *natsSink) Publish(ctx context.Context, ev relay.Event) error {
 	}
 	ensured := s.ensured.Load()
 	ack, err := s.js.PublishMsg(ctx, msg, opts...)
+	var again string // says that the publish followed ensuring the stream again
 	if errors.Is(err, jetstream.ErrNoStreamResponse) {
 		// No stream captures subj: nats.go has already retried for
 		// a leadership change.
-		if ack, err = s.publishNoStream(ctx, msg, subj, opts, ensured, err); err != nil {
+		if err := s.ensureNoStream(ctx, subj, ensured, err); err != nil {
 			return err
 		}
+		// Judged below as the first publish is: a message the stream
+		// refuses is refused for good after ensuring it as before.
+		ack, err = s.js.PublishMsg(ctx, msg, opts...)
+		again = fmt.Sprintf(" after ensuring JetStream stream %q again", s.stream)
 	}
 	if errors.Is(err, nats.ErrMaxPayload) {
 		// The server's max_payload counts headers and body; the same
 		// message never fits, so park it now rather than retry it.
-		return relay.Permanent(fmt.Errorf("nats sink: message of %d bytes (body and headers) over the server's max_payload of %d bytes: %w",
-			natsMsgSize(msg), s.nc.MaxPayload(), err))
+		return relay.Permanent(fmt.Errorf("nats sink: message of %d bytes (body and headers) over the server's max_payload of %d bytes%s: %w",
+			natsMsgSize(msg), s.nc.MaxPayload(), again, err))
 	}
 	if errors.Is(err, jetstream.ErrStreamMessageExceedsMaximum) {
 		// The stream's own max_msg_size, below the server's max_payload.
-		return relay.Permanent(fmt.Errorf("nats sink: message of %d bytes over stream %s's max_msg_size: %w",
-			natsMsgSize(msg), s.stream, err))
+		return relay.Permanent(fmt.Errorf("nats sink: message of %d bytes over stream %s's max_msg_size%s: %w",
+			natsMsgSize(msg), s.stream, again, err))
 	}
 	if err != nil {
-		return fmt.Errorf("nats sink: publish to %q: %w", subj, err)
+		return fmt.Errorf("nats sink: publish to %q%s: %w", subj, again, err)
 	}
 	if ack.Duplicate {
 		s.log.Debug("duplicate publish dropped by JetStream", "message_id", ev.DedupID(), "seq", ack.Sequence)
@@ -394,23 +399,20 @@ func (s *natsSink) Publish(ctx context.Context, ev relay.Event) error {
 	return nil
 }
 
-// publishNoStream follows a publish to subj that JetStream answered with
+// ensureNoStream follows a publish to subj that JetStream answered with
 // pubErr, no responders: no stream captures subj. With create it runs
 // ensureStream again (unless another Publish did so since ensured was read
-// before the failed publish) and publishes msg once more; without create it
-// reports the stream missing. Either way a returned error names the stream.
-func (s *natsSink) publishNoStream(ctx context.Context, msg *nats.Msg, subj string, opts []jetstream.PublishOpt, ensured uint64, pubErr error) (*jetstream.PubAck, error) {
+// before the failed publish) and returns nil, for the caller to publish
+// once more; without create it reports the stream missing. Either way a
+// returned error names the stream.
+func (s *natsSink) ensureNoStream(ctx context.Context, subj string, ensured uint64, pubErr error) error {
 	if !s.create {
-		return nil, s.noStreamError(ctx, subj, pubErr)
+		return s.noStreamError(ctx, subj, pubErr)
 	}
 	if err := s.ensureAgain(ctx, subj, ensured); err != nil {
-		return nil, fmt.Errorf("nats sink: publish to %q: %w; ensuring JetStream stream %q again (create=true) failed: %w", subj, pubErr, s.stream, err)
+		return fmt.Errorf("nats sink: publish to %q: %w; ensuring JetStream stream %q again (create=true) failed: %w", subj, pubErr, s.stream, err)
 	}
-	ack, err := s.js.PublishMsg(ctx, msg, opts...)
-	if err != nil {
-		return nil, fmt.Errorf("nats sink: publish to %q after ensuring JetStream stream %q again: %w", subj, s.stream, err)
-	}
-	return ack, nil
+	return nil
 }
 
 // ensureAgain runs ensureStream, one caller at a time, unless a run that

@@ -317,14 +317,13 @@ func TestNATSPublishAfterEnsuringAgainFailsWithItsError(t *testing.T) {
 	e.fetch(t, 0)
 }
 
-// BUG (reported, not fixed): a message over the stream's max_msg_size is
-// refused for good (Publish parks it at once, see
-// TestNATSStreamMaxMsgSizeIsPermanent), but when that refusal comes from
-// the publish made after ensuring a deleted stream again, publishNoStream's
-// error returns straight from Publish, past the checks that mark it
-// permanent: the event is retried until the server's max failures instead.
+// A message over the stream's max_msg_size is refused for good (Publish
+// parks it at once, see TestNATSStreamMaxMsgSizeIsPermanent), also when
+// that refusal answers the publish made after ensuring a deleted stream
+// again. (It used to return straight from Publish, past the checks that
+// mark it permanent, so the event was retried until the server's max
+// failures.)
 func TestNATSMaxMsgSizeAfterEnsuringAgainIsPermanent(t *testing.T) {
-	t.Skip("bug: Publish returns publishNoStream's error before the ErrStreamMessageExceedsMaximum check, so a max_msg_size refusal after ensuring the stream again is retryable, not relay.Permanent (nats.go:373)")
 	t.Parallel()
 	e := newJSEnv(t)
 	p, s := openThroughHoldProxy(t, e, nil)
