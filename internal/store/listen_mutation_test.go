@@ -2,6 +2,7 @@ package store
 
 import (
 	"context"
+	"errors"
 	"testing"
 	"time"
 
@@ -87,5 +88,51 @@ func TestAnOpThatCameAsTheConnectionFailedRunsWithoutIt(t *testing.T) {
 		}
 	default:
 		t.Fatal("the op that came as the connection failed was never run: Listen returned without answering it")
+	}
+}
+
+// An error the notified callback returns ends the connection: Listen
+// returns it (the waker's settingsChanged relies on this to give the
+// sleeper's lock back when it cannot tell whether it still may sleep: the
+// connection closes, and the lock goes with its session). (Kills L14.)
+func TestAnErrorOfTheNotifiedCallbackEndsListen(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.NewPoolURL(t, url)
+	const channel = "store_listen_mutation_test"
+	errNotified := errors.New("the callback failed")
+	var ops ListenOps
+	ready, ended := make(chan struct{}), make(chan error, 1)
+	lctx, lcancel := context.WithCancel(ctx)
+	defer lcancel()
+	go func() {
+		ended <- Listen(lctx, url, "listen-callback-error-test", []string{channel},
+			func() { close(ready) },
+			func(_ *ListenConn, _ uint32, _, payload string) error {
+				if payload == "fail" {
+					return errNotified
+				}
+				return nil
+			}, &ops)
+	}()
+	select {
+	case <-ready:
+	case err := <-ended:
+		t.Fatalf("Listen ended before it listened: %v", err)
+	}
+	if _, err := pool.Exec(ctx, `SELECT pg_notify($1, 'fail')`, channel); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-ended:
+		if !errors.Is(err, errNotified) {
+			t.Fatalf("Listen ended with %v, want the callback's error", err)
+		}
+	case <-ctx.Done():
+		lcancel()
+		<-ended
+		t.Fatal("Listen went on after its notified callback failed")
 	}
 }
