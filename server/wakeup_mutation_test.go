@@ -288,3 +288,23 @@ func TestANewGroupsPollStartsAtMinIdlePoll(t *testing.T) {
 		}
 	}
 }
+
+// A member that stops waiting leaves the idle line, and only it: the
+// members still waiting keep their places, so the next wake-up goes to the
+// one of them idle longest, not to the member that left. (Kills W15.)
+func TestAMemberThatStopsWaitingLeavesOnlyItsOwnPlace(t *testing.T) {
+	g, a, b := pollGroupOfTwo(time.Hour)
+	defer g.leave(b)
+	defer g.leave(a)
+	g.delay = time.Hour
+	g.enterIdle(a)
+	g.enterIdle(b)
+	g.leaveIdle(b) // b was kicked: it no longer waits
+	g.srv.wakeGroups(nil)
+	if _, ok := probed(b); ok {
+		t.Fatal("a wake-up went to the member that had stopped waiting")
+	}
+	if _, ok := probed(a); !ok {
+		t.Fatal("a wake-up did not reach the member still waiting")
+	}
+}
