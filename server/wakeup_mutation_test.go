@@ -308,3 +308,29 @@ func TestAMemberThatStopsWaitingLeavesOnlyItsOwnPlace(t *testing.T) {
 		t.Fatal("a wake-up did not reach the member still waiting")
 	}
 }
+
+// Only a poll's empty claim backs the poll off: a claim that answered a
+// wake-up (or freed credit, or a full claim before it) and found nothing
+// says only that the work announced was taken by someone else, which is
+// nothing about what polls are for, so the delay stays. The poll's own
+// empty claim then doubles it, up to PollInterval. (Kills W40.)
+func TestOnlyAPollsEmptyClaimBacksThePollOff(t *testing.T) {
+	g, a := pollGroupOfOne(time.Hour)
+	defer g.leave(a)
+	delay := func() time.Duration {
+		g.mu.Lock()
+		defer g.mu.Unlock()
+		return g.delay
+	}
+	g.mu.Lock()
+	g.delay = time.Second
+	g.mu.Unlock()
+	g.claimed(claimedNone, false)
+	if d := delay(); d != time.Second {
+		t.Fatalf("an empty claim that answered a wake-up moved the poll's delay from 1s to %v; want it left alone", d)
+	}
+	g.claimed(claimedNone, true)
+	if d := delay(); d != 2*time.Second {
+		t.Fatalf("the poll's own empty claim: delay %v, want 1s doubled", d)
+	}
+}
