@@ -20,7 +20,7 @@ func TestAMQPStalledWriteFailsAtTheTimeout(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	p := newHoldProxy(t, target.Host)
+	p := newProxy(t, target.Host)
 	through := *target
 	through.Host = p.l.Addr().String()
 	s := openSink(t, amqpSinkURL(through.String(), e.exchange, map[string]string{"timeout": "500ms"}))

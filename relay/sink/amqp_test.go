@@ -4,12 +4,9 @@ import (
 	"context"
 	"crypto/rand"
 	"errors"
-	"io"
-	"net"
 	"net/url"
 	"os"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -304,111 +301,6 @@ func openProxiedSink(t *testing.T, e *rabbitEnv, timeout string) (*proxy, relay.
 	through := *target
 	through.Host = p.l.Addr().String()
 	return p, openSink(t, amqpSinkURL(through.String(), e.exchange, map[string]string{"timeout": timeout}))
-}
-
-// proxy forwards loopback TCP connections to RabbitMQ, so a test can cut
-// them (as a broker restart or a network fault would) or stall them.
-type proxy struct {
-	l      net.Listener
-	target string
-	mu     sync.Mutex
-	conns  []net.Conn
-	stall  chan struct{} // while non-nil, nothing is forwarded to the client
-	// dropReply, when set, makes the next bytes from the server to the
-	// client cut every connection instead of being forwarded: the request
-	// was carried out, and its answer is lost.
-	dropReply bool
-	wg        sync.WaitGroup
-}
-
-func newProxy(t *testing.T, target string) *proxy {
-	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	p := &proxy{l: l, target: target}
-	p.wg.Add(1)
-	go func() {
-		defer p.wg.Done()
-		for {
-			c, err := l.Accept()
-			if err != nil {
-				return
-			}
-			up, err := net.Dial("tcp", target)
-			if err != nil {
-				c.Close()
-				continue
-			}
-			p.mu.Lock()
-			p.conns = append(p.conns, c, up)
-			p.mu.Unlock()
-			p.wg.Add(2)
-			go func() { defer p.wg.Done(); _, _ = io.Copy(up, c); up.Close() }()
-			go func() { defer p.wg.Done(); p.copyDown(c, up); c.Close() }()
-		}
-	}()
-	t.Cleanup(func() { l.Close(); p.cut(); p.resume(); p.wg.Wait() })
-	return p
-}
-
-func (p *proxy) copyDown(dst, src net.Conn) {
-	buf := make([]byte, 32<<10)
-	for {
-		n, err := src.Read(buf)
-		if n > 0 {
-			p.mu.Lock()
-			stall, drop := p.stall, p.dropReply
-			p.dropReply = false
-			p.mu.Unlock()
-			if drop {
-				p.cut()
-				return
-			}
-			if stall != nil {
-				<-stall
-			}
-			if _, err := dst.Write(buf[:n]); err != nil {
-				return
-			}
-		}
-		if err != nil {
-			return
-		}
-	}
-}
-
-// cut closes every connection through the proxy.
-func (p *proxy) cut() {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	for _, c := range p.conns {
-		c.Close()
-	}
-	p.conns = nil
-}
-
-// loseNextReply arms dropReply.
-func (p *proxy) loseNextReply() {
-	p.mu.Lock()
-	p.dropReply = true
-	p.mu.Unlock()
-}
-
-func (p *proxy) pause() {
-	p.mu.Lock()
-	p.stall = make(chan struct{})
-	p.mu.Unlock()
-}
-
-func (p *proxy) resume() {
-	p.mu.Lock()
-	if p.stall != nil {
-		close(p.stall)
-		p.stall = nil
-	}
-	p.mu.Unlock()
 }
 
 // A connection cut between publishes is dialled again by the next one.

@@ -1,15 +1,11 @@
 package sink_test
 
 import (
-	"bytes"
 	"context"
 	"errors"
-	"io"
-	"net"
 	"net/url"
 	"strconv"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -18,168 +14,6 @@ import (
 	"github.com/outboxd/outboxd/relay"
 	"github.com/outboxd/outboxd/relay/sink"
 )
-
-// holdProxy forwards one test's NATS connections, and holds what the
-// server sends from the moment a chosen publish (an HPUB: the sink's
-// messages always carry headers) goes up until the test releases it, so
-// that the answer to that publish reaches the client only when the test
-// says. It also tells when the client ends the connection: a drain's
-// UNSUB, or a hang-up.
-type holdProxy struct {
-	l       net.Listener
-	mu      sync.Mutex
-	conns   []net.Conn
-	pubs    int           // HPUBs seen going up
-	holdAt  int           // hold once pubs reaches it (0: not armed)
-	answer  []byte        // what the held answer to that publish contains
-	held    chan struct{} // while non-nil, nothing is forwarded to the client
-	upHeld  chan struct{} // while non-nil, nothing more is read from the client
-	pubHeld chan struct{} // closed once the armed publish went up
-	ansHeld chan struct{} // closed once that answer is held here
-	sawEnd  chan struct{} // closed once the client sent UNSUB or hung up
-	pubOnce sync.Once
-	ansOnce sync.Once
-	endOnce sync.Once
-	wg      sync.WaitGroup
-}
-
-func newHoldProxy(t *testing.T, target string) *holdProxy {
-	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	p := &holdProxy{l: l, pubHeld: make(chan struct{}), ansHeld: make(chan struct{}), sawEnd: make(chan struct{})}
-	p.wg.Add(1)
-	go func() {
-		defer p.wg.Done()
-		for {
-			c, err := l.Accept()
-			if err != nil {
-				return
-			}
-			up, err := net.Dial("tcp", target)
-			if err != nil {
-				c.Close()
-				continue
-			}
-			// A fixed receive buffer (no autotuning): what the client
-			// can write while the proxy stops reading stays small.
-			_ = c.(*net.TCPConn).SetReadBuffer(128 << 10)
-			p.mu.Lock()
-			p.conns = append(p.conns, c, up)
-			p.mu.Unlock()
-			p.wg.Add(2)
-			go func() { defer p.wg.Done(); p.copyUp(up, c); up.Close() }()
-			go func() { defer p.wg.Done(); p.copyDown(c, up); c.Close() }()
-		}
-	}()
-	t.Cleanup(func() {
-		l.Close()
-		p.release()
-		p.mu.Lock()
-		for _, c := range p.conns {
-			c.Close()
-		}
-		p.mu.Unlock()
-		p.wg.Wait()
-	})
-	return p
-}
-
-// holdAtPub arms the proxy: the n-th publish from now is let through, and
-// everything the server sends from then on is held until release;
-// ansHeld is closed once a held chunk contains answer, the server's
-// answer to that publish (the server had handled it, then).
-func (p *holdProxy) holdAtPub(n int, answer string) {
-	p.mu.Lock()
-	p.holdAt, p.answer = p.pubs+n, []byte(answer)
-	p.mu.Unlock()
-}
-
-func (p *holdProxy) copyUp(dst, src net.Conn) {
-	buf := make([]byte, 32<<10)
-	for {
-		p.mu.Lock()
-		upHeld := p.upHeld
-		p.mu.Unlock()
-		if upHeld != nil {
-			<-upHeld
-		}
-		n, err := src.Read(buf)
-		if n > 0 {
-			p.mu.Lock()
-			p.pubs += bytes.Count(buf[:n], []byte("HPUB "))
-			reached := p.holdAt > 0 && p.pubs >= p.holdAt
-			if reached {
-				// Before the publish goes up, so its answer is held.
-				p.held, p.holdAt = make(chan struct{}), 0
-			}
-			p.mu.Unlock()
-			if _, werr := dst.Write(buf[:n]); werr != nil {
-				return
-			}
-			if reached {
-				p.pubOnce.Do(func() { close(p.pubHeld) })
-			}
-			if bytes.Contains(buf[:n], []byte("UNSUB ")) {
-				p.endOnce.Do(func() { close(p.sawEnd) })
-			}
-		}
-		if err != nil {
-			if err == io.EOF {
-				p.endOnce.Do(func() { close(p.sawEnd) })
-			}
-			return
-		}
-	}
-}
-
-func (p *holdProxy) copyDown(dst, src net.Conn) {
-	buf := make([]byte, 32<<10)
-	for {
-		n, err := src.Read(buf)
-		if n > 0 {
-			p.mu.Lock()
-			held, answer := p.held, p.answer
-			p.mu.Unlock()
-			if held != nil {
-				if bytes.Contains(buf[:n], answer) {
-					p.ansOnce.Do(func() { close(p.ansHeld) })
-				}
-				<-held
-			}
-			if _, err := dst.Write(buf[:n]); err != nil {
-				return
-			}
-		}
-		if err != nil {
-			return
-		}
-	}
-}
-
-// stallUp stops reading what the client sends, as a broker that stops
-// reading (RabbitMQ's resource alarms block publishers so) would, until
-// release.
-func (p *holdProxy) stallUp() {
-	p.mu.Lock()
-	p.upHeld = make(chan struct{})
-	p.mu.Unlock()
-}
-
-func (p *holdProxy) release() {
-	p.mu.Lock()
-	if p.held != nil {
-		close(p.held)
-		p.held = nil
-	}
-	if p.upHeld != nil {
-		close(p.upHeld)
-		p.upHeld = nil
-	}
-	p.mu.Unlock()
-}
 
 // waitClosed bounds a wait for ch with the 30 s hang guard.
 func waitClosed(t *testing.T, what string, ch <-chan struct{}) {
@@ -240,7 +74,7 @@ func TestNATSCloseLetsAnInFlightPublishGetItsAck(t *testing.T) {
 // 1 KiB, before the sink's answer (no responders) reaches it: the sink's
 // ensureStream then finds the stream in place, and its second publish is
 // refused as too large. It returns Publish's error.
-func recreatedSmallBetween(t *testing.T, e *jsEnv, p *holdProxy, s interface {
+func recreatedSmallBetween(t *testing.T, e *jsEnv, p *proxy, s interface {
 	Publish(context.Context, relay.Event) error
 }) error {
 	t.Helper()
@@ -269,14 +103,14 @@ func recreatedSmallBetween(t *testing.T, e *jsEnv, p *holdProxy, s interface {
 }
 
 // openThroughHoldProxy opens a sink for e that reaches NATS through a
-// holdProxy.
-func openThroughHoldProxy(t *testing.T, e *jsEnv, params map[string]string) (*holdProxy, relay.Sink) {
+// proxy.
+func openThroughHoldProxy(t *testing.T, e *jsEnv, params map[string]string) (*proxy, relay.Sink) {
 	t.Helper()
 	target, err := url.Parse(natsURL())
 	if err != nil {
 		t.Fatal(err)
 	}
-	p := newHoldProxy(t, target.Host)
+	p := newProxy(t, target.Host)
 	u, err := url.Parse(e.url(params))
 	if err != nil {
 		t.Fatal(err)
