@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	outboxv1 "github.com/outboxd/outboxd/gen/outbox/v1"
@@ -39,28 +40,7 @@ func TestAWakeUpNotifiedWhileTheListenerWasDownIsActedOn(t *testing.T) {
 	waitFor(t, func() int32 { return int32(deaf.Server.IdleSessions()) })
 	waitFor(t, func() int32 { return listenersListening(ctx, pool, "deaf", 0) })
 
-	// Hold deaf's listener in its hook, on a notice of its own.
-	inHook, release := make(chan struct{}), make(chan struct{})
-	var holdOnce, releaseOnce sync.Once
-	letGo := func() { releaseOnce.Do(func() { close(release) }) }
-	t.Cleanup(letGo) // a failed test must not leave the listener held
-	deaf.Server.SetAfterNotify(func(channel string) {
-		if channel == store.ChannelReleased {
-			holdOnce.Do(func() {
-				close(inHook)
-				<-release
-			})
-		}
-	})
-	if _, err := pool.Exec(ctx, `SELECT pg_notify('outbox_released', 'hold')`); err != nil {
-		t.Fatal(err)
-	}
-	select {
-	case <-inHook:
-	case <-ctx.Done():
-		t.Fatal("deaf's listener never heard the notice that holds it")
-	}
-	old := terminateListener(ctx, t, pool, "deaf")
+	old, letGo := holdListenerDown(ctx, t, pool, deaf, "deaf")
 
 	// The discoverer's round makes the event ready and notifies; deaf's
 	// listener, gone, does not hear it.
@@ -107,11 +87,29 @@ func TestALeaseEndedWhileTheListenerWasDownIsFoundGone(t *testing.T) {
 	held := recv(t, st) // its one credit; the other event waits for it
 	waitFor(t, func() int32 { return listenersListening(ctx, pool, "holder", 0) })
 
+	old, letGo := holdListenerDown(ctx, t, pool, holder, "holder")
+	if _, err := operator.Admin.SkipEvent(ctx, &outboxv1.SkipEventRequest{EventId: held.GetEvent().GetEventId(), Reason: "poison"}); err != nil {
+		t.Fatal(err)
+	}
+	letGo()
+	waitFor(t, func() int32 { return listenersListening(ctx, pool, "holder", old) })
+	d := recv(t, st)
+	if d.GetEvent().GetEventId() == held.GetEvent().GetEventId() || d.GetEvent().GetStream() != "orders" {
+		t.Fatalf("got %v, want the event that waited for the skipped lease's credit", d.GetEvent())
+	}
+}
+
+// holdListenerDown holds r's LISTEN connection in its notification hook (on
+// a notice of its own) and ends its backend, so that r hears no notice
+// until letGo, after which the listener connects again. old is the ended
+// backend's pid, for listenersListening.
+func holdListenerDown(ctx context.Context, t *testing.T, pool *pgxpool.Pool, r *replica, replicaID string) (old int32, letGo func()) {
+	t.Helper()
 	inHook, release := make(chan struct{}), make(chan struct{})
 	var holdOnce, releaseOnce sync.Once
-	letGo := func() { releaseOnce.Do(func() { close(release) }) }
+	letGo = func() { releaseOnce.Do(func() { close(release) }) }
 	t.Cleanup(letGo) // a failed test must not leave the listener held
-	holder.Server.SetAfterNotify(func(channel string) {
+	r.Server.SetAfterNotify(func(channel string) {
 		if channel == store.ChannelReleased {
 			holdOnce.Do(func() {
 				close(inHook)
@@ -125,16 +123,7 @@ func TestALeaseEndedWhileTheListenerWasDownIsFoundGone(t *testing.T) {
 	select {
 	case <-inHook:
 	case <-ctx.Done():
-		t.Fatal("the holder's listener never heard the notice that holds it")
+		t.Fatalf("%s's listener never heard the notice that holds it", replicaID)
 	}
-	old := terminateListener(ctx, t, pool, "holder")
-	if _, err := operator.Admin.SkipEvent(ctx, &outboxv1.SkipEventRequest{EventId: held.GetEvent().GetEventId(), Reason: "poison"}); err != nil {
-		t.Fatal(err)
-	}
-	letGo()
-	waitFor(t, func() int32 { return listenersListening(ctx, pool, "holder", old) })
-	d := recv(t, st)
-	if d.GetEvent().GetEventId() == held.GetEvent().GetEventId() || d.GetEvent().GetStream() != "orders" {
-		t.Fatalf("got %v, want the event that waited for the skipped lease's credit", d.GetEvent())
-	}
+	return terminateListener(ctx, t, pool, replicaID), letGo
 }
