@@ -35,21 +35,28 @@ func TestAggregateFilterExactStreamIsNotAPrefix(t *testing.T) {
 	for _, k := range []string{"o-1", "eu-1", "x-1"} {
 		waitState(t, pool, k, "ready")
 	}
-	res, err := r.Admin.ListAggregates(ctx, &outboxv1.ListAggregatesRequest{Filter: &outboxv1.AggregateFilter{Stream: "orders"}})
+	if keys, matched := listedAndMatched(t, ctx, r, &outboxv1.AggregateFilter{Stream: "orders"}); !slices.Equal(keys, []string{"orders/o-1"}) || matched != 1 {
+		t.Fatalf("{stream: orders} lists %v and a bulk skip's dry run matches %d; want only orders/o-1, 1", keys, matched)
+	}
+}
+
+// listedAndMatched is what an operator sees of filter f: the aggregates
+// ListAggregates lists (stream/key, one page) and how many a bulk skip's
+// dry run would act on.
+func listedAndMatched(t *testing.T, ctx context.Context, r *replica, f *outboxv1.AggregateFilter) (keys []string, matched int64) {
+	t.Helper()
+	res, err := r.Admin.ListAggregates(ctx, &outboxv1.ListAggregatesRequest{Filter: f})
 	if err != nil {
 		t.Fatal(err)
 	}
-	var keys []string
 	for _, a := range res.GetAggregates() {
 		keys = append(keys, a.GetStream()+"/"+a.GetAggregateKey())
 	}
-	if !slices.Equal(keys, []string{"orders/o-1"}) {
-		t.Fatalf("ListAggregates{stream: orders}: %v, want only orders/o-1", keys)
+	dry, err := r.Admin.BulkSkip(ctx, &outboxv1.BulkSkipRequest{Filter: f, Reason: "r", DryRun: true})
+	if err != nil {
+		t.Fatal(err)
 	}
-	dry, err := r.Admin.BulkSkip(ctx, &outboxv1.BulkSkipRequest{Filter: &outboxv1.AggregateFilter{Stream: "orders"}, Reason: "r", DryRun: true})
-	if err != nil || dry.GetMatched() != 1 {
-		t.Fatalf("BulkSkip{stream: orders} dry run: %v, %v; want 1 matched", dry, err)
-	}
+	return keys, dry.GetMatched()
 }
 
 // An aggregate, or an event, that exists but has no attempt on record has
@@ -189,20 +196,8 @@ func TestAggregateWhoseOnlyPendingEventIsSkippedIsNotListed(t *testing.T) {
 	if n := countWhere(t, pool, "outbox.delivery", "aggregate_key = 'skipped' AND pending_since IS NOT NULL"); n != 1 {
 		t.Fatalf("the scene: the skipped aggregate's delivery row has pending_since set in %d rows, want 1", n)
 	}
-	res, err := r.Admin.ListAggregates(ctx, &outboxv1.ListAggregatesRequest{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	var keys []string
-	for _, a := range res.GetAggregates() {
-		keys = append(keys, a.GetAggregateKey())
-	}
-	if !slices.Equal(keys, []string{"pending"}) {
-		t.Fatalf("ListAggregates: %v, want only pending (skipped has nothing pending)", keys)
-	}
-	dry, err := r.Admin.BulkSkip(ctx, &outboxv1.BulkSkipRequest{Filter: &outboxv1.AggregateFilter{Stream: "orders"}, Reason: "r", DryRun: true})
-	if err != nil || dry.GetMatched() != 1 {
-		t.Fatalf("BulkSkip{stream: orders} dry run: %v, %v; want 1 matched", dry, err)
+	if keys, matched := listedAndMatched(t, ctx, r, &outboxv1.AggregateFilter{Stream: "orders"}); !slices.Equal(keys, []string{"orders/pending"}) || matched != 1 {
+		t.Fatalf("{stream: orders} lists %v and a bulk skip's dry run matches %d; want only orders/pending (skipped has nothing pending), 1", keys, matched)
 	}
 }
 
