@@ -96,13 +96,7 @@ func TestAClaimThatFilledItsCreditClaimsAgain(t *testing.T) {
 	pool := testdb.NewPoolURL(t, url)
 	r := quietReplica(t, url, func(c *server.Config) { c.ClaimBatch = 2 })
 
-	// b backs off: a session claims it and nacks it, and goes.
-	emit(t, pool, "orders", "b", 1)
-	sctx, scancel := context.WithCancel(ctx)
-	s0 := subscribe(t, sctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 1, LeaseTtl: durationpb.New(time.Hour)})
-	nackAfter(t, r, time.Hour, recv(t, s0))
-	scancel()
-	waitFor(t, func() int32 { return b2i(r.Server.Sessions() == 0) })
+	backingOffAnHour(t, ctx, r, pool, "b")
 
 	emit(t, pool, "orders", "a", 20)
 	waitDiscovered(t, pool, 2)
@@ -298,13 +292,7 @@ func TestSpareCreditCountsLeasesHandedButNotTakenIn(t *testing.T) {
 		}
 	})
 
-	// b backs off: a session claims it and nacks it, and goes.
-	emit(t, pool, "orders", "b", 1)
-	sctx, scancel := context.WithCancel(ctx)
-	s0 := subscribe(t, sctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 1, LeaseTtl: durationpb.New(time.Hour)})
-	nackAfter(t, r, time.Hour, recv(t, s0))
-	scancel()
-	waitFor(t, func() int32 { return b2i(r.Server.Sessions() == 0) })
+	backingOffAnHour(t, ctx, r, pool, "b")
 
 	emit(t, pool, "orders", "g", 2)
 	emit(t, pool, "orders", "h", 2)
@@ -339,4 +327,18 @@ func TestSpareCreditCountsLeasesHandedButNotTakenIn(t *testing.T) {
 		t.Fatalf("%d hand-overs after the ack of h/1, want still 1: S had no spare credit (g/2 handed, not yet taken in) and b is older than h/2", n)
 	}
 	loop.letGo()
+}
+
+// backingOffAnHour leaves orders/key (one event) backing off for an hour:
+// a session of its own claims it, nacks it with that retry delay, and
+// goes. r must have no other session.
+func backingOffAnHour(t *testing.T, ctx context.Context, r *replica, pool *pgxpool.Pool, key string) {
+	t.Helper()
+	emit(t, pool, "orders", key, 1)
+	sctx, scancel := context.WithCancel(ctx)
+	defer scancel()
+	s0 := subscribe(t, sctx, r, &outboxv1.SubscribeRequest{MaxInFlight: 1, LeaseTtl: durationpb.New(time.Hour)})
+	nackAfter(t, r, time.Hour, recv(t, s0))
+	scancel()
+	waitFor(t, func() int32 { return b2i(r.Server.Sessions() == 0) })
 }
